@@ -1,0 +1,187 @@
+"""The HTTP API (JSON): enqueue and inspect jobs, push and list specs, see workers and queues.
+
+Every error is a 4xx with ``{"error": {"code": ..., "message": ...}}``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from rota.coordinator import Coordinator, EnqueueRequest, RequestError
+from rota.protocol import rfc3339
+from rota.specs import JobSpec, checksum
+from rota.store import TERMINAL_STATES, job_view
+
+MAX_BODY = 1 << 20
+
+
+class PushRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    specs: list[JobSpec]
+    dry_run: bool = False
+
+
+class JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
+
+
+def error(status: int, code: str, message: str) -> JSON:
+    return JSON({"error": {"code": code, "message": message}}, status_code=status)
+
+
+def _coordinator(request: Request) -> Coordinator:
+    return request.app.state.coordinator
+
+
+async def _decode(request: Request, kind: type[Any]) -> Any:
+    body = await request.body()
+    if len(body) > MAX_BODY:
+        raise RequestError(413, "body_too_large", f"request body is over {MAX_BODY} bytes")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise RequestError(422, "invalid_request", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise RequestError(400, "malformed_json", str(exc)) from exc
+
+
+# -- jobs -------------------------------------------------------------------------
+async def enqueue(request: Request) -> Response:
+    payload = await _decode(request, EnqueueRequest)
+    row, created = await _coordinator(request).enqueue(payload)
+    return JSON({"job": job_view(row), "created": created}, status_code=201 if created else 200)
+
+
+async def show_job(request: Request) -> Response:
+    coordinator = _coordinator(request)
+    row = await coordinator.store.get_job(request.path_params["job_id"])
+    if row is None:
+        return error(404, "not_found", f"no job {request.path_params['job_id']}")
+    view = job_view(row)
+    if row["state"] == "available":
+        view["waiting_reason"] = coordinator.scheduler.waiting_reason(row["queue"], row["spec"])
+    return JSON(view)
+
+
+async def job_result(request: Request) -> Response:
+    coordinator = _coordinator(request)
+    try:
+        wait = float(request.query_params.get("wait", "0"))
+    except ValueError:
+        return error(400, "invalid_wait", "wait must be a number of seconds")
+    if not 0 <= wait <= coordinator.settings.max_result_wait:
+        return error(400, "invalid_wait",
+                     f"wait must be between 0 and {coordinator.settings.max_result_wait} seconds")
+    job_id = request.path_params["job_id"]
+    row = await coordinator.wait_for_result(job_id, wait)
+    if row is None:
+        return error(404, "not_found", f"no job {job_id}")
+    view = job_view(row)
+    done = row["state"] in TERMINAL_STATES
+    body = {"id": job_id, "state": row["state"], "done": done, "result": view["result"],
+            "error": view["errors"][-1] if row["state"] == "failed" and view["errors"] else None}
+    return JSON(body, status_code=200 if done else 202)
+
+
+# -- specs ------------------------------------------------------------------------
+async def list_specs(request: Request) -> Response:
+    coordinator = _coordinator(request)
+    specs = [
+        {"name": s.name, "version": s.version, "checksum": checksum(s), "queue": s.queue,
+         "description": s.description, "spec": msgspec.to_builtins(s)}
+        for s in sorted(coordinator.specs.values(), key=lambda s: s.name)
+    ]
+    return JSON({"specs": specs})
+
+
+async def push_specs(request: Request) -> Response:
+    payload: PushRequest = await _decode(request, PushRequest)
+    report = await _coordinator(request).push_specs(payload.specs, dry_run=payload.dry_run)
+    return JSON({"dry_run": payload.dry_run, "specs": report})
+
+
+async def spec_history(request: Request) -> Response:
+    name = request.path_params["name"]
+    history = await _coordinator(request).store.spec_history(name)
+    if not history:
+        return error(404, "not_found", f"spec {name!r} was never pushed")
+    return JSON({"name": name, "history": history})
+
+
+# -- workers, queues, health ---------------------------------------------------------
+async def list_workers(request: Request) -> Response:
+    coordinator = _coordinator(request)
+    now = time.monotonic()
+    workers = []
+    for conn in coordinator.connections.values():
+        slot, reg = conn.worker, conn.registration
+        matching = sorted(s for s in slot.specs if coordinator.scheduler.matches(slot, s))
+        workers.append({
+            "id": slot.id, "hostname": reg.hostname, "pid": reg.pid, "os": reg.os,
+            "sdk": reg.sdk, "state": slot.state, "queues": slot.queues, "labels": slot.labels,
+            "concurrency": slot.concurrency, "active": len(slot.active),
+            "capacity": slot.capacity, "specs_matching": matching,
+            "specs_mismatching": sorted(set(slot.specs) - set(matching)),
+            "connected_at": rfc3339(conn.connected_at),
+            "last_heartbeat_age": round(now - conn.last_seen, 3),
+        })
+    return JSON({"workers": sorted(workers, key=lambda w: w["id"])})
+
+
+async def list_queues(request: Request) -> Response:
+    coordinator = _coordinator(request)
+    scheduler = coordinator.scheduler
+    counts = await coordinator.store.queue_counts()
+    waiting: dict[str, list[dict[str, Any]]] = {}
+    for (queue, spec), n in sorted(scheduler.ready_counts().items()):
+        waiting.setdefault(queue, []).append(
+            {"spec": spec, "available": n, "reason": scheduler.waiting_reason(queue, spec)})
+    names = set(counts) | {q for w in scheduler.workers.values() for q in w.queues}
+    queues = [
+        {"name": name, "counts": counts.get(name, {}),
+         "workers": sum(1 for w in scheduler.workers.values() if name in w.queues),
+         "waiting": waiting.get(name, [])}
+        for name in sorted(names)
+    ]
+    return JSON({"queues": queues})
+
+
+async def healthz(request: Request) -> Response:
+    coordinator = _coordinator(request)
+    return JSON({"status": "ok", "workers": len(coordinator.connections),
+                 "live_jobs": len(coordinator.scheduler.jobs), "specs": len(coordinator.specs),
+                 "uptime": round(time.time() - coordinator.started_at, 3)})
+
+
+async def request_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError)
+    return error(exc.status, exc.code, exc.message)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error(exc.status_code, code, str(exc.detail))
+
+
+routes = [
+    Route("/jobs", enqueue, methods=["POST"]),
+    Route("/jobs/{job_id}", show_job, methods=["GET"]),
+    Route("/jobs/{job_id}/result", job_result, methods=["GET"]),
+    Route("/specs", list_specs, methods=["GET"]),
+    Route("/specs", push_specs, methods=["PUT"]),
+    Route("/specs/{name}/history", spec_history, methods=["GET"]),
+    Route("/workers", list_workers, methods=["GET"]),
+    Route("/queues", list_queues, methods=["GET"]),
+    Route("/healthz", healthz, methods=["GET"]),
+]
+exception_handlers = {RequestError: request_error, HTTPException: http_error}

@@ -1,0 +1,216 @@
+"""SQLite plumbing: the schema, one writer thread with group commit, a pool of readers.
+
+Nothing here runs on the event loop. ``Writer.submit`` hands a function to the writer
+thread and returns an asyncio future; the writer runs everything that has queued up
+in one ``BEGIN IMMEDIATE`` transaction (a savepoint per function, so one failing
+function does not undo the others) and resolves the futures only after COMMIT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlite_utils
+
+T = TypeVar("T")
+Op = Callable[[sqlite3.Connection], Any]
+
+MAX_BATCH = 512
+migrations = sqlite_utils.Migrations("rota")
+
+
+@migrations()
+def m001_initial(db: sqlite_utils.Database) -> None:
+    db["jobs"].create(
+        {
+            "id": str,
+            "spec": str,
+            "queue": str,
+            "args": str,
+            "priority": int,
+            "state": str,
+            "attempt": int,
+            "worker_id": str,
+            "checksum": str,
+            "visibility_timeout": float,
+            "enqueued_at": float,
+            "reserved_at": float,
+            "finished_at": float,
+            "result": str,
+            "errors": str,
+        },
+        pk="id",
+        not_null={"spec", "queue", "args", "priority", "state", "attempt", "enqueued_at"},
+        defaults={"attempt": 0, "errors": "[]"},
+    )
+    db["jobs"].create_index(["state", "queue"])
+    db["spec_versions"].create(
+        {"name": str, "checksum": str, "version": str, "body": str, "first_pushed_at": float},
+        pk=("name", "checksum"),
+    )
+    db["status_quo"].create({"name": str, "checksum": str, "updated_at": float}, pk="name")
+    db["spec_pushes"].create(
+        {"id": int, "name": str, "checksum": str, "previous": str, "pushed_at": float}, pk="id"
+    )
+    db["spec_pushes"].create_index(["name"])
+    db["workers"].create(
+        {
+            "id": str,
+            "hostname": str,
+            "pid": int,
+            "queues": str,
+            "labels": str,
+            "concurrency": int,
+            "specs": str,
+            "connected_at": float,
+            "disconnected_at": float,
+        },
+        pk="id",
+    )
+
+
+def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
+    # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA busy_timeout = 5000")
+    conn.execute("PRAGMA foreign_keys = ON")
+    if not readonly:
+        conn.execute("PRAGMA journal_mode = WAL")
+        # FULL: a committed enqueue survives power loss, not only a process crash.
+        conn.execute("PRAGMA synchronous = FULL")
+    else:
+        conn.execute("PRAGMA query_only = ON")
+    return conn
+
+
+def migrate(path: Path) -> None:
+    conn = connect(path)
+    try:
+        migrations.apply(sqlite_utils.Database(conn))
+    finally:
+        conn.close()
+
+
+class Writer:
+    """The only thread that writes; it commits whatever has queued up together."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._queue: queue.SimpleQueue[tuple[Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="rota-writer", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    def submit(self, op: Op) -> asyncio.Future[Any]:
+        assert self._loop is not None, "Writer.start() first"
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._queue.put((op, future))
+        return future
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        conn = connect(self._path)
+        try:
+            while True:
+                first = self._queue.get()
+                if first is None:
+                    return
+                batch = [first]
+                stopping = self._drain_into(batch)
+                self._commit(conn, batch)
+                if stopping:
+                    return
+        finally:
+            conn.close()
+
+    def _drain_into(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> bool:
+        while len(batch) < MAX_BATCH:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            if item is None:
+                return True
+            batch.append(item)
+        return False
+
+    def _commit(self, conn: sqlite3.Connection, batch: list[tuple[Op, asyncio.Future[Any]]]) -> None:
+        outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for op, future in batch:
+                outcomes.append((future, *_run_in_savepoint(conn, op)))
+            conn.execute("COMMIT")
+        except BaseException as exc:  # the whole transaction is gone: every caller hears it
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            outcomes = [(future, None, exc) for _, future in batch]
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(_settle, outcomes)
+
+
+def _run_in_savepoint(conn: sqlite3.Connection, op: Op) -> tuple[Any, BaseException | None]:
+    conn.execute("SAVEPOINT op")
+    try:
+        value = op(conn)
+    except Exception as exc:
+        conn.execute("ROLLBACK TO op")
+        conn.execute("RELEASE op")
+        return None, exc
+    conn.execute("RELEASE op")
+    return value, None
+
+
+def _settle(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, value, error in outcomes:
+        if future.done():  # the caller gave up waiting; the write stands regardless
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+
+class Readers:
+    """A small pool of read-only connections; WAL lets them read while the writer commits."""
+
+    def __init__(self, path: Path, size: int = 2) -> None:
+        self._path = path
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="rota-reader")
+        self._conns: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+
+    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._call, fn)
+
+    def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = connect(self._path, readonly=True)
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return fn(conn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()

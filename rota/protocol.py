@@ -1,0 +1,212 @@
+"""The /work wire protocol: one msgspec Struct per message, tagged by ``type``.
+
+Workers send exactly one message type, ``heartbeat``; its optional sections carry
+registration, status, results and capacity. The server sends ``welcome``, ``ack``,
+``assign`` and ``error``. docs/protocol.md is the contract this module implements:
+change the two together. Evolve only by adding fields with defaults.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+WorkerState = Literal["running", "quiet", "terminate"]
+Outcome = Literal["completed", "failed"]
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+# -- close codes (RFC 6455 section 7.4.1) ---------------------------------------
+CLOSE_GOING_AWAY = 1001  # server shutting down
+CLOSE_UNSUPPORTED = 1003  # binary frame or unknown message type
+CLOSE_INVALID_PAYLOAD = 1007  # malformed JSON or wrong field types
+CLOSE_POLICY = 1008  # protocol misuse: no registration first, id clash, seq going back
+CLOSE_TOO_BIG = 1009  # frame larger than the server accepts
+
+
+class _Tagged(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
+    """Base for every message: the class name's snake form is the ``type`` tag."""
+
+
+# -- worker -> server -------------------------------------------------------------
+class SpecRef(msgspec.Struct, frozen=True):
+    """A job spec a worker implements, named with the checksum of its local copy."""
+
+    name: str
+    checksum: str
+
+
+class Registration(msgspec.Struct, kw_only=True):
+    hostname: str
+    os: str
+    pid: int
+    sdk: str
+    queues: Annotated[list[str], msgspec.Meta(min_length=1)]
+    concurrency: Positive
+    specs: list[SpecRef]
+    labels: list[str] = []
+    started_at: str | None = None
+
+
+class Progress(msgspec.Struct, kw_only=True):
+    job_id: str
+    percent: float
+    message: str | None = None
+
+
+class LogLine(msgspec.Struct, kw_only=True):
+    job_id: str
+    message: str
+    level: str = "info"
+    time: str | None = None
+
+
+class Alert(msgspec.Struct, kw_only=True):
+    message: str
+    level: str = "warning"
+    job_id: str | None = None
+
+
+class Status(msgspec.Struct, kw_only=True):
+    state: WorkerState = "running"
+    active_job_ids: list[str] = []
+    cpu_percent: float | None = None
+    memory_rss: int | None = None
+    progress: list[Progress] = []
+    logs: list[LogLine] = []
+    alerts: list[Alert] = []
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: str
+    message: str
+    retryable: bool = True
+    details: Any = None
+
+
+class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
+    job_id: str
+    attempt: Positive
+    outcome: Outcome
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+class Heartbeat(_Tagged, tag="heartbeat"):
+    seq: NonNegative
+    worker_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    registration: Registration | None = None
+    status: Status | None = None
+    results: list[Result] = []
+    capacity: NonNegative | None = None
+
+
+# -- server -> worker -------------------------------------------------------------
+class SpecRejection(msgspec.Struct, kw_only=True):
+    name: str
+    checksum: str
+    expected: str | None
+    reason: str
+
+
+class SpecVerdict(msgspec.Struct, kw_only=True):
+    accepted: list[str]
+    rejected: list[SpecRejection]
+
+
+class Welcome(_Tagged, tag="welcome"):
+    worker_id: str
+    server_time: str
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    visibility_timeout: float
+    specs: SpecVerdict
+
+
+class ResultRejection(msgspec.Struct, kw_only=True):
+    job_id: str
+    attempt: int
+    reason: str
+
+
+class Ack(_Tagged, tag="ack"):
+    seq: int
+    state: WorkerState
+    server_time: str
+    accepted: list[str] = []
+    rejected: list[ResultRejection] = []
+
+
+class JobCopy(msgspec.Struct, kw_only=True):
+    id: str
+    spec: str
+    checksum: str
+    queue: str
+    args: Any
+    attempt: int
+    priority: int
+    visibility_timeout: float
+    enqueued_at: str
+
+
+class Assign(_Tagged, tag="assign"):
+    jobs: list[JobCopy]
+
+
+class Error(_Tagged, tag="error"):
+    code: str
+    message: str
+
+
+ServerMessage = Welcome | Ack | Assign | Error
+
+
+# -- codecs: built once, reused for every frame ----------------------------------
+_encoder = msgspec.json.Encoder()
+_heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
+_server_decoder = msgspec.json.Decoder(ServerMessage)
+
+
+class FrameError(Exception):
+    """A frame the server cannot accept; ``code`` and ``close_code`` go on the wire."""
+
+    def __init__(self, code: str, message: str, close_code: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.close_code = close_code
+
+
+def encode(message: msgspec.Struct) -> str:
+    return _encoder.encode(message).decode()
+
+
+def decode_heartbeat(frame: str | bytes) -> Heartbeat:
+    """Decode a worker frame, turning every failure into a precise FrameError."""
+    try:
+        return _heartbeat_decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        if "`$.type`" in text or "missing required field `type`" in text:
+            raise FrameError(
+                "unknown_type",
+                f"unknown message type ({text}); workers send only 'heartbeat'",
+                CLOSE_UNSUPPORTED,
+            ) from exc
+        raise FrameError("invalid_message", text, CLOSE_INVALID_PAYLOAD) from exc
+    except msgspec.DecodeError as exc:
+        raise FrameError("malformed_json", str(exc), CLOSE_INVALID_PAYLOAD) from exc
+
+
+def decode_server_message(frame: str | bytes) -> ServerMessage:
+    return _server_decoder.decode(frame)
+
+
+def rfc3339(ts: float) -> str:
+    """Format a Unix timestamp as RFC 3339 UTC with millisecond precision."""
+    moment = dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")

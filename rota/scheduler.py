@@ -1,0 +1,182 @@
+"""Which job goes to which worker: pure, in-memory decisions with no I/O.
+
+Ready jobs are indexed by queue, then spec, each a heap ordered by job priority
+(higher first) then enqueue order. ``plan()`` hands jobs to running workers with
+free slots, following each worker's queue order, one job per worker per round so
+work spreads, and only for specs the worker declared with the status-quo checksum.
+It marks the chosen jobs reserved in memory; the server commits that before it
+sends any ``assign`` frame.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from rota.store import Job
+
+HeapEntry = tuple[int, int, str]  # (-priority, seq, job id)
+
+
+@dataclass(slots=True)
+class WorkerSlot:
+    """What the scheduler knows of one connected worker."""
+
+    id: str
+    queues: list[str]
+    concurrency: int
+    specs: dict[str, str]  # spec name -> checksum the worker declared
+    labels: list[str] = field(default_factory=list)
+    state: str = "running"
+    capacity: int = 0  # free slots the worker last asked for, less what we sent since
+    active: set[str] = field(default_factory=set)
+
+    def free(self) -> int:
+        # The worker's claim is only a wish; concurrency minus what it holds is the law.
+        return max(0, min(self.capacity, self.concurrency - len(self.active)))
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self.status_quo: dict[str, str] = {}  # spec name -> checksum
+        self.jobs: dict[str, Job] = {}  # every live job: available, active or finishing
+        self.workers: dict[str, WorkerSlot] = {}
+        self._ready: dict[str, dict[str, list[HeapEntry]]] = {}  # queue -> spec -> heap
+        self._rotation = itertools.count()
+
+    # -- jobs --------------------------------------------------------------------------
+    def add(self, job: Job) -> None:
+        job.state = "available"
+        job.worker_id = None
+        self.jobs[job.id] = job
+        heap = self._ready.setdefault(job.queue, {}).setdefault(job.spec, [])
+        heapq.heappush(heap, (-job.priority, job.seq, job.id))
+
+    def release(self, job: Job) -> None:
+        """Take a job back from its worker and make it available again."""
+        worker = self.workers.get(job.worker_id or "")
+        if worker is not None:
+            worker.active.discard(job.id)
+        self.add(job)
+
+    def finish(self, job: Job) -> None:
+        """The job reached a terminal state (committed): forget it."""
+        worker = self.workers.get(job.worker_id or "")
+        if worker is not None:
+            worker.active.discard(job.id)
+        self.jobs.pop(job.id, None)
+
+    # -- workers -------------------------------------------------------------------
+    def add_worker(self, worker: WorkerSlot) -> None:
+        self.workers[worker.id] = worker
+
+    def remove_worker(self, worker_id: str) -> list[Job]:
+        """Forget a worker; return its jobs that must go back to available."""
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            return []
+        orphans = [self.jobs[j] for j in worker.active if j in self.jobs]
+        returned = [job for job in orphans if job.state == "active"]
+        for job in returned:
+            self.add(job)
+        return returned
+
+    def matches(self, worker: WorkerSlot, spec: str) -> bool:
+        expected = self.status_quo.get(spec)
+        return expected is not None and worker.specs.get(spec) == expected
+
+    # -- planning --------------------------------------------------------------------
+    def plan(self) -> dict[str, list[Job]]:
+        """Reserve in memory as many ready jobs as running workers can take now."""
+        start = next(self._rotation)
+        order = sorted(self.workers.values(), key=lambda w: w.id)
+        if order:
+            shift = start % len(order)
+            order = order[shift:] + order[:shift]
+        candidates = [w for w in order if w.state == "running" and w.free() > 0]
+        plan: dict[str, list[Job]] = {}
+        while candidates:
+            next_round = []
+            for worker in candidates:
+                job = self._pop_best(worker)
+                if job is None:
+                    continue
+                self._reserve(job, worker)
+                plan.setdefault(worker.id, []).append(job)
+                if worker.free() > 0:
+                    next_round.append(worker)
+            candidates = next_round
+        return plan
+
+    def _reserve(self, job: Job, worker: WorkerSlot) -> None:
+        job.state = "active"
+        job.worker_id = worker.id
+        job.attempt += 1
+        job.checksum = self.status_quo[job.spec]
+        worker.active.add(job.id)
+        worker.capacity -= 1
+
+    def _pop_best(self, worker: WorkerSlot) -> Job | None:
+        for queue in worker.queues:
+            by_spec = self._ready.get(queue)
+            if not by_spec:
+                continue
+            best: list[HeapEntry] | None = None
+            for spec, heap in by_spec.items():
+                if not self.matches(worker, spec) or not self._prune(heap):
+                    continue
+                if best is None or heap[0] < best[0]:
+                    best = heap
+            if best is not None:
+                return self.jobs[heapq.heappop(best)[2]]
+        return None
+
+    def _prune(self, heap: list[HeapEntry]) -> bool:
+        """Drop entries whose job moved on (reserved, finished); True if one is left."""
+        while heap:
+            job = self.jobs.get(heap[0][2])
+            if job is not None and job.state == "available":
+                return True
+            heapq.heappop(heap)
+        return False
+
+    # -- explaining ------------------------------------------------------------------
+    def waiting_reason(self, queue: str, spec: str) -> str | None:
+        """Why available jobs of (queue, spec) are not running; None if they will be."""
+        serving = [w for w in self.workers.values() if queue in w.queues]
+        if not serving:
+            return f"no connected worker serves queue {queue!r}"
+        expected = self.status_quo.get(spec)
+        if expected is None:
+            return f"spec {spec!r} has no status quo"
+        capable = [w for w in serving if w.specs.get(spec) == expected]
+        if not capable:
+            return _mismatch_reason(serving, spec, expected)
+        if not any(w.state == "running" and w.free() > 0 for w in capable):
+            return f"all {len(capable)} capable worker(s) are full or not running"
+        return None
+
+    def ready_counts(self) -> dict[tuple[str, str], int]:
+        counts: dict[tuple[str, str], int] = {}
+        for job in self.jobs.values():
+            if job.state == "available":
+                key = (job.queue, job.spec)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def mismatched_workers(self, spec: str, checksum: str) -> list[str]:
+        """Workers that declare ``spec`` with a checksum other than ``checksum``."""
+        return sorted(w.id for w in self.workers.values() if w.specs.get(spec, checksum) != checksum)
+
+
+def _mismatch_reason(serving: Iterable[WorkerSlot], spec: str, expected: str) -> str:
+    serving = list(serving)
+    other = sum(1 for w in serving if spec in w.specs)
+    if other:
+        return (
+            f"{other} worker(s) serve the queue but declare another checksum for spec"
+            f" {spec!r} (status quo {expected[:19]})"
+        )
+    return f"{len(serving)} worker(s) serve the queue but none implements spec {spec!r}"

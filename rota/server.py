@@ -1,0 +1,61 @@
+"""The Rota server: a Starlette app with /work and the HTTP API, served by uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import WebSocketRoute
+
+from rota import api
+from rota.coordinator import Coordinator
+from rota.sessions import work_endpoint
+from rota.settings import ServerSettings
+
+# A worker frame larger than this is refused (close 1009) before it is decoded.
+MAX_FRAME = 1 << 20
+
+
+def create_app(settings: ServerSettings) -> Starlette:
+    coordinator = Coordinator(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await coordinator.start()
+        try:
+            yield
+        finally:
+            await coordinator.stop()
+
+    app = Starlette(
+        routes=[*api.routes, WebSocketRoute("/work", work_endpoint)],
+        exception_handlers=api.exception_handlers,  # type: ignore[arg-type]
+        lifespan=lifespan,
+    )
+    app.state.coordinator = coordinator
+    return app
+
+
+def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,  # the CLI configures logging; uvicorn's access log stays quiet
+        log_level=log_level,
+        access_log=False,
+        ws="websockets-sansio",
+        ws_max_size=MAX_FRAME,
+        ws_per_message_deflate=False,
+        ws_ping_interval=None,  # the heartbeat, not ping/pong, proves a worker alive
+        lifespan="on",
+    )
+
+
+async def serve(settings: ServerSettings, *, log_level: str = "info",
+                sock: socket.socket | None = None) -> None:
+    server = uvicorn.Server(uvicorn_config(settings, log_level=log_level))
+    await server.serve(sockets=[sock] if sock is not None else None)

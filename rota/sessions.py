@@ -1,0 +1,123 @@
+"""One worker connection on /work: decode frames, keep their order, send what is due.
+
+The receive loop never waits on the disk: a heartbeat whose results must commit
+first puts an awaitable ack in the outbox, and the send loop delivers acks and
+assignments in order as they become ready. Any bad frame ends the connection with
+an ``error`` frame and a close code; other workers are untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from rota import protocol as p
+from rota.coordinator import Coordinator
+
+log = logging.getLogger("rota.server")
+
+_CLOSE = object()
+
+
+class Session:
+    def __init__(self, websocket: WebSocket, coordinator: Coordinator) -> None:
+        self.ws = websocket
+        self.coordinator = coordinator
+        self.worker_id: str | None = None
+        self.last_seq = -1
+        self._outbox: asyncio.Queue[str | Awaitable[str] | object] = asyncio.Queue()
+        self._receiver: asyncio.Task[None] | None = None
+        self._failure: p.FrameError | None = None
+
+    # -- Outbox (what the coordinator calls) ------------------------------------------
+    def send(self, frame: str | Awaitable[str]) -> None:
+        self._outbox.put_nowait(frame)
+
+    def abort(self, code: str, message: str, close_code: int) -> None:
+        if self._failure is None:
+            self._failure = p.FrameError(code, message, close_code)
+        if self._receiver is not None:
+            self._receiver.cancel()
+
+    # -- the connection -------------------------------------------------------------
+    async def run(self) -> None:
+        await self.ws.accept()
+        sender = asyncio.create_task(self._send_loop(), name="rota-session-send")
+        self._receiver = asyncio.create_task(self._receive_loop(), name="rota-session-recv")
+        reason = "closed"
+        try:
+            await self._receiver
+        except p.FrameError as exc:
+            self._failure = exc
+        except asyncio.CancelledError:
+            if self._failure is None:  # cancelled from outside, not by abort()
+                raise
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if self._failure is not None:
+                reason = self._failure.code
+                self.send(p.encode(p.Error(code=self._failure.code, message=self._failure.message)))
+            if self.worker_id is not None:
+                self.coordinator.disconnect(self.worker_id, reason)
+            self.send(_CLOSE)
+            await self._finish(sender)
+
+    async def _finish(self, sender: asyncio.Task[None]) -> None:
+        try:
+            await asyncio.wait_for(sender, timeout=2.0)
+        except (TimeoutError, Exception):
+            sender.cancel()
+        if self._failure is not None:
+            log.warning("protocol error worker=%s code=%s message=%s", self.worker_id,
+                        self._failure.code, self._failure.message)
+            try:
+                await self.ws.close(code=self._failure.close_code, reason=self._failure.code)
+            except Exception:  # the peer may be gone already
+                pass
+
+    async def _receive_loop(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            text = message.get("text")
+            if text is None:
+                raise p.FrameError("binary_not_supported", "send JSON text frames, not binary",
+                                   p.CLOSE_UNSUPPORTED)
+            await self._handle(p.decode_heartbeat(text))
+
+    async def _handle(self, hb: p.Heartbeat) -> None:
+        if hb.seq <= self.last_seq:
+            raise p.FrameError("seq_not_increasing",
+                               f"seq {hb.seq} after {self.last_seq}", p.CLOSE_POLICY)
+        self.last_seq = hb.seq
+        if self.worker_id is None:
+            if hb.registration is None:
+                raise p.FrameError("registration_required",
+                                   "the first heartbeat must carry a registration", p.CLOSE_POLICY)
+            self.send(await self.coordinator.register(hb, self))
+            self.worker_id = hb.worker_id
+        elif hb.worker_id != self.worker_id:
+            raise p.FrameError("worker_id_mismatch",
+                               f"this connection is worker {self.worker_id}", p.CLOSE_POLICY)
+        elif hb.registration is not None:
+            raise p.FrameError("already_registered",
+                               "registration is sent once, in the first heartbeat", p.CLOSE_POLICY)
+        self.coordinator.touch(self.worker_id)
+        self.send(self.coordinator.heartbeat(self.worker_id, hb))
+
+    async def _send_loop(self) -> None:
+        while True:
+            item = await self._outbox.get()
+            if item is _CLOSE:
+                return
+            frame = item if isinstance(item, str) else await item  # type: ignore[misc]
+            await self.ws.send_text(frame)
+
+
+async def work_endpoint(websocket: WebSocket) -> None:
+    await Session(websocket, websocket.app.state.coordinator).run()

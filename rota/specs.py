@@ -1,0 +1,148 @@
+"""Job specs: TOML files in a specs directory, their validation and their checksum.
+
+``checksum()`` is the one function that turns a spec into ``sha256:<hex>``; the CLI,
+the server and the worker SDK all call it, so one file always gives one checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+ArgType = Literal["string", "integer", "number", "boolean", "object", "array", "any"]
+
+
+class SpecError(ValueError):
+    """A spec file or a job's arguments do not fit what the spec says."""
+
+
+class ArgSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: ArgType = "any"
+    description: str = ""
+    required: bool = True
+
+
+class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 25
+    max_fails: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    backoff_base: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    backoff_max: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+
+
+class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One version of a job spec. Fields left at their default do not enter the checksum."""
+
+    name: Name
+    version: str
+    description: str = ""
+    queue: Name = "default"
+    priority: int = 0
+    visibility_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
+    args: dict[str, ArgSpec] = {}
+
+
+def canonical_bytes(spec: JobSpec) -> bytes:
+    """UTF-8 JSON, keys sorted, no whitespace, default-valued fields omitted."""
+    return msgspec.json.encode(_without_defaults(spec), order="sorted")
+
+
+def _without_defaults(obj: Any) -> Any:
+    # Written out by hand: msgspec's omit_defaults compares some decoded values by
+    # identity, so "queue = 'default'" in a file would otherwise change the checksum.
+    if isinstance(obj, msgspec.Struct):
+        kept = {}
+        for field in msgspec.structs.fields(obj):
+            value = getattr(obj, field.name)
+            if field.default is not msgspec.NODEFAULT and value == field.default:
+                continue
+            factory = field.default_factory
+            if factory is not msgspec.NODEFAULT and value == factory():
+                continue
+            kept[field.name] = _without_defaults(value)
+        return kept
+    if isinstance(obj, dict):
+        return {key: _without_defaults(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_without_defaults(value) for value in obj]
+    return obj
+
+
+def checksum(spec: JobSpec) -> str:
+    return "sha256:" + hashlib.sha256(canonical_bytes(spec)).hexdigest()
+
+
+def parse_spec(data: bytes | str, *, source: str = "<spec>") -> JobSpec:
+    try:
+        return msgspec.toml.decode(data, type=JobSpec)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise SpecError(f"{source}: {exc}") from exc
+
+
+def load_spec(path: Path) -> JobSpec:
+    return parse_spec(path.read_bytes(), source=str(path))
+
+
+def load_dir(directory: Path | str) -> list[JobSpec]:
+    """Every ``*.toml`` in the directory, sorted by name; two files naming one spec is an error."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise SpecError(f"{folder}: not a directory")
+    specs: dict[str, JobSpec] = {}
+    for path in sorted(folder.glob("*.toml")):
+        spec = load_spec(path)
+        if spec.name in specs:
+            raise SpecError(f"{path}: spec {spec.name!r} is defined twice in {folder}")
+        specs[spec.name] = spec
+    if not specs:
+        raise SpecError(f"{folder}: no *.toml spec files")
+    return [specs[name] for name in sorted(specs)]
+
+
+def spec_from_builtins(data: Any) -> JobSpec:
+    """A spec sent as JSON (PUT /specs) or read back from the store."""
+    try:
+        return msgspec.convert(data, type=JobSpec)
+    except msgspec.ValidationError as exc:
+        raise SpecError(str(exc)) from exc
+
+
+_PYTHON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+}
+
+
+def validate_args(spec: JobSpec, args: dict[str, Any]) -> None:
+    """Check a job's arguments against the spec; a spec that declares none accepts any."""
+    if not spec.args:
+        return
+    unknown = sorted(set(args) - set(spec.args))
+    if unknown:
+        raise SpecError(f"spec {spec.name!r} has no argument(s) {', '.join(unknown)}")
+    for name, arg in spec.args.items():
+        if name not in args:
+            if arg.required:
+                raise SpecError(f"spec {spec.name!r} requires argument {name!r}")
+            continue
+        _check_type(spec.name, name, arg.type, args[name])
+
+
+def _check_type(spec: str, name: str, expected: str, value: Any) -> None:
+    if expected == "any":
+        return
+    allowed = _PYTHON_TYPES[expected]
+    # bool is an int in Python, but not an integer or number in JSON
+    is_bool = isinstance(value, bool)
+    if (is_bool and bool not in allowed) or not isinstance(value, allowed):
+        got = type(value).__name__
+        raise SpecError(f"spec {spec!r} argument {name!r} must be {expected}, got {got}")
