@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 from starlette.applications import Starlette
@@ -45,7 +45,8 @@ def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvic
         host=settings.host,
         port=settings.port,
         log_config=None,  # the CLI configures logging; uvicorn's access log stays quiet
-        log_level=log_level,
+        # uvicorn's own lines (connection open/closed) repeat what Rota logs better
+        log_level="debug" if log_level == "debug" else "warning",
         access_log=False,
         ws="websockets-sansio",
         ws_max_size=MAX_FRAME,
@@ -53,6 +54,14 @@ def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvic
         ws_ping_interval=None,  # the heartbeat, not ping/pong, proves a worker alive
         lifespan="on",
     )
+
+
+class EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the program hosting it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 async def serve(settings: ServerSettings, *, log_level: str = "info",

@@ -1,0 +1,239 @@
+"""The ``rota`` command: serve, run workers, push specs during deploys, enqueue, inspect.
+
+The environment is read here and nowhere else: every ``rota serve`` option has a
+``ROTA_<OPTION>`` variable, and commands that talk to a server read ``ROTA_URL``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from rota import logs
+from rota.client import ApiError, Client, ws_url
+from rota.specs import SpecError, checksum, load_dir
+
+URL_OPTION = click.option(
+    "--url", envvar="ROTA_URL", show_envvar=True, default="http://127.0.0.1:8000",
+    show_default=True, help="Base URL of the Rota server.",
+)
+LEVELS = click.Choice(["debug", "info", "warning", "error"])
+
+
+def _fail(message: str) -> None:
+    click.secho(f"error: {message}", fg="red", err=True)
+    sys.exit(1)
+
+
+def _api(url: str, action: str, *args: Any, **kwargs: Any) -> Any:
+    with Client(url) as client:
+        try:
+            return getattr(client, action)(*args, **kwargs)
+        except ApiError as exc:
+            _fail(f"{exc.message} ({exc.code})")
+
+
+def _print_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="rota")
+def main() -> None:
+    """Rota: a job coordinator. Workers hold one WebSocket; the server pushes them jobs."""
+
+
+@main.command()
+@click.option("--host", envvar="ROTA_HOST", default="127.0.0.1", show_default=True, show_envvar=True,
+              help="Address to listen on.")
+@click.option("--port", envvar="ROTA_PORT", default=8000, show_default=True, show_envvar=True, help="Port to listen on.")
+@click.option("--db", envvar="ROTA_DB", default="rota.db", show_default=True, show_envvar=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="SQLite database file.")
+@click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True, show_envvar=True, type=LEVELS)
+@click.option("--heartbeat-interval", envvar="ROTA_HEARTBEAT_INTERVAL", default=1.0, show_default=True, show_envvar=True,
+              help="Seconds between worker heartbeats (told to workers in the welcome).")
+@click.option("--heartbeat-timeout", envvar="ROTA_HEARTBEAT_TIMEOUT", default=5.0, show_default=True, show_envvar=True,
+              help="Seconds of silence after which a worker is dropped and its jobs requeued.")
+@click.option("--visibility-timeout", envvar="ROTA_VISIBILITY_TIMEOUT", default=1800.0, show_default=True, show_envvar=True,
+              help="Default seconds a job stays reserved for its worker.")
+def serve(host: str, port: int, db: Path, log_level: str, heartbeat_interval: float,
+          heartbeat_timeout: float, visibility_timeout: float) -> None:
+    """Run the Rota server: /work for workers, the HTTP API for everyone else."""
+    from rota.server import serve as run_server
+    from rota.settings import ServerSettings
+
+    logs.configure(log_level)
+    settings = ServerSettings(db=db, host=host, port=port, heartbeat_interval=heartbeat_interval,
+                              heartbeat_timeout=heartbeat_timeout,
+                              visibility_timeout=visibility_timeout)
+    asyncio.run(run_server(settings, log_level=log_level))
+
+
+@main.command()
+@click.argument("target")
+@URL_OPTION
+@click.option("--log-level", default="info", show_default=True, type=LEVELS)
+def worker(target: str, url: str, log_level: str) -> None:
+    """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
+
+    SIGTERM or Ctrl-C stops asking for jobs and lets running ones finish; a second one
+    exits at once.
+    """
+    logs.configure(log_level)
+    instance = _import_worker(target)
+    instance.url = ws_url(url)
+    try:
+        asyncio.run(_run_worker(instance))
+    except SpecError as exc:
+        _fail(str(exc))
+
+
+def _import_worker(target: str) -> Any:
+    from rota.worker import Worker
+
+    module_name, _, attr = target.partition(":")
+    if not attr:
+        _fail(f"TARGET must look like module:attribute, got {target!r}")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        instance = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        _fail(f"cannot load {target}: {exc}")
+    if not isinstance(instance, Worker):
+        _fail(f"{target} is a {type(instance).__name__}, not a rota.Worker")
+    return instance
+
+
+async def _run_worker(instance: Any) -> None:
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    assert main_task is not None
+
+    def on_signal() -> None:
+        if instance.stopping:  # second signal: stop now
+            main_task.cancel()
+        instance.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await instance.run()
+    except asyncio.CancelledError:
+        pass
+
+
+@main.group()
+def specs() -> None:
+    """Register job specs (the status quo) and inspect them."""
+
+
+@specs.command("push")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@URL_OPTION
+@click.option("--dry-run", is_flag=True, help="Show what would change; change nothing.")
+def specs_push(directory: Path, url: str, dry_run: bool) -> None:
+    """Make the specs in DIRECTORY the status quo (run this during a deploy).
+
+    Prints, per spec, whether it is new, changed or unchanged, and for changed specs how
+    many connected workers no longer match.
+    """
+    try:
+        loaded = load_dir(directory)
+    except SpecError as exc:
+        _fail(str(exc))
+    report = _api(url, "push_specs", loaded, dry_run=dry_run)
+    for item in report["specs"]:
+        line = f"{item['change']:<9} {item['name']}  {item['checksum'][:19]}"
+        if item["change"] == "changed":
+            line += f"  (was {item['previous'][:19]}; {item['mismatched_workers']} connected worker(s) no longer match)"
+        click.echo(line)
+    if dry_run:
+        click.echo("dry run: nothing was changed")
+
+
+@specs.command("list")
+@URL_OPTION
+def specs_list(url: str) -> None:
+    """List the status-quo specs with their versions and checksums."""
+    for spec in _api(url, "specs")["specs"]:
+        click.echo(f"{spec['name']:<24} {spec['version']:<10} {spec['checksum'][:19]}  queue={spec['queue']}")
+
+
+@specs.command("history")
+@click.argument("name")
+@URL_OPTION
+def specs_history(name: str, url: str) -> None:
+    """Show every version of spec NAME that was made the status quo, oldest first."""
+    for entry in _api(url, "spec_history", name)["history"]:
+        click.echo(f"{entry['pushed_at']}  {entry['version']:<10} {entry['checksum'][:19]}")
+
+
+@specs.command("checksum")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def specs_checksum(directory: Path) -> None:
+    """Print the checksum of every spec in DIRECTORY (no server needed)."""
+    try:
+        for spec in load_dir(directory):
+            click.echo(f"{spec.name:<24} {checksum(spec)}")
+    except SpecError as exc:
+        _fail(str(exc))
+
+
+@main.command()
+@click.argument("spec")
+@click.option("--args", "args_json", default="{}", show_default=True, help="Job arguments as a JSON object.")
+@click.option("--id", "job_id", help="Job id; enqueuing the same id again returns the existing job.")
+@click.option("--queue", help="Queue (default: the spec's).")
+@click.option("--priority", type=int, help="Priority, higher first (default: the spec's).")
+@URL_OPTION
+def enqueue(spec: str, args_json: str, job_id: str | None, queue: str | None,
+            priority: int | None, url: str) -> None:
+    """Enqueue a job of SPEC and print it."""
+    try:
+        args = json.loads(args_json)
+    except json.JSONDecodeError as exc:
+        _fail(f"--args is not valid JSON: {exc}")
+    if not isinstance(args, dict):
+        _fail("--args must be a JSON object")
+    reply = _api(url, "enqueue", spec, args, id=job_id, queue=queue, priority=priority)
+    if not reply["created"]:
+        click.echo("a job with this id exists already:", err=True)
+    _print_json(reply["job"])
+
+
+@main.group()
+def jobs() -> None:
+    """Inspect jobs."""
+
+
+@jobs.command("show")
+@click.argument("job_id")
+@URL_OPTION
+def jobs_show(job_id: str, url: str) -> None:
+    """Show job JOB_ID: state, attempt, worker, result, errors, and why it waits."""
+    _print_json(_api(url, "job", job_id))
+
+
+@main.command()
+@click.option("--port", default=8000, show_default=True, help="Port for the demo server.")
+@click.option("--db", default="rota-demo.db", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="SQLite file for the demo.")
+@click.option("--specs", "specs_dir", default="specs", show_default=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--rate", default=5.0, show_default=True, help="Demo jobs enqueued per second.")
+def demo(port: int, db: Path, specs_dir: Path, rate: float) -> None:
+    """Run a server, push the demo specs, start a worker and enqueue a stream of jobs.
+
+    Assignments and results show in the log. Stop with Ctrl-C.
+    """
+    from rota.demo import run_demo
+
+    logs.configure("info")
+    asyncio.run(run_demo(port=port, db=db, specs_dir=specs_dir, rate=rate))

@@ -1,0 +1,296 @@
+"""The worker SDK: register handlers by spec name, connect to /work, run what is assigned.
+
+    worker = Worker(url="ws://127.0.0.1:8000/work", specs_dir="specs")
+
+    @worker.handler("echo")
+    async def echo(ctx: JobContext) -> dict:
+        return {"message": ctx.args["message"]}
+
+    asyncio.run(worker.run())
+
+Async handlers run as tasks, plain functions in a thread pool. Each handler's spec
+is read from ``specs_dir`` and declared with its checksum, so the server sends this
+worker only jobs whose spec matches the status quo. Only ``protocol``, ``specs`` and
+``ids`` are imported here: a worker needs none of the server's dependencies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import platform
+import socket
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import websockets
+from websockets.asyncio.client import ClientConnection
+
+from rota import protocol as p
+from rota.ids import uuid7
+from rota.specs import JobSpec, SpecError, checksum, load_dir
+
+log = logging.getLogger("rota.worker")
+SDK = "rota-python/0.1.0"
+Handler = Callable[["JobContext"], Any]
+
+
+@dataclass(slots=True)
+class JobContext:
+    """What a handler gets: the job's identity, attempt and arguments."""
+
+    id: str
+    spec: str
+    queue: str
+    attempt: int
+    args: Any
+    priority: int
+    checksum: str
+    enqueued_at: str
+    worker_id: str
+
+
+@dataclass(slots=True)
+class _Running:
+    copy: p.JobCopy
+    task: asyncio.Task[None]
+    started: float = field(default_factory=time.monotonic)
+
+
+class Worker:
+    def __init__(
+        self,
+        *,
+        url: str = "ws://127.0.0.1:8000/work",
+        specs_dir: str | Path = "specs",
+        queues: list[str] | None = None,
+        concurrency: int = 10,
+        labels: list[str] | None = None,
+        worker_id: str | None = None,
+        heartbeat_interval: float | None = None,
+        reconnect: bool = True,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.url = url
+        self.specs_dir = Path(specs_dir)
+        self.concurrency = concurrency
+        self.labels = list(labels or [])
+        self.worker_id = worker_id or uuid7()
+        self.reconnect = reconnect
+        self._queues = list(queues) if queues else None
+        self._interval = heartbeat_interval  # None: take the server's from its welcome
+        self._handlers: dict[str, Handler] = {}
+        self._specs: dict[str, JobSpec] = {}
+        self._running: dict[str, _Running] = {}
+        self._results: list[p.Result] = []
+        self._dirty = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._state: p.WorkerState = "running"
+        self._seq = 0
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rota-job")
+        self.welcome: p.Welcome | None = None
+        self.connected = asyncio.Event()
+
+    # -- configuration ----------------------------------------------------------------
+    def handler(self, spec: str) -> Callable[[Handler], Handler]:
+        """Decorator: ``fn`` runs the jobs of ``spec`` (a spec file in ``specs_dir``)."""
+
+        def register(fn: Handler) -> Handler:
+            if spec in self._handlers:
+                raise ValueError(f"spec {spec!r} already has a handler")
+            self._handlers[spec] = fn
+            return fn
+
+        return register
+
+    @property
+    def queues(self) -> list[str]:
+        if self._queues:
+            return self._queues
+        ordered = dict.fromkeys(self._specs[name].queue for name in self._handlers)
+        return list(ordered) or ["default"]
+
+    def declared_specs(self) -> list[p.SpecRef]:
+        return [p.SpecRef(name, checksum(self._specs[name])) for name in sorted(self._handlers)]
+
+    def _load_specs(self) -> None:
+        if not self._handlers:
+            raise SpecError("the worker has no handlers; register one with @worker.handler(name)")
+        found = {spec.name: spec for spec in load_dir(self.specs_dir)}
+        missing = sorted(set(self._handlers) - set(found))
+        if missing:
+            raise SpecError(f"{self.specs_dir} has no spec for handler(s): {', '.join(missing)}")
+        self._specs = {name: found[name] for name in self._handlers}
+
+    # -- running ----------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Ask for no more jobs, let the running ones finish, then return from run()."""
+        self._state = "terminate"
+        self._stop.set()
+        self._dirty.set()
+
+    async def run(self) -> None:
+        self._load_specs()
+        try:
+            while not self._stop.is_set():
+                try:
+                    async with websockets.connect(self.url, max_size=None, compression=None,
+                                                  ping_interval=None) as ws:
+                        await self._session(ws)
+                except (OSError, websockets.ConnectionClosed, websockets.InvalidHandshake) as exc:
+                    self.connected.clear()
+                    if self._stop.is_set():
+                        if self._running:
+                            log.warning("connection closed while stopping; %d job(s) left to"
+                                        " the server's recovery", len(self._running))
+                        return
+                    if not self.reconnect:
+                        raise
+                    log.warning("connection to %s lost (%s); retrying in 1s", self.url, exc)
+                    await _wait(self._stop, 1.0)
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _session(self, ws: ClientConnection) -> None:
+        self._seq = 0
+        await self._beat(ws, registration=True)
+        reader = asyncio.create_task(self._read(ws), name="rota-worker-read")
+        try:
+            await self._beat_loop(ws, reader)
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _beat_loop(self, ws: ClientConnection, reader: asyncio.Task[None]) -> None:
+        while True:
+            await _wait(self._dirty, self._interval or 1.0, also=reader)
+            if reader.done():
+                reader.result()  # re-raise why the connection ended
+                return
+            self._dirty.clear()
+            await self._beat(ws)
+            if self._stop.is_set() and not self._running and not self._results:
+                await ws.close()
+                return
+
+    async def _beat(self, ws: ClientConnection, *, registration: bool = False) -> None:
+        results, self._results = self._results, []
+        beat = p.Heartbeat(
+            seq=self._seq, worker_id=self.worker_id,
+            registration=self._registration() if registration else None,
+            status=p.Status(state=self._state, active_job_ids=list(self._running)),
+            results=results, capacity=self._capacity(),
+        )
+        self._seq += 1
+        await ws.send(p.encode(beat))
+
+    def _capacity(self) -> int:
+        if self._state != "running":
+            return 0
+        return max(0, self.concurrency - len(self._running))
+
+    def _registration(self) -> p.Registration:
+        return p.Registration(
+            hostname=socket.gethostname(), os=f"{platform.system()} {platform.release()}",
+            pid=os.getpid(), sdk=SDK, queues=self.queues, concurrency=self.concurrency,
+            specs=self.declared_specs(), labels=self.labels,
+            started_at=p.rfc3339(time.time()),
+        )
+
+    async def _read(self, ws: ClientConnection) -> None:
+        async for frame in ws:
+            message = p.decode_server_message(frame)
+            match message:
+                case p.Assign(jobs=jobs):
+                    for copy in jobs:
+                        self._start(copy)
+                case p.Ack():
+                    self._on_ack(message)
+                case p.Welcome():
+                    self._on_welcome(message)
+                case p.Error(code=code, message=text):
+                    log.error("server error code=%s message=%s", code, text)
+
+    def _on_welcome(self, welcome: p.Welcome) -> None:
+        self.welcome = welcome
+        if self._interval is None:
+            self._interval = welcome.heartbeat_interval
+        for rejected in welcome.specs.rejected:
+            log.warning("spec rejected spec=%s checksum=%s status_quo=%s reason=%s",
+                        rejected.name, rejected.checksum[:15], (rejected.expected or "none")[:15],
+                        rejected.reason)
+        log.info("connected worker=%s url=%s queues=%s specs_accepted=%s", self.worker_id,
+                 self.url, ",".join(self.queues), ",".join(welcome.specs.accepted) or "-")
+        self.connected.set()
+
+    def _on_ack(self, ack: p.Ack) -> None:
+        for rejected in ack.rejected:
+            log.warning("result rejected job=%s attempt=%d reason=%s", rejected.job_id,
+                        rejected.attempt, rejected.reason)
+
+    # -- jobs -------------------------------------------------------------------------
+    def _start(self, copy: p.JobCopy) -> None:
+        task = asyncio.create_task(self._execute(copy), name=f"rota-job-{copy.id}")
+        self._running[copy.id] = _Running(copy, task)
+
+    async def _execute(self, copy: p.JobCopy) -> None:
+        ctx = JobContext(id=copy.id, spec=copy.spec, queue=copy.queue, attempt=copy.attempt,
+                         args=copy.args, priority=copy.priority, checksum=copy.checksum,
+                         enqueued_at=copy.enqueued_at, worker_id=self.worker_id)
+        try:
+            result = await self._call(ctx)
+        finally:
+            self._running.pop(copy.id, None)
+        self._results.append(result)
+        self._dirty.set()  # results are not held back: beat now
+
+    async def _call(self, ctx: JobContext) -> p.Result:
+        handler = self._handlers.get(ctx.spec)
+        try:
+            if handler is None:
+                raise LookupError(f"this worker has no handler for spec {ctx.spec!r}")
+            if inspect.iscoroutinefunction(handler):
+                value = await handler(ctx)
+            else:
+                value = await asyncio.get_running_loop().run_in_executor(self._pool, handler, ctx)
+            msgspec.json.encode(value)  # fail here, not in the heartbeat, if it can't be sent
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.info("job failed job=%s spec=%s attempt=%d error=%s: %s", ctx.id, ctx.spec,
+                     ctx.attempt, type(exc).__name__, exc)
+            return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="failed",
+                            error=_error_info(exc))
+        return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="completed", result=value)
+
+
+def _error_info(exc: BaseException) -> p.ErrorInfo:
+    return p.ErrorInfo(
+        type=type(exc).__name__, message=str(exc),
+        retryable=bool(getattr(exc, "retryable", True)),
+        details={"traceback": "".join(traceback.format_exception(exc))[-4000:]},
+    )
+
+
+async def _wait(event: asyncio.Event, timeout: float,
+                also: Awaitable[Any] | None = None) -> None:
+    """Wait for ``event`` (or ``also`` finishing) at most ``timeout`` seconds."""
+    waiter = asyncio.ensure_future(event.wait())
+    pending = {waiter} | ({asyncio.ensure_future(also)} if also is not None else set())
+    try:
+        await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
