@@ -11,7 +11,6 @@ import asyncio
 import logging
 import random
 import signal
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import httpx
 import msgspec
 
 from rota.client import ws_url
-from rota.server import EmbeddedServer, uvicorn_config
+from rota.server import EmbeddedServer, listen_socket, uvicorn_config
 from rota.settings import ServerSettings
 from rota.specs import load_dir
 from rota.worker import JobContext, Worker
@@ -80,7 +79,7 @@ async def run_demo(*, port: int, db: Path, specs_dir: Path, rate: float) -> None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    sock = socket.create_server(("127.0.0.1", port))
+    sock = listen_socket("127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
     server = EmbeddedServer(uvicorn_config(ServerSettings(db=db, port=port)))
     server_task = asyncio.create_task(server.serve(sockets=[sock]), name="demo-server")

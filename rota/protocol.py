@@ -167,7 +167,9 @@ ServerMessage = Welcome | Ack | Assign | Error
 
 # -- codecs: built once, reused for every frame ----------------------------------
 _encoder = msgspec.json.Encoder()
-_heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
+# Worker frames decode against every message type: a union makes the "type" tag
+# required, and a server message sent by a worker is then refused by name.
+_worker_frame_decoder = msgspec.json.Decoder(Heartbeat | ServerMessage)
 _server_decoder = msgspec.json.Decoder(ServerMessage)
 
 
@@ -188,18 +190,35 @@ def encode(message: msgspec.Struct) -> str:
 def decode_heartbeat(frame: str | bytes) -> Heartbeat:
     """Decode a worker frame, turning every failure into a precise FrameError."""
     try:
-        return _heartbeat_decoder.decode(frame)
+        message = _worker_frame_decoder.decode(frame)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        if "`$.type`" in text or "missing required field `type`" in text:
-            raise FrameError(
-                "unknown_type",
-                f"unknown message type ({text}); workers send only 'heartbeat'",
-                CLOSE_UNSUPPORTED,
-            ) from exc
+        kind = _peek_type(frame)  # only on this error path: parse once more
+        if text == "Object missing required field `type`" or kind not in (None, "heartbeat"):
+            raise _unknown_type(text) from exc
         raise FrameError("invalid_message", text, CLOSE_INVALID_PAYLOAD) from exc
     except msgspec.DecodeError as exc:
         raise FrameError("malformed_json", str(exc), CLOSE_INVALID_PAYLOAD) from exc
+    if not isinstance(message, Heartbeat):
+        raise _unknown_type(f"{type(message).__name__.lower()!r} is a server message")
+    return message
+
+
+class _TypeProbe(msgspec.Struct):
+    type: str
+
+
+def _peek_type(frame: str | bytes) -> str | None:
+    try:
+        return msgspec.json.decode(frame, type=_TypeProbe).type
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+
+
+def _unknown_type(detail: str) -> FrameError:
+    return FrameError("unknown_type",
+                      f"unknown message type ({detail}); workers send only 'heartbeat'",
+                      CLOSE_UNSUPPORTED)
 
 
 def decode_server_message(frame: str | bytes) -> ServerMessage:

@@ -120,6 +120,8 @@ class Worker:
         return list(ordered) or ["default"]
 
     def declared_specs(self) -> list[p.SpecRef]:
+        if self._specs.keys() != self._handlers.keys():
+            self._load_specs()
         return [p.SpecRef(name, checksum(self._specs[name])) for name in sorted(self._handlers)]
 
     def _load_specs(self) -> None:

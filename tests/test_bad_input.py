@@ -1,0 +1,207 @@
+"""Bad input gets a precise error and loses nothing: frames on /work and HTTP requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+from conftest import Live, RawWorker, write_spec
+
+HB = {"type": "heartbeat", "worker_id": "bad"}
+REGISTRATION = {"hostname": "h", "os": "linux", "pid": 1, "sdk": "raw", "queues": ["default"],
+                "concurrency": 1, "specs": []}
+
+
+async def closed_with(worker: RawWorker) -> int:
+    """Read to the end of the connection and return the server's close code."""
+    with pytest.raises(websockets.ConnectionClosed) as closed:
+        while True:
+            await worker.recv(timeout=5)
+    assert closed.value.rcvd is not None
+    return closed.value.rcvd.code
+
+
+@pytest.fixture
+async def busy_good_worker(live: Live, connect, tmp_path: Path):
+    """A healthy worker holding one job, with two more jobs queued behind it."""
+    echo = write_spec(tmp_path, "echo")
+    await live.push(echo)
+    good = await connect("good")
+    await good.register([echo], concurrency=1)
+    jobs = [await live.enqueue("echo", {"n": n}) for n in range(3)]
+    [held] = await good.jobs(1)
+    return good, held, jobs
+
+
+FIRST_FRAME_CASES: list[tuple[str, Any, str, int]] = [
+    ("malformed JSON", '{"type": "heartbeat", "seq": 0,', "malformed_json", 1007),
+    ("unknown type", {"type": "hello", "seq": 0}, "unknown_type", 1003),
+    ("a server message sent by a worker", {"type": "ack", "seq": 0, "state": "running",
+                                           "server_time": "x"}, "unknown_type", 1003),
+    ("no registration first", {**HB, "seq": 0, "capacity": 1}, "registration_required", 1008),
+    ("seq of the wrong type", {**HB, "seq": "zero", "registration": REGISTRATION},
+     "invalid_message", 1007),
+    ("capacity negative", {**HB, "seq": 0, "capacity": -3, "registration": REGISTRATION},
+     "invalid_message", 1007),
+    ("concurrency zero", {**HB, "seq": 0, "registration": {**REGISTRATION, "concurrency": 0}},
+     "invalid_message", 1007),
+    ("queues not a list", {**HB, "seq": 0, "registration": {**REGISTRATION, "queues": "default"}},
+     "invalid_message", 1007),
+    ("a JSON array", [1, 2, 3], "invalid_message", 1007),
+]
+
+
+@pytest.mark.parametrize(("case", "frame", "code", "close_code"), FIRST_FRAME_CASES,
+                         ids=[c[0] for c in FIRST_FRAME_CASES])
+async def test_bad_first_frame_gets_error_and_close(live: Live, connect, busy_good_worker,
+                                                    case: str, frame: Any, code: str,
+                                                    close_code: int):
+    good, held, jobs = busy_good_worker
+    bad = await connect("bad")
+    await bad.send(frame if isinstance(frame, str) else json.dumps(frame))
+    error = await bad.expect("error")
+    assert error["code"] == code and error["message"]
+    assert await closed_with(bad) == close_code
+    await assert_others_unharmed(live, good, held, jobs)
+
+
+async def assert_others_unharmed(live: Live, good: RawWorker, held: dict[str, Any],
+                                 jobs: list[dict[str, Any]]) -> None:
+    """The good worker still works, and every job is where it should be."""
+    ack = await good.complete(held, capacity=1)
+    assert ack["accepted"] == [held["id"]]
+    [nxt] = await good.jobs(1)
+    states = {j["id"]: (await live.job(j["id"]))["state"] for j in jobs}
+    assert states[held["id"]] == "completed" and states[nxt["id"]] == "active"
+    assert sorted(states.values()) == ["active", "available", "completed"]
+
+
+LATER_FRAME_CASES: list[tuple[str, Any, str, int]] = [
+    ("seq going back", {**HB, "seq": 0}, "seq_not_increasing", 1008),
+    ("another worker id", {**HB, "worker_id": "someone-else", "seq": 5}, "worker_id_mismatch", 1008),
+    ("a second registration", {**HB, "seq": 5, "registration": REGISTRATION},
+     "already_registered", 1008),
+    ("result with a wrong outcome", {**HB, "seq": 5, "results": [
+        {"job_id": "x", "attempt": 1, "outcome": "maybe"}]}, "invalid_message", 1007),
+    ("malformed JSON", "{nope", "malformed_json", 1007),
+]
+
+
+@pytest.mark.parametrize(("case", "frame", "code", "close_code"), LATER_FRAME_CASES,
+                         ids=[c[0] for c in LATER_FRAME_CASES])
+async def test_bad_frame_from_a_worker_holding_a_job_loses_nothing(
+        live: Live, connect, tmp_path: Path, case: str, frame: Any, code: str, close_code: int):
+    echo = write_spec(tmp_path, "echo")
+    await live.push(echo)
+    bad = await connect("bad")
+    await bad.register([echo], concurrency=1)
+    job = await live.enqueue("echo")
+    await bad.jobs(1)
+    await bad.send(frame if isinstance(frame, str) else json.dumps(frame))
+    error = await bad.expect("error")
+    assert error["code"] == code
+    assert await closed_with(bad) == close_code
+    await live.wait_state(job["id"], "available")  # back in the queue, not lost
+    rescuer = await connect("rescuer")
+    await rescuer.register([echo])
+    [copy] = await rescuer.jobs(1)
+    assert copy["id"] == job["id"] and copy["attempt"] == 2
+
+
+async def test_binary_frame_is_refused(live: Live, connect, busy_good_worker):
+    good, held, jobs = busy_good_worker
+    bad = await connect("bad")
+    await bad.ws.send(b'{"type": "heartbeat"}')
+    assert (await bad.expect("error"))["code"] == "binary_not_supported"
+    assert await closed_with(bad) == 1003
+    await assert_others_unharmed(live, good, held, jobs)
+
+
+async def test_oversized_frame_is_refused(live: Live, connect, busy_good_worker):
+    good, held, jobs = busy_good_worker
+    bad = await connect("bad")
+    huge = {**HB, "seq": 0, "registration": {**REGISTRATION, "hostname": "x" * (2 << 20)}}
+    await bad.send(huge)
+    assert await closed_with(bad) == 1009
+    await assert_others_unharmed(live, good, held, jobs)
+
+
+async def test_a_second_connection_with_a_live_worker_id_is_refused(
+        live: Live, connect, busy_good_worker, tmp_path: Path):
+    good, held, jobs = busy_good_worker
+    twin = await connect("good")
+    await twin.beat(registration={**REGISTRATION, "specs": []}, capacity=1)
+    assert (await twin.expect("error"))["code"] == "worker_id_in_use"
+    assert await closed_with(twin) == 1008
+    await assert_others_unharmed(live, good, held, jobs)
+
+
+# -- HTTP -------------------------------------------------------------------------------
+async def test_enqueue_errors_are_precise(live: Live, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "typed", extra='[args.n]\ntype = "integer"\n'))
+    cases = [
+        (b'{"spec": "typed",', 400, "malformed_json"),
+        (b'{"spec": 5}', 422, "invalid_request"),
+        (b'{"spec": "typed", "args": [1]}', 422, "invalid_request"),
+        (b'{"spec": "typed", "args": {"n": 1}, "colour": "red"}', 422, "invalid_request"),
+        (b'{"spec": "nope"}', 422, "unknown_spec"),
+        (b'{"spec": "typed", "args": {"n": "one"}}', 422, "invalid_args"),
+        (b'{"spec": "typed", "args": {}}', 422, "invalid_args"),
+        (b'{"spec": "typed", "args": {"n": 1, "m": 2}}', 422, "invalid_args"),
+    ]
+    for body, status, code in cases:
+        response = await live.http.post("/jobs", content=body)
+        assert response.status_code == status, (body, response.text)
+        assert response.json()["error"]["code"] == code, body
+        assert response.json()["error"]["message"]
+    counts = (await live.http.get("/queues")).json()["queues"]
+    assert counts == []  # nothing was stored
+
+
+async def test_duplicate_job_id_gives_the_existing_job(live: Live, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "echo"))
+    first = await live.http.post("/jobs", json={"spec": "echo", "id": "order-17", "args": {"a": 1}})
+    again = await live.http.post("/jobs", json={"spec": "echo", "id": "order-17", "args": {"a": 1}})
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["created"] is True and again.json()["created"] is False
+    assert again.json()["job"]["id"] == "order-17"
+    assert again.json()["job"]["enqueued_at"] == first.json()["job"]["enqueued_at"]
+    conflict = await live.http.post("/jobs", json={"spec": "echo", "id": "order-17",
+                                                   "args": {"a": 2}})
+    assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "id_conflict"
+    assert len(live.coordinator.scheduler.jobs) == 1
+    assert (await live.job("order-17"))["args"] == {"a": 1}
+
+
+async def test_not_found_and_bad_parameters(live: Live):
+    for path, status, code in [("/jobs/missing", 404, "not_found"),
+                               ("/jobs/missing/result", 404, "not_found"),
+                               ("/jobs/missing/result?wait=abc", 400, "invalid_wait"),
+                               ("/jobs/missing/result?wait=-1", 400, "invalid_wait"),
+                               ("/specs/missing/history", 404, "not_found"),
+                               ("/no/such/route", 404, "not_found")]:
+        response = await live.http.get(path)
+        assert response.status_code == status, path
+        assert response.json()["error"]["code"] == code, path
+    response = await live.http.delete("/specs")
+    assert response.status_code == 405
+    assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_bad_spec_push_changes_nothing(live: Live, tmp_path: Path):
+    good = write_spec(tmp_path, "echo")
+    await live.push(good)
+    for body, code in [({"specs": [{"name": "bad name!", "version": "1"}]}, "invalid_request"),
+                       ({"specs": [{"name": "x"}]}, "invalid_request"),
+                       ({"specs": [{"name": "x", "version": "1", "colour": "red"}]}, "invalid_request"),
+                       ({"specs": [{"name": "x", "version": "1"}, {"name": "x", "version": "2"}]},
+                        "duplicate_spec")]:
+        response = await live.http.put("/specs", json=body)
+        assert response.status_code == 422, body
+        assert response.json()["error"]["code"] == code
+    specs = (await live.http.get("/specs")).json()["specs"]
+    assert [s["name"] for s in specs] == ["echo"]
+    assert live.coordinator.scheduler.status_quo.keys() == {"echo"}

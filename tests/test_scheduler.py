@@ -1,0 +1,421 @@
+"""Unit tests for the pure scheduling policy in rota.scheduler (no server, no I/O)."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import pytest
+
+from rota.scheduler import Scheduler, WorkerSlot
+from rota.store import Job
+
+CA = "sha256:" + "a" * 64
+CB = "sha256:" + "b" * 64
+OLD = "sha256:" + "0" * 64
+
+_seq = itertools.count(1)
+
+
+def make_job(job_id: str, spec: str = "a", queue: str = "default", priority: int = 0,
+             seq: int | None = None) -> Job:
+    seq = next(_seq) if seq is None else seq
+    return Job(id=job_id, spec=spec, queue=queue, args=msgspec.Raw(b"{}"), priority=priority,
+               enqueued_at=1_700_000_000.0 + seq, seq=seq)
+
+
+def make_worker(worker_id: str, specs: dict[str, str] | None = None,
+                queues: list[str] | None = None, concurrency: int = 10,
+                capacity: int | None = None, state: str = "running") -> WorkerSlot:
+    return WorkerSlot(id=worker_id, queues=queues or ["default"], concurrency=concurrency,
+                      specs={"a": CA} if specs is None else specs, state=state,
+                      capacity=concurrency if capacity is None else capacity)
+
+
+@pytest.fixture
+def sched() -> Scheduler:
+    scheduler = Scheduler()
+    scheduler.status_quo = {"a": CA, "b": CB}
+    return scheduler
+
+
+def ids(jobs: list[Job]) -> list[str]:
+    return [job.id for job in jobs]
+
+
+def planned_ids(plan: dict[str, list[Job]], worker_id: str) -> list[str]:
+    return ids(plan.get(worker_id, []))
+
+
+# -- spec / checksum matching -------------------------------------------------------
+def test_worker_with_status_quo_checksum_gets_the_job(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1"))
+    sched.add(make_job("j1"))
+    plan = sched.plan()
+    assert planned_ids(plan, "w1") == ["j1"]
+
+
+def test_worker_with_other_checksum_gets_nothing(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", specs={"a": OLD}))
+    sched.add(make_job("j1"))
+    assert sched.plan() == {}
+    assert sched.jobs["j1"].state == "available"
+    assert sched.jobs["j1"].attempt == 0
+
+
+def test_worker_without_the_spec_gets_nothing(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", specs={"b": CB}))
+    sched.add(make_job("j1", spec="a"))
+    assert sched.plan() == {}
+
+
+def test_spec_without_status_quo_is_never_planned(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", specs={"a": CA, "ghost": CA}))
+    sched.add(make_job("g1", spec="ghost"))
+    assert sched.plan() == {}
+
+
+def test_worker_gets_only_jobs_of_matching_specs(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", specs={"a": CA, "b": OLD}))
+    for n in range(3):
+        sched.add(make_job(f"a{n}", spec="a"))
+        sched.add(make_job(f"b{n}", spec="b", priority=10))
+    plan = sched.plan()
+    assert sorted(planned_ids(plan, "w1")) == ["a0", "a1", "a2"]
+    assert all(sched.jobs[f"b{n}"].state == "available" for n in range(3))
+
+
+# -- ordering ------------------------------------------------------------------------
+def test_priority_then_enqueue_order(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1"))
+    # Added out of order on purpose: the heap must sort them.
+    sched.add(make_job("low-late", priority=0, seq=4))
+    sched.add(make_job("high-late", priority=5, seq=3))
+    sched.add(make_job("low-early", priority=0, seq=1))
+    sched.add(make_job("high-early", priority=5, seq=2))
+    sched.add(make_job("negative", priority=-1, seq=0))
+    sched.add(make_job("mid", priority=1, seq=5))
+    plan = sched.plan()
+    assert planned_ids(plan, "w1") == [
+        "high-early", "high-late", "mid", "low-early", "low-late", "negative"]
+
+
+def test_priority_order_spans_specs_in_one_queue(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", specs={"a": CA, "b": CB}))
+    sched.add(make_job("a-old", spec="a", priority=0, seq=1))
+    sched.add(make_job("b-new", spec="b", priority=0, seq=2))
+    sched.add(make_job("a-urgent", spec="a", priority=9, seq=3))
+    sched.add(make_job("b-urgent", spec="b", priority=9, seq=4))
+    plan = sched.plan()
+    assert planned_ids(plan, "w1") == ["a-urgent", "b-urgent", "a-old", "b-new"]
+
+
+def test_one_at_a_time_follows_priority(sched: Scheduler) -> None:
+    worker = make_worker("w1", capacity=1)
+    sched.add_worker(worker)
+    sched.add(make_job("p1", priority=1))
+    sched.add(make_job("p7", priority=7))
+    sched.add(make_job("p3", priority=3))
+    got = []
+    for _ in range(3):
+        [job] = sched.plan()["w1"]
+        got.append(job.id)
+        worker.capacity = 1
+    assert got == ["p7", "p3", "p1"]
+
+
+def test_worker_queue_order_beats_priority(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", queues=["first", "second"], capacity=1))
+    sched.add(make_job("urgent", queue="second", priority=100))
+    sched.add(make_job("f1", queue="first", priority=0))
+    sched.add(make_job("f2", queue="first", priority=0))
+    assert planned_ids(sched.plan(), "w1") == ["f1"]
+    sched.workers["w1"].capacity = 10
+    # The first queue is drained before the second is touched.
+    assert planned_ids(sched.plan(), "w1") == ["f2", "urgent"]
+
+
+def test_queue_not_served_is_never_planned(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", queues=["default"]))
+    sched.add(make_job("elsewhere", queue="other"))
+    assert sched.plan() == {}
+
+
+# -- concurrency and capacity -----------------------------------------------------------
+def test_never_more_than_concurrency(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", concurrency=2, capacity=100))
+    for n in range(5):
+        sched.add(make_job(f"j{n}"))
+    plan = sched.plan()
+    assert len(plan["w1"]) == 2
+    assert len(sched.workers["w1"].active) == 2
+    assert sched.plan() == {}
+
+
+def test_capacity_below_concurrency_limits(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", concurrency=10, capacity=3))
+    for n in range(5):
+        sched.add(make_job(f"j{n}"))
+    assert len(sched.plan()["w1"]) == 3
+    assert sched.workers["w1"].capacity == 0
+    assert sched.plan() == {}
+
+
+def test_capacity_is_decremented_by_what_was_assigned(sched: Scheduler) -> None:
+    worker = make_worker("w1", concurrency=10, capacity=5)
+    sched.add_worker(worker)
+    sched.add(make_job("j1"))
+    sched.add(make_job("j2"))
+    assert len(sched.plan()["w1"]) == 2
+    assert worker.capacity == 3
+    assert worker.active == {"j1", "j2"}
+    assert worker.free() == 3
+
+
+def test_zero_capacity_gets_nothing(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", concurrency=4, capacity=0))
+    sched.add(make_job("j1"))
+    assert sched.plan() == {}
+
+
+def test_replan_without_freeing_gives_nothing(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", concurrency=1, capacity=1))
+    sched.add(make_job("j1"))
+    sched.add(make_job("j2"))
+    assert planned_ids(sched.plan(), "w1") == ["j1"]
+    assert sched.plan() == {}
+    # Even if the worker claims more room, concurrency is the law.
+    sched.workers["w1"].capacity = 50
+    assert sched.plan() == {}
+    assert sched.jobs["j2"].state == "available"
+
+
+@pytest.mark.parametrize("state", ["quiet", "terminate"])
+def test_workers_not_running_get_nothing(sched: Scheduler, state: str) -> None:
+    sched.add_worker(make_worker("w1", state=state))
+    sched.add(make_job("j1"))
+    assert sched.plan() == {}
+    sched.workers["w1"].state = "running"
+    assert planned_ids(sched.plan(), "w1") == ["j1"]
+
+
+def test_work_spreads_across_equal_workers(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", concurrency=4))
+    sched.add_worker(make_worker("w2", concurrency=4))
+    for n in range(4):
+        sched.add(make_job(f"j{n}"))
+    plan = sched.plan()
+    assert len(plan["w1"]) == 2
+    assert len(plan["w2"]) == 2
+    assert sorted(planned_ids(plan, "w1") + planned_ids(plan, "w2")) == ["j0", "j1", "j2", "j3"]
+
+
+def test_spread_respects_each_workers_room(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("small", concurrency=1))
+    sched.add_worker(make_worker("big", concurrency=10))
+    for n in range(6):
+        sched.add(make_job(f"j{n}"))
+    plan = sched.plan()
+    assert len(plan["small"]) == 1
+    assert len(plan["big"]) == 5
+
+
+# -- reservation lifecycle ----------------------------------------------------------------
+def test_reservation_sets_state_worker_attempt_and_checksum(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1"))
+    job = make_job("j1")
+    sched.add(job)
+    assert (job.state, job.worker_id, job.attempt, job.checksum) == ("available", None, 0, None)
+    sched.plan()
+    assert (job.state, job.worker_id, job.attempt, job.checksum) == ("active", "w1", 1, CA)
+
+
+def test_job_is_never_planned_twice(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", concurrency=1))
+    sched.add_worker(make_worker("w2", concurrency=1))
+    sched.add(make_job("only"))
+    first = sched.plan()
+    assert sum(len(jobs) for jobs in first.values()) == 1
+    assert sched.jobs["only"].state == "active"
+    assert sched.plan() == {}
+
+
+def test_add_twice_does_not_double_plan(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1"))
+    job = make_job("j1")
+    sched.add(job)
+    sched.add(job)
+    assert planned_ids(sched.plan(), "w1") == ["j1"]
+    assert job.attempt == 1
+
+
+def test_release_makes_job_available_and_replannable(sched: Scheduler) -> None:
+    worker = make_worker("w1")
+    sched.add_worker(worker)
+    job = make_job("j1")
+    sched.add(job)
+    sched.plan()
+    sched.release(job)
+    assert job.state == "available"
+    assert job.worker_id is None
+    assert worker.active == set()
+    assert job.attempt == 1  # release does not undo the attempt
+    assert planned_ids(sched.plan(), "w1") == ["j1"]
+    assert job.attempt == 2
+
+
+def test_finish_frees_the_worker_slot(sched: Scheduler) -> None:
+    worker = make_worker("w1", concurrency=1, capacity=5)
+    sched.add_worker(worker)
+    sched.add(make_job("j1"))
+    sched.add(make_job("j2"))
+    [done] = sched.plan()["w1"]
+    assert done.id == "j1"
+    assert sched.plan() == {}
+    sched.finish(done)
+    assert "j1" not in sched.jobs
+    assert worker.active == set()
+    assert planned_ids(sched.plan(), "w1") == ["j2"]
+
+
+def test_finished_job_is_not_replanned_after_release_of_others(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1"))
+    sched.add(make_job("j1"))
+    [job] = sched.plan()["w1"]
+    sched.finish(job)
+    assert sched.plan() == {}
+    assert sched.ready_counts() == {}
+
+
+# -- removing a worker ----------------------------------------------------------------
+def test_remove_worker_returns_active_jobs_only(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1"))
+    sched.add(make_job("run1"))
+    sched.add(make_job("run2"))
+    sched.add(make_job("done"))
+    plan = sched.plan()
+    assert sorted(planned_ids(plan, "w1")) == ["done", "run1", "run2"]
+    sched.jobs["done"].state = "finishing"  # its result is being committed
+
+    returned = sched.remove_worker("w1")
+
+    assert sorted(ids(returned)) == ["run1", "run2"]
+    assert "w1" not in sched.workers
+    for job in returned:
+        assert job.state == "available"
+        assert job.worker_id is None
+        assert job.attempt == 1
+    assert sched.jobs["done"].state == "finishing"
+    assert sched.ready_counts() == {("default", "a"): 2}
+
+    sched.add_worker(make_worker("w2"))
+    replanned = sched.plan()["w2"]
+    assert sorted(ids(replanned)) == ["run1", "run2"]
+    assert all(job.attempt == 2 for job in replanned)
+
+
+def test_remove_unknown_worker_is_harmless(sched: Scheduler) -> None:
+    assert sched.remove_worker("nobody") == []
+
+
+# -- status quo changes --------------------------------------------------------------
+def test_status_quo_change_reroutes_jobs(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("A", specs={"a": CA}))
+    sched.add_worker(make_worker("B", specs={"a": OLD}))
+    sched.add(make_job("before"))
+    plan = sched.plan()
+    assert planned_ids(plan, "A") == ["before"]
+    assert "B" not in plan
+    assert sched.jobs["before"].checksum == CA
+
+    sched.status_quo = {**sched.status_quo, "a": OLD}
+    sched.add(make_job("after1"))
+    sched.add(make_job("after2"))
+    plan = sched.plan()
+    assert "A" not in plan  # A still has room, but now declares the wrong checksum
+    assert sorted(planned_ids(plan, "B")) == ["after1", "after2"]
+    assert all(job.checksum == OLD for job in plan["B"])
+
+
+def test_released_job_takes_the_new_status_quo_checksum(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", specs={"a": CA}))
+    job = make_job("j1")
+    sched.add(job)
+    sched.plan()
+    assert (job.attempt, job.checksum) == (1, CA)
+    sched.release(job)
+
+    sched.status_quo = {"a": OLD}
+    sched.add_worker(make_worker("w2", specs={"a": OLD}))
+    plan = sched.plan()
+    assert planned_ids(plan, "w2") == ["j1"]
+    assert (job.attempt, job.checksum, job.worker_id) == (2, OLD, "w2")
+
+
+# -- explaining why jobs wait ---------------------------------------------------------
+def test_waiting_reasons_are_distinct(sched: Scheduler) -> None:
+    reasons: dict[str, str | None] = {}
+
+    reasons["nobody"] = sched.waiting_reason("default", "a")
+
+    sched.add_worker(make_worker("other-sum", specs={"a": OLD}))
+    reasons["checksum"] = sched.waiting_reason("default", "a")
+
+    sched.remove_worker("other-sum")
+    sched.add_worker(make_worker("no-spec", specs={"b": CB}))
+    reasons["no_spec"] = sched.waiting_reason("default", "a")
+
+    sched.add_worker(make_worker("full", specs={"a": CA}, concurrency=1))
+    sched.add(make_job("j1"))
+    sched.plan()
+    reasons["full"] = sched.waiting_reason("default", "a")
+
+    assert all(isinstance(reason, str) and reason for reason in reasons.values()), reasons
+    assert len(set(reasons.values())) == 4, reasons
+    assert "'default'" in reasons["nobody"]  # type: ignore[operator]
+    assert "checksum" in reasons["checksum"]  # type: ignore[operator]
+    assert "none implements" in reasons["no_spec"]  # type: ignore[operator]
+    assert "full" in reasons["full"]  # type: ignore[operator]
+
+    sched.add_worker(make_worker("roomy", specs={"a": CA}, concurrency=2))
+    assert sched.waiting_reason("default", "a") is None
+
+
+def test_waiting_reason_no_worker_for_queue_even_if_others_connected(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", queues=["media"]))
+    reason = sched.waiting_reason("emails", "a")
+    assert reason is not None and "'emails'" in reason
+
+
+def test_waiting_reason_capable_but_not_running(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", state="quiet"))
+    reason = sched.waiting_reason("default", "a")
+    assert reason is not None and "not running" in reason
+    sched.workers["w1"].state = "running"
+    assert sched.waiting_reason("default", "a") is None
+
+
+def test_waiting_reason_without_status_quo(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1", specs={"ghost": CA}))
+    reason = sched.waiting_reason("default", "ghost")
+    assert reason is not None and "status quo" in reason
+
+
+# -- bookkeeping helpers --------------------------------------------------------------
+def test_ready_counts_track_available_jobs(sched: Scheduler) -> None:
+    sched.add(make_job("a1", spec="a"))
+    sched.add(make_job("a2", spec="a"))
+    sched.add(make_job("b1", spec="b", queue="other"))
+    assert sched.ready_counts() == {("default", "a"): 2, ("other", "b"): 1}
+    sched.add_worker(make_worker("w1", concurrency=1))
+    sched.plan()
+    assert sched.ready_counts() == {("default", "a"): 1, ("other", "b"): 1}
+
+
+def test_mismatched_workers(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w3", specs={"a": OLD}))
+    sched.add_worker(make_worker("w1", specs={"a": OLD, "b": CB}))
+    sched.add_worker(make_worker("w2", specs={"a": CA}))
+    sched.add_worker(make_worker("w4", specs={"b": CB}))
+    assert sched.mismatched_workers("a", CA) == ["w1", "w3"]
+    assert sched.mismatched_workers("b", CB) == []
