@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import signal
 import socket
 from collections.abc import AsyncIterator, Iterator
 
@@ -14,6 +17,8 @@ from rota import api
 from rota.coordinator import Coordinator
 from rota.sessions import work_endpoint
 from rota.settings import ServerSettings
+
+log = logging.getLogger("rota.server")
 
 # A worker frame larger than this is refused (close 1009) before it is decoded.
 MAX_FRAME = 1 << 20
@@ -81,5 +86,17 @@ class EmbeddedServer(uvicorn.Server):
 
 async def serve(settings: ServerSettings, *, log_level: str = "info",
                 sock: socket.socket | None = None) -> None:
-    server = uvicorn.Server(uvicorn_config(settings, log_level=log_level))
+    """Serve until SIGINT or SIGTERM (graceful: connections close, writes commit); a
+    second signal stops at once."""
+    server = EmbeddedServer(uvicorn_config(settings, log_level=log_level))
+
+    def on_signal() -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    log.info("serving on http://%s:%d (workers connect to /work)", settings.host, settings.port)
     await server.serve(sockets=[sock or listen_socket(settings.host, settings.port)])

@@ -1,0 +1,31 @@
+"""An example Rota worker for the specs in ../specs. Run it from the repository root:
+
+    rota worker examples.worker:worker --url http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from rota import JobContext, Worker
+
+worker = Worker(specs_dir="specs", concurrency=10, labels=["example"])
+
+
+@worker.handler("echo")
+async def echo(ctx: JobContext) -> dict[str, Any]:
+    return {"message": ctx.args["message"]}
+
+
+@worker.handler("resize_image")
+async def resize_image(ctx: JobContext) -> dict[str, Any]:
+    await asyncio.sleep(0.1)  # pretend to fetch and resize
+    return {"url": ctx.args["url"], "width": ctx.args["width"],
+            "format": ctx.args.get("format", "png")}
+
+
+@worker.handler("send_email")
+def send_email(ctx: JobContext) -> dict[str, str]:
+    # A plain function runs in the worker's thread pool, so blocking I/O is fine here.
+    return {"delivered_to": ctx.args["to"], "template": ctx.args["template"]}

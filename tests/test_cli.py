@@ -1,0 +1,191 @@
+"""The ``rota`` command in real subprocesses: specs push during a deploy, enqueue, inspect,
+``rota serve`` configured by ROTA_* variables, and ``rota worker`` stopping on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+from conftest import Live, RawWorker, wait_until, write_spec
+
+from click.testing import CliRunner
+
+from rota.cli import main
+from rota.specs import checksum
+
+
+async def rota(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+               timeout: float = 30) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rota", *args, cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_specs_push_dry_run_then_push_then_change(live: Live, connect, tmp_path: Path):
+    specs = tmp_path / "specs"
+    echo_v1 = write_spec(specs, "echo", version="1")
+    write_spec(specs, "resize", queue="media")
+    code, out, _ = await rota("specs", "push", str(specs), "--dry-run", "--url", live.base)
+    assert code == 0
+    assert out.splitlines()[0].startswith("new       echo")
+    assert "dry run: nothing was changed" in out
+    assert (await live.http.get("/specs")).json()["specs"] == []
+
+    code, out, _ = await rota("specs", "push", str(specs), env={"ROTA_URL": live.base})
+    assert code == 0 and out.count("new ") == 2
+    old_worker = await connect("old")
+    await old_worker.register([echo_v1])
+
+    write_spec(specs, "echo", version="2")
+    code, out, _ = await rota("specs", "push", str(specs), "--url", live.base)
+    assert code == 0
+    lines = {line.split()[1]: line for line in out.splitlines()}
+    assert lines["echo"].startswith("changed")
+    assert "1 connected worker(s) no longer match" in lines["echo"]
+    assert lines["resize"].startswith("unchanged")
+
+    code, out, _ = await rota("specs", "list", "--url", live.base)
+    assert code == 0 and "echo" in out and "resize" in out and "queue=media" in out
+    code, out, _ = await rota("specs", "history", "echo", "--url", live.base)
+    assert code == 0
+    versions = [line.split()[1] for line in out.splitlines()]
+    assert versions == ["1", "2"]
+
+
+async def test_enqueue_and_jobs_show(live: Live, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "echo"))
+    code, out, _ = await rota("enqueue", "echo", "--args", '{"message": "hi"}', "--id", "job-1",
+                              "--priority", "3", "--url", live.base)
+    assert code == 0
+    job = json.loads(out)
+    assert (job["id"], job["priority"], job["args"]) == ("job-1", 3, {"message": "hi"})
+    code, out, err = await rota("enqueue", "echo", "--args", '{"message": "hi"}', "--id", "job-1",
+                                "--priority", "3", "--url", live.base)
+    assert code == 0 and "exists already" in err and json.loads(out)["id"] == "job-1"
+    code, out, _ = await rota("jobs", "show", "job-1", "--url", live.base)
+    shown = json.loads(out)
+    assert shown["state"] == "available"
+    assert shown["waiting_reason"] == "no connected worker serves queue 'default'"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["enqueue", "nope"], "has no status quo"),
+    (["enqueue", "echo", "--args", "{oops"], "--args is not valid JSON"),
+    (["enqueue", "echo", "--args", "[1]"], "must be a JSON object"),
+    (["jobs", "show", "missing"], "no job missing"),
+])
+async def test_cli_errors_are_clear(live: Live, tmp_path: Path, args: list[str], message: str):
+    await live.push(write_spec(tmp_path, "echo"))
+    code, _, err = await rota(*args, "--url", live.base)
+    assert code == 1 and message in err
+
+
+async def test_unreachable_server_is_a_clear_error(tmp_path: Path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    code, _, err = await rota("specs", "list", "--url", f"http://127.0.0.1:{port}")
+    assert code == 1 and "cannot reach Rota" in err
+
+
+def test_every_command_has_help():
+    runner = CliRunner()
+    commands = [[], ["serve"], ["worker"], ["specs"], ["specs", "push"], ["specs", "list"],
+                ["specs", "history"], ["specs", "checksum"], ["enqueue"], ["jobs"],
+                ["jobs", "show"], ["demo"]]
+    for command in commands:
+        result = runner.invoke(main, [*command, "--help"])
+        assert result.exit_code == 0 and len(result.output.splitlines()) > 3, command
+    out = runner.invoke(main, ["serve", "--help"]).output
+    for var in ("ROTA_HOST", "ROTA_PORT", "ROTA_DB", "ROTA_LOG_LEVEL", "ROTA_HEARTBEAT_INTERVAL",
+                "ROTA_HEARTBEAT_TIMEOUT", "ROTA_VISIBILITY_TIMEOUT"):
+        assert var in out, var
+
+
+async def test_serve_reads_rota_variables_and_stops_on_sigterm(tmp_path: Path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "ROTA_PORT": str(port), "ROTA_DB": str(tmp_path / "env.db"),
+           "ROTA_HEARTBEAT_TIMEOUT": "7.5", "ROTA_HEARTBEAT_INTERVAL": "0.5",
+           "ROTA_LOG_LEVEL": "warning"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "rota", "serve", env=env,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            async def healthy() -> bool:
+                try:
+                    return (await http.get("/healthz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await wait_until(healthy, timeout=15, what="rota serve to answer")
+        worker = RawWorker(await websockets.connect(f"ws://127.0.0.1:{port}/work"), "env-check")
+        welcome = await worker.register([])
+        assert (welcome["heartbeat_timeout"], welcome["heartbeat_interval"]) == (7.5, 0.5)
+        await worker.ws.close()
+        assert (tmp_path / "env.db").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+WORKER_MODULE = """
+import asyncio
+from rota import Worker
+
+worker = Worker(specs_dir="specs", concurrency=2)
+
+@worker.handler("echo")
+async def echo(ctx):
+    await asyncio.sleep(ctx.args.get("work_seconds", 0))  # the job's own work
+    return {"echoed": ctx.args}
+"""
+
+
+async def test_rota_worker_runs_jobs_and_finishes_them_on_sigterm(live: Live, tmp_path: Path):
+    echo = write_spec(tmp_path / "specs", "echo")
+    await live.push(echo)
+    (tmp_path / "demo_worker.py").write_text(WORKER_MODULE)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rota", "worker", "demo_worker:worker", "--url", live.base,
+        cwd=tmp_path, stderr=asyncio.subprocess.PIPE)
+    try:
+        quick = await live.enqueue("echo", {"n": 1})
+        assert (await live.wait_state(quick["id"], "completed", timeout=15))["result"] == {
+            "echoed": {"n": 1}}
+        slow = await live.enqueue("echo", {"work_seconds": 0.5})
+        await live.wait_state(slow["id"], "active")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        done = await live.job(slow["id"])
+        assert done["state"] == "completed" and done["attempt"] == 1
+        assert done["checksum"] == checksum(echo)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_rota_worker_rejects_a_bad_target(tmp_path: Path):
+    code, _, err = await rota("worker", "no_such_module:worker", cwd=tmp_path)
+    assert code == 1 and "cannot load" in err
+    code, _, err = await rota("worker", "json:dumps", cwd=tmp_path)
+    assert code == 1 and "not a rota.Worker" in err
