@@ -21,7 +21,7 @@ from rota import protocol as p
 from rota.ids import uuid7
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.settings import ServerSettings
-from rota.specs import JobSpec, SpecError, checksum, validate_args
+from rota.specs import JobSpec, Name, SpecError, checksum, validate_args
 from rota.store import TERMINAL_STATES, Finish, Job, SpecChange, Store
 
 log = logging.getLogger("rota.server")
@@ -49,7 +49,7 @@ class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     spec: str
     args: dict[str, Any] = {}
     id: str | None = None
-    queue: str | None = None
+    queue: Name | None = None
     priority: int | None = None
 
 
@@ -130,6 +130,10 @@ class Coordinator:
         if hb.worker_id in self.connections:
             raise p.FrameError("worker_id_in_use",
                                f"worker {hb.worker_id} is already connected", p.CLOSE_POLICY)
+        names = [ref.name for ref in reg.specs]
+        if len(set(names)) != len(names):
+            raise p.FrameError("invalid_message", "a spec is declared twice in the registration",
+                               p.CLOSE_INVALID_PAYLOAD)
         verdict = self._judge_specs(hb.worker_id, reg.specs)
         now = time.time()
         await self.store.worker_connected({
@@ -248,7 +252,19 @@ class Coordinator:
 
     async def _commit_results(self, seq: int, desired: str, worker_id: str,
                               finishes: list[Finish], rejected: list[p.ResultRejection]) -> str:
-        await self.store.finish(finishes)
+        try:
+            await self.store.finish(finishes)
+        except Exception as exc:
+            # Nothing was stored: the jobs stay reserved, and the worker hears that it may
+            # report them again rather than believing they were recorded.
+            log.exception("storing %d result(s) from worker=%s failed", len(finishes), worker_id)
+            for finish in finishes:
+                job = self.scheduler.jobs[finish.job_id]  # "finishing" jobs are never dropped
+                job.state = "active"
+                rejected.append(p.ResultRejection(
+                    job_id=job.id, attempt=job.attempt,
+                    reason=f"could not be stored ({exc}); report it again"))
+            return self._ack(seq, desired, [], rejected)
         for finish in finishes:
             job = self.scheduler.jobs.get(finish.job_id)
             if job is not None:

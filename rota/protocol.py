@@ -25,7 +25,8 @@ CLOSE_GOING_AWAY = 1001  # server shutting down
 CLOSE_UNSUPPORTED = 1003  # binary frame or unknown message type
 CLOSE_INVALID_PAYLOAD = 1007  # malformed JSON or wrong field types
 CLOSE_POLICY = 1008  # protocol misuse: no registration first, id clash, seq going back
-CLOSE_TOO_BIG = 1009  # frame larger than the server accepts
+CLOSE_TOO_BIG = 1009  # frame larger than the server accepts (sent by the WebSocket layer)
+CLOSE_INTERNAL = 1011  # the server failed; the worker should reconnect
 
 
 class _Tagged(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
@@ -72,7 +73,7 @@ class Alert(msgspec.Struct, kw_only=True):
 
 
 class Status(msgspec.Struct, kw_only=True):
-    state: WorkerState = "running"
+    state: WorkerState  # required: a status that omits it must not read as "running"
     active_job_ids: list[str] = []
     cpu_percent: float | None = None
     memory_rss: int | None = None

@@ -115,7 +115,13 @@ class Session:
             item = await self._outbox.get()
             if item is _CLOSE:
                 return
-            frame = item if isinstance(item, str) else await item  # type: ignore[misc]
+            try:
+                frame = item if isinstance(item, str) else await item  # type: ignore[misc]
+            except Exception:
+                # Never leave a worker waiting on an answer that will not come.
+                log.exception("answer to worker=%s failed", self.worker_id)
+                self.abort("internal_error", "the server failed to answer", p.CLOSE_INTERNAL)
+                return
             await self.ws.send_text(frame)
 
 

@@ -14,6 +14,7 @@ import msgspec
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+MAX_VISIBILITY = 7 * 24 * 3600.0  # a week; longer leases should extend by heartbeat instead
 ArgType = Literal["string", "integer", "number", "boolean", "object", "array", "any"]
 
 
@@ -42,7 +43,7 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     description: str = ""
     queue: Name = "default"
     priority: int = 0
-    visibility_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    visibility_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_VISIBILITY)] | None = None
     retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
     args: dict[str, ArgSpec] = {}
 

@@ -214,7 +214,12 @@ class Worker:
 
     async def _read(self, ws: ClientConnection) -> None:
         async for frame in ws:
-            message = p.decode_server_message(frame)
+            try:
+                message = p.decode_server_message(frame)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                # A newer server may send messages this SDK does not know: skip, don't die.
+                log.warning("ignoring a server frame this SDK cannot read: %s", exc)
+                continue
             match message:
                 case p.Assign(jobs=jobs):
                     for copy in jobs:

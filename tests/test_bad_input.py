@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,11 @@ FIRST_FRAME_CASES: list[tuple[str, Any, str, int]] = [
     ("queues not a list", {**HB, "seq": 0, "registration": {**REGISTRATION, "queues": "default"}},
      "invalid_message", 1007),
     ("a JSON array", [1, 2, 3], "invalid_message", 1007),
+    ("no type at all", {"seq": 0, "worker_id": "bad", "registration": REGISTRATION},
+     "unknown_type", 1003),
+    ("a spec declared twice", {**HB, "seq": 0, "registration": {**REGISTRATION, "specs": [
+        {"name": "echo", "checksum": "sha256:1"}, {"name": "echo", "checksum": "sha256:2"}]}},
+     "invalid_message", 1007),
 ]
 
 
@@ -87,6 +93,11 @@ LATER_FRAME_CASES: list[tuple[str, Any, str, int]] = [
     ("result with a wrong outcome", {**HB, "seq": 5, "results": [
         {"job_id": "x", "attempt": 1, "outcome": "maybe"}]}, "invalid_message", 1007),
     ("malformed JSON", "{nope", "malformed_json", 1007),
+    ("a status without its state", {**HB, "seq": 5, "status": {"active_job_ids": []}},
+     "invalid_message", 1007),
+    ("an error object without its type", {**HB, "seq": 5, "results": [
+        {"job_id": "x", "attempt": 1, "outcome": "failed", "error": {"message": "m"}}]},
+     "invalid_message", 1007),
 ]
 
 
@@ -151,6 +162,8 @@ async def test_enqueue_errors_are_precise(live: Live, tmp_path: Path):
         (b'{"spec": "typed", "args": {"n": "one"}}', 422, "invalid_args"),
         (b'{"spec": "typed", "args": {}}', 422, "invalid_args"),
         (b'{"spec": "typed", "args": {"n": 1, "m": 2}}', 422, "invalid_args"),
+        (b'{"spec": "typed", "args": {"n": 1}, "queue": "no spaces please"}', 422,
+         "invalid_request"),
     ]
     for body, status, code in cases:
         response = await live.http.post("/jobs", content=body)
@@ -205,3 +218,30 @@ async def test_bad_spec_push_changes_nothing(live: Live, tmp_path: Path):
     specs = (await live.http.get("/specs")).json()["specs"]
     assert [s["name"] for s in specs] == ["echo"]
     assert live.coordinator.scheduler.status_quo.keys() == {"echo"}
+
+
+async def test_a_result_the_store_cannot_commit_is_rejected_and_kept(
+        live: Live, connect, tmp_path: Path):
+    """A real SQLite failure (a trigger aborts the update): the worker is told, the job stays
+    reserved, and reporting it again once the store recovers succeeds."""
+    echo = write_spec(tmp_path, "echo")
+    await live.push(echo)
+    worker = await connect()
+    await worker.register([echo])
+    await live.enqueue("echo", id="doomed")
+    [copy] = await worker.jobs(1)
+    db = sqlite3.connect(live.settings.db)
+    db.execute("CREATE TRIGGER refuse BEFORE UPDATE OF state ON jobs WHEN NEW.state = 'completed'"
+               " BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+    db.commit()
+    ack = await worker.complete(copy, result=1)
+    assert ack.get("accepted", []) == []
+    [rejection] = ack["rejected"]
+    assert rejection["attempt"] == 1 and "disk says no" in rejection["reason"]
+    assert (await live.job("doomed"))["state"] == "active"
+    db.execute("DROP TRIGGER refuse")
+    db.commit()
+    db.close()
+    ack = await worker.complete(copy, result=2)
+    assert ack["accepted"] == ["doomed"]
+    assert (await live.job("doomed"))["result"] == 2
