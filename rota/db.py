@@ -23,6 +23,7 @@ T = TypeVar("T")
 Op = Callable[[sqlite3.Connection], Any]
 
 MAX_BATCH = 512
+CHECKPOINT_EVERY = 0.5  # seconds between background WAL checkpoints
 migrations = sqlite_utils.Migrations("rota")
 
 
@@ -124,6 +125,9 @@ class Writer:
 
     def _run(self) -> None:
         conn = connect(self._path)
+        # Checkpoints belong to the Checkpointer thread: run inline they would fsync the
+        # whole database inside some unlucky commit and stall every caller behind it.
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
         try:
             while True:
                 first = self._queue.get()
@@ -161,6 +165,33 @@ class Writer:
             outcomes = [(future, None, exc) for _, future in batch]
         assert self._loop is not None
         self._loop.call_soon_threadsafe(_settle, outcomes)
+
+
+class Checkpointer:
+    """Copies the WAL back into the database file in the background (PASSIVE: it never
+    blocks the writer or readers), so the WAL stays small without stalling commits."""
+
+    def __init__(self, path: Path, interval: float = CHECKPOINT_EVERY) -> None:
+        self._path = path
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rota-checkpoint", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        conn = connect(self._path)
+        try:
+            while not self._stop.wait(self._interval):
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # leave a tidy file behind
+        finally:
+            conn.close()
 
 
 def _run_in_savepoint(conn: sqlite3.Connection, op: Op) -> tuple[Any, BaseException | None]:

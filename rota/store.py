@@ -74,10 +74,12 @@ class Store:
     path: Path
     writer: db.Writer = field(init=False)
     readers: db.Readers = field(init=False)
+    checkpointer: db.Checkpointer = field(init=False)
 
     def __post_init__(self) -> None:
         self.writer = db.Writer(self.path)
         self.readers = db.Readers(self.path)
+        self.checkpointer = db.Checkpointer(self.path)
 
     # -- lifecycle (startup runs in a thread, before the server takes traffic) ----
     def load(self) -> Snapshot:
@@ -90,10 +92,12 @@ class Store:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.writer.start(loop)
+        self.checkpointer.start()
 
     def close(self) -> None:
         self.writer.stop()
         self.readers.close()
+        self.checkpointer.stop()
 
     # -- writes --------------------------------------------------------------------
     async def enqueue(self, job: Job) -> tuple[dict[str, Any], bool]:
