@@ -14,10 +14,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.coordinator import Coordinator, EnqueueRequest, RequestError
+from rota.coordinator import Coordinator
+from rota.errors import RequestError
+from rota.jobs import BatchRequest, EnqueueRequest
+from rota.policy import TERMINAL_STATES
 from rota.protocol import rfc3339
 from rota.specs import JobSpec, checksum
-from rota.store import TERMINAL_STATES, job_view
+from rota.store import job_view
 
 MAX_BODY = 1 << 20
 
@@ -57,8 +60,35 @@ async def _decode(request: Request, kind: type[Any]) -> Any:
 # -- jobs -------------------------------------------------------------------------
 async def enqueue(request: Request) -> Response:
     payload = await _decode(request, EnqueueRequest)
-    row, created = await _coordinator(request).enqueue(payload)
+    [outcome] = await _coordinator(request).enqueue([payload])
+    if isinstance(outcome, RequestError):
+        raise outcome
+    row, created = outcome
     return JSON({"job": job_view(row), "created": created}, status_code=201 if created else 200)
+
+
+async def enqueue_batch(request: Request) -> Response:
+    """Many jobs, one transaction; each gets its own status, and a bad one spoils no other."""
+    batch: BatchRequest = await _decode(request, BatchRequest)
+    parsed: list[EnqueueRequest | RequestError] = []
+    for raw in batch.jobs:
+        try:
+            parsed.append(msgspec.json.decode(raw, type=EnqueueRequest))
+        except msgspec.ValidationError as exc:
+            parsed.append(RequestError(422, "invalid_request", str(exc)))
+    valid = [item for item in parsed if isinstance(item, EnqueueRequest)]
+    outcomes = iter(await _coordinator(request).enqueue(valid) if valid else [])
+    results = []
+    for index, item in enumerate(parsed):
+        outcome = item if isinstance(item, RequestError) else next(outcomes)
+        if isinstance(outcome, RequestError):
+            results.append({"index": index, "status": outcome.status,
+                            "error": {"code": outcome.code, "message": outcome.message}})
+        else:
+            row, created = outcome
+            results.append({"index": index, "status": 201 if created else 200,
+                            "created": created, "job": job_view(row)})
+    return JSON({"results": results})
 
 
 async def show_job(request: Request) -> Response:
@@ -69,7 +99,19 @@ async def show_job(request: Request) -> Response:
     view = job_view(row)
     if row["state"] == "available":
         view["waiting_reason"] = coordinator.scheduler.waiting_reason(row["queue"], row["spec"])
+    elif row["state"] in ("scheduled", "retryable"):
+        view["waiting_reason"] = f"{row['state']} until {view['run_at']}"
     return JSON(view)
+
+
+async def cancel_job(request: Request) -> Response:
+    row, done = await _coordinator(request).cancel(request.path_params["job_id"])
+    return JSON(job_view(row), status_code=200 if done else 202)
+
+
+async def retry_job(request: Request) -> Response:
+    row = await _coordinator(request).retry(request.path_params["job_id"])
+    return JSON(job_view(row))
 
 
 async def job_result(request: Request) -> Response:
@@ -87,8 +129,9 @@ async def job_result(request: Request) -> Response:
         return error(404, "not_found", f"no job {job_id}")
     view = job_view(row)
     done = row["state"] in TERMINAL_STATES
+    failed = row["state"] in ("discarded", "cancelled") and view["errors"]
     body = {"id": job_id, "state": row["state"], "done": done, "result": view["result"],
-            "error": view["errors"][-1] if row["state"] == "failed" and view["errors"] else None}
+            "error": view["errors"][-1] if failed else None}
     return JSON(body, status_code=200 if done else 202)
 
 
@@ -175,7 +218,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 routes = [
     Route("/jobs", enqueue, methods=["POST"]),
+    Route("/jobs/batch", enqueue_batch, methods=["POST"]),
     Route("/jobs/{job_id}", show_job, methods=["GET"]),
+    Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
+    Route("/jobs/{job_id}/retry", retry_job, methods=["POST"]),
     Route("/jobs/{job_id}/result", job_result, methods=["GET"]),
     Route("/specs", list_specs, methods=["GET"]),
     Route("/specs", push_specs, methods=["PUT"]),

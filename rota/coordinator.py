@@ -1,30 +1,40 @@
-"""The server's core: registrations, heartbeats, results, enqueues, spec pushes, dispatch.
+"""The server's core: registrations, heartbeats, results, timers, enqueues, dispatch.
 
 It owns the store and the scheduler and never touches a socket: a worker's
-connection is an ``Outbox`` it sends frames to. Every change is committed through
-the store before anyone is told about it (an ``assign`` frame, an ``ack`` that
-accepts a result, an HTTP answer to an enqueue).
+connection is an ``Outbox`` it sends frames to. Every transition is committed
+through the store before anyone acts on it: an ``assign`` frame, an ``ack`` that
+accepts a result and an HTTP answer all wait for the COMMIT, and because the single
+writer commits in order, a job made available in memory is never handed out before
+the write that made it available.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import random
 import time
-from collections.abc import Awaitable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Awaitable, Coroutine, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
 
 from rota import protocol as p
-from rota.ids import uuid7
+from rota.errors import RequestError
+from rota.jobs import EnqueueRequest, error_record, new_job, same_job
+from rota.policy import TERMINAL_STATES, WAITING_STATES, Ending, after_attempt
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.settings import ServerSettings
-from rota.specs import JobSpec, Name, SpecError, checksum, validate_args
-from rota.store import TERMINAL_STATES, Finish, Job, SpecChange, Store
+from rota.specs import JobSpec, SpecError, checksum, validate_args
+from rota.store import Change, Job, SpecChange, Store, job_from_row
 
 log = logging.getLogger("rota.server")
+# Error types a worker may report that say the attempt ended for an outside reason, not
+# because the job failed: they do not count toward max_fails and do not back off.
+OUTSIDE_ENDINGS: dict[str, Ending] = {"visibility_timeout": "visibility_timeout",
+                                      "shutdown": "shutdown", "cancelled": "cancelled"}
 
 
 class Outbox(Protocol):
@@ -35,24 +45,6 @@ class Outbox(Protocol):
     def abort(self, code: str, message: str, close_code: int) -> None: ...
 
 
-class RequestError(Exception):
-    """A request the server refuses; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-
-
-class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    spec: str
-    args: dict[str, Any] = {}
-    id: str | None = None
-    queue: Name | None = None
-    priority: int | None = None
-
-
 @dataclass(slots=True)
 class Connection:
     worker: WorkerSlot
@@ -60,6 +52,7 @@ class Connection:
     registration: p.Registration
     connected_at: float
     last_seen: float  # monotonic
+    reported: list[str] = field(default_factory=list)  # last active_job_ids
     directive: str | None = None  # the state the server wants; None: whatever the worker says
 
 
@@ -70,15 +63,18 @@ def short(checksum_: str | None) -> str:
 class Coordinator:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
-        self.store = Store(settings.db)
-        self.scheduler = Scheduler()
+        self.store = Store(settings.db,
+                           crash_before_commit=settings.crash_at == "enqueue-before-commit")
+        self.scheduler = Scheduler(settings.visibility_timeout)
         self.specs: dict[str, JobSpec] = {}
         self.connections: dict[str, Connection] = {}
         self._wake = asyncio.Event()
+        self._timers = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._no_connections = asyncio.Event()
         self._no_connections.set()
+        self._random = random.Random()
         self.started_at = time.time()
 
     # -- lifecycle -----------------------------------------------------------------
@@ -87,14 +83,22 @@ class Coordinator:
         self.store.start(asyncio.get_running_loop())
         self.specs = snapshot.status_quo
         self.scheduler.status_quo = dict(snapshot.checksums)
+        grace = time.time() + self.settings.heartbeat_timeout
+        orphans = 0
         for job in snapshot.jobs:
-            self.scheduler.add(job)
-        if snapshot.requeued:
-            log.warning("recovery requeued=%d reason=server_restart", snapshot.requeued)
+            if job.state == "active":
+                # Its worker may come back: it has heartbeat_timeout to reclaim the job.
+                job.orphaned, job.lease_expires_at = True, grace
+                orphans += 1
+            self.scheduler.track(job)
+        if orphans:
+            log.warning("recovery active_jobs=%d wait=%.1fs for their workers to reclaim them",
+                        orphans, self.settings.heartbeat_timeout)
         log.info("store db=%s specs=%d live_jobs=%d", self.settings.db, len(self.specs),
                  len(snapshot.jobs))
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._reap_loop(), "rota-reaper")
+        self.spawn(self._timer_loop(), "rota-timers")
 
     async def stop(self) -> None:
         for conn in list(self.connections.values()):
@@ -104,7 +108,7 @@ class Coordinator:
         except TimeoutError:
             log.warning("shutdown: %d connection(s) did not close", len(self.connections))
         for task in list(self._tasks):
-            if task.get_name() in ("rota-dispatch", "rota-reaper"):
+            if task.get_name() in ("rota-dispatch", "rota-reaper", "rota-timers"):
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.store.close)
@@ -123,17 +127,21 @@ class Coordinator:
     def kick(self) -> None:
         self._wake.set()
 
+    def crash_point(self, name: str) -> None:
+        """Test switch (--crash-at): die here as kill -9 would."""
+        if self.settings.crash_at == name:
+            log.critical("crash point %s: exiting now", name)
+            os._exit(86)
+
     # -- workers ---------------------------------------------------------------------
     async def register(self, hb: p.Heartbeat, outbox: Outbox) -> str:
         reg = hb.registration
         assert reg is not None
-        if hb.worker_id in self.connections:
-            raise p.FrameError("worker_id_in_use",
-                               f"worker {hb.worker_id} is already connected", p.CLOSE_POLICY)
         names = [ref.name for ref in reg.specs]
         if len(set(names)) != len(names):
             raise p.FrameError("invalid_message", "a spec is declared twice in the registration",
                                p.CLOSE_INVALID_PAYLOAD)
+        self._refuse_twin(hb.worker_id)
         verdict = self._judge_specs(hb.worker_id, reg.specs)
         now = time.time()
         await self.store.worker_connected({
@@ -144,9 +152,7 @@ class Coordinator:
             "specs": msgspec.json.encode(reg.specs).decode(),
             "connected_at": now, "disconnected_at": None,
         })
-        if hb.worker_id in self.connections:  # lost a race with a twin while committing
-            raise p.FrameError("worker_id_in_use",
-                               f"worker {hb.worker_id} is already connected", p.CLOSE_POLICY)
+        self._refuse_twin(hb.worker_id)  # a twin may have registered while we committed
         slot = WorkerSlot(id=hb.worker_id, queues=list(reg.queues), concurrency=reg.concurrency,
                           specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels))
         self.scheduler.add_worker(slot)
@@ -155,13 +161,24 @@ class Coordinator:
         log.info("register worker=%s host=%s pid=%d queues=%s concurrency=%d specs_ok=%d"
                  " specs_rejected=%d", slot.id, reg.hostname, reg.pid, ",".join(reg.queues),
                  reg.concurrency, len(verdict.accepted), len(verdict.rejected))
-        welcome = p.Welcome(
+        # Jobs it held before a restart: still running, or finished with results buffered.
+        held = list(hb.status.active_job_ids) if hb.status is not None else []
+        held += [result.job_id for result in hb.results]
+        if held:
+            for job in self.scheduler.adopt(slot, held, now):
+                log.info("reclaim job=%s spec=%s queue=%s worker=%s attempt=%d", job.id,
+                         job.spec, job.queue, slot.id, job.attempt)
+        return p.encode(p.Welcome(
             worker_id=slot.id, server_time=p.rfc3339(now),
             heartbeat_interval=self.settings.heartbeat_interval,
             heartbeat_timeout=self.settings.heartbeat_timeout,
             visibility_timeout=self.settings.visibility_timeout, specs=verdict,
-        )
-        return p.encode(welcome)
+        ))
+
+    def _refuse_twin(self, worker_id: str) -> None:
+        if worker_id in self.connections:
+            raise p.FrameError("worker_id_in_use", f"worker {worker_id} is already connected",
+                               p.CLOSE_POLICY)
 
     def _judge_specs(self, worker_id: str, declared: list[p.SpecRef]) -> p.SpecVerdict:
         accepted: list[str] = []
@@ -189,18 +206,11 @@ class Coordinator:
             return
         if not self.connections:
             self._no_connections.set()
-        returned = self.scheduler.remove_worker(worker_id)
-        log.info("disconnect worker=%s reason=%s requeued=%d", worker_id, reason, len(returned))
-        for job in returned:
-            log.info("requeue job=%s spec=%s queue=%s worker=%s attempt=%d reason=disconnect",
-                     job.id, job.spec, job.queue, worker_id, job.attempt)
-        self.spawn(self._record_disconnect(worker_id, returned), f"rota-disconnect-{worker_id}")
-        self.kick()
-
-    async def _record_disconnect(self, worker_id: str, returned: list[Job]) -> None:
-        if returned:
-            await self.store.requeue(returned, worker_id)
-        await self.store.worker_disconnected(worker_id, time.time())
+        held = self.scheduler.remove_worker(worker_id, conn.reported)
+        log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason, len(held))
+        self._recover(held, "worker_death", f"worker {worker_id} is gone ({reason})")
+        self.spawn(self.store.worker_disconnected(worker_id, time.time()),
+                   f"rota-disconnect-{worker_id}")
 
     # -- heartbeats and results -------------------------------------------------------
     def heartbeat(self, worker_id: str, hb: p.Heartbeat) -> str | Awaitable[str]:
@@ -209,23 +219,24 @@ class Coordinator:
         worker = conn.worker
         if hb.status is not None:
             worker.state = hb.status.state
+            conn.reported = hb.status.active_job_ids
+            self.scheduler.renew(worker, hb.status.active_job_ids, time.time())
         if hb.capacity is not None:
             worker.capacity = hb.capacity
-        accepted, rejected, finishes = self._check_results(worker, hb.results)
+        accepted, rejected, changes = self._take_results(worker, hb.results)
         desired = conn.directive or worker.state
-        if not finishes:
+        if not changes:
             if worker.free() > 0:
                 self.kick()
             return self._ack(hb.seq, desired, accepted, rejected)
-        task = self.spawn(self._commit_results(hb.seq, desired, worker_id, finishes, rejected),
+        return self.spawn(self._commit_results(hb.seq, desired, worker_id, changes, rejected),
                           f"rota-results-{worker_id}-{hb.seq}")
-        return task
 
-    def _check_results(self, worker: WorkerSlot, results: list[p.Result]
-                       ) -> tuple[list[str], list[p.ResultRejection], list[Finish]]:
+    def _take_results(self, worker: WorkerSlot, results: list[p.Result]
+                      ) -> tuple[list[str], list[p.ResultRejection], list[Change]]:
         accepted: list[str] = []
         rejected: list[p.ResultRejection] = []
-        finishes: list[Finish] = []
+        changes: list[Change] = []
         now = time.time()
         for result in results:
             reason = self._result_problem(worker, result)
@@ -235,46 +246,81 @@ class Coordinator:
                 log.warning("result rejected job=%s worker=%s attempt=%d reason=%s",
                             result.job_id, worker.id, result.attempt, reason)
                 continue
-            self.scheduler.jobs[result.job_id].state = "finishing"
-            accepted.append(result.job_id)
-            finishes.append(_finish(result, worker.id, now))
-        return accepted, rejected, finishes
+            job = self.scheduler.jobs[result.job_id]
+            accepted.append(job.id)
+            changes.append(self._settle(job, result, now))
+        return accepted, rejected, changes
 
     def _result_problem(self, worker: WorkerSlot, result: p.Result) -> str | None:
         job = self.scheduler.jobs.get(result.job_id)
         if job is None:
             return "unknown job, or it already finished"
-        if job.worker_id != worker.id or job.state != "active":
+        if job.worker_id != worker.id or job.state != "active" or job.orphaned:
             return "job is not reserved by this worker"
         if job.attempt != result.attempt:
             return f"attempt {result.attempt} is not the current attempt {job.attempt}"
         return None
 
+    def _settle(self, job: Job, result: p.Result, now: float) -> Change:
+        """Decide an accepted result's outcome; the job stays put in memory until commit."""
+        if result.outcome == "completed":
+            job.state = "completed"
+            return Change(job, result=msgspec.json.encode(result.result), finished_at=now)
+        error = result.error or p.ErrorInfo(type="error", message="the worker gave no error")
+        return self._end_attempt(job, OUTSIDE_ENDINGS.get(error.type, "failed"), error, now)
+
+    def _end_attempt(self, job: Job, ending: Ending, error: p.ErrorInfo, now: float) -> Change:
+        """Apply the retry policy to an attempt that did not complete."""
+        if ending == "failed":
+            job.fails += 1
+        decision = after_attempt(
+            ending=ending, retryable=error.retryable, attempts_used=job.attempt - job.budget_start,
+            fails=job.fails, limits=job.limits, expires_at=job.expires_at,
+            cancel_requested=job.cancel_requested, now=now, rand=self._random.random())
+        record = error_record(error, attempt=job.attempt, worker_id=job.worker_id, now=now)
+        job.state = decision.state
+        job.run_at = decision.run_at
+        log.info("attempt ended job=%s spec=%s@%s queue=%s worker=%s attempt=%d ending=%s"
+                 " next=%s%s", job.id, job.spec, short(job.checksum), job.queue, job.worker_id,
+                 job.attempt, ending, decision.state,
+                 f" reason={decision.reason!r}" if decision.reason else "")
+        terminal = decision.state in TERMINAL_STATES
+        return Change(job, error=record, finished_at=now if terminal else None)
+
+    def _place(self, job: Job) -> None:
+        """Put a job where its (committed) state says it belongs."""
+        if job.state in TERMINAL_STATES:
+            self.scheduler.finish(job)
+            self._wake_waiters(job.id)
+        elif job.state == "available":
+            self.scheduler.add(job)
+        else:  # scheduled or retryable
+            self.scheduler.defer(job, job.run_at or time.time())
+            self._timers.set()
+
     async def _commit_results(self, seq: int, desired: str, worker_id: str,
-                              finishes: list[Finish], rejected: list[p.ResultRejection]) -> str:
+                              changes: list[Change], rejected: list[p.ResultRejection]) -> str:
         try:
-            await self.store.finish(finishes)
+            await self.store.save(changes)
         except Exception as exc:
             # Nothing was stored: the jobs stay reserved, and the worker hears that it may
             # report them again rather than believing they were recorded.
-            log.exception("storing %d result(s) from worker=%s failed", len(finishes), worker_id)
-            for finish in finishes:
-                job = self.scheduler.jobs[finish.job_id]  # "finishing" jobs are never dropped
-                job.state = "active"
+            log.exception("storing %d result(s) from worker=%s failed", len(changes), worker_id)
+            for change in changes:
+                change.job.state = "active"
                 rejected.append(p.ResultRejection(
-                    job_id=job.id, attempt=job.attempt,
+                    job_id=change.job.id, attempt=change.job.attempt,
                     reason=f"could not be stored ({exc}); report it again"))
             return self._ack(seq, desired, [], rejected)
-        for finish in finishes:
-            job = self.scheduler.jobs.get(finish.job_id)
-            if job is not None:
-                log.info("result job=%s spec=%s@%s queue=%s worker=%s attempt=%d outcome=%s",
-                         job.id, job.spec, short(job.checksum), job.queue, worker_id,
-                         job.attempt, finish.state)
-                self.scheduler.finish(job)
-            self._wake_waiters(finish.job_id)
+        self.crash_point("result-after-commit")
+        for change in changes:
+            if change.job.state == "completed":
+                log.info("result job=%s spec=%s@%s queue=%s worker=%s attempt=%d outcome=completed",
+                         change.job.id, change.job.spec, short(change.job.checksum),
+                         change.job.queue, worker_id, change.job.attempt)
+            self._place(change.job)
         self.kick()
-        return self._ack(seq, desired, [f.job_id for f in finishes], rejected)
+        return self._ack(seq, desired, [c.job.id for c in changes], rejected)
 
     def _ack(self, seq: int, state: str, accepted: list[str],
              rejected: list[p.ResultRejection]) -> str:
@@ -282,13 +328,84 @@ class Coordinator:
                               server_time=p.rfc3339(time.time()),
                               accepted=accepted, rejected=rejected))
 
+    # -- recovery and timers ------------------------------------------------------------
+    def _recover(self, jobs: Iterable[Job], ending: Ending, message: str) -> None:
+        """Attempts that ended without a result: retry or discard them, record why."""
+        now = time.time()
+        changes = [self._end_attempt(job, ending, p.ErrorInfo(type=ending, message=message), now)
+                   for job in jobs]
+        for change in changes:
+            # Safe before the commit: the writer commits in order, so any reservation of
+            # this job is written after this change.
+            if change.job.state not in TERMINAL_STATES:
+                self._place(change.job)
+            else:
+                self.scheduler.finish(change.job)
+        if changes:
+            self.spawn(self._save_then_wake(changes), "rota-recover")
+            self.kick()
+
+    async def _save_then_wake(self, changes: list[Change]) -> None:
+        await self.store.save(changes)
+        for change in changes:
+            if change.job.state in TERMINAL_STATES:
+                self._wake_waiters(change.job.id)
+
+    async def _timer_loop(self) -> None:
+        while True:
+            deadline = self.scheduler.next_deadline()
+            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.time()))
+            try:
+                await asyncio.wait_for(self._timers.wait(), wait)
+            except TimeoutError:
+                pass
+            self._timers.clear()
+            self._fire_timers(time.time())
+
+    def _fire_timers(self, now: float) -> None:
+        due = self.scheduler.due(now)
+        if due:
+            self.spawn(self.store.save([Change(job) for job in due]), "rota-due")
+            self.kick()
+        for job in self.scheduler.expired_leases(now):
+            self._lease_lapsed(job)
+        expired = self.scheduler.expired_ttls(now)
+        if expired:
+            self._expire(expired, now)
+
+    def _lease_lapsed(self, job: Job) -> None:
+        holder = job.worker_id or ""
+        if job.orphaned:
+            job.orphaned = False
+            self._recover([job], "worker_death", f"worker {holder} did not come back after a restart")
+            return
+        conn = self.connections.get(holder)
+        if conn is not None:  # stop the stale run, so it does not race the retry
+            conn.worker.active.discard(job.id)
+            conn.outbox.send(p.encode(p.Cancel(job_ids=[job.id], reason="visibility_timeout")))
+        lease = self.scheduler.lease_for(job)
+        self._recover([job], "visibility_timeout", f"no result or heartbeat for {lease:g}s")
+
+    def _expire(self, jobs: list[Job], now: float) -> None:
+        changes = []
+        for job in jobs:
+            job.state = "discarded"
+            record = error_record(p.ErrorInfo(type="expired", message="its time to live ran out",
+                                              retryable=False),
+                                  attempt=job.attempt, worker_id=None, now=now)
+            changes.append(Change(job, error=record, finished_at=now))
+            self.scheduler.finish(job)
+            log.info("expired job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        self.spawn(self._save_then_wake(changes), "rota-expire")
+
     # -- dispatch --------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            plan = self.scheduler.plan()
+            plan = self.scheduler.plan(time.time())
             if plan:
+                self._timers.set()  # new leases may expire before the current deadline
                 self.spawn(self._commit_and_assign(plan), "rota-assign")
 
     async def _commit_and_assign(self, plan: dict[str, list[Job]]) -> None:
@@ -299,9 +416,11 @@ class Coordinator:
             log.exception("reservation commit failed; returning %d jobs", len(jobs))
             for job in jobs:
                 if job.state == "active":
+                    job.attempt -= 1
                     self.scheduler.release(job)
             self.kick()
             return
+        self.crash_point("reserve-after-commit")
         for worker_id, batch in plan.items():
             self._send_assign(worker_id, batch)
 
@@ -318,7 +437,7 @@ class Coordinator:
             copies.append(p.JobCopy(
                 id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
                 args=job.args, attempt=job.attempt, priority=job.priority,
-                visibility_timeout=job.visibility_timeout or self.settings.visibility_timeout,
+                visibility_timeout=self.scheduler.lease_for(job),
                 enqueued_at=p.rfc3339(job.enqueued_at)))
         conn.outbox.send(p.encode(p.Assign(jobs=copies)))
 
@@ -338,30 +457,97 @@ class Coordinator:
                     self.disconnect(conn.worker.id, "heartbeat_timeout")
 
     # -- producers -------------------------------------------------------------------
-    async def enqueue(self, request: EnqueueRequest) -> tuple[dict[str, Any], bool]:
+    async def enqueue(self, requests: list[EnqueueRequest]
+                      ) -> list[tuple[dict[str, Any], bool] | RequestError]:
+        """Store jobs in one transaction; per request the row and whether it is new, or why not."""
+        now = time.time()
+        built: list[Job | RequestError] = [self._build(request, now) for request in requests]
+        jobs = [job for job in built if isinstance(job, Job)]
+        stored = iter(await self.store.enqueue(jobs) if jobs else [])
+        self.crash_point("enqueue-after-commit")
+        outcomes: list[tuple[dict[str, Any], bool] | RequestError] = []
+        for request, job in zip(requests, built, strict=True):
+            if isinstance(job, RequestError):
+                outcomes.append(job)
+                continue
+            row, created = next(stored)
+            outcomes.append(self._accept(job, row, created, request))
+        return outcomes
+
+    def _build(self, request: EnqueueRequest, now: float) -> Job | RequestError:
         spec = self.specs.get(request.spec)
         if spec is None:
-            raise RequestError(422, "unknown_spec",
-                               f"spec {request.spec!r} has no status quo; push it with"
-                               " 'rota specs push' first")
+            return RequestError(422, "unknown_spec", f"spec {request.spec!r} has no status quo;"
+                                " push it with 'rota specs push' first")
         try:
             validate_args(spec, request.args)
+            return new_job(request, spec, now)
         except SpecError as exc:
-            raise RequestError(422, "invalid_args", str(exc)) from exc
-        job = Job(id=request.id or uuid7(), spec=spec.name, queue=request.queue or spec.queue,
-                  args=msgspec.Raw(msgspec.json.encode(request.args)),
-                  priority=spec.priority if request.priority is None else request.priority,
-                  enqueued_at=time.time(), seq=0, visibility_timeout=spec.visibility_timeout)
-        row, created = await self.store.enqueue(job)
+            return RequestError(422, "invalid_args", str(exc))
+        except RequestError as exc:
+            return exc
+
+    def _accept(self, job: Job, row: dict[str, Any], created: bool, request: EnqueueRequest
+                ) -> tuple[dict[str, Any], bool] | RequestError:
         if not created:
-            _check_same_job(row, job, request.args)
+            if not same_job(row, job, request.args):
+                return RequestError(409, "id_conflict", f"job {job.id} exists with a different"
+                                    " spec, queue, priority or args")
             return row, False
         job.seq = row["rowid"]
-        self.scheduler.add(job)
-        log.info("enqueue job=%s spec=%s queue=%s priority=%d", job.id, job.spec, job.queue,
-                 job.priority)
+        self.scheduler.track(job)
+        log.info("enqueue job=%s spec=%s queue=%s priority=%d state=%s", job.id, job.spec,
+                 job.queue, job.priority, job.state)
+        self._timers.set()
         self.kick()
         return row, True
+
+    async def cancel(self, job_id: str) -> tuple[dict[str, Any], bool]:
+        """Cancel a job: at once if it waits, through its worker if it runs.
+        Returns the stored job and whether it is cancelled already."""
+        job = self.scheduler.jobs.get(job_id)
+        if job is None or job.state not in WAITING_STATES | {"active"}:
+            row = await self.store.get_job(job_id)
+            if row is None:
+                raise RequestError(404, "not_found", f"no job {job_id}")
+            raise RequestError(409, "not_cancellable", f"job {job_id} is {row['state']}")
+        if job.state == "active":
+            job.cancel_requested = True
+            await self.store.save([Change(job)])
+            conn = self.connections.get(job.worker_id or "")
+            if conn is not None:
+                conn.outbox.send(p.encode(p.Cancel(job_ids=[job.id], reason="cancelled")))
+            log.info("cancel requested job=%s worker=%s", job.id, job.worker_id)
+            return await self._row(job_id), False
+        job.state = "cancelled"
+        self.scheduler.finish(job)
+        await self.store.save([Change(job, finished_at=time.time())])
+        self._wake_waiters(job.id)
+        log.info("cancelled job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        return await self._row(job_id), True
+
+    async def retry(self, job_id: str) -> dict[str, Any]:
+        """Put a discarded or cancelled job back, with a fresh attempt budget."""
+        row = await self.store.get_job(job_id)
+        if row is None:
+            raise RequestError(404, "not_found", f"no job {job_id}")
+        if row["state"] not in ("discarded", "cancelled") or job_id in self.scheduler.jobs:
+            raise RequestError(409, "not_retryable",
+                               f"job {job_id} is {row['state']}; only discarded or cancelled"
+                               " jobs can be retried")
+        job = job_from_row(row)
+        job.budget_start, job.fails, job.cancel_requested = job.attempt, 0, False
+        job.expires_at = None
+        self.scheduler.add(job)
+        await self.store.save([Change(job)])
+        log.info("retry job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        self.kick()
+        return await self._row(job_id)
+
+    async def _row(self, job_id: str) -> dict[str, Any]:
+        row = await self.store.get_job(job_id)
+        assert row is not None
+        return row
 
     async def wait_for_result(self, job_id: str, timeout: float) -> dict[str, Any] | None:
         """The job's row as soon as it is terminal, or as it stands when ``timeout`` runs out."""
@@ -420,21 +606,3 @@ class Coordinator:
         return {"name": change.name, "change": change.change, "checksum": change.checksum,
                 "previous": change.previous, "mismatched_workers": len(mismatched),
                 "matching_workers": len(matching)}
-
-
-def _finish(result: p.Result, worker_id: str, now: float) -> Finish:
-    if result.outcome == "completed":
-        return Finish(result.job_id, "completed", msgspec.json.encode(result.result), None, now)
-    error = result.error or p.ErrorInfo(type="error", message="the worker gave no error")
-    record = {"type": error.type, "message": error.message, "retryable": error.retryable,
-              "details": error.details, "attempt": result.attempt, "worker_id": worker_id,
-              "at": p.rfc3339(now)}
-    return Finish(result.job_id, "failed", None, msgspec.json.encode(record), now)
-
-
-def _check_same_job(row: dict[str, Any], job: Job, args: dict[str, Any]) -> None:
-    same = (row["spec"] == job.spec and row["queue"] == job.queue
-            and row["priority"] == job.priority and msgspec.json.decode(row["args"]) == args)
-    if not same:
-        raise RequestError(409, "id_conflict",
-                           f"job {job.id} exists with a different spec, queue, priority or args")

@@ -77,6 +77,17 @@ def m001_initial(db: sqlite_utils.Database) -> None:
     )
 
 
+@migrations()
+def m002_lifecycle(db: sqlite_utils.Database) -> None:
+    jobs = db["jobs"]
+    for name, kind in (("run_at", float), ("lease_expires_at", float), ("expires_at", float),
+                       ("max_attempts", int), ("max_fails", int), ("backoff_base", float),
+                       ("backoff_max", float)):
+        jobs.add_column(name, kind)
+    for name in ("fails", "budget_start", "cancel_requested"):
+        jobs.add_column(name, int, not_null_default=0)
+
+
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)

@@ -158,12 +158,19 @@ class Assign(_Tagged, tag="assign"):
     jobs: list[JobCopy]
 
 
+class Cancel(_Tagged, tag="cancel"):
+    """Stop these jobs: cancelled by an operator, or their reservation lapsed."""
+
+    job_ids: list[str]
+    reason: str
+
+
 class Error(_Tagged, tag="error"):
     code: str
     message: str
 
 
-ServerMessage = Welcome | Ack | Assign | Error
+ServerMessage = Welcome | Ack | Assign | Cancel | Error
 
 
 # -- codecs: built once, reused for every frame ----------------------------------

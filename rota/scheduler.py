@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from rota.store import Job
 
 HeapEntry = tuple[int, int, str]  # (-priority, seq, job id)
+TimerEntry = tuple[float, str]  # (when, job id); checked against the job when popped
 
 
 @dataclass(slots=True)
@@ -39,56 +40,138 @@ class WorkerSlot:
 
 
 class Scheduler:
-    def __init__(self) -> None:
+    def __init__(self, visibility_timeout: float = 1800.0) -> None:
+        self.visibility_timeout = visibility_timeout  # when neither job nor spec sets one
         self.status_quo: dict[str, str] = {}  # spec name -> checksum
-        self.jobs: dict[str, Job] = {}  # every live job: available, active or finishing
+        self.jobs: dict[str, Job] = {}  # every live job, whatever its state
         self.workers: dict[str, WorkerSlot] = {}
         self._ready: dict[str, dict[str, list[HeapEntry]]] = {}  # queue -> spec -> heap
+        self._due: list[TimerEntry] = []  # scheduled and retryable jobs by run_at
+        self._leases: list[TimerEntry] = []  # active jobs by lease expiry
+        self._ttls: list[TimerEntry] = []  # jobs with a time to live, by expiry
         self._rotation = itertools.count()
 
     # -- jobs --------------------------------------------------------------------------
+    def track(self, job: Job) -> None:
+        """Take in a live job in whatever state it is (new, loaded, or changed)."""
+        self.jobs[job.id] = job
+        if job.expires_at is not None:
+            heapq.heappush(self._ttls, (job.expires_at, job.id))
+        if job.state == "available":
+            self.add(job)
+        elif job.state in ("scheduled", "retryable"):
+            heapq.heappush(self._due, (job.run_at or 0.0, job.id))
+        elif job.state == "active":
+            heapq.heappush(self._leases, (job.lease_expires_at or 0.0, job.id))
+
     def add(self, job: Job) -> None:
+        """Make a job available to workers now."""
+        self._detach(job)
         job.state = "available"
         job.worker_id = None
+        job.run_at = None
         self.jobs[job.id] = job
         heap = self._ready.setdefault(job.queue, {}).setdefault(job.spec, [])
         heapq.heappush(heap, (-job.priority, job.seq, job.id))
 
+    def defer(self, job: Job, run_at: float) -> None:
+        """Make a job wait until ``run_at`` (its state says scheduled or retryable)."""
+        self._detach(job)
+        job.worker_id = None
+        job.run_at = run_at
+        heapq.heappush(self._due, (run_at, job.id))
+
     def release(self, job: Job) -> None:
         """Take a job back from its worker and make it available again."""
-        worker = self.workers.get(job.worker_id or "")
-        if worker is not None:
-            worker.active.discard(job.id)
         self.add(job)
 
     def finish(self, job: Job) -> None:
         """The job reached a terminal state (committed): forget it."""
+        self._detach(job)
+        self.jobs.pop(job.id, None)
+
+    def _detach(self, job: Job) -> None:
         worker = self.workers.get(job.worker_id or "")
         if worker is not None:
             worker.active.discard(job.id)
-        self.jobs.pop(job.id, None)
+
+    # -- timers (pure: the caller says what time it is) --------------------------------
+    def due(self, now: float) -> list[Job]:
+        """Scheduled and retryable jobs whose time has come, made available."""
+        ready = [job for job in _pop_until(self._due, now, self.jobs)
+                 if job.state in ("scheduled", "retryable") and (job.run_at or 0.0) <= now]
+        for job in ready:
+            self.add(job)
+        return ready
+
+    def expired_leases(self, now: float) -> list[Job]:
+        """Active jobs whose reservation lapsed (a renewed lease goes back on the heap)."""
+        expired = []
+        for job in _pop_until(self._leases, now, self.jobs):
+            if job.state != "active":
+                continue
+            if job.lease_expires_at is not None and job.lease_expires_at > now:
+                heapq.heappush(self._leases, (job.lease_expires_at, job.id))
+            else:
+                expired.append(job)
+        return expired
+
+    def expired_ttls(self, now: float) -> list[Job]:
+        """Waiting jobs whose time to live ran out (active ones are judged when they end)."""
+        return [job for job in _pop_until(self._ttls, now, self.jobs)
+                if job.state in ("scheduled", "available", "retryable")]
+
+    def next_deadline(self) -> float | None:
+        heads = [heap[0][0] for heap in (self._due, self._leases, self._ttls) if heap]
+        return min(heads) if heads else None
+
+    def renew(self, worker: WorkerSlot, job_ids: Iterable[str], now: float) -> None:
+        """The worker vouched for these jobs: their leases start again from now."""
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is not None and job.state == "active" and job.worker_id == worker.id:
+                job.lease_expires_at = now + self.lease_for(job)
+
+    def adopt(self, worker: WorkerSlot, job_ids: Iterable[str], now: float) -> list[Job]:
+        """Give a reconnecting worker back the reservations it held before a restart."""
+        adopted = []
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None or not job.orphaned or job.worker_id != worker.id:
+                continue
+            job.orphaned = False
+            job.lease_expires_at = now + self.lease_for(job)
+            worker.active.add(job.id)
+            adopted.append(job)
+        return adopted
+
+    def lease_for(self, job: Job) -> float:
+        return job.visibility_timeout or self.visibility_timeout
 
     # -- workers -------------------------------------------------------------------
     def add_worker(self, worker: WorkerSlot) -> None:
         self.workers[worker.id] = worker
 
-    def remove_worker(self, worker_id: str) -> list[Job]:
-        """Forget a worker; return its jobs that must go back to available."""
+    def remove_worker(self, worker_id: str, reported: Iterable[str] = ()) -> list[Job]:
+        """Forget a worker; return the jobs it held, for the caller to recover.
+
+        Both the server's reservations and the worker's last reported ``active_job_ids``
+        are consulted, so a job known to either side is not overlooked. Jobs whose result
+        is being committed ("finishing") are left alone.
+        """
         worker = self.workers.pop(worker_id, None)
-        if worker is None:
-            return []
-        orphans = [self.jobs[j] for j in worker.active if j in self.jobs]
-        returned = [job for job in orphans if job.state == "active"]
-        for job in returned:
-            self.add(job)
-        return returned
+        held = set(worker.active) if worker is not None else set()
+        held.update(reported)
+        jobs = (self.jobs.get(job_id) for job_id in held)
+        return [job for job in jobs
+                if job is not None and job.state == "active" and job.worker_id == worker_id]
 
     def matches(self, worker: WorkerSlot, spec: str) -> bool:
         expected = self.status_quo.get(spec)
         return expected is not None and worker.specs.get(spec) == expected
 
     # -- planning --------------------------------------------------------------------
-    def plan(self) -> dict[str, list[Job]]:
+    def plan(self, now: float) -> dict[str, list[Job]]:
         """Reserve in memory as many ready jobs as running workers can take now."""
         start = next(self._rotation)
         order = sorted(self.workers.values(), key=lambda w: w.id)
@@ -103,18 +186,20 @@ class Scheduler:
                 job = self._pop_best(worker)
                 if job is None:
                     continue
-                self._reserve(job, worker)
+                self._reserve(job, worker, now)
                 plan.setdefault(worker.id, []).append(job)
                 if worker.free() > 0:
                     next_round.append(worker)
             candidates = next_round
         return plan
 
-    def _reserve(self, job: Job, worker: WorkerSlot) -> None:
+    def _reserve(self, job: Job, worker: WorkerSlot, now: float) -> None:
         job.state = "active"
         job.worker_id = worker.id
         job.attempt += 1
         job.checksum = self.status_quo[job.spec]
+        job.lease_expires_at = now + self.lease_for(job)
+        heapq.heappush(self._leases, (job.lease_expires_at, job.id))
         worker.active.add(job.id)
         worker.capacity -= 1
 
@@ -169,6 +254,16 @@ class Scheduler:
     def mismatched_workers(self, spec: str, checksum: str) -> list[str]:
         """Workers that declare ``spec`` with a checksum other than ``checksum``."""
         return sorted(w.id for w in self.workers.values() if w.specs.get(spec, checksum) != checksum)
+
+
+def _pop_until(heap: list[TimerEntry], now: float, jobs: dict[str, Job]) -> list[Job]:
+    """Pop every entry due by ``now``; the caller checks each job is still in that state."""
+    popped = []
+    while heap and heap[0][0] <= now:
+        job = jobs.get(heapq.heappop(heap)[1])
+        if job is not None:
+            popped.append(job)
+    return popped
 
 
 def _mismatch_reason(serving: Iterable[WorkerSlot], spec: str, expected: str) -> str:

@@ -18,3 +18,5 @@ class ServerSettings:
     visibility_timeout: float = 1800.0
     # Longest a GET /jobs/{id}/result?wait= may hold a request open.
     max_result_wait: float = 300.0
+    # Test switch: exit abruptly at a named point (see docs/reliability.md). Never in production.
+    crash_at: str | None = None

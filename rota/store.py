@@ -17,11 +17,10 @@ from typing import Any
 import msgspec
 
 from rota import db
+from rota.policy import JOB_STATES, Limits
 from rota.protocol import rfc3339
 from rota.specs import JobSpec, spec_from_builtins
 
-TERMINAL_STATES = frozenset({"completed", "failed"})
-JOB_STATES = ("available", "active", "completed", "failed")
 
 
 @dataclass(slots=True)
@@ -35,22 +34,29 @@ class Job:
     priority: int
     enqueued_at: float
     seq: int
+    limits: Limits
     visibility_timeout: float | None = None
     state: str = "available"
     attempt: int = 0
     worker_id: str | None = None
     checksum: str | None = None
+    run_at: float | None = None  # scheduled or retryable: when it becomes available
+    expires_at: float | None = None  # time to live runs out
+    lease_expires_at: float | None = None  # active: when its reservation lapses
+    fails: int = 0
+    budget_start: int = 0  # attempts before a manual retry do not count against limits
+    cancel_requested: bool = False
+    orphaned: bool = False  # active at a restart, waiting for its worker to reclaim it
 
 
 @dataclass(slots=True)
-class Finish:
-    """A result the server accepted, to be committed."""
+class Change:
+    """A job's new state (already set on ``job``), with what to append or store."""
 
-    job_id: str
-    state: str
-    result: bytes | None
-    error: bytes | None
-    finished_at: float
+    job: Job
+    error: bytes | None = None
+    result: bytes | None = None
+    finished_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -58,7 +64,6 @@ class Snapshot:
     status_quo: dict[str, JobSpec]
     checksums: dict[str, str]
     jobs: list[Job]
-    requeued: int
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class SpecChange:
 @dataclass(slots=True)
 class Store:
     path: Path
+    crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
     writer: db.Writer = field(init=False)
     readers: db.Readers = field(init=False)
     checkpointer: db.Checkpointer = field(init=False)
@@ -100,60 +106,40 @@ class Store:
         self.checkpointer.stop()
 
     # -- writes --------------------------------------------------------------------
-    async def enqueue(self, job: Job) -> tuple[dict[str, Any], bool]:
-        """Insert the job; an existing id gives the stored job back and ``False``."""
+    async def enqueue(self, jobs: list[Job]) -> list[tuple[dict[str, Any], bool]]:
+        """Insert jobs in one transaction; an existing id gives the stored row and False."""
+        rows = [_insert_row(job) for job in jobs]
 
-        def op(conn: sqlite3.Connection) -> tuple[dict[str, Any], bool]:
-            cursor = conn.execute(
-                "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt,"
-                " visibility_timeout, enqueued_at) VALUES (?, ?, ?, ?, ?, 'available', 0, ?, ?)"
-                " ON CONFLICT(id) DO NOTHING",
-                (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority,
-                 job.visibility_timeout, job.enqueued_at),
-            )
-            created = cursor.rowcount == 1
-            return _fetch_job(conn, job.id), created
+        def op(conn: sqlite3.Connection) -> list[tuple[dict[str, Any], bool]]:
+            outcomes = []
+            for row in rows:
+                created = conn.execute(_INSERT, row).rowcount == 1
+                outcomes.append((_fetch_job(conn, row[0]), created))
+            if self.crash_before_commit:
+                _crash("enqueue-before-commit")
+            return outcomes
 
         return await self.writer.submit(op)
 
     async def reserve(self, jobs: list[Job], now: float) -> None:
-        rows = [(j.attempt, j.worker_id, j.checksum, now, j.id) for j in jobs]
+        rows = [(j.attempt, j.worker_id, j.checksum, now, j.lease_expires_at, j.id) for j in jobs]
 
         def op(conn: sqlite3.Connection) -> None:
             conn.executemany(
                 "UPDATE jobs SET state = 'active', attempt = ?, worker_id = ?, checksum = ?,"
-                " reserved_at = ? WHERE id = ?",
+                " reserved_at = ?, lease_expires_at = ? WHERE id = ?",
                 rows,
             )
 
         await self.writer.submit(op)
 
-    async def finish(self, finishes: list[Finish]) -> None:
-        rows = [
-            (f.state, _text(f.result), f.finished_at, _text(f.error), _text(f.error), f.job_id)
-            for f in finishes
-        ]
+    async def save(self, changes: list[Change]) -> None:
+        """Commit job transitions. Values are taken now: the job may change again before
+        the writer runs, and FIFO order then keeps the later write last."""
+        rows = [_change_row(c) for c in changes]
 
         def op(conn: sqlite3.Connection) -> None:
-            conn.executemany(
-                "UPDATE jobs SET state = ?, result = ?, finished_at = ?, errors = CASE"
-                " WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
-                " WHERE id = ?",
-                rows,
-            )
-
-        await self.writer.submit(op)
-
-    async def requeue(self, jobs: list[Job], worker_id: str) -> None:
-        """Put a gone worker's jobs back; the worker_id guard keeps a newer reservation safe."""
-        rows = [(j.id, worker_id) for j in jobs]
-
-        def op(conn: sqlite3.Connection) -> None:
-            conn.executemany(
-                "UPDATE jobs SET state = 'available', worker_id = NULL"
-                " WHERE id = ? AND worker_id = ? AND state = 'active'",
-                rows,
-            )
+            conn.executemany(_SAVE, rows)
 
         await self.writer.submit(op)
 
@@ -215,6 +201,43 @@ class Store:
         return await self.readers.run(read)
 
 
+_INSERT = (
+    "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt, visibility_timeout,"
+    " enqueued_at, run_at, expires_at, max_attempts, max_fails, backoff_base, backoff_max)"
+    " VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING"
+)
+_SAVE = (
+    "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, budget_start = ?,"
+    " cancel_requested = ?, finished_at = COALESCE(?, finished_at), result = COALESCE(?, result),"
+    " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
+    " WHERE id = ?"
+)
+
+
+def _insert_row(job: Job) -> tuple[Any, ...]:
+    lim = job.limits
+    return (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority, job.state,
+            job.visibility_timeout, job.enqueued_at, job.run_at, job.expires_at,
+            lim.max_attempts, lim.max_fails, lim.backoff_base, lim.backoff_max)
+
+
+def _change_row(change: Change) -> tuple[Any, ...]:
+    job = change.job
+    error = _text(change.error)
+    return (job.state, job.worker_id, job.run_at, job.fails, job.budget_start,
+            int(job.cancel_requested), change.finished_at, _text(change.result), error, error,
+            job.id)
+
+
+def _crash(point: str) -> None:
+    """Die at once, as a power cut or kill -9 would (crash-point tests only)."""
+    import logging
+    import os
+
+    logging.getLogger("rota.server").critical("crash point %s: exiting now", point)
+    os._exit(86)
+
+
 def _text(data: bytes | None) -> str | None:
     return data.decode() if data is not None else None
 
@@ -248,12 +271,6 @@ def _push_one(conn: sqlite3.Connection, spec: JobSpec, checksum: str, now: float
 
 
 def _load(conn: sqlite3.Connection) -> Snapshot:
-    conn.execute("BEGIN IMMEDIATE")
-    # A restart forgets every connection, so no reservation can still be honoured.
-    requeued = conn.execute(
-        "UPDATE jobs SET state = 'available', worker_id = NULL WHERE state = 'active'"
-    ).rowcount
-    conn.execute("COMMIT")
     status_quo: dict[str, JobSpec] = {}
     checksums: dict[str, str] = {}
     for row in conn.execute(
@@ -262,15 +279,23 @@ def _load(conn: sqlite3.Connection) -> Snapshot:
     ):
         status_quo[row["name"]] = spec_from_builtins(msgspec.json.decode(row["body"]))
         checksums[row["name"]] = row["checksum"]
-    jobs = [
-        Job(id=r["id"], spec=r["spec"], queue=r["queue"], args=msgspec.Raw(r["args"].encode()),
-            priority=r["priority"], enqueued_at=r["enqueued_at"], seq=r["rowid"],
-            visibility_timeout=r["visibility_timeout"], attempt=r["attempt"])
-        for r in conn.execute(
-            "SELECT rowid, * FROM jobs WHERE state = 'available' ORDER BY rowid"
-        )
-    ]
-    return Snapshot(status_quo, checksums, jobs, requeued)
+    live = conn.execute(
+        "SELECT rowid, * FROM jobs WHERE state IN"
+        " ('scheduled', 'available', 'retryable', 'active') ORDER BY rowid"
+    )
+    return Snapshot(status_quo, checksums, [job_from_row(r) for r in live])
+
+
+def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
+    limits = Limits(max_attempts=r["max_attempts"] or 25, max_fails=r["max_fails"],
+                    backoff_base=r["backoff_base"] or 1.0, backoff_max=r["backoff_max"] or 3600.0)
+    return Job(id=r["id"], spec=r["spec"], queue=r["queue"], args=msgspec.Raw(r["args"].encode()),
+               priority=r["priority"], enqueued_at=r["enqueued_at"], seq=r["rowid"],
+               limits=limits, visibility_timeout=r["visibility_timeout"], state=r["state"],
+               attempt=r["attempt"], worker_id=r["worker_id"], checksum=r["checksum"],
+               run_at=r["run_at"], expires_at=r["expires_at"],
+               lease_expires_at=r["lease_expires_at"], fails=r["fails"],
+               budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]))
 
 
 def _fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:
@@ -300,4 +325,10 @@ def job_view(row: dict[str, Any]) -> dict[str, Any]:
         "finished_at": when(row["finished_at"]),
         "result": msgspec.json.decode(row["result"]) if row["result"] is not None else None,
         "errors": msgspec.json.decode(row["errors"] or "[]"),
+        "run_at": when(row["run_at"]),
+        "expires_at": when(row["expires_at"]),
+        "fails": row["fails"],
+        "max_attempts": row["max_attempts"],
+        "max_fails": row["max_fails"],
+        "cancel_requested": bool(row["cancel_requested"]),
     }

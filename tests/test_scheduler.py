@@ -7,6 +7,7 @@ import itertools
 import msgspec
 import pytest
 
+from rota.policy import Limits
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.store import Job
 
@@ -15,13 +16,15 @@ CB = "sha256:" + "b" * 64
 OLD = "sha256:" + "0" * 64
 
 _seq = itertools.count(1)
+NOW = 1_800_000_000.0
+LIMITS = Limits(max_attempts=3, max_fails=None, backoff_base=1.0, backoff_max=60.0)
 
 
 def make_job(job_id: str, spec: str = "a", queue: str = "default", priority: int = 0,
              seq: int | None = None) -> Job:
     seq = next(_seq) if seq is None else seq
     return Job(id=job_id, spec=spec, queue=queue, args=msgspec.Raw(b"{}"), priority=priority,
-               enqueued_at=1_700_000_000.0 + seq, seq=seq)
+               enqueued_at=1_700_000_000.0 + seq, seq=seq, limits=LIMITS)
 
 
 def make_worker(worker_id: str, specs: dict[str, str] | None = None,
@@ -51,14 +54,14 @@ def planned_ids(plan: dict[str, list[Job]], worker_id: str) -> list[str]:
 def test_worker_with_status_quo_checksum_gets_the_job(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1"))
     sched.add(make_job("j1"))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert planned_ids(plan, "w1") == ["j1"]
 
 
 def test_worker_with_other_checksum_gets_nothing(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", specs={"a": OLD}))
     sched.add(make_job("j1"))
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
     assert sched.jobs["j1"].state == "available"
     assert sched.jobs["j1"].attempt == 0
 
@@ -66,13 +69,13 @@ def test_worker_with_other_checksum_gets_nothing(sched: Scheduler) -> None:
 def test_worker_without_the_spec_gets_nothing(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", specs={"b": CB}))
     sched.add(make_job("j1", spec="a"))
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
 
 
 def test_spec_without_status_quo_is_never_planned(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", specs={"a": CA, "ghost": CA}))
     sched.add(make_job("g1", spec="ghost"))
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
 
 
 def test_worker_gets_only_jobs_of_matching_specs(sched: Scheduler) -> None:
@@ -80,7 +83,7 @@ def test_worker_gets_only_jobs_of_matching_specs(sched: Scheduler) -> None:
     for n in range(3):
         sched.add(make_job(f"a{n}", spec="a"))
         sched.add(make_job(f"b{n}", spec="b", priority=10))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert sorted(planned_ids(plan, "w1")) == ["a0", "a1", "a2"]
     assert all(sched.jobs[f"b{n}"].state == "available" for n in range(3))
 
@@ -95,7 +98,7 @@ def test_priority_then_enqueue_order(sched: Scheduler) -> None:
     sched.add(make_job("high-early", priority=5, seq=2))
     sched.add(make_job("negative", priority=-1, seq=0))
     sched.add(make_job("mid", priority=1, seq=5))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert planned_ids(plan, "w1") == [
         "high-early", "high-late", "mid", "low-early", "low-late", "negative"]
 
@@ -106,7 +109,7 @@ def test_priority_order_spans_specs_in_one_queue(sched: Scheduler) -> None:
     sched.add(make_job("b-new", spec="b", priority=0, seq=2))
     sched.add(make_job("a-urgent", spec="a", priority=9, seq=3))
     sched.add(make_job("b-urgent", spec="b", priority=9, seq=4))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert planned_ids(plan, "w1") == ["a-urgent", "b-urgent", "a-old", "b-new"]
 
 
@@ -118,7 +121,7 @@ def test_one_at_a_time_follows_priority(sched: Scheduler) -> None:
     sched.add(make_job("p3", priority=3))
     got = []
     for _ in range(3):
-        [job] = sched.plan()["w1"]
+        [job] = sched.plan(NOW)["w1"]
         got.append(job.id)
         worker.capacity = 1
     assert got == ["p7", "p3", "p1"]
@@ -129,16 +132,16 @@ def test_worker_queue_order_beats_priority(sched: Scheduler) -> None:
     sched.add(make_job("urgent", queue="second", priority=100))
     sched.add(make_job("f1", queue="first", priority=0))
     sched.add(make_job("f2", queue="first", priority=0))
-    assert planned_ids(sched.plan(), "w1") == ["f1"]
+    assert planned_ids(sched.plan(NOW), "w1") == ["f1"]
     sched.workers["w1"].capacity = 10
     # The first queue is drained before the second is touched.
-    assert planned_ids(sched.plan(), "w1") == ["f2", "urgent"]
+    assert planned_ids(sched.plan(NOW), "w1") == ["f2", "urgent"]
 
 
 def test_queue_not_served_is_never_planned(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", queues=["default"]))
     sched.add(make_job("elsewhere", queue="other"))
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
 
 
 # -- concurrency and capacity -----------------------------------------------------------
@@ -146,19 +149,19 @@ def test_never_more_than_concurrency(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", concurrency=2, capacity=100))
     for n in range(5):
         sched.add(make_job(f"j{n}"))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert len(plan["w1"]) == 2
     assert len(sched.workers["w1"].active) == 2
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
 
 
 def test_capacity_below_concurrency_limits(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", concurrency=10, capacity=3))
     for n in range(5):
         sched.add(make_job(f"j{n}"))
-    assert len(sched.plan()["w1"]) == 3
+    assert len(sched.plan(NOW)["w1"]) == 3
     assert sched.workers["w1"].capacity == 0
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
 
 
 def test_capacity_is_decremented_by_what_was_assigned(sched: Scheduler) -> None:
@@ -166,7 +169,7 @@ def test_capacity_is_decremented_by_what_was_assigned(sched: Scheduler) -> None:
     sched.add_worker(worker)
     sched.add(make_job("j1"))
     sched.add(make_job("j2"))
-    assert len(sched.plan()["w1"]) == 2
+    assert len(sched.plan(NOW)["w1"]) == 2
     assert worker.capacity == 3
     assert worker.active == {"j1", "j2"}
     assert worker.free() == 3
@@ -175,18 +178,18 @@ def test_capacity_is_decremented_by_what_was_assigned(sched: Scheduler) -> None:
 def test_zero_capacity_gets_nothing(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", concurrency=4, capacity=0))
     sched.add(make_job("j1"))
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
 
 
 def test_replan_without_freeing_gives_nothing(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", concurrency=1, capacity=1))
     sched.add(make_job("j1"))
     sched.add(make_job("j2"))
-    assert planned_ids(sched.plan(), "w1") == ["j1"]
-    assert sched.plan() == {}
+    assert planned_ids(sched.plan(NOW), "w1") == ["j1"]
+    assert sched.plan(NOW) == {}
     # Even if the worker claims more room, concurrency is the law.
     sched.workers["w1"].capacity = 50
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
     assert sched.jobs["j2"].state == "available"
 
 
@@ -194,9 +197,9 @@ def test_replan_without_freeing_gives_nothing(sched: Scheduler) -> None:
 def test_workers_not_running_get_nothing(sched: Scheduler, state: str) -> None:
     sched.add_worker(make_worker("w1", state=state))
     sched.add(make_job("j1"))
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
     sched.workers["w1"].state = "running"
-    assert planned_ids(sched.plan(), "w1") == ["j1"]
+    assert planned_ids(sched.plan(NOW), "w1") == ["j1"]
 
 
 def test_work_spreads_across_equal_workers(sched: Scheduler) -> None:
@@ -204,7 +207,7 @@ def test_work_spreads_across_equal_workers(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w2", concurrency=4))
     for n in range(4):
         sched.add(make_job(f"j{n}"))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert len(plan["w1"]) == 2
     assert len(plan["w2"]) == 2
     assert sorted(planned_ids(plan, "w1") + planned_ids(plan, "w2")) == ["j0", "j1", "j2", "j3"]
@@ -215,7 +218,7 @@ def test_spread_respects_each_workers_room(sched: Scheduler) -> None:
     sched.add_worker(make_worker("big", concurrency=10))
     for n in range(6):
         sched.add(make_job(f"j{n}"))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert len(plan["small"]) == 1
     assert len(plan["big"]) == 5
 
@@ -226,7 +229,7 @@ def test_reservation_sets_state_worker_attempt_and_checksum(sched: Scheduler) ->
     job = make_job("j1")
     sched.add(job)
     assert (job.state, job.worker_id, job.attempt, job.checksum) == ("available", None, 0, None)
-    sched.plan()
+    sched.plan(NOW)
     assert (job.state, job.worker_id, job.attempt, job.checksum) == ("active", "w1", 1, CA)
 
 
@@ -234,10 +237,10 @@ def test_job_is_never_planned_twice(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", concurrency=1))
     sched.add_worker(make_worker("w2", concurrency=1))
     sched.add(make_job("only"))
-    first = sched.plan()
+    first = sched.plan(NOW)
     assert sum(len(jobs) for jobs in first.values()) == 1
     assert sched.jobs["only"].state == "active"
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
 
 
 def test_add_twice_does_not_double_plan(sched: Scheduler) -> None:
@@ -245,7 +248,7 @@ def test_add_twice_does_not_double_plan(sched: Scheduler) -> None:
     job = make_job("j1")
     sched.add(job)
     sched.add(job)
-    assert planned_ids(sched.plan(), "w1") == ["j1"]
+    assert planned_ids(sched.plan(NOW), "w1") == ["j1"]
     assert job.attempt == 1
 
 
@@ -254,13 +257,13 @@ def test_release_makes_job_available_and_replannable(sched: Scheduler) -> None:
     sched.add_worker(worker)
     job = make_job("j1")
     sched.add(job)
-    sched.plan()
+    sched.plan(NOW)
     sched.release(job)
     assert job.state == "available"
     assert job.worker_id is None
     assert worker.active == set()
     assert job.attempt == 1  # release does not undo the attempt
-    assert planned_ids(sched.plan(), "w1") == ["j1"]
+    assert planned_ids(sched.plan(NOW), "w1") == ["j1"]
     assert job.attempt == 2
 
 
@@ -269,21 +272,21 @@ def test_finish_frees_the_worker_slot(sched: Scheduler) -> None:
     sched.add_worker(worker)
     sched.add(make_job("j1"))
     sched.add(make_job("j2"))
-    [done] = sched.plan()["w1"]
+    [done] = sched.plan(NOW)["w1"]
     assert done.id == "j1"
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
     sched.finish(done)
     assert "j1" not in sched.jobs
     assert worker.active == set()
-    assert planned_ids(sched.plan(), "w1") == ["j2"]
+    assert planned_ids(sched.plan(NOW), "w1") == ["j2"]
 
 
 def test_finished_job_is_not_replanned_after_release_of_others(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1"))
     sched.add(make_job("j1"))
-    [job] = sched.plan()["w1"]
+    [job] = sched.plan(NOW)["w1"]
     sched.finish(job)
-    assert sched.plan() == {}
+    assert sched.plan(NOW) == {}
     assert sched.ready_counts() == {}
 
 
@@ -293,25 +296,32 @@ def test_remove_worker_returns_active_jobs_only(sched: Scheduler) -> None:
     sched.add(make_job("run1"))
     sched.add(make_job("run2"))
     sched.add(make_job("done"))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert sorted(planned_ids(plan, "w1")) == ["done", "run1", "run2"]
-    sched.jobs["done"].state = "finishing"  # its result is being committed
+    sched.jobs["done"].state = "completed"  # its result is being committed
 
     returned = sched.remove_worker("w1")
 
     assert sorted(ids(returned)) == ["run1", "run2"]
     assert "w1" not in sched.workers
-    for job in returned:
-        assert job.state == "available"
-        assert job.worker_id is None
-        assert job.attempt == 1
-    assert sched.jobs["done"].state == "finishing"
+    for job in returned:  # handed back as they are: the caller applies the retry policy
+        assert job.state == "active" and job.worker_id == "w1" and job.attempt == 1
+        sched.add(job)
+    assert sched.jobs["done"].state == "completed"
     assert sched.ready_counts() == {("default", "a"): 2}
 
     sched.add_worker(make_worker("w2"))
-    replanned = sched.plan()["w2"]
+    replanned = sched.plan(NOW)["w2"]
     assert sorted(ids(replanned)) == ["run1", "run2"]
     assert all(job.attempt == 2 for job in replanned)
+
+
+def test_remove_worker_also_counts_the_jobs_it_last_reported(sched: Scheduler) -> None:
+    sched.add_worker(make_worker("w1"))
+    sched.add(make_job("j1"))
+    [job] = sched.plan(NOW)["w1"]
+    sched.workers["w1"].active.discard("j1")  # the server lost track; the worker did not
+    assert ids(sched.remove_worker("w1", reported=["j1", "unknown"])) == ["j1"]
 
 
 def test_remove_unknown_worker_is_harmless(sched: Scheduler) -> None:
@@ -323,7 +333,7 @@ def test_status_quo_change_reroutes_jobs(sched: Scheduler) -> None:
     sched.add_worker(make_worker("A", specs={"a": CA}))
     sched.add_worker(make_worker("B", specs={"a": OLD}))
     sched.add(make_job("before"))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert planned_ids(plan, "A") == ["before"]
     assert "B" not in plan
     assert sched.jobs["before"].checksum == CA
@@ -331,7 +341,7 @@ def test_status_quo_change_reroutes_jobs(sched: Scheduler) -> None:
     sched.status_quo = {**sched.status_quo, "a": OLD}
     sched.add(make_job("after1"))
     sched.add(make_job("after2"))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert "A" not in plan  # A still has room, but now declares the wrong checksum
     assert sorted(planned_ids(plan, "B")) == ["after1", "after2"]
     assert all(job.checksum == OLD for job in plan["B"])
@@ -341,13 +351,13 @@ def test_released_job_takes_the_new_status_quo_checksum(sched: Scheduler) -> Non
     sched.add_worker(make_worker("w1", specs={"a": CA}))
     job = make_job("j1")
     sched.add(job)
-    sched.plan()
+    sched.plan(NOW)
     assert (job.attempt, job.checksum) == (1, CA)
     sched.release(job)
 
     sched.status_quo = {"a": OLD}
     sched.add_worker(make_worker("w2", specs={"a": OLD}))
-    plan = sched.plan()
+    plan = sched.plan(NOW)
     assert planned_ids(plan, "w2") == ["j1"]
     assert (job.attempt, job.checksum, job.worker_id) == (2, OLD, "w2")
 
@@ -367,7 +377,7 @@ def test_waiting_reasons_are_distinct(sched: Scheduler) -> None:
 
     sched.add_worker(make_worker("full", specs={"a": CA}, concurrency=1))
     sched.add(make_job("j1"))
-    sched.plan()
+    sched.plan(NOW)
     reasons["full"] = sched.waiting_reason("default", "a")
 
     assert all(isinstance(reason, str) and reason for reason in reasons.values()), reasons
@@ -408,7 +418,7 @@ def test_ready_counts_track_available_jobs(sched: Scheduler) -> None:
     sched.add(make_job("b1", spec="b", queue="other"))
     assert sched.ready_counts() == {("default", "a"): 2, ("other", "b"): 1}
     sched.add_worker(make_worker("w1", concurrency=1))
-    sched.plan()
+    sched.plan(NOW)
     assert sched.ready_counts() == {("default", "a"): 1, ("other", "b"): 1}
 
 

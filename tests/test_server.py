@@ -159,7 +159,7 @@ async def test_results_are_stored_and_readable(live: Live, connect, tmp_path: Pa
     assert result == {"id": ok["id"], "state": "completed", "done": True,
                       "result": {"n": 42}, "error": None}
     failed = await live.job(bad["id"])
-    assert failed["state"] == "failed"
+    assert failed["state"] == "discarded"  # retryable: false
     [error] = failed["errors"]
     assert (error["type"], error["message"], error["retryable"]) == ("ValueError", "bad input", False)
     assert error["details"] == {"line": 3} and error["worker_id"] == "w1" and error["attempt"] == 1

@@ -49,7 +49,7 @@ async def test_async_and_sync_handlers_run_and_report(live: Live, sdk_worker, tm
     shout_job = await live.wait_state(shouted["id"], "completed")
     assert shout_job["result"] == f"HI (attempt 1, job {shouted['id']})"
     assert threads and threads[0].startswith("rota-job")  # sync handlers run off the loop
-    [error] = (await live.wait_state(exploded["id"], "failed"))["errors"]
+    [error] = (await live.wait_state(exploded["id"], "discarded"))["errors"]
     assert error["type"] == "Flaky" and error["message"] == "the widget melted"
     assert error["retryable"] is False
     assert "the widget melted" in error["details"]["traceback"]
@@ -57,7 +57,7 @@ async def test_async_and_sync_handlers_run_and_report(live: Live, sdk_worker, tm
 
 async def test_unserializable_result_is_reported_as_failure(live: Live, sdk_worker,
                                                             tmp_path: Path):
-    await live.push(write_spec(tmp_path, "odd"))
+    await live.push(write_spec(tmp_path, "odd", extra="[retry]\nmax_attempts = 1\n"))
     worker = make_worker(tmp_path)
 
     @worker.handler("odd")
@@ -66,7 +66,7 @@ async def test_unserializable_result_is_reported_as_failure(live: Live, sdk_work
 
     job = await live.enqueue("odd")
     await sdk_worker(worker)
-    [error] = (await live.wait_state(job["id"], "failed"))["errors"]
+    [error] = (await live.wait_state(job["id"], "discarded"))["errors"]
     assert error["type"] == "TypeError"
 
 

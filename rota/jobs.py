@@ -1,0 +1,87 @@
+"""Jobs from enqueue requests: options, defaults from the spec, and the records kept."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any
+
+import msgspec
+
+from rota import protocol as p
+from rota.errors import RequestError
+from rota.ids import uuid7
+from rota.policy import Limits
+from rota.specs import MAX_VISIBILITY, JobSpec, Name
+from rota.store import Job
+
+JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=366 * 24 * 3600.0)]
+
+
+class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    spec: str
+    args: dict[str, Any] = {}
+    id: JobId | None = None
+    queue: Name | None = None
+    priority: int | None = None
+    run_at: str | None = None  # RFC 3339; or
+    delay: Seconds | None = None  # seconds from now
+    ttl: Annotated[float, msgspec.Meta(gt=0)] | None = None  # seconds the job may live
+    visibility_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_VISIBILITY)] | None = None
+    max_attempts: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_fails: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    jobs: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1, max_length=10_000)]
+
+
+def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> Job:
+    run_at = _run_at(request, now)
+    retry = spec.retry
+    limits = Limits(
+        max_attempts=request.max_attempts or retry.max_attempts,
+        max_fails=request.max_fails or retry.max_fails,
+        backoff_base=retry.backoff_base, backoff_max=retry.backoff_max,
+    )
+    start = run_at if run_at is not None else now
+    return Job(
+        id=request.id or uuid7(), spec=spec.name, queue=request.queue or spec.queue,
+        args=msgspec.Raw(msgspec.json.encode(request.args)),
+        priority=spec.priority if request.priority is None else request.priority,
+        enqueued_at=now, seq=0, limits=limits,
+        visibility_timeout=request.visibility_timeout or spec.visibility_timeout,
+        state="scheduled" if run_at is not None else "available", run_at=run_at,
+        expires_at=start + request.ttl if request.ttl is not None else None,
+    )
+
+
+def _run_at(request: EnqueueRequest, now: float) -> float | None:
+    if request.run_at is not None and request.delay is not None:
+        raise RequestError(422, "invalid_request", "give run_at or delay, not both")
+    if request.delay:
+        return now + request.delay
+    if request.run_at is None:
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(request.run_at)
+    except ValueError as exc:
+        raise RequestError(422, "invalid_run_at", f"run_at is not RFC 3339: {exc}") from exc
+    if moment.tzinfo is None:
+        raise RequestError(422, "invalid_run_at", "run_at needs a UTC offset, e.g. 'Z'")
+    when = moment.timestamp()
+    return when if when > now else None
+
+
+def same_job(row: dict[str, Any], job: Job, args: dict[str, Any]) -> bool:
+    """An enqueue repeated with the same id must describe the same job."""
+    return (row["spec"] == job.spec and row["queue"] == job.queue
+            and row["priority"] == job.priority and msgspec.json.decode(row["args"]) == args)
+
+
+def error_record(error: p.ErrorInfo, *, attempt: int, worker_id: str | None, now: float) -> bytes:
+    return msgspec.json.encode({
+        "type": error.type, "message": error.message, "retryable": error.retryable,
+        "details": error.details, "attempt": attempt, "worker_id": worker_id,
+        "at": p.rfc3339(now),
+    })
