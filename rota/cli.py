@@ -11,6 +11,7 @@ import importlib
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -64,8 +65,12 @@ def main() -> None:
               help="Seconds of silence after which a worker is dropped and its jobs requeued.")
 @click.option("--visibility-timeout", envvar="ROTA_VISIBILITY_TIMEOUT", default=1800.0, show_default=True, show_envvar=True,
               help="Default seconds a job stays reserved for its worker.")
+@click.option("--crash-at", envvar="ROTA_CRASH_AT", hidden=True,
+              type=click.Choice(["enqueue-before-commit", "enqueue-after-commit",
+                                 "reserve-after-commit", "result-after-commit"]),
+              help="Test switch: exit abruptly at this point (crash-safety tests).")
 def serve(host: str, port: int, db: Path, log_level: str, heartbeat_interval: float,
-          heartbeat_timeout: float, visibility_timeout: float) -> None:
+          heartbeat_timeout: float, visibility_timeout: float, crash_at: str | None) -> None:
     """Run the Rota server: /work for workers, the HTTP API for everyone else."""
     from rota.server import serve as run_server
     from rota.settings import ServerSettings
@@ -73,7 +78,7 @@ def serve(host: str, port: int, db: Path, log_level: str, heartbeat_interval: fl
     logs.configure(log_level)
     settings = ServerSettings(db=db, host=host, port=port, heartbeat_interval=heartbeat_interval,
                               heartbeat_timeout=heartbeat_timeout,
-                              visibility_timeout=visibility_timeout)
+                              visibility_timeout=visibility_timeout, crash_at=crash_at)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, log_level=log_level))
 
@@ -197,26 +202,72 @@ def specs_checksum(directory: Path) -> None:
         _fail(str(exc))
 
 
-@main.command()
-@click.argument("spec")
-@click.option("--args", "args_json", default="{}", show_default=True, help="Job arguments as a JSON object.")
-@click.option("--id", "job_id", help="Job id; enqueuing the same id again returns the existing job.")
-@click.option("--queue", help="Queue (default: the spec's).")
-@click.option("--priority", type=int, help="Priority, higher first (default: the spec's).")
-@URL_OPTION
-def enqueue(spec: str, args_json: str, job_id: str | None, queue: str | None,
-            priority: int | None, url: str) -> None:
-    """Enqueue a job of SPEC and print it."""
+def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The enqueue options shared by ``enqueue`` and ``run``."""
+    options = [
+        click.argument("spec"),
+        click.option("--args", "args_json", default="{}", show_default=True,
+                     help="Job arguments as a JSON object."),
+        click.option("--id", "job_id", help="Job id; enqueuing the same id again returns the existing job."),
+        click.option("--queue", help="Queue (default: the spec's)."),
+        click.option("--priority", type=int, help="Priority, higher first (default: the spec's)."),
+        click.option("--delay", type=float, help="Run no sooner than this many seconds from now."),
+        click.option("--run-at", help="Run no sooner than this RFC 3339 time."),
+        click.option("--ttl", type=float, help="Discard the job if not completed within this many seconds."),
+        click.option("--visibility-timeout", type=float, help="Seconds a worker may hold it without a heartbeat."),
+        click.option("--max-attempts", type=int, help="Attempts allowed, timeouts included (default: the spec's)."),
+        click.option("--max-fails", type=int, help="Explicit failures allowed (default: the spec's)."),
+        URL_OPTION,
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _enqueue(url: str, spec: str, args_json: str, job_id: str | None, **options: Any
+             ) -> dict[str, Any]:
     try:
         args = json.loads(args_json)
     except json.JSONDecodeError as exc:
         _fail(f"--args is not valid JSON: {exc}")
     if not isinstance(args, dict):
         _fail("--args must be a JSON object")
-    reply = _api(url, "enqueue", spec, args, id=job_id, queue=queue, priority=priority)
+    return _api(url, "enqueue", spec, args, id=job_id, **options)
+
+
+@main.command()
+@job_options
+def enqueue(url: str, spec: str, args_json: str, job_id: str | None, **options: Any) -> None:
+    """Enqueue a job of SPEC and print it."""
+    reply = _enqueue(url, spec, args_json, job_id, **options)
     if not reply["created"]:
         click.echo("a job with this id exists already:", err=True)
     _print_json(reply["job"])
+
+
+@main.command()
+@job_options
+@click.option("--wait", type=float, default=60.0, show_default=True,
+              help="Seconds to wait for the result.")
+def run(url: str, spec: str, args_json: str, job_id: str | None, wait: float,
+        **options: Any) -> None:
+    """Enqueue a job of SPEC, wait for it to finish and print its result.
+
+    Exits 0 when it completed, 1 when it was discarded or cancelled, 2 when it had not
+    finished within --wait seconds (it keeps running; see 'rota jobs show').
+    """
+    job = _enqueue(url, spec, args_json, job_id, **options)["job"]
+    deadline = time.monotonic() + wait
+    while True:
+        step = max(0.0, min(300.0, deadline - time.monotonic()))
+        reply = _api(url, "result", job["id"], wait=step)
+        if reply["done"] or step == 0:
+            break
+    _print_json(reply)
+    if not reply["done"]:
+        click.echo(f"job {job['id']} has not finished after {wait:g}s", err=True)
+        sys.exit(2)
+    sys.exit(0 if reply["state"] == "completed" else 1)
 
 
 @main.group()
@@ -230,6 +281,27 @@ def jobs() -> None:
 def jobs_show(job_id: str, url: str) -> None:
     """Show job JOB_ID: state, attempt, worker, result, errors, and why it waits."""
     _print_json(_api(url, "job", job_id))
+
+
+@jobs.command("cancel")
+@click.argument("job_id")
+@URL_OPTION
+def jobs_cancel(job_id: str, url: str) -> None:
+    """Cancel job JOB_ID: at once if it waits; a running one is stopped on its worker."""
+    job = _api(url, "cancel", job_id)
+    if job["state"] == "cancelled":
+        click.echo(f"cancelled {job_id}")
+    else:
+        click.echo(f"cancel requested: {job_id} is running on worker {job['worker_id']}")
+
+
+@jobs.command("retry")
+@click.argument("job_id")
+@URL_OPTION
+def jobs_retry(job_id: str, url: str) -> None:
+    """Put discarded or cancelled job JOB_ID back in its queue with a fresh attempt budget."""
+    job = _api(url, "retry", job_id)
+    click.echo(f"{job_id} is {job['state']} again (attempts so far: {job['attempt']})")
 
 
 @main.command()

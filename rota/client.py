@@ -54,13 +54,22 @@ class Client:
                            err.get("message", response.text))
         return body
 
-    def enqueue(self, spec: str, args: dict[str, Any] | None = None, *, id: str | None = None,
-                queue: str | None = None, priority: int | None = None) -> dict[str, Any]:
+    def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any
+                ) -> dict[str, Any]:
+        """Options: id, queue, priority, run_at, delay, ttl, visibility_timeout,
+        max_attempts, max_fails (None means the spec's default)."""
         body: dict[str, Any] = {"spec": spec, "args": args or {}}
-        for key, value in (("id", id), ("queue", queue), ("priority", priority)):
-            if value is not None:
-                body[key] = value
+        body.update({key: value for key, value in options.items() if value is not None})
         return self._call("POST", "/jobs", json=body)
+
+    def enqueue_batch(self, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._call("POST", "/jobs/batch", json={"jobs": jobs})
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/jobs/{job_id}")
+
+    def retry(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/jobs/{job_id}/retry")
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/jobs/{job_id}")

@@ -56,13 +56,21 @@ class JobContext:
     checksum: str
     enqueued_at: str
     worker_id: str
+    visibility_timeout: float
+    _extend: Callable[[], None] = field(repr=False, default=lambda: None)
+
+    async def heartbeat(self) -> None:
+        """Say the job is alive: its lease starts again from now (call it more often
+        than ``visibility_timeout`` in long jobs)."""
+        self._extend()
 
 
 @dataclass(slots=True)
 class _Running:
     copy: p.JobCopy
-    task: asyncio.Task[None]
-    started: float = field(default_factory=time.monotonic)
+    deadline: float  # monotonic: past it, without a ctx.heartbeat(), the run is given up
+    task: asyncio.Task[None] | None = None
+    cancel_reason: str | None = None  # why we cancelled it: "cancelled", "visibility_timeout"
 
 
 class Worker:
@@ -92,6 +100,7 @@ class Worker:
         self._specs: dict[str, JobSpec] = {}
         self._running: dict[str, _Running] = {}
         self._results: list[p.Result] = []
+        self._unacked: dict[int, list[p.Result]] = {}  # seq -> results sent, not yet acked
         self._dirty = asyncio.Event()
         self._stop = asyncio.Event()
         self._state: p.WorkerState = "running"
@@ -168,6 +177,11 @@ class Worker:
 
     async def _session(self, ws: ClientConnection) -> None:
         self._seq = 0
+        # Results the last connection sent without an ack go again: the server accepts
+        # them if it never stored them, and rejects them harmlessly if it did.
+        resend = [result for seq in sorted(self._unacked) for result in self._unacked[seq]]
+        self._unacked.clear()
+        self._results = resend + self._results
         await self._beat(ws, registration=True)
         reader = asyncio.create_task(self._read(ws), name="rota-worker-read")
         try:
@@ -183,19 +197,24 @@ class Worker:
                 reader.result()  # re-raise why the connection ended
                 return
             self._dirty.clear()
+            self._give_up_lapsed()
             await self._beat(ws)
-            if self._stop.is_set() and not self._running and not self._results:
+            if self._stop.is_set() and not (self._running or self._results or self._unacked):
                 await ws.close()
                 return
 
     async def _beat(self, ws: ClientConnection, *, registration: bool = False) -> None:
         results, self._results = self._results, []
+        now = time.monotonic()
+        vouched = [job_id for job_id, run in self._running.items() if run.deadline > now]
         beat = p.Heartbeat(
             seq=self._seq, worker_id=self.worker_id,
             registration=self._registration() if registration else None,
-            status=p.Status(state=self._state, active_job_ids=list(self._running)),
+            status=p.Status(state=self._state, active_job_ids=vouched),
             results=results, capacity=self._capacity(),
         )
+        if results:
+            self._unacked[self._seq] = results
         self._seq += 1
         await ws.send(p.encode(beat))
 
@@ -226,6 +245,9 @@ class Worker:
                         self._start(copy)
                 case p.Ack():
                     self._on_ack(message)
+                case p.Cancel(job_ids=job_ids, reason=reason):
+                    for job_id in job_ids:
+                        self._cancel(job_id, reason)
                 case p.Welcome():
                     self._on_welcome(message)
                 case p.Error(code=code, message=text):
@@ -244,21 +266,53 @@ class Worker:
         self.connected.set()
 
     def _on_ack(self, ack: p.Ack) -> None:
+        if self._unacked.pop(ack.seq, None) is not None and self._stop.is_set():
+            self._dirty.set()  # a stopping worker waits for this ack before it leaves
         for rejected in ack.rejected:
             log.warning("result rejected job=%s attempt=%d reason=%s", rejected.job_id,
                         rejected.attempt, rejected.reason)
 
     # -- jobs -------------------------------------------------------------------------
     def _start(self, copy: p.JobCopy) -> None:
-        task = asyncio.create_task(self._execute(copy), name=f"rota-job-{copy.id}")
-        self._running[copy.id] = _Running(copy, task)
+        run = _Running(copy, deadline=time.monotonic() + copy.visibility_timeout)
+        self._running[copy.id] = run
+        run.task = asyncio.create_task(self._execute(run), name=f"rota-job-{copy.id}")
 
-    async def _execute(self, copy: p.JobCopy) -> None:
+    def _cancel(self, job_id: str, reason: str) -> None:
+        run = self._running.get(job_id)
+        if run is None or run.task is None or run.cancel_reason is not None:
+            return
+        log.info("cancelling job=%s reason=%s", job_id, reason)
+        run.cancel_reason = reason
+        run.task.cancel()
+
+    def _give_up_lapsed(self) -> None:
+        """A run silent past its lease is stopped and reported, so that the retry the
+        server will schedule never races a stale copy of it."""
+        now = time.monotonic()
+        for job_id, run in list(self._running.items()):
+            if run.deadline <= now:
+                self._cancel(job_id, "visibility_timeout")
+
+    async def _execute(self, run: _Running) -> None:
+        copy = run.copy
+
+        def extend() -> None:
+            run.deadline = time.monotonic() + copy.visibility_timeout
+            self._dirty.set()
+
         ctx = JobContext(id=copy.id, spec=copy.spec, queue=copy.queue, attempt=copy.attempt,
                          args=copy.args, priority=copy.priority, checksum=copy.checksum,
-                         enqueued_at=copy.enqueued_at, worker_id=self.worker_id)
+                         enqueued_at=copy.enqueued_at, worker_id=self.worker_id,
+                         visibility_timeout=copy.visibility_timeout, _extend=extend)
         try:
             result = await self._call(ctx)
+        except asyncio.CancelledError:
+            if run.cancel_reason is None:  # not ours: the worker itself is going down
+                raise
+            result = p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
+                              error=p.ErrorInfo(type=run.cancel_reason,
+                                                message=f"stopped by the worker: {run.cancel_reason}"))
         finally:
             self._running.pop(copy.id, None)
         self._results.append(result)
