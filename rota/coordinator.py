@@ -247,8 +247,10 @@ class Coordinator:
                             result.job_id, worker.id, result.attempt, reason)
                 continue
             job = self.scheduler.jobs[result.job_id]
+            before = (job.fails, job.run_at)  # to put back if the commit fails
             accepted.append(job.id)
             changes.append(self._settle(job, result, now))
+            changes[-1].undo = before
         return accepted, rejected, changes
 
     def _result_problem(self, worker: WorkerSlot, result: p.Result) -> str | None:
@@ -308,6 +310,7 @@ class Coordinator:
             log.exception("storing %d result(s) from worker=%s failed", len(changes), worker_id)
             for change in changes:
                 change.job.state = "active"
+                change.job.fails, change.job.run_at = change.undo or (change.job.fails, None)
                 rejected.append(p.ResultRejection(
                     job_id=change.job.id, attempt=change.job.attempt,
                     reason=f"could not be stored ({exc}); report it again"))

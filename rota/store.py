@@ -8,6 +8,8 @@ its COMMIT; reads run on a reader pool. The in-memory scheduler is rebuilt from
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -57,6 +59,7 @@ class Change:
     error: bytes | None = None
     result: bytes | None = None
     finished_at: float | None = None
+    undo: tuple[int, float | None] | None = None  # (fails, run_at) before, if it must be undone
 
 
 @dataclass(slots=True)
@@ -231,9 +234,6 @@ def _change_row(change: Change) -> tuple[Any, ...]:
 
 def _crash(point: str) -> None:
     """Die at once, as a power cut or kill -9 would (crash-point tests only)."""
-    import logging
-    import os
-
     logging.getLogger("rota.server").critical("crash point %s: exiting now", point)
     os._exit(86)
 
