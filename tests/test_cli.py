@@ -189,3 +189,31 @@ async def test_rota_worker_rejects_a_bad_target(tmp_path: Path):
     assert code == 1 and "cannot load" in err
     code, _, err = await rota("worker", "json:dumps", cwd=tmp_path)
     assert code == 1 and "not a rota.Worker" in err
+
+
+async def test_run_waits_for_the_result(live: Live, connect, tmp_path: Path):
+    echo = write_spec(tmp_path, "echo")
+    await live.push(echo)
+    worker = await connect()
+    await worker.register([echo])
+    run = asyncio.create_task(rota("run", "echo", "--args", '{"n": 7}', "--id", "r1",
+                                   "--wait", "20", "--url", live.base))
+    [copy] = await worker.jobs(1, timeout=15)
+    await worker.complete(copy, result={"seven": 7})
+    code, out, _ = await run
+    assert code == 0 and json.loads(out)["result"] == {"seven": 7}
+    code, out, err = await rota("run", "echo", "--wait", "0.2", "--url", live.base,
+                                "--queue", "nobody-serves-this")
+    assert code == 2 and "has not finished" in err
+
+
+async def test_jobs_cancel_and_retry(live: Live, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "echo"))
+    await live.enqueue("echo", id="c1")
+    code, out, _ = await rota("jobs", "cancel", "c1", "--url", live.base)
+    assert code == 0 and out.strip() == "cancelled c1"
+    code, _, err = await rota("jobs", "cancel", "c1", "--url", live.base)
+    assert code == 1 and "is cancelled" in err
+    code, out, _ = await rota("jobs", "retry", "c1", "--url", live.base)
+    assert code == 0 and "c1 is available again" in out
+    assert (await live.job("c1"))["state"] == "available"
