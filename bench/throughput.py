@@ -24,7 +24,7 @@ enqueued_at) and the enqueue->finished latency. Every job must end ``completed``
 
 A summary is printed and the figures are written as JSON to
 ``bench/results/throughput-<mode>.json`` (``throughput-<mode>-raw.json`` with
-``--client raw``), with the CPU seconds each process used. Server and worker output
+``--client raw``, ``-batchN`` with ``--batch N``), with the CPU seconds each process used. Server and worker output
 goes to log files in the temp dir; warnings and errors found there are printed and
 kept in the JSON. ``--keep`` leaves the temp dir in place for a closer look.
 """
@@ -95,6 +95,7 @@ class Options(msgspec.Struct, kw_only=True):
     mode: str
     client: str
     timeout: float
+    batch: int
     keep: bool
     output: str | None
 
@@ -116,13 +117,18 @@ def parse_args(argv: list[str] | None = None) -> Options:
                              " HTTP/1.1 client that costs far less CPU (default httpx)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds to wait for all jobs to finish (default 300)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="jobs per request: above 1, producers POST /jobs/batch (httpx"
+                             " client only; default 1)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (db and logs)")
     parser.add_argument("--output", help="JSON file to write (default"
                                          " bench/results/throughput-<mode>.json)")
     ns = parser.parse_args(argv)
-    for name in ("jobs", "workers", "concurrency", "producers"):
+    for name in ("jobs", "workers", "concurrency", "producers", "batch"):
         if getattr(ns, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if ns.batch > 1 and ns.client != "httpx":
+        parser.error("--batch works with --client httpx")
     return Options(**vars(ns))
 
 
@@ -297,30 +303,42 @@ class EnqueueStats(msgspec.Struct, kw_only=True):
     failures: list[str]
 
 
-Post = Callable[[], Awaitable[tuple[int, bytes]]]
+Post = Callable[[int], Awaitable[tuple[int, bytes]]]  # n jobs -> (status, body)
 
 
-async def enqueue_all(base_url: str, jobs: int, producers: int, client: str) -> EnqueueStats:
-    """POST ``jobs`` jobs from ``producers`` concurrent loops, each on its own connection."""
-    counter = itertools.count()
+async def enqueue_all(base_url: str, jobs: int, producers: int, client: str,
+                      batch: int = 1) -> EnqueueStats:
+    """POST ``jobs`` jobs from ``producers`` concurrent loops, each on its own connection,
+    ``batch`` jobs per request (POST /jobs/batch when above 1)."""
+    counter = itertools.count(0, batch)
     acked: dict[str, float] = {}
     latencies: list[float] = []
     failures: list[str] = []
 
+    def record(status: int, content: bytes, sent: float, now: float) -> None:
+        if batch == 1:
+            if status != 201:
+                failures.append(f"HTTP {status}: {content[:200]!r}")
+                return
+            acked[msgspec.json.decode(content)["job"]["id"]] = now
+            latencies.append(now - sent)
+            return
+        for item in msgspec.json.decode(content)["results"]:
+            if item["status"] != 201:
+                failures.append(f"job {item['index']}: {item.get('error')}")
+                continue
+            acked[item["job"]["id"]] = now
+            latencies.append(now - sent)
+
     async def produce(post: Post) -> None:
-        while next(counter) < jobs:
+        while (start := next(counter)) < jobs:
             sent = time.time()
             try:
-                status, content = await post()
+                status, content = await post(min(batch, jobs - start))
             except (httpx.HTTPError, OSError, ValueError) as exc:
                 failures.append(f"{type(exc).__name__}: {exc}")
                 continue
-            now = time.time()
-            if status != 201:
-                failures.append(f"HTTP {status}: {content[:200]!r}")
-                continue
-            acked[msgspec.json.decode(content)["job"]["id"]] = now
-            latencies.append(now - sent)
+            record(status, content, sent, time.time())
 
     async with contextlib.AsyncExitStack() as stack:
         # Clients are built before the clock starts: an httpx.AsyncClient takes tens of
@@ -349,9 +367,14 @@ async def _connection(client: str, base_url: str) -> AsyncIterator[Post]:
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=60.0) as http:
 
-        async def post() -> tuple[int, bytes]:
-            response = await http.post("/jobs", content=ENQUEUE_BODY,
-                                       headers={"content-type": "application/json"})
+        async def post(n: int) -> tuple[int, bytes]:
+            if n == 1:
+                response = await http.post("/jobs", content=ENQUEUE_BODY,
+                                           headers={"content-type": "application/json"})
+            else:
+                body = b'{"jobs":[' + b",".join([ENQUEUE_BODY] * n) + b"]}"
+                response = await http.post("/jobs/batch", content=body,
+                                           headers={"content-type": "application/json"})
             return response.status_code, response.content
 
         yield post
@@ -382,7 +405,7 @@ class RawPoster:
         if self.writer is not None:
             self.writer.close()
 
-    async def post(self) -> tuple[int, bytes]:
+    async def post(self, n: int = 1) -> tuple[int, bytes]:
         assert self.reader is not None and self.writer is not None
         self.writer.write(self.request)
         head = await self.reader.readuntil(b"\r\n\r\n")
@@ -561,7 +584,7 @@ def run(opts: Options, workdir: Path, children: Children) -> Figures:
         print(f"{opts.workers} worker(s) registered; enqueueing {opts.jobs} jobs"
               f" with {opts.producers} producers")
     stats = asyncio.run(enqueue_all(setup.base_url, opts.jobs, opts.producers,
-                                     opts.client))
+                                     opts.client, opts.batch))
     print(f"enqueued {len(stats.acked)} jobs in {stats.last_acked - stats.first_sent:.2f}s"
           f" ({len(stats.failures)} failures)")
     if opts.mode == "backlog":
@@ -643,6 +666,7 @@ def print_summary(opts: Options, f: Figures, problems: dict[str, list[str]]) -> 
 
 def write_results(opts: Options, figures: Figures, problems: dict[str, list[str]]) -> Path:
     suffix = "" if opts.client == "httpx" else f"-{opts.client}"
+    suffix += f"-batch{opts.batch}" if opts.batch > 1 else ""
     default = RESULTS_DIR / f"throughput-{opts.mode}{suffix}.json"
     path = Path(opts.output) if opts.output else default
     path.parent.mkdir(parents=True, exist_ok=True)
