@@ -90,6 +90,7 @@ class Coordinator:
                 # Its worker may come back: it has heartbeat_timeout to reclaim the job.
                 job.orphaned, job.lease_expires_at = True, grace
                 orphans += 1
+                self.scheduler.orphans += 1
             self.scheduler.track(job)
         if orphans:
             log.warning("recovery active_jobs=%d wait=%.1fs for their workers to reclaim them",
@@ -161,13 +162,6 @@ class Coordinator:
         log.info("register worker=%s host=%s pid=%d queues=%s concurrency=%d specs_ok=%d"
                  " specs_rejected=%d", slot.id, reg.hostname, reg.pid, ",".join(reg.queues),
                  reg.concurrency, len(verdict.accepted), len(verdict.rejected))
-        # Jobs it held before a restart: still running, or finished with results buffered.
-        held = list(hb.status.active_job_ids) if hb.status is not None else []
-        held += [result.job_id for result in hb.results]
-        if held:
-            for job in self.scheduler.adopt(slot, held, now):
-                log.info("reclaim job=%s spec=%s queue=%s worker=%s attempt=%d", job.id,
-                         job.spec, job.queue, slot.id, job.attempt)
         return p.encode(p.Welcome(
             worker_id=slot.id, server_time=p.rfc3339(now),
             heartbeat_interval=self.settings.heartbeat_interval,
@@ -217,10 +211,18 @@ class Coordinator:
         """Apply a heartbeat; return its ack, or an awaitable one if results must commit first."""
         conn = self.connections[worker_id]
         worker = conn.worker
+        now = time.time()
+        # Jobs it held before a restart, still running or finished: it reclaims them by
+        # naming them, in whichever heartbeat it does so.
+        if self.scheduler.has_orphans:
+            named = hb.status.active_job_ids if hb.status is not None else []
+            for job in self.scheduler.adopt(worker, [*named, *(r.job_id for r in hb.results)], now):
+                log.info("reclaim job=%s spec=%s queue=%s worker=%s attempt=%d", job.id,
+                         job.spec, job.queue, worker.id, job.attempt)
         if hb.status is not None:
             worker.state = hb.status.state
             conn.reported = hb.status.active_job_ids
-            self.scheduler.renew(worker, hb.status.active_job_ids, time.time())
+            self.scheduler.renew(worker, hb.status.active_job_ids, now)
         if hb.capacity is not None:
             worker.capacity = hb.capacity
         accepted, rejected, changes = self._take_results(worker, hb.results)
@@ -379,6 +381,7 @@ class Coordinator:
     def _lease_lapsed(self, job: Job) -> None:
         holder = job.worker_id or ""
         if job.orphaned:
+            self.scheduler.orphans -= 1
             job.orphaned = False
             self._recover([job], "worker_death", f"worker {holder} did not come back after a restart")
             return

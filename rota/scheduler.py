@@ -50,6 +50,11 @@ class Scheduler:
         self._leases: list[TimerEntry] = []  # active jobs by lease expiry
         self._ttls: list[TimerEntry] = []  # jobs with a time to live, by expiry
         self._rotation = itertools.count()
+        self.orphans = 0  # active jobs loaded at a restart whose worker has not reclaimed them
+
+    @property
+    def has_orphans(self) -> bool:
+        return self.orphans > 0
 
     # -- jobs --------------------------------------------------------------------------
     def track(self, job: Job) -> None:
@@ -129,7 +134,8 @@ class Scheduler:
         """The worker vouched for these jobs: their leases start again from now."""
         for job_id in job_ids:
             job = self.jobs.get(job_id)
-            if job is not None and job.state == "active" and job.worker_id == worker.id:
+            if (job is not None and job.state == "active" and job.worker_id == worker.id
+                    and not job.orphaned):
                 job.lease_expires_at = now + self.lease_for(job)
 
     def adopt(self, worker: WorkerSlot, job_ids: Iterable[str], now: float) -> list[Job]:
@@ -140,6 +146,7 @@ class Scheduler:
             if job is None or not job.orphaned or job.worker_id != worker.id:
                 continue
             job.orphaned = False
+            self.orphans -= 1
             job.lease_expires_at = now + self.lease_for(job)
             worker.active.add(job.id)
             adopted.append(job)
