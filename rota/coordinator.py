@@ -75,6 +75,7 @@ class Coordinator:
         self._no_connections = asyncio.Event()
         self._no_connections.set()
         self._random = random.Random()
+        self._stopping = False
         self.started_at = time.time()
 
     # -- lifecycle -----------------------------------------------------------------
@@ -101,7 +102,15 @@ class Coordinator:
         self.spawn(self._reap_loop(), "rota-reaper")
         self.spawn(self._timer_loop(), "rota-timers")
 
+    def begin_shutdown(self) -> None:
+        """From here on, a closing connection keeps its jobs reserved: after the restart
+        its worker reconnects and reclaims them, instead of each losing an attempt."""
+        if not self._stopping:
+            self._stopping = True
+            log.info("shutting down: running jobs stay reserved for their workers to reclaim")
+
     async def stop(self) -> None:
+        self.begin_shutdown()
         for conn in list(self.connections.values()):
             conn.outbox.abort("shutting_down", "server is shutting down", p.CLOSE_GOING_AWAY)
         try:  # let sessions run their disconnect path so its writes are queued
@@ -201,8 +210,13 @@ class Coordinator:
         if not self.connections:
             self._no_connections.set()
         held = self.scheduler.remove_worker(worker_id, conn.reported)
-        log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason, len(held))
-        self._recover(held, "worker_death", f"worker {worker_id} is gone ({reason})")
+        if self._stopping:
+            log.info("disconnect worker=%s reason=%s jobs_kept_for_reclaim=%d", worker_id,
+                     reason, len(held))
+        else:
+            log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason,
+                     len(held))
+            self._recover(held, "worker_death", f"worker {worker_id} is gone ({reason})")
         self.spawn(self.store.worker_disconnected(worker_id, time.time()),
                    f"rota-disconnect-{worker_id}")
 
@@ -219,6 +233,8 @@ class Coordinator:
             for job in self.scheduler.adopt(worker, [*named, *(r.job_id for r in hb.results)], now):
                 log.info("reclaim job=%s spec=%s queue=%s worker=%s attempt=%d", job.id,
                          job.spec, job.queue, worker.id, job.attempt)
+                if job.cancel_requested:  # asked for while its worker was away
+                    conn.outbox.send(p.encode(p.Cancel(job_ids=[job.id], reason="cancelled")))
         if hb.status is not None:
             worker.state = hb.status.state
             conn.reported = hb.status.active_job_ids

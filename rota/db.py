@@ -88,6 +88,12 @@ def m002_lifecycle(db: sqlite_utils.Database) -> None:
         jobs.add_column(name, int, not_null_default=0)
 
 
+@migrations()
+def m003_failed_is_discarded(db: sqlite_utils.Database) -> None:
+    # Before retries existed a failed job was final; "discarded" is that state now.
+    db.execute("UPDATE jobs SET state = 'discarded' WHERE state = 'failed'")
+
+
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)

@@ -2,8 +2,9 @@
 
 Workers send exactly one message type, ``heartbeat``; its optional sections carry
 registration, status, results and capacity. The server sends ``welcome``, ``ack``,
-``assign`` and ``error``. docs/protocol.md is the contract this module implements:
-change the two together. Evolve only by adding fields with defaults.
+``assign``, ``cancel`` and ``error``. docs/protocol.md is the contract this module
+implements: change the two together. Evolve by adding fields with defaults and new
+message types; peers skip what they do not know.
 """
 
 from __future__ import annotations

@@ -111,20 +111,21 @@ class Scheduler:
 
     def expired_leases(self, now: float) -> list[Job]:
         """Active jobs whose reservation lapsed (a renewed lease goes back on the heap)."""
-        expired = []
+        expired: dict[str, Job] = {}  # a job may have several entries: judge it once
         for job in _pop_until(self._leases, now, self.jobs):
-            if job.state != "active":
+            if job.state != "active" or job.id in expired:
                 continue
             if job.lease_expires_at is not None and job.lease_expires_at > now:
                 heapq.heappush(self._leases, (job.lease_expires_at, job.id))
             else:
-                expired.append(job)
-        return expired
+                expired[job.id] = job
+        return list(expired.values())
 
     def expired_ttls(self, now: float) -> list[Job]:
         """Waiting jobs whose time to live ran out (active ones are judged when they end)."""
         return [job for job in _pop_until(self._ttls, now, self.jobs)
-                if job.state in ("scheduled", "available", "retryable")]
+                if job.state in ("scheduled", "available", "retryable")
+                and job.expires_at is not None and job.expires_at <= now]
 
     def next_deadline(self) -> float | None:
         heads = [heap[0][0] for heap in (self._due, self._leases, self._ttls) if heap]

@@ -83,6 +83,14 @@ class EmbeddedServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn closes WebSockets before the lifespan ends: tell Rota first, so that
+        # those closes are not taken for dead workers.
+        coordinator = getattr(getattr(self.config.app, "state", None), "coordinator", None)
+        if coordinator is not None:
+            coordinator.begin_shutdown()
+        await super().shutdown(sockets)
+
 
 async def serve(settings: ServerSettings, *, log_level: str = "info",
                 sock: socket.socket | None = None) -> None:

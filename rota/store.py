@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from rota import db
-from rota.policy import JOB_STATES, Limits
+from rota.policy import JOB_STATES, WAITING_STATES, Limits
 from rota.protocol import rfc3339
 from rota.specs import JobSpec, spec_from_builtins
 
@@ -211,7 +211,7 @@ _INSERT = (
 )
 _SAVE = (
     "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, budget_start = ?,"
-    " cancel_requested = ?, finished_at = COALESCE(?, finished_at), result = COALESCE(?, result),"
+    " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
     " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
     " WHERE id = ?"
 )
@@ -227,9 +227,11 @@ def _insert_row(job: Job) -> tuple[Any, ...]:
 def _change_row(change: Change) -> tuple[Any, ...]:
     job = change.job
     error = _text(change.error)
-    return (job.state, job.worker_id, job.run_at, job.fails, job.budget_start,
-            int(job.cancel_requested), change.finished_at, _text(change.result), error, error,
-            job.id)
+    # A waiting job belongs to no worker; a finished one keeps who ran it, for audit.
+    worker_id = None if job.state in WAITING_STATES else job.worker_id
+    return (job.state, worker_id, job.run_at, job.fails, job.budget_start,
+            int(job.cancel_requested), job.expires_at, change.finished_at,
+            _text(change.result), error, error, job.id)
 
 
 def _crash(point: str) -> None:

@@ -24,7 +24,7 @@ import platform
 import socket
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,10 +59,22 @@ class JobContext:
     visibility_timeout: float
     _extend: Callable[[], None] = field(repr=False, default=lambda: None)
 
-    async def heartbeat(self) -> None:
-        """Say the job is alive: its lease starts again from now (call it more often
-        than ``visibility_timeout`` in long jobs)."""
+    def heartbeat(self) -> Awaitable[None]:
+        """Say the job is alive: its lease starts again from now. Call it more often than
+        ``visibility_timeout`` in long jobs: ``await ctx.heartbeat()`` in async handlers,
+        plain ``ctx.heartbeat()`` in sync ones (it is safe from any thread)."""
         self._extend()
+        return _DONE
+
+
+class _Done:
+    """An awaitable that is already finished: lets heartbeat() serve sync code too."""
+
+    def __await__(self) -> Iterator[None]:
+        return iter(())
+
+
+_DONE = _Done()
 
 
 @dataclass(slots=True)
@@ -266,14 +278,20 @@ class Worker:
         self.connected.set()
 
     def _on_ack(self, ack: p.Ack) -> None:
-        if self._unacked.pop(ack.seq, None) is not None and self._stop.is_set():
+        sent = {r.job_id: r for r in self._unacked.pop(ack.seq, [])}
+        if sent and self._stop.is_set():
             self._dirty.set()  # a stopping worker waits for this ack before it leaves
         for rejected in ack.rejected:
             log.warning("result rejected job=%s attempt=%d reason=%s", rejected.job_id,
                         rejected.attempt, rejected.reason)
+            if rejected.reason.startswith("could not be stored") and rejected.job_id in sent:
+                self._results.append(sent[rejected.job_id])  # the server asks for it again
+                self._dirty.set()
 
     # -- jobs -------------------------------------------------------------------------
     def _start(self, copy: p.JobCopy) -> None:
+        if copy.id in self._running:  # a stale run of an earlier attempt: stop it
+            self._cancel(copy.id, "cancelled")
         run = _Running(copy, deadline=time.monotonic() + copy.visibility_timeout)
         self._running[copy.id] = run
         run.task = asyncio.create_task(self._execute(run), name=f"rota-job-{copy.id}")
@@ -297,9 +315,14 @@ class Worker:
     async def _execute(self, run: _Running) -> None:
         copy = run.copy
 
-        def extend() -> None:
+        loop = asyncio.get_running_loop()
+
+        def extend_now() -> None:
             run.deadline = time.monotonic() + copy.visibility_timeout
             self._dirty.set()
+
+        def extend() -> None:  # may be called from a sync handler's thread
+            loop.call_soon_threadsafe(extend_now)
 
         ctx = JobContext(id=copy.id, spec=copy.spec, queue=copy.queue, attempt=copy.attempt,
                          args=copy.args, priority=copy.priority, checksum=copy.checksum,
@@ -314,7 +337,8 @@ class Worker:
                               error=p.ErrorInfo(type=run.cancel_reason,
                                                 message=f"stopped by the worker: {run.cancel_reason}"))
         finally:
-            self._running.pop(copy.id, None)
+            if self._running.get(copy.id) is run:  # a newer attempt may have taken the slot
+                del self._running[copy.id]
         self._results.append(result)
         self._dirty.set()  # results are not held back: beat now
 

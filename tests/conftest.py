@@ -95,7 +95,7 @@ class Live:
 
 
 async def start_server(tmp: Path, **overrides: Any) -> Live:
-    sock = listen_socket()
+    sock = listen_socket(port=overrides.pop("port", 0))  # a restart may reuse its port
     port = sock.getsockname()[1]
     options: dict[str, Any] = {"db": tmp / "rota.db", "port": port,
                                "heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}

@@ -12,7 +12,7 @@ from rota import protocol
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "protocol.md").read_text()
 MESSAGE_TYPES = [protocol.Heartbeat, protocol.Welcome, protocol.Ack, protocol.Assign,
-                 protocol.Error]
+                 protocol.Cancel, protocol.Error]
 SECTIONS = [protocol.Registration, protocol.Status, protocol.Result, protocol.ErrorInfo,
             protocol.SpecRef, protocol.SpecVerdict, protocol.SpecRejection,
             protocol.ResultRejection, protocol.JobCopy, protocol.Progress, protocol.LogLine,

@@ -268,3 +268,51 @@ async def test_result_wait_returns_on_any_terminal_state(live: Live, tmp_path: P
     await live.http.delete(f"/jobs/{job['id']}")
     reply = await asyncio.wait_for(poll, 5)
     assert reply.status_code == 200 and reply.json()["state"] == "cancelled"
+
+
+async def test_a_graceful_restart_leaves_running_jobs_to_their_worker(tmp_path: Path):
+    live = await start_server(tmp_path, heartbeat_timeout=3.0)
+    port = live.settings.port
+    await live.push(write_spec(tmp_path / "specs", "steady"))
+    worker = Worker(url=live.ws, specs_dir=tmp_path / "specs", heartbeat_interval=0.1)
+    started, release = asyncio.Event(), asyncio.Event()
+
+    @worker.handler("steady")
+    async def steady(ctx: JobContext) -> str:
+        started.set()
+        await release.wait()
+        return f"attempt {ctx.attempt}"
+
+    task = asyncio.create_task(worker.run())
+    try:
+        job = await live.enqueue("steady")
+        await asyncio.wait_for(started.wait(), 5)
+        await stop_server(live)  # graceful: the job must not be taken from its worker
+        live = await start_server(tmp_path, port=port, heartbeat_timeout=3.0)
+        await wait_until(lambda: worker.connected.is_set() and live.coordinator.connections,
+                         what="the worker to reconnect")
+        release.set()
+        done = await live.wait_state(job["id"], "completed")
+        assert done["attempt"] == 1 and done["errors"] == [] and done["result"] == "attempt 1"
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+        await stop_server(live)
+
+
+async def test_sync_handlers_can_heartbeat_from_their_thread(live: Live, sdk_worker,
+                                                             tmp_path: Path):
+    await live.push(write_spec(tmp_path, "grind", extra="[retry]\nmax_attempts = 1\n"))
+    worker = Worker(specs_dir=tmp_path, heartbeat_interval=0.1)
+
+    @worker.handler("grind")
+    def grind(ctx: JobContext) -> int:
+        for _ in range(8):  # 0.8 s of blocking work, twice the lease
+            time.sleep(0.1)  # noqa: sleep-ok (the job's own blocking work)
+            ctx.heartbeat()
+        return 8
+
+    job = await live.enqueue("grind", visibility_timeout=0.4)
+    await sdk_worker(worker)
+    done = await live.wait_state(job["id"], "completed", timeout=5)
+    assert done["result"] == 8 and done["errors"] == []
