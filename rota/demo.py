@@ -100,5 +100,5 @@ async def run_demo(*, port: int, db: Path, specs_dir: Path, rate: float) -> None
     await producer
     worker.stop()
     await worker_task
-    server.should_exit = True
+    server.request_exit()
     await server_task

@@ -77,11 +77,31 @@ def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 
 class EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to the program hosting it."""
+    """A uvicorn server that leaves signal handling to the program hosting it, and
+    stops as soon as it is asked to (``request_exit``) rather than at its next tick."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._exit = asyncio.Event()
+
+    def request_exit(self, *, force: bool = False) -> None:
+        self.should_exit = True
+        self.force_exit = self.force_exit or force
+        self._exit.set()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def main_loop(self) -> None:
+        # uvicorn's loop polls should_exit every 0.1 s; wake at once when asked instead.
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            try:
+                await asyncio.wait_for(self._exit.wait(), timeout=0.1)
+            except TimeoutError:
+                pass
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # uvicorn closes WebSockets before the lifespan ends: tell Rota first, so that
@@ -99,9 +119,7 @@ async def serve(settings: ServerSettings, *, log_level: str = "info",
     server = EmbeddedServer(uvicorn_config(settings, log_level=log_level))
 
     def on_signal() -> None:
-        if server.should_exit:
-            server.force_exit = True
-        server.should_exit = True
+        server.request_exit(force=server.should_exit)  # a second signal forces
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

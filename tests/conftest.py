@@ -112,7 +112,7 @@ async def start_server(tmp: Path, **overrides: Any) -> Live:
 
 async def stop_server(live: Live) -> None:
     await live.http.aclose()
-    live.server.should_exit = True
+    live.server.request_exit()
     await asyncio.wait_for(live.server.test_task, timeout=10)  # type: ignore[attr-defined]
 
 
