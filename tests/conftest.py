@@ -48,26 +48,10 @@ def write_spec(directory: Path, name: str, *, version: str = "1", queue: str = "
     return parse_spec(text)
 
 
-@dataclass
-class Live:
-    """A running server and what tests need to talk to it."""
+class Api:
+    """HTTP helpers for a running server, in-process or a subprocess (it sets ``http``)."""
 
-    settings: ServerSettings
-    server: EmbeddedServer
     http: httpx.AsyncClient
-    tmp: Path
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.settings.port}"
-
-    @property
-    def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.settings.port}/work"
-
-    @property
-    def coordinator(self) -> Coordinator:
-        return self.server.config.loaded_app.app.state.coordinator  # type: ignore[union-attr]
 
     async def push(self, *specs: JobSpec) -> dict[str, Any]:
         body = {"specs": [msgspec.to_builtins(s) for s in specs]}
@@ -92,6 +76,28 @@ class Live:
             return job if job["state"] == state else None
 
         return await wait_until(check, timeout=timeout, what=f"job {job_id} {state}")
+
+
+@dataclass
+class Live(Api):
+    """A running in-process server and what tests need to talk to it."""
+
+    settings: ServerSettings
+    server: EmbeddedServer
+    http: httpx.AsyncClient
+    tmp: Path
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.settings.port}"
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.settings.port}/work"
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.server.config.loaded_app.app.state.coordinator  # type: ignore[union-attr]
 
 
 async def start_server(tmp: Path, **overrides: Any) -> Live:

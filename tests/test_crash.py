@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import pytest
 import websockets
-from conftest import RawWorker, start_server, stop_server, wait_until, write_spec
+from conftest import Api, RawWorker, start_server, stop_server, wait_until, write_spec
 
 from rota import JobContext, Worker
 from rota.specs import JobSpec, checksum
@@ -108,7 +107,7 @@ def completed(job: dict[str, Any], result: Any) -> dict[str, Any]:
             "result": result}
 
 
-class ServerProcess:
+class ServerProcess(Api):
     """``rota serve`` as a subprocess on one port and db file, restartable after a crash."""
 
     def __init__(self, tmp: Path) -> None:
@@ -182,24 +181,7 @@ class ServerProcess:
     def log(self, index: int = -1) -> str:
         return self.logs[index].read_text()
 
-    # -- the HTTP API ------------------------------------------------------------------
-    async def push(self, *specs: JobSpec) -> None:
-        body = {"specs": [msgspec.to_builtins(s) for s in specs]}
-        reply = await self.http.put("/specs", json=body)
-        assert reply.status_code == 200, reply.text
-
-    async def job(self, job_id: str) -> dict[str, Any]:
-        reply = await self.http.get(f"/jobs/{job_id}")
-        assert reply.status_code == 200, reply.text
-        return reply.json()
-
-    async def wait_state(self, job_id: str, state: str, timeout: float = 5.0) -> dict[str, Any]:
-        async def check() -> dict[str, Any] | None:
-            job = await self.job(job_id)
-            return job if job["state"] == state else None
-
-        return await wait_until(check, timeout=timeout, what=f"job {job_id} {state}")
-
+    # -- the HTTP API (push, enqueue, job, wait_state come from conftest.Api) ----------
     async def workers(self) -> list[dict[str, Any]]:
         return (await self.http.get("/workers")).json()["workers"]
 
