@@ -70,6 +70,7 @@ class Coordinator:
         self.connections: dict[str, Connection] = {}
         self._wake = asyncio.Event()
         self._timers = asyncio.Event()
+        self._timers_wake_at = 0.0  # when the timer loop will next look, unless poked
         self._tasks: set[asyncio.Task[Any]] = set()
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._no_connections = asyncio.Event()
@@ -316,7 +317,7 @@ class Coordinator:
             self.scheduler.add(job)
         else:  # scheduled or retryable
             self.scheduler.defer(job, job.run_at or time.time())
-            self._timers.set()
+            self._arm(job.run_at)
 
     async def _commit_results(self, seq: int, desired: str, worker_id: str,
                               changes: list[Change], rejected: list[p.ResultRejection]) -> str:
@@ -372,10 +373,16 @@ class Coordinator:
             if change.job.state in TERMINAL_STATES:
                 self._wake_waiters(change.job.id)
 
+    def _arm(self, deadline: float | None) -> None:
+        """Wake the timer loop early if ``deadline`` comes before it would look anyway."""
+        if deadline is not None and deadline < self._timers_wake_at:
+            self._timers.set()
+
     async def _timer_loop(self) -> None:
         while True:
             deadline = self.scheduler.next_deadline()
             wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.time()))
+            self._timers_wake_at = time.time() + wait
             try:
                 await asyncio.wait_for(self._timers.wait(), wait)
             except TimeoutError:
@@ -427,7 +434,7 @@ class Coordinator:
             self._wake.clear()
             plan = self.scheduler.plan(time.time())
             if plan:
-                self._timers.set()  # new leases may expire before the current deadline
+                self._arm(min(j.lease_expires_at or 0.0 for b in plan.values() for j in b))
                 self.spawn(self._commit_and_assign(plan), "rota-assign")
 
     async def _commit_and_assign(self, plan: dict[str, list[Job]]) -> None:
@@ -520,7 +527,8 @@ class Coordinator:
         self.scheduler.track(job)
         log.info("enqueue job=%s spec=%s queue=%s priority=%d state=%s", job.id, job.spec,
                  job.queue, job.priority, job.state)
-        self._timers.set()
+        self._arm(job.run_at)
+        self._arm(job.expires_at)
         self.kick()
         return row, True
 
