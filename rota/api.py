@@ -6,7 +6,7 @@ Every error is a 4xx with ``{"error": {"code": ..., "message": ...}}``.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from starlette.exceptions import HTTPException
@@ -23,6 +23,15 @@ from rota.specs import JobSpec, checksum
 from rota.store import job_view
 
 MAX_BODY = 1 << 20
+
+
+Directive = Literal["quiet", "terminate"]
+
+
+class StateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    state: Directive
+    label: str | None = None  # POST /workers/state: every worker with this label, or
+    all: bool = False  # every connected worker
 
 
 class PushRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -174,10 +183,36 @@ async def list_workers(request: Request) -> Response:
             "concurrency": slot.concurrency, "active": len(slot.active),
             "capacity": slot.capacity, "specs_matching": matching,
             "specs_mismatching": sorted(set(slot.specs) - set(matching)),
+            "directive": conn.directive,
             "connected_at": rfc3339(conn.connected_at),
             "last_heartbeat_age": round(now - conn.last_seen, 3),
         })
     return JSON({"workers": sorted(workers, key=lambda w: w["id"])})
+
+
+async def direct_worker(request: Request) -> Response:
+    """Ask one worker to go quiet or terminate (it hears it in its next ack)."""
+    coordinator = _coordinator(request)
+    payload: StateRequest = await _decode(request, StateRequest)
+    worker_id = request.path_params["worker_id"]
+    conn = coordinator.connections.get(worker_id)
+    if conn is None:
+        return error(404, "not_found", f"no connected worker {worker_id}")
+    if not coordinator.direct([worker_id], payload.state) and conn.worker.state != payload.state:
+        return error(409, "invalid_transition",
+                     f"worker {worker_id} is {conn.worker.state}; it cannot go back to"
+                     f" {payload.state}")
+    return JSON({"workers": [worker_id], "state": payload.state})
+
+
+async def direct_workers(request: Request) -> Response:
+    """Ask every worker with a label, or all of them, to go quiet or terminate."""
+    coordinator = _coordinator(request)
+    payload: StateRequest = await _decode(request, StateRequest)
+    if (payload.label is None) == (not payload.all):
+        return error(422, "invalid_request", "give either label or all: true")
+    chosen = coordinator.select_workers(label=payload.label, every=payload.all)
+    return JSON({"workers": coordinator.direct(chosen, payload.state), "state": payload.state})
 
 
 async def list_queues(request: Request) -> Response:
@@ -227,6 +262,8 @@ routes = [
     Route("/specs", push_specs, methods=["PUT"]),
     Route("/specs/{name}/history", spec_history, methods=["GET"]),
     Route("/workers", list_workers, methods=["GET"]),
+    Route("/workers/state", direct_workers, methods=["POST"]),
+    Route("/workers/{worker_id}/state", direct_worker, methods=["POST"]),
     Route("/queues", list_queues, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
 ]

@@ -99,8 +99,10 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def worker(target: str, url: str, log_level: str) -> None:
     """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
 
-    SIGTERM or Ctrl-C stops asking for jobs and lets running ones finish; a second one
-    exits at once.
+    Signals: SIGTERM takes no new jobs, lets running ones finish within the worker's
+    grace period (cancelling the rest, which go back to the queue at once), deregisters
+    and exits 0. SIGINT (Ctrl-C) does the same without waiting. A second SIGTERM or
+    SIGINT takes the fast path. SIGTSTP goes quiet (no new jobs); SIGCONT resumes.
     """
     logs.configure(log_level)
     instance = _import_worker(target)
@@ -132,13 +134,21 @@ async def _run_worker(instance: Any) -> None:
     main_task = asyncio.current_task()
     assert main_task is not None
 
-    def on_signal() -> None:
-        if instance.stopping:  # second signal: stop now
-            main_task.cancel()
-        instance.stop()
+    def on_terminate() -> None:
+        if instance.stopping:  # a second signal: the fast path
+            instance.stop_now()
+        else:
+            instance.terminate()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+    def on_interrupt() -> None:
+        if instance.stopping_now:  # again: give up on reporting, exit now
+            main_task.cancel()
+        instance.stop_now()
+
+    loop.add_signal_handler(signal.SIGTERM, on_terminate)
+    loop.add_signal_handler(signal.SIGINT, on_interrupt)
+    loop.add_signal_handler(signal.SIGTSTP, instance.quiet)
+    loop.add_signal_handler(signal.SIGCONT, instance.resume)
     try:
         await instance.run()
     except asyncio.CancelledError:
@@ -268,6 +278,49 @@ def run(url: str, spec: str, args_json: str, job_id: str | None, wait: float,
         click.echo(f"job {job['id']} has not finished after {wait:g}s", err=True)
         sys.exit(2)
     sys.exit(0 if reply["state"] == "completed" else 1)
+
+
+@main.group()
+def workers() -> None:
+    """See connected workers; quiet or terminate them (rolling deploys)."""
+
+
+@workers.command("list")
+@URL_OPTION
+def workers_list(url: str) -> None:
+    """Each worker's state, queues, labels, load, spec matches and last heartbeat age."""
+    rows = _api(url, "workers")["workers"]
+    if not rows:
+        click.echo("no workers connected")
+    for w in rows:
+        click.echo(
+            f"{w['id']}  {w['state']:<9} load={w['active']}/{w['concurrency']}"
+            f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"
+            f"  specs ok={','.join(w['specs_matching']) or '-'}"
+            f" mismatched={','.join(w['specs_mismatching']) or '-'}"
+            f"  host={w['hostname']} pid={w['pid']}  beat={w['last_heartbeat_age']:.1f}s ago")
+
+
+def _directive(state: str) -> Callable[..., None]:
+    def command(worker_id: str | None, label: str | None, every: bool, url: str) -> None:
+        if sum((worker_id is not None, label is not None, every)) != 1:
+            _fail("name one worker ID, or --label LABEL, or --all")
+        reply = _api(url, "direct", state, worker_id=worker_id, label=label, every=every)
+        for worker in reply["workers"]:
+            click.echo(f"{worker}: {state}")
+        if not reply["workers"]:
+            click.echo(f"no worker to {state}", err=True)
+
+    return command
+
+
+for _state, _help in (("quiet", "Stop sending jobs to workers; they finish what they run."),
+                      ("terminate", "Workers finish their jobs within their grace period, then exit.")):
+    workers.command(_state, help=_help)(
+        click.argument("worker_id", required=False)(
+            click.option("--label", help="Every worker with this label.")(
+                click.option("--all", "every", is_flag=True, help="Every connected worker.")(
+                    URL_OPTION(_directive(_state))))))
 
 
 @main.group()

@@ -91,5 +91,15 @@ class Client:
     def workers(self) -> dict[str, Any]:
         return self._call("GET", "/workers")
 
+    def direct(self, state: str, *, worker_id: str | None = None, label: str | None = None,
+               every: bool = False) -> dict[str, Any]:
+        """Ask one worker (by id), every worker with a label, or all, to change state."""
+        if worker_id is not None:
+            return self._call("POST", f"/workers/{worker_id}/state", json={"state": state})
+        body: dict[str, Any] = {"state": state, "all": every}
+        if label is not None:
+            body["label"] = label
+        return self._call("POST", "/workers/state", json=body)
+
     def queues(self) -> dict[str, Any]:
         return self._call("GET", "/queues")

@@ -221,6 +221,30 @@ class Coordinator:
         self.spawn(self.store.worker_disconnected(worker_id, time.time()),
                    f"rota-disconnect-{worker_id}")
 
+    def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
+        """Ask workers to go quiet or terminate; returns those that were asked.
+
+        A worker never goes back from terminate, and running is its own decision (SIGCONT),
+        so the only directions are forward."""
+        directed = []
+        for worker_id in worker_ids:
+            conn = self.connections.get(worker_id)
+            if conn is None or p.STATE_RANK[conn.worker.state] >= p.STATE_RANK[state]:
+                continue
+            conn.directive = state
+            conn.worker.state = state  # no new jobs from this moment
+            directed.append(worker_id)
+            log.info("state change worker=%s state=%s by=server", worker_id, state)
+        return directed
+
+    def select_workers(self, *, worker_id: str | None = None, label: str | None = None,
+                       every: bool = False) -> list[str]:
+        if every:
+            return sorted(self.connections)
+        if label is not None:
+            return sorted(w for w, c in self.connections.items() if label in c.worker.labels)
+        return [worker_id] if worker_id in self.connections else []
+
     # -- heartbeats and results -------------------------------------------------------
     def heartbeat(self, worker_id: str, hb: p.Heartbeat) -> str | Awaitable[str]:
         """Apply a heartbeat; return its ack, or an awaitable one if results must commit first."""
@@ -237,7 +261,11 @@ class Coordinator:
                 if job.cancel_requested:  # asked for while its worker was away
                     conn.outbox.send(p.encode(p.Cancel(job_ids=[job.id], reason="cancelled")))
         if hb.status is not None:
-            worker.state = hb.status.state
+            reported = hb.status.state
+            if conn.directive and p.STATE_RANK[reported] >= p.STATE_RANK[conn.directive]:
+                conn.directive = None  # the worker got there: the directive is done
+            # Until it does, schedule by the stricter of what it says and what we asked.
+            worker.state = conn.directive or reported
             conn.reported = hb.status.active_job_ids
             self.scheduler.renew(worker, hb.status.active_job_ids, now)
         if hb.capacity is not None:

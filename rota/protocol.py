@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 WorkerState = Literal["running", "quiet", "terminate"]
+# Lifecycle order: a worker only moves forward, except quiet -> running on SIGCONT.
+STATE_RANK: dict[str, int] = {"running": 0, "quiet": 1, "terminate": 2}
 Outcome = Literal["completed", "failed"]
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -105,6 +107,7 @@ class Heartbeat(_Tagged, tag="heartbeat"):
     status: Status | None = None
     results: list[Result] = []
     capacity: NonNegative | None = None
+    goodbye: bool = False  # deregister: the server forgets this worker after this heartbeat
 
 
 # -- server -> worker -------------------------------------------------------------

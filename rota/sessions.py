@@ -22,6 +22,10 @@ log = logging.getLogger("rota.server")
 _CLOSE = object()
 
 
+class _Goodbye(Exception):
+    """The worker deregistered: end the connection cleanly once its ack is sent."""
+
+
 class Session:
     def __init__(self, websocket: WebSocket, coordinator: Coordinator) -> None:
         self.ws = websocket
@@ -57,6 +61,8 @@ class Session:
                 raise
         except WebSocketDisconnect:
             pass
+        except _Goodbye:
+            reason = "goodbye"
         finally:
             if self._failure is not None:
                 reason = self._failure.code
@@ -64,13 +70,18 @@ class Session:
             if self.worker_id is not None:
                 self.coordinator.disconnect(self.worker_id, reason)
             self.send(_CLOSE)
-            await self._finish(sender)
+            await self._finish(sender, goodbye=reason == "goodbye")
 
-    async def _finish(self, sender: asyncio.Task[None]) -> None:
+    async def _finish(self, sender: asyncio.Task[None], *, goodbye: bool = False) -> None:
         try:
             await asyncio.wait_for(sender, timeout=2.0)
         except (TimeoutError, Exception):
             sender.cancel()
+        if goodbye:
+            try:
+                await self.ws.close(code=1000, reason="goodbye")
+            except Exception:  # the worker may have closed first
+                pass
         if self._failure is not None:
             log.warning("protocol error worker=%s code=%s message=%s", self.worker_id,
                         self._failure.code, self._failure.message)
@@ -109,6 +120,8 @@ class Session:
                                "registration is sent once, in the first heartbeat", p.CLOSE_POLICY)
         self.coordinator.touch(self.worker_id)
         self.send(self.coordinator.heartbeat(self.worker_id, hb))
+        if hb.goodbye:
+            raise _Goodbye
 
     async def _send_loop(self) -> None:
         while True:

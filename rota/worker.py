@@ -21,6 +21,7 @@ import inspect
 import logging
 import os
 import platform
+import random
 import socket
 import time
 import traceback
@@ -96,7 +97,10 @@ class Worker:
         labels: list[str] | None = None,
         worker_id: str | None = None,
         heartbeat_interval: float | None = None,
+        grace_period: float = 25.0,
         reconnect: bool = True,
+        reconnect_max_delay: float = 5.0,
+        patience: float | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -105,7 +109,14 @@ class Worker:
         self.concurrency = concurrency
         self.labels = list(labels or [])
         self.worker_id = worker_id or uuid7()
+        self.grace_period = grace_period  # SIGTERM/terminate: how long running jobs may finish
         self.reconnect = reconnect
+        self.reconnect_max_delay = reconnect_max_delay
+        self.patience = patience  # None: keep reconnecting forever, as Sidekiq does
+        self._reconnects = 0
+        self._terminate_by: float | None = None  # monotonic; then running jobs are cancelled
+        self._fast = False  # SIGINT: cancel at once, do not wait for acks
+        self._sent_state: dict[int, str] = {}  # seq -> the state that heartbeat reported
         self._queues = list(queues) if queues else None
         self._interval = heartbeat_interval  # None: take the server's from its welcome
         self._handlers: dict[str, Handler] = {}
@@ -155,40 +166,95 @@ class Worker:
         self._specs = {name: found[name] for name in self._handlers}
 
     # -- running ----------------------------------------------------------------------
+    # -- lifecycle: running -> quiet -> terminate, never back from terminate ------------
+    @property
+    def state(self) -> p.WorkerState:
+        return self._state
+
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def stop(self) -> None:
-        """Ask for no more jobs, let the running ones finish, then return from run()."""
-        self._state = "terminate"
+    @property
+    def stopping_now(self) -> bool:
+        return self._fast
+
+    def quiet(self) -> None:
+        """Take no new jobs; keep running the current ones (SIGTSTP, or the server)."""
+        if self._state == "running":
+            self._set_state("quiet")
+
+    def resume(self) -> None:
+        """Back to taking jobs after quiet (SIGCONT); a terminating worker stays so."""
+        if self._state == "quiet":
+            self._set_state("running")
+
+    def terminate(self) -> None:
+        """Take no new jobs, give running ones ``grace_period`` to finish, cancel the rest
+        (reported as ``shutdown`` failures, so they are retried at once), deregister and
+        return from run() (SIGTERM, or the server)."""
+        if self._state != "terminate":
+            self._terminate_by = time.monotonic() + self.grace_period
+            self._set_state("terminate")
         self._stop.set()
+
+    stop = terminate
+
+    def stop_now(self) -> None:
+        """The fast path (SIGINT, or a second signal): cancel running jobs at once, report
+        them best-effort, deregister and leave."""
+        self._fast = True
+        self.terminate()
+        self._terminate_by = time.monotonic()
         self._dirty.set()
+
+    def _set_state(self, state: p.WorkerState) -> None:
+        log.info("state change worker=%s state=%s running_jobs=%d", self.worker_id, state,
+                 len(self._running))
+        self._state = state
+        self._dirty.set()  # tell the server at once
 
     async def run(self) -> None:
         self._load_specs()
+        lost_at: float | None = None
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() or self._running:
+                why = "closed by the server"
                 try:
                     async with websockets.connect(self.url, max_size=None, compression=None,
                                                   ping_interval=None) as ws:
                         await self._session(ws)
                 except (OSError, websockets.ConnectionClosed, websockets.InvalidHandshake) as exc:
-                    self.connected.clear()
-                    if self._stop.is_set():
-                        if self._running:
-                            log.warning("connection closed while stopping; %d job(s) left to"
-                                        " the server's recovery", len(self._running))
-                        return
                     if not self.reconnect:
                         raise
-                    log.warning("connection to %s lost (%s); retrying in 1s", self.url, exc)
-                    await _wait(self._stop, 1.0)
+                    why = str(exc) or type(exc).__name__
+                self.connected.clear()
+                if self._stop.is_set() and not self._running:
+                    return
+                lost_at = lost_at if self._reconnects else time.monotonic()
+                if self.patience is not None and time.monotonic() - lost_at > self.patience:
+                    raise ConnectionError(f"no connection to {self.url} for {self.patience}s")
+                delay = self._reconnect_delay()
+                log.warning("connection to %s lost (%s); reconnect attempt %d in %.2fs,"
+                            " %d job(s) running", self.url, why, self._reconnects, delay,
+                            len(self._running))
+                await _wait(self._dirty if self._fast else asyncio.Event(), delay)
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _reconnect_delay(self) -> float:
+        """Exponential, jittered, capped; below half the server's heartbeat timeout, so
+        that after a server restart this worker is back in time to reclaim its jobs."""
+        cap = self.reconnect_max_delay
+        if self.welcome is not None:
+            cap = min(cap, self.welcome.heartbeat_timeout / 2)
+        delay = min(cap, 0.1 * 2.0 ** self._reconnects)
+        self._reconnects += 1
+        return delay * random.uniform(0.5, 1.0)
+
     async def _session(self, ws: ClientConnection) -> None:
         self._seq = 0
+        self._sent_state.clear()
         # Results the last connection sent without an ack go again: the server accepts
         # them if it never stored them, and rejects them harmlessly if it did.
         resend = [result for seq in sorted(self._unacked) for result in self._unacked[seq]]
@@ -204,18 +270,38 @@ class Worker:
 
     async def _beat_loop(self, ws: ClientConnection, reader: asyncio.Task[None]) -> None:
         while True:
-            await _wait(self._dirty, self._interval or 1.0, also=reader)
+            timeout = self._interval or 1.0
+            if self._terminate_by is not None:
+                timeout = max(0.0, min(timeout, self._terminate_by - time.monotonic()))
+            await _wait(self._dirty, timeout, also=reader)
             if reader.done():
                 reader.result()  # re-raise why the connection ended
                 return
             self._dirty.clear()
             self._give_up_lapsed()
+            if self._terminate_by is not None and time.monotonic() >= self._terminate_by:
+                for job_id in list(self._running):  # the grace period is over
+                    self._cancel(job_id, "shutdown")
             await self._beat(ws)
-            if self._stop.is_set() and not (self._running or self._results or self._unacked):
-                await ws.close()
+            if self._stop.is_set() and self._drained():
+                await self._say_goodbye(ws, reader)
                 return
 
-    async def _beat(self, ws: ClientConnection, *, registration: bool = False) -> None:
+    def _drained(self) -> bool:
+        """Nothing left to run or report (on the fast path, acks are not waited for)."""
+        return not (self._running or self._results or (self._unacked and not self._fast))
+
+    async def _say_goodbye(self, ws: ClientConnection, reader: asyncio.Task[None]) -> None:
+        await self._beat(ws, goodbye=True)
+        try:  # the server answers with an ack and closes
+            await asyncio.wait_for(asyncio.shield(reader), timeout=2.0)
+        except (TimeoutError, websockets.ConnectionClosed):
+            pass
+        await ws.close()
+        log.info("deregistered worker=%s", self.worker_id)
+
+    async def _beat(self, ws: ClientConnection, *, registration: bool = False,
+                    goodbye: bool = False) -> None:
         results, self._results = self._results, []
         now = time.monotonic()
         vouched = [job_id for job_id, run in self._running.items() if run.deadline > now]
@@ -223,10 +309,11 @@ class Worker:
             seq=self._seq, worker_id=self.worker_id,
             registration=self._registration() if registration else None,
             status=p.Status(state=self._state, active_job_ids=vouched),
-            results=results, capacity=self._capacity(),
+            results=results, capacity=self._capacity(), goodbye=goodbye,
         )
         if results:
             self._unacked[self._seq] = results
+        self._sent_state[self._seq] = self._state
         self._seq += 1
         await ws.send(p.encode(beat))
 
@@ -267,6 +354,7 @@ class Worker:
 
     def _on_welcome(self, welcome: p.Welcome) -> None:
         self.welcome = welcome
+        self._reconnects = 0
         if self._interval is None:
             self._interval = welcome.heartbeat_interval
         for rejected in welcome.specs.rejected:
@@ -278,6 +366,15 @@ class Worker:
         self.connected.set()
 
     def _on_ack(self, ack: p.Ack) -> None:
+        # The ack's state is a directive only when stricter than what that heartbeat said:
+        # an echo of an older state must not undo a SIGCONT that came since.
+        said = self._sent_state.pop(ack.seq, self._state)
+        if p.STATE_RANK[ack.state] > p.STATE_RANK[said]:
+            log.info("directed by the server: state=%s", ack.state)
+            if ack.state == "terminate":
+                self.terminate()
+            else:
+                self.quiet()
         sent = {r.job_id: r for r in self._unacked.pop(ack.seq, [])}
         if sent and self._stop.is_set():
             self._dirty.set()  # a stopping worker waits for this ack before it leaves

@@ -1,0 +1,253 @@
+"""Worker lifecycle: server directives (API and CLI), signals to real worker processes,
+graceful shutdown with a grace period, deregistration, and a rolling deploy."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Live, wait_until, write_spec
+from test_cli import rota
+
+from rota import JobContext, Worker
+
+WORKER_MODULE = """
+import asyncio, os
+from rota import Worker
+
+worker = Worker(specs_dir="specs", concurrency=2, labels=["proc"], heartbeat_interval=0.1,
+                grace_period=float(os.environ.get("GRACE", "25")))
+
+@worker.handler("work")
+async def work(ctx):
+    await asyncio.sleep(ctx.args.get("seconds", 0))  # the job's own work
+    return {"slept": ctx.args.get("seconds", 0), "pid": os.getpid()}
+"""
+
+
+async def start_worker_process(live: Live, tmp_path: Path, *, grace: float = 25.0
+                               ) -> tuple[asyncio.subprocess.Process, str]:
+    (tmp_path / "lifecycle_worker.py").write_text(WORKER_MODULE)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rota", "worker", "lifecycle_worker:worker", "--url", live.base,
+        cwd=tmp_path, env={**os.environ, "GRACE": str(grace)},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+
+    async def registered() -> str | None:
+        workers = (await live.http.get("/workers")).json()["workers"]
+        return next((w["id"] for w in workers if w["pid"] == proc.pid), None)
+
+    return proc, await wait_until(registered, timeout=15, what="the worker process to register")
+
+
+async def worker_state(live: Live, worker_id: str) -> str | None:
+    workers = (await live.http.get("/workers")).json()["workers"]
+    return next((w["state"] for w in workers if w["id"] == worker_id), None)
+
+
+@pytest.fixture
+async def procs():
+    started: list[asyncio.subprocess.Process] = []
+    yield started
+    for proc in started:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def sdk(tmp_path: Path, **options) -> Worker:
+    worker = Worker(specs_dir=tmp_path, heartbeat_interval=0.1, **options)
+
+    @worker.handler("work")
+    async def work(ctx: JobContext) -> str:
+        await asyncio.sleep(ctx.args.get("seconds", 0))  # noqa: sleep-ok (the job's work)
+        return ctx.worker_id
+
+    return worker
+
+
+# -- directives ---------------------------------------------------------------------------
+async def test_server_directs_quiet_then_terminate(live: Live, sdk_worker, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "work"))
+    worker = await sdk_worker(sdk(tmp_path))
+    running = await live.enqueue("work", {"seconds": 0.4})
+    await live.wait_state(running["id"], "active")
+    reply = await live.http.post(f"/workers/{worker.worker_id}/state", json={"state": "quiet"})
+    assert reply.status_code == 200 and reply.json()["workers"] == [worker.worker_id]
+    await wait_until(lambda: worker.state == "quiet", what="the worker to go quiet")
+    waiting = await live.enqueue("work")
+    assert "full or not running" in (await live.job(waiting["id"]))["waiting_reason"]
+    assert (await live.wait_state(running["id"], "completed"))["attempt"] == 1
+
+    back = await live.http.post(f"/workers/{worker.worker_id}/state", json={"state": "terminate"})
+    assert back.status_code == 200
+    await wait_until(lambda: not live.coordinator.connections, what="the worker to deregister")
+    assert worker.state == "terminate"
+    assert (await live.job(waiting["id"]))["state"] == "available"  # never given to it
+
+
+async def test_directive_errors(live: Live, connect, tmp_path: Path):
+    spec = write_spec(tmp_path, "work")
+    await live.push(spec)
+    raw = await connect("raw")
+    await raw.register([spec])
+    assert (await live.http.post("/workers/nobody/state", json={"state": "quiet"})).status_code == 404
+    bad = await live.http.post("/workers/raw/state", json={"state": "running"})
+    assert bad.status_code == 422
+    assert (await live.http.post("/workers/state", json={"state": "quiet"})).status_code == 422
+    assert (await live.http.post("/workers/raw/state", json={"state": "terminate"})).status_code == 200
+    back = await live.http.post("/workers/raw/state", json={"state": "quiet"})
+    assert back.status_code == 409 and back.json()["error"]["code"] == "invalid_transition"
+    await raw.beat(status={"state": "running", "active_job_ids": []})
+    assert (await raw.expect("ack"))["state"] == "terminate"  # said until the worker gets there
+
+
+async def test_cli_quiets_by_label_and_terminates_all(live: Live, sdk_worker, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "work"))
+    canary = await sdk_worker(sdk(tmp_path, labels=["canary"]))
+    stable = await sdk_worker(sdk(tmp_path, labels=["stable"]))
+    code, out, _ = await rota("workers", "quiet", "--label", "canary", "--url", live.base)
+    assert code == 0 and out.strip() == f"{canary.worker_id}: quiet"
+    await wait_until(lambda: canary.state == "quiet", what="canary quiet")
+    assert stable.state == "running"
+    code, out, _ = await rota("workers", "list", "--url", live.base)
+    assert code == 0 and "quiet" in out and "labels=canary" in out
+    job = await live.enqueue("work")
+    assert (await live.wait_state(job["id"], "completed"))["result"] == stable.worker_id
+    code, out, _ = await rota("workers", "terminate", "--all", "--url", live.base)
+    assert code == 0 and len(out.splitlines()) == 2
+    await wait_until(lambda: not live.coordinator.connections, what="both workers to leave")
+    code, _, err = await rota("workers", "quiet", "--url", live.base)
+    assert code == 1 and "name one worker" in err
+
+
+async def test_goodbye_deregisters_at_once(live: Live, connect, tmp_path: Path):
+    import websockets
+
+    spec = write_spec(tmp_path, "work")
+    await live.push(spec)
+    raw = await connect("leaving")
+    await raw.register([spec])
+    await raw.beat(goodbye=True, status={"state": "terminate", "active_job_ids": []})
+    assert (await raw.expect("ack"))["seq"] == 1
+    with pytest.raises(websockets.ConnectionClosedOK) as closed:
+        await raw.recv()
+    assert closed.value.rcvd.code == 1000 and closed.value.rcvd.reason == "goodbye"
+    assert (await live.http.get("/workers")).json()["workers"] == []
+
+
+# -- signals to real worker processes ----------------------------------------------------------
+async def test_sigterm_lets_jobs_finish_then_deregisters(live: Live, procs, tmp_path: Path):
+    await live.push(write_spec(tmp_path / "specs", "work"))
+    proc, worker_id = await start_worker_process(live, tmp_path)
+    procs.append(proc)
+    jobs = [await live.enqueue("work", {"seconds": 0.3}) for _ in range(2)]
+    for job in jobs:
+        await live.wait_state(job["id"], "active")
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(proc.wait(), 10) == 0
+    took = time.monotonic() - signalled
+    for job in jobs:
+        done = await live.job(job["id"])
+        assert done["state"] == "completed" and done["attempt"] == 1
+    assert (await live.http.get("/workers")).json()["workers"] == []  # deregistered, not timed out
+    assert took < live.settings.heartbeat_timeout
+
+
+async def test_sigterm_past_the_grace_period_requeues_at_once(live: Live, procs, sdk_worker,
+                                                               tmp_path: Path):
+    await live.push(write_spec(tmp_path / "specs", "work"))
+    proc, _ = await start_worker_process(live, tmp_path, grace=0.3)
+    procs.append(proc)
+    long = await live.enqueue("work", {"seconds": 30})
+    await live.wait_state(long["id"], "active")
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(proc.wait(), 10) == 0
+    back = await live.job(long["id"])
+    assert back["state"] == "available" and back["attempt"] == 1
+    assert [e["type"] for e in back["errors"]] == ["shutdown"] and back["fails"] == 0
+    rescuer = sdk(tmp_path / "specs")
+    await sdk_worker(rescuer)
+    await live.http.delete(f"/jobs/{long['id']}")  # 30 s is too long to wait for here
+    cancelled = await live.wait_state(long["id"], "cancelled")
+    assert cancelled["attempt"] == 2 and cancelled["worker_id"] == rescuer.worker_id
+
+
+async def test_sigtstp_quiets_and_sigcont_resumes(live: Live, procs, tmp_path: Path):
+    await live.push(write_spec(tmp_path / "specs", "work"))
+    proc, worker_id = await start_worker_process(live, tmp_path)
+    procs.append(proc)
+    proc.send_signal(signal.SIGTSTP)
+
+    async def is_quiet() -> bool:
+        return await worker_state(live, worker_id) == "quiet"
+
+    await wait_until(is_quiet, what="quiet after SIGTSTP")
+    job = await live.enqueue("work")
+    assert "full or not running" in (await live.job(job["id"]))["waiting_reason"]
+    proc.send_signal(signal.SIGCONT)
+    done = await live.wait_state(job["id"], "completed")
+    assert done["result"]["pid"] == proc.pid
+    assert await worker_state(live, worker_id) == "running"
+
+
+async def test_sigint_is_the_fast_path(live: Live, procs, tmp_path: Path):
+    await live.push(write_spec(tmp_path / "specs", "work"))
+    proc, _ = await start_worker_process(live, tmp_path)  # grace 25 s: SIGINT must not wait
+    procs.append(proc)
+    long = await live.enqueue("work", {"seconds": 30})
+    await live.wait_state(long["id"], "active")
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    await asyncio.wait_for(proc.wait(), 10)
+    assert time.monotonic() - signalled < 3
+    back = await live.wait_state(long["id"], "available")
+    assert [e["type"] for e in back["errors"]] == ["shutdown"]
+
+
+# -- a rolling deploy ------------------------------------------------------------------------
+async def test_rolling_deploy_loses_nothing_and_runs_nothing_twice(live: Live, sdk_worker,
+                                                                   tmp_path: Path):
+    old_specs, new_specs = tmp_path / "v1", tmp_path / "v2"
+    write_spec(old_specs, "work", version="1")
+    await live.push(write_spec(new_specs, "work", version="1"))
+    runs: collections.Counter[str] = collections.Counter()
+
+    def build(specs: Path, label: str) -> Worker:
+        worker = Worker(specs_dir=specs, heartbeat_interval=0.1, labels=[label], concurrency=3)
+
+        @worker.handler("work")
+        async def work(ctx: JobContext) -> str:
+            runs[ctx.id] += 1
+            await asyncio.sleep(0.02)  # noqa: sleep-ok (the job's work)
+            return label
+
+        return worker
+
+    old = [await sdk_worker(build(old_specs, "old")) for _ in range(2)]
+    first = [await live.enqueue("work", {"n": n}) for n in range(20)]
+    # The deploy: new code, new spec version, new workers; then retire the old ones.
+    write_spec(new_specs, "work", version="2")
+    from rota.specs import load_dir
+
+    await live.push(*load_dir(new_specs))
+    new = await sdk_worker(build(new_specs, "new"))
+    second = [await live.enqueue("work", {"n": n}) for n in range(20, 40)]
+    reply = await live.http.post("/workers/state", json={"state": "quiet", "label": "old"})
+    assert sorted(reply.json()["workers"]) == sorted(w.worker_id for w in old)
+    await live.http.post("/workers/state", json={"state": "terminate", "label": "old"})
+    await wait_until(lambda: set(live.coordinator.connections) == {new.worker_id},
+                     what="the old workers to leave")
+    for job in first + second:
+        done = await live.wait_state(job["id"], "completed")
+        assert done["attempt"] == 1
+    assert all(runs[job["id"]] == 1 for job in first + second)
+    for job in second:  # enqueued after the push: only the new version may run them
+        assert (await live.job(job["id"]))["result"] == "new"
