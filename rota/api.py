@@ -184,6 +184,7 @@ async def list_workers(request: Request) -> Response:
             "capacity": slot.capacity, "specs_matching": matching,
             "specs_mismatching": sorted(set(slot.specs) - set(matching)),
             "directive": conn.directive,
+            "cpu_percent": conn.cpu_percent, "memory_rss": conn.memory_rss,
             "connected_at": rfc3339(conn.connected_at),
             "last_heartbeat_age": round(now - conn.last_seen, 3),
         })

@@ -298,7 +298,14 @@ def workers_list(url: str) -> None:
             f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"
             f"  specs ok={','.join(w['specs_matching']) or '-'}"
             f" mismatched={','.join(w['specs_mismatching']) or '-'}"
-            f"  host={w['hostname']} pid={w['pid']}  beat={w['last_heartbeat_age']:.1f}s ago")
+            f"  host={w['hostname']} pid={w['pid']}{_usage(w)}"
+            f"  beat={w['last_heartbeat_age']:.1f}s ago")
+
+
+def _usage(worker: dict[str, Any]) -> str:
+    if worker["memory_rss"] is None:
+        return ""
+    return f"  cpu={worker['cpu_percent'] or 0:.0f}% rss={worker['memory_rss'] / 2**20:.0f}MiB"
 
 
 def _directive(state: str) -> Callable[..., None]:

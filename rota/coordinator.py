@@ -53,6 +53,8 @@ class Connection:
     connected_at: float
     last_seen: float  # monotonic
     reported: list[str] = field(default_factory=list)  # last active_job_ids
+    cpu_percent: float | None = None  # the worker process's, as it last said
+    memory_rss: int | None = None
     directive: str | None = None  # the state the server wants; None: whatever the worker says
 
 
@@ -267,6 +269,10 @@ class Coordinator:
             # Until it does, schedule by the stricter of what it says and what we asked.
             worker.state = conn.directive or reported
             conn.reported = hb.status.active_job_ids
+            if hb.status.cpu_percent is not None:
+                conn.cpu_percent = hb.status.cpu_percent
+            if hb.status.memory_rss is not None:
+                conn.memory_rss = hb.status.memory_rss
             self.scheduler.renew(worker, hb.status.active_job_ids, now)
         if hb.capacity is not None:
             worker.capacity = hb.capacity

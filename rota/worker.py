@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import websockets
 from websockets.asyncio.client import ClientConnection
 
@@ -41,6 +42,7 @@ from rota.specs import JobSpec, SpecError, checksum, load_dir
 
 log = logging.getLogger("rota.worker")
 SDK = "rota-python/0.1.0"
+METRICS_EVERY = 5.0  # seconds between CPU/RAM figures in heartbeats
 Handler = Callable[["JobContext"], Any]
 
 
@@ -129,6 +131,8 @@ class Worker:
         self._state: p.WorkerState = "running"
         self._seq = 0
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rota-job")
+        self._process = psutil.Process()
+        self._metrics_at = -METRICS_EVERY  # monotonic time of the last figures sent
         self.welcome: p.Welcome | None = None
         self.connected = asyncio.Event()
 
@@ -305,10 +309,16 @@ class Worker:
         results, self._results = self._results, []
         now = time.monotonic()
         vouched = [job_id for job_id, run in self._running.items() if run.deadline > now]
+        status = p.Status(state=self._state, active_job_ids=vouched)
+        if registration or now - self._metrics_at >= METRICS_EVERY:
+            self._metrics_at = now
+            # cpu_percent(None) measures since the previous call: no blocking sample here.
+            status.cpu_percent = self._process.cpu_percent(interval=None)
+            status.memory_rss = self._process.memory_info().rss
         beat = p.Heartbeat(
             seq=self._seq, worker_id=self.worker_id,
             registration=self._registration() if registration else None,
-            status=p.Status(state=self._state, active_job_ids=vouched),
+            status=status,
             results=results, capacity=self._capacity(), goodbye=goodbye,
         )
         if results:

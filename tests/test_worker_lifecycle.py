@@ -251,3 +251,18 @@ async def test_rolling_deploy_loses_nothing_and_runs_nothing_twice(live: Live, s
     assert all(runs[job["id"]] == 1 for job in first + second)
     for job in second:  # enqueued after the push: only the new version may run them
         assert (await live.job(job["id"]))["result"] == "new"
+
+
+async def test_workers_report_cpu_and_memory(live: Live, sdk_worker, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "work"))
+    worker = await sdk_worker(sdk(tmp_path))
+
+    async def figures() -> dict | None:
+        [shown] = (await live.http.get("/workers")).json()["workers"]
+        return shown if shown["memory_rss"] else None
+
+    shown = await wait_until(figures, what="CPU and memory figures")
+    assert shown["id"] == worker.worker_id and shown["cpu_percent"] >= 0
+    assert shown["memory_rss"] > 10 * 2**20  # a Python process is well over 10 MiB
+    code, out, _ = await rota("workers", "list", "--url", live.base)
+    assert code == 0 and "rss=" in out and "MiB" in out
