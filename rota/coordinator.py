@@ -239,13 +239,11 @@ class Coordinator:
             log.info("state change worker=%s state=%s by=server", worker_id, state)
         return directed
 
-    def select_workers(self, *, worker_id: str | None = None, label: str | None = None,
-                       every: bool = False) -> list[str]:
+    def select_workers(self, *, label: str | None = None, every: bool = False) -> list[str]:
+        """Connected workers with ``label``, or all of them."""
         if every:
             return sorted(self.connections)
-        if label is not None:
-            return sorted(w for w, c in self.connections.items() if label in c.worker.labels)
-        return [worker_id] if worker_id in self.connections else []
+        return sorted(w for w, c in self.connections.items() if label in c.worker.labels)
 
     # -- heartbeats and results -------------------------------------------------------
     def heartbeat(self, worker_id: str, hb: p.Heartbeat) -> str | Awaitable[str]:
