@@ -162,7 +162,7 @@ worker = Worker(specs_dir="specs", concurrency=2)
 
 @worker.handler("echo")
 async def echo(ctx):
-    await asyncio.sleep(ctx.args.get("work_seconds", 0))  # the job's own work
+    await asyncio.sleep(ctx.args.get("work_seconds", 0))  # noqa: sleep-ok (the job's own work)
     return {"echoed": ctx.args}
 """
 

@@ -51,9 +51,9 @@ worker = Worker(specs_dir="specs", concurrency=CONCURRENCY)
 async def echo(ctx):
     if "hold" in ctx.args:
         Path(f"started-{ctx.id}-{ctx.attempt}").touch()  # the test waits for this
-        await asyncio.sleep(ctx.args["hold"])
+        await asyncio.sleep(ctx.args["hold"])  # noqa: sleep-ok (the job holds on)
     else:
-        await asyncio.sleep(random.uniform(0, 0.05))  # the job's own work
+        await asyncio.sleep(random.uniform(0, 0.05))  # noqa: sleep-ok (the job's own work)
     return ctx.args
 '''
 

@@ -26,7 +26,7 @@ worker = Worker(specs_dir="specs", concurrency=2, labels=["proc"], heartbeat_int
 
 @worker.handler("work")
 async def work(ctx):
-    await asyncio.sleep(ctx.args.get("seconds", 0))  # the job's own work
+    await asyncio.sleep(ctx.args.get("seconds", 0))  # noqa: sleep-ok (the job's own work)
     return {"slept": ctx.args.get("seconds", 0), "pid": os.getpid()}
 """
 
