@@ -442,7 +442,6 @@ class Coordinator:
             return
         conn = self.connections.get(holder)
         if conn is not None:  # stop the stale run, so it does not race the retry
-            conn.worker.active.discard(job.id)
             conn.outbox.send(p.encode(p.Cancel(job_ids=[job.id], reason="visibility_timeout")))
         lease = self.scheduler.lease_for(job)
         self._recover([job], "visibility_timeout", f"no result or heartbeat for {lease:g}s")

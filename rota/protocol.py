@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rota.errors import FrameError  # re-exported: decoding raises it
+
 WorkerState = Literal["running", "quiet", "terminate"]
 # Lifecycle order: a worker only moves forward, except quiet -> running on SIGCONT.
 STATE_RANK: dict[str, int] = {"running": 0, "quiet": 1, "terminate": 2}
@@ -183,16 +185,6 @@ _encoder = msgspec.json.Encoder()
 # required, and a server message sent by a worker is then refused by name.
 _worker_frame_decoder = msgspec.json.Decoder(Heartbeat | ServerMessage)
 _server_decoder = msgspec.json.Decoder(ServerMessage)
-
-
-class FrameError(Exception):
-    """A frame the server cannot accept; ``code`` and ``close_code`` go on the wire."""
-
-    def __init__(self, code: str, message: str, close_code: int) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.close_code = close_code
 
 
 def encode(message: msgspec.Struct) -> str:
