@@ -63,6 +63,8 @@ def main() -> None:
               help="Seconds between worker heartbeats (told to workers in the welcome).")
 @click.option("--heartbeat-timeout", envvar="ROTA_HEARTBEAT_TIMEOUT", default=5.0, show_default=True, show_envvar=True,
               help="Seconds of silence after which a worker is dropped and its jobs requeued.")
+@click.option("--reconnect-grace", envvar="ROTA_RECONNECT_GRACE", default=5.0, show_default=True, show_envvar=True,
+              help="Seconds a lost connection's jobs stay reserved for its worker to reconnect.")
 @click.option("--visibility-timeout", envvar="ROTA_VISIBILITY_TIMEOUT", default=1800.0, show_default=True, show_envvar=True,
               help="Default seconds a job stays reserved for its worker.")
 @click.option("--crash-at", envvar="ROTA_CRASH_AT", hidden=True,
@@ -70,7 +72,8 @@ def main() -> None:
                                  "reserve-after-commit", "result-after-commit"]),
               help="Test switch: exit abruptly at this point (crash-safety tests).")
 def serve(host: str, port: int, db: Path, log_level: str, heartbeat_interval: float,
-          heartbeat_timeout: float, visibility_timeout: float, crash_at: str | None) -> None:
+          heartbeat_timeout: float, reconnect_grace: float, visibility_timeout: float,
+          crash_at: str | None) -> None:
     """Run the Rota server: /work for workers, the HTTP API for everyone else."""
     from rota.server import serve as run_server
     from rota.settings import ServerSettings
@@ -78,6 +81,7 @@ def serve(host: str, port: int, db: Path, log_level: str, heartbeat_interval: fl
     logs.configure(log_level)
     settings = ServerSettings(db=db, host=host, port=port, heartbeat_interval=heartbeat_interval,
                               heartbeat_timeout=heartbeat_timeout,
+                              reconnect_grace=reconnect_grace,
                               visibility_timeout=visibility_timeout, crash_at=crash_at)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, log_level=log_level))

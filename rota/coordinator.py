@@ -35,6 +35,11 @@ log = logging.getLogger("rota.server")
 # because the job failed: they do not count toward max_fails and do not back off.
 OUTSIDE_ENDINGS: dict[str, Ending] = {"visibility_timeout": "visibility_timeout",
                                       "shutdown": "shutdown", "cancelled": "cancelled"}
+# Disconnects the worker did not choose and may recover from: its jobs stay reserved for
+# reconnect_grace, so that a worker whose network blinked takes them back on reconnect.
+# After any other (it closed, said goodbye, went silent, broke the protocol) they go
+# back at once.
+MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error"})
 
 
 class Outbox(Protocol):
@@ -56,6 +61,7 @@ class Connection:
     cpu_percent: float | None = None  # the worker process's, as it last said
     memory_rss: int | None = None
     directive: str | None = None  # the state the server wants; None: whatever the worker says
+    checked: bool = False  # its first status was checked for runs it no longer holds
 
 
 def short(checksum_: str | None) -> str:
@@ -90,12 +96,11 @@ class Coordinator:
         grace = time.time() + self.settings.heartbeat_timeout
         orphans = 0
         for job in snapshot.jobs:
+            self.scheduler.track(job)
             if job.state == "active":
                 # Its worker may come back: it has heartbeat_timeout to reclaim the job.
-                job.orphaned, job.lease_expires_at = True, grace
+                self.scheduler.orphan(job, grace)
                 orphans += 1
-                self.scheduler.orphans += 1
-            self.scheduler.track(job)
         if orphans:
             log.warning("recovery active_jobs=%d wait=%.1fs for their workers to reclaim them",
                         orphans, self.settings.heartbeat_timeout)
@@ -154,7 +159,7 @@ class Coordinator:
         if len(set(names)) != len(names):
             raise p.FrameError("invalid_message", "a spec is declared twice in the registration",
                                p.CLOSE_INVALID_PAYLOAD)
-        self._refuse_twin(hb.worker_id)
+        self._take_over_or_refuse(hb.worker_id, reg)
         verdict = self._judge_specs(hb.worker_id, reg.specs)
         now = time.time()
         await self.store.worker_connected({
@@ -165,7 +170,7 @@ class Coordinator:
             "specs": msgspec.json.encode(reg.specs).decode(),
             "connected_at": now, "disconnected_at": None,
         })
-        self._refuse_twin(hb.worker_id)  # a twin may have registered while we committed
+        self._take_over_or_refuse(hb.worker_id, reg)  # it may have come while we committed
         slot = WorkerSlot(id=hb.worker_id, queues=list(reg.queues), concurrency=reg.concurrency,
                           specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels))
         self.scheduler.add_worker(slot)
@@ -181,10 +186,21 @@ class Coordinator:
             visibility_timeout=self.settings.visibility_timeout, specs=verdict,
         ))
 
-    def _refuse_twin(self, worker_id: str) -> None:
-        if worker_id in self.connections:
+    def _take_over_or_refuse(self, worker_id: str, reg: p.Registration) -> None:
+        """A second connection under a connected worker id is refused, unless it comes from
+        the same process (hostname, pid and started_at): then the old connection is dead
+        but not yet noticed (half-open), and the new one replaces it at once."""
+        old = self.connections.get(worker_id)
+        if old is None:
+            return
+        was = old.registration
+        if reg.started_at is None or (was.hostname, was.pid, was.started_at) != (
+                reg.hostname, reg.pid, reg.started_at):
             raise p.FrameError("worker_id_in_use", f"worker {worker_id} is already connected",
                                p.CLOSE_POLICY)
+        old.outbox.abort("superseded", "the worker reconnected on a new connection",
+                         p.CLOSE_POLICY)
+        self.disconnect(worker_id, "superseded")
 
     def _judge_specs(self, worker_id: str, declared: list[p.SpecRef]) -> p.SpecVerdict:
         accepted: list[str] = []
@@ -206,20 +222,31 @@ class Coordinator:
         if conn is not None:
             conn.last_seen = time.monotonic()
 
-    def disconnect(self, worker_id: str, reason: str) -> None:
-        conn = self.connections.pop(worker_id, None)
-        if conn is None:
+    def disconnect(self, worker_id: str, reason: str, outbox: Outbox | None = None) -> None:
+        """Forget a worker's connection (only ``outbox``'s, if given: a newer connection
+        of the same worker may have replaced it) and decide what becomes of its jobs."""
+        conn = self.connections.get(worker_id)
+        if conn is None or (outbox is not None and conn.outbox is not outbox):
             return
+        del self.connections[worker_id]
         if not self.connections:
             self._no_connections.set()
         held = self.scheduler.remove_worker(worker_id, conn.reported)
         if self._stopping:
             log.info("disconnect worker=%s reason=%s jobs_kept_for_reclaim=%d", worker_id,
                      reason, len(held))
-        else:
+        elif reason not in MAY_RECONNECT or not held:
             log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason,
                      len(held))
             self._recover(held, "worker_death", f"worker {worker_id} is gone ({reason})")
+        else:
+            grace = self.settings.reconnect_grace
+            until = time.time() + grace
+            for job in held:
+                self.scheduler.orphan(job, until)
+            self._arm(until)
+            log.warning("disconnect worker=%s reason=%s jobs_held_for_reconnect=%d grace=%gs",
+                        worker_id, reason, len(held), grace)
         self.spawn(self.store.worker_disconnected(worker_id, time.time()),
                    f"rota-disconnect-{worker_id}")
 
@@ -251,15 +278,12 @@ class Coordinator:
         conn = self.connections[worker_id]
         worker = conn.worker
         now = time.time()
-        # Jobs it held before a restart, still running or finished: it reclaims them by
-        # naming them, in whichever heartbeat it does so.
+        # Jobs it held before a restart or a lost connection, still running or finished:
+        # it reclaims them by naming them, in whichever heartbeat it does so.
         if self.scheduler.has_orphans:
-            named = hb.status.active_job_ids if hb.status is not None else []
-            for job in self.scheduler.adopt(worker, [*named, *(r.job_id for r in hb.results)], now):
-                log.info("reclaim job=%s spec=%s queue=%s worker=%s attempt=%d", job.id,
-                         job.spec, job.queue, worker.id, job.attempt)
-                if job.cancel_requested:  # asked for while its worker was away
-                    conn.outbox.send(p.encode(p.Cancel(job_ids=[job.id], reason="cancelled")))
+            self._reclaim(conn, hb, now)
+        if hb.status is not None and not conn.checked:
+            self._stop_lost_runs(conn, hb.status.active_job_ids)
         if hb.status is not None:
             reported = hb.status.state
             if conn.directive and p.STATE_RANK[reported] >= p.STATE_RANK[conn.directive]:
@@ -282,6 +306,29 @@ class Coordinator:
             return self._ack(hb.seq, desired, accepted, rejected)
         return self.spawn(self._commit_results(hb.seq, desired, worker_id, changes, rejected),
                           f"rota-results-{worker_id}-{hb.seq}")
+
+    def _reclaim(self, conn: Connection, hb: p.Heartbeat, now: float) -> None:
+        named = hb.status.active_job_ids if hb.status is not None else []
+        adopted = self.scheduler.adopt(conn.worker, [*named, *(r.job_id for r in hb.results)], now)
+        for job in adopted:
+            log.info("reclaim job=%s spec=%s@%s queue=%s worker=%s attempt=%d", job.id, job.spec,
+                     short(job.checksum), job.queue, conn.worker.id, job.attempt)
+            if job.cancel_requested:  # asked for while its worker was away
+                conn.outbox.send(p.encode(p.Cancel(job_ids=[job.id], reason="cancelled")))
+
+    def _stop_lost_runs(self, conn: Connection, named: list[str]) -> None:
+        """The first status after a (re)connect: jobs the worker says it runs but no longer
+        holds (recovered while it was away, maybe running elsewhere) are wasted work at
+        best and a duplicate side effect at worst: tell it to stop them."""
+        conn.checked = True
+        jobs = self.scheduler.jobs
+        lost = [job_id for job_id in named
+                if (job := jobs.get(job_id)) is None or job.worker_id != conn.worker.id
+                or job.state != "active" or job.orphaned]
+        if lost:
+            log.warning("reservation lost worker=%s jobs=%s: recovered while it was away",
+                        conn.worker.id, ",".join(lost))
+            conn.outbox.send(p.encode(p.Cancel(job_ids=lost, reason="reservation_lost")))
 
     def _take_results(self, worker: WorkerSlot, results: list[p.Result]
                       ) -> tuple[list[str], list[p.ResultRejection], list[Change]]:
@@ -438,7 +485,7 @@ class Coordinator:
         if job.orphaned:
             self.scheduler.orphans -= 1
             job.orphaned = False
-            self._recover([job], "worker_death", f"worker {holder} did not come back after a restart")
+            self._recover([job], "worker_death", f"worker {holder} did not reconnect in time")
             return
         conn = self.connections.get(holder)
         if conn is not None:  # stop the stale run, so it does not race the retry

@@ -139,8 +139,18 @@ class Scheduler:
                     and not job.orphaned):
                 job.lease_expires_at = now + self.lease_for(job)
 
+    def orphan(self, job: Job, until: float) -> None:
+        """Keep an active job reserved for its absent worker until ``until``: the worker may
+        reconnect and reclaim it (``adopt``); otherwise its lease lapses then."""
+        if not job.orphaned:
+            job.orphaned = True
+            self.orphans += 1
+        job.lease_expires_at = until
+        heapq.heappush(self._leases, (until, job.id))
+
     def adopt(self, worker: WorkerSlot, job_ids: Iterable[str], now: float) -> list[Job]:
-        """Give a reconnecting worker back the reservations it held before a restart."""
+        """Give a reconnecting worker back the reservations it held before a restart or
+        before its connection was lost."""
         adopted = []
         for job_id in job_ids:
             job = self.jobs.get(job_id)

@@ -33,7 +33,7 @@ class Session:
         self.worker_id: str | None = None
         self.last_seq = -1
         self._outbox: asyncio.Queue[str | Awaitable[str] | object] = asyncio.Queue()
-        self._receiver: asyncio.Task[None] | None = None
+        self._receiver: asyncio.Task[str] | None = None
         self._failure: p.FrameError | None = None
 
     # -- Outbox (what the coordinator calls) ------------------------------------------
@@ -51,9 +51,9 @@ class Session:
         await self.ws.accept()
         sender = asyncio.create_task(self._send_loop(), name="rota-session-send")
         self._receiver = asyncio.create_task(self._receive_loop(), name="rota-session-recv")
-        reason = "closed"
+        reason = "connection_lost"
         try:
-            await self._receiver
+            reason = await self._receiver
         except p.FrameError as exc:
             self._failure = exc
         except asyncio.CancelledError:
@@ -68,7 +68,7 @@ class Session:
                 reason = self._failure.code
                 self.send(p.encode(p.Error(code=self._failure.code, message=self._failure.message)))
             if self.worker_id is not None:
-                self.coordinator.disconnect(self.worker_id, reason)
+                self.coordinator.disconnect(self.worker_id, reason, self)
             self.send(_CLOSE)
             await self._finish(sender, goodbye=reason == "goodbye")
 
@@ -90,11 +90,14 @@ class Session:
             except Exception:  # the peer may be gone already
                 pass
 
-    async def _receive_loop(self) -> None:
+    async def _receive_loop(self) -> str:
+        """Handle frames until the connection ends; return how it ended."""
         while True:
             message = await self.ws.receive()
             if message["type"] == "websocket.disconnect":
-                return
+                # A close frame (1000, 1001) means the worker chose to leave; anything
+                # else (1006: no close frame) means the connection was lost.
+                return "closed" if message.get("code") in (1000, 1001) else "connection_lost"
             text = message.get("text")
             if text is None:
                 raise p.FrameError("binary_not_supported", "send JSON text frames, not binary",

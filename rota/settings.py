@@ -15,6 +15,9 @@ class ServerSettings:
     # dropped and its jobs go back. Timeout >= 3x interval avoids premature recovery.
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
+    # After a connection is lost (not closed by the worker, not timed out), how long its
+    # jobs stay reserved for the worker to reconnect and reclaim them.
+    reconnect_grace: float = 5.0
     visibility_timeout: float = 1800.0
     # Longest a GET /jobs/{id}/result?wait= may hold a request open.
     max_result_wait: float = 300.0

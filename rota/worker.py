@@ -133,6 +133,9 @@ class Worker:
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rota-job")
         self._process = psutil.Process()
         self._metrics_at = -METRICS_EVERY  # monotonic time of the last figures sent
+        self._last_heard = 0.0  # monotonic time of the server's last frame
+        # With hostname and pid, this tells the server a reconnect is this very process.
+        self._started_at = p.rfc3339(time.time())
         self.welcome: p.Welcome | None = None
         self.connected = asyncio.Event()
 
@@ -264,6 +267,7 @@ class Worker:
         resend = [result for seq in sorted(self._unacked) for result in self._unacked[seq]]
         self._unacked.clear()
         self._results = resend + self._results
+        self._last_heard = time.monotonic()
         await self._beat(ws, registration=True)
         reader = asyncio.create_task(self._read(ws), name="rota-worker-read")
         try:
@@ -282,6 +286,7 @@ class Worker:
                 reader.result()  # re-raise why the connection ended
                 return
             self._dirty.clear()
+            self._check_server_alive(ws)
             self._give_up_lapsed()
             if self._terminate_by is not None and time.monotonic() >= self._terminate_by:
                 for job_id in list(self._running):  # the grace period is over
@@ -290,6 +295,17 @@ class Worker:
             if self._stop.is_set() and self._drained():
                 await self._say_goodbye(ws, reader)
                 return
+
+    def _check_server_alive(self, ws: ClientConnection) -> None:
+        """Every heartbeat gets an ack: a server silent this long is gone, even if the socket
+        looks open (a half-open TCP connection after a network cut). Half the server's
+        heartbeat timeout, so that this worker is back before the server gives up on it."""
+        if self.welcome is None:
+            return
+        silent = time.monotonic() - self._last_heard
+        if silent > max(self.welcome.heartbeat_timeout / 2, 2 * (self._interval or 1.0)):
+            ws.transport.abort()  # closing politely would wait on the dead peer
+            raise ConnectionError(f"no answer from the server for {silent:.1f}s")
 
     def _drained(self) -> bool:
         """Nothing left to run or report (on the fast path, acks are not waited for)."""
@@ -337,7 +353,7 @@ class Worker:
             hostname=socket.gethostname(), os=f"{platform.system()} {platform.release()}",
             pid=os.getpid(), sdk=SDK, queues=self.queues, concurrency=self.concurrency,
             specs=self.declared_specs(), labels=self.labels,
-            started_at=p.rfc3339(time.time()),
+            started_at=self._started_at,
         )
 
     async def _read(self, ws: ClientConnection) -> None:
@@ -348,6 +364,7 @@ class Worker:
                 # A newer server may send messages this SDK does not know: skip, don't die.
                 log.warning("ignoring a server frame this SDK cannot read: %s", exc)
                 continue
+            self._last_heard = time.monotonic()
             match message:
                 case p.Assign(jobs=jobs):
                     for copy in jobs:
@@ -440,14 +457,21 @@ class Worker:
         except asyncio.CancelledError:
             if run.cancel_reason is None:  # not ours: the worker itself is going down
                 raise
+            if run.cancel_reason == "reservation_lost":  # no longer ours to report
+                log.info("stopped job=%s: its reservation was lost while disconnected", copy.id)
+                return
             result = p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
                               error=p.ErrorInfo(type=run.cancel_reason,
                                                 message=f"stopped by the worker: {run.cancel_reason}"))
         finally:
-            if self._running.get(copy.id) is run:  # a newer attempt may have taken the slot
-                del self._running[copy.id]
+            self._forget(run)
         self._results.append(result)
         self._dirty.set()  # results are not held back: beat now
+
+    def _forget(self, run: _Running) -> None:
+        if self._running.get(run.copy.id) is run:  # a newer attempt may have taken the slot
+            del self._running[run.copy.id]
+        self._dirty.set()
 
     async def _call(self, ctx: JobContext) -> p.Result:
         handler = self._handlers.get(ctx.spec)

@@ -150,14 +150,16 @@ class RawWorker:
 
     async def register(self, specs: list[JobSpec], *, queues: list[str] | None = None,
                        concurrency: int = 10, capacity: int | None = None,
-                       declared: dict[str, str] | None = None) -> dict[str, Any]:
+                       declared: dict[str, str] | None = None, started_at: str | None = None,
+                       **sections: Any) -> dict[str, Any]:
+        """Register (more ``sections``, e.g. a status, may ride along); return the welcome."""
         refs = [{"name": s.name, "checksum": checksum(s)} for s in specs]
         refs += [{"name": n, "checksum": c} for n, c in (declared or {}).items()]
         registration = {"hostname": "test", "os": "linux", "pid": 1, "sdk": "raw",
                         "queues": queues or ["default"], "concurrency": concurrency,
-                        "specs": refs}
+                        "specs": refs, "started_at": started_at}
         await self.beat(registration=registration,
-                        capacity=concurrency if capacity is None else capacity)
+                        capacity=concurrency if capacity is None else capacity, **sections)
         welcome = await self.expect("welcome")
         await self.expect("ack")
         return welcome
@@ -234,3 +236,73 @@ async def sdk_worker(live: Live) -> AsyncIterator[Callable[..., Awaitable[Worker
     for worker, task in running:
         worker.stop()
         await asyncio.wait_for(task, timeout=10)
+
+
+class Proxy:
+    """A TCP relay between workers and the server on loopback, so a test can break the
+    network under a live connection: ``cut()`` resets both sides (each sees the connection
+    lost), ``blackhole()`` stops relaying and leaves both sides open and unanswered (as a
+    network partition does: no FIN, no RST, only silence)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = 0
+        self.accepted = 0
+        self._server: asyncio.Server | None = None
+        self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+        self._pumps: set[asyncio.Task[None]] = set()
+        self._silent: list[asyncio.StreamWriter] = []  # sockets left open by blackhole()
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/work"
+
+    async def start(self) -> Proxy:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._pairs.append((writer, up_writer))
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pump(source, sink))
+            self._pumps.add(task)
+            task.add_done_callback(self._pumps.discard)
+
+    @staticmethod
+    async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+        except (ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            return  # blackholed: the other side stays open and hears nothing
+        sink.close()
+
+    def cut(self) -> None:
+        for worker_side, server_side in self._pairs:
+            worker_side.transport.abort()
+            server_side.transport.abort()
+        self._pairs.clear()
+
+    def blackhole(self) -> None:
+        for task in list(self._pumps):  # stop relaying; both sides stay open, unanswered
+            task.cancel()
+        for pair in self._pairs:
+            self._silent.extend(pair)
+        self._pairs.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        for writer in self._silent:
+            writer.transport.abort()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._pumps):
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)

@@ -10,9 +10,9 @@ own record of what it sent and was told:
 1. one holder per job: each active job has one worker, the workers' reservation sets
    are disjoint, and an ``assign`` never hands out a job another live client holds;
 2. no job lost: every enqueued id is stored in a valid state, memory and disk agree,
-   an active job belongs to a connected worker (or is an orphan of a restart, for at
-   most the recovery window), reservations reach their worker, waiting work is not left
-   beside an idle worker, and a retryable job comes back on time;
+   an active job belongs to a connected worker (or is an orphan of a restart or of a
+   lost connection, for at most the recovery window), reservations reach their worker,
+   waiting work is not left beside an idle worker, and a retryable job comes back on time;
 3. attempts agree with the error log: one record per ended attempt, numbered 1..n;
 4. completed and discarded jobs stay as they are;
 5. accepted results are what is stored, and the retry policy (max_attempts 3,
@@ -93,6 +93,7 @@ class Client:
         self.unexpected: list[dict[str, Any]] = []
         self.retired = False  # the test dropped it (disconnect or restart)
         self.unclaimed = 0  # jobs still running from before a restart, not yet named
+        self.expect_lost: set[str] = set()  # named jobs the server no longer keeps for it
         self.last_beat = time.monotonic()
         self.reader = asyncio.create_task(self._read(), name=f"reader-{worker_id}")
 
@@ -106,6 +107,9 @@ class Client:
                         self.run.on_assign(self, copy)
                 elif kind in ("welcome", "ack"):
                     self.inbox.put_nowait(frame)
+                elif kind == "cancel" and frame["reason"] == "reservation_lost" \
+                        and set(frame["job_ids"]) == self.expect_lost:
+                    self.expect_lost = set()  # stop what it no longer holds (protocol.md §2)
                 else:
                     self.unexpected.append(frame)
         except websockets.ConnectionClosed:
@@ -323,6 +327,7 @@ class Run:
                 if (job_id, attempt) not in reported:
                     client.held[job_id] = attempt
         client.unclaimed = 0
+        client.expect_lost = {j for j, _ in claims if j not in adoptable}
         status = {"state": client.state, "active_job_ids": [j for j, _ in claims]}
         ack = await client.beat(results=results, registration=registration, status=status,
                                 vary=False)
@@ -536,7 +541,8 @@ class Run:
             with contextlib.suppress(Exception):
                 await client.close(abrupt=False)
         self.live = await start_server(self.tmp, heartbeat_interval=0.2,
-                                       heartbeat_timeout=HEARTBEAT_TIMEOUT)
+                                       heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                                       reconnect_grace=HEARTBEAT_TIMEOUT)
         self.restarted_at = time.time()
         orphans = {j.id: (j.worker_id, j.attempt)
                    for j in self.server.coordinator.scheduler.jobs.values() if j.orphaned}
@@ -695,16 +701,18 @@ class Run:
                 raise fail(f"job {job_id} is active with no worker")
             if owner.get(job_id) == row["worker_id"]:
                 continue
-            # Not held by a connected worker: only an orphan of a restart, within the grace.
+            # Not held by a connected worker: only an orphan of a restart or of a lost
+            # connection, within the grace.
             memory = scheduler.jobs[job_id]
             where = "connected but does not hold it" if row["worker_id"] in connected \
                 else "gone"
             if not memory.orphaned:
                 raise fail(f"job {job_id} is active for {row['worker_id']}, which is {where},"
-                           " and the job is not waiting to be reclaimed after a restart")
-            if now - self.restarted_at > HEARTBEAT_TIMEOUT + 1.0:
-                raise fail(f"job {job_id} is still active for {row['worker_id']} ({where})"
-                           f" {now - self.restarted_at:.1f}s after the restart")
+                           " and the job is not waiting to be reclaimed")
+            overdue = now - (memory.lease_expires_at or 0.0)
+            if overdue > 1.0:
+                raise fail(f"job {job_id} is still active for {row['worker_id']} ({where}),"
+                           f" its grace over {overdue:.1f}s ago")
 
         # 2. work-conserving: nothing waits beside a running worker with room
         waiting = [j for j in scheduler.jobs.values() if j.state == "available"]
@@ -817,7 +825,8 @@ class Run:
         self.specs = {name: write_spec(self.tmp / "specs", name, extra=text)
                       for name, text in SPEC_TEXT.items()}
         self.live = await start_server(self.tmp, heartbeat_interval=0.2,
-                                       heartbeat_timeout=HEARTBEAT_TIMEOUT)
+                                       heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                                       reconnect_grace=HEARTBEAT_TIMEOUT)
         try:
             await self.server.push(*self.specs.values())
             for _ in range(self.rng.randint(1, 3)):
