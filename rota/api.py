@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.coordinator import Coordinator
+from rota.coordinator import MAX_LOG_LINES, Coordinator
 from rota.errors import RequestError
 from rota.jobs import BatchRequest, EnqueueRequest
 from rota.policy import TERMINAL_STATES
@@ -106,6 +106,7 @@ async def show_job(request: Request) -> Response:
     if row is None:
         return error(404, "not_found", f"no job {request.path_params['job_id']}")
     view = job_view(row)
+    view["logs"] = await coordinator.store.job_logs(row["id"], MAX_LOG_LINES)
     if row["state"] == "available":
         view["waiting_reason"] = coordinator.scheduler.waiting_reason(row["queue"], row["spec"])
     elif row["state"] in ("scheduled", "retryable"):
@@ -185,6 +186,7 @@ async def list_workers(request: Request) -> Response:
             "specs_mismatching": sorted(set(slot.specs) - set(matching)),
             "directive": conn.directive,
             "cpu_percent": conn.cpu_percent, "memory_rss": conn.memory_rss,
+            "alerts": list(conn.alerts),
             "connected_at": rfc3339(conn.connected_at),
             "last_heartbeat_age": round(now - conn.last_seen, 3),
         })

@@ -231,6 +231,8 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--visibility-timeout", type=float, help="Seconds a worker may hold it without a heartbeat."),
         click.option("--max-attempts", type=int, help="Attempts allowed, timeouts included (default: the spec's)."),
         click.option("--max-fails", type=int, help="Explicit failures allowed (default: the spec's)."),
+        click.option("--capture-logs", is_flag=True, default=None,
+                     help="Keep the lines the handler logs with ctx.log() (see 'rota jobs show')."),
         URL_OPTION,
     ]
     for option in reversed(options):

@@ -57,7 +57,7 @@ class Client:
     def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any
                 ) -> dict[str, Any]:
         """Options: id, queue, priority, run_at, delay, ttl, visibility_timeout,
-        max_attempts, max_fails (None means the spec's default)."""
+        max_attempts, max_fails (None means the spec's default), capture_logs."""
         body: dict[str, Any] = {"spec": spec, "args": args or {}}
         body.update({key: value for key, value in options.items() if value is not None})
         return self._call("POST", "/jobs", json=body)

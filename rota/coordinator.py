@@ -11,6 +11,7 @@ the write that made it available.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import random
@@ -28,7 +29,7 @@ from rota.policy import TERMINAL_STATES, WAITING_STATES, Ending, after_attempt
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, SpecError, checksum, validate_args
-from rota.store import Change, Job, SpecChange, Store, job_from_row
+from rota.store import Change, Job, SpecChange, StatusNote, Store, job_from_row
 
 log = logging.getLogger("rota.server")
 # Error types a worker may report that say the attempt ended for an outside reason, not
@@ -40,6 +41,9 @@ OUTSIDE_ENDINGS: dict[str, Ending] = {"visibility_timeout": "visibility_timeout"
 # After any other (it closed, said goodbye, went silent, broke the protocol) they go
 # back at once.
 MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error"})
+MAX_LOG_LINES = 1000  # captured log lines kept per job (per server run); later ones dropped
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR, "critical": logging.CRITICAL}
 
 
 class Outbox(Protocol):
@@ -62,6 +66,8 @@ class Connection:
     memory_rss: int | None = None
     directive: str | None = None  # the state the server wants; None: whatever the worker says
     checked: bool = False  # its first status was checked for runs it no longer holds
+    alerts: collections.deque[dict[str, Any]] = field(
+        default_factory=lambda: collections.deque(maxlen=20))  # the latest, for GET /workers
 
 
 def short(checksum_: str | None) -> str:
@@ -296,6 +302,8 @@ class Coordinator:
             if hb.status.memory_rss is not None:
                 conn.memory_rss = hb.status.memory_rss
             self.scheduler.renew(worker, hb.status.active_job_ids, now)
+            if hb.status.progress or hb.status.logs or hb.status.alerts:
+                self._note_status(conn, hb.status, now)
         if hb.capacity is not None:
             worker.capacity = hb.capacity
         accepted, rejected, changes = self._take_results(worker, hb.results)
@@ -329,6 +337,38 @@ class Coordinator:
             log.warning("reservation lost worker=%s jobs=%s: recovered while it was away",
                         conn.worker.id, ",".join(lost))
             conn.outbox.send(p.encode(p.Cancel(job_ids=lost, reason="reservation_lost")))
+
+    def _note_status(self, conn: Connection, status: p.Status, now: float) -> None:
+        """Keep progress and captured lines of jobs this worker holds; log alerts. Stored in
+        the background: losing a progress figure in a crash costs no job anything."""
+        notes: list[StatusNote] = []
+        for item in status.progress:
+            if (job := self._held_by(conn, item.job_id)) is not None:
+                notes.append(StatusNote(job.id, job.attempt, now, progress=(
+                    item.percent, None if item.message is None else p.cut_text(item.message))))
+        for line in status.logs:
+            job = self._held_by(conn, line.job_id)
+            if job is not None and job.capture_logs and job.log_lines < MAX_LOG_LINES:
+                job.log_lines += 1
+                notes.append(StatusNote(job.id, job.attempt, now,
+                                        line=("log", line.level, p.cut_text(line.message))))
+        for alert in status.alerts:
+            job = self._held_by(conn, alert.job_id) if alert.job_id else None
+            log.log(LEVELS[alert.level], "alert worker=%s job=%s level=%s message=%s",
+                    conn.worker.id, alert.job_id or "-", alert.level, alert.message[:200])
+            conn.alerts.append({"at": p.rfc3339(now), "level": alert.level,
+                                "job_id": alert.job_id, "message": p.cut_text(alert.message)})
+            if job is not None:
+                notes.append(StatusNote(job.id, job.attempt, now,
+                                        line=("alert", alert.level, p.cut_text(alert.message))))
+        if notes:
+            self.spawn(self.store.note_status(notes), "rota-status")
+
+    def _held_by(self, conn: Connection, job_id: str) -> Job | None:
+        job = self.scheduler.jobs.get(job_id)
+        if job is None or job.worker_id != conn.worker.id or job.state != "active":
+            return None
+        return job
 
     def _take_results(self, worker: WorkerSlot, results: list[p.Result]
                       ) -> tuple[list[str], list[p.ResultRejection], list[Change]]:
@@ -545,7 +585,7 @@ class Coordinator:
                 id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
                 args=job.args, attempt=job.attempt, priority=job.priority,
                 visibility_timeout=self.scheduler.lease_for(job),
-                enqueued_at=p.rfc3339(job.enqueued_at)))
+                enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs))
         conn.outbox.send(p.encode(p.Assign(jobs=copies)))
 
     async def _reap_loop(self) -> None:

@@ -94,6 +94,19 @@ def m003_failed_is_discarded(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE jobs SET state = 'discarded' WHERE state = 'failed'")
 
 
+@migrations()
+def m004_live_status(db: sqlite_utils.Database) -> None:
+    jobs = db["jobs"]
+    jobs.add_column("capture_logs", int, not_null_default=0)
+    for name, kind in (("progress_percent", float), ("progress_message", str),
+                       ("progress_at", float)):
+        jobs.add_column(name, kind)
+    # Log lines (when the job asked for capture_logs) and alerts, one row each.
+    db["job_logs"].create({"id": int, "job_id": str, "attempt": int, "at": float, "kind": str,
+                           "level": str, "message": str}, pk="id")
+    db["job_logs"].create_index(["job_id", "id"])
+
+
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)

@@ -30,6 +30,7 @@ class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     visibility_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_VISIBILITY)] | None = None
     max_attempts: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_fails: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    capture_logs: bool = False  # keep the lines the handler logs with ctx.log()
 
 
 class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -53,6 +54,7 @@ def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> Job:
         visibility_timeout=request.visibility_timeout or spec.visibility_timeout,
         state="scheduled" if run_at is not None else "available", run_at=run_at,
         expires_at=start + request.ttl if request.ttl is not None else None,
+        capture_logs=request.capture_logs,
     )
 
 

@@ -21,7 +21,11 @@ WorkerState = Literal["running", "quiet", "terminate"]
 STATE_RANK: dict[str, int] = {"running": 0, "quiet": 1, "terminate": 2}
 Outcome = Literal["completed", "failed"]
 
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Percent = Annotated[float, msgspec.Meta(ge=0, le=100)]
+# Longer texts in progress, log lines and alerts are cut to this on the server.
+MAX_TEXT = 8192
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
@@ -58,26 +62,26 @@ class Registration(msgspec.Struct, kw_only=True):
     started_at: str | None = None
 
 
-class Progress(msgspec.Struct, kw_only=True):
+class Progress(msgspec.Struct, kw_only=True, omit_defaults=True):
     job_id: str
-    percent: float
+    percent: Percent
     message: str | None = None
 
 
-class LogLine(msgspec.Struct, kw_only=True):
+class LogLine(msgspec.Struct, kw_only=True, omit_defaults=True):
     job_id: str
     message: str
-    level: str = "info"
+    level: LogLevel = "info"
     time: str | None = None
 
 
-class Alert(msgspec.Struct, kw_only=True):
+class Alert(msgspec.Struct, kw_only=True, omit_defaults=True):
     message: str
-    level: str = "warning"
+    level: LogLevel = "warning"
     job_id: str | None = None
 
 
-class Status(msgspec.Struct, kw_only=True):
+class Status(msgspec.Struct, kw_only=True, omit_defaults=True):
     state: WorkerState  # required: a status that omits it must not read as "running"
     active_job_ids: list[str] = []
     cpu_percent: float | None = None
@@ -158,6 +162,7 @@ class JobCopy(msgspec.Struct, kw_only=True):
     priority: int
     visibility_timeout: float
     enqueued_at: str
+    capture_logs: bool = False  # forward the job's ctx.log() lines to the server
 
 
 class Assign(_Tagged, tag="assign"):
@@ -227,6 +232,11 @@ def _unknown_type(detail: str) -> FrameError:
 
 def decode_server_message(frame: str | bytes) -> ServerMessage:
     return _server_decoder.decode(frame)
+
+
+def cut_text(text: str) -> str:
+    """Texts in status sections are kept to MAX_TEXT characters."""
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
 
 
 def rfc3339(ts: float) -> str:

@@ -48,7 +48,9 @@ class Job:
     fails: int = 0
     budget_start: int = 0  # attempts before a manual retry do not count against limits
     cancel_requested: bool = False
-    orphaned: bool = False  # active at a restart, waiting for its worker to reclaim it
+    orphaned: bool = False  # its worker is away (restart, lost connection): kept to reclaim
+    capture_logs: bool = False  # the producer asked for the job's log lines
+    log_lines: int = 0  # captured lines taken (this server run): bounded by MAX_LOG_LINES
 
 
 @dataclass(slots=True)
@@ -60,6 +62,17 @@ class Change:
     result: bytes | None = None
     finished_at: float | None = None
     undo: tuple[int, float | None] | None = None  # (fails, run_at) before, if it must be undone
+
+
+@dataclass(slots=True)
+class StatusNote:
+    """What a heartbeat's status says about one job: its progress, or a line to keep."""
+
+    job_id: str
+    attempt: int
+    at: float
+    progress: tuple[float, str | None] | None = None  # (percent, message)
+    line: tuple[str, str, str] | None = None  # (kind "log" | "alert", level, message)
 
 
 @dataclass(slots=True)
@@ -146,6 +159,19 @@ class Store:
 
         await self.writer.submit(op)
 
+    async def note_status(self, notes: list[StatusNote]) -> None:
+        """Store progress (the latest wins) and captured log lines and alerts."""
+        progress = [(n.progress[0], n.progress[1], n.at, n.job_id) for n in notes if n.progress]
+        lines = [(n.job_id, n.attempt, n.at, *n.line) for n in notes if n.line]
+
+        def op(conn: sqlite3.Connection) -> None:
+            conn.executemany("UPDATE jobs SET progress_percent = ?, progress_message = ?,"
+                             " progress_at = ? WHERE id = ?", progress)
+            conn.executemany("INSERT INTO job_logs (job_id, attempt, at, kind, level, message)"
+                             " VALUES (?, ?, ?, ?, ?, ?)", lines)
+
+        await self.writer.submit(op)
+
     async def push_specs(self, specs: list[tuple[JobSpec, str]], *, dry_run: bool) -> list[SpecChange]:
         now = time.time()
 
@@ -178,6 +204,16 @@ class Store:
     async def get_job(self, job_id: str) -> dict[str, Any] | None:
         return await self.readers.run(lambda conn: _fetch_job(conn, job_id))
 
+    async def job_logs(self, job_id: str, limit: int) -> list[dict[str, Any]]:
+        """The job's last ``limit`` log lines and alerts, oldest first."""
+        def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            rows = conn.execute("SELECT attempt, at, kind, level, message FROM job_logs"
+                                " WHERE job_id = ? ORDER BY id DESC LIMIT ?", (job_id, limit))
+            return [{"at": rfc3339(r["at"]), "attempt": r["attempt"], "kind": r["kind"],
+                     "level": r["level"], "message": r["message"]} for r in rows][::-1]
+
+        return await self.readers.run(read)
+
     async def queue_counts(self) -> dict[str, dict[str, int]]:
         def read(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
             counts: dict[str, dict[str, int]] = {}
@@ -206,8 +242,9 @@ class Store:
 
 _INSERT = (
     "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt, visibility_timeout,"
-    " enqueued_at, run_at, expires_at, max_attempts, max_fails, backoff_base, backoff_max)"
-    " VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING"
+    " enqueued_at, run_at, expires_at, max_attempts, max_fails, backoff_base, backoff_max,"
+    " capture_logs) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT(id) DO NOTHING"
 )
 _SAVE = (
     "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, budget_start = ?,"
@@ -221,7 +258,8 @@ def _insert_row(job: Job) -> tuple[Any, ...]:
     lim = job.limits
     return (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority, job.state,
             job.visibility_timeout, job.enqueued_at, job.run_at, job.expires_at,
-            lim.max_attempts, lim.max_fails, lim.backoff_base, lim.backoff_max)
+            lim.max_attempts, lim.max_fails, lim.backoff_base, lim.backoff_max,
+            int(job.capture_logs))
 
 
 def _change_row(change: Change) -> tuple[Any, ...]:
@@ -297,7 +335,8 @@ def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
                attempt=r["attempt"], worker_id=r["worker_id"], checksum=r["checksum"],
                run_at=r["run_at"], expires_at=r["expires_at"],
                lease_expires_at=r["lease_expires_at"], fails=r["fails"],
-               budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]))
+               budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
+               capture_logs=bool(r["capture_logs"]))
 
 
 def _fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:
@@ -333,4 +372,8 @@ def job_view(row: dict[str, Any]) -> dict[str, Any]:
         "max_attempts": row["max_attempts"],
         "max_fails": row["max_fails"],
         "cancel_requested": bool(row["cancel_requested"]),
+        "capture_logs": bool(row["capture_logs"]),
+        "progress": None if row["progress_at"] is None else {
+            "percent": row["progress_percent"], "message": row["progress_message"],
+            "at": rfc3339(row["progress_at"])},
     }
