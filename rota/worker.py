@@ -17,19 +17,17 @@ worker only jobs whose spec matches the status quo. Only ``protocol``, ``specs``
 from __future__ import annotations
 
 import asyncio
-import collections
 import inspect
 import logging
 import os
 import platform
 import random
 import socket
-import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,133 +37,15 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from rota import protocol as p
+from rota.context import JobContext, StatusBuffer, check_level
 from rota.ids import uuid7
+from rota.manual import Listener
 from rota.specs import JobSpec, SpecError, checksum, load_dir
 
 log = logging.getLogger("rota.worker")
 SDK = "rota-python/0.1.0"
 METRICS_EVERY = 5.0  # seconds between CPU/RAM figures in heartbeats
-MAX_HELD_LINES = 1000  # log lines held for the server (while away, too); the oldest go first
-MAX_LINES_PER_BEAT = 200  # with the byte budget below, a chatty job never makes a frame
-LINE_BYTES_PER_BEAT = 256 * 1024  # come near the server's 1 MiB limit
-MAX_HELD_ALERTS = 100
-LEVELS = ("debug", "info", "warning", "error", "critical")
 Handler = Callable[["JobContext"], Any]
-
-
-@dataclass(slots=True)
-class JobContext:
-    """What a handler gets: the job's identity, attempt and arguments."""
-
-    id: str
-    spec: str
-    queue: str
-    attempt: int
-    args: Any
-    priority: int
-    checksum: str
-    enqueued_at: str
-    worker_id: str
-    visibility_timeout: float
-    capture_logs: bool = False
-    _extend: Callable[[], None] = field(repr=False, default=lambda: None)
-    _status: StatusBuffer | None = field(repr=False, default=None)
-
-    def heartbeat(self) -> Awaitable[None]:
-        """Say the job is alive: its lease starts again from now. Call it more often than
-        ``visibility_timeout`` in long jobs: ``await ctx.heartbeat()`` in async handlers,
-        plain ``ctx.heartbeat()`` in sync ones (it is safe from any thread)."""
-        self._extend()
-        return _DONE
-
-    def progress(self, percent: float, message: str | None = None) -> None:
-        """How far the job is (0-100), with an optional message; the latest figure goes to
-        the server with the next heartbeat and shows in ``GET /jobs/{id}``."""
-        if self._status is not None:
-            self._status.progress(self.id, percent, message)
-
-    def log(self, message: str, level: str = "info") -> None:
-        """A log line for this job. It always goes to the worker's own log; it is kept
-        with the job on the server only if the job was enqueued with ``capture_logs``."""
-        _check_level(level)
-        log.log(logging.getLevelName(level.upper()), "job=%s %s", self.id, message)
-        if self.capture_logs and self._status is not None:
-            self._status.log(self.id, message, level)
-
-    def alert(self, message: str, level: str = "warning") -> None:
-        """Something an operator should see now: sent at once, logged by the server, kept
-        with the job and shown with the worker in ``GET /workers``."""
-        _check_level(level)
-        if self._status is not None:
-            self._status.alert(message, level, self.id)
-
-
-def _check_level(level: str) -> None:
-    if level not in LEVELS:
-        raise ValueError(f"level must be one of {', '.join(LEVELS)}, not {level!r}")
-
-
-class StatusBuffer:
-    """Progress, log lines and alerts from handlers, held for the next heartbeat.
-
-    Handlers in threads call it too, hence the lock. It is bounded: the latest progress
-    per job, at most MAX_HELD_LINES lines (the oldest are dropped, and a line says how
-    many) and MAX_HELD_ALERTS alerts. Alerts wake the heartbeat at once."""
-
-    def __init__(self, wake: Callable[[], None]) -> None:
-        self._wake = wake
-        self._lock = threading.Lock()
-        self._progress: dict[str, p.Progress] = {}
-        self._lines: collections.deque[p.LogLine] = collections.deque()
-        self._dropped: collections.Counter[str] = collections.Counter()
-        self._alerts: collections.deque[p.Alert] = collections.deque(maxlen=MAX_HELD_ALERTS)
-
-    def progress(self, job_id: str, percent: float, message: str | None) -> None:
-        figure = p.Progress(job_id=job_id, percent=min(100.0, max(0.0, float(percent))),
-                            message=None if message is None else p.cut_text(str(message)))
-        with self._lock:
-            self._progress[job_id] = figure
-
-    def log(self, job_id: str, message: str, level: str) -> None:
-        line = p.LogLine(job_id=job_id, message=p.cut_text(str(message)), level=level,  # type: ignore[arg-type]
-                         time=p.rfc3339(time.time()))
-        with self._lock:
-            if len(self._lines) >= MAX_HELD_LINES:
-                self._dropped[self._lines.popleft().job_id] += 1
-            self._lines.append(line)
-
-    def alert(self, message: str, level: str, job_id: str | None) -> None:
-        with self._lock:
-            self._alerts.append(p.Alert(message=p.cut_text(str(message)), level=level,  # type: ignore[arg-type]
-                                        job_id=job_id))
-        self._wake()
-
-    def fill(self, status: p.Status) -> None:
-        """Move what is held into ``status`` (lines up to MAX_LINES_PER_BEAT)."""
-        with self._lock:
-            status.progress = list(self._progress.values())
-            self._progress.clear()
-            status.logs = [p.LogLine(job_id=job_id, level="warning",
-                                     message=f"{count} earlier log line(s) dropped: buffer full")
-                           for job_id, count in self._dropped.items()]
-            self._dropped.clear()
-            budget = LINE_BYTES_PER_BEAT
-            while self._lines and len(status.logs) < MAX_LINES_PER_BEAT \
-                    and len(self._lines[0].message) <= budget:
-                budget -= len(self._lines[0].message)
-                status.logs.append(self._lines.popleft())
-            status.alerts = list(self._alerts)
-            self._alerts.clear()
-
-
-class _Done:
-    """An awaitable that is already finished: lets heartbeat() serve sync code too."""
-
-    def __await__(self) -> Iterator[None]:
-        return iter(())
-
-
-_DONE = _Done()
 
 
 @dataclass(slots=True)
@@ -305,10 +185,16 @@ class Worker:
         self._terminate_by = time.monotonic()
         self._dirty.set()
 
+    def listen(self, *specs: str) -> Listener:
+        """Manual mode: ``async with worker.listen("spec", ...) as jobs: async for job in
+        jobs: ... job.complete(result)`` or ``job.fail(error)``. Runs the worker for as
+        long as the block lasts; see rota.manual."""
+        return Listener(self, specs)
+
     def alert(self, message: str, level: str = "warning") -> None:
         """An alert about the worker itself (not one job): sent at once, logged by the
         server and shown with the worker in ``GET /workers``."""
-        _check_level(level)
+        check_level(level)
         self._status.alert(message, level, None)
 
     def _set_state(self, state: p.WorkerState) -> None:

@@ -25,11 +25,13 @@ ALLOWED: dict[str, set[str]] = {
     "sessions": {"protocol", "coordinator"},
     "api": {"coordinator", "errors", "jobs", "policy", "protocol", "specs", "store"},
     "server": {"api", "coordinator", "sessions", "settings"},
-    "worker": {"protocol", "ids", "specs"},
+    "context": {"protocol"},
+    "manual": {"context"},
+    "worker": {"context", "ids", "manual", "protocol", "specs"},
     "client": {"specs"},
     "demo": {"client", "server", "settings", "specs", "worker"},
     "cli": {"logs", "client", "specs", "server", "settings", "worker", "demo"},
-    "__init__": {"specs", "worker"},
+    "__init__": {"context", "specs", "worker"},
     "__main__": {"cli"},
 }
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
@@ -65,6 +67,6 @@ def test_imports_point_one_way():
 
 
 def test_the_worker_sdk_needs_no_server_dependency():
-    for module in ("worker", "protocol", "specs", "ids"):
+    for module in ("worker", "context", "manual", "protocol", "specs", "ids"):
         _, outer = imports_of(PACKAGE / f"{module}.py")
         assert not outer & SERVER_ONLY, f"{module} imports {sorted(outer & SERVER_ONLY)}"

@@ -17,7 +17,7 @@ from test_cli import rota
 
 from rota import JobContext, Worker
 from rota import protocol as p
-from rota.worker import LINE_BYTES_PER_BEAT, MAX_HELD_LINES, MAX_LINES_PER_BEAT, StatusBuffer
+from rota.context import LINE_BYTES_PER_BEAT, MAX_HELD_LINES, MAX_LINES_PER_BEAT, StatusBuffer
 
 
 def chatty(tmp_path: Path, release: asyncio.Event, **options: Any) -> Worker:
