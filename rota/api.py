@@ -14,15 +14,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from rota.auth import Principal, Scope
 from rota.coordinator import MAX_LOG_LINES, Coordinator
 from rota.errors import RequestError
+from rota.gate import principal_of
 from rota.jobs import BatchRequest, EnqueueRequest
 from rota.policy import TERMINAL_STATES
 from rota.protocol import rfc3339
 from rota.specs import JobSpec, checksum
 from rota.store import job_view
 
-MAX_BODY = 1 << 20
 
 
 Directive = Literal["quiet", "terminate"]
@@ -54,10 +55,35 @@ def _coordinator(request: Request) -> Coordinator:
     return request.app.state.coordinator
 
 
+def need(request: Request, *scopes: Scope) -> Principal:
+    """The caller, if its token's scope allows this route; else 403."""
+    principal = principal_of(request.scope)
+    if not principal.may(*scopes):
+        raise RequestError(403, "forbidden", f"a {principal.scope} token may not"
+                           f" {request.method} {request.url.path}")
+    return principal
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused with 413 as soon as it passes the limit: never buffered whole."""
+    limit = _coordinator(request).settings.max_body_bytes
+    too_large = RequestError(413, "body_too_large",
+                             f"the request body is over {limit} bytes (max_body_bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _decode(request: Request, kind: type[Any]) -> Any:
-    body = await request.body()
-    if len(body) > MAX_BODY:
-        raise RequestError(413, "body_too_large", f"request body is over {MAX_BODY} bytes")
+    body = await _read_body(request)
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -68,8 +94,9 @@ async def _decode(request: Request, kind: type[Any]) -> Any:
 
 # -- jobs -------------------------------------------------------------------------
 async def enqueue(request: Request) -> Response:
+    principal = need(request, "producer")
     payload = await _decode(request, EnqueueRequest)
-    [outcome] = await _coordinator(request).enqueue([payload])
+    [outcome] = await _coordinator(request).enqueue([payload], principal)
     if isinstance(outcome, RequestError):
         raise outcome
     row, created = outcome
@@ -78,6 +105,7 @@ async def enqueue(request: Request) -> Response:
 
 async def enqueue_batch(request: Request) -> Response:
     """Many jobs, one transaction; each gets its own status, and a bad one spoils no other."""
+    principal = need(request, "producer")
     batch: BatchRequest = await _decode(request, BatchRequest)
     parsed: list[EnqueueRequest | RequestError] = []
     for raw in batch.jobs:
@@ -86,7 +114,7 @@ async def enqueue_batch(request: Request) -> Response:
         except msgspec.ValidationError as exc:
             parsed.append(RequestError(422, "invalid_request", str(exc)))
     valid = [item for item in parsed if isinstance(item, EnqueueRequest)]
-    outcomes = iter(await _coordinator(request).enqueue(valid) if valid else [])
+    outcomes = iter(await _coordinator(request).enqueue(valid, principal) if valid else [])
     results = []
     for index, item in enumerate(parsed):
         outcome = item if isinstance(item, RequestError) else next(outcomes)
@@ -100,9 +128,17 @@ async def enqueue_batch(request: Request) -> Response:
     return JSON({"results": results})
 
 
+def _visible(request: Request, row: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A producer sees only the jobs it enqueued; to it, the others do not exist."""
+    principal = need(request, "producer")
+    if row is None or principal.scope == "admin" or row["created_by"] == principal.token_id:
+        return row
+    return None
+
+
 async def show_job(request: Request) -> Response:
     coordinator = _coordinator(request)
-    row = await coordinator.store.get_job(request.path_params["job_id"])
+    row = _visible(request, await coordinator.store.get_job(request.path_params["job_id"]))
     if row is None:
         return error(404, "not_found", f"no job {request.path_params['job_id']}")
     view = job_view(row)
@@ -115,11 +151,13 @@ async def show_job(request: Request) -> Response:
 
 
 async def cancel_job(request: Request) -> Response:
+    need(request, "admin")
     row, done = await _coordinator(request).cancel(request.path_params["job_id"])
     return JSON(job_view(row), status_code=200 if done else 202)
 
 
 async def retry_job(request: Request) -> Response:
+    need(request, "admin")
     row = await _coordinator(request).retry(request.path_params["job_id"])
     return JSON(job_view(row))
 
@@ -134,6 +172,8 @@ async def job_result(request: Request) -> Response:
         return error(400, "invalid_wait",
                      f"wait must be between 0 and {coordinator.settings.max_result_wait} seconds")
     job_id = request.path_params["job_id"]
+    if _visible(request, await coordinator.store.get_job(job_id)) is None:
+        return error(404, "not_found", f"no job {job_id}")
     row = await coordinator.wait_for_result(job_id, wait)
     if row is None:
         return error(404, "not_found", f"no job {job_id}")
@@ -147,6 +187,7 @@ async def job_result(request: Request) -> Response:
 
 # -- specs ------------------------------------------------------------------------
 async def list_specs(request: Request) -> Response:
+    need(request, "admin")
     coordinator = _coordinator(request)
     specs = [
         {"name": s.name, "version": s.version, "checksum": checksum(s), "queue": s.queue,
@@ -157,12 +198,14 @@ async def list_specs(request: Request) -> Response:
 
 
 async def push_specs(request: Request) -> Response:
+    need(request, "admin")
     payload: PushRequest = await _decode(request, PushRequest)
     report = await _coordinator(request).push_specs(payload.specs, dry_run=payload.dry_run)
     return JSON({"dry_run": payload.dry_run, "specs": report})
 
 
 async def spec_history(request: Request) -> Response:
+    need(request, "admin")
     name = request.path_params["name"]
     history = await _coordinator(request).store.spec_history(name)
     if not history:
@@ -172,6 +215,7 @@ async def spec_history(request: Request) -> Response:
 
 # -- workers, queues, health ---------------------------------------------------------
 async def list_workers(request: Request) -> Response:
+    need(request, "admin")
     coordinator = _coordinator(request)
     now = time.monotonic()
     workers = []
@@ -195,6 +239,7 @@ async def list_workers(request: Request) -> Response:
 
 async def direct_worker(request: Request) -> Response:
     """Ask one worker to go quiet or terminate (it hears it in its next ack)."""
+    need(request, "admin")
     coordinator = _coordinator(request)
     payload: StateRequest = await _decode(request, StateRequest)
     worker_id = request.path_params["worker_id"]
@@ -210,6 +255,7 @@ async def direct_worker(request: Request) -> Response:
 
 async def direct_workers(request: Request) -> Response:
     """Ask every worker with a label, or all of them, to go quiet or terminate."""
+    need(request, "admin")
     coordinator = _coordinator(request)
     payload: StateRequest = await _decode(request, StateRequest)
     if (payload.label is None) == (not payload.all):
@@ -219,6 +265,7 @@ async def direct_workers(request: Request) -> Response:
 
 
 async def list_queues(request: Request) -> Response:
+    need(request, "admin")
     coordinator = _coordinator(request)
     scheduler = coordinator.scheduler
     counts = await coordinator.store.queue_counts()

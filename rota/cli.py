@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import ipaddress
 import json
+import re
 import signal
 import sys
 import time
@@ -22,10 +24,31 @@ from rota import logs
 from rota.client import ApiError, Client, ws_url
 from rota.specs import SpecError, checksum, load_dir
 
-URL_OPTION = click.option(
+_URL = click.option(
     "--url", envvar="ROTA_URL", show_envvar=True, default="http://127.0.0.1:8000",
     show_default=True, help="Base URL of the Rota server.",
 )
+
+
+def _keep_token(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value:
+        ctx.meta["rota.token"] = value
+
+
+_TOKEN = click.option(
+    "--token", envvar="ROTA_TOKEN", show_envvar=True, expose_value=False, callback=_keep_token,
+    help="Bearer token for the server (printed once by 'rota tokens create').",
+)
+
+
+def URL_OPTION(command: Callable[..., Any]) -> Callable[..., Any]:  # noqa: N802
+    """--url and --token, for every command that talks to a server."""
+    return _URL(_TOKEN(command))
+
+
+def _token() -> str | None:
+    token: str | None = click.get_current_context().meta.get("rota.token")
+    return token
 LEVELS = click.Choice(["debug", "info", "warning", "error"])
 
 
@@ -35,7 +58,7 @@ def _fail(message: str) -> None:
 
 
 def _api(url: str, action: str, *args: Any, **kwargs: Any) -> Any:
-    with Client(url) as client:
+    with Client(url, token=_token()) as client:
         try:
             return getattr(client, action)(*args, **kwargs)
         except ApiError as exc:
@@ -67,24 +90,62 @@ def main() -> None:
               help="Seconds a lost connection's jobs stay reserved for its worker to reconnect.")
 @click.option("--visibility-timeout", envvar="ROTA_VISIBILITY_TIMEOUT", default=1800.0, show_default=True, show_envvar=True,
               help="Default seconds a job stays reserved for its worker.")
+@click.option("--max-args-bytes", envvar="ROTA_MAX_ARGS_BYTES", default=256 * 1024, show_default=True, show_envvar=True,
+              help="Largest job args, as JSON (413 args_too_large above).")
+@click.option("--max-result-bytes", envvar="ROTA_MAX_RESULT_BYTES", default=1 << 20, show_default=True, show_envvar=True,
+              help="Largest job result, as JSON (the job fails with result_too_large above).")
+@click.option("--max-body-bytes", envvar="ROTA_MAX_BODY_BYTES", default=1 << 20, show_default=True, show_envvar=True,
+              help="Largest HTTP request body (413 body_too_large above).")
+@click.option("--max-connections", envvar="ROTA_MAX_CONNECTIONS", default=1000, show_default=True, show_envvar=True,
+              help="Open connections of any kind; new ones get 503 above.")
+@click.option("--max-worker-connections-per-token", envvar="ROTA_MAX_WORKER_CONNECTIONS_PER_TOKEN", default=200,
+              show_default=True, show_envvar=True, help="Open /work connections per token (429 above).")
+@click.option("--rate-limit", envvar="ROTA_RATE_LIMIT", default=200.0, show_default=True, show_envvar=True,
+              help="Frames a second one /work connection may send on average (1008 rate_limited above).")
+@click.option("--rate-burst", envvar="ROTA_RATE_BURST", default=400, show_default=True, show_envvar=True,
+              help="Frames one /work connection may send in a burst.")
+@click.option("--registration-timeout", envvar="ROTA_REGISTRATION_TIMEOUT", default=5.0, show_default=True,
+              show_envvar=True, help="Seconds a new /work socket has to register.")
+@click.option("--header-timeout", envvar="ROTA_HEADER_TIMEOUT", default=10.0, show_default=True, show_envvar=True,
+              help="Seconds a client has to send a request's headers.")
+@click.option("--ssl-certfile", envvar="ROTA_SSL_CERTFILE", show_envvar=True,
+              type=click.Path(exists=True, dir_okay=False), help="Serve HTTPS/wss with this certificate (PEM).")
+@click.option("--ssl-keyfile", envvar="ROTA_SSL_KEYFILE", show_envvar=True,
+              type=click.Path(exists=True, dir_okay=False), help="The certificate's private key (PEM).")
+@click.option("--allowed-origin", "allowed_origins", envvar="ROTA_ALLOWED_ORIGINS", show_envvar=True,
+              multiple=True, help="A browser Origin allowed on /work (repeat; none by default).")
+@click.option("--insecure", is_flag=True, envvar="ROTA_INSECURE", show_envvar=True,
+              help="Allow a non-loopback --host with no tokens (anyone may take jobs).")
 @click.option("--crash-at", envvar="ROTA_CRASH_AT", hidden=True,
               type=click.Choice(["enqueue-before-commit", "enqueue-after-commit",
                                  "reserve-after-commit", "result-after-commit"]),
               help="Test switch: exit abruptly at this point (crash-safety tests).")
-def serve(host: str, port: int, db: Path, log_level: str, heartbeat_interval: float,
-          heartbeat_timeout: float, reconnect_grace: float, visibility_timeout: float,
-          crash_at: str | None) -> None:
-    """Run the Rota server: /work for workers, the HTTP API for everyone else."""
+def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, ...],
+          **options: Any) -> None:
+    """Run the Rota server: /work for workers, the HTTP API for everyone else.
+
+    With no token created ('rota tokens create') it runs open, and then only on a loopback
+    address unless --insecure is given. The limits are in docs/operations.md.
+    """
     from rota.server import serve as run_server
     from rota.settings import ServerSettings
+    from rota.store import list_tokens
 
     logs.configure(log_level)
-    settings = ServerSettings(db=db, host=host, port=port, heartbeat_interval=heartbeat_interval,
-                              heartbeat_timeout=heartbeat_timeout,
-                              reconnect_grace=reconnect_grace,
-                              visibility_timeout=visibility_timeout, crash_at=crash_at)
+    if not list_tokens(db) and not _loopback(options["host"]) and not insecure:
+        _fail(f"refusing to serve on {options['host']} with no tokens: anyone who reaches it could"
+              " take jobs and give orders. Create one with 'rota tokens create --scope admin',"
+              " or pass --insecure")
+    settings = ServerSettings(db=db, allowed_origins=allowed_origins, **options)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, log_level=log_level))
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -111,6 +172,7 @@ def worker(target: str, url: str, log_level: str) -> None:
     logs.configure(log_level)
     instance = _import_worker(target)
     instance.url = ws_url(url)
+    instance.token = _token() or instance.token
     try:
         asyncio.run(_run_worker(instance))
     except SpecError as exc:
@@ -334,6 +396,72 @@ for _state, _help in (("quiet", "Stop sending jobs to workers; they finish what 
             click.option("--label", help="Every worker with this label.")(
                 click.option("--all", "every", is_flag=True, help="Every connected worker.")(
                     URL_OPTION(_directive(_state))))))
+
+
+DB_OPTION = click.option("--db", envvar="ROTA_DB", default="rota.db", show_default=True,
+                         show_envvar=True, type=click.Path(dir_okay=False, path_type=Path),
+                         help="The server's SQLite file (tokens are kept there).")
+
+
+@main.group()
+def tokens() -> None:
+    """Create, list and revoke bearer tokens (works on the database file directly, so
+    the first token needs no server; a running server sees changes within a second)."""
+
+
+@tokens.command("create")
+@click.option("--scope", required=True, type=click.Choice(["worker", "producer", "admin"]),
+              help="worker: /work; producer: enqueue and read its own jobs; admin: all.")
+@click.option("--queues", help="Limit the token to these queues (comma-separated).")
+@click.option("--name", help="A name to know it by (default: scope and id).")
+@DB_OPTION
+def tokens_create(scope: str, queues: str | None, name: str | None, db: Path) -> None:
+    """Create a token and print it. It is shown only this once: the store keeps a hash."""
+    from rota.auth import new_token
+    from rota.specs import NAME_PATTERN
+    from rota.store import create_token
+
+    limited = [q.strip() for q in queues.split(",") if q.strip()] if queues else None
+    for queue in limited or []:
+        if not re.match(NAME_PATTERN, queue):
+            _fail(f"{queue!r} is not a queue name")
+    token_id, secret, hashed = new_token()
+    try:
+        create_token(db, name=name or f"{scope}-{token_id}", scope=scope, queues=limited,
+                     token_id=token_id, hashed=hashed)
+    except ValueError as exc:
+        _fail(str(exc))
+    click.echo(secret)
+    click.echo(f"token {token_id} ({scope}{', queues ' + ','.join(limited) if limited else ''})"
+               " created; copy it now, it is not shown again", err=True)
+
+
+@tokens.command("list")
+@DB_OPTION
+def tokens_list(db: Path) -> None:
+    """The live tokens: id, name, scope, queues, when created (never the secret)."""
+    from rota.protocol import rfc3339
+    from rota.store import list_tokens
+
+    rows = list_tokens(db)
+    if not rows:
+        click.echo("no tokens: the server runs open (loopback only)")
+    for row in rows:
+        queues = ",".join(row["queues"]) if row["queues"] else "*"
+        click.echo(f"{row['id']}  {row['scope']:<8} queues={queues}  name={row['name']}"
+                   f"  created={rfc3339(row['created_at'])}")
+
+
+@tokens.command("revoke")
+@click.argument("token")
+@DB_OPTION
+def tokens_revoke(token: str, db: Path) -> None:
+    """Revoke TOKEN (its id or name): its calls are refused and its workers disconnected."""
+    from rota.store import revoke_token
+
+    if not revoke_token(db, token):
+        _fail(f"no live token with id or name {token!r}")
+    click.echo(f"revoked {token}")
 
 
 @main.group()

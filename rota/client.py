@@ -29,9 +29,11 @@ def ws_url(url: str) -> str:
 
 
 class Client:
-    def __init__(self, url: str = "http://127.0.0.1:8000", *, timeout: float = 30.0) -> None:
+    def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
+                 timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def close(self) -> None:
         self._http.close()

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import msgspec
 
 from rota import protocol as p
+from rota.auth import OPEN, Principal, Tokens
 from rota.errors import RequestError
 from rota.jobs import EnqueueRequest, error_record, new_job, same_job
 from rota.policy import TERMINAL_STATES, WAITING_STATES, Ending, after_attempt
@@ -66,6 +67,7 @@ class Connection:
     memory_rss: int | None = None
     directive: str | None = None  # the state the server wants; None: whatever the worker says
     checked: bool = False  # its first status was checked for runs it no longer holds
+    principal: Principal = OPEN  # the token it connected with
     alerts: collections.deque[dict[str, Any]] = field(
         default_factory=lambda: collections.deque(maxlen=20))  # the latest, for GET /workers
 
@@ -92,11 +94,18 @@ class Coordinator:
         self._random = random.Random()
         self._stopping = False
         self.started_at = time.time()
+        self.tokens = Tokens()
+        self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
+        self._token_rows: list[dict[str, Any]] = []
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
         snapshot = await asyncio.to_thread(self.store.load)
         self.store.start(asyncio.get_running_loop())
+        await self._refresh_tokens()
+        if not self.tokens.required:
+            log.warning("AUTH IS OFF: no tokens exist, so anyone who can reach this server may"
+                        " take jobs and give orders. Create one: rota tokens create --scope admin")
         self.specs = snapshot.status_quo
         self.scheduler.status_quo = dict(snapshot.checksums)
         grace = time.time() + self.settings.heartbeat_timeout
@@ -115,6 +124,7 @@ class Coordinator:
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._reap_loop(), "rota-reaper")
         self.spawn(self._timer_loop(), "rota-timers")
+        self.spawn(self._token_loop(), "rota-tokens")
 
     def begin_shutdown(self) -> None:
         """From here on, a closing connection keeps its jobs reserved: after the restart
@@ -132,7 +142,7 @@ class Coordinator:
         except TimeoutError:
             log.warning("shutdown: %d connection(s) did not close", len(self.connections))
         for task in list(self._tasks):
-            if task.get_name() in ("rota-dispatch", "rota-reaper", "rota-timers"):
+            if task.get_name() in ("rota-dispatch", "rota-reaper", "rota-timers", "rota-tokens"):
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.to_thread(self.store.close)
@@ -157,10 +167,41 @@ class Coordinator:
             log.critical("crash point %s: exiting now", name)
             os._exit(86)
 
+    # -- tokens ------------------------------------------------------------------------
+    async def _token_loop(self) -> None:
+        """Tokens are created and revoked from the CLI, straight into the file: look every
+        heartbeat interval, so that a revoked worker is gone within one."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            await self._refresh_tokens()
+
+    async def _refresh_tokens(self) -> None:
+        rows = await self.store.live_tokens()
+        if rows == self._token_rows:
+            return
+        was_required = self.tokens.required
+        self._token_rows, self.tokens = rows, Tokens(rows)
+        log.info("tokens live=%d auth=%s", len(rows), "on" if self.tokens.required else "off")
+        if was_required and not self.tokens.required:
+            log.warning("AUTH IS OFF: the last token was revoked")
+        for conn in list(self.connections.values()):
+            if not self.tokens.valid(conn.principal):
+                log.warning("token revoked worker=%s token=%s: closing its connection",
+                            conn.worker.id, conn.principal.token_id or "none")
+                conn.outbox.abort("token_revoked", "the token this worker connected with is"
+                                  " no longer valid", p.CLOSE_POLICY)
+
+    def worker_connections(self, principal: Principal) -> int:
+        return sum(1 for c in self.connections.values() if c.principal == principal)
+
     # -- workers ---------------------------------------------------------------------
-    async def register(self, hb: p.Heartbeat, outbox: Outbox) -> str:
+    async def register(self, hb: p.Heartbeat, outbox: Outbox, principal: Principal = OPEN) -> str:
         reg = hb.registration
         assert reg is not None
+        refused = [q for q in reg.queues if not principal.may_use_queue(q)]
+        if refused:
+            raise p.FrameError("queue_not_allowed", f"this token may not serve queue(s)"
+                               f" {', '.join(refused)}", p.CLOSE_POLICY)
         names = [ref.name for ref in reg.specs]
         if len(set(names)) != len(names):
             raise p.FrameError("invalid_message", "a spec is declared twice in the registration",
@@ -180,7 +221,8 @@ class Coordinator:
         slot = WorkerSlot(id=hb.worker_id, queues=list(reg.queues), concurrency=reg.concurrency,
                           specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels))
         self.scheduler.add_worker(slot)
-        self.connections[slot.id] = Connection(slot, outbox, reg, now, time.monotonic())
+        self.connections[slot.id] = Connection(slot, outbox, reg, now, time.monotonic(),
+                                               principal=principal)
         self._no_connections.clear()
         log.info("register worker=%s host=%s pid=%d queues=%s concurrency=%d specs_ok=%d"
                  " specs_rejected=%d", slot.id, reg.hostname, reg.pid, ",".join(reg.queues),
@@ -404,8 +446,16 @@ class Coordinator:
     def _settle(self, job: Job, result: p.Result, now: float) -> Change:
         """Decide an accepted result's outcome; the job stays put in memory until commit."""
         if result.outcome == "completed":
-            job.state = "completed"
-            return Change(job, result=msgspec.json.encode(result.result), finished_at=now)
+            encoded = msgspec.json.encode(result.result)
+            limit = self.settings.max_result_bytes
+            if len(encoded) <= limit:
+                job.state = "completed"
+                return Change(job, result=encoded, finished_at=now)
+            # Running it again would only make the same result: fail it for good.
+            result = p.Result(job_id=job.id, attempt=result.attempt, outcome="failed",
+                              error=p.ErrorInfo(type="result_too_large", retryable=False,
+                                                message=f"the result is {len(encoded)} bytes as"
+                                                f" JSON; the limit (max_result_bytes) is {limit}"))
         error = result.error or p.ErrorInfo(type="error", message="the worker gave no error")
         return self._end_attempt(job, OUTSIDE_ENDINGS.get(error.type, "failed"), error, now)
 
@@ -604,11 +654,11 @@ class Coordinator:
                     self.disconnect(conn.worker.id, "heartbeat_timeout")
 
     # -- producers -------------------------------------------------------------------
-    async def enqueue(self, requests: list[EnqueueRequest]
+    async def enqueue(self, requests: list[EnqueueRequest], principal: Principal = OPEN
                       ) -> list[tuple[dict[str, Any], bool] | RequestError]:
         """Store jobs in one transaction; per request the row and whether it is new, or why not."""
         now = time.time()
-        built: list[Job | RequestError] = [self._build(request, now) for request in requests]
+        built = [self._build(request, now, principal) for request in requests]
         jobs = [job for job in built if isinstance(job, Job)]
         stored = iter(await self.store.enqueue(jobs) if jobs else [])
         self.crash_point("enqueue-after-commit")
@@ -621,18 +671,29 @@ class Coordinator:
             outcomes.append(self._accept(job, row, created, request))
         return outcomes
 
-    def _build(self, request: EnqueueRequest, now: float) -> Job | RequestError:
+    def _build(self, request: EnqueueRequest, now: float, principal: Principal
+               ) -> Job | RequestError:
         spec = self.specs.get(request.spec)
         if spec is None:
             return RequestError(422, "unknown_spec", f"spec {request.spec!r} has no status quo;"
                                 " push it with 'rota specs push' first")
+        queue = request.queue or spec.queue
+        if not principal.may_use_queue(queue):
+            return RequestError(403, "queue_not_allowed",
+                                f"this token may not enqueue into queue {queue!r}")
         try:
             validate_args(spec, request.args)
-            return new_job(request, spec, now)
+            job = new_job(request, spec, now)
         except SpecError as exc:
             return RequestError(422, "invalid_args", str(exc))
         except RequestError as exc:
             return exc
+        limit = self.settings.max_args_bytes
+        if len(job.args) > limit:
+            return RequestError(413, "args_too_large", f"args are {len(job.args)} bytes as JSON;"
+                                f" the limit (max_args_bytes) is {limit}")
+        job.created_by = principal.token_id
+        return job
 
     def _accept(self, job: Job, row: dict[str, Any], created: bool, request: EnqueueRequest
                 ) -> tuple[dict[str, Any], bool] | RequestError:

@@ -107,6 +107,14 @@ def m004_live_status(db: sqlite_utils.Database) -> None:
     db["job_logs"].create_index(["job_id", "id"])
 
 
+@migrations()
+def m005_tokens(db: sqlite_utils.Database) -> None:
+    # Only a hash of each token's secret is kept (rota/auth.py).
+    db["tokens"].create({"id": str, "name": str, "scope": str, "queues": str, "hash": str,
+                         "created_at": float, "revoked_at": float}, pk="id")
+    db["jobs"].add_column("created_by", str)  # the token that enqueued it
+
+
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)

@@ -67,3 +67,26 @@ def after_attempt(*, ending: Ending, retryable: bool, attempts_used: int, fails:
     # The job did not fail on its own: the worker died, stalled or shut down. Run it
     # again at once (preemptive recovery) rather than after a backoff.
     return Decision("available")
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """A rate limit: ``rate`` events a second on average, at most ``burst`` at once.
+    The caller says what time it is."""
+
+    rate: float
+    burst: int
+    level: float = -1.0  # tokens left; starts full
+    at: float = 0.0
+
+    def take(self, now: float) -> bool:
+        """Spend one token if there is one (True), else refuse (False)."""
+        if self.level < 0:
+            self.level = float(self.burst)
+        else:
+            self.level = min(float(self.burst), self.level + (now - self.at) * self.rate)
+        self.at = now
+        if self.level < 1.0:
+            return False
+        self.level -= 1.0
+        return True

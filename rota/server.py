@@ -11,10 +11,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import WebSocketRoute
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rota import api
 from rota.coordinator import Coordinator
+from rota.gate import Gate
 from rota.sessions import work_endpoint
 from rota.settings import ServerSettings
 
@@ -38,13 +41,53 @@ def create_app(settings: ServerSettings) -> Starlette:
     app = Starlette(
         routes=[*api.routes, WebSocketRoute("/work", work_endpoint)],
         exception_handlers=api.exception_handlers,  # type: ignore[arg-type]
+        middleware=[Middleware(Gate, coordinator=coordinator)],
         lifespan=lifespan,
     )
     app.state.coordinator = coordinator
     return app
 
 
+class GuardedHttp(HttpToolsProtocol):
+    """uvicorn waits as long as a client likes for a request's headers (and cuts only idle
+    keep-alive connections): a slow sender could hold connections open for ever. This
+    gives every request ``header_timeout`` seconds from its first byte, or from the
+    connection's start, to finish its headers."""
+
+    header_timeout = 10.0
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.header_timeout, self._too_slow)
+
+    def _too_slow(self) -> None:
+        log.warning("closing a connection from %s: no request headers within %gs",
+                    "%s:%d" % self.client if self.client else "-", self.header_timeout)
+        self.transport.close()
+
+
 def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvicorn.Config:
+    http = type("RotaHttp", (GuardedHttp,), {"header_timeout": settings.header_timeout})
     return uvicorn.Config(
         create_app(settings),
         host=settings.host,
@@ -53,11 +96,16 @@ def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvic
         # uvicorn's own lines (connection open/closed) repeat what Rota logs better
         log_level="debug" if log_level == "debug" else "warning",
         access_log=False,
+        http=http,
         ws="websockets-sansio",
         ws_max_size=MAX_FRAME,
         ws_per_message_deflate=False,
         ws_ping_interval=None,  # the heartbeat, not ping/pong, proves a worker alive
         lifespan="on",
+        limit_concurrency=settings.max_connections,  # above it, new connections get 503
+        timeout_keep_alive=5,  # idle HTTP keep-alive connections are closed after this
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
     )
 
 
@@ -124,5 +172,7 @@ async def serve(settings: ServerSettings, *, log_level: str = "info",
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    log.info("serving on http://%s:%d (workers connect to /work)", settings.host, settings.port)
+    scheme = "https" if settings.ssl_certfile else "http"
+    log.info("serving on %s://%s:%d (workers connect to /work)", scheme, settings.host,
+             settings.port)
     await server.serve(sockets=[sock or listen_socket(settings.host, settings.port)])

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 
+from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rota import protocol as p
+from rota.auth import Principal
 from rota.coordinator import Coordinator
+from rota.gate import principal_of
+from rota.policy import TokenBucket
 
 log = logging.getLogger("rota.server")
 
@@ -27,9 +32,13 @@ class _Goodbye(Exception):
 
 
 class Session:
-    def __init__(self, websocket: WebSocket, coordinator: Coordinator) -> None:
+    def __init__(self, websocket: WebSocket, coordinator: Coordinator,
+                 principal: Principal) -> None:
         self.ws = websocket
         self.coordinator = coordinator
+        self.principal = principal
+        settings = coordinator.settings
+        self._bucket = TokenBucket(settings.rate_limit, settings.rate_burst)
         self.worker_id: str | None = None
         self.last_seq = -1
         self._outbox: asyncio.Queue[str | Awaitable[str] | object] = asyncio.Queue()
@@ -93,7 +102,7 @@ class Session:
     async def _receive_loop(self) -> str:
         """Handle frames until the connection ends; return how it ended."""
         while True:
-            message = await self.ws.receive()
+            message = await self._next_message()
             if message["type"] == "websocket.disconnect":
                 # A close frame (1000, 1001) means the worker chose to leave; anything
                 # else (1006: no close frame) means the connection was lost.
@@ -102,7 +111,22 @@ class Session:
             if text is None:
                 raise p.FrameError("binary_not_supported", "send JSON text frames, not binary",
                                    p.CLOSE_UNSUPPORTED)
+            if not self._bucket.take(time.monotonic()):
+                settings = self.coordinator.settings
+                raise p.FrameError("rate_limited", f"more than {settings.rate_limit:g} frames a"
+                                   f" second (burst {settings.rate_burst})", p.CLOSE_POLICY)
             await self._handle(p.decode_heartbeat(text))
+
+    async def _next_message(self) -> dict[str, object]:
+        if self.worker_id is not None:
+            return await self.ws.receive()
+        # Until it registers, a socket holds a slot for nothing: it gets a deadline.
+        timeout = self.coordinator.settings.registration_timeout
+        try:
+            return await asyncio.wait_for(self.ws.receive(), timeout)
+        except TimeoutError:
+            raise p.FrameError("registration_timeout", f"no registration within {timeout:g}s",
+                               p.CLOSE_POLICY) from None
 
     async def _handle(self, hb: p.Heartbeat) -> None:
         if hb.seq <= self.last_seq:
@@ -113,7 +137,7 @@ class Session:
             if hb.registration is None:
                 raise p.FrameError("registration_required",
                                    "the first heartbeat must carry a registration", p.CLOSE_POLICY)
-            self.send(await self.coordinator.register(hb, self))
+            self.send(await self.coordinator.register(hb, self, self.principal))
             self.worker_id = hb.worker_id
         elif hb.worker_id != self.worker_id:
             raise p.FrameError("worker_id_mismatch",
@@ -142,4 +166,26 @@ class Session:
 
 
 async def work_endpoint(websocket: WebSocket) -> None:
-    await Session(websocket, websocket.app.state.coordinator).run()
+    coordinator: Coordinator = websocket.app.state.coordinator
+    principal = principal_of(websocket.scope)
+    if not principal.may("worker"):
+        await deny(websocket, 403, "forbidden", f"a {principal.scope} token may not connect"
+                   " to /work")
+        return
+    sockets = coordinator.sockets
+    cap = coordinator.settings.max_worker_connections_per_token
+    if sockets[principal.token_id] >= cap:
+        await deny(websocket, 429, "too_many_connections",
+                   f"this token has {cap} open /work connections already")
+        return
+    sockets[principal.token_id] += 1
+    try:
+        await Session(websocket, coordinator, principal).run()
+    finally:
+        sockets[principal.token_id] -= 1
+
+
+async def deny(websocket: WebSocket, status: int, code: str, message: str) -> None:
+    """Refuse the handshake with an HTTP answer: the socket is never accepted."""
+    await websocket.send_denial_response(
+        JSONResponse({"error": {"code": code, "message": message}}, status_code=status))

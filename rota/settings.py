@@ -21,5 +21,18 @@ class ServerSettings:
     visibility_timeout: float = 1800.0
     # Longest a GET /jobs/{id}/result?wait= may hold a request open.
     max_result_wait: float = 300.0
+    # -- limits against hostile or broken clients (docs/operations.md) ----------------
+    max_args_bytes: int = 256 * 1024  # a job's args, as JSON
+    max_result_bytes: int = 1 << 20  # a job's result, as JSON
+    max_body_bytes: int = 1 << 20  # an HTTP request body
+    registration_timeout: float = 5.0  # a /work socket must register within this
+    max_connections: int = 1000  # open connections of any kind (uvicorn answers 503 above)
+    max_worker_connections_per_token: int = 200
+    rate_limit: float = 200.0  # heartbeats a second one connection may send, on average,
+    rate_burst: int = 400  # and at most this many in a burst
+    header_timeout: float = 10.0  # a client must send a request's headers within this
+    allowed_origins: tuple[str, ...] = ()  # browser Origins accepted on /work
+    ssl_certfile: str | None = None  # serve HTTPS and wss:// with this certificate
+    ssl_keyfile: str | None = None
     # Test switch: exit abruptly at a named point (see docs/reliability.md). Never in production.
     crash_at: str | None = None

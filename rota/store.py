@@ -50,6 +50,7 @@ class Job:
     cancel_requested: bool = False
     orphaned: bool = False  # its worker is away (restart, lost connection): kept to reclaim
     capture_logs: bool = False  # the producer asked for the job's log lines
+    created_by: str | None = None  # the id of the token that enqueued it
     log_lines: int = 0  # captured lines taken (this server run): bounded by MAX_LOG_LINES
 
 
@@ -204,6 +205,9 @@ class Store:
     async def get_job(self, job_id: str) -> dict[str, Any] | None:
         return await self.readers.run(lambda conn: _fetch_job(conn, job_id))
 
+    async def live_tokens(self) -> list[dict[str, Any]]:
+        return await self.readers.run(_live_tokens)
+
     async def job_logs(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         """The job's last ``limit`` log lines and alerts, oldest first."""
         def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
@@ -243,7 +247,7 @@ class Store:
 _INSERT = (
     "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt, visibility_timeout,"
     " enqueued_at, run_at, expires_at, max_attempts, max_fails, backoff_base, backoff_max,"
-    " capture_logs) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " capture_logs, created_by) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT(id) DO NOTHING"
 )
 _SAVE = (
@@ -259,7 +263,7 @@ def _insert_row(job: Job) -> tuple[Any, ...]:
     return (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority, job.state,
             job.visibility_timeout, job.enqueued_at, job.run_at, job.expires_at,
             lim.max_attempts, lim.max_fails, lim.backoff_base, lim.backoff_max,
-            int(job.capture_logs))
+            int(job.capture_logs), job.created_by)
 
 
 def _change_row(change: Change) -> tuple[Any, ...]:
@@ -270,6 +274,56 @@ def _change_row(change: Change) -> tuple[Any, ...]:
     return (job.state, worker_id, job.run_at, job.fails, job.budget_start,
             int(job.cancel_requested), job.expires_at, change.finished_at,
             _text(change.result), error, error, job.id)
+
+
+def _live_tokens(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    rows = conn.execute("SELECT id, name, scope, queues, hash, created_at FROM tokens"
+                        " WHERE revoked_at IS NULL ORDER BY created_at, id")
+    return [{**dict(r), "queues": msgspec.json.decode(r["queues"]) if r["queues"] else None}
+            for r in rows]
+
+
+# -- tokens, from the CLI: straight to the file, so the first token needs no server ------
+def create_token(path: Path, *, name: str, scope: str, queues: list[str] | None,
+                 token_id: str, hashed: str) -> None:
+    db.migrate(path)
+    conn = db.connect(path)
+    try:
+        with conn:
+            conn.execute("BEGIN IMMEDIATE")
+            if conn.execute("SELECT 1 FROM tokens WHERE name = ? AND revoked_at IS NULL",
+                            (name,)).fetchone():
+                raise ValueError(f"a live token is already named {name!r}")
+            conn.execute("INSERT INTO tokens (id, name, scope, queues, hash, created_at)"
+                         " VALUES (?, ?, ?, ?, ?, ?)",
+                         (token_id, name, scope,
+                          msgspec.json.encode(queues).decode() if queues else None, hashed,
+                          time.time()))
+    finally:
+        conn.close()
+
+
+def list_tokens(path: Path) -> list[dict[str, Any]]:
+    db.migrate(path)
+    conn = db.connect(path)
+    try:
+        return _live_tokens(conn)
+    finally:
+        conn.close()
+
+
+def revoke_token(path: Path, id_or_name: str) -> int:
+    """Revoke the live token with this id or name; returns how many were revoked."""
+    db.migrate(path)
+    conn = db.connect(path)
+    try:
+        with conn:
+            conn.execute("BEGIN IMMEDIATE")
+            return conn.execute("UPDATE tokens SET revoked_at = ? WHERE revoked_at IS NULL"
+                                " AND (id = ? OR name = ?)",
+                                (time.time(), id_or_name, id_or_name)).rowcount
+    finally:
+        conn.close()
 
 
 def _crash(point: str) -> None:
@@ -336,7 +390,7 @@ def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
                run_at=r["run_at"], expires_at=r["expires_at"],
                lease_expires_at=r["lease_expires_at"], fails=r["fails"],
                budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
-               capture_logs=bool(r["capture_logs"]))
+               capture_logs=bool(r["capture_logs"]), created_by=r["created_by"])
 
 
 def _fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:

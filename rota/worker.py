@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from ssl import SSLContext
 from typing import Any
 
 import msgspec
@@ -71,6 +72,8 @@ class Worker:
         reconnect: bool = True,
         reconnect_max_delay: float = 5.0,
         patience: float | None = None,
+        token: str | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -83,6 +86,8 @@ class Worker:
         self.reconnect = reconnect
         self.reconnect_max_delay = reconnect_max_delay
         self.patience = patience  # None: keep reconnecting forever, as Sidekiq does
+        self.token = token  # a worker-scope bearer token, when the server requires one
+        self.ssl = ssl  # for wss:// with a private CA; None: the system's trust store
         self._reconnects = 0
         self._terminate_by: float | None = None  # monotonic; then running jobs are cancelled
         self._fast = False  # SIGINT: cancel at once, do not wait for acks
@@ -215,9 +220,17 @@ class Worker:
             while not self._stop.is_set() or self._running:
                 why = "closed by the server"
                 try:
-                    async with websockets.connect(self.url, max_size=None, compression=None,
-                                                  ping_interval=None) as ws:
+                    async with self._connect() as ws:
                         await self._session(ws)
+                except websockets.InvalidStatus as exc:
+                    status = exc.response.status_code
+                    if status in (401, 403):  # retrying would not change the server's mind
+                        raise PermissionError(f"{self.url} refused this worker ({status}):"
+                                              f" {exc.response.body.decode(errors='replace')}"
+                                              ) from exc
+                    if not self.reconnect:
+                        raise
+                    why = f"HTTP {status}"
                 except (OSError, websockets.ConnectionClosed, websockets.InvalidHandshake) as exc:
                     if not self.reconnect:
                         raise
@@ -235,6 +248,11 @@ class Worker:
                 await _wait(self._dirty if self._fast else asyncio.Event(), delay)
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _connect(self) -> websockets.connect:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return websockets.connect(self.url, max_size=None, compression=None, ping_interval=None,
+                                  additional_headers=headers, ssl=self.ssl)
 
     def _reconnect_delay(self) -> float:
         """Exponential, jittered, capped; below half the server's heartbeat timeout, so

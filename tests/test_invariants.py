@@ -63,7 +63,7 @@ SETTLE = 5.0  # seconds the server may take to come to rest after a step
 
 STATES = {"scheduled", "available", "active", "retryable", "completed", "discarded", "cancelled"}
 TERMINAL = {"completed", "discarded", "cancelled"}
-SERVER_LOOPS = {"rota-dispatch", "rota-reaper", "rota-timers"}
+SERVER_LOOPS = {"rota-dispatch", "rota-reaper", "rota-timers", "rota-tokens"}
 
 RETRY = "backoff_base = 0.01\nbackoff_max = 0.05\n"
 SPEC_TEXT = {

@@ -1,0 +1,104 @@
+"""Bearer tokens: what a caller may do, decided without I/O.
+
+A token reads ``rota_<id>_<secret>``. The store keeps the id, the scope, the queues
+it is limited to and a SHA-256 of the secret, never the secret itself (the secret is
+32 random bytes, so a fast hash is enough: there is nothing to guess). A presented
+token is found by its id and its secret compared in constant time.
+
+Scopes: ``worker`` connects to /work; ``producer`` enqueues and reads the jobs it
+enqueued; ``admin`` does everything. A token limited to queues may register for, or
+enqueue into, only those. With no token in the store the server runs open: every
+caller is an admin (``OPEN``), which ``rota serve`` allows on loopback only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Scope = Literal["worker", "producer", "admin"]
+SCOPES: tuple[Scope, ...] = ("worker", "producer", "admin")
+_TOKEN = re.compile(r"^rota_([0-9a-f]{12})_([A-Za-z0-9_-]{20,100})$")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: the token's id and name, its scope and queue limit."""
+
+    token_id: str | None  # None: the server runs open, without tokens
+    name: str
+    scope: Scope
+    queues: frozenset[str] | None = None  # None: any queue
+
+    def may(self, *scopes: Scope) -> bool:
+        return self.scope == "admin" or self.scope in scopes
+
+    def may_use_queue(self, queue: str) -> bool:
+        return self.queues is None or queue in self.queues
+
+
+OPEN = Principal(token_id=None, name="open", scope="admin")
+
+
+def new_token() -> tuple[str, str, str]:
+    """A fresh token: (id, the full secret token to hand out once, the hash to store)."""
+    token_id = secrets.token_hex(6)
+    secret = secrets.token_urlsafe(32)
+    return token_id, f"rota_{token_id}_{secret}", digest(secret)
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    principal: Principal
+    hash: str
+
+
+class Tokens:
+    """The live tokens, rebuilt from the store whenever they change."""
+
+    def __init__(self, rows: Iterable[dict[str, Any]] = ()) -> None:
+        self._by_id: dict[str, _Entry] = {}
+        for row in rows:
+            queues = row["queues"]
+            principal = Principal(token_id=row["id"], name=row["name"], scope=row["scope"],
+                                  queues=frozenset(queues) if queues is not None else None)
+            self._by_id[row["id"]] = _Entry(principal, row["hash"])
+
+    @property
+    def required(self) -> bool:
+        """Auth is on as soon as one live token exists."""
+        return bool(self._by_id)
+
+    def valid(self, principal: Principal) -> bool:
+        """Is a caller admitted earlier still admitted (not revoked; or still open)?"""
+        if principal.token_id is None:
+            return not self.required
+        return principal.token_id in self._by_id
+
+    def valid_id(self, token_id: str) -> bool:
+        return token_id in self._by_id
+
+    def authenticate(self, authorization: str | None) -> Principal | None:
+        """The caller behind an ``Authorization`` header, or None if it proves nobody."""
+        if not self.required:
+            return OPEN
+        if authorization is None or not authorization.startswith("Bearer "):
+            return None
+        match = _TOKEN.match(authorization[len("Bearer "):].strip())
+        if match is None:
+            return None
+        entry = self._by_id.get(match[1])
+        # Compare even for an unknown id, so timing does not tell ids apart.
+        expected = entry.hash if entry is not None else "0" * 64
+        if not hmac.compare_digest(digest(match[2]), expected) or entry is None:
+            return None
+        return entry.principal
