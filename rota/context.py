@@ -18,8 +18,10 @@ from rota import protocol as p
 
 log = logging.getLogger("rota.worker")
 MAX_HELD_LINES = 1000  # log lines held for the server (while away, too); the oldest go first
-MAX_LINES_PER_BEAT = 200  # with the byte budget below, a chatty job never makes a frame
-LINE_BYTES_PER_BEAT = 256 * 1024  # come near the server's 1 MiB limit
+MAX_LINES_PER_BEAT = 200
+MAX_ALERTS_PER_BEAT = 20
+STATUS_BYTES_PER_BEAT = 192 * 1024  # what status may add to a frame (the server takes 1 MiB)
+ENTRY_OVERHEAD = 128  # bytes an entry adds around its message once encoded, at most
 MAX_HELD_ALERTS = 100
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -151,22 +153,32 @@ class StatusBuffer:
                                         job_id=job_id))
         self._wake()
 
-    def fill(self, status: p.Status) -> None:
-        """Move what is held into ``status`` (lines up to MAX_LINES_PER_BEAT)."""
+    def fill(self, status: p.Status, budget: int = STATUS_BYTES_PER_BEAT) -> None:
+        """Move what is held into ``status``, within ``budget`` encoded bytes: alerts
+        first, then progress, then log lines; what does not fit waits for the next beat."""
+        def fits(message: str | None) -> bool:
+            nonlocal budget
+            size = ENTRY_OVERHEAD + (len(message.encode()) if message else 0)
+            budget -= size
+            return budget >= 0
+
         with self._lock:
-            status.progress = list(self._progress.values())
-            self._progress.clear()
-            status.logs = [p.LogLine(job_id=job_id, level="warning",
-                                     message=f"{count} earlier log line(s) dropped: buffer full")
-                           for job_id, count in self._dropped.items()]
-            self._dropped.clear()
-            budget = LINE_BYTES_PER_BEAT
+            while self._alerts and len(status.alerts) < MAX_ALERTS_PER_BEAT \
+                    and fits(self._alerts[0].message):
+                status.alerts.append(self._alerts.popleft())
+            for job_id in list(self._progress):
+                if not fits(self._progress[job_id].message):
+                    break
+                status.progress.append(self._progress.pop(job_id))
+            for job_id in list(self._dropped):
+                note = f"{self._dropped[job_id]} earlier log line(s) dropped: buffer full"
+                if not fits(note):
+                    break
+                del self._dropped[job_id]
+                status.logs.append(p.LogLine(job_id=job_id, level="warning", message=note))
             while self._lines and len(status.logs) < MAX_LINES_PER_BEAT \
-                    and len(self._lines[0].message) <= budget:
-                budget -= len(self._lines[0].message)
+                    and fits(self._lines[0].message):
                 status.logs.append(self._lines.popleft())
-            status.alerts = list(self._alerts)
-            self._alerts.clear()
 
 
 class _Done:

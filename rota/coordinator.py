@@ -295,7 +295,7 @@ class Coordinator:
             self._arm(until)
             log.warning("disconnect worker=%s reason=%s jobs_held_for_reconnect=%d grace=%gs",
                         worker_id, reason, len(held), grace)
-        self.spawn(self.store.worker_disconnected(worker_id, time.time()),
+        self.spawn(self.store.worker_disconnected(worker_id, conn.connected_at, time.time()),
                    f"rota-disconnect-{worker_id}")
 
     def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
@@ -435,7 +435,7 @@ class Coordinator:
 
     def _result_problem(self, worker: WorkerSlot, result: p.Result) -> str | None:
         job = self.scheduler.jobs.get(result.job_id)
-        if job is None:
+        if job is None or job.state in TERMINAL_STATES:  # (or its result is being stored)
             return "unknown job, or it already finished"
         if job.worker_id != worker.id or job.state != "active" or job.orphaned:
             return "job is not reserved by this worker"
@@ -624,7 +624,8 @@ class Coordinator:
     def _send_assign(self, worker_id: str, batch: list[Job]) -> None:
         conn = self.connections.get(worker_id)
         # A job taken back meanwhile (the worker left) is no longer this worker's.
-        live = [j for j in batch if j.worker_id == worker_id and j.state == "active"]
+        live = [j for j in batch
+                if j.worker_id == worker_id and j.state == "active" and not j.orphaned]
         if conn is None or not live:
             return
         copies = []

@@ -31,6 +31,8 @@ class Runnable(Protocol):
 
     def terminate(self) -> None: ...
 
+    def cancel(self, job_id: str, reason: str = "cancelled") -> None: ...
+
 
 class Listener:
     def __init__(self, worker: Runnable, specs: tuple[str, ...]) -> None:
@@ -39,12 +41,16 @@ class Listener:
         self._worker = worker
         self._jobs: asyncio.Queue[JobContext | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         for spec in specs:
             worker.handler(spec)(self._hand_over)
 
     async def _hand_over(self, ctx: JobContext) -> Any:
         ctx._outcome = asyncio.get_running_loop().create_future()
-        self._jobs.put_nowait(ctx)
+        if self._closing:  # nobody will take it: back to the server at once
+            self._worker.cancel(ctx.id, "shutdown")
+        else:
+            self._jobs.put_nowait(ctx)
         return await ctx._outcome  # cancelled with the run: the worker reports why
 
     async def _run(self) -> None:
@@ -58,7 +64,13 @@ class Listener:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        """Terminate the worker: jobs taken and not reported get the grace period."""
+        """Terminate the worker: jobs taken and not reported get the grace period; jobs
+        handed over but never taken go back at once."""
+        self._closing = True
+        while not self._jobs.empty():
+            job = self._jobs.get_nowait()
+            if job is not None:
+                self._worker.cancel(job.id, "shutdown")
         self._worker.terminate()
         if self._task is not None:
             await self._task

@@ -104,9 +104,10 @@ class Session:
         while True:
             message = await self._next_message()
             if message["type"] == "websocket.disconnect":
-                # A close frame (1000, 1001) means the worker chose to leave; anything
-                # else (1006: no close frame) means the connection was lost.
-                return "closed" if message.get("code") in (1000, 1001) else "connection_lost"
+                # No close frame (the server sees 1005 or 1006): the connection was lost.
+                # A close frame, whatever its code, means the peer chose to end it.
+                code = message.get("code")
+                return "connection_lost" if code in (1005, 1006, None) else "closed"
             text = message.get("text")
             if text is None:
                 raise p.FrameError("binary_not_supported", "send JSON text frames, not binary",

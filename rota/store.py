@@ -195,9 +195,11 @@ class Store:
 
         await self.writer.submit(op)
 
-    async def worker_disconnected(self, worker_id: str, now: float) -> None:
+    async def worker_disconnected(self, worker_id: str, connected_at: float, now: float) -> None:
+        """Mark that connection ended (not a newer one of the same worker, if it came)."""
         def op(conn: sqlite3.Connection) -> None:
-            conn.execute("UPDATE workers SET disconnected_at = ? WHERE id = ?", (now, worker_id))
+            conn.execute("UPDATE workers SET disconnected_at = ? WHERE id = ? AND connected_at = ?",
+                         (now, worker_id, connected_at))
 
         await self.writer.submit(op)
 

@@ -38,7 +38,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from rota import protocol as p
-from rota.context import JobContext, StatusBuffer, check_level
+from rota.context import STATUS_BYTES_PER_BEAT, JobContext, StatusBuffer, check_level
 from rota.ids import uuid7
 from rota.manual import Listener
 from rota.specs import JobSpec, SpecError, checksum, load_dir
@@ -46,6 +46,10 @@ from rota.specs import JobSpec, SpecError, checksum, load_dir
 log = logging.getLogger("rota.worker")
 SDK = "rota-python/0.1.0"
 METRICS_EVERY = 5.0  # seconds between CPU/RAM figures in heartbeats
+# The server takes frames up to 1 MiB: results and status share this, and the rest of a
+# heartbeat (ids, metrics, registration) fits in what is left.
+FRAME_BUDGET = (1 << 20) - 64 * 1024
+RESULT_BYTES_PER_BEAT = 768 * 1024
 Handler = Callable[["JobContext"], Any]
 
 
@@ -91,7 +95,8 @@ class Worker:
         self._reconnects = 0
         self._terminate_by: float | None = None  # monotonic; then running jobs are cancelled
         self._fast = False  # SIGINT: cancel at once, do not wait for acks
-        self._sent_state: dict[int, str] = {}  # seq -> the state that heartbeat reported
+        # seq -> (the state that heartbeat reported, when it was sent), until its ack comes
+        self._sent_state: dict[int, tuple[str, float]] = {}
         self._queues = list(queues) if queues else None
         self._interval = heartbeat_interval  # None: take the server's from its welcome
         self._handlers: dict[str, Handler] = {}
@@ -106,7 +111,6 @@ class Worker:
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rota-job")
         self._process = psutil.Process()
         self._metrics_at = -METRICS_EVERY  # monotonic time of the last figures sent
-        self._last_heard = 0.0  # monotonic time of the server's last frame
         # With hostname and pid, this tells the server a reconnect is this very process.
         self._started_at = p.rfc3339(time.time())
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -210,7 +214,10 @@ class Worker:
 
     def _wake_threadsafe(self) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._dirty.set)
+            try:
+                self._loop.call_soon_threadsafe(self._dirty.set)
+            except RuntimeError:  # the loop is closed: a thread outlived the worker
+                pass
 
     async def run(self) -> None:
         self._load_specs()
@@ -247,6 +254,9 @@ class Worker:
                             len(self._running))
                 await _wait(self._dirty if self._fast else asyncio.Event(), delay)
         finally:
+            for run in self._running.values():  # only left when run() fails: nobody to
+                if run.task is not None:         # report to, the server recovers them
+                    run.task.cancel()
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _connect(self) -> websockets.connect:
@@ -272,7 +282,6 @@ class Worker:
         resend = [result for seq in sorted(self._unacked) for result in self._unacked[seq]]
         self._unacked.clear()
         self._results = resend + self._results
-        self._last_heard = time.monotonic()
         await self._beat(ws, registration=True)
         reader = asyncio.create_task(self._read(ws), name="rota-worker-read")
         try:
@@ -291,26 +300,35 @@ class Worker:
                 reader.result()  # re-raise why the connection ended
                 return
             self._dirty.clear()
-            self._check_server_alive(ws)
+            await self._check_server_alive(ws)
             self._give_up_lapsed()
             if self._terminate_by is not None and time.monotonic() >= self._terminate_by:
                 for job_id in list(self._running):  # the grace period is over
-                    self._cancel(job_id, "shutdown")
+                    self.cancel(job_id, "shutdown")
             await self._beat(ws)
             if self._stop.is_set() and self._drained():
                 await self._say_goodbye(ws, reader)
                 return
 
-    def _check_server_alive(self, ws: ClientConnection) -> None:
-        """Every heartbeat gets an ack: a server silent this long is gone, even if the socket
-        looks open (a half-open TCP connection after a network cut). Half the server's
-        heartbeat timeout, so that this worker is back before the server gives up on it."""
-        if self.welcome is None:
+    async def _check_server_alive(self, ws: ClientConnection) -> None:
+        """A socket can look open long after its peer is gone (a half-open TCP connection
+        after a network cut). Every heartbeat gets an ack, but an ack may wait behind a
+        slow commit, so an overdue ack is only a reason to ask: a ping, which the server
+        answers at once from its protocol layer. No pong either: the connection is dead.
+        Both waits are a quarter of the server's heartbeat timeout, so this worker is back
+        before the server gives up on it."""
+        if self.welcome is None or not self._sent_state:
             return
-        silent = time.monotonic() - self._last_heard
-        if silent > max(self.welcome.heartbeat_timeout / 2, 2 * (self._interval or 1.0)):
+        patience = self.welcome.heartbeat_timeout / 4
+        oldest = next(iter(self._sent_state.values()))[1]  # dicts keep seq order
+        if time.monotonic() - oldest <= max(patience, 2 * (self._interval or 1.0)):
+            return
+        try:
+            await asyncio.wait_for(await ws.ping(), patience)
+        except (TimeoutError, websockets.ConnectionClosed):
             ws.transport.abort()  # closing politely would wait on the dead peer
-            raise ConnectionError(f"no answer from the server for {silent:.1f}s")
+            raise ConnectionError(f"no ack for {time.monotonic() - oldest:.1f}s and no answer"
+                                  " to a ping") from None
 
     def _drained(self) -> bool:
         """Nothing left to run or report (on the fast path, acks are not waited for)."""
@@ -327,11 +345,11 @@ class Worker:
 
     async def _beat(self, ws: ClientConnection, *, registration: bool = False,
                     goodbye: bool = False) -> None:
-        results, self._results = self._results, []
+        results, size = self._take_results()
         now = time.monotonic()
         vouched = [job_id for job_id, run in self._running.items() if run.deadline > now]
         status = p.Status(state=self._state, active_job_ids=vouched)
-        self._status.fill(status)
+        self._status.fill(status, min(STATUS_BYTES_PER_BEAT, FRAME_BUDGET - size))
         if registration or now - self._metrics_at >= METRICS_EVERY:
             self._metrics_at = now
             # cpu_percent(None) measures since the previous call: no blocking sample here.
@@ -345,9 +363,24 @@ class Worker:
         )
         if results:
             self._unacked[self._seq] = results
-        self._sent_state[self._seq] = self._state
+        self._sent_state[self._seq] = (self._state, time.monotonic())
         self._seq += 1
         await ws.send(p.encode(beat))
+
+    def _take_results(self) -> tuple[list[p.Result], int]:
+        """Results for one heartbeat: as many as fit RESULT_BYTES_PER_BEAT (one at least),
+        so a frame never passes the server's 1 MiB limit; the rest go in the next one."""
+        taken = 0
+        size = 0
+        for result in self._results:
+            cost = _result_size(result)
+            if taken and size + cost > RESULT_BYTES_PER_BEAT:
+                self._dirty.set()
+                break
+            taken += 1
+            size += cost
+        results, self._results = self._results[:taken], self._results[taken:]
+        return results, size
 
     def _capacity(self) -> int:
         if self._state != "running":
@@ -370,7 +403,6 @@ class Worker:
                 # A newer server may send messages this SDK does not know: skip, don't die.
                 log.warning("ignoring a server frame this SDK cannot read: %s", exc)
                 continue
-            self._last_heard = time.monotonic()
             match message:
                 case p.Assign(jobs=jobs):
                     for copy in jobs:
@@ -379,7 +411,7 @@ class Worker:
                     self._on_ack(message)
                 case p.Cancel(job_ids=job_ids, reason=reason):
                     for job_id in job_ids:
-                        self._cancel(job_id, reason)
+                        self.cancel(job_id, reason)
                 case p.Welcome():
                     self._on_welcome(message)
                 case p.Error(code=code, message=text):
@@ -401,7 +433,7 @@ class Worker:
     def _on_ack(self, ack: p.Ack) -> None:
         # The ack's state is a directive only when stricter than what that heartbeat said:
         # an echo of an older state must not undo a SIGCONT that came since.
-        said = self._sent_state.pop(ack.seq, self._state)
+        said, _ = self._sent_state.pop(ack.seq, (self._state, 0.0))
         if p.STATE_RANK[ack.state] > p.STATE_RANK[said]:
             log.info("directed by the server: state=%s", ack.state)
             if ack.state == "terminate":
@@ -421,12 +453,13 @@ class Worker:
     # -- jobs -------------------------------------------------------------------------
     def _start(self, copy: p.JobCopy) -> None:
         if copy.id in self._running:  # a stale run of an earlier attempt: stop it
-            self._cancel(copy.id, "cancelled")
+            self.cancel(copy.id, "cancelled")
         run = _Running(copy, deadline=time.monotonic() + copy.visibility_timeout)
         self._running[copy.id] = run
         run.task = asyncio.create_task(self._execute(run), name=f"rota-job-{copy.id}")
 
-    def _cancel(self, job_id: str, reason: str) -> None:
+    def cancel(self, job_id: str, reason: str = "cancelled") -> None:
+        """Stop a running job; it is reported as failed with error type ``reason``."""
         run = self._running.get(job_id)
         if run is None or run.task is None or run.cancel_reason is not None:
             return
@@ -440,7 +473,7 @@ class Worker:
         now = time.monotonic()
         for job_id, run in list(self._running.items()):
             if run.deadline <= now:
-                self._cancel(job_id, "visibility_timeout")
+                self.cancel(job_id, "visibility_timeout")
 
     async def _execute(self, run: _Running) -> None:
         copy = run.copy
@@ -489,7 +522,12 @@ class Worker:
                 value = await handler(ctx)
             else:
                 value = await asyncio.get_running_loop().run_in_executor(self._pool, handler, ctx)
-            msgspec.json.encode(value)  # fail here, not in the heartbeat, if it can't be sent
+            # Encoded once, here: a value that cannot be sent fails the job, not the
+            # heartbeat, and the heartbeat carries the bytes as they are.
+            encoded = msgspec.json.encode(value)
+            if len(encoded) > RESULT_BYTES_PER_BEAT:
+                raise ResultTooLarge(f"the result is {len(encoded)} bytes as JSON; a worker"
+                                     f" sends at most {RESULT_BYTES_PER_BEAT}")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -497,12 +535,27 @@ class Worker:
                      ctx.attempt, type(exc).__name__, exc)
             return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="failed",
                             error=_error_info(exc))
-        return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="completed", result=value)
+        return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="completed",
+                        result=msgspec.Raw(encoded))
+
+
+class ResultTooLarge(Exception):
+    """A result too large to send: running the job again would not make it smaller."""
+
+    retryable = False
+    error_type = "result_too_large"  # the name the server gives the same failure
+
+
+def _result_size(result: p.Result) -> int:
+    """A result's encoded size, near enough: its value's bytes (already encoded) plus its
+    envelope, or an error's bound (messages and tracebacks are cut to a few KiB)."""
+    value = len(result.result) if isinstance(result.result, msgspec.Raw) else 0
+    return value + (16 * 1024 if result.error is not None else 256)
 
 
 def _error_info(exc: BaseException) -> p.ErrorInfo:
     return p.ErrorInfo(
-        type=type(exc).__name__, message=str(exc),
+        type=getattr(exc, "error_type", type(exc).__name__), message=p.cut_text(str(exc)),
         retryable=bool(getattr(exc, "retryable", True)),
         details={"traceback": "".join(traceback.format_exception(exc))[-4000:]},
     )

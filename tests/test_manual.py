@@ -4,6 +4,7 @@ the run loop's rules (capacity, cancels, grace period, deregistration) still hol
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,16 @@ def test_complete_is_only_for_jobs_taken_by_hand():
     with pytest.raises(ValueError, match="at least one spec"):
         Worker().listen()
     assert JobFailed("x", retryable=False).retryable is False
+
+
+async def test_jobs_handed_over_but_never_taken_go_back_at_once(live: Live, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "echo"))
+    worker = manual(live, tmp_path, concurrency=2, grace_period=30)
+    jobs = [await live.enqueue("echo", {"n": n}) for n in range(2)]
+    async with worker.listen("echo"):
+        await wait_until(lambda: len(worker._running) == 2, what="both jobs handed over")
+        leaving = time.monotonic()
+    assert time.monotonic() - leaving < 5  # not the 30 s grace: nobody held them
+    for job in jobs:
+        back = await live.job(job["id"])
+        assert back["state"] == "available" and [e["type"] for e in back["errors"]] == ["shutdown"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -273,3 +274,24 @@ async def test_cut_then_server_restart_loses_no_result(tmp_path: Path):
     finally:
         await stop_server(live)
     print(f"\n[reconnect] back {took * 1000:.0f} ms after the restarted server was up")
+
+
+async def test_a_slow_commit_is_not_taken_for_a_dead_server(live: Live, tmp_path: Path):
+    """An ack waits behind its results' commit. Another process holding SQLite's write
+    lock makes that commit slow for real: the worker must ask (ping), not reconnect."""
+    await live.push(write_spec(tmp_path, "work"))
+    async with behind_proxy(live.settings.port, tmp_path, concurrency=1,
+                            seconds=0.3) as (tally, worker, proxy):
+        job = await live.enqueue("work")
+        await wait_until(lambda: tally.now == 1, what="the job to start")
+        blocker = sqlite3.connect(live.settings.db, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # the server's writer now waits on this lock
+        try:
+            await wait_until(lambda: tally.finished == 1, what="the job to finish")
+            await asyncio.sleep(1.5)  # noqa: sleep-ok (the slow commit: 3x the ack patience)
+        finally:
+            blocker.execute("COMMIT")
+            blocker.close()
+        done = await live.wait_state(job["id"], "completed")
+        assert (done["attempt"], done["errors"]) == (1, [])
+        assert proxy.accepted == 1 and worker.connected.is_set()  # never reconnected

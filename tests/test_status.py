@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from conftest import Live, wait_until, write_spec
 from test_bad_input import closed_with
@@ -17,7 +18,8 @@ from test_cli import rota
 
 from rota import JobContext, Worker
 from rota import protocol as p
-from rota.context import LINE_BYTES_PER_BEAT, MAX_HELD_LINES, MAX_LINES_PER_BEAT, StatusBuffer
+from rota.context import MAX_HELD_LINES, MAX_LINES_PER_BEAT, STATUS_BYTES_PER_BEAT, StatusBuffer
+from rota.worker import RESULT_BYTES_PER_BEAT
 
 
 def chatty(tmp_path: Path, release: asyncio.Event, **options: Any) -> Worker:
@@ -174,10 +176,32 @@ def test_status_buffer_is_bounded_and_says_what_it_dropped():
 
 def test_status_buffer_keeps_each_heartbeat_under_its_byte_budget():
     buffer = StatusBuffer(wake=lambda: None)
+    for n in range(100):
+        buffer.log("j1", "é" * p.MAX_TEXT * 2, "info")  # cut to MAX_TEXT characters
+        buffer.alert("a" * p.MAX_TEXT, "error", None)
+        buffer.progress(f"j{n}", 5, "p" * p.MAX_TEXT)
+    sent = {"alerts": 0, "progress": 0, "logs": 0}
     for _ in range(100):
-        buffer.log("j1", "x" * p.MAX_TEXT * 2, "info")  # each cut to MAX_TEXT
-    status = p.Status(state="running")
-    buffer.fill(status)
-    sent = sum(len(line.message) for line in status.logs)
-    assert 0 < sent <= LINE_BYTES_PER_BEAT + len(status.logs)  # the cut adds one character
-    assert len(p.encode(p.Heartbeat(seq=0, worker_id="w", status=status))) < 1 << 20
+        status = p.Status(state="running")
+        buffer.fill(status)
+        if not (status.alerts or status.progress or status.logs):
+            break
+        frame = p.encode(p.Heartbeat(seq=0, worker_id="w", status=status)).encode()
+        assert len(frame) <= STATUS_BYTES_PER_BEAT + 256
+        for kind in sent:
+            sent[kind] += len(getattr(status, kind))
+    assert sent == {"alerts": 100, "progress": 100, "logs": 100}  # all of it, in turns
+
+
+def test_results_are_spread_over_heartbeats_that_fit_a_frame(tmp_path: Path):
+    worker = Worker(specs_dir=tmp_path)
+    big = msgspec.Raw(msgspec.json.encode("r" * 300 * 1024))
+    worker._results = [p.Result(job_id=f"j{n}", attempt=1, outcome="completed", result=big)
+                       for n in range(5)]
+    batches = []
+    while worker._results:
+        results, _ = worker._take_results()
+        batches.append(len(results))
+        frame = p.encode(p.Heartbeat(seq=0, worker_id="w", results=results)).encode()
+        assert len(frame) < RESULT_BYTES_PER_BEAT + 1024
+    assert batches == [2, 2, 1]

@@ -126,3 +126,15 @@ async def test_a_handler_without_a_spec_file_is_refused(tmp_path: Path):
         await worker.run()
     with pytest.raises(ValueError, match="already has a handler"):
         worker.handler("echo")(lambda ctx: None)
+
+
+async def test_a_result_too_large_to_send_fails_the_job_for_good(live, sdk_worker, tmp_path):
+    await live.push(write_spec(tmp_path, "huge"))
+    worker = Worker(specs_dir=tmp_path, heartbeat_interval=0.1)
+    worker.handler("huge")(lambda ctx: "x" * (1 << 20))  # over what one frame can carry
+    await sdk_worker(worker)
+    job = await live.enqueue("huge")
+    done = await live.wait_state(job["id"], "discarded")
+    [error] = done["errors"]
+    assert (error["type"], error["retryable"]) == ("result_too_large", False)
+    assert live.coordinator.connections  # the worker's connection was never at risk
