@@ -396,7 +396,8 @@ class Coordinator:
                                         line=("log", line.level, p.cut_text(line.message))))
         for alert in status.alerts:
             job = self._held_by(conn, alert.job_id) if alert.job_id else None
-            log.log(LEVELS[alert.level], "alert worker=%s job=%s level=%s message=%s",
+            # %r: the worker's text is quoted and escaped, so it cannot forge log lines
+            log.log(LEVELS[alert.level], "alert worker=%s job=%s level=%s message=%r",
                     conn.worker.id, alert.job_id or "-", alert.level, alert.message[:200])
             conn.alerts.append({"at": p.rfc3339(now), "level": alert.level,
                                 "job_id": alert.job_id, "message": p.cut_text(alert.message)})

@@ -8,13 +8,13 @@ from typing import Annotated, Any
 import msgspec
 
 from rota import protocol as p
+from rota.protocol import JobId
 from rota.errors import RequestError
 from rota.ids import uuid7
 from rota.policy import Limits
 from rota.specs import MAX_VISIBILITY, JobSpec, Name
 from rota.store import Job
 
-JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=366 * 24 * 3600.0)]
 
 

@@ -21,6 +21,13 @@ WorkerState = Literal["running", "quiet", "terminate"]
 STATE_RANK: dict[str, int] = {"running": 0, "quiet": 1, "terminate": 2}
 Outcome = Literal["completed", "failed"]
 
+# Names of specs, queues, labels and workers; job ids allow a few more characters, so
+# that producers can use keys like "order/17" or "user@example.com". Neither allows
+# spaces or control characters, so none can forge a line in the server's log.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@/+=-]{0,127}$"
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN)]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Percent = Annotated[float, msgspec.Meta(ge=0, le=100)]
@@ -46,7 +53,7 @@ class _Tagged(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True
 class SpecRef(msgspec.Struct, frozen=True):
     """A job spec a worker implements, named with the checksum of its local copy."""
 
-    name: str
+    name: Name
     checksum: str
 
 
@@ -55,21 +62,21 @@ class Registration(msgspec.Struct, kw_only=True):
     os: str
     pid: int
     sdk: str
-    queues: Annotated[list[str], msgspec.Meta(min_length=1)]
+    queues: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=100)]
     concurrency: Positive
-    specs: list[SpecRef]
-    labels: list[str] = []
+    specs: Annotated[list[SpecRef], msgspec.Meta(max_length=1000)]
+    labels: Annotated[list[Name], msgspec.Meta(max_length=100)] = []
     started_at: str | None = None
 
 
 class Progress(msgspec.Struct, kw_only=True, omit_defaults=True):
-    job_id: str
+    job_id: JobId
     percent: Percent
     message: str | None = None
 
 
 class LogLine(msgspec.Struct, kw_only=True, omit_defaults=True):
-    job_id: str
+    job_id: JobId
     message: str
     level: LogLevel = "info"
     time: str | None = None
@@ -78,12 +85,12 @@ class LogLine(msgspec.Struct, kw_only=True, omit_defaults=True):
 class Alert(msgspec.Struct, kw_only=True, omit_defaults=True):
     message: str
     level: LogLevel = "warning"
-    job_id: str | None = None
+    job_id: JobId | None = None
 
 
 class Status(msgspec.Struct, kw_only=True, omit_defaults=True):
     state: WorkerState  # required: a status that omits it must not read as "running"
-    active_job_ids: list[str] = []
+    active_job_ids: list[JobId] = []
     cpu_percent: float | None = None
     memory_rss: int | None = None
     progress: list[Progress] = []
@@ -99,7 +106,7 @@ class ErrorInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
-    job_id: str
+    job_id: JobId
     attempt: Positive
     outcome: Outcome
     result: Any = None
@@ -108,7 +115,7 @@ class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class Heartbeat(_Tagged, tag="heartbeat"):
     seq: NonNegative
-    worker_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    worker_id: Name
     registration: Registration | None = None
     status: Status | None = None
     results: list[Result] = []

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
-Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+from rota.protocol import NAME_PATTERN as NAME_PATTERN  # one pattern for every name
+from rota.protocol import Name
 MAX_VISIBILITY = 7 * 24 * 3600.0  # a week; longer leases should extend by heartbeat instead
 ArgType = Literal["string", "integer", "number", "boolean", "object", "array", "any"]
 

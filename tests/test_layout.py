@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rota"
 ALLOWED: dict[str, set[str]] = {
     "protocol": {"errors"},
     "ids": set(),
-    "specs": set(),
+    "specs": {"protocol"},
     "settings": set(),
     "db": set(),
     "logs": set(),

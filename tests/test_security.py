@@ -307,3 +307,31 @@ async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path):
                 await plain.get(f"{https}/healthz")
     finally:
         await stop_server(live)
+
+
+# -- names -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("frame", [
+    {"worker_id": "bad\nid"},
+    {"worker_id": "w", "results": [{"job_id": "j\r\nINFO forged", "attempt": 1,
+                                    "outcome": "completed"}]},
+    {"worker_id": "w", "status": {"state": "running", "active_job_ids": ["a b"]}},
+    {"worker_id": "w", "registration": {"hostname": "h", "os": "o", "pid": 1, "sdk": "raw",
+                                        "queues": ["default"], "concurrency": 1, "specs": [],
+                                        "labels": ["x" * 200]}},
+], ids=["worker id", "result job id", "active job id", "label too long"])
+async def test_names_outside_their_pattern_are_refused(live: Live, connect,
+                                                      frame: dict[str, Any]):
+    raw = await connect("anyone")
+    await raw.send({"type": "heartbeat", "seq": 0, **frame})
+    error = await raw.expect("error")
+    assert error["code"] == "invalid_message" and "matching regex" in error["message"]
+    assert await closed_with(raw) == 1007
+
+
+async def test_job_ids_outside_their_pattern_are_refused(live: Live, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "echo"))
+    for bad in ("has space", "new\nline", "", "x" * 129, "-leading"):
+        reply = await live.http.post("/jobs", json={"spec": "echo", "id": bad})
+        assert reply.status_code == 422, bad
+    ok = await live.http.post("/jobs", json={"spec": "echo", "id": "order/17@shop:eu=1+2"})
+    assert ok.status_code == 201

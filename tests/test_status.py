@@ -108,7 +108,7 @@ async def test_alerts_go_out_at_once_and_are_shown(live: Live, sdk_worker, tmp_p
         ("error", job["id"], "disk almost full")]
     assert f"alert worker={worker.worker_id} job={job['id']} level=error" in caplog.text
     worker.alert("going to restart soon")
-    await wait_until(lambda: "level=warning message=going to restart soon" in caplog.text,
+    await wait_until(lambda: "level=warning message='going to restart soon'" in caplog.text,
                      what="a worker alert")
     print(f"\n[status] alert from a handler stored and shown {latency * 1000:.0f} ms after it"
           " was raised (heartbeat interval 30 s)")
