@@ -15,7 +15,8 @@ from rota.auth import Principal
 from rota.coordinator import Coordinator
 
 log = logging.getLogger("rota.server")
-OPEN_PATHS = frozenset({"/healthz"})  # load balancers probe it without a token
+# Load balancers probe health without a token; the API's description is public.
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})
 
 
 class Gate:

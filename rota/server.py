@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.routing import WebSocketRoute
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from rota import api
+from rota import api, openapi
 from rota.coordinator import Coordinator
 from rota.gate import Gate
 from rota.sessions import work_endpoint
@@ -39,7 +39,7 @@ def create_app(settings: ServerSettings) -> Starlette:
             await coordinator.stop()
 
     app = Starlette(
-        routes=[*api.routes, WebSocketRoute("/work", work_endpoint)],
+        routes=[*api.routes, openapi.route, WebSocketRoute("/work", work_endpoint)],
         exception_handlers=api.exception_handlers,  # type: ignore[arg-type]
         middleware=[Middleware(Gate, coordinator=coordinator)],
         lifespan=lifespan,

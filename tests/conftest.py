@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -306,3 +307,23 @@ class Proxy:
         for task in list(self._pumps):
             task.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+class ThreadedServer:
+    """A live server on an event loop of its own, in a thread: for synchronous drivers
+    (hypothesis state machines, schemathesis)."""
+
+    def __init__(self, tmp: Path, **overrides: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.live: Live = self._run(start_server(tmp, **overrides))
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=20)
+
+    def close(self) -> None:
+        self._run(stop_server(self.live))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

@@ -8,24 +8,21 @@ synchronous, can drive blocking ``websockets.sync`` clients against it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import socket
 import sqlite3
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import Live, start_server, stop_server, write_spec
+from conftest import ThreadedServer, write_spec
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from rota.specs import checksum
@@ -62,24 +59,6 @@ class ErrorLog(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(self.format(record))
-
-
-class ThreadedServer:
-    def __init__(self, tmp: Path) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.live: Live = self._run(start_server(tmp, reconnect_grace=0.3,
-                                                 heartbeat_timeout=30.0))
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=20)
-
-    def close(self) -> None:
-        self._run(stop_server(self.live))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 class Client:
@@ -140,7 +119,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.errors = ErrorLog()
         for name in ("rota", "uvicorn"):
             logging.getLogger(name).addHandler(self.errors)
-        self.server = ThreadedServer(self.tmp)
+        self.server = ThreadedServer(self.tmp, reconnect_grace=0.3, heartbeat_timeout=30.0)
         self.live = self.server.live
         self.http = httpx.Client(base_url=self.live.base, timeout=10)
         spec = write_spec(self.tmp / "specs", "echo")

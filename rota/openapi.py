@@ -1,0 +1,301 @@
+"""The HTTP API's OpenAPI 3.1 document (``GET /openapi.json``).
+
+Request bodies are the very msgspec types the routes decode with; responses are
+described by the Structs below, whose fields mirror what the routes send. The schemas
+come from msgspec, so the document cannot drift from the decoders, and a schemathesis
+run (tests/test_openapi.py) checks that no answer breaks it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import msgspec
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from rota.api import PushRequest, StateRequest
+from rota.jobs import BatchRequest, EnqueueRequest
+
+JobState = Literal["scheduled", "available", "active", "retryable", "completed", "discarded",
+                   "cancelled"]
+
+
+class Problem(msgspec.Struct):
+    code: str
+    message: str
+
+
+class ErrorBody(msgspec.Struct):
+    error: Problem
+
+
+class Progress(msgspec.Struct):
+    percent: float
+    message: str | None
+    at: str
+
+
+class LogEntry(msgspec.Struct):
+    at: str
+    attempt: int
+    kind: Literal["log", "alert"]
+    level: str
+    message: str
+
+
+class JobView(msgspec.Struct, kw_only=True):
+    id: str
+    spec: str
+    queue: str
+    state: JobState
+    priority: int
+    attempt: int
+    args: Any
+    worker_id: str | None
+    checksum: str | None
+    visibility_timeout: float | None
+    enqueued_at: str | None
+    reserved_at: str | None
+    finished_at: str | None
+    result: Any
+    errors: list[Any]
+    run_at: str | None
+    expires_at: str | None
+    fails: int
+    max_attempts: int | None
+    max_fails: int | None
+    cancel_requested: bool
+    capture_logs: bool
+    progress: Progress | None
+
+
+class JobDetail(JobView, kw_only=True):
+    logs: list[LogEntry]
+    waiting_reason: str | None = None
+
+
+class Enqueued(msgspec.Struct):
+    job: JobView
+    created: bool
+
+
+class BatchItem(msgspec.Struct, kw_only=True):
+    index: int
+    status: int
+    created: bool | None = None
+    job: JobView | None = None
+    error: Problem | None = None
+
+
+class BatchReply(msgspec.Struct):
+    results: list[BatchItem]
+
+
+class ResultReply(msgspec.Struct):
+    id: str
+    state: JobState
+    done: bool
+    result: Any
+    error: Any
+
+
+class SpecEntry(msgspec.Struct):
+    name: str
+    version: str
+    checksum: str
+    queue: str
+    description: str
+    spec: Any
+
+
+class SpecList(msgspec.Struct):
+    specs: list[SpecEntry]
+
+
+class SpecChange(msgspec.Struct):
+    name: str
+    change: Literal["new", "changed", "unchanged"]
+    checksum: str
+    previous: str | None
+    mismatched_workers: int
+    matching_workers: int
+
+
+class PushReply(msgspec.Struct):
+    dry_run: bool
+    specs: list[SpecChange]
+
+
+class Push(msgspec.Struct):
+    checksum: str
+    previous: str | None
+    version: str
+    pushed_at: str
+
+
+class History(msgspec.Struct):
+    name: str
+    history: list[Push]
+
+
+class WorkerAlert(msgspec.Struct):
+    at: str
+    level: str
+    job_id: str | None
+    message: str
+
+
+class WorkerView(msgspec.Struct, kw_only=True):
+    id: str
+    hostname: str
+    pid: int
+    os: str
+    sdk: str
+    state: Literal["running", "quiet", "terminate"]
+    queues: list[str]
+    labels: list[str]
+    concurrency: int
+    active: int
+    capacity: int
+    specs_matching: list[str]
+    specs_mismatching: list[str]
+    directive: str | None
+    cpu_percent: float | None
+    memory_rss: int | None
+    alerts: list[WorkerAlert]
+    connected_at: str
+    last_heartbeat_age: float
+
+
+class Workers(msgspec.Struct):
+    workers: list[WorkerView]
+
+
+class Directed(msgspec.Struct):
+    workers: list[str]
+    state: str
+
+
+class Waiting(msgspec.Struct):
+    spec: str
+    available: int
+    reason: str | None
+
+
+class QueueView(msgspec.Struct):
+    name: str
+    counts: dict[str, int]
+    workers: int
+    waiting: list[Waiting]
+
+
+class Queues(msgspec.Struct):
+    queues: list[QueueView]
+
+
+class Health(msgspec.Struct):
+    status: str
+    workers: int
+    live_jobs: int
+    specs: int
+    uptime: float
+
+
+# (method, path, summary, request body, {status: response body}); every route may also
+# answer 401 (no valid token) and 403 (its scope does not allow it), added below.
+BAD = {400: ErrorBody, 413: ErrorBody, 422: ErrorBody}
+ROUTES: list[tuple[str, str, str, Any, dict[int, Any]]] = [
+    ("post", "/jobs", "Enqueue a job", EnqueueRequest,
+     {201: Enqueued, 200: Enqueued, 409: ErrorBody, **BAD}),
+    ("post", "/jobs/batch", "Enqueue many jobs in one transaction", BatchRequest,
+     {200: BatchReply, **BAD}),
+    ("get", "/jobs/{job_id}", "A job, with its logs and why it waits", None,
+     {200: JobDetail, 404: ErrorBody}),
+    ("delete", "/jobs/{job_id}", "Cancel a job", None,
+     {200: JobView, 202: JobView, 404: ErrorBody, 409: ErrorBody}),
+    ("post", "/jobs/{job_id}/retry", "Put a discarded or cancelled job back", None,
+     {200: JobView, 404: ErrorBody, 409: ErrorBody}),
+    ("get", "/jobs/{job_id}/result", "A job's result, waiting up to ?wait= seconds", None,
+     {200: ResultReply, 202: ResultReply, 400: ErrorBody, 404: ErrorBody}),
+    ("get", "/specs", "The status quo", None, {200: SpecList}),
+    ("put", "/specs", "Push specs (a deploy)", PushRequest, {200: PushReply, **BAD}),
+    ("get", "/specs/{name}/history", "Every version pushed for a spec", None,
+     {200: History, 404: ErrorBody}),
+    ("get", "/workers", "Connected workers", None, {200: Workers}),
+    ("post", "/workers/state", "Quiet or terminate workers by label, or all", StateRequest,
+     {200: Directed, **BAD}),
+    ("post", "/workers/{worker_id}/state", "Quiet or terminate one worker", StateRequest,
+     {200: Directed, 404: ErrorBody, 409: ErrorBody, **BAD}),
+    ("get", "/queues", "Per-queue counts and why jobs wait", None, {200: Queues}),
+    ("get", "/healthz", "Health (no token needed)", None, {200: Health}),
+]
+OPEN_PATHS = {"/healthz"}
+
+
+def document() -> dict[str, Any]:
+    types = [t for _, _, _, body, answers in ROUTES for t in [body, *answers.values()] if t]
+    schemas, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}")
+    refs = dict(zip(types, schemas, strict=True))
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, summary, body, answers in ROUTES:
+        operation: dict[str, Any] = {"summary": summary, "responses": {}}
+        params = [part[1:-1] for part in path.split("/") if part.startswith("{")]
+        if params:
+            operation["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                for name in params]
+        if path.endswith("/result"):
+            operation["parameters"].append(
+                {"name": "wait", "in": "query", "required": False,
+                 "schema": {"type": "number", "minimum": 0}})
+        if body is not None:
+            operation["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": refs[body]}}}
+        extra = {401: ErrorBody, 403: ErrorBody}
+        if path in OPEN_PATHS:
+            operation["security"] = []  # no token needed
+            extra = {}
+        for status, answer in sorted({**answers, **extra}.items()):
+            operation["responses"][str(status)] = {
+                "description": _DESCRIPTIONS.get(status, "answer"),
+                "content": {"application/json": {"schema": refs.get(answer)
+                                                 or _ref(answer)}}}
+        paths.setdefault(path, {})[method] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Rota", "version": "0.1.0",
+                 "description": "Enqueue and inspect jobs, push specs, direct workers."},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }
+
+
+def _ref(kind: Any) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{kind.__name__}"}
+
+
+@functools.cache
+def _encoded() -> bytes:
+    return msgspec.json.encode(document())
+
+
+async def openapi_json(request: Request) -> Response:
+    return Response(_encoded(), media_type="application/json")
+
+
+route = Route("/openapi.json", openapi_json, methods=["GET"])
+
+
+_DESCRIPTIONS = {200: "done", 201: "created", 202: "accepted, not finished", 400: "bad input",
+                 401: "no valid token", 403: "not allowed for this token",
+                 404: "not found", 409: "conflict with the job's state",
+                 413: "over a size limit", 422: "invalid request"}
