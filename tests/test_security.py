@@ -335,3 +335,18 @@ async def test_job_ids_outside_their_pattern_are_refused(live: Live, tmp_path: P
         assert reply.status_code == 422, bad
     ok = await live.http.post("/jobs", json={"spec": "echo", "id": "order/17@shop:eu=1+2"})
     assert ok.status_code == 201
+
+
+async def test_connections_over_the_server_cap_get_503(tmp_path: Path):
+    live = await start_server(tmp_path, max_connections=3)
+    opened = []
+    try:
+        for _ in range(3):
+            opened.append(await websockets.connect(live.ws))
+        async with httpx.AsyncClient() as fresh:  # a new connection, over the cap
+            assert (await fresh.get(f"{live.base}/healthz")).status_code == 503
+        await asyncio.wait_for(await opened[0].ping(), 5)  # those open are still served
+    finally:
+        for ws in opened:
+            await ws.close()
+        await stop_server(live)
