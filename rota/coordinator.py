@@ -191,9 +191,6 @@ class Coordinator:
                 conn.outbox.abort("token_revoked", "the token this worker connected with is"
                                   " no longer valid", p.CLOSE_POLICY)
 
-    def worker_connections(self, principal: Principal) -> int:
-        return sum(1 for c in self.connections.values() if c.principal == principal)
-
     # -- workers ---------------------------------------------------------------------
     async def register(self, hb: p.Heartbeat, outbox: Outbox, principal: Principal = OPEN) -> str:
         reg = hb.registration

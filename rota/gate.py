@@ -62,7 +62,7 @@ def principal_of(scope: Scope) -> Principal:
 
 async def deny(scope: Scope, send: Send, status: int, code: str, message: str) -> None:
     """Answer with a JSON error; on a WebSocket handshake, as its HTTP response."""
-    body = msgspec.json.encode({"error": {"code": code, "message": message}})
+    body = error_body(code, message)
     headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json"),
                                           (b"content-length", str(len(body)).encode())]
     if status == 401:
@@ -70,6 +70,11 @@ async def deny(scope: Scope, send: Send, status: int, code: str, message: str) -
     prefix = "websocket.http.response" if scope["type"] == "websocket" else "http.response"
     await send({"type": f"{prefix}.start", "status": status, "headers": headers})
     await send({"type": f"{prefix}.body", "body": body})
+
+
+def error_body(code: str, message: str) -> bytes:
+    """Rota's one error shape, for answers given outside the routes."""
+    return msgspec.json.encode({"error": {"code": code, "message": message}})
 
 
 def _client(scope: Scope) -> Any:

@@ -13,13 +13,13 @@ import logging
 import time
 from collections.abc import Awaitable
 
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rota import protocol as p
 from rota.auth import Principal
 from rota.coordinator import Coordinator
-from rota.gate import principal_of
+from rota.gate import error_body, principal_of
 from rota.policy import TokenBucket
 
 log = logging.getLogger("rota.server")
@@ -189,4 +189,4 @@ async def work_endpoint(websocket: WebSocket) -> None:
 async def deny(websocket: WebSocket, status: int, code: str, message: str) -> None:
     """Refuse the handshake with an HTTP answer: the socket is never accepted."""
     await websocket.send_denial_response(
-        JSONResponse({"error": {"code": code, "message": message}}, status_code=status))
+        Response(error_body(code, message), status_code=status, media_type="application/json"))
