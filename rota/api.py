@@ -5,7 +5,6 @@ Every error is a 4xx with ``{"error": {"code": ..., "message": ...}}``.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 import msgspec
@@ -16,15 +15,14 @@ from starlette.routing import Route
 
 from rota.auth import Principal, Scope
 from rota.coordinator import MAX_LOG_LINES, Coordinator
-from rota.errors import RequestError
+from rota.errors import (Conflict, DomainError, Forbidden, Invalid, NotFound, RequestError,
+                         TooLarge)
 from rota.gate import principal_of
 from rota.jobs import BatchRequest, EnqueueRequest
 from rota.policy import TERMINAL_STATES
 from rota.protocol import rfc3339
 from rota.specs import JobSpec, checksum
-from rota.store import job_view
-
-
+from rota.views import job_view
 
 Directive = Literal["quiet", "terminate"]
 
@@ -49,6 +47,17 @@ class JSON(Response):
 
 def error(status: int, code: str, message: str) -> JSON:
     return JSON({"error": {"code": code, "message": message}}, status_code=status)
+
+
+# The core's refusals, as HTTP statuses: decided here, at the edge, not in the engine.
+STATUS: dict[type[DomainError], int] = {NotFound: 404, Conflict: 409, Invalid: 422,
+                                        Forbidden: 403, TooLarge: 413, DomainError: 422}
+
+
+def status_of(exc: RequestError | DomainError) -> int:
+    if isinstance(exc, RequestError):
+        return exc.status
+    return STATUS.get(type(exc), 422)
 
 
 def _coordinator(request: Request) -> Coordinator:
@@ -97,7 +106,7 @@ async def enqueue(request: Request) -> Response:
     principal = need(request, "producer")
     payload = await _decode(request, EnqueueRequest)
     [outcome] = await _coordinator(request).enqueue([payload], principal)
-    if isinstance(outcome, RequestError):
+    if isinstance(outcome, DomainError):
         raise outcome
     row, created = outcome
     return JSON({"job": job_view(row), "created": created}, status_code=201 if created else 200)
@@ -107,19 +116,19 @@ async def enqueue_batch(request: Request) -> Response:
     """Many jobs, one transaction; each gets its own status, and a bad one spoils no other."""
     principal = need(request, "producer")
     batch: BatchRequest = await _decode(request, BatchRequest)
-    parsed: list[EnqueueRequest | RequestError] = []
+    parsed: list[EnqueueRequest | DomainError] = []
     for raw in batch.jobs:
         try:
             parsed.append(msgspec.json.decode(raw, type=EnqueueRequest))
         except msgspec.ValidationError as exc:
-            parsed.append(RequestError(422, "invalid_request", str(exc)))
+            parsed.append(Invalid("invalid_request", str(exc)))
     valid = [item for item in parsed if isinstance(item, EnqueueRequest)]
     outcomes = iter(await _coordinator(request).enqueue(valid, principal) if valid else [])
     results = []
     for index, item in enumerate(parsed):
-        outcome = item if isinstance(item, RequestError) else next(outcomes)
-        if isinstance(outcome, RequestError):
-            results.append({"index": index, "status": outcome.status,
+        outcome = item if isinstance(item, DomainError) else next(outcomes)
+        if isinstance(outcome, DomainError):
+            results.append({"index": index, "status": status_of(outcome),
                             "error": {"code": outcome.code, "message": outcome.message}})
         else:
             row, created = outcome
@@ -217,7 +226,7 @@ async def spec_history(request: Request) -> Response:
 async def list_workers(request: Request) -> Response:
     need(request, "admin")
     coordinator = _coordinator(request)
-    now = time.monotonic()
+    now = coordinator.clock().mono
     workers = []
     for conn in coordinator.connections.values():
         slot, reg = conn.worker, conn.registration
@@ -287,12 +296,12 @@ async def healthz(request: Request) -> Response:
     coordinator = _coordinator(request)
     return JSON({"status": "ok", "workers": len(coordinator.connections),
                  "live_jobs": len(coordinator.scheduler.jobs), "specs": len(coordinator.specs),
-                 "uptime": round(time.time() - coordinator.started_at, 3)})
+                 "uptime": round(coordinator.uptime(), 3)})
 
 
 async def request_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestError)
-    return error(exc.status, exc.code, exc.message)
+    assert isinstance(exc, RequestError | DomainError)
+    return error(status_of(exc), exc.code, exc.message)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -317,4 +326,5 @@ routes = [
     Route("/queues", list_queues, methods=["GET"]),
     Route("/healthz", healthz, methods=["GET"]),
 ]
-exception_handlers = {RequestError: request_error, HTTPException: http_error}
+exception_handlers = {RequestError: request_error, DomainError: request_error,
+                      HTTPException: http_error}

@@ -100,10 +100,15 @@ def main() -> None:
               help="Open connections of any kind; new ones get 503 above.")
 @click.option("--max-worker-connections-per-token", envvar="ROTA_MAX_WORKER_CONNECTIONS_PER_TOKEN", default=200,
               show_default=True, show_envvar=True, help="Open /work connections per token (429 above).")
-@click.option("--rate-limit", envvar="ROTA_RATE_LIMIT", default=200.0, show_default=True, show_envvar=True,
-              help="Frames a second one /work connection may send on average (1008 rate_limited above).")
-@click.option("--rate-burst", envvar="ROTA_RATE_BURST", default=400, show_default=True, show_envvar=True,
+@click.option("--rate-limit", envvar="ROTA_RATE_LIMIT", default=20_000.0, show_default=True, show_envvar=True,
+              help="Frames a second one /work connection may send on average; above it, it is throttled.")
+@click.option("--rate-burst", envvar="ROTA_RATE_BURST", default=20_000, show_default=True, show_envvar=True,
               help="Frames one /work connection may send in a burst.")
+@click.option("--rate-bytes", envvar="ROTA_RATE_BYTES", default=64 << 20, show_default=True, show_envvar=True,
+              help="Bytes a second one /work connection may send on average; above it, it is throttled.")
+@click.option("--throttle-close-after", envvar="ROTA_THROTTLE_CLOSE_AFTER", default=60.0, show_default=True,
+              show_envvar=True, help="Seconds a /work connection may stay throttled before it is closed"
+              " (its jobs then get the reconnect grace).")
 @click.option("--registration-timeout", envvar="ROTA_REGISTRATION_TIMEOUT", default=5.0, show_default=True,
               show_envvar=True, help="Seconds a new /work socket has to register.")
 @click.option("--header-timeout", envvar="ROTA_HEADER_TIMEOUT", default=10.0, show_default=True, show_envvar=True,

@@ -115,6 +115,13 @@ def m005_tokens(db: sqlite_utils.Database) -> None:
     db["jobs"].add_column("created_by", str)  # the token that enqueued it
 
 
+@migrations()
+def m006_poison(db: sqlite_utils.Database) -> None:
+    # Attempts in a row that ended in worker_death, and how many make a job poison.
+    db["jobs"].add_column("deaths", int, not_null_default=0)
+    db["jobs"].add_column("max_worker_deaths", int)
+
+
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)

@@ -1,6 +1,12 @@
 """Rota's errors, in one place.
 
     RotaError            code + message, what the other side is told
+    ├── DomainError      the core refuses an operation; the API layer picks the HTTP status
+    │   ├── NotFound     no such job, spec or worker
+    │   ├── Conflict     it exists, but its state does not allow this
+    │   ├── Invalid      the request does not make sense (bad option, unknown spec)
+    │   ├── Forbidden    the caller's token does not allow it
+    │   └── TooLarge     over a size limit
     ├── RequestError     an HTTP request refused: answered with ``status`` and a JSON body
     └── FrameError       a /work frame refused: an ``error`` frame, then ``close_code``
 """
@@ -15,6 +21,30 @@ class RotaError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class DomainError(RotaError):
+    """The core refuses an operation; what it means for HTTP is the API layer's business."""
+
+
+class NotFound(DomainError):
+    """No such thing."""
+
+
+class Conflict(DomainError):
+    """It exists, but its state does not allow this."""
+
+
+class Invalid(DomainError):
+    """The request does not make sense."""
+
+
+class Forbidden(DomainError):
+    """The caller's token does not allow this."""
+
+
+class TooLarge(DomainError):
+    """Over a size limit."""
 
 
 class RequestError(RotaError):

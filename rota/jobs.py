@@ -9,11 +9,10 @@ import msgspec
 
 from rota import protocol as p
 from rota.protocol import JobId
-from rota.errors import RequestError
+from rota.errors import Invalid
 from rota.ids import uuid7
-from rota.policy import Limits
+from rota.model import Job, Limits
 from rota.specs import MAX_VISIBILITY, JobSpec, Name
-from rota.store import Job
 
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=366 * 24 * 3600.0)]
 
@@ -44,6 +43,7 @@ def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> Job:
         max_attempts=request.max_attempts or retry.max_attempts,
         max_fails=request.max_fails or retry.max_fails,
         backoff_base=retry.backoff_base, backoff_max=retry.backoff_max,
+        max_worker_deaths=retry.max_worker_deaths,
     )
     start = run_at if run_at is not None else now
     return Job(
@@ -60,7 +60,7 @@ def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> Job:
 
 def _run_at(request: EnqueueRequest, now: float) -> float | None:
     if request.run_at is not None and request.delay is not None:
-        raise RequestError(422, "invalid_request", "give run_at or delay, not both")
+        raise Invalid("invalid_request", "give run_at or delay, not both")
     if request.delay:
         return now + request.delay
     if request.run_at is None:
@@ -68,9 +68,9 @@ def _run_at(request: EnqueueRequest, now: float) -> float | None:
     try:
         moment = dt.datetime.fromisoformat(request.run_at)
     except ValueError as exc:
-        raise RequestError(422, "invalid_run_at", f"run_at is not RFC 3339: {exc}") from exc
+        raise Invalid("invalid_run_at", f"run_at is not RFC 3339: {exc}") from exc
     if moment.tzinfo is None:
-        raise RequestError(422, "invalid_run_at", "run_at needs a UTC offset, e.g. 'Z'")
+        raise Invalid("invalid_run_at", "run_at needs a UTC offset, e.g. 'Z'")
     when = moment.timestamp()
     return when if when > now else None
 

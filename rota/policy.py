@@ -9,24 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rota.model import JOB_STATES, TERMINAL_STATES, WAITING_STATES, Limits
+
+__all__ = ["JOB_STATES", "TERMINAL_STATES", "WAITING_STATES", "Limits", "Ending", "Decision",
+           "backoff", "after_attempt", "TokenBucket"]
+
 # How an attempt ended. Only "failed" (the handler reported an error) counts toward
 # max_fails; every attempt, whatever its end, counts toward max_attempts.
 Ending = Literal["failed", "visibility_timeout", "worker_death", "shutdown", "cancelled"]
-
-WAITING_STATES = frozenset({"scheduled", "available", "retryable"})
-TERMINAL_STATES = frozenset({"completed", "discarded", "cancelled"})
-JOB_STATES = ("scheduled", "available", "active", "retryable", "completed", "discarded",
-              "cancelled")
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """A job's retry budget, from its spec with per-job overrides."""
-
-    max_attempts: int
-    max_fails: int | None
-    backoff_base: float
-    backoff_max: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +35,21 @@ def backoff(failures: int, limits: Limits, rand: float) -> float:
 
 def after_attempt(*, ending: Ending, retryable: bool, attempts_used: int, fails: int,
                   limits: Limits, expires_at: float | None, cancel_requested: bool,
-                  now: float, rand: float) -> Decision:
+                  now: float, rand: float, deaths: int = 0) -> Decision:
     """Where a job goes when its attempt ended without completing.
 
     ``attempts_used`` counts this attempt; ``fails`` counts explicit failures including
-    this one when ``ending`` is "failed".
+    this one when ``ending`` is "failed"; ``deaths`` counts the attempts in a row, this
+    one included, that ended in ``worker_death``.
     """
     if cancel_requested or ending == "cancelled":
         return Decision("cancelled")
     if expires_at is not None and now >= expires_at:
         return Decision("discarded", reason="expired")
+    if ending == "worker_death" and deaths >= limits.max_worker_deaths:
+        # A job that takes down every worker that runs it must not reach the next one.
+        return Decision("discarded", reason=f"poison: its worker died {deaths} time(s) in a"
+                        f" row, max_worker_deaths is {limits.max_worker_deaths}")
     if ending == "failed" and not retryable:
         return Decision("discarded", reason="error is not retryable")
     if ending == "failed" and limits.max_fails is not None and fails >= limits.max_fails:
@@ -76,17 +71,29 @@ class TokenBucket:
 
     rate: float
     burst: int
-    level: float = -1.0  # tokens left; starts full
+    level: float | None = None  # tokens left (negative: borrowed); starts full
     at: float = 0.0
+
+    def _refill(self, now: float) -> float:
+        if self.level is None:
+            self.level = float(self.burst)
+        else:
+            self.level = min(float(self.burst), self.level + max(0.0, now - self.at) * self.rate)
+        self.at = now
+        return self.level
 
     def take(self, now: float) -> bool:
         """Spend one token if there is one (True), else refuse (False)."""
-        if self.level < 0:
-            self.level = float(self.burst)
-        else:
-            self.level = min(float(self.burst), self.level + (now - self.at) * self.rate)
-        self.at = now
-        if self.level < 1.0:
+        level = self._refill(now)
+        if level < 1.0:
             return False
-        self.level -= 1.0
+        self.level = level - 1.0
         return True
+
+    def wait(self, now: float, cost: float = 1.0) -> float:
+        """Spend ``cost`` tokens, borrowing them if too few are left: the seconds the caller must
+        pause before going on (0.0 when it is within the limit). Pausing for that long
+        throttles a sender to ``rate`` without refusing anything it sent."""
+        level = self._refill(now) - cost
+        self.level = level
+        return 0.0 if level >= 0.0 else -level / self.rate

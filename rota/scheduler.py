@@ -6,6 +6,9 @@ free slots, following each worker's queue order, one job per worker per round so
 work spreads, and only for specs the worker declared with the status-quo checksum.
 It marks the chosen jobs reserved in memory; the server commits that before it
 sends any ``assign`` frame.
+
+Every time here is a monotonic deadline (``Job.due``, ``Job.expiry``, ``Job.lease``):
+the caller says what time it is, on that clock.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rota.store import Job
+from rota.model import Job, JobState
 
 HeapEntry = tuple[int, int, str]  # (-priority, seq, job id)
 TimerEntry = tuple[float, str]  # (when, job id); checked against the job when popped
@@ -60,31 +63,31 @@ class Scheduler:
     def track(self, job: Job) -> None:
         """Take in a live job in whatever state it is (new, loaded, or changed)."""
         self.jobs[job.id] = job
-        if job.expires_at is not None:
-            heapq.heappush(self._ttls, (job.expires_at, job.id))
+        if job.expiry is not None:
+            heapq.heappush(self._ttls, (job.expiry, job.id))
         if job.state == "available":
             self.add(job)
         elif job.state in ("scheduled", "retryable"):
-            heapq.heappush(self._due, (job.run_at or 0.0, job.id))
+            heapq.heappush(self._due, (job.due or 0.0, job.id))
         elif job.state == "active":
-            heapq.heappush(self._leases, (job.lease_expires_at or 0.0, job.id))
+            heapq.heappush(self._leases, (job.lease or 0.0, job.id))
 
     def add(self, job: Job) -> None:
         """Make a job available to workers now."""
         self._detach(job)
-        job.state = "available"
+        job.move(JobState.AVAILABLE)
         job.worker_id = None
-        job.run_at = None
+        job.run_at = job.due = None
         self.jobs[job.id] = job
         heap = self._ready.setdefault(job.queue, {}).setdefault(job.spec, [])
         heapq.heappush(heap, (-job.priority, job.seq, job.id))
 
-    def defer(self, job: Job, run_at: float) -> None:
-        """Make a job wait until ``run_at`` (its state says scheduled or retryable)."""
+    def defer(self, job: Job, due: float) -> None:
+        """Make a job wait until ``due`` (its state says scheduled or retryable)."""
         self._detach(job)
         job.worker_id = None
-        job.run_at = run_at
-        heapq.heappush(self._due, (run_at, job.id))
+        job.due = due
+        heapq.heappush(self._due, (due, job.id))
 
     def release(self, job: Job) -> None:
         """Take a job back from its worker and make it available again."""
@@ -104,7 +107,7 @@ class Scheduler:
     def due(self, now: float) -> list[Job]:
         """Scheduled and retryable jobs whose time has come, made available."""
         ready = [job for job in _pop_until(self._due, now, self.jobs)
-                 if job.state in ("scheduled", "retryable") and (job.run_at or 0.0) <= now]
+                 if job.state in ("scheduled", "retryable") and (job.due or 0.0) <= now]
         for job in ready:
             self.add(job)
         return ready
@@ -115,8 +118,8 @@ class Scheduler:
         for job in _pop_until(self._leases, now, self.jobs):
             if job.state != "active" or job.id in expired:
                 continue
-            if job.lease_expires_at is not None and job.lease_expires_at > now:
-                heapq.heappush(self._leases, (job.lease_expires_at, job.id))
+            if job.lease is not None and job.lease > now:
+                heapq.heappush(self._leases, (job.lease, job.id))
             else:
                 expired[job.id] = job
         return list(expired.values())
@@ -125,7 +128,7 @@ class Scheduler:
         """Waiting jobs whose time to live ran out (active ones are judged when they end)."""
         return [job for job in _pop_until(self._ttls, now, self.jobs)
                 if job.state in ("scheduled", "available", "retryable")
-                and job.expires_at is not None and job.expires_at <= now]
+                and job.expiry is not None and job.expiry <= now]
 
     def next_deadline(self) -> float | None:
         heads = [heap[0][0] for heap in (self._due, self._leases, self._ttls) if heap]
@@ -137,7 +140,14 @@ class Scheduler:
             job = self.jobs.get(job_id)
             if (job is not None and job.state == "active" and job.worker_id == worker.id
                     and not job.orphaned):
-                job.lease_expires_at = now + self.lease_for(job)
+                job.lease = now + self.lease_for(job)
+
+    def shift(self, delta: float) -> None:
+        """Push every live lease (held or kept for an absent worker) ``delta`` seconds
+        later: the server was not listening for that long, so nobody's time ran."""
+        for job in self.jobs.values():
+            if job.state == "active" and job.lease is not None:
+                job.lease += delta  # the heap is checked lazily: the entry is re-pushed
 
     def orphan(self, job: Job, until: float) -> None:
         """Keep an active job reserved for its absent worker until ``until``: the worker may
@@ -145,7 +155,7 @@ class Scheduler:
         if not job.orphaned:
             job.orphaned = True
             self.orphans += 1
-        job.lease_expires_at = until
+        job.lease = until
         heapq.heappush(self._leases, (until, job.id))
 
     def adopt(self, worker: WorkerSlot, job_ids: Iterable[str], now: float) -> list[Job]:
@@ -158,7 +168,7 @@ class Scheduler:
                 continue
             job.orphaned = False
             self.orphans -= 1
-            job.lease_expires_at = now + self.lease_for(job)
+            job.lease = now + self.lease_for(job)
             worker.active.add(job.id)
             adopted.append(job)
         return adopted
@@ -212,12 +222,12 @@ class Scheduler:
         return plan
 
     def _reserve(self, job: Job, worker: WorkerSlot, now: float) -> None:
-        job.state = "active"
+        job.move(JobState.ACTIVE)
         job.worker_id = worker.id
         job.attempt += 1
         job.checksum = self.status_quo[job.spec]
-        job.lease_expires_at = now + self.lease_for(job)
-        heapq.heappush(self._leases, (job.lease_expires_at, job.id))
+        job.lease = now + self.lease_for(job)
+        heapq.heappush(self._leases, (job.lease, job.id))
         worker.active.add(job.id)
         worker.capacity -= 1
 

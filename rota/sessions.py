@@ -1,9 +1,11 @@
 """One worker connection on /work: decode frames, keep their order, send what is due.
 
-The receive loop never waits on the disk: a heartbeat whose results must commit
-first puts an awaitable ack in the outbox, and the send loop delivers acks and
-assignments in order as they become ready. Any bad frame ends the connection with
-an ``error`` frame and a close code; other workers are untouched.
+The receive loop never waits on the disk: the coordinator sends each frame when the
+engine releases it (an ack that answers results, after their COMMIT). A connection
+over its rate limit is throttled: the loop stops reading it for a while, and TCP
+pushes back on the worker; nothing it sent is refused and none of its jobs is touched.
+Any bad frame ends the connection with an ``error`` frame and a close code; other
+workers are untouched.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -38,15 +39,18 @@ class Session:
         self.coordinator = coordinator
         self.principal = principal
         settings = coordinator.settings
-        self._bucket = TokenBucket(settings.rate_limit, settings.rate_burst)
+        self._frames = TokenBucket(settings.rate_limit, settings.rate_burst)
+        self._bytes = TokenBucket(settings.rate_bytes, settings.rate_bytes_burst)
+        self._throttled_since: float | None = None
         self.worker_id: str | None = None
         self.last_seq = -1
-        self._outbox: asyncio.Queue[str | Awaitable[str] | object] = asyncio.Queue()
+        self.conn = coordinator.attach(self)
+        self._outbox: asyncio.Queue[str | object] = asyncio.Queue()
         self._receiver: asyncio.Task[str] | None = None
         self._failure: p.FrameError | None = None
 
     # -- Outbox (what the coordinator calls) ------------------------------------------
-    def send(self, frame: str | Awaitable[str]) -> None:
+    def send(self, frame: str) -> None:
         self._outbox.put_nowait(frame)
 
     def abort(self, code: str, message: str, close_code: int) -> None:
@@ -72,14 +76,22 @@ class Session:
             pass
         except _Goodbye:
             reason = "goodbye"
+            await self.coordinator.settled(self.conn)  # its last results are answered first
+        except Exception:  # a bug: say so, keep its jobs for the reconnect grace
+            log.exception("handling a frame from worker=%s failed", self.worker_id)
+            self._failure = p.FrameError("internal_error", "the server failed to handle a"
+                                         " frame; reconnect", p.CLOSE_INTERNAL)
         finally:
             if self._failure is not None:
                 reason = self._failure.code
                 self.send(p.encode(p.Error(code=self._failure.code, message=self._failure.message)))
             if self.worker_id is not None:
-                self.coordinator.disconnect(self.worker_id, reason, self)
+                self.coordinator.disconnect(self.conn, self.worker_id, reason)
             self.send(_CLOSE)
-            await self._finish(sender, goodbye=reason == "goodbye")
+            try:
+                await self._finish(sender, goodbye=reason == "goodbye")
+            finally:
+                self.coordinator.detach(self.conn)
 
     async def _finish(self, sender: asyncio.Task[None], *, goodbye: bool = False) -> None:
         try:
@@ -112,11 +124,8 @@ class Session:
             if text is None:
                 raise p.FrameError("binary_not_supported", "send JSON text frames, not binary",
                                    p.CLOSE_UNSUPPORTED)
-            if not self._bucket.take(time.monotonic()):
-                settings = self.coordinator.settings
-                raise p.FrameError("rate_limited", f"more than {settings.rate_limit:g} frames a"
-                                   f" second (burst {settings.rate_burst})", p.CLOSE_POLICY)
-            await self._handle(p.decode_heartbeat(text))
+            await self._throttle(len(text))
+            self._handle(p.decode_heartbeat(text))
 
     async def _next_message(self) -> dict[str, object]:
         if self.worker_id is not None:
@@ -129,7 +138,27 @@ class Session:
             raise p.FrameError("registration_timeout", f"no registration within {timeout:g}s",
                                p.CLOSE_POLICY) from None
 
-    async def _handle(self, hb: p.Heartbeat) -> None:
+    async def _throttle(self, size: int) -> None:
+        """Hold a sender to the rate limits by not reading it for a while. Only one that
+        stays over them for ``throttle_close_after`` is closed, and its jobs then get the
+        reconnect grace that a lost connection gets."""
+        now = time.monotonic()
+        pause = max(self._frames.wait(now), self._bytes.wait(now, size))
+        if pause <= 0.0:
+            self._throttled_since = None
+            return
+        settings = self.coordinator.settings
+        if self._throttled_since is None:
+            self._throttled_since = now
+            log.info("throttled worker=%s: over %g frames or %d bytes a second", self.worker_id,
+                     settings.rate_limit, settings.rate_bytes)
+        elif now - self._throttled_since > settings.throttle_close_after:
+            raise p.FrameError("rate_limited", f"over {settings.rate_limit:g} frames or"
+                               f" {settings.rate_bytes} bytes a second for"
+                               f" {settings.throttle_close_after:g}s", p.CLOSE_POLICY)
+        await asyncio.sleep(pause)  # the throttle itself: the socket is not read meanwhile
+
+    def _handle(self, hb: p.Heartbeat) -> None:
         if hb.seq <= self.last_seq:
             raise p.FrameError("seq_not_increasing",
                                f"seq {hb.seq} after {self.last_seq}", p.CLOSE_POLICY)
@@ -138,7 +167,7 @@ class Session:
             if hb.registration is None:
                 raise p.FrameError("registration_required",
                                    "the first heartbeat must carry a registration", p.CLOSE_POLICY)
-            self.send(await self.coordinator.register(hb, self, self.principal))
+            self.coordinator.receive(self.conn, hb, self.principal, first=True)
             self.worker_id = hb.worker_id
         elif hb.worker_id != self.worker_id:
             raise p.FrameError("worker_id_mismatch",
@@ -146,8 +175,8 @@ class Session:
         elif hb.registration is not None:
             raise p.FrameError("already_registered",
                                "registration is sent once, in the first heartbeat", p.CLOSE_POLICY)
-        self.coordinator.touch(self.worker_id)
-        self.send(self.coordinator.heartbeat(self.worker_id, hb))
+        else:
+            self.coordinator.receive(self.conn, hb, self.principal)
         if hb.goodbye:
             raise _Goodbye
 
@@ -156,14 +185,8 @@ class Session:
             item = await self._outbox.get()
             if item is _CLOSE:
                 return
-            try:
-                frame = item if isinstance(item, str) else await item  # type: ignore[misc]
-            except Exception:
-                # Never leave a worker waiting on an answer that will not come.
-                log.exception("answer to worker=%s failed", self.worker_id)
-                self.abort("internal_error", "the server failed to answer", p.CLOSE_INTERNAL)
-                return
-            await self.ws.send_text(frame)
+            assert isinstance(item, str)
+            await self.ws.send_text(item)
 
 
 async def work_endpoint(websocket: WebSocket) -> None:

@@ -28,8 +28,14 @@ class ServerSettings:
     registration_timeout: float = 5.0  # a /work socket must register within this
     max_connections: int = 1000  # open connections of any kind (uvicorn answers 503 above)
     max_worker_connections_per_token: int = 200
-    rate_limit: float = 200.0  # heartbeats a second one connection may send, on average,
-    rate_burst: int = 400  # and at most this many in a burst
+    # A /work connection over these is throttled (not read for a while), never refused:
+    # frames a second on average and in a burst, and bytes a second likewise. Set far
+    # above what a conforming worker sends at the most the server can carry.
+    rate_limit: float = 20_000.0
+    rate_burst: int = 20_000
+    rate_bytes: int = 64 << 20
+    rate_bytes_burst: int = 8 << 20
+    throttle_close_after: float = 60.0  # over the limits this long without a break: closed
     header_timeout: float = 10.0  # a client must send a request's headers within this
     allowed_origins: tuple[str, ...] = ()  # browser Origins accepted on /work
     ssl_certfile: str | None = None  # serve HTTPS and wss:// with this certificate

@@ -33,6 +33,9 @@ class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_fails: Annotated[int, msgspec.Meta(ge=1)] | None = None
     backoff_base: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     backoff_max: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    # Attempts in a row whose worker died (crash, OOM kill, lost for good) before the job
+    # is discarded as poison instead of being handed to the next worker.
+    max_worker_deaths: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 
 class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

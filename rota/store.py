@@ -1,7 +1,8 @@
 """Rota's durable state: jobs, spec versions, the status quo and workers, in one SQLite file.
 
-Every write goes through the single writer thread (``db.Writer``) and is awaited until
-its COMMIT; reads run on a reader pool. The in-memory scheduler is rebuilt from
+Every write goes through the single writer thread (``db.Writer``): a write method
+queues its work at once, in call order, and returns a future that resolves after its
+COMMIT. Reads run on a reader pool. The in-memory scheduler is rebuilt from
 ``load()`` at start.
 """
 
@@ -19,62 +20,12 @@ from typing import Any
 import msgspec
 
 from rota import db
-from rota.policy import JOB_STATES, WAITING_STATES, Limits
+from rota.model import JOB_STATES, WAITING_STATES, Change, Job, Limits, StatusNote
 from rota.protocol import rfc3339
 from rota.specs import JobSpec, spec_from_builtins
 
-
-
-@dataclass(slots=True)
-class Job:
-    """A live (not yet terminal) job as the scheduler holds it."""
-
-    id: str
-    spec: str
-    queue: str
-    args: msgspec.Raw
-    priority: int
-    enqueued_at: float
-    seq: int
-    limits: Limits
-    visibility_timeout: float | None = None
-    state: str = "available"
-    attempt: int = 0
-    worker_id: str | None = None
-    checksum: str | None = None
-    run_at: float | None = None  # scheduled or retryable: when it becomes available
-    expires_at: float | None = None  # time to live runs out
-    lease_expires_at: float | None = None  # active: when its reservation lapses
-    fails: int = 0
-    budget_start: int = 0  # attempts before a manual retry do not count against limits
-    cancel_requested: bool = False
-    orphaned: bool = False  # its worker is away (restart, lost connection): kept to reclaim
-    capture_logs: bool = False  # the producer asked for the job's log lines
-    created_by: str | None = None  # the id of the token that enqueued it
-    log_lines: int = 0  # captured lines taken (this server run): bounded by MAX_LOG_LINES
-
-
-@dataclass(slots=True)
-class Change:
-    """A job's new state (already set on ``job``), with what to append or store."""
-
-    job: Job
-    error: bytes | None = None
-    result: bytes | None = None
-    finished_at: float | None = None
-    undo: tuple[int, float | None] | None = None  # (fails, run_at) before, if it must be undone
-
-
-@dataclass(slots=True)
-class StatusNote:
-    """What a heartbeat's status says about one job: its progress, or a line to keep."""
-
-    job_id: str
-    attempt: int
-    at: float
-    progress: tuple[float, str | None] | None = None  # (percent, message)
-    line: tuple[str, str, str] | None = None  # (kind "log" | "alert", level, message)
-
+__all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "job_from_row",
+           "create_token", "list_tokens", "revoke_token"]
 
 @dataclass(slots=True)
 class Snapshot:
@@ -123,7 +74,7 @@ class Store:
         self.checkpointer.stop()
 
     # -- writes --------------------------------------------------------------------
-    async def enqueue(self, jobs: list[Job]) -> list[tuple[dict[str, Any], bool]]:
+    def enqueue(self, jobs: list[Job]) -> asyncio.Future[list[tuple[dict[str, Any], bool]]]:
         """Insert jobs in one transaction; an existing id gives the stored row and False."""
         rows = [_insert_row(job) for job in jobs]
 
@@ -136,9 +87,9 @@ class Store:
                 _crash("enqueue-before-commit")
             return outcomes
 
-        return await self.writer.submit(op)
+        return self.writer.submit(op)
 
-    async def reserve(self, jobs: list[Job], now: float) -> None:
+    def reserve(self, jobs: list[Job], now: float) -> asyncio.Future[None]:
         rows = [(j.attempt, j.worker_id, j.checksum, now, j.lease_expires_at, j.id) for j in jobs]
 
         def op(conn: sqlite3.Connection) -> None:
@@ -148,9 +99,9 @@ class Store:
                 rows,
             )
 
-        await self.writer.submit(op)
+        return self.writer.submit(op)
 
-    async def save(self, changes: list[Change]) -> None:
+    def save(self, changes: list[Change]) -> asyncio.Future[None]:
         """Commit job transitions. Values are taken now: the job may change again before
         the writer runs, and FIFO order then keeps the later write last."""
         rows = [_change_row(c) for c in changes]
@@ -158,9 +109,9 @@ class Store:
         def op(conn: sqlite3.Connection) -> None:
             conn.executemany(_SAVE, rows)
 
-        await self.writer.submit(op)
+        return self.writer.submit(op)
 
-    async def note_status(self, notes: list[StatusNote]) -> None:
+    def note_status(self, notes: list[StatusNote]) -> asyncio.Future[None]:
         """Store progress (the latest wins) and captured log lines and alerts."""
         progress = [(n.progress[0], n.progress[1], n.at, n.job_id) for n in notes if n.progress]
         lines = [(n.job_id, n.attempt, n.at, *n.line) for n in notes if n.line]
@@ -171,7 +122,7 @@ class Store:
             conn.executemany("INSERT INTO job_logs (job_id, attempt, at, kind, level, message)"
                              " VALUES (?, ?, ?, ?, ?, ?)", lines)
 
-        await self.writer.submit(op)
+        return self.writer.submit(op)
 
     async def push_specs(self, specs: list[tuple[JobSpec, str]], *, dry_run: bool) -> list[SpecChange]:
         now = time.time()
@@ -187,21 +138,22 @@ class Store:
         except _DryRun as dry:  # the savepoint rolled everything back
             return dry.changes
 
-    async def worker_connected(self, row: dict[str, Any]) -> None:
+    def worker_connected(self, row: dict[str, Any]) -> asyncio.Future[None]:
         def op(conn: sqlite3.Connection) -> None:
             cols = ", ".join(row)
             marks = ", ".join("?" for _ in row)
             conn.execute(f"INSERT OR REPLACE INTO workers ({cols}) VALUES ({marks})", list(row.values()))
 
-        await self.writer.submit(op)
+        return self.writer.submit(op)
 
-    async def worker_disconnected(self, worker_id: str, connected_at: float, now: float) -> None:
+    def worker_disconnected(self, worker_id: str, connected_at: float, now: float
+                            ) -> asyncio.Future[None]:
         """Mark that connection ended (not a newer one of the same worker, if it came)."""
         def op(conn: sqlite3.Connection) -> None:
             conn.execute("UPDATE workers SET disconnected_at = ? WHERE id = ? AND connected_at = ?",
                          (now, worker_id, connected_at))
 
-        await self.writer.submit(op)
+        return self.writer.submit(op)
 
     # -- reads ---------------------------------------------------------------------
     async def get_job(self, job_id: str) -> dict[str, Any] | None:
@@ -249,11 +201,12 @@ class Store:
 _INSERT = (
     "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt, visibility_timeout,"
     " enqueued_at, run_at, expires_at, max_attempts, max_fails, backoff_base, backoff_max,"
-    " capture_logs, created_by) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " capture_logs, created_by, max_worker_deaths)"
+    " VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT(id) DO NOTHING"
 )
 _SAVE = (
-    "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, budget_start = ?,"
+    "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
     " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
     " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
     " WHERE id = ?"
@@ -262,10 +215,10 @@ _SAVE = (
 
 def _insert_row(job: Job) -> tuple[Any, ...]:
     lim = job.limits
-    return (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority, job.state,
+    return (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority, str(job.state),
             job.visibility_timeout, job.enqueued_at, job.run_at, job.expires_at,
             lim.max_attempts, lim.max_fails, lim.backoff_base, lim.backoff_max,
-            int(job.capture_logs), job.created_by)
+            int(job.capture_logs), job.created_by, lim.max_worker_deaths)
 
 
 def _change_row(change: Change) -> tuple[Any, ...]:
@@ -273,7 +226,7 @@ def _change_row(change: Change) -> tuple[Any, ...]:
     error = _text(change.error)
     # A waiting job belongs to no worker; a finished one keeps who ran it, for audit.
     worker_id = None if job.state in WAITING_STATES else job.worker_id
-    return (job.state, worker_id, job.run_at, job.fails, job.budget_start,
+    return (str(job.state), worker_id, job.run_at, job.fails, job.deaths, job.budget_start,
             int(job.cancel_requested), job.expires_at, change.finished_at,
             _text(change.result), error, error, job.id)
 
@@ -384,13 +337,14 @@ def _load(conn: sqlite3.Connection) -> Snapshot:
 
 def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
     limits = Limits(max_attempts=r["max_attempts"] or 25, max_fails=r["max_fails"],
-                    backoff_base=r["backoff_base"] or 1.0, backoff_max=r["backoff_max"] or 3600.0)
+                    backoff_base=r["backoff_base"] or 1.0, backoff_max=r["backoff_max"] or 3600.0,
+                    max_worker_deaths=r["max_worker_deaths"] or 3)
     return Job(id=r["id"], spec=r["spec"], queue=r["queue"], args=msgspec.Raw(r["args"].encode()),
                priority=r["priority"], enqueued_at=r["enqueued_at"], seq=r["rowid"],
                limits=limits, visibility_timeout=r["visibility_timeout"], state=r["state"],
                attempt=r["attempt"], worker_id=r["worker_id"], checksum=r["checksum"],
                run_at=r["run_at"], expires_at=r["expires_at"],
-               lease_expires_at=r["lease_expires_at"], fails=r["fails"],
+               lease_expires_at=r["lease_expires_at"], fails=r["fails"], deaths=r["deaths"],
                budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
                capture_logs=bool(r["capture_logs"]), created_by=r["created_by"])
 
@@ -398,38 +352,3 @@ def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
 def _fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:
     row = conn.execute("SELECT rowid, * FROM jobs WHERE id = ?", (job_id,)).fetchone()
     return dict(row) if row else None
-
-
-def job_view(row: dict[str, Any]) -> dict[str, Any]:
-    """A stored job as the HTTP API shows it."""
-
-    def when(value: float | None) -> str | None:
-        return rfc3339(value) if value is not None else None
-
-    return {
-        "id": row["id"],
-        "spec": row["spec"],
-        "queue": row["queue"],
-        "state": row["state"],
-        "priority": row["priority"],
-        "attempt": row["attempt"],
-        "args": msgspec.json.decode(row["args"]),
-        "worker_id": row["worker_id"],
-        "checksum": row["checksum"],
-        "visibility_timeout": row["visibility_timeout"],
-        "enqueued_at": when(row["enqueued_at"]),
-        "reserved_at": when(row["reserved_at"]),
-        "finished_at": when(row["finished_at"]),
-        "result": msgspec.json.decode(row["result"]) if row["result"] is not None else None,
-        "errors": msgspec.json.decode(row["errors"] or "[]"),
-        "run_at": when(row["run_at"]),
-        "expires_at": when(row["expires_at"]),
-        "fails": row["fails"],
-        "max_attempts": row["max_attempts"],
-        "max_fails": row["max_fails"],
-        "cancel_requested": bool(row["cancel_requested"]),
-        "capture_logs": bool(row["capture_logs"]),
-        "progress": None if row["progress_at"] is None else {
-            "percent": row["progress_percent"], "message": row["progress_message"],
-            "at": rfc3339(row["progress_at"])},
-    }

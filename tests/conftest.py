@@ -1,44 +1,29 @@
 """Fixtures: a real uvicorn server on a free loopback port with a real SQLite file,
-raw protocol clients, SDK workers, and helpers that wait on conditions, never on time."""
+raw protocol clients and SDK workers. The raw clients, the protocol message builders and
+``wait_until`` (which waits on conditions, never on time) live in helpers.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
-import websockets
+from helpers import RawWorker as RawWorker  # re-exported: tests import it from here
+from helpers import RawWorkers, wait_until
 
 from rota.coordinator import Coordinator
 from rota.server import EmbeddedServer, listen_socket, uvicorn_config
 from rota.settings import ServerSettings
-from rota.specs import JobSpec, checksum, parse_spec
+from rota.specs import JobSpec, parse_spec
 from rota.worker import Worker
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-async def wait_until(predicate: Callable[[], Any], *, timeout: float = 5.0,
-                     what: str = "condition") -> Any:
-    """Poll ``predicate`` (sync or async) until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if isinstance(value, Awaitable):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)  # noqa: sleep-ok (a poll step bounded by the deadline)
 
 
 def write_spec(directory: Path, name: str, *, version: str = "1", queue: str = "default",
@@ -50,9 +35,19 @@ def write_spec(directory: Path, name: str, *, version: str = "1", queue: str = "
 
 
 class Api:
-    """HTTP helpers for a running server, in-process or a subprocess (it sets ``http``)."""
+    """HTTP helpers for a running server on loopback, in-process or a subprocess (it sets
+    ``http`` and ``port``)."""
 
     http: httpx.AsyncClient
+    port: int
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/work"
 
     async def push(self, *specs: JobSpec) -> dict[str, Any]:
         body = {"specs": [msgspec.to_builtins(s) for s in specs]}
@@ -89,12 +84,8 @@ class Live(Api):
     tmp: Path
 
     @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.settings.port}"
-
-    @property
-    def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.settings.port}/work"
+    def port(self) -> int:  # type: ignore[override]
+        return self.settings.port
 
     @property
     def coordinator(self) -> Coordinator:
@@ -132,91 +123,11 @@ async def live(tmp_path: Path) -> AsyncIterator[Live]:
         await stop_server(server)
 
 
-@dataclass
-class RawWorker:
-    """A hand-driven protocol client: it sends exactly what a test tells it to."""
-
-    ws: websockets.ClientConnection
-    worker_id: str
-    seq: int = 0
-    held: list[dict[str, Any]] = field(default_factory=list)
-
-    async def send(self, message: dict[str, Any] | str) -> None:
-        await self.ws.send(message if isinstance(message, str) else json.dumps(message))
-
-    async def beat(self, **sections: Any) -> None:
-        await self.send({"type": "heartbeat", "seq": self.seq, "worker_id": self.worker_id,
-                         **sections})
-        self.seq += 1
-
-    async def register(self, specs: list[JobSpec], *, queues: list[str] | None = None,
-                       concurrency: int = 10, capacity: int | None = None,
-                       declared: dict[str, str] | None = None, started_at: str | None = None,
-                       **sections: Any) -> dict[str, Any]:
-        """Register (more ``sections``, e.g. a status, may ride along); return the welcome."""
-        refs = [{"name": s.name, "checksum": checksum(s)} for s in specs]
-        refs += [{"name": n, "checksum": c} for n, c in (declared or {}).items()]
-        registration = {"hostname": "test", "os": "linux", "pid": 1, "sdk": "raw",
-                        "queues": queues or ["default"], "concurrency": concurrency,
-                        "specs": refs, "started_at": started_at}
-        await self.beat(registration=registration,
-                        capacity=concurrency if capacity is None else capacity, **sections)
-        welcome = await self.expect("welcome")
-        await self.expect("ack")
-        return welcome
-
-    async def recv(self, timeout: float = 5.0) -> dict[str, Any]:
-        if self.held:
-            return self.held.pop(0)
-        return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
-
-    async def expect(self, kind: str, timeout: float = 5.0) -> dict[str, Any]:
-        """The next frame of type ``kind``; frames of other types are kept for later."""
-        deadline = time.monotonic() + timeout
-        skipped: list[dict[str, Any]] = []
-        try:
-            for index, frame in enumerate(self.held):
-                if frame["type"] == kind:
-                    return self.held.pop(index)
-            while True:
-                frame = json.loads(await asyncio.wait_for(
-                    self.ws.recv(), max(0.01, deadline - time.monotonic())))
-                if frame["type"] == kind:
-                    return frame
-                skipped.append(frame)
-        finally:
-            self.held.extend(skipped)
-
-    async def jobs(self, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """Collect ``count`` assigned job copies across assign frames."""
-        got: list[dict[str, Any]] = []
-        while len(got) < count:
-            got.extend((await self.expect("assign", timeout))["jobs"])
-        return got
-
-    async def complete(self, job: dict[str, Any], result: Any = None, **extra: Any) -> dict[str, Any]:
-        await self.beat(results=[{"job_id": job["id"], "attempt": job["attempt"],
-                                  "outcome": "completed", "result": result}], **extra)
-        return await self.expect("ack")
-
-    async def assert_no_assign(self, within: float = 0.3) -> None:
-        """No assign frame arrives within ``within`` seconds (a bounded negative check)."""
-        with pytest.raises(TimeoutError):
-            await self.expect("assign", timeout=within)
-
-
 @pytest.fixture
-async def connect(live: Live) -> AsyncIterator[Callable[..., Awaitable[RawWorker]]]:
-    opened: list[websockets.ClientConnection] = []
-
-    async def open_worker(worker_id: str = "w1") -> RawWorker:
-        ws = await websockets.connect(live.ws)
-        opened.append(ws)
-        return RawWorker(ws, worker_id)
-
-    yield open_worker
-    for ws in opened:
-        await ws.close()
+async def connect(live: Live) -> AsyncIterator[RawWorkers]:
+    workers = RawWorkers(live.ws)
+    yield workers
+    await workers.close()
 
 
 @pytest.fixture

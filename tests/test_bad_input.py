@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
 import websockets
-from conftest import Live, RawWorker, write_spec
+from conftest import Live, write_spec
+from helpers import RawWorker, heartbeat, registration
 
-HB = {"type": "heartbeat", "worker_id": "bad"}
-REGISTRATION = {"hostname": "h", "os": "linux", "pid": 1, "sdk": "raw", "queues": ["default"],
-                "concurrency": 1, "specs": []}
+REGISTRATION = registration()
 
 
 async def closed_with(worker: RawWorker) -> int:
@@ -42,20 +40,20 @@ FIRST_FRAME_CASES: list[tuple[str, Any, str, int]] = [
     ("unknown type", {"type": "hello", "seq": 0}, "unknown_type", 1003),
     ("a server message sent by a worker", {"type": "ack", "seq": 0, "state": "running",
                                            "server_time": "x"}, "unknown_type", 1003),
-    ("no registration first", {**HB, "seq": 0, "capacity": 1}, "registration_required", 1008),
-    ("seq of the wrong type", {**HB, "seq": "zero", "registration": REGISTRATION},
+    ("no registration first", heartbeat(0, "bad", capacity=1), "registration_required", 1008),
+    ("seq of the wrong type", heartbeat("zero", "bad", registration=REGISTRATION),
      "invalid_message", 1007),
-    ("capacity negative", {**HB, "seq": 0, "capacity": -3, "registration": REGISTRATION},
+    ("capacity negative", heartbeat(0, "bad", capacity=-3, registration=REGISTRATION),
      "invalid_message", 1007),
-    ("concurrency zero", {**HB, "seq": 0, "registration": {**REGISTRATION, "concurrency": 0}},
+    ("concurrency zero", heartbeat(0, "bad", registration=registration(concurrency=0)),
      "invalid_message", 1007),
-    ("queues not a list", {**HB, "seq": 0, "registration": {**REGISTRATION, "queues": "default"}},
+    ("queues not a list", heartbeat(0, "bad", registration=registration(queues="default")),
      "invalid_message", 1007),
     ("a JSON array", [1, 2, 3], "invalid_message", 1007),
     ("no type at all", {"seq": 0, "worker_id": "bad", "registration": REGISTRATION},
      "unknown_type", 1003),
-    ("a spec declared twice", {**HB, "seq": 0, "registration": {**REGISTRATION, "specs": [
-        {"name": "echo", "checksum": "sha256:1"}, {"name": "echo", "checksum": "sha256:2"}]}},
+    ("a spec declared twice", heartbeat(0, "bad", registration=registration([
+        {"name": "echo", "checksum": "sha256:1"}, {"name": "echo", "checksum": "sha256:2"}])),
      "invalid_message", 1007),
 ]
 
@@ -67,7 +65,7 @@ async def test_bad_first_frame_gets_error_and_close(live: Live, connect, busy_go
                                                     close_code: int):
     good, held, jobs = busy_good_worker
     bad = await connect("bad")
-    await bad.send(frame if isinstance(frame, str) else json.dumps(frame))
+    await bad.send(frame)
     error = await bad.expect("error")
     assert error["code"] == code and error["message"]
     assert await closed_with(bad) == close_code
@@ -86,17 +84,17 @@ async def assert_others_unharmed(live: Live, good: RawWorker, held: dict[str, An
 
 
 LATER_FRAME_CASES: list[tuple[str, Any, str, int]] = [
-    ("seq going back", {**HB, "seq": 0}, "seq_not_increasing", 1008),
-    ("another worker id", {**HB, "worker_id": "someone-else", "seq": 5}, "worker_id_mismatch", 1008),
-    ("a second registration", {**HB, "seq": 5, "registration": REGISTRATION},
+    ("seq going back", heartbeat(0, "bad"), "seq_not_increasing", 1008),
+    ("another worker id", heartbeat(5, "someone-else"), "worker_id_mismatch", 1008),
+    ("a second registration", heartbeat(5, "bad", registration=REGISTRATION),
      "already_registered", 1008),
-    ("result with a wrong outcome", {**HB, "seq": 5, "results": [
-        {"job_id": "x", "attempt": 1, "outcome": "maybe"}]}, "invalid_message", 1007),
+    ("result with a wrong outcome", heartbeat(5, "bad", results=[
+        {"job_id": "x", "attempt": 1, "outcome": "maybe"}]), "invalid_message", 1007),
     ("malformed JSON", "{nope", "malformed_json", 1007),
-    ("a status without its state", {**HB, "seq": 5, "status": {"active_job_ids": []}},
+    ("a status without its state", heartbeat(5, "bad", status={"active_job_ids": []}),
      "invalid_message", 1007),
-    ("an error object without its type", {**HB, "seq": 5, "results": [
-        {"job_id": "x", "attempt": 1, "outcome": "failed", "error": {"message": "m"}}]},
+    ("an error object without its type", heartbeat(5, "bad", results=[
+        {"job_id": "x", "attempt": 1, "outcome": "failed", "error": {"message": "m"}}]),
      "invalid_message", 1007),
 ]
 
@@ -111,7 +109,7 @@ async def test_bad_frame_from_a_worker_holding_a_job_loses_nothing(
     await bad.register([echo], concurrency=1)
     job = await live.enqueue("echo")
     await bad.jobs(1)
-    await bad.send(frame if isinstance(frame, str) else json.dumps(frame))
+    await bad.send(frame)
     error = await bad.expect("error")
     assert error["code"] == code
     assert await closed_with(bad) == close_code
@@ -134,7 +132,7 @@ async def test_binary_frame_is_refused(live: Live, connect, busy_good_worker):
 async def test_oversized_frame_is_refused(live: Live, connect, busy_good_worker):
     good, held, jobs = busy_good_worker
     bad = await connect("bad")
-    huge = {**HB, "seq": 0, "registration": {**REGISTRATION, "hostname": "x" * (2 << 20)}}
+    huge = heartbeat(0, "bad", registration=registration(hostname="x" * (2 << 20)))
     await bad.send(huge)
     assert await closed_with(bad) == 1009
     await assert_others_unharmed(live, good, held, jobs)
@@ -144,7 +142,7 @@ async def test_a_second_connection_with_a_live_worker_id_is_refused(
         live: Live, connect, busy_good_worker, tmp_path: Path):
     good, held, jobs = busy_good_worker
     twin = await connect("good")
-    await twin.beat(registration={**REGISTRATION, "specs": []}, capacity=1)
+    await twin.beat(registration=REGISTRATION, capacity=1)
     assert (await twin.expect("error"))["code"] == "worker_id_in_use"
     assert await closed_with(twin) == 1008
     await assert_others_unharmed(live, good, held, jobs)

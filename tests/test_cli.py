@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import websockets
-from conftest import Live, RawWorker, wait_until, write_spec
+from conftest import Live, write_spec
+from helpers import RawWorker, wait_until
 
 from click.testing import CliRunner
 
@@ -141,7 +141,7 @@ async def test_serve_reads_rota_variables_and_stops_on_sigterm(tmp_path: Path):
                     return False
 
             await wait_until(healthy, timeout=15, what="rota serve to answer")
-        worker = RawWorker(await websockets.connect(f"ws://127.0.0.1:{port}/work"), "env-check")
+        worker = await RawWorker.open(f"ws://127.0.0.1:{port}/work", "env-check")
         welcome = await worker.register([])
         assert (welcome["heartbeat_timeout"], welcome["heartbeat_interval"]) == (7.5, 0.5)
         await worker.ws.close()

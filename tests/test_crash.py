@@ -27,10 +27,11 @@ from typing import Any
 import httpx
 import pytest
 import websockets
-from conftest import Api, RawWorker, start_server, stop_server, wait_until, write_spec
+from conftest import Api, start_server, stop_server, write_spec
+from helpers import RawWorker, RawWorkers, completed, registration, wait_until
 
 from rota import JobContext, Worker
-from rota.specs import JobSpec, checksum
+from rota.specs import JobSpec
 
 HEARTBEAT_TIMEOUT = 1.0
 CRASH_EXIT = 86  # what os._exit() returns at a --crash-at point
@@ -89,22 +90,11 @@ def count_states(db: Path) -> Counter[str]:
         conn.close()
 
 
-def registration(specs: list[JobSpec], *, concurrency: int = 1) -> dict[str, Any]:
-    return {"hostname": "test", "os": "linux", "pid": 1, "sdk": "raw", "queues": ["default"],
-            "concurrency": concurrency,
-            "specs": [{"name": s.name, "checksum": checksum(s)} for s in specs]}
-
-
 async def register_with(worker: RawWorker, specs: list[JobSpec], **sections: Any) -> dict[str, Any]:
     """Register carrying more sections (status, results, capacity); return the first ack."""
     await worker.beat(registration=registration(specs), **sections)
     await worker.expect("welcome")
     return await worker.expect("ack")
-
-
-def completed(job: dict[str, Any], result: Any) -> dict[str, Any]:
-    return {"job_id": job["id"], "attempt": job["attempt"], "outcome": "completed",
-            "result": result}
 
 
 class ServerProcess(Api):
@@ -119,14 +109,6 @@ class ServerProcess(Api):
         self.logs: list[Path] = []
         self.spawned_at = 0.0  # monotonic, the last start
         self.ready_at = 0.0
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/work"
 
     async def start(self, crash_at: str | None = None) -> None:
         assert self.proc is None or self.proc.returncode is not None, "already running"
@@ -277,7 +259,7 @@ async def crash_after_enqueue_commit(server: ServerProcess, echo: JobSpec) -> No
 
 
 async def crash_after_reserve_commit(server: ServerProcess, echo: JobSpec) -> None:
-    w1 = RawWorker(await websockets.connect(server.ws), "w1")
+    w1 = await RawWorker.open(server.ws, "w1")
     try:
         await w1.register([echo], capacity=1)
         try:
@@ -311,7 +293,7 @@ async def crash_after_reserve_commit(server: ServerProcess, echo: JobSpec) -> No
     print(f"\n[reserve-after-commit] orphan recovered {seen_at - server.ready_at:.2f}s after"
           f" the restarted server answered (heartbeat_timeout {HEARTBEAT_TIMEOUT}s)")
 
-    w2 = RawWorker(await websockets.connect(server.ws), "w2")
+    w2 = await RawWorker.open(server.ws, "w2")
     try:
         await w2.register([echo], capacity=1)
         [copy] = await w2.jobs(1)
@@ -326,7 +308,7 @@ async def crash_after_reserve_commit(server: ServerProcess, echo: JobSpec) -> No
 
 async def crash_after_result_commit(server: ServerProcess, echo: JobSpec) -> None:
     result = {"answer": 42}
-    w1 = RawWorker(await websockets.connect(server.ws), "w1")
+    w1 = await RawWorker.open(server.ws, "w1")
     try:
         await w1.register([echo], capacity=1)
         reply = await server.http.post("/jobs", json={"spec": "echo", "args": {}, "id": "job-1"})
@@ -346,7 +328,7 @@ async def crash_after_result_commit(server: ServerProcess, echo: JobSpec) -> Non
     stored = read_jobs(server.db)["job-1"]
 
     # w1 comes back under its id and sends the unacked result again, as the SDK does.
-    again = RawWorker(await websockets.connect(server.ws), "w1")
+    again = await RawWorker.open(server.ws, "w1")
     try:
         ack = await register_with(again, [echo], status={"state": "running", "active_job_ids": []},
                                   results=[completed(copy, {"answer": "again"})], capacity=0)
@@ -525,13 +507,7 @@ async def test_worker_lost_mid_job_hands_it_over(server: ServerProcess,
 # -- 4. a late result from a worker whose job was taken back ------------------------------
 async def test_result_after_recovery_and_reassignment_is_rejected(tmp_path: Path):
     live = await start_server(tmp_path, heartbeat_timeout=0.5)
-    opened: list[websockets.ClientConnection] = []
-
-    async def connect(worker_id: str) -> RawWorker:
-        ws = await websockets.connect(live.ws)
-        opened.append(ws)
-        return RawWorker(ws, worker_id)
-
+    connect = RawWorkers(live.ws)
     try:
         echo = write_spec(tmp_path / "specs", "echo")
         await live.push(echo)
@@ -573,8 +549,7 @@ async def test_result_after_recovery_and_reassignment_is_rejected(tmp_path: Path
             "completed", 2, "w2", {"by": "w2"})
         assert final["errors"] == [death]
     finally:
-        for ws in opened:
-            await ws.close()
+        await connect.close()
         await stop_server(live)
 
 
@@ -584,7 +559,7 @@ async def test_orphan_listed_after_registration_is_reclaimed_or_recovered(server
     echo = write_spec(tmp_path / "specs", "echo")
     await server.start()
     await server.push(echo)
-    w1 = RawWorker(await websockets.connect(server.ws), "w1")
+    w1 = await RawWorker.open(server.ws, "w1")
     try:
         await w1.register([echo], capacity=1)
         reply = await server.http.post("/jobs", json={"spec": "echo", "args": {}, "id": "orphan"})
@@ -595,7 +570,7 @@ async def test_orphan_listed_after_registration_is_reclaimed_or_recovered(server
         await w1.ws.close()
 
     await server.start()
-    w1 = RawWorker(await websockets.connect(server.ws), "w1")
+    w1 = await RawWorker.open(server.ws, "w1")
     try:
         # Status is optional in the registration heartbeat (protocol.md 3.1); this worker
         # reports its running job in the heartbeats that follow, as a live worker does.

@@ -25,7 +25,7 @@ workers come back under their old ids and reclaim them, in the registration hear
 or a later one, and the others' jobs must be recovered when the grace ends.
 
 The test reads a few coordinator internals to know when the server is at rest
-(``_tasks``, ``_wake``, ``_timers``) and wraps ``begin_shutdown`` on the live object to see
+(``_tasks``, ``pending_writes``, ``_wake``, ``_timers``) and wraps ``begin_shutdown`` on the live object to see
 what was running when a graceful stop began; nothing in rota/ is changed.
 
 Seeds and length can be changed with ROTA_SEEDS="1,2,3", ROTA_STEPS=120, and the
@@ -50,9 +50,10 @@ from typing import Any
 import pytest
 import websockets
 
-from conftest import Live, RawWorker, start_server, stop_server, wait_until, write_spec
+from conftest import Live, start_server, stop_server, write_spec
+from helpers import RawWorker, registration, wait_until
 
-from rota.specs import JobSpec, checksum
+from rota.specs import JobSpec
 
 SEEDS = [int(s) for s in os.environ.get("ROTA_SEEDS", "101,202").split(",")]
 STEPS = int(os.environ.get("ROTA_STEPS", "100"))
@@ -81,11 +82,10 @@ class Client:
     """A raw worker whose frames are filed by a background reader: assigns go to the run,
     welcome and ack frames to an inbox, anything else is kept as unexpected."""
 
-    def __init__(self, run: Run, ws: websockets.ClientConnection, worker_id: str,
-                 concurrency: int) -> None:
+    def __init__(self, run: Run, raw: RawWorker, concurrency: int) -> None:
         self.run = run
-        self.raw = RawWorker(ws, worker_id)
-        self.id = worker_id
+        self.raw = raw
+        self.id = raw.worker_id
         self.concurrency = concurrency
         self.state = "running"
         self.held: dict[str, int] = {}  # job id -> attempt, delivered and not yet reported
@@ -95,7 +95,7 @@ class Client:
         self.unclaimed = 0  # jobs still running from before a restart, not yet named
         self.expect_lost: set[str] = set()  # named jobs the server no longer keeps for it
         self.last_beat = time.monotonic()
-        self.reader = asyncio.create_task(self._read(), name=f"reader-{worker_id}")
+        self.reader = asyncio.create_task(self._read(), name=f"reader-{self.id}")
 
     async def _read(self) -> None:
         try:
@@ -275,29 +275,23 @@ class Run:
                                    + "; ".join(problems) + f"\n {self.where()}")
 
     # -- clients ---------------------------------------------------------------------
-    def registration(self, concurrency: int) -> dict[str, Any]:
-        return {"hostname": "invariants", "os": "linux", "pid": 1, "sdk": "raw",
-                "queues": ["default"], "concurrency": concurrency,
-                "specs": [{"name": s.name, "checksum": checksum(s)} for s in self.specs.values()]}
-
     async def open_client(self, worker_id: str, concurrency: int,
                           claims: list[tuple[str, int]] = (), report: int = 0,
                           late: bool = False) -> Client:
         """Connect and register. ``claims`` are jobs the worker says it still holds (after
         a restart it reclaims them); the first ``report`` of them are reported completed.
         They go in the registration heartbeat, or with ``late`` in the one after it."""
-        ws = await websockets.connect(self.server.ws)
-        client = Client(self, ws, worker_id, concurrency)
+        client = Client(self, await RawWorker.open(self.server.ws, worker_id), concurrency)
         self.all_clients.append(client)
         self.clients[worker_id] = client
-        registration = self.registration(concurrency)
+        joining: dict[str, Any] | None = registration(self.specs.values(), concurrency=concurrency)
         client.unclaimed = len(claims)  # they occupy slots until it names them
         if late or not claims:
-            ack = await client.beat(registration=registration, vary=False)
+            ack = await client.beat(registration=joining, vary=False)
             self.settle_ack(client, ack, legit=[], bogus=[], sent=[])
-            registration = None
+            joining = None
         if claims:
-            await self.claim(client, list(claims), report, registration)
+            await self.claim(client, list(claims), report, joining)
         self.note(f"connect {worker_id} concurrency={concurrency}"
                   + (f" claims={list(claims)} late={late}" if claims else ""))
         return client
@@ -599,6 +593,8 @@ class Run:
         busy = sorted(t.get_name() for t in coordinator._tasks if t.get_name() not in SERVER_LOOPS)
         if busy:
             return f"tasks running: {busy}"
+        if coordinator.pending_writes:
+            return f"{coordinator.pending_writes} write(s) not yet committed"
         if coordinator._wake.is_set():
             return "a dispatch pass is due"
         if coordinator._timers.is_set():

@@ -1,4 +1,10 @@
-"""Imports point one way: protocol at the bottom, cli on top, the worker SDK beside the server."""
+"""Imports point one way, by rank: a module may import only modules of a lower layer.
+
+The layers (docs/architecture.md): the wire protocol and the job model at the bottom;
+specs, policy, the pure scheduler, registry and engine; the store; the async shell
+and its HTTP/WebSocket edges; the CLI on top. The worker SDK and the producer client
+stand beside the server: they share only the bottom (errors, ids, protocol, specs).
+"""
 
 from __future__ import annotations
 
@@ -7,39 +13,35 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rota"
 
-# module -> the rota modules it may import
-ALLOWED: dict[str, set[str]] = {
-    "protocol": {"errors"},
-    "ids": set(),
-    "specs": {"protocol"},
-    "settings": set(),
-    "db": set(),
-    "logs": set(),
-    "errors": set(),
-    "policy": set(),
-    "auth": set(),
-    "store": {"db", "policy", "protocol", "specs"},
-    "jobs": {"errors", "ids", "policy", "protocol", "specs", "store"},
-    "scheduler": {"store"},
-    "coordinator": {"auth", "errors", "jobs", "policy", "protocol", "scheduler", "settings",
-                    "specs", "store"},
-    "gate": {"auth", "coordinator"},
-    "sessions": {"auth", "coordinator", "gate", "policy", "protocol"},
-    "api": {"auth", "coordinator", "errors", "gate", "jobs", "policy", "protocol", "specs",
-            "store"},
-    "openapi": {"api", "jobs"},
-    "server": {"api", "coordinator", "gate", "openapi", "sessions", "settings"},
-    "context": {"protocol"},
-    "manual": {"context"},
-    "worker": {"context", "ids", "manual", "protocol", "specs"},
-    "client": {"specs"},
-    "demo": {"client", "server", "settings", "specs", "worker"},
-    "cli": {"auth", "logs", "client", "protocol", "specs", "server", "settings", "store",
-            "worker", "demo"},
-    "__init__": {"context", "specs", "worker"},
-    "__main__": {"cli"},
-}
+# Lowest first. Within a layer no module imports another.
+LAYERS: list[set[str]] = [
+    {"errors", "ids", "logs", "settings", "db"},  # leaves: no rota imports
+    {"protocol", "model"},  # the wire format; the job and its lifecycle
+    {"specs", "policy", "auth"},  # spec files and checksums; retry rules; tokens
+    {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
+    {"registry"},  # connected workers
+    {"engine"},  # the pure state machine
+    {"store"},  # SQLite
+    {"coordinator"},  # the async shell
+    {"gate"},  # authentication at the door
+    {"sessions", "api"},  # /work and the HTTP routes
+    {"openapi"},
+    {"server"},
+    # the SDK and the producer client, beside the server
+    {"context", "client"},
+    {"manual"},
+    {"worker"},
+    {"__init__", "demo"},
+    {"cli"},
+    {"__main__"},
+]
+RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
+# What the worker SDK and the producer client may use of the rest.
+SHARED = {"errors", "ids", "protocol", "specs"}
+SDK = {"context", "manual", "worker", "client", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
+# The pure core: no I/O, no event loop, no clock.
+PURE = {"model", "policy", "scheduler", "effects", "registry", "engine"}
 
 
 def imports_of(path: Path) -> tuple[set[str], set[str]]:
@@ -61,17 +63,28 @@ def imports_of(path: Path) -> tuple[set[str], set[str]]:
     return inner, outer
 
 
-def test_every_module_is_in_the_layer_map():
-    assert {p.stem for p in PACKAGE.glob("*.py")} == set(ALLOWED)
+def test_every_module_has_a_layer():
+    assert {p.stem for p in PACKAGE.glob("*.py")} == set(RANK)
 
 
-def test_imports_point_one_way():
+def test_imports_point_down_the_layers():
     for path in PACKAGE.glob("*.py"):
         inner, _ = imports_of(path)
-        assert inner <= ALLOWED[path.stem], f"{path.name} imports {sorted(inner - ALLOWED[path.stem])}"
+        upward = sorted(m for m in inner if RANK[m] >= RANK[path.stem])
+        assert not upward, f"{path.name} imports {upward}, which are not below it"
 
 
-def test_the_worker_sdk_needs_no_server_dependency():
-    for module in ("worker", "context", "manual", "protocol", "specs", "ids"):
+def test_the_sdk_stands_beside_the_server():
+    for module in SDK:
+        inner, outer = imports_of(PACKAGE / f"{module}.py")
+        assert inner <= SHARED | SDK, f"{module} imports {sorted(inner - SHARED - SDK)}"
+        if module != "client":  # the producer client speaks HTTP with httpx
+            assert not outer & SERVER_ONLY, f"{module} imports {sorted(outer & SERVER_ONLY)}"
+
+
+def test_the_core_does_no_io():
+    for module in PURE:
         _, outer = imports_of(PACKAGE / f"{module}.py")
-        assert not outer & SERVER_ONLY, f"{module} imports {sorted(outer & SERVER_ONLY)}"
+        forbidden = outer & {"asyncio", "time", "socket", "sqlite3", "threading", "os",
+                             "starlette", "uvicorn", "websockets", "httpx"}
+        assert not forbidden, f"{module} imports {sorted(forbidden)}"

@@ -7,7 +7,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from conftest import Live, start_server, stop_server, wait_until, write_spec
+from conftest import Live, start_server, stop_server, write_spec
+from helpers import RawWorker, wait_until
 
 from rota import JobContext, Worker
 
@@ -146,10 +147,7 @@ async def test_scheduled_jobs_wait_for_their_time_and_survive_a_restart(tmp_path
     await stop_server(live)
     live = await start_server(tmp_path)
     try:
-        import websockets
-        from conftest import RawWorker
-
-        worker = RawWorker(await websockets.connect(live.ws), "w")
+        worker = await RawWorker.open(live.ws, "w")
         await worker.register([spec])
         [first] = await worker.jobs(1)
         assert first["id"] == past["id"]

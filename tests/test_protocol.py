@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import heartbeat, registration
 
 from rota.protocol import (
     CLOSE_INVALID_PAYLOAD,
@@ -30,16 +31,7 @@ from rota.protocol import (
 
 def beat(**fields: Any) -> str:
     """A heartbeat frame as JSON text: the minimal valid one, plus/overridden by ``fields``."""
-    body: dict[str, Any] = {"type": "heartbeat", "seq": 0, "worker_id": "w1"}
-    body.update(fields)
-    return json.dumps(body)
-
-
-def registration(**fields: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"hostname": "h", "os": "linux", "pid": 42, "sdk": "py",
-                            "queues": ["default"], "concurrency": 4, "specs": []}
-    body.update(fields)
-    return body
+    return json.dumps(heartbeat(**fields))
 
 
 def frame_error(frame: str | bytes) -> FrameError:

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import websockets
-from conftest import Live, Proxy, RawWorker, start_server, stop_server, wait_until, write_spec
+from conftest import Live, Proxy, start_server, stop_server, write_spec
+from helpers import RawWorker, registration, wait_until
 
 from rota import JobContext, Worker
 from rota.specs import JobSpec
@@ -25,7 +26,7 @@ STARTED = "2026-11-23T09:00:00.000Z"
 
 
 async def open_raw(live: Live, worker_id: str) -> RawWorker:
-    return RawWorker(await websockets.connect(live.ws), worker_id)
+    return await RawWorker.open(live.ws, worker_id)
 
 
 def running(*job_ids: str) -> dict[str, Any]:
@@ -138,9 +139,7 @@ async def test_reconnect_of_the_same_process_replaces_a_half_open_connection(
     echo, old, job, copy = await holding_a_job(live, tmp_path, connect)
     # The old socket stays open on the server (its peer vanished without a word).
     imposter = await connect("w1")
-    await imposter.beat(registration={"hostname": "test", "os": "linux", "pid": 1, "sdk": "raw",
-                                      "queues": ["default"], "concurrency": 1, "specs": [],
-                                      "started_at": "2026-11-23T10:00:00.000Z"})
+    await imposter.beat(registration=registration(started_at="2026-11-23T10:00:00.000Z"))
     assert (await imposter.expect("error"))["code"] == "worker_id_in_use"  # another process
 
     new = await connect("w1")

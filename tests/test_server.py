@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from conftest import Live, start_server, stop_server, wait_until, write_spec
+from conftest import Live, start_server, stop_server, write_spec
+from helpers import RawWorker, wait_until
 
 from rota.specs import checksum
 
@@ -222,12 +223,9 @@ async def test_disconnected_workers_jobs_go_to_another_worker(live: Live, connec
 async def test_silent_worker_is_dropped_and_its_jobs_requeued(tmp_path: Path):
     live = await start_server(tmp_path, heartbeat_timeout=0.5)
     try:
-        import websockets
-        from conftest import RawWorker
-
         echo = write_spec(tmp_path / "specs", "echo")
         await live.push(echo)
-        stalled = RawWorker(await websockets.connect(live.ws), "stalled")
+        stalled = await RawWorker.open(live.ws, "stalled")
         await stalled.register([echo])
         job = await live.enqueue("echo")
         await stalled.jobs(1)
@@ -250,10 +248,7 @@ async def test_jobs_survive_a_restart(tmp_path: Path):
     try:
         assert (await live.job(queued["id"]))["state"] == "available"
         assert (await live.http.get("/specs")).json()["specs"][0]["checksum"] == checksum(echo)
-        import websockets
-        from conftest import RawWorker
-
-        worker = RawWorker(await websockets.connect(live.ws), "after-restart")
+        worker = await RawWorker.open(live.ws, "after-restart")
         await worker.register([echo])
         [copy] = await worker.jobs(1)
         assert copy["id"] == queued["id"] and copy["args"] == {"n": 1}

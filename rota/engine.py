@@ -1,0 +1,632 @@
+"""The server's state machine, with no I/O: events in, effects out.
+
+Each method takes an event (a registration, a heartbeat, a disconnect, a commit's
+outcome, a timer tick, a producer's request) and an ``Instant`` (both clocks, read by
+the caller), changes the in-memory state, and returns what must happen next as a list
+of effects (rota/effects.py). It never awaits, never touches a socket or the disk and
+never reads a clock, so every decision is tested by feeding it events
+(tests/test_engine.py).
+
+Deadlines (leases, grace periods, heartbeat silence, timers) are monotonic; wall time
+is only what gets stored and shown. When the engine sees that it was not called for
+longer than the shell promised (``tick_every``), the server itself stalled: it pushes
+every liveness deadline back by the stall before judging anyone.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from rota import protocol as p
+from rota.auth import Principal
+from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
+                          WorkerGone, WorkerSeen)
+from rota.errors import DomainError, Forbidden, Invalid, TooLarge
+from rota.jobs import EnqueueRequest, error_record, new_job
+from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState, StatusNote
+from rota.policy import Ending, after_attempt
+from rota.registry import Connection, Registry, judge_specs, short
+from rota.scheduler import Scheduler, WorkerSlot
+from rota.settings import ServerSettings
+from rota.specs import JobSpec, SpecError, validate_args
+
+log = logging.getLogger("rota.server")
+# Error types a worker may report that say the attempt ended for an outside reason, not
+# because the job failed: they do not count toward max_fails and do not back off.
+OUTSIDE_ENDINGS: dict[str, Ending] = {"visibility_timeout": "visibility_timeout",
+                                      "shutdown": "shutdown", "cancelled": "cancelled"}
+# Disconnects the worker did not choose and may recover from: its jobs stay reserved for
+# reconnect_grace, so that a worker whose network blinked (or that the server closed
+# for its own reasons) takes them back on reconnect. After any other (it closed, said
+# goodbye, went silent, broke the protocol) they go back at once.
+MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error", "rate_limited"})
+MAX_LOG_LINES = 1000  # captured log lines kept per job (per server run); later ones dropped
+STALL = 0.1  # seconds a tick may be late before the lateness counts as a server stall
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR, "critical": logging.CRITICAL}
+
+
+class Engine:
+    def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
+        self.settings = settings
+        self.scheduler = Scheduler(settings.visibility_timeout)
+        self.registry = Registry()
+        self.specs: dict[str, JobSpec] = {}
+        self.stopping = False
+        self._rand = rand or random.Random().random
+        self._tickets = 0
+        self._pending: dict[int, tuple[str, Any]] = {}
+        self._last_tick: float | None = None
+        # The shell promises a tick at least this often; a longer gap is a stall.
+        self.tick_every = max(0.05, min(1.0, settings.heartbeat_timeout / 4))
+
+    @property
+    def connections(self) -> dict[str, Connection]:
+        return self.registry.connections
+
+    # -- start -------------------------------------------------------------------------
+    def load(self, specs: dict[str, JobSpec], checksums: dict[str, str], jobs: list[Job],
+             now: Instant) -> list[Effect]:
+        """Take in what the store holds. Active jobs wait heartbeat_timeout for their
+        workers to reconnect and reclaim them."""
+        self.specs = dict(specs)
+        self.scheduler.status_quo = dict(checksums)
+        grace = now.mono + self.settings.heartbeat_timeout
+        orphans = 0
+        for job in jobs:
+            job.clocks(now)
+            self.scheduler.track(job)
+            if job.state == JobState.ACTIVE:
+                self.scheduler.orphan(job, grace)
+                orphans += 1
+        if orphans:
+            log.warning("recovery active_jobs=%d wait=%.1fs for their workers to reclaim them",
+                        orphans, self.settings.heartbeat_timeout)
+        self._last_tick = now.mono
+        return [Wake()]
+
+    def begin_shutdown(self) -> None:
+        """From here on, a closing connection keeps its jobs reserved: after the restart
+        its worker reconnects and reclaims them, instead of each losing an attempt."""
+        if not self.stopping:
+            self.stopping = True
+            log.info("shutting down: running jobs stay reserved for their workers to reclaim")
+
+    def _ticket(self, kind: str, payload: Any) -> int:
+        self._tickets += 1
+        self._pending[self._tickets] = (kind, payload)
+        return self._tickets
+
+    # -- workers ---------------------------------------------------------------------
+    def register(self, conn: int, hb: p.Heartbeat, principal: Principal, now: Instant
+                 ) -> list[Effect]:
+        """A registration (the first heartbeat of a connection; the caller then feeds the
+        same heartbeat to ``heartbeat``). Raises FrameError if it is refused."""
+        reg = hb.registration
+        assert reg is not None
+        effects: list[Effect] = []
+        old = self.registry.admit(hb.worker_id, reg, principal)
+        if old is not None:
+            effects.append(Abort(old.conn, "superseded", "the worker reconnected on a new"
+                                 " connection", p.CLOSE_POLICY))
+            effects += self.disconnect(old.conn, hb.worker_id, "superseded", now)
+        verdict = judge_specs(self.scheduler.status_quo, hb.worker_id, reg.specs)
+        slot = WorkerSlot(id=hb.worker_id, queues=list(reg.queues), concurrency=reg.concurrency,
+                          specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels))
+        self.scheduler.add_worker(slot)
+        self.registry.add(Connection(conn, slot, reg, now.wall, now.mono, principal))
+        log.info("register worker=%s host=%s pid=%d queues=%s concurrency=%d specs_ok=%d"
+                 " specs_rejected=%d", slot.id, reg.hostname, reg.pid, ",".join(reg.queues),
+                 reg.concurrency, len(verdict.accepted), len(verdict.rejected))
+        effects.append(WorkerSeen({
+            "id": hb.worker_id, "hostname": reg.hostname, "pid": reg.pid,
+            "queues": msgspec.json.encode(reg.queues).decode(),
+            "labels": msgspec.json.encode(reg.labels).decode(),
+            "concurrency": reg.concurrency, "specs": msgspec.json.encode(reg.specs).decode(),
+            "connected_at": now.wall, "disconnected_at": None}))
+        effects.append(Send(conn, p.encode(p.Welcome(
+            worker_id=slot.id, server_time=p.rfc3339(now.wall),
+            heartbeat_interval=self.settings.heartbeat_interval,
+            heartbeat_timeout=self.settings.heartbeat_timeout,
+            visibility_timeout=self.settings.visibility_timeout, specs=verdict))))
+        return effects
+
+    def disconnect(self, conn: int, worker_id: str, reason: str, now: Instant) -> list[Effect]:
+        """Connection ``conn`` of the worker ended: forget it (not a newer connection of
+        the same worker) and decide what becomes of its jobs."""
+        connection = self.registry.remove(worker_id, conn)
+        if connection is None:
+            return []
+        held = self.scheduler.remove_worker(worker_id, connection.reported)
+        effects: list[Effect] = [WorkerGone(worker_id, connection.connected_at, now.wall)]
+        if self.stopping:
+            log.info("disconnect worker=%s reason=%s jobs_kept_for_reclaim=%d", worker_id,
+                     reason, len(held))
+        elif reason not in MAY_RECONNECT or not held:
+            log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason,
+                     len(held))
+            effects += self._recover(held, "worker_death", f"worker {worker_id} is gone"
+                                     f" ({reason})", now)
+        else:
+            grace = self.settings.reconnect_grace
+            for job in held:
+                self.scheduler.orphan(job, now.mono + grace)
+            effects.append(Arm(now.mono + grace))
+            log.warning("disconnect worker=%s reason=%s jobs_held_for_reconnect=%d grace=%gs",
+                        worker_id, reason, len(held), grace)
+        return effects
+
+    def revoked(self, valid: Callable[[Principal], bool]) -> list[Effect]:
+        """The live tokens changed: close connections whose token is no longer valid."""
+        effects: list[Effect] = []
+        for connection in list(self.connections.values()):
+            if not valid(connection.principal):
+                log.warning("token revoked worker=%s token=%s: closing its connection",
+                            connection.worker.id, connection.principal.token_id or "none")
+                effects.append(Abort(connection.conn, "token_revoked", "the token this worker"
+                                     " connected with is no longer valid", p.CLOSE_POLICY))
+        return effects
+
+    # -- heartbeats and results -------------------------------------------------------
+    def heartbeat(self, conn: int, worker_id: str, hb: p.Heartbeat, now: Instant
+                  ) -> list[Effect]:
+        """Apply a heartbeat. Its ack goes out now, or, if it carries results, once they
+        are committed (``committed``); acks leave in the order of their heartbeats."""
+        connection = self.registry.get(worker_id, conn)
+        if connection is None:
+            return []
+        connection.last_seen = now.mono
+        worker = connection.worker
+        effects: list[Effect] = []
+        # Jobs it held before a restart or a lost connection, still running or finished:
+        # it reclaims them by naming them, in whichever heartbeat it does so.
+        if self.scheduler.has_orphans:
+            effects += self._reclaim(connection, hb, now)
+        if hb.status is not None:
+            if not connection.checked:
+                effects += self._stop_lost_runs(connection, hb.status.active_job_ids)
+            self.registry.report(connection, hb.status)
+            self.scheduler.renew(worker, hb.status.active_job_ids, now.mono)
+            if hb.status.progress or hb.status.logs or hb.status.alerts:
+                effects += self._note_status(connection, hb.status, now)
+        if hb.capacity is not None:
+            worker.capacity = hb.capacity
+        accepted, rejected, changes = self._take_results(worker, hb.results, now)
+        desired = connection.directive or worker.state
+        if not changes:
+            if worker.free() > 0:
+                effects.append(Wake())
+            connection.acks.append([None, self._ack(hb.seq, desired, accepted, rejected, now)])
+            return effects + self._flush_acks(connection)
+        ticket = self._ticket("results", (worker_id, conn, hb.seq, desired, changes, rejected))
+        connection.acks.append([ticket, None])
+        effects.append(Save(changes, ticket, crash_point="result-after-commit"))
+        return effects
+
+    def _flush_acks(self, connection: Connection) -> list[Effect]:
+        sends: list[Effect] = []
+        while connection.acks and connection.acks[0][1] is not None:
+            sends.append(Send(connection.conn, connection.acks.popleft()[1]))
+        return sends
+
+    def _reclaim(self, connection: Connection, hb: p.Heartbeat, now: Instant) -> list[Effect]:
+        named = hb.status.active_job_ids if hb.status is not None else []
+        worker = connection.worker
+        adopted = self.scheduler.adopt(worker, [*named, *(r.job_id for r in hb.results)],
+                                       now.mono)
+        effects: list[Effect] = []
+        for job in adopted:
+            log.info("reclaim job=%s spec=%s@%s queue=%s worker=%s attempt=%d", job.id, job.spec,
+                     short(job.checksum), job.queue, worker.id, job.attempt)
+            if job.cancel_requested:  # asked for while its worker was away
+                effects.append(Send(connection.conn, p.encode(
+                    p.Cancel(job_ids=[job.id], reason="cancelled"))))
+        return effects
+
+    def _stop_lost_runs(self, connection: Connection, named: list[str]) -> list[Effect]:
+        """The first status after a (re)connect: jobs the worker says it runs but no longer
+        holds (recovered while it was away, maybe running elsewhere) are wasted work at
+        best and a duplicate side effect at worst: tell it to stop them."""
+        connection.checked = True
+        lost = [job_id for job_id in named if self._held_by(connection, job_id) is None]
+        if not lost:
+            return []
+        log.warning("reservation lost worker=%s jobs=%s: recovered while it was away",
+                    connection.worker.id, ",".join(lost))
+        return [Send(connection.conn, p.encode(p.Cancel(job_ids=lost, reason="reservation_lost")))]
+
+    def _note_status(self, connection: Connection, status: p.Status, now: Instant
+                     ) -> list[Effect]:
+        """Keep progress and captured lines of jobs this worker holds; log alerts."""
+        notes: list[StatusNote] = []
+        for item in status.progress:
+            if (job := self._held_by(connection, item.job_id)) is not None:
+                notes.append(StatusNote(job.id, job.attempt, now.wall, progress=(
+                    item.percent, None if item.message is None else p.cut_text(item.message))))
+        for line in status.logs:
+            job = self._held_by(connection, line.job_id)
+            if job is not None and job.capture_logs and job.log_lines < MAX_LOG_LINES:
+                job.log_lines += 1
+                notes.append(StatusNote(job.id, job.attempt, now.wall,
+                                        line=("log", line.level, p.cut_text(line.message))))
+        for alert in status.alerts:
+            job = self._held_by(connection, alert.job_id) if alert.job_id else None
+            # %r: the worker's text is quoted and escaped, so it cannot forge log lines
+            log.log(LEVELS[alert.level], "alert worker=%s job=%s level=%s message=%r",
+                    connection.worker.id, alert.job_id or "-", alert.level, alert.message[:200])
+            connection.alerts.append({"at": p.rfc3339(now.wall), "level": alert.level,
+                                      "job_id": alert.job_id, "message": p.cut_text(alert.message)})
+            if job is not None:
+                notes.append(StatusNote(job.id, job.attempt, now.wall,
+                                        line=("alert", alert.level, p.cut_text(alert.message))))
+        return [Note(notes)] if notes else []
+
+    def _held_by(self, connection: Connection, job_id: str) -> Job | None:
+        job = self.scheduler.jobs.get(job_id)
+        if (job is None or job.worker_id != connection.worker.id
+                or job.state != JobState.ACTIVE or job.orphaned):
+            return None
+        return job
+
+    def _take_results(self, worker: WorkerSlot, results: list[p.Result], now: Instant
+                      ) -> tuple[list[str], list[p.ResultRejection], list[Change]]:
+        accepted: list[str] = []
+        rejected: list[p.ResultRejection] = []
+        changes: list[Change] = []
+        for result in results:
+            reason = self._result_problem(worker, result)
+            if reason is not None:
+                rejected.append(p.ResultRejection(job_id=result.job_id, attempt=result.attempt,
+                                                  reason=reason))
+                log.warning("result rejected job=%s worker=%s attempt=%d reason=%s",
+                            result.job_id, worker.id, result.attempt, reason)
+                continue
+            job = self.scheduler.jobs[result.job_id]
+            undo = (job.fails, job.deaths, job.run_at, job.due)  # if the commit fails
+            accepted.append(job.id)
+            changes.append(self._settle(job, result, now))
+            changes[-1].undo = undo
+        return accepted, rejected, changes
+
+    def _result_problem(self, worker: WorkerSlot, result: p.Result) -> str | None:
+        job = self.scheduler.jobs.get(result.job_id)
+        if job is None or job.state in TERMINAL_STATES:  # (or its result is being stored)
+            return "unknown job, or it already finished"
+        if job.worker_id != worker.id or job.state != JobState.ACTIVE or job.orphaned:
+            return "job is not reserved by this worker"
+        if job.attempt != result.attempt:
+            return f"attempt {result.attempt} is not the current attempt {job.attempt}"
+        return None
+
+    def _settle(self, job: Job, result: p.Result, now: Instant) -> Change:
+        """Decide an accepted result's outcome; the job stays put in memory until commit."""
+        if result.outcome == "completed":
+            encoded = msgspec.json.encode(result.result)
+            limit = self.settings.max_result_bytes
+            if len(encoded) <= limit:
+                job.move(JobState.COMPLETED)
+                return Change(job, result=encoded, finished_at=now.wall)
+            # Running it again would only make the same result: fail it for good.
+            result = p.Result(job_id=job.id, attempt=result.attempt, outcome="failed",
+                              error=p.ErrorInfo(type="result_too_large", retryable=False,
+                                                message=f"the result is {len(encoded)} bytes as"
+                                                f" JSON; the limit (max_result_bytes) is {limit}"))
+        error = result.error or p.ErrorInfo(type="error", message="the worker gave no error")
+        return self._end_attempt(job, OUTSIDE_ENDINGS.get(error.type, "failed"), error, now)
+
+    def _end_attempt(self, job: Job, ending: Ending, error: p.ErrorInfo, now: Instant) -> Change:
+        """Apply the retry policy to an attempt that did not complete."""
+        if ending == "failed":
+            job.fails += 1
+        job.deaths = job.deaths + 1 if ending == "worker_death" else 0
+        decision = after_attempt(
+            ending=ending, retryable=error.retryable, attempts_used=job.attempt - job.budget_start,
+            fails=job.fails, limits=job.limits, expires_at=job.expires_at,
+            cancel_requested=job.cancel_requested, now=now.wall, rand=self._rand(),
+            deaths=job.deaths)
+        if decision.reason.startswith("poison"):
+            error = p.ErrorInfo(type="poison", retryable=False, message=f"{error.message};"
+                                f" {decision.reason}", details=error.details)
+            log.error("poison job=%s spec=%s@%s queue=%s worker=%s attempt=%d deaths=%d:"
+                      " discarded", job.id, job.spec, short(job.checksum), job.queue,
+                      job.worker_id, job.attempt, job.deaths)
+        record = error_record(error, attempt=job.attempt, worker_id=job.worker_id, now=now.wall)
+        job.move(JobState(decision.state))
+        job.run_at = decision.run_at
+        job.due = None if decision.run_at is None else now.deadline(decision.run_at)
+        log.info("attempt ended job=%s spec=%s@%s queue=%s worker=%s attempt=%d ending=%s"
+                 " next=%s%s", job.id, job.spec, short(job.checksum), job.queue, job.worker_id,
+                 job.attempt, ending, decision.state,
+                 f" reason={decision.reason!r}" if decision.reason else "")
+        terminal = decision.state in TERMINAL_STATES
+        return Change(job, error=record, finished_at=now.wall if terminal else None)
+
+    def _place(self, job: Job) -> list[Effect]:
+        """Put a job where its (committed) state says it belongs."""
+        if job.state in TERMINAL_STATES:
+            self.scheduler.finish(job)
+            return [Finished([job.id])]
+        if job.state == JobState.AVAILABLE:
+            self.scheduler.add(job)
+            return []
+        due = job.due if job.due is not None else 0.0  # scheduled or retryable
+        self.scheduler.defer(job, due)
+        return [Arm(due)]
+
+    def _ack(self, seq: int, state: str, accepted: list[str],
+             rejected: list[p.ResultRejection], now: Instant) -> str:
+        return p.encode(p.Ack(seq=seq, state=state,  # type: ignore[arg-type]
+                              server_time=p.rfc3339(now.wall),
+                              accepted=accepted, rejected=rejected))
+
+    # -- commits ---------------------------------------------------------------------
+    def committed(self, ticket: int, error: BaseException | None, now: Instant) -> list[Effect]:
+        """The outcome of a ``Save`` or ``Reserve`` that carried ``ticket``."""
+        kind, payload = self._pending.pop(ticket)
+        if kind == "results":
+            return self._results_committed(ticket, payload, error, now)
+        if kind == "reserve":
+            return self._reserve_committed(payload, error)
+        # "finish": attempts ended by the server; wake whoever waits on a final state
+        if error is not None:
+            log.error("storing %d job transition(s) failed: %s", len(payload), error)
+            return []
+        return [Finished([c.job.id for c in payload if c.job.state in TERMINAL_STATES])]
+
+    def _results_committed(self, ticket: int, payload: Any, error: BaseException | None,
+                           now: Instant) -> list[Effect]:
+        worker_id, conn, seq, desired, changes, rejected = payload
+        effects: list[Effect] = []
+        if error is not None:
+            # Nothing was stored: the jobs stay reserved, and the worker hears that it may
+            # report them again rather than believing they were recorded.
+            log.error("storing %d result(s) from worker=%s failed: %s", len(changes),
+                      worker_id, error)
+            for change in changes:
+                job = change.job
+                job.state = JobState.ACTIVE  # undone, not a move: the move never happened
+                job.fails, job.deaths, job.run_at, job.due = change.undo
+                rejected.append(p.ResultRejection(
+                    job_id=job.id, attempt=job.attempt,
+                    reason=f"could not be stored ({error}); report it again"))
+            accepted: list[str] = []
+        else:
+            for change in changes:
+                job = change.job
+                if job.state == JobState.COMPLETED:
+                    log.info("result job=%s spec=%s@%s queue=%s worker=%s attempt=%d"
+                             " outcome=completed", job.id, job.spec, short(job.checksum),
+                             job.queue, worker_id, job.attempt)
+                effects += self._place(job)
+            effects.append(Wake())
+            accepted = [c.job.id for c in changes]
+        connection = self.registry.get(worker_id, conn)
+        if connection is not None:
+            for entry in connection.acks:
+                if entry[0] == ticket:
+                    entry[1] = self._ack(seq, desired, accepted, rejected, now)
+            effects += self._flush_acks(connection)
+        return effects
+
+    def _recover(self, jobs: Iterable[Job], ending: Ending, message: str, now: Instant
+                 ) -> list[Effect]:
+        """Attempts that ended without a result: retry or discard them, record why."""
+        changes = [self._end_attempt(job, ending, p.ErrorInfo(type=ending, message=message), now)
+                   for job in jobs]
+        if not changes:
+            return []
+        effects: list[Effect] = []
+        for change in changes:
+            # Placed before the commit: the writer commits in order, so any reservation
+            # of this job is written after this change.
+            if change.job.state not in TERMINAL_STATES:
+                effects += self._place(change.job)
+            else:
+                self.scheduler.finish(change.job)
+        effects.insert(0, Save(changes, self._ticket("finish", changes)))
+        effects.append(Wake())
+        return effects
+
+    # -- timers ----------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        return self.scheduler.next_deadline()
+
+    def tick(self, now: Instant) -> list[Effect]:
+        """Fire whatever is due: timers, lapsed leases, expired jobs, silent workers."""
+        effects: list[Effect] = []
+        if self._last_tick is not None:
+            stall = now.mono - self._last_tick - self.tick_every
+            if stall > STALL:
+                # The server did not run for that long: nobody's heartbeat could be read
+                # and no lease could be renewed. Judge only time it was listening.
+                log.warning("server stalled for %.1fs: liveness deadlines extended by it", stall)
+                self.registry.shift(stall, now.mono)
+                self.scheduler.shift(stall)
+        self._last_tick = now.mono
+        due = self.scheduler.due(now.mono)
+        if due:
+            effects += [Save([Change(job) for job in due]), Wake()]
+        for job in self.scheduler.expired_leases(now.mono):
+            effects += self._lease_lapsed(job, now)
+        expired = self.scheduler.expired_ttls(now.mono)
+        if expired:
+            effects += self._expire(expired, now)
+        timeout = self.settings.heartbeat_timeout
+        for connection in self.registry.silent(now.mono, timeout):
+            log.warning("heartbeat timeout worker=%s silent_for=%.1fs", connection.worker.id,
+                        now.mono - connection.last_seen)
+            effects.append(Abort(connection.conn, "heartbeat_timeout",
+                                 f"no heartbeat for {timeout}s", p.CLOSE_POLICY))
+            effects += self.disconnect(connection.conn, connection.worker.id,
+                                       "heartbeat_timeout", now)
+        return effects
+
+    def _lease_lapsed(self, job: Job, now: Instant) -> list[Effect]:
+        holder = job.worker_id or ""
+        if job.orphaned:
+            self.scheduler.orphans -= 1
+            job.orphaned = False
+            return self._recover([job], "worker_death",
+                                 f"worker {holder} did not reconnect in time", now)
+        effects: list[Effect] = []
+        connection = self.registry.get(holder)
+        if connection is not None:  # stop the stale run, so it does not race the retry
+            effects.append(Send(connection.conn, p.encode(
+                p.Cancel(job_ids=[job.id], reason="visibility_timeout"))))
+        lease = self.scheduler.lease_for(job)
+        return effects + self._recover([job], "visibility_timeout",
+                                       f"no result or heartbeat for {lease:g}s", now)
+
+    def _expire(self, jobs: list[Job], now: Instant) -> list[Effect]:
+        changes = []
+        for job in jobs:
+            job.move(JobState.DISCARDED)
+            record = error_record(p.ErrorInfo(type="expired", message="its time to live ran out",
+                                              retryable=False),
+                                  attempt=job.attempt, worker_id=None, now=now.wall)
+            changes.append(Change(job, error=record, finished_at=now.wall))
+            self.scheduler.finish(job)
+            log.info("expired job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        return [Save(changes, self._ticket("finish", changes))]
+
+    # -- dispatch --------------------------------------------------------------------
+    def dispatch(self, now: Instant) -> list[Effect]:
+        """A scheduling round: reserve what the workers can take, in memory now, and
+        send the assigns (one per worker) once the reservations are committed."""
+        plan = self.scheduler.plan(now.mono)
+        if not plan:
+            return []
+        jobs = [job for batch in plan.values() for job in batch]
+        for job in jobs:
+            job.lease_expires_at = now.wall_of(job.lease or now.mono)
+        ticket = self._ticket("reserve", plan)
+        return [Reserve(jobs, now.wall, ticket), Arm(min(j.lease or 0.0 for j in jobs))]
+
+    def _reserve_committed(self, plan: dict[str, list[Job]], error: BaseException | None
+                           ) -> list[Effect]:
+        if error is not None:
+            jobs = [job for batch in plan.values() for job in batch]
+            log.error("reservation commit failed; returning %d jobs: %s", len(jobs), error)
+            for job in jobs:
+                if job.state == JobState.ACTIVE:
+                    job.attempt -= 1
+                    self.scheduler.release(job)
+            return [Wake()]
+        effects: list[Effect] = []
+        for worker_id, batch in plan.items():
+            connection = self.registry.get(worker_id)
+            # A job taken back meanwhile (the worker left) is no longer this worker's.
+            live = [j for j in batch if j.worker_id == worker_id
+                    and j.state == JobState.ACTIVE and not j.orphaned]
+            if connection is None or not live:
+                continue
+            copies = []
+            for job in live:
+                log.info("assign job=%s spec=%s@%s queue=%s worker=%s attempt=%d",
+                         job.id, job.spec, short(job.checksum), job.queue, worker_id,
+                         job.attempt)
+                copies.append(p.JobCopy(
+                    id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
+                    args=job.args, attempt=job.attempt, priority=job.priority,
+                    visibility_timeout=self.scheduler.lease_for(job),
+                    enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs))
+            effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
+        return effects
+
+    # -- producers -------------------------------------------------------------------
+    def build(self, request: EnqueueRequest, principal: Principal, now: Instant
+              ) -> Job | DomainError:
+        """A new job from an enqueue request, or why it is refused."""
+        spec = self.specs.get(request.spec)
+        if spec is None:
+            return Invalid("unknown_spec", f"spec {request.spec!r} has no status quo;"
+                           " push it with 'rota specs push' first")
+        queue = request.queue or spec.queue
+        if not principal.may_use_queue(queue):
+            return Forbidden("queue_not_allowed",
+                             f"this token may not enqueue into queue {queue!r}")
+        try:
+            validate_args(spec, request.args)
+            job = new_job(request, spec, now.wall)
+        except SpecError as exc:
+            return Invalid("invalid_args", str(exc))
+        except DomainError as exc:
+            return exc
+        limit = self.settings.max_args_bytes
+        if len(job.args) > limit:
+            return TooLarge("args_too_large", f"args are {len(job.args)} bytes as JSON;"
+                            f" the limit (max_args_bytes) is {limit}")
+        job.created_by = principal.token_id
+        return job
+
+    def enqueued(self, job: Job, seq: int, now: Instant) -> list[Effect]:
+        """A new job's row is committed: take it in."""
+        job.seq = seq
+        job.clocks(now)
+        self.scheduler.track(job)
+        log.info("enqueue job=%s spec=%s queue=%s priority=%d state=%s", job.id, job.spec,
+                 job.queue, job.priority, job.state)
+        return [Arm(t) for t in (job.due, job.expiry) if t is not None] + [Wake()]
+
+    def cancel(self, job_id: str, now: Instant) -> tuple[str, list[Effect]]:
+        """Cancel a job: at once if it waits ("cancelled"), through its worker if it runs
+        ("requested"); "not_live" if it is not live. Sends follow the Save."""
+        job = self.scheduler.jobs.get(job_id)
+        if job is None or job.state in TERMINAL_STATES:
+            return "not_live", []
+        if job.state == JobState.ACTIVE:
+            job.cancel_requested = True
+            effects: list[Effect] = [Save([Change(job)])]
+            connection = self.registry.get(job.worker_id or "")
+            if connection is not None and not job.orphaned:
+                effects.append(Send(connection.conn, p.encode(
+                    p.Cancel(job_ids=[job.id], reason="cancelled"))))
+            log.info("cancel requested job=%s worker=%s", job.id, job.worker_id)
+            return "requested", effects
+        job.move(JobState.CANCELLED)
+        self.scheduler.finish(job)
+        log.info("cancelled job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id])]
+
+    def retry(self, job: Job) -> list[Effect]:
+        """Put a discarded or cancelled job (loaded from its row) back, with a fresh
+        attempt budget."""
+        job.budget_start, job.fails, job.deaths, job.cancel_requested = job.attempt, 0, 0, False
+        job.expires_at = job.expiry = None
+        self.scheduler.add(job)
+        log.info("retry job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        return [Save([Change(job)]), Wake()]
+
+    def is_live(self, job_id: str) -> bool:
+        return job_id in self.scheduler.jobs
+
+    # -- specs -----------------------------------------------------------------------
+    def status_quo_changed(self, specs: list[JobSpec], changes: list[Any]) -> list[Effect]:
+        """A push committed: the new checksums rule from now on."""
+        by_name = {s.name: s for s in specs}
+        for change in changes:
+            if change.change == "unchanged":
+                continue
+            self.specs[change.name] = by_name[change.name]
+            self.scheduler.status_quo[change.name] = change.checksum
+            log.info("status quo spec=%s checksum=%s previous=%s", change.name,
+                     short(change.checksum), short(change.previous))
+            for worker_id in self.scheduler.mismatched_workers(change.name, change.checksum):
+                declared = self.scheduler.workers[worker_id].specs[change.name]
+                log.warning("spec mismatch worker=%s spec=%s checksum=%s status_quo=%s",
+                            worker_id, change.name, short(declared), short(change.checksum))
+        return [Wake()]  # queued jobs may now have (other) capable workers
+
+    def change_report(self, change: Any) -> dict[str, Any]:
+        mismatched = self.scheduler.mismatched_workers(change.name, change.checksum)
+        matching = [w for w in self.scheduler.workers.values()
+                    if w.specs.get(change.name) == change.checksum]
+        return {"name": change.name, "change": change.change, "checksum": change.checksum,
+                "previous": change.previous, "mismatched_workers": len(mismatched),
+                "matching_workers": len(matching)}
+

@@ -1,0 +1,153 @@
+"""The worker registry: who is connected, whether a registration is let in, directives.
+
+Pure: no socket and no clock. A connection is known by the number the shell gave it
+(``conn``), so that effects aimed at an old connection never reach the new one that
+replaced it under the same worker id.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rota import protocol as p
+from rota.auth import OPEN, Principal
+from rota.errors import FrameError
+from rota.scheduler import WorkerSlot
+
+log = logging.getLogger("rota.server")
+
+
+def short(checksum_: str | None) -> str:
+    return (checksum_ or "none")[:15]
+
+
+@dataclass(slots=True)
+class Connection:
+    conn: int  # the shell's number for this socket
+    worker: WorkerSlot
+    registration: p.Registration
+    connected_at: float  # wall
+    last_seen: float  # monotonic: the last frame the server read from it
+    principal: Principal = OPEN  # the token it connected with
+    reported: list[str] = field(default_factory=list)  # last active_job_ids
+    cpu_percent: float | None = None  # the worker process's, as it last said
+    memory_rss: int | None = None
+    directive: str | None = None  # the state the server wants; None: whatever the worker says
+    checked: bool = False  # its first status was checked for runs it no longer holds
+    alerts: collections.deque[dict[str, Any]] = field(
+        default_factory=lambda: collections.deque(maxlen=20))  # the latest, for GET /workers
+    # Acks in the order their heartbeats came: [ticket, frame]; a frame is None while the
+    # results it answers are being committed, and acks behind it wait their turn.
+    acks: collections.deque[list[Any]] = field(default_factory=collections.deque)
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.connections: dict[str, Connection] = {}
+
+    def get(self, worker_id: str, conn: int | None = None) -> Connection | None:
+        """The worker's connection (only if it is ``conn``, when that is given)."""
+        found = self.connections.get(worker_id)
+        if found is None or (conn is not None and found.conn != conn):
+            return None
+        return found
+
+    def admit(self, worker_id: str, reg: p.Registration, principal: Principal
+              ) -> Connection | None:
+        """Check a registration. Raise FrameError if it is refused; return the connection
+        it replaces (a half-open one of the same process), if any."""
+        refused = [q for q in reg.queues if not principal.may_use_queue(q)]
+        if refused:
+            raise FrameError("queue_not_allowed", f"this token may not serve queue(s)"
+                             f" {', '.join(refused)}", p.CLOSE_POLICY)
+        names = [ref.name for ref in reg.specs]
+        if len(set(names)) != len(names):
+            raise FrameError("invalid_message", "a spec is declared twice in the registration",
+                             p.CLOSE_INVALID_PAYLOAD)
+        old = self.connections.get(worker_id)
+        if old is None:
+            return None
+        # A second connection under a connected id is refused, unless it comes from the
+        # same process (hostname, pid and started_at): then the old connection is dead
+        # but not yet noticed (half-open), and the new one replaces it at once.
+        was = old.registration
+        if reg.started_at is None or (was.hostname, was.pid, was.started_at) != (
+                reg.hostname, reg.pid, reg.started_at):
+            raise FrameError("worker_id_in_use", f"worker {worker_id} is already connected",
+                             p.CLOSE_POLICY)
+        return old
+
+    def add(self, connection: Connection) -> None:
+        self.connections[connection.worker.id] = connection
+
+    def remove(self, worker_id: str, conn: int | None = None) -> Connection | None:
+        found = self.get(worker_id, conn)
+        if found is not None:
+            del self.connections[worker_id]
+        return found
+
+    def silent(self, now: float, timeout: float) -> list[Connection]:
+        """Connections the server has heard nothing from for longer than ``timeout``."""
+        return [c for c in self.connections.values() if now - c.last_seen > timeout]
+
+    def shift(self, delta: float, now: float) -> None:
+        """The server was not listening for ``delta`` seconds: that silence is its own,
+        not the workers'. (Never past ``now``: a frame read since is not moved later.)"""
+        for connection in self.connections.values():
+            connection.last_seen = min(now, connection.last_seen + delta)
+
+    def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
+        """Ask workers to go quiet or terminate; returns those that were asked.
+
+        A worker never goes back from terminate, and running is its own decision (SIGCONT),
+        so the only directions are forward."""
+        directed = []
+        for worker_id in worker_ids:
+            connection = self.connections.get(worker_id)
+            if connection is None or p.STATE_RANK[connection.worker.state] >= p.STATE_RANK[state]:
+                continue
+            connection.directive = state
+            connection.worker.state = state  # no new jobs from this moment
+            directed.append(worker_id)
+            log.info("state change worker=%s state=%s by=server", worker_id, state)
+        return directed
+
+    def select(self, *, label: str | None = None, every: bool = False) -> list[str]:
+        """Connected workers with ``label``, or all of them."""
+        if every:
+            return sorted(self.connections)
+        return sorted(w for w, c in self.connections.items() if label in c.worker.labels)
+
+    def report(self, connection: Connection, status: p.Status) -> None:
+        """Take in what a status says of the worker itself."""
+        if connection.directive and p.STATE_RANK[status.state] >= p.STATE_RANK[connection.directive]:
+            connection.directive = None  # the worker got there: the directive is done
+        # Until it does, schedule by the stricter of what it says and what we asked.
+        connection.worker.state = connection.directive or status.state
+        connection.reported = status.active_job_ids
+        if status.cpu_percent is not None:
+            connection.cpu_percent = status.cpu_percent
+        if status.memory_rss is not None:
+            connection.memory_rss = status.memory_rss
+
+
+def judge_specs(status_quo: dict[str, str], worker_id: str, declared: list[p.SpecRef]
+                ) -> p.SpecVerdict:
+    """Which declared specs match the status quo, and why the others do not."""
+    accepted: list[str] = []
+    rejected: list[p.SpecRejection] = []
+    for ref in declared:
+        expected = status_quo.get(ref.name)
+        if expected == ref.checksum:
+            accepted.append(ref.name)
+            continue
+        reason = "spec has no status quo" if expected is None else "checksum differs from the status quo"
+        rejected.append(p.SpecRejection(name=ref.name, checksum=ref.checksum,
+                                        expected=expected, reason=reason))
+        log.warning("spec mismatch worker=%s spec=%s checksum=%s status_quo=%s",
+                    worker_id, ref.name, short(ref.checksum), short(expected))
+    return p.SpecVerdict(accepted=accepted, rejected=rejected)

@@ -1,0 +1,183 @@
+"""What tests share besides fixtures: waiting on a condition, the worker protocol's
+messages, and the raw clients that send exactly what a test tells them to.
+
+``registration()`` and ``heartbeat()`` are the one place a registration or a heartbeat is
+spelled out; a test that means to send a bad one builds the good one and changes it.
+``RawWorker`` drives /work from an event loop, ``SyncRawWorker`` from a thread (hypothesis
+state machines): both build their frames with the same functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import websockets
+from websockets.sync.client import ClientConnection as SyncConnection
+
+from rota.specs import JobSpec, checksum
+
+
+async def wait_until(predicate: Callable[[], Any], *, timeout: float = 5.0,
+                     what: str = "condition") -> Any:
+    """Poll ``predicate`` (sync or async) until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if isinstance(value, Awaitable):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)  # noqa: sleep-ok (a poll step bounded by the deadline)
+
+
+# -- messages ----------------------------------------------------------------------------
+def spec_ref(spec: JobSpec | dict[str, str]) -> dict[str, str]:
+    """A spec as a registration names it; a ready-made ``{"name", "checksum"}`` passes as is."""
+    return spec if isinstance(spec, dict) else {"name": spec.name, "checksum": checksum(spec)}
+
+
+def registration(specs: Iterable[JobSpec | dict[str, str]] = (), *, concurrency: int = 1,
+                 **fields: Any) -> dict[str, Any]:
+    """A valid registration section serving ``specs`` on the default queue; ``fields`` add
+    to it or replace any part (``queues``, ``started_at``, ``labels``, ``hostname``...)."""
+    return {"hostname": "test", "os": "linux", "pid": 1, "sdk": "raw", "queues": ["default"],
+            "concurrency": concurrency, "specs": [spec_ref(s) for s in specs], **fields}
+
+
+def heartbeat(seq: Any = 0, worker_id: Any = "w1", **sections: Any) -> dict[str, Any]:
+    """A heartbeat frame; ``sections`` add to it or replace any part (even ``type``)."""
+    return {"type": "heartbeat", "seq": seq, "worker_id": worker_id, **sections}
+
+
+def completed(job: dict[str, Any], result: Any = None) -> dict[str, Any]:
+    """The result entry reporting an assigned job copy completed."""
+    return {"job_id": job["id"], "attempt": job["attempt"], "outcome": "completed",
+            "result": result}
+
+
+def as_text(message: dict[str, Any] | list[Any] | str) -> str:
+    return message if isinstance(message, str) else json.dumps(message)
+
+
+# -- raw clients ---------------------------------------------------------------------------
+@dataclass
+class RawWorker:
+    """A hand-driven protocol client: it sends exactly what a test tells it to."""
+
+    ws: websockets.ClientConnection
+    worker_id: str
+    seq: int = 0
+    held: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    async def open(cls, url: str, worker_id: str = "w1", **options: Any) -> RawWorker:
+        """Connect to ``url`` (``options`` go to ``websockets.connect``)."""
+        return cls(await websockets.connect(url, **options), worker_id)
+
+    async def send(self, message: dict[str, Any] | list[Any] | str) -> None:
+        await self.ws.send(as_text(message))
+
+    async def beat(self, **sections: Any) -> None:
+        await self.send(heartbeat(self.seq, self.worker_id, **sections))
+        self.seq += 1
+
+    async def register(self, specs: list[JobSpec], *, queues: list[str] | None = None,
+                       concurrency: int = 10, capacity: int | None = None,
+                       declared: dict[str, str] | None = None, started_at: str | None = None,
+                       **sections: Any) -> dict[str, Any]:
+        """Register (more ``sections``, e.g. a status, may ride along); return the welcome."""
+        refs = [*specs, *({"name": n, "checksum": c} for n, c in (declared or {}).items())]
+        await self.beat(registration=registration(refs, concurrency=concurrency,
+                                                  queues=queues or ["default"],
+                                                  started_at=started_at),
+                        capacity=concurrency if capacity is None else capacity, **sections)
+        welcome = await self.expect("welcome")
+        await self.expect("ack")
+        return welcome
+
+    async def recv(self, timeout: float = 5.0) -> dict[str, Any]:
+        if self.held:
+            return self.held.pop(0)
+        return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+
+    async def expect(self, kind: str, timeout: float = 5.0) -> dict[str, Any]:
+        """The next frame of type ``kind``; frames of other types are kept for later."""
+        deadline = time.monotonic() + timeout
+        skipped: list[dict[str, Any]] = []
+        try:
+            for index, frame in enumerate(self.held):
+                if frame["type"] == kind:
+                    return self.held.pop(index)
+            while True:
+                frame = json.loads(await asyncio.wait_for(
+                    self.ws.recv(), max(0.01, deadline - time.monotonic())))
+                if frame["type"] == kind:
+                    return frame
+                skipped.append(frame)
+        finally:
+            self.held.extend(skipped)
+
+    async def jobs(self, count: int, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """Collect ``count`` assigned job copies across assign frames."""
+        got: list[dict[str, Any]] = []
+        while len(got) < count:
+            got.extend((await self.expect("assign", timeout))["jobs"])
+        return got
+
+    async def complete(self, job: dict[str, Any], result: Any = None,
+                       **extra: Any) -> dict[str, Any]:
+        """Report ``job`` completed (``extra`` sections ride along); return the ack."""
+        await self.beat(results=[completed(job, result)], **extra)
+        return await self.expect("ack")
+
+    async def assert_no_assign(self, within: float = 0.3) -> None:
+        """No assign frame arrives within ``within`` seconds (a bounded negative check)."""
+        with pytest.raises(TimeoutError):
+            await self.expect("assign", timeout=within)
+
+
+class RawWorkers:
+    """Opens raw workers on one server, ``await workers("w1")``, and closes them all."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.opened: list[RawWorker] = []
+
+    async def __call__(self, worker_id: str = "w1", **options: Any) -> RawWorker:
+        self.opened.append(await RawWorker.open(self.url, worker_id, **options))
+        return self.opened[-1]
+
+    async def close(self) -> None:
+        for raw in self.opened:
+            await raw.ws.close()
+
+
+@dataclass
+class SyncRawWorker:
+    """``RawWorker`` for a driver without an event loop, on a ``websockets.sync`` connection:
+    the same frames, sent and read blocking."""
+
+    ws: SyncConnection
+    worker_id: str
+    seq: int = 0
+
+    def send(self, message: dict[str, Any] | list[Any] | str | bytes) -> None:
+        self.ws.send(message if isinstance(message, bytes) else as_text(message))
+
+    def beat(self, **sections: Any) -> int:
+        """Send a heartbeat; return its seq."""
+        seq = self.seq
+        self.send(heartbeat(seq, self.worker_id, **sections))
+        self.seq += 1
+        return seq
+
+    def recv(self, timeout: float = 5.0) -> dict[str, Any]:
+        return json.loads(self.ws.recv(timeout=timeout))

@@ -1,0 +1,344 @@
+"""The engine's decisions, driven in-process: events in, effects out. No socket, no disk,
+no event loop and no sleep: a fake clock says what time it is."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from rota import protocol as p
+from rota.auth import OPEN
+from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake
+from rota.engine import Engine
+from rota.jobs import EnqueueRequest
+from rota.model import Instant, InvalidTransition, Job, JobState, Limits
+from rota.settings import ServerSettings
+from rota.specs import JobSpec, RetryPolicy, checksum
+
+SPEC = JobSpec(name="echo", version="1")
+POISONOUS = JobSpec(name="boom", version="1", retry=RetryPolicy(max_worker_deaths=2))
+
+
+class FakeClock:
+    """Both clocks, moved by the test: ``advance`` moves both (time passes), ``step``
+    moves only the wall clock (NTP, a VM resumed)."""
+
+    def __init__(self) -> None:
+        self.mono = 1000.0
+        self.wall = 1_800_000_000.0
+
+    def __call__(self) -> Instant:
+        return Instant(self.mono, self.wall)
+
+    def advance(self, seconds: float) -> Instant:
+        self.mono += seconds
+        self.wall += seconds
+        return self()
+
+    def step(self, seconds: float) -> Instant:
+        self.wall += seconds
+        return self()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def engine(clock: FakeClock) -> Engine:
+    settings = ServerSettings(heartbeat_interval=1.0, heartbeat_timeout=5.0,
+                              reconnect_grace=5.0, visibility_timeout=30.0)
+    engine = Engine(settings, rand=lambda: 0.0)
+    specs = {s.name: s for s in (SPEC, POISONOUS)}
+    engine.load(specs, {n: checksum(s) for n, s in specs.items()}, [], clock())
+    return engine
+
+
+def hb(worker: str, seq: int, *, register: bool = False, active: list[str] | None = None,
+       results: list[p.Result] | None = None, capacity: int | None = None,
+       started_at: str | None = "t0", state: str = "running") -> p.Heartbeat:
+    registration = p.Registration(
+        hostname="h", os="linux", pid=7, sdk="test", queues=["default"], concurrency=4,
+        specs=[p.SpecRef(s.name, checksum(s)) for s in (SPEC, POISONOUS)],
+        started_at=started_at) if register else None
+    status = p.Status(state=state, active_job_ids=active or [])  # type: ignore[arg-type]
+    return p.Heartbeat(seq=seq, worker_id=worker, registration=registration, status=status,
+                       results=results or [], capacity=capacity)
+
+
+def sent(effects: list[Effect], conn: int | None = None) -> list[dict[str, Any]]:
+    return [json.loads(e.frame) for e in effects
+            if isinstance(e, Send) and (conn is None or e.conn == conn)]
+
+
+def of(kind: type, effects: list[Effect]) -> list[Any]:
+    return [e for e in effects if isinstance(e, kind)]
+
+
+def connect(engine: Engine, clock: FakeClock, worker: str = "w1", conn: int = 1,
+            capacity: int = 4) -> list[Effect]:
+    first = hb(worker, 0, register=True, capacity=capacity)
+    return (engine.register(conn, first, OPEN, clock())
+            + engine.heartbeat(conn, worker, first, clock()))
+
+
+def enqueue(engine: Engine, clock: FakeClock, n: int = 1, spec: str = "echo",
+            **options: Any) -> list[Job]:
+    jobs = []
+    for i in range(n):
+        built = engine.build(EnqueueRequest(spec=spec, id=f"{spec}-{i}", **options), OPEN,
+                             clock())
+        assert isinstance(built, Job)
+        engine.enqueued(built, i + 1, clock())
+        jobs.append(built)
+    return jobs
+
+
+def assign(engine: Engine, clock: FakeClock) -> list[dict[str, Any]]:
+    """A scheduling round, committed: the jobs each worker is sent."""
+    effects = engine.dispatch(clock())
+    [reserve] = of(Reserve, effects)
+    frames = sent(engine.committed(reserve.ticket, None, clock()))
+    return [job for frame in frames if frame["type"] == "assign" for job in frame["jobs"]]
+
+
+def run_for(engine: Engine, clock: FakeClock, seconds: float, *, worker: str | None = None,
+            active: list[str] | None = None) -> list[Effect]:
+    """Let time pass as the shell would: a tick every half second (it promises one at
+    least every ``tick_every``), and a heartbeat from ``worker`` on each, if given."""
+    effects: list[Effect] = []
+    for _ in range(round(seconds / 0.5)):
+        clock.advance(0.5)
+        if worker is not None and worker in engine.connections:
+            conn = engine.connections[worker].conn
+            effects += engine.heartbeat(conn, worker, hb(worker, next(SEQ), active=active),
+                                        clock())
+        effects += engine.tick(clock())
+    return effects
+
+
+SEQ = itertools.count(1000)
+
+
+def done(job: dict[str, Any]) -> p.Result:
+    return p.Result(job_id=job["id"], attempt=job["attempt"], outcome="completed", result=1)
+
+
+# -- batches ------------------------------------------------------------------------
+def test_a_heartbeat_with_n_results_gives_one_save_and_one_ack(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, 4)
+    copies = assign(engine, clock)
+    assert len(copies) == 4
+    effects = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(j) for j in copies]), clock())
+    [save] = of(Save, effects)
+    assert len(save.changes) == 4 and not sent(effects)  # no ack before the commit
+    after = engine.committed(save.ticket, None, clock())
+    [ack] = sent(after)
+    assert ack["type"] == "ack" and ack["seq"] == 1 and sorted(ack["accepted"]) == sorted(
+        j["id"] for j in copies)
+    assert sorted(of(Finished, after)[i].job_ids[0] for i in range(4)) == sorted(
+        j["id"] for j in copies)
+    assert engine.scheduler.jobs == {}
+
+
+def test_jobs_chosen_in_one_round_go_in_one_assign(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, 3)
+    effects = engine.dispatch(clock())
+    [reserve] = of(Reserve, effects)
+    frames = sent(engine.committed(reserve.ticket, None, clock()))
+    assert [f["type"] for f in frames] == ["assign"] and len(frames[0]["jobs"]) == 3
+
+
+def test_acks_keep_heartbeat_order_while_results_commit(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    with_result = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock())
+    behind = engine.heartbeat(1, "w1", hb("w1", 2), clock())
+    assert not sent(with_result) and not sent(behind)  # seq 2 waits behind seq 1
+    [save] = of(Save, with_result)
+    assert [a["seq"] for a in sent(engine.committed(save.ticket, None, clock()))] == [1, 2]
+
+
+def test_a_failed_commit_keeps_the_job_and_asks_for_the_result_again(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    effects = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock())
+    [save] = of(Save, effects)
+    [ack] = sent(engine.committed(save.ticket, OSError("disk full"), clock()))
+    assert not ack.get("accepted") and "report it again" in ack["rejected"][0]["reason"]
+    job = engine.scheduler.jobs[copy["id"]]
+    assert job.state == JobState.ACTIVE and job.worker_id == "w1"
+
+
+# -- leases and liveness --------------------------------------------------------------
+def test_a_lease_lapses_without_heartbeats_and_the_job_goes_back(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, visibility_timeout=10.0)
+    [copy] = assign(engine, clock)
+    effects = run_for(engine, clock, 12.0, worker="w1")  # it beats but stops naming the job
+    cancels = [f for f in sent(effects) if f["type"] == "cancel"]
+    assert cancels == [{"type": "cancel", "job_ids": [copy["id"]], "reason": "visibility_timeout"}]
+    job = engine.scheduler.jobs[copy["id"]]
+    assert job.state == JobState.AVAILABLE
+    [save] = of(Save, effects)
+    assert b"visibility_timeout" in (save.changes[0].error or b"")
+
+
+def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout(engine, clock):
+    connect(engine, clock)
+    effects = run_for(engine, clock, 4.5)
+    assert not of(Abort, effects)
+    effects = run_for(engine, clock, 1.0)
+    assert [a.code for a in of(Abort, effects)] == ["heartbeat_timeout"]
+    assert "w1" not in engine.connections
+
+
+def test_a_wall_clock_step_either_way_cancels_nothing(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, visibility_timeout=2.0)
+    [copy] = assign(engine, clock)
+    effects: list[Effect] = []
+    for step in (+7200.0, -7200.0, -7200.0, +7200.0):
+        clock.step(step)
+        for seq in range(5):
+            clock.advance(0.5)
+            effects += engine.heartbeat(1, "w1", hb("w1", seq, active=[copy["id"]]), clock())
+            effects += engine.tick(clock())
+    assert not [f for f in sent(effects) if f["type"] != "ack"] and not of(Abort, effects)
+    assert engine.scheduler.jobs[copy["id"]].state == JobState.ACTIVE
+    result = engine.heartbeat(1, "w1", hb("w1", 99, results=[done(copy)]), clock())
+    assert of(Save, result)
+
+
+def test_a_server_stall_is_not_held_against_its_workers(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, visibility_timeout=3.0)
+    [copy] = assign(engine, clock)
+    engine.tick(clock())
+    # The server froze for 8 s (> heartbeat_timeout and > the lease); the worker's
+    # heartbeats waited in the socket. The timer fires before they are read.
+    effects = engine.tick(clock.advance(8.0))
+    assert not of(Abort, effects) and not sent(effects) and not of(Save, effects)
+    effects = engine.heartbeat(1, "w1", hb("w1", 1, active=[copy["id"]]), clock())
+    effects += engine.tick(clock.advance(0.2))
+    assert not of(Abort, effects) and engine.scheduler.jobs[copy["id"]].state == "active"
+    # ...but a worker that stays silent after the server is back is dropped as usual.
+    effects = run_for(engine, clock, 6.0)
+    assert [a.code for a in of(Abort, effects)] == ["heartbeat_timeout"]
+
+
+# -- reconnects, restarts, supersede ----------------------------------------------------
+def test_a_lost_connection_keeps_jobs_for_the_grace_and_the_worker_reclaims_them(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    effects = engine.disconnect(1, "w1", "connection_lost", clock())
+    assert not of(Save, effects) and of(Arm, effects)
+    clock.advance(2.0)
+    connect(engine, clock, conn=2)
+    engine.heartbeat(2, "w1", hb("w1", 1, active=[copy["id"]]), clock())
+    job = engine.scheduler.jobs[copy["id"]]
+    assert not job.orphaned and job.worker_id == "w1"
+    effects = run_for(engine, clock, 10.0, worker="w1", active=[copy["id"]])
+    assert not of(Save, effects)  # the grace passed: nothing lapsed
+
+
+def test_after_a_restart_a_job_not_reclaimed_in_time_ends_as_worker_death(clock):
+    engine = Engine(ServerSettings(heartbeat_timeout=5.0), rand=lambda: 0.0)
+    job = Job(id="j1", spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
+              enqueued_at=clock.wall - 60, seq=1, state="active", attempt=1, worker_id="w1",
+              checksum=checksum(SPEC), lease_expires_at=clock.wall + 1000,
+              limits=Limits(max_attempts=5, max_fails=None, backoff_base=1, backoff_max=1))
+    engine.load({"echo": SPEC}, {"echo": checksum(SPEC)}, [job], clock())
+    assert job.orphaned
+    effects = run_for(engine, clock, 6.0)
+    [save] = of(Save, effects)
+    assert b"did not reconnect in time" in (save.changes[0].error or b"")
+    assert job.state == JobState.AVAILABLE and job.deaths == 1
+
+
+def test_the_same_process_supersedes_its_half_open_connection(engine, clock):
+    connect(engine, clock)
+    effects = connect(engine, clock, conn=2)
+    assert [(a.conn, a.code) for a in of(Abort, effects)] == [(1, "superseded")]
+    assert engine.connections["w1"].conn == 2
+    assert [f["type"] for f in sent(effects, conn=2)] == ["welcome", "ack"]
+
+
+def test_another_process_under_a_connected_id_is_refused(engine, clock):
+    connect(engine, clock)
+    other = hb("w1", 0, register=True, started_at="t1")
+    with pytest.raises(p.FrameError) as refused:
+        engine.register(2, other, OPEN, clock())
+    assert refused.value.code == "worker_id_in_use"
+
+
+def test_a_directive_rides_every_ack_until_the_worker_gets_there(engine, clock):
+    connect(engine, clock)
+    assert engine.registry.direct(["w1"], "quiet") == ["w1"]
+    enqueue(engine, clock)
+    assert not engine.dispatch(clock())  # a quiet worker gets nothing
+    [ack] = sent(engine.heartbeat(1, "w1", hb("w1", 1), clock()))
+    assert ack["state"] == "quiet"
+    engine.heartbeat(1, "w1", hb("w1", 2, state="quiet"), clock())
+    assert engine.connections["w1"].directive is None
+    assert engine.registry.direct(["w1"], "running") == []  # never backwards
+
+
+# -- poison -----------------------------------------------------------------------------
+def test_a_job_that_kills_its_workers_is_discarded_as_poison(engine, clock):
+    enqueue(engine, clock, spec="boom")  # max_worker_deaths = 2
+    for n in (1, 2):
+        connect(engine, clock, worker=f"w{n}", conn=n)
+        [copy] = assign(engine, clock)
+        assert copy["attempt"] == n
+        effects = engine.disconnect(n, f"w{n}", "closed", clock())
+    [save] = of(Save, effects)
+    record = json.loads(save.changes[0].error or b"{}")
+    assert save.changes[0].job.state == JobState.DISCARDED and record["type"] == "poison"
+    connect(engine, clock, worker="w3", conn=3)
+    assert not engine.dispatch(clock())
+
+
+def test_deaths_count_only_in_a_row(engine, clock):
+    enqueue(engine, clock, spec="boom")
+    connect(engine, clock, worker="w1", conn=1)
+    [copy] = assign(engine, clock)
+    engine.disconnect(1, "w1", "closed", clock())
+    connect(engine, clock, worker="w2", conn=2)
+    [copy] = assign(engine, clock)
+    failed = p.Result(job_id=copy["id"], attempt=copy["attempt"], outcome="failed",
+                      error=p.ErrorInfo(type="ValueError", message="no"))
+    [save] = of(Save, engine.heartbeat(2, "w2", hb("w2", 1, results=[failed]), clock()))
+    engine.committed(save.ticket, None, clock())
+    job = engine.scheduler.jobs[copy["id"]]
+    assert job.deaths == 0 and job.state == JobState.RETRYABLE
+
+
+# -- the model ---------------------------------------------------------------------------
+def test_job_transitions_are_guarded():
+    job = Job(id="j", spec="s", queue="q", args=msgspec.Raw(b"{}"), priority=0, enqueued_at=0,
+              seq=1, limits=Limits(max_attempts=1, max_fails=None, backoff_base=1, backoff_max=1))
+    job.move(JobState.ACTIVE)
+    job.move(JobState.COMPLETED)
+    with pytest.raises(InvalidTransition, match="got completed"):
+        job.move(JobState.AVAILABLE)
+
+
+def test_engine_effects_are_plain_values(engine, clock):
+    """Everything the shell needs is in the effect: nothing to call back into."""
+    effects = connect(engine, clock)
+    enqueue(engine, clock)
+    effects += engine.dispatch(clock())
+    assert {type(e).__name__ for e in effects} >= {"Send", "Reserve", "WorkerSeen"}
+    assert any(isinstance(e, Wake) for e in engine.enqueued(
+        engine.build(EnqueueRequest(spec="echo"), OPEN, clock()), 9, clock()))  # type: ignore[arg-type]

@@ -1,0 +1,532 @@
+"""Liveness under stress: what the server does to workers and jobs when a worker floods
+it, when a job keeps killing its workers, when the wall clock steps, and when the server
+itself freezes. Black-box, against real servers (in-process or ``rota serve``
+subprocesses), real WebSocket clients and real worker processes:
+
+1. A rate limit throttles a fast worker (the server reads its socket more slowly) and
+   never cuts it off, so its jobs do not run twice.
+2. A job whose attempts end in ``worker_death`` several times in a row (3 by default,
+   ``[retry] max_worker_deaths`` in its spec) is quarantined: ``discarded``, its last
+   error record of type ``poison``, never handed to another worker.
+3. A step of the server's wall clock, forward or back, cancels no running job whose
+   worker keeps beating (``rota serve`` under libfaketime, monotonic time left real).
+4. A server frozen longer than the heartbeat timeout (SIGSTOP, then SIGCONT) drops no
+   worker that kept sending heartbeats meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+from conftest import Api, Live, RawWorker, start_server, stop_server, wait_until, write_spec
+from test_crash import clean_env, free_port
+
+TERMINAL = {"completed", "discarded", "cancelled"}
+# A spec whose jobs are quarantined after two worker deaths in a row.
+TWO_DEATHS = "[retry]\nmax_worker_deaths = 2\n"
+# Debian's package faketime (it pulls in libfaketime) puts it in /usr/lib/<triplet>/faketime/.
+LIBFAKETIME = next((path for pattern in ("/usr/lib/*/faketime/libfaketime.so.1",
+                                         "/usr/lib/faketime/libfaketime.so.1",
+                                         "/usr/local/lib/faketime/libfaketime.so.1")
+                    for path in sorted(Path("/").glob(pattern.lstrip("/")))), None)
+
+
+def running(*job_ids: str) -> dict[str, Any]:
+    """A status section vouching for ``job_ids``."""
+    return {"state": "running", "active_job_ids": list(job_ids)}
+
+
+def completed(copy: dict[str, Any], result: Any = None) -> dict[str, Any]:
+    return {"job_id": copy["id"], "attempt": copy["attempt"], "outcome": "completed",
+            "result": result}
+
+
+def error_types(job: dict[str, Any]) -> list[tuple[str, int]]:
+    return [(e["type"], e["attempt"]) for e in job["errors"]]
+
+
+def wall_clock(stamp: str) -> float:
+    """An RFC 3339 ``...Z`` time from the server, as a Unix timestamp."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+async def never(predicate: Callable[[], Any], *, within: float, what: str) -> None:
+    """A bounded negative check: ``predicate`` stays false for ``within`` seconds."""
+    try:
+        value = await wait_until(predicate, timeout=within, what=what)
+    except AssertionError:
+        return
+    raise AssertionError(f"{what}: {value!r}")
+
+
+async def quarantined(api: Api, job_id: str, *, deaths: int, timeout: float = 5.0
+                      ) -> dict[str, Any]:
+    """Wait for ``job_id`` to end after ``deaths`` worker deaths; it must be poison."""
+    async def settled() -> dict[str, Any] | None:
+        job = await api.job(job_id)
+        return job if job["state"] in TERMINAL or job["attempt"] > deaths else None
+
+    try:
+        job = await wait_until(settled, timeout=timeout, what=f"job {job_id} to be quarantined")
+    except AssertionError:
+        job = await api.job(job_id)
+    assert job["state"] == "discarded", (
+        f"after {deaths} worker deaths in a row the job is {job['state']} at attempt"
+        f" {job['attempt']}, errors {error_types(job)}")
+    assert job["errors"][-1]["type"] == "poison", error_types(job)
+    return job
+
+
+class ServeProcess(Api):
+    """``rota serve`` as a subprocess, with options and environment of the test's choosing."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.log = tmp / "server.log"
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/work"
+
+    async def start(self, *options: str, env: dict[str, str] | None = None) -> None:
+        args = ["serve", "--port", str(self.port), "--db", str(self.tmp / "rota.db"),
+                "--log-level", "info", *options]
+        with self.log.open("wb") as sink:
+            self.proc = proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "rota", *args, env={**clean_env(), **(env or {})},
+                stdout=sink, stderr=sink)
+
+        async def healthy() -> bool:
+            if proc.returncode is not None:
+                raise AssertionError(f"rota serve exited with {proc.returncode}:\n"
+                                     f"{self.log.read_text()}")
+            try:
+                return (await self.http.get("/healthz")).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        await wait_until(healthy, timeout=15, what="rota serve to answer /healthz")
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None and self.proc.returncode is None
+        self.proc.send_signal(signum)
+
+    async def workers(self) -> list[str]:
+        return [w["id"] for w in (await self.http.get("/workers")).json()["workers"]]
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.returncode is None:  # a graceful stop lets libfaketime clean up after itself
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        for stale in (f"faketime_shm_{proc.pid}", f"sem.faketime_sem_{proc.pid}"):
+            # left by a libfaketime process that did not exit cleanly; a later process
+            # that happens to get the same pid would fail to start
+            Path("/dev/shm", stale).unlink(missing_ok=True)
+
+
+@pytest.fixture
+async def serve(tmp_path: Path) -> AsyncIterator[ServeProcess]:
+    server = ServeProcess(tmp_path)
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+class Beater:
+    """A raw worker that heartbeats on its own every ``interval`` seconds, vouching for
+    its jobs, while a reader keeps every frame the server sends (and how it closed)."""
+
+    def __init__(self, worker: RawWorker, job_ids: list[str], interval: float = 0.2) -> None:
+        self.worker = worker
+        self.job_ids = job_ids
+        self.interval = interval
+        self.frames: list[dict[str, Any]] = list(worker.held)
+        worker.held.clear()
+        self.sent: list[tuple[int, float]] = []  # (seq, monotonic) of every heartbeat sent
+        self.closed: str | None = None  # how the connection ended, if it did
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._beat()), asyncio.create_task(self._read())]
+
+    async def stop(self) -> None:
+        """Stop beating and reading; the connection stays open."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _beat(self) -> None:
+        while True:
+            seq = self.worker.seq
+            # Small frames fit in the socket buffers even when nobody reads them; the
+            # timeout only makes sure a stalled send cannot hang the test.
+            await asyncio.wait_for(self.worker.beat(status=running(*self.job_ids)), 1.0)
+            self.sent.append((seq, time.monotonic()))
+            await asyncio.sleep(self.interval)  # noqa: sleep-ok (the worker's heartbeat cadence)
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.worker.ws:
+                self.frames.append(json.loads(message))
+        except websockets.ConnectionClosed as exc:
+            self.closed = repr(exc)
+        else:
+            self.closed = f"closed normally ({self.worker.ws.close_code})"
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [f for f in self.frames if f["type"] == kind]
+
+    def acked_through(self) -> int:
+        return max((a["seq"] for a in self.of_type("ack")), default=-1)
+
+    def trouble(self) -> str | None:
+        """What went wrong on this connection, if anything: an error, a cancel, a close."""
+        bad = self.of_type("error") + self.of_type("cancel")
+        if bad or self.closed is not None or self.worker.ws.close_code is not None:
+            return (f"worker {self.worker.worker_id}: frames {bad}, connection"
+                    f" {self.closed or self.worker.ws.close_code}")
+        return None
+
+
+# -- 1. a rate limit throttles, it never cuts a worker off --------------------------------
+async def test_a_worker_over_the_rate_limit_is_slowed_down_not_cut_off(tmp_path: Path):
+    live = await start_server(tmp_path, rate_limit=50.0, rate_burst=5)
+    ws = None
+    try:
+        echo = write_spec(tmp_path / "specs", "echo")
+        await live.push(echo)
+        ws = await websockets.connect(live.ws)
+        worker = RawWorker(ws, "eager")
+        await worker.register([echo], concurrency=3)
+        job_ids = [(await live.enqueue("echo", {"n": n}, id=f"job-{n}"))["id"] for n in range(3)]
+        copies = {copy["id"]: copy for copy in await worker.jobs(3)}
+        assert sorted(copies) == job_ids and {c["attempt"] for c in copies.values()} == {1}
+
+        # 60 heartbeats back to back: 12 times the burst, more than a second's worth.
+        beats, first = 60, worker.seq
+        began = time.monotonic()
+        acks: list[dict[str, Any]] = []
+        cut_off: websockets.ConnectionClosed | None = None
+        try:
+            for _ in range(beats):
+                await asyncio.wait_for(worker.beat(status=running(*job_ids)), 5)
+            for _ in range(beats):
+                acks.append(await worker.expect("ack", timeout=5))
+        except websockets.ConnectionClosed as exc:
+            cut_off = exc
+            with contextlib.suppress(websockets.ConnectionClosed, TimeoutError):
+                while True:  # what the server said before it closed
+                    worker.held.append(json.loads(await asyncio.wait_for(ws.recv(), 1)))
+        took = time.monotonic() - began
+        errors = [f for f in worker.held if f["type"] == "error"]
+        assert cut_off is None and not errors, (
+            f"the server cut the worker off: {errors}, {cut_off!r}")
+        assert [ack["seq"] for ack in acks] == list(range(first, first + beats))
+        # Throttled all the same: the frames past the burst were read at about 50 a second.
+        assert took >= 0.7 * (beats - 5) / 50, f"{beats} heartbeats acked in {took:.2f}s"
+
+        await worker.beat(results=[completed(copy, copy["args"]) for copy in copies.values()])
+        ack = await worker.expect("ack")
+        assert sorted(ack["accepted"]) == job_ids and "rejected" not in ack
+        for job_id in job_ids:
+            job = await live.job(job_id)
+            assert (job["state"], job["attempt"], job["errors"]) == ("completed", 1, []), job
+        assert not [f for f in worker.held if f["type"] in ("error", "cancel")], worker.held
+    finally:
+        if ws is not None:
+            await ws.close()
+        await stop_server(live)
+
+
+# -- 2. poison jobs ----------------------------------------------------------------------
+async def test_a_job_that_kills_its_workers_in_a_row_is_quarantined(live: Live, connect,
+                                                                    tmp_path: Path):
+    spec = write_spec(tmp_path / "specs", "crashy", extra=TWO_DEATHS)
+    await live.push(spec)
+    await live.enqueue("crashy", {}, id="poison")
+    for attempt, name in enumerate(["w1", "w2"], start=1):
+        worker = await connect(name)
+        await worker.register([spec], concurrency=1)
+        [copy] = await worker.jobs(1)
+        assert (copy["id"], copy["attempt"]) == ("poison", attempt)
+        await worker.ws.close()  # a close frame and no goodbye: the worker died
+
+    job = await quarantined(live, "poison", deaths=2)
+    assert job["attempt"] == 2 and job["worker_id"] in (None, "w2")
+    assert error_types(job)[0] == ("worker_death", 1)
+    assert job["errors"][-1]["attempt"] == 2
+
+    w3 = await connect("w3")
+    await w3.register([spec], concurrency=1)
+    await w3.assert_no_assign(within=0.5)
+    assert (await live.job("poison"))["state"] == "discarded"
+
+
+async def test_one_worker_death_then_a_completion_is_not_poison(live: Live, connect,
+                                                                tmp_path: Path):
+    spec = write_spec(tmp_path / "specs", "crashy", extra=TWO_DEATHS)
+    await live.push(spec)
+    await live.enqueue("crashy", {}, id="unlucky")
+    w1 = await connect("w1")
+    await w1.register([spec], concurrency=1)
+    await w1.jobs(1)
+    await w1.ws.close()  # one death, one short of the limit
+
+    w2 = await connect("w2")
+    await w2.register([spec], concurrency=1)
+    [copy] = await w2.jobs(1)
+    assert (copy["id"], copy["attempt"]) == ("unlucky", 2)
+    assert (await w2.complete(copy, "fine"))["accepted"] == ["unlucky"]
+    job = await live.job("unlucky")
+    assert (job["state"], job["attempt"], job["result"]) == ("completed", 2, "fine")
+    assert error_types(job) == [("worker_death", 1)]
+
+
+async def test_worker_deaths_count_only_in_a_row(live: Live, connect, tmp_path: Path):
+    spec = write_spec(tmp_path / "specs", "crashy",
+                      extra=TWO_DEATHS + "backoff_base = 0.05\nbackoff_max = 0.05\n")
+    await live.push(spec)
+    await live.enqueue("crashy", {}, id="flaky")
+    w1 = await connect("w1")
+    await w1.register([spec], concurrency=1)
+    await w1.jobs(1)
+    await w1.ws.close()  # death 1
+
+    w2 = await connect("w2")
+    await w2.register([spec], concurrency=1)
+    [second] = await w2.jobs(1)
+    assert second["attempt"] == 2
+    await w2.beat(results=[{"job_id": "flaky", "attempt": 2, "outcome": "failed",
+                            "error": {"type": "ValueError", "message": "bad input"}}],
+                  capacity=1)
+    assert (await w2.expect("ack"))["accepted"] == ["flaky"]  # a failure: the count restarts
+    [third] = await w2.jobs(1)  # after the short backoff
+    assert third["attempt"] == 3
+    await w2.ws.close()  # death 1 again, not 2
+
+    w3 = await connect("w3")
+    await w3.register([spec], concurrency=1)
+    [fourth] = await w3.jobs(1)
+    assert (fourth["id"], fourth["attempt"]) == ("flaky", 4)
+    assert (await w3.complete(fourth, "at last"))["accepted"] == ["flaky"]
+    job = await live.job("flaky")
+    assert (job["state"], job["result"]) == ("completed", "at last")
+    assert error_types(job) == [("worker_death", 1), ("ValueError", 2), ("worker_death", 3)]
+
+
+CRASHING_WORKER = '''
+"""Written by tests/test_liveness.py: every job kills the worker process."""
+import os
+from pathlib import Path
+
+from rota import Worker
+
+worker = Worker(specs_dir="specs", concurrency=1, heartbeat_interval=0.1)
+
+
+@worker.handler("crashy")
+async def crashy(ctx):
+    Path(f"ran-{ctx.id}-{ctx.attempt}-{os.getpid()}").touch()
+    os._exit(1)
+'''
+
+
+async def test_a_job_that_crashes_worker_processes_is_quarantined_after_three(tmp_path: Path):
+    # A crashed process drops its connection without a close frame, so its job waits out
+    # the reconnect grace before it counts as a worker death: keep the grace short.
+    live = await start_server(tmp_path, reconnect_grace=0.3)
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        await live.push(write_spec(tmp_path / "specs", "crashy"))  # the default limit: 3
+        (tmp_path / "crashing_worker.py").write_text(CRASHING_WORKER)
+        # Four processes at once: each death hands the job to the next, until it is poison.
+        for n in range(4):
+            with (tmp_path / f"worker-{n}.log").open("wb") as sink:
+                procs.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "rota", "worker", "crashing_worker:worker",
+                    "--url", live.base, cwd=tmp_path, env=clean_env(), stdout=sink,
+                    stderr=sink))
+
+        async def all_registered() -> bool:
+            workers = (await live.http.get("/workers")).json()["workers"]
+            return {w["pid"] for w in workers} == {p.pid for p in procs}
+
+        await wait_until(all_registered, timeout=15, what="4 worker processes to register")
+        await live.enqueue("crashy", {}, id="poison")
+
+        def dead() -> list[asyncio.subprocess.Process]:
+            return [p for p in procs if p.returncode is not None]
+
+        await wait_until(lambda: len(dead()) >= 3, timeout=10, what="3 worker processes to die")
+        job = await quarantined(live, "poison", deaths=3)
+        assert job["attempt"] == 3
+        assert error_types(job)[:2] == [("worker_death", 1), ("worker_death", 2)]
+        ran = sorted(p.name.split("-")[2] for p in tmp_path.glob("ran-poison-*"))
+        assert ran == ["1", "2", "3"]
+
+        [survivor] = [p for p in procs if p.returncode is None]
+        await never(lambda: survivor.returncode is not None or list(tmp_path.glob("ran-*-4-*")),
+                    within=1.0, what="the 4th worker process was given the poison job")
+        assert (await live.job("poison"))["state"] == "discarded"
+        survivor.send_signal(signal.SIGTERM)  # alive and well: it stops cleanly
+        assert await asyncio.wait_for(survivor.wait(), 15) == 0
+        assert [p.returncode for p in dead()].count(1) == 3
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        await stop_server(live)
+
+
+# -- 3. a wall-clock step -----------------------------------------------------------------
+async def test_a_wall_clock_step_cancels_no_running_job(serve: ServeProcess, tmp_path: Path):
+    if LIBFAKETIME is None:
+        pytest.fail("libfaketime.so.1 is missing: apt-get install faketime")
+    clock = tmp_path / "faketime.rc"  # the server's wall clock: real time plus this offset
+
+    def set_clock(offset: str) -> None:  # atomically: the server reads the file at any time
+        (tmp_path / "faketime.new").write_text(f"{offset}\n")
+        os.replace(tmp_path / "faketime.new", clock)
+
+    set_clock("+0")
+    await serve.start("--heartbeat-interval", "0.2", "--heartbeat-timeout", "2", env={
+        "LD_PRELOAD": str(LIBFAKETIME), "FAKETIME_TIMESTAMP_FILE": str(clock),
+        "FAKETIME_NO_CACHE": "1",  # read the file at every call: a step takes effect at once
+        # monotonic time stays real, as under a real NTP step (both spellings of the switch)
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1", "DONT_FAKE_MONOTONIC": "1"})
+    echo = write_spec(tmp_path / "specs", "echo")
+    await serve.push(echo)
+    ws = await websockets.connect(serve.ws)
+    try:
+        worker = RawWorker(ws, "w1")
+        await worker.register([echo], concurrency=1)
+        await serve.enqueue("echo", {"n": 1}, id="steady", visibility_timeout=2)
+        [copy] = await worker.jobs(1)
+        assert (copy["attempt"], copy["visibility_timeout"]) == (1, 2.0)
+
+        async def beat_for(seconds: float, *, first_after: float = 0.0) -> list[dict[str, Any]]:
+            """Heartbeat every 0.2 s for ``seconds``, the first one ``first_after`` late."""
+            acks = []
+            await asyncio.sleep(first_after)  # noqa: sleep-ok (the worker is late: the workload)
+            until = time.monotonic() + seconds
+            while True:
+                await worker.beat(status=running("steady"))
+                acks.append(await worker.expect("ack", timeout=3))
+                if time.monotonic() >= until:
+                    return acks
+                await asyncio.sleep(0.2)  # noqa: sleep-ok (the worker's heartbeat cadence)
+
+        def trouble() -> list[dict[str, Any]]:
+            return [f for f in worker.held if f["type"] in ("cancel", "error")]
+
+        await beat_for(0.2)
+        for offset, direction in (("+2h", 1), ("-2h", -1)):
+            set_clock(offset)
+            # The step lands just after a heartbeat; the next one comes 1.4 s later (late,
+            # but within the 2 s lease and the 2 s heartbeat timeout), by when the server's
+            # lease timer (it wakes at least once a second) has looked at the job.
+            acks = await beat_for(0.7, first_after=1.4)  # 2.1 s in all: past one lease
+            skew = wall_clock(acks[0]["server_time"]) - time.time()
+            assert direction * skew > 3600, f"the server clock did not step {offset}: {skew:+.0f}s"
+            assert not trouble(), f"after a {offset} step of the wall clock: {trouble()}"
+
+        ack = await worker.complete(copy, {"n": 1})
+        assert ack.get("accepted") == ["steady"] and "rejected" not in ack, ack
+        assert not trouble(), trouble()
+        job = await serve.job("steady")
+        assert (job["state"], job["attempt"], job["errors"]) == ("completed", 1, []), job
+    finally:
+        await ws.close()
+
+
+# -- 4. a frozen server ----------------------------------------------------------------------
+async def test_a_frozen_server_drops_no_worker_that_kept_beating(serve: ServeProcess,
+                                                                 tmp_path: Path):
+    await serve.start("--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.0")
+    echo = write_spec(tmp_path / "specs", "echo")
+    await serve.push(echo)
+    beaters: list[Beater] = []
+    stopped = False
+    try:
+        for name in ("w1", "w2"):
+            worker = RawWorker(await websockets.connect(serve.ws), name)
+            await worker.register([echo], concurrency=1)
+            job = await serve.enqueue("echo", {"by": name}, id=f"job-{name}")
+            [copy] = await worker.jobs(1)
+            assert (copy["id"], copy["attempt"]) == (job["id"], 1)
+            beaters.append(Beater(worker, [copy["id"]]))
+        for beater in beaters:
+            beater.start()
+        await wait_until(lambda: all(len(b.of_type("ack")) >= 2 for b in beaters),
+                         what="both workers beating")
+
+        serve.signal(signal.SIGSTOP)
+        stopped, frozen_at = True, time.monotonic()
+        # The workers keep beating through a freeze well past the 1 s heartbeat timeout;
+        # their heartbeats pile up in the socket buffers.
+        await wait_until(lambda: all(b.sent[-1][1] - frozen_at >= 2.5 for b in beaters),
+                         timeout=6, what="heartbeats through 2.5 s of the freeze")
+        serve.signal(signal.SIGCONT)
+        stopped = False
+        pending = [b.sent[-1][0] for b in beaters]
+
+        def caught_up() -> bool:
+            for beater in beaters:
+                assert beater.trouble() is None, beater.trouble()
+            return all(b.acked_through() >= seq for b, seq in zip(beaters, pending, strict=True))
+
+        await wait_until(caught_up, timeout=5, what="every heartbeat sent in the freeze acked")
+        assert sorted(await serve.workers()) == ["w1", "w2"]
+        for name in ("w1", "w2"):
+            job = await serve.job(f"job-{name}")
+            assert (job["state"], job["worker_id"], job["attempt"], job["errors"]) == (
+                "active", name, 1, []), job
+
+        for beater in beaters:
+            await beater.stop()
+            assert beater.trouble() is None, beater.trouble()
+            worker = beater.worker
+            worker.held = [f for f in beater.frames if f["type"] != "ack"]
+            await worker.beat(results=[completed({"id": f"job-{worker.worker_id}", "attempt": 1},
+                                                 "done")])
+            while (ack := await worker.expect("ack"))["seq"] != worker.seq - 1:
+                pass  # the acks of heartbeats sent just before
+            assert ack.get("accepted") == [f"job-{worker.worker_id}"], ack
+            assert not [f for f in worker.held if f["type"] in ("error", "cancel")], worker.held
+        for name in ("w1", "w2"):
+            job = await serve.job(f"job-{name}")
+            assert (job["state"], job["attempt"], job["errors"]) == ("completed", 1, []), job
+    finally:
+        if stopped:
+            serve.signal(signal.SIGCONT)
+        for beater in beaters:
+            await beater.stop()
+            await beater.worker.ws.close()
