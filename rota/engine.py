@@ -23,35 +23,30 @@ from typing import Any
 import msgspec
 
 from rota import protocol as p
+from rota.attempts import MAX_LOG_LINES, end_attempt, held_by, result_problem, settle, status_notes
 from rota.auth import Principal
 from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           WorkerGone, WorkerSeen)
-from rota.errors import DomainError, Forbidden, Invalid, TooLarge
-from rota.jobs import EnqueueRequest, error_record, new_job
-from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState, StatusNote
-from rota.policy import Ending, after_attempt
+from rota.intake import Intake
+from rota.jobs import error_record
+from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
+from rota.policy import Ending
 from rota.registry import Connection, Registry, judge_specs, short
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.settings import ServerSettings
-from rota.specs import JobSpec, SpecError, validate_args
+from rota.specs import JobSpec
 
+__all__ = ["Engine", "MAX_LOG_LINES", "MAY_RECONNECT"]
 log = logging.getLogger("rota.server")
-# Error types a worker may report that say the attempt ended for an outside reason, not
-# because the job failed: they do not count toward max_fails and do not back off.
-OUTSIDE_ENDINGS: dict[str, Ending] = {"visibility_timeout": "visibility_timeout",
-                                      "shutdown": "shutdown", "cancelled": "cancelled"}
 # Disconnects the worker did not choose and may recover from: its jobs stay reserved for
 # reconnect_grace, so that a worker whose network blinked (or that the server closed
 # for its own reasons) takes them back on reconnect. After any other (it closed, said
 # goodbye, went silent, broke the protocol) they go back at once.
 MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error", "rate_limited"})
-MAX_LOG_LINES = 1000  # captured log lines kept per job (per server run); later ones dropped
 STALL = 0.1  # seconds a tick may be late before the lateness counts as a server stall
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-          "error": logging.ERROR, "critical": logging.CRITICAL}
 
 
-class Engine:
+class Engine(Intake):
     def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
         self.settings = settings
         self.scheduler = Scheduler(settings.visibility_timeout)
@@ -193,7 +188,8 @@ class Engine:
             self.registry.report(connection, hb.status)
             self.scheduler.renew(worker, hb.status.active_job_ids, now.mono)
             if hb.status.progress or hb.status.logs or hb.status.alerts:
-                effects += self._note_status(connection, hb.status, now)
+                notes = status_notes(self.scheduler.jobs, connection, hb.status, now)
+                effects += [Note(notes)] if notes else []
         if hb.capacity is not None:
             worker.capacity = hb.capacity
         accepted, rejected, changes = self._take_results(worker, hb.results, now)
@@ -233,45 +229,12 @@ class Engine:
         holds (recovered while it was away, maybe running elsewhere) are wasted work at
         best and a duplicate side effect at worst: tell it to stop them."""
         connection.checked = True
-        lost = [job_id for job_id in named if self._held_by(connection, job_id) is None]
+        lost = [job_id for job_id in named if held_by(self.scheduler.jobs, connection, job_id) is None]
         if not lost:
             return []
         log.warning("reservation lost worker=%s jobs=%s: recovered while it was away",
                     connection.worker.id, ",".join(lost))
         return [Send(connection.conn, p.encode(p.Cancel(job_ids=lost, reason="reservation_lost")))]
-
-    def _note_status(self, connection: Connection, status: p.Status, now: Instant
-                     ) -> list[Effect]:
-        """Keep progress and captured lines of jobs this worker holds; log alerts."""
-        notes: list[StatusNote] = []
-        for item in status.progress:
-            if (job := self._held_by(connection, item.job_id)) is not None:
-                notes.append(StatusNote(job.id, job.attempt, now.wall, progress=(
-                    item.percent, None if item.message is None else p.cut_text(item.message))))
-        for line in status.logs:
-            job = self._held_by(connection, line.job_id)
-            if job is not None and job.capture_logs and job.log_lines < MAX_LOG_LINES:
-                job.log_lines += 1
-                notes.append(StatusNote(job.id, job.attempt, now.wall,
-                                        line=("log", line.level, p.cut_text(line.message))))
-        for alert in status.alerts:
-            job = self._held_by(connection, alert.job_id) if alert.job_id else None
-            # %r: the worker's text is quoted and escaped, so it cannot forge log lines
-            log.log(LEVELS[alert.level], "alert worker=%s job=%s level=%s message=%r",
-                    connection.worker.id, alert.job_id or "-", alert.level, alert.message[:200])
-            connection.alerts.append({"at": p.rfc3339(now.wall), "level": alert.level,
-                                      "job_id": alert.job_id, "message": p.cut_text(alert.message)})
-            if job is not None:
-                notes.append(StatusNote(job.id, job.attempt, now.wall,
-                                        line=("alert", alert.level, p.cut_text(alert.message))))
-        return [Note(notes)] if notes else []
-
-    def _held_by(self, connection: Connection, job_id: str) -> Job | None:
-        job = self.scheduler.jobs.get(job_id)
-        if (job is None or job.worker_id != connection.worker.id
-                or job.state != JobState.ACTIVE or job.orphaned):
-            return None
-        return job
 
     def _take_results(self, worker: WorkerSlot, results: list[p.Result], now: Instant
                       ) -> tuple[list[str], list[p.ResultRejection], list[Change]]:
@@ -279,7 +242,7 @@ class Engine:
         rejected: list[p.ResultRejection] = []
         changes: list[Change] = []
         for result in results:
-            reason = self._result_problem(worker, result)
+            reason = result_problem(self.scheduler.jobs, worker.id, result)
             if reason is not None:
                 rejected.append(p.ResultRejection(job_id=result.job_id, attempt=result.attempt,
                                                   reason=reason))
@@ -289,62 +252,10 @@ class Engine:
             job = self.scheduler.jobs[result.job_id]
             undo = (job.fails, job.deaths, job.run_at, job.due)  # if the commit fails
             accepted.append(job.id)
-            changes.append(self._settle(job, result, now))
+            changes.append(settle(job, result, now, rand=self._rand,
+                                  max_result_bytes=self.settings.max_result_bytes))
             changes[-1].undo = undo
         return accepted, rejected, changes
-
-    def _result_problem(self, worker: WorkerSlot, result: p.Result) -> str | None:
-        job = self.scheduler.jobs.get(result.job_id)
-        if job is None or job.state in TERMINAL_STATES:  # (or its result is being stored)
-            return "unknown job, or it already finished"
-        if job.worker_id != worker.id or job.state != JobState.ACTIVE or job.orphaned:
-            return "job is not reserved by this worker"
-        if job.attempt != result.attempt:
-            return f"attempt {result.attempt} is not the current attempt {job.attempt}"
-        return None
-
-    def _settle(self, job: Job, result: p.Result, now: Instant) -> Change:
-        """Decide an accepted result's outcome; the job stays put in memory until commit."""
-        if result.outcome == "completed":
-            encoded = msgspec.json.encode(result.result)
-            limit = self.settings.max_result_bytes
-            if len(encoded) <= limit:
-                job.move(JobState.COMPLETED)
-                return Change(job, result=encoded, finished_at=now.wall)
-            # Running it again would only make the same result: fail it for good.
-            result = p.Result(job_id=job.id, attempt=result.attempt, outcome="failed",
-                              error=p.ErrorInfo(type="result_too_large", retryable=False,
-                                                message=f"the result is {len(encoded)} bytes as"
-                                                f" JSON; the limit (max_result_bytes) is {limit}"))
-        error = result.error or p.ErrorInfo(type="error", message="the worker gave no error")
-        return self._end_attempt(job, OUTSIDE_ENDINGS.get(error.type, "failed"), error, now)
-
-    def _end_attempt(self, job: Job, ending: Ending, error: p.ErrorInfo, now: Instant) -> Change:
-        """Apply the retry policy to an attempt that did not complete."""
-        if ending == "failed":
-            job.fails += 1
-        job.deaths = job.deaths + 1 if ending == "worker_death" else 0
-        decision = after_attempt(
-            ending=ending, retryable=error.retryable, attempts_used=job.attempt - job.budget_start,
-            fails=job.fails, limits=job.limits, expires_at=job.expires_at,
-            cancel_requested=job.cancel_requested, now=now.wall, rand=self._rand(),
-            deaths=job.deaths)
-        if decision.reason.startswith("poison"):
-            error = p.ErrorInfo(type="poison", retryable=False, message=f"{error.message};"
-                                f" {decision.reason}", details=error.details)
-            log.error("poison job=%s spec=%s@%s queue=%s worker=%s attempt=%d deaths=%d:"
-                      " discarded", job.id, job.spec, short(job.checksum), job.queue,
-                      job.worker_id, job.attempt, job.deaths)
-        record = error_record(error, attempt=job.attempt, worker_id=job.worker_id, now=now.wall)
-        job.move(JobState(decision.state))
-        job.run_at = decision.run_at
-        job.due = None if decision.run_at is None else now.deadline(decision.run_at)
-        log.info("attempt ended job=%s spec=%s@%s queue=%s worker=%s attempt=%d ending=%s"
-                 " next=%s%s", job.id, job.spec, short(job.checksum), job.queue, job.worker_id,
-                 job.attempt, ending, decision.state,
-                 f" reason={decision.reason!r}" if decision.reason else "")
-        terminal = decision.state in TERMINAL_STATES
-        return Change(job, error=record, finished_at=now.wall if terminal else None)
 
     def _place(self, job: Job) -> list[Effect]:
         """Put a job where its (committed) state says it belongs."""
@@ -416,7 +327,7 @@ class Engine:
     def _recover(self, jobs: Iterable[Job], ending: Ending, message: str, now: Instant
                  ) -> list[Effect]:
         """Attempts that ended without a result: retry or discard them, record why."""
-        changes = [self._end_attempt(job, ending, p.ErrorInfo(type=ending, message=message), now)
+        changes = [end_attempt(job, ending, p.ErrorInfo(type=ending, message=message), now, self._rand)
                    for job in jobs]
         if not changes:
             return []
@@ -537,96 +448,3 @@ class Engine:
                     enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs))
             effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
         return effects
-
-    # -- producers -------------------------------------------------------------------
-    def build(self, request: EnqueueRequest, principal: Principal, now: Instant
-              ) -> Job | DomainError:
-        """A new job from an enqueue request, or why it is refused."""
-        spec = self.specs.get(request.spec)
-        if spec is None:
-            return Invalid("unknown_spec", f"spec {request.spec!r} has no status quo;"
-                           " push it with 'rota specs push' first")
-        queue = request.queue or spec.queue
-        if not principal.may_use_queue(queue):
-            return Forbidden("queue_not_allowed",
-                             f"this token may not enqueue into queue {queue!r}")
-        try:
-            validate_args(spec, request.args)
-            job = new_job(request, spec, now.wall)
-        except SpecError as exc:
-            return Invalid("invalid_args", str(exc))
-        except DomainError as exc:
-            return exc
-        limit = self.settings.max_args_bytes
-        if len(job.args) > limit:
-            return TooLarge("args_too_large", f"args are {len(job.args)} bytes as JSON;"
-                            f" the limit (max_args_bytes) is {limit}")
-        job.created_by = principal.token_id
-        return job
-
-    def enqueued(self, job: Job, seq: int, now: Instant) -> list[Effect]:
-        """A new job's row is committed: take it in."""
-        job.seq = seq
-        job.clocks(now)
-        self.scheduler.track(job)
-        log.info("enqueue job=%s spec=%s queue=%s priority=%d state=%s", job.id, job.spec,
-                 job.queue, job.priority, job.state)
-        return [Arm(t) for t in (job.due, job.expiry) if t is not None] + [Wake()]
-
-    def cancel(self, job_id: str, now: Instant) -> tuple[str, list[Effect]]:
-        """Cancel a job: at once if it waits ("cancelled"), through its worker if it runs
-        ("requested"); "not_live" if it is not live. Sends follow the Save."""
-        job = self.scheduler.jobs.get(job_id)
-        if job is None or job.state in TERMINAL_STATES:
-            return "not_live", []
-        if job.state == JobState.ACTIVE:
-            job.cancel_requested = True
-            effects: list[Effect] = [Save([Change(job)])]
-            connection = self.registry.get(job.worker_id or "")
-            if connection is not None and not job.orphaned:
-                effects.append(Send(connection.conn, p.encode(
-                    p.Cancel(job_ids=[job.id], reason="cancelled"))))
-            log.info("cancel requested job=%s worker=%s", job.id, job.worker_id)
-            return "requested", effects
-        job.move(JobState.CANCELLED)
-        self.scheduler.finish(job)
-        log.info("cancelled job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
-        return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id])]
-
-    def retry(self, job: Job) -> list[Effect]:
-        """Put a discarded or cancelled job (loaded from its row) back, with a fresh
-        attempt budget."""
-        job.budget_start, job.fails, job.deaths, job.cancel_requested = job.attempt, 0, 0, False
-        job.expires_at = job.expiry = None
-        self.scheduler.add(job)
-        log.info("retry job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
-        return [Save([Change(job)]), Wake()]
-
-    def is_live(self, job_id: str) -> bool:
-        return job_id in self.scheduler.jobs
-
-    # -- specs -----------------------------------------------------------------------
-    def status_quo_changed(self, specs: list[JobSpec], changes: list[Any]) -> list[Effect]:
-        """A push committed: the new checksums rule from now on."""
-        by_name = {s.name: s for s in specs}
-        for change in changes:
-            if change.change == "unchanged":
-                continue
-            self.specs[change.name] = by_name[change.name]
-            self.scheduler.status_quo[change.name] = change.checksum
-            log.info("status quo spec=%s checksum=%s previous=%s", change.name,
-                     short(change.checksum), short(change.previous))
-            for worker_id in self.scheduler.mismatched_workers(change.name, change.checksum):
-                declared = self.scheduler.workers[worker_id].specs[change.name]
-                log.warning("spec mismatch worker=%s spec=%s checksum=%s status_quo=%s",
-                            worker_id, change.name, short(declared), short(change.checksum))
-        return [Wake()]  # queued jobs may now have (other) capable workers
-
-    def change_report(self, change: Any) -> dict[str, Any]:
-        mismatched = self.scheduler.mismatched_workers(change.name, change.checksum)
-        matching = [w for w in self.scheduler.workers.values()
-                    if w.specs.get(change.name) == change.checksum]
-        return {"name": change.name, "change": change.change, "checksum": change.checksum,
-                "previous": change.previous, "mismatched_workers": len(mismatched),
-                "matching_workers": len(matching)}
-

@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"specs", "policy", "auth"},  # spec files and checksums; retry rules; tokens
     {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
     {"registry"},  # connected workers
+    {"attempts", "intake"},  # how attempts end; what producers ask
     {"engine"},  # the pure state machine
     {"store"},  # SQLite
     {"coordinator"},  # the async shell
@@ -41,7 +42,7 @@ SHARED = {"errors", "ids", "protocol", "specs"}
 SDK = {"context", "manual", "worker", "client", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"model", "policy", "scheduler", "effects", "registry", "engine"}
+PURE = {"model", "policy", "scheduler", "effects", "registry", "attempts", "intake", "engine"}
 
 
 def imports_of(path: Path) -> tuple[set[str], set[str]]:

@@ -1,0 +1,122 @@
+"""What producers and operators ask of the engine: new jobs, cancels, retries, spec pushes.
+
+A part of the engine (``Engine`` inherits it), kept apart because it answers requests
+rather than workers. Pure, like the rest of the engine: the shell commits what it
+returns and answers the request after.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rota import protocol as p
+from rota.auth import Principal
+from rota.effects import Arm, Effect, Finished, Save, Send, Wake
+from rota.errors import DomainError, Forbidden, Invalid, TooLarge
+from rota.jobs import EnqueueRequest, new_job
+from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
+from rota.registry import Registry, short
+from rota.scheduler import Scheduler
+from rota.settings import ServerSettings
+from rota.specs import JobSpec, SpecError, validate_args
+
+log = logging.getLogger("rota.server")
+
+
+class Intake:
+    settings: ServerSettings
+    scheduler: Scheduler
+    registry: Registry
+    specs: dict[str, JobSpec]
+
+    def build(self, request: EnqueueRequest, principal: Principal, now: Instant
+              ) -> Job | DomainError:
+        """A new job from an enqueue request, or why it is refused."""
+        spec = self.specs.get(request.spec)
+        if spec is None:
+            return Invalid("unknown_spec", f"spec {request.spec!r} has no status quo;"
+                           " push it with 'rota specs push' first")
+        queue = request.queue or spec.queue
+        if not principal.may_use_queue(queue):
+            return Forbidden("queue_not_allowed",
+                             f"this token may not enqueue into queue {queue!r}")
+        try:
+            validate_args(spec, request.args)
+            job = new_job(request, spec, now.wall)
+        except SpecError as exc:
+            return Invalid("invalid_args", str(exc))
+        except DomainError as exc:
+            return exc
+        limit = self.settings.max_args_bytes
+        if len(job.args) > limit:
+            return TooLarge("args_too_large", f"args are {len(job.args)} bytes as JSON;"
+                            f" the limit (max_args_bytes) is {limit}")
+        job.created_by = principal.token_id
+        return job
+
+    def enqueued(self, job: Job, seq: int, now: Instant) -> list[Effect]:
+        """A new job's row is committed: take it in."""
+        job.seq = seq
+        job.clocks(now)
+        self.scheduler.track(job)
+        log.info("enqueue job=%s spec=%s queue=%s priority=%d state=%s", job.id, job.spec,
+                 job.queue, job.priority, job.state)
+        effects: list[Effect] = [Arm(t) for t in (job.due, job.expiry) if t is not None]
+        return effects + [Wake()]
+
+    def cancel(self, job_id: str, now: Instant) -> tuple[str, list[Effect]]:
+        """Cancel a job: at once if it waits ("cancelled"), through its worker if it runs
+        ("requested"); "not_live" if it is not live. Sends follow the Save."""
+        job = self.scheduler.jobs.get(job_id)
+        if job is None or job.state in TERMINAL_STATES:
+            return "not_live", []
+        if job.state == JobState.ACTIVE:
+            job.cancel_requested = True
+            effects: list[Effect] = [Save([Change(job)])]
+            connection = self.registry.get(job.worker_id or "")
+            if connection is not None and not job.orphaned:
+                effects.append(Send(connection.conn, p.encode(
+                    p.Cancel(job_ids=[job.id], reason="cancelled"))))
+            log.info("cancel requested job=%s worker=%s", job.id, job.worker_id)
+            return "requested", effects
+        job.move(JobState.CANCELLED)
+        self.scheduler.finish(job)
+        log.info("cancelled job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id])]
+
+    def retry(self, job: Job) -> list[Effect]:
+        """Put a discarded or cancelled job (loaded from its row) back, with a fresh
+        attempt budget."""
+        job.budget_start, job.fails, job.deaths, job.cancel_requested = job.attempt, 0, 0, False
+        job.expires_at = job.expiry = None
+        self.scheduler.add(job)
+        log.info("retry job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        return [Save([Change(job)]), Wake()]
+
+    def is_live(self, job_id: str) -> bool:
+        return job_id in self.scheduler.jobs
+
+    def status_quo_changed(self, specs: list[JobSpec], changes: list[Any]) -> list[Effect]:
+        """A push committed: the new checksums rule from now on."""
+        by_name = {s.name: s for s in specs}
+        for change in changes:
+            if change.change == "unchanged":
+                continue
+            self.specs[change.name] = by_name[change.name]
+            self.scheduler.status_quo[change.name] = change.checksum
+            log.info("status quo spec=%s checksum=%s previous=%s", change.name,
+                     short(change.checksum), short(change.previous))
+            for worker_id in self.scheduler.mismatched_workers(change.name, change.checksum):
+                declared = self.scheduler.workers[worker_id].specs[change.name]
+                log.warning("spec mismatch worker=%s spec=%s checksum=%s status_quo=%s",
+                            worker_id, change.name, short(declared), short(change.checksum))
+        return [Wake()]  # queued jobs may now have (other) capable workers
+
+    def change_report(self, change: Any) -> dict[str, Any]:
+        mismatched = self.scheduler.mismatched_workers(change.name, change.checksum)
+        matching = [w for w in self.scheduler.workers.values()
+                    if w.specs.get(change.name) == change.checksum]
+        return {"name": change.name, "change": change.change, "checksum": change.checksum,
+                "previous": change.previous, "mismatched_workers": len(mismatched),
+                "matching_workers": len(matching)}
