@@ -11,7 +11,6 @@ import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from rota.auth import Principal, Scope
 from rota.coordinator import MAX_LOG_LINES, Coordinator
@@ -310,21 +309,5 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return error(exc.status_code, code, str(exc.detail))
 
 
-routes = [
-    Route("/jobs", enqueue, methods=["POST"]),
-    Route("/jobs/batch", enqueue_batch, methods=["POST"]),
-    Route("/jobs/{job_id}", show_job, methods=["GET"]),
-    Route("/jobs/{job_id}", cancel_job, methods=["DELETE"]),
-    Route("/jobs/{job_id}/retry", retry_job, methods=["POST"]),
-    Route("/jobs/{job_id}/result", job_result, methods=["GET"]),
-    Route("/specs", list_specs, methods=["GET"]),
-    Route("/specs", push_specs, methods=["PUT"]),
-    Route("/specs/{name}/history", spec_history, methods=["GET"]),
-    Route("/workers", list_workers, methods=["GET"]),
-    Route("/workers/state", direct_workers, methods=["POST"]),
-    Route("/workers/{worker_id}/state", direct_worker, methods=["POST"]),
-    Route("/queues", list_queues, methods=["GET"]),
-    Route("/healthz", healthz, methods=["GET"]),
-]
 exception_handlers = {RequestError: request_error, DomainError: request_error,
                       HTTPException: http_error}

@@ -9,7 +9,8 @@ run (tests/test_openapi.py) checks that no answer breaks it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -17,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from rota import api
 from rota.api import PushRequest, StateRequest
 from rota.jobs import BatchRequest, EnqueueRequest
 
@@ -205,44 +207,61 @@ class Health(msgspec.Struct):
     uptime: float
 
 
-# (method, path, summary, request body, {status: response body}); every route may also
-# answer 401 (no valid token) and 403 (its scope does not allow it), added below.
+class Op(NamedTuple):
+    """One operation: it makes both a Starlette route and an entry of the document, so
+    the two cannot drift apart. Every route may also answer 401 (no valid token) and
+    403 (its scope does not allow it), added below."""
+
+    method: str
+    path: str
+    handler: Callable[[Request], Awaitable[Response]]
+    summary: str
+    body: Any  # the request body's type, or None
+    answers: dict[int, Any]  # status -> response body type
+
+
 BAD = {400: ErrorBody, 413: ErrorBody, 422: ErrorBody}
-ROUTES: list[tuple[str, str, str, Any, dict[int, Any]]] = [
-    ("post", "/jobs", "Enqueue a job", EnqueueRequest,
+ROUTES: list[Op] = [
+    Op("post", "/jobs", api.enqueue, "Enqueue a job", EnqueueRequest,
      {201: Enqueued, 200: Enqueued, 409: ErrorBody, **BAD}),
-    ("post", "/jobs/batch", "Enqueue many jobs in one transaction", BatchRequest,
+    Op("post", "/jobs/batch", api.enqueue_batch,
+       "Enqueue many jobs in one transaction", BatchRequest,
      {200: BatchReply, **BAD}),
-    ("get", "/jobs/{job_id}", "A job, with its logs and why it waits", None,
+    Op("get", "/jobs/{job_id}", api.show_job, "A job, with its logs and why it waits", None,
      {200: JobDetail, 404: ErrorBody}),
-    ("delete", "/jobs/{job_id}", "Cancel a job", None,
+    Op("delete", "/jobs/{job_id}", api.cancel_job, "Cancel a job", None,
      {200: JobView, 202: JobView, 404: ErrorBody, 409: ErrorBody}),
-    ("post", "/jobs/{job_id}/retry", "Put a discarded or cancelled job back", None,
+    Op("post", "/jobs/{job_id}/retry", api.retry_job, "Put a discarded or cancelled job back", None,
      {200: JobView, 404: ErrorBody, 409: ErrorBody}),
-    ("get", "/jobs/{job_id}/result", "A job's result, waiting up to ?wait= seconds", None,
+    Op("get", "/jobs/{job_id}/result", api.job_result,
+       "A job's result, waiting up to ?wait= seconds", None,
      {200: ResultReply, 202: ResultReply, 400: ErrorBody, 404: ErrorBody}),
-    ("get", "/specs", "The status quo", None, {200: SpecList}),
-    ("put", "/specs", "Push specs (a deploy)", PushRequest, {200: PushReply, **BAD}),
-    ("get", "/specs/{name}/history", "Every version pushed for a spec", None,
+    Op("get", "/specs", api.list_specs, "The status quo", None, {200: SpecList}),
+    Op("put", "/specs", api.push_specs,
+       "Push specs (a deploy)", PushRequest, {200: PushReply, **BAD}),
+    Op("get", "/specs/{name}/history", api.spec_history, "Every version pushed for a spec", None,
      {200: History, 404: ErrorBody}),
-    ("get", "/workers", "Connected workers", None, {200: Workers}),
-    ("post", "/workers/state", "Quiet or terminate workers by label, or all", StateRequest,
+    Op("get", "/workers", api.list_workers, "Connected workers", None, {200: Workers}),
+    Op("post", "/workers/state", api.direct_workers,
+       "Quiet or terminate workers by label, or all", StateRequest,
      {200: Directed, **BAD}),
-    ("post", "/workers/{worker_id}/state", "Quiet or terminate one worker", StateRequest,
+    Op("post", "/workers/{worker_id}/state", api.direct_worker,
+       "Quiet or terminate one worker", StateRequest,
      {200: Directed, 404: ErrorBody, 409: ErrorBody, **BAD}),
-    ("get", "/queues", "Per-queue counts and why jobs wait", None, {200: Queues}),
-    ("get", "/healthz", "Health (no token needed)", None, {200: Health}),
+    Op("get", "/queues", api.list_queues,
+       "Per-queue counts and why jobs wait", None, {200: Queues}),
+    Op("get", "/healthz", api.healthz, "Health (no token needed)", None, {200: Health}),
 ]
 OPEN_PATHS = {"/healthz"}
 
 
 def document() -> dict[str, Any]:
-    types = [t for _, _, _, body, answers in ROUTES for t in [body, *answers.values()] if t]
+    types = [t for op in ROUTES for t in [op.body, *op.answers.values()] if t]
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}")
     refs = dict(zip(types, schemas, strict=True))
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, summary, body, answers in ROUTES:
+    for method, path, _, summary, body, answers in ROUTES:
         operation: dict[str, Any] = {"summary": summary, "responses": {}}
         params = [part[1:-1] for part in path.split("/") if part.startswith("{")]
         if params:
@@ -292,7 +311,9 @@ async def openapi_json(request: Request) -> Response:
     return Response(_encoded(), media_type="application/json")
 
 
-route = Route("/openapi.json", openapi_json, methods=["GET"])
+# The app's HTTP routes: the table's operations, and the document itself.
+routes = [Route(op.path, op.handler, methods=[op.method.upper()]) for op in ROUTES]
+routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
 
 
 _DESCRIPTIONS = {200: "done", 201: "created", 202: "accepted, not finished", 400: "bad input",

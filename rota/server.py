@@ -39,7 +39,7 @@ def create_app(settings: ServerSettings) -> Starlette:
             await coordinator.stop()
 
     app = Starlette(
-        routes=[*api.routes, openapi.route, WebSocketRoute("/work", work_endpoint)],
+        routes=[*openapi.routes, WebSocketRoute("/work", work_endpoint)],
         exception_handlers=api.exception_handlers,  # type: ignore[arg-type]
         middleware=[Middleware(Gate, coordinator=coordinator)],
         lifespan=lifespan,

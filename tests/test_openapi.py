@@ -53,7 +53,7 @@ def api_schema(server: ThreadedServer) -> Any:
 def test_the_document_names_every_route(server: ThreadedServer):
     document = httpx.get(f"{server.live.base}/openapi.json").json()
     assert document["openapi"].startswith("3.1")
-    routed = {(method, path) for method, path, *_ in ROUTES}
+    routed = {(op.method, op.path) for op in ROUTES}
     listed = {(method, path) for path, ops in document["paths"].items() for method in ops}
     assert listed == routed and len(routed) == 14
 
@@ -61,10 +61,10 @@ def test_the_document_names_every_route(server: ThreadedServer):
 def cases() -> list[tuple[str, GenerationMode]]:
     """Every operation with valid input; those that take input with invalid input too."""
     chosen = []
-    for method, path, _, body, _ in ROUTES:
-        label = f"{method.upper()} {path}"
+    for op in ROUTES:
+        label = f"{op.method.upper()} {op.path}"
         chosen.append((label, GenerationMode.POSITIVE))
-        if body is not None or "{" in path:
+        if op.body is not None or "{" in op.path:
             chosen.append((label, GenerationMode.NEGATIVE))
     return chosen
 
