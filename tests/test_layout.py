@@ -9,9 +9,11 @@ stand beside the server: they share only the bottom (errors, ids, protocol, spec
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rota"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Lowest first. Within a layer no module imports another.
 LAYERS: list[set[str]] = [
@@ -89,3 +91,12 @@ def test_the_core_does_no_io():
         forbidden = outer & {"asyncio", "time", "socket", "sqlite3", "threading", "os",
                              "starlette", "uvicorn", "websockets", "httpx"}
         assert not forbidden, f"{module} imports {sorted(forbidden)}"
+
+
+def test_docs_architecture_shows_these_layers():
+    rows = re.findall(r"^\| (\d+|SDK|top) \| ([^|]+) \|", ARCHITECTURE.read_text(), re.M)
+    documented = {row: set(re.findall(r"`(\w+)`", names)) for row, names in rows}
+    for rank, layer in enumerate(LAYERS):
+        if str(rank) in documented:
+            assert documented[str(rank)] == layer, f"layer {rank} in docs/architecture.md"
+    assert set().union(*documented.values()) == set(RANK)
