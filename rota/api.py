@@ -241,6 +241,7 @@ async def list_workers(request: Request) -> Response:
             "alerts": list(conn.alerts),
             "connected_at": rfc3339(conn.connected_at),
             "last_heartbeat_age": round(now - conn.last_seen, 3),
+            "heartbeats": conn.frames,
         })
     return JSON({"workers": sorted(workers, key=lambda w: w["id"])})
 

@@ -176,6 +176,7 @@ class Engine(Intake):
         if connection is None:
             return []
         connection.last_seen = now.mono
+        connection.frames += 1
         worker = connection.worker
         effects: list[Effect] = []
         # Jobs it held before a restart or a lost connection, still running or finished:

@@ -171,6 +171,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     alerts: list[WorkerAlert]
     connected_at: str
     last_heartbeat_age: float
+    heartbeats: int  # frames read from this connection
 
 
 class Workers(msgspec.Struct):

@@ -38,6 +38,7 @@ class Connection:
     memory_rss: int | None = None
     directive: str | None = None  # the state the server wants; None: whatever the worker says
     checked: bool = False  # its first status was checked for runs it no longer holds
+    frames: int = 0  # heartbeats read from this connection
     alerts: collections.deque[dict[str, Any]] = field(
         default_factory=lambda: collections.deque(maxlen=20))  # the latest, for GET /workers
     # Acks in the order their heartbeats came: [ticket, frame]; a frame is None while the

@@ -17,6 +17,7 @@ worker only jobs whose spec matches the status quo. Only ``protocol``, ``specs``
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import os
@@ -115,6 +116,15 @@ class Worker:
         self._started_at = p.rfc3339(time.time())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._status = StatusBuffer(wake=self._wake_threadsafe)
+        # Batching: a heartbeat that carries results is not followed by another until its
+        # ack is back (unless something urgent comes up, or the interval is due); results
+        # that finish meanwhile ride the next one together.
+        self._urgent = False  # a state change or an alert: beat now, whatever is in flight
+        self._last_beat = 0.0  # monotonic
+        self._ready_at: dict[str, float] = {}  # job id -> when its result was ready
+        self.frames_sent = 0  # heartbeats sent, over all connections
+        self.results_sent = 0
+        self.flush_delays: collections.deque[float] = collections.deque(maxlen=100_000)
         self.welcome: p.Welcome | None = None
         self.connected = asyncio.Event()
 
@@ -210,12 +220,14 @@ class Worker:
         log.info("state change worker=%s state=%s running_jobs=%d", self.worker_id, state,
                  len(self._running))
         self._state = state
+        self._urgent = True
         self._dirty.set()  # tell the server at once
 
     def _wake_threadsafe(self) -> None:
+        """An alert: beat at once (from any thread)."""
         if self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(self._dirty.set)
+                self._loop.call_soon_threadsafe(self._wake_urgently)
             except RuntimeError:  # the loop is closed: a thread outlived the worker
                 pass
 
@@ -290,9 +302,14 @@ class Worker:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 
+    def _wake_urgently(self) -> None:
+        self._urgent = True
+        self._dirty.set()
+
     async def _beat_loop(self, ws: ClientConnection, reader: asyncio.Task[None]) -> None:
         while True:
-            timeout = self._interval or 1.0
+            interval = self._interval or 1.0
+            timeout = max(0.0, self._last_beat + interval - time.monotonic())
             if self._terminate_by is not None:
                 timeout = max(0.0, min(timeout, self._terminate_by - time.monotonic()))
             await _wait(self._dirty, timeout, also=reader)
@@ -300,6 +317,11 @@ class Worker:
                 reader.result()  # re-raise why the connection ended
                 return
             self._dirty.clear()
+            # Let whatever else is ready on this loop run first (other jobs finishing, an
+            # assign being started), so that what it produces rides this same heartbeat.
+            await asyncio.sleep(0)
+            if self._hold_back():
+                continue
             await self._check_server_alive(ws)
             self._give_up_lapsed()
             if self._terminate_by is not None and time.monotonic() >= self._terminate_by:
@@ -329,6 +351,16 @@ class Worker:
             ws.transport.abort()  # closing politely would wait on the dead peer
             raise ConnectionError(f"no ack for {time.monotonic() - oldest:.1f}s and no answer"
                                   " to a ping") from None
+
+    def _hold_back(self) -> bool:
+        """Whether this heartbeat can wait for the ack of the one in flight: results go in
+        batches, one heartbeat of them at a time, as Nagle's algorithm does with small
+        TCP segments. At low load nothing is in flight and a result leaves at once; under
+        load the frames per second follow the server's round trip, not the job rate."""
+        if self._urgent or self._stop.is_set() or not self._unacked:
+            return False
+        interval = self._interval or 1.0
+        return time.monotonic() - self._last_beat < interval
 
     def _drained(self) -> bool:
         """Nothing left to run or report (on the fast path, acks are not waited for)."""
@@ -363,8 +395,16 @@ class Worker:
         )
         if results:
             self._unacked[self._seq] = results
-        self._sent_state[self._seq] = (self._state, time.monotonic())
+            for result in results:
+                ready = self._ready_at.pop(result.job_id, None)
+                if ready is not None:
+                    self.flush_delays.append(now - ready)
+        self._sent_state[self._seq] = (self._state, now)
         self._seq += 1
+        self._urgent = False
+        self._last_beat = now
+        self.frames_sent += 1
+        self.results_sent += len(results)
         await ws.send(p.encode(beat))
 
     def _take_results(self) -> tuple[list[p.Result], int]:
@@ -441,8 +481,9 @@ class Worker:
             else:
                 self.quiet()
         sent = {r.job_id: r for r in self._unacked.pop(ack.seq, [])}
-        if sent and self._stop.is_set():
-            self._dirty.set()  # a stopping worker waits for this ack before it leaves
+        if sent and (self._stop.is_set() or self._results):
+            self._dirty.set()  # results held back for this ack go now; a stopping worker
+            # waits for it before it leaves
         for rejected in ack.rejected:
             log.warning("result rejected job=%s attempt=%d reason=%s", rejected.job_id,
                         rejected.attempt, rejected.reason)
@@ -506,7 +547,8 @@ class Worker:
         finally:
             self._forget(run)
         self._results.append(result)
-        self._dirty.set()  # results are not held back: beat now
+        self._ready_at[copy.id] = time.monotonic()
+        self._dirty.set()  # beat as soon as the loop is idle (and no batch is in flight)
 
     def _forget(self, run: _Running) -> None:
         if self._running.get(run.copy.id) is run:  # a newer attempt may have taken the slot
