@@ -11,7 +11,6 @@ import importlib
 import ipaddress
 import json
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -201,29 +200,8 @@ def _import_worker(target: str) -> Any:
 
 
 async def _run_worker(instance: Any) -> None:
-    loop = asyncio.get_running_loop()
-    main_task = asyncio.current_task()
-    assert main_task is not None
-
-    def on_terminate() -> None:
-        if instance.stopping:  # a second signal: the fast path
-            instance.stop_now()
-        else:
-            instance.terminate()
-
-    def on_interrupt() -> None:
-        if instance.stopping_now:  # again: give up on reporting, exit now
-            main_task.cancel()
-        instance.stop_now()
-
-    loop.add_signal_handler(signal.SIGTERM, on_terminate)
-    loop.add_signal_handler(signal.SIGINT, on_interrupt)
-    loop.add_signal_handler(signal.SIGTSTP, instance.quiet)
-    loop.add_signal_handler(signal.SIGCONT, instance.resume)
-    try:
-        await instance.run()
-    except asyncio.CancelledError:
-        pass
+    # Signals are the SDK's own (Worker.run): the same for a script that runs a worker.
+    await instance.run()
 
 
 @main.group()

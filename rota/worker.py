@@ -23,7 +23,9 @@ import logging
 import os
 import platform
 import random
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -79,6 +81,7 @@ class Worker:
         patience: float | None = None,
         token: str | None = None,
         ssl: SSLContext | None = None,
+        handle_signals: bool = True,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -93,6 +96,11 @@ class Worker:
         self.patience = patience  # None: keep reconnecting forever, as Sidekiq does
         self.token = token  # a worker-scope bearer token, when the server requires one
         self.ssl = ssl  # for wss:// with a private CA; None: the system's trust store
+        # SIGTERM, SIGINT, SIGTSTP and SIGCONT, while run() runs in the main thread: the
+        # same for `rota worker` and for a script that calls worker.run() itself.
+        self.handle_signals = handle_signals
+        self._abandon = False  # a third SIGINT: stop reporting, return from run() now
+        self._task: asyncio.Task[Any] | None = None  # the task running run()
         self._reconnects = 0
         self._terminate_by: float | None = None  # monotonic; then running jobs are cancelled
         self._fast = False  # SIGINT: cancel at once, do not wait for acks
@@ -232,8 +240,42 @@ class Worker:
                 pass
 
     async def run(self) -> None:
+        """Connect, run what is assigned, reconnect when the connection is lost, until
+        terminated (by a signal, the server, or ``terminate()``)."""
         self._load_specs()
         self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        signals = _Signals.join(self)
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            if not self._abandon:
+                raise
+            log.warning("stopped without reporting worker=%s", self.worker_id)
+        finally:
+            if signals is not None:
+                signals.leave(self)
+
+    def on_signal(self, sig: signal.Signals) -> None:
+        """What a signal does to this worker. SIGTERM: no new jobs, running ones get
+        ``grace_period``, then deregister and return. SIGINT: the same without waiting.
+        A second SIGTERM or SIGINT takes the fast path; a third SIGINT gives up
+        reporting. SIGTSTP: quiet; SIGCONT: resume."""
+        log.info("signal %s worker=%s", sig.name, self.worker_id)
+        if sig == signal.SIGTERM:
+            self.stop_now() if self.stopping else self.terminate()
+        elif sig == signal.SIGINT:
+            if self.stopping_now and self._task is not None:  # again: give up reporting
+                self._abandon = True
+                self._task.cancel()
+            self.stop_now()
+        elif sig == signal.SIGTSTP:
+            self.quiet()
+        elif sig == signal.SIGCONT:
+            self.resume()
+
+    async def _run(self) -> None:
+        assert self._loop is not None
         lost_at: float | None = None
         try:
             while not self._stop.is_set() or self._running:
@@ -577,8 +619,52 @@ class Worker:
                      ctx.attempt, type(exc).__name__, exc)
             return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="failed",
                             error=_error_info(exc))
+        except BaseException as exc:  # noqa: BLE001 (SystemExit, KeyboardInterrupt, ...)
+            # A handler cannot stop its worker: only signals and the server do that.
+            # Its job fails, for good, since running it again would do the same.
+            log.warning("job failed job=%s spec=%s attempt=%d: the handler raised %s; the"
+                        " worker runs on", ctx.id, ctx.spec, ctx.attempt, type(exc).__name__)
+            info = _error_info(exc)
+            info.retryable = False
+            info.message = (f"the handler raised {type(exc).__name__}({exc}); a handler"
+                            " cannot stop its worker")
+            return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="failed", error=info)
         return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="completed",
                         result=msgspec.Raw(encoded))
+
+
+class _Signals:
+    """The signal handlers of one event loop, shared by every worker running on it: a
+    signal goes to each of them, and the handlers go when the last one leaves."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGTSTP, signal.SIGCONT)
+    _by_loop: dict[asyncio.AbstractEventLoop, _Signals] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.workers: list[Worker] = []
+        for sig in self.SIGNALS:
+            loop.add_signal_handler(sig, self._deliver, sig)
+
+    @classmethod
+    def join(cls, worker: Worker) -> _Signals | None:
+        if not worker.handle_signals or threading.current_thread() is not threading.main_thread():
+            return None
+        loop = asyncio.get_running_loop()
+        signals = cls._by_loop.get(loop) or cls._by_loop.setdefault(loop, cls(loop))
+        signals.workers.append(worker)
+        return signals
+
+    def leave(self, worker: Worker) -> None:
+        self.workers.remove(worker)
+        if not self.workers:
+            for sig in self.SIGNALS:
+                self.loop.remove_signal_handler(sig)
+            self._by_loop.pop(self.loop, None)
+
+    def _deliver(self, sig: signal.Signals) -> None:
+        for worker in list(self.workers):
+            worker.on_signal(sig)
 
 
 class ResultTooLarge(Exception):

@@ -28,14 +28,23 @@ worker = Worker(specs_dir="specs", concurrency=2, labels=["proc"], heartbeat_int
 async def work(ctx):
     await asyncio.sleep(ctx.args.get("seconds", 0))  # noqa: sleep-ok (the job's own work)
     return {"slept": ctx.args.get("seconds", 0), "pid": os.getpid()}
+
+if __name__ == "__main__":  # a plain script: its signals must behave as under `rota worker`
+    import sys
+    worker.url = sys.argv[1]
+    asyncio.run(worker.run())
 """
+# How a worker process is started: by the CLI, or as a script that calls worker.run().
+LAUNCHES = ["cli", "script"]
 
 
-async def start_worker_process(live: Live, tmp_path: Path, *, grace: float = 25.0
-                               ) -> tuple[asyncio.subprocess.Process, str]:
+async def start_worker_process(live: Live, tmp_path: Path, *, grace: float = 25.0,
+                               launch: str = "cli") -> tuple[asyncio.subprocess.Process, str]:
     (tmp_path / "lifecycle_worker.py").write_text(WORKER_MODULE)
+    command = (["-m", "rota", "worker", "lifecycle_worker:worker", "--url", live.base]
+               if launch == "cli" else ["lifecycle_worker.py", live.ws])
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rota", "worker", "lifecycle_worker:worker", "--url", live.base,
+        sys.executable, *command,
         cwd=tmp_path, env={**os.environ, "GRACE": str(grace)},
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
 
@@ -143,9 +152,11 @@ async def test_goodbye_deregisters_at_once(live: Live, connect, tmp_path: Path):
 
 
 # -- signals to real worker processes ----------------------------------------------------------
-async def test_sigterm_lets_jobs_finish_then_deregisters(live: Live, procs, tmp_path: Path):
+@pytest.mark.parametrize("launch", LAUNCHES)
+async def test_sigterm_lets_jobs_finish_then_deregisters(live: Live, procs, tmp_path: Path,
+                                                         launch: str):
     await live.push(write_spec(tmp_path / "specs", "work"))
-    proc, worker_id = await start_worker_process(live, tmp_path)
+    proc, worker_id = await start_worker_process(live, tmp_path, launch=launch)
     procs.append(proc)
     jobs = [await live.enqueue("work", {"seconds": 0.3}) for _ in range(2)]
     for job in jobs:
@@ -163,10 +174,11 @@ async def test_sigterm_lets_jobs_finish_then_deregisters(live: Live, procs, tmp_
           f" {took * 1000:.0f} ms")
 
 
+@pytest.mark.parametrize("launch", LAUNCHES)
 async def test_sigterm_past_the_grace_period_requeues_at_once(live: Live, procs, sdk_worker,
-                                                               tmp_path: Path):
+                                                               tmp_path: Path, launch: str):
     await live.push(write_spec(tmp_path / "specs", "work"))
-    proc, _ = await start_worker_process(live, tmp_path, grace=0.3)
+    proc, _ = await start_worker_process(live, tmp_path, grace=0.3, launch=launch)
     procs.append(proc)
     long = await live.enqueue("work", {"seconds": 30})
     await live.wait_state(long["id"], "active")
@@ -191,9 +203,11 @@ async def test_sigterm_past_the_grace_period_requeues_at_once(live: Live, procs,
           f" {took * 1000:.0f} ms, the job requeued at once and completed elsewhere")
 
 
-async def test_sigtstp_quiets_and_sigcont_resumes(live: Live, procs, tmp_path: Path):
+@pytest.mark.parametrize("launch", LAUNCHES)
+async def test_sigtstp_quiets_and_sigcont_resumes(live: Live, procs, tmp_path: Path,
+                                                  launch: str):
     await live.push(write_spec(tmp_path / "specs", "work"))
-    proc, worker_id = await start_worker_process(live, tmp_path)
+    proc, worker_id = await start_worker_process(live, tmp_path, launch=launch)
     procs.append(proc)
     proc.send_signal(signal.SIGTSTP)
 
@@ -209,9 +223,10 @@ async def test_sigtstp_quiets_and_sigcont_resumes(live: Live, procs, tmp_path: P
     assert await worker_state(live, worker_id) == "running"
 
 
-async def test_sigint_is_the_fast_path(live: Live, procs, tmp_path: Path):
+@pytest.mark.parametrize("launch", LAUNCHES)
+async def test_sigint_is_the_fast_path(live: Live, procs, tmp_path: Path, launch: str):
     await live.push(write_spec(tmp_path / "specs", "work"))
-    proc, _ = await start_worker_process(live, tmp_path)  # grace 25 s: SIGINT must not wait
+    proc, _ = await start_worker_process(live, tmp_path, launch=launch)  # grace 25 s
     procs.append(proc)
     long = await live.enqueue("work", {"seconds": 30})
     await live.wait_state(long["id"], "active")
@@ -224,6 +239,48 @@ async def test_sigint_is_the_fast_path(live: Live, procs, tmp_path: Path):
     assert [e["type"] for e in back["errors"]] == ["shutdown"]
     print(f"\n[shutdown] SIGINT with a 30 s job (grace 25 s): exit after {took * 1000:.0f} ms,"
           " the job requeued")
+
+
+EXITING = """
+import asyncio, sys
+from rota import Worker
+
+worker = Worker(specs_dir="specs", concurrency=2, heartbeat_interval=0.1)
+
+@worker.handler("leave")
+async def leave(ctx):
+    sys.exit(3)
+
+@worker.handler("interrupt")
+def interrupt(ctx):  # a stray KeyboardInterrupt in a thread
+    raise KeyboardInterrupt
+
+@worker.handler("work")
+async def work(ctx):
+    return "still here"
+
+worker.url = sys.argv[1]
+asyncio.run(worker.run())
+"""
+
+
+async def test_a_handler_cannot_stop_its_worker(live: Live, procs, tmp_path: Path):
+    await live.push(*(write_spec(tmp_path / "specs", name)
+                      for name in ("leave", "interrupt", "work")))
+    (tmp_path / "exiting.py").write_text(EXITING)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "exiting.py", live.ws, cwd=tmp_path,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    procs.append(proc)
+    for spec, raised in (("leave", "SystemExit"), ("interrupt", "KeyboardInterrupt")):
+        job = await live.enqueue(spec)
+        done = await live.wait_state(job["id"], "discarded", timeout=15)
+        [error] = done["errors"]
+        assert (done["attempt"], error["type"], error["retryable"]) == (1, raised, False)
+        assert "cannot stop its worker" in error["message"]
+    job = await live.enqueue("work")
+    assert (await live.wait_state(job["id"], "completed"))["result"] == "still here"
+    assert proc.returncode is None
 
 
 # -- a rolling deploy ------------------------------------------------------------------------
