@@ -181,6 +181,8 @@ def worker(target: str, url: str, log_level: str) -> None:
         asyncio.run(_run_worker(instance))
     except SpecError as exc:
         _fail(str(exc))
+    if instance.exit_code:
+        sys.exit(instance.exit_code)
 
 
 def _import_worker(target: str) -> Any:

@@ -4,6 +4,7 @@ test drives, so that when an ack comes is the test's choice, not the disk's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ class Peer:
 
     async def handle(self, ws: Any) -> None:
         self.ws = ws
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await self._serve(ws)
+
+    async def _serve(self, ws: Any) -> None:
         async for raw in ws:
             frame = json.loads(raw)
             if frame.get("registration"):
@@ -89,7 +94,7 @@ async def test_results_wait_for_the_ack_in_flight_then_leave_together(peer_and_w
     for job_id in jobs:
         release[job_id] = asyncio.Event()
     await peer.assign(*jobs)
-    await wait_until(lambda: len(worker._running) == 5, what="five running jobs")
+    await wait_until(lambda: len(worker.running_jobs) == 5, what="five running jobs")
 
     release["j0"].set()  # alone: nothing in flight, so it leaves at once
     first = await peer.next_with_results()
@@ -97,7 +102,7 @@ async def test_results_wait_for_the_ack_in_flight_then_leave_together(peer_and_w
 
     for job_id in jobs[1:]:  # finish one by one while j0's ack is outstanding
         release[job_id].set()
-        await wait_until(lambda: job_id not in worker._running, what=f"{job_id} done")
+        await wait_until(lambda: job_id not in worker.running_jobs, what=f"{job_id} done")
     with pytest.raises(TimeoutError):  # held back: no frame with results
         await peer.next_with_results(timeout=0.3)
 
@@ -111,7 +116,7 @@ async def test_a_state_change_is_not_held_back_by_results_in_flight(peer_and_wor
     peer, worker, release = peer_and_worker
     release["a"], release["b"] = asyncio.Event(), asyncio.Event()
     await peer.assign("a", "b")
-    await wait_until(lambda: len(worker._running) == 2, what="two running jobs")
+    await wait_until(lambda: len(worker.running_jobs) == 2, what="two running jobs")
     release["a"].set()
     await peer.next_with_results()  # in flight, never acked
     worker.quiet()

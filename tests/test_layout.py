@@ -31,8 +31,9 @@ LAYERS: list[set[str]] = [
     {"openapi"},
     {"server"},
     # the SDK and the producer client, beside the server
-    {"context", "client"},
-    {"manual"},
+    {"context", "client", "link"},  # a handler's context; the producer client; the core
+    {"manual", "execution"},  # manual mode; running jobs
+    {"connection"},  # the connection thread
     {"worker"},
     {"__init__", "demo"},
     {"cli"},
@@ -41,10 +42,11 @@ LAYERS: list[set[str]] = [
 RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
 # What the worker SDK and the producer client may use of the rest.
 SHARED = {"errors", "ids", "protocol", "specs"}
-SDK = {"context", "manual", "worker", "client", "__init__"}
+SDK = {"context", "manual", "worker", "client", "link", "execution", "connection", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"model", "policy", "scheduler", "effects", "registry", "attempts", "intake", "engine"}
+PURE = {"model", "policy", "scheduler", "effects", "registry", "attempts", "intake", "engine",
+        "link"}
 
 
 def imports_of(path: Path) -> tuple[set[str], set[str]]:

@@ -109,7 +109,7 @@ async def test_jobs_handed_over_but_never_taken_go_back_at_once(live: Live, tmp_
     worker = manual(live, tmp_path, concurrency=2, grace_period=30)
     jobs = [await live.enqueue("echo", {"n": n}) for n in range(2)]
     async with worker.listen("echo"):
-        await wait_until(lambda: len(worker._running) == 2, what="both jobs handed over")
+        await wait_until(lambda: len(worker.running_jobs) == 2, what="both jobs handed over")
         leaving = time.monotonic()
     assert time.monotonic() - leaving < 5  # not the 30 s grace: nobody held them
     for job in jobs:

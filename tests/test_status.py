@@ -19,7 +19,7 @@ from test_cli import rota
 from rota import JobContext, Worker
 from rota import protocol as p
 from rota.context import MAX_HELD_LINES, MAX_LINES_PER_BEAT, STATUS_BYTES_PER_BEAT, StatusBuffer
-from rota.worker import RESULT_BYTES_PER_BEAT
+from rota.link import RESULT_BYTES_PER_BEAT, Link
 
 
 def chatty(tmp_path: Path, release: asyncio.Event, **options: Any) -> Worker:
@@ -193,15 +193,18 @@ def test_status_buffer_keeps_each_heartbeat_under_its_byte_budget():
     assert sent == {"alerts": 100, "progress": 100, "logs": 100}  # all of it, in turns
 
 
-def test_results_are_spread_over_heartbeats_that_fit_a_frame(tmp_path: Path):
-    worker = Worker(specs_dir=tmp_path)
+def test_results_are_spread_over_heartbeats_that_fit_a_frame():
+    link = Link("w")
     big = msgspec.Raw(msgspec.json.encode("r" * 300 * 1024))
-    worker._results = [p.Result(job_id=f"j{n}", attempt=1, outcome="completed", result=big)
-                       for n in range(5)]
+    for n in range(5):
+        link.add_result(p.Result(job_id=f"j{n}", attempt=1, outcome="completed", result=big), 0.0)
     batches = []
-    while worker._results:
-        results, _ = worker._take_results()
-        batches.append(len(results))
-        frame = p.encode(p.Heartbeat(seq=0, worker_id="w", results=results)).encode()
-        assert len(frame) < RESULT_BYTES_PER_BEAT + 1024
+    for now in range(1, 10):
+        beat = link.heartbeat(float(now), state="running", active=[], capacity=0)
+        if not beat.results:
+            break
+        batches.append(len(beat.results))
+        assert len(p.encode(beat).encode()) < RESULT_BYTES_PER_BEAT + 1024
+        # the rest leave in the very next heartbeat, ack or no ack
+        assert link.due(float(now)) == (sum(batches) < 5)
     assert batches == [2, 2, 1]

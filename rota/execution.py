@@ -1,0 +1,247 @@
+"""Running assigned jobs, on the handlers' event loop: async handlers as tasks, plain
+functions each on a thread of its own.
+
+A run holds a slot until it ends. A plain function cannot be interrupted: when its run
+is given up (its lease lapsed, a cancel, a shutdown) the run is reported at once and
+its thread is *abandoned*: it runs on, but it is no longer the slot's. Every run of a
+plain function starts on a new thread, so a slot given back is one the worker can
+really use: a job it accepts starts at once, however many threads hang. Each abandoned
+thread is alerted and counted; at ``max_abandoned`` of them the worker drains and exits
+(``EXIT_WEDGED``), for its supervisor to restart it. No exception from a handler,
+``SystemExit`` and ``KeyboardInterrupt`` included, escapes its run: it fails that job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from rota import protocol as p
+from rota.context import JobContext, StatusBuffer
+from rota.link import RESULT_BYTES_PER_BEAT
+
+log = logging.getLogger("rota.worker")
+Handler = Callable[[JobContext], Any]
+
+
+@dataclass(slots=True)
+class Run:
+    copy: p.JobCopy
+    deadline: float  # monotonic: past it, without a ctx.heartbeat(), the run is given up
+    task: asyncio.Task[None] | None = None
+    cancel_reason: str | None = None  # why we cancelled it: "cancelled", "visibility_timeout"
+    thread: threading.Thread | None = None  # a plain function's thread
+
+
+class Runner:
+    def __init__(self, *, worker_id: str, handlers: dict[str, Handler], concurrency: int,
+                 status: StatusBuffer, report: Callable[[p.Result | None], None],
+                 max_abandoned: int, on_wedged: Callable[[], None]) -> None:
+        self.worker_id = worker_id
+        self.handlers = handlers
+        self.concurrency = concurrency
+        self.status = status
+        self.report = report  # a run's result (None: a slot came free with nothing to say)
+        self.max_abandoned = max_abandoned
+        self.on_wedged = on_wedged  # too many abandoned threads: drain and exit
+        self.running: dict[str, Run] = {}
+        self.abandoned: set[threading.Thread] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- what the connection reads (from its own thread) ----------------------------------
+    def capacity(self, state: str) -> int:
+        if state != "running":
+            return 0
+        return max(0, self.concurrency - len(self.running))
+
+    def vouched(self, now: float) -> list[str]:
+        """The runs whose leases this worker still vouches for."""
+        return [job_id for job_id, run in list(self.running.items()) if run.deadline > now]
+
+    # -- on the handlers' loop -----------------------------------------------------------
+    def start(self, copy: p.JobCopy) -> None:
+        self._loop = asyncio.get_running_loop()
+        if copy.id in self.running:  # a stale run of an earlier attempt: stop it
+            self.cancel(copy.id, "cancelled")
+        run = Run(copy, deadline=time.monotonic() + copy.visibility_timeout)
+        self.running[copy.id] = run
+        run.task = asyncio.create_task(self._execute(run), name=f"rota-job-{copy.id}")
+
+    def cancel(self, job_id: str, reason: str = "cancelled") -> None:
+        """Stop a running job; it is reported as failed with error type ``reason``."""
+        run = self.running.get(job_id)
+        if run is None or run.task is None or run.cancel_reason is not None:
+            return
+        log.info("cancelling job=%s reason=%s", job_id, reason)
+        run.cancel_reason = reason
+        run.task.cancel()
+
+    def cancel_all(self, reason: str) -> None:
+        for job_id in list(self.running):
+            self.cancel(job_id, reason)
+
+    def give_up_lapsed(self) -> None:
+        """A run silent past its lease is stopped and reported, so that the retry the
+        server will schedule never races a stale copy of it."""
+        now = time.monotonic()
+        for job_id, run in list(self.running.items()):
+            if run.deadline <= now:
+                self.cancel(job_id, "visibility_timeout")
+
+    def stop_all(self) -> None:
+        """The worker is failing: nobody to report to; the server recovers the jobs."""
+        for run in self.running.values():
+            if run.task is not None:
+                run.task.cancel()
+
+    async def _execute(self, run: Run) -> None:
+        copy = run.copy
+        loop = asyncio.get_running_loop()
+
+        def extend_now() -> None:
+            run.deadline = time.monotonic() + copy.visibility_timeout
+
+        def extend() -> None:  # may be called from a plain function's thread
+            loop.call_soon_threadsafe(extend_now)
+
+        ctx = JobContext(id=copy.id, spec=copy.spec, queue=copy.queue, attempt=copy.attempt,
+                         args=copy.args, priority=copy.priority, checksum=copy.checksum,
+                         enqueued_at=copy.enqueued_at, worker_id=self.worker_id,
+                         visibility_timeout=copy.visibility_timeout,
+                         capture_logs=copy.capture_logs, _extend=extend, _status=self.status)
+        result: p.Result | None
+        try:
+            result = await self._call(ctx, run)
+        except asyncio.CancelledError:
+            if run.cancel_reason is None:  # not ours: the worker itself is going down
+                raise
+            self._abandon(run)
+            if run.cancel_reason == "reservation_lost":  # no longer ours to report
+                log.info("stopped job=%s: its reservation was lost while disconnected", copy.id)
+                result = None
+            else:
+                result = p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
+                                  error=p.ErrorInfo(type=run.cancel_reason, message="stopped by"
+                                                    f" the worker: {run.cancel_reason}"))
+        except BaseException:
+            self._forget(run)
+            raise
+        # Handed over before the slot is freed: whoever sees the slot free and nothing
+        # running can count on the result being on its way already.
+        self.report(result)
+        self._forget(run)
+
+    def _forget(self, run: Run) -> None:
+        if self.running.get(run.copy.id) is run:  # a newer attempt may have its slot
+            del self.running[run.copy.id]
+
+    async def _call(self, ctx: JobContext, run: Run) -> p.Result:
+        handler = self.handlers.get(ctx.spec)
+        try:
+            if handler is None:
+                raise LookupError(f"this worker has no handler for spec {ctx.spec!r}")
+            if inspect.iscoroutinefunction(handler):
+                value = await handler(ctx)
+            else:
+                value = await self._in_thread(handler, ctx, run)
+            # Encoded once, here: a value that cannot be sent fails the job, not the
+            # heartbeat, and the heartbeat carries the bytes as they are.
+            encoded = msgspec.json.encode(value)
+            if len(encoded) > RESULT_BYTES_PER_BEAT:
+                raise ResultTooLarge(f"the result is {len(encoded)} bytes as JSON; a worker"
+                                     f" sends at most {RESULT_BYTES_PER_BEAT}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.info("job failed job=%s spec=%s attempt=%d error=%s: %s", ctx.id, ctx.spec,
+                     ctx.attempt, type(exc).__name__, exc)
+            return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="failed",
+                            error=error_info(exc))
+        except BaseException as exc:  # noqa: BLE001 (SystemExit, KeyboardInterrupt, ...)
+            # A handler cannot stop its worker: only signals and the server do that.
+            # Its job fails, for good, since running it again would do the same.
+            log.warning("job failed job=%s spec=%s attempt=%d: the handler raised %s; the"
+                        " worker runs on", ctx.id, ctx.spec, ctx.attempt, type(exc).__name__)
+            info = error_info(exc)
+            info.retryable = False
+            info.message = (f"the handler raised {type(exc).__name__}({exc}); a handler"
+                            " cannot stop its worker")
+            return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="failed", error=info)
+        return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="completed",
+                        result=msgspec.Raw(encoded))
+
+    async def _in_thread(self, handler: Handler, ctx: JobContext, run: Run) -> Any:
+        """Run a plain function on a thread of its own: a thread that never returns holds
+        its own slot, never the next job's."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if not done.done():
+                if error is not None:
+                    done.set_exception(error)
+                else:
+                    done.set_result(value)
+
+        def target() -> None:
+            try:
+                value, error = handler(ctx), None
+            except BaseException as exc:  # noqa: BLE001 (handed to the run, whatever it is)
+                value, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+                loop.call_soon_threadsafe(self._thread_ended, threading.current_thread())
+            except RuntimeError:  # the loop is closed: the worker is gone already
+                pass
+
+        thread = threading.Thread(target=target, name=f"rota-job-{ctx.id}", daemon=True)
+        run.thread = thread
+        thread.start()
+        return await done
+
+    def _abandon(self, run: Run) -> None:
+        thread = run.thread
+        if thread is None or not thread.is_alive():
+            return
+        self.abandoned.add(thread)
+        message = (f"job {run.copy.id} ({run.copy.spec}) was given up ({run.cancel_reason}) but"
+                   f" its thread still runs: abandoned ({len(self.abandoned)} of at most"
+                   f" {self.max_abandoned}); its slot runs new jobs on new threads")
+        log.warning("abandoned thread job=%s spec=%s reason=%s abandoned=%d", run.copy.id,
+                    run.copy.spec, run.cancel_reason, len(self.abandoned))
+        self.status.alert(message, "warning", run.copy.id)
+        if len(self.abandoned) >= self.max_abandoned:
+            log.error("%d abandoned threads (max_abandoned_threads): draining, then exiting"
+                      " for a restart", len(self.abandoned))
+            self.status.alert(f"{len(self.abandoned)} abandoned threads: the worker drains"
+                              " and exits to be restarted", "error", None)
+            self.on_wedged()
+
+    def _thread_ended(self, thread: threading.Thread) -> None:
+        if thread in self.abandoned:
+            self.abandoned.discard(thread)
+            log.info("an abandoned thread returned: %d left", len(self.abandoned))
+
+
+class ResultTooLarge(Exception):
+    """A result too large to send: running the job again would not make it smaller."""
+
+    retryable = False
+    error_type = "result_too_large"  # the name the server gives the same failure
+
+
+def error_info(exc: BaseException) -> p.ErrorInfo:
+    return p.ErrorInfo(
+        type=getattr(exc, "error_type", type(exc).__name__), message=p.cut_text(str(exc)),
+        retryable=bool(getattr(exc, "retryable", True)),
+        details={"traceback": "".join(traceback.format_exception(exc))[-4000:]},
+    )

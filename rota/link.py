@@ -1,0 +1,230 @@
+"""The worker's side of the protocol, with no I/O: what to send, when, and what an answer
+means. The connection thread (rota/connection.py) reads the clock and the socket and
+asks this core; tests drive it with a fake clock (tests/test_link.py).
+
+It keeps the heartbeat bookkeeping (``seq``, the state each heartbeat reported, the
+results each one carried until its ack), batches results, decides when a heartbeat is
+due, reads acks (directives, results to send again), and decides when an overdue ack is
+worth a ping and how long to wait before reconnecting.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from rota import protocol as p
+
+# The server takes frames up to 1 MiB: results and status share this, and the rest of a
+# heartbeat (ids, metrics, registration) fits in what is left.
+FRAME_BUDGET = (1 << 20) - 64 * 1024
+RESULT_BYTES_PER_BEAT = 768 * 1024
+
+
+class LinkState(enum.Enum):
+    DISCONNECTED = "disconnected"
+    REGISTERING = "registering"  # the registration is sent; no welcome yet
+    READY = "ready"  # welcomed: jobs may come
+
+
+@dataclass(slots=True)
+class AckOutcome:
+    directive: str | None = None  # a stricter state the server asks for: quiet, terminate
+    resend: int = 0  # results the server could not store and asks for again
+    rejected: list[p.ResultRejection] = field(default_factory=list)
+
+
+class Link:
+    """Heartbeat bookkeeping for one worker, across its connections."""
+
+    def __init__(self, worker_id: str, *, interval: float | None = None,
+                 reconnect_max_delay: float = 5.0,
+                 rand: Callable[[], float] = random.random) -> None:
+        self.worker_id = worker_id
+        self.state = LinkState.DISCONNECTED
+        self.welcome: p.Welcome | None = None
+        self._interval = interval  # None: the server's, from its welcome
+        self.reconnect_max_delay = reconnect_max_delay
+        self.reconnects = 0
+        self._rand = rand
+        self._seq = 0
+        self._sent_state: dict[int, tuple[str, float]] = {}  # seq -> (state said, sent at)
+        self._unacked: dict[int, list[p.Result]] = {}  # seq -> results, until its ack
+        self._results: list[p.Result] = []  # waiting to be sent
+        self._ready_at: dict[str, float] = {}  # job id -> when its result was ready
+        self._urgent = False  # a state change or an alert: beat now, whatever is in flight
+        self._last_beat = 0.0
+        self._last_capacity = 0
+        self.frames_sent = 0
+        self.results_sent = 0
+        self.flush_delays: collections.deque[float] = collections.deque(maxlen=100_000)
+
+    @property
+    def interval(self) -> float:
+        return self._interval or 1.0
+
+    # -- connections -------------------------------------------------------------------
+    def opened(self) -> None:
+        """A new connection: ``seq`` starts again, and results the last connection sent
+        without an ack go again first (the server accepts them if it never stored them,
+        and rejects them harmlessly if it did)."""
+        self.state = LinkState.REGISTERING
+        self._seq = 0
+        self._sent_state.clear()
+        resend = [result for seq in sorted(self._unacked) for result in self._unacked[seq]]
+        self._unacked.clear()
+        self._results = resend + self._results
+
+    def lost(self) -> None:
+        self.state = LinkState.DISCONNECTED
+
+    def on_welcome(self, welcome: p.Welcome) -> None:
+        self.welcome = welcome
+        self.state = LinkState.READY
+        self.reconnects = 0
+        if self._interval is None:
+            self._interval = welcome.heartbeat_interval
+
+    def reconnect_delay(self) -> float:
+        """Exponential, jittered, capped; below half the server's heartbeat timeout, so
+        that after a server restart this worker is back in time to reclaim its jobs."""
+        cap = self.reconnect_max_delay
+        if self.welcome is not None:
+            cap = min(cap, self.welcome.heartbeat_timeout / 2)
+        delay = min(cap, 0.1 * 2.0 ** self.reconnects)
+        self.reconnects += 1
+        return delay * (0.5 + self._rand() / 2)
+
+    # -- results and batching --------------------------------------------------------------
+    def add_result(self, result: p.Result, now: float) -> None:
+        self._results.append(result)
+        self._ready_at[result.job_id] = now
+
+    def urge(self) -> None:
+        """Something the server should hear at once (a state change, an alert)."""
+        self._urgent = True
+
+    def pending(self) -> bool:
+        """Results are waiting to be sent, or sent and not yet acked."""
+        return bool(self._results or self._unacked)
+
+    def due(self, now: float, *, capacity: int = 0, stopping: bool = False) -> bool:
+        """Whether to beat now. Results go in batches, one heartbeat of them at a time,
+        as Nagle's algorithm does with small TCP segments: while a heartbeat with results
+        waits for its ack, more results wait for it too, unless something is urgent or
+        the periodic beat is due. At low load nothing is in flight and a result leaves
+        at once; under load the frames follow the server's round trip, not the job rate."""
+        if self._urgent or stopping or now - self._last_beat >= self.interval:
+            return True
+        if self._unacked:
+            return False
+        # Results, or slots freed with nothing to report (a lost run, a thread back).
+        return bool(self._results) or capacity > self._last_capacity
+
+    def next_beat_in(self, now: float) -> float:
+        """Seconds until the periodic beat is due."""
+        return max(0.0, self._last_beat + self.interval - now)
+
+    def heartbeat(self, now: float, *, state: str, active: list[str], capacity: int,
+                  status: p.Status | None = None, registration: p.Registration | None = None,
+                  goodbye: bool = False) -> p.Heartbeat:
+        """The next heartbeat, recorded as sent. ``status`` (if given) brings its own
+        extras (progress, logs, metrics); ``state`` and ``active`` are set here."""
+        self._urgent = False  # (taking results may set it again: more are waiting)
+        results = self._take_results()
+        if status is None:
+            status = p.Status(state=state)  # type: ignore[arg-type]
+        status.state = state  # type: ignore[assignment]
+        status.active_job_ids = active
+        beat = p.Heartbeat(seq=self._seq, worker_id=self.worker_id, registration=registration,
+                           status=status, results=results, capacity=capacity, goodbye=goodbye)
+        if results:
+            self._unacked[self._seq] = results
+            for result in results:
+                ready = self._ready_at.pop(result.job_id, None)
+                if ready is not None:
+                    self.flush_delays.append(now - ready)
+        self._sent_state[self._seq] = (state, now)
+        self._seq += 1
+        self._last_beat = now
+        self._last_capacity = capacity
+        self.frames_sent += 1
+        self.results_sent += len(results)
+        return beat
+
+    def results_size(self) -> int:
+        """What the results of the next heartbeat will take of its frame, near enough."""
+        size = 0
+        for index, result in enumerate(self._results):
+            cost = result_size(result)
+            if index and size + cost > RESULT_BYTES_PER_BEAT:
+                break
+            size += cost
+        return size
+
+    def _take_results(self) -> list[p.Result]:
+        """As many results as fit RESULT_BYTES_PER_BEAT (one at least), so a frame never
+        passes the server's 1 MiB limit; the rest go in the next one, which is then due."""
+        taken = 0
+        size = 0
+        for result in self._results:
+            cost = result_size(result)
+            if taken and size + cost > RESULT_BYTES_PER_BEAT:
+                self._urgent = True
+                break
+            taken += 1
+            size += cost
+        results, self._results = self._results[:taken], self._results[taken:]
+        if self._results:
+            self._urgent = True  # the rest leave in the very next heartbeat
+        return results
+
+    # -- answers -----------------------------------------------------------------------
+    def on_ack(self, ack: p.Ack) -> AckOutcome:
+        """Read an ack: results it accepts are done with; those the server could not store
+        go again; a state stricter than what that heartbeat said is a directive (an echo
+        of an older state must not undo a SIGCONT that came since)."""
+        outcome = AckOutcome(rejected=list(ack.rejected))
+        said, _ = self._sent_state.pop(ack.seq, (ack.state, 0.0))
+        if p.STATE_RANK[ack.state] > p.STATE_RANK[said]:  # type: ignore[index]
+            outcome.directive = ack.state
+        sent = {r.job_id: r for r in self._unacked.pop(ack.seq, [])}
+        for rejected in ack.rejected:
+            if rejected.reason.startswith("could not be stored") and rejected.job_id in sent:
+                self._results.append(sent[rejected.job_id])
+                outcome.resend += 1
+        return outcome
+
+    def ping_patience(self, now: float) -> float | None:
+        """If the oldest ack is overdue, how long a ping may take before the connection is
+        judged dead; None while nothing is overdue. An ack may wait behind a slow commit,
+        so an overdue ack is only a reason to ask; both waits are a quarter of the
+        server's heartbeat timeout, so this worker is back before the server gives up."""
+        if self.welcome is None or not self._sent_state:
+            return None
+        patience = self.welcome.heartbeat_timeout / 4
+        oldest = next(iter(self._sent_state.values()))[1]  # dicts keep seq order
+        if now - oldest <= max(patience, 2 * self.interval):
+            return None
+        return patience
+
+    def oldest_unanswered(self, now: float) -> float:
+        if not self._sent_state:
+            return 0.0
+        return now - next(iter(self._sent_state.values()))[1]
+
+    def drained(self, *, running: int, fast: bool) -> bool:
+        """Nothing left to run or report (on the fast path, acks are not waited for)."""
+        return not (running or self._results or (self._unacked and not fast))
+
+
+def result_size(result: p.Result) -> int:
+    """A result's encoded size, near enough: its value's bytes (already encoded) plus its
+    envelope, or an error's bound (messages and tracebacks are cut to a few KiB)."""
+    value = len(result.result) if isinstance(result.result, msgspec.Raw) else 0
+    return value + (16 * 1024 if result.error is not None else 256)
