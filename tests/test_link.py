@@ -1,0 +1,134 @@
+"""The worker's sans-I/O core (rota/link.py), driven with plain numbers for a clock."""
+
+from __future__ import annotations
+
+from rota import protocol as p
+from rota.link import Link, LinkState
+
+WELCOME = p.Welcome(worker_id="w", server_time="2026-01-01T00:00:00Z", heartbeat_interval=1.0,
+                    heartbeat_timeout=8.0, visibility_timeout=60.0,
+                    specs=p.SpecVerdict(accepted=[], rejected=[]))
+
+
+def result(job_id: str) -> p.Result:
+    return p.Result(job_id=job_id, attempt=1, outcome="completed", result=None)
+
+
+def ack(beat: p.Heartbeat, state: str = "running", **extra: object) -> p.Ack:
+    return p.Ack(seq=beat.seq, state=state, server_time="2026-01-01T00:00:00Z",  # type: ignore[arg-type]
+                 **extra)  # type: ignore[arg-type]
+
+
+def connected(now: float = 0.0) -> tuple[Link, p.Heartbeat]:
+    link = Link("w")
+    link.opened()
+    first = link.heartbeat(now, state="running", active=[], capacity=4)
+    link.on_welcome(WELCOME)
+    link.on_ack(ack(first))
+    return link, first
+
+
+def beat(link: Link, now: float, capacity: int = 4) -> p.Heartbeat:
+    return link.heartbeat(now, state="running", active=[], capacity=capacity)
+
+
+def test_a_lone_result_is_due_at_once():
+    link, _ = connected()
+    assert not link.due(0.1)
+    link.add_result(result("a"), 0.1)
+    assert link.due(0.1)
+    sent = beat(link, 0.1)
+    assert [r.job_id for r in sent.results] == ["a"] and list(link.flush_delays) == [0.0]
+
+
+def test_results_wait_for_the_ack_in_flight_then_go_together():
+    link, _ = connected()
+    link.add_result(result("a"), 0.1)
+    first = beat(link, 0.1)
+    for job_id in "bcd":
+        link.add_result(result(job_id), 0.2)
+    assert not link.due(0.3)  # held back: "a" is not acked yet
+    assert not link.due(0.3, capacity=4)  # freed slots ride the next batch too
+    link.on_ack(ack(first, accepted=["a"]))
+    assert link.due(0.3)
+    assert [r.job_id for r in beat(link, 0.3).results] == ["b", "c", "d"]
+
+
+def test_the_periodic_beat_and_urgent_news_are_never_held_back():
+    link, _ = connected()
+    link.add_result(result("a"), 0.1)
+    beat(link, 0.1)
+    link.add_result(result("b"), 0.2)
+    assert not link.due(0.5)
+    assert link.due(1.1)  # the interval passed since the last beat
+    link.urge()
+    assert link.due(0.5)
+    assert link.due(0.5, stopping=True)
+
+
+def test_slots_freed_with_nothing_to_report_are_due_when_nothing_is_in_flight():
+    link, _ = connected()
+    beat(link, 0.1, capacity=2)
+    assert not link.due(0.2, capacity=2)
+    assert link.due(0.2, capacity=3)
+
+
+def test_a_new_connection_resends_unacked_results_first_and_restarts_seq():
+    link, _ = connected()
+    link.add_result(result("a"), 0.1)
+    beat(link, 0.1)
+    link.add_result(result("b"), 0.2)
+    link.lost()
+    link.opened()
+    assert link.state == LinkState.REGISTERING
+    again = beat(link, 0.3)
+    assert again.seq == 0 and [r.job_id for r in again.results] == ["a", "b"]
+
+
+def test_an_ack_directs_only_when_stricter_than_what_its_heartbeat_said():
+    link, _ = connected()
+    said_quiet = link.heartbeat(0.1, state="quiet", active=[], capacity=0)
+    assert link.on_ack(ack(said_quiet, state="quiet")).directive is None
+    said_running = beat(link, 0.2)
+    assert link.on_ack(ack(said_running, state="terminate")).directive == "terminate"
+
+
+def test_a_result_the_server_could_not_store_goes_again():
+    link, _ = connected()
+    link.add_result(result("a"), 0.1)
+    sent = beat(link, 0.1)
+    rejection = p.ResultRejection(job_id="a", attempt=1, reason="could not be stored (disk"
+                                  " full); report it again")
+    outcome = link.on_ack(ack(sent, rejected=[rejection]))
+    assert outcome.resend == 1 and link.due(0.2)
+    assert [r.job_id for r in beat(link, 0.2).results] == ["a"]
+
+
+def test_an_overdue_ack_is_worth_a_ping():
+    link, _ = connected()
+    beat(link, 1.0)  # never acked
+    assert link.ping_patience(2.5) is None  # within max(timeout / 4, 2 intervals)
+    assert link.ping_patience(3.5) == 2.0  # 8.0 / 4
+
+
+def test_reconnect_delays_grow_jittered_and_stay_under_half_the_timeout():
+    low = Link("w", reconnect_max_delay=30.0, rand=lambda: 0.0)
+    high = Link("w", reconnect_max_delay=30.0, rand=lambda: 1.0)
+    for link in (low, high):
+        link.on_welcome(WELCOME)
+    lows = [low.reconnect_delay() for _ in range(8)]
+    highs = [high.reconnect_delay() for _ in range(8)]
+    assert highs[:3] == [0.1, 0.2, 0.4] and lows[0] == 0.05
+    assert max(highs) == 4.0  # heartbeat_timeout / 2
+    low.on_welcome(WELCOME)  # a welcome resets the count
+    assert low.reconnect_delay() == 0.05
+
+
+def test_drained_means_nothing_runs_nothing_waits_and_on_the_slow_path_all_is_acked():
+    link, _ = connected()
+    assert link.drained(running=0, fast=False)
+    assert not link.drained(running=1, fast=False)
+    link.add_result(result("a"), 0.1)
+    assert not link.drained(running=0, fast=True)
+    beat(link, 0.1)
+    assert not link.drained(running=0, fast=False) and link.drained(running=0, fast=True)
