@@ -68,11 +68,16 @@ def settle(job: Job, result: p.Result, now: Instant, *, max_result_bytes: int,
 
 
 def end_attempt(job: Job, ending: Ending, error: p.ErrorInfo, now: Instant,
-                rand: Callable[[], float]) -> Change:
-    """Apply the retry policy to an attempt that did not complete."""
+                rand: Callable[[], float], *, death: bool = True) -> Change:
+    """Apply the retry policy to an attempt that did not complete. A ``worker_death``
+    counts toward the job's poison tally when ``death`` says its worker really died;
+    any other ending sets the tally back to 0."""
     if ending == "failed":
         job.fails += 1
-    job.deaths = job.deaths + 1 if ending == "worker_death" else 0
+    if ending != "worker_death":
+        job.deaths = 0
+    elif death:
+        job.deaths += 1
     decision = after_attempt(
         ending=ending, retryable=error.retryable, attempts_used=job.attempt - job.budget_start,
         fails=job.fails, limits=job.limits, expires_at=job.expires_at,

@@ -88,6 +88,7 @@ class Connection:
         self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._metrics_at = -METRICS_EVERY
         self._ticked = 0.0  # when the handlers' side was last asked to tick
+        self._starting = 0  # jobs assigned and handed to the handlers' loop, not yet started
         self._probe_sent: float | None = None  # when the pending probe was posted
         self._blocker: tuple[str, str | None] | None = None  # (handler, job id) seen blocking
 
@@ -181,15 +182,17 @@ class Connection:
                 why = str(exc) or type(exc).__name__
             self.link.lost()
             self._post(worker.connected.clear)
-            if worker.stopping and not worker.runner.running:
+            if worker.stopping and not worker.runner.running and not self._starting:
                 return
             lost_at = lost_at if self.link.reconnects else time.monotonic()
             if worker.patience is not None and time.monotonic() - lost_at > worker.patience:
                 raise ConnectionError(f"no connection to {worker.url} for {worker.patience}s")
             delay = self.link.reconnect_delay()
-            log.warning("connection to %s lost (%s); reconnect attempt %d in %.2fs,"
-                        " %d job(s) running", worker.url, why, self.link.reconnects, delay,
-                        len(worker.runner.running))
+            # The first lost connection is news; the attempts after it are detail.
+            level = logging.WARNING if self.link.reconnects == 1 else logging.INFO
+            log.log(level, "connection to %s lost (%s); reconnect attempt %d in %.2fs,"
+                    " %d job(s) running", worker.url, why, self.link.reconnects, delay,
+                    len(worker.runner.running))
             assert self._dirty is not None
             await _wait(self._dirty if worker.stopping_now else asyncio.Event(), delay)
 
@@ -229,7 +232,7 @@ class Connection:
                 continue
             await self._check_server_alive(ws)
             await self._beat(ws)
-            if worker.stopping and not worker.runner.running:
+            if worker.stopping and not worker.runner.running and not self._starting:
                 # A run hands its result over before it frees its slot: let what was
                 # handed over land here before judging that nothing is left to report.
                 await asyncio.sleep(0)
@@ -286,8 +289,8 @@ class Connection:
                 continue
             match message:
                 case p.Assign(jobs=jobs):
-                    for copy in jobs:
-                        self._post(worker.runner.start, copy)
+                    self._starting += len(jobs)  # until the handlers' side has them
+                    self._post(self._start, jobs)
                 case p.Ack():
                     self._on_ack(message)
                 case p.Cancel(job_ids=job_ids, reason=reason):
@@ -299,6 +302,17 @@ class Connection:
                     self._post(worker.connected.set)
                 case p.Error(code=code, message=text):
                     log.error("server error code=%s message=%s", code, text)
+
+    def _start(self, jobs: list[p.JobCopy]) -> None:
+        """On the handlers' loop: start the runs, then say so to the connection."""
+        try:
+            for copy in jobs:
+                self.worker.runner.start(copy)
+        finally:
+            self._call(self._started, len(jobs))
+
+    def _started(self, count: int) -> None:
+        self._starting -= count
 
     def _on_ack(self, ack: p.Ack) -> None:
         outcome = self.link.on_ack(ack)

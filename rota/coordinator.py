@@ -28,6 +28,7 @@ from rota.engine import MAX_LOG_LINES, Engine
 from rota.errors import Conflict, DomainError, Invalid, NotFound
 from rota.jobs import EnqueueRequest, same_job
 from rota.model import TERMINAL_STATES, Instant
+from rota.policy import TokenBucket
 from rota.registry import Connection
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
@@ -37,6 +38,7 @@ from rota.store import Store, job_from_row
 __all__ = ["Coordinator", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
 LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens")
+MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 
 
 class Outbox(Protocol):
@@ -66,6 +68,7 @@ class Coordinator:
         self._conns = 0
         self._inflight: dict[int, asyncio.Future[Any]] = {}  # conn -> its latest results write
         self.pending_writes = 0  # handed to the writer, outcome not yet applied
+        self._buckets: dict[str, tuple[TokenBucket, TokenBucket]] = {}  # by worker id
         self._wake = asyncio.Event()
         self._timers = asyncio.Event()
         self._timers_wake_at = 0.0  # when the timer loop will next look, unless poked
@@ -236,6 +239,19 @@ class Coordinator:
         self.apply(self.engine.disconnect(conn, worker_id, reason, self.clock()))
         if not self.connections:
             self._no_connections.set()
+
+    def buckets_for(self, worker_id: str) -> tuple[TokenBucket, TokenBucket]:
+        """A worker's rate-limit buckets (frames, bytes), the same on every connection it
+        opens; the least recently used go when there are too many."""
+        buckets = self._buckets.pop(worker_id, None)
+        if buckets is None:
+            settings = self.settings
+            buckets = (TokenBucket(settings.rate_limit, settings.rate_burst),
+                       TokenBucket(settings.rate_bytes, settings.rate_bytes_burst))
+        self._buckets[worker_id] = buckets
+        if len(self._buckets) > MAX_BUCKETS:
+            self._buckets.pop(next(iter(self._buckets)))
+        return buckets
 
     def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
         return self.engine.registry.direct(worker_ids, state)

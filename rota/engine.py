@@ -15,6 +15,7 @@ every liveness deadline back by the stall before judging anyone.
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 from collections.abc import Callable, Iterable
@@ -43,6 +44,12 @@ log = logging.getLogger("rota.server")
 # for its own reasons) takes them back on reconnect. After any other (it closed, said
 # goodbye, went silent, broke the protocol) they go back at once.
 MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error", "rate_limited"})
+# Ends of a connection that count toward a job's poison tally (max_worker_deaths) when
+# its jobs go back at once: the worker process closed without a goodbye or went silent.
+# A goodbye, a protocol error or a revoked token says nothing about the job. (Jobs kept
+# for the reconnect grace count when it lapses: their worker did not come back.)
+DEATHS = frozenset({"closed", "heartbeat_timeout"})
+RECENT_RESULTS = 10_000  # accepted results remembered, to ack a resend of one quietly
 STALL = 0.1  # seconds a tick may be late before the lateness counts as a server stall
 
 
@@ -57,6 +64,9 @@ class Engine(Intake):
         self._tickets = 0
         self._pending: dict[int, tuple[str, Any]] = {}
         self._last_tick: float | None = None
+        # job id -> (worker, attempt) of results committed lately: a worker that lost an
+        # ack sends the result again on its next connection; that is no error.
+        self._recent: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
         # The shell promises a tick at least this often; a longer gap is a stall.
         self.tick_every = max(0.05, min(1.0, settings.heartbeat_timeout / 4))
 
@@ -146,7 +156,7 @@ class Engine(Intake):
             log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason,
                      len(held))
             effects += self._recover(held, "worker_death", f"worker {worker_id} is gone"
-                                     f" ({reason})", now)
+                                     f" ({reason})", now, death=reason in DEATHS)
         else:
             grace = self.settings.reconnect_grace
             for job in held:
@@ -193,14 +203,15 @@ class Engine(Intake):
                 effects += [Note(notes)] if notes else []
         if hb.capacity is not None:
             worker.capacity = hb.capacity
-        accepted, rejected, changes = self._take_results(worker, hb.results, now)
+        again, _, rejected, changes = self._take_results(worker, hb.results, now)
         desired = connection.directive or worker.state
         if not changes:
             if worker.free() > 0:
                 effects.append(Wake())
-            connection.acks.append([None, self._ack(hb.seq, desired, accepted, rejected, now)])
+            connection.acks.append([None, self._ack(hb.seq, desired, again, rejected, now)])
             return effects + self._flush_acks(connection)
-        ticket = self._ticket("results", (worker_id, conn, hb.seq, desired, changes, rejected))
+        ticket = self._ticket("results", (worker_id, conn, hb.seq, desired, changes, again,
+                                          rejected))
         connection.acks.append([ticket, None])
         effects.append(Save(changes, ticket, crash_point="result-after-commit"))
         return effects
@@ -238,12 +249,24 @@ class Engine(Intake):
         return [Send(connection.conn, p.encode(p.Cancel(job_ids=lost, reason="reservation_lost")))]
 
     def _take_results(self, worker: WorkerSlot, results: list[p.Result], now: Instant
-                      ) -> tuple[list[str], list[p.ResultRejection], list[Change]]:
+                      ) -> tuple[list[str], list[str], list[p.ResultRejection], list[Change]]:
+        """(results stored before and sent again, results to store, rejections, changes)."""
+        again: list[str] = []
         accepted: list[str] = []
         rejected: list[p.ResultRejection] = []
         changes: list[Change] = []
+        seen: set[tuple[str, int]] = set()
         for result in results:
-            reason = result_problem(self.scheduler.jobs, worker.id, result)
+            if (result.job_id, result.attempt) in seen:
+                reason: str | None = ("this heartbeat already carries a result for this"
+                                      " attempt of this job")
+            else:
+                seen.add((result.job_id, result.attempt))
+                reason = result_problem(self.scheduler.jobs, worker.id, result)
+                if reason is not None and self._recent.get(result.job_id) == (
+                        worker.id, result.attempt):
+                    again.append(result.job_id)  # stored already; its ack was lost
+                    continue
             if reason is not None:
                 rejected.append(p.ResultRejection(job_id=result.job_id, attempt=result.attempt,
                                                   reason=reason))
@@ -256,7 +279,7 @@ class Engine(Intake):
             changes.append(settle(job, result, now, rand=self._rand,
                                   max_result_bytes=self.settings.max_result_bytes))
             changes[-1].undo = undo
-        return accepted, rejected, changes
+        return again, accepted, rejected, changes
 
     def _place(self, job: Job) -> list[Effect]:
         """Put a job where its (committed) state says it belongs."""
@@ -292,21 +315,19 @@ class Engine(Intake):
 
     def _results_committed(self, ticket: int, payload: Any, error: BaseException | None,
                            now: Instant) -> list[Effect]:
-        worker_id, conn, seq, desired, changes, rejected = payload
+        worker_id, conn, seq, desired, changes, again, rejected = payload
         effects: list[Effect] = []
+        accepted = list(again)
         if error is not None:
             # Nothing was stored: the jobs stay reserved, and the worker hears that it may
             # report them again rather than believing they were recorded.
             log.error("storing %d result(s) from worker=%s failed: %s", len(changes),
                       worker_id, error)
             for change in changes:
-                job = change.job
-                job.state = JobState.ACTIVE  # undone, not a move: the move never happened
-                job.fails, job.deaths, job.run_at, job.due = change.undo
+                effects += self._undo(change, worker_id, conn, now)
                 rejected.append(p.ResultRejection(
-                    job_id=job.id, attempt=job.attempt,
+                    job_id=change.job.id, attempt=change.job.attempt,
                     reason=f"could not be stored ({error}); report it again"))
-            accepted: list[str] = []
         else:
             for change in changes:
                 job = change.job
@@ -314,9 +335,10 @@ class Engine(Intake):
                     log.info("result job=%s spec=%s@%s queue=%s worker=%s attempt=%d"
                              " outcome=completed", job.id, job.spec, short(job.checksum),
                              job.queue, worker_id, job.attempt)
+                self._remember(job.id, worker_id, job.attempt)
                 effects += self._place(job)
             effects.append(Wake())
-            accepted = [c.job.id for c in changes]
+            accepted += [c.job.id for c in changes]
         connection = self.registry.get(worker_id, conn)
         if connection is not None:
             for entry in connection.acks:
@@ -325,11 +347,33 @@ class Engine(Intake):
             effects += self._flush_acks(connection)
         return effects
 
-    def _recover(self, jobs: Iterable[Job], ending: Ending, message: str, now: Instant
-                 ) -> list[Effect]:
-        """Attempts that ended without a result: retry or discard them, record why."""
-        changes = [end_attempt(job, ending, p.ErrorInfo(type=ending, message=message), now, self._rand)
-                   for job in jobs]
+    def _undo(self, change: Change, worker_id: str, conn: int, now: Instant) -> list[Effect]:
+        """A result whose commit failed: the job is reserved by its worker again, as if
+        the result had never come; if that worker left meanwhile, it is kept for it for
+        the reconnect grace, like any job of a lost connection."""
+        job = change.job
+        job.state = JobState.ACTIVE  # undone, not a move: the move never happened
+        job.fails, job.deaths, job.run_at, job.due = change.undo  # type: ignore[misc]
+        holder = self.scheduler.workers.get(worker_id)
+        if holder is not None and self.registry.get(worker_id, conn) is not None:
+            holder.active.add(job.id)
+            self.scheduler.hold(job, now.mono + self.scheduler.lease_for(job))
+            return []
+        until = now.mono + self.settings.reconnect_grace
+        self.scheduler.orphan(job, until)
+        return [Arm(until)]
+
+    def _remember(self, job_id: str, worker_id: str, attempt: int) -> None:
+        self._recent[job_id] = (worker_id, attempt)
+        if len(self._recent) > RECENT_RESULTS:
+            self._recent.popitem(last=False)
+
+    def _recover(self, jobs: Iterable[Job], ending: Ending, message: str, now: Instant, *,
+                 death: bool = True) -> list[Effect]:
+        """Attempts that ended without a result: retry or discard them, record why.
+        ``death``: a worker_death that counts toward the job's poison tally."""
+        changes = [end_attempt(job, ending, p.ErrorInfo(type=ending, message=message), now,
+                               self._rand, death=death) for job in jobs]
         if not changes:
             return []
         effects: list[Effect] = []

@@ -68,6 +68,7 @@ class JobView(msgspec.Struct, kw_only=True):
     run_at: str | None
     expires_at: str | None
     fails: int
+    deaths: int  # attempts in a row whose worker died (see max_worker_deaths)
     max_attempts: int | None
     max_fails: int | None
     cancel_requested: bool

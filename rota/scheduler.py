@@ -91,7 +91,15 @@ class Scheduler:
 
     def release(self, job: Job) -> None:
         """Take a job back from its worker and make it available again."""
+        if job.orphaned:
+            job.orphaned = False
+            self.orphans -= 1
         self.add(job)
+
+    def hold(self, job: Job, until: float) -> None:
+        """Keep an active job reserved until ``until`` (its lease, started again)."""
+        job.lease = until
+        heapq.heappush(self._leases, (until, job.id))
 
     def finish(self, job: Job) -> None:
         """The job reached a terminal state (committed): forget it."""

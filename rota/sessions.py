@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -42,6 +41,7 @@ class Session:
         self._frames = TokenBucket(settings.rate_limit, settings.rate_burst)
         self._bytes = TokenBucket(settings.rate_bytes, settings.rate_bytes_burst)
         self._throttled_since: float | None = None
+        self._shared = False  # using the worker's own buckets (once it has registered)
         self.worker_id: str | None = None
         self.last_seq = -1
         self.conn = coordinator.attach(self)
@@ -142,19 +142,25 @@ class Session:
         """Hold a sender to the rate limits by not reading it for a while. Only one that
         stays over them for ``throttle_close_after`` is closed, and its jobs then get the
         reconnect grace that a lost connection gets."""
-        now = time.monotonic()
-        pause = max(self._frames.wait(now), self._bytes.wait(now, size))
+        now = self.coordinator.clock().mono
+        if self.worker_id is not None and not self._shared:
+            # The worker's own buckets, kept across its connections: reconnecting does not
+            # start a throttled worker afresh.
+            self._frames, self._bytes = self.coordinator.buckets_for(self.worker_id)
+            self._shared = True
+        frames, size_wait = self._frames.wait(now), self._bytes.wait(now, size)
+        pause = max(frames, size_wait)
         if pause <= 0.0:
             self._throttled_since = None
             return
         settings = self.coordinator.settings
+        limit = (f"{settings.rate_limit:g} frames a second (burst {settings.rate_burst})"
+                 if frames >= size_wait else f"{settings.rate_bytes} bytes a second")
         if self._throttled_since is None:
             self._throttled_since = now
-            log.info("throttled worker=%s: over %g frames or %d bytes a second", self.worker_id,
-                     settings.rate_limit, settings.rate_bytes)
+            log.info("throttled worker=%s: over %s", self.worker_id, limit)
         elif now - self._throttled_since > settings.throttle_close_after:
-            raise p.FrameError("rate_limited", f"over {settings.rate_limit:g} frames or"
-                               f" {settings.rate_bytes} bytes a second for"
+            raise p.FrameError("rate_limited", f"over {limit} for"
                                f" {settings.throttle_close_after:g}s", p.CLOSE_POLICY)
         await asyncio.sleep(pause)  # the throttle itself: the socket is not read meanwhile
 

@@ -34,6 +34,7 @@ def job_view(row: dict[str, Any]) -> dict[str, Any]:
         "run_at": when(row["run_at"]),
         "expires_at": when(row["expires_at"]),
         "fails": row["fails"],
+        "deaths": row["deaths"],
         "max_attempts": row["max_attempts"],
         "max_fails": row["max_fails"],
         "cancel_requested": bool(row["cancel_requested"]),
