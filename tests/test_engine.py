@@ -342,3 +342,76 @@ def test_engine_effects_are_plain_values(engine, clock):
     assert {type(e).__name__ for e in effects} >= {"Send", "Reserve", "WorkerSeen"}
     assert any(isinstance(e, Wake) for e in engine.enqueued(
         engine.build(EnqueueRequest(spec="echo"), OPEN, clock()), 9, clock()))  # type: ignore[arg-type]
+
+
+# -- what a review found ------------------------------------------------------------------
+def test_a_failed_commit_after_the_worker_left_keeps_the_job_for_its_return(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    [save] = of(Save, engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock()))
+    engine.disconnect(1, "w1", "connection_lost", clock())  # while the result commits
+    effects = engine.committed(save.ticket, OSError("disk full"), clock())
+    job = engine.scheduler.jobs[copy["id"]]
+    assert job.state == JobState.ACTIVE and job.orphaned and of(Arm, effects)
+    connect(engine, clock, conn=2)  # it comes back and reports the result again
+    [save] = of(Save, engine.heartbeat(2, "w1", hb("w1", 1, results=[done(copy)]), clock()))
+    assert save.changes[0].job.state == JobState.COMPLETED
+
+
+def test_a_failed_commit_leaves_a_lease_that_still_lapses(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, visibility_timeout=5.0)
+    [copy] = assign(engine, clock)
+    [save] = of(Save, engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock()))
+    run_for(engine, clock, 6.0, worker="w1")  # the lease entry was popped while pending
+    engine.committed(save.ticket, OSError("disk full"), clock())
+    effects = run_for(engine, clock, 6.0, worker="w1")  # and the worker never reports again
+    assert [f["reason"] for f in sent(effects) if f["type"] == "cancel"] == ["visibility_timeout"]
+
+
+def test_a_resent_result_is_acknowledged_quietly_and_changes_nothing(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    [save] = of(Save, engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock()))
+    engine.committed(save.ticket, None, clock())
+    effects = engine.heartbeat(1, "w1", hb("w1", 2, results=[done(copy)]), clock())
+    [ack] = sent(effects)
+    assert ack["accepted"] == [copy["id"]] and not ack.get("rejected") and not of(Save, effects)
+
+
+def test_the_same_result_twice_in_one_heartbeat_is_stored_once(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    effects = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy), done(copy)]), clock())
+    [save] = of(Save, effects)
+    [ack] = sent(engine.committed(save.ticket, None, clock()))
+    assert len(save.changes) == 1 and ack["accepted"] == [copy["id"]]
+    assert [r["reason"] for r in ack["rejected"]] == [
+        "this heartbeat already carries a result for this attempt of this job"]
+
+
+@pytest.mark.parametrize(("reason", "counts"), [("closed", True), ("heartbeat_timeout", True),
+                                                ("goodbye", False), ("invalid_message", False)])
+def test_only_a_worker_that_really_died_counts_toward_poison(engine, clock, reason, counts):
+    enqueue(engine, clock, spec="boom")
+    connect(engine, clock)
+    [copy] = assign(engine, clock)
+    engine.disconnect(1, "w1", reason, clock())
+    job = engine.scheduler.jobs[copy["id"]]
+    assert job.state == JobState.AVAILABLE and job.deaths == (1 if counts else 0)
+
+
+def test_a_failed_reservation_of_an_orphaned_job_frees_it(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock)
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    engine.disconnect(1, "w1", "connection_lost", clock())  # before the commit
+    engine.committed(reserve.ticket, OSError("disk full"), clock())
+    job = reserve.jobs[0]
+    assert job.state == JobState.AVAILABLE and not job.orphaned
+    assert engine.scheduler.orphans == 0
+    connect(engine, clock, conn=2)
+    assert len(assign(engine, clock)) == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
@@ -134,6 +135,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.server.close()
         for name in ("rota", "uvicorn"):
             logging.getLogger(name).removeHandler(self.errors)
+        shutil.rmtree(self.tmp, ignore_errors=True)  # one per example: do not pile up
 
     # -- rules ------------------------------------------------------------------------
     @rule(n=st.integers(1, 3))
