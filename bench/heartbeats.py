@@ -55,6 +55,8 @@ async def noop(ctx):
         await asyncio.sleep(random.uniform(0, WORK))
 
 async def main():
+    if os.environ.get("SWITCH"):
+        sys.setswitchinterval(float(os.environ["SWITCH"]))
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, worker.terminate)
     await worker.run()

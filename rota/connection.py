@@ -103,9 +103,9 @@ class Connection:
         """Something to tell the server (thread-safe)."""
         self._call(self._wake, urgent)
 
-    def add_result(self, result: p.Result | None) -> None:
-        """A run ended (thread-safe); None: a slot came free with nothing to report."""
-        self._call(self._add_result, result, time.monotonic())
+    def add_results(self, results: list[p.Result | None]) -> None:
+        """Runs ended (thread-safe); None: a slot came free with nothing to report."""
+        self._call(self._add_results, results, time.monotonic())
 
     def abort(self) -> None:
         """Stop at once, reporting nothing more."""
@@ -153,9 +153,10 @@ class Connection:
         assert self._dirty is not None
         self._dirty.set()
 
-    def _add_result(self, result: p.Result | None, at: float) -> None:
-        if result is not None:
-            self.link.add_result(result, at)
+    def _add_results(self, results: list[p.Result | None], at: float) -> None:
+        for result in results:
+            if result is not None:
+                self.link.add_result(result, at)
         assert self._dirty is not None
         self._dirty.set()
 

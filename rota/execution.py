@@ -37,7 +37,7 @@ Handler = Callable[[JobContext], Any]
 class Run:
     copy: p.JobCopy
     deadline: float  # monotonic: past it, without a ctx.heartbeat(), the run is given up
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[p.Result] | None = None
     cancel_reason: str | None = None  # why we cancelled it: "cancelled", "visibility_timeout"
     thread: threading.Thread | None = None  # a plain function's thread
 
@@ -75,6 +75,8 @@ class Runner:
         run = Run(copy, deadline=time.monotonic() + copy.visibility_timeout)
         self.running[copy.id] = run
         run.task = asyncio.create_task(self._execute(run), name=f"rota-job-{copy.id}")
+        # Whatever ends the task, even a cancel before its first step, ends the run here.
+        run.task.add_done_callback(lambda task: self._ended(run, task))
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> None:
         """Stop a running job; it is reported as failed with error type ``reason``."""
@@ -103,7 +105,7 @@ class Runner:
             if run.task is not None:
                 run.task.cancel()
 
-    async def _execute(self, run: Run) -> None:
+    async def _execute(self, run: Run) -> p.Result:
         copy = run.copy
         loop = asyncio.get_running_loop()
 
@@ -118,23 +120,25 @@ class Runner:
                          enqueued_at=copy.enqueued_at, worker_id=self.worker_id,
                          visibility_timeout=copy.visibility_timeout,
                          capture_logs=copy.capture_logs, _extend=extend, _status=self.status)
-        result: p.Result | None
-        try:
-            result = await self._call(ctx, run)
-        except asyncio.CancelledError:
-            if run.cancel_reason is None:  # not ours: the worker itself is going down
-                raise
+        return await self._call(ctx, run)
+
+    def _ended(self, run: Run, task: asyncio.Task[p.Result]) -> None:
+        copy = run.copy
+        result: p.Result | None = None
+        if not task.cancelled():
+            error = task.exception()  # (_call turns what a handler raises into a result)
+            result = task.result() if error is None else p.Result(
+                job_id=copy.id, attempt=copy.attempt, outcome="failed", error=error_info(error))
+        elif run.cancel_reason == "reservation_lost":  # no longer ours to report
+            log.info("stopped job=%s: its reservation was lost while disconnected", copy.id)
+        elif run.cancel_reason is not None:
+            result = p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
+                              error=p.ErrorInfo(type=run.cancel_reason, message="stopped by"
+                                                f" the worker: {run.cancel_reason}"))
+        # (cancelled by nobody's reason: the worker itself is going down; the server
+        # recovers the job)
+        if task.cancelled():
             self._abandon(run)
-            if run.cancel_reason == "reservation_lost":  # no longer ours to report
-                log.info("stopped job=%s: its reservation was lost while disconnected", copy.id)
-                result = None
-            else:
-                result = p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
-                                  error=p.ErrorInfo(type=run.cancel_reason, message="stopped by"
-                                                    f" the worker: {run.cancel_reason}"))
-        except BaseException:
-            self._forget(run)
-            raise
         # Handed over before the slot is freed: whoever sees the slot free and nothing
         # running can count on the result being on its way already.
         self.report(result)

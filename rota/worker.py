@@ -114,6 +114,8 @@ class Worker:
                              concurrency=concurrency, status=self.status, report=self._report,
                              max_abandoned=self.max_abandoned_threads, on_wedged=self._wedged)
         self._connection: Connection | None = None
+        self._outgoing: list[p.Result | None] = []  # run ends not yet handed over
+        self._flush_due = False
         self._task: asyncio.Task[Any] | None = None
         self.welcome: p.Welcome | None = None
         self.connected = asyncio.Event()
@@ -257,8 +259,18 @@ class Worker:
             self._connection.wake(urgent=True)
 
     def _report(self, result: p.Result | None) -> None:
+        """A run ended. Results of one turn of the handlers' loop cross to the connection
+        together, in one hand-off, so that they can leave in one heartbeat."""
+        self._outgoing.append(result)
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._hand_over)
+
+    def _hand_over(self) -> None:
+        self._flush_due = False
+        results, self._outgoing = self._outgoing, []
         if self._connection is not None:
-            self._connection.add_result(result)
+            self._connection.add_results(results)
 
     def _wedged(self) -> None:
         self.exit_code = EXIT_WEDGED

@@ -43,10 +43,11 @@ async def start_worker_process(live: Live, tmp_path: Path, *, grace: float = 25.
     (tmp_path / "lifecycle_worker.py").write_text(WORKER_MODULE)
     command = (["-m", "rota", "worker", "lifecycle_worker:worker", "--url", live.base]
                if launch == "cli" else ["lifecycle_worker.py", live.ws])
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, *command,
-        cwd=tmp_path, env={**os.environ, "GRACE": str(grace)},
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    with open(tmp_path / "worker.log", "a") as log:  # read it when a test fails
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, *command,
+            cwd=tmp_path, env={**os.environ, "GRACE": str(grace)},
+            stdout=asyncio.subprocess.DEVNULL, stderr=log)
 
     async def registered() -> str | None:
         workers = (await live.http.get("/workers")).json()["workers"]
@@ -232,7 +233,10 @@ async def test_sigint_is_the_fast_path(live: Live, procs, tmp_path: Path, launch
     await live.wait_state(long["id"], "active")
     signalled = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    await asyncio.wait_for(proc.wait(), 10)
+    try:
+        await asyncio.wait_for(proc.wait(), 10)
+    except TimeoutError:
+        raise AssertionError((tmp_path / "worker.log").read_text()[-3000:]) from None
     took = time.monotonic() - signalled
     assert took < 3
     back = await live.wait_state(long["id"], "available")
