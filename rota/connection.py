@@ -185,7 +185,8 @@ class Connection:
             self._post(worker.connected.clear)
             if worker.stopping and not worker.runner.running and not self._starting:
                 return
-            lost_at = lost_at if self.link.reconnects else time.monotonic()
+            if lost_at is None or not self.link.reconnects:
+                lost_at = time.monotonic()  # (a welcome sets reconnects back to 0)
             if worker.patience is not None and time.monotonic() - lost_at > worker.patience:
                 raise ConnectionError(f"no connection to {worker.url} for {worker.patience}s")
             delay = self.link.reconnect_delay()
