@@ -31,7 +31,9 @@ class TemporaryFailure(Exception):
 
 
 def build_worker(url: str, specs_dir: Path) -> Worker:
-    worker = Worker(url=url, specs_dir=specs_dir, concurrency=4, labels=["demo"])
+    # The demo handles its own signals: Ctrl-C stops producer, worker and server in turn.
+    worker = Worker(url=url, specs_dir=specs_dir, concurrency=4, labels=["demo"],
+                    handle_signals=False)
 
     @worker.handler("echo")
     async def echo(ctx: JobContext) -> dict[str, Any]:

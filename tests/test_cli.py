@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Live, write_spec
+from conftest import REPO, Live, write_spec
 from helpers import RawWorker, wait_until
 
 from click.testing import CliRunner
@@ -224,3 +224,29 @@ async def test_jobs_cancel_and_retry(live: Live, tmp_path: Path):
     code, out, _ = await rota("jobs", "retry", "c1", "--url", live.base)
     assert code == 0 and "c1 is available again" in out
     assert (await live.job("c1"))["state"] == "available"
+
+
+async def test_rota_demo_runs_jobs_and_stops_on_ctrl_c(tmp_path: Path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rota", "demo", "--port", str(port), "--db",
+        str(tmp_path / "demo.db"), "--specs", str(REPO / "specs"), "--rate", "50",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            async def some_completed() -> bool:
+                try:
+                    queues = (await http.get("/queues")).json()["queues"]
+                except httpx.HTTPError:
+                    return False
+                return sum(q["counts"].get("completed", 0) for q in queues) >= 5
+
+            await wait_until(some_completed, timeout=20, what="demo jobs to complete")
+        proc.send_signal(signal.SIGINT)  # one Ctrl-C stops producer, worker and server
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
