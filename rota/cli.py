@@ -11,6 +11,7 @@ import importlib
 import ipaddress
 import json
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -204,6 +205,10 @@ def _import_worker(target: str) -> Any:
 async def _run_worker(instance: Any) -> None:
     # Signals are the SDK's own (Worker.run): the same for a script that runs a worker.
     await instance.run()
+    # The worker has deregistered and the process is leaving: a Ctrl-C that lands now
+    # (a quick double press) must not turn a clean exit into death by signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 @main.group()

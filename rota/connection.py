@@ -86,6 +86,10 @@ class Connection:
         self._dirty: asyncio.Event | None = None
         self._main: asyncio.Task[None] | None = None
         self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread_handle = threading.Thread(target=self._thread, name="rota-connection",
+                                               daemon=True)
+        self._ws: ClientConnection | None = None  # the open connection, if any
+        self._opened = False  # a connection was open since the last one was lost
         self._metrics_at = -METRICS_EVERY
         self._ticked = 0.0  # when the handlers' side was last asked to tick
         self._starting = 0  # jobs assigned and handed to the handlers' loop, not yet started
@@ -95,8 +99,7 @@ class Connection:
     # -- from the handlers' loop ----------------------------------------------------------
     def start(self) -> Awaitable[None]:
         """Run on a new thread; the awaitable ends when the connection is done for good."""
-        thread = threading.Thread(target=self._thread, name="rota-connection", daemon=True)
-        thread.start()
+        self._thread_handle.start()
         return asyncio.wrap_future(self._done)
 
     def wake(self, *, urgent: bool = False) -> None:
@@ -107,10 +110,28 @@ class Connection:
         """Runs ended (thread-safe); None: a slot came free with nothing to report."""
         self._call(self._add_results, results, time.monotonic())
 
-    def abort(self) -> None:
-        """Stop at once, reporting nothing more."""
-        if self.loop is not None and self._main is not None:
-            self._call(self._main.cancel)
+    def abort(self, timeout: float = 1.0) -> None:
+        """Stop now (a third Ctrl-C): a last heartbeat says goodbye with whatever results
+        are at hand, without waiting for their ack, so that the server takes the jobs
+        back at once and does not count this as a worker death; then the connection
+        ends. Waits at most ``timeout`` seconds for that."""
+        if self.loop is None or self._main is None:
+            return
+        self._call(lambda: asyncio.ensure_future(self._leave_now()))
+        self._thread_handle.join(timeout)
+
+    async def _leave_now(self) -> None:
+        ws = self._ws
+        if ws is not None:
+            try:
+                beat = self.link.heartbeat(time.monotonic(), state="terminate", active=[],
+                                           capacity=0, goodbye=True)
+                await asyncio.wait_for(ws.send(p.encode(beat)), 0.5)
+                await asyncio.wait_for(ws.close(), 0.5)
+            except (TimeoutError, OSError, websockets.ConnectionClosed):
+                pass
+        assert self._main is not None
+        self._main.cancel()
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> None:
         if self.loop is None:
@@ -192,19 +213,23 @@ class Connection:
             delay = self.link.reconnect_delay()
             # The first lost connection is news; the attempts after it are detail.
             level = logging.WARNING if self.link.reconnects == 1 else logging.INFO
-            log.log(level, "connection to %s lost (%s); reconnect attempt %d in %.2fs,"
-                    " %d job(s) running", worker.url, why, self.link.reconnects, delay,
-                    len(worker.runner.running))
+            what = "connection to %s lost" if self._opened else "cannot connect to %s"
+            self._opened = False
+            log.log(level, what + " (%s); reconnect attempt %d in %.2fs, %d job(s) running",
+                    worker.url, why, self.link.reconnects, delay, len(worker.runner.running))
             assert self._dirty is not None
             await _wait(self._dirty if worker.stopping_now else asyncio.Event(), delay)
 
     async def _session(self, ws: ClientConnection) -> None:
         self.link.opened()
+        self._ws = ws
+        self._opened = True
         await self._beat(ws, registration=True)
         reader = asyncio.create_task(self._read(ws), name="rota-worker-read")
         try:
             await self._beat_loop(ws, reader)
         finally:
+            self._ws = None
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 

@@ -55,6 +55,7 @@ class Runner:
         self.on_wedged = on_wedged  # too many abandoned threads: drain and exit
         self.running: dict[str, Run] = {}
         self.abandoned: set[threading.Thread] = set()
+        self._wedged = False  # told the worker to drain and exit already
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- what the connection reads (from its own thread) ----------------------------------
@@ -218,14 +219,16 @@ class Runner:
             return
         self.abandoned.add(thread)
         message = (f"job {run.copy.id} ({run.copy.spec}) was given up ({run.cancel_reason}) but"
-                   f" its thread still runs: abandoned ({len(self.abandoned)} of at most"
-                   f" {self.max_abandoned}); its slot runs new jobs on new threads")
+                   f" its thread still runs: abandoned thread {len(self.abandoned)}"
+                   f" (the worker restarts at {self.max_abandoned}); its slot runs new jobs on"
+                   " new threads")
         log.warning("abandoned thread job=%s spec=%s reason=%s abandoned=%d", run.copy.id,
                     run.copy.spec, run.cancel_reason, len(self.abandoned))
         self.status.alert(message, "warning", run.copy.id)
-        if len(self.abandoned) >= self.max_abandoned:
+        if len(self.abandoned) >= self.max_abandoned and not self._wedged:
+            self._wedged = True
             log.error("%d abandoned threads (max_abandoned_threads): draining, then exiting"
-                      " for a restart", len(self.abandoned))
+                      " with code 75 for a restart", len(self.abandoned))
             self.status.alert(f"{len(self.abandoned)} abandoned threads: the worker drains"
                               " and exits to be restarted", "error", None)
             self.on_wedged()

@@ -76,6 +76,8 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if max_abandoned_threads is not None and max_abandoned_threads < 1:
+            raise ValueError("max_abandoned_threads must be at least 1 (None: 2 x concurrency)")
         self.url = url
         self.specs_dir = Path(specs_dir)
         self.concurrency = concurrency
@@ -98,6 +100,7 @@ class Worker:
         self.terminate_by: float | None = None  # monotonic; then running jobs are cancelled
         self._fast = False  # SIGINT: cancel at once, do not wait for acks
         self._abandon = False  # a third SIGINT: stop reporting, return from run() now
+        self._interrupts = 0
         self._queues = list(queues) if queues else None
         self._interval = heartbeat_interval  # None: take the server's from its welcome
         self.handlers: dict[str, Handler] = {}
@@ -316,7 +319,8 @@ class Worker:
             else:
                 self.terminate()
         elif sig == signal.SIGINT:
-            if self.stopping_now and self._task is not None:  # again: give up reporting
+            self._interrupts += 1
+            if self._interrupts >= 3 and self._task is not None:  # a third: leave now
                 self._abandon = True
                 self._task.cancel()
             self.stop_now()

@@ -245,6 +245,42 @@ async def test_sigint_is_the_fast_path(live: Live, procs, tmp_path: Path, launch
           " the job requeued")
 
 
+STUBBORN = """
+import asyncio, sys
+from rota import Worker
+
+worker = Worker(specs_dir="specs", heartbeat_interval=0.1)
+
+@worker.handler("work")
+async def work(ctx):
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        await asyncio.sleep(30)  # a handler that takes its time to stop
+
+worker.url = sys.argv[1]
+asyncio.run(worker.run())
+"""
+
+
+async def test_a_third_ctrl_c_leaves_at_once_with_a_goodbye(live: Live, procs, tmp_path: Path):
+    await live.push(write_spec(tmp_path / "specs", "work"))
+    (tmp_path / "stubborn.py").write_text(STUBBORN)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "stubborn.py", live.ws, cwd=tmp_path,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    procs.append(proc)
+    job = await live.enqueue("work")
+    await live.wait_state(job["id"], "active", timeout=15)
+    for _ in range(3):  # three presses, apart: the kernel merges a signal still pending
+        proc.send_signal(signal.SIGINT)
+        await asyncio.sleep(0.2)  # noqa: sleep-ok (a person's pace between key presses)
+    await asyncio.wait_for(proc.wait(), 10)
+    back = await live.wait_state(job["id"], "available")  # at once: no reconnect grace
+    assert back["deaths"] == 0 and back["errors"][-1]["type"] == "worker_death"
+    assert "goodbye" in back["errors"][-1]["message"]
+
+
 EXITING = """
 import asyncio, sys
 from rota import Worker
