@@ -159,7 +159,9 @@ class Worker:
     # -- what the connection asks for (from its thread) --------------------------------
     def connect(self) -> websockets.connect:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        # close_timeout: leaving never waits long on a server that does not answer a close
         return websockets.connect(self.url, max_size=None, compression=None, ping_interval=None,
+                                  close_timeout=2.0,
                                   additional_headers=headers, ssl=self.ssl)
 
     def registration(self) -> p.Registration:
