@@ -9,8 +9,8 @@ are the sans-I/O core's (rota/link.py).
 
 The connection also watches the handlers' loop: a probe posted to it that does not run
 within ``BLOCKED_AFTER`` seconds means a handler is blocking it. The handler and its job
-are read off that thread's stack; when the loop is free again, one WARNING and one alert
-say which handler blocked it, for which job, and for how long.
+are read off that thread's stack while the block lasts; when the loop is free again, one
+WARNING says for how long and by which handlers and jobs, and each of them gets an alert.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class Connection:
         self._ticked = 0.0  # when the handlers' side was last asked to tick
         self._starting = 0  # jobs assigned and handed to the handlers' loop, not yet started
         self._probe_sent: float | None = None  # when the pending probe was posted
-        self._blocker: tuple[str, str | None] | None = None  # (handler, job id) seen blocking
+        # (handler, job id) seen blocking the handlers' loop since the pending probe
+        self._blockers: dict[tuple[str, str | None], None] = {}
 
     # -- from the handlers' loop ----------------------------------------------------------
     def start(self) -> Awaitable[None]:
@@ -362,21 +363,24 @@ class Connection:
             self._post(self._call, self._probe_answered, now)
             return
         stuck = now - self._probe_sent
-        if stuck > BLOCKED_AFTER and self._blocker is None:
-            self._blocker = self._find_blocker()
+        if stuck > BLOCKED_AFTER:  # sampled all along: one block may span several handlers
+            found = self._find_blocker()
+            if found is not None:
+                self._blockers.setdefault(found)
 
     def _probe_answered(self, sent: float) -> None:
         stuck = time.monotonic() - sent
-        blocker, self._blocker, self._probe_sent = self._blocker, None, None
+        blockers, self._blockers, self._probe_sent = list(self._blockers), {}, None
         if stuck <= BLOCKED_AFTER:
             return
-        handler, job_id = blocker or ("unknown code", None)
-        message = (f"the handlers' event loop was blocked for {stuck:.1f}s by {handler}"
-                   f"{f' (job {job_id})' if job_id else ''}: an async handler must not block;"
-                   " use a plain function, or await asyncio.to_thread(...)")
-        log.warning("event loop blocked worker=%s for=%.1fs handler=%s job=%s",
-                    self.worker.worker_id, stuck, handler, job_id or "-")
-        self.worker.status.alert(message, "warning", job_id)
+        blockers = blockers or [("unknown code", None)]
+        log.warning("event loop blocked worker=%s for=%.1fs by %s", self.worker.worker_id,
+                    stuck, ", ".join(f"handler={h} job={j or '-'}" for h, j in blockers))
+        for handler, job_id in blockers:
+            self.worker.status.alert(
+                f"the handlers' event loop was blocked for {stuck:.1f}s by {handler}"
+                f"{f' (job {job_id})' if job_id else ''}: an async handler must not block;"
+                " use a plain function, or await asyncio.to_thread(...)", "warning", job_id)
         self.link.urge()
 
     def _find_blocker(self) -> tuple[str, str | None] | None:
