@@ -71,6 +71,9 @@ class Host(Protocol):
 
     def tick(self) -> None: ...
 
+    @property
+    def handing_over(self) -> bool: ...
+
     def quiet(self) -> None: ...
 
     def terminate(self) -> None: ...
@@ -260,7 +263,8 @@ class Connection:
                 continue
             await self._check_server_alive(ws)
             await self._beat(ws)
-            if worker.stopping and not worker.runner.running and not self._starting:
+            if (worker.stopping and not worker.runner.running and not self._starting
+                    and not worker.handing_over):
                 # A run hands its result over before it frees its slot: let what was
                 # handed over land here before judging that nothing is left to report.
                 await asyncio.sleep(0)

@@ -145,15 +145,20 @@ class Coordinator:
             os._exit(86)
 
     # -- applying effects ----------------------------------------------------------
-    def apply(self, effects: Iterable[Effect]) -> None:
-        """Carry out effects in order, without waiting on any of them."""
+    def apply(self, effects: Iterable[Effect], source: int | None = None) -> None:
+        """Carry out effects in order, without waiting on any of them. ``source``: the
+        connection whose frame they answer; its ticketed writes are what ``settled``
+        waits for."""
         for effect in effects:
             match effect:
                 case Send(conn, frame):
                     if (outbox := self._outboxes.get(conn)) is not None:
                         outbox.send(frame)
                 case Save(changes, ticket, point):
-                    self._write(self.store.save(changes), ticket, point)
+                    future = self.store.save(changes)
+                    if source is not None and ticket is not None:
+                        self._inflight[source] = future
+                    self._write(future, ticket, point)
                 case Reserve(jobs, wall, ticket):
                     self._write(self.store.reserve(jobs, wall), ticket, "reserve-after-commit")
                 case Wake():
@@ -222,12 +227,7 @@ class Coordinator:
             effects = self.engine.register(conn, hb, principal, now)
             self._no_connections.clear()
         effects += self.engine.heartbeat(conn, hb.worker_id, hb, now)
-        for effect in effects:
-            if isinstance(effect, Save) and effect.ticket is not None:
-                self._inflight[conn] = self.store.save(effect.changes)
-                self._write(self._inflight[conn], effect.ticket, effect.crash_point)
-            else:
-                self.apply([effect])
+        self.apply(effects, source=conn)
 
     async def settled(self, conn: int) -> None:
         """Until the results this connection sent are committed and answered."""

@@ -159,26 +159,23 @@ class Link:
 
     def results_size(self) -> int:
         """What the results of the next heartbeat will take of its frame, near enough."""
-        size = 0
-        for index, result in enumerate(self._results):
-            cost = result_size(result)
-            if index and size + cost > RESULT_BYTES_PER_BEAT:
-                break
-            size += cost
-        return size
+        return self._batch()[1]
 
-    def _take_results(self) -> list[p.Result]:
-        """As many results as fit RESULT_BYTES_PER_BEAT (one at least), so a frame never
-        passes the server's 1 MiB limit; the rest go in the next one, which is then due."""
-        taken = 0
-        size = 0
+    def _batch(self) -> tuple[int, int]:
+        """(how many, their size): as many waiting results as fit RESULT_BYTES_PER_BEAT,
+        one at least, so a frame never passes the server's 1 MiB limit."""
+        taken = size = 0
         for result in self._results:
             cost = result_size(result)
             if taken and size + cost > RESULT_BYTES_PER_BEAT:
-                self._urgent = True
                 break
             taken += 1
             size += cost
+        return taken, size
+
+    def _take_results(self) -> list[p.Result]:
+        """The next heartbeat's results; the rest go in the next one, which is then due."""
+        taken, _ = self._batch()
         results, self._results = self._results[:taken], self._results[taken:]
         if self._results:
             self._urgent = True  # the rest leave in the very next heartbeat

@@ -272,10 +272,16 @@ class Worker:
             asyncio.get_running_loop().call_soon(self._hand_over)
 
     def _hand_over(self) -> None:
-        self._flush_due = False
         results, self._outgoing = self._outgoing, []
         if self._connection is not None:
             self._connection.add_results(results)
+        # Cleared only now: whoever reads it False finds the results posted already.
+        self._flush_due = False
+
+    @property
+    def handing_over(self) -> bool:
+        """Runs have ended whose results are not yet handed to the connection."""
+        return self._flush_due
 
     def _wedged(self) -> None:
         self.exit_code = EXIT_WEDGED

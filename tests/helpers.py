@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import time
+from pathlib import Path
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 import websockets
 from websockets.sync.client import ClientConnection as SyncConnection
@@ -39,6 +43,32 @@ async def wait_until(predicate: Callable[[], Any], *, timeout: float = 5.0,
 
 
 # -- messages ----------------------------------------------------------------------------
+def clean_env() -> dict[str, str]:
+    """The environment without ROTA_* variables: no inherited ROTA_CRASH_AT on a restart."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ROTA_")}
+
+
+async def spawn_serve(http: httpx.AsyncClient, args: list[str], log: Path,
+                      env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+    """Start ``rota serve ARGS`` (output to ``log``) and wait until ``http`` gets its
+    /healthz; a server that exits first fails the test with its log."""
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rota", "serve", *args, env={**clean_env(), **(env or {})},
+            stdout=sink, stderr=sink)
+
+    async def healthy() -> bool:
+        if proc.returncode is not None:
+            raise AssertionError(f"rota serve exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            return (await http.get("/healthz")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    await wait_until(healthy, timeout=15, what="rota serve to answer /healthz")
+    return proc
+
+
 def spec_ref(spec: JobSpec | dict[str, str]) -> dict[str, str]:
     """A spec as a registration names it; a ready-made ``{"name", "checksum"}`` passes as is."""
     return spec if isinstance(spec, dict) else {"name": spec.name, "checksum": checksum(spec)}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import sqlite3
@@ -28,7 +27,8 @@ import httpx
 import pytest
 import websockets
 from conftest import Api, start_server, stop_server, write_spec
-from helpers import RawWorker, RawWorkers, completed, registration, wait_until
+from helpers import (RawWorker, RawWorkers, clean_env, completed, registration, spawn_serve,
+                     wait_until)
 
 from rota import JobContext, Worker
 from rota.specs import JobSpec
@@ -65,11 +65,6 @@ def free_port() -> int:
     port = sock.getsockname()[1]
     sock.close()
     return port
-
-
-def clean_env() -> dict[str, str]:
-    """The environment without ROTA_* variables: no inherited ROTA_CRASH_AT on a restart."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("ROTA_")}
 
 
 def read_jobs(db: Path) -> dict[str, dict[str, Any]]:
@@ -116,27 +111,14 @@ class ServerProcess(Api):
         self.http = httpx.AsyncClient(base_url=self.base, timeout=10)
         log = self.tmp / f"server-{len(self.logs) + 1}.log"
         self.logs.append(log)
-        args = ["serve", "--port", str(self.port), "--db", str(self.db),
+        args = ["--port", str(self.port), "--db", str(self.db),
                 "--heartbeat-interval", "0.2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
                 "--reconnect-grace", str(HEARTBEAT_TIMEOUT),
                 "--log-level", "info"]
         if crash_at is not None:
             args += ["--crash-at", crash_at]
         self.spawned_at = time.monotonic()
-        with log.open("wb") as sink:
-            self.proc = proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "rota", *args, env=clean_env(), stdout=sink, stderr=sink)
-
-        async def healthy() -> bool:
-            if proc.returncode is not None:
-                raise AssertionError(
-                    f"rota serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                return (await self.http.get("/healthz")).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        await wait_until(healthy, timeout=15, what="rota serve to answer /healthz")
+        self.proc = await spawn_serve(self.http, args, log)
         self.ready_at = time.monotonic()
 
     async def exited(self, timeout: float = 10.0) -> int:

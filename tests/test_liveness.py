@@ -32,7 +32,8 @@ import httpx
 import pytest
 import websockets
 from conftest import Api, Live, RawWorker, start_server, stop_server, wait_until, write_spec
-from test_crash import clean_env, free_port
+from helpers import clean_env, spawn_serve
+from test_crash import free_port
 
 TERMINAL = {"completed", "discarded", "cancelled"}
 # A spec whose jobs are quarantined after two worker deaths in a row.
@@ -105,23 +106,9 @@ class ServeProcess(Api):
         return f"ws://127.0.0.1:{self.port}/work"
 
     async def start(self, *options: str, env: dict[str, str] | None = None) -> None:
-        args = ["serve", "--port", str(self.port), "--db", str(self.tmp / "rota.db"),
+        args = ["--port", str(self.port), "--db", str(self.tmp / "rota.db"),
                 "--log-level", "info", *options]
-        with self.log.open("wb") as sink:
-            self.proc = proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "rota", *args, env={**clean_env(), **(env or {})},
-                stdout=sink, stderr=sink)
-
-        async def healthy() -> bool:
-            if proc.returncode is not None:
-                raise AssertionError(f"rota serve exited with {proc.returncode}:\n"
-                                     f"{self.log.read_text()}")
-            try:
-                return (await self.http.get("/healthz")).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        await wait_until(healthy, timeout=15, what="rota serve to answer /healthz")
+        self.proc = await spawn_serve(self.http, args, self.log, env)
 
     def signal(self, signum: int) -> None:
         assert self.proc is not None and self.proc.returncode is None
@@ -266,17 +253,24 @@ async def test_a_worker_over_the_rate_limit_is_slowed_down_not_cut_off(tmp_path:
 
 
 # -- 2. poison jobs ----------------------------------------------------------------------
+async def take_one_and_die(connect: Callable[..., Any], worker_id: str,
+                           spec: Any) -> dict[str, Any]:
+    """A raw worker takes one job, then closes without a goodbye: its worker died."""
+    worker = await connect(worker_id)
+    await worker.register([spec], concurrency=1)
+    [copy] = await worker.jobs(1)
+    await worker.ws.close()
+    return copy
+
+
 async def test_a_job_that_kills_its_workers_in_a_row_is_quarantined(live: Live, connect,
                                                                     tmp_path: Path):
     spec = write_spec(tmp_path / "specs", "crashy", extra=TWO_DEATHS)
     await live.push(spec)
     await live.enqueue("crashy", {}, id="poison")
     for attempt, name in enumerate(["w1", "w2"], start=1):
-        worker = await connect(name)
-        await worker.register([spec], concurrency=1)
-        [copy] = await worker.jobs(1)
+        copy = await take_one_and_die(connect, name, spec)
         assert (copy["id"], copy["attempt"]) == ("poison", attempt)
-        await worker.ws.close()  # a close frame and no goodbye: the worker died
 
     job = await quarantined(live, "poison", deaths=2)
     assert job["attempt"] == 2 and job["worker_id"] in (None, "w2")
@@ -294,10 +288,7 @@ async def test_one_worker_death_then_a_completion_is_not_poison(live: Live, conn
     spec = write_spec(tmp_path / "specs", "crashy", extra=TWO_DEATHS)
     await live.push(spec)
     await live.enqueue("crashy", {}, id="unlucky")
-    w1 = await connect("w1")
-    await w1.register([spec], concurrency=1)
-    await w1.jobs(1)
-    await w1.ws.close()  # one death, one short of the limit
+    await take_one_and_die(connect, "w1", spec)  # one death, one short of the limit
 
     w2 = await connect("w2")
     await w2.register([spec], concurrency=1)
@@ -314,10 +305,7 @@ async def test_worker_deaths_count_only_in_a_row(live: Live, connect, tmp_path: 
                       extra=TWO_DEATHS + "backoff_base = 0.05\nbackoff_max = 0.05\n")
     await live.push(spec)
     await live.enqueue("crashy", {}, id="flaky")
-    w1 = await connect("w1")
-    await w1.register([spec], concurrency=1)
-    await w1.jobs(1)
-    await w1.ws.close()  # death 1
+    await take_one_and_die(connect, "w1", spec)  # death 1
 
     w2 = await connect("w2")
     await w2.register([spec], concurrency=1)

@@ -253,10 +253,11 @@ worker = Worker(specs_dir="specs", heartbeat_interval=0.1)
 
 @worker.handler("work")
 async def work(ctx):
+    open("started", "w").close()
     try:
-        await asyncio.sleep(30)
+        await asyncio.sleep(30)  # noqa: sleep-ok (the job's own work)
     except asyncio.CancelledError:
-        await asyncio.sleep(30)  # a handler that takes its time to stop
+        await asyncio.sleep(30)  # noqa: sleep-ok (a handler that takes its time to stop)
 
 worker.url = sys.argv[1]
 asyncio.run(worker.run())
@@ -271,7 +272,8 @@ async def test_a_third_ctrl_c_leaves_at_once_with_a_goodbye(live: Live, procs, t
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     procs.append(proc)
     job = await live.enqueue("work")
-    await live.wait_state(job["id"], "active", timeout=15)
+    await wait_until(lambda: (tmp_path / "started").exists(), timeout=15,
+                     what="the handler to start")
     for _ in range(3):  # three presses, apart: the kernel merges a signal still pending
         proc.send_signal(signal.SIGINT)
         await asyncio.sleep(0.2)  # noqa: sleep-ok (a person's pace between key presses)

@@ -32,7 +32,7 @@ async def noop(ctx):
 @worker.handler("block")
 async def block(ctx):
     ran(ctx)
-    time.sleep(ctx.args["seconds"])  # the mistake: a blocking call in an async handler
+    time.sleep(ctx.args["seconds"])  # noqa: sleep-ok (the mistake under test: it blocks)
     return "unblocked"
 
 @worker.handler("hang")
