@@ -138,3 +138,11 @@ async def test_a_result_too_large_to_send_fails_the_job_for_good(live, sdk_worke
     [error] = done["errors"]
     assert (error["type"], error["retryable"]) == ("result_too_large", False)
     assert live.coordinator.connections  # the worker's connection was never at risk
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ({"concurrency": 0}, "concurrency must be at least 1"),
+    ({"max_abandoned_threads": 0}, "max_abandoned_threads must be at least 1")])
+def test_worker_options_out_of_range_are_refused(tmp_path: Path, option, message):
+    with pytest.raises(ValueError, match=message):
+        Worker(specs_dir=tmp_path, **option)
