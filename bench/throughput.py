@@ -98,6 +98,8 @@ class Options(msgspec.Struct, kw_only=True):
     batch: int
     keep: bool
     output: str | None
+    log_level: str = "info"
+    profile: str | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -121,6 +123,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
                         help="jobs per request: above 1, producers POST /jobs/batch (httpx"
                              " client only; default 1)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (db and logs)")
+    parser.add_argument("--log-level", default="info",
+                        help="the server's log level (default info, as `rota serve` runs)")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="record the server with py-spy into FILE (speedscope JSON)")
     parser.add_argument("--output", help="JSON file to write (default"
                                          " bench/results/throughput-<mode>.json)")
     ns = parser.parse_args(argv)
@@ -178,7 +184,11 @@ class Children:
                                  + tail(child.log_path))
 
     def stop_all(self) -> None:
-        workers = [c for c in self.items if c.name != "server"]
+        for child in self.items:
+            if child.name == "py-spy" and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                child.proc.wait(timeout=60)
+        workers = [c for c in self.items if c.name not in ("server", "py-spy")]
         server = [c for c in self.items if c.name == "server"]
         try:
             _stop(workers)
@@ -254,11 +264,18 @@ def prepare(workdir: Path, concurrency: int) -> Setup:
     return Setup(workdir, workdir / "rota.db", specs_dir, f"http://127.0.0.1:{free_port()}")
 
 
-def start_server(setup: Setup, children: Children) -> None:
+def start_server(setup: Setup, children: Children, log_level: str = "info",
+                 profile: str | None = None) -> None:
     port = setup.base_url.rsplit(":", 1)[1]
-    children.start("server", [sys.executable, "-m", "rota", "serve", "--port", port,
-                              "--db", str(setup.db), "--log-level", "warning"], setup.workdir)
+    server = children.start("server", [sys.executable, "-m", "rota", "serve", "--port", port,
+                                       "--db", str(setup.db), "--log-level", log_level],
+                            setup.workdir)
     wait_until("GET /healthz", lambda: _healthy(setup.base_url), children, STARTUP_TIMEOUT)
+    if profile:
+        py_spy = Path(sys.executable).with_name("py-spy")
+        children.start("py-spy", [str(py_spy), "record", "--format", "speedscope", "-o",
+                                  str(Path(profile).resolve()), "--pid", str(server.proc.pid),
+                                  "--rate", "200"], setup.workdir)
 
 
 def _healthy(base_url: str) -> bool:
@@ -576,7 +593,7 @@ def run(opts: Options, workdir: Path, children: Children) -> Figures:
     cpu_start = time.process_time()
     setup = prepare(workdir, opts.concurrency)
     print(f"temp dir {workdir}; server {setup.base_url}; mode {opts.mode}")
-    start_server(setup, children)
+    start_server(setup, children, opts.log_level, opts.profile)
     push_specs(setup)
     workers_started = 0.0
     if opts.mode == "stream":

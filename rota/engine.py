@@ -214,6 +214,8 @@ class Engine(Intake):
                                           rejected))
         connection.acks.append([ticket, None])
         effects.append(Save(changes, ticket, crash_point="result-after-commit"))
+        if worker.free() > 0:
+            effects.append(Wake())
         return effects
 
     def _flush_acks(self, connection: Connection) -> list[Effect]:
@@ -279,6 +281,9 @@ class Engine(Intake):
             changes.append(settle(job, result, now, rand=self._rand,
                                   max_result_bytes=self.settings.max_result_bytes))
             changes[-1].undo = undo
+            # The worker no longer runs it, whatever becomes of the commit: its slot is
+            # free now, so the next reservation can share this result's commit.
+            worker.active.discard(job.id)
         return again, accepted, rejected, changes
 
     def _place(self, job: Job) -> list[Effect]:

@@ -22,6 +22,11 @@ from rota.model import Job, JobState
 
 HeapEntry = tuple[int, int, str]  # (-priority, seq, job id)
 TimerEntry = tuple[float, str]  # (when, job id); checked against the job when popped
+# A timer heap is rebuilt from its live entries when it holds this many more entries than
+# it did after its last rebuild: without it, every finished job would leave its lease
+# entry behind until the lease ran out (30 minutes by default), a leak proportional to
+# throughput. Amortised, a rebuild costs O(1) per push.
+COMPACT_SLACK = 4096
 
 
 @dataclass(slots=True)
@@ -53,6 +58,7 @@ class Scheduler:
         self._leases: list[TimerEntry] = []  # active jobs by lease expiry
         self._ttls: list[TimerEntry] = []  # jobs with a time to live, by expiry
         self._rotation = itertools.count()
+        self._compact_at = {id(heap): COMPACT_SLACK for heap in (self._due, self._leases, self._ttls)}
         self.orphans = 0  # active jobs loaded at a restart whose worker has not reclaimed them
 
     @property
@@ -64,13 +70,13 @@ class Scheduler:
         """Take in a live job in whatever state it is (new, loaded, or changed)."""
         self.jobs[job.id] = job
         if job.expiry is not None:
-            heapq.heappush(self._ttls, (job.expiry, job.id))
+            self._push(self._ttls, job.expiry, job.id)
         if job.state == "available":
             self.add(job)
         elif job.state in ("scheduled", "retryable"):
-            heapq.heappush(self._due, (job.due or 0.0, job.id))
+            self._push(self._due, job.due or 0.0, job.id)
         elif job.state == "active":
-            heapq.heappush(self._leases, (job.lease or 0.0, job.id))
+            self._push(self._leases, job.lease or 0.0, job.id)
 
     def add(self, job: Job) -> None:
         """Make a job available to workers now."""
@@ -87,7 +93,7 @@ class Scheduler:
         self._detach(job)
         job.worker_id = None
         job.due = due
-        heapq.heappush(self._due, (due, job.id))
+        self._push(self._due, due, job.id)
 
     def release(self, job: Job) -> None:
         """Take a job back from its worker and make it available again."""
@@ -99,7 +105,7 @@ class Scheduler:
     def hold(self, job: Job, until: float) -> None:
         """Keep an active job reserved until ``until`` (its lease, started again)."""
         job.lease = until
-        heapq.heappush(self._leases, (until, job.id))
+        self._push(self._leases, until, job.id)
 
     def finish(self, job: Job) -> None:
         """The job reached a terminal state (committed): forget it."""
@@ -112,6 +118,40 @@ class Scheduler:
             worker.active.discard(job.id)
 
     # -- timers (pure: the caller says what time it is) --------------------------------
+    def _push(self, heap: list[TimerEntry], when: float, job_id: str) -> None:
+        heapq.heappush(heap, (when, job_id))
+        if len(heap) >= self._compact_at[id(heap)]:
+            self._compact(heap)
+
+    def _compact(self, heap: list[TimerEntry]) -> None:
+        """Keep one entry per job that still needs this timer, at its current deadline."""
+        live: dict[str, float] = {}
+        for _, job_id in heap:
+            job = self.jobs.get(job_id)
+            if job is None or job_id in live:
+                continue
+            when = self._deadline(heap, job)
+            if when is not None:
+                live[job_id] = when
+        heap[:] = [(when, job_id) for job_id, when in live.items()]
+        heapq.heapify(heap)
+        self._compact_at[id(heap)] = 2 * len(heap) + COMPACT_SLACK
+
+    def _deadline(self, heap: list[TimerEntry], job: Job) -> float | None:
+        """The deadline this heap still has to watch for ``job``, or None."""
+        if heap is self._leases:
+            return (job.lease or 0.0) if job.state == "active" else None
+        if heap is self._due:
+            return (job.due or 0.0) if job.state in ("scheduled", "retryable") else None
+        if job.state in ("scheduled", "available", "retryable"):
+            return job.expiry
+        return None
+
+    def timer_entries(self) -> int:
+        """How many timer entries are held (live or not yet pruned): bounded by the live
+        jobs, not by how many ever passed through."""
+        return len(self._due) + len(self._leases) + len(self._ttls)
+
     def due(self, now: float) -> list[Job]:
         """Scheduled and retryable jobs whose time has come, made available."""
         ready = [job for job in _pop_until(self._due, now, self.jobs)
@@ -127,7 +167,7 @@ class Scheduler:
             if job.state != "active" or job.id in expired:
                 continue
             if job.lease is not None and job.lease > now:
-                heapq.heappush(self._leases, (job.lease, job.id))
+                self._push(self._leases, job.lease, job.id)
             else:
                 expired[job.id] = job
         return list(expired.values())
@@ -164,7 +204,7 @@ class Scheduler:
             job.orphaned = True
             self.orphans += 1
         job.lease = until
-        heapq.heappush(self._leases, (until, job.id))
+        self._push(self._leases, until, job.id)
 
     def adopt(self, worker: WorkerSlot, job_ids: Iterable[str], now: float) -> list[Job]:
         """Give a reconnecting worker back the reservations it held before a restart or
@@ -235,7 +275,7 @@ class Scheduler:
         job.attempt += 1
         job.checksum = self.status_quo[job.spec]
         job.lease = now + self.lease_for(job)
-        heapq.heappush(self._leases, (job.lease, job.id))
+        self._push(self._leases, job.lease, job.id)
         worker.active.add(job.id)
         worker.capacity -= 1
 

@@ -81,8 +81,13 @@ class Store:
         def op(conn: sqlite3.Connection) -> list[tuple[dict[str, Any], bool]]:
             outcomes = []
             for row in rows:
-                created = conn.execute(_INSERT, row).rowcount == 1
-                outcomes.append((_fetch_job(conn, row[0]), created))
+                # RETURNING gives the new row in the same statement; only an id that
+                # exists already needs a second look, to be judged the same job or not.
+                inserted = conn.execute(_INSERT, row).fetchone()
+                if inserted is not None:
+                    outcomes.append((dict(inserted), True))
+                else:
+                    outcomes.append((_fetch_job(conn, row[0]), False))
             if self.crash_before_commit:
                 _crash("enqueue-before-commit")
             return outcomes
@@ -203,7 +208,7 @@ _INSERT = (
     " enqueued_at, run_at, expires_at, max_attempts, max_fails, backoff_base, backoff_max,"
     " capture_logs, created_by, max_worker_deaths)"
     " VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT(id) DO NOTHING"
+    " ON CONFLICT(id) DO NOTHING RETURNING rowid, *"
 )
 _SAVE = (
     "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, deaths = ?, budget_start = ?,"

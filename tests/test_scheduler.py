@@ -429,3 +429,39 @@ def test_mismatched_workers(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w4", specs={"b": CB}))
     assert sched.mismatched_workers("a", CA) == ["w1", "w3"]
     assert sched.mismatched_workers("b", CB) == []
+
+
+# -- memory: timers of finished jobs do not pile up ----------------------------------
+def test_timer_entries_stay_bounded_when_jobs_finish_long_before_their_lease(
+        sched: Scheduler) -> None:
+    """Each reservation pushes a lease entry; finished jobs must not keep theirs until the
+    lease would have lapsed (30 minutes), or memory grows with throughput."""
+    worker = make_worker("w1", concurrency=10)
+    sched.add_worker(worker)
+    for n in range(50_000):
+        job = make_job(f"j{n}")
+        job.expiry = NOW + 3600  # a TTL entry too
+        sched.track(job)
+        worker.capacity = 10
+        (reserved,) = sched.plan(NOW)["w1"]
+        sched.finish(reserved)
+    assert len(sched.jobs) == 0
+    assert sched.timer_entries() < 3 * 4096
+
+
+def test_compaction_keeps_every_live_deadline(sched: Scheduler) -> None:
+    worker = make_worker("w1", concurrency=10_000, capacity=10_000)
+    sched.add_worker(worker)
+    live = []
+    for n in range(9_000):
+        job = make_job(f"j{n}")
+        sched.track(job)
+    plan = sched.plan(NOW)["w1"]
+    for job in plan[::2]:
+        sched.finish(job)  # half finish; half stay active with a lease
+    live = plan[1::2]
+    sched.renew(worker, [job.id for job in live], NOW + 100)  # leases move without a push
+    sched._compact(sched._leases)
+    assert sorted(job_id for _, job_id in sched._leases) == sorted(j.id for j in live)
+    assert sched.expired_leases(NOW + 1800 + 50) == []
+    assert sorted(ids(sched.expired_leases(NOW + 1800 + 101))) == sorted(ids(live))
