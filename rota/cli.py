@@ -50,6 +50,7 @@ def _token() -> str | None:
     token: str | None = click.get_current_context().meta.get("rota.token")
     return token
 LEVELS = click.Choice(["debug", "info", "warning", "error"])
+SERVER_SWITCH_INTERVAL = 0.0005  # seconds: see serve()
 
 
 def _fail(message: str) -> None:
@@ -142,6 +143,10 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
               " take jobs and give orders. Create one with 'rota tokens create --scope admin',"
               " or pass --insecure")
     settings = ServerSettings(db=db, allowed_origins=allowed_origins, **options)
+    # The writer thread hands a commit back to a busy event loop only when the loop lets go
+    # of the GIL; by default that can take 5 ms. 0.5 ms: 5-7% more jobs/s in a drain of
+    # 10,000 no-op jobs (docs/performance.md), and a shorter worst case on the idle path.
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, log_level=log_level))
 

@@ -1,0 +1,362 @@
+"""Rota beside a reference system (huey on a local redis), one scenario per command.
+
+Run from the repository root (the reference needs ``pip install -e '.[bench]'`` and a
+``redis-server`` on the PATH; bench/reference.py explains):
+
+    .venv/bin/python bench/compare.py e2e        # 10,000 no-op jobs, 1 worker x 10, batch enqueue
+    .venv/bin/python bench/compare.py latency    # 500 single enqueues at 100/s: enqueue -> handler start
+    .venv/bin/python bench/compare.py idle       # 1,000 / 5,000 / 10,000 idle workers beating every 1 s
+    .venv/bin/python bench/compare.py backlog    # 1,000,000 waiting jobs: memory, and a restart
+    .venv/bin/python bench/compare.py soak       # memory over minutes at a sustained rate
+    .venv/bin/python bench/compare.py all --quick
+
+Each scenario runs Rota and then the reference in the same invocation, prints both with
+their ratio, and writes ``bench/results/compare-<scenario>.json``. ``--quick`` shrinks
+every size (for CI: it prints figures and asserts none). Absolute figures drift between
+runs and machines; the ratio to the reference is what carries over.
+
+Rota runs as it does for a user: ``rota serve`` with its defaults (INFO logging,
+``synchronous=FULL``, an enqueue acknowledged after its commit) and ``rota worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import resource
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput as tp  # noqa: E402  (bench/ is not a package)
+
+from rota.client import Client  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+STAMP_WORKER = '''"""Written by bench/compare.py: its handler returns the moment it started."""
+
+import time
+
+from rota import JobContext, Worker
+
+worker = Worker(specs_dir={specs_dir!r}, concurrency={concurrency})
+
+
+@worker.handler({spec!r})
+async def noop(ctx: JobContext) -> float:
+    return time.time()
+'''
+
+
+# -- helpers ---------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def reference() -> Any:
+    """bench/reference.py, or None when huey or redis-server is missing here."""
+    try:
+        import reference as ref
+    except ImportError as exc:
+        print(f"  (reference unavailable: {exc})")
+        return None
+    if shutil.which("redis-server") is None:
+        print("  (reference unavailable: no redis-server on the PATH)")
+        return None
+    return ref
+
+
+def ratio(rota: float | None, ref: float | None) -> float | None:
+    return round(rota / ref, 2) if rota and ref else None
+
+
+@contextlib.contextmanager
+def rota_server(*, concurrency: int = 10, worker_source: str = tp.WORKER_SOURCE,
+                extra: list[str] | None = None) -> Iterator[tuple[tp.Setup, tp.Children]]:
+    """A ``rota serve`` (default settings) in a temp dir with the no-op spec pushed."""
+    workdir = Path(tempfile.mkdtemp(prefix="rota-compare-"))
+    children = tp.Children()
+    try:
+        setup = tp.prepare(workdir, concurrency)
+        (workdir / f"{tp.WORKER_MODULE}.py").write_text(worker_source.format(
+            specs_dir=str(setup.specs_dir), concurrency=concurrency, spec=tp.SPEC_NAME))
+        port = setup.base_url.rsplit(":", 1)[1]
+        children.start("server", [sys.executable, "-m", "rota", "serve", "--port", port,
+                                  "--db", str(setup.db), *(extra or [])], workdir)
+        tp.wait_until("GET /healthz", lambda: tp._healthy(setup.base_url), children,
+                      tp.STARTUP_TIMEOUT)
+        tp.push_specs(setup)
+        yield setup, children
+    finally:
+        children.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def server_process(children: tp.Children) -> psutil.Process:
+    return psutil.Process(next(c for c in children.items if c.name == "server").proc.pid)
+
+
+def rss_mib(proc: psutil.Process) -> float:
+    return round(proc.memory_info().rss / 2**20, 1)
+
+
+def cpu_percent_over(proc: psutil.Process, seconds: float) -> float:
+    """Percent of one core the process used over the next ``seconds``."""
+    before = proc.cpu_times()
+    time.sleep(seconds)
+    after = proc.cpu_times()
+    used = (after.user - before.user) + (after.system - before.system)
+    return round(100 * used / seconds, 1)
+
+
+# -- scenarios ---------------------------------------------------------------------------
+def e2e(quick: bool) -> dict[str, Any]:
+    """The issue's standard run: no-op jobs, one worker at concurrency 10, enqueued with
+    enqueue_batch in requests of 1,000 while the worker runs."""
+    jobs = 2_000 if quick else 10_000
+    opts = tp.Options(jobs=jobs, workers=1, concurrency=10, producers=1, mode="stream",
+                      client="httpx", timeout=300.0, batch=1000, keep=False, output=None)
+    workdir = Path(tempfile.mkdtemp(prefix="rota-compare-"))
+    children = tp.Children()
+    try:
+        try:
+            figures = tp.run(opts, workdir, children)
+        finally:
+            children.stop_all()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    rota = {"jobs": jobs, "enqueue_per_s": figures.enqueue_rate_per_s,
+            "end_to_end_per_s": figures.end_to_end_throughput_per_s,
+            "drain_per_s": figures.drain_throughput_per_s,
+            "all_completed": figures.all_completed, "cpu_seconds": figures.cpu_seconds}
+    ref = reference()
+    huey = ref.huey_e2e(jobs=jobs, concurrency=10) if ref else None
+    return {"rota": rota, "reference": huey, "ratio": {
+        "end_to_end": ratio(rota["end_to_end_per_s"], huey and huey.get("end_to_end_per_s")),
+        "enqueue": ratio(rota["enqueue_per_s"], huey and huey.get("enqueue_per_s"))}}
+
+
+def latency(quick: bool) -> dict[str, Any]:
+    """Single POST /jobs at 100 a second; from just before the call to the handler's start.
+    One worker at concurrency 10, so a job never waits for a slot."""
+    count = 100 if quick else 500
+    with rota_server(worker_source=STAMP_WORKER) as (setup, children):
+        tp.start_workers(setup, 1, children)
+        sent: dict[str, float] = {}
+        calls: list[float] = []
+        with Client(setup.base_url) as client:
+            due = time.monotonic()
+            for _ in range(count):
+                due += 0.01
+                while time.monotonic() < due:  # a busy wait: sleep() overshoots by ~0.1 ms
+                    pass
+                start = time.time()
+                job = client.enqueue(tp.SPEC_NAME, {})["job"]
+                calls.append(time.time() - start)
+                sent[job["id"]] = start
+        tp.wait_for_completion(setup.db, count, 60.0, children)
+        with contextlib.closing(sqlite3.connect(setup.db)) as db:
+            rows = db.execute("SELECT id, result FROM jobs").fetchall()
+    waits = [json.loads(result) - sent[job_id] for job_id, result in rows]
+    rota = {"jobs": count, "p50_ms": round(percentile(waits, 0.5) * 1e3, 3),
+            "p99_ms": round(percentile(waits, 0.99) * 1e3, 3),
+            "enqueue_call_p50_ms": round(percentile(calls, 0.5) * 1e3, 3)}
+    ref = reference()
+    huey = ref.huey_latency(n=count, rate=100) if ref else None
+    return {"rota": rota, "reference": huey, "ratio": {
+        "p50": ratio(rota["p50_ms"], huey and huey.get("p50_ms")),
+        "p99": ratio(rota["p99_ms"], huey and huey.get("p99_ms"))}}
+
+
+async def _idle_workers(url: str, count: int, ready: asyncio.Event, stop: asyncio.Event
+                        ) -> None:
+    """``count`` raw protocol clients: each registers, then beats once a second."""
+    import websockets
+
+    async def one(n: int) -> None:
+        worker_id = f"idle-{n:05d}"
+        async with websockets.connect(url, max_queue=None, ping_interval=None) as ws:
+            registration = {"hostname": "bench", "os": "linux", "pid": os.getpid(),
+                            "sdk": "bench", "queues": ["idle"], "concurrency": 1, "specs": []}
+            await ws.send(json.dumps({"type": "heartbeat", "seq": 0, "worker_id": worker_id,
+                                      "registration": registration, "capacity": 0}))
+            await ws.recv()  # welcome
+            registered.append(n)
+            if len(registered) == count:
+                ready.set()
+            seq = 0
+            await asyncio.sleep(n % 1000 / 1000)  # spread the beats over the second
+            while not stop.is_set():
+                seq += 1
+                await ws.send(json.dumps({"type": "heartbeat", "seq": seq,
+                                          "worker_id": worker_id, "capacity": 0,
+                                          "status": {"state": "running"}}))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ws.recv(), 5)  # its ack
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+
+    registered: list[int] = []
+    tasks = []
+    for n in range(count):
+        tasks.append(asyncio.create_task(one(n)))
+        if n % 200 == 199:
+            await asyncio.sleep(0.05)  # connect in waves, as a fleet would
+    await asyncio.gather(*tasks)
+
+
+def _run_idle_clients(url: str, count: int, seconds: float, proc: psutil.Process
+                      ) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+
+    async def main() -> None:
+        ready, stop = asyncio.Event(), asyncio.Event()
+        fleet = asyncio.create_task(_idle_workers(url, count, ready, stop))
+        await asyncio.wait_for(ready.wait(), 120)
+        await asyncio.sleep(2.0)  # past the connection burst
+        figures["cpu_percent"] = await asyncio.to_thread(cpu_percent_over, proc, seconds)
+        figures["rss_mib"] = rss_mib(proc)
+        stop.set()
+        await fleet
+
+    asyncio.run(main())
+    return figures
+
+
+def idle(quick: bool) -> dict[str, Any]:
+    """Idle workers that only beat: the server's CPU and memory. The clients run in this
+    process (a second core's worth of Python at 10,000), so measure on an idle machine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # inherited by the server
+    sizes = [200, 1000] if quick else [1000, 5000, 10000]
+    seconds = 3.0 if quick else 10.0
+    rota: dict[str, Any] = {}
+    for size in sizes:
+        with rota_server(extra=["--max-connections", str(size + 100),
+                                "--max-worker-connections-per-token", str(size + 100)]) as (setup, children):
+            proc = server_process(children)
+            url = setup.base_url.replace("http", "ws", 1) + "/work"
+            rota[str(size)] = _run_idle_clients(url, size, seconds, proc)
+            print(f"  rota, {size} idle workers: {rota[str(size)]}")
+    ref = reference()
+    redis = {str(size): ref.redis_idle(size) for size in sizes} if ref else None
+    return {"rota": rota, "reference": redis, "ratio": {
+        size: ratio(rota[size]["cpu_percent"], redis and redis[size].get("cpu_percent"))
+        for size in rota}}
+
+
+def backlog(quick: bool) -> dict[str, Any]:
+    """N waiting jobs (no worker): the server's memory, and how soon a restart answers."""
+    count = 50_000 if quick else 1_000_000
+    with rota_server() as (setup, children):
+        proc = server_process(children)
+        before = rss_mib(proc)
+        started = time.monotonic()
+        body = [{"spec": tp.SPEC_NAME, "args": {"n": 0}} for _ in range(1000)]
+        with httpx.Client(base_url=setup.base_url, timeout=120) as http:
+            for _ in range(count // 1000):
+                response = http.post("/jobs/batch", json={"jobs": body})
+                response.raise_for_status()
+        enqueue_s = time.monotonic() - started
+        held = rss_mib(proc)
+        server = next(c for c in children.items if c.name == "server")
+        server.proc.terminate()
+        server.proc.wait(60)
+        children.items.remove(server)
+        server.log_file.close()
+        port = setup.base_url.rsplit(":", 1)[1]
+        restarted = time.monotonic()
+        again = children.start("server-again", [sys.executable, "-m", "rota", "serve",
+                                                "--port", port, "--db", str(setup.db)],
+                               setup.workdir)
+        tp.wait_until("GET /healthz after restart", lambda: tp._healthy(setup.base_url),
+                      children, 120)
+        restart_s = time.monotonic() - restarted
+        after_restart = rss_mib(psutil.Process(again.proc.pid))
+    rota = {"jobs": count, "enqueue_s": round(enqueue_s, 1), "rss_mib_empty": before,
+            "rss_mib_holding": held, "kib_per_job": round((held - before) * 1024 / count, 3),
+            "restart_to_healthz_s": round(restart_s, 2), "rss_mib_after_restart": after_restart}
+    ref = reference()
+    redis = ref.redis_backlog(jobs=count) if ref else None
+    return {"rota": rota, "reference": redis, "ratio": {
+        "memory": ratio(held, redis and redis.get("rss_mib"))}}
+
+
+def soak(quick: bool, minutes: float | None = None) -> dict[str, Any]:
+    """Jobs stream through at the highest rate the machine sustains (one worker at
+    concurrency 50, a producer keeping ~5,000 jobs waiting); the server's RSS is sampled
+    every 5 s. After warm-up it must stay flat: nothing may be kept per finished job."""
+    seconds = 30.0 if quick else 60.0 * (minutes or 10.0)
+    curve: list[tuple[float, float, int]] = []  # (elapsed s, RSS MiB, completed jobs)
+    with rota_server(concurrency=50) as (setup, children):
+        tp.start_workers(setup, 1, children)
+        proc = server_process(children)
+        body = [{"spec": tp.SPEC_NAME, "args": {}} for _ in range(1000)]
+        started = time.monotonic()
+        next_sample = started
+        with httpx.Client(base_url=setup.base_url, timeout=60) as http:
+            while (now := time.monotonic()) - started < seconds:
+                if http.get("/healthz").json()["live_jobs"] < 5000:  # cheap: from memory
+                    http.post("/jobs/batch", json={"jobs": body}).raise_for_status()
+                if now >= next_sample:
+                    with contextlib.closing(sqlite3.connect(setup.db)) as db:
+                        done = db.execute("SELECT count(*) FROM jobs WHERE state = 'completed'"
+                                          ).fetchone()[0]
+                    curve.append((round(now - started, 1), rss_mib(proc), done))
+                    next_sample += 5.0
+                else:
+                    time.sleep(0.02)
+    warm = [rss for elapsed, rss, _ in curve if elapsed >= min(60.0, seconds / 3)]
+    rate = (curve[-1][2] - curve[0][2]) / max(1e-9, curve[-1][0] - curve[0][0])
+    return {"rota": {"seconds": seconds, "jobs_per_s": round(rate), "curve": curve,
+                     "rss_after_warmup_min_mib": min(warm) if warm else None,
+                     "rss_after_warmup_max_mib": max(warm) if warm else None,
+                     "growth_after_warmup_mib": round(max(warm) - warm[0], 1) if warm else None},
+            "reference": None, "ratio": {}}
+
+
+SCENARIOS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "e2e": e2e, "latency": latency, "idle": idle, "backlog": backlog, "soak": soak}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
+    parser.add_argument("--quick", action="store_true", help="small sizes (for CI)")
+    opts = parser.parse_args(argv)
+    names = list(SCENARIOS) if opts.scenario == "all" else [opts.scenario]
+    RESULTS_DIR.mkdir(exist_ok=True)
+    for name in names:
+        print(f"== {name}{' (quick)' if opts.quick else ''}")
+        figures = SCENARIOS[name](opts.quick)
+        document = {"scenario": name, "quick": opts.quick,
+                    "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                    "machine": tp.machine_info(), **figures}
+        print(json.dumps({k: figures[k] for k in ("rota", "reference", "ratio")}, indent=1)
+              [:4000])
+        suffix = "-quick" if opts.quick else ""
+        path = RESULTS_DIR / f"compare-{name}{suffix}.json"
+        path.write_bytes(msgspec.json.format(msgspec.json.encode(document), indent=2) + b"\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
