@@ -30,8 +30,6 @@ import os
 import resource
 import shutil
 import sqlite3
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
