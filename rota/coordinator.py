@@ -305,14 +305,32 @@ class Coordinator:
         now = self.clock()
         built = [self.engine.build(request, principal, now) for request in requests]
         jobs = [job for job in built if not isinstance(job, DomainError)]
-        stored = iter(await self.store.enqueue(jobs) if jobs else [])
+        # A job whose id the server made cannot collide with a stored row: it is taken
+        # in at once, and a scheduling round now queues its reservation right behind its
+        # row (see Intake.enqueued). A producer's id waits for the commit to say whether
+        # the job is new.
+        early = [job for request, job in zip(requests, built, strict=True)
+                 if request.id is None and not isinstance(job, DomainError)]
+        written = self.store.enqueue(jobs) if jobs else None
+        if early:
+            effects = [e for job in early for e in self.engine.enqueued(job, None, now)]
+            self.apply(effects + self.engine.dispatch(now))
+        try:
+            stored = iter(await written if written is not None else [])
+        except Exception as exc:
+            self.apply(self.engine.not_stored(early, exc))
+            raise
         self.crash_point("enqueue-after-commit")
         outcomes: list[tuple[dict[str, Any], bool] | DomainError] = []
+        admitted = {id(job) for job in early}
         for request, job in zip(requests, built, strict=True):
             if isinstance(job, DomainError):
                 outcomes.append(job)
                 continue
             row, created = next(stored)
+            if id(job) in admitted:
+                outcomes.append((row, created))
+                continue
             if not created:
                 if not same_job(row, job, request.args):
                     outcomes.append(Conflict("id_conflict", f"job {job.id} exists with a"

@@ -55,15 +55,28 @@ class Intake:
         job.created_by = principal.token_id
         return job
 
-    def enqueued(self, job: Job, seq: int, now: Instant) -> list[Effect]:
-        """A new job's row is committed: take it in."""
-        job.seq = seq
+    def enqueued(self, job: Job, seq: int | None, now: Instant) -> list[Effect]:
+        """Take in a new job: once its row is committed (``seq``: its row id), or, when
+        the server made its id (no row can have it), at once, with its write queued
+        (``seq`` None: the next in order). Then a reservation of it follows its row
+        into the writer, and usually into the same commit: on an idle server that
+        saves a whole commit between enqueue and assignment."""
+        job.seq = self.scheduler.last_seq + 1 if seq is None else seq
         job.clocks(now)
         self.scheduler.track(job)
         log.info("enqueue job=%s spec=%s queue=%s priority=%d state=%s", job.id, job.spec,
                  job.queue, job.priority, job.state)
         effects: list[Effect] = [Arm(t) for t in (job.due, job.expiry) if t is not None]
         return effects + [Wake()]
+
+    def not_stored(self, jobs: list[Job], error: BaseException) -> list[Effect]:
+        """Jobs taken in before their rows committed, whose commit failed: forget them.
+        The producer hears the error; the job never existed."""
+        for job in jobs:
+            self.scheduler.drop(job)
+        if jobs:
+            log.error("enqueue of %d job(s) not stored: %s", len(jobs), error)
+        return [Wake()]
 
     def cancel(self, job_id: str, now: Instant) -> tuple[str, list[Effect]]:
         """Cancel a job: at once if it waits ("cancelled"), through its worker if it runs

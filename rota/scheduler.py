@@ -60,6 +60,7 @@ class Scheduler:
         self._rotation = itertools.count()
         self._compact_at = {id(heap): COMPACT_SLACK for heap in (self._due, self._leases, self._ttls)}
         self.orphans = 0  # active jobs loaded at a restart whose worker has not reclaimed them
+        self.last_seq = 0  # the highest enqueue order taken in: new jobs come after it
 
     @property
     def has_orphans(self) -> bool:
@@ -69,6 +70,7 @@ class Scheduler:
     def track(self, job: Job) -> None:
         """Take in a live job in whatever state it is (new, loaded, or changed)."""
         self.jobs[job.id] = job
+        self.last_seq = max(self.last_seq, job.seq)
         if job.expiry is not None:
             self._push(self._ttls, job.expiry, job.id)
         if job.state == "available":
@@ -111,6 +113,18 @@ class Scheduler:
         """The job reached a terminal state (committed): forget it."""
         self._detach(job)
         self.jobs.pop(job.id, None)
+
+    def drop(self, job: Job) -> None:
+        """Forget a job that was taken in before its row was written, and whose write
+        failed: it never existed. Marked so that a reservation of it, failing in the same
+        transaction, does not put it back."""
+        if self.jobs.get(job.id) is job:
+            self.finish(job)
+            if job.state == "active":
+                worker = self.workers.get(job.worker_id or "")
+                if worker is not None:
+                    worker.capacity += 1
+        job.state = "discarded"  # not a move: the job was never stored
 
     def _detach(self, job: Job) -> None:
         worker = self.workers.get(job.worker_id or "")
@@ -250,11 +264,13 @@ class Scheduler:
     def plan(self, now: float) -> dict[str, list[Job]]:
         """Reserve in memory as many ready jobs as running workers can take now."""
         start = next(self._rotation)
-        order = sorted(self.workers.values(), key=lambda w: w.id)
-        if order:
-            shift = start % len(order)
-            order = order[shift:] + order[:shift]
-        candidates = [w for w in order if w.state == "running" and w.free() > 0]
+        # Filtered before anything else: an enqueue runs a round too, and a fleet of
+        # thousands of busy or idle workers must not cost a sort each time.
+        candidates = [w for w in self.workers.values() if w.state == "running" and w.free() > 0]
+        if len(candidates) > 1:
+            candidates.sort(key=lambda w: w.id)
+            shift = start % len(candidates)
+            candidates = candidates[shift:] + candidates[:shift]
         plan: dict[str, list[Job]] = {}
         while candidates:
             next_round = []

@@ -415,3 +415,41 @@ def test_a_failed_reservation_of_an_orphaned_job_frees_it(engine, clock):
     assert engine.scheduler.orphans == 0
     connect(engine, clock, conn=2)
     assert len(assign(engine, clock)) == 1
+
+
+# -- early admission: a job with a server-made id is placed before its row commits ----
+def early(engine: Engine, clock: FakeClock) -> tuple[Job, list[Effect]]:
+    built = engine.build(EnqueueRequest(spec="echo"), OPEN, clock())
+    assert isinstance(built, Job)
+    return built, engine.enqueued(built, None, clock()) + engine.dispatch(clock())
+
+
+def test_an_early_job_is_reserved_in_the_same_round_and_sent_after_the_commit(engine, clock):
+    connect(engine, clock)
+    job, effects = early(engine, clock)
+    [reserve] = of(Reserve, effects)
+    assert [j.id for j in reserve.jobs] == [job.id] and not sent(effects)  # nothing yet
+    [frame] = sent(engine.committed(reserve.ticket, None, clock()))
+    assert frame["type"] == "assign" and frame["jobs"][0]["id"] == job.id
+
+
+def test_an_early_job_comes_after_the_jobs_already_waiting(engine, clock):
+    waiting = enqueue(engine, clock, 2)  # no worker yet: they wait
+    job, _ = early(engine, clock)
+    connect(engine, clock, capacity=1)
+    assert [j["id"] for j in assign(engine, clock)] == [waiting[0].id]
+    assert job.seq > max(j.seq for j in waiting)
+
+
+def test_an_early_job_whose_write_failed_is_forgotten_and_frees_its_slot(engine, clock):
+    connect(engine, clock, capacity=1)
+    job, effects = early(engine, clock)
+    [reserve] = of(Reserve, effects)
+    worker = engine.scheduler.workers["w1"]
+    assert worker.free() == 0
+    error = OSError("disk full")
+    engine.not_stored([job], error)
+    # The reservation shared the failed transaction; its outcome must not revive the job.
+    assert not sent(engine.committed(reserve.ticket, error, clock()))
+    assert job.id not in engine.scheduler.jobs and worker.active == set()
+    assert worker.free() == 1 and engine.dispatch(clock()) == []
