@@ -97,6 +97,11 @@ def main() -> None:
               help="Largest job result, as JSON (the job fails with result_too_large above).")
 @click.option("--max-body-bytes", envvar="ROTA_MAX_BODY_BYTES", default=1 << 20, show_default=True, show_envvar=True,
               help="Largest HTTP request body (413 body_too_large above).")
+@click.option("--durability", envvar="ROTA_DURABILITY", type=click.Choice(["full", "process"]),
+              default="full", show_default=True, show_envvar=True,
+              help="What an acknowledged write survives. full: power loss (every commit is"
+                   " fsynced). process: a crash of Rota, not of the machine (faster; the last"
+                   " commits before an OS crash or power cut may be lost).")
 @click.option("--max-connections", envvar="ROTA_MAX_CONNECTIONS", default=1000, show_default=True, show_envvar=True,
               help="Open connections of any kind; new ones get 503 above.")
 @click.option("--max-worker-connections-per-token", envvar="ROTA_MAX_WORKER_CONNECTIONS_PER_TOKEN", default=200,

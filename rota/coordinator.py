@@ -59,7 +59,8 @@ class Coordinator:
         self.settings = settings
         self.clock = clock
         self.store = Store(settings.db,
-                           crash_before_commit=settings.crash_at == "enqueue-before-commit")
+                           crash_before_commit=settings.crash_at == "enqueue-before-commit",
+                           durability=settings.durability)
         self.engine = Engine(settings)
         self.tokens = Tokens()
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id

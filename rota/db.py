@@ -122,7 +122,15 @@ def m006_poison(db: sqlite_utils.Database) -> None:
     db["jobs"].add_column("max_worker_deaths", int)
 
 
-def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
+# What a commit survives (``rota serve --durability``): "full" fsyncs every commit, so an
+# acknowledged write survives power loss; "process" lets the OS write it back later, so it
+# survives a crash of Rota but the last commits may be lost if the machine or its power
+# fails. Either way a commit is atomic and the file stays consistent (WAL).
+SYNCHRONOUS = {"full": "FULL", "process": "NORMAL"}
+
+
+def connect(path: Path, *, readonly: bool = False, durability: str = "full"
+            ) -> sqlite3.Connection:
     # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     conn.row_factory = sqlite3.Row
@@ -130,8 +138,7 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     conn.execute("PRAGMA foreign_keys = ON")
     if not readonly:
         conn.execute("PRAGMA journal_mode = WAL")
-        # FULL: a committed enqueue survives power loss, not only a process crash.
-        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS[durability]}")
     else:
         conn.execute("PRAGMA query_only = ON")
     return conn
@@ -148,8 +155,9 @@ def migrate(path: Path) -> None:
 class Writer:
     """The only thread that writes; it commits whatever has queued up together."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, durability: str = "full") -> None:
         self._path = path
+        self._durability = durability
         self._queue: queue.SimpleQueue[tuple[Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="rota-writer", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,7 +177,7 @@ class Writer:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        conn = connect(self._path)
+        conn = connect(self._path, durability=self._durability)
         # Checkpoints belong to the Checkpointer thread: run inline they would fsync the
         # whole database inside some unlucky commit and stall every caller behind it.
         conn.execute("PRAGMA wal_autocheckpoint = 0")

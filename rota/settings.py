@@ -19,6 +19,9 @@ class ServerSettings:
     # jobs stay reserved for the worker to reconnect and reclaim them.
     reconnect_grace: float = 5.0
     visibility_timeout: float = 1800.0
+    # What an acknowledged write survives: "full" (fsynced: power loss) or "process" (a
+    # crash of Rota only; faster, the machine's crash may lose the last commits).
+    durability: str = "full"
     # Longest a GET /jobs/{id}/result?wait= may hold a request open.
     max_result_wait: float = 300.0
     # -- limits against hostile or broken clients (docs/operations.md) ----------------

@@ -46,12 +46,13 @@ class SpecChange:
 class Store:
     path: Path
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
+    durability: str = "full"  # db.SYNCHRONOUS: what a commit survives
     writer: db.Writer = field(init=False)
     readers: db.Readers = field(init=False)
     checkpointer: db.Checkpointer = field(init=False)
 
     def __post_init__(self) -> None:
-        self.writer = db.Writer(self.path)
+        self.writer = db.Writer(self.path, self.durability)
         self.readers = db.Readers(self.path)
         self.checkpointer = db.Checkpointer(self.path)
 

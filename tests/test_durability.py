@@ -1,0 +1,52 @@
+"""``--durability``: full (the default) fsyncs every commit; process is an opt-in that
+trades the machine's crash for speed. Both keep a commit atomic."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from rota import db
+from rota.cli import main
+from rota.coordinator import Coordinator
+from rota.settings import ServerSettings
+
+
+@pytest.mark.parametrize(("durability", "synchronous"), [("full", 2), ("process", 1)])
+def test_the_writer_connection_syncs_as_asked(tmp_path: Path, durability: str,
+                                              synchronous: int) -> None:
+    conn = db.connect(tmp_path / "r.db", durability=durability)
+    try:
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == synchronous
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+
+
+def test_the_default_is_full_and_the_setting_reaches_the_store(tmp_path: Path) -> None:
+    assert ServerSettings().durability == "full"
+    coordinator = Coordinator(ServerSettings(db=tmp_path / "r.db", durability="process"))
+    assert coordinator.store.durability == "process"
+
+
+async def test_a_process_durable_server_stores_and_serves(tmp_path: Path) -> None:
+    coordinator = Coordinator(ServerSettings(db=tmp_path / "r.db", durability="process"))
+    await coordinator.start()
+    try:
+        # the writer runs; a commit lands in the file
+        await coordinator.store.writer.submit(lambda conn: conn.execute(
+            "INSERT INTO tokens (id, name, scope, queues, hash, created_at)"
+            " VALUES ('t', 'n', 'admin', '[]', 'h', 0)"))
+    finally:
+        await coordinator.stop()
+    with sqlite3.connect(tmp_path / "r.db") as check:
+        assert check.execute("SELECT count(*) FROM tokens").fetchone()[0] == 1
+
+
+def test_an_unknown_durability_is_refused_by_name(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["serve", "--db", str(tmp_path / "r.db"),
+                                       "--durability", "none"])
+    assert result.exit_code == 2 and "'full', 'process'" in result.output
