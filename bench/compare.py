@@ -5,6 +5,7 @@ Run from the repository root (the reference needs ``pip install -e '.[bench]'`` 
 
     .venv/bin/python bench/compare.py e2e        # 10,000 no-op jobs, 1 worker x 10, batch enqueue
     .venv/bin/python bench/compare.py latency    # 500 single enqueues at 100/s: enqueue -> handler start
+    .venv/bin/python bench/compare.py producers  # one producer one job at a time; AsyncClient, 100 callers
     .venv/bin/python bench/compare.py idle       # 1,000 / 5,000 / 10,000 idle workers beating every 1 s
     .venv/bin/python bench/compare.py backlog    # 1,000,000 waiting jobs: memory, and a restart
     .venv/bin/python bench/compare.py soak       # memory over minutes at a sustained rate
@@ -183,6 +184,50 @@ def latency(quick: bool) -> dict[str, Any]:
         "p99": ratio(rota["p99_ms"], huey and huey.get("p99_ms"))}}
 
 
+def producers(quick: bool) -> dict[str, Any]:
+    """One producer enqueueing one job at a time with the sync Client (a worker running
+    them, as in the e2e run), then 100 concurrent callers of one AsyncClient (no worker:
+    only the enqueue path). Every enqueue is acknowledged after its commit."""
+    from rota.producer import AsyncClient
+
+    single_n = 1_000 if quick else 5_000
+    many_n = 4_000 if quick else 20_000
+    callers = 100
+    with rota_server() as (setup, children):
+        tp.start_workers(setup, 1, children)
+        with Client(setup.base_url) as client:
+            client.enqueue(tp.SPEC_NAME, {})  # the connection is open before the clock starts
+            started = time.perf_counter()
+            for _ in range(single_n):
+                client.enqueue(tp.SPEC_NAME, {})
+            single = single_n / (time.perf_counter() - started)
+    with rota_server() as (setup, children):
+        async def many() -> tuple[float, int]:
+            async with AsyncClient(setup.base_url) as client:
+                await client.enqueue(tp.SPEC_NAME, {})
+                per = many_n // callers
+
+                async def caller() -> None:
+                    for _ in range(per):
+                        await client.enqueue(tp.SPEC_NAME, {})
+
+                started = time.perf_counter()
+                await asyncio.gather(*(caller() for _ in range(callers)))
+                return per * callers / (time.perf_counter() - started), client.requests - 1
+
+        concurrent, requests = asyncio.run(many())
+    rota = {"single_producer_per_s": round(single), "single_jobs": single_n,
+            "async_client_100_callers_per_s": round(concurrent), "async_jobs": many_n,
+            "async_requests": requests}
+    ref = reference()
+    huey = ({"single": ref.huey_single_producer(single_n),
+             "concurrent": ref.huey_concurrent_producers(many_n, callers)} if ref else None)
+    return {"rota": rota, "reference": huey, "ratio": {
+        "single": ratio(rota["single_producer_per_s"], huey and huey["single"]["jobs_per_s"]),
+        "concurrent": ratio(rota["async_client_100_callers_per_s"],
+                            huey and huey["concurrent"]["jobs_per_s"])}}
+
+
 async def _idle_workers(url: str, count: int, ready: asyncio.Event, stop: asyncio.Event
                         ) -> None:
     """``count`` raw protocol clients: each registers, then beats once a second."""
@@ -331,7 +376,7 @@ def soak(quick: bool, minutes: float | None = None) -> dict[str, Any]:
 
 
 SCENARIOS: dict[str, Callable[[bool], dict[str, Any]]] = {
-    "e2e": e2e, "latency": latency, "idle": idle, "backlog": backlog, "soak": soak}
+    "e2e": e2e, "latency": latency, "producers": producers, "idle": idle, "backlog": backlog, "soak": soak}
 
 
 def main(argv: list[str] | None = None) -> int:

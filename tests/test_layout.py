@@ -32,7 +32,7 @@ LAYERS: list[set[str]] = [
     {"server"},
     # the SDK and the producer client, beside the server
     {"context", "client", "link"},  # a handler's context; the producer client; the core
-    {"manual", "execution"},  # manual mode; running jobs
+    {"manual", "execution", "producer"},  # manual mode; running jobs; the asyncio producer
     {"connection"},  # the connection thread
     {"worker"},
     {"__init__", "demo"},

@@ -1,0 +1,171 @@
+"""An asyncio producer client whose concurrent enqueues share requests.
+
+Many tasks enqueueing at once (a web app's request handlers, say) would each pay a whole
+HTTP round trip and a whole commit on the server. Here ``enqueue()`` calls are coalesced
+the way Nagle's algorithm coalesces small TCP segments: a call made while no request is
+in flight leaves at once, alone; calls made while requests are in flight wait for one of
+them to come back and then leave together, as one ``POST /jobs/batch``. At low load
+nothing waits; under load the batches grow with the server's round trip. Each caller is
+still answered only after its own job is committed, since the server answers a batch
+after its commit, and a job the server refuses fails only its own caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+
+from rota.client import ApiError
+
+# A batch is cut before its body reaches this (the server refuses bodies over 1 MiB by
+# default); a single job larger than that goes alone and gets its own 413.
+BATCH_BYTES = 512 * 1024
+
+
+@dataclass(slots=True)
+class _Waiting:
+    body: bytes  # the job's enqueue request, as JSON
+    answer: asyncio.Future[dict[str, Any]]
+
+
+class AsyncClient:
+    """``async with AsyncClient(url, token=...) as client: await client.enqueue(...)``."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
+                 timeout: float = 30.0, max_batch: int = 1000, max_in_flight: int = 1) -> None:
+        if not 1 <= max_batch <= 10_000:
+            raise ValueError("max_batch must be 1 to 10,000 (the server's limit per batch)")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.url = url.rstrip("/")
+        self.max_batch = max_batch
+        self.max_in_flight = max_in_flight
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.url, timeout=timeout, headers=headers,
+            limits=httpx.Limits(max_connections=max_in_flight + 4))
+        self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self.requests = 0  # enqueue requests sent: how well calls were coalesced
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Send what is waiting, wait for every answer, then close the connections."""
+        while self._in_flight:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+        await self._http.aclose()
+
+    # -- enqueueing -------------------------------------------------------------------
+    async def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any
+                      ) -> dict[str, Any]:
+        """As ``Client.enqueue``: ``{"job": view, "created": bool}`` once committed, or
+        ``ApiError`` with the status and code that ``POST /jobs`` would have given."""
+        request: dict[str, Any] = {"spec": spec, "args": args or {}}
+        request.update({key: value for key, value in options.items() if value is not None})
+        waiting = _Waiting(msgspec.json.encode(request),
+                           asyncio.get_running_loop().create_future())
+        self._waiting.append(waiting)
+        self._pump()
+        # A caller that gives up stops waiting; its job may still be stored.
+        return await waiting.answer
+
+    async def enqueue_batch(self, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+        """One ``POST /jobs/batch`` as given: ``{"results": [...]}``."""
+        return await self._call("POST", "/jobs/batch", content=msgspec.json.encode({"jobs": jobs}))
+
+    def _pump(self) -> None:
+        while self._waiting and len(self._in_flight) < self.max_in_flight:
+            batch = [self._waiting.popleft()]
+            size = len(batch[0].body)
+            while (self._waiting and len(batch) < self.max_batch
+                   and size + len(self._waiting[0].body) < BATCH_BYTES):
+                batch.append(self._waiting.popleft())
+                size += len(batch[-1].body) + 1
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._in_flight.add(task)
+            task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._pump()
+
+    async def _send(self, batch: list[_Waiting]) -> None:
+        self.requests += 1
+        try:
+            if len(batch) == 1:  # alone: the plain route answers in the caller's own shape
+                _settle(batch[0], await self._call("POST", "/jobs", content=batch[0].body))
+                return
+            content = b'{"jobs":[' + b",".join(w.body for w in batch) + b"]}"
+            answer = await self._call("POST", "/jobs/batch", content=content)
+        except ApiError as exc:
+            for waiting in batch:
+                _fail(waiting, exc)
+            return
+        except BaseException as exc:  # cancelled, or a bug: nobody may wait forever
+            for waiting in batch:
+                _fail(waiting, ApiError(None, "client_error", f"enqueue not sent: {exc!r}"))
+            raise
+        for waiting, item in zip(batch, answer["results"], strict=True):
+            if "error" in item:
+                error = item["error"]
+                _fail(waiting, ApiError(item["status"], error["code"], error["message"]))
+            else:
+                _settle(waiting, {"job": item["job"], "created": item["created"]})
+
+    # -- the rest of the API ------------------------------------------------------------
+    async def job(self, job_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/jobs/{job_id}")
+
+    async def result(self, job_id: str, *, wait: float = 0) -> dict[str, Any]:
+        return await self._call("GET", f"/jobs/{job_id}/result", params={"wait": wait},
+                                timeout=wait + 30)
+
+    async def cancel(self, job_id: str) -> dict[str, Any]:
+        return await self._call("DELETE", f"/jobs/{job_id}")
+
+    async def retry(self, job_id: str) -> dict[str, Any]:
+        return await self._call("POST", f"/jobs/{job_id}/retry")
+
+    async def _call(self, method: str, path: str, *, content: bytes | None = None,
+                    params: dict[str, Any] | None = None, timeout: float | None = None
+                    ) -> Any:
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        try:
+            response = await self._http.request(
+                method, path, content=content, params=params, headers=headers,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
+        except httpx.TransportError as exc:
+            raise ApiError(None, "unreachable", f"cannot reach Rota at {self.url}: {exc}") from exc
+        try:
+            body = msgspec.json.decode(response.content) if response.content else {}
+        except msgspec.DecodeError:
+            body = None
+        if response.status_code >= 400:
+            error = body.get("error", {}) if isinstance(body, dict) else {}
+            error = error if isinstance(error, dict) else {}
+            raise ApiError(response.status_code, error.get("code", "http_error"),
+                           error.get("message", response.text or f"HTTP {response.status_code}"))
+        if body is None:
+            raise ApiError(response.status_code, "http_error",
+                           f"not a JSON answer: {response.content[:200]!r}")
+        return body
+
+
+def _settle(waiting: _Waiting, value: dict[str, Any]) -> None:
+    if not waiting.answer.done():  # its caller may have given up
+        waiting.answer.set_result(value)
+
+
+def _fail(waiting: _Waiting, error: ApiError) -> None:
+    if not waiting.answer.done():
+        waiting.answer.set_exception(error)
