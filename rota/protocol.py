@@ -10,6 +10,8 @@ message types; peers skip what they do not know.
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import math
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -248,5 +250,18 @@ def cut_text(text: str) -> str:
 
 def rfc3339(ts: float) -> str:
     """Format a Unix timestamp as RFC 3339 UTC with millisecond precision."""
-    moment = dt.datetime.fromtimestamp(ts, tz=dt.timezone.utc)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    # As datetime does it: rounded to the microsecond, then cut to the millisecond.
+    fraction, whole = math.modf(ts)
+    second, micros = int(whole), round(fraction * 1e6)
+    if micros >= 1_000_000:
+        second, micros = second + 1, micros - 1_000_000
+    elif micros < 0:
+        second, micros = second - 1, micros + 1_000_000
+    return f"{_rfc3339_second(second)}.{micros // 1000:03d}Z"
+
+
+@functools.lru_cache(maxsize=256)
+def _rfc3339_second(second: int) -> str:
+    # Every job view, ack and assign formats a timestamp, and most fall in the same few
+    # seconds: the date and time part is made once per second.
+    return dt.datetime.fromtimestamp(second, tz=dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")

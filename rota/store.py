@@ -80,15 +80,29 @@ class Store:
         rows = [_insert_row(job) for job in jobs]
 
         def op(conn: sqlite3.Connection) -> list[tuple[dict[str, Any], bool]]:
-            outcomes = []
+            outcomes: list[tuple[dict[str, Any], bool]] = []
+            template: dict[str, Any] | None = None
             for row in rows:
                 # RETURNING gives the new row in the same statement; only an id that
                 # exists already needs a second look, to be judged the same job or not.
-                inserted = conn.execute(_INSERT, row).fetchone()
-                if inserted is not None:
-                    outcomes.append((dict(inserted), True))
+                # The first new row of a batch comes back whole; every other differs from
+                # it only in what was inserted, so it is made from that (a third of the
+                # cost of reading each back).
+                if template is None:
+                    inserted = conn.execute(_INSERT + _RETURNING_ROW, row).fetchone()
+                    if inserted is not None:
+                        template = dict(inserted)
+                        outcomes.append((dict(template), True))
+                        continue
                 else:
-                    outcomes.append((_fetch_job(conn, row[0]), False))
+                    inserted = conn.execute(_INSERT + " RETURNING rowid", row).fetchone()
+                    if inserted is not None:
+                        made = dict(template)
+                        made.update(zip(_INSERTED, row))
+                        made["rowid"] = inserted[0]
+                        outcomes.append((made, True))
+                        continue
+                outcomes.append((_fetch_job(conn, row[0]), False))
             if self.crash_before_commit:
                 _crash("enqueue-before-commit")
             return outcomes
@@ -204,13 +218,16 @@ class Store:
         return await self.readers.run(read)
 
 
+# The columns _insert_row gives, in order (attempt is always 0).
+_INSERTED = ("id", "spec", "queue", "args", "priority", "state", "visibility_timeout",
+             "enqueued_at", "run_at", "expires_at", "max_attempts", "max_fails", "backoff_base",
+             "backoff_max", "capture_logs", "created_by", "max_worker_deaths")
 _INSERT = (
-    "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt, visibility_timeout,"
-    " enqueued_at, run_at, expires_at, max_attempts, max_fails, backoff_base, backoff_max,"
-    " capture_logs, created_by, max_worker_deaths)"
-    " VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT(id) DO NOTHING RETURNING rowid, *"
+    f"INSERT INTO jobs ({', '.join(_INSERTED[:6])}, attempt, {', '.join(_INSERTED[6:])})"
+    f" VALUES ({', '.join('?' * 6)}, 0, {', '.join('?' * (len(_INSERTED) - 6))})"
+    " ON CONFLICT(id) DO NOTHING"
 )
+_RETURNING_ROW = " RETURNING rowid, *"
 _SAVE = (
     "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
     " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"

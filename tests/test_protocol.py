@@ -221,3 +221,18 @@ def test_decode_server_message_rejects_unknown_type() -> None:
 ])
 def test_rfc3339(ts: float, expected: str) -> None:
     assert rfc3339(ts) == expected
+
+
+def test_rfc3339_formats_exactly_as_datetime_does() -> None:
+    """The fast path (date part cached per second) must not drift from isoformat."""
+    import datetime as dt
+    import random
+
+    from rota.protocol import rfc3339
+
+    rng = random.Random(7)
+    moments = [rng.uniform(0, 4e9) for _ in range(20_000)]
+    moments += [1_800_000_000 + k / 1000 + d for k in range(1000) for d in (0.0, 4.999e-4, 9.995e-4)]
+    for ts in moments:
+        expected = dt.datetime.fromtimestamp(ts, tz=dt.UTC).isoformat(timespec="milliseconds")
+        assert rfc3339(ts) == expected.replace("+00:00", "Z"), ts
