@@ -6,6 +6,7 @@ Run from the repository root (the reference needs ``pip install -e '.[bench]'`` 
     .venv/bin/python bench/compare.py e2e        # 10,000 no-op jobs, 1 worker x 10, batch enqueue
     .venv/bin/python bench/compare.py latency    # 500 single enqueues at 100/s: enqueue -> handler start
     .venv/bin/python bench/compare.py producers  # one producer one job at a time; AsyncClient, 100 callers
+    .venv/bin/python bench/compare.py growth     # e2e with 10k/100k/1M jobs kept; latency while 100k drain
     .venv/bin/python bench/compare.py idle       # 1,000 / 5,000 / 10,000 idle workers beating every 1 s
     .venv/bin/python bench/compare.py backlog    # 1,000,000 waiting jobs: memory, and a restart
     .venv/bin/python bench/compare.py soak       # memory over minutes at a sustained rate
@@ -152,6 +153,81 @@ def e2e(quick: bool) -> dict[str, Any]:
         "enqueue": ratio(rota["enqueue_per_s"], huey and huey.get("enqueue_per_s"))}}
 
 
+def _prefill(db_path: Path, kept: int) -> None:
+    """``kept`` completed jobs in the store, as a server that has run them leaves it."""
+    from rota import db as rota_db
+
+    rota_db.migrate(db_path)
+    with contextlib.closing(sqlite3.connect(db_path)) as conn:
+        now = time.time() - 3600
+        rows = ((f"{tp.KEPT_PREFIX}{n:08d}", tp.SPEC_NAME, "default", "{}", 0, "completed", 1, "w",
+                 now + n / 1000, now + n / 1000, now + n / 1000, "null") for n in range(kept))
+        conn.executemany("INSERT INTO jobs (id, spec, queue, args, priority, state, attempt,"
+                         " worker_id, enqueued_at, reserved_at, finished_at, result)"
+                         " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        conn.commit()
+
+
+def growth(quick: bool) -> dict[str, Any]:
+    """How the cost grows with the work: the e2e run against a store that already keeps
+    10,000 / 100,000 / 1,000,000 completed jobs; then the latency of urgent jobs (priority
+    10, single POST /jobs at 100/s) while a backlog of 100,000 drains."""
+    sizes = [10_000, 50_000] if quick else [10_000, 100_000, 1_000_000]
+    rota: dict[str, Any] = {"e2e_per_s_by_jobs_kept": {}}
+    for kept in sizes:
+        opts = tp.Options(jobs=2_000 if quick else 10_000, workers=1, concurrency=10,
+                          producers=1, mode="stream", client="httpx", timeout=300.0,
+                          batch=1000, keep=False, output=None)
+        workdir = Path(tempfile.mkdtemp(prefix="rota-compare-"))
+        children = tp.Children()
+        try:
+            _prefill(workdir / "rota.db", kept)
+            try:
+                figures = tp.run(opts, workdir, children)
+            finally:
+                children.stop_all()
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        rota["e2e_per_s_by_jobs_kept"][str(kept)] = figures.end_to_end_throughput_per_s
+        print(f"  kept {kept}: {figures.end_to_end_throughput_per_s} jobs/s end to end")
+    backlog = 10_000 if quick else 100_000
+    probes = 100 if quick else 300
+    with rota_server(worker_source=STAMP_WORKER) as (setup, children):
+        body = [{"spec": tp.SPEC_NAME, "args": {}} for _ in range(1000)]
+        with httpx.Client(base_url=setup.base_url, timeout=120) as http:
+            for _ in range(backlog // 1000):
+                http.post("/jobs/batch", json={"jobs": body}).raise_for_status()
+        tp.start_workers(setup, 1, children)
+        sent: dict[str, float] = {}
+        calls: list[float] = []
+        with Client(setup.base_url) as client:
+            due = time.monotonic()
+            for _ in range(probes):
+                due += 0.01
+                while time.monotonic() < due:
+                    pass
+                start = time.time()
+                job = client.enqueue(tp.SPEC_NAME, {}, priority=10)["job"]
+                calls.append(time.time() - start)
+                sent[job["id"]] = start
+            draining = client.queues()["queues"][0]["counts"]["available"]
+        tp.wait_for_completion(setup.db, backlog + probes, 300.0, children, setup.base_url)
+        with contextlib.closing(sqlite3.connect(setup.db)) as db:
+            rows = db.execute("SELECT id, result FROM jobs WHERE priority = 10").fetchall()
+    waits = [json.loads(result) - sent[job_id] for job_id, result in rows]
+    rota["while_draining"] = {
+        "backlog": backlog, "still_waiting_after_probes": draining, "probes": probes,
+        "enqueue_call_p50_ms": round(percentile(calls, 0.5) * 1e3, 3),
+        "enqueue_call_p99_ms": round(percentile(calls, 0.99) * 1e3, 3),
+        "handler_start_p50_ms": round(percentile(waits, 0.5) * 1e3, 3),
+        "handler_start_p99_ms": round(percentile(waits, 0.99) * 1e3, 3)}
+    ref = reference()
+    huey = ref.huey_e2e(jobs=2_000 if quick else 10_000) if ref else None
+    return {"rota": rota, "reference": huey, "ratio": {
+        kept: ratio(per_s, huey and huey.get("end_to_end_per_s"))
+        for kept, per_s in rota["e2e_per_s_by_jobs_kept"].items()}}
+
+
 def latency(quick: bool) -> dict[str, Any]:
     """Single POST /jobs at 100 a second; from just before the call to the handler's start.
     One worker at concurrency 10, so a job never waits for a slot."""
@@ -170,7 +246,7 @@ def latency(quick: bool) -> dict[str, Any]:
                 job = client.enqueue(tp.SPEC_NAME, {})["job"]
                 calls.append(time.time() - start)
                 sent[job["id"]] = start
-        tp.wait_for_completion(setup.db, count, 60.0, children)
+        tp.wait_for_completion(setup.db, count, 60.0, children, setup.base_url)
         with contextlib.closing(sqlite3.connect(setup.db)) as db:
             rows = db.execute("SELECT id, result FROM jobs").fetchall()
     waits = [json.loads(result) - sent[job_id] for job_id, result in rows]
@@ -368,15 +444,19 @@ def soak(quick: bool, minutes: float | None = None) -> dict[str, Any]:
                     time.sleep(0.02)
     warm = [rss for elapsed, rss, _ in curve if elapsed >= min(60.0, seconds / 3)]
     rate = (curve[-1][2] - curve[0][2]) / max(1e-9, curve[-1][0] - curve[0][0])
-    return {"rota": {"seconds": seconds, "jobs_per_s": round(rate), "curve": curve,
-                     "rss_after_warmup_min_mib": min(warm) if warm else None,
-                     "rss_after_warmup_max_mib": max(warm) if warm else None,
-                     "growth_after_warmup_mib": round(max(warm) - warm[0], 1) if warm else None},
-            "reference": None, "ratio": {}}
+    rota = {"seconds": seconds, "jobs_per_s": round(rate), "curve": curve,
+            "rss_after_warmup_min_mib": min(warm) if warm else None,
+            "rss_after_warmup_max_mib": max(warm) if warm else None,
+            "growth_after_warmup_mib": round(max(warm) - warm[0], 1) if warm else None}
+    ref = reference()
+    # The reference runs at most 2 minutes: long enough to see a trend, short enough to
+    # keep one invocation of the full soak under a quarter of an hour.
+    huey = ref.huey_soak(min(seconds, 120.0)) if ref else None
+    return {"rota": rota, "reference": huey, "ratio": {}}
 
 
 SCENARIOS: dict[str, Callable[[bool], dict[str, Any]]] = {
-    "e2e": e2e, "latency": latency, "producers": producers, "idle": idle, "backlog": backlog, "soak": soak}
+    "e2e": e2e, "latency": latency, "producers": producers, "growth": growth, "idle": idle, "backlog": backlog, "soak": soak}
 
 
 def main(argv: list[str] | None = None) -> int:

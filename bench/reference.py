@@ -240,6 +240,31 @@ def huey_concurrent_producers(n: int = 20_000, callers: int = 100) -> dict[str, 
             "jobs_per_s": round(per * callers / elapsed)}
 
 
+def huey_soak(seconds: float = 120.0, workers: int = 50) -> dict[str, Any]:
+    """Tasks streaming through for ``seconds`` (a producer keeps ~5,000 waiting, as Rota's
+    soak does); the consumer's and redis-server's RSS every 5 s."""
+    curve: list[tuple[float, float, float]] = []  # (elapsed s, consumer MiB, redis MiB)
+    with redis_server() as (port, redis_proc), consumer(port, workers) as tasks:
+        huey_proc = next(p for p in psutil.Process().children() if "huey_consumer" in
+                         " ".join(p.cmdline()))
+        started = time.monotonic()
+        next_sample = started
+        while (now := time.monotonic()) - started < seconds:
+            if tasks.huey.pending_count() < 5000:
+                for _ in range(1000):
+                    tasks.noop()
+            if now >= next_sample:
+                curve.append((round(now - started, 1),
+                              round(huey_proc.memory_info().rss / 2**20, 1),
+                              round(redis_proc.memory_info().rss / 2**20, 1)))
+                next_sample += 5.0
+            else:
+                time.sleep(0.02)
+    warm = [c + r for elapsed, c, r in curve if elapsed >= seconds / 3]
+    return {"system": "huey " + _version("huey"), "seconds": seconds, "curve": curve,
+            "growth_after_warmup_mib": round(max(warm) - warm[0], 1) if warm else None}
+
+
 def redis_idle(clients: int, seconds: float = 10.0) -> dict[str, Any]:
     """``clients`` idle connections that each PING once a second: redis-server's CPU, the
     nearest thing a redis-backed queue has to Rota's idle workers beating every second."""

@@ -442,8 +442,18 @@ def read_only(db: Path) -> sqlite3.Connection:
     return conn
 
 
-def wait_for_completion(db: Path, expected: int, timeout: float, children: Children) -> float | None:
-    """Poll the db until ``expected`` jobs are terminal; the wall clock then, None on timeout."""
+# Jobs whose id starts with this were in the store before the run (bench/compare.py
+# growth puts them there) and are not the run's: never counted.
+KEPT_PREFIX = "kept-"
+
+
+def wait_for_completion(db: Path, expected: int, timeout: float, children: Children,
+                        base_url: str | None = None) -> float | None:
+    """Poll until ``expected`` jobs are terminal; the wall clock then, None on timeout.
+    With ``base_url``, ask the server (GET /healthz: no live job left, read from its memory)
+    rather than counting rows, which costs the machine more as the store grows."""
+    if base_url is not None:
+        return _wait_until_idle(base_url, timeout, children)
     conn = read_only(db)
     deadline = time.monotonic() + timeout
     next_report = time.monotonic() + 5.0
@@ -451,7 +461,8 @@ def wait_for_completion(db: Path, expected: int, timeout: float, children: Child
         while True:
             children.check_alive()
             done = conn.execute(
-                "SELECT count(*) FROM jobs WHERE state IN ('completed', 'failed')").fetchone()[0]
+                "SELECT count(*) FROM jobs WHERE state IN ('completed', 'failed')"
+                f" AND id NOT LIKE '{KEPT_PREFIX}%'").fetchone()[0]
             if done >= expected:
                 return time.time()
             if time.monotonic() > deadline:
@@ -475,11 +486,25 @@ class JobRow(msgspec.Struct, array_like=True):
     finished_at: float | None
 
 
+def _wait_until_idle(base_url: str, timeout: float, children: Children) -> float | None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=base_url, timeout=10) as http:
+        while True:
+            children.check_alive()
+            if http.get("/healthz").json()["live_jobs"] == 0:
+                return time.time()
+            if time.monotonic() > deadline:
+                print(f"  timeout: jobs still live after {timeout}s", file=sys.stderr)
+                return None
+            time.sleep(POLL_INTERVAL)
+
+
 def load_jobs(db: Path) -> list[JobRow]:
     conn = read_only(db)
     try:
         rows = conn.execute("SELECT id, state, attempt, worker_id, enqueued_at, reserved_at,"
-                            " finished_at FROM jobs ORDER BY rowid").fetchall()
+                            f" finished_at FROM jobs WHERE id NOT LIKE '{KEPT_PREFIX}%'"
+                            " ORDER BY rowid").fetchall()
     finally:
         conn.close()
     return [JobRow(*row) for row in rows]
@@ -607,7 +632,8 @@ def run(opts: Options, workdir: Path, children: Children) -> Figures:
     if opts.mode == "backlog":
         workers_started = start_workers(setup, opts.workers, children)
         print(f"{opts.workers} worker(s) registered; draining the backlog")
-    done_at = wait_for_completion(setup.db, len(stats.acked), opts.timeout, children)
+    done_at = wait_for_completion(setup.db, len(stats.acked), opts.timeout, children,
+                                  setup.base_url)
     for failure in stats.failures[:5]:
         print(f"  enqueue failure: {failure}", file=sys.stderr)
     figures = compute_figures(opts, stats, load_jobs(setup.db), done_at, workers_started)
