@@ -11,7 +11,7 @@ from rota import protocol as p
 from rota.protocol import JobId
 from rota.errors import Invalid
 from rota.ids import uuid7
-from rota.model import Job, Limits
+from rota.model import Job, shared_limits
 from rota.specs import MAX_VISIBILITY, JobSpec, Name
 
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=366 * 24 * 3600.0)]
@@ -39,12 +39,9 @@ class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> Job:
     run_at = _run_at(request, now)
     retry = spec.retry
-    limits = Limits(
-        max_attempts=request.max_attempts or retry.max_attempts,
-        max_fails=request.max_fails or retry.max_fails,
-        backoff_base=retry.backoff_base, backoff_max=retry.backoff_max,
-        max_worker_deaths=retry.max_worker_deaths,
-    )
+    limits = shared_limits(request.max_attempts or retry.max_attempts,
+                           request.max_fails or retry.max_fails, retry.backoff_base,
+                           retry.backoff_max, retry.max_worker_deaths)
     start = run_at if run_at is not None else now
     return Job(
         id=request.id or uuid7(), spec=spec.name, queue=request.queue or spec.queue,

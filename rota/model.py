@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -78,6 +78,22 @@ class Limits:
     backoff_base: float
     backoff_max: float
     max_worker_deaths: int = 3  # attempts in a row that kill their worker: then poison
+
+
+_LIMITS: dict[tuple[Any, ...], Limits] = {}
+
+
+def shared_limits(max_attempts: int, max_fails: int | None, backoff_base: float,
+                  backoff_max: float, max_worker_deaths: int) -> Limits:
+    """One Limits object for every job with the same budget (frozen, so safe to share):
+    a million waiting jobs of one spec hold one, not a million."""
+    key = (max_attempts, max_fails, backoff_base, backoff_max, max_worker_deaths)
+    limits = _LIMITS.get(key)
+    if limits is None:
+        if len(_LIMITS) >= 10_000:  # per-job overrides are rare; never let them pile up
+            _LIMITS.clear()
+        limits = _LIMITS[key] = Limits(*key)
+    return limits
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sqlite3
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,8 @@ from typing import Any
 import msgspec
 
 from rota import db
-from rota.model import JOB_STATES, WAITING_STATES, Change, Job, Limits, StatusNote
+from rota.model import (JOB_STATES, WAITING_STATES, Change, Job, JobState, StatusNote,
+                        shared_limits)
 from rota.protocol import rfc3339
 from rota.specs import JobSpec, spec_from_builtins
 
@@ -352,16 +354,46 @@ def _load(conn: sqlite3.Connection) -> Snapshot:
         status_quo[row["name"]] = spec_from_builtins(msgspec.json.decode(row["body"]))
         checksums[row["name"]] = row["checksum"]
     live = conn.execute(
-        "SELECT rowid, * FROM jobs WHERE state IN"
+        f"SELECT {', '.join(_LIVE)} FROM jobs WHERE state IN"
         " ('scheduled', 'available', 'retryable', 'active') ORDER BY rowid"
     )
-    return Snapshot(status_quo, checksums, [job_from_row(r) for r in live])
+    live.row_factory = None  # plain tuples: a restart reads every live job
+    return Snapshot(status_quo, checksums, [_live_job(r) for r in live])
+
+
+# The columns a live job is rebuilt from at a restart, in _live_job's order.
+_LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max_attempts",
+         "max_fails", "backoff_base", "backoff_max", "max_worker_deaths", "visibility_timeout",
+         "state", "attempt", "worker_id", "checksum", "run_at", "expires_at",
+         "lease_expires_at", "fails", "deaths", "budget_start", "cancel_requested",
+         "capture_logs", "created_by")
+
+
+def _live_job(r: tuple[Any, ...]) -> Job:
+    """job_from_row for a restart: positional, and the names that repeat from row to row
+    (spec, queue, state, worker, checksum, token) shared rather than held once per job."""
+    (seq, job_id, spec, queue, args, priority, enqueued_at, max_attempts, max_fails,
+     backoff_base, backoff_max, max_deaths, visibility_timeout, state, attempt, worker_id,
+     checksum, run_at, expires_at, lease_expires_at, fails, deaths, budget_start,
+     cancel_requested, capture_logs, created_by) = r
+    intern = sys.intern
+    limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
+                           backoff_max or 3600.0, max_deaths or 3)
+    return Job(id=job_id, spec=intern(spec), queue=intern(queue),
+               args=msgspec.Raw(args.encode()), priority=priority, enqueued_at=enqueued_at,
+               seq=seq, limits=limits, visibility_timeout=visibility_timeout,
+               state=JobState(state), attempt=attempt,
+               worker_id=None if worker_id is None else intern(worker_id),
+               checksum=None if checksum is None else intern(checksum), run_at=run_at,
+               expires_at=expires_at, lease_expires_at=lease_expires_at, fails=fails,
+               deaths=deaths, budget_start=budget_start,
+               cancel_requested=bool(cancel_requested), capture_logs=bool(capture_logs),
+               created_by=None if created_by is None else intern(created_by))
 
 
 def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
-    limits = Limits(max_attempts=r["max_attempts"] or 25, max_fails=r["max_fails"],
-                    backoff_base=r["backoff_base"] or 1.0, backoff_max=r["backoff_max"] or 3600.0,
-                    max_worker_deaths=r["max_worker_deaths"] or 3)
+    limits = shared_limits(r["max_attempts"] or 25, r["max_fails"], r["backoff_base"] or 1.0,
+                           r["backoff_max"] or 3600.0, r["max_worker_deaths"] or 3)
     return Job(id=r["id"], spec=r["spec"], queue=r["queue"], args=msgspec.Raw(r["args"].encode()),
                priority=r["priority"], enqueued_at=r["enqueued_at"], seq=r["rowid"],
                limits=limits, visibility_timeout=r["visibility_timeout"], state=r["state"],
