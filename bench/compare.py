@@ -264,7 +264,10 @@ def producers(quick: bool) -> dict[str, Any]:
     """One producer enqueueing one job at a time with the sync Client (a worker running
     them, as in the e2e run), then 100 concurrent callers of one AsyncClient (no worker:
     only the enqueue path). Every enqueue is acknowledged after its commit."""
-    from rota.producer import AsyncClient
+    try:
+        from rota.producer import AsyncClient
+    except ImportError:  # an older checkout (--label before): only the sync client
+        AsyncClient = None  # noqa: N806
 
     single_n = 1_000 if quick else 5_000
     many_n = 4_000 if quick else 20_000
@@ -277,8 +280,10 @@ def producers(quick: bool) -> dict[str, Any]:
             for _ in range(single_n):
                 client.enqueue(tp.SPEC_NAME, {})
             single = single_n / (time.perf_counter() - started)
+    concurrent, requests = 0.0, 0
     with rota_server() as (setup, children):
         async def many() -> tuple[float, int]:
+            assert AsyncClient is not None
             async with AsyncClient(setup.base_url) as client:
                 await client.enqueue(tp.SPEC_NAME, {})
                 per = many_n // callers
@@ -291,7 +296,8 @@ def producers(quick: bool) -> dict[str, Any]:
                 await asyncio.gather(*(caller() for _ in range(callers)))
                 return per * callers / (time.perf_counter() - started), client.requests - 1
 
-        concurrent, requests = asyncio.run(many())
+        if AsyncClient is not None:
+            concurrent, requests = asyncio.run(many())
     rota = {"single_producer_per_s": round(single), "single_jobs": single_n,
             "async_client_100_callers_per_s": round(concurrent), "async_jobs": many_n,
             "async_requests": requests}
@@ -463,9 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
     parser.add_argument("--quick", action="store_true", help="small sizes (for CI)")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR,
+                        help="where the JSON goes (default bench/results)")
+    parser.add_argument("--label", default="",
+                        help="added to the file names (e.g. 'before', for another checkout)")
     opts = parser.parse_args(argv)
     names = list(SCENARIOS) if opts.scenario == "all" else [opts.scenario]
-    RESULTS_DIR.mkdir(exist_ok=True)
+    opts.results.mkdir(parents=True, exist_ok=True)
     for name in names:
         print(f"== {name}{' (quick)' if opts.quick else ''}")
         figures = SCENARIOS[name](opts.quick)
@@ -474,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                     "machine": tp.machine_info(), **figures}
         print(json.dumps({k: figures[k] for k in ("rota", "reference", "ratio")}, indent=1)
               [:4000])
-        suffix = "-quick" if opts.quick else ""
-        path = RESULTS_DIR / f"compare-{name}{suffix}.json"
+        suffix = ("-quick" if opts.quick else "") + (f"-{opts.label}" if opts.label else "")
+        path = opts.results / f"compare-{name}{suffix}.json"
         path.write_bytes(msgspec.json.format(msgspec.json.encode(document), indent=2) + b"\n")
         print(f"wrote {path}")
     return 0
