@@ -310,8 +310,8 @@ def producers(quick: bool) -> dict[str, Any]:
                             huey and huey["concurrent"]["jobs_per_s"])}}
 
 
-async def _idle_workers(url: str, count: int, ready: asyncio.Event, stop: asyncio.Event
-                        ) -> None:
+async def _idle_workers(url: str, count: int, ready: asyncio.Event, stop: asyncio.Event,
+                        beats: list[int] | None = None) -> None:
     """``count`` raw protocol clients: each registers, then beats once a second."""
     import websockets
 
@@ -333,6 +333,8 @@ async def _idle_workers(url: str, count: int, ready: asyncio.Event, stop: asynci
                 await ws.send(json.dumps({"type": "heartbeat", "seq": seq,
                                           "worker_id": worker_id, "capacity": 0,
                                           "status": {"state": "running"}}))
+                if beats is not None:
+                    beats[0] += 1
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ws.recv(), 5)  # its ack
                 with contextlib.suppress(TimeoutError):
@@ -353,10 +355,14 @@ def _run_idle_clients(url: str, count: int, seconds: float, proc: psutil.Process
 
     async def main() -> None:
         ready, stop = asyncio.Event(), asyncio.Event()
-        fleet = asyncio.create_task(_idle_workers(url, count, ready, stop))
+        beats = [0]
+        fleet = asyncio.create_task(_idle_workers(url, count, ready, stop, beats))
         await asyncio.wait_for(ready.wait(), 120)
         await asyncio.sleep(2.0)  # past the connection burst
+        before = beats[0]
         figures["cpu_percent"] = await asyncio.to_thread(cpu_percent_over, proc, seconds)
+        # The clients share this process: say how many beats they really sent.
+        figures["beats_per_s"] = round((beats[0] - before) / seconds)
         figures["rss_mib"] = rss_mib(proc)
         stop.set()
         await fleet

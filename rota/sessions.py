@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -25,6 +27,25 @@ from rota.policy import TokenBucket
 log = logging.getLogger("rota.server")
 
 _CLOSE = object()
+_RESUME = object()  # finish the send that send() started and the socket made wait
+
+
+async def _finish_send(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
+    """Drive a send coroutine that was started by hand and suspended on ``waiting_on``
+    (an asyncio future: the transport's buffer is full) to its end."""
+    try:
+        while True:
+            if isinstance(waiting_on, asyncio.Future):
+                await asyncio.wait([waiting_on])  # its outcome is the coroutine's to read
+            else:  # a bare yield (asyncio.sleep(0)): let the loop turn once
+                await asyncio.sleep(0)
+            try:
+                waiting_on = coro.send(None)
+            except StopIteration:
+                return
+    except BaseException:
+        coro.close()
+        raise
 
 
 class _Goodbye(Exception):
@@ -48,9 +69,34 @@ class Session:
         self._outbox: asyncio.Queue[str | object] = asyncio.Queue()
         self._receiver: asyncio.Task[str] | None = None
         self._failure: p.FrameError | None = None
+        self._open = False  # accepted, and no send has failed
+        self._queued = 0  # frames in the outbox or being sent by the send loop
+        self._stalled: tuple[Coroutine[Any, Any, None], Any] | None = None
 
     # -- Outbox (what the coordinator calls) ------------------------------------------
     def send(self, frame: str) -> None:
+        """Write the frame now if nothing is ahead of it, else queue it behind the rest.
+
+        Writing at once saves a task switch per frame (an ack, an assign) and lets an
+        assign leave before whatever the event loop runs next, such as the HTTP answer
+        to the enqueue that caused it. A send only waits when the socket's buffer is
+        full (the peer is not reading); then the half-done send is finished by the send
+        loop and every later frame queues behind it, so order is kept.
+        """
+        if self._open and self._queued == 0 and self._stalled is None:
+            coro = self.ws.send_text(frame)
+            try:
+                waiting_on = coro.send(None)
+            except StopIteration:
+                return
+            except Exception:  # the socket is gone: the receive side will find out
+                self._open = False
+                return
+            self._stalled = (coro, waiting_on)
+            self._outbox.put_nowait(_RESUME)
+            self._queued += 1
+            return
+        self._queued += 1
         self._outbox.put_nowait(frame)
 
     def abort(self, code: str, message: str, close_code: int) -> None:
@@ -62,6 +108,7 @@ class Session:
     # -- the connection -------------------------------------------------------------
     async def run(self) -> None:
         await self.ws.accept()
+        self._open = True
         sender = asyncio.create_task(self._send_loop(), name="rota-session-send")
         self._receiver = asyncio.create_task(self._receive_loop(), name="rota-session-recv")
         reason = "connection_lost"
@@ -87,7 +134,7 @@ class Session:
                 self.send(p.encode(p.Error(code=self._failure.code, message=self._failure.message)))
             if self.worker_id is not None:
                 self.coordinator.disconnect(self.conn, self.worker_id, reason)
-            self.send(_CLOSE)
+            self._outbox.put_nowait(_CLOSE)  # after every frame before it
             try:
                 await self._finish(sender, goodbye=reason == "goodbye")
             finally:
@@ -187,12 +234,21 @@ class Session:
             raise _Goodbye
 
     async def _send_loop(self) -> None:
-        while True:
-            item = await self._outbox.get()
-            if item is _CLOSE:
-                return
-            assert isinstance(item, str)
-            await self.ws.send_text(item)
+        try:
+            while True:
+                item = await self._outbox.get()
+                if item is _CLOSE:
+                    return
+                if item is _RESUME:
+                    assert self._stalled is not None
+                    await _finish_send(*self._stalled)
+                    self._stalled = None
+                else:
+                    assert isinstance(item, str)
+                    await self.ws.send_text(item)
+                self._queued -= 1
+        finally:
+            self._open = False
 
 
 async def work_endpoint(websocket: WebSocket) -> None:

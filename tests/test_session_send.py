@@ -1,0 +1,100 @@
+"""Session.send writes a frame at once when nothing is ahead of it, and when the socket
+makes a send wait (its buffer is full), finishes that send on the send loop with every
+later frame behind it: order is kept whatever the socket does."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from rota.auth import OPEN
+from rota.sessions import Session, _finish_send
+from rota.settings import ServerSettings
+
+
+class FakeSocket:
+    """A WebSocket whose sends complete at once, except while ``full`` is set."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.drained = asyncio.Event()
+        self.drained.set()
+
+    async def send_text(self, frame: str) -> None:
+        await self.drained.wait()  # no suspension while drained, as uvicorn's writable
+        self.sent.append(frame)
+
+
+class FakeCoordinator:
+    settings = ServerSettings()
+
+    def attach(self, outbox: Any) -> int:
+        return 1
+
+
+def session(ws: FakeSocket) -> Session:
+    s = Session(ws, FakeCoordinator(), OPEN)  # type: ignore[arg-type]
+    s._open = True  # accepted
+    return s
+
+
+async def test_a_frame_is_written_before_send_returns_when_nothing_is_ahead():
+    ws = FakeSocket()
+    s = session(ws)
+    s.send("a")
+    s.send("b")
+    assert ws.sent == ["a", "b"]  # no task switch needed
+
+
+async def test_a_send_the_socket_holds_up_is_finished_in_order_by_the_send_loop():
+    ws = FakeSocket()
+    s = session(ws)
+    sender = asyncio.create_task(s._send_loop())
+    s.send("a")
+    ws.drained.clear()  # the peer stops reading
+    s.send("b")  # starts, then waits on the socket
+    s.send("c")  # queued behind it
+    s.send("d")
+    assert ws.sent == ["a"]
+    ws.drained.set()
+    for _ in range(100):  # loop turns, not time
+        if len(ws.sent) == 4:
+            break
+        await asyncio.sleep(0)
+    assert ws.sent == ["a", "b", "c", "d"] and s._queued == 0
+    s.send("e")  # all caught up: written at once again
+    assert ws.sent[-1] == "e"
+    sender.cancel()
+
+
+async def test_a_send_that_fails_at_once_closes_the_direct_path():
+    class Broken(FakeSocket):
+        async def send_text(self, frame: str) -> None:
+            raise RuntimeError("Cannot call send once a close message has been sent")
+
+    s = session(Broken())
+    s.send("a")  # no exception reaches the caller (the engine's effects)
+    assert s._open is False and s._queued == 0
+
+
+async def test_finish_send_drives_a_coroutine_through_futures_and_bare_yields():
+    loop = asyncio.get_running_loop()
+    gate: asyncio.Future[None] = loop.create_future()
+    steps: list[str] = []
+
+    async def sending() -> None:
+        steps.append("start")
+        await gate
+        steps.append("gate passed")
+        await asyncio.sleep(0)
+        steps.append("done")
+
+    coro = sending()
+    waiting_on = coro.send(None)
+    assert waiting_on is gate and steps == ["start"]
+    finisher = asyncio.create_task(_finish_send(coro, waiting_on))
+    await asyncio.sleep(0)
+    assert steps == ["start"]
+    gate.set_result(None)
+    await finisher
+    assert steps == ["start", "gate passed", "done"]
