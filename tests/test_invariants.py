@@ -72,6 +72,7 @@ SPEC_TEXT = {
     "fragile": "[retry]\nmax_attempts = 3\nmax_fails = 2\n" + RETRY,
 }
 LIMITS = {"sturdy": (25, None), "fragile": (3, 2)}  # (max_attempts, max_fails)
+MAX_WORKER_DEATHS = 3  # the specs' default max_worker_deaths
 
 
 class Violation(AssertionError):
@@ -750,9 +751,20 @@ class Run:
                        f" attempts {[e['attempt'] for e in errors]}, expected 1..{ended}")
         if attempt > max_attempts:
             raise fail(f"job {job_id}: attempt {attempt} > max_attempts {max_attempts}")
-        for error in errors:
-            if error["type"] not in ("Boom", "worker_death"):
+        for index, error in enumerate(errors):
+            if error["type"] not in ("Boom", "worker_death", "poison"):
                 raise fail(f"job {job_id}: unexpected error record {error}")
+            # A worker death becomes "poison" (and a discard) once MAX_WORKER_DEATHS attempts
+            # in a row have ended in one. Which deaths count (a close without a goodbye, a
+            # lapsed reconnect grace) the model does not track, so it checks what must hold
+            # whatever counted: enough deaths in a row before it, and nothing after it.
+            if error["type"] == "poison":
+                streak = [e["type"] for e in errors[max(0, index - MAX_WORKER_DEATHS + 1):index]]
+                if (len(streak) < MAX_WORKER_DEATHS - 1 or set(streak) != {"worker_death"}
+                        or index != len(errors) - 1):
+                    raise fail(f"job {job_id}: poison record {error} without"
+                               f" {MAX_WORKER_DEATHS} worker deaths in a row before it:"
+                               f" {[e['type'] for e in errors]}")
             holder = self.holder.get((job_id, error["attempt"]))
             if holder is not None and error["worker_id"] != holder:
                 raise fail(f"job {job_id}: error for attempt {error['attempt']} names"
@@ -771,7 +783,7 @@ class Run:
                 fails += 1
             if (error["type"] == "Boom" and not error["retryable"]) \
                     or (error["type"] == "Boom" and max_fails is not None and fails >= max_fails) \
-                    or error["attempt"] >= max_attempts:
+                    or error["type"] == "poison" or error["attempt"] >= max_attempts:
                 discard_at = error["attempt"]
                 break
         if discard_at is not None and (state != "discarded" or discard_at != attempt):
