@@ -194,8 +194,8 @@ class Coordinator:
         self.pending_writes += 1
         if ticket is None:
             future.add_done_callback(self._written)
-        else:
-            future.add_done_callback(functools.partial(self._committed, ticket, point))
+        else:  # what the engine releases on this commit goes out before anything else
+            self.store.writer.on_settle(future, functools.partial(self._committed, ticket, point))
 
     def _written(self, future: asyncio.Future[Any]) -> None:
         self.pending_writes -= 1

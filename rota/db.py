@@ -9,6 +9,7 @@ function does not undo the others) and resolves the futures only after COMMIT.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import sqlite3
 import threading
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 import sqlite_utils
 
 T = TypeVar("T")
+log = logging.getLogger("rota.server")
 Op = Callable[[sqlite3.Connection], Any]
 
 MAX_BATCH = 512
@@ -161,6 +163,9 @@ class Writer:
         self._queue: queue.SimpleQueue[tuple[Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="rota-writer", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Callbacks run the moment their write's transaction settles (see ``on_settle``).
+        # Only the loop's thread touches this.
+        self._hooks: dict[asyncio.Future[Any], Callable[[asyncio.Future[Any]], None]] = {}
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -171,6 +176,15 @@ class Writer:
         future: asyncio.Future[Any] = self._loop.create_future()
         self._queue.put((op, future))
         return future
+
+    def on_settle(self, future: asyncio.Future[Any],
+                  callback: Callable[[asyncio.Future[Any]], None]) -> None:
+        """Call ``callback(future)`` as soon as the transaction that carried ``future``'s
+        write settles, before any task awaiting a write of the same transaction resumes.
+        A done-callback would queue behind those tasks: an ``assign`` released by a
+        reservation's commit would then wait while the HTTP answer of the enqueue that
+        shared the commit is built and sent (about 0.25 ms on the idle path)."""
+        self._hooks[future] = callback
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -217,7 +231,22 @@ class Writer:
                 conn.execute("ROLLBACK")
             outcomes = [(future, None, exc) for _, future in batch]
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(_settle, outcomes)
+        self._loop.call_soon_threadsafe(self._settle, outcomes)
+
+    def _settle(self, outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]
+                ) -> None:
+        for future, value, error in outcomes:
+            if not future.done():  # else the caller gave up waiting; the write stands
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(value)
+            hook = self._hooks.pop(future, None)
+            if hook is not None:
+                try:
+                    hook(future)
+                except Exception:  # one hook's bug must not keep the others' news back
+                    log.exception("a commit callback failed")
 
 
 class Checkpointer:
@@ -257,16 +286,6 @@ def _run_in_savepoint(conn: sqlite3.Connection, op: Op) -> tuple[Any, BaseExcept
         return None, exc
     conn.execute("RELEASE op")
     return value, None
-
-
-def _settle(outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
-    for future, value, error in outcomes:
-        if future.done():  # the caller gave up waiting; the write stands regardless
-            continue
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
 
 
 class Readers:

@@ -21,6 +21,7 @@ from typing import TextIO
 
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s %(message)s"
 FLUSH_EVERY = 0.05  # seconds: the longest an INFO line waits when the thread is not woken
+WAKE_AT = 4096  # queued lines that wake the thread before its next look
 
 
 class Formatter(logging.Formatter):
@@ -60,7 +61,11 @@ class BackgroundHandler(logging.Handler):
             self.flush()
             return
         self._queue.append(record)
-        if len(self._queue) == 1:  # the thread may be asleep: one wake-up per burst
+        # The thread is not woken for a line or a burst: it looks every FLUSH_EVERY. A
+        # thread woken in the middle of a job's path takes the GIL from it (measured: an
+        # idle-path enqueue's assign waited behind the log thread). Only a queue that
+        # grows large wakes it early, to bound the memory it holds.
+        if len(self._queue) == WAKE_AT:
             self._ready.set()
 
     def flush(self) -> None:
