@@ -48,6 +48,46 @@ def create_app(settings: ServerSettings) -> Starlette:
     return app
 
 
+class Corked:
+    """A response's transport that sends its headers with the first part of its body.
+
+    uvicorn writes a response's status line and headers, then its body, as two writes:
+    two system calls and two TCP segments, and a client that reads the headers first is
+    woken twice. Here the headers wait for the body when it follows in the same turn of
+    the loop, as it does for every response Rota makes; a response whose body comes
+    later (a stream) gets its headers at the end of the turn all the same."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is None:
+            self._held = data
+            self._loop.call_soon(self.flush)
+            return
+        held, self._held = self._held, None
+        self._transport.write(held + data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> object:  # anything else uvicorn may ask of it
+        return getattr(self._transport, name)
+
+
 class GuardedHttp(HttpToolsProtocol):
     """uvicorn waits as long as a client likes for a request's headers (and cuts only idle
     keep-alive connections): a slow sender could hold connections open for ever. This
@@ -70,6 +110,9 @@ class GuardedHttp(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
         super().on_headers_complete()
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and getattr(cycle, "transport", None) is self.transport:
+            cycle.transport = Corked(self.transport, self.loop)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
