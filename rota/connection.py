@@ -130,8 +130,14 @@ class Connection:
             try:
                 beat = self.link.heartbeat(time.monotonic(), state="terminate", active=[],
                                            capacity=0, goodbye=True)
-                await asyncio.wait_for(ws.send(p.encode(beat)), 0.5)
-                await asyncio.wait_for(ws.close(), 0.5)
+                # Awaited in this task, not through wait_for (which would run the send in a
+                # task of its own, a loop turn later): a beat the beat loop numbered after
+                # this one could then leave first, and the server would refuse the goodbye
+                # as out of order.
+                async with asyncio.timeout(0.5):
+                    await ws.send(p.encode(beat))
+                async with asyncio.timeout(0.5):
+                    await ws.close()
             except (TimeoutError, OSError, websockets.ConnectionClosed):
                 pass
         assert self._main is not None
@@ -155,7 +161,10 @@ class Connection:
     # -- on the connection's thread -------------------------------------------------------
     def _thread(self) -> None:
         try:
-            asyncio.run(self._run_main())
+            # The connection's loop is the SDK's own (no handler runs on it), so it may
+            # be uvloop's, which reads and wakes faster than the default loop.
+            with asyncio.Runner(loop_factory=_fast_loop()) as runner:
+                runner.run(self._run_main())
         except BaseException as exc:  # noqa: BLE001 (handed to run(), which re-raises)
             if not self._done.done():
                 self._done.set_exception(exc)
@@ -399,6 +408,14 @@ class Connection:
                         f" ({frame.f_code.co_name})", getattr(ctx, "id", None))
             frame = frame.f_back
         return None
+
+
+def _fast_loop() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:  # Windows, or installed without it: the default loop
+        return None
+    return uvloop.new_event_loop
 
 
 async def _wait(event: asyncio.Event, timeout: float,
