@@ -5,11 +5,12 @@ Every error is a 4xx with ``{"error": {"code": ..., "message": ...}}``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import msgspec
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from rota.auth import Principal, Scope
@@ -24,6 +25,8 @@ from rota.specs import JobSpec, checksum
 from rota.views import job_view
 
 Directive = Literal["quiet", "terminate"]
+
+log = logging.getLogger("rota.server")
 
 
 class StateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -310,5 +313,14 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return error(exc.status_code, code, str(exc.detail))
 
 
+async def client_gone(request: Request, exc: Exception) -> Response:
+    # The client closed its connection before its body arrived: nothing was done, nobody
+    # is left to answer, and a traceback per such request is a log line anyone could
+    # repeat at will. The answer is dropped by uvicorn.
+    log.debug("%s %s: the client went away before its body arrived", request.method,
+              request.url.path)
+    return error(400, "client_disconnected", "the client closed the connection mid-request")
+
+
 exception_handlers = {RequestError: request_error, DomainError: request_error,
-                      HTTPException: http_error}
+                      HTTPException: http_error, ClientDisconnect: client_gone}

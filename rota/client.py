@@ -30,6 +30,20 @@ class ApiError(Exception):
         self.message = message
 
 
+def transport_error(url: str, exc: BaseException, *, connected: bool) -> ApiError:
+    """What a failed request means to its caller, in words it can act on. Before the
+    connection is made nothing was sent ("unreachable"); after it, the server may have
+    carried the request out and only its answer was lost ("no_answer"): an enqueue may be
+    stored, and repeating it with the same job id is the safe way to find out."""
+    detail = str(exc) or type(exc).__name__
+    if not connected:
+        return ApiError(None, "unreachable", f"cannot reach Rota at {url}: {detail}; is the"
+                        " server running? (set --url or ROTA_URL)")
+    what = "timed out" if isinstance(exc, TimeoutError) else detail
+    return ApiError(None, "no_answer", f"no answer from Rota at {url} ({what}): the request"
+                    " may have been carried out; repeat it with the same job id to be sure")
+
+
 def ws_url(url: str) -> str:
     """The /work endpoint for a server base URL (http -> ws, https -> wss)."""
     base = url.rstrip("/")
@@ -60,6 +74,7 @@ class _Transport:
         self.headers = {"Accept": "application/json", **headers}
         self._conn: http.client.HTTPConnection | None = None
         self._used_at = 0.0
+        self.connected = False  # the last request got as far as a connection
 
     def close(self) -> None:
         if self._conn is not None:
@@ -90,7 +105,9 @@ class _Transport:
 
     def _send(self, method: str, target: str, body: bytes | None, headers: dict[str, str],
               timeout: float | None) -> tuple[int, bytes]:
+        self.connected = False
         conn = self._connection()
+        self.connected = True  # from here on, the server may act on what it is sent
         conn.timeout = timeout or self.timeout
         if conn.sock is not None:
             conn.sock.settimeout(conn.timeout)
@@ -145,9 +162,7 @@ class Client:
             status, content = self._http.request(method, path, body=body, params=params,
                                                  timeout=timeout)
         except (OSError, http.client.HTTPException) as exc:
-            raise ApiError(None, "unreachable",
-                           f"cannot reach Rota at {self.url}: {exc or type(exc).__name__}"
-                           ) from exc
+            raise transport_error(self.url, exc, connected=self._http.connected) from exc
         try:
             answer = msgspec.json.decode(content) if content else {}
         except msgspec.DecodeError:

@@ -77,6 +77,7 @@ class Coordinator:
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._no_connections = asyncio.Event()
         self._no_connections.set()
+        self._stopping = False
         self.started = clock()
 
     # -- what routes and tests read --------------------------------------------------
@@ -105,7 +106,8 @@ class Coordinator:
                         " take jobs and give orders. Create one: rota tokens create --scope admin")
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
                                     self.clock()))
-        log.info("store db=%s specs=%d live_jobs=%d", self.settings.db, len(self.specs),
+        log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.settings.db,
+                 self.settings.durability, len(self.specs),
                  len(snapshot.jobs))
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")
@@ -113,6 +115,12 @@ class Coordinator:
 
     def begin_shutdown(self) -> None:
         self.engine.begin_shutdown()
+        # uvicorn waits for every request in flight before the lifespan ends: a long poll
+        # (?wait= up to max_result_wait) would hold a deploy's restart for minutes. Each
+        # gets its answer now, the job as it stands (202 if not finished).
+        self._stopping = True
+        for job_id in list(self._waiters):
+            self._wake_waiters(job_id)
 
     async def stop(self) -> None:
         self.begin_shutdown()
@@ -376,7 +384,7 @@ class Coordinator:
         self._waiters.setdefault(job_id, []).append(waiter)
         try:
             row = await self.store.get_job(job_id)
-            if row is None or row["state"] in TERMINAL_STATES or timeout <= 0:
+            if row is None or row["state"] in TERMINAL_STATES or timeout <= 0 or self._stopping:
                 return row
             try:
                 await asyncio.wait_for(waiter, timeout)

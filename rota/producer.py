@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from rota.client import ApiError
+from rota.client import ApiError, transport_error
 
 # A batch is cut before its body reaches this (the server refuses bodies over 1 MiB by
 # default); a single job larger than that goes alone and gets its own 413.
@@ -51,6 +51,8 @@ class AsyncClient:
             limits=httpx.Limits(max_connections=max_in_flight + 4))
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it belongs to
+        self._closed = False
         self.requests = 0  # enqueue requests sent: how well calls were coalesced
 
     async def __aenter__(self) -> AsyncClient:
@@ -61,15 +63,31 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Send what is waiting, wait for every answer, then close the connections."""
+        self._closed = True
         while self._in_flight:
             await asyncio.gather(*self._in_flight, return_exceptions=True)
         await self._http.aclose()
+
+    def _check_usable(self, *, new_work: bool = True) -> None:
+        # Its connections belong to one event loop; after aclose() it takes no new work
+        # (what was waiting still goes). Said plainly here rather than as whatever httpx
+        # raises from deep inside.
+        if new_work and self._closed:
+            raise ApiError(None, "client_closed", "this AsyncClient is closed; make a new one"
+                           " (or use it inside 'async with AsyncClient(...)')")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise ApiError(None, "client_error", "an AsyncClient belongs to the event loop it"
+                           " was first used in; make one per asyncio.run()")
 
     # -- enqueueing -------------------------------------------------------------------
     async def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any
                       ) -> dict[str, Any]:
         """As ``Client.enqueue``: ``{"job": view, "created": bool}`` once committed, or
         ``ApiError`` with the status and code that ``POST /jobs`` would have given."""
+        self._check_usable()
         request: dict[str, Any] = {"spec": spec, "args": args or {}}
         request.update({key: value for key, value in options.items() if value is not None})
         waiting = _Waiting(msgspec.json.encode(request),
@@ -103,18 +121,24 @@ class AsyncClient:
         self.requests += 1
         try:
             if len(batch) == 1:  # alone: the plain route answers in the caller's own shape
-                _settle(batch[0], await self._call("POST", "/jobs", content=batch[0].body))
+                _settle(batch[0], await self._call("POST", "/jobs", content=batch[0].body,
+                                                   queued=True))
                 return
             content = b'{"jobs":[' + b",".join(w.body for w in batch) + b"]}"
-            answer = await self._call("POST", "/jobs/batch", content=content)
+            answer = await self._call("POST", "/jobs/batch", content=content, queued=True)
         except ApiError as exc:
             for waiting in batch:
                 _fail(waiting, exc)
             return
-        except BaseException as exc:  # cancelled, or a bug: nobody may wait forever
+        except asyncio.CancelledError:  # nobody may wait forever
+            for waiting in batch:
+                _fail(waiting, ApiError(None, "client_error", "enqueue cancelled (the client"
+                                        " is closing); it may have been stored"))
+            raise
+        except Exception as exc:  # a bug: each caller hears it, and the task ends cleanly
             for waiting in batch:
                 _fail(waiting, ApiError(None, "client_error", f"enqueue not sent: {exc!r}"))
-            raise
+            return
         for waiting, item in zip(batch, answer["results"], strict=True):
             if "error" in item:
                 error = item["error"]
@@ -137,15 +161,21 @@ class AsyncClient:
         return await self._call("POST", f"/jobs/{job_id}/retry")
 
     async def _call(self, method: str, path: str, *, content: bytes | None = None,
-                    params: dict[str, Any] | None = None, timeout: float | None = None
-                    ) -> Any:
+                    params: dict[str, Any] | None = None, timeout: float | None = None,
+                    queued: bool = False) -> Any:
+        """One request. ``queued``: it carries enqueues taken before aclose(), which
+        still go."""
+        self._check_usable(new_work=not queued)
         headers = {"Content-Type": "application/json"} if content is not None else None
         try:
             response = await self._http.request(
                 method, path, content=content, params=params, headers=headers,
                 timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
         except httpx.TransportError as exc:
-            raise ApiError(None, "unreachable", f"cannot reach Rota at {self.url}: {exc}") from exc
+            connected = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout
+                                       | httpx.UnsupportedProtocol)
+            cause = TimeoutError(str(exc)) if isinstance(exc, httpx.TimeoutException) else exc
+            raise transport_error(self.url, cause, connected=connected) from exc
         try:
             body = msgspec.json.decode(response.content) if response.content else {}
         except msgspec.DecodeError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -243,3 +244,26 @@ async def test_a_result_the_store_cannot_commit_is_rejected_and_kept(
     ack = await worker.complete(copy, result=2)
     assert ack["accepted"] == ["doomed"]
     assert (await live.job("doomed"))["result"] == 2
+
+
+@pytest.mark.parametrize("path", ["/jobs", "/jobs/batch", "/specs"])
+async def test_a_client_gone_mid_body_leaves_no_traceback(live: Live, tmp_path: Path, path: str,
+                                                         caplog: pytest.LogCaptureFixture):
+    """A body cut short by a closed connection: nothing is stored, nothing is logged above
+    DEBUG, and the server goes on serving."""
+    import asyncio
+
+    await live.push(write_spec(tmp_path, "echo"))
+    method = "PUT" if path == "/specs" else "POST"
+    for _ in range(3):
+        reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 1000\r\n\r\n{{\"spec\":".encode())
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+    await live.enqueue("echo", id="after")  # still serving; also orders us after the three
+    assert (await live.http.get("/healthz")).json()["live_jobs"] == 1
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING
+             and "AUTH IS OFF" not in r.getMessage()]
+    assert noisy == [], [r.getMessage() for r in noisy]

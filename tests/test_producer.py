@@ -107,3 +107,87 @@ def test_limits_are_checked():
         AsyncClient(max_batch=10_001)
     with pytest.raises(ValueError, match="max_in_flight"):
         AsyncClient(max_in_flight=0)
+
+
+async def _silent_server() -> tuple[asyncio.Server, int, list[asyncio.StreamWriter]]:
+    """A server that reads requests and never answers: the producer's connection is made."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.read(1 << 20)
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], held
+
+
+async def test_a_timeout_says_the_job_may_be_stored_not_that_the_server_is_unreachable():
+    server, port, held = await _silent_server()
+    try:
+        async with AsyncClient(f"http://127.0.0.1:{port}", timeout=0.3) as client:
+            results = await asyncio.gather(*(client.enqueue("echo", {}) for _ in range(3)),
+                                           return_exceptions=True)
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+    assert all(isinstance(r, ApiError) and r.code == "no_answer" for r in results), results
+    assert "timed out" in results[0].message and "same job id" in results[0].message
+
+
+async def test_a_server_that_closes_without_answering_is_no_answer_with_a_reason():
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with AsyncClient(f"http://127.0.0.1:{port}") as client:
+            with pytest.raises(ApiError) as caught:
+                await client.enqueue("echo", {})
+    finally:
+        server.close()
+    assert caught.value.code == "no_answer"
+    assert caught.value.message.split("(")[1].split(")")[0].strip()  # a reason, not blank
+
+
+async def test_a_closed_client_says_so_and_leaves_no_stray_task_error(live: Live, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "echo"))
+    errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+    client = AsyncClient(live.base)
+    await client.enqueue("echo", {})
+    await client.aclose()
+    with pytest.raises(ApiError) as caught:
+        await client.enqueue("echo", {})
+    assert caught.value.code == "client_closed"
+    with pytest.raises(ApiError):
+        await client.job("nope")
+    assert errors == []
+
+
+def test_a_client_used_from_a_second_event_loop_says_so():
+    client = AsyncClient("http://127.0.0.1:9")
+    with pytest.raises(ApiError):  # nothing listens on port 9: unreachable, in loop one
+        asyncio.run(client.enqueue("echo", {}))
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(client.enqueue("echo", {}))
+    assert caught.value.code == "client_error" and "event loop" in caught.value.message
+
+
+def test_the_sync_client_tells_a_timeout_from_an_unreachable_server():
+    from rota.client import Client
+
+    with socket.socket() as listener:  # accepts (the kernel does) and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with Client(f"http://127.0.0.1:{port}", timeout=0.2) as client, \
+                pytest.raises(ApiError) as caught:
+            client.enqueue("echo", {})
+    assert caught.value.code == "no_answer" and "timed out" in caught.value.message
+    with Client(f"http://127.0.0.1:{port}", timeout=0.2) as client, \
+            pytest.raises(ApiError) as caught:
+        client.enqueue("echo", {})
+    assert caught.value.code == "unreachable" and "is the server running" in caught.value.message

@@ -333,3 +333,28 @@ async def test_corked_transport_holds_headers_only_until_the_turn_ends():
     corked.close()  # closing sends what is held first
     assert raw.writes[-1] == b"last" and raw.closed and corked.is_closing()
     assert corked.get_extra_info("peername") == "peername"
+
+
+async def test_a_long_poll_does_not_hold_a_graceful_stop(tmp_path: Path):
+    """uvicorn waits for requests in flight before it stops: a result long poll is answered
+    at once (202, the job as it stands) when shutdown begins, not when its wait runs out."""
+    live = await start_server(tmp_path)
+    stopped = False
+    try:
+        await live.push(write_spec(tmp_path, "echo"))
+        job = await live.enqueue("echo", delay=3600)
+        poll = asyncio.create_task(live.http.get(f"/jobs/{job['id']}/result?wait=60",
+                                                 timeout=90))
+        await wait_until(lambda: job["id"] in live.coordinator._waiters, what="the long poll")
+        started = asyncio.get_running_loop().time()
+        live.server.request_exit()
+        answer = await asyncio.wait_for(poll, 10)
+        await asyncio.wait_for(live.server.test_task, 10)  # type: ignore[attr-defined]
+        stopped = True
+        assert answer.status_code == 202 and answer.json()["done"] is False
+        assert asyncio.get_running_loop().time() - started < 5
+    finally:
+        if not stopped:
+            await stop_server(live)
+        else:
+            await live.http.aclose()
