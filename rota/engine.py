@@ -28,6 +28,7 @@ from rota.attempts import MAX_LOG_LINES, end_attempt, held_by, result_problem, s
 from rota.auth import Principal
 from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           WorkerGone, WorkerSeen)
+from rota.ready import Claim
 from rota.intake import Intake
 from rota.jobs import error_record
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
@@ -56,7 +57,7 @@ STALL = 0.1  # seconds a tick may be late before the lateness counts as a server
 class Engine(Intake):
     def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
         self.settings = settings
-        self.scheduler = Scheduler(settings.visibility_timeout)
+        self.scheduler = Scheduler(settings.visibility_timeout, compact=True)
         self.registry = Registry()
         self.specs: dict[str, JobSpec] = {}
         self.stopping = False
@@ -76,11 +77,16 @@ class Engine(Intake):
 
     # -- start -------------------------------------------------------------------------
     def load(self, specs: dict[str, JobSpec], checksums: dict[str, str], jobs: list[Job],
-             now: Instant) -> list[Effect]:
-        """Take in what the store holds. Active jobs wait heartbeat_timeout for their
+             now: Instant, waiting: dict[tuple[str, str], list[int]] | None = None,
+             last_seq: int = 0) -> list[Effect]:
+        """Take in what the store holds: whole jobs, and the keys of plain available ones
+        by (queue, spec) (rota/ready.py). Active jobs wait heartbeat_timeout for their
         workers to reconnect and reclaim them."""
         self.specs = dict(specs)
         self.scheduler.status_quo = dict(checksums)
+        self.scheduler.last_seq = max(self.scheduler.last_seq, last_seq)
+        for (queue, spec), keys in (waiting or {}).items():
+            self.scheduler.ready.load(queue, spec, keys)
         grace = now.mono + self.settings.heartbeat_timeout
         orphans = 0
         for job in jobs:
@@ -305,13 +311,16 @@ class Engine(Intake):
                               accepted=accepted, rejected=rejected))
 
     # -- commits ---------------------------------------------------------------------
-    def committed(self, ticket: int, error: BaseException | None, now: Instant) -> list[Effect]:
-        """The outcome of a ``Save`` or ``Reserve`` that carried ``ticket``."""
+    def committed(self, ticket: int, error: BaseException | None, now: Instant,
+                  read: list[Job | None] | None = None) -> list[Effect]:
+        """The outcome of a ``Save`` or ``Reserve`` that carried ``ticket``; ``read``: a
+        reservation's claimed jobs as their rows read after it (None where a row was no
+        longer available)."""
         kind, payload = self._pending.pop(ticket)
         if kind == "results":
             return self._results_committed(ticket, payload, error, now)
         if kind == "reserve":
-            return self._reserve_committed(payload, error)
+            return self._reserve_committed(payload, error, read or [], now)
         # "finish": attempts ended by the server; wake whoever waits on a final state
         if error is not None:
             log.error("storing %d job transition(s) failed: %s", len(payload), error)
@@ -462,27 +471,48 @@ class Engine(Intake):
         plan = self.scheduler.plan(now.mono)
         if not plan:
             return []
-        jobs = [job for batch in plan.values() for job in batch]
+        jobs = [job for batch in plan.values() for job in batch if isinstance(job, Job)]
+        claims = [claim for batch in plan.values() for claim in batch
+                  if isinstance(claim, Claim)]
         for job in jobs:
             job.lease_expires_at = now.wall_of(job.lease or now.mono)
-        ticket = self._ticket("reserve", plan)
-        return [Reserve(jobs, now.wall, ticket), Arm(min(j.lease or 0.0 for j in jobs))]
+        ticket = self._ticket("reserve", (plan, jobs, claims, now))
+        effects: list[Effect] = [Reserve(jobs, now.wall, ticket, claims,
+                                         self.scheduler.visibility_timeout)]
+        # A claimed job's lease is known once its row is read: armed then.
+        return effects + ([Arm(min(j.lease or 0.0 for j in jobs))] if jobs else [])
 
-    def _reserve_committed(self, plan: dict[str, list[Job]], error: BaseException | None
-                           ) -> list[Effect]:
+    def _reserve_committed(self, payload: Any, error: BaseException | None,
+                           read: list[Job | None], now: Instant) -> list[Effect]:
+        plan, jobs, claims, at = payload
         if error is not None:
-            jobs = [job for batch in plan.values() for job in batch]
-            log.error("reservation commit failed; returning %d jobs: %s", len(jobs), error)
+            log.error("reservation commit failed; returning %d jobs: %s",
+                      len(jobs) + len(claims), error)
             for job in jobs:
                 if job.state == JobState.ACTIVE:
                     job.attempt -= 1
                     self.scheduler.release(job)
+            for claim in claims:
+                self.scheduler.unclaim(claim)
             return [Wake()]
         effects: list[Effect] = []
+        got: dict[int, Job] = {}  # claim's seq -> the job its worker holds now
+        for claim, job in zip(claims, read, strict=True):
+            if job is not None:
+                job.clocks(at)  # its lease, from the lease_expires_at the store wrote
+            if self.scheduler.claimed(claim, job):
+                assert job is not None
+                got[claim.seq] = job
+                effects.append(Arm(job.lease or 0.0))
+            elif job is not None:  # its worker left while the row was read: as it would
+                effects += self._lost_claim(job, now)  # have, had the job been in memory
+            else:
+                effects.append(Wake())  # cancelled meanwhile: its slot is free again
         for worker_id, batch in plan.items():
             connection = self.registry.get(worker_id)
             # A job taken back meanwhile (the worker left) is no longer this worker's.
-            live = [j for j in batch if j.worker_id == worker_id
+            held = [got.get(j.seq) if isinstance(j, Claim) else j for j in batch]
+            live = [j for j in held if j is not None and j.worker_id == worker_id
                     and j.state == JobState.ACTIVE and not j.orphaned]
             if connection is None or not live:
                 continue
@@ -498,3 +528,12 @@ class Engine(Intake):
                     enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs))
             effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
         return effects
+
+    def _lost_claim(self, job: Job, now: Instant) -> list[Effect]:
+        """A claimed job reserved for a worker that left before the row was read: what
+        its disconnect would have done with it (it was never sent, so it is no death)."""
+        if self.stopping:
+            self.scheduler.orphan(job, now.mono + self.settings.heartbeat_timeout)
+            return []
+        return self._recover([job], "worker_death", f"worker {job.worker_id} is gone"
+                             " (before its assign was sent)", now, death=False)

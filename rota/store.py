@@ -24,6 +24,7 @@ from rota import db
 from rota.model import (JOB_STATES, WAITING_STATES, Change, Job, JobState, StatusNote,
                         shared_limits)
 from rota.protocol import rfc3339
+from rota.ready import PRIORITY_LIMIT, SEQ_BITS, Claim
 from rota.specs import JobSpec, spec_from_builtins
 
 __all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "job_from_row",
@@ -33,7 +34,9 @@ __all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "jo
 class Snapshot:
     status_quo: dict[str, JobSpec]
     checksums: dict[str, str]
-    jobs: list[Job]
+    jobs: list[Job]  # live jobs kept whole
+    waiting: dict[tuple[str, str], list[int]]  # (queue, spec) -> keys of plain available jobs
+    last_seq: int  # the highest row id
 
 
 @dataclass(slots=True)
@@ -111,15 +114,30 @@ class Store:
 
         return self.writer.submit(op)
 
-    def reserve(self, jobs: list[Job], now: float) -> asyncio.Future[None]:
+    def reserve(self, jobs: list[Job], now: float, claims: list[Claim] = (),  # type: ignore[assignment]
+                lease: float = 1800.0) -> asyncio.Future[list[Job | None]]:
+        """Reserve whole jobs as they are in memory, and claimed ones if their rows are
+        still available, reading those back (in claim order; None: not available)."""
         rows = [(j.attempt, j.worker_id, j.checksum, now, j.lease_expires_at, j.id) for j in jobs]
+        claimed = [(c.worker.id, c.checksum, now, now, lease, c.seq) for c in claims]
 
-        def op(conn: sqlite3.Connection) -> None:
+        def op(conn: sqlite3.Connection) -> list[Job | None]:
             conn.executemany(
                 "UPDATE jobs SET state = 'active', attempt = ?, worker_id = ?, checksum = ?,"
                 " reserved_at = ?, lease_expires_at = ? WHERE id = ?",
                 rows,
             )
+            read = [conn.execute(_CLAIM, row).fetchone() for row in claimed]
+            return [None if r is None else _live_job(r) for r in read]
+
+        return self.writer.submit(op)
+
+    def withdraw(self, seq: int, now: float) -> asyncio.Future[bool]:
+        """Cancel row ``seq`` if it is still available; whether it was."""
+        def op(conn: sqlite3.Connection) -> bool:
+            return conn.execute("UPDATE jobs SET state = 'cancelled', finished_at = ?"
+                                " WHERE rowid = ? AND state = 'available'",
+                                (now, seq)).rowcount == 1
 
         return self.writer.submit(op)
 
@@ -354,11 +372,33 @@ def _load(conn: sqlite3.Connection) -> Snapshot:
         status_quo[row["name"]] = spec_from_builtins(msgspec.json.decode(row["body"]))
         checksums[row["name"]] = row["checksum"]
     live = conn.execute(
-        f"SELECT {', '.join(_LIVE)} FROM jobs WHERE state IN"
-        " ('scheduled', 'available', 'retryable', 'active') ORDER BY rowid"
+        f"SELECT {', '.join(_LIVE)} FROM jobs WHERE state IN ('scheduled', 'retryable', 'active')"
+        f" OR (state = 'available' AND NOT ({_PLAIN})) ORDER BY rowid"
     )
-    live.row_factory = None  # plain tuples: a restart reads every live job
-    return Snapshot(status_quo, checksums, [_live_job(r) for r in live])
+    live.row_factory = None  # plain tuples
+    jobs = [_live_job(r) for r in live]
+    return Snapshot(status_quo, checksums, jobs, _waiting(conn),
+                    conn.execute("SELECT max(rowid) FROM jobs").fetchone()[0] or 0)
+
+
+# A plain available job: kept as a key only (rota/ready.py). Anything else is kept whole.
+_PLAIN = f"expires_at IS NULL AND priority > -{PRIORITY_LIMIT} AND priority < {PRIORITY_LIMIT}"
+
+
+def _waiting(conn: sqlite3.Connection) -> dict[tuple[str, str], list[int]]:
+    """The keys of the plain available jobs, by (queue, spec): one int per job, made by
+    SQLite, so a restart builds no object per waiting job but the int itself."""
+    waiting: dict[tuple[str, str], list[int]] = {}
+    pairs = conn.execute("SELECT DISTINCT queue, spec FROM jobs WHERE state = 'available'")
+    for queue, spec in pairs.fetchall():
+        keys = conn.execute(
+            f"SELECT (-priority << {SEQ_BITS}) + rowid FROM jobs WHERE state = 'available'"
+            f" AND queue = ? AND spec = ? AND {_PLAIN}", (queue, spec))
+        keys.row_factory = None
+        found = [key for (key,) in keys]
+        if found:
+            waiting[(sys.intern(queue), sys.intern(spec))] = found
+    return waiting
 
 
 # The columns a live job is rebuilt from at a restart, in _live_job's order.
@@ -367,6 +407,14 @@ _LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max
          "state", "attempt", "worker_id", "checksum", "run_at", "expires_at",
          "lease_expires_at", "fails", "deaths", "budget_start", "cancel_requested",
          "capture_logs", "created_by")
+
+
+# A claim: the row is reserved only if it is still available, and read back whole.
+_CLAIM = (
+    "UPDATE jobs SET state = 'active', attempt = attempt + 1, worker_id = ?, checksum = ?,"
+    " reserved_at = ?, lease_expires_at = ? + COALESCE(NULLIF(visibility_timeout, 0), ?)"
+    f" WHERE rowid = ? AND state = 'available' RETURNING {', '.join(_LIVE)}"
+)
 
 
 def _live_job(r: tuple[Any, ...]) -> Job:
