@@ -363,10 +363,15 @@ class Coordinator:
             row = await self.store.get_job(job_id)
             if row is None:
                 raise NotFound("not_found", f"no job {job_id}")
-            if row["state"] != "available":
+            if row["state"] == "available":  # kept as a key only: its row decides
+                outcome, effects = self.engine.cancel_waiting(row, self.clock())
+            elif row["state"] not in TERMINAL_STATES:
+                # Reserved from its key after cancel() looked: once the commits before
+                # this point are reported, the engine holds it whole.
+                await self.store.barrier()
+                outcome, effects = self.engine.cancel(job_id, self.clock())
+            if outcome == "not_live":
                 raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
-            # Kept as a key only: its row decides (rota/ready.py).
-            outcome, effects = self.engine.cancel_waiting(row, self.clock())
         await self.run(effects)
         row = await self._row(job_id)
         if outcome == "withdrawing":

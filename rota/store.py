@@ -151,6 +151,11 @@ class Store:
 
         return self.writer.submit(op)
 
+    def barrier(self) -> asyncio.Future[None]:
+        """Done once every write queued before it is committed and its outcome reported
+        (the writer reports in order)."""
+        return self.writer.submit(lambda conn: None)
+
     def note_status(self, notes: list[StatusNote]) -> asyncio.Future[None]:
         """Store progress (the latest wins) and captured log lines and alerts."""
         progress = [(n.progress[0], n.progress[1], n.at, n.job_id) for n in notes if n.progress]

@@ -13,7 +13,7 @@ import pytest
 
 from rota import protocol as p
 from rota.auth import OPEN
-from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake
+from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake, Withdraw
 from rota.engine import Engine
 from rota.jobs import EnqueueRequest
 from rota.model import Instant, InvalidTransition, Job, JobState, Limits
@@ -488,3 +488,55 @@ def test_an_early_job_whose_write_failed_is_forgotten_and_frees_its_slot(engine,
     assert not sent(engine.committed(reserve.ticket, error, clock()))
     assert job.id not in engine.scheduler.jobs and worker.active == set()
     assert worker.free() == 1 and engine.dispatch(clock()) == []
+
+
+# -- waiting jobs kept as keys: claims and withdraws -----------------------------------
+def test_a_claim_whose_row_is_no_longer_available_sends_nothing_and_frees_the_slot(
+        engine, clock):
+    connect(engine, clock, capacity=1)
+    [job] = enqueue(engine, clock)
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    assert [c.seq for c in reserve.claims] == [job.seq] and not reserve.jobs
+    effects = engine.committed(reserve.ticket, None, clock(), [None])  # cancelled meanwhile
+    assert not sent(effects) and of(Wake, effects)
+    assert engine.scheduler.workers["w1"].free() == 1 and engine.scheduler.live() == 0
+
+
+def test_a_claim_committed_after_its_worker_left_goes_back_without_a_death(engine, clock):
+    connect(engine, clock)
+    [job] = enqueue(engine, clock, spec="boom")
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    engine.disconnect(1, "w1", "closed", clock())  # before the commit: it held nothing yet
+    effects = commit(engine, reserve, clock)
+    assert not sent(effects)
+    [save] = of(Save, effects)
+    assert save.changes[0].job is job and job.state == JobState.AVAILABLE and job.deaths == 0
+    assert job.id not in engine.scheduler.jobs and engine.scheduler.ready.keys == 1
+
+
+def test_a_claimed_job_is_assigned_from_its_row_and_its_lease_armed(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, visibility_timeout=7.0, args={"x": 1})
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    clock.advance(0.5)  # the commit takes a while: the lease runs from the reservation
+    effects = commit(engine, reserve, clock)
+    [frame] = sent(effects)
+    [copy] = frame["jobs"]
+    assert (copy["args"], copy["attempt"], copy["visibility_timeout"]) == ({"x": 1}, 1, 7.0)
+    assert [a.deadline for a in of(Arm, effects)] == [clock.mono - 0.5 + 7.0]
+    assert engine.scheduler.workers["w1"].active == {copy["id"]}
+
+
+def test_a_withdraw_that_lost_to_a_reservation_leaves_the_job_waiting(engine, clock):
+    [job] = enqueue(engine, clock)
+    row = {"id": job.id, "rowid": job.seq, "queue": job.queue, "spec": job.spec,
+           "priority": job.priority}
+    outcome, effects = engine.cancel_waiting(row, clock())
+    [withdraw] = of(Withdraw, effects)
+    assert outcome == "withdrawing" and engine.scheduler.ready_counts() == {}
+    assert of(Wake, engine.withdrawn(withdraw, False))  # the row was no longer available
+    assert engine.scheduler.ready_counts() == {("default", "echo"): 1}
+    outcome, effects = engine.cancel_waiting(row, clock())
+    assert of(Finished, engine.withdrawn(of(Withdraw, effects)[0], True))[0].job_ids == [job.id]
+    connect(engine, clock)
+    assert not of(Reserve, engine.dispatch(clock()))

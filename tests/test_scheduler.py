@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from rota.policy import Limits
-from rota.scheduler import Scheduler, WorkerSlot
+from rota.scheduler import Claim, Scheduler, WorkerSlot
 from rota.store import Job
 
 CA = "sha256:" + "a" * 64
@@ -465,3 +465,87 @@ def test_compaction_keeps_every_live_deadline(sched: Scheduler) -> None:
     assert sorted(job_id for _, job_id in sched._leases) == sorted(j.id for j in live)
     assert sched.expired_leases(NOW + 1800 + 50) == []
     assert sorted(ids(sched.expired_leases(NOW + 1800 + 101))) == sorted(ids(live))
+
+
+# -- compact waiting jobs: keys only (rota/ready.py) -----------------------------------
+@pytest.fixture
+def compact() -> Scheduler:
+    scheduler = Scheduler(compact=True)
+    scheduler.status_quo = {"a": CA, "b": CB}
+    return scheduler
+
+
+def test_plain_jobs_are_kept_as_keys_and_claimed_in_priority_order(compact: Scheduler) -> None:
+    for job in (make_job("low", seq=1), make_job("high", seq=2, priority=5),
+                make_job("neg", seq=3, priority=-3), make_job("low2", seq=4)):
+        compact.add(job)
+    whole = make_job("ttl", seq=5, priority=1)
+    whole.expiry = NOW + 60  # a time to live: kept whole, beside the keys in its bucket
+    compact.add(whole)
+    assert set(compact.jobs) == {"ttl"} and compact.ready.keys == 4 and compact.live() == 5
+    compact.add_worker(make_worker("w1", concurrency=10))
+    picked = compact.plan(NOW)["w1"]
+    assert [(c.seq, c.priority) if isinstance(c, Claim) else c.id for c in picked] == [
+        (2, 5), "ttl", (1, 0), (4, 0), (3, -3)]
+    assert compact.workers["w1"].claims == 4 and compact.workers["w1"].free() == 5
+    assert compact.ready_counts() == {}
+
+
+def test_a_claim_whose_row_is_gone_gives_its_slot_back(compact: Scheduler) -> None:
+    compact.add(make_job("j1", seq=1))
+    compact.add_worker(make_worker("w1", concurrency=1))
+    [claim] = compact.plan(NOW)["w1"]
+    assert isinstance(claim, Claim) and compact.workers["w1"].free() == 0
+    assert compact.claimed(claim, None) is False
+    assert compact.workers["w1"].free() == 1 and compact.live() == 0
+
+
+def test_a_failed_claim_puts_the_key_back(compact: Scheduler) -> None:
+    compact.add(make_job("j1", seq=1))
+    compact.add_worker(make_worker("w1", concurrency=1, capacity=5))
+    [claim] = compact.plan(NOW)["w1"]
+    compact.unclaim(claim)
+    assert compact.ready_counts() == {("default", "a"): 1} and compact.claims == 0
+    [again] = compact.plan(NOW)["w1"]
+    assert isinstance(again, Claim) and again.seq == 1
+
+
+def test_a_claimed_job_is_held_by_its_worker_or_left_if_it_is_gone(compact: Scheduler) -> None:
+    for n in (1, 2):
+        compact.add(make_job(f"j{n}", seq=n))
+    compact.add_worker(make_worker("w1", concurrency=2))
+    first, second = compact.plan(NOW)["w1"]
+    row = make_job("j1", seq=1)
+    row.state, row.worker_id, row.lease = "active", "w1", NOW + 30
+    assert compact.claimed(first, row) is True
+    assert compact.workers["w1"].active == {"j1"} and compact.jobs["j1"] is row
+    compact.remove_worker("w1")
+    compact.add_worker(make_worker("w1", concurrency=2))  # a new connection, a new slot
+    other = make_job("j2", seq=2)
+    other.state, other.worker_id, other.lease = "active", "w1", NOW + 30
+    assert compact.claimed(second, other) is False  # the caller recovers it
+    assert compact.workers["w1"].active == set() and "j2" in compact.jobs
+
+
+@pytest.mark.parametrize("popped", [False, True])
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_withdrawn_key_is_skipped_and_comes_back_if_the_row_says_so(
+        compact: Scheduler, popped: bool, cancelled: bool) -> None:
+    """A cancel of a compact job: its key is skipped while the write is in flight (even
+    if it reaches the top meanwhile); the row's answer decides whether it comes back."""
+    compact.add(make_job("j1", seq=1))
+    compact.add(make_job("j2", seq=2))
+    compact.ready.withdraw("default", "a", 1)
+    assert compact.ready_counts() == {("default", "a"): 1}
+    compact.add_worker(make_worker("w1", concurrency=2, capacity=1))
+    if popped:
+        [claim] = compact.plan(NOW)["w1"]  # the withdrawn key surfaced and was skipped
+        assert isinstance(claim, Claim) and claim.seq == 2
+        compact.unclaim(claim)
+    compact.ready.withdrawn("default", "a", 0, 1, cancelled)
+    assert compact.ready.waiting_seqs() == ({2} if cancelled else {1, 2})
+    assert compact.ready.keys == (1 if cancelled else 2)
+    compact.workers["w1"].capacity = 5
+    claims = compact.plan(NOW)["w1"]
+    assert [c.seq for c in claims if isinstance(c, Claim)] == ([2] if cancelled else [1, 2])
+    assert compact.ready.keys == 0 and compact.ready_counts() == {}
