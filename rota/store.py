@@ -14,6 +14,7 @@ import os
 import sqlite3
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,12 +115,17 @@ class Store:
 
         return self.writer.submit(op)
 
-    def reserve(self, jobs: list[Job], now: float, claims: list[Claim] = (),  # type: ignore[assignment]
+    def reserve(self, jobs: list[Job], now: float, claims: Sequence[Claim] = (),
                 lease: float = 1800.0) -> asyncio.Future[list[Job | None]]:
         """Reserve whole jobs as they are in memory, and claimed ones if their rows are
         still available, reading those back (in claim order; None: not available)."""
         rows = [(j.attempt, j.worker_id, j.checksum, now, j.lease_expires_at, j.id) for j in jobs]
-        claimed = [(c.worker.id, c.checksum, now, now, lease, c.seq) for c in claims]
+        # One statement per (worker, checksum): a round's claims for a worker are one
+        # UPDATE ... WHERE rowid IN (...), not one per job.
+        groups: dict[tuple[str, str], list[int]] = {}
+        for c in claims:
+            groups.setdefault((c.worker.id, c.checksum), []).append(c.seq)
+        order = [c.seq for c in claims]
 
         def op(conn: sqlite3.Connection) -> list[Job | None]:
             conn.executemany(
@@ -127,8 +133,13 @@ class Store:
                 " reserved_at = ?, lease_expires_at = ? WHERE id = ?",
                 rows,
             )
-            read = [conn.execute(_CLAIM, row).fetchone() for row in claimed]
-            return [None if r is None else _live_job(r) for r in read]
+            read: dict[int, Job] = {}
+            for (worker_id, checksum), seqs in groups.items():
+                for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
+                    for row in claim_rows(conn, worker_id, checksum, now, lease,
+                                          seqs[start:start + 500]):
+                        read[row[0]] = _live_job(row)
+            return [read.get(seq) for seq in order]
 
         return self.writer.submit(op)
 
@@ -414,12 +425,22 @@ _LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max
          "capture_logs", "created_by")
 
 
-# A claim: the row is reserved only if it is still available, and read back whole.
+# Claims: rows reserved only if they are still available, and read back whole.
 _CLAIM = (
     "UPDATE jobs SET state = 'active', attempt = attempt + 1, worker_id = ?, checksum = ?,"
     " reserved_at = ?, lease_expires_at = ? + COALESCE(NULLIF(visibility_timeout, 0), ?)"
-    f" WHERE rowid = ? AND state = 'available' RETURNING {', '.join(_LIVE)}"
+    " WHERE rowid IN ({}) AND state = 'available' RETURNING " + ", ".join(_LIVE)
 )
+
+
+def claim_rows(conn: sqlite3.Connection, worker_id: str, checksum: str, now: float,
+               lease: float, seqs: list[int]) -> list[tuple[Any, ...]]:
+    """Reserve these rows for a worker where they are still available; the rows reserved,
+    as _live_job reads them (in no particular order)."""
+    cursor = conn.execute(_CLAIM.format(", ".join("?" * len(seqs))),
+                          (worker_id, checksum, now, now, lease, *seqs))
+    cursor.row_factory = None
+    return cursor.fetchall()
 
 
 def _live_job(r: tuple[Any, ...]) -> Job:

@@ -142,14 +142,15 @@ async def test_a_cancel_racing_the_reservation_of_its_key_reaches_the_worker(
 def test_the_store_reserves_a_claimed_row_only_while_it_is_available(tmp_path: Path):
     """The store's side, straight on the file: a withdrawn row cannot be claimed."""
     from rota import db
-    from rota.store import _CLAIM
+    from rota.store import claim_rows
 
     db.migrate(tmp_path / "rota.db")
     with sqlite3.connect(tmp_path / "rota.db") as conn:
         conn.execute("INSERT INTO jobs (id, spec, queue, args, priority, state, attempt,"
                      " enqueued_at) VALUES ('j', 'echo', 'default', '{}', 0, 'cancelled', 0, 0)")
         seq = conn.execute("SELECT rowid FROM jobs WHERE id = 'j'").fetchone()[0]
-        assert conn.execute(_CLAIM, ("w1", "c", 1.0, 1.0, 30.0, seq)).fetchone() is None
+        assert claim_rows(conn, "w1", "c", 1.0, 30.0, [seq]) == []
         conn.execute("UPDATE jobs SET state = 'available'")
-        row = conn.execute(_CLAIM, ("w1", "c", 1.0, 1.0, 30.0, seq)).fetchone()
-        assert row is not None and row[1] == "j" and row[13:15] == ("active", 1)
+        [row] = claim_rows(conn, "w1", "c", 1.0, 30.0, [seq, seq + 1])  # no row seq + 1
+        assert row[1] == "j" and row[13:15] == ("active", 1) and row[19] == 31.0
+        assert claim_rows(conn, "w1", "c", 1.0, 30.0, [seq]) == []  # active now

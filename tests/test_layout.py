@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     # the ready index
     {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
     {"registry"},  # connected workers
-    {"attempts", "intake"},  # how attempts end; what producers ask
+    {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
     {"engine"},  # the pure state machine
     {"store"},  # SQLite
     {"coordinator"},  # the async shell
@@ -46,7 +46,8 @@ SHARED = {"errors", "ids", "protocol", "specs"}
 SDK = {"context", "manual", "worker", "client", "link", "execution", "connection", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"model", "policy", "ready", "scheduler", "effects", "registry", "attempts", "intake", "engine",
+PURE = {"model", "policy", "ready", "scheduler", "effects", "registry", "attempts", "intake",
+        "reservations", "engine",
         "link"}
 
 
