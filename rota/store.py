@@ -147,7 +147,7 @@ class Store:
         """Cancel row ``seq`` if it is still available; whether it was."""
         def op(conn: sqlite3.Connection) -> bool:
             return conn.execute("UPDATE jobs SET state = 'cancelled', finished_at = ?"
-                                " WHERE rowid = ? AND state = 'available'",
+                                " WHERE rowid = ? AND +state = 'available'",
                                 (now, seq)).rowcount == 1
 
         return self.writer.submit(op)
@@ -429,8 +429,9 @@ _LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max
 _CLAIM = (
     "UPDATE jobs SET state = 'active', attempt = attempt + 1, worker_id = ?, checksum = ?,"
     " reserved_at = ?, lease_expires_at = ? + COALESCE(NULLIF(visibility_timeout, 0), ?)"
-    " WHERE rowid IN ({}) AND state = 'available' RETURNING " + ", ".join(_LIVE)
-)
+    " WHERE rowid IN ({}) AND +state = 'available' RETURNING " + ", ".join(_LIVE)
+)  # "+state": look the rows up by rowid, never by the (state, queue) index (a scan of
+# every available job: 150 µs a job at 20,000 waiting instead of a few)
 
 
 def claim_rows(conn: sqlite3.Connection, worker_id: str, checksum: str, now: float,
