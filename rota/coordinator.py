@@ -163,6 +163,8 @@ class Coordinator:
                 case Reserve(jobs, wall, ticket, claims, lease):
                     self._write(self.store.reserve(jobs, wall, claims, lease), ticket,
                                 "reserve-after-commit")
+                case Withdraw():  # a cancel request awaits it (run); anywhere else, a task
+                    self.spawn(self.run([effect]), "rota-withdraw")
                 case Wake():
                     self._wake.set()
                 case Arm(deadline):

@@ -5,11 +5,12 @@ rows for the rest."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 
 from conftest import Live, RawWorker, start_server, stop_server, write_spec
-from helpers import wait_until
+from helpers import completed, wait_until
 
 
 async def test_a_restart_keeps_every_job_in_priority_order(tmp_path: Path):
@@ -154,3 +155,57 @@ def test_the_store_reserves_a_claimed_row_only_while_it_is_available(tmp_path: P
         [row] = claim_rows(conn, "w1", "c", 1.0, 30.0, [seq, seq + 1])  # no row seq + 1
         assert row[1] == "j" and row[13:15] == ("active", 1) and row[19] == 31.0
         assert claim_rows(conn, "w1", "c", 1.0, 30.0, [seq]) == []  # active now
+
+
+async def test_cancels_racing_a_draining_worker_lose_no_job_and_run_none_twice(
+        live: Live, connect, tmp_path: Path):
+    """300 waiting jobs (keys), a worker draining them two at a time, and 100 cancels
+    coming in meanwhile: every job ends once, a cancelled one never ran, and nothing is
+    left in memory."""
+    spec = write_spec(tmp_path, "echo")
+    await live.push(spec)
+    response = await live.http.post("/jobs/batch", json={"jobs": [
+        {"spec": "echo", "args": {"n": n}} for n in range(300)]})
+    ids = [item["job"]["id"] for item in response.json()["results"]]
+    scheduler = live.coordinator.scheduler
+    await wait_until(lambda: scheduler.ready.keys == 300, what="all kept as keys")
+    worker = await connect()
+    await worker.register([spec], concurrency=2)
+    assigned: list[str] = []
+    cancel_frames: set[str] = set()
+
+    async def drain() -> None:
+        while len(assigned) < 300:
+            frame = await worker.recv(timeout=10.0)
+            if frame["type"] == "assign":
+                assigned.extend(job["id"] for job in frame["jobs"])
+                await worker.beat(results=[completed(job) for job in frame["jobs"]],
+                                  capacity=len(frame["jobs"]))
+            elif frame["type"] == "cancel":
+                cancel_frames.update(frame["job_ids"])
+
+    draining = asyncio.create_task(drain())
+    answers = {}
+    for job_id in ids[::-3]:  # from the back: the first find their jobs waiting, the last
+        answers[job_id] = (await live.http.delete(f"/jobs/{job_id}")).status_code  # meet the drain
+    rows = {}
+
+    async def settled() -> bool:
+        rows.update({i: await live.coordinator.store.get_job(i) for i in ids})
+        return all(row["state"] in ("completed", "cancelled") for row in rows.values())
+
+    await wait_until(settled, timeout=20.0, what="every job completed or cancelled")
+    draining.cancel()
+    assert len(assigned) == len(set(assigned))  # nothing ran twice
+    for job_id, row in rows.items():
+        if row["state"] == "cancelled":
+            assert job_id not in assigned and answers.get(job_id) == 200
+        else:
+            assert job_id in assigned and row["attempt"] == 1
+    for job_id, status in answers.items():
+        # 200: cancelled while waiting; 202: it ran, the worker was told; 409: finished
+        assert status in (200, 202, 409), (job_id, status)
+        assert (status == 202) == (job_id in cancel_frames)
+    assert sum(1 for s in answers.values() if s == 200) > 0
+    assert scheduler.live() == 0 and scheduler.ready.keys == 0 and scheduler.claims == 0
+    assert scheduler.ready_counts() == {}
