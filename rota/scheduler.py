@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable
+
 from rota.model import Job, JobState
 from rota.ready import PRIORITY_LIMIT, Claim, Ready, WorkerSlot
 

@@ -143,7 +143,7 @@ async def test_a_cancel_racing_the_reservation_of_its_key_reaches_the_worker(
 def test_the_store_reserves_a_claimed_row_only_while_it_is_available(tmp_path: Path):
     """The store's side, straight on the file: a withdrawn row cannot be claimed."""
     from rota import db
-    from rota.store import claim_rows
+    from rota.rows import claim_rows
 
     db.migrate(tmp_path / "rota.db")
     with sqlite3.connect(tmp_path / "rota.db") as conn:

@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
     {"engine"},  # the pure state machine
+    {"rows"},  # jobs as rows: a restart's load, claims
     {"store"},  # SQLite
     {"coordinator"},  # the async shell
     {"gate"},  # authentication at the door
