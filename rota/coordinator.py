@@ -360,20 +360,22 @@ class Coordinator:
     async def cancel(self, job_id: str) -> tuple[dict[str, Any], bool]:
         """Cancel a job: at once if it waits, through its worker if it runs.
         Returns the stored job and whether it is cancelled already."""
-        outcome, effects = self.engine.cancel(job_id, self.clock())
-        if outcome == "not_live":
+        for look in range(2):
+            outcome, effects = self.engine.cancel(job_id, self.clock())
+            if outcome != "not_live":
+                break
             row = await self.store.get_job(job_id)
             if row is None:
                 raise NotFound("not_found", f"no job {job_id}")
             if row["state"] == "available":  # kept as a key only: its row decides
                 outcome, effects = self.engine.cancel_waiting(row, self.clock())
-            elif row["state"] not in TERMINAL_STATES:
-                # Reserved from its key after cancel() looked: once the commits before
-                # this point are reported, the engine holds it whole.
-                await self.store.barrier()
-                outcome, effects = self.engine.cancel(job_id, self.clock())
-            if outcome == "not_live":
+                break
+            if row["state"] in TERMINAL_STATES or look:
                 raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
+            # Held as a key while its row still says otherwise, or reserved from its
+            # key since cancel() looked: once the writes queued before now are
+            # committed and reported, memory and row agree. Look again.
+            await self.store.barrier()
         await self.run(effects)
         row = await self._row(job_id)
         if outcome == "withdrawing":

@@ -24,8 +24,10 @@ SEQ_BITS = 48  # row ids stay far below 2**48; a key of priority |p| < 2**14 is 
 SEQ_MASK = (1 << SEQ_BITS) - 1
 PRIORITY_LIMIT = 1 << 14  # a job with a priority this large or larger is kept whole
 FullEntry = tuple[int, int, str]  # (-priority, seq, job id)
-# What a withdrawn key (a cancel of a compact job, its write in flight) is waiting for.
-PENDING, PENDING_POPPED, DEAD = 0, 1, 2
+# Where the key of a withdrawn job (a cancel of a compact job) is: its write in flight
+# and the key in its heap, or popped from it since, or claimed before the cancel came;
+# or the job is cancelled and its key still in the heap.
+PENDING, PENDING_POPPED, PENDING_CLAIMED, DEAD = 0, 1, 2, 3
 
 
 def key_of(priority: int, seq: int) -> int:
@@ -85,9 +87,10 @@ class Ready:
         self.jobs = jobs  # the scheduler's whole jobs, to judge ``full`` entries by
         self.buckets: dict[str, dict[str, Bucket]] = {}  # queue -> spec -> bucket
         self.keys = 0  # compact jobs waiting, over every bucket
-        # seq -> PENDING / PENDING_POPPED / DEAD: keys of cancelled (or being cancelled)
-        # compact jobs, skipped when they reach the top of their heap.
+        # seq -> PENDING... / DEAD: keys of cancelled (or being cancelled) compact jobs,
+        # skipped when they reach the top of their heap.
         self._gone: dict[int, int] = {}
+        self._claiming: set[int] = set()  # keys popped for claims whose rows are being read
 
     def bucket(self, queue: str, spec: str) -> Bucket:
         by_spec = self.buckets.get(queue)
@@ -130,7 +133,7 @@ class Ready:
         full, keys = bucket.full, bucket.keys
         while full and not self._live(full[0]):
             heapq.heappop(full)
-        while keys and (keys[0] & SEQ_MASK) in self._gone:
+        while keys and self._gone.get(keys[0] & SEQ_MASK) in (PENDING, DEAD):
             self._skip(heapq.heappop(keys) & SEQ_MASK)
         if keys:
             key = keys[0]
@@ -144,10 +147,28 @@ class Ready:
         if keys and (not full or (keys[0] >> SEQ_BITS, keys[0] & SEQ_MASK) < full[0][:2]):
             bucket.count -= 1
             self.keys -= 1
-            return unkey(heapq.heappop(keys))
+            priority, seq = unkey(heapq.heappop(keys))
+            self._claiming.add(seq)
+            return priority, seq
         return self.jobs[heapq.heappop(full)[2]]
 
+    def claimed(self, seq: int) -> None:
+        """The claim of this key is decided (its row reserved, or gone)."""
+        self._claiming.discard(seq)
+
+    def unclaim(self, queue: str, spec: str, priority: int, seq: int) -> None:
+        """The reservation of a claimed key failed: the key goes back as it was, unless
+        a cancel came meanwhile (then it waits in its heap for that cancel's outcome)."""
+        self._claiming.discard(seq)
+        if self._gone.get(seq) == PENDING_CLAIMED:
+            heapq.heappush(self.bucket(queue, spec).keys, key_of(priority, seq))
+            self._gone[seq] = PENDING
+            return
+        self.push_key(queue, spec, priority, seq)
+
     def _skip(self, seq: int) -> None:
+        # (A key pushed again after its first was popped or claimed is a live key: the
+        # job came back before the cancel's outcome, and the row will say who won.)
         if self._gone[seq] == PENDING:
             self._gone[seq] = PENDING_POPPED
         else:
@@ -155,7 +176,11 @@ class Ready:
 
     # -- cancels of compact jobs: the row decides, in the writer's order --------------
     def withdraw(self, queue: str, spec: str, seq: int) -> None:
-        """Skip this key from now on: its cancel is being written."""
+        """Skip this key from now on: its cancel is being written. (If the job finished
+        while its row was read, the count is one short until ``withdrawn``.)"""
+        if seq in self._claiming:  # the reservation is written first: it will win
+            self._gone[seq] = PENDING_CLAIMED
+            return
         self._gone[seq] = PENDING
         self.bucket(queue, spec).count -= 1
         self.keys -= 1
@@ -163,11 +188,13 @@ class Ready:
     def withdrawn(self, queue: str, spec: str, priority: int, seq: int, cancelled: bool) -> None:
         """The cancel's write is done: ``cancelled`` if the row was still available."""
         state = self._gone.pop(seq, PENDING)
+        if state == PENDING_CLAIMED:  # reserved by the claim written before: not cancelled
+            return
         if cancelled:
             if state == PENDING:  # its key is still in the heap: drop it when it surfaces
                 self._gone[seq] = DEAD
             return
-        # Not cancelled (already reserved or finished): as it was, if its key is still held.
+        # Not cancelled (the write failed, or the job finished first): as it was.
         bucket = self.bucket(queue, spec)
         if state == PENDING_POPPED:
             heapq.heappush(bucket.keys, key_of(priority, seq))
@@ -183,4 +210,4 @@ class Ready:
         """The row ids of the compact jobs waiting (a full scan: for checks, not for hot paths)."""
         return {key & SEQ_MASK for by_spec in self.buckets.values()
                 for bucket in by_spec.values() for key in bucket.keys
-                if (key & SEQ_MASK) not in self._gone}
+                if self._gone.get(key & SEQ_MASK) not in (PENDING, DEAD)}

@@ -103,6 +103,7 @@ class Scheduler:
         worker = claim.worker
         worker.claims -= 1
         self.claims -= 1
+        self.ready.claimed(claim.seq)
         if job is None:
             worker.capacity += 1  # the slot was never used
             return False
@@ -116,7 +117,7 @@ class Scheduler:
         """The reservation of a claim failed: the job is available again, as it was."""
         claim.worker.claims -= 1
         self.claims -= 1
-        self.ready.push_key(claim.queue, claim.spec, claim.priority, claim.seq)
+        self.ready.unclaim(claim.queue, claim.spec, claim.priority, claim.seq)
 
     def defer(self, job: Job, due: float) -> None:
         """Make a job wait until ``due`` (its state says scheduled or retryable)."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import random
+from typing import Any
 
 import msgspec
 import pytest
@@ -549,3 +551,77 @@ def test_a_withdrawn_key_is_skipped_and_comes_back_if_the_row_says_so(
     claims = compact.plan(NOW)["w1"]
     assert [c.seq for c in claims if isinstance(c, Claim)] == ([2] if cancelled else [1, 2])
     assert compact.ready.keys == 0 and compact.ready_counts() == {}
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_keys_claims_and_withdraws_agree_with_a_model_of_the_rows(seed: int) -> None:
+    """Random adds, rounds, claim outcomes, jobs put back before their rows say so (a
+    recovery), and cancels, with the writer's order modelled: a claim is never given for
+    a cancelled row or twice, no key is lost, and the counts stay exact."""
+    rng = random.Random(seed)
+    sched = Scheduler(compact=True)
+    sched.status_quo = {"a": CA}
+    sched.add_worker(make_worker("w1", concurrency=1000, capacity=0))
+    rows: dict[int, str] = {}  # seq -> "available" | "active" | "cancelled" (the truth)
+    writer: list[tuple[str, Any]] = []  # writes queued, committed in order
+    withdrawing: dict[int, str] = {}  # seq -> "waiting" (its key held) | "claimed"
+    placed: set[int] = set()  # put back in memory; the row says so once its write commits
+    seq = itertools.count(1)
+    for _ in range(300):
+        op = rng.random()
+        in_flight = {item.seq for kind, item in writer if kind == "reserve"}
+        if op < 0.3:
+            n = next(seq)
+            sched.add(make_job(f"j{n}", seq=n, priority=rng.choice([0, 0, 1, -1])))
+            rows[n] = "available"
+        elif op < 0.5:
+            sched.workers["w1"].capacity = rng.randint(1, 4)
+            for claim in sched.plan(NOW).get("w1", []):
+                assert isinstance(claim, Claim) and claim.seq not in in_flight
+                assert rows[claim.seq] == "available" or claim.seq in placed
+                assert withdrawing.get(claim.seq) != "waiting"  # a withdrawn key is skipped
+                writer.append(("reserve", claim))
+        elif op < 0.65:
+            waiting = [s for s, state in rows.items()
+                       if state == "available" and s not in withdrawing]
+            if waiting:  # the cancel read an available row
+                n = rng.choice(waiting)
+                sched.ready.withdraw("default", "a", n)
+                withdrawing[n] = "claimed" if n in in_flight else "waiting"
+                writer.append(("withdraw", n))
+        elif writer:  # the writer commits the oldest write (or it fails)
+            kind, item = writer.pop(0)
+            fails = rng.random() < 0.15
+            if kind == "save":
+                rows[item] = "available"
+                placed.discard(item)
+            elif kind == "reserve" and fails:
+                sched.unclaim(item)
+                if item.seq in withdrawing:
+                    withdrawing[item.seq] = "waiting"
+            elif kind == "reserve" and rows[item.seq] == "available":
+                rows[item.seq] = "active"
+                job = make_job(f"j{item.seq}", seq=item.seq)
+                job.state, job.worker_id, job.lease = "active", "w1", NOW + 30
+                assert sched.claimed(item, job) is True
+                sched.workers["w1"].active.discard(job.id)
+                if rng.random() < 0.3:  # recovered at once: back before its row says so
+                    sched.add(job)
+                    placed.add(item.seq)
+                    writer.append(("save", item.seq))
+                else:
+                    sched.finish(job)
+            elif kind == "reserve":
+                assert sched.claimed(item, None) is False
+            else:
+                cancelled = not fails and rows[item] == "available"
+                if cancelled:
+                    rows[item] = "cancelled"
+                sched.ready.withdrawn("default", "a", 0, item, cancelled)
+                del withdrawing[item]
+        in_flight = {item.seq for kind, item in writer if kind == "reserve"}
+        expected = {s for s, state in rows.items() if state == "available" or s in placed
+                    if s not in in_flight and withdrawing.get(s) != "waiting"}
+        assert sched.ready.waiting_seqs() == expected
+        assert sched.ready.keys == len(expected)
+        assert sum(sched.ready_counts().values()) == len(expected)
