@@ -8,9 +8,12 @@ would, and a key costs ~40 bytes where a ``Job`` costs ~600. Everything else abo
 job stays in its row: the store reads it when it reserves the job (a ``Claim``).
 
 Jobs that need more than a key while they wait (a time to live, a row not yet
-committed) are kept whole, as today: a ``Job`` in the scheduler's ``jobs`` and a
-``(-priority, seq, id)`` entry in a second heap of the same bucket. Entries of either
-heap are dropped lazily, when they reach the top.
+committed, a priority beyond the key's range) are kept whole: a ``Job`` in the
+scheduler's ``jobs`` and a ``(-priority, seq, id)`` entry in a second heap of the same
+bucket. Entries of either heap are dropped lazily, when they reach the top.
+
+``WorkerSlot`` lives here, below the scheduler, because a ``Claim`` names the worker it
+was made for and the store reads claims.
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ class WorkerSlot:
 @dataclass(slots=True)
 class Claim:
     """A compact job picked for a worker. Its id and the rest are in its row only: the
-    store's reservation reads them (``UPDATE ... WHERE rowid = seq AND state = 'available'
-    RETURNING ...``), and ``Scheduler.claimed`` takes in the job it makes."""
+    store's reservation reads them (``UPDATE ... WHERE rowid IN (...) AND +state =
+    'available' RETURNING ...``, rota/rows.py), and ``Scheduler.claimed`` takes in the
+    job it makes."""
 
     seq: int
     queue: str
