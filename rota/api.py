@@ -298,7 +298,7 @@ async def list_queues(request: Request) -> Response:
 async def healthz(request: Request) -> Response:
     coordinator = _coordinator(request)
     return JSON({"status": "ok", "workers": len(coordinator.connections),
-                 "live_jobs": len(coordinator.scheduler.jobs), "specs": len(coordinator.specs),
+                 "live_jobs": coordinator.scheduler.live(), "specs": len(coordinator.specs),
                  "uptime": round(coordinator.uptime(), 3)})
 
 

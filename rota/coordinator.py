@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from rota import protocol as p
 from rota.auth import OPEN, Principal, Tokens
 from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
-                          WorkerGone, WorkerSeen)
+                          Withdraw, WorkerGone, WorkerSeen)
 from rota.engine import MAX_LOG_LINES, Engine
 from rota.errors import Conflict, DomainError, Invalid, NotFound
 from rota.jobs import EnqueueRequest, same_job
@@ -105,10 +105,9 @@ class Coordinator:
             log.warning("AUTH IS OFF: no tokens exist, so anyone who can reach this server may"
                         " take jobs and give orders. Create one: rota tokens create --scope admin")
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
-                                    self.clock()))
+                                    self.clock(), snapshot.waiting, snapshot.last_seq))
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.settings.db,
-                 self.settings.durability, len(self.specs),
-                 len(snapshot.jobs))
+                 self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")
         self.spawn(self._token_loop(), "rota-tokens")
@@ -168,8 +167,11 @@ class Coordinator:
                     if source is not None and ticket is not None:
                         self._inflight[source] = future
                     self._write(future, ticket, point)
-                case Reserve(jobs, wall, ticket):
-                    self._write(self.store.reserve(jobs, wall), ticket, "reserve-after-commit")
+                case Reserve(jobs, wall, ticket, claims, lease):
+                    self._write(self.store.reserve(jobs, wall, claims, lease), ticket,
+                                "reserve-after-commit")
+                case Withdraw():  # a cancel request awaits it (run); anywhere else, a task
+                    self.spawn(self.run([effect]), "rota-withdraw")
                 case Wake():
                     self._wake.set()
                 case Arm(deadline):
@@ -195,6 +197,13 @@ class Coordinator:
         for effect in effects:
             if isinstance(effect, Save) and effect.ticket is None:
                 await self.store.save(effect.changes)
+            elif isinstance(effect, Withdraw):
+                try:
+                    cancelled = await self.store.withdraw(effect.seq, effect.wall)
+                except BaseException:
+                    self.apply(self.engine.withdrawn(effect, False))
+                    raise
+                self.apply(self.engine.withdrawn(effect, cancelled))
             else:
                 self.apply([effect])
 
@@ -213,9 +222,13 @@ class Coordinator:
     def _committed(self, ticket: int, point: str | None, future: asyncio.Future[Any]) -> None:
         self.pending_writes -= 1
         error = None if future.cancelled() else future.exception()
+        if future.cancelled():
+            error = asyncio.CancelledError()
+        read = None
         if error is None:
             self.crash_point(point)
-        self.apply(self.engine.committed(ticket, error, self.clock()))
+            read = future.result()
+        self.apply(self.engine.committed(ticket, error, self.clock(), read))
 
     # -- sockets ---------------------------------------------------------------------
     def attach(self, outbox: Outbox) -> int:
@@ -338,6 +351,7 @@ class Coordinator:
                 continue
             row, created = next(stored)
             if id(job) in admitted:
+                self.engine.stored(job, row["rowid"])
                 outcomes.append((row, created))
                 continue
             if not created:
@@ -353,14 +367,34 @@ class Coordinator:
     async def cancel(self, job_id: str) -> tuple[dict[str, Any], bool]:
         """Cancel a job: at once if it waits, through its worker if it runs.
         Returns the stored job and whether it is cancelled already."""
-        outcome, effects = self.engine.cancel(job_id, self.clock())
-        if outcome == "not_live":
+        for look in range(2):
+            outcome, effects = self.engine.cancel(job_id, self.clock())
+            if outcome != "not_live":
+                break
             row = await self.store.get_job(job_id)
             if row is None:
                 raise NotFound("not_found", f"no job {job_id}")
-            raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
+            if row["state"] == "available":  # kept as a key only: its row decides
+                outcome, effects = self.engine.cancel_waiting(row, self.clock())
+                break
+            if row["state"] in TERMINAL_STATES or look:
+                raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
+            # Held as a key while its row still says otherwise, or reserved from its
+            # key since cancel() looked: once the writes queued before now are
+            # committed and reported, memory and row agree. Look again.
+            await self.store.barrier()
         await self.run(effects)
-        return await self._row(job_id), outcome == "cancelled"
+        row = await self._row(job_id)
+        if outcome == "withdrawing":
+            if row["state"] == "cancelled":
+                return row, True
+            # Reserved before the cancel was written: cancel it where it runs now.
+            outcome, effects = self.engine.cancel(job_id, self.clock())
+            if outcome == "not_live":
+                raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
+            await self.run(effects)
+            row = await self._row(job_id)
+        return row, outcome == "cancelled"
 
     async def retry(self, job_id: str) -> dict[str, Any]:
         """Put a discarded or cancelled job back, with a fresh attempt budget."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rota.model import Change, Job, StatusNote
+from rota.ready import Claim
 
 
 @dataclass(slots=True)
@@ -26,11 +27,28 @@ class Save:
 
 @dataclass(slots=True)
 class Reserve:
-    """Commit these reservations; the assigns that depend on them follow the ticket."""
+    """Commit these reservations; the assigns that depend on them follow the ticket. A
+    claim reserves its row only if it is still available, and reads it back: the
+    outcome carries the jobs read (``Engine.committed``)."""
 
     jobs: list[Job]
     wall: float
     ticket: int
+    claims: list[Claim] = field(default_factory=list)
+    lease: float = 1800.0  # seconds, for a claimed job whose row sets no visibility_timeout
+
+
+@dataclass(slots=True)
+class Withdraw:
+    """Cancel a job kept only as a key, if its row is still available (the row decides:
+    the job may be being reserved). The shell awaits it and reports to ``withdrawn``."""
+
+    job_id: str
+    seq: int
+    queue: str
+    spec: str
+    priority: int
+    wall: float
 
 
 @dataclass(slots=True)
@@ -91,4 +109,4 @@ class Finished:
     job_ids: list[str] = field(default_factory=list)
 
 
-Effect = Save | Reserve | Note | WorkerSeen | WorkerGone | Send | Abort | Wake | Arm | Finished
+Effect = Save | Reserve | Withdraw | Note | WorkerSeen | WorkerGone | Send | Abort | Wake | Arm | Finished

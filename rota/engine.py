@@ -26,13 +26,14 @@ import msgspec
 from rota import protocol as p
 from rota.attempts import MAX_LOG_LINES, end_attempt, held_by, result_problem, settle, status_notes
 from rota.auth import Principal
-from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
-                          WorkerGone, WorkerSeen)
+from rota.effects import (Abort, Arm, Effect, Finished, Note, Save, Send, Wake, WorkerGone,
+                          WorkerSeen)
 from rota.intake import Intake
 from rota.jobs import error_record
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
 from rota.policy import Ending
 from rota.registry import Connection, Registry, judge_specs, short
+from rota.reservations import Reservations
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.settings import ServerSettings
 from rota.specs import JobSpec
@@ -53,10 +54,10 @@ RECENT_RESULTS = 10_000  # accepted results remembered, to ack a resend of one q
 STALL = 0.1  # seconds a tick may be late before the lateness counts as a server stall
 
 
-class Engine(Intake):
+class Engine(Intake, Reservations):
     def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
         self.settings = settings
-        self.scheduler = Scheduler(settings.visibility_timeout)
+        self.scheduler = Scheduler(settings.visibility_timeout, compact=True)
         self.registry = Registry()
         self.specs: dict[str, JobSpec] = {}
         self.stopping = False
@@ -76,11 +77,16 @@ class Engine(Intake):
 
     # -- start -------------------------------------------------------------------------
     def load(self, specs: dict[str, JobSpec], checksums: dict[str, str], jobs: list[Job],
-             now: Instant) -> list[Effect]:
-        """Take in what the store holds. Active jobs wait heartbeat_timeout for their
+             now: Instant, waiting: dict[tuple[str, str], list[int]] | None = None,
+             last_seq: int = 0) -> list[Effect]:
+        """Take in what the store holds: whole jobs, and the keys of plain available ones
+        by (queue, spec) (rota/ready.py). Active jobs wait heartbeat_timeout for their
         workers to reconnect and reclaim them."""
         self.specs = dict(specs)
         self.scheduler.status_quo = dict(checksums)
+        self.scheduler.last_seq = max(self.scheduler.last_seq, last_seq)
+        for (queue, spec), keys in (waiting or {}).items():
+            self.scheduler.ready.load(queue, spec, keys)
         grace = now.mono + self.settings.heartbeat_timeout
         orphans = 0
         for job in jobs:
@@ -305,13 +311,16 @@ class Engine(Intake):
                               accepted=accepted, rejected=rejected))
 
     # -- commits ---------------------------------------------------------------------
-    def committed(self, ticket: int, error: BaseException | None, now: Instant) -> list[Effect]:
-        """The outcome of a ``Save`` or ``Reserve`` that carried ``ticket``."""
+    def committed(self, ticket: int, error: BaseException | None, now: Instant,
+                  read: list[Job | None] | None = None) -> list[Effect]:
+        """The outcome of a ``Save`` or ``Reserve`` that carried ``ticket``; ``read``: a
+        reservation's claimed jobs as their rows read after it (None where a row was no
+        longer available)."""
         kind, payload = self._pending.pop(ticket)
         if kind == "results":
             return self._results_committed(ticket, payload, error, now)
         if kind == "reserve":
-            return self._reserve_committed(payload, error)
+            return self._reserve_committed(payload, error, read or [], now)
         # "finish": attempts ended by the server; wake whoever waits on a final state
         if error is not None:
             log.error("storing %d job transition(s) failed: %s", len(payload), error)
@@ -454,47 +463,3 @@ class Engine(Intake):
             self.scheduler.finish(job)
             log.info("expired job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
         return [Save(changes, self._ticket("finish", changes))]
-
-    # -- dispatch --------------------------------------------------------------------
-    def dispatch(self, now: Instant) -> list[Effect]:
-        """A scheduling round: reserve what the workers can take, in memory now, and
-        send the assigns (one per worker) once the reservations are committed."""
-        plan = self.scheduler.plan(now.mono)
-        if not plan:
-            return []
-        jobs = [job for batch in plan.values() for job in batch]
-        for job in jobs:
-            job.lease_expires_at = now.wall_of(job.lease or now.mono)
-        ticket = self._ticket("reserve", plan)
-        return [Reserve(jobs, now.wall, ticket), Arm(min(j.lease or 0.0 for j in jobs))]
-
-    def _reserve_committed(self, plan: dict[str, list[Job]], error: BaseException | None
-                           ) -> list[Effect]:
-        if error is not None:
-            jobs = [job for batch in plan.values() for job in batch]
-            log.error("reservation commit failed; returning %d jobs: %s", len(jobs), error)
-            for job in jobs:
-                if job.state == JobState.ACTIVE:
-                    job.attempt -= 1
-                    self.scheduler.release(job)
-            return [Wake()]
-        effects: list[Effect] = []
-        for worker_id, batch in plan.items():
-            connection = self.registry.get(worker_id)
-            # A job taken back meanwhile (the worker left) is no longer this worker's.
-            live = [j for j in batch if j.worker_id == worker_id
-                    and j.state == JobState.ACTIVE and not j.orphaned]
-            if connection is None or not live:
-                continue
-            copies = []
-            for job in live:
-                log.info("assign job=%s spec=%s@%s queue=%s worker=%s attempt=%d",
-                         job.id, job.spec, short(job.checksum), job.queue, worker_id,
-                         job.attempt)
-                copies.append(p.JobCopy(
-                    id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
-                    args=job.args, attempt=job.attempt, priority=job.priority,
-                    visibility_timeout=self.scheduler.lease_for(job),
-                    enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs))
-            effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
-        return effects

@@ -12,7 +12,7 @@ from typing import Any
 
 from rota import protocol as p
 from rota.auth import Principal
-from rota.effects import Arm, Effect, Finished, Save, Send, Wake
+from rota.effects import Arm, Effect, Finished, Save, Send, Wake, Withdraw
 from rota.errors import DomainError, Forbidden, Invalid, TooLarge
 from rota.jobs import EnqueueRequest, new_job
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
@@ -61,6 +61,8 @@ class Intake:
         (``seq`` None: the next in order). Then a reservation of it follows its row
         into the writer, and usually into the same commit: on an idle server that
         saves a whole commit between enqueue and assignment."""
+        if seq is None:  # kept whole until ``stored`` gives its row id
+            self.scheduler.unstored.add(job.id)
         job.seq = self.scheduler.last_seq + 1 if seq is None else seq
         job.clocks(now)
         self.scheduler.track(job)
@@ -68,6 +70,10 @@ class Intake:
                  job.queue, job.priority, job.state)
         effects: list[Effect] = [Arm(t) for t in (job.due, job.expiry) if t is not None]
         return effects + [Wake()]
+
+    def stored(self, job: Job, seq: int) -> None:
+        """The row of a job taken in early (``enqueued`` with no ``seq``) committed."""
+        self.scheduler.stored(job, seq)
 
     def not_stored(self, jobs: list[Job], error: BaseException) -> list[Effect]:
         """Jobs taken in before their rows committed, whose commit failed: forget them.
@@ -98,6 +104,27 @@ class Intake:
         log.info("cancelled job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
         return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id])]
 
+    def cancel_waiting(self, row: dict[str, Any], now: Instant) -> tuple[str, list[Effect]]:
+        """Cancel a job whose row (just read) says available and that ``cancel`` did not
+        find: kept as a key only. Its key is skipped from now on, and the store cancels
+        the row if it is still available: it may be in a reservation written before."""
+        if row["id"] in self.scheduler.jobs:  # reserved while its row was read
+            return self.cancel(row["id"], now)
+        self.scheduler.ready.withdraw(row["queue"], row["spec"], row["rowid"])
+        return "withdrawing", [Withdraw(row["id"], row["rowid"], row["queue"], row["spec"],
+                                        row["priority"], now.wall)]
+
+    def withdrawn(self, withdraw: Withdraw, cancelled: bool) -> list[Effect]:
+        """The outcome of a ``Withdraw``: ``cancelled``, or the job was reserved (or had
+        finished) first and goes on as it was."""
+        self.scheduler.ready.withdrawn(withdraw.queue, withdraw.spec, withdraw.priority,
+                                       withdraw.seq, cancelled)
+        if not cancelled:
+            return [Wake()]
+        log.info("cancelled job=%s spec=%s queue=%s", withdraw.job_id, withdraw.spec,
+                 withdraw.queue)
+        return [Finished([withdraw.job_id])]
+
     def retry(self, job: Job) -> list[Effect]:
         """Put a discarded or cancelled job (loaded from its row) back, with a fresh
         attempt budget."""
@@ -108,6 +135,7 @@ class Intake:
         return [Save([Change(job)]), Wake()]
 
     def is_live(self, job_id: str) -> bool:
+        """Whether the job is held whole (a compact waiting job is not: its row says so)."""
         return job_id in self.scheduler.jobs
 
     def status_quo_changed(self, specs: list[JobSpec], changes: list[Any]) -> list[Effect]:

@@ -1,7 +1,9 @@
 """Which job goes to which worker: pure, in-memory decisions with no I/O.
 
 Ready jobs are indexed by queue, then spec, each a heap ordered by job priority
-(higher first) then enqueue order. ``plan()`` hands jobs to running workers with
+(higher first) then enqueue order (rota/ready.py). With ``compact``, a plain waiting job
+is kept as a key only, and ``plan()`` gives a ``Claim`` for it: the store reads the rest
+of the job when it reserves it. ``plan()`` hands jobs to running workers with
 free slots, following each worker's queue order, one job per worker per round so
 work spreads, and only for specs the worker declared with the status-quo checksum.
 It marks the chosen jobs reserved in memory; the server commits that before it
@@ -16,11 +18,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from rota.model import Job, JobState
+from rota.ready import PRIORITY_LIMIT, Claim, Ready, WorkerSlot
 
-HeapEntry = tuple[int, int, str]  # (-priority, seq, job id)
+__all__ = ["Claim", "Scheduler", "WorkerSlot"]
+
 TimerEntry = tuple[float, str]  # (when, job id); checked against the job when popped
 # A timer heap is rebuilt from its live entries when it holds this many more entries than
 # it did after its last rebuild: without it, every finished job would leave its lease
@@ -29,31 +32,18 @@ TimerEntry = tuple[float, str]  # (when, job id); checked against the job when p
 COMPACT_SLACK = 4096
 
 
-@dataclass(slots=True)
-class WorkerSlot:
-    """What the scheduler knows of one connected worker."""
-
-    id: str
-    queues: list[str]
-    concurrency: int
-    specs: dict[str, str]  # spec name -> checksum the worker declared
-    labels: list[str] = field(default_factory=list)
-    state: str = "running"
-    capacity: int = 0  # free slots the worker last asked for, less what we sent since
-    active: set[str] = field(default_factory=set)
-
-    def free(self) -> int:
-        # The worker's claim is only a wish; concurrency minus what it holds is the law.
-        return max(0, min(self.capacity, self.concurrency - len(self.active)))
-
-
 class Scheduler:
-    def __init__(self, visibility_timeout: float = 1800.0) -> None:
+    def __init__(self, visibility_timeout: float = 1800.0, *, compact: bool = False) -> None:
         self.visibility_timeout = visibility_timeout  # when neither job nor spec sets one
+        # Keep plain available jobs as keys only (rota/ready.py). Needs a store that
+        # answers claims: the engine's scheduler does; a bare one keeps every job whole.
+        self.compact = compact
         self.status_quo: dict[str, str] = {}  # spec name -> checksum
-        self.jobs: dict[str, Job] = {}  # every live job, whatever its state
+        self.jobs: dict[str, Job] = {}  # every live job kept whole, whatever its state
         self.workers: dict[str, WorkerSlot] = {}
-        self._ready: dict[str, dict[str, list[HeapEntry]]] = {}  # queue -> spec -> heap
+        self.ready = Ready(self.jobs)
+        self.unstored: set[str] = set()  # jobs taken in before their rows (no row id yet)
+        self.claims = 0  # claims whose rows are being read
         self._due: list[TimerEntry] = []  # scheduled and retryable jobs by run_at
         self._leases: list[TimerEntry] = []  # active jobs by lease expiry
         self._ttls: list[TimerEntry] = []  # jobs with a time to live, by expiry
@@ -80,15 +70,54 @@ class Scheduler:
         elif job.state == "active":
             self._push(self._leases, job.lease or 0.0, job.id)
 
+    def live(self) -> int:
+        """Live jobs, whole or compact (or being claimed)."""
+        return len(self.jobs) + self.ready.keys + self.claims
+
     def add(self, job: Job) -> None:
-        """Make a job available to workers now."""
+        """Make a job available to workers now: as a key only if it may be, else whole."""
         self._detach(job)
         job.move(JobState.AVAILABLE)
         job.worker_id = None
         job.run_at = job.due = None
+        if (self.compact and job.expiry is None and job.id not in self.unstored
+                and -PRIORITY_LIMIT < job.priority < PRIORITY_LIMIT):
+            if self.jobs.get(job.id) is job:
+                del self.jobs[job.id]
+            self.ready.push_key(job.queue, job.spec, job.priority, job.seq)
+            return
         self.jobs[job.id] = job
-        heap = self._ready.setdefault(job.queue, {}).setdefault(job.spec, [])
-        heapq.heappush(heap, (-job.priority, job.seq, job.id))
+        self.ready.push_job(job)
+
+    def stored(self, job: Job, seq: int) -> None:
+        """The row of a job taken in early committed as row ``seq``: from now on it may
+        be kept as a key."""
+        self.unstored.discard(job.id)
+        job.seq = seq
+        if self.jobs.get(job.id) is job and job.state == "available":
+            self.add(job)
+
+    def claimed(self, claim: Claim, job: Job | None) -> bool:
+        """The store's answer to a claim: the reserved job as its row now reads (None: it
+        was no longer available). True if the claiming worker is still here to run it."""
+        worker = claim.worker
+        worker.claims -= 1
+        self.claims -= 1
+        self.ready.claimed(claim.seq)
+        if job is None:
+            worker.capacity += 1  # the slot was never used
+            return False
+        self.track(job)
+        if self.workers.get(worker.id) is not worker:
+            return False
+        worker.active.add(job.id)
+        return True
+
+    def unclaim(self, claim: Claim) -> None:
+        """The reservation of a claim failed: the job is available again, as it was."""
+        claim.worker.claims -= 1
+        self.claims -= 1
+        self.ready.unclaim(claim.queue, claim.spec, claim.priority, claim.seq)
 
     def defer(self, job: Job, due: float) -> None:
         """Make a job wait until ``due`` (its state says scheduled or retryable)."""
@@ -118,6 +147,7 @@ class Scheduler:
         """Forget a job that was taken in before its row was written, and whose write
         failed: it never existed. Marked so that a reservation of it, failing in the same
         transaction, does not put it back."""
+        self.unstored.discard(job.id)
         if self.jobs.get(job.id) is job:
             self.finish(job)
             if job.state == "active":
@@ -261,7 +291,7 @@ class Scheduler:
         return expected is not None and worker.specs.get(spec) == expected
 
     # -- planning --------------------------------------------------------------------
-    def plan(self, now: float) -> dict[str, list[Job]]:
+    def plan(self, now: float) -> dict[str, list[Job | Claim]]:
         """Reserve in memory as many ready jobs as running workers can take now."""
         start = next(self._rotation)
         # Filtered before anything else: an enqueue runs a round too, and a fleet of
@@ -271,14 +301,13 @@ class Scheduler:
             candidates.sort(key=lambda w: w.id)
             shift = start % len(candidates)
             candidates = candidates[shift:] + candidates[:shift]
-        plan: dict[str, list[Job]] = {}
+        plan: dict[str, list[Job | Claim]] = {}
         while candidates:
             next_round = []
             for worker in candidates:
-                job = self._pop_best(worker)
+                job = self._pop_best(worker, now)
                 if job is None:
                     continue
-                self._reserve(job, worker, now)
                 plan.setdefault(worker.id, []).append(job)
                 if worker.free() > 0:
                     next_round.append(worker)
@@ -295,29 +324,30 @@ class Scheduler:
         worker.active.add(job.id)
         worker.capacity -= 1
 
-    def _pop_best(self, worker: WorkerSlot) -> Job | None:
+    def _pop_best(self, worker: WorkerSlot, now: float) -> Job | Claim | None:
+        """Reserve, in memory, the best job this worker may run (following its queues)."""
         for queue in worker.queues:
-            by_spec = self._ready.get(queue)
+            by_spec = self.ready.buckets.get(queue)
             if not by_spec:
                 continue
-            best: list[HeapEntry] | None = None
-            for spec, heap in by_spec.items():
-                if not self.matches(worker, spec) or not self._prune(heap):
+            best, best_head, best_spec = None, None, ""
+            for spec, bucket in by_spec.items():
+                if not self.matches(worker, spec):
                     continue
-                if best is None or heap[0] < best[0]:
-                    best = heap
-            if best is not None:
-                return self.jobs[heapq.heappop(best)[2]]
+                head = self.ready.head(bucket)
+                if head is not None and (best_head is None or head < best_head):
+                    best, best_head, best_spec = bucket, head, spec
+            if best is None:
+                continue
+            taken = self.ready.pop(best)
+            if isinstance(taken, Job):
+                self._reserve(taken, worker, now)
+                return taken
+            worker.claims += 1
+            worker.capacity -= 1
+            self.claims += 1
+            return Claim(taken[1], queue, best_spec, taken[0], worker, self.status_quo[best_spec])
         return None
-
-    def _prune(self, heap: list[HeapEntry]) -> bool:
-        """Drop entries whose job moved on (reserved, finished); True if one is left."""
-        while heap:
-            job = self.jobs.get(heap[0][2])
-            if job is not None and job.state == "available":
-                return True
-            heapq.heappop(heap)
-        return False
 
     # -- explaining ------------------------------------------------------------------
     def waiting_reason(self, queue: str, spec: str) -> str | None:
@@ -336,7 +366,7 @@ class Scheduler:
         return None
 
     def ready_counts(self) -> dict[tuple[str, str], int]:
-        counts: dict[tuple[str, str], int] = {}
+        counts = self.ready.counts()
         for job in self.jobs.values():
             if job.state == "available":
                 key = (job.queue, job.spec)

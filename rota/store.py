@@ -3,7 +3,7 @@
 Every write goes through the single writer thread (``db.Writer``): a write method
 queues its work at once, in call order, and returns a future that resolves after its
 COMMIT. Reads run on a reader pool. The in-memory scheduler is rebuilt from
-``load()`` at start.
+``load()`` at start (rota/rows.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import asyncio
 import logging
 import os
 import sqlite3
-import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,20 +21,14 @@ from typing import Any
 import msgspec
 
 from rota import db
-from rota.model import (JOB_STATES, WAITING_STATES, Change, Job, JobState, StatusNote,
-                        shared_limits)
+from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
 from rota.protocol import rfc3339
-from rota.specs import JobSpec, spec_from_builtins
+from rota.ready import Claim
+from rota.rows import Snapshot, claim_rows, job_from_row, live_job, load
+from rota.specs import JobSpec
 
 __all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "job_from_row",
-           "create_token", "list_tokens", "revoke_token"]
-
-@dataclass(slots=True)
-class Snapshot:
-    status_quo: dict[str, JobSpec]
-    checksums: dict[str, str]
-    jobs: list[Job]
-
+           "create_token", "list_tokens", "revoke_token"]  # (Snapshot, job_from_row: rota/rows.py)
 
 @dataclass(slots=True)
 class SpecChange:
@@ -63,7 +57,7 @@ class Store:
         db.migrate(self.path)
         conn = db.connect(self.path)
         try:
-            return _load(conn)
+            return load(conn)
         finally:
             conn.close()
 
@@ -111,15 +105,40 @@ class Store:
 
         return self.writer.submit(op)
 
-    def reserve(self, jobs: list[Job], now: float) -> asyncio.Future[None]:
+    def reserve(self, jobs: list[Job], now: float, claims: Sequence[Claim] = (),
+                lease: float = 1800.0) -> asyncio.Future[list[Job | None]]:
+        """Reserve whole jobs as they are in memory, and claimed ones if their rows are
+        still available, reading those back (in claim order; None: not available)."""
         rows = [(j.attempt, j.worker_id, j.checksum, now, j.lease_expires_at, j.id) for j in jobs]
+        # One statement per (worker, checksum): a round's claims for a worker are one
+        # UPDATE ... WHERE rowid IN (...), not one per job.
+        groups: dict[tuple[str, str], list[int]] = {}
+        for c in claims:
+            groups.setdefault((c.worker.id, c.checksum), []).append(c.seq)
+        order = [c.seq for c in claims]
 
-        def op(conn: sqlite3.Connection) -> None:
+        def op(conn: sqlite3.Connection) -> list[Job | None]:
             conn.executemany(
                 "UPDATE jobs SET state = 'active', attempt = ?, worker_id = ?, checksum = ?,"
                 " reserved_at = ?, lease_expires_at = ? WHERE id = ?",
                 rows,
             )
+            read: dict[int, Job] = {}
+            for (worker_id, checksum), seqs in groups.items():
+                for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
+                    for row in claim_rows(conn, worker_id, checksum, now, lease,
+                                          seqs[start:start + 500]):
+                        read[row[0]] = live_job(row)
+            return [read.get(seq) for seq in order]
+
+        return self.writer.submit(op)
+
+    def withdraw(self, seq: int, now: float) -> asyncio.Future[bool]:
+        """Cancel row ``seq`` if it is still available; whether it was."""
+        def op(conn: sqlite3.Connection) -> bool:
+            return conn.execute("UPDATE jobs SET state = 'cancelled', finished_at = ?"
+                                " WHERE rowid = ? AND +state = 'available'",
+                                (now, seq)).rowcount == 1
 
         return self.writer.submit(op)
 
@@ -132,6 +151,11 @@ class Store:
             conn.executemany(_SAVE, rows)
 
         return self.writer.submit(op)
+
+    def barrier(self) -> asyncio.Future[None]:
+        """Done once every write queued before it is committed and its outcome reported
+        (the writer reports in order)."""
+        return self.writer.submit(lambda conn: None)
 
     def note_status(self, notes: list[StatusNote]) -> asyncio.Future[None]:
         """Store progress (the latest wins) and captured log lines and alerts."""
@@ -342,66 +366,6 @@ def _push_one(conn: sqlite3.Connection, spec: JobSpec, checksum: str, now: float
         (spec.name, checksum, previous, now),
     )
     return SpecChange(spec.name, checksum, previous, "new" if previous is None else "changed")
-
-
-def _load(conn: sqlite3.Connection) -> Snapshot:
-    status_quo: dict[str, JobSpec] = {}
-    checksums: dict[str, str] = {}
-    for row in conn.execute(
-        "SELECT q.name, q.checksum, v.body FROM status_quo q"
-        " JOIN spec_versions v ON v.name = q.name AND v.checksum = q.checksum"
-    ):
-        status_quo[row["name"]] = spec_from_builtins(msgspec.json.decode(row["body"]))
-        checksums[row["name"]] = row["checksum"]
-    live = conn.execute(
-        f"SELECT {', '.join(_LIVE)} FROM jobs WHERE state IN"
-        " ('scheduled', 'available', 'retryable', 'active') ORDER BY rowid"
-    )
-    live.row_factory = None  # plain tuples: a restart reads every live job
-    return Snapshot(status_quo, checksums, [_live_job(r) for r in live])
-
-
-# The columns a live job is rebuilt from at a restart, in _live_job's order.
-_LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max_attempts",
-         "max_fails", "backoff_base", "backoff_max", "max_worker_deaths", "visibility_timeout",
-         "state", "attempt", "worker_id", "checksum", "run_at", "expires_at",
-         "lease_expires_at", "fails", "deaths", "budget_start", "cancel_requested",
-         "capture_logs", "created_by")
-
-
-def _live_job(r: tuple[Any, ...]) -> Job:
-    """job_from_row for a restart: positional, and the names that repeat from row to row
-    (spec, queue, state, worker, checksum, token) shared rather than held once per job."""
-    (seq, job_id, spec, queue, args, priority, enqueued_at, max_attempts, max_fails,
-     backoff_base, backoff_max, max_deaths, visibility_timeout, state, attempt, worker_id,
-     checksum, run_at, expires_at, lease_expires_at, fails, deaths, budget_start,
-     cancel_requested, capture_logs, created_by) = r
-    intern = sys.intern
-    limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
-                           backoff_max or 3600.0, max_deaths or 3)
-    return Job(id=job_id, spec=intern(spec), queue=intern(queue),
-               args=msgspec.Raw(args.encode()), priority=priority, enqueued_at=enqueued_at,
-               seq=seq, limits=limits, visibility_timeout=visibility_timeout,
-               state=JobState(state), attempt=attempt,
-               worker_id=None if worker_id is None else intern(worker_id),
-               checksum=None if checksum is None else intern(checksum), run_at=run_at,
-               expires_at=expires_at, lease_expires_at=lease_expires_at, fails=fails,
-               deaths=deaths, budget_start=budget_start,
-               cancel_requested=bool(cancel_requested), capture_logs=bool(capture_logs),
-               created_by=None if created_by is None else intern(created_by))
-
-
-def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
-    limits = shared_limits(r["max_attempts"] or 25, r["max_fails"], r["backoff_base"] or 1.0,
-                           r["backoff_max"] or 3600.0, r["max_worker_deaths"] or 3)
-    return Job(id=r["id"], spec=r["spec"], queue=r["queue"], args=msgspec.Raw(r["args"].encode()),
-               priority=r["priority"], enqueued_at=r["enqueued_at"], seq=r["rowid"],
-               limits=limits, visibility_timeout=r["visibility_timeout"], state=r["state"],
-               attempt=r["attempt"], worker_id=r["worker_id"], checksum=r["checksum"],
-               run_at=r["run_at"], expires_at=r["expires_at"],
-               lease_expires_at=r["lease_expires_at"], fails=r["fails"], deaths=r["deaths"],
-               budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
-               capture_logs=bool(r["capture_logs"]), created_by=r["created_by"])
 
 
 def _fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:

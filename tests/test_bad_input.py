@@ -184,7 +184,7 @@ async def test_duplicate_job_id_gives_the_existing_job(live: Live, tmp_path: Pat
     conflict = await live.http.post("/jobs", json={"spec": "echo", "id": "order-17",
                                                    "args": {"a": 2}})
     assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "id_conflict"
-    assert len(live.coordinator.scheduler.jobs) == 1
+    assert live.coordinator.scheduler.live() == 1
     assert (await live.job("order-17"))["args"] == {"a": 1}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import weakref
 from typing import Any
 
 import msgspec
@@ -12,7 +13,7 @@ import pytest
 
 from rota import protocol as p
 from rota.auth import OPEN
-from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake
+from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake, Withdraw
 from rota.engine import Engine
 from rota.jobs import EnqueueRequest
 from rota.model import Instant, InvalidTransition, Job, JobState, Limits
@@ -87,23 +88,57 @@ def connect(engine: Engine, clock: FakeClock, worker: str = "w1", conn: int = 1,
             + engine.heartbeat(conn, worker, first, clock()))
 
 
+# The rows a test's jobs would have, by row id: the engine keeps a plain waiting job as a
+# key only, and a reservation's outcome carries the rows its claims read (see ``read``).
+ROWS: weakref.WeakKeyDictionary[Engine, dict[int, Job]] = weakref.WeakKeyDictionary()
+
+
 def enqueue(engine: Engine, clock: FakeClock, n: int = 1, spec: str = "echo",
             **options: Any) -> list[Job]:
     jobs = []
+    rows = ROWS.setdefault(engine, {})
     for i in range(n):
         built = engine.build(EnqueueRequest(spec=spec, id=f"{spec}-{i}", **options), OPEN,
                              clock())
         assert isinstance(built, Job)
-        engine.enqueued(built, i + 1, clock())
+        rows[len(rows) + 1] = built
+        engine.enqueued(built, len(rows), clock())
         jobs.append(built)
     return jobs
+
+
+def read(engine: Engine, reserve: Reserve) -> list[Job | None]:
+    """What the store reads back for the reservation's claims, as its UPDATE leaves them:
+    None where the row is no longer available."""
+    rows = ROWS.get(engine, {})
+    out: list[Job | None] = []
+    for claim in reserve.claims:
+        job = rows.get(claim.seq)
+        if job is None or job.state != JobState.AVAILABLE:
+            out.append(None)
+            continue
+        job.state, job.worker_id, job.checksum = JobState.ACTIVE, claim.worker.id, claim.checksum
+        job.attempt += 1
+        job.lease_expires_at = reserve.wall + (job.visibility_timeout or reserve.lease)
+        out.append(job)
+    return out
+
+
+def job_of(engine: Engine, job_id: str) -> Job:
+    """The job, held whole by the engine or, if it waits as a key only, as its row."""
+    held = engine.scheduler.jobs.get(job_id)
+    return held or next(j for j in ROWS[engine].values() if j.id == job_id)
+
+
+def commit(engine: Engine, reserve: Reserve, clock: FakeClock) -> list[Effect]:
+    return engine.committed(reserve.ticket, None, clock(), read(engine, reserve))
 
 
 def assign(engine: Engine, clock: FakeClock) -> list[dict[str, Any]]:
     """A scheduling round, committed: the jobs each worker is sent."""
     effects = engine.dispatch(clock())
     [reserve] = of(Reserve, effects)
-    frames = sent(engine.committed(reserve.ticket, None, clock()))
+    frames = sent(commit(engine, reserve, clock))
     return [job for frame in frames if frame["type"] == "assign" for job in frame["jobs"]]
 
 
@@ -152,7 +187,7 @@ def test_jobs_chosen_in_one_round_go_in_one_assign(engine, clock):
     enqueue(engine, clock, 3)
     effects = engine.dispatch(clock())
     [reserve] = of(Reserve, effects)
-    frames = sent(engine.committed(reserve.ticket, None, clock()))
+    frames = sent(commit(engine, reserve, clock))
     assert [f["type"] for f in frames] == ["assign"] and len(frames[0]["jobs"]) == 3
 
 
@@ -187,8 +222,8 @@ def test_a_lease_lapses_without_heartbeats_and_the_job_goes_back(engine, clock):
     effects = run_for(engine, clock, 12.0, worker="w1")  # it beats but stops naming the job
     cancels = [f for f in sent(effects) if f["type"] == "cancel"]
     assert cancels == [{"type": "cancel", "job_ids": [copy["id"]], "reason": "visibility_timeout"}]
-    job = engine.scheduler.jobs[copy["id"]]
-    assert job.state == JobState.AVAILABLE
+    job = job_of(engine, copy["id"])
+    assert job.state == JobState.AVAILABLE and copy["id"] not in engine.scheduler.jobs
     [save] = of(Save, effects)
     assert b"visibility_timeout" in (save.changes[0].error or b"")
 
@@ -400,7 +435,7 @@ def test_only_a_worker_that_really_died_counts_toward_poison(engine, clock, reas
     connect(engine, clock)
     [copy] = assign(engine, clock)
     engine.disconnect(1, "w1", reason, clock())
-    job = engine.scheduler.jobs[copy["id"]]
+    job = job_of(engine, copy["id"])
     assert job.state == JobState.AVAILABLE and job.deaths == (1 if counts else 0)
 
 
@@ -410,9 +445,9 @@ def test_a_failed_reservation_of_an_orphaned_job_frees_it(engine, clock):
     [reserve] = of(Reserve, engine.dispatch(clock()))
     engine.disconnect(1, "w1", "connection_lost", clock())  # before the commit
     engine.committed(reserve.ticket, OSError("disk full"), clock())
-    job = reserve.jobs[0]
-    assert job.state == JobState.AVAILABLE and not job.orphaned
-    assert engine.scheduler.orphans == 0
+    [claim] = reserve.claims  # a waiting job is a key: reserving it claims its row
+    assert engine.scheduler.ready_counts() == {("default", "echo"): 1}
+    assert engine.scheduler.orphans == 0 and claim.worker.claims == 0
     connect(engine, clock, conn=2)
     assert len(assign(engine, clock)) == 1
 
@@ -453,3 +488,55 @@ def test_an_early_job_whose_write_failed_is_forgotten_and_frees_its_slot(engine,
     assert not sent(engine.committed(reserve.ticket, error, clock()))
     assert job.id not in engine.scheduler.jobs and worker.active == set()
     assert worker.free() == 1 and engine.dispatch(clock()) == []
+
+
+# -- waiting jobs kept as keys: claims and withdraws -----------------------------------
+def test_a_claim_whose_row_is_no_longer_available_sends_nothing_and_frees_the_slot(
+        engine, clock):
+    connect(engine, clock, capacity=1)
+    [job] = enqueue(engine, clock)
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    assert [c.seq for c in reserve.claims] == [job.seq] and not reserve.jobs
+    effects = engine.committed(reserve.ticket, None, clock(), [None])  # cancelled meanwhile
+    assert not sent(effects) and of(Wake, effects)
+    assert engine.scheduler.workers["w1"].free() == 1 and engine.scheduler.live() == 0
+
+
+def test_a_claim_committed_after_its_worker_left_goes_back_without_a_death(engine, clock):
+    connect(engine, clock)
+    [job] = enqueue(engine, clock, spec="boom")
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    engine.disconnect(1, "w1", "closed", clock())  # before the commit: it held nothing yet
+    effects = commit(engine, reserve, clock)
+    assert not sent(effects)
+    [save] = of(Save, effects)
+    assert save.changes[0].job is job and job.state == JobState.AVAILABLE and job.deaths == 0
+    assert job.id not in engine.scheduler.jobs and engine.scheduler.ready.keys == 1
+
+
+def test_a_claimed_job_is_assigned_from_its_row_and_its_lease_armed(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, visibility_timeout=7.0, args={"x": 1})
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    clock.advance(0.5)  # the commit takes a while: the lease runs from the reservation
+    effects = commit(engine, reserve, clock)
+    [frame] = sent(effects)
+    [copy] = frame["jobs"]
+    assert (copy["args"], copy["attempt"], copy["visibility_timeout"]) == ({"x": 1}, 1, 7.0)
+    assert [a.deadline for a in of(Arm, effects)] == [clock.mono - 0.5 + 7.0]
+    assert engine.scheduler.workers["w1"].active == {copy["id"]}
+
+
+def test_a_withdraw_that_lost_to_a_reservation_leaves_the_job_waiting(engine, clock):
+    [job] = enqueue(engine, clock)
+    row = {"id": job.id, "rowid": job.seq, "queue": job.queue, "spec": job.spec,
+           "priority": job.priority}
+    outcome, effects = engine.cancel_waiting(row, clock())
+    [withdraw] = of(Withdraw, effects)
+    assert outcome == "withdrawing" and engine.scheduler.ready_counts() == {}
+    assert of(Wake, engine.withdrawn(withdraw, False))  # the row was no longer available
+    assert engine.scheduler.ready_counts() == {("default", "echo"): 1}
+    outcome, effects = engine.cancel_waiting(row, clock())
+    assert of(Finished, engine.withdrawn(of(Withdraw, effects)[0], True))[0].job_ids == [job.id]
+    connect(engine, clock)
+    assert not of(Reserve, engine.dispatch(clock()))

@@ -185,8 +185,8 @@ def read_jobs(db: Path) -> dict[str, dict[str, Any]]:
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
         conn.row_factory = sqlite3.Row
         rows = conn.execute(
-            "SELECT id, spec, state, attempt, worker_id, result, errors, finished_at, run_at,"
-            " fails FROM jobs").fetchall()
+            "SELECT rowid, id, spec, state, attempt, worker_id, result, errors, finished_at,"
+            " run_at, fails FROM jobs").fetchall()
     jobs = {}
     for row in rows:
         job = dict(row)
@@ -658,10 +658,18 @@ class Run:
         for job_id in self.jobs:
             if job_id not in rows:
                 raise fail(f"job {job_id} is not in the database")
+        keys = scheduler.ready.waiting_seqs()  # plain available jobs are kept as keys only
+        if len(keys) != scheduler.ready.keys:
+            raise fail(f"{len(keys)} keys waiting, but the count says {scheduler.ready.keys}")
         for job_id, row in rows.items():
             if row["state"] not in STATES:
                 raise fail(f"job {job_id} has invalid state {row['state']!r}")
             memory = scheduler.jobs.get(job_id)
+            if row["rowid"] in keys:
+                if memory is not None or row["state"] != "available":
+                    raise fail(f"job {job_id} is {row['state']} on disk, waiting as a key"
+                               f" and {memory and memory.state} in memory")
+                continue
             if row["state"] in TERMINAL:
                 if memory is not None:
                     raise fail(f"job {job_id} is {row['state']} on disk but live in memory"
@@ -720,13 +728,12 @@ class Run:
                            f" its grace over {overdue:.1f}s ago")
 
         # 2. work-conserving: nothing waits beside a running worker with room
-        waiting = [j for j in scheduler.jobs.values() if j.state == "available"]
+        waiting = scheduler.ready_counts()
         if waiting:
             idle = [w.id for w in scheduler.workers.values() if w.state == "running"
-                    and w.free() > 0 and any(scheduler.matches(w, j.spec) for j in waiting)]
+                    and w.free() > 0 and any(scheduler.matches(w, s) for _, s in waiting)]
             if idle:
-                raise fail(f"{len(waiting)} job(s) available ({waiting[0].id}, ...) while"
-                           f" {idle} have room")
+                raise fail(f"job(s) available ({waiting}) while {idle} have room")
 
         for job_id, row in rows.items():
             self.check_job(job_id, row)
@@ -872,16 +879,16 @@ class Run:
         worker = await self.open_client(self.next_id("drain"), 3)
         scheduler = self.server.coordinator.scheduler
         deadline = time.monotonic() + 10.0
-        while scheduler.jobs:
+        while scheduler.live():
             if time.monotonic() > deadline:
-                raise self.violation(f"drain did not finish: {len(scheduler.jobs)} live jobs left,"
-                                     f" e.g. {next(iter(scheduler.jobs.values()))}")
+                raise self.violation(f"drain did not finish: {scheduler.live()} live jobs left,"
+                                     f" e.g. {next(iter(scheduler.jobs.values()), None)}")
             try:
-                await wait_until(lambda: worker.held or not scheduler.jobs, timeout=5.0,
+                await wait_until(lambda: worker.held or not scheduler.live(), timeout=5.0,
                                  what="the drain worker to get a job")
             except AssertionError:
                 raise self.violation(
-                    f"drain worker got nothing while {len(scheduler.jobs)} job(s) are live:"
+                    f"drain worker got nothing while {scheduler.live()} job(s) are live:"
                     f" {[(j.id, j.state, j.run_at) for j in scheduler.jobs.values()][:5]}") from None
             if worker.held:
                 legit = sorted(worker.held.items())

@@ -19,11 +19,13 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 LAYERS: list[set[str]] = [
     {"errors", "ids", "logs", "settings", "db"},  # leaves: no rota imports
     {"protocol", "model"},  # the wire format; the job and its lifecycle
-    {"specs", "policy", "auth"},  # spec files and checksums; retry rules; tokens
+    {"specs", "policy", "auth", "ready"},  # spec files and checksums; retry rules; tokens;
+    # the ready index
     {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
     {"registry"},  # connected workers
-    {"attempts", "intake"},  # how attempts end; what producers ask
+    {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
     {"engine"},  # the pure state machine
+    {"rows"},  # jobs as rows: a restart's load, claims
     {"store"},  # SQLite
     {"coordinator"},  # the async shell
     {"gate"},  # authentication at the door
@@ -45,7 +47,8 @@ SHARED = {"errors", "ids", "protocol", "specs"}
 SDK = {"context", "manual", "worker", "client", "link", "execution", "connection", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"model", "policy", "scheduler", "effects", "registry", "attempts", "intake", "engine",
+PURE = {"model", "policy", "ready", "scheduler", "effects", "registry", "attempts", "intake",
+        "reservations", "engine",
         "link"}
 
 

@@ -248,7 +248,7 @@ async def test_batch_enqueue_reports_each_job(live: Live, tmp_path: Path):
     assert results[1]["error"]["code"] == "unknown_spec"
     assert results[4]["error"]["code"] == "id_conflict"
     assert results[5]["job"]["state"] == "scheduled"
-    assert len(live.coordinator.scheduler.jobs) == 2
+    assert live.coordinator.scheduler.live() == 2
     empty = await live.http.post("/jobs/batch", json={"jobs": []})
     assert empty.status_code == 422
 

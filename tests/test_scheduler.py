@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import random
+from typing import Any
 
 import msgspec
 import pytest
 
 from rota.policy import Limits
-from rota.scheduler import Scheduler, WorkerSlot
+from rota.scheduler import Claim, Scheduler, WorkerSlot
 from rota.store import Job
 
 CA = "sha256:" + "a" * 64
@@ -465,3 +467,161 @@ def test_compaction_keeps_every_live_deadline(sched: Scheduler) -> None:
     assert sorted(job_id for _, job_id in sched._leases) == sorted(j.id for j in live)
     assert sched.expired_leases(NOW + 1800 + 50) == []
     assert sorted(ids(sched.expired_leases(NOW + 1800 + 101))) == sorted(ids(live))
+
+
+# -- compact waiting jobs: keys only (rota/ready.py) -----------------------------------
+@pytest.fixture
+def compact() -> Scheduler:
+    scheduler = Scheduler(compact=True)
+    scheduler.status_quo = {"a": CA, "b": CB}
+    return scheduler
+
+
+def test_plain_jobs_are_kept_as_keys_and_claimed_in_priority_order(compact: Scheduler) -> None:
+    for job in (make_job("low", seq=1), make_job("high", seq=2, priority=5),
+                make_job("neg", seq=3, priority=-3), make_job("low2", seq=4)):
+        compact.add(job)
+    whole = make_job("ttl", seq=5, priority=1)
+    whole.expiry = NOW + 60  # a time to live: kept whole, beside the keys in its bucket
+    compact.add(whole)
+    assert set(compact.jobs) == {"ttl"} and compact.ready.keys == 4 and compact.live() == 5
+    compact.add_worker(make_worker("w1", concurrency=10))
+    picked = compact.plan(NOW)["w1"]
+    assert [(c.seq, c.priority) if isinstance(c, Claim) else c.id for c in picked] == [
+        (2, 5), "ttl", (1, 0), (4, 0), (3, -3)]
+    assert compact.workers["w1"].claims == 4 and compact.workers["w1"].free() == 5
+    assert compact.ready_counts() == {}
+
+
+def test_a_claim_whose_row_is_gone_gives_its_slot_back(compact: Scheduler) -> None:
+    compact.add(make_job("j1", seq=1))
+    compact.add_worker(make_worker("w1", concurrency=1))
+    [claim] = compact.plan(NOW)["w1"]
+    assert isinstance(claim, Claim) and compact.workers["w1"].free() == 0
+    assert compact.claimed(claim, None) is False
+    assert compact.workers["w1"].free() == 1 and compact.live() == 0
+
+
+def test_a_failed_claim_puts_the_key_back(compact: Scheduler) -> None:
+    compact.add(make_job("j1", seq=1))
+    compact.add_worker(make_worker("w1", concurrency=1, capacity=5))
+    [claim] = compact.plan(NOW)["w1"]
+    compact.unclaim(claim)
+    assert compact.ready_counts() == {("default", "a"): 1} and compact.claims == 0
+    [again] = compact.plan(NOW)["w1"]
+    assert isinstance(again, Claim) and again.seq == 1
+
+
+def test_a_claimed_job_is_held_by_its_worker_or_left_if_it_is_gone(compact: Scheduler) -> None:
+    for n in (1, 2):
+        compact.add(make_job(f"j{n}", seq=n))
+    compact.add_worker(make_worker("w1", concurrency=2))
+    first, second = compact.plan(NOW)["w1"]
+    row = make_job("j1", seq=1)
+    row.state, row.worker_id, row.lease = "active", "w1", NOW + 30
+    assert compact.claimed(first, row) is True
+    assert compact.workers["w1"].active == {"j1"} and compact.jobs["j1"] is row
+    compact.remove_worker("w1")
+    compact.add_worker(make_worker("w1", concurrency=2))  # a new connection, a new slot
+    other = make_job("j2", seq=2)
+    other.state, other.worker_id, other.lease = "active", "w1", NOW + 30
+    assert compact.claimed(second, other) is False  # the caller recovers it
+    assert compact.workers["w1"].active == set() and "j2" in compact.jobs
+
+
+@pytest.mark.parametrize("popped", [False, True])
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_withdrawn_key_is_skipped_and_comes_back_if_the_row_says_so(
+        compact: Scheduler, popped: bool, cancelled: bool) -> None:
+    """A cancel of a compact job: its key is skipped while the write is in flight (even
+    if it reaches the top meanwhile); the row's answer decides whether it comes back."""
+    compact.add(make_job("j1", seq=1))
+    compact.add(make_job("j2", seq=2))
+    compact.ready.withdraw("default", "a", 1)
+    assert compact.ready_counts() == {("default", "a"): 1}
+    compact.add_worker(make_worker("w1", concurrency=2, capacity=1))
+    if popped:
+        [claim] = compact.plan(NOW)["w1"]  # the withdrawn key surfaced and was skipped
+        assert isinstance(claim, Claim) and claim.seq == 2
+        compact.unclaim(claim)
+    compact.ready.withdrawn("default", "a", 0, 1, cancelled)
+    assert compact.ready.waiting_seqs() == ({2} if cancelled else {1, 2})
+    assert compact.ready.keys == (1 if cancelled else 2)
+    compact.workers["w1"].capacity = 5
+    claims = compact.plan(NOW)["w1"]
+    assert [c.seq for c in claims if isinstance(c, Claim)] == ([2] if cancelled else [1, 2])
+    assert compact.ready.keys == 0 and compact.ready_counts() == {}
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_keys_claims_and_withdraws_agree_with_a_model_of_the_rows(seed: int) -> None:
+    """Random adds, rounds, claim outcomes, jobs put back before their rows say so (a
+    recovery), and cancels, with the writer's order modelled: a claim is never given for
+    a cancelled row or twice, no key is lost, and the counts stay exact."""
+    rng = random.Random(seed)
+    sched = Scheduler(compact=True)
+    sched.status_quo = {"a": CA}
+    sched.add_worker(make_worker("w1", concurrency=1000, capacity=0))
+    rows: dict[int, str] = {}  # seq -> "available" | "active" | "cancelled" (the truth)
+    writer: list[tuple[str, Any]] = []  # writes queued, committed in order
+    withdrawing: dict[int, str] = {}  # seq -> "waiting" (its key held) | "claimed"
+    placed: set[int] = set()  # put back in memory; the row says so once its write commits
+    seq = itertools.count(1)
+    for _ in range(300):
+        op = rng.random()
+        in_flight = {item.seq for kind, item in writer if kind == "reserve"}
+        if op < 0.3:
+            n = next(seq)
+            sched.add(make_job(f"j{n}", seq=n, priority=rng.choice([0, 0, 1, -1])))
+            rows[n] = "available"
+        elif op < 0.5:
+            sched.workers["w1"].capacity = rng.randint(1, 4)
+            for claim in sched.plan(NOW).get("w1", []):
+                assert isinstance(claim, Claim) and claim.seq not in in_flight
+                assert rows[claim.seq] == "available" or claim.seq in placed
+                assert withdrawing.get(claim.seq) != "waiting"  # a withdrawn key is skipped
+                writer.append(("reserve", claim))
+        elif op < 0.65:
+            waiting = [s for s, state in rows.items()
+                       if state == "available" and s not in withdrawing]
+            if waiting:  # the cancel read an available row
+                n = rng.choice(waiting)
+                sched.ready.withdraw("default", "a", n)
+                withdrawing[n] = "claimed" if n in in_flight else "waiting"
+                writer.append(("withdraw", n))
+        elif writer:  # the writer commits the oldest write (or it fails)
+            kind, item = writer.pop(0)
+            fails = rng.random() < 0.15
+            if kind == "save":
+                rows[item] = "available"
+                placed.discard(item)
+            elif kind == "reserve" and fails:
+                sched.unclaim(item)
+                if item.seq in withdrawing:
+                    withdrawing[item.seq] = "waiting"
+            elif kind == "reserve" and rows[item.seq] == "available":
+                rows[item.seq] = "active"
+                job = make_job(f"j{item.seq}", seq=item.seq)
+                job.state, job.worker_id, job.lease = "active", "w1", NOW + 30
+                assert sched.claimed(item, job) is True
+                sched.workers["w1"].active.discard(job.id)
+                if rng.random() < 0.3:  # recovered at once: back before its row says so
+                    sched.add(job)
+                    placed.add(item.seq)
+                    writer.append(("save", item.seq))
+                else:
+                    sched.finish(job)
+            elif kind == "reserve":
+                assert sched.claimed(item, None) is False
+            else:
+                cancelled = not fails and rows[item] == "available"
+                if cancelled:
+                    rows[item] = "cancelled"
+                sched.ready.withdrawn("default", "a", 0, item, cancelled)
+                del withdrawing[item]
+        in_flight = {item.seq for kind, item in writer if kind == "reserve"}
+        expected = {s for s, state in rows.items() if state == "available" or s in placed
+                    if s not in in_flight and withdrawing.get(s) != "waiting"}
+        assert sched.ready.waiting_seqs() == expected
+        assert sched.ready.keys == len(expected)
+        assert sum(sched.ready_counts().values()) == len(expected)

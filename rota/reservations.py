@@ -1,0 +1,107 @@
+"""Scheduling rounds and their commits: what workers are sent, and when. Pure.
+
+A part of the engine (``Engine`` inherits it). A round reserves jobs in memory and
+returns one ``Reserve``; its commit's outcome comes back to ``_reserve_committed``,
+which alone releases the ``assign`` frames (commit before send). Whole jobs are
+reserved as memory holds them; a job kept as a key only (rota/ready.py) is a ``Claim``,
+and the store reserves its row only if it is still available and reads it back in the
+same transaction: the assign is built from what was read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from rota import protocol as p
+from rota.effects import Arm, Effect, Reserve, Send, Wake
+from rota.model import Instant, Job, JobState
+from rota.ready import Claim
+from rota.registry import Registry, short
+from rota.scheduler import Scheduler
+from rota.settings import ServerSettings
+
+log = logging.getLogger("rota.server")
+
+
+class Reservations:
+    settings: ServerSettings
+    scheduler: Scheduler
+    registry: Registry
+    stopping: bool
+    _ticket: Callable[[str, Any], int]
+    _recover: Callable[..., list[Effect]]  # (jobs, ending, message, now, *, death)
+
+    def dispatch(self, now: Instant) -> list[Effect]:
+        """A scheduling round: reserve what the workers can take, in memory now, and
+        send the assigns (one per worker) once the reservations are committed."""
+        plan = self.scheduler.plan(now.mono)
+        if not plan:
+            return []
+        jobs = [job for batch in plan.values() for job in batch if isinstance(job, Job)]
+        claims = [claim for batch in plan.values() for claim in batch
+                  if isinstance(claim, Claim)]
+        for job in jobs:
+            job.lease_expires_at = now.wall_of(job.lease or now.mono)
+        ticket = self._ticket("reserve", (plan, jobs, claims, now))
+        effects: list[Effect] = [Reserve(jobs, now.wall, ticket, claims,
+                                         self.scheduler.visibility_timeout)]
+        # A claimed job's lease is known once its row is read: armed then.
+        return effects + ([Arm(min(j.lease or 0.0 for j in jobs))] if jobs else [])
+
+    def _reserve_committed(self, payload: Any, error: BaseException | None,
+                           read: list[Job | None], now: Instant) -> list[Effect]:
+        plan, jobs, claims, at = payload
+        if error is not None:
+            log.error("reservation commit failed; returning %d jobs: %s",
+                      len(jobs) + len(claims), error)
+            for job in jobs:
+                if job.state == JobState.ACTIVE:
+                    job.attempt -= 1
+                    self.scheduler.release(job)
+            for claim in claims:
+                self.scheduler.unclaim(claim)
+            return [Wake()]
+        effects: list[Effect] = []
+        got: dict[int, Job] = {}  # claim's seq -> the job its worker holds now
+        for claim, job in zip(claims, read, strict=True):
+            if job is not None:
+                job.clocks(at)  # its lease, from the lease_expires_at the store wrote
+            if self.scheduler.claimed(claim, job):
+                assert job is not None
+                got[claim.seq] = job
+                effects.append(Arm(job.lease or 0.0))
+            elif job is not None:  # its worker left while the row was read: as it would
+                effects += self._lost_claim(job, now)  # have, had the job been in memory
+            else:
+                effects.append(Wake())  # cancelled meanwhile: its slot is free again
+        for worker_id, batch in plan.items():
+            connection = self.registry.get(worker_id)
+            # A job taken back meanwhile (the worker left) is no longer this worker's.
+            held = [got.get(j.seq) if isinstance(j, Claim) else j for j in batch]
+            live = [j for j in held if j is not None and j.worker_id == worker_id
+                    and j.state == JobState.ACTIVE and not j.orphaned]
+            if connection is None or not live:
+                continue
+            copies = []
+            for job in live:
+                log.info("assign job=%s spec=%s@%s queue=%s worker=%s attempt=%d",
+                         job.id, job.spec, short(job.checksum), job.queue, worker_id,
+                         job.attempt)
+                copies.append(p.JobCopy(
+                    id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
+                    args=job.args, attempt=job.attempt, priority=job.priority,
+                    visibility_timeout=self.scheduler.lease_for(job),
+                    enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs))
+            effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
+        return effects
+
+    def _lost_claim(self, job: Job, now: Instant) -> list[Effect]:
+        """A claimed job reserved for a worker that left before the row was read: what
+        its disconnect would have done with it (it was never sent, so it is no death)."""
+        if self.stopping:
+            self.scheduler.orphan(job, now.mono + self.settings.heartbeat_timeout)
+            return []
+        return self._recover([job], "worker_death", f"worker {job.worker_id} is gone"
+                             " (before its assign was sent)", now, death=False)
