@@ -120,8 +120,8 @@ def status_notes(jobs: dict[str, Job], connection: Connection, status: p.Status,
         # %r: the worker's text is quoted and escaped, so it cannot forge log lines
         log.log(LEVELS[alert.level], "alert worker=%s job=%s level=%s message=%r",
                 connection.worker.id, alert.job_id or "-", alert.level, alert.message[:200])
-        connection.alerts.append({"at": p.rfc3339(now.wall), "level": alert.level,
-                                  "job_id": alert.job_id, "message": p.cut_text(alert.message)})
+        connection.alert({"at": p.rfc3339(now.wall), "level": alert.level,
+                          "job_id": alert.job_id, "message": p.cut_text(alert.message)})
         if job is not None:
             notes.append(StatusNote(job.id, job.attempt, now.wall,
                                     line=("alert", alert.level, p.cut_text(alert.message))))

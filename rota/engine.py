@@ -227,7 +227,7 @@ class Engine(Intake, Reservations):
     def _flush_acks(self, connection: Connection) -> list[Effect]:
         sends: list[Effect] = []
         while connection.acks and connection.acks[0][1] is not None:
-            sends.append(Send(connection.conn, connection.acks.popleft()[1]))
+            sends.append(Send(connection.conn, connection.acks.pop(0)[1]))
         return sends
 
     def _reclaim(self, connection: Connection, hb: p.Heartbeat, now: Instant) -> list[Effect]:

@@ -30,8 +30,10 @@ class Gate:
         if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal = self._refusal(scope, headers)
+        # No local may keep the headers: on /work this frame lives as long as the
+        # connection (10,000 idle workers held 12 MiB of decoded headers this way).
+        refusal = self._refusal(scope, {k.decode("latin-1"): v.decode("latin-1")
+                                        for k, v in scope["headers"]})
         if refusal is not None:
             await deny(scope, send, *refusal)
             return

@@ -49,22 +49,43 @@ async def test_a_frame_is_written_before_send_returns_when_nothing_is_ahead():
 async def test_a_send_the_socket_holds_up_is_finished_in_order_by_the_send_loop():
     ws = FakeSocket()
     s = session(ws)
-    sender = asyncio.create_task(s._send_loop())
     s.send("a")
+    assert s._sender is None  # nothing waited: no task was needed
     ws.drained.clear()  # the peer stops reading
     s.send("b")  # starts, then waits on the socket
     s.send("c")  # queued behind it
     s.send("d")
-    assert ws.sent == ["a"]
+    assert ws.sent == ["a"] and s._sender is not None
     ws.drained.set()
     for _ in range(100):  # loop turns, not time
-        if len(ws.sent) == 4:
+        if len(ws.sent) == 4 and s._sender is None:
             break
         await asyncio.sleep(0)
-    assert ws.sent == ["a", "b", "c", "d"] and s._queued == 0
-    s.send("e")  # all caught up: written at once again
+    assert ws.sent == ["a", "b", "c", "d"] and s._backlog == [] and s._sender is None
+    s.send("e")  # all caught up: written at once again, and the send task is gone
     assert ws.sent[-1] == "e"
-    sender.cancel()
+
+
+async def test_a_socket_that_fails_while_frames_wait_drops_them_and_closes_the_path():
+    class Failing(FakeSocket):
+        async def send_text(self, frame: str) -> None:
+            await self.drained.wait()
+            if frame != "a":
+                raise RuntimeError("the peer is gone")
+            self.sent.append(frame)
+
+    ws = Failing()
+    s = session(ws)
+    ws.drained.clear()
+    s.send("a")  # waits on the socket
+    s.send("b")
+    sender = s._sender
+    assert sender is not None
+    ws.drained.set()
+    await asyncio.wait_for(sender, 5)  # ends without an exception left unread
+    assert ws.sent == ["a"] and s._open is False and s._backlog == []
+    s.send("c")  # dropped: the socket is gone
+    assert ws.sent == ["a"] and s._sender is None
 
 
 async def test_a_send_that_fails_at_once_closes_the_direct_path():
@@ -74,7 +95,7 @@ async def test_a_send_that_fails_at_once_closes_the_direct_path():
 
     s = session(Broken())
     s.send("a")  # no exception reaches the caller (the engine's effects)
-    assert s._open is False and s._queued == 0
+    assert s._open is False and s._sender is None and s._backlog == []
 
 
 async def test_finish_send_drives_a_coroutine_through_futures_and_bare_yields():
