@@ -13,10 +13,10 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import WebSocketRoute
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rota import api, openapi
 from rota.coordinator import Coordinator
+from rota.edge import GuardedHttp, LeanWebSocket
 from rota.gate import Gate
 from rota.sessions import work_endpoint
 from rota.settings import ServerSettings
@@ -48,87 +48,6 @@ def create_app(settings: ServerSettings) -> Starlette:
     return app
 
 
-class Corked:
-    """A response's transport that sends its headers with the first part of its body.
-
-    uvicorn writes a response's status line and headers, then its body, as two writes:
-    two system calls and two TCP segments, and a client that reads the headers first is
-    woken twice. Here the headers wait for the body when it follows in the same turn of
-    the loop, as it does for every response Rota makes; a response whose body comes
-    later (a stream) gets its headers at the end of the turn all the same."""
-
-    __slots__ = ("_transport", "_loop", "_held")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        if self._held is None:
-            self._held = data
-            self._loop.call_soon(self.flush)
-            return
-        held, self._held = self._held, None
-        self._transport.write(held + data)
-
-    def flush(self) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def __getattr__(self, name: str) -> object:  # anything else uvicorn may ask of it
-        return getattr(self._transport, name)
-
-
-class GuardedHttp(HttpToolsProtocol):
-    """uvicorn waits as long as a client likes for a request's headers (and cuts only idle
-    keep-alive connections): a slow sender could hold connections open for ever. This
-    gives every request ``header_timeout`` seconds from its first byte, or from the
-    connection's start, to finish its headers."""
-
-    header_timeout = 10.0
-    _deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._arm()
-
-    def on_headers_complete(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-        super().on_headers_complete()
-        cycle = getattr(self, "cycle", None)
-        if cycle is not None and getattr(cycle, "transport", None) is self.transport:
-            cycle.transport = Corked(self.transport, self.loop)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        if self._deadline is None:
-            self._deadline = self.loop.call_later(self.header_timeout, self._too_slow)
-
-    def _too_slow(self) -> None:
-        log.warning("closing a connection from %s: no request headers within %gs",
-                    "%s:%d" % self.client if self.client else "-", self.header_timeout)
-        self.transport.close()
-
-
 def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvicorn.Config:
     http = type("RotaHttp", (GuardedHttp,), {"header_timeout": settings.header_timeout})
     return uvicorn.Config(
@@ -140,7 +59,7 @@ def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvic
         log_level="debug" if log_level == "debug" else "warning",
         access_log=False,
         http=http,
-        ws="websockets-sansio",
+        ws=LeanWebSocket,  # websockets' sans-I/O protocol, lighter per idle connection
         ws_max_size=MAX_FRAME,
         ws_per_message_deflate=False,
         ws_ping_interval=None,  # the heartbeat, not ping/pong, proves a worker alive

@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"coordinator"},  # the async shell
     {"gate"},  # authentication at the door
     {"sessions", "api"},  # /work and the HTTP routes
-    {"openapi"},
+    {"openapi", "edge"},  # the route table; uvicorn's protocols as Rota runs them
     {"server"},
     # the SDK and the producer client, beside the server
     {"context", "client", "link"},  # a handler's context; the producer client; the core

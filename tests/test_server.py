@@ -279,7 +279,7 @@ async def test_queues_endpoint_explains_waiting_work(live: Live, connect, tmp_pa
 
 
 async def test_held_headers_keep_answers_whole_and_in_order(live: Live):
-    """Headers wait for their body (rota.server.Corked; that it saves a write per answer
+    """Headers wait for their body (rota.edge.Corked; that it saves a write per answer
     was measured with strace, not here): answers stay whole, and pipelined requests get
     theirs in order."""
     reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
@@ -300,7 +300,7 @@ async def test_held_headers_keep_answers_whole_and_in_order(live: Live):
 
 
 async def test_corked_transport_holds_headers_only_until_the_turn_ends():
-    from rota.server import Corked
+    from rota.edge import Corked
 
     class Transport:
         def __init__(self) -> None:
@@ -358,3 +358,33 @@ async def test_a_long_poll_does_not_hold_a_graceful_stop(tmp_path: Path):
             await stop_server(live)
         else:
             await live.http.aclose()
+
+
+async def test_lean_queue_and_event_behave_as_asyncio_s():
+    from rota.edge import LeanEvent, LeanQueue
+
+    queue = LeanQueue()
+    assert queue.empty() and queue.qsize() == 0
+    getter = asyncio.create_task(queue.get())
+    await asyncio.sleep(0)  # one turn: it now waits
+    queue.put_nowait("a")
+    queue.put_nowait("b")
+    assert await asyncio.wait_for(getter, 5) == "a"
+    assert queue.qsize() == 1 and await queue.get() == "b" and queue.empty()
+    cancelled = asyncio.create_task(queue.get())
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    await asyncio.gather(cancelled, return_exceptions=True)
+    queue.put_nowait("c")  # nobody waits now: it stays for the next get
+    assert await queue.get() == "c"
+
+    event = LeanEvent()
+    waiters = [asyncio.create_task(event.wait()) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert not any(w.done() for w in waiters)
+    event.set()
+    assert await asyncio.wait_for(asyncio.gather(*waiters), 5) == [True, True, True]
+    event.clear()
+    assert not event.is_set()
+    event.set()
+    assert await event.wait() is True  # set: no wait

@@ -1,0 +1,193 @@
+"""uvicorn's protocols as Rota runs them: what they do per connection and per answer.
+
+uvicorn's HTTP and WebSocket protocol classes are Rota's edge to the network. Three
+adjustments, each measured: a request gets a deadline for its headers (GuardedHttp); an
+answer's headers leave with its body in one write (Corked); and an idle /work connection
+holds little beyond its socket (LeanWebSocket), since a server may keep 10,000 of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+log = logging.getLogger("rota.server")
+
+
+class Corked:
+    """A response's transport that sends its headers with the first part of its body.
+
+    uvicorn writes a response's status line and headers, then its body, as two writes:
+    two system calls and two TCP segments, and a client that reads the headers first is
+    woken twice. Here the headers wait for the body when it follows in the same turn of
+    the loop, as it does for every response Rota makes; a response whose body comes
+    later (a stream) gets its headers at the end of the turn all the same."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is None:
+            self._held = data
+            self._loop.call_soon(self.flush)
+            return
+        held, self._held = self._held, None
+        self._transport.write(held + data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> object:  # anything else uvicorn may ask of it
+        return getattr(self._transport, name)
+
+
+class GuardedHttp(HttpToolsProtocol):
+    """uvicorn waits as long as a client likes for a request's headers (and cuts only idle
+    keep-alive connections): a slow sender could hold connections open for ever. This
+    gives every request ``header_timeout`` seconds from its first byte, or from the
+    connection's start, to finish its headers."""
+
+    header_timeout = 10.0
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        super().on_headers_complete()
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and getattr(cycle, "transport", None) is self.transport:
+            cycle.transport = Corked(self.transport, self.loop)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.header_timeout, self._too_slow)
+
+    def _too_slow(self) -> None:
+        log.warning("closing a connection from %s: no request headers within %gs",
+                    "%s:%d" % self.client if self.client else "-", self.header_timeout)
+        self.transport.close()
+
+
+class LeanQueue:
+    """What uvicorn's WebSocket protocol uses of an asyncio.Queue (put_nowait, get, empty,
+    qsize), without its four deques: 3 KiB less for every open connection."""
+
+    __slots__ = ("_items", "_getters")
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._getters: list[asyncio.Future[None]] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        if self._getters:
+            for getter in self._getters:
+                if not getter.done():
+                    getter.set_result(None)
+                    return
+
+    async def get(self) -> Any:
+        while not self._items:
+            getter = asyncio.get_running_loop().create_future()
+            if self._getters is None:
+                self._getters = []
+            self._getters.append(getter)
+            try:
+                await getter
+            finally:
+                self._getters.remove(getter)
+        return self._items.pop(0)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
+class LeanEvent:
+    """An asyncio.Event whose waiters' list exists only while someone waits."""
+
+    __slots__ = ("_value", "_waiters")
+
+    def __init__(self) -> None:
+        self._value = False
+        self._waiters: list[asyncio.Future[None]] | None = None
+
+    def is_set(self) -> bool:
+        return self._value
+
+    def set(self) -> None:
+        if self._value:
+            return
+        self._value = True
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._value = False
+
+    async def wait(self) -> bool:
+        if self._value:
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if self._waiters is not None and waiter in self._waiters:
+                self._waiters.remove(waiter)
+        return True
+
+
+class LeanWebSocket(WebSocketsSansIOProtocol):
+    """websockets' sans-I/O protocol under uvicorn, lighter per idle connection: lean
+    queue and event, and the handshake's request and response (their headers, ~3 KiB)
+    let go once the connection is accepted. Frames, limits and closes are uvicorn's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.queue = LeanQueue()  # type: ignore[assignment]
+        self.writable = LeanEvent()  # type: ignore[assignment]
+        self.writable.set()
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if self.handshake_complete and getattr(self, "request", None) is not None:
+            self.request = None  # type: ignore[assignment]
+            self.response = None  # type: ignore[assignment]
