@@ -353,6 +353,13 @@ def workers() -> None:
     """See connected workers; quiet or terminate them (rolling deploys)."""
 
 
+def _prefetched(worker: dict[str, Any]) -> str:
+    """' +waiting/prefetch' after the load, for a worker that prefetches."""
+    if not worker.get("prefetch"):
+        return ""
+    return f" +{worker['prefetched']}/{worker['prefetch']}"
+
+
 @workers.command("list")
 @URL_OPTION
 def workers_list(url: str) -> None:
@@ -363,6 +370,7 @@ def workers_list(url: str) -> None:
     for w in rows:
         click.echo(
             f"{w['id']}  {w['state']:<9} load={w['active']}/{w['concurrency']}"
+            f"{_prefetched(w)}"
             f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"
             f"  specs ok={','.join(w['specs_matching']) or '-'}"
             f" mismatched={','.join(w['specs_mismatching']) or '-'}"
