@@ -176,7 +176,10 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 @click.argument("target")
 @URL_OPTION
 @click.option("--log-level", default="info", show_default=True, type=LEVELS)
-def worker(target: str, url: str, log_level: str) -> None:
+@click.option("--prefetch", type=click.IntRange(0, 10_000), default=None,
+              help="Jobs to hold beyond the worker's concurrency, waiting to start"
+              " (default: the Worker's own, which is its concurrency unless set; 0: none).")
+def worker(target: str, url: str, log_level: str, prefetch: int | None) -> None:
     """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
 
     Signals: SIGTERM takes no new jobs, lets running ones finish within the worker's
@@ -188,6 +191,8 @@ def worker(target: str, url: str, log_level: str) -> None:
     instance = _import_worker(target)
     instance.url = ws_url(url)
     instance.token = _token() or instance.token
+    if prefetch is not None:
+        instance.prefetch = prefetch
     try:
         asyncio.run(_run_worker(instance))
     except SpecError as exc:

@@ -301,6 +301,7 @@ class Connection:
         now = time.monotonic()
         status = p.Status(state=worker.state)
         worker.status.fill(status, min(STATUS_BYTES_PER_BEAT, FRAME_BUDGET - link.results_size()))
+        status.prefetched_job_ids = worker.runner.prefetched()
         if registration or now - self._metrics_at >= METRICS_EVERY:
             self._metrics_at = now
             status.cpu_percent, status.memory_rss = worker.metrics()
@@ -339,7 +340,7 @@ class Connection:
         """On the handlers' loop: start the runs, then say so to the connection."""
         try:
             for copy in jobs:
-                self.worker.runner.start(copy)
+                self.worker.runner.take(copy)
         finally:
             self._call(self._started, len(jobs))
 

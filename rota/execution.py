@@ -1,6 +1,12 @@
 """Running assigned jobs, on the handlers' event loop: async handlers as tasks, plain
 functions each on a thread of its own.
 
+At most ``concurrency`` jobs run at once. Up to ``prefetch`` more wait in a line, in the
+order they were assigned, and the next one starts the moment a run ends, on this loop,
+without waiting for the server: that is what a prefetch buys (docs/protocol.md §3.5). A
+job that will not start here (the worker goes quiet or stops, a cancel names it) is
+given back at once as ``released``, which costs it no attempt.
+
 A run holds a slot until it ends. A plain function cannot be interrupted: when its run
 is given up (its lease lapsed, a cancel, a shutdown) the run is reported at once and
 its thread is *abandoned*: it runs on, but it is no longer the slot's. Every run of a
@@ -14,6 +20,7 @@ thread is alerted and counted; at ``max_abandoned`` of them the worker drains an
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import threading
@@ -45,10 +52,13 @@ class Run:
 class Runner:
     def __init__(self, *, worker_id: str, handlers: dict[str, Handler], concurrency: int,
                  status: StatusBuffer, report: Callable[[p.Result | None], None],
-                 max_abandoned: int, on_wedged: Callable[[], None]) -> None:
+                 max_abandoned: int, on_wedged: Callable[[], None], prefetch: int = 0) -> None:
         self.worker_id = worker_id
         self.handlers = handlers
         self.concurrency = concurrency
+        self.prefetch = prefetch  # jobs held beyond concurrency, waiting in ``waiting``
+        self.waiting: collections.deque[p.JobCopy] = collections.deque()
+        self.holding = True  # False while quiet or stopping: no job waits, it goes back
         self.status = status
         self.report = report  # a run's result (None: a slot came free with nothing to say)
         self.max_abandoned = max_abandoned
@@ -62,13 +72,41 @@ class Runner:
     def capacity(self, state: str) -> int:
         if state != "running":
             return 0
-        return max(0, self.concurrency - len(self.running))
+        return max(0, self.concurrency + self.prefetch - len(self.running) - len(self.waiting))
+
+    def prefetched(self) -> list[str]:
+        """The jobs waiting in line, not started (a copy: the line moves on its loop)."""
+        return [copy.id for copy in list(self.waiting)]
 
     def vouched(self, now: float) -> list[str]:
         """The runs whose leases this worker still vouches for."""
         return [job_id for job_id, run in list(self.running.items()) if run.deadline > now]
 
     # -- on the handlers' loop -----------------------------------------------------------
+    def take(self, copy: p.JobCopy) -> None:
+        """An assigned job: run it now if a slot is free, else keep it in line (or give
+        it back, when this worker no longer holds jobs)."""
+        if copy.id in self.running or (len(self.running) < self.concurrency and not self.waiting):
+            self.start(copy)
+        elif self.holding:
+            self.waiting.append(copy)
+        else:
+            self.report(released(copy, "the worker is not taking jobs"))
+
+    def release_waiting(self, why: str) -> None:
+        """Give every waiting job back to the server, unstarted; hold none from now on
+        (until ``holding`` is set again)."""
+        self.holding = False
+        while self.waiting:
+            copy = self.waiting.popleft()
+            log.info("released job=%s: %s", copy.id, why)
+            self.report(released(copy, why))
+
+    def _next(self) -> None:
+        """Start waiting jobs while slots are free: a run just ended."""
+        while self.waiting and len(self.running) < self.concurrency:
+            self.start(self.waiting.popleft())
+
     def start(self, copy: p.JobCopy) -> None:
         self._loop = asyncio.get_running_loop()
         if copy.id in self.running:  # a stale run of an earlier attempt: stop it
@@ -80,17 +118,40 @@ class Runner:
         run.task.add_done_callback(lambda task: self._ended(run, task))
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> None:
-        """Stop a running job; it is reported as failed with error type ``reason``."""
+        """Stop a running job; it is reported as failed with error type ``reason``. A job
+        still waiting leaves the line and is reported the same way without running (as
+        ``released`` when the worker is shutting down: it never started)."""
         run = self.running.get(job_id)
-        if run is None or run.task is None or run.cancel_reason is not None:
+        if run is None:
+            self._drop_waiting(job_id, reason)
+            return
+        if run.task is None or run.cancel_reason is not None:
             return
         log.info("cancelling job=%s reason=%s", job_id, reason)
         run.cancel_reason = reason
         run.task.cancel()
 
     def cancel_all(self, reason: str) -> None:
+        # The line first: a cancelled run that ends would start the next in line.
+        for job_id in self.prefetched():
+            self._drop_waiting(job_id, reason)
         for job_id in list(self.running):
             self.cancel(job_id, reason)
+
+    def _drop_waiting(self, job_id: str, reason: str) -> None:
+        copy = next((c for c in self.waiting if c.id == job_id), None)
+        if copy is None:
+            return
+        self.waiting.remove(copy)
+        log.info("dropped waiting job=%s reason=%s", job_id, reason)
+        if reason == "reservation_lost":  # no longer ours to report
+            self.report(None)
+        elif reason == "shutdown":
+            self.report(released(copy, "the worker is shutting down"))
+        else:
+            self.report(p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
+                                 error=p.ErrorInfo(type=reason, message="dropped unstarted by"
+                                                   f" the worker: {reason}")))
 
     def give_up_lapsed(self) -> None:
         """A run silent past its lease is stopped and reported, so that the retry the
@@ -102,7 +163,9 @@ class Runner:
 
     def stop_all(self) -> None:
         """The worker is failing: nobody to report to; the server recovers the jobs."""
-        for run in self.running.values():
+        self.holding = False
+        self.waiting.clear()  # (before the cancels: an ended run starts the next in line)
+        for run in list(self.running.values()):
             if run.task is not None:
                 run.task.cancel()
 
@@ -148,6 +211,8 @@ class Runner:
     def _forget(self, run: Run) -> None:
         if self.running.get(run.copy.id) is run:  # a newer attempt may have its slot
             del self.running[run.copy.id]
+        if self.waiting:
+            self._next()
 
     async def _call(self, ctx: JobContext, run: Run) -> p.Result:
         handler = self.handlers.get(ctx.spec)
@@ -244,6 +309,12 @@ class ResultTooLarge(Exception):
 
     retryable = False
     error_type = "result_too_large"  # the name the server gives the same failure
+
+
+def released(copy: p.JobCopy, why: str) -> p.Result:
+    """The result that gives a job back unstarted: not a failure, and no attempt used."""
+    return p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
+                    error=p.ErrorInfo(type="released", message=f"given back unstarted: {why}"))
 
 
 def error_info(exc: BaseException) -> p.ErrorInfo:

@@ -111,7 +111,7 @@ async def test_results_wait_for_the_ack_in_flight_then_leave_together(peer_and_w
     await peer.ack(first)
     second = await peer.next_with_results()
     assert sorted(r["job_id"] for r in second["results"]) == jobs[1:]
-    assert second["capacity"] == 5  # the freed slots ride along
+    assert second["capacity"] == 5 + worker.prefetch  # the freed slots ride along
 
 
 async def test_a_state_change_is_not_held_back_by_results_in_flight(peer_and_worker):
