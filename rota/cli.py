@@ -177,8 +177,8 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 @URL_OPTION
 @click.option("--log-level", default="info", show_default=True, type=LEVELS)
 @click.option("--prefetch", type=click.IntRange(0, 10_000), default=None,
-              help="Jobs to hold beyond the worker's concurrency, waiting to start"
-              " (default: the Worker's own, which is its concurrency unless set; 0: none).")
+              help="The most jobs to hold beyond the worker's concurrency, waiting to"
+              " start (default: the Worker's own, 4 x its concurrency unless set; 0: none).")
 def worker(target: str, url: str, log_level: str, prefetch: int | None) -> None:
     """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
 

@@ -95,7 +95,11 @@ class Connection:
         self._opened = False  # a connection was open since the last one was lost
         self._metrics_at = -METRICS_EVERY
         self._ticked = 0.0  # when the handlers' side was last asked to tick
-        self._starting = 0  # jobs assigned and handed to the handlers' loop, not yet started
+        # Jobs handed to the handlers' loop, and jobs it has taken in: each counter is
+        # written by one thread only, so the handlers' side need not post back to say so
+        # (a cross-thread call is a self-pipe write and a wake-up, per assign).
+        self._handed = 0  # on this thread
+        self._taken = 0  # on the handlers' thread
         self._probe_sent: float | None = None  # when the pending probe was posted
         # (handler, job id) seen blocking the handlers' loop since the pending probe
         self._blockers: dict[tuple[str, str | None], None] = {}
@@ -258,7 +262,7 @@ class Connection:
                 self._ticked = now
                 self._watch_handlers()
                 self._post(worker.tick)  # lapsed leases, the grace period: handlers' side
-            capacity = worker.runner.capacity(worker.state)
+            capacity = worker.runner.capacity(worker.state, link.round_trip)
             if not link.due(now, capacity=capacity, stopping=worker.stopping):
                 continue
             await self._check_server_alive(ws)
@@ -307,7 +311,7 @@ class Connection:
             status.cpu_percent, status.memory_rss = worker.metrics()
         beat = link.heartbeat(
             now, state=worker.state, active=worker.runner.vouched(now),
-            capacity=worker.runner.capacity(worker.state), status=status,
+            capacity=worker.runner.capacity(worker.state, link.round_trip), status=status,
             registration=worker.registration() if registration else None, goodbye=goodbye)
         await ws.send(p.encode(beat))
 
@@ -322,7 +326,7 @@ class Connection:
                 continue
             match message:
                 case p.Assign(jobs=jobs):
-                    self._starting += len(jobs)  # until the handlers' side has them
+                    self._handed += len(jobs)  # in transit until the handlers' side has them
                     self._post(self._start, jobs)
                 case p.Ack():
                     self._on_ack(message)
@@ -337,18 +341,20 @@ class Connection:
                     log.error("server error code=%s message=%s", code, text)
 
     def _start(self, jobs: list[p.JobCopy]) -> None:
-        """On the handlers' loop: start the runs, then say so to the connection."""
+        """On the handlers' loop: start the runs (or line them up)."""
         try:
             for copy in jobs:
                 self.worker.runner.take(copy)
         finally:
-            self._call(self._started, len(jobs))
+            self._taken += len(jobs)
 
-    def _started(self, count: int) -> None:
-        self._starting -= count
+    @property
+    def _starting(self) -> int:
+        """Jobs assigned and handed to the handlers' loop, not yet taken in there."""
+        return self._handed - self._taken
 
     def _on_ack(self, ack: p.Ack) -> None:
-        outcome = self.link.on_ack(ack)
+        outcome = self.link.on_ack(ack, time.monotonic())
         if outcome.directive is not None:
             log.info("directed by the server: state=%s", outcome.directive)
             self._post(self.worker.terminate if outcome.directive == "terminate"

@@ -34,7 +34,7 @@ import msgspec
 
 from rota import protocol as p
 from rota.context import JobContext, StatusBuffer
-from rota.link import RESULT_BYTES_PER_BEAT
+from rota.link import RESULT_BYTES_PER_BEAT, SMOOTHING, prefetch_line
 
 log = logging.getLogger("rota.worker")
 Handler = Callable[[JobContext], Any]
@@ -44,6 +44,7 @@ Handler = Callable[[JobContext], Any]
 class Run:
     copy: p.JobCopy
     deadline: float  # monotonic: past it, without a ctx.heartbeat(), the run is given up
+    began: float  # monotonic
     task: asyncio.Task[p.Result] | None = None
     cancel_reason: str | None = None  # why we cancelled it: "cancelled", "visibility_timeout"
     thread: threading.Thread | None = None  # a plain function's thread
@@ -59,6 +60,7 @@ class Runner:
         self.prefetch = prefetch  # jobs held beyond concurrency, waiting in ``waiting``
         self.waiting: collections.deque[p.JobCopy] = collections.deque()
         self.holding = True  # False while quiet or stopping: no job waits, it goes back
+        self.run_time: float | None = None  # runs that ended on their own, averaged (s)
         self.status = status
         self.report = report  # a run's result (None: a slot came free with nothing to say)
         self.max_abandoned = max_abandoned
@@ -69,10 +71,13 @@ class Runner:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- what the connection reads (from its own thread) ----------------------------------
-    def capacity(self, state: str) -> int:
+    def capacity(self, state: str, round_trip: float = 0.0) -> int:
+        """Jobs to ask the server for: free slots, and room in the line (as long as the
+        line should be for runs this long and this server round trip)."""
         if state != "running":
             return 0
-        return max(0, self.concurrency + self.prefetch - len(self.running) - len(self.waiting))
+        line = prefetch_line(self.prefetch, self.concurrency, self.run_time, round_trip)
+        return max(0, self.concurrency + line - len(self.running) - len(self.waiting))
 
     def prefetched(self) -> list[str]:
         """The jobs waiting in line, not started (a copy: the line moves on its loop)."""
@@ -111,7 +116,8 @@ class Runner:
         self._loop = asyncio.get_running_loop()
         if copy.id in self.running:  # a stale run of an earlier attempt: stop it
             self.cancel(copy.id, "cancelled")
-        run = Run(copy, deadline=time.monotonic() + copy.visibility_timeout)
+        began = time.monotonic()
+        run = Run(copy, deadline=began + copy.visibility_timeout, began=began)
         self.running[copy.id] = run
         run.task = asyncio.create_task(self._execute(run), name=f"rota-job-{copy.id}")
         # Whatever ends the task, even a cancel before its first step, ends the run here.
@@ -190,6 +196,9 @@ class Runner:
         copy = run.copy
         result: p.Result | None = None
         if not task.cancelled():
+            took = time.monotonic() - run.began
+            average = self.run_time
+            self.run_time = took if average is None else average + SMOOTHING * (took - average)
             error = task.exception()  # (_call turns what a handler raises into a result)
             result = task.result() if error is None else p.Result(
                 job_id=copy.id, attempt=copy.attempt, outcome="failed", error=error_info(error))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,23 @@ from rota import protocol as p
 # heartbeat (ids, metrics, registration) fits in what is left.
 FRAME_BUDGET = (1 << 20) - 64 * 1024
 RESULT_BYTES_PER_BEAT = 768 * 1024
+SMOOTHING = 0.2  # weight of a new sample in the running averages (round trip, run time)
+
+
+def prefetch_line(prefetch: int, concurrency: int, run_time: float | None,
+                  round_trip: float) -> int:
+    """How many jobs to hold beyond those running, at most ``prefetch``.
+
+    The line is there to keep the slots busy while results go to the server and the
+    next jobs come back: one round trip, in which ``concurrency`` slots finish
+    ``concurrency * round_trip / run_time`` jobs. It holds twice that (a margin for a
+    slow commit), so short jobs get the whole ``prefetch`` and long ones one waiting job
+    or none, which is what keeps a long job from waiting on a busy worker while another
+    is idle. Until a run has ended, nothing is known of run times: no line."""
+    if prefetch <= 0 or run_time is None:
+        return 0
+    wanted = 2 * concurrency * round_trip / max(run_time, 1e-6)
+    return min(prefetch, math.ceil(wanted))
 
 
 class LinkState(enum.Enum):
@@ -60,6 +78,8 @@ class Link:
         self._urgent = False  # a state change or an alert: beat now, whatever is in flight
         self._last_beat = 0.0
         self._last_capacity = 0
+        # Heartbeat with results -> its ack: the server's commit round trip, averaged.
+        self.round_trip = 0.002
         self.frames_sent = 0
         self.results_sent = 0
         self.flush_delays: collections.deque[float] = collections.deque(maxlen=100_000)
@@ -182,14 +202,17 @@ class Link:
         return results
 
     # -- answers -----------------------------------------------------------------------
-    def on_ack(self, ack: p.Ack) -> AckOutcome:
+    def on_ack(self, ack: p.Ack, now: float | None = None) -> AckOutcome:
         """Read an ack: results it accepts are done with; those the server could not store
         go again; a state stricter than what that heartbeat said is a directive (an echo
-        of an older state must not undo a SIGCONT that came since)."""
+        of an older state must not undo a SIGCONT that came since). With ``now``, the
+        ack of a heartbeat with results times the server's round trip."""
         outcome = AckOutcome(rejected=list(ack.rejected))
-        said, _ = self._sent_state.pop(ack.seq, (ack.state, 0.0))
+        said, sent_at = self._sent_state.pop(ack.seq, (ack.state, None))
         if p.STATE_RANK[ack.state] > p.STATE_RANK[said]:  # type: ignore[index]
             outcome.directive = ack.state
+        if now is not None and sent_at is not None and ack.seq in self._unacked:
+            self.round_trip += SMOOTHING * (now - sent_at - self.round_trip)
         sent = {r.job_id: r for r in self._unacked.pop(ack.seq, [])}
         for rejected in ack.rejected:
             if rejected.reason.startswith("could not be stored") and rejected.job_id in sent:

@@ -52,6 +52,9 @@ __all__ = ["Worker", "JobContext", "ResultTooLarge", "RESULT_BYTES_PER_BEAT", "E
 log = logging.getLogger("rota.worker")
 SDK = "rota-python/0.1.0"
 EXIT_WEDGED = 75  # run() ended because abandoned threads held too many slots (EX_TEMPFAIL)
+# The default prefetch ceiling, per slot. Short jobs fill it (docs/performance.md: the
+# deeper the line, the more results share a commit); long ones hold one waiting job.
+PREFETCH_PER_SLOT = 4
 
 
 class Worker:
@@ -78,7 +81,7 @@ class Worker:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if prefetch is not None and not 0 <= prefetch <= p.MAX_PREFETCH:
-            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: the concurrency)")
+            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: 4 x concurrency)")
         if max_abandoned_threads is not None and max_abandoned_threads < 1:
             raise ValueError("max_abandoned_threads must be at least 1 (None: 2 x concurrency)")
         self.url = url
@@ -117,12 +120,13 @@ class Worker:
         self.link = Link(self.worker_id, interval=heartbeat_interval,
                          reconnect_max_delay=reconnect_max_delay)
         # Jobs held beyond concurrency, so that the next starts the moment a run ends
-        # instead of a server round trip later (docs/protocol.md §3.5). As many as run at
-        # once by default: one round trip's worth of short jobs (docs/performance.md).
+        # instead of a server round trip later (docs/protocol.md §3.5). A ceiling: the
+        # runner holds only what covers a round trip at the runs' own pace.
         self.runner = Runner(worker_id=self.worker_id, handlers=self.handlers,
                              concurrency=concurrency, status=self.status, report=self._report,
                              max_abandoned=self.max_abandoned_threads, on_wedged=self._wedged,
-                             prefetch=concurrency if prefetch is None else prefetch)
+                             prefetch=default_prefetch(concurrency) if prefetch is None
+                             else prefetch)
         self._connection: Connection | None = None
         self._outgoing: list[p.Result | None] = []  # run ends not yet handed over
         self._flush_due = False
@@ -364,6 +368,10 @@ class Worker:
             self.quiet()
         elif sig == signal.SIGCONT:
             self.resume()
+
+
+def default_prefetch(concurrency: int) -> int:
+    return min(p.MAX_PREFETCH, PREFETCH_PER_SLOT * concurrency)
 
 
 class _Signals:

@@ -12,7 +12,7 @@ from typing import Any
 
 from conftest import Live, write_spec
 from helpers import wait_until
-from test_reconnect import Tally
+from test_reconnect import Tally, behind_proxy, reconnected
 
 from rota import Worker
 
@@ -45,10 +45,19 @@ async def fill(live: Live, tmp_path: Path, sdk_worker: Callable[..., Awaitable[W
                gate: Gate, jobs: int) -> tuple[Worker, list[dict[str, Any]]]:
     """A worker of concurrency 2 and prefetch 3, full: 2 running, 3 waiting."""
     await live.push(write_spec(tmp_path, "work"))
-    enqueued = [await live.enqueue("work", id=f"j{n}") for n in range(jobs)]
     first = await sdk_worker(gate.worker(tmp_path, concurrency=2, prefetch=3))
-    await held(live, first, running=2, prefetched=3)
-    return first, enqueued
+    return first, await fill_up(live, first, jobs)
+
+
+async def fill_up(live: Live, worker: Worker, jobs: int) -> list[dict[str, Any]]:
+    """Enqueue ``jobs`` gated jobs and wait until the worker holds 2 + 3 of them. (It
+    holds a line once it has seen how long runs take: two quick jobs show it they are
+    short.)"""
+    for _ in range(2):
+        await live.wait_state((await live.enqueue("work", {"quick": True}))["id"], "completed")
+    enqueued = [await live.enqueue("work", id=f"j{n}") for n in range(jobs)]
+    await held(live, worker, running=2, prefetched=3)
+    return enqueued
 
 
 async def each_ran_once_after(live: Live, gate: Gate, jobs: list[dict[str, Any]],
@@ -121,3 +130,17 @@ async def test_a_waiting_job_cancelled_never_runs(live: Live, tmp_path: Path, sd
         if job["id"] != "j3":
             await live.wait_state(job["id"], "completed")
     assert gate.runs["j3"] == 0 and gate.most == 2
+
+
+async def test_a_lost_connection_keeps_the_line_and_the_worker_reclaims_it(
+        live: Live, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "work"))
+    gate = Gate()
+    async with behind_proxy(live.settings.port, tmp_path, concurrency=2, tally=gate,
+                            gate=gate.open, prefetch=3) as (_, worker, proxy):
+        jobs = await fill_up(live, worker, 6)
+        worker.connected.clear()
+        proxy.cut()  # no assign on its way: the worker holds all it may
+        await reconnected(worker, proxy, 2)
+        await held(live, worker, running=2, prefetched=3)  # reclaimed, running and waiting
+        await each_ran_once_after(live, gate, jobs, released=[])

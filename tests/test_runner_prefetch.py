@@ -30,6 +30,10 @@ class Line:
         self.runner = Runner(worker_id="w", handlers={"slow": self.slow}, concurrency=2,
                              status=StatusBuffer(wake=lambda: None), report=self.results.append,
                              max_abandoned=4, on_wedged=lambda: None, prefetch=prefetch)
+        self.runner.run_time = 0.0001  # short runs seen: the whole prefetch is wanted
+
+    def capacity(self, state: str = "running") -> int:
+        return self.runner.capacity(state, round_trip=0.002)
 
     async def slow(self, ctx) -> str:  # type: ignore[no-untyped-def]
         self.started.append(ctx.id)
@@ -53,21 +57,35 @@ async def test_jobs_beyond_concurrency_wait_in_order_and_start_as_slots_free():
     line.take("a", "b", "c", "d")
     await wait_until(lambda: line.started == ["a", "b"], what="two runs")
     assert line.runner.prefetched() == ["c", "d"]
-    assert line.runner.capacity("running") == 0
+    assert line.capacity() == 0
     line.finish("b")
     await wait_until(lambda: line.started == ["a", "b", "c"], what="c to start")
     assert line.runner.prefetched() == ["d"] and len(line.runner.running) == 2
-    assert line.runner.capacity("running") == 1  # one slot of the line is free
+    assert line.capacity() == 1  # one slot of the line is free
     for job_id in "acd":
         line.finish(job_id)
     await wait_until(lambda: len(line.results) == 4, what="four results")
     assert [r.outcome for r in line.results if r is not None] == ["completed"] * 4
 
 
+async def test_the_line_is_asked_for_only_once_runs_are_known_to_be_short():
+    line = Line()
+    line.runner.run_time = None  # nothing ended yet
+    assert line.capacity() == 2  # the free slots only
+    line.take("a", "b")
+    line.finish("a")
+    await wait_until(lambda: len(line.results) == 1, what="a to end")
+    assert line.runner.run_time is not None and line.runner.run_time < 1.0
+    assert line.capacity() == 1 + 2  # a's slot, and the whole line
+    line.runner.run_time = 3600.0  # jobs of an hour: one waits, no more
+    assert line.capacity() == 1 + 1
+    line.finish("b")
+
+
 async def test_without_prefetch_capacity_is_concurrency_less_running():
     line = Line(prefetch=0)
     line.take("a")
-    assert line.runner.capacity("running") == 1 and line.runner.capacity("quiet") == 0
+    assert line.capacity() == 1 and line.capacity("quiet") == 0
 
 
 @pytest.mark.parametrize("why", ["the worker is quiet", "the worker is terminate"])
