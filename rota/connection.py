@@ -305,7 +305,7 @@ class Connection:
         now = time.monotonic()
         status = p.Status(state=worker.state)
         worker.status.fill(status, min(STATUS_BYTES_PER_BEAT, FRAME_BUDGET - link.results_size()))
-        status.prefetched_job_ids = worker.runner.prefetched()
+        status.prefetched_job_ids = worker.runner.prefetched(now)
         if registration or now - self._metrics_at >= METRICS_EVERY:
             self._metrics_at = now
             status.cpu_percent, status.memory_rss = worker.metrics()

@@ -58,7 +58,10 @@ class Runner:
         self.handlers = handlers
         self.concurrency = concurrency
         self.prefetch = prefetch  # jobs held beyond concurrency, waiting in ``waiting``
-        self.waiting: collections.deque[p.JobCopy] = collections.deque()
+        # (job, until): a waiting job is vouched for until its visibility timeout has
+        # passed since it was assigned, as a run would be; so a line stuck behind a
+        # blocked loop is not renewed for ever, and the server's lease takes it back.
+        self.waiting: collections.deque[tuple[p.JobCopy, float]] = collections.deque()
         self.holding = True  # False while quiet or stopping: no job waits, it goes back
         self.run_time: float | None = None  # runs that ended on their own, averaged (s)
         self.status = status
@@ -79,9 +82,10 @@ class Runner:
         line = prefetch_line(self.prefetch, self.concurrency, self.run_time, round_trip)
         return max(0, self.concurrency + line - len(self.running) - len(self.waiting))
 
-    def prefetched(self) -> list[str]:
-        """The jobs waiting in line, not started (a copy: the line moves on its loop)."""
-        return [copy.id for copy in list(self.waiting)]
+    def prefetched(self, now: float | None = None) -> list[str]:
+        """The jobs waiting in line, not started (a copy: the line moves on its loop);
+        with ``now``, only those it still vouches for."""
+        return [copy.id for copy, until in list(self.waiting) if now is None or until > now]
 
     def vouched(self, now: float) -> list[str]:
         """The runs whose leases this worker still vouches for."""
@@ -94,7 +98,7 @@ class Runner:
         if copy.id in self.running or (len(self.running) < self.concurrency and not self.waiting):
             self.start(copy)
         elif self.holding:
-            self.waiting.append(copy)
+            self.waiting.append((copy, time.monotonic() + copy.visibility_timeout))
         else:
             self.report(released(copy, "the worker is not taking jobs"))
 
@@ -103,14 +107,14 @@ class Runner:
         (until ``holding`` is set again)."""
         self.holding = False
         while self.waiting:
-            copy = self.waiting.popleft()
+            copy, _ = self.waiting.popleft()
             log.info("released job=%s: %s", copy.id, why)
             self.report(released(copy, why))
 
     def _next(self) -> None:
         """Start waiting jobs while slots are free: a run just ended."""
         while self.waiting and len(self.running) < self.concurrency:
-            self.start(self.waiting.popleft())
+            self.start(self.waiting.popleft()[0])
 
     def start(self, copy: p.JobCopy) -> None:
         self._loop = asyncio.get_running_loop()
@@ -145,15 +149,18 @@ class Runner:
             self.cancel(job_id, reason)
 
     def _drop_waiting(self, job_id: str, reason: str) -> None:
-        copy = next((c for c in self.waiting if c.id == job_id), None)
-        if copy is None:
+        entry = next((e for e in self.waiting if e[0].id == job_id), None)
+        if entry is None:
             return
-        self.waiting.remove(copy)
+        self.waiting.remove(entry)
+        copy = entry[0]
         log.info("dropped waiting job=%s reason=%s", job_id, reason)
         if reason == "reservation_lost":  # no longer ours to report
             self.report(None)
         elif reason == "shutdown":
             self.report(released(copy, "the worker is shutting down"))
+        elif reason == "waited":
+            self.report(released(copy, "it waited in line past its visibility timeout"))
         else:
             self.report(p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
                                  error=p.ErrorInfo(type=reason, message="dropped unstarted by"
@@ -166,6 +173,9 @@ class Runner:
         for job_id, run in list(self.running.items()):
             if run.deadline <= now:
                 self.cancel(job_id, "visibility_timeout")
+        for copy, until in list(self.waiting):  # waited a whole lease: let another run it
+            if until <= now:
+                self._drop_waiting(copy.id, "waited")
 
     def stop_all(self) -> None:
         """The worker is failing: nobody to report to; the server recovers the jobs."""

@@ -5,6 +5,7 @@ capacity counts them; quiet, shutdown and cancels give waiting jobs back unstart
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from helpers import wait_until
@@ -14,9 +15,9 @@ from rota.context import StatusBuffer
 from rota.execution import Runner
 
 
-def copy(job_id: str, attempt: int = 1) -> p.JobCopy:
+def copy(job_id: str, attempt: int = 1, visibility_timeout: float = 60.0) -> p.JobCopy:
     return p.JobCopy(id=job_id, spec="slow", checksum="c", queue="default", args={},
-                     attempt=attempt, priority=0, visibility_timeout=60.0,
+                     attempt=attempt, priority=0, visibility_timeout=visibility_timeout,
                      enqueued_at="2026-11-25T00:00:00.000Z")
 
 
@@ -130,3 +131,20 @@ async def test_stop_all_starts_nothing_from_the_line():
     line.runner.stop_all()
     await wait_until(lambda: not line.runner.running, what="the runs to stop")
     assert line.started == ["a", "b"] and line.runner.prefetched() == []
+
+
+async def test_a_job_that_waits_past_its_lease_is_no_longer_named_and_goes_back():
+    line = Line()
+    line.take("a", "b")
+    line.runner.take(copy("c", visibility_timeout=0.05))
+    assert line.runner.prefetched(time.monotonic()) == ["c"]
+    assert line.runner.prefetched(time.monotonic() + 1.0) == []  # a blocked loop stops renewing it
+
+    def given_back() -> bool:
+        line.runner.give_up_lapsed()  # what the worker's tick does every 0.1 s
+        return not line.runner.waiting
+
+    await wait_until(given_back, what="c to go back")
+    assert line.errors() == [("c", "released")] and line.started == ["a", "b"]
+    for job_id in "ab":
+        line.finish(job_id)
