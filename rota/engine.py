@@ -30,6 +30,7 @@ from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Sen
                           WorkerGone, WorkerSeen)
 from rota.intake import Intake
 from rota.jobs import error_record
+from rota.logs import log_lines
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
 from rota.policy import Ending
 from rota.registry import Connection, Registry, held_ids, judge_specs, short
@@ -337,14 +338,16 @@ class Engine(Intake):
                     job_id=change.job.id, attempt=change.job.attempt,
                     reason=f"could not be stored ({error}); report it again"))
         else:
+            completed = []
             for change in changes:
                 job = change.job
                 if job.state == JobState.COMPLETED:
-                    log.info("result job=%s spec=%s@%s queue=%s worker=%s attempt=%d"
-                             " outcome=completed", job.id, job.spec, short(job.checksum),
-                             job.queue, worker_id, job.attempt)
+                    completed.append((job.id, job.spec, short(job.checksum), job.queue,
+                                      worker_id, job.attempt))
                 self._remember(job.id, worker_id, job.attempt)
                 effects += self._place(job)
+            log_lines(log, logging.INFO, "result job=%s spec=%s@%s queue=%s worker=%s"
+                      " attempt=%d outcome=completed", completed)
             effects.append(Wake())
             accepted += [c.job.id for c in changes]
         connection = self.registry.get(worker_id, conn)
@@ -490,10 +493,10 @@ class Engine(Intake):
             if connection is None or not live:
                 continue
             copies = []
+            log_lines(log, logging.INFO, "assign job=%s spec=%s@%s queue=%s worker=%s"
+                      " attempt=%d", [(job.id, job.spec, short(job.checksum), job.queue,
+                                       worker_id, job.attempt) for job in live])
             for job in live:
-                log.info("assign job=%s spec=%s@%s queue=%s worker=%s attempt=%d",
-                         job.id, job.spec, short(job.checksum), job.queue, worker_id,
-                         job.attempt)
                 copies.append(p.JobCopy(
                     id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
                     args=job.args, attempt=job.attempt, priority=job.priority,
