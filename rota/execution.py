@@ -44,7 +44,7 @@ Handler = Callable[[JobContext], Any]
 class Run:
     copy: p.JobCopy
     deadline: float  # monotonic: past it, without a ctx.heartbeat(), the run is given up
-    began: float  # monotonic
+    began: float  # monotonic: when the handler was first stepped (times the run)
     task: asyncio.Task[p.Result] | None = None
     cancel_reason: str | None = None  # why we cancelled it: "cancelled", "visibility_timeout"
     thread: threading.Thread | None = None  # a plain function's thread
@@ -188,6 +188,9 @@ class Runner:
     async def _execute(self, run: Run) -> p.Result:
         copy = run.copy
         loop = asyncio.get_running_loop()
+        # The run's own time starts now, not when its task was made: runs started
+        # together wait for each other's first steps, which is not what they take.
+        run.began = time.monotonic()
 
         def extend_now() -> None:
             run.deadline = time.monotonic() + copy.visibility_timeout

@@ -52,9 +52,10 @@ __all__ = ["Worker", "JobContext", "ResultTooLarge", "RESULT_BYTES_PER_BEAT", "E
 log = logging.getLogger("rota.worker")
 SDK = "rota-python/0.1.0"
 EXIT_WEDGED = 75  # run() ended because abandoned threads held too many slots (EX_TEMPFAIL)
-# The default prefetch ceiling, per slot. Short jobs fill it (docs/performance.md: the
-# deeper the line, the more results share a commit); long ones hold one waiting job.
-PREFETCH_PER_SLOT = 4
+# The default prefetch ceiling, per slot. Only very short jobs fill it: the deeper the
+# line, the more results share a heartbeat and a commit (docs/performance.md measures
+# 4, 8 and 16); jobs of a millisecond or more hold far less, long ones one waiting job.
+PREFETCH_PER_SLOT = 16
 
 
 class Worker:
@@ -81,7 +82,7 @@ class Worker:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if prefetch is not None and not 0 <= prefetch <= p.MAX_PREFETCH:
-            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: 4 x concurrency)")
+            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: 16 x concurrency)")
         if max_abandoned_threads is not None and max_abandoned_threads < 1:
             raise ValueError("max_abandoned_threads must be at least 1 (None: 2 x concurrency)")
         self.url = url
