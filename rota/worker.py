@@ -53,9 +53,11 @@ log = logging.getLogger("rota.worker")
 SDK = "rota-python/0.1.0"
 EXIT_WEDGED = 75  # run() ended because abandoned threads held too many slots (EX_TEMPFAIL)
 # The default prefetch ceiling, per slot. Only very short jobs fill it: the deeper the
-# line, the more results share a heartbeat and a commit (docs/performance.md measures
-# 4, 8 and 16); jobs of a millisecond or more hold far less, long ones one waiting job.
-PREFETCH_PER_SLOT = 16
+# line, the more results share a heartbeat and a commit, and the more a worker runs
+# while the server is busy with something else (docs/performance.md measures 4, 16 and
+# 64). Jobs of a millisecond or more hold far less (the line covers two round trips of
+# runs), long ones one waiting job.
+PREFETCH_PER_SLOT = 64
 
 
 class Worker:
@@ -82,7 +84,7 @@ class Worker:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if prefetch is not None and not 0 <= prefetch <= p.MAX_PREFETCH:
-            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: 16 x concurrency)")
+            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: 64 x concurrency)")
         if max_abandoned_threads is not None and max_abandoned_threads < 1:
             raise ValueError("max_abandoned_threads must be at least 1 (None: 2 x concurrency)")
         self.url = url
