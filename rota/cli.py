@@ -22,6 +22,7 @@ import click
 
 from rota import logs
 from rota.client import ApiError, Client, ws_url
+from rota.protocol import MAX_PREFETCH
 from rota.specs import SpecError, checksum, load_dir
 
 _URL = click.option(
@@ -176,7 +177,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 @click.argument("target")
 @URL_OPTION
 @click.option("--log-level", default="info", show_default=True, type=LEVELS)
-@click.option("--prefetch", type=click.IntRange(0, 10_000), default=None,
+@click.option("--prefetch", type=click.IntRange(0, MAX_PREFETCH), default=None,
               help="The most jobs to hold beyond the worker's concurrency, waiting to"
               " start (default: the Worker's own, 64 x its concurrency unless set; 0: none).")
 def worker(target: str, url: str, log_level: str, prefetch: int | None) -> None:

@@ -31,7 +31,7 @@ from websockets.asyncio.client import ClientConnection
 from rota import protocol as p
 from rota.context import STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.execution import Handler, Runner
-from rota.link import FRAME_BUDGET, Link
+from rota.link import FRAME_BUDGET, Link, ids_size
 
 log = logging.getLogger("rota.worker")
 METRICS_EVERY = 5.0  # seconds between CPU/RAM figures in heartbeats
@@ -304,15 +304,20 @@ class Connection:
         worker, link = self.worker, self.link
         now = time.monotonic()
         status = p.Status(state=worker.state)
-        worker.status.fill(status, min(STATUS_BYTES_PER_BEAT, FRAME_BUDGET - link.results_size()))
-        status.prefetched_job_ids = worker.runner.prefetched(now)
+        active, waiting = worker.runner.vouched(now), worker.runner.prefetched(now)
+        status.prefetched_job_ids = waiting
+        # The ids take their share of the frame first: a deep line's can be 100 KiB.
+        reserve = ids_size(active) + ids_size(waiting)
+        worker.status.fill(status, min(STATUS_BYTES_PER_BEAT, FRAME_BUDGET - reserve
+                                       - link.results_size(reserve)))
         if registration or now - self._metrics_at >= METRICS_EVERY:
             self._metrics_at = now
             status.cpu_percent, status.memory_rss = worker.metrics()
         beat = link.heartbeat(
-            now, state=worker.state, active=worker.runner.vouched(now),
+            now, state=worker.state, active=active,
             capacity=worker.runner.capacity(worker.state, link.round_trip), status=status,
-            registration=worker.registration() if registration else None, goodbye=goodbye)
+            registration=worker.registration() if registration else None, goodbye=goodbye,
+            reserve=reserve)
         await ws.send(p.encode(beat))
 
     async def _read(self, ws: ClientConnection) -> None:

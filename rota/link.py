@@ -152,11 +152,12 @@ class Link:
 
     def heartbeat(self, now: float, *, state: str, active: list[str], capacity: int,
                   status: p.Status | None = None, registration: p.Registration | None = None,
-                  goodbye: bool = False) -> p.Heartbeat:
+                  goodbye: bool = False, reserve: int = 0) -> p.Heartbeat:
         """The next heartbeat, recorded as sent. ``status`` (if given) brings its own
-        extras (progress, logs, metrics); ``state`` and ``active`` are set here."""
+        extras (progress, logs, metrics); ``state`` and ``active`` are set here.
+        ``reserve``: bytes of the frame the job ids take, which results leave free."""
         self._urgent = False  # (taking results may set it again: more are waiting)
-        results = self._take_results()
+        results = self._take_results(reserve)
         if status is None:
             status = p.Status(state=state)  # type: ignore[arg-type]
         status.state = state  # type: ignore[assignment]
@@ -177,25 +178,26 @@ class Link:
         self.results_sent += len(results)
         return beat
 
-    def results_size(self) -> int:
+    def results_size(self, reserve: int = 0) -> int:
         """What the results of the next heartbeat will take of its frame, near enough."""
-        return self._batch()[1]
+        return self._batch(reserve)[1]
 
-    def _batch(self) -> tuple[int, int]:
-        """(how many, their size): as many waiting results as fit RESULT_BYTES_PER_BEAT,
-        one at least, so a frame never passes the server's 1 MiB limit."""
+    def _batch(self, reserve: int = 0) -> tuple[int, int]:
+        """(how many, their size): as many waiting results as fit RESULT_BYTES_PER_BEAT
+        less ``reserve``, one at least, so a frame never passes the server's 1 MiB limit."""
         taken = size = 0
+        room = RESULT_BYTES_PER_BEAT - reserve
         for result in self._results:
             cost = result_size(result)
-            if taken and size + cost > RESULT_BYTES_PER_BEAT:
+            if taken and size + cost > room:
                 break
             taken += 1
             size += cost
         return taken, size
 
-    def _take_results(self) -> list[p.Result]:
+    def _take_results(self, reserve: int = 0) -> list[p.Result]:
         """The next heartbeat's results; the rest go in the next one, which is then due."""
-        taken, _ = self._batch()
+        taken, _ = self._batch(reserve)
         results, self._results = self._results[:taken], self._results[taken:]
         if self._results:
             self._urgent = True  # the rest leave in the very next heartbeat
@@ -245,6 +247,15 @@ class Link:
 
 def result_size(result: p.Result) -> int:
     """A result's encoded size, near enough: its value's bytes (already encoded) plus its
-    envelope, or an error's bound (messages and tracebacks are cut to a few KiB)."""
+    envelope, or an error's bound (messages and tracebacks are cut to a few KiB; an
+    error with no details, such as a released job's, is its message and envelope)."""
     value = len(result.result) if isinstance(result.result, msgspec.Raw) else 0
-    return value + (16 * 1024 if result.error is not None else 256)
+    error = result.error
+    if error is None:
+        return value + 256
+    return value + (16 * 1024 if error.details is not None else 512 + 4 * len(error.message))
+
+
+def ids_size(ids: list[str]) -> int:
+    """What a list of job ids takes of a frame as JSON, near enough."""
+    return sum(len(job_id) + 3 for job_id in ids)

@@ -36,7 +36,9 @@ Percent = Annotated[float, msgspec.Meta(ge=0, le=100)]
 # Longer texts in progress, log lines and alerts are cut to this on the server.
 MAX_TEXT = 8192
 Positive = Annotated[int, msgspec.Meta(ge=1)]
-MAX_PREFETCH = 10_000  # a registration's prefetch: more would be a backlog, not a prefetch
+# A registration's prefetch: more would be a backlog, not a prefetch; and the ids of a
+# full line (named in every status) stay within a tenth of a frame.
+MAX_PREFETCH = 1_000
 
 
 # -- close codes (RFC 6455 section 7.4.1) ---------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rota import protocol as p
-from rota.link import SMOOTHING, Link, LinkState, prefetch_line
+from rota.link import SMOOTHING, Link, LinkState, ids_size, prefetch_line
 
 WELCOME = p.Welcome(worker_id="w", server_time="2026-01-01T00:00:00Z", heartbeat_interval=1.0,
                     heartbeat_timeout=8.0, visibility_timeout=60.0,
@@ -158,3 +158,16 @@ def test_the_round_trip_is_timed_on_acks_of_heartbeats_with_results():
     idle = link.heartbeat(2.0, state="running", active=[], capacity=4)
     link.on_ack(ack(idle), now=2.0001)  # no results, no commit: not a round trip
     assert abs(link.round_trip - timed) < 1e-9
+
+
+def test_the_ids_of_a_deep_line_leave_less_room_for_results():
+    link, _ = connected()
+    for n in range(2000):  # released jobs: short errors, no details
+        link.add_result(p.Result(job_id=f"j{n}", attempt=1, outcome="failed",
+                                 error=p.ErrorInfo(type="released", message="given back")), 0.0)
+    roomy = link.heartbeat(0.0, state="quiet", active=[], capacity=0)
+    ids = [f"{n:0128d}" for n in range(1000)]  # the longest line of the longest ids
+    tight = link.heartbeat(0.0, state="quiet", active=[], capacity=0, reserve=ids_size(ids))
+    assert len(roomy.results) > len(tight.results) > 0
+    tight.status.prefetched_job_ids = ids  # type: ignore[union-attr]
+    assert len(p.encode(tight)) < 1 << 20  # what the server takes
