@@ -253,7 +253,8 @@ def result_size(result: p.Result) -> int:
     error = result.error
     if error is None:
         return value + 256
-    return value + (16 * 1024 if error.details is not None else 512 + 4 * len(error.message))
+    # (6 bytes a character at most: a control character is escaped as \u00XX)
+    return value + (16 * 1024 if error.details is not None else 512 + 6 * len(error.message))
 
 
 def ids_size(ids: list[str]) -> int:
