@@ -280,7 +280,8 @@ class Engine(Intake):
                             result.job_id, worker.id, result.attempt, reason)
                 continue
             job = self.scheduler.jobs[result.job_id]
-            undo = (job.fails, job.deaths, job.budget_start, job.run_at, job.due)  # if the commit fails
+            # What settling changes, put back if the commit fails.
+            undo = (job.fails, job.deaths, job.budget_start, job.run_at, job.due)
             accepted.append(job.id)
             changes.append(settle(job, result, now, rand=self._rand,
                                   max_result_bytes=self.settings.max_result_bytes))

@@ -95,10 +95,11 @@ class Runner:
     def take(self, copy: p.JobCopy) -> None:
         """An assigned job: run it now if a slot is free, else keep it in line (or give
         it back, when this worker no longer holds jobs)."""
-        if copy.id in self.running or (len(self.running) < self.concurrency and not self.waiting):
+        if copy.id in self.running:  # a new attempt of a job it runs: start it over
             self.start(copy)
-        elif self.holding:
+        elif self.holding or len(self.running) < self.concurrency:
             self.waiting.append((copy, time.monotonic() + copy.visibility_timeout))
+            self._next()  # in line behind whatever waits already
         else:
             self.report(released(copy, "the worker is not taking jobs"))
 
