@@ -179,7 +179,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 @click.option("--log-level", default="info", show_default=True, type=LEVELS)
 @click.option("--prefetch", type=click.IntRange(0, MAX_PREFETCH), default=None,
               help="The most jobs to hold beyond the worker's concurrency, waiting to"
-              " start (default: the Worker's own, 64 x its concurrency unless set; 0: none).")
+              " start (default: the Worker's own, 32 x its concurrency unless set; 0: none).")
 def worker(target: str, url: str, log_level: str, prefetch: int | None) -> None:
     """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
 

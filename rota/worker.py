@@ -54,10 +54,11 @@ SDK = "rota-python/0.1.0"
 EXIT_WEDGED = 75  # run() ended because abandoned threads held too many slots (EX_TEMPFAIL)
 # The default prefetch ceiling, per slot. Only very short jobs fill it: the deeper the
 # line, the more results share a heartbeat and a commit, and the more a worker runs
-# while the server is busy with something else (docs/performance.md measures 4, 16 and
-# 64). Jobs of a millisecond or more hold far less (the line covers two round trips of
-# runs), long ones one waiting job.
-PREFETCH_PER_SLOT = 64
+# while the server is busy with something else; but the larger each round, the longer
+# other requests wait behind it (docs/performance.md measures 4, 16, 32 and 64 both
+# ways). Jobs of a millisecond or more hold far less (the line covers two round trips
+# of runs), long ones one waiting job.
+PREFETCH_PER_SLOT = 32
 
 
 class Worker:
@@ -84,7 +85,7 @@ class Worker:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if prefetch is not None and not 0 <= prefetch <= p.MAX_PREFETCH:
-            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: 64 x concurrency)")
+            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: 32 x concurrency)")
         if max_abandoned_threads is not None and max_abandoned_threads < 1:
             raise ValueError("max_abandoned_threads must be at least 1 (None: 2 x concurrency)")
         self.url = url
