@@ -236,7 +236,8 @@ async def list_workers(request: Request) -> Response:
         workers.append({
             "id": slot.id, "hostname": reg.hostname, "pid": reg.pid, "os": reg.os,
             "sdk": reg.sdk, "state": slot.state, "queues": slot.queues, "labels": slot.labels,
-            "concurrency": slot.concurrency, "active": len(slot.active),
+            "concurrency": slot.concurrency, "prefetch": slot.prefetch,
+            "active": slot.running(), "prefetched": len(slot.active) - slot.running(),
             "capacity": slot.capacity, "specs_matching": matching,
             "specs_mismatching": sorted(set(slot.specs) - set(matching)),
             "directive": conn.directive,

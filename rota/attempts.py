@@ -21,7 +21,8 @@ log = logging.getLogger("rota.server")
 # Error types a worker may report that say the attempt ended for an outside reason, not
 # because the job failed: they do not count toward max_fails and do not back off.
 OUTSIDE_ENDINGS: dict[str, Ending] = {"visibility_timeout": "visibility_timeout",
-                                      "shutdown": "shutdown", "cancelled": "cancelled"}
+                                      "shutdown": "shutdown", "cancelled": "cancelled",
+                                      "released": "released"}
 MAX_LOG_LINES = 1000  # captured log lines kept per job (per server run); later ones dropped
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR, "critical": logging.CRITICAL}
@@ -74,7 +75,11 @@ def end_attempt(job: Job, ending: Ending, error: p.ErrorInfo, now: Instant,
     any other ending sets the tally back to 0."""
     if ending == "failed":
         job.fails += 1
-    if ending != "worker_death":
+    if ending == "released":
+        # Given back unstarted from a worker's prefetch line: the job did nothing, so this
+        # lease uses none of its budget and says nothing of its poison tally.
+        job.budget_start += 1
+    elif ending != "worker_death":
         job.deaths = 0
     elif death:
         job.deaths += 1

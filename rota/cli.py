@@ -22,6 +22,7 @@ import click
 
 from rota import logs
 from rota.client import ApiError, Client, ws_url
+from rota.protocol import MAX_PREFETCH
 from rota.specs import SpecError, checksum, load_dir
 
 _URL = click.option(
@@ -176,7 +177,10 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 @click.argument("target")
 @URL_OPTION
 @click.option("--log-level", default="info", show_default=True, type=LEVELS)
-def worker(target: str, url: str, log_level: str) -> None:
+@click.option("--prefetch", type=click.IntRange(0, MAX_PREFETCH), default=None,
+              help="The most jobs to hold beyond the worker's concurrency, waiting to"
+              " start (default: the Worker's own, 32 x its concurrency unless set; 0: none).")
+def worker(target: str, url: str, log_level: str, prefetch: int | None) -> None:
     """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
 
     Signals: SIGTERM takes no new jobs, lets running ones finish within the worker's
@@ -188,6 +192,8 @@ def worker(target: str, url: str, log_level: str) -> None:
     instance = _import_worker(target)
     instance.url = ws_url(url)
     instance.token = _token() or instance.token
+    if prefetch is not None:
+        instance.prefetch = prefetch
     try:
         asyncio.run(_run_worker(instance))
     except SpecError as exc:
@@ -353,6 +359,13 @@ def workers() -> None:
     """See connected workers; quiet or terminate them (rolling deploys)."""
 
 
+def _prefetched(worker: dict[str, Any]) -> str:
+    """' +waiting/prefetch' after the load, for a worker that prefetches."""
+    if not worker.get("prefetch"):
+        return ""
+    return f" +{worker['prefetched']}/{worker['prefetch']}"
+
+
 @workers.command("list")
 @URL_OPTION
 def workers_list(url: str) -> None:
@@ -363,6 +376,7 @@ def workers_list(url: str) -> None:
     for w in rows:
         click.echo(
             f"{w['id']}  {w['state']:<9} load={w['active']}/{w['concurrency']}"
+            f"{_prefetched(w)}"
             f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"
             f"  specs ok={','.join(w['specs_matching']) or '-'}"
             f" mismatched={','.join(w['specs_mismatching']) or '-'}"

@@ -31,7 +31,7 @@ from websockets.asyncio.client import ClientConnection
 from rota import protocol as p
 from rota.context import STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.execution import Handler, Runner
-from rota.link import FRAME_BUDGET, Link
+from rota.link import FRAME_BUDGET, Link, ids_size
 
 log = logging.getLogger("rota.worker")
 METRICS_EVERY = 5.0  # seconds between CPU/RAM figures in heartbeats
@@ -95,7 +95,11 @@ class Connection:
         self._opened = False  # a connection was open since the last one was lost
         self._metrics_at = -METRICS_EVERY
         self._ticked = 0.0  # when the handlers' side was last asked to tick
-        self._starting = 0  # jobs assigned and handed to the handlers' loop, not yet started
+        # Jobs handed to the handlers' loop, and jobs it has taken in: each counter is
+        # written by one thread only, so the handlers' side need not post back to say so
+        # (a cross-thread call is a self-pipe write and a wake-up, per assign).
+        self._handed = 0  # on this thread
+        self._taken = 0  # on the handlers' thread
         self._probe_sent: float | None = None  # when the pending probe was posted
         # (handler, job id) seen blocking the handlers' loop since the pending probe
         self._blockers: dict[tuple[str, str | None], None] = {}
@@ -267,7 +271,7 @@ class Connection:
                 self._ticked = now
                 self._watch_handlers()
                 self._post(worker.tick)  # lapsed leases, the grace period: handlers' side
-            capacity = worker.runner.capacity(worker.state)
+            capacity = worker.runner.capacity(worker.state, link.round_trip)
             if not link.due(now, capacity=capacity, stopping=worker.stopping):
                 continue
             await self._check_server_alive(ws)
@@ -309,14 +313,20 @@ class Connection:
         worker, link = self.worker, self.link
         now = time.monotonic()
         status = p.Status(state=worker.state)
-        worker.status.fill(status, min(STATUS_BYTES_PER_BEAT, FRAME_BUDGET - link.results_size()))
+        active, waiting = worker.runner.vouched(now), worker.runner.prefetched(now)
+        status.prefetched_job_ids = waiting
+        # The ids take their share of the frame first: a deep line's can be 100 KiB.
+        reserve = ids_size(active) + ids_size(waiting)
+        worker.status.fill(status, min(STATUS_BYTES_PER_BEAT, FRAME_BUDGET - reserve
+                                       - link.results_size(reserve)))
         if registration or now - self._metrics_at >= METRICS_EVERY:
             self._metrics_at = now
             status.cpu_percent, status.memory_rss = worker.metrics()
         beat = link.heartbeat(
-            now, state=worker.state, active=worker.runner.vouched(now),
-            capacity=worker.runner.capacity(worker.state), status=status,
-            registration=worker.registration() if registration else None, goodbye=goodbye)
+            now, state=worker.state, active=active,
+            capacity=worker.runner.capacity(worker.state, link.round_trip), status=status,
+            registration=worker.registration() if registration else None, goodbye=goodbye,
+            reserve=reserve)
         await ws.send(p.encode(beat))
 
     async def _read(self, ws: ClientConnection) -> None:
@@ -330,7 +340,7 @@ class Connection:
                 continue
             match message:
                 case p.Assign(jobs=jobs):
-                    self._starting += len(jobs)  # until the handlers' side has them
+                    self._handed += len(jobs)  # in transit until the handlers' side has them
                     self._post(self._start, jobs)
                 case p.Ack():
                     self._on_ack(message)
@@ -345,18 +355,20 @@ class Connection:
                     log.error("server error code=%s message=%s", code, text)
 
     def _start(self, jobs: list[p.JobCopy]) -> None:
-        """On the handlers' loop: start the runs, then say so to the connection."""
+        """On the handlers' loop: start the runs (or line them up)."""
         try:
             for copy in jobs:
-                self.worker.runner.start(copy)
+                self.worker.runner.take(copy)
         finally:
-            self._call(self._started, len(jobs))
+            self._taken += len(jobs)
 
-    def _started(self, count: int) -> None:
-        self._starting -= count
+    @property
+    def _starting(self) -> int:
+        """Jobs assigned and handed to the handlers' loop, not yet taken in there."""
+        return self._handed - self._taken
 
     def _on_ack(self, ack: p.Ack) -> None:
-        outcome = self.link.on_ack(ack)
+        outcome = self.link.on_ack(ack, time.monotonic())
         if outcome.directive is not None:
             log.info("directed by the server: state=%s", outcome.directive)
             self._post(self.worker.terminate if outcome.directive == "terminate"

@@ -27,7 +27,7 @@ from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Sen
 from rota.engine import MAX_LOG_LINES, Engine
 from rota.errors import Conflict, DomainError, Invalid, NotFound
 from rota.jobs import EnqueueRequest, same_job
-from rota.model import TERMINAL_STATES, Instant
+from rota.model import TERMINAL_STATES, Instant, Job
 from rota.policy import TokenBucket
 from rota.registry import Connection
 from rota.scheduler import Scheduler
@@ -335,7 +335,7 @@ class Coordinator:
                  if request.id is None and not isinstance(job, DomainError)]
         written = self.store.enqueue(jobs) if jobs else None
         if early:
-            effects = [e for job in early for e in self.engine.enqueued(job, None, now)]
+            effects = self.engine.enqueued_all([(job, None) for job in early], now)
             self.apply(effects + self.engine.dispatch(now))
         try:
             stored = iter(await written if written is not None else [])
@@ -345,6 +345,7 @@ class Coordinator:
         self.crash_point("enqueue-after-commit")
         outcomes: list[tuple[dict[str, Any], bool] | DomainError] = []
         admitted = {id(job) for job in early}
+        taken_in: list[tuple[Job, int | None]] = []  # new rows with producers' ids
         for request, job in zip(requests, built, strict=True):
             if isinstance(job, DomainError):
                 outcomes.append(job)
@@ -360,8 +361,10 @@ class Coordinator:
                                              " different spec, queue, priority or args"))
                     continue
             else:
-                self.apply(self.engine.enqueued(job, row["rowid"], now))
+                taken_in.append((job, row["rowid"]))
             outcomes.append((row, created))
+        if taken_in:
+            self.apply(self.engine.enqueued_all(taken_in, now))
         return outcomes
 
     async def cancel(self, job_id: str) -> tuple[dict[str, Any], bool]:

@@ -30,9 +30,10 @@ from rota.effects import (Abort, Arm, Effect, Finished, Note, Save, Send, Wake, 
                           WorkerSeen)
 from rota.intake import Intake
 from rota.jobs import error_record
+from rota.logs import log_lines
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
 from rota.policy import Ending
-from rota.registry import Connection, Registry, judge_specs, short
+from rota.registry import Connection, Registry, held_ids, judge_specs, short
 from rota.reservations import Reservations
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.settings import ServerSettings
@@ -128,12 +129,14 @@ class Engine(Intake, Reservations):
             effects += self.disconnect(old.conn, hb.worker_id, "superseded", now)
         verdict = judge_specs(self.scheduler.status_quo, hb.worker_id, reg.specs)
         slot = WorkerSlot(id=hb.worker_id, queues=list(reg.queues), concurrency=reg.concurrency,
-                          specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels))
+                          specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels),
+                          prefetch=reg.prefetch)
         self.scheduler.add_worker(slot)
         self.registry.add(Connection(conn, slot, reg, now.wall, now.mono, principal))
-        log.info("register worker=%s host=%s pid=%d queues=%s concurrency=%d specs_ok=%d"
-                 " specs_rejected=%d", slot.id, reg.hostname, reg.pid, ",".join(reg.queues),
-                 reg.concurrency, len(verdict.accepted), len(verdict.rejected))
+        log.info("register worker=%s host=%s pid=%d queues=%s concurrency=%d prefetch=%d"
+                 " specs_ok=%d specs_rejected=%d", slot.id, reg.hostname, reg.pid,
+                 ",".join(reg.queues), reg.concurrency, reg.prefetch, len(verdict.accepted),
+                 len(verdict.rejected))
         effects.append(WorkerSeen({
             "id": hb.worker_id, "hostname": reg.hostname, "pid": reg.pid,
             "queues": msgspec.json.encode(reg.queues).decode(),
@@ -201,9 +204,10 @@ class Engine(Intake, Reservations):
             effects += self._reclaim(connection, hb, now)
         if hb.status is not None:
             if not connection.checked:
-                effects += self._stop_lost_runs(connection, hb.status.active_job_ids)
+                effects += self._stop_lost_runs(connection, held_ids(hb.status))
             self.registry.report(connection, hb.status)
-            self.scheduler.renew(worker, hb.status.active_job_ids, now.mono)
+            # A job waiting in the worker's line is vouched for as much as a running one.
+            self.scheduler.renew(worker, connection.reported, now.mono)
             if hb.status.progress or hb.status.logs or hb.status.alerts:
                 notes = status_notes(self.scheduler.jobs, connection, hb.status, now)
                 effects += [Note(notes)] if notes else []
@@ -231,7 +235,7 @@ class Engine(Intake, Reservations):
         return sends
 
     def _reclaim(self, connection: Connection, hb: p.Heartbeat, now: Instant) -> list[Effect]:
-        named = hb.status.active_job_ids if hb.status is not None else []
+        named = held_ids(hb.status) if hb.status is not None else []
         worker = connection.worker
         adopted = self.scheduler.adopt(worker, [*named, *(r.job_id for r in hb.results)],
                                        now.mono)
@@ -282,7 +286,8 @@ class Engine(Intake, Reservations):
                             result.job_id, worker.id, result.attempt, reason)
                 continue
             job = self.scheduler.jobs[result.job_id]
-            undo = (job.fails, job.deaths, job.run_at, job.due)  # if the commit fails
+            # What settling changes, put back if the commit fails.
+            undo = (job.fails, job.deaths, job.budget_start, job.run_at, job.due)
             accepted.append(job.id)
             changes.append(settle(job, result, now, rand=self._rand,
                                   max_result_bytes=self.settings.max_result_bytes))
@@ -343,14 +348,16 @@ class Engine(Intake, Reservations):
                     job_id=change.job.id, attempt=change.job.attempt,
                     reason=f"could not be stored ({error}); report it again"))
         else:
+            completed = []
             for change in changes:
                 job = change.job
                 if job.state == JobState.COMPLETED:
-                    log.info("result job=%s spec=%s@%s queue=%s worker=%s attempt=%d"
-                             " outcome=completed", job.id, job.spec, short(job.checksum),
-                             job.queue, worker_id, job.attempt)
+                    completed.append((job.id, job.spec, short(job.checksum), job.queue,
+                                      worker_id, job.attempt))
                 self._remember(job.id, worker_id, job.attempt)
                 effects += self._place(job)
+            log_lines(log, logging.INFO, "result job=%s spec=%s@%s queue=%s worker=%s"
+                      " attempt=%d outcome=completed", completed)
             effects.append(Wake())
             accepted += [c.job.id for c in changes]
         connection = self.registry.get(worker_id, conn)
@@ -367,7 +374,7 @@ class Engine(Intake, Reservations):
         the reconnect grace, like any job of a lost connection."""
         job = change.job
         job.state = JobState.ACTIVE  # undone, not a move: the move never happened
-        job.fails, job.deaths, job.run_at, job.due = change.undo  # type: ignore[misc]
+        job.fails, job.deaths, job.budget_start, job.run_at, job.due = change.undo  # type: ignore[misc]
         holder = self.scheduler.workers.get(worker_id)
         if holder is not None and self.registry.get(worker_id, conn) is not None:
             holder.active.add(job.id)

@@ -1,6 +1,12 @@
 """Running assigned jobs, on the handlers' event loop: async handlers as tasks, plain
 functions each on a thread of its own.
 
+At most ``concurrency`` jobs run at once. Up to ``prefetch`` more wait in a line, in the
+order they were assigned, and the next one starts the moment a run ends, on this loop,
+without waiting for the server: that is what a prefetch buys (docs/protocol.md §3.5). A
+job that will not start here (the worker goes quiet or stops, a cancel names it) is
+given back at once as ``released``, which costs it no attempt.
+
 A run holds a slot until it ends. A plain function cannot be interrupted: when its run
 is given up (its lease lapsed, a cancel, a shutdown) the run is reported at once and
 its thread is *abandoned*: it runs on, but it is no longer the slot's. Every run of a
@@ -14,6 +20,7 @@ thread is alerted and counted; at ``max_abandoned`` of them the worker drains an
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import threading
@@ -27,7 +34,7 @@ import msgspec
 
 from rota import protocol as p
 from rota.context import JobContext, StatusBuffer
-from rota.link import RESULT_BYTES_PER_BEAT
+from rota.link import RESULT_BYTES_PER_BEAT, SMOOTHING, prefetch_line
 
 log = logging.getLogger("rota.worker")
 Handler = Callable[[JobContext], Any]
@@ -37,6 +44,7 @@ Handler = Callable[[JobContext], Any]
 class Run:
     copy: p.JobCopy
     deadline: float  # monotonic: past it, without a ctx.heartbeat(), the run is given up
+    began: float  # monotonic: when the handler was first stepped (times the run)
     task: asyncio.Task[p.Result] | None = None
     cancel_reason: str | None = None  # why we cancelled it: "cancelled", "visibility_timeout"
     thread: threading.Thread | None = None  # a plain function's thread
@@ -45,10 +53,17 @@ class Run:
 class Runner:
     def __init__(self, *, worker_id: str, handlers: dict[str, Handler], concurrency: int,
                  status: StatusBuffer, report: Callable[[p.Result | None], None],
-                 max_abandoned: int, on_wedged: Callable[[], None]) -> None:
+                 max_abandoned: int, on_wedged: Callable[[], None], prefetch: int = 0) -> None:
         self.worker_id = worker_id
         self.handlers = handlers
         self.concurrency = concurrency
+        self.prefetch = prefetch  # jobs held beyond concurrency, waiting in ``waiting``
+        # (job, until): a waiting job is vouched for until its visibility timeout has
+        # passed since it was assigned, as a run would be; so a line stuck behind a
+        # blocked loop is not renewed for ever, and the server's lease takes it back.
+        self.waiting: collections.deque[tuple[p.JobCopy, float]] = collections.deque()
+        self.holding = True  # False while quiet or stopping: no job waits, it goes back
+        self.run_time: float | None = None  # runs that ended on their own, averaged (s)
         self.status = status
         self.report = report  # a run's result (None: a slot came free with nothing to say)
         self.max_abandoned = max_abandoned
@@ -59,38 +74,98 @@ class Runner:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- what the connection reads (from its own thread) ----------------------------------
-    def capacity(self, state: str) -> int:
+    def capacity(self, state: str, round_trip: float = 0.0) -> int:
+        """Jobs to ask the server for: free slots, and room in the line (as long as the
+        line should be for runs this long and this server round trip)."""
         if state != "running":
             return 0
-        return max(0, self.concurrency - len(self.running))
+        line = prefetch_line(self.prefetch, self.concurrency, self.run_time, round_trip)
+        return max(0, self.concurrency + line - len(self.running) - len(self.waiting))
+
+    def prefetched(self, now: float | None = None) -> list[str]:
+        """The jobs waiting in line, not started (a copy: the line moves on its loop);
+        with ``now``, only those it still vouches for."""
+        return [copy.id for copy, until in list(self.waiting) if now is None or until > now]
 
     def vouched(self, now: float) -> list[str]:
         """The runs whose leases this worker still vouches for."""
         return [job_id for job_id, run in list(self.running.items()) if run.deadline > now]
 
     # -- on the handlers' loop -----------------------------------------------------------
+    def take(self, copy: p.JobCopy) -> None:
+        """An assigned job: run it now if a slot is free, else keep it in line (or give
+        it back, when this worker no longer holds jobs)."""
+        if copy.id in self.running:  # a new attempt of a job it runs: start it over
+            self.start(copy)
+        elif self.holding or len(self.running) < self.concurrency:
+            self.waiting.append((copy, time.monotonic() + copy.visibility_timeout))
+            self._next()  # in line behind whatever waits already
+        else:
+            self.report(released(copy, "the worker is not taking jobs"))
+
+    def release_waiting(self, why: str) -> None:
+        """Give every waiting job back to the server, unstarted; hold none from now on
+        (until ``holding`` is set again)."""
+        self.holding = False
+        while self.waiting:
+            copy, _ = self.waiting.popleft()
+            log.info("released job=%s: %s", copy.id, why)
+            self.report(released(copy, why))
+
+    def _next(self) -> None:
+        """Start waiting jobs while slots are free: a run just ended."""
+        while self.waiting and len(self.running) < self.concurrency:
+            self.start(self.waiting.popleft()[0])
+
     def start(self, copy: p.JobCopy) -> None:
         self._loop = asyncio.get_running_loop()
         if copy.id in self.running:  # a stale run of an earlier attempt: stop it
             self.cancel(copy.id, "cancelled")
-        run = Run(copy, deadline=time.monotonic() + copy.visibility_timeout)
+        began = time.monotonic()
+        run = Run(copy, deadline=began + copy.visibility_timeout, began=began)
         self.running[copy.id] = run
         run.task = asyncio.create_task(self._execute(run), name=f"rota-job-{copy.id}")
         # Whatever ends the task, even a cancel before its first step, ends the run here.
         run.task.add_done_callback(lambda task: self._ended(run, task))
 
     def cancel(self, job_id: str, reason: str = "cancelled") -> None:
-        """Stop a running job; it is reported as failed with error type ``reason``."""
+        """Stop a running job; it is reported as failed with error type ``reason``. A job
+        still waiting leaves the line and is reported the same way without running (as
+        ``released`` when the worker is shutting down: it never started)."""
         run = self.running.get(job_id)
-        if run is None or run.task is None or run.cancel_reason is not None:
+        if run is None:
+            self._drop_waiting(job_id, reason)
+            return
+        if run.task is None or run.cancel_reason is not None:
             return
         log.info("cancelling job=%s reason=%s", job_id, reason)
         run.cancel_reason = reason
         run.task.cancel()
 
     def cancel_all(self, reason: str) -> None:
+        # The line first: a cancelled run that ends would start the next in line.
+        for job_id in self.prefetched():
+            self._drop_waiting(job_id, reason)
         for job_id in list(self.running):
             self.cancel(job_id, reason)
+
+    def _drop_waiting(self, job_id: str, reason: str) -> None:
+        entry = next((e for e in self.waiting if e[0].id == job_id), None)
+        if entry is None:
+            return
+        self.waiting.remove(entry)
+        copy = entry[0]
+        log.info("dropped waiting job=%s reason=%s", job_id, reason)
+        if reason == "reservation_lost":  # no longer ours to report
+            self.report(None)
+        elif reason == "shutdown":
+            self.report(released(copy, "the worker is shutting down"))
+        elif reason == "waited":
+            self.report(released(copy, "it waited in line past its visibility timeout"))
+        else:
+            self.report(p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
+                                 error=p.ErrorInfo(type=reason, message="dropped unstarted by"
+                                                   f" the worker: {reason}")))
 
     def give_up_lapsed(self) -> None:
         """A run silent past its lease is stopped and reported, so that the retry the
@@ -99,16 +174,24 @@ class Runner:
         for job_id, run in list(self.running.items()):
             if run.deadline <= now:
                 self.cancel(job_id, "visibility_timeout")
+        for copy, until in list(self.waiting):  # waited a whole lease: let another run it
+            if until <= now:
+                self._drop_waiting(copy.id, "waited")
 
     def stop_all(self) -> None:
         """The worker is failing: nobody to report to; the server recovers the jobs."""
-        for run in self.running.values():
+        self.holding = False
+        self.waiting.clear()  # (before the cancels: an ended run starts the next in line)
+        for run in list(self.running.values()):
             if run.task is not None:
                 run.task.cancel()
 
     async def _execute(self, run: Run) -> p.Result:
         copy = run.copy
         loop = asyncio.get_running_loop()
+        # The run's own time starts now, not when its task was made: runs started
+        # together wait for each other's first steps, which is not what they take.
+        run.began = time.monotonic()
 
         def extend_now() -> None:
             run.deadline = time.monotonic() + copy.visibility_timeout
@@ -127,6 +210,9 @@ class Runner:
         copy = run.copy
         result: p.Result | None = None
         if not task.cancelled():
+            took = time.monotonic() - run.began
+            average = self.run_time
+            self.run_time = took if average is None else average + SMOOTHING * (took - average)
             error = task.exception()  # (_call turns what a handler raises into a result)
             result = task.result() if error is None else p.Result(
                 job_id=copy.id, attempt=copy.attempt, outcome="failed", error=error_info(error))
@@ -148,6 +234,8 @@ class Runner:
     def _forget(self, run: Run) -> None:
         if self.running.get(run.copy.id) is run:  # a newer attempt may have its slot
             del self.running[run.copy.id]
+        if self.waiting:
+            self._next()
 
     async def _call(self, ctx: JobContext, run: Run) -> p.Result:
         handler = self.handlers.get(ctx.spec)
@@ -244,6 +332,12 @@ class ResultTooLarge(Exception):
 
     retryable = False
     error_type = "result_too_large"  # the name the server gives the same failure
+
+
+def released(copy: p.JobCopy, why: str) -> p.Result:
+    """The result that gives a job back unstarted: not a failure, and no attempt used."""
+    return p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
+                    error=p.ErrorInfo(type="released", message=f"given back unstarted: {why}"))
 
 
 def error_info(exc: BaseException) -> p.ErrorInfo:

@@ -15,6 +15,7 @@ from rota.auth import Principal
 from rota.effects import Arm, Effect, Finished, Save, Send, Wake, Withdraw
 from rota.errors import DomainError, Forbidden, Invalid, TooLarge
 from rota.jobs import EnqueueRequest, new_job
+from rota.logs import log_lines
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
 from rota.registry import Registry, short
 from rota.scheduler import Scheduler
@@ -61,14 +62,20 @@ class Intake:
         (``seq`` None: the next in order). Then a reservation of it follows its row
         into the writer, and usually into the same commit: on an idle server that
         saves a whole commit between enqueue and assignment."""
-        if seq is None:  # kept whole until ``stored`` gives its row id
-            self.scheduler.unstored.add(job.id)
-        job.seq = self.scheduler.last_seq + 1 if seq is None else seq
-        job.clocks(now)
-        self.scheduler.track(job)
-        log.info("enqueue job=%s spec=%s queue=%s priority=%d state=%s", job.id, job.spec,
-                 job.queue, job.priority, job.state)
-        effects: list[Effect] = [Arm(t) for t in (job.due, job.expiry) if t is not None]
+        return self.enqueued_all([(job, seq)], now)
+
+    def enqueued_all(self, jobs: list[tuple[Job, int | None]], now: Instant) -> list[Effect]:
+        """``enqueued`` for each (job, seq) of a batch, in order, logged in one record."""
+        effects: list[Effect] = []
+        for job, seq in jobs:
+            if seq is None:  # kept whole until ``stored`` gives its row id
+                self.scheduler.unstored.add(job.id)
+            job.seq = self.scheduler.last_seq + 1 if seq is None else seq
+            job.clocks(now)
+            self.scheduler.track(job)
+            effects += [Arm(t) for t in (job.due, job.expiry) if t is not None]
+        log_lines(log, logging.INFO, "enqueue job=%s spec=%s queue=%s priority=%d state=%s",
+                  [(job.id, job.spec, job.queue, job.priority, job.state) for job, _ in jobs])
         return effects + [Wake()]
 
     def stored(self, job: Job, seq: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,23 @@ from rota import protocol as p
 # heartbeat (ids, metrics, registration) fits in what is left.
 FRAME_BUDGET = (1 << 20) - 64 * 1024
 RESULT_BYTES_PER_BEAT = 768 * 1024
+SMOOTHING = 0.2  # weight of a new sample in the running averages (round trip, run time)
+
+
+def prefetch_line(prefetch: int, concurrency: int, run_time: float | None,
+                  round_trip: float) -> int:
+    """How many jobs to hold beyond those running, at most ``prefetch``.
+
+    The line is there to keep the slots busy while results go to the server and the
+    next jobs come back: one round trip, in which ``concurrency`` slots finish
+    ``concurrency * round_trip / run_time`` jobs. It holds twice that (a margin for a
+    slow commit), so short jobs get the whole ``prefetch`` and long ones one waiting job
+    or none, which is what keeps a long job from waiting on a busy worker while another
+    is idle. Until a run has ended, nothing is known of run times: no line."""
+    if prefetch <= 0 or run_time is None:
+        return 0
+    wanted = 2 * concurrency * round_trip / max(run_time, 1e-6)
+    return min(prefetch, math.ceil(wanted))
 
 
 class LinkState(enum.Enum):
@@ -60,6 +78,8 @@ class Link:
         self._urgent = False  # a state change or an alert: beat now, whatever is in flight
         self._last_beat = 0.0
         self._last_capacity = 0
+        # Heartbeat with results -> its ack: the server's commit round trip, averaged.
+        self.round_trip = 0.002
         self.frames_sent = 0
         self.results_sent = 0
         self.flush_delays: collections.deque[float] = collections.deque(maxlen=100_000)
@@ -132,11 +152,12 @@ class Link:
 
     def heartbeat(self, now: float, *, state: str, active: list[str], capacity: int,
                   status: p.Status | None = None, registration: p.Registration | None = None,
-                  goodbye: bool = False) -> p.Heartbeat:
+                  goodbye: bool = False, reserve: int = 0) -> p.Heartbeat:
         """The next heartbeat, recorded as sent. ``status`` (if given) brings its own
-        extras (progress, logs, metrics); ``state`` and ``active`` are set here."""
+        extras (progress, logs, metrics); ``state`` and ``active`` are set here.
+        ``reserve``: bytes of the frame the job ids take, which results leave free."""
         self._urgent = False  # (taking results may set it again: more are waiting)
-        results = self._take_results()
+        results = self._take_results(reserve)
         if status is None:
             status = p.Status(state=state)  # type: ignore[arg-type]
         status.state = state  # type: ignore[assignment]
@@ -157,39 +178,43 @@ class Link:
         self.results_sent += len(results)
         return beat
 
-    def results_size(self) -> int:
+    def results_size(self, reserve: int = 0) -> int:
         """What the results of the next heartbeat will take of its frame, near enough."""
-        return self._batch()[1]
+        return self._batch(reserve)[1]
 
-    def _batch(self) -> tuple[int, int]:
-        """(how many, their size): as many waiting results as fit RESULT_BYTES_PER_BEAT,
-        one at least, so a frame never passes the server's 1 MiB limit."""
+    def _batch(self, reserve: int = 0) -> tuple[int, int]:
+        """(how many, their size): as many waiting results as fit RESULT_BYTES_PER_BEAT
+        less ``reserve``, one at least, so a frame never passes the server's 1 MiB limit."""
         taken = size = 0
+        room = RESULT_BYTES_PER_BEAT - reserve
         for result in self._results:
             cost = result_size(result)
-            if taken and size + cost > RESULT_BYTES_PER_BEAT:
+            if taken and size + cost > room:
                 break
             taken += 1
             size += cost
         return taken, size
 
-    def _take_results(self) -> list[p.Result]:
+    def _take_results(self, reserve: int = 0) -> list[p.Result]:
         """The next heartbeat's results; the rest go in the next one, which is then due."""
-        taken, _ = self._batch()
+        taken, _ = self._batch(reserve)
         results, self._results = self._results[:taken], self._results[taken:]
         if self._results:
             self._urgent = True  # the rest leave in the very next heartbeat
         return results
 
     # -- answers -----------------------------------------------------------------------
-    def on_ack(self, ack: p.Ack) -> AckOutcome:
+    def on_ack(self, ack: p.Ack, now: float | None = None) -> AckOutcome:
         """Read an ack: results it accepts are done with; those the server could not store
         go again; a state stricter than what that heartbeat said is a directive (an echo
-        of an older state must not undo a SIGCONT that came since)."""
+        of an older state must not undo a SIGCONT that came since). With ``now``, the
+        ack of a heartbeat with results times the server's round trip."""
         outcome = AckOutcome(rejected=list(ack.rejected))
-        said, _ = self._sent_state.pop(ack.seq, (ack.state, 0.0))
+        said, sent_at = self._sent_state.pop(ack.seq, (ack.state, None))
         if p.STATE_RANK[ack.state] > p.STATE_RANK[said]:  # type: ignore[index]
             outcome.directive = ack.state
+        if now is not None and sent_at is not None and ack.seq in self._unacked:
+            self.round_trip += SMOOTHING * (now - sent_at - self.round_trip)
         sent = {r.job_id: r for r in self._unacked.pop(ack.seq, [])}
         for rejected in ack.rejected:
             if rejected.reason.startswith("could not be stored") and rejected.job_id in sent:
@@ -222,6 +247,16 @@ class Link:
 
 def result_size(result: p.Result) -> int:
     """A result's encoded size, near enough: its value's bytes (already encoded) plus its
-    envelope, or an error's bound (messages and tracebacks are cut to a few KiB)."""
+    envelope, or an error's bound (messages and tracebacks are cut to a few KiB; an
+    error with no details, such as a released job's, is its message and envelope)."""
     value = len(result.result) if isinstance(result.result, msgspec.Raw) else 0
-    return value + (16 * 1024 if result.error is not None else 256)
+    error = result.error
+    if error is None:
+        return value + 256
+    # (6 bytes a character at most: a control character is escaped as \u00XX)
+    return value + (16 * 1024 if error.details is not None else 512 + 6 * len(error.message))
+
+
+def ids_size(ids: list[str]) -> int:
+    """What a list of job ids takes of a frame as JSON, near enough."""
+    return sum(len(job_id) + 3 for job_id in ids)

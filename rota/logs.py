@@ -7,6 +7,10 @@ formatting and a write system call, all on the event loop. Here a record is only
 (cheaply, see ``configure``) and queued; a background thread formats whatever has queued
 up and writes it in one call. Warnings and worse are written at once, after everything
 queued before them, so that a line that matters is never held back, even by a crash.
+
+A hot path that logs one line per job of a batch (each job of an ``assign``, each result
+of a heartbeat) logs one record whose message is ``Lines``: the caller pays for one
+record, and the background thread writes one line per job, each with the usual prefix.
 """
 
 from __future__ import annotations
@@ -17,11 +21,34 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s %(message)s"
 FLUSH_EVERY = 0.05  # seconds: the longest an INFO line waits when the thread is not woken
 WAKE_AT = 4096  # queued lines that wake the thread before its next look
+
+
+class Lines:
+    """Several log lines of one format in one record: ``fmt % row`` for each row. Shown
+    as one line per row by ``BackgroundHandler``; elsewhere (a handler of the caller's
+    own, pytest's caplog) as one message of several lines."""
+
+    __slots__ = ("fmt", "rows")
+
+    def __init__(self, fmt: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        self.fmt = fmt
+        self.rows = rows
+
+    def __str__(self) -> str:
+        return "\n".join(self.fmt % row for row in self.rows)
+
+
+def log_lines(logger: logging.Logger, level: int, fmt: str,
+              rows: Sequence[tuple[Any, ...]]) -> None:
+    """``logger.log(level, fmt, *row)`` for each row, for the price of one record."""
+    if rows and logger.isEnabledFor(level):
+        logger.log(level, Lines(fmt, rows))
 
 
 class Formatter(logging.Formatter):
@@ -114,11 +141,11 @@ class BackgroundHandler(logging.Handler):
 
     def flush(self) -> None:
         with self._write_lock:
-            lines = []
+            lines: list[str] = []
             while self._queue:
                 record = self._queue.popleft()
                 try:
-                    lines.append(self.format(record))
+                    self._format_into(lines, record)
                 except Exception:  # a bad format string must not take the logger down
                     self.handleError(record)
             if lines:
@@ -127,6 +154,16 @@ class BackgroundHandler(logging.Handler):
                     self.stream.flush()
                 except (OSError, ValueError):  # a closed or broken stream: nothing to do
                     pass
+
+    def _format_into(self, lines: list[str], record: logging.LogRecord) -> None:
+        message = record.msg
+        if not isinstance(message, Lines):
+            lines.append(self.format(record))
+            return
+        for row in message.rows:  # one line each, as if each had been logged alone
+            record.msg, record.args = message.fmt, row
+            lines.append(self.format(record))
+        record.msg, record.args = message, ()
 
     def close(self) -> None:
         self._closed = True

@@ -162,7 +162,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     queues: list[str]
     labels: list[str]
     concurrency: int
-    active: int
+    prefetch: int  # jobs it may hold beyond concurrency, waiting to start
+    active: int  # held jobs that count as running: at most concurrency
+    prefetched: int  # held jobs beyond concurrency: waiting in the worker's line
     capacity: int
     specs_matching: list[str]
     specs_mismatching: list[str]

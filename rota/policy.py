@@ -15,8 +15,10 @@ __all__ = ["JOB_STATES", "TERMINAL_STATES", "WAITING_STATES", "Limits", "Ending"
            "backoff", "after_attempt", "TokenBucket"]
 
 # How an attempt ended. Only "failed" (the handler reported an error) counts toward
-# max_fails; every attempt, whatever its end, counts toward max_attempts.
-Ending = Literal["failed", "visibility_timeout", "worker_death", "shutdown", "cancelled"]
+# max_fails; every attempt counts toward max_attempts, except one "released" (its worker
+# gave it back unstarted), which the caller takes off the attempts used.
+Ending = Literal["failed", "visibility_timeout", "worker_death", "shutdown", "cancelled",
+                 "released"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,9 @@ Percent = Annotated[float, msgspec.Meta(ge=0, le=100)]
 # Longer texts in progress, log lines and alerts are cut to this on the server.
 MAX_TEXT = 8192
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+# A registration's prefetch: more would be a backlog, not a prefetch; and the ids of a
+# full line (named in every status) stay within a tenth of a frame.
+MAX_PREFETCH = 1_000
 
 
 # -- close codes (RFC 6455 section 7.4.1) ---------------------------------------
@@ -69,6 +72,9 @@ class Registration(msgspec.Struct, kw_only=True):
     specs: Annotated[list[SpecRef], msgspec.Meta(max_length=1000)]
     labels: Annotated[list[Name], msgspec.Meta(max_length=100)] = []
     started_at: str | None = None
+    # Jobs the worker may hold beyond concurrency, waiting in its own line (§3.5). 0, the
+    # default, keeps an older worker to what it can run at once.
+    prefetch: Annotated[int, msgspec.Meta(ge=0, le=MAX_PREFETCH)] = 0
 
 
 class Progress(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -93,6 +99,7 @@ class Alert(msgspec.Struct, kw_only=True, omit_defaults=True):
 class Status(msgspec.Struct, kw_only=True, omit_defaults=True):
     state: WorkerState  # required: a status that omits it must not read as "running"
     active_job_ids: list[JobId] = []
+    prefetched_job_ids: list[JobId] = []  # held, not started: renewed like running ones
     cpu_percent: float | None = None
     memory_rss: int | None = None
     progress: list[Progress] = []

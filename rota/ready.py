@@ -53,12 +53,19 @@ class WorkerSlot:
     labels: list[str] = field(default_factory=list)
     state: str = "running"
     capacity: int = 0  # free slots the worker last asked for, less what we sent since
-    active: set[str] = field(default_factory=set)
+    active: set[str] = field(default_factory=set)  # reserved for it: running or waiting there
     claims: int = 0  # compact jobs reserved for it whose rows are still being read
+    prefetch: int = 0  # jobs it may hold beyond concurrency, waiting in its own line
 
     def free(self) -> int:
-        # The worker's claim is only a wish; concurrency minus what it holds is the law.
-        return max(0, min(self.capacity, self.concurrency - len(self.active) - self.claims))
+        # The worker's claim is only a wish; what it may hold minus what it holds is the law.
+        return max(0, min(self.capacity, self.concurrency + self.prefetch - len(self.active)
+                          - self.claims))
+
+    def running(self) -> int:
+        """Held jobs that count as running: a worker starts a held job whenever one of its
+        ``concurrency`` slots is free, so only what is held beyond them waits."""
+        return min(len(self.active), self.concurrency)
 
 
 @dataclass(slots=True)

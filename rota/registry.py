@@ -35,7 +35,7 @@ class Connection:
     connected_at: float  # wall
     last_seen: float  # monotonic: the last frame the server read from it
     principal: Principal = OPEN  # the token it connected with
-    reported: list[str] = field(default_factory=list)  # last active_job_ids
+    reported: list[str] = field(default_factory=list)  # last active and prefetched job ids
     cpu_percent: float | None = None  # the worker process's, as it last said
     memory_rss: int | None = None
     directive: str | None = None  # the state the server wants; None: whatever the worker says
@@ -137,11 +137,18 @@ class Registry:
             connection.directive = None  # the worker got there: the directive is done
         # Until it does, schedule by the stricter of what it says and what we asked.
         connection.worker.state = connection.directive or status.state
-        connection.reported = status.active_job_ids
+        connection.reported = held_ids(status)
         if status.cpu_percent is not None:
             connection.cpu_percent = status.cpu_percent
         if status.memory_rss is not None:
             connection.memory_rss = status.memory_rss
+
+
+def held_ids(status: p.Status) -> list[str]:
+    """The jobs a status says the worker holds: running, then waiting to start."""
+    if not status.prefetched_job_ids:
+        return status.active_job_ids
+    return [*status.active_job_ids, *status.prefetched_job_ids]
 
 
 def judge_specs(status_quo: dict[str, str], worker_id: str, declared: list[p.SpecRef]

@@ -16,6 +16,7 @@ from typing import Any
 
 from rota import protocol as p
 from rota.effects import Arm, Effect, Reserve, Send, Wake
+from rota.logs import log_lines
 from rota.model import Instant, Job, JobState
 from rota.ready import Claim
 from rota.registry import Registry, short
@@ -85,10 +86,10 @@ class Reservations:
             if connection is None or not live:
                 continue
             copies = []
+            log_lines(log, logging.INFO, "assign job=%s spec=%s@%s queue=%s worker=%s"
+                      " attempt=%d", [(job.id, job.spec, short(job.checksum), job.queue,
+                                       worker_id, job.attempt) for job in live])
             for job in live:
-                log.info("assign job=%s spec=%s@%s queue=%s worker=%s attempt=%d",
-                         job.id, job.spec, short(job.checksum), job.queue, worker_id,
-                         job.attempt)
                 copies.append(p.JobCopy(
                     id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
                     args=job.args, attempt=job.attempt, priority=job.priority,

@@ -52,6 +52,13 @@ __all__ = ["Worker", "JobContext", "ResultTooLarge", "RESULT_BYTES_PER_BEAT", "E
 log = logging.getLogger("rota.worker")
 SDK = "rota-python/0.1.0"
 EXIT_WEDGED = 75  # run() ended because abandoned threads held too many slots (EX_TEMPFAIL)
+# The default prefetch ceiling, per slot. Only very short jobs fill it: the deeper the
+# line, the more results share a heartbeat and a commit, and the more a worker runs
+# while the server is busy with something else; but the larger each round, the longer
+# other requests wait behind it (docs/performance.md measures 4, 16, 32 and 64 both
+# ways). Jobs of a millisecond or more hold far less (the line covers two round trips
+# of runs), long ones one waiting job.
+PREFETCH_PER_SLOT = 32
 
 
 class Worker:
@@ -62,6 +69,7 @@ class Worker:
         specs_dir: str | Path = "specs",
         queues: list[str] | None = None,
         concurrency: int = 10,
+        prefetch: int | None = None,
         labels: list[str] | None = None,
         worker_id: str | None = None,
         heartbeat_interval: float | None = None,
@@ -76,6 +84,8 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if prefetch is not None and not 0 <= prefetch <= p.MAX_PREFETCH:
+            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: 32 x concurrency)")
         if max_abandoned_threads is not None and max_abandoned_threads < 1:
             raise ValueError("max_abandoned_threads must be at least 1 (None: 2 x concurrency)")
         self.url = url
@@ -113,9 +123,14 @@ class Worker:
         self.status = StatusBuffer(wake=self._wake_urgently)
         self.link = Link(self.worker_id, interval=heartbeat_interval,
                          reconnect_max_delay=reconnect_max_delay)
+        # Jobs held beyond concurrency, so that the next starts the moment a run ends
+        # instead of a server round trip later (docs/protocol.md §3.5). A ceiling: the
+        # runner holds only what covers a round trip at the runs' own pace.
         self.runner = Runner(worker_id=self.worker_id, handlers=self.handlers,
                              concurrency=concurrency, status=self.status, report=self._report,
-                             max_abandoned=self.max_abandoned_threads, on_wedged=self._wedged)
+                             max_abandoned=self.max_abandoned_threads, on_wedged=self._wedged,
+                             prefetch=default_prefetch(concurrency) if prefetch is None
+                             else prefetch)
         self._connection: Connection | None = None
         self._outgoing: list[p.Result | None] = []  # run ends not yet handed over
         self._flush_due = False
@@ -156,6 +171,17 @@ class Worker:
             raise SpecError(f"{self.specs_dir} has no spec for handler(s): {', '.join(missing)}")
         self._specs = {name: found[name] for name in self.handlers}
 
+    @property
+    def prefetch(self) -> int:
+        """Jobs this worker holds beyond ``concurrency``, waiting to start."""
+        return self.runner.prefetch
+
+    @prefetch.setter
+    def prefetch(self, value: int) -> None:  # before run(): the registration carries it
+        if not 0 <= value <= p.MAX_PREFETCH:
+            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH}")
+        self.runner.prefetch = value
+
     # -- what the connection asks for (from its thread) --------------------------------
     def connect(self) -> websockets.connect:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -168,7 +194,8 @@ class Worker:
         return p.Registration(
             hostname=socket.gethostname(), os=f"{platform.system()} {platform.release()}",
             pid=os.getpid(), sdk=SDK, queues=self.queues, concurrency=self.concurrency,
-            specs=self.declared_specs(), labels=self.labels, started_at=self._started_at)
+            specs=self.declared_specs(), labels=self.labels, started_at=self._started_at,
+            prefetch=self.prefetch)
 
     def metrics(self) -> tuple[float, int]:
         # cpu_percent(None) measures since the previous call: no blocking sample here.
@@ -200,6 +227,11 @@ class Worker:
     def running_jobs(self) -> list[str]:
         """Ids of the jobs this worker is running now."""
         return list(self.runner.running)
+
+    @property
+    def prefetched_jobs(self) -> list[str]:
+        """Ids of the jobs this worker holds and has not started, in the order they start."""
+        return self.runner.prefetched()
 
     @property
     def flush_delays(self) -> collections.deque[float]:
@@ -257,6 +289,10 @@ class Worker:
         log.info("state change worker=%s state=%s running_jobs=%d", self.worker_id, state,
                  len(self.runner.running))
         self._state = state
+        if state == "running":
+            self.runner.holding = True
+        else:  # jobs that would wait here go back now, for another worker to run
+            self.runner.release_waiting(f"the worker is {state}")
         self._wake_urgently()  # tell the server at once
 
     def _wake_urgently(self) -> None:
@@ -336,6 +372,10 @@ class Worker:
             self.quiet()
         elif sig == signal.SIGCONT:
             self.resume()
+
+
+def default_prefetch(concurrency: int) -> int:
+    return min(p.MAX_PREFETCH, PREFETCH_PER_SLOT * concurrency)
 
 
 class _Signals:

@@ -71,8 +71,9 @@ async def peer_and_worker(tmp_path: Path):
     port = server.sockets[0].getsockname()[1]
     write_spec(tmp_path / "specs", "hold")
     release: dict[str, asyncio.Event] = {}
+    # No prefetch: its line, sized by the run times seen, would move the capacity asked.
     worker = Worker(url=f"ws://127.0.0.1:{port}/work", specs_dir=tmp_path / "specs",
-                    concurrency=5, reconnect=False)
+                    concurrency=5, reconnect=False, prefetch=0)
 
     @worker.handler("hold")
     async def hold(ctx: JobContext) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rota import protocol as p
-from rota.link import Link, LinkState
+from rota.link import SMOOTHING, Link, LinkState, ids_size, prefetch_line
 
 WELCOME = p.Welcome(worker_id="w", server_time="2026-01-01T00:00:00Z", heartbeat_interval=1.0,
                     heartbeat_timeout=8.0, visibility_timeout=60.0,
@@ -132,3 +132,42 @@ def test_drained_means_nothing_runs_nothing_waits_and_on_the_slow_path_all_is_ac
     assert not link.drained(running=0, fast=True)
     beat(link, 0.1)
     assert not link.drained(running=0, fast=False) and link.drained(running=0, fast=True)
+
+
+# -- prefetch: how long a line to hold ---------------------------------------------------
+def test_the_line_covers_a_round_trip_of_runs_and_no_more_than_prefetch():
+    # Nothing known of run times yet: hold only what runs.
+    assert prefetch_line(30, 10, None, 0.002) == 0
+    # No-op jobs (0.1 ms) and a 2 ms round trip: the whole prefetch.
+    assert prefetch_line(30, 10, 0.0001, 0.002) == 30
+    # 10 ms jobs: ten slots finish 2 in a round trip; twice that is held.
+    assert prefetch_line(30, 10, 0.010, 0.002) == 4
+    # Long jobs: one waiting job at most, so that an idle worker gets the others.
+    assert prefetch_line(30, 10, 60.0, 0.002) == 1
+    assert prefetch_line(0, 10, 0.0001, 0.002) == 0  # prefetch 0: as before prefetch
+
+
+def test_the_round_trip_is_timed_on_acks_of_heartbeats_with_results():
+    link, _ = connected()
+    before = link.round_trip
+    link.add_result(result("a"), 1.0)
+    beat = link.heartbeat(1.0, state="running", active=[], capacity=4)
+    link.on_ack(ack(beat, accepted=["a"]), now=1.010)  # 10 ms: a commit's wait
+    timed = before + SMOOTHING * (0.010 - before)
+    assert abs(link.round_trip - timed) < 1e-9
+    idle = link.heartbeat(2.0, state="running", active=[], capacity=4)
+    link.on_ack(ack(idle), now=2.0001)  # no results, no commit: not a round trip
+    assert abs(link.round_trip - timed) < 1e-9
+
+
+def test_the_ids_of_a_deep_line_leave_less_room_for_results():
+    link, _ = connected()
+    for n in range(2000):  # released jobs: short errors, no details
+        link.add_result(p.Result(job_id=f"j{n}", attempt=1, outcome="failed",
+                                 error=p.ErrorInfo(type="released", message="given back")), 0.0)
+    roomy = link.heartbeat(0.0, state="quiet", active=[], capacity=0)
+    ids = [f"{n:0128d}" for n in range(1000)]  # the longest line of the longest ids
+    tight = link.heartbeat(0.0, state="quiet", active=[], capacity=0, reserve=ids_size(ids))
+    assert len(roomy.results) > len(tight.results) > 0
+    tight.status.prefetched_job_ids = ids  # type: ignore[union-attr]
+    assert len(p.encode(tight)) < 1 << 20  # what the server takes

@@ -51,7 +51,7 @@ async def test_jobs_taken_by_hand_complete_fail_and_retry(live: Live, tmp_path: 
 
 async def test_a_taken_job_holds_its_slot_until_reported(live: Live, tmp_path: Path):
     await live.push(write_spec(tmp_path, "echo"))
-    worker = manual(live, tmp_path, concurrency=2)
+    worker = manual(live, tmp_path, concurrency=2, prefetch=0)  # j2 stays on the server
     for n in range(3):
         await live.enqueue("echo", {"n": n}, id=f"j{n}")
     async with worker.listen("echo") as jobs:

@@ -166,8 +166,12 @@ class Tally:
         self.most = 0
         self.finished = 0
 
-    def build(self, specs: Path, *, concurrency: int, seconds: float) -> Worker:
-        worker = Worker(specs_dir=specs, concurrency=concurrency, heartbeat_interval=0.1)
+    def build(self, specs: Path, *, concurrency: int, seconds: float = 0.0,
+              gate: asyncio.Event | None = None, prefetch: int | None = None) -> Worker:
+        """A worker whose jobs take ``seconds``, or wait for ``gate`` when given (but
+        for jobs whose args say ``quick``)."""
+        worker = Worker(specs_dir=specs, concurrency=concurrency, heartbeat_interval=0.1,
+                        prefetch=prefetch)
 
         @worker.handler("work")
         async def work(ctx: JobContext) -> int:
@@ -175,7 +179,10 @@ class Tally:
             self.now += 1
             self.most = max(self.most, self.now)
             try:
-                await asyncio.sleep(seconds)  # noqa: sleep-ok (the job's own work)
+                if gate is not None and not ctx.args.get("quick"):
+                    await gate.wait()
+                else:
+                    await asyncio.sleep(seconds)  # noqa: sleep-ok (the job's own work)
             finally:
                 self.now -= 1
             self.finished += 1
@@ -185,12 +192,16 @@ class Tally:
 
 
 @contextlib.asynccontextmanager
-async def behind_proxy(port: int, specs: Path, *, concurrency: int, seconds: float
-                       ) -> AsyncIterator[tuple[Tally, Worker, Proxy]]:
-    """An SDK worker connected to the server on ``port`` through a relay the test breaks."""
+async def behind_proxy(port: int, specs: Path, *, concurrency: int, seconds: float = 0.0,
+                       tally: Tally | None = None, gate: asyncio.Event | None = None,
+                       prefetch: int = 0) -> AsyncIterator[tuple[Tally, Worker, Proxy]]:
+    """An SDK worker connected to the server on ``port`` through a relay the test breaks.
+    No prefetch unless asked for: a cut while an assign is on its way loses that assign,
+    and its jobs come back only after the reconnect grace, at attempt 2."""
     proxy = await Proxy(port).start()
-    tally = Tally()
-    worker = tally.build(specs, concurrency=concurrency, seconds=seconds)
+    tally = tally or Tally()
+    worker = tally.build(specs, concurrency=concurrency, seconds=seconds, gate=gate,
+                         prefetch=prefetch)
     worker.url = proxy.ws
     task = asyncio.create_task(worker.run(), name="sdk-behind-proxy")
     try:

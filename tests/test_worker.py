@@ -72,7 +72,7 @@ async def test_unserializable_result_is_reported_as_failure(live: Live, sdk_work
 
 async def test_sdk_never_runs_more_than_its_concurrency(live: Live, sdk_worker, tmp_path: Path):
     await live.push(write_spec(tmp_path, "slow"))
-    worker = make_worker(tmp_path, concurrency=2)
+    worker = make_worker(tmp_path, concurrency=2, prefetch=0)  # as before prefetch
     release = asyncio.Event()
     running = 0
     peak = 0

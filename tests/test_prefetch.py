@@ -1,0 +1,146 @@
+"""Prefetch end to end: a real server and real SDK workers. A worker holds up to
+concurrency + prefetch jobs, runs no more than concurrency at once, and gives back the
+ones it has not started when it goes quiet, terminates or is asked to cancel one; another
+worker then runs each of them exactly once (docs/protocol.md §3.5)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from conftest import Live, write_spec
+from helpers import wait_until
+from test_reconnect import Tally, behind_proxy, reconnected
+
+from rota import Worker
+
+
+class Gate(Tally):
+    """Handlers that block until the test opens the gate, counting what ran where."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = asyncio.Event()
+
+    def worker(self, specs: Path, *, concurrency: int, prefetch: int | None) -> Worker:
+        return self.build(specs, concurrency=concurrency, gate=self.open, prefetch=prefetch)
+
+
+async def held(live: Live, worker: Worker, running: int, prefetched: int) -> None:
+    """Wait until the server and the worker agree it runs ``running`` and holds
+    ``prefetched`` more."""
+    async def check() -> bool:
+        shown = (await live.http.get("/workers")).json()["workers"]
+        mine = [w for w in shown if w["id"] == worker.worker_id]
+        return bool(mine) and (mine[0]["active"], mine[0]["prefetched"]) == (
+            running, prefetched) and (len(worker.running_jobs),
+                                      len(worker.prefetched_jobs)) == (running, prefetched)
+
+    await wait_until(check, what=f"{running} running and {prefetched} prefetched")
+
+
+async def fill(live: Live, tmp_path: Path, sdk_worker: Callable[..., Awaitable[Worker]],
+               gate: Gate, jobs: int) -> tuple[Worker, list[dict[str, Any]]]:
+    """A worker of concurrency 2 and prefetch 3, full: 2 running, 3 waiting."""
+    await live.push(write_spec(tmp_path, "work"))
+    first = await sdk_worker(gate.worker(tmp_path, concurrency=2, prefetch=3))
+    return first, await fill_up(live, first, jobs)
+
+
+async def fill_up(live: Live, worker: Worker, jobs: int) -> list[dict[str, Any]]:
+    """Enqueue ``jobs`` gated jobs and wait until the worker holds 2 + 3 of them. (It
+    holds a line once it has seen how long runs take: two quick jobs show it they are
+    short.)"""
+    for _ in range(2):
+        await live.wait_state((await live.enqueue("work", {"quick": True}))["id"], "completed")
+    enqueued = [await live.enqueue("work", id=f"j{n}") for n in range(jobs)]
+    await held(live, worker, running=2, prefetched=3)
+    return enqueued
+
+
+async def each_ran_once_after(live: Live, gate: Gate, jobs: list[dict[str, Any]],
+                              released: list[str]) -> None:
+    """Every job completed exactly once; the released ones at attempt 2, their first
+    lease ending in one ``released`` record (not counted against max_attempts)."""
+    gate.open.set()
+    for job in jobs:
+        done = await live.wait_state(job["id"], "completed")
+        assert gate.runs[job["id"]] == 1, job["id"]
+        if job["id"] in released:
+            assert done["attempt"] == 2 and [e["type"] for e in done["errors"]] == ["released"]
+            assert done["fails"] == 0 and done["deaths"] == 0
+        else:
+            assert (done["attempt"], done["errors"]) == (1, [])
+
+
+async def test_a_worker_holds_concurrency_plus_prefetch_and_runs_only_concurrency(
+        live: Live, tmp_path: Path, sdk_worker):
+    gate = Gate()
+    worker, jobs = await fill(live, tmp_path, sdk_worker, gate, jobs=8)
+    queue = (await live.http.get("/queues")).json()["queues"][0]
+    assert queue["counts"]["active"] == 5 and queue["counts"]["available"] == 3
+    assert worker.prefetched_jobs == ["j2", "j3", "j4"]  # in the order assigned
+    gate.open.set()
+    for job in jobs:
+        await live.wait_state(job["id"], "completed")
+    assert gate.most == 2 and all(gate.runs[job["id"]] == 1 for job in jobs)
+
+
+async def test_quiet_gives_waiting_jobs_back_and_another_worker_runs_them_once(
+        live: Live, tmp_path: Path, sdk_worker):
+    gate = Gate()
+    first, jobs = await fill(live, tmp_path, sdk_worker, gate, jobs=7)
+    waiting = list(first.prefetched_jobs)
+    reply = await live.http.post(f"/workers/{first.worker_id}/state", json={"state": "quiet"})
+    assert reply.status_code == 200
+    for job_id in waiting:  # back at once: no lease, no grace to wait out
+        await live.wait_state(job_id, "available", timeout=2.0)
+    await held(live, first, running=2, prefetched=0)
+    second = await sdk_worker(gate.worker(tmp_path, concurrency=10, prefetch=0))
+    await wait_until(lambda: len(second.running_jobs) == 5, what="the second worker to take 5")
+    await each_ran_once_after(live, gate, jobs, waiting)
+
+
+async def test_terminate_gives_waiting_jobs_back_and_runs_out_the_running(
+        live: Live, tmp_path: Path, sdk_worker):
+    gate = Gate()
+    first, jobs = await fill(live, tmp_path, sdk_worker, gate, jobs=5)
+    waiting = list(first.prefetched_jobs)
+    first.terminate()  # graceful: running jobs get the grace period
+    for job_id in waiting:
+        await live.wait_state(job_id, "available", timeout=2.0)
+    assert sorted(first.running_jobs) == ["j0", "j1"]
+    second = await sdk_worker(gate.worker(tmp_path, concurrency=10, prefetch=0))
+    await wait_until(lambda: len(second.running_jobs) == 3, what="the second worker to take 3")
+    await each_ran_once_after(live, gate, jobs, waiting)
+
+
+async def test_a_waiting_job_cancelled_never_runs(live: Live, tmp_path: Path, sdk_worker):
+    gate = Gate()
+    first, jobs = await fill(live, tmp_path, sdk_worker, gate, jobs=5)
+    reply = await live.http.delete("/jobs/j3")
+    assert reply.status_code == 202  # active (held by the worker), so asked through it
+    done = await live.wait_state("j3", "cancelled", timeout=2.0)
+    assert [e["type"] for e in done["errors"]] == ["cancelled"]
+    assert "j3" not in first.prefetched_jobs
+    gate.open.set()
+    for job in jobs:
+        if job["id"] != "j3":
+            await live.wait_state(job["id"], "completed")
+    assert gate.runs["j3"] == 0 and gate.most == 2
+
+
+async def test_a_lost_connection_keeps_the_line_and_the_worker_reclaims_it(
+        live: Live, tmp_path: Path):
+    await live.push(write_spec(tmp_path, "work"))
+    gate = Gate()
+    async with behind_proxy(live.settings.port, tmp_path, concurrency=2, tally=gate,
+                            gate=gate.open, prefetch=3) as (_, worker, proxy):
+        jobs = await fill_up(live, worker, 6)
+        worker.connected.clear()
+        proxy.cut()  # no assign on its way: the worker holds all it may
+        await reconnected(worker, proxy, 2)
+        await held(live, worker, running=2, prefetched=3)  # reclaimed, running and waiting
+        await each_ran_once_after(live, gate, jobs, released=[])
