@@ -130,11 +130,18 @@ class Connection:
 
     async def _leave_now(self) -> None:
         ws = self._ws
+
+        async def goodbye(ws: ClientConnection) -> None:
+            # Numbered and handed to the socket in one step of one task: wait_for runs
+            # its coroutine as a task of its own, and a heartbeat numbered before that
+            # task first ran could leave after one the beat loop numbered later.
+            beat = self.link.heartbeat(time.monotonic(), state="terminate", active=[],
+                                       capacity=0, goodbye=True)
+            await ws.send(p.encode(beat))
+
         if ws is not None:
             try:
-                beat = self.link.heartbeat(time.monotonic(), state="terminate", active=[],
-                                           capacity=0, goodbye=True)
-                await asyncio.wait_for(ws.send(p.encode(beat)), 0.5)
+                await asyncio.wait_for(goodbye(ws), 0.5)
                 await asyncio.wait_for(ws.close(), 0.5)
             except (TimeoutError, OSError, websockets.ConnectionClosed):
                 pass
