@@ -173,11 +173,13 @@ async def test_rota_worker_runs_jobs_and_finishes_them_on_sigterm(live: Live, tm
     (tmp_path / "demo_worker.py").write_text(WORKER_MODULE)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rota", "worker", "demo_worker:worker", "--url", live.base,
-        cwd=tmp_path, stderr=asyncio.subprocess.PIPE)
+        "--prefetch", "3", cwd=tmp_path, stderr=asyncio.subprocess.PIPE)
     try:
         quick = await live.enqueue("echo", {"n": 1})
         assert (await live.wait_state(quick["id"], "completed", timeout=15))["result"] == {
             "echoed": {"n": 1}}
+        [shown] = (await live.http.get("/workers")).json()["workers"]
+        assert (shown["concurrency"], shown["prefetch"]) == (2, 3)  # --prefetch wins
         slow = await live.enqueue("echo", {"work_seconds": 0.5})
         await live.wait_state(slow["id"], "active")
         proc.send_signal(signal.SIGTERM)
