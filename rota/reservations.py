@@ -36,7 +36,11 @@ class Reservations:
 
     def dispatch(self, now: Instant) -> list[Effect]:
         """A scheduling round: reserve what the workers can take, in memory now, and
-        send the assigns (one per worker) once the reservations are committed."""
+        send the assigns (one per worker) once the reservations are committed. None once
+        a shutdown has begun: a job reserved then would be assigned on a connection about
+        to close, and wait out a reclaim after the restart instead of simply waiting."""
+        if self.stopping:
+            return []
         plan = self.scheduler.plan(now.mono)
         if not plan:
             return []

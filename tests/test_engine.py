@@ -540,3 +540,15 @@ def test_a_withdraw_that_lost_to_a_reservation_leaves_the_job_waiting(engine, cl
     assert of(Finished, engine.withdrawn(of(Withdraw, effects)[0], True))[0].job_ids == [job.id]
     connect(engine, clock)
     assert not of(Reserve, engine.dispatch(clock()))
+
+
+def test_no_job_is_reserved_once_a_shutdown_has_begun(engine, clock):
+    """A job made available during a graceful stop (a retry come due, a new enqueue) waits
+    for the restart: reserved now, its assign would go out on a closing connection and the
+    job would wait out a reclaim instead (seen: tests/test_invariants.py, seeds 48, 55)."""
+    connect(engine, clock)
+    engine.begin_shutdown()
+    enqueue(engine, clock, 2)
+    assert engine.dispatch(clock()) == []
+    assert not of(Reserve, run_for(engine, clock, 2.0))
+    assert all(job_of(engine, f"echo-{i}").state == JobState.AVAILABLE for i in range(2))
