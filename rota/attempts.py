@@ -57,6 +57,7 @@ def settle(job: Job, result: p.Result, now: Instant, *, max_result_bytes: int,
         encoded = msgspec.json.encode(result.result)
         if len(encoded) <= max_result_bytes:
             job.move(JobState.COMPLETED)
+            job.deaths = 0  # deaths in a row: a completion ends the row (protocol §8)
             return Change(job, result=encoded, finished_at=now.wall)
         # Running it again would only make the same result: fail it for good.
         result = p.Result(job_id=job.id, attempt=result.attempt, outcome="failed",

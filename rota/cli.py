@@ -183,10 +183,11 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 def worker(target: str, url: str, log_level: str, prefetch: int | None) -> None:
     """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
 
-    Signals: SIGTERM takes no new jobs, lets running ones finish within the worker's
-    grace period (cancelling the rest, which go back to the queue at once), deregisters
-    and exits 0. SIGINT (Ctrl-C) does the same without waiting. A second SIGTERM or
-    SIGINT takes the fast path. SIGTSTP goes quiet (no new jobs); SIGCONT resumes.
+    Signals: SIGTERM takes no new jobs, gives back the jobs waiting in its prefetch line,
+    lets running ones finish within the worker's grace period (cancelling the rest, which
+    go back to the queue at once), deregisters and exits 0. SIGINT (Ctrl-C) does the same
+    without waiting. A second SIGTERM or SIGINT takes the fast path. SIGTSTP goes quiet
+    (no new jobs; the line goes back); SIGCONT resumes.
     """
     logs.configure(log_level)
     instance = _import_worker(target)

@@ -23,6 +23,7 @@ import asyncio
 import collections
 import inspect
 import logging
+import math
 import threading
 import time
 import traceback
@@ -37,6 +38,9 @@ from rota.context import JobContext, StatusBuffer
 from rota.link import RESULT_BYTES_PER_BEAT, SMOOTHING, prefetch_line
 
 log = logging.getLogger("rota.worker")
+# The most work a worker's line holds, in seconds of its runs at their present pace: the
+# line is there to cover a round trip to the server, not to hoard (see Runner._trim).
+LINE_SECONDS = 1.0
 Handler = Callable[[JobContext], Any]
 
 
@@ -79,8 +83,15 @@ class Runner:
         line should be for runs this long and this server round trip)."""
         if state != "running":
             return 0
-        line = prefetch_line(self.prefetch, self.concurrency, self.run_time, round_trip)
+        line = min(prefetch_line(self.prefetch, self.concurrency, self.run_time, round_trip),
+                   self._keep())
         return max(0, self.concurrency + line - len(self.running) - len(self.waiting))
+
+    def _keep(self) -> int:
+        """The longest line LINE_SECONDS of work makes at the runs' present pace."""
+        if self.run_time is None:
+            return 0
+        return max(1, math.ceil(LINE_SECONDS * self.concurrency / max(self.run_time, 1e-6)))
 
     def prefetched(self, now: float | None = None) -> list[str]:
         """The jobs waiting in line, not started (a copy: the line moves on its loop);
@@ -229,7 +240,30 @@ class Runner:
         # Handed over before the slot is freed: whoever sees the slot free and nothing
         # running can count on the result being on its way already.
         self.report(result)
+        self._trim()
         self._forget(run)
+
+    def _trim(self) -> None:
+        """Give back what waits beyond LINE_SECONDS of work at the runs' present pace (once
+        the line is well past it). A
+        line filled while runs were quick would otherwise keep slow jobs from an idle
+        worker, and an urgent job behind it, until it drained by running (seen: 56 jobs
+        of a second each, held for 29 s while a second worker sat idle). The newest go
+        back; the oldest keep their turn."""
+        if self.run_time is None or len(self.waiting) <= 1:
+            return
+        keep = self._keep()
+        # Some slack before anything goes back: one slow run among quick ones must not
+        # send jobs back and forth (each release is a lease and a record).
+        if len(self.waiting) <= 2 * keep + self.concurrency:
+            return
+        given = 0
+        while len(self.waiting) > keep:
+            copy, _ = self.waiting.pop()
+            self.report(released(copy, "the line held more than this worker's runs need"))
+            given += 1
+        log.info("released %d waiting job(s): runs take %.3fs now, the line keeps %d",
+                 given, self.run_time, keep)
 
     def _forget(self, run: Run) -> None:
         if self.running.get(run.copy.id) is run:  # a newer attempt may have its slot

@@ -84,8 +84,8 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        if prefetch is not None and not 0 <= prefetch <= p.MAX_PREFETCH:
-            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH} (None: 32 x concurrency)")
+        if prefetch is not None:
+            _check_prefetch(prefetch)
         if max_abandoned_threads is not None and max_abandoned_threads < 1:
             raise ValueError("max_abandoned_threads must be at least 1 (None: 2 x concurrency)")
         self.url = url
@@ -178,8 +178,7 @@ class Worker:
 
     @prefetch.setter
     def prefetch(self, value: int) -> None:  # before run(): the registration carries it
-        if not 0 <= value <= p.MAX_PREFETCH:
-            raise ValueError(f"prefetch must be 0 to {p.MAX_PREFETCH}")
+        _check_prefetch(value)
         self.runner.prefetch = value
 
     # -- what the connection asks for (from its thread) --------------------------------
@@ -372,6 +371,14 @@ class Worker:
             self.quiet()
         elif sig == signal.SIGCONT:
             self.resume()
+
+
+def _check_prefetch(value: object) -> None:
+    # An int, not a bool or a float: the server would refuse the registration, and the
+    # worker would reconnect for ever.
+    if type(value) is not int or not 0 <= value <= p.MAX_PREFETCH:
+        raise ValueError(f"prefetch must be a whole number from 0 to {p.MAX_PREFETCH}, not"
+                         f" {value!r} (None: {PREFETCH_PER_SLOT} x concurrency)")
 
 
 def default_prefetch(concurrency: int) -> int:

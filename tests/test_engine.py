@@ -552,3 +552,16 @@ def test_no_job_is_reserved_once_a_shutdown_has_begun(engine, clock):
     assert engine.dispatch(clock()) == []
     assert not of(Reserve, run_for(engine, clock, 2.0))
     assert all(job_of(engine, f"echo-{i}").state == JobState.AVAILABLE for i in range(2))
+
+
+def test_a_completion_ends_a_jobs_row_of_deaths(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, 1)
+    [first] = assign(engine, clock)
+    engine.disconnect(1, "w1", "closed", clock())  # its worker died: deaths 1
+    assert job_of(engine, first["id"]).deaths == 1
+    connect(engine, clock, worker="w2", conn=2)
+    [again] = assign(engine, clock)
+    effects = engine.heartbeat(2, "w2", hb("w2", 1, results=[done(again)]), clock())
+    [save] = of(Save, effects)
+    assert save.changes[0].job.state == JobState.COMPLETED and save.changes[0].job.deaths == 0

@@ -148,3 +148,24 @@ async def test_a_job_that_waits_past_its_lease_is_no_longer_named_and_goes_back(
     assert line.errors() == [("c", "released")] and line.started == ["a", "b"]
     for job_id in "ab":
         line.finish(job_id)
+
+
+async def test_a_line_filled_while_runs_were_quick_is_trimmed_when_they_slow_down():
+    """A line never holds more than LINE_SECONDS of work at the runs' present pace: when
+    a slow run ends after quick ones, the newest waiting jobs go back (released,
+    unstarted) for an idle worker, and the oldest keep their turn."""
+    from rota.execution import LINE_SECONDS
+
+    line = Line(prefetch=50)
+    line.take(*[f"j{i}" for i in range(12)])
+    await wait_until(lambda: line.started == ["j0", "j1"], what="two runs")
+    assert len(line.runner.prefetched()) == 10  # past 2 x keep + concurrency = 4 below
+    line.runner.run_time = 4.0 * LINE_SECONDS  # as if runs had become slow
+    line.finish("j0")
+    await wait_until(lambda: "j2" in line.started, what="the next run")
+    # keep = ceil(LINE_SECONDS * 2 / run_time) = 1 (the average moved little toward j0's
+    # short run): j2 stays and takes the free slot; j3..j11 went back, unstarted.
+    assert line.runner.prefetched() == []
+    released = [job_id for job_id, kind in line.errors() if kind == "released"]
+    assert sorted(released) == sorted(f"j{i}" for i in range(3, 12))
+    assert line.capacity() == 1  # it asks again only for a line of one

@@ -146,3 +146,12 @@ async def test_a_result_too_large_to_send_fails_the_job_for_good(live, sdk_worke
 def test_worker_options_out_of_range_are_refused(tmp_path: Path, option, message):
     with pytest.raises(ValueError, match=message):
         Worker(specs_dir=tmp_path, **option)
+
+
+@pytest.mark.parametrize("bad", [-1, 1001, 2.5, True, "x"])
+def test_a_prefetch_that_is_not_a_whole_number_in_range_is_refused_at_once(tmp_path, bad):
+    with pytest.raises(ValueError, match="prefetch must be a whole number"):
+        make_worker(tmp_path, prefetch=bad)
+    worker = make_worker(tmp_path, prefetch=0)
+    with pytest.raises(ValueError, match="prefetch must be a whole number"):
+        worker.prefetch = bad
