@@ -378,11 +378,16 @@ class Run:
             if self.jobs and self.rng.random() < 0.1:  # the same id again: idempotent
                 job_id = self.rng.choice(sorted(self.jobs))
                 body = {"spec": self.jobs[job_id], "id": job_id, "args": self.args[job_id]}
+                # What was seen before the request went: an assign that arrives while it is
+                # in flight may come from a reservation that the same commit made after the
+                # answer's row was read (the assign leaves first: Writer.on_settle), and the
+                # answer then rightly shows the job as it was before that reservation.
+                seen_before = self.max_attempt.get(job_id, 0)
                 response = await self.server.http.post("/jobs", json=body)
                 reply = response.json()
                 if response.status_code != 200 or reply["created"] is not False:
                     raise self.violation(f"re-enqueue of {job_id}: {response.status_code} {reply}")
-                if reply["job"]["attempt"] < self.max_attempt.get(job_id, 0):
+                if reply["job"]["attempt"] < seen_before:
                     raise self.violation(f"re-enqueue of {job_id} reset its attempt: {reply}")
                 self.note(f"re-enqueue {job_id} -> {reply['job']['state']}")
                 continue
@@ -522,6 +527,11 @@ class Run:
             seen["workers"] = {w.id: (w.state, f"capacity={w.capacity}",
                                       f"holds={len(w.active)}/{w.concurrency}")
                                for w in scheduler.workers.values()}
+            # Reservations of compact jobs (rota/ready.py) whose rows are still being read:
+            # reserved already, but not yet in memory as jobs. By row id, with the worker.
+            pending = old.coordinator.engine._pending.values()
+            seen["claims"] = {claim.seq: claim.worker.id for kind, payload in pending
+                              if kind == "reserve" for claim in payload[2]}
 
         begin = old.coordinator.begin_shutdown
 
@@ -550,6 +560,15 @@ class Run:
         orphans = {j.id: (j.worker_id, j.attempt)
                    for j in self.server.coordinator.scheduler.jobs.values() if j.orphaned}
         running, before = seen["running"], seen["jobs"]
+        if seen["claims"]:  # claimed as the stop began: running too, whatever attempt
+            with contextlib.closing(sqlite3.connect(f"file:{self.tmp / 'rota.db'}?mode=ro",
+                                                    uri=True)) as db:
+                marks = ",".join("?" * len(seen["claims"]))
+                for rowid, job_id in db.execute(f"SELECT rowid, id FROM jobs WHERE rowid IN"
+                                                f" ({marks})", list(seen["claims"])):
+                    held = orphans.get(job_id)
+                    if held is not None and held[0] == seen["claims"][rowid]:
+                        running = {**running, job_id: held}
         if orphans != running:
             changed = {j: (before.get(j), orphans.get(j)) for j in set(orphans) ^ set(running)
                        | {j for j in orphans if orphans[j] != running.get(j)}}
