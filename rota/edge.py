@@ -119,14 +119,9 @@ class LeanQueue:
 
     async def get(self) -> Any:
         while not self._items:
-            getter = asyncio.get_running_loop().create_future()
             if self._getters is None:
                 self._getters = []
-            self._getters.append(getter)
-            try:
-                await getter
-            finally:
-                self._getters.remove(getter)
+            await _wait_in(self._getters)
         return self._items.pop(0)
 
     def empty(self) -> bool:
@@ -163,16 +158,22 @@ class LeanEvent:
     async def wait(self) -> bool:
         if self._value:
             return True
-        waiter = asyncio.get_running_loop().create_future()
         if self._waiters is None:
             self._waiters = []
-        self._waiters.append(waiter)
-        try:
-            await waiter
-        finally:
-            if self._waiters is not None and waiter in self._waiters:
-                self._waiters.remove(waiter)
+        await _wait_in(self._waiters)
         return True
+
+
+async def _wait_in(waiters: list[asyncio.Future[None]]) -> None:
+    """Wait on a new future kept in ``waiters`` until someone sets it; gone from the list
+    however the wait ends (a setter may have dropped the whole list already)."""
+    waiter = asyncio.get_running_loop().create_future()
+    waiters.append(waiter)
+    try:
+        await waiter
+    finally:
+        if waiter in waiters:
+            waiters.remove(waiter)
 
 
 class LeanWebSocket(WebSocketsSansIOProtocol):

@@ -84,7 +84,7 @@ async def test_a_caller_that_gives_up_hurts_nobody_else(live: Live, tmp_path: Pa
         first = asyncio.create_task(client.enqueue("echo", {}, id="first"))
         quitter = asyncio.create_task(client.enqueue("echo", {}, id="quitter"))
         stayer = asyncio.create_task(client.enqueue("echo", {}, id="stayer"))
-        await asyncio.sleep(0)  # all three are waiting or in flight
+        await asyncio.sleep(0)  # all three are waiting or in flight  # noqa: sleep-ok
         quitter.cancel()
         assert (await first)["created"] and (await stayer)["created"]
         with pytest.raises(asyncio.CancelledError):

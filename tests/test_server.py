@@ -327,7 +327,7 @@ async def test_corked_transport_holds_headers_only_until_the_turn_ends():
     assert raw.writes == [b"headbody"]
     corked.write(b"alone")  # a stream's next part, say: it waits at most one turn
     assert raw.writes == [b"headbody"]
-    await asyncio.sleep(0)  # one turn of the loop, not a wait for time
+    await asyncio.sleep(0)  # one turn of the loop, not a wait for time  # noqa: sleep-ok
     assert raw.writes == [b"headbody", b"alone"]
     corked.write(b"last")
     corked.close()  # closing sends what is held first
@@ -366,13 +366,13 @@ async def test_lean_queue_and_event_behave_as_asyncio_s():
     queue = LeanQueue()
     assert queue.empty() and queue.qsize() == 0
     getter = asyncio.create_task(queue.get())
-    await asyncio.sleep(0)  # one turn: it now waits
+    await asyncio.sleep(0)  # one turn: it now waits  # noqa: sleep-ok
     queue.put_nowait("a")
     queue.put_nowait("b")
     assert await asyncio.wait_for(getter, 5) == "a"
     assert queue.qsize() == 1 and await queue.get() == "b" and queue.empty()
     cancelled = asyncio.create_task(queue.get())
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # noqa: sleep-ok (one loop turn)
     cancelled.cancel()
     await asyncio.gather(cancelled, return_exceptions=True)
     queue.put_nowait("c")  # nobody waits now: it stays for the next get
@@ -380,7 +380,7 @@ async def test_lean_queue_and_event_behave_as_asyncio_s():
 
     event = LeanEvent()
     waiters = [asyncio.create_task(event.wait()) for _ in range(3)]
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # noqa: sleep-ok (one loop turn)
     assert not any(w.done() for w in waiters)
     event.set()
     assert await asyncio.wait_for(asyncio.gather(*waiters), 5) == [True, True, True]

@@ -60,7 +60,7 @@ async def test_a_send_the_socket_holds_up_is_finished_in_order_by_the_send_loop(
     for _ in range(100):  # loop turns, not time
         if len(ws.sent) == 4 and s._sender is None:
             break
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # noqa: sleep-ok (one loop turn)
     assert ws.sent == ["a", "b", "c", "d"] and s._backlog == [] and s._sender is None
     s.send("e")  # all caught up: written at once again, and the send task is gone
     assert ws.sent[-1] == "e"
@@ -107,14 +107,14 @@ async def test_finish_send_drives_a_coroutine_through_futures_and_bare_yields():
         steps.append("start")
         await gate
         steps.append("gate passed")
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # noqa: sleep-ok (one loop turn)
         steps.append("done")
 
     coro = sending()
     waiting_on = coro.send(None)
     assert waiting_on is gate and steps == ["start"]
     finisher = asyncio.create_task(_finish_send(coro, waiting_on))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # noqa: sleep-ok (one loop turn)
     assert steps == ["start"]
     gate.set_result(None)
     await finisher
