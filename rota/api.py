@@ -18,6 +18,7 @@ from rota.coordinator import MAX_LOG_LINES, Coordinator
 from rota.errors import (Conflict, DomainError, Forbidden, Invalid, NotFound, RequestError,
                          TooLarge)
 from rota.gate import principal_of
+from rota.inputs import BadJson, explain, screen
 from rota.jobs import BatchRequest, EnqueueRequest
 from rota.policy import TERMINAL_STATES
 from rota.protocol import rfc3339
@@ -94,13 +95,21 @@ async def _read_body(request: Request) -> bytes:
 
 
 async def _decode(request: Request, kind: type[Any]) -> Any:
-    body = await _read_body(request)
+    return decode_as(await _read_body(request), kind)
+
+
+def decode_as(body: bytes, kind: type[Any]) -> Any:
+    """A JSON body as ``kind``: 422 if it does not fit, 400 if it is not JSON Rota takes
+    (malformed, too deep, not UTF-8), each with a message that says which."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        return msgspec.json.decode(screen(body), type=kind)
     except msgspec.ValidationError as exc:
-        raise RequestError(422, "invalid_request", str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise RequestError(400, "malformed_json", str(exc)) from exc
+        raise RequestError(422, "invalid_request", str(exc)) from None
+    except BadJson as exc:
+        raise RequestError(400, exc.code, exc.message) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        bad = explain(body, exc)
+        raise RequestError(400, bad.code, bad.message) from None
 
 
 # -- jobs -------------------------------------------------------------------------
@@ -120,7 +129,7 @@ async def enqueue_batch(request: Request) -> Response:
     batch: BatchRequest = await _decode(request, BatchRequest)
     parsed: list[EnqueueRequest | DomainError] = []
     for raw in batch.jobs:
-        try:
+        try:  # already screened and decoded once, as part of the batch: it is JSON
             parsed.append(msgspec.json.decode(raw, type=EnqueueRequest))
         except msgspec.ValidationError as exc:
             parsed.append(Invalid("invalid_request", str(exc)))

@@ -189,6 +189,12 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
 
     async def send(self, message: Any) -> None:
         await super().send(message)
+        if (message["type"] == "websocket.http.response.body" and self.close_sent
+                and not self.handshake_complete):
+            # A handshake refused with an HTTP answer (401, 403, 429, 500) is answered:
+            # uvicorn does not mark it so, and logged an ERROR ("returned without
+            # completing handshake") for each refusal, a line anyone could repeat.
+            self.handshake_complete = True
         if self.handshake_complete and getattr(self, "request", None) is not None:
             self.request = None  # type: ignore[assignment]
             self.response = None  # type: ignore[assignment]

@@ -35,6 +35,7 @@ import msgspec
 
 from rota import protocol as p
 from rota.context import JobContext, StatusBuffer
+from rota.inputs import MAX_DEPTH, too_deep
 from rota.link import RESULT_BYTES_PER_BEAT, SMOOTHING, prefetch_line
 
 log = logging.getLogger("rota.worker")
@@ -286,6 +287,9 @@ class Runner:
             if len(encoded) > RESULT_BYTES_PER_BEAT:
                 raise ResultTooLarge(f"the result is {len(encoded)} bytes as JSON; a worker"
                                      f" sends at most {RESULT_BYTES_PER_BEAT}")
+            if too_deep(encoded, RESULT_DEPTH):
+                raise ResultTooDeep(f"the result nests more than {RESULT_DEPTH} arrays or"
+                                    " objects deep; the server refuses deeper frames")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -361,11 +365,23 @@ class Runner:
             log.info("an abandoned thread returned: %d left", len(self.abandoned))
 
 
+# A heartbeat's object, its results and the result's own object come first (protocol §7).
+RESULT_DEPTH = MAX_DEPTH - 3
+
+
 class ResultTooLarge(Exception):
     """A result too large to send: running the job again would not make it smaller."""
 
     retryable = False
     error_type = "result_too_large"  # the name the server gives the same failure
+
+
+class ResultTooDeep(Exception):
+    """A result nested deeper than a frame may carry (protocol §7, ``too_deep``): sent,
+    it would end the connection, and be sent again on the next one."""
+
+    retryable = False
+    error_type = "result_too_deep"
 
 
 def released(copy: p.JobCopy, why: str) -> p.Result:

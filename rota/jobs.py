@@ -8,13 +8,17 @@ from typing import Annotated, Any
 import msgspec
 
 from rota import protocol as p
-from rota.protocol import JobId
+from rota.protocol import MAX_COUNT, JobId, Priority
 from rota.errors import Invalid
 from rota.ids import uuid7
 from rota.model import Job, shared_limits
 from rota.specs import MAX_VISIBILITY, JobSpec, Name
 
-Seconds = Annotated[float, msgspec.Meta(ge=0, le=366 * 24 * 3600.0)]
+# The longest wait Rota schedules: a delay, a run_at, a time to live. Past it a request
+# is refused rather than kept for years (or, as an overflowing date, never shown).
+MAX_AHEAD = 366 * 24 * 3600.0
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_AHEAD)]
+Limit = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 
 
 class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -22,13 +26,13 @@ class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     args: dict[str, Any] = {}
     id: JobId | None = None
     queue: Name | None = None
-    priority: int | None = None
+    priority: Priority | None = None
     run_at: str | None = None  # RFC 3339; or
     delay: Seconds | None = None  # seconds from now
-    ttl: Annotated[float, msgspec.Meta(gt=0)] | None = None  # seconds the job may live
+    ttl: Annotated[float, msgspec.Meta(gt=0, le=MAX_AHEAD)] | None = None  # seconds it may live
     visibility_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_VISIBILITY)] | None = None
-    max_attempts: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    max_fails: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_attempts: Limit | None = None
+    max_fails: Limit | None = None
     capture_logs: bool = False  # keep the lines the handler logs with ctx.log()
 
 
@@ -69,7 +73,9 @@ def _run_at(request: EnqueueRequest, now: float) -> float | None:
     if moment.tzinfo is None:
         raise Invalid("invalid_run_at", "run_at needs a UTC offset, e.g. 'Z'")
     when = moment.timestamp()
-    return when if when > now else None
+    if when > now + MAX_AHEAD:
+        raise Invalid("invalid_run_at", f"run_at is more than {MAX_AHEAD / 86400:g} days ahead")
+    return when if when > now else None  # a moment past, however long ago, means now
 
 
 def same_job(row: dict[str, Any], job: Job, args: dict[str, Any]) -> bool:

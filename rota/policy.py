@@ -31,7 +31,10 @@ class Decision:
 def backoff(failures: int, limits: Limits, rand: float) -> float:
     """Seconds before retry number ``failures`` (1-based): exponential, capped, and
     jittered over [half, full] so that a burst of failures does not retry in lockstep."""
-    full = min(limits.backoff_max, limits.backoff_base * 2.0 ** max(0, failures - 1))
+    # The exponent stops at 1023, where 2.0 ** n is still a float (past it, OverflowError):
+    # a job allowed thousands of attempts waits backoff_max between the late ones.
+    doubling = 2.0 ** min(max(0, failures - 1), 1023)
+    full = min(limits.backoff_max, limits.backoff_base * doubling)
     return full * (0.5 + rand / 2.0)
 
 

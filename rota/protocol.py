@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from rota.errors import FrameError  # re-exported: decoding raises it
+from rota.inputs import BadJson, explain, screen
 
 WorkerState = Literal["running", "quiet", "terminate"]
 # Lifecycle order: a worker only moves forward, except quiet -> running on SIGCONT.
@@ -31,11 +32,18 @@ JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@/+=-]{0,127}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
 JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN)]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# Integers Rota stores or compares are bounded (docs/operations.md, Limits): counts,
+# attempts and priorities to 32 bits, which every JSON reader holds exactly (JavaScript's
+# too); sequence numbers, process ids and byte counts to SQLite's signed 64 bits.
+MAX_COUNT = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Priority = Annotated[int, msgspec.Meta(ge=-MAX_COUNT, le=MAX_COUNT)]
 Percent = Annotated[float, msgspec.Meta(ge=0, le=100)]
 # Longer texts in progress, log lines and alerts are cut to this on the server.
 MAX_TEXT = 8192
-Positive = Annotated[int, msgspec.Meta(ge=1)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 # A registration's prefetch: more would be a backlog, not a prefetch; and the ids of a
 # full line (named in every status) stay within a tenth of a frame.
 MAX_PREFETCH = 1_000
@@ -65,7 +73,7 @@ class SpecRef(msgspec.Struct, frozen=True):
 class Registration(msgspec.Struct, kw_only=True):
     hostname: str
     os: str
-    pid: int
+    pid: NonNegative
     sdk: str
     queues: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=100)]
     concurrency: Positive
@@ -101,7 +109,7 @@ class Status(msgspec.Struct, kw_only=True, omit_defaults=True):
     active_job_ids: list[JobId] = []
     prefetched_job_ids: list[JobId] = []  # held, not started: renewed like running ones
     cpu_percent: float | None = None
-    memory_rss: int | None = None
+    memory_rss: NonNegative | None = None
     progress: list[Progress] = []
     logs: list[LogLine] = []
     alerts: list[Alert] = []
@@ -128,7 +136,7 @@ class Heartbeat(_Tagged, tag="heartbeat"):
     registration: Registration | None = None
     status: Status | None = None
     results: list[Result] = []
-    capacity: NonNegative | None = None
+    capacity: Count | None = None
     goodbye: bool = False  # deregister: the server forgets this worker after this heartbeat
 
 
@@ -215,15 +223,19 @@ def encode(message: msgspec.Struct) -> str:
 def decode_heartbeat(frame: str | bytes) -> Heartbeat:
     """Decode a worker frame, turning every failure into a precise FrameError."""
     try:
+        frame = screen(frame)
         message = _worker_frame_decoder.decode(frame)
+    except BadJson as exc:
+        raise FrameError(exc.code, exc.message, CLOSE_INVALID_PAYLOAD) from None
     except msgspec.ValidationError as exc:
         text = str(exc)
         kind = _peek_type(frame)  # only on this error path: parse once more
         if text == "Object missing required field `type`" or kind not in (None, "heartbeat"):
             raise _unknown_type(text) from exc
         raise FrameError("invalid_message", text, CLOSE_INVALID_PAYLOAD) from exc
-    except msgspec.DecodeError as exc:
-        raise FrameError("malformed_json", str(exc), CLOSE_INVALID_PAYLOAD) from exc
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        bad = explain(frame, exc)  # type: ignore[arg-type]  # bytes, once screened
+        raise FrameError(bad.code, bad.message, CLOSE_INVALID_PAYLOAD) from None
     if not isinstance(message, Heartbeat):
         raise _unknown_type(f"{type(message).__name__.lower()!r} is a server message")
     return message

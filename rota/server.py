@@ -18,6 +18,7 @@ from rota import api, openapi
 from rota.coordinator import Coordinator
 from rota.edge import GuardedHttp, LeanWebSocket
 from rota.gate import Gate
+from rota.safety import SafetyNet
 from rota.sessions import work_endpoint
 from rota.settings import ServerSettings
 
@@ -41,7 +42,8 @@ def create_app(settings: ServerSettings) -> Starlette:
     app = Starlette(
         routes=[*openapi.routes, WebSocketRoute("/work", work_endpoint)],
         exception_handlers=api.exception_handlers,  # type: ignore[arg-type]
-        middleware=[Middleware(Gate, coordinator=coordinator)],
+        # The net outermost: whatever escapes the routes or the gate still gets an answer.
+        middleware=[Middleware(SafetyNet), Middleware(Gate, coordinator=coordinator)],
         lifespan=lifespan,
     )
     app.state.coordinator = coordinator

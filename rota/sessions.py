@@ -23,6 +23,7 @@ from rota.auth import Principal
 from rota.coordinator import Coordinator
 from rota.gate import error_body, principal_of
 from rota.policy import TokenBucket
+from rota.safety import incident_id
 
 log = logging.getLogger("rota.server")
 
@@ -124,10 +125,13 @@ class Session:
         except _Goodbye:
             reason = "goodbye"
             await self.coordinator.settled(self.conn)  # its last results are answered first
-        except Exception:  # a bug: say so, keep its jobs for the reconnect grace
-            log.exception("handling a frame from worker=%s failed", self.worker_id)
+        except Exception as exc:  # a bug: say so, keep its jobs for the reconnect grace
+            incident = incident_id()
+            log.error("internal error id=%s handling a frame from worker=%s: %s", incident,
+                      self.worker_id, type(exc).__name__, exc_info=exc)
             self._failure = p.FrameError("internal_error", "the server failed to handle a"
-                                         " frame; reconnect", p.CLOSE_INTERNAL)
+                                         f" frame (logged as {incident}); reconnect",
+                                         p.CLOSE_INTERNAL)
         finally:
             if self._failure is not None:
                 reason = self._failure.code

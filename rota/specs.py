@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from rota.protocol import NAME_PATTERN as NAME_PATTERN  # one pattern for every name
-from rota.protocol import Name
+from rota.protocol import MAX_COUNT, Name, Priority
 MAX_VISIBILITY = 7 * 24 * 3600.0  # a week; longer leases should extend by heartbeat instead
 ArgType = Literal["string", "integer", "number", "boolean", "object", "array", "any"]
 
@@ -28,11 +28,16 @@ class ArgSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     required: bool = True
 
 
+Limit = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+# A retry's wait is capped at a year (the longest any wait in Rota may be).
+Backoff = Annotated[float, msgspec.Meta(gt=0, le=366 * 24 * 3600.0)]
+
+
 class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 25
-    max_fails: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    backoff_base: Annotated[float, msgspec.Meta(gt=0)] = 1.0
-    backoff_max: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    max_attempts: Limit = 25
+    max_fails: Limit | None = None
+    backoff_base: Backoff = 1.0
+    backoff_max: Backoff = 3600.0
     # Attempts in a row whose worker died (crash, OOM kill, lost for good) before the job
     # is discarded as poison instead of being handed to the next worker.
     max_worker_deaths: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
@@ -45,7 +50,7 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     version: str
     description: str = ""
     queue: Name = "default"
-    priority: int = 0
+    priority: Priority = 0
     visibility_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_VISIBILITY)] | None = None
     retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
     args: dict[str, ArgSpec] = {}

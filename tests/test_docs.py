@@ -34,6 +34,7 @@ def test_every_error_code_the_server_sends_is_documented():
     sources = "".join(p.read_text() for p in (ROOT / "rota").glob("*.py"))
     codes = set(re.findall(r'FrameError\(\s*"([a-z_]+)"', sources))
     codes |= set(re.findall(r'abort\(\s*"([a-z_]+)"', sources))
+    codes |= set(re.findall(r'BadJson\(\s*"([a-z_]+)"', sources))
     codes |= set(re.findall(r'Abort\([^,]+,\s*"([a-z_]+)"', sources))
     assert {"malformed_json", "heartbeat_timeout", "worker_id_in_use"} <= codes
     for code in codes:

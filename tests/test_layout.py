@@ -17,7 +17,7 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Lowest first. Within a layer no module imports another.
 LAYERS: list[set[str]] = [
-    {"errors", "ids", "logs", "settings", "db"},  # leaves: no rota imports
+    {"errors", "ids", "inputs", "logs", "settings", "db"},  # leaves: no rota imports
     {"protocol", "model"},  # the wire format; the job and its lifecycle
     {"specs", "policy", "auth", "ready"},  # spec files and checksums; retry rules; tokens;
     # the ready index
@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"rows"},  # jobs as rows: a restart's load, claims
     {"store"},  # SQLite
     {"coordinator"},  # the async shell
-    {"gate"},  # authentication at the door
+    {"gate", "safety"},  # authentication at the door; the net for what nobody expected
     {"sessions", "api"},  # /work and the HTTP routes
     {"openapi", "edge"},  # the route table; uvicorn's protocols as Rota runs them
     {"server"},
@@ -43,11 +43,11 @@ LAYERS: list[set[str]] = [
 ]
 RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
 # What the worker SDK and the producer client may use of the rest.
-SHARED = {"errors", "ids", "protocol", "specs"}
+SHARED = {"errors", "ids", "inputs", "protocol", "specs"}
 SDK = {"context", "manual", "worker", "client", "link", "execution", "connection", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"model", "policy", "ready", "scheduler", "effects", "registry", "attempts", "intake",
+PURE = {"inputs", "model", "policy", "ready", "scheduler", "effects", "registry", "attempts", "intake",
         "reservations", "engine",
         "link"}
 
