@@ -1,7 +1,8 @@
 """uvicorn's protocols as Rota runs them: what they do per connection and per answer.
 
 uvicorn's HTTP and WebSocket protocol classes are Rota's edge to the network. Three
-adjustments, each measured: a request gets a deadline for its headers (GuardedHttp); an
+adjustments, each measured: a request gets a deadline for its headers, and a request the
+parser refuses a JSON 400 like every other error (GuardedHttp); an
 answer's headers leave with its body in one write (Corked); and an idle /work connection
 holds little beyond its socket (LeanWebSocket), since a server may keep 10,000 of them.
 """
@@ -83,6 +84,16 @@ class GuardedHttp(HttpToolsProtocol):
         cycle = getattr(self, "cycle", None)
         if cycle is not None and getattr(cycle, "transport", None) is self.transport:
             cycle.transport = Corked(self.transport, self.loop)
+
+    def send_400_response(self, msg: str) -> None:
+        # A request the HTTP parser refuses (a control character in a header, a bad
+        # Content-Length) is answered before Rota sees it; in JSON, as every other error.
+        body = (b'{"error":{"code":"bad_http_request","message":"the request is not valid'
+                b' HTTP/1.1 (' + msg.encode("ascii", "replace").replace(b'"', b"'") + b')"}}')
+        self.transport.write(b"".join([
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n",
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body]))
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:

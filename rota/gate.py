@@ -46,7 +46,7 @@ class Gate:
                 and origin not in settings.allowed_origins:
             # Browsers send Origin; workers do not. A page must not borrow a browser's
             # network position to take jobs.
-            log.warning("refused websocket origin=%s client=%s", origin, _client(scope))
+            log.warning("refused websocket origin=%r client=%s", origin, _client(scope))
             return 403, "origin_not_allowed", f"Origin {origin} is not allowed on /work"
         principal = self.coordinator.tokens.authenticate(headers.get("authorization"))
         if principal is None:

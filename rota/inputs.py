@@ -83,8 +83,16 @@ def too_deep(data: bytes, limit: int = MAX_DEPTH) -> bool:
 
 
 def screen(data: bytes | str) -> bytes:
-    """``data`` as bytes, refused with BadJson("too_deep") if it nests past MAX_DEPTH."""
+    """``data`` as bytes, refused with BadJson if it is not UTF-8 ("invalid_utf8") or
+    nests past MAX_DEPTH ("too_deep")."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if not raw.isascii():
+        # Checked whole, up front: the decoder checks only the strings it decodes, and a
+        # part kept raw (a batch's requests) would fail later, somewhere less prepared.
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise explain(raw, exc) from None
     if too_deep(raw):
         raise BadJson("too_deep", f"JSON nested more than {MAX_DEPTH} arrays or objects deep"
                       " (MAX_DEPTH)")

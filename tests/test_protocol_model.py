@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import corpus
 import httpx
 import pytest
 from conftest import ThreadedServer, write_spec
@@ -49,6 +50,17 @@ GARBAGE: dict[str, tuple[str | bytes, set[str]]] = {
     "other worker id": ('{"type": "heartbeat", "seq": 10000, "worker_id": "intruder"}',
                         {"worker_id_mismatch"}),
 }
+# Every value of the hostile corpus that no field may take, in a result's value: the
+# frame is refused with the code for it, and the sender's jobs go back like any other's.
+REFUSED_CODES = {"malformed_json", "invalid_message", "too_deep", "invalid_unicode"}
+for _name, _fragment, _refused in corpus.VALUES:
+    if _refused and _fragment.isascii():  # a str frame: invalid UTF-8 cannot be written
+        GARBAGE[f"result {_name}"] = (
+            '{"type": "heartbeat", "seq": 10000, "worker_id": "W", "results": [{"job_id":'
+            ' "job-1", "attempt": 1, "outcome": "completed", "result": '
+            + _fragment.decode() + "}]}", REFUSED_CODES)
+# Priorities at the edges of the documented range (32 bits) and past it.
+PRIORITIES = [None, 0, 2**31 - 1, -(2**31 - 1), 2**31, -(2**31), 2**63, -(2**63) - 1, 10**30]
 
 
 class ErrorLog(logging.Handler):
@@ -138,12 +150,20 @@ class ProtocolModel(RuleBasedStateMachine):
         shutil.rmtree(self.tmp, ignore_errors=True)  # one per example: do not pile up
 
     # -- rules ------------------------------------------------------------------------
-    @rule(n=st.integers(1, 3))
-    def enqueue(self, n: int) -> None:
+    @rule(n=st.integers(1, 3), priority=st.sampled_from(PRIORITIES))
+    def enqueue(self, n: int, priority: int | None) -> None:
+        in_range = priority is None or abs(priority) <= 2**31 - 1
         for _ in range(n):
             self.count += 1
             job_id = f"job-{self.count}"
-            reply = self.http.post("/jobs", json={"spec": "echo", "id": job_id})
+            body: dict[str, Any] = {"spec": "echo", "id": job_id}
+            if priority is not None:
+                body["priority"] = priority
+            reply = self.http.post("/jobs", json=body)
+            if not in_range:
+                assert (reply.status_code, reply.json()["error"]["code"]) == (
+                    422, "invalid_request"), reply.text
+                continue
             assert reply.status_code == 201, reply.text
             self.enqueued.add(job_id)
 

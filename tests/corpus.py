@@ -1,0 +1,140 @@
+"""The hostile corpus, as data: JSON values, whole bodies, path segments, query values
+and header values that have broken JSON services before. tests/test_hostile.py sends
+each to every place Rota reads input; tests/test_fuzz.py draws from the same extremes.
+
+A value is (name, raw JSON bytes, refused): ``refused`` says that no field anywhere may
+take it (it is not JSON Rota accepts at all); the others are JSON, and each field decides
+for itself, within its documented type and range.
+"""
+
+from __future__ import annotations
+
+Value = tuple[str, bytes, bool]
+
+FORGED = "FORGED-LOG-LINE"  # must never start a line of the server's log
+
+VALUES: list[Value] = [
+    # depth: past the limit, far past it (msgspec would recurse), and just inside it
+    ("depth 65", b"[" * 65 + b"]" * 65, True),
+    ("depth 40,000 arrays", b"[" * 40_000 + b"]" * 40_000, True),
+    ("depth 20,000 objects", b'{"a":' * 20_000 + b"1" + b"}" * 20_000, True),
+    ("depth 10", b"[" * 10 + b"]" * 10, False),
+    # numbers at the edges of 64 bits, of doubles, and past them
+    ("2^63", b"9223372036854775808", False),
+    ("-2^63-1", b"-9223372036854775809", False),
+    ("2^63-1", b"9223372036854775807", False),
+    ("2^64", b"18446744073709551616", False),
+    ("2^31", b"2147483648", False),
+    ("10^400", b"1" + b"0" * 400, False),
+    ("1e309", b"1e309", True),
+    ("-1e309", b"-1e309", True),
+    ("1e308", b"1e308", False),
+    ("5e-324", b"5e-324", False),
+    ("-0", b"-0", False),
+    ("-0.0", b"-0.0", False),
+    ("NaN token", b"NaN", True),
+    ("Infinity token", b"Infinity", True),
+    ("-Infinity token", b"-Infinity", True),
+    ("leading zeros", b"007", True),
+    ("hex", b"0x10", True),
+    ("plus sign", b"+1", True),
+    # Unicode
+    ("lone high surrogate", b'"\\ud800"', True),
+    ("lone low surrogate", b'"x\\udc00y"', True),
+    ("surrogate pair", b'"\\ud83d\\ude00"', False),
+    ("NUL escaped", b'"a\\u0000b"', False),
+    ("right-to-left override", '"\u202egnp.exe"'.encode(), False),
+    ("BOM in a string", '"\ufeffx"'.encode(), False),
+    ("overlong UTF-8", b'"\xc0\xaf"', True),
+    ("invalid UTF-8", b'"\xff\xfe"', True),
+    ("UTF-8 encoded surrogate", b'"\xed\xa0\x80"', True),
+    ("log forging", f'"x\\nERROR {FORGED} \\r\\n{FORGED}"'.encode(), False),
+    ("ANSI escape", b'"\\u001b[31mred\\u001b[0m"', False),
+    ("long string", b'"' + b"x" * 100_000 + b'"', False),
+    # structure
+    ("duplicate keys", b'{"a": 1, "a": 2}', False),
+    ("empty object", b"{}", False),
+    ("empty array", b"[]", False),
+    ("long array", b"[" + b"1," * 50_000 + b"1]", False),
+    ("null", b"null", False),
+    ("true", b"true", False),
+    ("empty string", b'""', False),
+    ("a number", b"1.5", False),
+    ("trailing garbage", b"1 x", True),
+    ("unterminated", b'"abc', True),
+    ("single quotes", b"'a'", True),
+]
+
+# Whole request bodies (or frames), in place of the JSON a route expects.
+BODIES: list[tuple[str, bytes]] = [
+    ("empty body", b""),
+    ("whitespace", b" \r\n\t"),
+    ("byte order mark", b'\xef\xbb\xbf{}'),
+    ("trailing garbage", b"{} x"),
+    ("two documents", b"{}{}"),
+    ("top-level array", b"[]"),
+    ("top-level string", b'"hello"'),
+    ("top-level number", b"17"),
+    ("top-level null", b"null"),
+    ("invalid UTF-8", b'{"a": "\xff"}'),
+    ("NUL byte raw", b'{"a": "\x00"}'),
+    ("control character raw", b'{"a": "\x07"}'),
+    ("deep", b"[" * 100_000 + b"]" * 100_000),
+    ("not JSON", b"<html>"),
+]
+
+# Path segments, already percent-encoded as a client would put them in a URL.
+SEGMENTS: list[tuple[str, str]] = [
+    ("NUL", "a%00b"),
+    ("invalid UTF-8", "%FF%FE"),
+    ("UTF-8 encoded surrogate", "%ED%A0%80"),
+    ("overlong", "%C0%AF"),
+    ("right-to-left override", "%E2%80%AEgnp"),
+    ("newline", f"x%0A{FORGED}"),
+    ("ANSI escape", "%1B%5B31m"),
+    ("dot segments", "..%2F..%2Fetc%2Fpasswd"),
+    ("space", "a%20b"),
+    ("very long", "a" * 8_000),
+    ("percent alone", "%"),
+    ("bad escape", "%zz"),
+]
+
+# Query values for numbers (``wait``), raw in the URL.
+NUMBERS_IN_QUERY: list[tuple[str, str]] = [
+    ("negative", "-1"), ("nan", "nan"), ("inf", "inf"), ("-inf", "-inf"), ("1e309", "1e309"),
+    ("huge", "9" * 400), ("empty", ""), ("word", "abc"), ("hex", "0x10"),
+    ("underscore", "1_0"), ("NUL", "%00"), ("invalid UTF-8", "%FF"), ("spaces", "%201%20"),
+    ("tiny", "1e-320"), ("two values", "1&wait=2"),
+]
+
+# Values for the Authorization header, as bytes on the wire.
+AUTHORIZATIONS: list[tuple[str, bytes]] = [
+    ("empty", b""),
+    ("scheme only", b"Bearer"),
+    ("empty token", b"Bearer "),
+    ("other scheme", b"Basic dXNlcjpwYXNz"),
+    ("long token", b"Bearer rota_" + b"A" * 6_000),
+    ("not a Rota token", b"Bearer abc.def.ghi"),
+    ("latin-1 bytes", b"Bearer rota_\xe9\xff"),
+    ("control character", b"Bearer rota_\x07\x1b[31m"),
+    ("two spaces", b"Bearer  rota_x_y"),
+]
+
+# Values for the Origin header of a /work handshake.
+ORIGINS: list[tuple[str, bytes]] = [
+    ("null", b"null"),
+    ("another site", b"https://evil.example"),
+    ("ANSI escape", b"\x1b[31mred"),
+    ("latin-1 bytes", b"https://\xe9\xff"),
+    ("very long", b"https://" + b"a" * 6_000),
+]
+
+# Values for the Content-Length header, with a body of 2 bytes ("{}").
+CONTENT_LENGTHS: list[tuple[str, bytes]] = [
+    ("word", b"abc"),
+    ("negative", b"-1"),
+    ("huge", b"9" * 40),
+    ("shorter than the body", b"1"),
+    ("plus sign", b"+2"),
+    ("spaces", b" 2 "),
+]
