@@ -18,6 +18,10 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 log = logging.getLogger("rota.server")
 
+# A request's line and headers together: tokens and names are short, and a browser's
+# cookies stay well under it (nginx's default buffers hold 32 KiB, Node's 16 KiB).
+MAX_HEADER_BYTES = 64 * 1024
+
 
 class Corked:
     """A response's transport that sends its headers with the first part of its body.
@@ -67,6 +71,8 @@ class GuardedHttp(HttpToolsProtocol):
 
     header_timeout = 10.0
     _deadline: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+    _headers_too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -74,7 +80,26 @@ class GuardedHttp(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._header_bytes = 0
         self._arm()
+
+    # uvicorn's parser keeps a request's URL and headers however long they grow: 20 MB of
+    # headers cost 17 MiB on one connection. Past MAX_HEADER_BYTES the request is refused.
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        super().on_header(name, value)
+
+    def _count(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._headers_too_large = True
+            # An exception in a callback stops the parser; uvicorn then answers with
+            # send_400_response, which says 431 instead.
+            raise ValueError("request headers too large")
 
     def on_headers_complete(self) -> None:
         if self._deadline is not None:
@@ -88,10 +113,17 @@ class GuardedHttp(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         # A request the HTTP parser refuses (a control character in a header, a bad
         # Content-Length) is answered before Rota sees it; in JSON, as every other error.
-        body = (b'{"error":{"code":"bad_http_request","message":"the request is not valid'
-                b' HTTP/1.1 (' + msg.encode("ascii", "replace").replace(b'"', b"'") + b')"}}')
+        if self._headers_too_large:
+            status = b"431 Request Header Fields Too Large"
+            body = (b'{"error":{"code":"headers_too_large","message":"the request line and'
+                    b' headers are over %d bytes"}}' % MAX_HEADER_BYTES)
+        else:
+            status = b"400 Bad Request"
+            body = (b'{"error":{"code":"bad_http_request","message":"the request is not valid'
+                    b' HTTP/1.1 (' + msg.encode("ascii", "replace").replace(b'"', b"'")
+                    + b')"}}')
         self.transport.write(b"".join([
-            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n",
+            b"HTTP/1.1 ", status, b"\r\ncontent-type: application/json\r\n",
             b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body]))
         self.transport.close()
 

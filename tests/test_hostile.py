@@ -282,6 +282,17 @@ async def test_every_header_rota_reads(watched: Watch):
                                       + b"\r\nOrigin: " + value + b"\r\n\r\n")
         assert (status, json.loads(body)["error"]["code"]) == expected, f"Origin {name}"
         watched.pairs += 1
+    # Headers and URL together are bounded; a large but legal one still passes.
+    for request, expected in [
+        (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        (b"GET /jobs/" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 431),
+        (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 60_000 + b"\r\n\r\n", 200),
+    ]:
+        status, body = await raw_http(port, request)
+        assert status == expected, request[:40]
+        if status == 431:
+            assert json.loads(body)["error"]["code"] == "headers_too_large"
+        watched.pairs += 1
     for name, value in corpus.CONTENT_LENGTHS:
         status, _ = await raw_http(port, b"POST /jobs HTTP/1.1\r\nHost: x\r\nAuthorization: "
                                    + token + b"\r\nContent-Length: " + value
