@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import Live, wait_until, write_spec
@@ -138,6 +139,27 @@ async def test_a_result_too_large_to_send_fails_the_job_for_good(live, sdk_worke
     [error] = done["errors"]
     assert (error["type"], error["retryable"]) == ("result_too_large", False)
     assert live.coordinator.connections  # the worker's connection was never at risk
+
+
+async def test_a_result_too_deep_to_send_fails_the_job_for_good(live, sdk_worker, tmp_path):
+    await live.push(write_spec(tmp_path, "deep"))
+    worker = Worker(specs_dir=tmp_path, heartbeat_interval=0.1)
+
+    def nest(ctx: JobContext) -> Any:
+        value: Any = 1
+        for _ in range(ctx.args["depth"]):
+            value = [value]
+        return value
+
+    worker.handler("deep")(nest)
+    await sdk_worker(worker)
+    fits = await live.enqueue("deep", {"depth": 61})  # the most a heartbeat can carry
+    deep = await live.enqueue("deep", {"depth": 62})
+    done = await live.wait_state(deep["id"], "discarded")
+    [error] = done["errors"]
+    assert (error["type"], error["retryable"]) == ("result_too_deep", False)
+    assert (await live.wait_state(fits["id"], "completed"))["attempt"] == 1
+    assert live.coordinator.connections  # the connection was never closed for it
 
 
 @pytest.mark.parametrize(("option", "message"), [
