@@ -5,6 +5,7 @@ Every error is a 4xx with ``{"error": {"code": ..., "message": ...}}``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Literal
 
@@ -86,11 +87,18 @@ async def _read_body(request: Request) -> bytes:
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    # A body sent a byte a minute would hold its connection for ever: it has a deadline.
+    timeout = _coordinator(request).settings.body_timeout
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(408, "body_timeout", f"the request body did not arrive within"
+                           f" {timeout:g}s (body_timeout)") from None
     return b"".join(chunks)
 
 
@@ -312,9 +320,17 @@ async def healthz(request: Request) -> Response:
                  "uptime": round(coordinator.uptime(), 3)})
 
 
+# A body that stopped arriving: the connection ends with the answer. (The rest of a body
+# refused as too large is read and dropped by uvicorn, and the connection goes on.)
+CLOSE_AFTER = frozenset({"body_timeout"})
+
+
 async def request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError | DomainError)
-    return error(status_of(exc), exc.code, exc.message)
+    response = error(status_of(exc), exc.code, exc.message)
+    if exc.code in CLOSE_AFTER:
+        response.headers["connection"] = "close"
+    return response
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

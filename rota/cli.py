@@ -120,6 +120,8 @@ def main() -> None:
               show_envvar=True, help="Seconds a new /work socket has to register.")
 @click.option("--header-timeout", envvar="ROTA_HEADER_TIMEOUT", default=10.0, show_default=True, show_envvar=True,
               help="Seconds a client has to send a request's headers.")
+@click.option("--body-timeout", envvar="ROTA_BODY_TIMEOUT", default=30.0, show_default=True, show_envvar=True,
+              help="Seconds a client has to send a request's body, once its headers are in.")
 @click.option("--ssl-certfile", envvar="ROTA_SSL_CERTFILE", show_envvar=True,
               type=click.Path(exists=True, dir_okay=False), help="Serve HTTPS/wss with this certificate (PEM).")
 @click.option("--ssl-keyfile", envvar="ROTA_SSL_KEYFILE", show_envvar=True,

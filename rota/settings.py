@@ -40,6 +40,7 @@ class ServerSettings:
     rate_bytes_burst: int = 8 << 20
     throttle_close_after: float = 60.0  # over the limits this long without a break: closed
     header_timeout: float = 10.0  # a client must send a request's headers within this
+    body_timeout: float = 30.0  # ... and, once they are in, the whole body within this
     allowed_origins: tuple[str, ...] = ()  # browser Origins accepted on /work
     ssl_certfile: str | None = None  # serve HTTPS and wss:// with this certificate
     ssl_keyfile: str | None = None

@@ -49,7 +49,7 @@ async def guarded(tmp_path: Path):
     live = await start_server(tmp_path, registration_timeout=0.5, rate_limit=20.0,
                               rate_burst=20, max_worker_connections_per_token=3,
                               max_args_bytes=1024, max_result_bytes=2048, max_body_bytes=4096,
-                              header_timeout=0.5)
+                              header_timeout=0.5, body_timeout=0.5)
     admin = await make_token(live, "admin")
     live.http.headers.update(bearer(admin))
     await live.push(write_spec(tmp_path / "specs", "echo"))
@@ -277,6 +277,20 @@ async def test_slow_headers_are_cut_off(guarded: Live):
     await writer.drain()
     assert await asyncio.wait_for(reader.read(), 3) == b""  # closed by the server
     writer.close()
+    await bystander_still_works(guarded)
+
+
+async def test_a_slow_body_is_cut_off_with_408(guarded: Live):
+    before = stored_jobs(guarded)
+    reader, writer = await asyncio.open_connection("127.0.0.1", guarded.settings.port)
+    writer.write(b"POST /jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                 + guarded.admin.encode() + b"\r\nContent-Length: 100\r\n\r\n"  # type: ignore[attr-defined]
+                 + b'{"spec": "echo", ')  # and never the rest
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 3)  # answered, then closed
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"body_timeout"' in answer
+    assert stored_jobs(guarded) == before
     await bystander_still_works(guarded)
 
 
