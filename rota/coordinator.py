@@ -25,7 +25,7 @@ from rota.auth import OPEN, Principal, Tokens
 from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           Withdraw, WorkerGone, WorkerSeen)
 from rota.engine import MAX_LOG_LINES, Engine
-from rota.errors import Conflict, DomainError, Invalid, NotFound
+from rota.errors import Conflict, DomainError, Invalid, NotFound, StorageError, failure_level
 from rota.jobs import EnqueueRequest, same_job
 from rota.model import TERMINAL_STATES, Instant, Job
 from rota.policy import TokenBucket
@@ -216,8 +216,8 @@ class Coordinator:
 
     def _written(self, future: asyncio.Future[Any]) -> None:
         self.pending_writes -= 1
-        if not future.cancelled() and future.exception() is not None:
-            log.error("a background write failed: %s", future.exception())
+        if not future.cancelled() and (error := future.exception()) is not None:
+            log.log(failure_level(error), "a background write failed: %s", error)
 
     def _committed(self, ticket: int, point: str | None, future: asyncio.Future[Any]) -> None:
         self.pending_writes -= 1
@@ -307,7 +307,10 @@ class Coordinator:
         heartbeat interval, so that a revoked worker is gone within one."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval)
-            await self._refresh_tokens()
+            try:
+                await self._refresh_tokens()
+            except StorageError:  # the store's health says so; the last table stands
+                pass
 
     async def _refresh_tokens(self) -> None:
         rows = await self.store.live_tokens()

@@ -16,6 +16,7 @@ from typing import Any
 
 from rota import protocol as p
 from rota.effects import Arm, Effect, Reserve, Send, Wake
+from rota.errors import failure_level
 from rota.logs import log_lines
 from rota.model import Instant, Job, JobState
 from rota.ready import Claim
@@ -59,8 +60,8 @@ class Reservations:
                            read: list[Job | None], now: Instant) -> list[Effect]:
         plan, jobs, claims, at = payload
         if error is not None:
-            log.error("reservation commit failed; returning %d jobs: %s",
-                      len(jobs) + len(claims), error)
+            log.log(failure_level(error), "reservation commit failed; returning %d jobs: %s",
+                    len(jobs) + len(claims), error)
             for job in jobs:
                 if job.state == JobState.ACTIVE:
                     job.attempt -= 1

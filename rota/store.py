@@ -43,14 +43,15 @@ class Store:
     path: Path
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
     durability: str = "full"  # db.SYNCHRONOUS: what a commit survives
+    health: db.Health = field(default_factory=db.Health)  # degraded while the disk fails
     writer: db.Writer = field(init=False)
     readers: db.Readers = field(init=False)
     checkpointer: db.Checkpointer = field(init=False)
 
     def __post_init__(self) -> None:
-        self.writer = db.Writer(self.path, self.durability)
-        self.readers = db.Readers(self.path)
-        self.checkpointer = db.Checkpointer(self.path)
+        self.writer = db.Writer(self.path, self.durability, self.health)
+        self.readers = db.Readers(self.path, health=self.health)
+        self.checkpointer = db.Checkpointer(self.path, health=self.health)
 
     # -- lifecycle (startup runs in a thread, before the server takes traffic) ----
     def load(self) -> Snapshot:
