@@ -60,7 +60,7 @@ class Coordinator:
         self.clock = clock
         self.store = Store(settings.db,
                            crash_before_commit=settings.crash_at == "enqueue-before-commit",
-                           durability=settings.durability)
+                           durability=settings.durability, max_db_size=settings.max_db_size)
         self.engine = Engine(settings)
         self.tokens = Tokens()
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
@@ -336,7 +336,7 @@ class Coordinator:
         # the job is new.
         early = [job for request, job in zip(requests, built, strict=True)
                  if request.id is None and not isinstance(job, DomainError)]
-        written = self.store.enqueue(jobs) if jobs else None
+        written = self.store.enqueue(jobs, live=self.scheduler.live()) if jobs else None
         if early:
             effects = self.engine.enqueued_all([(job, None) for job in early], now)
             self.apply(effects + self.engine.dispatch(now))

@@ -157,6 +157,11 @@ STORAGE_ERRORS: dict[str, tuple[str, str, int]] = {
 }
 RECOVER_AFTER = 5.0  # seconds with no storage failure before a good write means recovery
 PROBE_EVERY = 1.0  # seconds between the writer's probe writes while degraded and idle
+# Bytes of a --max-db-size quota kept free for each job not yet finished, so that the
+# jobs accepted can still be reserved and finish once new ones are refused: measured, a
+# reservation and a small result grow a job's row by about 170 bytes, and page splits
+# can double that.
+ROOM_PER_JOB = 1024
 
 
 def classify(errorname: str | None) -> tuple[str, str, int] | None:
@@ -182,6 +187,28 @@ def storage_error(exc: BaseException) -> StorageError | None:
     error = StorageError(code, f"{sentence} ({name})", retry_after)
     error.__cause__ = exc
     return error
+
+
+def has_room(quota: int, used: int, live: int, new: list[int]) -> bool:
+    """Whether jobs whose args take ``new`` bytes each may be enqueued into a database
+    of ``used`` bytes under a quota of ``quota`` bytes while ``live`` jobs are not yet
+    finished: each new job takes its args and ROOM_PER_JOB, and every live job keeps
+    ROOM_PER_JOB for its run."""
+    return used + sum(new) + (live + len(new)) * ROOM_PER_JOB <= quota
+
+
+def quota_full(quota: int) -> StorageError:
+    return StorageError("storage_full", f"the database is at its quota (--max-db-size"
+                        f" {quota} bytes); the room left is kept for the jobs accepted",
+                        STORAGE_ERRORS["SQLITE_FULL"][2])
+
+
+def used_bytes(conn: sqlite3.Connection) -> int:
+    """What the database's pages in use take (free pages are room)."""
+    row = conn.execute("SELECT (page_count - freelist_count) * page_size FROM"
+                       " pragma_page_count(), pragma_freelist_count(), pragma_page_size()"
+                       ).fetchone()
+    return int(row[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,11 +299,13 @@ def migrate(path: Path) -> None:
 class Writer:
     """The only thread that writes; it commits whatever has queued up together."""
 
-    def __init__(self, path: Path, durability: str = "full", health: Health | None = None
-                 ) -> None:
+    def __init__(self, path: Path, durability: str = "full", health: Health | None = None,
+                 max_bytes: int | None = None) -> None:
         self._path = path
         self._durability = durability
         self.health = health or Health()
+        self.max_bytes = max_bytes  # --max-db-size: SQLite refuses to grow the file past it
+        self.used_bytes = 0  # after the last commit, when there is a quota to compare with
         self._queue: queue.SimpleQueue[tuple[Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="rota-writer", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -312,6 +341,12 @@ class Writer:
         # Checkpoints belong to the Checkpointer thread: run inline they would fsync the
         # whole database inside some unlucky commit and stall every caller behind it.
         conn.execute("PRAGMA wal_autocheckpoint = 0")
+        if self.max_bytes is not None:
+            # A hard limit: a write that needs a page past it fails with SQLITE_FULL,
+            # storage_full. (Below the file's size, SQLite keeps the size.)
+            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {max(1, self.max_bytes // page_size)}")
+            self.used_bytes = used_bytes(conn)
         try:
             while True:
                 try:
@@ -359,6 +394,8 @@ class Writer:
             outcomes = [(future, None, error) for _, future in batch]
         else:
             self.health.succeeded()
+            if self.max_bytes is not None:
+                self.used_bytes = used_bytes(conn)
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._settle, outcomes)
 

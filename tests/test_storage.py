@@ -9,6 +9,7 @@ makes its writes fail with an I/O error until the limit is raised again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import resource
@@ -19,11 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import write_spec
-from helpers import spawn_serve, wait_until
+from conftest import start_server, stop_server, write_spec
+from helpers import RawWorkers, spawn_serve, wait_until
 from test_crash import free_port, read_jobs
 
-from rota import db
+from rota import JobContext, Worker, db
 from rota.errors import StorageError
 
 
@@ -216,3 +217,114 @@ async def test_io_errors_answer_503_then_the_server_recovers_by_itself(tmp_path:
     errors = [line for line in text.splitlines()
               if " ERROR " in line and "storage degraded" not in line]
     assert errors == [], text
+
+
+# -- a quota (--max-db-size): full on demand -----------------------------------------------
+QUOTA = 256 << 10
+
+
+async def test_a_full_quota_refuses_new_jobs_and_the_accepted_ones_still_finish(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    live = await start_server(tmp_path, max_db_size=QUOTA)
+    acked: list[str] = []
+    refused: list[httpx.Response] = []
+
+    async def enqueue(body: dict[str, Any], path: str = "/jobs/batch") -> httpx.Response:
+        response = await live.http.post(path, json=body)
+        if response.status_code == 200:
+            acked.extend(r["job"]["id"] for r in response.json()["results"])
+        elif response.status_code == 201:
+            acked.append(response.json()["job"]["id"])
+        else:
+            refused.append(response)
+        return response
+
+    try:
+        specs = tmp_path / "specs"
+        await live.push(write_spec(specs, "echo"))
+
+        async def batch_refused() -> httpx.Response | None:
+            response = await enqueue(batch(20))
+            return response if response.status_code != 200 else None
+
+        response = await wait_until(batch_refused, timeout=30, what="a full quota")
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "storage_full" and "--max-db-size" in error["message"]
+        assert int(response.headers["Retry-After"]) >= 1
+        assert len(acked) >= 100  # the quota was spent on jobs, not refused at once
+
+        async def single_refused() -> httpx.Response | None:  # a lone job may still fit
+            response = await enqueue({"spec": "echo", "args": {}}, "/jobs")
+            return response if response.status_code != 201 else None
+
+        single = await wait_until(single_refused, timeout=10, what="a single job refused")
+        assert single.status_code == 503 and single.json()["error"]["code"] == "storage_full"
+        assert single.headers["Retry-After"] == response.headers["Retry-After"]
+        assert (await live.job(acked[0]))["state"] == "available"  # reads go on
+
+        async def degraded() -> dict[str, Any] | None:
+            await enqueue({"spec": "echo", "args": {}}, "/jobs")
+            health = (await live.http.get("/healthz")).json()
+            return health if health["status"] == "degraded" else None
+
+        health = await wait_until(degraded, timeout=10, what="/healthz degraded")
+        assert health["storage"]["code"] == "storage_full"
+
+        # Every job acknowledged still runs and finishes: the quota kept room for it.
+        worker = Worker(specs_dir=specs, heartbeat_interval=0.2, concurrency=20,
+                        url=live.ws)
+
+        @worker.handler("echo")
+        async def echo(ctx: JobContext) -> dict[str, Any]:
+            return {"done": ctx.id}
+
+        running = asyncio.create_task(worker.run(), name="sdk-worker")
+        try:
+            async def all_done() -> bool:
+                counts = (await live.http.get("/queues")).json()["queues"][0]["counts"]
+                return counts.get("completed") == len(acked)
+
+            await wait_until(all_done, timeout=30, what="every acknowledged job completed")
+        finally:
+            worker.stop()
+            await asyncio.wait_for(running, timeout=10)
+    finally:
+        await stop_server(live)
+    stored = read_jobs(tmp_path / "rota.db")
+    assert {job_id: stored[job_id]["state"] for job_id in acked} == dict.fromkeys(
+        acked, "completed")
+    assert len(stored) == len(acked)  # and nothing refused got in
+    assert os.path.getsize(tmp_path / "rota.db") <= QUOTA
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and all(m.startswith("storage degraded code=storage_full") for m in errors)
+    assert len(errors) < len(refused)  # not a line per refused request
+
+
+async def test_a_result_past_the_quota_is_rejected_as_storage_full_and_sent_again(
+        tmp_path: Path):
+    """The quota's room for a job is for a small result: a large one may not fit. It is
+    rejected with the reason, the job stays with its worker, and a result that fits is
+    then accepted."""
+    live = await start_server(tmp_path, max_db_size=QUOTA)
+    workers = RawWorkers(live.ws)
+    try:
+        echo = write_spec(tmp_path, "echo")
+        await live.push(echo)
+        worker = await workers()
+        await worker.register([echo])
+        job = await live.enqueue("echo")
+        [copy] = await worker.jobs(1)
+        ack = await worker.complete(copy, result="x" * QUOTA)
+        [rejection] = ack["rejected"]
+        assert rejection["reason"].startswith("could not be stored (storage_full: the"
+                                              " database or its disk is full (SQLITE_FULL))")
+        assert rejection["reason"].endswith("; report it again")
+        assert (await live.job(job["id"]))["state"] == "active"
+        ack = await worker.complete(copy, result="small")
+        assert ack["accepted"] == [job["id"]]
+        assert (await live.job(job["id"]))["result"] == "small"
+    finally:
+        await workers.close()
+        await stop_server(live)
