@@ -430,6 +430,7 @@ class Engine(Intake, Reservations):
                 self.registry.shift(stall, now.mono)
                 self.scheduler.shift(stall)
         self._last_tick = now.mono
+        effects += self.resume_rounds(now)
         due = self.scheduler.due(now.mono)
         if due:
             effects += [Save([Change(job) for job in due]), Wake()]
