@@ -17,7 +17,7 @@ from starlette.responses import Response
 from rota.auth import Principal, Scope
 from rota.coordinator import MAX_LOG_LINES, Coordinator
 from rota.errors import (Conflict, DomainError, Forbidden, Invalid, NotFound, RequestError,
-                         TooLarge)
+                         StorageError, TooLarge)
 from rota.gate import principal_of
 from rota.inputs import BadJson, explain, screen
 from rota.jobs import BatchRequest, EnqueueRequest
@@ -314,10 +314,16 @@ async def list_queues(request: Request) -> Response:
 
 
 async def healthz(request: Request) -> Response:
+    """200 even while the store is degraded: the server still serves reads and workers,
+    and a restart by a liveness probe would not bring the disk back (docs/operations.md)."""
     coordinator = _coordinator(request)
-    return JSON({"status": "ok", "workers": len(coordinator.connections),
+    degraded = coordinator.store.health.degraded
+    storage = None if degraded is None else {
+        "code": degraded.code, "message": degraded.message, "since": rfc3339(degraded.since)}
+    return JSON({"status": "ok" if degraded is None else "degraded",
+                 "workers": len(coordinator.connections),
                  "live_jobs": coordinator.scheduler.live(), "specs": len(coordinator.specs),
-                 "uptime": round(coordinator.uptime(), 3)})
+                 "uptime": round(coordinator.uptime(), 3), "storage": storage})
 
 
 # A body that stopped arriving: the connection ends with the answer. (The rest of a body
@@ -330,6 +336,14 @@ async def request_error(request: Request, exc: Exception) -> Response:
     response = error(status_of(exc), exc.code, exc.message)
     if exc.code in CLOSE_AFTER:
         response.headers["connection"] = "close"
+    return response
+
+
+async def storage_unavailable(request: Request, exc: Exception) -> Response:
+    # Logged once by the store's health when it became degraded, not once per request.
+    assert isinstance(exc, StorageError)
+    response = error(503, exc.code, exc.message)
+    response.headers["Retry-After"] = str(exc.retry_after)
     return response
 
 
@@ -349,4 +363,5 @@ async def client_gone(request: Request, exc: Exception) -> Response:
 
 
 exception_handlers = {RequestError: request_error, DomainError: request_error,
-                      HTTPException: http_error, ClientDisconnect: client_gone}
+                      StorageError: storage_unavailable, HTTPException: http_error,
+                      ClientDisconnect: client_gone}

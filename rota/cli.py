@@ -103,6 +103,10 @@ def main() -> None:
               help="What an acknowledged write survives. full: power loss (every commit is"
                    " fsynced). process: a crash of Rota, not of the machine (faster; the last"
                    " commits before an OS crash or power cut may be lost).")
+@click.option("--max-db-size", envvar="ROTA_MAX_DB_SIZE", type=click.IntRange(min=1),
+              default=None, show_envvar=True,
+              help="Bytes the database file may take (default: no limit). New jobs get 503"
+                   " storage_full once the room left is what the unfinished jobs need.")
 @click.option("--max-connections", envvar="ROTA_MAX_CONNECTIONS", default=1000, show_default=True, show_envvar=True,
               help="Open connections of any kind; new ones get 503 above.")
 @click.option("--max-worker-connections-per-token", envvar="ROTA_MAX_WORKER_CONNECTIONS_PER_TOKEN", default=200,

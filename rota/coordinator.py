@@ -25,7 +25,7 @@ from rota.auth import OPEN, Principal, Tokens
 from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           Withdraw, WorkerGone, WorkerSeen)
 from rota.engine import MAX_LOG_LINES, Engine
-from rota.errors import Conflict, DomainError, Invalid, NotFound
+from rota.errors import Conflict, DomainError, Invalid, NotFound, StorageError, failure_level
 from rota.jobs import EnqueueRequest, same_job
 from rota.model import TERMINAL_STATES, Instant, Job
 from rota.policy import TokenBucket
@@ -60,7 +60,7 @@ class Coordinator:
         self.clock = clock
         self.store = Store(settings.db,
                            crash_before_commit=settings.crash_at == "enqueue-before-commit",
-                           durability=settings.durability)
+                           durability=settings.durability, max_db_size=settings.max_db_size)
         self.engine = Engine(settings)
         self.tokens = Tokens()
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
@@ -216,8 +216,8 @@ class Coordinator:
 
     def _written(self, future: asyncio.Future[Any]) -> None:
         self.pending_writes -= 1
-        if not future.cancelled() and future.exception() is not None:
-            log.error("a background write failed: %s", future.exception())
+        if not future.cancelled() and (error := future.exception()) is not None:
+            log.log(failure_level(error), "a background write failed: %s", error)
 
     def _committed(self, ticket: int, point: str | None, future: asyncio.Future[Any]) -> None:
         self.pending_writes -= 1
@@ -307,7 +307,10 @@ class Coordinator:
         heartbeat interval, so that a revoked worker is gone within one."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval)
-            await self._refresh_tokens()
+            try:
+                await self._refresh_tokens()
+            except StorageError:  # the store's health says so; the last table stands
+                pass
 
     async def _refresh_tokens(self) -> None:
         rows = await self.store.live_tokens()
@@ -333,7 +336,7 @@ class Coordinator:
         # the job is new.
         early = [job for request, job in zip(requests, built, strict=True)
                  if request.id is None and not isinstance(job, DomainError)]
-        written = self.store.enqueue(jobs) if jobs else None
+        written = self.store.enqueue(jobs, live=self.scheduler.live()) if jobs else None
         if early:
             effects = self.engine.enqueued_all([(job, None) for job in early], now)
             self.apply(effects + self.engine.dispatch(now))

@@ -4,6 +4,10 @@ Nothing here runs on the event loop. ``Writer.submit`` hands a function to the w
 thread and returns an asyncio future; the writer runs everything that has queued up
 in one ``BEGIN IMMEDIATE`` transaction (a savepoint per function, so one failing
 function does not undo the others) and resolves the futures only after COMMIT.
+
+A disk that is full, read-only or failing is an expected fault: its SQLite errors
+become ``StorageError`` (``storage_error``), and ``Health`` says whether the store is
+degraded and notices when it recovers.
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ import logging
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import sqlite_utils
+
+from rota.errors import StorageError
 
 T = TypeVar("T")
 log = logging.getLogger("rota.server")
@@ -124,6 +132,140 @@ def m006_poison(db: sqlite_utils.Database) -> None:
     db["jobs"].add_column("max_worker_deaths", int)
 
 
+@migrations()
+def m007_storage_probe(db: sqlite_utils.Database) -> None:
+    # One row the writer rewrites while the store is degraded, to see whether writes
+    # work again when no other write comes (Writer._probe).
+    db["storage_probe"].create({"id": int, "at": float}, pk="id")
+
+
+# -- a full or failing disk ------------------------------------------------------------
+# SQLite's primary result codes that blame the storage rather than the statement: what
+# the client is told (code, sentence) and how many seconds it should wait before asking
+# again (HTTP Retry-After). The waits stay below RECOVER_AFTER, so that producers that
+# honour them keep a degraded store's state steady rather than letting it seem to
+# recover between two attempts.
+STORAGE_ERRORS: dict[str, tuple[str, str, int]] = {
+    "SQLITE_FULL": ("storage_full", "the database or its disk is full", 3),
+    "SQLITE_READONLY": ("storage_read_only", "the database file cannot be written", 3),
+    "SQLITE_IOERR": ("storage_io_error", "the disk failed a read or a write", 3),
+    "SQLITE_CANTOPEN": ("storage_io_error", "a database file could not be opened", 3),
+    "SQLITE_BUSY": ("storage_busy", "the database is locked by another process", 1),
+    "SQLITE_LOCKED": ("storage_busy", "the database is locked by another process", 1),
+    "SQLITE_CORRUPT": ("storage_corrupt", "the database file is damaged", 3),
+    "SQLITE_NOTADB": ("storage_corrupt", "the database file is not an SQLite database", 3),
+}
+RECOVER_AFTER = 5.0  # seconds with no storage failure before a good write means recovery
+PROBE_EVERY = 1.0  # seconds between the writer's probe writes while degraded and idle
+# Bytes of a --max-db-size quota kept free for each job not yet finished, so that the
+# jobs accepted can still be reserved and finish once new ones are refused: measured, a
+# reservation and a small result grow a job's row by about 170 bytes, and page splits
+# can double that.
+ROOM_PER_JOB = 1024
+
+
+def classify(errorname: str | None) -> tuple[str, str, int] | None:
+    """What an SQLite error name means for clients, or None if the storage is not at
+    fault (a constraint, a bug). Names are a primary code with an optional extended
+    part: ``SQLITE_IOERR_WRITE`` is an ``SQLITE_IOERR``."""
+    for primary, meaning in STORAGE_ERRORS.items():
+        if errorname is not None and (errorname == primary or
+                                      errorname.startswith(primary + "_")):
+            return meaning
+    return None
+
+
+def storage_error(exc: BaseException) -> StorageError | None:
+    """``exc`` as a StorageError (with ``exc`` as its cause) if it blames the storage."""
+    if isinstance(exc, StorageError):
+        return exc
+    name = getattr(exc, "sqlite_errorname", None) if isinstance(exc, sqlite3.Error) else None
+    meaning = classify(name)
+    if meaning is None:
+        return None
+    code, sentence, retry_after = meaning
+    error = StorageError(code, f"{sentence} ({name})", retry_after)
+    error.__cause__ = exc
+    return error
+
+
+def has_room(quota: int, used: int, live: int, new: list[int]) -> bool:
+    """Whether jobs whose args take ``new`` bytes each may be enqueued into a database
+    of ``used`` bytes under a quota of ``quota`` bytes while ``live`` jobs are not yet
+    finished: each new job takes its args and ROOM_PER_JOB, and every live job keeps
+    ROOM_PER_JOB for its run."""
+    return used + sum(new) + (live + len(new)) * ROOM_PER_JOB <= quota
+
+
+def quota_full(quota: int) -> StorageError:
+    return StorageError("storage_full", f"the database is at its quota (--max-db-size"
+                        f" {quota} bytes); the room left is kept for the jobs accepted",
+                        STORAGE_ERRORS["SQLITE_FULL"][2])
+
+
+def used_bytes(conn: sqlite3.Connection) -> int:
+    """What the database's pages in use take (free pages are room)."""
+    row = conn.execute("SELECT (page_count - freelist_count) * page_size FROM"
+                       " pragma_page_count(), pragma_freelist_count(), pragma_page_size()"
+                       ).fetchone()
+    return int(row[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Degraded:
+    code: str
+    message: str
+    since: float  # wall-clock time the store became degraded
+
+
+class Health:
+    """Whether the store can do its work, as its threads find out; thread-safe.
+
+    The first storage failure makes it degraded (one ERROR line; another only if the
+    cause changes). A successful write (a commit, or the writer's probe) ends it once
+    ``hold`` seconds have passed without a failure (one WARNING line). The wait is
+    there because a failing disk often fails only some writes (a small commit fits in
+    the WAL's old space where a large one does not), and a state that flipped with every
+    commit would tell an operator nothing.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, hold: float = RECOVER_AFTER) -> None:
+        self._clock = clock
+        self._wall = wall
+        self._hold = hold
+        self._lock = threading.Lock()
+        self.degraded: Degraded | None = None
+        self._last_failure = 0.0
+        self._failures = 0  # since it became degraded
+
+    def failed(self, error: StorageError) -> StorageError:
+        """Record a failure; returns ``error``, for ``raise health.failed(...)``."""
+        with self._lock:
+            self._last_failure = self._clock()
+            self._failures += 1
+            was = self.degraded
+            if was is not None and was.code == error.code:
+                return error
+            self.degraded = Degraded(error.code, error.message,
+                                     was.since if was is not None else self._wall())
+        log.error("storage degraded code=%s: %s%s; refused with 503 until it recovers",
+                  error.code, error.message, f" (was {was.code})" if was is not None else "")
+        return error
+
+    def succeeded(self) -> None:
+        """A write went through."""
+        if self.degraded is None:  # the common case, without the lock
+            return
+        with self._lock:
+            was, failures = self.degraded, self._failures
+            if was is None or self._clock() - self._last_failure < self._hold:
+                return
+            self.degraded, self._failures = None, 0
+        log.warning("storage recovered code=%s after %.1fs failed_operations=%d", was.code,
+                    self._wall() - was.since, failures)
+
+
 # What a commit survives (``rota serve --durability``): "full" fsyncs every commit, so an
 # acknowledged write survives power loss; "process" lets the OS write it back later, so it
 # survives a crash of Rota but the last commits may be lost if the machine or its power
@@ -157,9 +299,13 @@ def migrate(path: Path) -> None:
 class Writer:
     """The only thread that writes; it commits whatever has queued up together."""
 
-    def __init__(self, path: Path, durability: str = "full") -> None:
+    def __init__(self, path: Path, durability: str = "full", health: Health | None = None,
+                 max_bytes: int | None = None) -> None:
         self._path = path
         self._durability = durability
+        self.health = health or Health()
+        self.max_bytes = max_bytes  # --max-db-size: SQLite refuses to grow the file past it
+        self.used_bytes = 0  # after the last commit, when there is a quota to compare with
         self._queue: queue.SimpleQueue[tuple[Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="rota-writer", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -195,9 +341,22 @@ class Writer:
         # Checkpoints belong to the Checkpointer thread: run inline they would fsync the
         # whole database inside some unlucky commit and stall every caller behind it.
         conn.execute("PRAGMA wal_autocheckpoint = 0")
+        if self.max_bytes is not None:
+            # A hard limit: a write that needs a page past it fails with SQLITE_FULL,
+            # storage_full. (Below the file's size, SQLite keeps the size.)
+            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {max(1, self.max_bytes // page_size)}")
+            self.used_bytes = used_bytes(conn)
         try:
             while True:
-                first = self._queue.get()
+                try:
+                    first = self._queue.get(timeout=PROBE_EVERY)
+                except queue.Empty:
+                    # Idle. If a failure (here, or a reader's or the checkpointer's) left
+                    # the store degraded, only a write tells whether writes work again.
+                    if self.health.degraded is not None:
+                        self._probe(conn)
+                    continue
                 if first is None:
                     return
                 batch = [first]
@@ -222,14 +381,21 @@ class Writer:
     def _commit(self, conn: sqlite3.Connection, batch: list[tuple[Op, asyncio.Future[Any]]]) -> None:
         outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         try:
+            _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
             conn.execute("BEGIN IMMEDIATE")
             for op, future in batch:
                 outcomes.append((future, *_run_in_savepoint(conn, op)))
             conn.execute("COMMIT")
         except BaseException as exc:  # the whole transaction is gone: every caller hears it
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            outcomes = [(future, None, exc) for _, future in batch]
+            _rollback(conn)
+            error: BaseException = exc
+            if (failure := storage_error(exc)) is not None:
+                error = self.health.failed(failure)
+            outcomes = [(future, None, error) for _, future in batch]
+        else:
+            self.health.succeeded()
+            if self.max_bytes is not None:
+                self.used_bytes = used_bytes(conn)
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._settle, outcomes)
 
@@ -248,14 +414,32 @@ class Writer:
                 except Exception:  # one hook's bug must not keep the others' news back
                     log.exception("a commit callback failed")
 
+    def _probe(self, conn: sqlite3.Connection) -> None:
+        try:
+            _rollback(conn)
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT OR REPLACE INTO storage_probe (id, at) VALUES (1, ?)",
+                         (time.time(),))
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            _rollback(conn)
+            if (failure := storage_error(exc)) is None:  # not the disk: say so, go on
+                log.warning("storage probe failed: %s", exc)
+            else:
+                self.health.failed(failure)
+        else:
+            self.health.succeeded()
+
 
 class Checkpointer:
     """Copies the WAL back into the database file in the background (PASSIVE: it never
     blocks the writer or readers), so the WAL stays small without stalling commits."""
 
-    def __init__(self, path: Path, interval: float = CHECKPOINT_EVERY) -> None:
+    def __init__(self, path: Path, interval: float = CHECKPOINT_EVERY,
+                 health: Health | None = None) -> None:
         self._path = path
         self._interval = interval
+        self._health = health or Health()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rota-checkpoint", daemon=True)
 
@@ -270,10 +454,21 @@ class Checkpointer:
         conn = connect(self._path)
         try:
             while not self._stop.wait(self._interval):
-                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # leave a tidy file behind
+                self._checkpoint(conn, "PASSIVE")
+            self._checkpoint(conn, "TRUNCATE")  # leave a tidy file behind
         finally:
             conn.close()
+
+    def _checkpoint(self, conn: sqlite3.Connection, mode: str) -> None:
+        # A checkpoint that cannot write (the database file cannot grow) is the first
+        # sign of a full disk when the WAL still has room: the store is degraded, and
+        # the next tick tries again.
+        try:
+            conn.execute(f"PRAGMA wal_checkpoint({mode})")
+        except sqlite3.Error as exc:
+            if (failure := storage_error(exc)) is None:
+                raise
+            self._health.failed(failure)
 
 
 def _run_in_savepoint(conn: sqlite3.Connection, op: Op) -> tuple[Any, BaseException | None]:
@@ -281,6 +476,11 @@ def _run_in_savepoint(conn: sqlite3.Connection, op: Op) -> tuple[Any, BaseExcept
     try:
         value = op(conn)
     except Exception as exc:
+        if storage_error(exc) is not None or not conn.in_transaction:
+            # The storage failed, not this op: SQLite may have rolled the whole
+            # transaction back already (it does on a full disk or an I/O error), and
+            # the ops after it would hit the same wall. They all fail alike.
+            raise
         conn.execute("ROLLBACK TO op")
         conn.execute("RELEASE op")
         return None, exc
@@ -288,11 +488,22 @@ def _run_in_savepoint(conn: sqlite3.Connection, op: Op) -> tuple[Any, BaseExcept
     return value, None
 
 
+def _rollback(conn: sqlite3.Connection) -> None:
+    """End the open transaction, if any. After a full disk or an I/O error SQLite has
+    usually ended it already; if ROLLBACK itself fails, the next commit tries again."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.debug("rollback failed: %s", exc)
+
+
 class Readers:
     """A small pool of read-only connections; WAL lets them read while the writer commits."""
 
-    def __init__(self, path: Path, size: int = 2) -> None:
+    def __init__(self, path: Path, size: int = 2, health: Health | None = None) -> None:
         self._path = path
+        self._health = health or Health()
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="rota-reader")
         self._conns: list[sqlite3.Connection] = []
@@ -303,13 +514,18 @@ class Readers:
         return await loop.run_in_executor(self._pool, self._call, fn)
 
     def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = connect(self._path, readonly=True)
-            self._local.conn = conn
-            with self._lock:
-                self._conns.append(conn)
-        return fn(conn)
+        try:
+            conn = getattr(self._local, "conn", None)
+            if conn is None:
+                conn = connect(self._path, readonly=True)
+                self._local.conn = conn
+                with self._lock:
+                    self._conns.append(conn)
+            return fn(conn)
+        except sqlite3.Error as exc:
+            if (failure := storage_error(exc)) is None:
+                raise
+            raise self._health.failed(failure) from exc
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

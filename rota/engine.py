@@ -28,6 +28,7 @@ from rota.attempts import MAX_LOG_LINES, end_attempt, held_by, result_problem, s
 from rota.auth import Principal
 from rota.effects import (Abort, Arm, Effect, Finished, Note, Save, Send, Wake, WorkerGone,
                           WorkerSeen)
+from rota.errors import RotaError, failure_level
 from rota.intake import Intake
 from rota.jobs import error_record
 from rota.logs import log_lines
@@ -328,7 +329,8 @@ class Engine(Intake, Reservations):
             return self._reserve_committed(payload, error, read or [], now)
         # "finish": attempts ended by the server; wake whoever waits on a final state
         if error is not None:
-            log.error("storing %d job transition(s) failed: %s", len(payload), error)
+            log.log(failure_level(error), "storing %d job transition(s) failed: %s",
+                    len(payload), error)
             return []
         return [Finished([c.job.id for c in payload if c.job.state in TERMINAL_STATES])]
 
@@ -340,13 +342,16 @@ class Engine(Intake, Reservations):
         if error is not None:
             # Nothing was stored: the jobs stay reserved, and the worker hears that it may
             # report them again rather than believing they were recorded.
-            log.error("storing %d result(s) from worker=%s failed: %s", len(changes),
-                      worker_id, error)
+            log.log(failure_level(error), "storing %d result(s) from worker=%s failed: %s",
+                    len(changes), worker_id, error)
+            # A storage error names its code (storage_full ...): a worker or an operator
+            # reading the reason knows the disk is at fault, not the result.
+            detail = f"{error.code}: {error}" if isinstance(error, RotaError) else str(error)
             for change in changes:
                 effects += self._undo(change, worker_id, conn, now)
                 rejected.append(p.ResultRejection(
                     job_id=change.job.id, attempt=change.job.attempt,
-                    reason=f"could not be stored ({error}); report it again"))
+                    reason=f"could not be stored ({detail}); report it again"))
         else:
             completed = []
             for change in changes:
@@ -425,6 +430,7 @@ class Engine(Intake, Reservations):
                 self.registry.shift(stall, now.mono)
                 self.scheduler.shift(stall)
         self._last_tick = now.mono
+        effects += self.resume_rounds(now)
         due = self.scheduler.due(now.mono)
         if due:
             effects += [Save([Change(job) for job in due]), Wake()]

@@ -8,10 +8,14 @@
     │   ├── Forbidden    the caller's token does not allow it
     │   └── TooLarge     over a size limit
     ├── RequestError     an HTTP request refused: answered with ``status`` and a JSON body
-    └── FrameError       a /work frame refused: an ``error`` frame, then ``close_code``
+    ├── FrameError       a /work frame refused: an ``error`` frame, then ``close_code``
+    └── StorageError     the database cannot do its part now (full, read-only, failing):
+                         503 with ``Retry-After`` on HTTP; a result is rejected on /work
 """
 
 from __future__ import annotations
+
+import logging
 
 
 class RotaError(Exception):
@@ -61,3 +65,22 @@ class FrameError(RotaError):
     def __init__(self, code: str, message: str, close_code: int) -> None:
         super().__init__(code, message)
         self.close_code = close_code
+
+
+class StorageError(RotaError):
+    """The database cannot do its part now: its disk is full, its file is read-only or
+    locked elsewhere, the disk fails reads or writes, or the file is damaged. Nothing of
+    the refused operation was stored; the same request may succeed ``retry_after``
+    seconds later. rota/db.py makes these from SQLite's errors and keeps the original
+    as ``__cause__``."""
+
+    def __init__(self, code: str, message: str, retry_after: int) -> None:
+        super().__init__(code, message)
+        self.retry_after = retry_after
+
+
+def failure_level(error: BaseException | None) -> int:
+    """The level to log a failed write at. A StorageError is logged once, when the store
+    becomes degraded (rota/db.py ``Health``): each write it then refuses is DEBUG, or a
+    full disk would write a line per request."""
+    return logging.DEBUG if isinstance(error, StorageError) else logging.ERROR

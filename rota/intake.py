@@ -13,7 +13,7 @@ from typing import Any
 from rota import protocol as p
 from rota.auth import Principal
 from rota.effects import Arm, Effect, Finished, Save, Send, Wake, Withdraw
-from rota.errors import DomainError, Forbidden, Invalid, TooLarge
+from rota.errors import DomainError, Forbidden, Invalid, TooLarge, failure_level
 from rota.jobs import EnqueueRequest, new_job
 from rota.logs import log_lines
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
@@ -88,7 +88,8 @@ class Intake:
         for job in jobs:
             self.scheduler.drop(job)
         if jobs:
-            log.error("enqueue of %d job(s) not stored: %s", len(jobs), error)
+            log.log(failure_level(error), "enqueue of %d job(s) not stored: %s", len(jobs),
+                    error)
         return [Wake()]
 
     def cancel(self, job_id: str, now: Instant) -> tuple[str, list[Effect]]:

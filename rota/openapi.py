@@ -203,12 +203,19 @@ class Queues(msgspec.Struct):
     queues: list[QueueView]
 
 
+class StorageState(msgspec.Struct):
+    code: str
+    message: str
+    since: str
+
+
 class Health(msgspec.Struct):
-    status: str
+    status: str  # "ok", or "degraded" while the store cannot write (storage says why)
     workers: int
     live_jobs: int
     specs: int
     uptime: float
+    storage: StorageState | None = None
 
 
 class Op(NamedTuple):
@@ -257,6 +264,8 @@ ROUTES: list[Op] = [
     Op("get", "/healthz", api.healthz, "Health (no token needed)", None, {200: Health}),
 ]
 OPEN_PATHS = {"/healthz"}
+STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry",
+                "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues"}
 
 
 def document() -> dict[str, Any]:
@@ -280,6 +289,8 @@ def document() -> dict[str, Any]:
             operation["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": refs[body]}}}
         extra = {401: ErrorBody, 403: ErrorBody}
+        if path in STORED_PATHS:  # what reads or writes the database answers 503 when it fails
+            extra[503] = ErrorBody
         if path in OPEN_PATHS:
             operation["security"] = []  # no token needed
             extra = {}
@@ -323,4 +334,5 @@ routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
 _DESCRIPTIONS = {200: "done", 201: "created", 202: "accepted, not finished", 400: "bad input",
                  401: "no valid token", 403: "not allowed for this token",
                  404: "not found", 409: "conflict with the job's state",
-                 413: "over a size limit", 422: "invalid request"}
+                 413: "over a size limit", 422: "invalid request",
+                 503: "storage unavailable (full, read-only or failing); see Retry-After"}

@@ -16,6 +16,7 @@ from typing import Any
 
 from rota import protocol as p
 from rota.effects import Arm, Effect, Reserve, Send, Wake
+from rota.errors import failure_level
 from rota.logs import log_lines
 from rota.model import Instant, Job, JobState
 from rota.ready import Claim
@@ -24,6 +25,10 @@ from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
 
 log = logging.getLogger("rota.server")
+# Seconds without a scheduling round after one whose commit failed. Its jobs and the
+# workers' slots are back at once, and a round at once would most likely fail on the
+# same disk, and the next, spinning as fast as the disk fails.
+PAUSE_AFTER_FAILED_ROUND = 1.0
 
 
 class Reservations:
@@ -33,14 +38,15 @@ class Reservations:
     stopping: bool
     _ticket: Callable[[str, Any], int]
     _recover: Callable[..., list[Effect]]  # (jobs, ending, message, now, *, death)
+    _paused_until = 0.0  # monotonic: no round before it (a failed round's pause)
 
     def dispatch(self, now: Instant) -> list[Effect]:
         """A scheduling round: reserve what the workers can take, in memory now, and
         send the assigns (one per worker) once the reservations are committed. None once
         a shutdown has begun: a job reserved then would be assigned on a connection about
         to close, and wait out a reclaim after the restart instead of simply waiting."""
-        if self.stopping:
-            return []
+        if self.stopping or now.mono < self._paused_until:
+            return []  # (after a pause, ``resume_rounds`` wakes the dispatch)
         plan = self.scheduler.plan(now.mono)
         if not plan:
             return []
@@ -59,15 +65,15 @@ class Reservations:
                            read: list[Job | None], now: Instant) -> list[Effect]:
         plan, jobs, claims, at = payload
         if error is not None:
-            log.error("reservation commit failed; returning %d jobs: %s",
-                      len(jobs) + len(claims), error)
+            log.log(failure_level(error), "reservation commit failed; returning %d jobs: %s",
+                    len(jobs) + len(claims), error)
             for job in jobs:
                 if job.state == JobState.ACTIVE:
-                    job.attempt -= 1
-                    self.scheduler.release(job)
+                    self.scheduler.unreserve(job)
             for claim in claims:
                 self.scheduler.unclaim(claim)
-            return [Wake()]
+            self._paused_until = now.mono + PAUSE_AFTER_FAILED_ROUND
+            return []
         effects: list[Effect] = []
         got: dict[int, Job] = {}  # claim's seq -> the job its worker holds now
         for claim, job in zip(claims, read, strict=True):
@@ -101,6 +107,13 @@ class Reservations:
                     enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs))
             effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
         return effects
+
+    def resume_rounds(self, now: Instant) -> list[Effect]:
+        """From ``tick``: a scheduling round once a failed round's pause is over."""
+        if not self._paused_until or now.mono < self._paused_until:
+            return []
+        self._paused_until = 0.0
+        return [Wake()]
 
     def _lost_claim(self, job: Job, now: Instant) -> list[Effect]:
         """A claimed job reserved for a worker that left before the row was read: what

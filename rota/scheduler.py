@@ -114,8 +114,10 @@ class Scheduler:
         return True
 
     def unclaim(self, claim: Claim) -> None:
-        """The reservation of a claim failed: the job is available again, as it was."""
+        """The reservation of a claim failed: the job is available again, as it was, and
+        the worker has the slot back (nothing was sent; it will not ask again)."""
         claim.worker.claims -= 1
+        claim.worker.capacity += 1
         self.claims -= 1
         self.ready.unclaim(claim.queue, claim.spec, claim.priority, claim.seq)
 
@@ -125,6 +127,15 @@ class Scheduler:
         job.worker_id = None
         job.due = due
         self._push(self._due, due, job.id)
+
+    def unreserve(self, job: Job) -> None:
+        """The reservation of a whole job failed: the job is available again, as it
+        was, and its worker has the slot back, as for a claim."""
+        worker = self.workers.get(job.worker_id or "")
+        if worker is not None:
+            worker.capacity += 1
+        job.attempt -= 1
+        self.release(job)
 
     def release(self, job: Job) -> None:
         """Take a job back from its worker and make it available again."""

@@ -136,6 +136,11 @@ async def serve(settings: ServerSettings, *, log_level: str = "info",
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    if hasattr(signal, "SIGXFSZ"):
+        # A write past the file-size limit (ulimit -f) would kill the process; ignored,
+        # it fails with EFBIG, which SQLite reports as an I/O error: the store is
+        # degraded and recovers when the limit is raised (docs/operations.md).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     scheme = "https" if settings.ssl_certfile else "http"
     log.info("serving on %s://%s:%d (workers connect to /work)", scheme, settings.host,
              settings.port)

@@ -22,6 +22,10 @@ class ServerSettings:
     # What an acknowledged write survives: "full" (fsynced: power loss) or "process" (a
     # crash of Rota only; faster, the machine's crash may lose the last commits).
     durability: str = "full"
+    # Bytes the database may take (SQLite's max_page_count); None: what the disk holds.
+    # New jobs are refused (503 storage_full) while what is left keeps room for the
+    # jobs not yet finished (db.has_room).
+    max_db_size: int | None = None
     # Longest a GET /jobs/{id}/result?wait= may hold a request open.
     max_result_wait: float = 300.0
     # -- limits against hostile or broken clients (docs/operations.md) ----------------

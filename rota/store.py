@@ -43,20 +43,23 @@ class Store:
     path: Path
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
     durability: str = "full"  # db.SYNCHRONOUS: what a commit survives
+    max_db_size: int | None = None  # bytes (--max-db-size); None: as much as the disk holds
+    health: db.Health = field(default_factory=db.Health)  # degraded while the disk fails
     writer: db.Writer = field(init=False)
     readers: db.Readers = field(init=False)
     checkpointer: db.Checkpointer = field(init=False)
 
     def __post_init__(self) -> None:
-        self.writer = db.Writer(self.path, self.durability)
-        self.readers = db.Readers(self.path)
-        self.checkpointer = db.Checkpointer(self.path)
+        self.writer = db.Writer(self.path, self.durability, self.health, self.max_db_size)
+        self.readers = db.Readers(self.path, health=self.health)
+        self.checkpointer = db.Checkpointer(self.path, health=self.health)
 
     # -- lifecycle (startup runs in a thread, before the server takes traffic) ----
     def load(self) -> Snapshot:
         db.migrate(self.path)
         conn = db.connect(self.path)
         try:
+            self.writer.used_bytes = db.used_bytes(conn)
             return load(conn)
         finally:
             conn.close()
@@ -71,8 +74,17 @@ class Store:
         self.checkpointer.stop()
 
     # -- writes --------------------------------------------------------------------
-    def enqueue(self, jobs: list[Job]) -> asyncio.Future[list[tuple[dict[str, Any], bool]]]:
-        """Insert jobs in one transaction; an existing id gives the stored row and False."""
+    def enqueue(self, jobs: list[Job], *, live: int = 0
+                ) -> asyncio.Future[list[tuple[dict[str, Any], bool]]]:
+        """Insert jobs in one transaction; an existing id gives the stored row and False.
+
+        Under a quota (``max_db_size``) jobs that would not leave room for the ``live``
+        ones to finish are refused here, before anything is queued (storage_full), so
+        that no reservation or result ever shares a commit with them and fails too."""
+        quota = self.max_db_size
+        if quota is not None and not db.has_room(quota, self.writer.used_bytes, live,
+                                                 [len(job.args) for job in jobs]):
+            raise self.health.failed(db.quota_full(quota))
         rows = [_insert_row(job) for job in jobs]
 
         def op(conn: sqlite3.Connection) -> list[tuple[dict[str, Any], bool]]:

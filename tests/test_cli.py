@@ -129,7 +129,7 @@ async def test_serve_reads_rota_variables_and_stops_on_sigterm(tmp_path: Path):
     sock.close()
     env = {**os.environ, "ROTA_PORT": str(port), "ROTA_DB": str(tmp_path / "env.db"),
            "ROTA_HEARTBEAT_TIMEOUT": "7.5", "ROTA_HEARTBEAT_INTERVAL": "0.5",
-           "ROTA_LOG_LEVEL": "warning"}
+           "ROTA_LOG_LEVEL": "warning", "ROTA_MAX_DB_SIZE": "4096"}
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "rota", "serve", env=env,
                                                 stderr=asyncio.subprocess.PIPE)
     try:
@@ -141,6 +141,10 @@ async def test_serve_reads_rota_variables_and_stops_on_sigterm(tmp_path: Path):
                     return False
 
             await wait_until(healthy, timeout=15, what="rota serve to answer")
+            pushed = await http.put("/specs", json={"specs": [{"name": "echo", "version": "1"}]})
+            assert pushed.status_code == 200, pushed.text
+            refused = await http.post("/jobs", json={"spec": "echo"})  # the file is past 4096
+            assert refused.json()["error"]["code"] == "storage_full", refused.text
         worker = await RawWorker.open(f"ws://127.0.0.1:{port}/work", "env-check")
         welcome = await worker.register([])
         assert (welcome["heartbeat_timeout"], welcome["heartbeat_interval"]) == (7.5, 0.5)

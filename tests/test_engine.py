@@ -17,6 +17,7 @@ from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake
 from rota.engine import Engine
 from rota.jobs import EnqueueRequest
 from rota.model import Instant, InvalidTransition, Job, JobState, Limits
+from rota.reservations import PAUSE_AFTER_FAILED_ROUND
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, RetryPolicy, checksum
 
@@ -449,7 +450,28 @@ def test_a_failed_reservation_of_an_orphaned_job_frees_it(engine, clock):
     assert engine.scheduler.ready_counts() == {("default", "echo"): 1}
     assert engine.scheduler.orphans == 0 and claim.worker.claims == 0
     connect(engine, clock, conn=2)
+    assert Wake() in run_for(engine, clock, PAUSE_AFTER_FAILED_ROUND)  # the pause is over
     assert len(assign(engine, clock)) == 1
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_failed_reservation_gives_the_worker_its_slots_back_after_a_pause(
+        engine, clock, whole):
+    """Nothing was sent, so the worker will not ask again: the slots the round took are
+    its own again. The next round waits a moment, or a failing disk would be retried as
+    fast as it fails."""
+    connect(engine, clock, capacity=2)
+    enqueue(engine, clock, 2, **({"ttl": 60} if whole else {}))  # a TTL keeps a job whole
+    worker = engine.scheduler.workers["w1"]
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    assert len(reserve.jobs if whole else reserve.claims) == 2 and worker.free() == 0
+    assert engine.committed(reserve.ticket, OSError("disk I/O error"), clock()) == []
+    assert worker.free() == 2 and engine.scheduler.ready_counts() == {("default", "echo"): 2}
+    assert engine.dispatch(clock()) == []  # paused
+    assert Wake() not in engine.tick(clock.advance(PAUSE_AFTER_FAILED_ROUND / 2))
+    assert Wake() in engine.tick(clock.advance(PAUSE_AFTER_FAILED_ROUND / 2))
+    copies = assign(engine, clock)  # with no new capacity from the worker
+    assert len(copies) == 2 and {c["attempt"] for c in copies} == {1}
 
 
 # -- early admission: a job with a server-made id is placed before its row commits ----

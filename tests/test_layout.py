@@ -17,8 +17,8 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Lowest first. Within a layer no module imports another.
 LAYERS: list[set[str]] = [
-    {"errors", "ids", "inputs", "logs", "settings", "db"},  # leaves: no rota imports
-    {"protocol", "model"},  # the wire format; the job and its lifecycle
+    {"errors", "ids", "inputs", "logs", "settings"},  # leaves: no rota imports
+    {"protocol", "model", "db"},  # the wire format; the job and its lifecycle; SQLite
     {"specs", "policy", "auth", "ready"},  # spec files and checksums; retry rules; tokens;
     # the ready index
     {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
