@@ -75,6 +75,7 @@ class Coordinator:
         self._timers_wake_at = 0.0  # when the timer loop will next look, unless poked
         self._tasks: set[asyncio.Task[Any]] = set()
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._retrying: set[str] = set()  # retries whose row is being written
         self._no_connections = asyncio.Event()
         self._no_connections.set()
         self._stopping = False
@@ -374,6 +375,8 @@ class Coordinator:
         """Cancel a job: at once if it waits, through its worker if it runs.
         Returns the stored job and whether it is cancelled already."""
         for look in range(2):
+            job = self.engine.scheduler.jobs.get(job_id)
+            was = (job.state, job.cancel_requested) if job is not None else None
             outcome, effects = self.engine.cancel(job_id, self.clock())
             if outcome != "not_live":
                 break
@@ -389,7 +392,12 @@ class Coordinator:
             # key since cancel() looked: once the writes queued before now are
             # committed and reported, memory and row agree. Look again.
             await self.store.barrier()
-        await self.run(effects)
+        try:
+            await self.run(effects)
+        except StorageError:
+            if job is not None and was is not None:
+                self.apply(self.engine.cancel_not_stored(job, was))
+            raise
         row = await self._row(job_id)
         if outcome == "withdrawing":
             if row["state"] == "cancelled":
@@ -407,10 +415,19 @@ class Coordinator:
         row = await self.store.get_job(job_id)
         if row is None:
             raise NotFound("not_found", f"no job {job_id}")
-        if row["state"] not in ("discarded", "cancelled") or self.engine.is_live(job_id):
+        if (row["state"] not in ("discarded", "cancelled") or self.engine.is_live(job_id)
+                or job_id in self._retrying):
             raise Conflict("not_retryable", f"job {job_id} is {row['state']}; only discarded"
                            " or cancelled jobs can be retried")
-        await self.run(self.engine.retry(job_from_row(row)))
+        # The row is written before workers see the job: until then a second retry, which
+        # may have read the row as it was, must not put the job back a second time.
+        self._retrying.add(job_id)
+        try:
+            job = job_from_row(row)
+            await self.run(self.engine.retry(job))
+            self.apply(self.engine.retried(job))
+        finally:
+            self._retrying.discard(job_id)
         return await self._row(job_id)
 
     async def _row(self, job_id: str) -> dict[str, Any]:

@@ -112,6 +112,19 @@ class Intake:
         log.info("cancelled job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
         return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id])]
 
+    def cancel_not_stored(self, job: Job, was: tuple[str, bool]) -> list[Effect]:
+        """A cancel whose write failed, so the caller heard 503: the job goes on as it was
+        (``was``: its state and cancel request before), rather than staying cancelled in
+        memory while its row says otherwise."""
+        state, requested = was
+        job.cancel_requested = requested
+        if job.state != JobState.CANCELLED or state == JobState.CANCELLED:
+            return []
+        job.state = state  # undone, not a move: the move was never stored
+        self.scheduler.track(job)
+        log.info("cancel not stored job=%s: it goes on %s", job.id, state)
+        return [Wake()]
+
     def cancel_waiting(self, row: dict[str, Any], now: Instant) -> tuple[str, list[Effect]]:
         """Cancel a job whose row (just read) says available and that ``cancel`` did not
         find: kept as a key only. Its key is skipped from now on, and the store cancels
@@ -135,12 +148,20 @@ class Intake:
 
     def retry(self, job: Job) -> list[Effect]:
         """Put a discarded or cancelled job (loaded from its row) back, with a fresh
-        attempt budget."""
+        attempt budget: the row first. Only once it is committed (``retried``) do
+        workers see the job, so a write the disk refuses leaves nothing behind."""
         job.budget_start, job.fails, job.deaths, job.cancel_requested = job.attempt, 0, 0, False
         job.expires_at = job.expiry = None
+        job.move(JobState.AVAILABLE)
+        job.run_at = job.due = None
+        job.worker_id = None
+        return [Save([Change(job)])]
+
+    def retried(self, job: Job) -> list[Effect]:
+        """The retry's row is committed: the job waits for a worker again."""
         self.scheduler.add(job)
         log.info("retry job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
-        return [Save([Change(job)]), Wake()]
+        return [Wake()]
 
     def is_live(self, job_id: str) -> bool:
         """Whether the job is held whole (a compact waiting job is not: its row says so)."""

@@ -328,3 +328,43 @@ async def test_a_result_past_the_quota_is_rejected_as_storage_full_and_sent_agai
     finally:
         await workers.close()
         await stop_server(live)
+
+
+# -- an operator's action the disk refuses --------------------------------------------------
+def refuse_writes(monkeypatch: pytest.MonkeyPatch, live: Any) -> None:
+    """Every plain write fails as on a full disk (the quota would spare a cancel)."""
+    def refused(self: Any, changes: Any) -> asyncio.Future[Any]:
+        future = asyncio.get_running_loop().create_future()
+        future.set_exception(StorageError("storage_full", "the disk is full", 1))
+        return future
+
+    monkeypatch.setattr(type(live.coordinator.store), "save", refused)
+
+
+async def test_a_cancel_or_retry_the_disk_refuses_leaves_the_job_as_it_was(
+        live: Any, sdk_worker: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    await live.push(write_spec(tmp_path, "echo"))
+    later = await live.enqueue("echo", {"n": 1}, delay=3600)  # scheduled: held whole
+    refuse_writes(monkeypatch, live)
+    refused = await live.http.delete(f"/jobs/{later['id']}")
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "storage_full")
+    monkeypatch.undo()
+    held = live.coordinator.engine.scheduler.jobs[later["id"]]
+    assert held.state == "scheduled" and not held.cancel_requested  # as the row says
+    assert (await live.job(later["id"]))["state"] == "scheduled"
+    assert (await live.http.delete(f"/jobs/{later['id']}")).status_code == 200
+
+    # A retry whose row is refused puts nothing back in memory either.
+    refuse_writes(monkeypatch, live)
+    refused = await live.http.post(f"/jobs/{later['id']}/retry")
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "storage_full")
+    monkeypatch.undo()
+    assert not live.coordinator.engine.is_live(later["id"])
+    assert (await live.job(later["id"]))["state"] == "cancelled"
+    worker = Worker(specs_dir=tmp_path, heartbeat_interval=0.1)
+    worker.handler("echo")(lambda ctx: ctx.args)
+    await sdk_worker(worker)
+    again = await live.http.post(f"/jobs/{later['id']}/retry")
+    assert again.status_code == 200
+    done = await live.wait_state(later["id"], "completed")
+    assert (done["result"], done["attempt"]) == ({"n": 1}, 1)
