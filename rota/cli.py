@@ -120,6 +120,15 @@ def main() -> None:
 @click.option("--throttle-close-after", envvar="ROTA_THROTTLE_CLOSE_AFTER", default=60.0, show_default=True,
               show_envvar=True, help="Seconds a /work connection may stay throttled before it is closed"
               " (its jobs then get the reconnect grace).")
+@click.option("--outbox-high-water", envvar="ROTA_OUTBOX_HIGH_WATER", default=1 << 20, show_default=True,
+              show_envvar=True, help="Bytes sent to one /work connection and not yet read by its worker"
+              " above which it gets no new jobs, until they drain below a quarter of it.")
+@click.option("--outbox-limit", envvar="ROTA_OUTBOX_LIMIT", default=8 << 20, show_default=True,
+              show_envvar=True, help="Bytes sent to one /work connection and not read, above which"
+              " it is closed if it stays there --outbox-close-after seconds.")
+@click.option("--outbox-close-after", envvar="ROTA_OUTBOX_CLOSE_AFTER", default=30.0, show_default=True,
+              show_envvar=True, help="Seconds a /work connection may stay over --outbox-limit before"
+              " it is closed (slow_consumer; its jobs then get the reconnect grace).")
 @click.option("--registration-timeout", envvar="ROTA_REGISTRATION_TIMEOUT", default=5.0, show_default=True,
               show_envvar=True, help="Seconds a new /work socket has to register.")
 @click.option("--header-timeout", envvar="ROTA_HEADER_TIMEOUT", default=10.0, show_default=True, show_envvar=True,

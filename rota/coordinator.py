@@ -263,6 +263,10 @@ class Coordinator:
         if not self.connections:
             self._no_connections.set()
 
+    def outbox(self, conn: int, worker_id: str, full: bool, over: bool) -> None:
+        """What connection ``conn`` has not read crossed a mark (rota/sessions.py)."""
+        self.apply(self.engine.outbox(conn, worker_id, full, over, self.clock()))
+
     def buckets_for(self, worker_id: str) -> tuple[TokenBucket, TokenBucket]:
         """A worker's rate-limit buckets (frames, bytes), the same on every connection it
         opens; the least recently used go when there are too many."""

@@ -5,6 +5,8 @@ adjustments, each measured: a request gets a deadline for its headers, and a req
 parser refuses a JSON 400 like every other error (GuardedHttp); an
 answer's headers leave with its body in one write (Corked); and an idle /work connection
 holds little beyond its socket (LeanWebSocket), since a server may keep 10,000 of them.
+A /work connection also tells its session how much of what it sent the worker has not
+read (LeanWebSocket's wire methods), so that one which stops reading stops getting jobs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+from rota.sessions import WIRE
 
 log = logging.getLogger("rota.server")
 
@@ -222,13 +226,52 @@ async def _wait_in(waiters: list[asyncio.Future[None]]) -> None:
 class LeanWebSocket(WebSocketsSansIOProtocol):
     """websockets' sans-I/O protocol under uvicorn, lighter per idle connection: lean
     queue and event, and the handshake's request and response (their headers, ~3 KiB)
-    let go once the connection is accepted. Frames, limits and closes are uvicorn's."""
+    let go once the connection is accepted. Frames, limits and closes are uvicorn's.
+
+    Its transport pauses writing at ``outbox_high_water`` bytes, not asyncio's 64 KiB:
+    uvicorn's send then waits, which is how the session learns that the worker does not
+    read, at no cost to a send that does not wait."""
+
+    outbox_high_water = 1 << 20  # set from the server's settings (rota/server.py)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.queue = LeanQueue()  # type: ignore[assignment]
         self.writable = LeanEvent()  # type: ignore[assignment]
         self.writable.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.transport.set_write_buffer_limits(high=self.outbox_high_water)  # low: a quarter
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # none if the handshake was refused
+        if scope is not None:
+            scope["extensions"][WIRE] = self  # type: ignore[index]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        scope = getattr(self, "scope", None)
+        if scope is not None:  # no cycle left for the garbage collector to find
+            scope["extensions"].pop(WIRE, None)  # type: ignore[union-attr]
+
+    # -- the wire, as the session sees it -------------------------------------------
+    def buffered(self) -> int:
+        """Bytes written and not yet taken by the kernel."""
+        return self.transport.get_write_buffer_size()
+
+    def backed_up(self) -> bool:
+        """Over the high-water mark, and not yet back under the low one: a send waits."""
+        return not self.writable.is_set()
+
+    async def drained(self) -> None:
+        await self.writable.wait()
+
+    def drop(self) -> None:
+        """End the connection now, discarding what is buffered: for a peer that does not
+        read, to which even a close frame would wait behind the rest for ever."""
+        self.transport.abort()
 
     async def send(self, message: Any) -> None:
         await super().send(message)

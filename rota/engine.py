@@ -44,9 +44,11 @@ __all__ = ["Engine", "MAX_LOG_LINES", "MAY_RECONNECT"]
 log = logging.getLogger("rota.server")
 # Disconnects the worker did not choose and may recover from: its jobs stay reserved for
 # reconnect_grace, so that a worker whose network blinked (or that the server closed
-# for its own reasons) takes them back on reconnect. After any other (it closed, said
-# goodbye, went silent, broke the protocol) they go back at once.
-MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error", "rate_limited"})
+# for its own reasons: a flood, a backlog it did not read) takes them back on reconnect.
+# After any other (it closed, said goodbye, went silent, broke the protocol) they go back
+# at once.
+MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error", "rate_limited",
+                           "slow_consumer"})
 # Ends of a connection that count toward a job's poison tally (max_worker_deaths) when
 # its jobs go back at once: the worker process closed without a goodbye or went silent.
 # A goodbye, a protocol error or a revoked token says nothing about the job. (Jobs kept
@@ -174,6 +176,33 @@ class Engine(Intake, Reservations):
             effects.append(Arm(now.mono + grace))
             log.warning("disconnect worker=%s reason=%s jobs_held_for_reconnect=%d grace=%gs",
                         worker_id, reason, len(held), grace)
+        return effects
+
+    def outbox(self, conn: int, worker_id: str, full: bool, over: bool, now: Instant
+               ) -> list[Effect]:
+        """What the shell saw of connection ``conn``'s outbox (what it sent that the worker
+        has not read): ``full``, above the high-water mark, and ``over``, above the limit.
+
+        A full outbox gets no new jobs, since each would only wait in the server's memory;
+        when it drains, a round runs for the jobs that waited meanwhile. One over the
+        limit is closed by ``tick`` if it stays there ``outbox_close_after`` seconds."""
+        connection = self.registry.get(worker_id, conn)
+        if connection is None:
+            return []
+        worker = connection.worker
+        effects: list[Effect] = []
+        if full != worker.blocked:
+            worker.blocked = full
+            log.info("outbox %s worker=%s", "full: no new jobs until it reads" if full
+                     else "drained", worker_id)
+            if not full and worker.free() > 0:
+                effects.append(Wake())
+        if not over:
+            connection.over_since = None
+        elif connection.over_since is None:
+            connection.over_since = now.mono
+            log.warning("outbox over %d bytes worker=%s: closed if it stays over for %gs",
+                        self.settings.outbox_limit, worker_id, self.settings.outbox_close_after)
         return effects
 
     def revoked(self, valid: Callable[[Principal], bool]) -> list[Effect]:
@@ -443,11 +472,23 @@ class Engine(Intake, Reservations):
         for connection in self.registry.silent(now.mono, timeout):
             log.warning("heartbeat timeout worker=%s silent_for=%.1fs", connection.worker.id,
                         now.mono - connection.last_seen)
-            effects.append(Abort(connection.conn, "heartbeat_timeout",
-                                 f"no heartbeat for {timeout}s", p.CLOSE_POLICY))
-            effects += self.disconnect(connection.conn, connection.worker.id,
-                                       "heartbeat_timeout", now)
+            effects += self._abort("heartbeat_timeout", f"no heartbeat for {timeout}s",
+                                   connection, now)
+        after = self.settings.outbox_close_after
+        for connection in self.registry.backed_up(now.mono, after):
+            log.warning("slow consumer worker=%s: outbox over %d bytes for %.1fs",
+                        connection.worker.id, self.settings.outbox_limit,
+                        now.mono - (connection.over_since or now.mono))
+            effects += self._abort("slow_consumer", f"over {self.settings.outbox_limit} bytes"
+                                   f" sent and not read for {after:g}s", connection, now)
         return effects
+
+    def _abort(self, code: str, message: str, connection: Connection, now: Instant
+               ) -> list[Effect]:
+        """The server ends a connection: an ``error`` frame, then what its disconnect
+        decides for its jobs (by ``code``, see MAY_RECONNECT)."""
+        return [Abort(connection.conn, code, message, p.CLOSE_POLICY),
+                *self.disconnect(connection.conn, connection.worker.id, code, now)]
 
     def _lease_lapsed(self, job: Job, now: Instant) -> list[Effect]:
         holder = job.worker_id or ""

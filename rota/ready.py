@@ -56,8 +56,13 @@ class WorkerSlot:
     active: set[str] = field(default_factory=set)  # reserved for it: running or waiting there
     claims: int = 0  # compact jobs reserved for it whose rows are still being read
     prefetch: int = 0  # jobs it may hold beyond concurrency, waiting in its own line
+    blocked: bool = False  # its connection's outbox is full: it is not reading what it is sent
 
     def free(self) -> int:
+        """Slots the server may fill now: none while the worker does not read its socket,
+        or every job sent would only pile up in the server's memory."""
+        if self.blocked:
+            return 0
         # The worker's claim is only a wish; what it may hold minus what it holds is the law.
         return max(0, min(self.capacity, self.concurrency + self.prefetch - len(self.active)
                           - self.claims))

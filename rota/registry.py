@@ -41,6 +41,7 @@ class Connection:
     directive: str | None = None  # the state the server wants; None: whatever the worker says
     checked: bool = False  # its first status was checked for runs it no longer holds
     frames: int = 0  # heartbeats read from this connection
+    over_since: float | None = None  # monotonic: since when its outbox is over the limit
     # Lists, not deques: an empty deque takes 760 bytes, and 10,000 idle connections
     # each held two (both stay short: 20 alerts at most, acks one or two).
     alerts: list[dict[str, Any]] = field(default_factory=list)  # the latest, for GET /workers
@@ -103,11 +104,19 @@ class Registry:
         """Connections the server has heard nothing from for longer than ``timeout``."""
         return [c for c in self.connections.values() if now - c.last_seen > timeout]
 
+    def backed_up(self, now: float, limit: float) -> list[Connection]:
+        """Connections whose outbox has been over its limit for longer than ``limit``."""
+        return [c for c in self.connections.values()
+                if c.over_since is not None and now - c.over_since > limit]
+
     def shift(self, delta: float, now: float) -> None:
         """The server was not listening for ``delta`` seconds: that silence is its own,
-        not the workers'. (Never past ``now``: a frame read since is not moved later.)"""
+        not the workers'. (Never past ``now``: a frame read since is not moved later.) Nor
+        could it see an outbox drain meanwhile: that time is not held against it either."""
         for connection in self.connections.values():
             connection.last_seen = min(now, connection.last_seen + delta)
+            if connection.over_since is not None:
+                connection.over_since = min(now, connection.over_since + delta)
 
     def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
         """Ask workers to go quiet or terminate; returns those that were asked.

@@ -373,7 +373,8 @@ class Scheduler:
         if not capable:
             return _mismatch_reason(serving, spec, expected)
         if not any(w.state == "running" and w.free() > 0 for w in capable):
-            return f"all {len(capable)} capable worker(s) are full or not running"
+            unread = " or not reading what they are sent" if any(w.blocked for w in capable) else ""
+            return f"all {len(capable)} capable worker(s) are full or not running{unread}"
         return None
 
     def ready_counts(self) -> dict[tuple[str, str], int]:

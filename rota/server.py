@@ -61,7 +61,9 @@ def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvic
         log_level="debug" if log_level == "debug" else "warning",
         access_log=False,
         http=http,
-        ws=LeanWebSocket,  # websockets' sans-I/O protocol, lighter per idle connection
+        # websockets' sans-I/O protocol, lighter per idle connection
+        ws=type("RotaWebSocket", (LeanWebSocket,),
+                {"outbox_high_water": settings.outbox_high_water}),
         ws_max_size=MAX_FRAME,
         ws_per_message_deflate=False,
         ws_ping_interval=None,  # the heartbeat, not ping/pong, proves a worker alive

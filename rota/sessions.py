@@ -6,6 +6,11 @@ over its rate limit is throttled: the loop stops reading it for a while, and TCP
 pushes back on the worker; nothing it sent is refused and none of its jobs is touched.
 Any bad frame ends the connection with an ``error`` frame and a close code; other
 workers are untouched.
+
+The other way round, a worker that does not read what it is sent would make the server
+hold it all. Whenever a send has to wait (the socket's buffer is over the high-water
+mark), the session tells the engine, which stops giving that worker jobs until the
+backlog drains; one that leaves more than the limit unread for too long is closed.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -26,6 +31,23 @@ from rota.policy import TokenBucket
 from rota.safety import incident_id
 
 log = logging.getLogger("rota.server")
+WIRE = "rota.wire"  # the scope extension under which the connection offers a ``Wire``
+# How long a closing connection waits for its backlog to go, and then for its close frame:
+# a worker that reads takes milliseconds; one that does not is dropped after this.
+CLOSE_WAIT = 2.0
+
+
+class Wire(Protocol):
+    """What a session asks of the WebSocket connection under it (rota/edge.py
+    LeanWebSocket): how much of what it sent the worker has not read."""
+
+    def buffered(self) -> int: ...  # bytes written and not yet taken by the kernel
+
+    def backed_up(self) -> bool: ...  # over the high-water mark: a send would wait
+
+    async def drained(self) -> None: ...  # until it is under the low-water mark
+
+    def drop(self) -> None: ...  # end the connection now, discarding what is buffered
 
 
 
@@ -72,8 +94,15 @@ class Session:
         # stalled send first, as its coroutine and what it waits on), and the task that
         # sends them. Most connections never need either: an idle worker's connection
         # holds no queue and no task for sending (10,000 of them saved ~45 MiB).
-        self._backlog: list[str | tuple[Coroutine[Any, Any, None], Any]] = []
+        self._backlog: list[str | tuple[Coroutine[Any, Any, None], Any, int]] = []
         self._sender: asyncio.Task[None] | None = None
+        # What the worker has not read: the backlog's characters (counted only while
+        # there is one) and, from the wire, the socket's buffer. What the engine was last
+        # told of it: full (a send waits), over (past outbox_limit).
+        self._wire: Wire | None = (websocket.scope.get("extensions") or {}).get(WIRE)
+        self._queued = 0
+        self._full = False
+        self._over = False
 
     # -- Outbox (what the coordinator calls) ------------------------------------------
     def send(self, frame: str) -> None:
@@ -89,6 +118,9 @@ class Session:
             return  # not accepted yet, or the socket is gone: nobody to send to
         if self._sender is not None:
             self._backlog.append(frame)
+            self._queued += len(frame)
+            if not self._over:
+                self._watch()
             return
         coro = self.ws.send_text(frame)
         try:
@@ -98,8 +130,10 @@ class Session:
         except Exception:  # the socket is gone: the receive side will find out
             self._open = False
             return
-        self._backlog.append((coro, waiting_on))
+        self._backlog.append((coro, waiting_on, len(frame)))
+        self._queued += len(frame)
         self._sender = asyncio.create_task(self._send_loop(), name="rota-session-send")
+        self._watch()  # the socket's buffer is over the high-water mark: the outbox is full
 
     def abort(self, code: str, message: str, close_code: int) -> None:
         if self._failure is None:
@@ -147,22 +181,27 @@ class Session:
         sender = self._sender
         if sender is not None:  # every frame queued so far goes before the close
             try:
-                await asyncio.wait_for(asyncio.shield(sender), timeout=2.0)
+                await asyncio.wait_for(asyncio.shield(sender), timeout=CLOSE_WAIT)
             except (TimeoutError, Exception):
                 sender.cancel()
         self._open = False  # nothing more is sent on this connection
         if goodbye:
-            try:
-                await self.ws.close(code=1000, reason="goodbye")
-            except Exception:  # the worker may have closed first
-                pass
+            await self._close(1000, "goodbye")
         if self._failure is not None:
             log.warning("protocol error worker=%s code=%s message=%s", self.worker_id,
                         self._failure.code, self._failure.message)
-            try:
-                await self.ws.close(code=self._failure.close_code, reason=self._failure.code)
-            except Exception:  # the peer may be gone already
-                pass
+            await self._close(self._failure.close_code, self._failure.code)
+
+    async def _close(self, code: int, reason: str) -> None:
+        """Send a close frame; to a worker that does not read, it would wait behind the
+        unread bytes for ever (and keep them in memory): that connection is dropped."""
+        try:
+            await asyncio.wait_for(self.ws.close(code=code, reason=reason), CLOSE_WAIT)
+        except TimeoutError:
+            if self._wire is not None:
+                self._wire.drop()
+        except Exception:  # the peer may have closed first, or be gone already
+            pass
 
     async def _receive_loop(self) -> str:
         """Handle frames until the connection ends; return how it ended."""
@@ -177,6 +216,8 @@ class Session:
             if text is None:
                 raise p.FrameError("binary_not_supported", "send JSON text frames, not binary",
                                    p.CLOSE_UNSUPPORTED)
+            if self._over:  # the worker may have read some, with nothing sent to show it
+                self._watch()
             await self._throttle(len(text))
             self._handle(p.decode_heartbeat(text))
 
@@ -240,14 +281,24 @@ class Session:
             raise _Goodbye
 
     async def _send_loop(self) -> None:
-        """Send the backlog in order, then end: the next frame is written at once again."""
+        """Send the backlog in order, then end once the socket's buffer is under its
+        low-water mark: the next frame is written at once again, and the outbox is no
+        longer full."""
         try:
-            while self._backlog:
-                item = self._backlog.pop(0)
-                if isinstance(item, tuple):
-                    await _finish_send(*item)
-                else:
-                    await self.ws.send_text(item)
+            while True:
+                while self._backlog:
+                    item = self._backlog.pop(0)
+                    if isinstance(item, tuple):
+                        await _finish_send(item[0], item[1])
+                        self._queued -= item[2]
+                    else:
+                        await self.ws.send_text(item)
+                        self._queued -= len(item)
+                    if self._over:
+                        self._watch()
+                if self._wire is None or not self._wire.backed_up():
+                    break
+                await self._wire.drained()  # the last frames filled the buffer again
         except asyncio.CancelledError:
             self._drop_backlog()
             raise
@@ -255,6 +306,8 @@ class Session:
             self._drop_backlog()
         finally:
             self._sender = None
+        if self._open:
+            self._watch()  # flowing again
 
     def _drop_backlog(self) -> None:
         self._open = False  # what is left, and anything sent later, is dropped
@@ -262,6 +315,20 @@ class Session:
             if isinstance(item, tuple):
                 item[0].close()
         self._backlog.clear()
+        self._queued = 0
+
+    def _watch(self) -> None:
+        """Tell the engine when the outbox becomes full or flows again, or crosses the
+        limit. Called only while a send waits, or as that ends: never on the path of a
+        frame written at once."""
+        full = self._sender is not None
+        unread = self._queued + (self._wire.buffered() if self._wire is not None else 0)
+        over = unread > self.coordinator.settings.outbox_limit
+        if (full, over) == (self._full, self._over):
+            return
+        self._full, self._over = full, over
+        if self.worker_id is not None:  # before it registers, the engine knows no worker
+            self.coordinator.outbox(self.conn, self.worker_id, full, over)
 
 
 async def work_endpoint(websocket: WebSocket) -> None:

@@ -43,6 +43,13 @@ class ServerSettings:
     rate_bytes: int = 64 << 20
     rate_bytes_burst: int = 8 << 20
     throttle_close_after: float = 60.0  # over the limits this long without a break: closed
+    # What the server holds for one /work connection that its worker has not read yet (the
+    # socket's write buffer and Rota's backlog behind it). Above the high-water mark it
+    # gets no new jobs until that drains below a quarter of the mark; over the limit for
+    # outbox_close_after without a break, it is closed (slow_consumer).
+    outbox_high_water: int = 1 << 20
+    outbox_limit: int = 8 << 20
+    outbox_close_after: float = 30.0
     header_timeout: float = 10.0  # a client must send a request's headers within this
     body_timeout: float = 30.0  # ... and, once they are in, the whole body within this
     allowed_origins: tuple[str, ...] = ()  # browser Origins accepted on /work

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -172,6 +174,38 @@ class RawWorker:
         """No assign frame arrives within ``within`` seconds (a bounded negative check)."""
         with pytest.raises(TimeoutError):
             await self.expect("assign", timeout=within)
+
+
+async def silent_worker(url: str, worker_id: str, specs: list[JobSpec], *,
+                        concurrency: int = 1000, every: float = 0.2,
+                        rcvbuf: int = 4096) -> tuple[RawWorker, asyncio.Task[None]]:
+    """A worker that registers, then never reads its socket again but keeps beating every
+    ``every`` seconds: the slow consumer of issue 12. Its receive buffer is made small
+    (``rcvbuf``) so that the server's frames back up on the server, not in this kernel.
+    Returns the worker and its beating task; ``stop_silent`` ends both."""
+    address = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: it sets the window
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (address.hostname, address.port))
+    raw = RawWorker(await websockets.connect(url, sock=sock, ping_interval=None, max_size=None,
+                                             compression=None), worker_id)
+    await raw.register(specs, concurrency=concurrency)
+    raw.ws.transport.pause_reading()  # from here on, nothing is read
+
+    async def beat() -> None:
+        while True:
+            await raw.beat()
+            await asyncio.sleep(every)  # noqa: sleep-ok (the worker's heartbeat cadence)
+
+    return raw, asyncio.create_task(beat(), name=f"silent-{worker_id}")
+
+
+async def stop_silent(raw: RawWorker, beating: asyncio.Task[None]) -> None:
+    """Stop beating and drop the connection (a close handshake would need a reader)."""
+    beating.cancel()
+    await asyncio.gather(beating, return_exceptions=True)
+    raw.ws.transport.abort()
 
 
 class RawWorkers:

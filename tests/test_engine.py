@@ -272,6 +272,59 @@ def test_a_server_stall_is_not_held_against_its_workers(engine, clock):
     assert [a.code for a in of(Abort, effects)] == ["heartbeat_timeout"]
 
 
+# -- a worker that does not read what it is sent ----------------------------------------
+def test_a_full_outbox_gets_no_jobs_and_a_drained_one_gets_what_waited(engine, clock):
+    connect(engine, clock)
+    assert engine.outbox(1, "w1", True, False, clock()) == []
+    enqueue(engine, clock, 2)
+    assert engine.dispatch(clock()) == []  # nothing reserved for a worker that cannot take it
+    assert not of(Wake, engine.heartbeat(1, "w1", hb("w1", 1), clock()))  # no futile rounds
+    assert of(Wake, engine.outbox(1, "w1", False, False, clock()))  # drained: a round runs
+    assert len(assign(engine, clock)) == 2
+
+
+def test_a_full_outbox_leaves_the_jobs_to_a_worker_that_reads(engine, clock):
+    connect(engine, clock)
+    connect(engine, clock, worker="w2", conn=2)
+    engine.outbox(1, "w1", True, False, clock())
+    enqueue(engine, clock, 3)
+    assert {j["id"] for j in assign(engine, clock)} == {"echo-0", "echo-1", "echo-2"}
+    assert all(j.worker_id == "w2" for j in engine.scheduler.jobs.values())
+
+
+def test_an_outbox_over_its_limit_too_long_is_closed_and_its_jobs_wait_the_grace(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    engine.outbox(1, "w1", True, True, clock())
+    effects = run_for(engine, clock, 20.0, worker="w1", active=[copy["id"]])
+    engine.outbox(1, "w1", True, False, clock())  # under the limit for a moment: starts over
+    engine.outbox(1, "w1", True, True, clock())
+    effects += run_for(engine, clock, 29.5, worker="w1", active=[copy["id"]])
+    assert not of(Abort, effects)
+    effects = run_for(engine, clock, 1.0, worker="w1")
+    [abort] = of(Abort, effects)
+    assert (abort.conn, abort.code, abort.close_code) == (1, "slow_consumer", p.CLOSE_POLICY)
+    assert "w1" not in engine.connections
+    job = engine.scheduler.jobs[copy["id"]]
+    assert job.orphaned and not of(Save, effects)  # kept for the grace, as a lost connection's
+    effects = run_for(engine, clock, 6.0)
+    [save] = of(Save, effects)
+    assert b"did not reconnect in time" in (save.changes[0].error or b"")
+    assert job_of(engine, copy["id"]).state == JobState.AVAILABLE
+
+
+def test_a_server_stall_is_not_held_against_a_full_outbox(engine, clock):
+    connect(engine, clock)
+    engine.outbox(1, "w1", True, True, clock())
+    run_for(engine, clock, 25.0, worker="w1")
+    clock.advance(10.0)  # the server itself did not run: it could not see the outbox drain
+    effects = engine.tick(clock()) + run_for(engine, clock, 4.0, worker="w1")
+    assert not of(Abort, effects)
+    assert [a.code for a in of(Abort, run_for(engine, clock, 2.0, worker="w1"))] == [
+        "slow_consumer"]
+
+
 # -- reconnects, restarts, supersede ----------------------------------------------------
 def test_a_lost_connection_keeps_jobs_for_the_grace_and_the_worker_reclaims_them(engine, clock):
     connect(engine, clock)

@@ -393,6 +393,21 @@ def test_waiting_reasons_are_distinct(sched: Scheduler) -> None:
     assert sched.waiting_reason("default", "a") is None
 
 
+# -- a worker that does not read ----------------------------------------------------
+def test_a_blocked_worker_gets_nothing_and_others_get_its_share(sched: Scheduler) -> None:
+    silent, bystander = make_worker("silent"), make_worker("bystander", concurrency=2)
+    sched.add_worker(silent)
+    sched.add_worker(bystander)
+    silent.blocked = True
+    for n in range(3):
+        sched.add(make_job(f"j{n}"))
+    plan = sched.plan(NOW)
+    assert "silent" not in plan and planned_ids(plan, "bystander") == ["j0", "j1"]
+    assert "not reading what they are sent" in (sched.waiting_reason("default", "a") or "")
+    silent.blocked = False  # it drained: the next round gives it what waited
+    assert planned_ids(sched.plan(NOW), "silent") == ["j2"]
+
+
 def test_waiting_reason_no_worker_for_queue_even_if_others_connected(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", queues=["media"]))
     reason = sched.waiting_reason("emails", "a")

@@ -8,28 +8,58 @@ import asyncio
 from typing import Any
 
 from rota.auth import OPEN
-from rota.sessions import Session, _finish_send
+from rota.sessions import WIRE, Session, _finish_send
 from rota.settings import ServerSettings
 
 
 class FakeSocket:
-    """A WebSocket whose sends complete at once, except while ``full`` is set."""
+    """A WebSocket whose sends complete at once, except while ``drained`` is clear."""
 
     def __init__(self) -> None:
         self.sent: list[str] = []
         self.drained = asyncio.Event()
         self.drained.set()
+        self.scope: dict[str, Any] = {"extensions": {}}
 
     async def send_text(self, frame: str) -> None:
         await self.drained.wait()  # no suspension while drained, as uvicorn's writable
         self.sent.append(frame)
 
 
+class FakeWire:
+    """The connection under a FakeSocket: ``unread`` bytes in its buffer, backed up
+    while the socket's sends wait."""
+
+    def __init__(self, ws: FakeSocket) -> None:
+        self.ws = ws
+        self.unread = 0
+        self.dropped = False
+        ws.scope["extensions"][WIRE] = self
+
+    def buffered(self) -> int:
+        return self.unread
+
+    def backed_up(self) -> bool:
+        return not self.ws.drained.is_set()
+
+    async def drained(self) -> None:
+        await self.ws.drained.wait()
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
 class FakeCoordinator:
-    settings = ServerSettings()
+    settings = ServerSettings(outbox_limit=10)
+
+    def __init__(self) -> None:
+        self.told: list[tuple[bool, bool]] = []  # (full, over), as the engine heard them
 
     def attach(self, outbox: Any) -> int:
         return 1
+
+    def outbox(self, conn: int, worker_id: str, full: bool, over: bool) -> None:
+        self.told.append((full, over))
 
 
 def session(ws: FakeSocket) -> Session:
@@ -119,3 +149,40 @@ async def test_finish_send_drives_a_coroutine_through_futures_and_bare_yields():
     gate.set_result(None)
     await finisher
     assert steps == ["start", "gate passed", "done"]
+
+
+async def test_the_engine_hears_when_sends_wait_when_the_limit_is_passed_and_when_they_flow():
+    ws = FakeSocket()
+    wire = FakeWire(ws)
+    s = session(ws)
+    coordinator = s.coordinator
+    s.worker_id = "w1"
+    s.send("a")
+    assert coordinator.told == []  # a frame written at once costs no look at the buffer
+    ws.drained.clear()  # the worker stops reading: its buffer is over the high-water mark
+    wire.unread = 8
+    s.send("b")
+    assert coordinator.told == [(True, False)]  # full: no new jobs
+    s.send("cdef")  # 8 in the socket's buffer and 5 behind it: over the limit of 10
+    assert coordinator.told == [(True, False), (True, True)]
+    wire.unread = 0
+    ws.drained.set()  # it reads again
+    sender = s._sender
+    assert sender is not None
+    await asyncio.wait_for(sender, 5)
+    assert coordinator.told[-1] == (False, False) and ws.sent == ["a", "b", "cdef"]
+    assert s._queued == 0
+
+
+async def test_a_close_that_the_worker_never_reads_drops_the_connection(monkeypatch):
+    monkeypatch.setattr("rota.sessions.CLOSE_WAIT", 0.01)
+
+    class Unread(FakeSocket):
+        async def close(self, code: int, reason: str) -> None:
+            await self.drained.wait()
+
+    ws = Unread()
+    wire = FakeWire(ws)
+    ws.drained.clear()
+    await session(ws)._close(1008, "slow_consumer")
+    assert wire.dropped
