@@ -12,6 +12,7 @@ import ipaddress
 import json
 import re
 import signal
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -156,10 +157,17 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     """
     from rota.server import serve as run_server
     from rota.settings import ServerSettings
+    from rota.db import storage_error
     from rota.store import list_tokens
 
     logs.configure(log_level)
-    if not list_tokens(db) and not _loopback(options["host"]) and not insecure:
+    try:  # opens the file and applies any migration: the first write of a start
+        tokens = list_tokens(db)
+    except sqlite3.Error as exc:
+        storage = storage_error(exc)
+        _fail(f"cannot open the database {db}: "
+              + (f"{storage.message} [{storage.code}]" if storage is not None else str(exc)))
+    if not tokens and not _loopback(options["host"]) and not insecure:
         _fail(f"refusing to serve on {options['host']} with no tokens: anyone who reaches it could"
               " take jobs and give orders. Create one with 'rota tokens create --scope admin',"
               " or pass --insecure")

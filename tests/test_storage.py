@@ -368,3 +368,14 @@ async def test_a_cancel_or_retry_the_disk_refuses_leaves_the_job_as_it_was(
     assert again.status_code == 200
     done = await live.wait_state(later["id"], "completed")
     assert (done["result"], done["attempt"]) == ({"n": 1}, 1)
+
+
+async def test_serve_on_a_file_it_cannot_use_says_so_in_one_line(tmp_path: Path):
+    from test_cli import rota
+
+    damaged = tmp_path / "notes.db"
+    damaged.write_bytes(b"these are not the pages you are looking for" * 100)
+    code, out, err = await rota("serve", "--db", str(damaged), "--port", "0")
+    assert code == 1 and "Traceback" not in err
+    [line] = err.strip().splitlines()
+    assert str(damaged) in line and "storage_corrupt" in line and "not an SQLite database" in line
