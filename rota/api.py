@@ -1,6 +1,8 @@
 """The HTTP API (JSON): enqueue and inspect jobs, push and list specs, see workers and queues.
 
-Every error is a 4xx with ``{"error": {"code": ..., "message": ...}}``.
+Every error has the body ``{"error": {"code": ..., "message": ...}}``: a 4xx for what the
+client can fix, 503 with ``Retry-After`` while the disk refuses writes (``storage_*``),
+and 500 ``internal`` (with an incident id, from rota/safety.py) for a bug.
 """
 
 from __future__ import annotations
