@@ -29,6 +29,7 @@ JobState = Literal["scheduled", "available", "active", "retryable", "completed",
 class Problem(msgspec.Struct):
     code: str
     message: str
+    id: str | None = None  # a 500's incident id, which the server's log names
 
 
 class ErrorBody(msgspec.Struct):
@@ -288,12 +289,14 @@ def document() -> dict[str, Any]:
         if body is not None:
             operation["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": refs[body]}}}
-        extra = {401: ErrorBody, 403: ErrorBody}
+        extra = {401: ErrorBody, 403: ErrorBody, 500: ErrorBody}  # 500: the safety net
+        if body is not None:  # not JSON Rota takes (400), or a body that stopped coming (408)
+            extra |= {400: ErrorBody, 408: ErrorBody}
         if path in STORED_PATHS:  # what reads or writes the database answers 503 when it fails
             extra[503] = ErrorBody
         if path in OPEN_PATHS:
             operation["security"] = []  # no token needed
-            extra = {}
+            extra = {500: ErrorBody}
         for status, answer in sorted({**answers, **extra}.items()):
             operation["responses"][str(status)] = {
                 "description": _DESCRIPTIONS.get(status, "answer"),
@@ -334,5 +337,7 @@ routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
 _DESCRIPTIONS = {200: "done", 201: "created", 202: "accepted, not finished", 400: "bad input",
                  401: "no valid token", 403: "not allowed for this token",
                  404: "not found", 409: "conflict with the job's state",
+                 408: "the body did not arrive in time (body_timeout)",
                  413: "over a size limit", 422: "invalid request",
+                 500: "a bug in Rota (internal): the error's id names the traceback in the log",
                  503: "storage unavailable (full, read-only or failing); see Retry-After"}
