@@ -29,6 +29,10 @@ log = logging.getLogger("rota.server")
 # workers' slots are back at once, and a round at once would most likely fail on the
 # same disk, and the next, spinning as fast as the disk fails.
 PAUSE_AFTER_FAILED_ROUND = 1.0
+# An assign frame's jobs' args, in bytes, before the next job opens another frame (a job
+# larger than that goes in a frame of its own); and a job copy's size beyond its args.
+ASSIGN_BYTES = 1 << 20
+COPY_OVERHEAD = 300
 
 
 class Reservations:
@@ -95,11 +99,19 @@ class Reservations:
                     and j.state == JobState.ACTIVE and not j.orphaned]
             if connection is None or not live:
                 continue
-            copies = []
+            copies: list[p.JobCopy] = []
+            size = 0
             log_lines(log, logging.INFO, "assign job=%s spec=%s@%s queue=%s worker=%s"
                       " attempt=%d", [(job.id, job.spec, short(job.checksum), job.queue,
                                        worker_id, job.attempt) for job in live])
             for job in live:
+                # Frames of about ASSIGN_BYTES at most: a round for a worker with a long
+                # line of large jobs would otherwise be one frame of many megabytes, built
+                # whole in memory and past what most WebSocket clients accept by default.
+                if copies and size + len(job.args) > ASSIGN_BYTES:
+                    effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
+                    copies, size = [], 0
+                size += len(job.args) + COPY_OVERHEAD
                 copies.append(p.JobCopy(
                     id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
                     args=job.args, attempt=job.attempt, priority=job.priority,

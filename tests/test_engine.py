@@ -192,6 +192,16 @@ def test_jobs_chosen_in_one_round_go_in_one_assign(engine, clock):
     assert [f["type"] for f in frames] == ["assign"] and len(frames[0]["jobs"]) == 3
 
 
+def test_a_round_of_large_jobs_is_split_into_frames_of_about_a_mebibyte(engine, clock):
+    connect(engine, clock)  # room for 4
+    enqueue(engine, clock, 4, args={"blob": "x" * 262_000})  # args near the 256 KiB limit
+    effects = engine.dispatch(clock())
+    [reserve] = of(Reserve, effects)
+    frames = sent(commit(engine, reserve, clock))
+    assert [len(f["jobs"]) for f in frames] == [3, 1]  # in order, none over ~1 MiB
+    assert [j["id"] for f in frames for j in f["jobs"]] == [f"echo-{i}" for i in range(4)]
+
+
 def test_acks_keep_heartbeat_order_while_results_commit(engine, clock):
     connect(engine, clock)
     enqueue(engine, clock)
