@@ -23,6 +23,7 @@ from rota.errors import (Conflict, DomainError, Forbidden, Invalid, NotFound, Re
 from rota.gate import principal_of
 from rota.inputs import BadJson, explain, screen
 from rota.jobs import BatchRequest, EnqueueRequest
+from rota.logs import printable
 from rota.policy import TERMINAL_STATES
 from rota.protocol import rfc3339
 from rota.specs import JobSpec, checksum
@@ -360,7 +361,7 @@ async def client_gone(request: Request, exc: Exception) -> Response:
     # is left to answer, and a traceback per such request is a log line anyone could
     # repeat at will. The answer is dropped by uvicorn.
     log.debug("%s %s: the client went away before its body arrived", request.method,
-              request.url.path)
+              printable(request.url.path))
     return error(400, "client_disconnected", "the client closed the connection mid-request")
 
 

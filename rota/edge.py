@@ -142,7 +142,7 @@ class GuardedHttp(HttpToolsProtocol):
 
     def _too_slow(self) -> None:
         log.warning("closing a connection from %s: no request headers within %gs",
-                    "%s:%d" % self.client if self.client else "-", self.header_timeout)
+                    _peer(self.client), self.header_timeout)
         self.transport.close()
 
 
@@ -256,6 +256,31 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         if scope is not None:  # no cycle left for the garbage collector to find
             scope["extensions"].pop(WIRE, None)  # type: ignore[union-attr]
 
+    def send_receive_event_to_app(self) -> None:
+        """A whole message arrived: hand it to the app. Written here for one case: a text
+        message that is not UTF-8 ends the connection with 1007, as in uvicorn, but with
+        one WARNING line instead of an ERROR and a traceback that any client could make
+        the server write at will."""
+        if self.curr_msg_data_type != "text":
+            super().send_receive_event_to_app()
+            return
+        data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+        self.frames = []
+        if self.close_sent:
+            return  # closing: the message is dropped, the reads go on until the reply
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as exc:
+            log.warning("closing a /work connection from %s: a text frame that is not"
+                        " UTF-8 (byte %d); close 1007", _peer(self.client), exc.start)
+            self.conn.send_close(1007)
+            self.handle_parser_exception()
+            return
+        self.queue.put_nowait({"type": "websocket.receive", "text": text})
+        if not self.read_paused:  # the app reads one message at a time
+            self.read_paused = True
+            self.transport.pause_reading()
+
     # -- the wire, as the session sees it -------------------------------------------
     def buffered(self) -> int:
         """Bytes written and not yet taken by the kernel."""
@@ -284,3 +309,7 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         if self.handshake_complete and getattr(self, "request", None) is not None:
             self.request = None  # type: ignore[assignment]
             self.response = None  # type: ignore[assignment]
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return "%s:%d" % client if client else "-"

@@ -31,7 +31,7 @@ from rota.effects import (Abort, Arm, Effect, Finished, Note, Save, Send, Wake, 
 from rota.errors import RotaError, failure_level
 from rota.intake import Intake
 from rota.jobs import error_record
-from rota.logs import log_lines
+from rota.logs import log_lines, printable
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
 from rota.policy import Ending
 from rota.registry import Connection, Registry, held_ids, judge_specs, short
@@ -137,7 +137,7 @@ class Engine(Intake, Reservations):
         self.scheduler.add_worker(slot)
         self.registry.add(Connection(conn, slot, reg, now.wall, now.mono, principal))
         log.info("register worker=%s host=%s pid=%d queues=%s concurrency=%d prefetch=%d"
-                 " specs_ok=%d specs_rejected=%d", slot.id, reg.hostname, reg.pid,
+                 " specs_ok=%d specs_rejected=%d", slot.id, printable(reg.hostname), reg.pid,
                  ",".join(reg.queues), reg.concurrency, reg.prefetch, len(verdict.accepted),
                  len(verdict.rejected))
         effects.append(WorkerSeen({

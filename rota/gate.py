@@ -5,6 +5,7 @@ accepted socket. Routes then check the scope they need (``need``).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from typing import Any
 
@@ -13,6 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rota.auth import Principal
 from rota.coordinator import Coordinator
+from rota.logs import printable
 
 log = logging.getLogger("rota.server")
 # Load balancers probe health without a token; the API's description is public.
@@ -32,25 +34,45 @@ class Gate:
             return
         # No local may keep the headers: on /work this frame lives as long as the
         # connection (10,000 idle workers held 12 MiB of decoded headers this way).
-        refusal = self._refusal(scope, {k.decode("latin-1"): v.decode("latin-1")
-                                        for k, v in scope["headers"]})
+        raw = scope["headers"]
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        refusal = self._refusal(scope, headers, repeated=len(headers) != len(raw))
         if refusal is not None:
             await deny(scope, send, *refusal)
             return
         await self.app(scope, receive, send)
 
-    def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str, str] | None:
+    def _refusal(self, scope: Scope, headers: dict[str, str], *, repeated: bool = False
+                 ) -> tuple[int, str, str] | None:
         settings = self.coordinator.settings
+        if repeated and sum(1 for k, _ in scope["headers"] if k == b"authorization") > 1:
+            return 400, "duplicate_header", "send one Authorization header"
+        # Browsers send Origin (and Sec-Fetch-Site); workers and clients do not. A page
+        # must not borrow a browser's network position to take jobs or give orders: a
+        # plain-text POST needs no preflight, so without this any site could enqueue
+        # jobs on a server that runs without tokens. The API's own origin is let in.
         origin = headers.get("origin")
-        if scope["type"] == "websocket" and origin is not None \
-                and origin not in settings.allowed_origins:
-            # Browsers send Origin; workers do not. A page must not borrow a browser's
-            # network position to take jobs.
-            log.warning("refused websocket origin=%r client=%s", origin, _client(scope))
-            return 403, "origin_not_allowed", f"Origin {origin} is not allowed on /work"
+        host = headers.get("host", "")
+        if origin is not None and origin not in settings.allowed_origins and not (
+                scope["type"] == "http" and origin in (f"http://{host}", f"https://{host}")):
+            log.warning("refused %s origin=%r client=%s", scope["type"], origin, _client(scope))
+            where = "on /work" if scope["type"] == "websocket" else "(--allowed-origin)"
+            return 403, "origin_not_allowed", f"Origin {origin} is not allowed {where}"
+        if headers.get("sec-fetch-site") == "cross-site" and origin not in settings.allowed_origins:
+            log.warning("refused a cross-site %s request client=%s", scope["type"], _client(scope))
+            return 403, "origin_not_allowed", "cross-site requests are not allowed"
+        if not self.coordinator.tokens.required and not _host_allowed(host, settings.host):
+            # With no tokens, the only guard is that the server listens on loopback: a page
+            # whose name is made to resolve to 127.0.0.1 (DNS rebinding) would get past
+            # it, and its requests name that page's host.
+            log.warning("refused %s host=%r client=%s: auth is off and the name is not"
+                        " loopback", scope["type"], printable(host), _client(scope))
+            return 403, "host_not_allowed", (f"Host {host!r} is not this server's name; with"
+                                             " no tokens only loopback names are served")
         principal = self.coordinator.tokens.authenticate(headers.get("authorization"))
         if principal is None:
-            log.warning("refused %s %s client=%s: no valid token", scope["type"], scope["path"],
+            log.warning("refused %s %s client=%s: no valid token", scope["type"],
+                        printable(scope["path"]),
                         _client(scope))
             return 401, "unauthorized", "send a valid token: 'Authorization: Bearer rota_...'"
         scope["rota.principal"] = principal
@@ -82,3 +104,28 @@ def error_body(code: str, message: str) -> bytes:
 def _client(scope: Scope) -> Any:
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else "-"
+
+
+def _host_allowed(host: str, bind: str) -> bool:
+    """Whether a Host header may reach a server bound to ``bind`` while auth is off:
+    any, if it listens beyond loopback (run so with --insecure); else only loopback names."""
+    if not _loopback(bind):
+        return True
+    name = _host_name(host)
+    return name == bind or _loopback(name)
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port: "a:80" is "a", "[::1]:80" is "::1"."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _loopback(name: str) -> bool:
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

@@ -29,6 +29,22 @@ FLUSH_EVERY = 0.05  # seconds: the longest an INFO line waits when the thread is
 WAKE_AT = 4096  # queued lines that wake the thread before its next look
 
 
+# What a client sends that ends up in a line (a path, a hostname, a decoder's message
+# quoting a value) is cut to this many characters.
+PRINTABLE_LIMIT = 200
+
+
+def printable(text: str, limit: int = PRINTABLE_LIMIT) -> str:
+    """``text`` made safe for one log line: cut to ``limit`` characters, and every
+    character that is not printable (newlines, escape sequences, bidirectional overrides)
+    written as its Python escape. No client can then forge a line, or colour a terminal."""
+    if len(text) > limit:
+        text = text[:limit] + "…"
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class Lines:
     """Several log lines of one format in one record: ``fmt % row`` for each row. Shown
     as one line per row by ``BackgroundHandler``; elsewhere (a handler of the caller's

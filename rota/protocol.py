@@ -63,23 +63,30 @@ class _Tagged(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True
 
 
 # -- worker -> server -------------------------------------------------------------
+# A checksum as Rota makes them ("sha256:<hex>"), or another SDK's: no spaces, no
+# control characters, since it is logged beside a spec mismatch.
+Checksum = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9:._+/=-]{0,199}$")]
+# Free texts a worker describes itself with: bounded, since each is kept and shown.
+ShortText = Annotated[str, msgspec.Meta(max_length=255)]
+
+
 class SpecRef(msgspec.Struct, frozen=True):
     """A job spec a worker implements, named with the checksum of its local copy."""
 
     name: Name
-    checksum: str
+    checksum: Checksum
 
 
 class Registration(msgspec.Struct, kw_only=True):
-    hostname: str
-    os: str
+    hostname: ShortText
+    os: ShortText
     pid: NonNegative
-    sdk: str
+    sdk: ShortText
     queues: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=100)]
     concurrency: Positive
     specs: Annotated[list[SpecRef], msgspec.Meta(max_length=1000)]
     labels: Annotated[list[Name], msgspec.Meta(max_length=100)] = []
-    started_at: str | None = None
+    started_at: ShortText | None = None
     # Jobs the worker may hold beyond concurrency, waiting in its own line (§3.5). 0, the
     # default, keeps an older worker to what it can run at once.
     prefetch: Annotated[int, msgspec.Meta(ge=0, le=MAX_PREFETCH)] = 0

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from rota.logs import printable
 from rota.protocol import CLOSE_INTERNAL
 
 log = logging.getLogger("rota.server")
@@ -57,7 +58,7 @@ class SafetyNet:
         except Exception as exc:  # noqa: BLE001 (the point of this class)
             incident = incident_id()
             log.error("internal error id=%s on %s %s: %s", incident, scope.get("method", "WS"),
-                      scope.get("path", "?"), type(exc).__name__, exc_info=exc)
+                      printable(scope.get("path", "?")), type(exc).__name__, exc_info=exc)
             try:
                 await self._answer(scope, send, incident, started)
             except Exception:  # the connection is gone as well: nobody left to tell

@@ -27,6 +27,7 @@ from rota import protocol as p
 from rota.auth import Principal
 from rota.coordinator import Coordinator
 from rota.gate import error_body, principal_of
+from rota.logs import printable
 from rota.policy import TokenBucket
 from rota.safety import incident_id
 
@@ -189,7 +190,7 @@ class Session:
             await self._close(1000, "goodbye")
         if self._failure is not None:
             log.warning("protocol error worker=%s code=%s message=%s", self.worker_id,
-                        self._failure.code, self._failure.message)
+                        self._failure.code, printable(self._failure.message))
             await self._close(self._failure.close_code, self._failure.code)
 
     async def _close(self, code: int, reason: str) -> None:

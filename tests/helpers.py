@@ -245,3 +245,18 @@ class SyncRawWorker:
 
     def recv(self, timeout: float = 5.0) -> dict[str, Any]:
         return json.loads(self.ws.recv(timeout=timeout))
+
+
+async def raw_http(port: int, request: bytes) -> tuple[int, bytes]:
+    """Send bytes as they are (no client tidies them up); return the status and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        body = await asyncio.wait_for(reader.readexactly(length), 5)
+        return int(head.split(b" ")[1]), body
+    finally:
+        writer.close()

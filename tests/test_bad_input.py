@@ -257,7 +257,7 @@ async def test_a_client_gone_mid_body_leaves_no_traceback(live: Live, tmp_path: 
     method = "PUT" if path == "/specs" else "POST"
     for _ in range(3):
         reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      f"Content-Length: 1000\r\n\r\n{{\"spec\":".encode())
         await writer.drain()
         writer.close()

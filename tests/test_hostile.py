@@ -25,7 +25,7 @@ import httpx
 import pytest
 import websockets
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import wait_until
+from helpers import raw_http, wait_until
 from test_security import bearer, make_token
 
 from rota import JobContext, Worker
@@ -120,13 +120,16 @@ def put(template: Any, path: Path_, fragment: bytes) -> bytes:
 class Watch:
     """What a test checks after its pairs: the log, the bystander, the stored jobs."""
 
-    def __init__(self, live: Live, caplog: pytest.LogCaptureFixture, kept: list[Any]) -> None:
-        self.live, self.caplog, self.kept = live, caplog, kept
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        self.records = records
         self.pairs = 0
+        self.live: Live
+        self.kept: list[Any] = []
 
     async def check(self) -> None:
         bad = []
-        for record in self.caplog.records:
+        assert any(r.getMessage().startswith("register worker=") for r in self.records)
+        for record in self.records:
             message = record.getMessage()
             if record.levelno >= logging.ERROR or record.exc_info:
                 bad.append(f"{record.levelname} {message[:300]}")
@@ -147,6 +150,14 @@ def stored(live: Live) -> list[Any]:
 
 @pytest.fixture
 async def watched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Watch]:
+    # A handler of its own, from the start: caplog.records holds only the current phase's
+    # records, and the check runs in the fixture's teardown.
+    caplog.set_level(logging.INFO)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger().addHandler(handler)
+    watch = Watch(records)
     live = await start_server(tmp_path, registration_timeout=2.0)
     specs = tmp_path / "specs"
     for name in ("echo", "parked", "hostile"):
@@ -169,12 +180,12 @@ async def watched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> AsyncIter
     await live.enqueue("echo", {"k": "done"}, id="keep-completed")
     await live.wait_state("keep-completed", "completed")
     live.hostile_checksum = checksum(write_spec(specs, "hostile"))  # type: ignore[attr-defined]
-    caplog.set_level(logging.INFO)
-    watch = Watch(live, caplog, stored(live))
+    watch.live, watch.kept = live, stored(live)
     try:
         yield watch
         await watch.check()
     finally:
+        logging.getLogger().removeHandler(handler)
         bystander.stop()
         await asyncio.wait_for(task, 10)
         await stop_server(live)
@@ -238,21 +249,6 @@ async def test_every_path_segment_and_query_value(watched: Watch):
         answer = await live.http.get(f"/jobs/keep-completed/result?wait={value}")
         assert_http(answer, False, f"?wait={value} ({name})")
         watched.pairs += 1
-
-
-async def raw_http(port: int, request: bytes) -> tuple[int, bytes]:
-    """Send bytes as they are (no client tidies them up); return the status and body."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(request)
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        body = await asyncio.wait_for(reader.readexactly(length), 5)
-        return int(head.split(b" ")[1]), body
-    finally:
-        writer.close()
 
 
 async def test_every_header_rota_reads(watched: Watch):

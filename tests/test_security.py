@@ -18,7 +18,7 @@ import trustme
 import websockets
 from click.testing import CliRunner
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import RawWorker, heartbeat, registration, wait_until
+from helpers import RawWorker, heartbeat, raw_http, registration, wait_until
 from test_bad_input import closed_with
 from test_cli import rota
 
@@ -205,6 +205,48 @@ async def test_browser_origins_are_refused_unless_allowed(tmp_path: Path):
         await ws.close()
     finally:
         await stop_server(live)
+
+
+async def test_a_web_page_cannot_give_orders_to_a_server_without_tokens(tmp_path: Path):
+    """Auth off (loopback only): a page in the operator's browser must not enqueue jobs or
+    direct workers, by a plain cross-site POST or by rebinding its name to 127.0.0.1."""
+    live = await start_server(tmp_path, allowed_origins=("https://ops.example",))
+    try:
+        await live.push(write_spec(tmp_path / "specs", "echo"))
+        before = stored_jobs(live)
+        order = '{"spec": "echo", "args": {"to": "victim"}}'
+        plain = {"Content-Type": "text/plain"}  # a form or fetch() sends it with no preflight
+        for headers, code in [
+            ({"Origin": "http://evil.example"}, "origin_not_allowed"),
+            ({"Sec-Fetch-Site": "cross-site"}, "origin_not_allowed"),
+            ({"Host": "evil.example:8000", "Origin": "http://evil.example:8000"},
+             "host_not_allowed"),  # DNS rebinding: same-origin as far as the browser knows
+            ({"Host": "evil.example"}, "host_not_allowed"),
+            ({"Authorization": "Bearer x"} | {"X-Second": "1"}, None),
+        ]:
+            answer = await live.http.post("/jobs", content=order, headers=plain | headers)
+            if code is None:
+                assert answer.status_code == 201  # no token needed while auth is off
+                continue
+            assert (answer.status_code, answer.json()["error"]["code"]) == (403, code), headers
+        terminate = await live.http.post("/workers/state", json={"state": "terminate", "all": True},
+                                         headers={"Origin": "http://evil.example"})
+        assert terminate.status_code == 403
+        assert len(stored_jobs(live)) == len(before) + 1  # only the last one
+        # The API's own origin, an allowed one, and loopback names are served.
+        port = live.settings.port
+        for headers in ({"Origin": f"http://127.0.0.1:{port}"}, {"Origin": "https://ops.example"},
+                        {"Host": f"localhost:{port}"}, {"Host": f"[::1]:{port}"}):
+            assert (await live.http.get("/specs", headers=headers)).status_code == 200, headers
+    finally:
+        await stop_server(live)
+
+
+async def test_two_authorization_headers_are_refused(guarded: Live):
+    status, body = await raw_http(guarded.settings.port, b"GET /specs HTTP/1.1\r\nHost: x\r\n"
+                                     b"Authorization: Bearer junk\r\nAuthorization: Bearer "
+                                     + guarded.admin.encode() + b"\r\n\r\n")  # type: ignore[attr-defined]
+    assert (status, json.loads(body)["error"]["code"]) == (400, "duplicate_header")
 
 
 # -- limits ----------------------------------------------------------------------------------

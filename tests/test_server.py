@@ -284,13 +284,13 @@ async def test_held_headers_keep_answers_whole_and_in_order(live: Live):
     theirs in order."""
     reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
     try:
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         first = await asyncio.wait_for(reader.read(65536), 5)
         head, _, body = first.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and body.startswith(b"{"), first
         assert body.endswith(b"}"), f"the body did not come with the headers: {first!r}"
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
-                     b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                     b"GET /nope HTTP/1.1\r\nHost: localhost\r\n\r\n")
         seen = b""
         while seen.count(b"HTTP/1.1 ") < 2:
             seen += await asyncio.wait_for(reader.read(65536), 5)
