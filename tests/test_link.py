@@ -100,8 +100,21 @@ def test_a_result_the_server_could_not_store_goes_again():
     rejection = p.ResultRejection(job_id="a", attempt=1, reason="could not be stored (disk"
                                   " full); report it again")
     outcome = link.on_ack(ack(sent, rejected=[rejection]))
-    assert outcome.resend == 1 and link.due(0.2)
-    assert [r.job_id for r in beat(link, 0.2).results] == ["a"]
+    # Not at once: with the periodic beat (against a failing disk, at once made a storm).
+    assert outcome.resend == 1 and link.pending() and not link.due(0.2)
+    assert link.due(0.1 + link.interval)
+    assert [r.job_id for r in beat(link, 0.1 + link.interval).results] == ["a"]
+
+
+def test_a_result_to_send_again_rides_along_with_a_fresh_one():
+    link, _ = connected()
+    link.add_result(result("a"), 0.1)
+    rejection = p.ResultRejection(job_id="a", attempt=1, reason="could not be stored"
+                                  " (storage_full: full); report it again")
+    link.on_ack(ack(beat(link, 0.1), rejected=[rejection]))
+    link.add_result(result("b"), 0.2)
+    assert link.due(0.2)  # b is news
+    assert [r.job_id for r in beat(link, 0.2).results] == ["a", "b"]
 
 
 def test_an_overdue_ack_is_worth_a_ping():
