@@ -15,7 +15,7 @@ from rota import protocol as p
 from rota.jobs import error_record
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState, StatusNote
 from rota.policy import Ending, after_attempt
-from rota.registry import Connection, short
+from rota.registry import ALERT_LINES, Connection, short
 
 log = logging.getLogger("rota.server")
 # Error types a worker may report that say the attempt ended for an outside reason, not
@@ -123,9 +123,15 @@ def status_notes(jobs: dict[str, Job], connection: Connection, status: p.Status,
                                     line=("log", line.level, p.cut_text(line.message))))
     for alert in status.alerts:
         job = held_by(jobs, connection, alert.job_id) if alert.job_id else None
-        # %r: the worker's text is quoted and escaped, so it cannot forge log lines
-        log.log(LEVELS[alert.level], "alert worker=%s job=%s level=%s message=%r",
-                connection.worker.id, alert.job_id or "-", alert.level, alert.message[:200])
+        if connection.may_log_alert(now.mono):
+            if connection.alerts_unlogged:
+                log.warning("alerts worker=%s: %d not logged (over %g a second; the latest"
+                            " are kept for GET /workers)", connection.worker.id,
+                            connection.alerts_unlogged, ALERT_LINES)
+                connection.alerts_unlogged = 0
+            # %r: the worker's text is quoted and escaped, so it cannot forge log lines
+            log.log(LEVELS[alert.level], "alert worker=%s job=%s level=%s message=%r",
+                    connection.worker.id, alert.job_id or "-", alert.level, alert.message[:200])
         connection.alert({"at": p.rfc3339(now.wall), "level": alert.level,
                           "job_id": alert.job_id, "message": p.cut_text(alert.message)})
         if job is not None:

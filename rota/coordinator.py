@@ -168,9 +168,9 @@ class Coordinator:
                     if source is not None and ticket is not None:
                         self._inflight[source] = future
                     self._write(future, ticket, point)
-                case Reserve(jobs, wall, ticket, claims, lease):
-                    self._write(self.store.reserve(jobs, wall, claims, lease), ticket,
-                                "reserve-after-commit")
+                case Reserve(jobs, wall, ticket, claims, lease, min_lease):
+                    self._write(self.store.reserve(jobs, wall, claims, lease, min_lease),
+                                ticket, "reserve-after-commit")
                 case Withdraw():  # a cancel request awaits it (run); anywhere else, a task
                     self.spawn(self.run([effect]), "rota-withdraw")
                 case Wake():

@@ -36,6 +36,7 @@ class Reserve:
     ticket: int
     claims: list[Claim] = field(default_factory=list)
     lease: float = 1800.0  # seconds, for a claimed job whose row sets no visibility_timeout
+    min_lease: float = 0.0  # and the shortest, whatever the row sets (Scheduler.lease_for)
 
 
 @dataclass(slots=True)

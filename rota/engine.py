@@ -61,7 +61,8 @@ STALL = 0.1  # seconds a tick may be late before the lateness counts as a server
 class Engine(Intake, Reservations):
     def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
         self.settings = settings
-        self.scheduler = Scheduler(settings.visibility_timeout, compact=True)
+        self.scheduler = Scheduler(settings.visibility_timeout, compact=True,
+                                   min_lease=2 * settings.heartbeat_interval)
         self.registry = Registry()
         self.specs: dict[str, JobSpec] = {}
         self.stopping = False

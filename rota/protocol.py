@@ -47,6 +47,8 @@ Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 # A registration's prefetch: more would be a backlog, not a prefetch; and the ids of a
 # full line (named in every status) stay within a tenth of a frame.
 MAX_PREFETCH = 1_000
+# Alerts in one status: the server keeps the latest 20 per worker, and logs a few a second.
+MAX_ALERTS = 100
 
 
 # -- close codes (RFC 6455 section 7.4.1) ---------------------------------------
@@ -119,7 +121,7 @@ class Status(msgspec.Struct, kw_only=True, omit_defaults=True):
     memory_rss: NonNegative | None = None
     progress: list[Progress] = []
     logs: list[LogLine] = []
-    alerts: list[Alert] = []
+    alerts: Annotated[list[Alert], msgspec.Meta(max_length=MAX_ALERTS)] = []
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True, omit_defaults=True):

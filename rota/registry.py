@@ -15,6 +15,7 @@ from typing import Any
 from rota import protocol as p
 from rota.auth import OPEN, Principal
 from rota.errors import FrameError
+from rota.policy import TokenBucket
 from rota.scheduler import WorkerSlot
 
 log = logging.getLogger("rota.server")
@@ -25,6 +26,7 @@ def short(checksum_: str | None) -> str:
 
 
 MAX_ALERTS_KEPT = 20  # per connection, for GET /workers
+ALERT_LINES = 5.0  # alerts logged a second per connection, on average
 
 
 @dataclass(slots=True)
@@ -48,11 +50,25 @@ class Connection:
     # Acks in the order their heartbeats came: [ticket, frame]; a frame is None while the
     # results it answers are being committed, and acks behind it wait their turn.
     acks: list[list[Any]] = field(default_factory=list)
+    # Alerts are logged, so a worker could flood the log with them: at most ALERT_LINES a
+    # second (in bursts of MAX_ALERTS_KEPT) per connection; the rest are counted, and kept
+    # for GET /workers as ever. Made on the first alert: most connections never send one.
+    alert_lines: TokenBucket | None = None
+    alerts_unlogged: int = 0
 
     def alert(self, entry: dict[str, Any]) -> None:
         self.alerts.append(entry)
         if len(self.alerts) > MAX_ALERTS_KEPT:
             del self.alerts[0]
+
+    def may_log_alert(self, now: float) -> bool:
+        """Whether an alert may be logged now; if not, it is counted as unlogged."""
+        if self.alert_lines is None:
+            self.alert_lines = TokenBucket(ALERT_LINES, MAX_ALERTS_KEPT)
+        if self.alert_lines.take(now):
+            return True
+        self.alerts_unlogged += 1
+        return False
 
 
 class Registry:

@@ -61,7 +61,8 @@ class Reservations:
             job.lease_expires_at = now.wall_of(job.lease or now.mono)
         ticket = self._ticket("reserve", (plan, jobs, claims, now))
         effects: list[Effect] = [Reserve(jobs, now.wall, ticket, claims,
-                                         self.scheduler.visibility_timeout)]
+                                         self.scheduler.visibility_timeout,
+                                         self.scheduler.min_lease)]
         # A claimed job's lease is known once its row is read: armed then.
         return effects + ([Arm(min(j.lease or 0.0 for j in jobs))] if jobs else [])
 

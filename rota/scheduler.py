@@ -33,8 +33,10 @@ COMPACT_SLACK = 4096
 
 
 class Scheduler:
-    def __init__(self, visibility_timeout: float = 1800.0, *, compact: bool = False) -> None:
+    def __init__(self, visibility_timeout: float = 1800.0, *, compact: bool = False,
+                 min_lease: float = 0.0) -> None:
         self.visibility_timeout = visibility_timeout  # when neither job nor spec sets one
+        self.min_lease = min_lease  # the shortest lease: two heartbeat intervals
         # Keep plain available jobs as keys only (rota/ready.py). Needs a store that
         # answers claims: the engine's scheduler does; a bare one keeps every job whole.
         self.compact = compact
@@ -277,7 +279,10 @@ class Scheduler:
         return adopted
 
     def lease_for(self, job: Job) -> float:
-        return job.visibility_timeout or self.visibility_timeout
+        # Never shorter than ``min_lease``: heartbeats renew leases, so one that ends
+        # before the next beat lapses while its job runs well (a visibility_timeout of
+        # 1e-9 had a job handed out 22 times to the worker that was running it).
+        return max(job.visibility_timeout or self.visibility_timeout, self.min_lease)
 
     # -- workers -------------------------------------------------------------------
     def add_worker(self, worker: WorkerSlot) -> None:

@@ -118,7 +118,8 @@ class Store:
         return self.writer.submit(op)
 
     def reserve(self, jobs: list[Job], now: float, claims: Sequence[Claim] = (),
-                lease: float = 1800.0) -> asyncio.Future[list[Job | None]]:
+                lease: float = 1800.0, min_lease: float = 0.0
+                ) -> asyncio.Future[list[Job | None]]:
         """Reserve whole jobs as they are in memory, and claimed ones if their rows are
         still available, reading those back (in claim order; None: not available)."""
         rows = [(j.attempt, j.worker_id, j.checksum, now, j.lease_expires_at, j.id) for j in jobs]
@@ -138,7 +139,7 @@ class Store:
             read: dict[int, Job] = {}
             for (worker_id, checksum), seqs in groups.items():
                 for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
-                    for row in claim_rows(conn, worker_id, checksum, now, lease,
+                    for row in claim_rows(conn, worker_id, checksum, now, lease, min_lease,
                                           seqs[start:start + 500]):
                         read[row[0]] = live_job(row)
             return [read.get(seq) for seq in order]

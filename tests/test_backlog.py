@@ -150,11 +150,15 @@ def test_the_store_reserves_a_claimed_row_only_while_it_is_available(tmp_path: P
         conn.execute("INSERT INTO jobs (id, spec, queue, args, priority, state, attempt,"
                      " enqueued_at) VALUES ('j', 'echo', 'default', '{}', 0, 'cancelled', 0, 0)")
         seq = conn.execute("SELECT rowid FROM jobs WHERE id = 'j'").fetchone()[0]
-        assert claim_rows(conn, "w1", "c", 1.0, 30.0, [seq]) == []
+        assert claim_rows(conn, "w1", "c", 1.0, 30.0, 0.0, [seq]) == []
         conn.execute("UPDATE jobs SET state = 'available'")
-        [row] = claim_rows(conn, "w1", "c", 1.0, 30.0, [seq, seq + 1])  # no row seq + 1
+        [row] = claim_rows(conn, "w1", "c", 1.0, 30.0, 0.0, [seq, seq + 1])  # no row seq + 1
         assert row[1] == "j" and row[13:15] == ("active", 1) and row[19] == 31.0
-        assert claim_rows(conn, "w1", "c", 1.0, 30.0, [seq]) == []  # active now
+        assert claim_rows(conn, "w1", "c", 1.0, 30.0, 0.0, [seq]) == []  # active now
+        # A row's own visibility_timeout, but never below the shortest lease.
+        conn.execute("UPDATE jobs SET state = 'available', visibility_timeout = 1e-9")
+        [row] = claim_rows(conn, "w1", "c", 1.0, 30.0, 2.0, [seq])
+        assert row[19] == 3.0
 
 
 async def test_cancels_racing_a_draining_worker_lose_no_job_and_run_none_twice(

@@ -4,6 +4,7 @@ no event loop and no sleep: a fake clock says what time it is."""
 from __future__ import annotations
 
 import itertools
+import logging
 import json
 import weakref
 from typing import Any
@@ -120,7 +121,8 @@ def read(engine: Engine, reserve: Reserve) -> list[Job | None]:
             continue
         job.state, job.worker_id, job.checksum = JobState.ACTIVE, claim.worker.id, claim.checksum
         job.attempt += 1
-        job.lease_expires_at = reserve.wall + (job.visibility_timeout or reserve.lease)
+        job.lease_expires_at = reserve.wall + max(job.visibility_timeout or reserve.lease,
+                                                  reserve.min_lease)
         out.append(job)
     return out
 
@@ -650,3 +652,35 @@ def test_a_completion_ends_a_jobs_row_of_deaths(engine, clock):
     effects = engine.heartbeat(2, "w2", hb("w2", 1, results=[done(again)]), clock())
     [save] = of(Save, effects)
     assert save.changes[0].job.state == JobState.COMPLETED and save.changes[0].job.deaths == 0
+
+
+def test_a_flood_of_alerts_is_kept_but_logged_at_a_bounded_rate(engine, clock, caplog):
+    connect(engine, clock)
+    caplog.set_level(logging.INFO, logger="rota.server")
+
+    def alerts(n: int) -> p.Heartbeat:
+        beat = hb("w1", next(SEQ))
+        assert beat.status is not None
+        beat.status.alerts = [p.Alert(message=f"boom {i}", level="critical") for i in range(n)]
+        return beat
+
+    for _ in range(10):  # 1,000 alerts in one second
+        engine.heartbeat(1, "w1", alerts(100), clock())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("alert")]
+    assert len(lines) == 20  # the burst, then nothing more this second
+    assert [a["message"] for a in engine.connections["w1"].alerts][-1] == "boom 99"
+    caplog.clear()
+    clock.advance(2.0)
+    engine.heartbeat(1, "w1", alerts(1), clock())
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("alerts worker=w1: 980 not logged") and "boom 0" in said[1]
+
+
+def test_a_lease_is_never_shorter_than_two_heartbeat_intervals(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, visibility_timeout=1e-9)
+    [copy] = assign(engine, clock)
+    interval = engine.settings.heartbeat_interval
+    assert copy["visibility_timeout"] == 2 * interval
+    held = engine.scheduler.jobs[copy["id"]]
+    assert held.lease is not None and held.lease >= clock().mono + 2 * interval - 1e-6
