@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any, Literal
 
 import msgspec
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.websockets import WebSocket
 
 from rota.auth import Principal, Scope
 from rota.coordinator import MAX_LOG_LINES, Coordinator
@@ -25,18 +27,19 @@ from rota.inputs import BadJson, explain, screen
 from rota.jobs import BatchRequest, EnqueueRequest
 from rota.logs import printable
 from rota.policy import TERMINAL_STATES
-from rota.protocol import rfc3339
+from rota.protocol import Name, rfc3339
 from rota.specs import JobSpec, checksum
 from rota.views import job_view
 
 Directive = Literal["quiet", "terminate"]
 
 log = logging.getLogger("rota.server")
+SECONDS = re.compile(r"[0-9]{1,20}(\.[0-9]{1,20})?([eE][-+]?[0-9]{1,3})?")
 
 
 class StateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     state: Directive
-    label: str | None = None  # POST /workers/state: every worker with this label, or
+    label: Name | None = None  # POST /workers/state: every worker with this label, or
     all: bool = False  # every connected worker
 
 
@@ -195,10 +198,12 @@ async def retry_job(request: Request) -> Response:
 
 async def job_result(request: Request) -> Response:
     coordinator = _coordinator(request)
-    try:
-        wait = float(request.query_params.get("wait", "0"))
-    except ValueError:
+    text = request.query_params.get("wait", "0")
+    # A number as JSON writes one (and str(float)): float() would also take "1_0", "nan",
+    # "inf" and " 1 ".
+    if not SECONDS.fullmatch(text):
         return error(400, "invalid_wait", "wait must be a number of seconds")
+    wait = float(text)
     if not 0 <= wait <= coordinator.settings.max_result_wait:
         return error(400, "invalid_wait",
                      f"wait must be between 0 and {coordinator.settings.max_result_wait} seconds")
@@ -353,7 +358,22 @@ async def storage_unavailable(request: Request, exc: Exception) -> Response:
 async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error(exc.status_code, code, str(exc.detail))
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):
+        path = printable(request.url.path, 100)
+        message = f"no route {request.method} {path}"
+        if path.rstrip("/") == "/work":
+            message += ": /work is the workers' WebSocket endpoint (ws:// or wss://)"
+        elif exc.status_code == 404:
+            message += ": the routes are in /openapi.json"
+    return error(exc.status_code, code, message)
+
+
+async def no_such_socket(websocket: WebSocket) -> None:
+    """A WebSocket handshake for any path but /work: refused with a JSON 404."""
+    path = printable(websocket.url.path, 100)
+    await websocket.send_denial_response(error(
+        404, "not_found", f"no WebSocket endpoint at {path}: workers connect to /work"))
 
 
 async def client_gone(request: Request, exc: Exception) -> Response:

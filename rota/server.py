@@ -40,7 +40,8 @@ def create_app(settings: ServerSettings) -> Starlette:
             await coordinator.stop()
 
     app = Starlette(
-        routes=[*openapi.routes, WebSocketRoute("/work", work_endpoint)],
+        routes=[*openapi.routes, WebSocketRoute("/work", work_endpoint),
+                WebSocketRoute("/{path:path}", api.no_such_socket)],
         exception_handlers=api.exception_handlers,  # type: ignore[arg-type]
         # The net outermost: whatever escapes the routes or the gate still gets an answer.
         middleware=[Middleware(SafetyNet), Middleware(Gate, coordinator=coordinator)],

@@ -22,9 +22,12 @@ class SpecError(ValueError):
     """A spec file or a job's arguments do not fit what the spec says."""
 
 
+Description = Annotated[str, msgspec.Meta(max_length=10_000)]
+
+
 class ArgSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: ArgType = "any"
-    description: str = ""
+    description: Description = ""
     required: bool = True
 
 
@@ -43,17 +46,22 @@ class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_worker_deaths: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 
+# A version is shown beside the spec's name (history, CLI): short, and no whitespace or
+# control characters ("1", "2026-11-25.2", "v1.4.0+build.7").
+Version = Annotated[str, msgspec.Meta(pattern=r"^[^\s\x00-\x1f\x7f]{1,64}$")]
+
+
 class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One version of a job spec. Fields left at their default do not enter the checksum."""
 
     name: Name
-    version: str
-    description: str = ""
+    version: Version
+    description: Description = ""
     queue: Name = "default"
     priority: Priority = 0
     visibility_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_VISIBILITY)] | None = None
     retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
-    args: dict[str, ArgSpec] = {}
+    args: dict[Name, ArgSpec] = {}
 
 
 def canonical_bytes(spec: JobSpec) -> bytes:

@@ -267,3 +267,16 @@ async def test_a_client_gone_mid_body_leaves_no_traceback(live: Live, tmp_path: 
     noisy = [r for r in caplog.records if r.levelno >= logging.WARNING
              and "AUTH IS OFF" not in r.getMessage()]
     assert noisy == [], [r.getMessage() for r in noisy]
+
+
+async def test_a_wrong_url_says_where_to_go(live: Live):
+    for path in ("/", "/work/", "/jobs"):
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await websockets.connect(f"ws://127.0.0.1:{live.port}{path}")
+        answer = refused.value.response
+        assert answer.status_code == 404, path
+        assert b"workers connect to /work" in answer.body and b'"not_found"' in answer.body
+    plain = await live.http.get("/work")
+    assert plain.status_code == 404 and "WebSocket endpoint" in plain.json()["error"]["message"]
+    nowhere = await live.http.get("/nope")
+    assert "/openapi.json" in nowhere.json()["error"]["message"]
