@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from rota import db
+from rota.errors import StorageError
 from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
 from rota.protocol import rfc3339
 from rota.ready import Claim
@@ -84,7 +85,10 @@ class Store:
         quota = self.max_db_size
         if quota is not None and not db.has_room(quota, self.writer.used_bytes, live,
                                                  [len(job.args) for job in jobs]):
-            raise self.health.failed(db.quota_full(quota))
+            full = self.health.failed(db.quota_full(quota))
+            # A producer sending again jobs that were stored (its first answer was lost)
+            # is told so, as on any day: no room is needed for them.
+            return asyncio.ensure_future(self._stored_already(jobs, full))
         rows = [_insert_row(job) for job in jobs]
 
         def op(conn: sqlite3.Connection) -> list[tuple[dict[str, Any], bool]]:
@@ -145,6 +149,14 @@ class Store:
             return [read.get(seq) for seq in order]
 
         return self.writer.submit(op)
+
+    async def _stored_already(self, jobs: list[Job], full: StorageError
+                              ) -> list[tuple[dict[str, Any], bool]]:
+        """The stored rows of these jobs if every one of them exists; else ``full``."""
+        rows = await self.readers.run(lambda conn: [_fetch_job(conn, job.id) for job in jobs])
+        if any(row is None for row in rows):
+            raise full
+        return [(row, False) for row in rows if row is not None]
 
     def withdraw(self, seq: int, now: float) -> asyncio.Future[bool]:
         """Cancel row ``seq`` if it is still available; whether it was."""

@@ -262,6 +262,19 @@ async def test_a_full_quota_refuses_new_jobs_and_the_accepted_ones_still_finish(
         assert single.status_code == 503 and single.json()["error"]["code"] == "storage_full"
         assert single.headers["Retry-After"] == response.headers["Retry-After"]
         assert (await live.job(acked[0]))["state"] == "available"  # reads go on
+        # A job sent again with its id (its answer was lost) is found, full or not; a
+        # batch of such jobs too; one new job among them spoils the batch.
+        first = await live.job(acked[0])
+        again = await live.http.post("/jobs", json={"spec": "echo", "args": first["args"],
+                                                    "id": acked[0]})
+        assert (again.status_code, again.json()["created"]) == (200, False), again.text
+        repeat = [{"spec": "echo", "args": (await live.job(i))["args"], "id": i}
+                  for i in acked[:3]]
+        answer = await live.http.post("/jobs/batch", json={"jobs": repeat})
+        assert [r["status"] for r in answer.json()["results"]] == [200, 200, 200]
+        mixed = await live.http.post("/jobs/batch", json={"jobs": repeat + [
+            {"spec": "echo", "args": {}, "id": "brand-new"}]})
+        assert mixed.status_code == 503
 
         async def degraded() -> dict[str, Any] | None:
             await enqueue({"spec": "echo", "args": {}}, "/jobs")
