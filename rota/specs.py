@@ -6,6 +6,7 @@ the server and the worker SDK all call it, so one file always gives one checksum
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -74,20 +75,25 @@ def _without_defaults(obj: Any) -> Any:
     # identity, so "queue = 'default'" in a file would otherwise change the checksum.
     if isinstance(obj, msgspec.Struct):
         kept = {}
-        for field in msgspec.structs.fields(obj):
-            value = getattr(obj, field.name)
-            if field.default is not msgspec.NODEFAULT and value == field.default:
+        for name, default in _defaults(type(obj)):
+            value = getattr(obj, name)
+            if default is not msgspec.NODEFAULT and value == default:
                 continue
-            factory = field.default_factory
-            if factory is not msgspec.NODEFAULT and value == factory():
-                continue
-            kept[field.name] = _without_defaults(value)
+            kept[name] = _without_defaults(value)
         return kept
     if isinstance(obj, dict):
         return {key: _without_defaults(value) for key, value in obj.items()}
     if isinstance(obj, list):
         return [_without_defaults(value) for value in obj]
     return obj
+
+
+@functools.cache
+def _defaults(kind: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
+    """Each field's name and default value (NODEFAULT if it has none), once per type: a
+    spec with 15,000 arguments took 0.4 s to checksum when asked for every instance."""
+    return tuple((f.name, f.default if f.default_factory is msgspec.NODEFAULT
+                  else f.default_factory()) for f in msgspec.structs.fields(kind))
 
 
 def checksum(spec: JobSpec) -> str:
