@@ -7,6 +7,7 @@ The environment is read here and nowhere else: every ``rota serve`` option has a
 from __future__ import annotations
 
 import asyncio
+import errno
 import importlib
 import ipaddress
 import json
@@ -61,11 +62,24 @@ def _fail(message: str) -> None:
 
 
 def _api(url: str, action: str, *args: Any, **kwargs: Any) -> Any:
-    with Client(url, token=_token()) as client:
-        try:
+    try:
+        with Client(url, token=_token()) as client:
             return getattr(client, action)(*args, **kwargs)
-        except ApiError as exc:
-            _fail(f"{exc.message} ({exc.code})")
+    except ApiError as exc:
+        _fail(_say(url, exc))
+
+
+def _say(url: str, exc: ApiError) -> str:
+    """An API error as one line a person can act on from the command line."""
+    base = "--url is the server's base URL, such as http://127.0.0.1:8000 (not /work)"
+    if exc.code == "unauthorized":
+        return ("the server wants a token: set ROTA_TOKEN or pass --token (one from 'rota"
+                " tokens create', of a scope that may do this)")
+    if exc.code == "bad_url":
+        return f"{url!r} is not a server URL: {base}"
+    if exc.code == "not_found" and exc.message.startswith("no route "):
+        return f"{url} has no such route ({exc.message.split(':')[0][9:]}): {base}"
+    return f"{exc.message} ({exc.code})"
 
 
 def _print_json(data: Any) -> None:
@@ -155,12 +169,13 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     With no token created ('rota tokens create') it runs open, and then only on a loopback
     address unless --insecure is given. The limits are in docs/operations.md.
     """
+    from rota.db import storage_error
     from rota.server import serve as run_server
     from rota.settings import ServerSettings
-    from rota.db import storage_error
     from rota.store import list_tokens
 
     logs.configure(log_level)
+    sock = _listen(options["host"], options["port"])  # first: a busy port touches no file
     try:  # opens the file and applies any migration: the first write of a start
         tokens = list_tokens(db)
     except sqlite3.Error as exc:
@@ -177,7 +192,19 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     # 10,000 no-op jobs (docs/performance.md), and a shorter worst case on the idle path.
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(run_server(settings, log_level=log_level))
+        runner.run(run_server(settings, log_level=log_level, sock=sock))
+
+
+def _listen(host: str, port: int) -> Any:
+    """The server's listening socket, or one line saying why there is none."""
+    from rota.server import listen_socket
+
+    try:
+        return listen_socket(host, port)
+    except OSError as exc:
+        reason = ("the port is in use (another rota serve? pick one with --port)"
+                  if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc))
+        _fail(f"cannot listen on {host}:{port}: {reason}")
 
 
 def _loopback(host: str) -> bool:
@@ -222,6 +249,9 @@ def worker(target: str, url: str, log_level: str, prefetch: int | None) -> None:
         asyncio.run(_run_worker(instance))
     except SpecError as exc:
         _fail(str(exc))
+    except PermissionError as exc:  # the handshake was refused: no token, or the wrong one
+        _fail(f"{exc}: set ROTA_TOKEN (or --token) to a worker token ('rota tokens create"
+              " --scope worker')")
     if instance.exit_code:
         sys.exit(instance.exit_code)
 

@@ -209,9 +209,8 @@ class Connection:
             except websockets.InvalidStatus as exc:
                 status = exc.response.status_code
                 if status in (401, 403):  # retrying would not change the server's mind
-                    raise PermissionError(f"{worker.url} refused this worker ({status}):"
-                                          f" {exc.response.body.decode(errors='replace')}"
-                                          ) from exc
+                    raise PermissionError(f"{worker.url} refused this worker ({status}"
+                                          f" {_refusal(exc.response.body)})") from exc
                 if not worker.reconnect:
                     raise
                 why = f"HTTP {status}"
@@ -439,3 +438,12 @@ async def _wait(event: asyncio.Event, timeout: float,
         await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiter.cancel()
+
+
+def _refusal(body: bytes) -> str:
+    """A refused handshake's JSON error as "code: message" (or its text, if not JSON)."""
+    try:
+        error = msgspec.json.decode(body)["error"]
+        return f"{error['code']}: {error['message']}"
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return body.decode(errors="replace")[:200]

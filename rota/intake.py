@@ -7,6 +7,7 @@ returns and answers the request after.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from typing import Any
 
@@ -36,8 +37,7 @@ class Intake:
         """A new job from an enqueue request, or why it is refused."""
         spec = self.specs.get(request.spec)
         if spec is None:
-            return Invalid("unknown_spec", f"spec {request.spec!r} has no status quo;"
-                           " push it with 'rota specs push' first")
+            return Invalid("unknown_spec", unknown_spec(request.spec, self.specs))
         queue = request.queue or spec.queue
         if not principal.may_use_queue(queue):
             return Forbidden("queue_not_allowed",
@@ -190,3 +190,13 @@ class Intake:
         return {"name": change.name, "change": change.change, "checksum": change.checksum,
                 "previous": change.previous, "mismatched_workers": len(mismatched),
                 "matching_workers": len(matching)}
+
+
+def unknown_spec(name: str, known: dict[str, JobSpec]) -> str:
+    """Why a spec name is refused: a likely misspelling named, and what is known."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    names = sorted(known)
+    listed = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    return (f"spec {name!r} has no status quo" + (f"; did you mean {close[0]}?" if close else "")
+            + (f" Known specs: {listed}." if names else " No spec has been pushed yet.")
+            + " Push a spec with 'rota specs push' first.")

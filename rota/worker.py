@@ -40,6 +40,7 @@ import psutil
 import websockets
 
 from rota import protocol as p
+from rota.client import ws_url
 from rota.connection import Connection
 from rota.context import JobContext, StatusBuffer, check_level
 from rota.execution import Handler, ResultTooLarge, Runner
@@ -88,7 +89,11 @@ class Worker:
             _check_prefetch(prefetch)
         if max_abandoned_threads is not None and max_abandoned_threads < 1:
             raise ValueError("max_abandoned_threads must be at least 1 (None: 2 x concurrency)")
-        self.url = url
+        if not url.startswith(("ws://", "wss://", "http://", "https://")):
+            raise ValueError(f"url must be the server's base URL (http://host:port) or its /work"
+                             f" endpoint (ws://host:port/work), not {url!r}")
+        # The server's base URL, as the CLI takes it, or its /work endpoint: the same socket.
+        self.url = ws_url(url)
         self.specs_dir = Path(specs_dir)
         self.concurrency = concurrency
         self.labels = list(labels or [])

@@ -174,7 +174,7 @@ async def test_tokens_are_stored_hashed_and_listed_without_secrets(guarded: Live
 
 async def test_cli_takes_the_token_from_the_flag_or_the_environment(guarded: Live):
     code, _, err = await rota("jobs", "show", "nope", "--url", guarded.base)
-    assert code == 1 and "unauthorized" in err
+    assert code == 1 and "set ROTA_TOKEN or pass --token" in err
     code, _, err = await rota("jobs", "show", "nope", "--url", guarded.base,
                               "--token", guarded.admin)  # type: ignore[attr-defined]
     assert code == 1 and "not_found" in err
