@@ -161,6 +161,7 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     from rota.store import list_tokens
 
     logs.configure(log_level)
+    _hold_database(db)  # first: a second server must not even migrate the file
     try:  # opens the file and applies any migration: the first write of a start
         tokens = list_tokens(db)
     except sqlite3.Error as exc:
@@ -178,6 +179,21 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     sys.setswitchinterval(SERVER_SWITCH_INTERVAL)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, log_level=log_level))
+
+
+def _hold_database(db: Path) -> None:
+    """Hold the database's one-server lock until this command ends, or fail in one line
+    (docs/operations.md, One server per database). ``rota tokens`` takes no lock: it
+    writes the file beside a running server, through SQLite's own locking."""
+    from rota.db import hold_database
+    from rota.errors import DatabaseInUse
+
+    try:
+        click.get_current_context().with_resource(hold_database(db))
+    except DatabaseInUse as exc:
+        _fail(exc.message)
+    except OSError as exc:
+        _fail(f"cannot open the database {db}: {exc.strerror} ({exc.filename})")
 
 
 def _loopback(host: str) -> bool:
@@ -551,4 +567,5 @@ def demo(port: int, db: Path, specs_dir: Path, rate: float) -> None:
     from rota.demo import run_demo
 
     logs.configure("info")
+    _hold_database(db)
     asyncio.run(run_demo(port=port, db=db, specs_dir=specs_dir, rate=rate))
