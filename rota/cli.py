@@ -465,7 +465,7 @@ def tokens() -> None:
 
 @tokens.command("create")
 @click.option("--scope", required=True, type=click.Choice(["worker", "producer", "admin"]),
-              help="worker: /work; producer: enqueue and read its own jobs; admin: all.")
+              help="worker: /work; producer: enqueue, read specs, read and cancel its own jobs; admin: all.")
 @click.option("--queues", help="Limit the token to these queues (comma-separated).")
 @click.option("--name", help="A name to know it by (default: scope and id).")
 @DB_OPTION
