@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from starlette.exceptions import HTTPException
@@ -29,9 +29,12 @@ from rota.logs import printable
 from rota.policy import TERMINAL_STATES
 from rota.protocol import Name, rfc3339
 from rota.specs import JobSpec, checksum
+from rota.store import token_view
 from rota.views import job_view
 
 Directive = Literal["quiet", "terminate"]
+# Printable, and short enough for a listing; an id is the other way to name a token.
+TokenName = Annotated[str, msgspec.Meta(pattern=r"^[^\x00-\x1f\x7f]{1,100}$")]
 
 log = logging.getLogger("rota.server")
 SECONDS = re.compile(r"[0-9]{1,20}(\.[0-9]{1,20})?([eE][-+]?[0-9]{1,3})?")
@@ -46,6 +49,12 @@ class StateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class PushRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     specs: list[JobSpec]
     dry_run: bool = False
+
+
+class TokenRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    scope: Scope
+    name: TokenName | None = None  # default: scope and id, as ``rota tokens create``
+    queues: Annotated[list[Name], msgspec.Meta(min_length=1)] | None = None  # None: any
 
 
 class JSON(Response):
@@ -185,8 +194,15 @@ async def show_job(request: Request) -> Response:
 
 
 async def cancel_job(request: Request) -> Response:
-    need(request, "admin")
-    row, done = await _coordinator(request).cancel(request.path_params["job_id"])
+    # A producer may take back what it enqueued (it could as well not have); another
+    # token's job does not exist for it, as in GET. Retry stays admin-only: it
+    # overrides the spec's retry limits, an operator's call.
+    principal = need(request, "producer")
+    coordinator, job_id = _coordinator(request), request.path_params["job_id"]
+    if principal.scope != "admin":  # (an admin's cancel needs no extra read)
+        if _visible(request, await coordinator.store.get_job(job_id)) is None:
+            return error(404, "not_found", f"no job {job_id}")
+    row, done = await coordinator.cancel(job_id)
     return JSON(job_view(row), status_code=200 if done else 202)
 
 
@@ -223,7 +239,7 @@ async def job_result(request: Request) -> Response:
 
 # -- specs ------------------------------------------------------------------------
 async def list_specs(request: Request) -> Response:
-    need(request, "admin")
+    need(request, "producer")  # a producer needs the argument schemas of what it enqueues
     coordinator = _coordinator(request)
     specs = [
         {"name": s.name, "version": s.version, "checksum": checksum(s), "queue": s.queue,
@@ -247,6 +263,27 @@ async def spec_history(request: Request) -> Response:
     if not history:
         return error(404, "not_found", f"spec {name!r} was never pushed")
     return JSON({"name": name, "history": history})
+
+
+# -- tokens (admin only; ``rota tokens --url``) ------------------------------------------
+async def create_token(request: Request) -> Response:
+    need(request, "admin")
+    payload: TokenRequest = await _decode(request, TokenRequest)
+    secret, row = await _coordinator(request).create_token(payload.scope, payload.name,
+                                                           payload.queues)
+    return JSON({"token": secret, **token_view(row)}, status_code=201)
+
+
+async def list_tokens(request: Request) -> Response:
+    need(request, "admin")
+    rows = await _coordinator(request).store.live_tokens()
+    return JSON({"tokens": [token_view(row) for row in rows]})
+
+
+async def revoke_token(request: Request) -> Response:
+    need(request, "admin")
+    rows = await _coordinator(request).revoke_token(request.path_params["token"])
+    return JSON({"revoked": [token_view(row) for row in rows]})
 
 
 # -- workers, queues, health ---------------------------------------------------------

@@ -5,10 +5,11 @@ it is limited to and a SHA-256 of the secret, never the secret itself (the secre
 32 random bytes, so a fast hash is enough: there is nothing to guess). A presented
 token is found by its id and its secret compared in constant time.
 
-Scopes: ``worker`` connects to /work; ``producer`` enqueues and reads the jobs it
-enqueued; ``admin`` does everything. A token limited to queues may register for, or
-enqueue into, only those. With no token in the store the server runs open: every
-caller is an admin (``OPEN``), which ``rota serve`` allows on loopback only.
+Scopes: ``worker`` connects to /work; ``producer`` enqueues, reads the specs, and reads
+and cancels the jobs it enqueued; ``admin`` does everything. A token limited to queues
+may register for, or enqueue into, only those. With no token in the store the server
+runs open: every caller is an admin (``OPEN``), which ``rota serve`` allows on loopback
+only.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ The environment is read here and nowhere else: every ``rota serve`` option has a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import importlib
 import ipaddress
@@ -175,7 +176,8 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     from rota.store import list_tokens
 
     logs.configure(log_level)
-    sock = _listen(options["host"], options["port"])  # first: a busy port touches no file
+    _hold_database(db)  # first: a second server must not even migrate the file
+    sock = _listen(options["host"], options["port"])  # then: a busy port touches no file
     try:  # opens the file and applies any migration: the first write of a start
         tokens = list_tokens(db)
     except sqlite3.Error as exc:
@@ -200,11 +202,28 @@ def _listen(host: str, port: int) -> Any:
     from rota.server import listen_socket
 
     try:
-        return listen_socket(host, port)
+        sock = listen_socket(host, port)
     except OSError as exc:
         reason = ("the port is in use (another rota serve? pick one with --port)"
                   if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc))
         _fail(f"cannot listen on {host}:{port}: {reason}")
+    # Closed however the command ends: uvicorn closes it too when it serves.
+    return click.get_current_context().with_resource(contextlib.closing(sock))
+
+
+def _hold_database(db: Path) -> None:
+    """Hold the database's one-server lock until this command ends, or fail in one line
+    (docs/operations.md, One server per database). ``rota tokens`` takes no lock: it
+    writes the file beside a running server, through SQLite's own locking."""
+    from rota.db import hold_database
+    from rota.errors import DatabaseInUse
+
+    try:
+        click.get_current_context().with_resource(hold_database(db))
+    except DatabaseInUse as exc:
+        _fail(exc.message)
+    except OSError as exc:
+        _fail(f"cannot open the database {db}: {exc.strerror} ({exc.filename})")
 
 
 def _loopback(host: str) -> bool:
@@ -471,19 +490,70 @@ DB_OPTION = click.option("--db", envvar="ROTA_DB", default="rota.db", show_defau
                          help="The server's SQLite file (tokens are kept there).")
 
 
+def TOKENS_TARGET(command: Callable[..., Any]) -> Callable[..., Any]:  # noqa: N802
+    """Where tokens are managed: the server's API (--url, with an admin --token), or
+    its database file (--db)."""
+    url = click.option("--url", envvar="ROTA_URL", show_envvar=True, default=None,
+                       help="Manage the tokens of the server at this base URL, over its API"
+                       " (with an admin token); without it, the --db file.")
+    return url(_TOKEN(DB_OPTION(command)))
+
+
+def _over_api(url: str | None) -> bool:
+    """--url (or ROTA_URL) means the API, unless --db is given on the command line: an
+    explicit file beats a URL left in the environment. Both given: refused."""
+    explicit = click.core.ParameterSource.COMMANDLINE
+    ctx = click.get_current_context()
+    if url is None:
+        return False
+    if ctx.get_parameter_source("db") is explicit:
+        if ctx.get_parameter_source("url") is explicit:
+            _fail("give --url (the server's API) or --db (its file), not both")
+        return False
+    return True
+
+
+def _token_file(db: Path, *, create: bool = False, offer_create: bool = False) -> Path:
+    """The database file, which must exist unless ``create``: a mistyped --db, or a run
+    in another directory, would otherwise make a new database the server never reads."""
+    if not create and not db.exists():
+        _fail(f"no database at {db.resolve()}: pass the server's file with --db, or use the"
+              " server's API with --url and an admin --token"
+              + ("; --create makes a new one, for the first token before any server ran"
+                 if offer_create else ""))
+    return db
+
+
+def _on_file(action: Callable[..., Any], db: Path, *args: Any, **kwargs: Any) -> Any:
+    """Run a token ``action`` on the file; its refusals in one line."""
+    from rota.errors import Conflict
+
+    try:
+        return action(db, *args, **kwargs)
+    except Conflict as exc:
+        _fail(exc.message)
+    except sqlite3.Error as exc:
+        _fail(f"cannot use the database {db}: {exc}")
+
+
 @main.group()
 def tokens() -> None:
-    """Create, list and revoke bearer tokens (works on the database file directly, so
-    the first token needs no server; a running server sees changes within a second)."""
+    """Create, list and revoke bearer tokens: over the server's API with --url (or
+    ROTA_URL) and an admin --token, from anywhere; or on its database file (--db), so the
+    first token needs no server (a running server sees changes within a second)."""
 
 
 @tokens.command("create")
 @click.option("--scope", required=True, type=click.Choice(["worker", "producer", "admin"]),
-              help="worker: /work; producer: enqueue and read its own jobs; admin: all.")
+              help="worker: /work; producer: enqueue, read specs, read and cancel its own jobs; admin: all.")
 @click.option("--queues", help="Limit the token to these queues (comma-separated).")
 @click.option("--name", help="A name to know it by (default: scope and id).")
-@DB_OPTION
-def tokens_create(scope: str, queues: str | None, name: str | None, db: Path) -> None:
+@click.option("--create", "create_db", is_flag=True,
+              help="Create the --db file if it does not exist (the first token, before any"
+              " server ran; 'rota serve' creates it too).")
+@TOKENS_TARGET
+def tokens_create(scope: str, queues: str | None, name: str | None, create_db: bool,
+                  db: Path, url: str | None) -> None:
     """Create a token and print it. It is shown only this once: the store keeps a hash."""
     from rota.auth import new_token
     from rota.specs import NAME_PATTERN
@@ -493,43 +563,52 @@ def tokens_create(scope: str, queues: str | None, name: str | None, db: Path) ->
     for queue in limited or []:
         if not re.match(NAME_PATTERN, queue):
             _fail(f"{queue!r} is not a queue name")
-    token_id, secret, hashed = new_token()
-    try:
-        create_token(db, name=name or f"{scope}-{token_id}", scope=scope, queues=limited,
-                     token_id=token_id, hashed=hashed)
-    except ValueError as exc:
-        _fail(str(exc))
+    if _over_api(url):
+        assert url is not None
+        made = _api(url, "create_token", scope, name=name, queues=limited)
+        token_id, secret = made["id"], made["token"]
+    else:
+        token_id, secret, hashed = new_token()
+        _on_file(create_token, _token_file(db, create=create_db, offer_create=True),
+                 name=name or f"{scope}-{token_id}", scope=scope, queues=limited,
+                 token_id=token_id, hashed=hashed)
     click.echo(secret)
     click.echo(f"token {token_id} ({scope}{', queues ' + ','.join(limited) if limited else ''})"
                " created; copy it now, it is not shown again", err=True)
 
 
 @tokens.command("list")
-@DB_OPTION
-def tokens_list(db: Path) -> None:
+@TOKENS_TARGET
+def tokens_list(db: Path, url: str | None) -> None:
     """The live tokens: id, name, scope, queues, when created (never the secret)."""
-    from rota.protocol import rfc3339
-    from rota.store import list_tokens
+    from rota.store import list_tokens, token_view
 
-    rows = list_tokens(db)
+    if _over_api(url):
+        assert url is not None
+        rows = _api(url, "tokens")["tokens"]
+    else:
+        rows = [token_view(row) for row in _on_file(list_tokens, _token_file(db))]
     if not rows:
         click.echo("no tokens: the server runs open (loopback only)")
     for row in rows:
         queues = ",".join(row["queues"]) if row["queues"] else "*"
         click.echo(f"{row['id']}  {row['scope']:<8} queues={queues}  name={row['name']}"
-                   f"  created={rfc3339(row['created_at'])}")
+                   f"  created={row['created_at']}")
 
 
 @tokens.command("revoke")
-@click.argument("token")
-@DB_OPTION
-def tokens_revoke(token: str, db: Path) -> None:
+@click.argument("which", metavar="TOKEN")  # not "token": --token is the caller's own
+@TOKENS_TARGET
+def tokens_revoke(which: str, db: Path, url: str | None) -> None:
     """Revoke TOKEN (its id or name): its calls are refused and its workers disconnected."""
     from rota.store import revoke_token
 
-    if not revoke_token(db, token):
-        _fail(f"no live token with id or name {token!r}")
-    click.echo(f"revoked {token}")
+    if _over_api(url):
+        assert url is not None
+        _api(url, "revoke_token", which)
+    elif not _on_file(revoke_token, _token_file(db), which):
+        _fail(f"no live token with id or name {which!r}")
+    click.echo(f"revoked {which}")
 
 
 @main.group()
@@ -581,4 +660,5 @@ def demo(port: int, db: Path, specs_dir: Path, rate: float) -> None:
     from rota.demo import run_demo
 
     logs.configure("info")
+    _hold_database(db)
     asyncio.run(run_demo(port=port, db=db, specs_dir=specs_dir, rate=rate))

@@ -225,3 +225,16 @@ class Client:
 
     def queues(self) -> dict[str, Any]:
         return self._call("GET", "/queues")
+
+    def create_token(self, scope: str, *, name: str | None = None,
+                     queues: list[str] | None = None) -> dict[str, Any]:
+        """A new token (admin): ``token`` in the answer is its secret, shown this once."""
+        body: dict[str, Any] = {"scope": scope, "name": name, "queues": queues}
+        return self._call("POST", "/tokens",
+                          json={key: value for key, value in body.items() if value is not None})
+
+    def tokens(self) -> dict[str, Any]:
+        return self._call("GET", "/tokens")
+
+    def revoke_token(self, id_or_name: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/tokens/{urllib.parse.quote(id_or_name, safe='')}")

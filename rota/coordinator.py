@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Protocol
 
 from rota import protocol as p
-from rota.auth import OPEN, Principal, Tokens
+from rota.auth import OPEN, Principal, Tokens, new_token
 from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           Withdraw, WorkerGone, WorkerSeen)
 from rota.engine import MAX_LOG_LINES, Engine
@@ -327,6 +327,24 @@ class Coordinator:
         if was_required and not self.tokens.required:
             log.warning("AUTH IS OFF: the last token was revoked")
         self.apply(self.engine.revoked(self.tokens.valid))
+
+    async def create_token(self, scope: str, name: str | None, queues: list[str] | None
+                           ) -> tuple[str, dict[str, Any]]:
+        """A new token (POST /tokens): its secret, shown this once, and its row. In force
+        at once: the first one turns authentication on before the answer leaves."""
+        token_id, secret, hashed = new_token()
+        row = await self.store.create_token(name=name or f"{scope}-{token_id}", scope=scope,
+                                            queues=queues, token_id=token_id, hashed=hashed)
+        await self._refresh_tokens()
+        return secret, row
+
+    async def revoke_token(self, id_or_name: str) -> list[dict[str, Any]]:
+        """Revoke tokens (DELETE /tokens/{token}), at once: their workers are closed."""
+        rows = await self.store.revoke_token(id_or_name)
+        if not rows:
+            raise NotFound("not_found", f"no live token with id or name {id_or_name!r}")
+        await self._refresh_tokens()
+        return rows
 
     # -- producers -------------------------------------------------------------------
     async def enqueue(self, requests: list[EnqueueRequest], principal: Principal = OPEN

@@ -9,8 +9,9 @@
     │   └── TooLarge     over a size limit
     ├── RequestError     an HTTP request refused: answered with ``status`` and a JSON body
     ├── FrameError       a /work frame refused: an ``error`` frame, then ``close_code``
-    └── StorageError     the database cannot do its part now (full, read-only, failing):
-                         503 with ``Retry-After`` on HTTP; a result is rejected on /work
+    ├── StorageError     the database cannot do its part now (full, read-only, failing):
+    │                    503 with ``Retry-After`` on HTTP; a result is rejected on /work
+    └── DatabaseInUse    another server holds the database file: this one must not start
 """
 
 from __future__ import annotations
@@ -77,6 +78,20 @@ class StorageError(RotaError):
     def __init__(self, code: str, message: str, retry_after: int) -> None:
         super().__init__(code, message)
         self.retry_after = retry_after
+
+
+class DatabaseInUse(RotaError):
+    """Another Rota server holds this database file (rota/db.py ``hold_database``).
+
+    Two servers on one file would each keep their own view of the jobs in memory and
+    give the same job to two workers; the second one refuses to start instead."""
+
+    def __init__(self, path: str, pid: int | None) -> None:
+        holder = f"pid {pid}" if pid is not None else "its pid unknown"
+        super().__init__("database_in_use",
+                         f"{path} is in use by another rota serve ({holder}); stop it first"
+                         " or use another --db")
+        self.pid = pid
 
 
 def failure_level(error: BaseException | None) -> int:

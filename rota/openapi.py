@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rota import api
-from rota.api import PushRequest, StateRequest
+from rota.api import PushRequest, StateRequest, TokenRequest
 from rota.jobs import BatchRequest, EnqueueRequest
 
 JobState = Literal["scheduled", "available", "active", "retryable", "completed", "discarded",
@@ -146,6 +146,26 @@ class History(msgspec.Struct):
     history: list[Push]
 
 
+class TokenView(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    scope: Literal["worker", "producer", "admin"]
+    queues: list[str] | None  # None: any queue
+    created_at: str
+
+
+class NewToken(TokenView, kw_only=True):
+    token: str  # the secret, rota_<id>_<secret>: shown this once, never stored
+
+
+class TokenList(msgspec.Struct):
+    tokens: list[TokenView]
+
+
+class Revoked(msgspec.Struct):
+    revoked: list[TokenView]
+
+
 class WorkerAlert(msgspec.Struct):
     at: str
     level: str
@@ -262,11 +282,18 @@ ROUTES: list[Op] = [
      {200: Directed, 404: ErrorBody, 409: ErrorBody, **BAD}),
     Op("get", "/queues", api.list_queues,
        "Per-queue counts and why jobs wait", None, {200: Queues}),
+    Op("post", "/tokens", api.create_token, "Create a token (admin)", TokenRequest,
+       {201: NewToken, 409: ErrorBody, **BAD}),
+    Op("get", "/tokens", api.list_tokens, "The live tokens, never their secrets (admin)", None,
+       {200: TokenList}),
+    Op("delete", "/tokens/{token}", api.revoke_token, "Revoke a token by id or name (admin)",
+       None, {200: Revoked, 404: ErrorBody}),
     Op("get", "/healthz", api.healthz, "Health (no token needed)", None, {200: Health}),
 ]
 OPEN_PATHS = {"/healthz"}
 STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry",
-                "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues"}
+                "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues",
+                "/tokens", "/tokens/{token}"}
 
 
 def document() -> dict[str, Any]:
@@ -336,7 +363,7 @@ routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
 
 _DESCRIPTIONS = {200: "done", 201: "created", 202: "accepted, not finished", 400: "bad input",
                  401: "no valid token", 403: "not allowed for this token",
-                 404: "not found", 409: "conflict with the job's state",
+                 404: "not found", 409: "conflict with what exists (a job's state, a taken name)",
                  408: "the body did not arrive in time (body_timeout)",
                  413: "over a size limit", 422: "invalid request",
                  500: "a bug in Rota (internal): the error's id names the traceback in the log",

@@ -9,6 +9,7 @@ COMMIT. Reads run on a reader pool. The in-memory scheduler is rebuilt from
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sqlite3
@@ -21,7 +22,7 @@ from typing import Any
 import msgspec
 
 from rota import db
-from rota.errors import StorageError
+from rota.errors import Conflict, StorageError
 from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
 from rota.protocol import rfc3339
 from rota.ready import Claim
@@ -29,7 +30,7 @@ from rota.rows import Snapshot, claim_rows, job_from_row, live_job, load
 from rota.specs import JobSpec
 
 __all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "job_from_row",
-           "create_token", "list_tokens", "revoke_token"]  # (Snapshot, job_from_row: rota/rows.py)
+           "create_token", "list_tokens", "revoke_token", "token_view"]  # (Snapshot, job_from_row: rota/rows.py)
 
 @dataclass(slots=True)
 class SpecChange:
@@ -233,6 +234,17 @@ class Store:
     async def live_tokens(self) -> list[dict[str, Any]]:
         return await self.readers.run(_live_tokens)
 
+    async def create_token(self, *, name: str, scope: str, queues: list[str] | None,
+                           token_id: str, hashed: str) -> dict[str, Any]:
+        """Store a new token (the API's); its row, or Conflict if the name is taken."""
+        return await self.writer.submit(functools.partial(
+            _insert_token, name=name, scope=scope, queues=queues, token_id=token_id,
+            hashed=hashed))
+
+    async def revoke_token(self, id_or_name: str) -> list[dict[str, Any]]:
+        """Revoke the live tokens with this id or name; their rows."""
+        return await self.writer.submit(lambda conn: _revoke_tokens(conn, id_or_name))
+
     async def job_logs(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         """The job's last ``limit`` log lines and alerts, oldest first."""
         def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
@@ -312,22 +324,45 @@ def _live_tokens(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             for r in rows]
 
 
+def token_view(row: dict[str, Any]) -> dict[str, Any]:
+    """A token as the API and the CLI show it: never its hash."""
+    return {"id": row["id"], "name": row["name"], "scope": row["scope"],
+            "queues": row["queues"], "created_at": rfc3339(row["created_at"])}
+
+
+# One statement each for the server's writer (the API) and the CLI's own connection.
+def _insert_token(conn: sqlite3.Connection, *, name: str, scope: str,
+                  queues: list[str] | None, token_id: str, hashed: str) -> dict[str, Any]:
+    if conn.execute("SELECT 1 FROM tokens WHERE name = ? AND revoked_at IS NULL",
+                    (name,)).fetchone():
+        raise Conflict("token_name_taken", f"a live token is already named {name!r}")
+    now = time.time()
+    conn.execute("INSERT INTO tokens (id, name, scope, queues, hash, created_at)"
+                 " VALUES (?, ?, ?, ?, ?, ?)",
+                 (token_id, name, scope, msgspec.json.encode(queues).decode() if queues else None,
+                  hashed, now))
+    return {"id": token_id, "name": name, "scope": scope, "queues": queues, "created_at": now}
+
+
+def _revoke_tokens(conn: sqlite3.Connection, id_or_name: str) -> list[dict[str, Any]]:
+    rows = conn.execute("UPDATE tokens SET revoked_at = ? WHERE revoked_at IS NULL"
+                        " AND (id = ? OR name = ?) RETURNING id, name, scope, queues, created_at",
+                        (time.time(), id_or_name, id_or_name)).fetchall()
+    return [{**dict(r), "queues": msgspec.json.decode(r["queues"]) if r["queues"] else None}
+            for r in rows]
+
+
 # -- tokens, from the CLI: straight to the file, so the first token needs no server ------
 def create_token(path: Path, *, name: str, scope: str, queues: list[str] | None,
                  token_id: str, hashed: str) -> None:
+    """Raises Conflict (token_name_taken) if a live token has this name."""
     db.migrate(path)
     conn = db.connect(path)
     try:
         with conn:
             conn.execute("BEGIN IMMEDIATE")
-            if conn.execute("SELECT 1 FROM tokens WHERE name = ? AND revoked_at IS NULL",
-                            (name,)).fetchone():
-                raise ValueError(f"a live token is already named {name!r}")
-            conn.execute("INSERT INTO tokens (id, name, scope, queues, hash, created_at)"
-                         " VALUES (?, ?, ?, ?, ?, ?)",
-                         (token_id, name, scope,
-                          msgspec.json.encode(queues).decode() if queues else None, hashed,
-                          time.time()))
+            _insert_token(conn, name=name, scope=scope, queues=queues, token_id=token_id,
+                          hashed=hashed)
     finally:
         conn.close()
 
@@ -348,9 +383,7 @@ def revoke_token(path: Path, id_or_name: str) -> int:
     try:
         with conn:
             conn.execute("BEGIN IMMEDIATE")
-            return conn.execute("UPDATE tokens SET revoked_at = ? WHERE revoked_at IS NULL"
-                                " AND (id = ? OR name = ?)",
-                                (time.time(), id_or_name, id_or_name)).rowcount
+            return len(_revoke_tokens(conn, id_or_name))
     finally:
         conn.close()
 

@@ -105,14 +105,38 @@ async def test_a_producer_enqueues_and_sees_only_its_own_jobs(guarded: Live):
         assert made.status_code == 201
         job_id = made.json()["job"]["id"]
         assert (await producer.get(f"/jobs/{job_id}/result?wait=5")).json()["result"] == {"x": 1}
-        for method, path in (("GET", "/specs"), ("GET", "/workers"), ("DELETE", f"/jobs/{job_id}"),
-                             ("POST", f"/jobs/{job_id}/retry"), ("GET", "/queues")):
+        for method, path in (("GET", "/workers"), ("POST", f"/jobs/{job_id}/retry"),
+                             ("GET", "/specs/echo/history"), ("PUT", "/specs"),
+                             ("GET", "/queues")):
             reply = await producer.request(method, path)
             assert reply.status_code == 403 and reply.json()["error"]["code"] == "forbidden", path
     async with httpx.AsyncClient(base_url=guarded.base, headers=bearer(other)) as stranger:
         assert (await stranger.get(f"/jobs/{job_id}")).status_code == 404
         assert (await stranger.get(f"/jobs/{job_id}/result")).status_code == 404
     assert (await guarded.job(job_id))["state"] == "completed"  # the admin sees everything
+
+
+async def test_a_producer_reads_specs_and_cancels_its_own_jobs_only(guarded: Live):
+    mine, other = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    async with (httpx.AsyncClient(base_url=guarded.base, headers=bearer(mine)) as producer,
+                httpx.AsyncClient(base_url=guarded.base, headers=bearer(other)) as stranger):
+        specs = (await producer.get("/specs")).json()["specs"]  # the argument schemas
+        assert [s["name"] for s in specs] == ["echo"] and "args" in specs[0]["spec"]
+        later = {"spec": "echo", "delay": 3600}  # waits: nothing runs it meanwhile
+        theirs = (await stranger.post("/jobs", json=later)).json()["job"]["id"]
+        job_id = (await producer.post("/jobs", json=later)).json()["job"]["id"]
+        refused = await producer.delete(f"/jobs/{theirs}")
+        assert (refused.status_code, refused.json()["error"]["code"]) == (404, "not_found")
+        assert (await producer.delete("/jobs/nope")).status_code == 404
+        cancelled = await producer.delete(f"/jobs/{job_id}")
+        assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+        again = await producer.delete(f"/jobs/{job_id}")
+        assert (again.status_code, again.json()["error"]["code"]) == (409, "not_cancellable")
+        assert (await producer.post(f"/jobs/{job_id}/retry")).status_code == 403
+    assert (await guarded.job(theirs))["state"] == "scheduled"  # untouched
+    assert (await guarded.http.delete(f"/jobs/{theirs}")).status_code == 200  # the admin may
+    code, out, err = await rota("jobs", "cancel", "nope", "--url", guarded.base, "--token", mine)
+    assert code == 1 and "not_found" in err
 
 
 async def test_tokens_limited_to_queues(guarded: Live, tmp_path: Path):
