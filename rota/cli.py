@@ -24,6 +24,7 @@ import click
 from rota import logs
 from rota.client import ApiError, Client, ws_url
 from rota.protocol import MAX_PREFETCH
+from rota.retention import parse_duration, parse_rule
 from rota.specs import SpecError, checksum, load_dir
 
 _URL = click.option(
@@ -53,6 +54,35 @@ def _token() -> str | None:
     return token
 LEVELS = click.Choice(["debug", "info", "warning", "error"])
 SERVER_SWITCH_INTERVAL = 0.0005  # seconds: see serve()
+
+
+class _Duration(click.ParamType):
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> float | None:
+        if value is None or isinstance(value, float):
+            return value
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class _RetainRule(click.ParamType):
+    name = "rule"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> tuple[str, dict[str, float | None]]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_rule(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+_DURATION, _RETAIN_RULE = _Duration(), _RetainRule()
 
 
 def _fail(message: str) -> None:
@@ -108,6 +138,19 @@ def main() -> None:
               default=None, show_envvar=True,
               help="Bytes the database file may take (default: no limit). New jobs get 503"
                    " storage_full once the room left is what the unfinished jobs need.")
+@click.option("--retain-completed", envvar="ROTA_RETAIN_COMPLETED", type=_DURATION, default="7d",
+              show_default=True, show_envvar=True,
+              help="How long a completed job is kept, then deleted (30s, 12h, 7d; never).")
+@click.option("--retain-discarded", envvar="ROTA_RETAIN_DISCARDED", type=_DURATION, default="30d",
+              show_default=True, show_envvar=True, help="How long a discarded job is kept.")
+@click.option("--retain-cancelled", envvar="ROTA_RETAIN_CANCELLED", type=_DURATION, default="7d",
+              show_default=True, show_envvar=True, help="How long a cancelled job is kept.")
+@click.option("--retain", "retain_queues", envvar="ROTA_RETAIN", show_envvar=True, multiple=True,
+              type=_RETAIN_RULE, callback=lambda ctx, param, rules: tuple(
+                  (queue, state, seconds) for queue, durations in rules
+                  for state, seconds in durations.items()),
+              help="A queue's own retention, e.g. queue=emails:completed=1d:discarded=90d"
+                   " (repeat).")
 @click.option("--max-connections", envvar="ROTA_MAX_CONNECTIONS", default=1000, show_default=True, show_envvar=True,
               help="Open connections of any kind; new ones get 503 above.")
 @click.option("--max-worker-connections-per-token", envvar="ROTA_MAX_WORKER_CONNECTIONS_PER_TOKEN", default=200,

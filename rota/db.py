@@ -139,6 +139,13 @@ def m007_storage_probe(db: sqlite_utils.Database) -> None:
     db["storage_probe"].create({"id": int, "at": float}, pk="id")
 
 
+@migrations()
+def m008_retention(db: sqlite_utils.Database) -> None:
+    # Finished jobs are pruned oldest first by state (rota/retention.py): an index on
+    # (state, finished_at) finds a batch without scanning the table.
+    db["jobs"].create_index(["state", "finished_at"])
+
+
 # -- a full or failing disk ------------------------------------------------------------
 # SQLite's primary result codes that blame the storage rather than the statement: what
 # the client is told (code, sentence) and how many seconds it should wait before asking

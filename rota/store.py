@@ -13,7 +13,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from rota import db
 from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
 from rota.protocol import rfc3339
 from rota.ready import Claim
+from rota.retention import Cutoff
 from rota.rows import Snapshot, claim_rows, job_from_row, live_job, load
 from rota.specs import JobSpec
 
@@ -164,6 +165,38 @@ class Store:
 
         return self.writer.submit(op)
 
+    def prune(self, cutoffs: Sequence[Cutoff], limit: int, keep: Container[str]
+              ) -> asyncio.Future[dict[str, int]]:
+        """Delete at most ``limit`` finished jobs that are due (rota/retention.py), oldest
+        first, with their log lines; deleted rows by state. Ids in ``keep`` (a manual
+        retry that read the row and has not written it yet) are left for the next pass;
+        the writer thread only asks it ``in``."""
+        def op(conn: sqlite3.Connection) -> dict[str, int]:
+            deleted: dict[str, int] = {}
+            left = limit
+            for cut in cutoffs:
+                if left <= 0:
+                    break
+                sql, params = _DUE, [cut.state, cut.before]
+                if cut.queue is not None:
+                    sql, params = sql + " AND queue = ?", [*params, cut.queue]
+                elif cut.others:
+                    sql += f" AND queue NOT IN ({', '.join('?' * len(cut.others))})"
+                    params += cut.others
+                rows = [(rowid, job_id) for rowid, job_id in
+                        conn.execute(sql + " ORDER BY finished_at LIMIT ?", [*params, left])
+                        if job_id not in keep]
+                if rows:
+                    conn.executemany("DELETE FROM job_logs WHERE job_id = ?",
+                                     [(job_id,) for _, job_id in rows])
+                    conn.executemany("DELETE FROM jobs WHERE rowid = ?",
+                                     [(rowid,) for rowid, _ in rows])
+                    deleted[cut.state] = deleted.get(cut.state, 0) + len(rows)
+                    left -= len(rows)
+            return deleted
+
+        return self.writer.submit(op)
+
     def barrier(self) -> asyncio.Future[None]:
         """Done once every write queued before it is committed and its outcome reported
         (the writer reports in order)."""
@@ -217,6 +250,11 @@ class Store:
     async def get_job(self, job_id: str) -> dict[str, Any] | None:
         return await self.readers.run(lambda conn: _fetch_job(conn, job_id))
 
+    def get_job_in_order(self, job_id: str) -> asyncio.Future[dict[str, Any] | None]:
+        """The job's row as the writer sees it, in order with the writes: a row a later
+        write (a prune) would change is read before it changes."""
+        return self.writer.submit(lambda conn: _fetch_job(conn, job_id))
+
     async def live_tokens(self) -> list[dict[str, Any]]:
         return await self.readers.run(_live_tokens)
 
@@ -266,6 +304,7 @@ _INSERT = (
     " ON CONFLICT(id) DO NOTHING"
 )
 _RETURNING_ROW = " RETURNING rowid, *"
+_DUE = "SELECT rowid, id FROM jobs WHERE state = ? AND finished_at < ?"
 _SAVE = (
     "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
     " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
