@@ -328,7 +328,9 @@ def specs_push(directory: Path, url: str, dry_run: bool) -> None:
 def specs_list(url: str) -> None:
     """List the status-quo specs with their versions and checksums."""
     for spec in _api(url, "specs")["specs"]:
-        click.echo(f"{spec['name']:<24} {spec['version']:<10} {spec['checksum'][:19]}  queue={spec['queue']}")
+        retired = f"  retired {spec['retired_at']}" if spec.get("retired_at") else ""
+        click.echo(f"{spec['name']:<24} {spec['version']:<10} {spec['checksum'][:19]}"
+                   f"  queue={spec['queue']}{retired}")
 
 
 @specs.command("history")
@@ -337,7 +339,35 @@ def specs_list(url: str) -> None:
 def specs_history(name: str, url: str) -> None:
     """Show every version of spec NAME that was made the status quo, oldest first."""
     for entry in _api(url, "spec_history", name)["history"]:
-        click.echo(f"{entry['pushed_at']}  {entry['version']:<10} {entry['checksum'][:19]}")
+        retired = "  retired" if entry.get("event") == "retire" else ""
+        click.echo(f"{entry['pushed_at']}  {entry['version']:<10} {entry['checksum'][:19]}{retired}")
+
+
+@specs.command("retire")
+@click.argument("name")
+@URL_OPTION
+@click.option("--cancel-waiting", is_flag=True,
+              help="Also cancel its jobs that wait (scheduled, available, retryable).")
+def specs_retire(name: str, url: str, cancel_waiting: bool) -> None:
+    """Retire spec NAME: new jobs of it are refused (spec_retired) until it is pushed again.
+
+    Its jobs that wait still run on workers that declare its last checksum, unless
+    --cancel-waiting; running ones finish either way.
+    """
+    report = _api(url, "retire_spec", name, cancel_waiting=cancel_waiting)
+    jobs = report["jobs"]
+    waiting = jobs["scheduled"] + jobs["available"] + jobs["retryable"]
+    click.echo(f"{name} {'was already' if report['already_retired'] else 'is now'} retired"
+               f" (since {report['retired_at']}, checksum {report['checksum'][:19]}):"
+               " new jobs are refused; push it again to use it")
+    if cancel_waiting:
+        click.echo(f"cancelled {report['cancelled']} waiting job(s)")
+    click.echo(f"waiting: {waiting} (scheduled {jobs['scheduled']}, available"
+               f" {jobs['available']}, retryable {jobs['retryable']}); running:"
+               f" {jobs['active']}; matching workers: {report['matching_workers']}")
+    if waiting:
+        click.echo("the waiting jobs still run on workers that declare this checksum;"
+                   " rota specs retire --cancel-waiting cancels them")
 
 
 @specs.command("checksum")

@@ -110,7 +110,8 @@ class Coordinator:
             log.warning("AUTH IS OFF: no tokens exist, so anyone who can reach this server may"
                         " take jobs and give orders. Create one: rota tokens create --scope admin")
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
-                                    self.clock(), snapshot.waiting, snapshot.last_seq))
+                                    self.clock(), snapshot.waiting, snapshot.last_seq,
+                                    snapshot.retired))
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.settings.db,
                  self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")
@@ -491,6 +492,29 @@ class Coordinator:
         for waiter in self._waiters.pop(job_id, []):
             if not waiter.done():
                 waiter.set_result(None)
+
+    async def retire_spec(self, name: str, *, cancel_waiting: bool) -> dict[str, Any]:
+        """Refuse new jobs of spec ``name`` from now on; say what becomes of its jobs.
+        Those waiting still run on workers that match its status quo, unless
+        ``cancel_waiting``: then each is cancelled as ``DELETE /jobs/{id}`` would."""
+        retired = await self.store.retire_spec(name, self.clock().wall)
+        if retired is None:
+            raise NotFound("not_found", f"spec {name!r} has no status quo")
+        checksum_, at, already = retired
+        matching = self.engine.retire(name, checksum_, at)
+        counts, waiting = await self.store.spec_jobs(name)
+        cancelled = 0
+        if cancel_waiting:
+            for job_id in waiting:
+                try:
+                    _, done = await self.cancel(job_id)
+                except (NotFound, Conflict):  # it finished or started meanwhile
+                    continue
+                cancelled += done
+            counts, _ = await self.store.spec_jobs(name)
+        return {"name": name, "checksum": checksum_, "retired_at": p.rfc3339(at),
+                "already_retired": already, "jobs": counts, "cancelled": cancelled,
+                "matching_workers": matching}
 
     async def push_specs(self, specs: list[JobSpec], *, dry_run: bool) -> list[dict[str, Any]]:
         names = [s.name for s in specs]

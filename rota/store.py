@@ -277,17 +277,37 @@ class Store:
 
         return await self.readers.run(read)
 
+    def retire_spec(self, name: str, now: float
+                    ) -> asyncio.Future[tuple[str, float, bool] | None]:
+        """Mark spec ``name`` retired (rota/intake.py refuses its new jobs)."""
+        return self.writer.submit(lambda conn: _retire(conn, name, now))
+
+    async def spec_jobs(self, name: str) -> tuple[dict[str, int], list[str]]:
+        """Unfinished jobs of spec ``name``: counts by state, and the ids of waiting ones."""
+        def read(conn: sqlite3.Connection) -> tuple[dict[str, int], list[str]]:
+            counts = dict.fromkeys(("scheduled", "available", "retryable", "active"), 0)
+            waiting: list[str] = []
+            for job_id, state in conn.execute(
+                    "SELECT id, state FROM jobs WHERE state IN ('scheduled', 'available',"
+                    " 'retryable', 'active') AND spec = ?", (name,)):
+                counts[state] += 1
+                if state != "active":
+                    waiting.append(job_id)
+            return counts, waiting
+
+        return await self.readers.run(read)
+
     async def spec_history(self, name: str) -> list[dict[str, Any]]:
         def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             rows = conn.execute(
-                "SELECT p.checksum, p.previous, p.pushed_at, v.version FROM spec_pushes p"
+                "SELECT p.checksum, p.previous, p.pushed_at, p.event, v.version FROM spec_pushes p"
                 " JOIN spec_versions v ON v.name = p.name AND v.checksum = p.checksum"
                 " WHERE p.name = ? ORDER BY p.id",
                 (name,),
             ).fetchall()
             return [
                 {"checksum": r["checksum"], "previous": r["previous"], "version": r["version"],
-                 "pushed_at": rfc3339(r["pushed_at"])}
+                 "pushed_at": rfc3339(r["pushed_at"]), "event": r["event"]}
                 for r in rows
             ]
 
@@ -398,9 +418,11 @@ class _DryRun(Exception):
 
 
 def _push_one(conn: sqlite3.Connection, spec: JobSpec, checksum: str, now: float) -> SpecChange:
-    row = conn.execute("SELECT checksum FROM status_quo WHERE name = ?", (spec.name,)).fetchone()
+    row = conn.execute("SELECT checksum, retired_at FROM status_quo WHERE name = ?",
+                       (spec.name,)).fetchone()
     previous = row[0] if row else None
-    if previous == checksum:
+    retired = row is not None and row[1] is not None
+    if previous == checksum and not retired:
         return SpecChange(spec.name, checksum, previous, "unchanged")
     conn.execute(
         "INSERT OR IGNORE INTO spec_versions (name, checksum, version, body, first_pushed_at)"
@@ -409,14 +431,33 @@ def _push_one(conn: sqlite3.Connection, spec: JobSpec, checksum: str, now: float
     )
     conn.execute(
         "INSERT INTO status_quo (name, checksum, updated_at) VALUES (?, ?, ?)"
-        " ON CONFLICT(name) DO UPDATE SET checksum = excluded.checksum, updated_at = excluded.updated_at",
+        " ON CONFLICT(name) DO UPDATE SET checksum = excluded.checksum,"
+        " updated_at = excluded.updated_at, retired_at = NULL",
         (spec.name, checksum, now),
     )
     conn.execute(
         "INSERT INTO spec_pushes (name, checksum, previous, pushed_at) VALUES (?, ?, ?, ?)",
         (spec.name, checksum, previous, now),
     )
-    return SpecChange(spec.name, checksum, previous, "new" if previous is None else "changed")
+    # Pushing a retired spec again brings it back: "restored" when it is the same version.
+    change = ("new" if previous is None else "restored" if previous == checksum
+              else "changed")
+    return SpecChange(spec.name, checksum, previous, change)
+
+
+def _retire(conn: sqlite3.Connection, name: str, now: float) -> tuple[str, float, bool] | None:
+    """Retire spec ``name``: (its checksum, when it was retired, whether it was already);
+    None if it has no status quo."""
+    row = conn.execute("SELECT checksum, retired_at FROM status_quo WHERE name = ?",
+                       (name,)).fetchone()
+    if row is None:
+        return None
+    if row[1] is not None:
+        return row[0], row[1], True
+    conn.execute("UPDATE status_quo SET retired_at = ? WHERE name = ?", (now, name))
+    conn.execute("INSERT INTO spec_pushes (name, checksum, previous, pushed_at, event)"
+                 " VALUES (?, ?, ?, ?, 'retire')", (name, row[0], row[0], now))
+    return row[0], now, False
 
 
 def _fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:
