@@ -46,6 +46,10 @@ class StateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     all: bool = False  # every connected worker
 
 
+class RetireRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    cancel_waiting: bool = False  # cancel the spec's waiting jobs too
+
+
 class PushRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     specs: list[JobSpec]
     dry_run: bool = False
@@ -243,7 +247,9 @@ async def list_specs(request: Request) -> Response:
     coordinator = _coordinator(request)
     specs = [
         {"name": s.name, "version": s.version, "checksum": checksum(s), "queue": s.queue,
-         "description": s.description, "spec": msgspec.to_builtins(s)}
+         "description": s.description, "spec": msgspec.to_builtins(s),
+         "retired_at": (rfc3339(coordinator.engine.retired[s.name])
+                        if s.name in coordinator.engine.retired else None)}
         for s in sorted(coordinator.specs.values(), key=lambda s: s.name)
     ]
     return JSON({"specs": specs})
@@ -254,6 +260,14 @@ async def push_specs(request: Request) -> Response:
     payload: PushRequest = await _decode(request, PushRequest)
     report = await _coordinator(request).push_specs(payload.specs, dry_run=payload.dry_run)
     return JSON({"dry_run": payload.dry_run, "specs": report})
+
+
+async def retire_spec(request: Request) -> Response:
+    need(request, "admin")
+    body = await _read_body(request)
+    payload = decode_as(body, RetireRequest) if body.strip() else RetireRequest()
+    return JSON(await _coordinator(request).retire_spec(
+        request.path_params["name"], cancel_waiting=payload.cancel_waiting))
 
 
 async def spec_history(request: Request) -> Response:

@@ -26,6 +26,7 @@ import click
 from rota import logs
 from rota.client import ApiError, Client, ws_url
 from rota.protocol import MAX_PREFETCH
+from rota.retention import parse_duration, parse_rule
 from rota.specs import SpecError, checksum, load_dir
 
 _URL = click.option(
@@ -55,6 +56,35 @@ def _token() -> str | None:
     return token
 LEVELS = click.Choice(["debug", "info", "warning", "error"])
 SERVER_SWITCH_INTERVAL = 0.0005  # seconds: see serve()
+
+
+class _Duration(click.ParamType):
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> float | None:
+        if value is None or isinstance(value, float):
+            return value
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class _RetainRule(click.ParamType):
+    name = "rule"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> tuple[str, dict[str, float | None]]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_rule(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+_DURATION, _RETAIN_RULE = _Duration(), _RetainRule()
 
 
 def _fail(message: str) -> None:
@@ -123,6 +153,19 @@ def main() -> None:
               default=None, show_envvar=True,
               help="Bytes the database file may take (default: no limit). New jobs get 503"
                    " storage_full once the room left is what the unfinished jobs need.")
+@click.option("--retain-completed", envvar="ROTA_RETAIN_COMPLETED", type=_DURATION, default="7d",
+              show_default=True, show_envvar=True,
+              help="How long a completed job is kept, then deleted (30s, 12h, 7d; never).")
+@click.option("--retain-discarded", envvar="ROTA_RETAIN_DISCARDED", type=_DURATION, default="30d",
+              show_default=True, show_envvar=True, help="How long a discarded job is kept.")
+@click.option("--retain-cancelled", envvar="ROTA_RETAIN_CANCELLED", type=_DURATION, default="7d",
+              show_default=True, show_envvar=True, help="How long a cancelled job is kept.")
+@click.option("--retain", "retain_queues", envvar="ROTA_RETAIN", show_envvar=True, multiple=True,
+              type=_RETAIN_RULE, callback=lambda ctx, param, rules: tuple(
+                  (queue, state, seconds) for queue, durations in rules
+                  for state, seconds in durations.items()),
+              help="A queue's own retention, e.g. queue=emails:completed=1d:discarded=90d"
+                   " (repeat).")
 @click.option("--max-connections", envvar="ROTA_MAX_CONNECTIONS", default=1000, show_default=True, show_envvar=True,
               help="Open connections of any kind; new ones get 503 above.")
 @click.option("--max-worker-connections-per-token", envvar="ROTA_MAX_WORKER_CONNECTIONS_PER_TOKEN", default=200,
@@ -334,7 +377,9 @@ def specs_push(directory: Path, url: str, dry_run: bool) -> None:
 def specs_list(url: str) -> None:
     """List the status-quo specs with their versions and checksums."""
     for spec in _api(url, "specs")["specs"]:
-        click.echo(f"{spec['name']:<24} {spec['version']:<10} {spec['checksum'][:19]}  queue={spec['queue']}")
+        retired = f"  retired {spec['retired_at']}" if spec.get("retired_at") else ""
+        click.echo(f"{spec['name']:<24} {spec['version']:<10} {spec['checksum'][:19]}"
+                   f"  queue={spec['queue']}{retired}")
 
 
 @specs.command("history")
@@ -343,7 +388,35 @@ def specs_list(url: str) -> None:
 def specs_history(name: str, url: str) -> None:
     """Show every version of spec NAME that was made the status quo, oldest first."""
     for entry in _api(url, "spec_history", name)["history"]:
-        click.echo(f"{entry['pushed_at']}  {entry['version']:<10} {entry['checksum'][:19]}")
+        retired = "  retired" if entry.get("event") == "retire" else ""
+        click.echo(f"{entry['pushed_at']}  {entry['version']:<10} {entry['checksum'][:19]}{retired}")
+
+
+@specs.command("retire")
+@click.argument("name")
+@URL_OPTION
+@click.option("--cancel-waiting", is_flag=True,
+              help="Also cancel its jobs that wait (scheduled, available, retryable).")
+def specs_retire(name: str, url: str, cancel_waiting: bool) -> None:
+    """Retire spec NAME: new jobs of it are refused (spec_retired) until it is pushed again.
+
+    Its jobs that wait still run on workers that declare its last checksum, unless
+    --cancel-waiting; running ones finish either way.
+    """
+    report = _api(url, "retire_spec", name, cancel_waiting=cancel_waiting)
+    jobs = report["jobs"]
+    waiting = jobs["scheduled"] + jobs["available"] + jobs["retryable"]
+    click.echo(f"{name} {'was already' if report['already_retired'] else 'is now'} retired"
+               f" (since {report['retired_at']}, checksum {report['checksum'][:19]}):"
+               " new jobs are refused; push it again to use it")
+    if cancel_waiting:
+        click.echo(f"cancelled {report['cancelled']} waiting job(s)")
+    click.echo(f"waiting: {waiting} (scheduled {jobs['scheduled']}, available"
+               f" {jobs['available']}, retryable {jobs['retryable']}); running:"
+               f" {jobs['active']}; matching workers: {report['matching_workers']}")
+    if waiting:
+        click.echo("the waiting jobs still run on workers that declare this checksum;"
+                   " rota specs retire --cancel-waiting cancels them")
 
 
 @specs.command("checksum")

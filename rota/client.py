@@ -207,6 +207,10 @@ class Client:
     def specs(self) -> dict[str, Any]:
         return self._call("GET", "/specs")
 
+    def retire_spec(self, name: str, *, cancel_waiting: bool = False) -> dict[str, Any]:
+        return self._call("POST", f"/specs/{name}/retire",
+                          json={"cancel_waiting": cancel_waiting})
+
     def spec_history(self, name: str) -> dict[str, Any]:
         return self._call("GET", f"/specs/{name}/history")
 

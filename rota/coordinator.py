@@ -30,6 +30,7 @@ from rota.jobs import EnqueueRequest, same_job
 from rota.model import TERMINAL_STATES, Instant, Job
 from rota.policy import TokenBucket
 from rota.registry import Connection
+from rota.retention import BATCH, PruneTally, Retention, due, next_pass
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, checksum
@@ -37,7 +38,7 @@ from rota.store import Store, job_from_row
 
 __all__ = ["Coordinator", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
-LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens")
+LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 
 
@@ -62,6 +63,9 @@ class Coordinator:
                            crash_before_commit=settings.crash_at == "enqueue-before-commit",
                            durability=settings.durability, max_db_size=settings.max_db_size)
         self.engine = Engine(settings)
+        self.retention = Retention.from_rules(
+            {"completed": settings.retain_completed, "discarded": settings.retain_discarded,
+             "cancelled": settings.retain_cancelled}, settings.retain_queues)
         self.tokens = Tokens()
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
         self._token_rows: list[dict[str, Any]] = []
@@ -106,12 +110,16 @@ class Coordinator:
             log.warning("AUTH IS OFF: no tokens exist, so anyone who can reach this server may"
                         " take jobs and give orders. Create one: rota tokens create --scope admin")
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
-                                    self.clock(), snapshot.waiting, snapshot.last_seq))
+                                    self.clock(), snapshot.waiting, snapshot.last_seq,
+                                    snapshot.retired))
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.settings.db,
                  self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")
         self.spawn(self._token_loop(), "rota-tokens")
+        log.info("retention %s", self.retention.describe())
+        if self.retention.durations():
+            self.spawn(self._retention_loop(), "rota-retention")
 
     def begin_shutdown(self) -> None:
         self.engine.begin_shutdown()
@@ -317,6 +325,23 @@ class Coordinator:
             except StorageError:  # the store's health says so; the last table stands
                 pass
 
+    async def _retention_loop(self) -> None:
+        """Delete finished jobs past their retention, one batch per writer transaction:
+        each batch is queued behind the writes already waiting, so none waits long."""
+        tally = PruneTally()
+        wait: float | None = 0.0
+        while wait is not None:
+            await asyncio.sleep(wait)
+            now = self.clock()
+            try:  # _retrying: rows a manual retry read and is about to write back
+                deleted = await self.store.prune(due(self.retention, now.wall), BATCH,
+                                                 self._retrying)
+            except StorageError:  # the store's health says so; try again later
+                deleted = {}
+            if (line := tally.add(deleted, now.mono)) is not None:
+                log.info("%s", line)
+            wait = next_pass(sum(deleted.values()), self.retention)
+
     async def _refresh_tokens(self) -> None:
         rows = await self.store.live_tokens()
         if rows == self._token_rows:
@@ -434,17 +459,21 @@ class Coordinator:
 
     async def retry(self, job_id: str) -> dict[str, Any]:
         """Put a discarded or cancelled job back, with a fresh attempt budget."""
-        row = await self.store.get_job(job_id)
-        if row is None:
-            raise NotFound("not_found", f"no job {job_id}")
-        if (row["state"] not in ("discarded", "cancelled") or self.engine.is_live(job_id)
-                or job_id in self._retrying):
-            raise Conflict("not_retryable", f"job {job_id} is {row['state']}; only discarded"
-                           " or cancelled jobs can be retried")
+        if job_id in self._retrying:
+            raise Conflict("not_retryable", f"job {job_id} is being retried already")
         # The row is written before workers see the job: until then a second retry, which
-        # may have read the row as it was, must not put the job back a second time.
+        # may have read the row as it was, must not put the job back a second time. And
+        # marked before it is read, and read in the writer's order, so that retention
+        # cannot delete the row between this read and the write that puts it back: a
+        # prune queued after the read skips ids marked here (Store.prune).
         self._retrying.add(job_id)
         try:
+            row = await self.store.get_job_in_order(job_id)
+            if row is None:
+                raise NotFound("not_found", f"no job {job_id}")
+            if row["state"] not in ("discarded", "cancelled") or self.engine.is_live(job_id):
+                raise Conflict("not_retryable", f"job {job_id} is {row['state']}; only"
+                               " discarded or cancelled jobs can be retried")
             job = job_from_row(row)
             await self.run(self.engine.retry(job))
             self.apply(self.engine.retried(job))
@@ -481,6 +510,29 @@ class Coordinator:
         for waiter in self._waiters.pop(job_id, []):
             if not waiter.done():
                 waiter.set_result(None)
+
+    async def retire_spec(self, name: str, *, cancel_waiting: bool) -> dict[str, Any]:
+        """Refuse new jobs of spec ``name`` from now on; say what becomes of its jobs.
+        Those waiting still run on workers that match its status quo, unless
+        ``cancel_waiting``: then each is cancelled as ``DELETE /jobs/{id}`` would."""
+        retired = await self.store.retire_spec(name, self.clock().wall)
+        if retired is None:
+            raise NotFound("not_found", f"spec {name!r} has no status quo")
+        checksum_, at, already = retired
+        matching = self.engine.retire(name, checksum_, at)
+        counts, waiting = await self.store.spec_jobs(name)
+        cancelled = 0
+        if cancel_waiting:
+            for job_id in waiting:
+                try:
+                    _, done = await self.cancel(job_id)
+                except (NotFound, Conflict):  # it finished or started meanwhile
+                    continue
+                cancelled += done
+            counts, _ = await self.store.spec_jobs(name)
+        return {"name": name, "checksum": checksum_, "retired_at": p.rfc3339(at),
+                "already_retired": already, "jobs": counts, "cancelled": cancelled,
+                "matching_workers": matching}
 
     async def push_specs(self, specs: list[JobSpec], *, dry_run: bool) -> list[dict[str, Any]]:
         names = [s.name for s in specs]

@@ -142,6 +142,21 @@ def m007_storage_probe(db: sqlite_utils.Database) -> None:
     db["storage_probe"].create({"id": int, "at": float}, pk="id")
 
 
+@migrations()
+def m008_retention(db: sqlite_utils.Database) -> None:
+    # Finished jobs are pruned oldest first by state (rota/retention.py): an index on
+    # (state, finished_at) finds a batch without scanning the table.
+    db["jobs"].create_index(["state", "finished_at"])
+
+
+@migrations()
+def m009_retired_specs(db: sqlite_utils.Database) -> None:
+    # A retired spec keeps its status quo (waiting jobs still run on matching workers)
+    # but takes no new jobs; its history records the retirement ("retire").
+    db["status_quo"].add_column("retired_at", float)
+    db["spec_pushes"].add_column("event", str, not_null_default="push")
+
+
 # -- a full or failing disk ------------------------------------------------------------
 # SQLite's primary result codes that blame the storage rather than the statement: what
 # the client is told (code, sentence) and how many seconds it should wait before asking

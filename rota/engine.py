@@ -65,6 +65,7 @@ class Engine(Intake, Reservations):
                                    min_lease=2 * settings.heartbeat_interval)
         self.registry = Registry()
         self.specs: dict[str, JobSpec] = {}
+        self.retired: dict[str, float] = {}  # retired specs (no new jobs) -> when (wall)
         self.stopping = False
         self._rand = rand or random.Random().random
         self._tickets = 0
@@ -83,11 +84,12 @@ class Engine(Intake, Reservations):
     # -- start -------------------------------------------------------------------------
     def load(self, specs: dict[str, JobSpec], checksums: dict[str, str], jobs: list[Job],
              now: Instant, waiting: dict[tuple[str, str], list[int]] | None = None,
-             last_seq: int = 0) -> list[Effect]:
+             last_seq: int = 0, retired: dict[str, float] | None = None) -> list[Effect]:
         """Take in what the store holds: whole jobs, and the keys of plain available ones
         by (queue, spec) (rota/ready.py). Active jobs wait heartbeat_timeout for their
         workers to reconnect and reclaim them."""
         self.specs = dict(specs)
+        self.retired = dict(retired or {})
         self.scheduler.status_quo = dict(checksums)
         self.scheduler.last_seq = max(self.scheduler.last_seq, last_seq)
         for (queue, spec), keys in (waiting or {}).items():

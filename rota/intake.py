@@ -31,11 +31,16 @@ class Intake:
     scheduler: Scheduler
     registry: Registry
     specs: dict[str, JobSpec]
+    retired: dict[str, float]
 
     def build(self, request: EnqueueRequest, principal: Principal, now: Instant
               ) -> Job | DomainError:
         """A new job from an enqueue request, or why it is refused."""
         spec = self.specs.get(request.spec)
+        if request.spec in self.retired:
+            return Invalid("spec_retired", f"spec {request.spec!r} was retired at"
+                           f" {p.rfc3339(self.retired[request.spec])}; push it again"
+                           " ('rota specs push') to use it")
         if spec is None:
             return Invalid("unknown_spec", unknown_spec(request.spec, self.specs))
         queue = request.queue or spec.queue
@@ -173,6 +178,7 @@ class Intake:
         for change in changes:
             if change.change == "unchanged":
                 continue
+            self.retired.pop(change.name, None)
             self.specs[change.name] = by_name[change.name]
             self.scheduler.status_quo[change.name] = change.checksum
             log.info("status quo spec=%s checksum=%s previous=%s", change.name,
@@ -183,10 +189,18 @@ class Intake:
                             worker_id, change.name, short(declared), short(change.checksum))
         return [Wake()]  # queued jobs may now have (other) capable workers
 
+    def retire(self, name: str, checksum: str, wall: float) -> int:
+        """Spec ``name`` takes no new jobs from now on; its status quo stays, so the jobs
+        that wait still run on the workers that match it. Returns how many do."""
+        self.retired[name] = wall
+        matching = self.scheduler.matching_workers(name, checksum)
+        log.info("retired spec=%s checksum=%s matching_workers=%d", name, short(checksum),
+                 len(matching))
+        return len(matching)
+
     def change_report(self, change: Any) -> dict[str, Any]:
         mismatched = self.scheduler.mismatched_workers(change.name, change.checksum)
-        matching = [w for w in self.scheduler.workers.values()
-                    if w.specs.get(change.name) == change.checksum]
+        matching = self.scheduler.matching_workers(change.name, change.checksum)
         return {"name": change.name, "change": change.change, "checksum": change.checksum,
                 "previous": change.previous, "mismatched_workers": len(mismatched),
                 "matching_workers": len(matching)}

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rota import api
-from rota.api import PushRequest, StateRequest, TokenRequest
+from rota.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.jobs import BatchRequest, EnqueueRequest
 
 JobState = Literal["scheduled", "available", "active", "retryable", "completed", "discarded",
@@ -114,6 +114,7 @@ class SpecEntry(msgspec.Struct):
     queue: str
     description: str
     spec: Any
+    retired_at: str | None  # when it was retired (POST /specs/{name}/retire), else null
 
 
 class SpecList(msgspec.Struct):
@@ -122,7 +123,7 @@ class SpecList(msgspec.Struct):
 
 class SpecChange(msgspec.Struct):
     name: str
-    change: Literal["new", "changed", "unchanged"]
+    change: Literal["new", "changed", "unchanged", "restored"]
     checksum: str
     previous: str | None
     mismatched_workers: int
@@ -139,6 +140,24 @@ class Push(msgspec.Struct):
     previous: str | None
     version: str
     pushed_at: str
+    event: Literal["push", "retire"]
+
+
+class SpecJobs(msgspec.Struct):
+    scheduled: int
+    available: int
+    retryable: int
+    active: int
+
+
+class Retired(msgspec.Struct):
+    name: str
+    checksum: str
+    retired_at: str
+    already_retired: bool
+    jobs: SpecJobs  # the spec's unfinished jobs, after any cancel
+    cancelled: int
+    matching_workers: int
 
 
 class History(msgspec.Struct):
@@ -271,6 +290,8 @@ ROUTES: list[Op] = [
     Op("get", "/specs", api.list_specs, "The status quo", None, {200: SpecList}),
     Op("put", "/specs", api.push_specs,
        "Push specs (a deploy)", PushRequest, {200: PushReply, **BAD}),
+    Op("post", "/specs/{name}/retire", api.retire_spec,
+       "Retire a spec: no new jobs of it", RetireRequest, {200: Retired, 404: ErrorBody, **BAD}),
     Op("get", "/specs/{name}/history", api.spec_history, "Every version pushed for a spec", None,
      {200: History, 404: ErrorBody}),
     Op("get", "/workers", api.list_workers, "Connected workers", None, {200: Workers}),
@@ -293,7 +314,7 @@ ROUTES: list[Op] = [
 OPEN_PATHS = {"/healthz"}
 STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry",
                 "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues",
-                "/tokens", "/tokens/{token}"}
+                "/tokens", "/tokens/{token}", "/specs/{name}/retire"}
 
 
 def document() -> dict[str, Any]:

@@ -27,18 +27,22 @@ class Snapshot:
     jobs: list[Job]  # live jobs kept whole
     waiting: dict[tuple[str, str], list[int]]  # (queue, spec) -> keys of plain available jobs
     last_seq: int  # the highest row id
+    retired: dict[str, float]  # retired specs: when (wall)
 
 
 
 def load(conn: sqlite3.Connection) -> Snapshot:
     status_quo: dict[str, JobSpec] = {}
     checksums: dict[str, str] = {}
+    retired: dict[str, float] = {}
     for row in conn.execute(
-        "SELECT q.name, q.checksum, v.body FROM status_quo q"
+        "SELECT q.name, q.checksum, q.retired_at, v.body FROM status_quo q"
         " JOIN spec_versions v ON v.name = q.name AND v.checksum = q.checksum"
     ):
         status_quo[row["name"]] = spec_from_builtins(msgspec.json.decode(row["body"]))
         checksums[row["name"]] = row["checksum"]
+        if row["retired_at"] is not None:
+            retired[row["name"]] = row["retired_at"]
     live = conn.execute(
         f"SELECT {', '.join(_LIVE)} FROM jobs WHERE state IN ('scheduled', 'retryable', 'active')"
         f" OR (state = 'available' AND NOT ({_PLAIN})) ORDER BY rowid"
@@ -46,7 +50,7 @@ def load(conn: sqlite3.Connection) -> Snapshot:
     live.row_factory = None  # plain tuples
     jobs = [live_job(r) for r in live]
     return Snapshot(status_quo, checksums, jobs, _waiting(conn),
-                    conn.execute("SELECT max(rowid) FROM jobs").fetchone()[0] or 0)
+                    conn.execute("SELECT max(rowid) FROM jobs").fetchone()[0] or 0, retired)
 
 
 # A plain available job: kept as a key only (rota/ready.py). Anything else is kept whole.

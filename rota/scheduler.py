@@ -394,6 +394,10 @@ class Scheduler:
         """Workers that declare ``spec`` with a checksum other than ``checksum``."""
         return sorted(w.id for w in self.workers.values() if w.specs.get(spec, checksum) != checksum)
 
+    def matching_workers(self, spec: str, checksum: str) -> list[str]:
+        """Workers that declare ``spec`` with ``checksum``."""
+        return sorted(w.id for w in self.workers.values() if w.specs.get(spec) == checksum)
+
 
 def _pop_until(heap: list[TimerEntry], now: float, jobs: dict[str, Job]) -> list[Job]:
     """Pop every entry due by ``now``; the caller checks each job is still in that state."""

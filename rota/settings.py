@@ -26,6 +26,12 @@ class ServerSettings:
     # New jobs are refused (503 storage_full) while what is left keeps room for the
     # jobs not yet finished (db.has_room).
     max_db_size: int | None = None
+    # Seconds finished jobs are kept before they are deleted (None: forever), and
+    # per-queue overrides as (queue, state, seconds): rota/retention.py.
+    retain_completed: float | None = 7 * 86400.0
+    retain_discarded: float | None = 30 * 86400.0
+    retain_cancelled: float | None = 7 * 86400.0
+    retain_queues: tuple[tuple[str, str, float | None], ...] = ()
     # Longest a GET /jobs/{id}/result?wait= may hold a request open.
     max_result_wait: float = 300.0
     # -- limits against hostile or broken clients (docs/operations.md) ----------------

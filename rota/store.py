@@ -14,7 +14,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from rota.errors import Conflict, StorageError
 from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
 from rota.protocol import rfc3339
 from rota.ready import Claim
+from rota.retention import Cutoff
 from rota.rows import Snapshot, claim_rows, job_from_row, live_job, load
 from rota.specs import JobSpec
 
@@ -178,6 +179,38 @@ class Store:
 
         return self.writer.submit(op)
 
+    def prune(self, cutoffs: Sequence[Cutoff], limit: int, keep: Container[str]
+              ) -> asyncio.Future[dict[str, int]]:
+        """Delete at most ``limit`` finished jobs that are due (rota/retention.py), oldest
+        first, with their log lines; deleted rows by state. Ids in ``keep`` (a manual
+        retry that read the row and has not written it yet) are left for the next pass;
+        the writer thread only asks it ``in``."""
+        def op(conn: sqlite3.Connection) -> dict[str, int]:
+            deleted: dict[str, int] = {}
+            left = limit
+            for cut in cutoffs:
+                if left <= 0:
+                    break
+                sql, params = _DUE, [cut.state, cut.before]
+                if cut.queue is not None:
+                    sql, params = sql + " AND queue = ?", [*params, cut.queue]
+                elif cut.others:
+                    sql += f" AND queue NOT IN ({', '.join('?' * len(cut.others))})"
+                    params += cut.others
+                rows = [(rowid, job_id) for rowid, job_id in
+                        conn.execute(sql + " ORDER BY finished_at LIMIT ?", [*params, left])
+                        if job_id not in keep]
+                if rows:
+                    conn.executemany("DELETE FROM job_logs WHERE job_id = ?",
+                                     [(job_id,) for _, job_id in rows])
+                    conn.executemany("DELETE FROM jobs WHERE rowid = ?",
+                                     [(rowid,) for rowid, _ in rows])
+                    deleted[cut.state] = deleted.get(cut.state, 0) + len(rows)
+                    left -= len(rows)
+            return deleted
+
+        return self.writer.submit(op)
+
     def barrier(self) -> asyncio.Future[None]:
         """Done once every write queued before it is committed and its outcome reported
         (the writer reports in order)."""
@@ -231,6 +264,11 @@ class Store:
     async def get_job(self, job_id: str) -> dict[str, Any] | None:
         return await self.readers.run(lambda conn: _fetch_job(conn, job_id))
 
+    def get_job_in_order(self, job_id: str) -> asyncio.Future[dict[str, Any] | None]:
+        """The job's row as the writer sees it, in order with the writes: a row a later
+        write (a prune) would change is read before it changes."""
+        return self.writer.submit(lambda conn: _fetch_job(conn, job_id))
+
     async def live_tokens(self) -> list[dict[str, Any]]:
         return await self.readers.run(_live_tokens)
 
@@ -264,17 +302,37 @@ class Store:
 
         return await self.readers.run(read)
 
+    def retire_spec(self, name: str, now: float
+                    ) -> asyncio.Future[tuple[str, float, bool] | None]:
+        """Mark spec ``name`` retired (rota/intake.py refuses its new jobs)."""
+        return self.writer.submit(lambda conn: _retire(conn, name, now))
+
+    async def spec_jobs(self, name: str) -> tuple[dict[str, int], list[str]]:
+        """Unfinished jobs of spec ``name``: counts by state, and the ids of waiting ones."""
+        def read(conn: sqlite3.Connection) -> tuple[dict[str, int], list[str]]:
+            counts = dict.fromkeys(("scheduled", "available", "retryable", "active"), 0)
+            waiting: list[str] = []
+            for job_id, state in conn.execute(
+                    "SELECT id, state FROM jobs WHERE state IN ('scheduled', 'available',"
+                    " 'retryable', 'active') AND spec = ?", (name,)):
+                counts[state] += 1
+                if state != "active":
+                    waiting.append(job_id)
+            return counts, waiting
+
+        return await self.readers.run(read)
+
     async def spec_history(self, name: str) -> list[dict[str, Any]]:
         def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             rows = conn.execute(
-                "SELECT p.checksum, p.previous, p.pushed_at, v.version FROM spec_pushes p"
+                "SELECT p.checksum, p.previous, p.pushed_at, p.event, v.version FROM spec_pushes p"
                 " JOIN spec_versions v ON v.name = p.name AND v.checksum = p.checksum"
                 " WHERE p.name = ? ORDER BY p.id",
                 (name,),
             ).fetchall()
             return [
                 {"checksum": r["checksum"], "previous": r["previous"], "version": r["version"],
-                 "pushed_at": rfc3339(r["pushed_at"])}
+                 "pushed_at": rfc3339(r["pushed_at"]), "event": r["event"]}
                 for r in rows
             ]
 
@@ -291,6 +349,7 @@ _INSERT = (
     " ON CONFLICT(id) DO NOTHING"
 )
 _RETURNING_ROW = " RETURNING rowid, *"
+_DUE = "SELECT rowid, id FROM jobs WHERE state = ? AND finished_at < ?"
 _SAVE = (
     "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
     " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
@@ -405,9 +464,11 @@ class _DryRun(Exception):
 
 
 def _push_one(conn: sqlite3.Connection, spec: JobSpec, checksum: str, now: float) -> SpecChange:
-    row = conn.execute("SELECT checksum FROM status_quo WHERE name = ?", (spec.name,)).fetchone()
+    row = conn.execute("SELECT checksum, retired_at FROM status_quo WHERE name = ?",
+                       (spec.name,)).fetchone()
     previous = row[0] if row else None
-    if previous == checksum:
+    retired = row is not None and row[1] is not None
+    if previous == checksum and not retired:
         return SpecChange(spec.name, checksum, previous, "unchanged")
     conn.execute(
         "INSERT OR IGNORE INTO spec_versions (name, checksum, version, body, first_pushed_at)"
@@ -416,14 +477,33 @@ def _push_one(conn: sqlite3.Connection, spec: JobSpec, checksum: str, now: float
     )
     conn.execute(
         "INSERT INTO status_quo (name, checksum, updated_at) VALUES (?, ?, ?)"
-        " ON CONFLICT(name) DO UPDATE SET checksum = excluded.checksum, updated_at = excluded.updated_at",
+        " ON CONFLICT(name) DO UPDATE SET checksum = excluded.checksum,"
+        " updated_at = excluded.updated_at, retired_at = NULL",
         (spec.name, checksum, now),
     )
     conn.execute(
         "INSERT INTO spec_pushes (name, checksum, previous, pushed_at) VALUES (?, ?, ?, ?)",
         (spec.name, checksum, previous, now),
     )
-    return SpecChange(spec.name, checksum, previous, "new" if previous is None else "changed")
+    # Pushing a retired spec again brings it back: "restored" when it is the same version.
+    change = ("new" if previous is None else "restored" if previous == checksum
+              else "changed")
+    return SpecChange(spec.name, checksum, previous, change)
+
+
+def _retire(conn: sqlite3.Connection, name: str, now: float) -> tuple[str, float, bool] | None:
+    """Retire spec ``name``: (its checksum, when it was retired, whether it was already);
+    None if it has no status quo."""
+    row = conn.execute("SELECT checksum, retired_at FROM status_quo WHERE name = ?",
+                       (name,)).fetchone()
+    if row is None:
+        return None
+    if row[1] is not None:
+        return row[0], row[1], True
+    conn.execute("UPDATE status_quo SET retired_at = ? WHERE name = ?", (now, name))
+    conn.execute("INSERT INTO spec_pushes (name, checksum, previous, pushed_at, event)"
+                 " VALUES (?, ?, ?, ?, 'retire')", (name, row[0], row[0], now))
+    return row[0], now, False
 
 
 def _fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:

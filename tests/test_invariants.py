@@ -53,6 +53,7 @@ import websockets
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, registration, wait_until
 
+from rota.coordinator import LOOPS
 from rota.specs import JobSpec
 
 SEEDS = [int(s) for s in os.environ.get("ROTA_SEEDS", "101,202").split(",")]
@@ -64,7 +65,7 @@ SETTLE = 5.0  # seconds the server may take to come to rest after a step
 
 STATES = {"scheduled", "available", "active", "retryable", "completed", "discarded", "cancelled"}
 TERMINAL = {"completed", "discarded", "cancelled"}
-SERVER_LOOPS = {"rota-dispatch", "rota-reaper", "rota-timers", "rota-tokens"}
+SERVER_LOOPS = {*LOOPS, "rota-reaper"}  # the loops that run as long as the server does
 
 RETRY = "backoff_base = 0.01\nbackoff_max = 0.05\n"
 SPEC_TEXT = {

@@ -19,8 +19,8 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 LAYERS: list[set[str]] = [
     {"errors", "ids", "inputs", "logs", "settings"},  # leaves: no rota imports
     {"protocol", "model", "db"},  # the wire format; the job and its lifecycle; SQLite
-    {"specs", "policy", "auth", "ready"},  # spec files and checksums; retry rules; tokens;
-    # the ready index
+    {"specs", "policy", "auth", "ready", "retention"},  # spec files and checksums; retry
+    # rules; tokens; the ready index; how long finished jobs are kept
     {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
@@ -47,7 +47,7 @@ SHARED = {"errors", "ids", "inputs", "protocol", "specs"}
 SDK = {"context", "manual", "worker", "client", "link", "execution", "connection", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"inputs", "model", "policy", "ready", "scheduler", "effects", "registry", "attempts", "intake",
+PURE = {"inputs", "model", "policy", "ready", "retention", "scheduler", "effects", "registry", "attempts", "intake",
         "reservations", "engine",
         "link"}
 
