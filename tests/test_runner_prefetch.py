@@ -64,7 +64,7 @@ async def test_jobs_beyond_concurrency_wait_in_order_and_start_as_slots_free():
     assert line.runner.prefetched() == ["d"] and len(line.runner.running) == 2
     # The line's size follows the measured run time: pinned, so that a loaded machine
     # (b took long) does not shrink it under the assertion.
-    line.runner.run_time = 0.01
+    line.runner.run_time = 0.0001  # as Line starts it
     assert line.capacity() == 1  # one slot of the line is free
     for job_id in "acd":
         line.finish(job_id)
