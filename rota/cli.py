@@ -288,11 +288,25 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 @main.command()
 @click.argument("target")
 @URL_OPTION
-@click.option("--log-level", default="info", show_default=True, type=LEVELS)
-@click.option("--prefetch", type=click.IntRange(0, MAX_PREFETCH), default=None,
+@click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True,
+              show_envvar=True, type=LEVELS, help="The least severe lines the worker logs.")
+@click.option("--concurrency", envvar="ROTA_CONCURRENCY", show_envvar=True,
+              type=click.IntRange(1, 2**31 - 1), default=None,
+              help="Jobs run at once (default: the Worker's own).")
+@click.option("--queues", envvar="ROTA_QUEUES", show_envvar=True, default=None,
+              help="Comma-separated queues to take jobs from (default: the Worker's own).")
+@click.option("--label", "labels", envvar="ROTA_LABELS", show_envvar=True, multiple=True,
+              help="A label for this worker (repeatable; ROTA_LABELS takes several, separated"
+              " by spaces), added to the Worker's own: 'rota workers quiet --label X'.")
+@click.option("--specs-dir", envvar="ROTA_SPECS_DIR", show_envvar=True, default=None,
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Where the worker's spec files are (default: the Worker's own).")
+@click.option("--prefetch", envvar="ROTA_PREFETCH", show_envvar=True,
+              type=click.IntRange(0, MAX_PREFETCH), default=None,
               help="The most jobs to hold beyond the worker's concurrency, waiting to"
               " start (default: the Worker's own, 32 x its concurrency unless set; 0: none).")
-def worker(target: str, url: str, log_level: str, prefetch: int | None) -> None:
+def worker(target: str, url: str, log_level: str, concurrency: int | None, queues: str | None,
+           labels: tuple[str, ...], specs_dir: Path | None, prefetch: int | None) -> None:
     """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
 
     Signals: SIGTERM takes no new jobs, gives back the jobs waiting in its prefetch line,
@@ -305,8 +319,13 @@ def worker(target: str, url: str, log_level: str, prefetch: int | None) -> None:
     instance = _import_worker(target)
     instance.url = ws_url(url)
     instance.token = _token() or instance.token
-    if prefetch is not None:
-        instance.prefetch = prefetch
+    try:  # a deploy sets these from the environment, without editing the worker's code
+        instance.configure(concurrency=concurrency, prefetch=prefetch, labels=list(labels),
+                           specs_dir=specs_dir,
+                           queues=None if queues is None else [q.strip() for q in
+                                                               queues.split(",") if q.strip()])
+    except ValueError as exc:
+        _fail(str(exc))
     try:
         asyncio.run(_run_worker(instance))
     except SpecError as exc:
@@ -543,8 +562,8 @@ def _directive(state: str) -> Callable[..., None]:
         reply = _api(url, "direct", state, worker_id=worker_id, label=label, every=every)
         for worker in reply["workers"]:
             click.echo(f"{worker}: {state}")
-        if not reply["workers"]:
-            click.echo(f"no worker to {state}", err=True)
+        if not reply["workers"]:  # a typo in a label must not pass for success in a deploy
+            _fail(f"no connected worker{f' with label {label!r}' if label else ''} to {state}")
 
     return command
 

@@ -111,6 +111,7 @@ class Worker:
         # abandoned and replaced; this many of them and the worker drains and exits
         # (EXIT_WEDGED) for its supervisor to restart it.
         self.max_abandoned_threads = max_abandoned_threads or 2 * concurrency
+        self._defaults = (prefetch is None, max_abandoned_threads is None)  # see configure
         self.exit_code = 0  # what `rota worker` exits with after run() returns
         self.terminate_by: float | None = None  # monotonic; then running jobs are cancelled
         self._fast = False  # SIGINT: cancel at once, do not wait for acks
@@ -144,6 +145,33 @@ class Worker:
         self.connected = asyncio.Event()
 
     # -- configuration ----------------------------------------------------------------
+    def configure(self, *, concurrency: int | None = None, prefetch: int | None = None,
+                  queues: list[str] | None = None, labels: list[str] | None = None,
+                  specs_dir: str | Path | None = None) -> None:
+        """Change what the code set, before run(): how `rota worker` applies its options
+        (and ROTA_* variables), so that a deploy need not edit the worker's code. None
+        leaves a setting as it is; labels are added to the worker's own."""
+        if concurrency is not None:
+            if concurrency < 1:
+                raise ValueError("concurrency must be at least 1")
+            default_prefetch_, default_abandoned = self._defaults
+            self.concurrency = self.runner.concurrency = concurrency
+            if default_abandoned:
+                self.max_abandoned_threads = self.runner.max_abandoned = 2 * concurrency
+            if default_prefetch_ and prefetch is None:
+                self.runner.prefetch = default_prefetch(concurrency)
+        if prefetch is not None:
+            self.prefetch = prefetch
+        if queues is not None:
+            if not queues:
+                raise ValueError("queues must name at least one queue")
+            self._queues = list(queues)
+        for label in labels or []:
+            if label not in self.labels:
+                self.labels.append(label)
+        if specs_dir is not None:
+            self.specs_dir = Path(specs_dir)
+
     def handler(self, spec: str) -> Callable[[Handler], Handler]:
         """Decorator: ``fn`` runs the jobs of ``spec`` (a spec file in ``specs_dir``)."""
 

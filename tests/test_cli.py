@@ -197,6 +197,35 @@ async def test_rota_worker_runs_jobs_and_finishes_them_on_sigterm(live: Live, tm
             await proc.wait()
 
 
+async def test_rota_worker_takes_its_settings_from_the_environment(live: Live, tmp_path: Path):
+    """A deploy labels and sizes its workers without editing their code."""
+    echo = write_spec(tmp_path / "elsewhere", "echo", queue="mail")
+    await live.push(echo)
+    (tmp_path / "demo_worker.py").write_text(WORKER_MODULE)
+    env = {**os.environ, "ROTA_URL": live.base, "ROTA_CONCURRENCY": "3", "ROTA_QUEUES": "mail",
+           "ROTA_LABELS": "blue canary", "ROTA_SPECS_DIR": str(tmp_path / "elsewhere")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rota", "worker", "demo_worker:worker", "--label", "eu",
+        cwd=tmp_path, env=env, stderr=asyncio.subprocess.PIPE)
+    try:
+        job = await live.enqueue("echo", {"n": 1})
+        await live.wait_state(job["id"], "completed", timeout=15)
+        [shown] = (await live.http.get("/workers")).json()["workers"]
+        assert (shown["concurrency"], shown["queues"]) == (3, ["mail"])
+        assert shown["labels"] == ["eu"]  # the flag wins over ROTA_LABELS, as click does
+        assert shown["prefetch"] == 96  # the default follows the new concurrency
+        code, _, err = await rota("workers", "quiet", "--label", "typo", "--url", live.base)
+        assert code == 1 and "no connected worker with label 'typo'" in err
+        code, out, _ = await rota("workers", "quiet", "--label", "eu", "--url", live.base)
+        assert code == 0 and out.strip().endswith(": quiet")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_rota_worker_rejects_a_bad_target(tmp_path: Path):
     code, _, err = await rota("worker", "no_such_module:worker", cwd=tmp_path)
     assert code == 1 and "cannot load" in err
