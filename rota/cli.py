@@ -213,7 +213,7 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     With no token created ('rota tokens create') it runs open, and then only on a loopback
     address unless --insecure is given. The limits are in docs/operations.md.
     """
-    from rota.db import storage_error
+    from rota.db import NewerDatabase, storage_error
     from rota.server import serve as run_server
     from rota.settings import ServerSettings
     from rota.store import list_tokens
@@ -223,6 +223,8 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     sock = _listen(options["host"], options["port"])  # then: a busy port touches no file
     try:  # opens the file and applies any migration: the first write of a start
         tokens = list_tokens(db)
+    except NewerDatabase as exc:
+        _fail(exc.message)
     except sqlite3.Error as exc:
         storage = storage_error(exc)
         _fail(f"cannot open the database {db}: "
@@ -618,11 +620,12 @@ def _token_file(db: Path, *, create: bool = False, offer_create: bool = False) -
 
 def _on_file(action: Callable[..., Any], db: Path, *args: Any, **kwargs: Any) -> Any:
     """Run a token ``action`` on the file; its refusals in one line."""
+    from rota.db import NewerDatabase
     from rota.errors import Conflict
 
     try:
         return action(db, *args, **kwargs)
-    except Conflict as exc:
+    except (Conflict, NewerDatabase) as exc:
         _fail(exc.message)
     except sqlite3.Error as exc:
         _fail(f"cannot use the database {db}: {exc}")

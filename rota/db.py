@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import importlib.metadata
 import logging
 import os
 import queue
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 
 import sqlite_utils
 
-from rota.errors import DatabaseInUse, StorageError
+from rota.errors import DatabaseInUse, RotaError, StorageError
 
 T = TypeVar("T")
 log = logging.getLogger("rota.server")
@@ -155,6 +156,12 @@ def m009_retired_specs(db: sqlite_utils.Database) -> None:
     # but takes no new jobs; its history records the retirement ("retire").
     db["status_quo"].add_column("retired_at", float)
     db["spec_pushes"].add_column("event", str, not_null_default="push")
+
+
+@migrations()
+def m010_meta(db: sqlite_utils.Database) -> None:
+    # Which Rota last migrated the file: an older one refusing it can name both versions.
+    db["meta"].create({"key": str, "value": str}, pk="key")
 
 
 # -- a full or failing disk ------------------------------------------------------------
@@ -309,9 +316,38 @@ def connect(path: Path, *, readonly: bool = False, durability: str = "full"
 def migrate(path: Path) -> None:
     conn = connect(path)
     try:
-        migrations.apply(sqlite_utils.Database(conn))
+        database = sqlite_utils.Database(conn)
+        # Every migration this Rota has: what an empty database would still need.
+        known = {m.name for m in migrations.pending(sqlite_utils.Database(memory=True))}
+        unknown = [m.name for m in migrations.applied(database) if m.name not in known]
+        if unknown:  # its schema may mean what this Rota cannot read, or would undo
+            by = database.execute("SELECT value FROM meta WHERE key = 'migrated_by'"
+                                  ).fetchone() if database["meta"].exists() else None
+            raise NewerDatabase(path, unknown, _version(), by[0] if by else None)
+        if migrations.pending(database):
+            migrations.apply(database)
+            with conn:
+                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES"
+                             " ('migrated_by', ?)", (_version(),))
     finally:
         conn.close()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("rota")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class NewerDatabase(RotaError):
+    """The file was migrated by a newer Rota: this one refuses to open it."""
+
+    def __init__(self, path: Path, unknown: list[str], version: str, by: str | None) -> None:
+        writer = f"Rota {by}" if by else "a newer Rota"
+        super().__init__("newer_database", f"{path} was written by {writer}, and this is"
+                         f" Rota {version}: its schema has {', '.join(unknown)}, which this"
+                         " version does not know. Upgrade Rota, or use another --db")
 
 
 

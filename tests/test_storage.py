@@ -10,6 +10,7 @@ makes its writes fail with an I/O error until the limit is raised again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -392,3 +393,21 @@ async def test_serve_on_a_file_it_cannot_use_says_so_in_one_line(tmp_path: Path)
     assert code == 1 and "Traceback" not in err
     [line] = err.strip().splitlines()
     assert str(damaged) in line and "storage_corrupt" in line and "not an SQLite database" in line
+
+
+async def test_serve_refuses_a_database_written_by_a_newer_rota(tmp_path: Path):
+    from test_cli import rota
+
+    path = tmp_path / "rota.db"
+    db.migrate(path)
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("INSERT INTO _sqlite_migrations (migration_set, name, applied_at)"
+                     " VALUES ('rota', 'm999_from_the_future', '2027-01-01')")
+        conn.execute("UPDATE meta SET value = '9.9.0' WHERE key = 'migrated_by'")
+    code, out, err = await rota("serve", "--db", str(path), "--port", "0")
+    assert code == 1 and "Traceback" not in err
+    [line] = err.strip().splitlines()
+    assert "written by Rota 9.9.0, and this is Rota " in line and "m999_from_the_future" in line
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # and it changed nothing
+        names = [r[0] for r in conn.execute("SELECT name FROM _sqlite_migrations")]
+    assert names[-1] == "m999_from_the_future"
