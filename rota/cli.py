@@ -119,8 +119,29 @@ def _print_json(data: Any) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rota")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Rota: a job coordinator. Workers hold one WebSocket; the server pushes them jobs."""
+    if ctx.invoked_subcommand in SERVER_COMMANDS:
+        _need_server(ctx.invoked_subcommand)
+
+
+# Commands that run the server's code (or open its database), and the packages only they
+# need: a worker's or producer's install ('pip install rota') leaves those out.
+SERVER_COMMANDS = frozenset({"serve", "demo", "tokens"})
+SERVER_PACKAGES = frozenset({"starlette", "uvicorn", "sqlite_utils", "httptools"})
+
+
+def _need_server(command: str) -> None:
+    """One line saying what to install, rather than an ImportError's traceback."""
+    try:
+        import rota.server  # noqa: F401
+        import rota.store  # noqa: F401
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] not in SERVER_PACKAGES:
+            raise  # not a missing server package: a real bug, shown whole
+        _fail(f"'rota {command}' needs the server's packages ({exc.name} is not installed):"
+              " pip install 'rota[server]'")
 
 
 @main.command()

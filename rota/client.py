@@ -1,4 +1,6 @@
-"""A small synchronous HTTP client for the Rota API, used by the CLI and by producers.
+"""A small synchronous HTTP client for the Rota API, used by the CLI and by producers,
+and the job handles and errors both producer clients share (``rota.producer`` has the
+asyncio one).
 
 It speaks HTTP/1.1 over one kept-alive connection with the standard library's
 http.client. A general-purpose client (httpx) cost 0.3 ms more per call here on an idle
@@ -21,13 +23,122 @@ from rota.specs import JobSpec
 
 
 class ApiError(Exception):
-    """The server refused a request, or could not be reached."""
+    """The server refused a request, or could not be reached. ``status`` is the HTTP
+    status (None when no answer came), ``code`` the server's error code or one of the
+    client's own: ``unreachable``, ``no_answer``, ``client_closed``, ``client_error``."""
 
     def __init__(self, status: int | None, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.status = status
         self.code = code
         self.message = message
+
+
+class JobError(Exception):
+    """The job ended without a result: ``state`` is ``discarded`` (its attempts ran out,
+    or an error said not to retry) or ``cancelled``. ``error_type`` and ``error_message``
+    are the last error a worker reported (None for a job cancelled before it failed);
+    ``error`` is that error whole, with its ``details`` (the traceback, say)."""
+
+    def __init__(self, job_id: str, state: str, error: dict[str, Any] | None) -> None:
+        self.job_id = job_id
+        self.state = state
+        self.error = error
+        self.error_type: str | None = error.get("type") if error else None
+        self.error_message: str | None = error.get("message") if error else None
+        why = f": {self.error_type}: {self.error_message}" if error else ""
+        super().__init__(f"job {job_id} was {state}{why}")
+
+
+class ResultTimeout(TimeoutError):
+    """The job had not finished within the timeout given to ``result()``; it goes on, and
+    ``result()`` may be called again. ``state`` is the state it was last seen in."""
+
+    def __init__(self, job_id: str, state: str, timeout: float) -> None:
+        super().__init__(f"job {job_id} has not finished after {timeout:g}s (it is {state})")
+        self.job_id = job_id
+        self.state = state
+        self.timeout = timeout
+
+
+# The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so
+# a longer result() timeout is waited out in polls of at most this. A server started with
+# a lower max_result_wait (ServerSettings) needs a client made with max_wait at most that.
+MAX_WAIT = 300.0
+
+
+def poll_wait(deadline: float | None, max_wait: float) -> float:
+    """Seconds the next long poll may wait: to the deadline (None: none), at most max_wait.
+    Rounded to milliseconds, so that the query holds a plain number."""
+    if deadline is None:
+        return max_wait
+    return round(max(0.0, min(max_wait, deadline - time.monotonic())), 3)
+
+
+def outcome(reply: dict[str, Any]) -> Any:
+    """The result in a finished job's ``GET /jobs/{id}/result`` answer, or its JobError."""
+    if reply["state"] != "completed":
+        raise JobError(reply["id"], reply["state"], reply.get("error"))
+    return reply["result"]
+
+
+class JobHandle:
+    """What ``enqueue`` returns: the job as the server stored it. ``id``, ``state`` and
+    ``spec`` are the common fields; ``view`` is the whole job view of ``GET /jobs/{id}``
+    (queue, priority, run_at, ...), as of the enqueue (or the last ``refresh()``).
+    ``created`` is False when a job with this id existed already (the same job, sent
+    again). ``handle["job"]`` and ``handle["created"]`` still read as the dict
+    ``{"job": view, "created": bool}`` that ``enqueue`` used to return."""
+
+    __slots__ = ("created", "view")
+
+    def __init__(self, view: dict[str, Any], created: bool) -> None:
+        self.view = view
+        self.created = created
+
+    @property
+    def id(self) -> str:
+        job_id: str = self.view["id"]
+        return job_id
+
+    @property
+    def state(self) -> str:
+        state: str = self.view["state"]
+        return state
+
+    @property
+    def spec(self) -> str:
+        spec: str = self.view["spec"]
+        return spec
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "job":
+            return self.view
+        if key == "created":
+            return self.created
+        raise KeyError(key)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} {self.spec} {self.state}>"
+
+
+class Job(JobHandle):
+    """A job enqueued with ``Client``: ``job.result(timeout=10)`` waits for its result."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: Client, view: dict[str, Any], created: bool) -> None:
+        super().__init__(view, created)
+        self._client = client
+
+    def result(self, timeout: float | None = None) -> Any:
+        """As ``Client.wait``: the job's result once it completes."""
+        return self._client.wait(self.id, timeout=timeout)
+
+    def refresh(self) -> Job:
+        """Read the job again (its state, attempt, progress, ...); returns itself."""
+        self.view = self._client.job(self.id)
+        return self
 
 
 def transport_error(url: str, exc: BaseException, *, connected: bool) -> ApiError:
@@ -140,9 +251,22 @@ class _Transport:
 
 
 class Client:
+    """A synchronous client for the Rota API, for producers (a web app's request handlers,
+    scripts) and the CLI. It keeps one HTTP/1.1 connection alive; it is not thread-safe,
+    so give each thread its own (they are cheap). ``token``: a bearer token (a producer
+    token is enough to enqueue and read its own jobs); ``timeout``: seconds for a request
+    to be answered; ``max_wait``: the longest single long poll (the server's
+    ``max_result_wait``). Failed requests raise ``ApiError``.
+
+        with Client("http://127.0.0.1:8000", token=token) as client:
+            job = client.enqueue("send_email", {"to": "ada@example.com"})
+            print(job.id, job.state, job.result(timeout=30))
+    """
+
     def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, max_wait: float = MAX_WAIT) -> None:
         self.url = url.rstrip("/")
+        self.max_wait = max_wait
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = _Transport(self.url, timeout=timeout, headers=headers)
 
@@ -176,27 +300,49 @@ class Client:
             raise ApiError(status, "http_error", f"not a JSON answer: {content[:200]!r}")
         return answer
 
-    def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any
-                ) -> dict[str, Any]:
-        """Options: id, queue, priority, run_at, delay, ttl, visibility_timeout,
-        max_attempts, max_fails (None means the spec's default), capture_logs."""
+    def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any) -> Job:
+        """Enqueue a job of ``spec`` with ``args``; returned once it is committed.
+        Options: id (the same id again is the same job, so a retried enqueue is safe),
+        queue, priority, run_at, delay, ttl, visibility_timeout, max_attempts, max_fails
+        (None means the spec's default), capture_logs."""
         body: dict[str, Any] = {"spec": spec, "args": args or {}}
         body.update({key: value for key, value in options.items() if value is not None})
-        return self._call("POST", "/jobs", json=body)
+        answer = self._call("POST", "/jobs", json=body)
+        return Job(self, answer["job"], answer["created"])
+
+    def wait(self, job_id: str, *, timeout: float | None = None) -> Any:
+        """The job's result once it completes, long-polling the server (None: no time
+        limit). Raises ``JobError`` if it ended discarded or cancelled, ``ResultTimeout``
+        if it has not finished within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            reply = self.result(job_id, wait=poll_wait(deadline, self.max_wait))
+            if reply["done"]:
+                return outcome(reply)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeout(job_id, reply["state"], timeout or 0.0)
 
     def enqueue_batch(self, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+        """One ``POST /jobs/batch`` (one transaction): ``{"results": [...]}``, a status
+        and a job or an error for each, in order."""
         return self._call("POST", "/jobs/batch", json={"jobs": jobs})
 
     def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel the job (a running one through its worker); its view."""
         return self._call("DELETE", f"/jobs/{job_id}")
 
     def retry(self, job_id: str) -> dict[str, Any]:
+        """Put a discarded or cancelled job back, with a fresh budget; its view."""
         return self._call("POST", f"/jobs/{job_id}/retry")
 
     def job(self, job_id: str) -> dict[str, Any]:
+        """The job's view, as ``GET /jobs/{id}`` gives it."""
         return self._call("GET", f"/jobs/{job_id}")
 
     def result(self, job_id: str, *, wait: float = 0) -> dict[str, Any]:
+        """One ``GET /jobs/{id}/result?wait=``: ``{id, state, done, result, error}``,
+        within ``wait`` seconds (at most the server's max_result_wait). ``wait()`` is
+        the loop most callers want."""
         return self._call("GET", f"/jobs/{job_id}/result", params={"wait": wait},
                           timeout=wait + 30)
 

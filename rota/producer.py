@@ -8,19 +8,24 @@ them to come back and then leave together, as one ``POST /jobs/batch``. At low l
 nothing waits; under load the batches grow with the server's round trip. Each caller is
 still answered only after its own job is committed, since the server answers a batch
 after its commit, and a job the server refuses fails only its own caller.
+
+Each caller gets an ``AsyncJob`` handle, whose ``await job.result(timeout=)`` long-polls
+for the result as ``Client.wait`` does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import msgspec
 
-from rota.client import ApiError, transport_error
+from rota.client import MAX_WAIT, ApiError, JobHandle, ResultTimeout, outcome, poll_wait, \
+    transport_error
 
 # A batch is cut before its body reaches this (the server refuses bodies over 1 MiB by
 # default); a single job larger than that goes alone and gets its own 413.
@@ -33,11 +38,43 @@ class _Waiting:
     answer: asyncio.Future[dict[str, Any]]
 
 
+class AsyncJob(JobHandle):
+    """A job enqueued with ``AsyncClient``: ``await job.result(timeout=10)`` waits for its
+    result."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: AsyncClient, view: dict[str, Any], created: bool) -> None:
+        super().__init__(view, created)
+        self._client = client
+
+    async def result(self, timeout: float | None = None) -> Any:
+        """As ``AsyncClient.wait``: the job's result once it completes."""
+        return await self._client.wait(self.id, timeout=timeout)
+
+    async def refresh(self) -> AsyncJob:
+        """Read the job again (its state, attempt, progress, ...); returns itself."""
+        self.view = await self._client.job(self.id)
+        return self
+
+
 class AsyncClient:
-    """``async with AsyncClient(url, token=...) as client: await client.enqueue(...)``."""
+    """An asyncio client for the Rota API, for producers where many tasks enqueue at
+    once (an async web app): concurrent ``enqueue()`` calls share requests (see the
+    module's docstring). It belongs to the event loop it is first used in. ``token``: a
+    bearer token; ``timeout``: seconds for a request to be answered; ``max_batch``: jobs
+    per batch request; ``max_in_flight``: enqueue requests at once; ``max_wait``: the
+    longest single long poll (the server's ``max_result_wait``). Failed requests raise
+    ``ApiError``.
+
+        async with AsyncClient("http://127.0.0.1:8000", token=token) as client:
+            job = await client.enqueue("send_email", {"to": "ada@example.com"})
+            print(job.id, job.state, await job.result(timeout=30))
+    """
 
     def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
-                 timeout: float = 30.0, max_batch: int = 1000, max_in_flight: int = 1) -> None:
+                 timeout: float = 30.0, max_batch: int = 1000, max_in_flight: int = 1,
+                 max_wait: float = MAX_WAIT) -> None:
         if not 1 <= max_batch <= 10_000:
             raise ValueError("max_batch must be 1 to 10,000 (the server's limit per batch)")
         if max_in_flight < 1:
@@ -45,6 +82,7 @@ class AsyncClient:
         self.url = url.rstrip("/")
         self.max_batch = max_batch
         self.max_in_flight = max_in_flight
+        self.max_wait = max_wait
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(
             base_url=self.url, timeout=timeout, headers=headers,
@@ -84,9 +122,9 @@ class AsyncClient:
 
     # -- enqueueing -------------------------------------------------------------------
     async def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any
-                      ) -> dict[str, Any]:
-        """As ``Client.enqueue``: ``{"job": view, "created": bool}`` once committed, or
-        ``ApiError`` with the status and code that ``POST /jobs`` would have given."""
+                      ) -> AsyncJob:
+        """As ``Client.enqueue``: the job's handle once it is committed, or ``ApiError``
+        with the status and code that ``POST /jobs`` would have given it alone."""
         self._check_usable()
         request: dict[str, Any] = {"spec": spec, "args": args or {}}
         request.update({key: value for key, value in options.items() if value is not None})
@@ -95,7 +133,8 @@ class AsyncClient:
         self._waiting.append(waiting)
         self._pump()
         # A caller that gives up stops waiting; its job may still be stored.
-        return await waiting.answer
+        answer = await waiting.answer
+        return AsyncJob(self, answer["job"], answer["created"])
 
     async def enqueue_batch(self, jobs: list[dict[str, Any]]) -> dict[str, Any]:
         """One ``POST /jobs/batch`` as given: ``{"results": [...]}``."""
@@ -148,16 +187,33 @@ class AsyncClient:
 
     # -- the rest of the API ------------------------------------------------------------
     async def job(self, job_id: str) -> dict[str, Any]:
+        """The job's view, as ``GET /jobs/{id}`` gives it."""
         return await self._call("GET", f"/jobs/{job_id}")
 
+    async def wait(self, job_id: str, *, timeout: float | None = None) -> Any:
+        """The job's result once it completes, long-polling the server (None: no time
+        limit). Raises ``JobError`` if it ended discarded or cancelled, ``ResultTimeout``
+        if it has not finished within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            reply = await self.result(job_id, wait=poll_wait(deadline, self.max_wait))
+            if reply["done"]:
+                return outcome(reply)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeout(job_id, reply["state"], timeout or 0.0)
+
     async def result(self, job_id: str, *, wait: float = 0) -> dict[str, Any]:
+        """One ``GET /jobs/{id}/result?wait=``: ``{id, state, done, result, error}``;
+        ``wait()`` is the loop most callers want."""
         return await self._call("GET", f"/jobs/{job_id}/result", params={"wait": wait},
                                 timeout=wait + 30)
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel the job (a running one through its worker); its view."""
         return await self._call("DELETE", f"/jobs/{job_id}")
 
     async def retry(self, job_id: str) -> dict[str, Any]:
+        """Put a discarded or cancelled job back, with a fresh budget; its view."""
         return await self._call("POST", f"/jobs/{job_id}/retry")
 
     async def _call(self, method: str, path: str, *, content: bytes | None = None,

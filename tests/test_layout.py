@@ -44,7 +44,8 @@ LAYERS: list[set[str]] = [
 RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
 # What the worker SDK and the producer client may use of the rest.
 SHARED = {"errors", "ids", "inputs", "protocol", "specs"}
-SDK = {"context", "manual", "worker", "client", "link", "execution", "connection", "__init__"}
+SDK = {"context", "manual", "worker", "client", "link", "execution", "connection", "producer",
+       "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
 PURE = {"inputs", "model", "policy", "ready", "retention", "scheduler", "effects", "registry", "attempts", "intake",
@@ -86,7 +87,7 @@ def test_the_sdk_stands_beside_the_server():
     for module in SDK:
         inner, outer = imports_of(PACKAGE / f"{module}.py")
         assert inner <= SHARED | SDK, f"{module} imports {sorted(inner - SHARED - SDK)}"
-        if module != "client":  # the producer client speaks HTTP with httpx
+        if module != "producer":  # the asyncio producer client speaks HTTP with httpx
             assert not outer & SERVER_ONLY, f"{module} imports {sorted(outer & SERVER_ONLY)}"
 
 

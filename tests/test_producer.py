@@ -12,7 +12,7 @@ import pytest
 from conftest import Live, write_spec
 
 from rota.client import ApiError
-from rota.producer import AsyncClient
+from rota.producer import AsyncClient, AsyncJob
 
 
 def stored_ids(live: Live) -> set[str]:
@@ -23,9 +23,10 @@ def stored_ids(live: Live) -> set[str]:
 async def test_a_lone_enqueue_goes_at_once_in_the_sync_clients_shape(live: Live, tmp_path: Path):
     await live.push(write_spec(tmp_path, "echo"))
     async with AsyncClient(live.base) as client:
-        answer = await client.enqueue("echo", {"n": 1}, id="one", priority=3)
-        assert answer["created"] is True and client.requests == 1
-        assert (answer["job"]["id"], answer["job"]["priority"]) == ("one", 3)
+        job = await client.enqueue("echo", {"n": 1}, id="one", priority=3)
+        assert job.created is True and client.requests == 1
+        assert (job.id, job.state, job.view["priority"]) == ("one", "available", 3)
+        assert (job["job"], job["created"]) == (job.view, True)  # the old dict's shape
         assert (await client.job("one"))["args"] == {"n": 1}
     assert stored_ids(live) == {"one"}
 
@@ -51,7 +52,7 @@ async def test_a_refused_job_fails_only_its_own_caller(live: Live, tmp_path: Pat
             client.enqueue("echo", {"n": 2}, id="b"),
             return_exceptions=True)
     good, unknown, invalid, other = results
-    assert isinstance(good, dict) and isinstance(other, dict)
+    assert isinstance(good, AsyncJob) and isinstance(other, AsyncJob)
     assert isinstance(unknown, ApiError) and (unknown.status, unknown.code) == (422, "unknown_spec")
     assert isinstance(invalid, ApiError) and (invalid.status, invalid.code) == (422, "invalid_args")
     assert stored_ids(live) == {"a", "b"}
