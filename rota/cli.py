@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import importlib
+import importlib.resources
 import ipaddress
 import json
 import re
@@ -765,10 +766,11 @@ def jobs_retry(job_id: str, url: str) -> None:
 @click.option("--port", default=8000, show_default=True, help="Port for the demo server.")
 @click.option("--db", default="rota-demo.db", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path), help="SQLite file for the demo.")
-@click.option("--specs", "specs_dir", default="specs", show_default=True,
-              type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--specs", "specs_dir", default=None,
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Spec files for the demo (default: those that ship with Rota).")
 @click.option("--rate", default=5.0, show_default=True, help="Demo jobs enqueued per second.")
-def demo(port: int, db: Path, specs_dir: Path, rate: float) -> None:
+def demo(port: int, db: Path, specs_dir: Path | None, rate: float) -> None:
     """Run a server, push the demo specs, start a worker and enqueue a stream of jobs.
 
     Assignments and results show in the log. Stop with Ctrl-C.
@@ -777,4 +779,7 @@ def demo(port: int, db: Path, specs_dir: Path, rate: float) -> None:
 
     logs.configure("info")
     _hold_database(db)
-    asyncio.run(run_demo(port=port, db=db, specs_dir=specs_dir, rate=rate))
+    if specs_dir is None:
+        specs_dir = Path(str(importlib.resources.files("rota") / "demo_specs"))
+    sock = _listen("127.0.0.1", port)
+    asyncio.run(run_demo(port=port, db=db, specs_dir=specs_dir, rate=rate, sock=sock))

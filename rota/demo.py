@@ -11,6 +11,7 @@ import asyncio
 import logging
 import random
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +77,13 @@ async def produce(base: str, rate: float, stop: asyncio.Event) -> None:
                 pass
 
 
-async def run_demo(*, port: int, db: Path, specs_dir: Path, rate: float) -> None:
+async def run_demo(*, port: int, db: Path, specs_dir: Path, rate: float,
+                   sock: socket.socket | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    sock = listen_socket("127.0.0.1", port)
+    sock = sock or listen_socket("127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
     server = EmbeddedServer(uvicorn_config(ServerSettings(db=db, port=port)))
     server_task = asyncio.create_task(server.serve(sockets=[sock]), name="demo-server")

@@ -265,10 +265,10 @@ async def test_rota_demo_runs_jobs_and_stops_on_ctrl_c(tmp_path: Path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    # From an empty directory, with no --specs: the demo's specs ship inside the package.
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rota", "demo", "--port", str(port), "--db",
-        str(tmp_path / "demo.db"), "--specs", str(REPO / "specs"), "--rate", "50",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        sys.executable, "-m", "rota", "demo", "--port", str(port), "--rate", "50",
+        cwd=tmp_path, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
             async def some_completed() -> bool:

@@ -137,14 +137,16 @@ async def test_a_wait_longer_than_the_servers_longest_poll_polls_again(tmp_path:
             await raw.complete(copy, result=2)
             assert await asyncio.wait_for(waiting, 10) == 2
 
-        def time_out() -> int:  # sync: 0.35 s of polls of 0.1 s, then ResultTimeout
+        def time_out() -> int:  # sync: 0.5 s of polls of 0.1 s, then ResultTimeout
             with CountingClient(live.base, max_wait=0.1) as sync_client:
                 other = sync_client.enqueue("add", {"a": 2, "b": 2})
                 with pytest.raises(ResultTimeout):
-                    other.result(timeout=0.35)
+                    other.result(timeout=0.5)
                 return sync_client.polls
 
-        assert await asyncio.to_thread(time_out) >= 4
+        # More than one poll: the wait went on past the server's longest (how many fit
+        # depends on the machine's load, so no more is asserted).
+        assert await asyncio.to_thread(time_out) >= 2
     finally:
         await raw.ws.close()
         await stop_server(live)
