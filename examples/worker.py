@@ -1,11 +1,13 @@
 """An example Rota worker for the specs in ../specs. Run it from the repository root:
 
-    rota worker examples.worker:worker --url http://127.0.0.1:8000
+    rota worker examples.worker:worker --url http://127.0.0.1:8000 --token "$WORKER_TOKEN"
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 from typing import Any
 
 from rota import JobContext, Worker
@@ -20,7 +22,12 @@ async def echo(ctx: JobContext) -> dict[str, Any]:
 
 @worker.handler("resize_image")
 async def resize_image(ctx: JobContext) -> dict[str, Any]:
+    ctx.progress(10, "downloading")
+    ctx.log(f"source is {ctx.args['url']}")  # kept with the job if enqueued with capture_logs
+    if shutil.disk_usage(tempfile.gettempdir()).free < 2**30:
+        ctx.alert("disk almost full", "error")  # logged by the server, shown in GET /workers
     await asyncio.sleep(0.1)  # pretend to fetch and resize
+    ctx.progress(100, "resized")
     return {"url": ctx.args["url"], "width": ctx.args["width"],
             "format": ctx.args.get("format", "png")}
 

@@ -50,6 +50,15 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("ROTA_")}
 
 
+def free_port() -> int:
+    """A port nothing listens on now, for a server a test starts as a process."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
 async def spawn_serve(http: httpx.AsyncClient, args: list[str], log: Path,
                       env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
     """Start ``rota serve ARGS`` (output to ``log``) and wait until ``http`` gets its

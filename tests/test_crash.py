@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import sqlite3
 import sys
 import time
@@ -27,8 +26,8 @@ import httpx
 import pytest
 import websockets
 from conftest import Api, start_server, stop_server, write_spec
-from helpers import (RawWorker, RawWorkers, clean_env, completed, registration, spawn_serve,
-                     wait_until)
+from helpers import (RawWorker, RawWorkers, clean_env, completed, free_port, registration,
+                     spawn_serve, wait_until)
 
 from rota import JobContext, Worker
 from rota.specs import JobSpec
@@ -57,14 +56,6 @@ async def echo(ctx):
         await asyncio.sleep(random.uniform(0, 0.05))  # noqa: sleep-ok (the job's own work)
     return ctx.args
 '''
-
-
-def free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 def read_jobs(db: Path) -> dict[str, dict[str, Any]]:
