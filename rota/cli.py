@@ -118,7 +118,49 @@ def _print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _print_job(data: dict[str, Any]) -> None:
+    """A job (or a result) as JSON on stdout, for scripts, with each error's traceback
+    taken out and written to stderr as it was raised: lines, not one string of \\n."""
+    errors = [e for e in [*data.get("errors", []), data.get("error")] if isinstance(e, dict)]
+    tracebacks = []
+    for error in errors:
+        details = error.get("details")
+        if isinstance(details, dict) and isinstance(details.get("traceback"), str):
+            tracebacks.append((error, details["traceback"]))
+            details["traceback"] = "(on stderr)"
+    _print_json(data)
+    for error, text in tracebacks:
+        click.echo(f"--- attempt {error.get('attempt', '?')} on {error.get('worker_id') or '?'}:"
+                   f" {error.get('type')}: {error.get('message')}", err=True)
+        click.echo(text.rstrip("\n"), err=True)
+
+
+class OneLineErrors(click.Group):
+    """click, but a mistake on the command line is one line, like every other expected
+    failure of ``rota``: "error: <what is wrong> (see 'rota x --help')", exit 2."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `rota`, `rota specs`: help
+            click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            sys.exit(0)
+        except click.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+            click.secho(f"error: {exc.format_message()}{hint}", fg="red", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rota")
 @click.pass_context
 def main(ctx: click.Context) -> None:
@@ -536,7 +578,7 @@ def run(url: str, spec: str, args_json: str, job_id: str | None, wait: float,
         reply = _api(url, "result", job["id"], wait=step)
         if reply["done"] or step == 0:
             break
-    _print_json(reply)
+    _print_job(reply)
     if not reply["done"]:
         click.echo(f"job {job['id']} has not finished after {wait:g}s", err=True)
         sys.exit(2)
@@ -738,7 +780,7 @@ def jobs() -> None:
 @URL_OPTION
 def jobs_show(job_id: str, url: str) -> None:
     """Show job JOB_ID: state, attempt, worker, result, errors, and why it waits."""
-    _print_json(_api(url, "job", job_id))
+    _print_job(_api(url, "job", job_id))
 
 
 @jobs.command("cancel")

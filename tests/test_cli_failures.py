@@ -1,0 +1,95 @@
+"""Every expected failure of every ``rota`` command: one readable line on stderr, no
+traceback, a non-zero exit (issue 13's table, and what a new user mistypes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import Live, start_server, stop_server, write_spec
+from helpers import free_port
+from test_cli import rota
+from test_security import make_token
+
+
+def one_line(code: int, err: str, what: str) -> str:
+    assert code != 0, what
+    assert "Traceback" not in err, f"{what}: {err}"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, f"{what}: {err}"
+    return lines[0]
+
+
+# (command, what the line must say); run against a server with auth off, spec "echo" pushed
+ON_A_SERVER = [
+    (["enqueue", "ecoh"], "did you mean echo?"),
+    (["enqueue", "echo", "--args", "{oops"], "--args is not valid JSON"),
+    (["enqueue", "echo", "--args", "[1]"], "must be a JSON object"),
+    (["enqueue", "echo", "--priority", "99999999999"], "invalid_request"),
+    (["enqueue", "echo", "--run-at", "9999-01-01T00:00:00Z"], "days ahead"),
+    (["run", "ecoh"], "did you mean echo?"),
+    (["jobs", "show", "missing"], "no job missing"),
+    (["jobs", "cancel", "missing"], "no job missing"),
+    (["jobs", "retry", "missing"], "no job missing"),
+    (["specs", "history", "missing"], "never pushed"),
+    (["specs", "push", "/nonexistent"], "does not exist"),
+    (["specs", "retire", "missing"], "missing"),
+    (["workers", "quiet", "--label", "typo"], "no connected worker with label 'typo'"),
+    (["workers", "quiet"], "name one worker ID"),
+    (["enqueue"], "Missing argument 'SPEC'"),
+    (["enqueue", "echo", "--nope"], "No such option"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), ON_A_SERVER, ids=[" ".join(a) for a, _ in ON_A_SERVER])
+async def test_a_failed_command_says_why_in_one_line(live: Live, tmp_path: Path,
+                                                     args: list[str], says: str):
+    await live.push(write_spec(tmp_path, "echo"))
+    code, _, err = await rota(*args, "--url", live.base)
+    assert says in one_line(code, err, " ".join(args))
+
+
+async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
+    live = await start_server(tmp_path)
+    try:
+        admin = await make_token(live, "admin")  # auth is on from here
+        code, _, err = await rota("specs", "list", "--url", live.base)
+        assert "set ROTA_TOKEN or pass --token" in one_line(code, err, "no token")
+        code, _, err = await rota("specs", "list", "--url", live.base, "--token", "rota_x_y")
+        assert "set ROTA_TOKEN or pass --token" in one_line(code, err, "a wrong token")
+        code, _, err = await rota("specs", "list", "--url", live.ws, "--token", admin)
+        assert "base URL" in one_line(code, err, "the ws:// URL")
+        code, _, err = await rota("specs", "list", "--url", live.base + "/work", "--token", admin)
+        assert "base URL" in one_line(code, err, "the /work path")
+        code, _, err = await rota("specs", "list", "--url", f"http://127.0.0.1:{free_port()}")
+        assert "is the server running?" in one_line(code, err, "nothing listens")
+        code, _, err = await rota("worker", "nope:worker", cwd=tmp_path)
+        assert "cannot load nope:worker" in one_line(code, err, "a bad worker target")
+        write_spec(tmp_path, "echo")
+        (tmp_path / "w.py").write_text("from rota import Worker\nworker = Worker(specs_dir='.')\n"
+                                       "worker.handler('echo')(lambda ctx: ctx.args)\n")
+        code, _, err = await rota("worker", "w:worker", "--url", live.base, cwd=tmp_path)
+        line = one_line(code, _errors_only(err), "a worker with no token")
+        assert "401" in line and "set ROTA_TOKEN (or --token) to a worker token" in line
+    finally:
+        await stop_server(live)
+
+
+def _errors_only(err: str) -> str:
+    """A worker logs its start at INFO; its failure is the one 'error:' line."""
+    return "\n".join(line for line in err.splitlines() if line.startswith("error:")
+                     or "Traceback" in line)
+
+
+async def test_serve_failures_are_one_line(live: Live, tmp_path: Path):
+    code, _, err = await rota("serve", "--db", str(tmp_path / "b.db"), "--port", str(live.port))
+    assert f"cannot listen on 127.0.0.1:{live.port}" in one_line(code, err, "a busy port")
+    code, _, err = await rota("demo", "--db", str(tmp_path / "d.db"), "--port", str(live.port),
+                              cwd=tmp_path)
+    assert "the port is in use" in one_line(code, err, "demo on a busy port")
+    code, _, err = await rota("serve", "--host", "0.0.0.0", "--db", str(tmp_path / "o.db"),
+                              "--port", "0")
+    assert "refusing to serve on 0.0.0.0 with no tokens" in one_line(code, err, "open and public")
+    code, _, err = await rota("tokens", "list", "--db", str(tmp_path / "typo.db"))
+    assert "typo.db" in one_line(code, err, "tokens on a missing file")
+    assert not (tmp_path / "typo.db").exists()  # (two servers on one file: test_server_lock)
