@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -15,8 +16,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from rota.auth import Principal
 from rota.coordinator import Coordinator
 from rota.logs import printable
+from rota.policy import TokenBucket
 
 log = logging.getLogger("rota.server")
+REFUSALS_LOGGED = 1.0  # refusal lines a second, on average (bursts of 10)
 # Load balancers probe health without a token; the API's description is public.
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})
 
@@ -27,6 +30,20 @@ class Gate:
     def __init__(self, app: ASGIApp, coordinator: Coordinator) -> None:
         self.app = app
         self.coordinator = coordinator
+        # Refusals are logged at a bounded rate: a client retrying without a token, or
+        # anyone at all, could otherwise write lines as fast as it connects.
+        self._lines = TokenBucket(REFUSALS_LOGGED, 10)
+        self._unlogged = 0
+
+    def _refused(self, fmt: str, *args: Any) -> None:
+        if not self._lines.take(time.monotonic()):
+            self._unlogged += 1
+            return
+        if self._unlogged:
+            fmt += " (and %d more refusals not logged)"
+            args = (*args, self._unlogged)
+            self._unlogged = 0
+        log.warning(fmt, *args)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
@@ -55,23 +72,24 @@ class Gate:
         host = headers.get("host", "")
         if origin is not None and origin not in settings.allowed_origins and not (
                 scope["type"] == "http" and origin in (f"http://{host}", f"https://{host}")):
-            log.warning("refused %s origin=%r client=%s", scope["type"], origin, _client(scope))
+            self._refused("refused %s origin=%r client=%s", scope["type"], origin, _client(scope))
             where = "on /work" if scope["type"] == "websocket" else "(--allowed-origin)"
             return 403, "origin_not_allowed", f"Origin {origin} is not allowed {where}"
         if headers.get("sec-fetch-site") == "cross-site" and origin not in settings.allowed_origins:
-            log.warning("refused a cross-site %s request client=%s", scope["type"], _client(scope))
+            self._refused("refused a cross-site %s request client=%s", scope["type"],
+                          _client(scope))
             return 403, "origin_not_allowed", "cross-site requests are not allowed"
         if not self.coordinator.tokens.required and not _host_allowed(host, settings.host):
             # With no tokens, the only guard is that the server listens on loopback: a page
             # whose name is made to resolve to 127.0.0.1 (DNS rebinding) would get past
             # it, and its requests name that page's host.
-            log.warning("refused %s host=%r client=%s: auth is off and the name is not"
+            self._refused("refused %s host=%r client=%s: auth is off and the name is not"
                         " loopback", scope["type"], printable(host), _client(scope))
             return 403, "host_not_allowed", (f"Host {host!r} is not this server's name; with"
                                              " no tokens only loopback names are served")
         principal = self.coordinator.tokens.authenticate(headers.get("authorization"))
         if principal is None:
-            log.warning("refused %s %s client=%s: no valid token", scope["type"],
+            self._refused("refused %s %s client=%s: no valid token", scope["type"],
                         printable(scope["path"]),
                         _client(scope))
             return 401, "unauthorized", "send a valid token: 'Authorization: Bearer rota_...'"

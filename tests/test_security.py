@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import sqlite3
 import ssl
@@ -264,6 +265,15 @@ async def test_a_web_page_cannot_give_orders_to_a_server_without_tokens(tmp_path
             assert (await live.http.get("/specs", headers=headers)).status_code == 200, headers
     finally:
         await stop_server(live)
+
+
+async def test_refusals_are_logged_at_a_bounded_rate(guarded: Live, caplog):
+    caplog.set_level(logging.WARNING, logger="rota.server")
+    async with httpx.AsyncClient(base_url=guarded.base) as anonymous:
+        for _ in range(50):
+            assert (await anonymous.get("/specs")).status_code == 401
+    lines = [r for r in caplog.records if "no valid token" in r.getMessage()]
+    assert 1 <= len(lines) <= 11  # a burst of 10 (and one more if a second passed)
 
 
 async def test_two_authorization_headers_are_refused(guarded: Live):
