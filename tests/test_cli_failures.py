@@ -3,6 +3,7 @@ traceback, a non-zero exit (issue 13's table, and what a new user mistypes)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,32 @@ async def test_serve_failures_are_one_line(live: Live, tmp_path: Path):
     code, _, err = await rota("tokens", "list", "--db", str(tmp_path / "typo.db"))
     assert "typo.db" in one_line(code, err, "tokens on a missing file")
     assert not (tmp_path / "typo.db").exists()  # (two servers on one file: test_server_lock)
+
+
+def test_a_worker_takes_the_servers_base_url_too():
+    from rota import Worker
+
+    assert Worker(url="http://127.0.0.1:8000").url == "ws://127.0.0.1:8000/work"
+    assert Worker(url="https://rota.internal/").url == "wss://rota.internal/work"
+    assert Worker(url="ws://127.0.0.1:8000/work").url == "ws://127.0.0.1:8000/work"
+    with pytest.raises(ValueError, match="base URL"):
+        Worker(url="127.0.0.1:8000")
+
+
+async def test_a_failed_jobs_traceback_is_printed_as_lines(live: Live, connect, tmp_path: Path):
+    echo = write_spec(tmp_path, "echo")
+    await live.push(echo)
+    job = await live.enqueue("echo", max_attempts=1)
+    worker = await connect()
+    await worker.register([echo])
+    [copy] = await worker.jobs(1)
+    trace = 'Traceback (most recent call last):\n  File "app.py", line 3, in send\nValueError: boom\n'
+    await worker.beat(results=[{"job_id": copy["id"], "attempt": copy["attempt"],
+                                "outcome": "failed", "error": {
+                                    "type": "ValueError", "message": "boom",
+                                    "details": {"traceback": trace}}}])
+    await live.wait_state(job["id"], "discarded")
+    code, out, err = await rota("jobs", "show", job["id"], "--url", live.base)
+    assert code == 0 and json.loads(out)["errors"][0]["details"]["traceback"] == "(on stderr)"
+    assert '  File "app.py", line 3, in send\nValueError: boom' in err  # lines, not \\n
+    assert "attempt 1" in err and "ValueError: boom" in err.splitlines()[0]
