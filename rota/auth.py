@@ -88,6 +88,14 @@ class Tokens:
     def valid_id(self, token_id: str) -> bool:
         return token_id in self._by_id
 
+    def unknown(self, authorization: str | None) -> bool:
+        """Whether the header names a well-formed token this list does not hold yet (one
+        created a moment ago, in the file or by another server)."""
+        if not self.required or authorization is None or not authorization.startswith("Bearer "):
+            return False
+        match = _TOKEN.match(authorization[len("Bearer "):].strip())
+        return match is not None and match[1] not in self._by_id
+
     def authenticate(self, authorization: str | None) -> Principal | None:
         """The caller behind an ``Authorization`` header, or None if it proves nobody."""
         if not self.required:

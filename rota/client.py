@@ -147,6 +147,10 @@ def transport_error(url: str, exc: BaseException, *, connected: bool) -> ApiErro
     carried the request out and only its answer was lost ("no_answer"): an enqueue may be
     stored, and repeating it with the same job id is the safe way to find out."""
     detail = str(exc) or type(exc).__name__
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return ApiError(None, "untrusted_certificate", f"Rota at {url} has a certificate this"
+                        f" client does not trust ({exc.verify_message}): for a private CA or a"
+                        " self-signed certificate, set SSL_CERT_FILE to its PEM file")
     if not connected:
         return ApiError(None, "unreachable", f"cannot reach Rota at {url}: {detail}; is the"
                         " server running? (set --url or ROTA_URL)")

@@ -38,6 +38,7 @@ from rota.store import Store, job_from_row
 
 __all__ = ["Coordinator", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
+REREAD_EVERY = 0.1  # seconds: the most often an unknown token makes the server look
 LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 
@@ -80,6 +81,8 @@ class Coordinator:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._retrying: set[str] = set()  # retries whose row is being written
+        self._reread: asyncio.Future[None] | None = None  # see reread_tokens
+        self._reread_at = 0.0
         self._no_connections = asyncio.Event()
         self._no_connections.set()
         self._stopping = False
@@ -341,6 +344,26 @@ class Coordinator:
             if (line := tally.add(deleted, now.mono)) is not None:
                 log.info("%s", line)
             wait = next_pass(sum(deleted.values()), self.retention)
+
+    async def reread_tokens(self) -> None:
+        """Read the tokens now, for a request whose token is not known yet: `rota tokens
+        create` writes the file, and a token used at once was refused until the next
+        look (up to a heartbeat interval). Reads are shared by the requests that come
+        while one runs, and made at most every REREAD_EVERY seconds (an unknown id costs
+        a caller nothing more than that)."""
+        if self._reread is None:
+            now = time.monotonic()
+            if now - self._reread_at < REREAD_EVERY:
+                return
+            self._reread_at = now
+            self._reread = asyncio.ensure_future(self._refresh_tokens())
+            self._reread.add_done_callback(self._reread_done)
+        await asyncio.shield(self._reread)
+
+    def _reread_done(self, future: asyncio.Future[None]) -> None:
+        self._reread = None
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("reading tokens failed: %s", future.exception())
 
     async def _refresh_tokens(self) -> None:
         rows = await self.store.live_tokens()

@@ -53,6 +53,8 @@ class Gate:
         # connection (10,000 idle workers held 12 MiB of decoded headers this way).
         raw = scope["headers"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        if self.coordinator.tokens.unknown(headers.get("authorization")):
+            await self.coordinator.reread_tokens()  # created a moment ago?
         refusal = self._refusal(scope, headers, repeated=len(headers) != len(raw))
         if refusal is not None:
             await deny(scope, send, *refusal)

@@ -24,6 +24,7 @@ from test_bad_input import closed_with
 from test_cli import rota
 
 from rota import JobContext, Worker
+from rota.client import ApiError, Client
 from rota.auth import new_token
 from rota.cli import main
 from rota.store import create_token
@@ -267,6 +268,19 @@ async def test_a_web_page_cannot_give_orders_to_a_server_without_tokens(tmp_path
         await stop_server(live)
 
 
+async def test_a_token_works_the_moment_it_is_created(guarded: Live):
+    """`rota tokens create` writes the file; the server looks when it meets an unknown id,
+    rather than refusing the token until its next periodic look."""
+    token_id, secret, hashed = new_token()
+    create_token(guarded.settings.db, name="fresh", scope="admin", queues=None,
+                 token_id=token_id, hashed=hashed)
+    async with httpx.AsyncClient(base_url=guarded.base, headers=bearer(secret)) as fresh:
+        assert (await fresh.get("/specs")).status_code == 200
+    async with httpx.AsyncClient(base_url=guarded.base,
+                                 headers=bearer(f"rota_{'0' * 12}_{'x' * 43}")) as nobody:
+        assert (await nobody.get("/specs")).status_code == 401  # still refused, once looked
+
+
 async def test_refusals_are_logged_at_a_bounded_rate(guarded: Live, caplog):
     caplog.set_level(logging.WARNING, logger="rota.server")
     async with httpx.AsyncClient(base_url=guarded.base) as anonymous:
@@ -398,6 +412,14 @@ async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path):
         with pytest.raises((socket.error, httpx.HTTPError)):
             async with httpx.AsyncClient() as plain:
                 await plain.get(f"{https}/healthz")
+
+        def untrusting() -> ApiError:
+            with Client(https) as client, pytest.raises(ApiError) as refused:
+                client.specs()
+            return refused.value
+
+        said = await asyncio.to_thread(untrusting)  # Rota's own client says what to do
+        assert said.code == "untrusted_certificate" and "SSL_CERT_FILE" in said.message
     finally:
         await stop_server(live)
 
