@@ -10,6 +10,7 @@ makes its writes fail with an I/O error until the limit is raised again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -39,14 +40,17 @@ def sqlite_error(tmp_path: Path, fault: str) -> sqlite3.Error:
             setup.execute("PRAGMA max_page_count = 2")
             setup.execute("INSERT INTO t (data) VALUES (zeroblob(100000))")
         elif fault == "read_only":
-            sqlite3.connect(f"file:{path}?mode=ro", uri=True).execute(
-                "INSERT INTO t (data) VALUES (1)")
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as ro:
+                ro.execute("INSERT INTO t (data) VALUES (1)")
         elif fault == "busy":
             setup.execute("BEGIN IMMEDIATE")
-            sqlite3.connect(path, timeout=0, isolation_level=None).execute("BEGIN IMMEDIATE")
+            other = sqlite3.connect(path, timeout=0, isolation_level=None)
+            with contextlib.closing(other):
+                other.execute("BEGIN IMMEDIATE")
         elif fault == "not_a_database":
             (tmp_path / "junk.db").write_bytes(b"not a database, " * 1024)
-            sqlite3.connect(tmp_path / "junk.db").execute("SELECT * FROM sqlite_master")
+            with contextlib.closing(sqlite3.connect(tmp_path / "junk.db")) as junk:
+                junk.execute("SELECT * FROM sqlite_master")
         elif fault == "constraint":
             setup.execute("INSERT INTO t (id) VALUES (1), (1)")
         elif fault == "syntax":
