@@ -108,7 +108,11 @@ class Coordinator:
     async def start(self) -> None:
         snapshot = await asyncio.to_thread(self.store.load)
         self.store.start(asyncio.get_running_loop())
-        await self._refresh_tokens()
+        try:
+            await self._refresh_tokens()
+        except BaseException:  # no stop() follows a failed start: end the store's threads
+            await asyncio.to_thread(self.store.close)
+            raise
         if not self.tokens.required:
             log.warning("AUTH IS OFF: no tokens exist, so anyone who can reach this server may"
                         " take jobs and give orders. Create one: rota tokens create --scope admin")

@@ -302,14 +302,18 @@ def connect(path: Path, *, readonly: bool = False, durability: str = "full"
             ) -> sqlite3.Connection:
     # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA busy_timeout = 5000")
-    conn.execute("PRAGMA foreign_keys = ON")
-    if not readonly:
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS[durability]}")
-    else:
-        conn.execute("PRAGMA query_only = ON")
+    try:
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA busy_timeout = 5000")
+        conn.execute("PRAGMA foreign_keys = ON")
+        if not readonly:  # (a file that is not a database fails here)
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute(f"PRAGMA synchronous = {SYNCHRONOUS[durability]}")
+        else:
+            conn.execute("PRAGMA query_only = ON")
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
@@ -435,16 +439,16 @@ class Writer:
 
     def _run(self) -> None:
         conn = connect(self._path, durability=self._durability)
-        # Checkpoints belong to the Checkpointer thread: run inline they would fsync the
-        # whole database inside some unlucky commit and stall every caller behind it.
-        conn.execute("PRAGMA wal_autocheckpoint = 0")
-        if self.max_bytes is not None:
-            # A hard limit: a write that needs a page past it fails with SQLITE_FULL,
-            # storage_full. (Below the file's size, SQLite keeps the size.)
-            page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-            conn.execute(f"PRAGMA max_page_count = {max(1, self.max_bytes // page_size)}")
-            self.used_bytes = used_bytes(conn)
         try:
+            # Checkpoints belong to the Checkpointer thread: run inline they would fsync the
+            # whole database inside some unlucky commit and stall every caller behind it.
+            conn.execute("PRAGMA wal_autocheckpoint = 0")
+            if self.max_bytes is not None:
+                # A hard limit: a write that needs a page past it fails with SQLITE_FULL,
+                # storage_full. (Below the file's size, SQLite keeps the size.)
+                page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+                conn.execute(f"PRAGMA max_page_count = {max(1, self.max_bytes // page_size)}")
+                self.used_bytes = used_bytes(conn)
             while True:
                 try:
                     first = self._queue.get(timeout=PROBE_EVERY)

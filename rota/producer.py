@@ -104,6 +104,10 @@ class AsyncClient:
         self._closed = True
         while self._in_flight:
             await asyncio.gather(*self._in_flight, return_exceptions=True)
+            # A task leaves _in_flight in its done callback (_sent), and a gather of
+            # tasks that have all finished returns without yielding (Python 3.12+): let
+            # the loop turn once, or this spins.
+            await asyncio.sleep(0)
         await self._http.aclose()
 
     def _check_usable(self, *, new_work: bool = True) -> None:

@@ -6,6 +6,7 @@ rows for the rest."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def test_the_store_reserves_a_claimed_row_only_while_it_is_available(tmp_path: P
     from rota.rows import claim_rows
 
     db.migrate(tmp_path / "rota.db")
-    with sqlite3.connect(tmp_path / "rota.db") as conn:
+    with contextlib.closing(sqlite3.connect(tmp_path / "rota.db")) as conn, conn:
         conn.execute("INSERT INTO jobs (id, spec, queue, args, priority, state, attempt,"
                      " enqueued_at) VALUES ('j', 'echo', 'default', '{}', 0, 'cancelled', 0, 0)")
         seq = conn.execute("SELECT rowid FROM jobs WHERE id = 'j'").fetchone()[0]

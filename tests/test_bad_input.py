@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 from pathlib import Path
@@ -229,18 +230,15 @@ async def test_a_result_the_store_cannot_commit_is_rejected_and_kept(
     await worker.register([echo])
     await live.enqueue("echo", id="doomed")
     [copy] = await worker.jobs(1)
-    db = sqlite3.connect(live.settings.db)
-    db.execute("CREATE TRIGGER refuse BEFORE UPDATE OF state ON jobs WHEN NEW.state = 'completed'"
-               " BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
-    db.commit()
-    ack = await worker.complete(copy, result=1)
-    assert ack.get("accepted", []) == []
-    [rejection] = ack["rejected"]
-    assert rejection["attempt"] == 1 and "disk says no" in rejection["reason"]
-    assert (await live.job("doomed"))["state"] == "active"
-    db.execute("DROP TRIGGER refuse")
-    db.commit()
-    db.close()
+    with contextlib.closing(sqlite3.connect(live.settings.db, isolation_level=None)) as db:
+        db.execute("CREATE TRIGGER refuse BEFORE UPDATE OF state ON jobs"
+                   " WHEN NEW.state = 'completed' BEGIN SELECT RAISE(ABORT, 'disk says no'); END")
+        ack = await worker.complete(copy, result=1)
+        assert ack.get("accepted", []) == []
+        [rejection] = ack["rejected"]
+        assert rejection["attempt"] == 1 and "disk says no" in rejection["reason"]
+        assert (await live.job("doomed"))["state"] == "active"
+        db.execute("DROP TRIGGER refuse")
     ack = await worker.complete(copy, result=2)
     assert ack["accepted"] == ["doomed"]
     assert (await live.job("doomed"))["result"] == 2

@@ -3,6 +3,7 @@ trades the machine's crash for speed. Both keep a commit atomic."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -42,7 +43,7 @@ async def test_a_process_durable_server_stores_and_serves(tmp_path: Path) -> Non
             " VALUES ('t', 'n', 'admin', '[]', 'h', 0)"))
     finally:
         await coordinator.stop()
-    with sqlite3.connect(tmp_path / "r.db") as check:
+    with contextlib.closing(sqlite3.connect(tmp_path / "r.db")) as check:
         assert check.execute("SELECT count(*) FROM tokens").fetchone()[0] == 1
 
 

@@ -12,6 +12,7 @@ header Rota reads. For each (place, payload) pair:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -144,7 +145,7 @@ class Watch:
 
 
 def stored(live: Live) -> list[Any]:
-    with sqlite3.connect(live.settings.db) as conn:
+    with contextlib.closing(sqlite3.connect(live.settings.db)) as conn:
         return conn.execute("SELECT * FROM jobs WHERE id LIKE 'keep-%' ORDER BY id").fetchall()
 
 

@@ -4,6 +4,7 @@ gets its own answer, after its own job is committed, or its own error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import sqlite3
 from pathlib import Path
@@ -16,7 +17,7 @@ from rota.producer import AsyncClient, AsyncJob
 
 
 def stored_ids(live: Live) -> set[str]:
-    with sqlite3.connect(live.settings.db) as db:
+    with contextlib.closing(sqlite3.connect(live.settings.db)) as db:
         return {row[0] for row in db.execute("SELECT id FROM jobs")}
 
 

@@ -250,7 +250,7 @@ class ProtocolModel(RuleBasedStateMachine):
             for job_id in client.held:
                 assert job_id not in holders, f"{job_id} held by {holders[job_id]} and {client.id}"
                 holders[job_id] = client.id
-        with sqlite3.connect(self.live.settings.db) as conn:
+        with contextlib.closing(sqlite3.connect(self.live.settings.db)) as conn:
             rows = dict(conn.execute("SELECT id, state FROM jobs").fetchall())
             owners = dict(conn.execute("SELECT id, worker_id FROM jobs WHERE state = 'active'"))
         assert set(rows) == self.enqueued  # none lost, none made up

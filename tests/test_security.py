@@ -5,6 +5,7 @@ keeps working, and that no stored job changed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -79,7 +80,7 @@ async def bystander_still_works(live: Live) -> None:
 
 
 def stored_jobs(live: Live) -> list[tuple[Any, ...]]:
-    with sqlite3.connect(live.settings.db) as conn:
+    with contextlib.closing(sqlite3.connect(live.settings.db)) as conn:
         return conn.execute("SELECT id, state, attempt, result FROM jobs ORDER BY id").fetchall()
 
 
@@ -191,7 +192,7 @@ async def test_revoking_a_token_disconnects_its_worker(guarded: Live, tmp_path: 
 
 async def test_tokens_are_stored_hashed_and_listed_without_secrets(guarded: Live):
     secret = await make_token(guarded, "producer")
-    with sqlite3.connect(guarded.settings.db) as conn:
+    with contextlib.closing(sqlite3.connect(guarded.settings.db)) as conn:
         stored = " ".join(str(v) for row in conn.execute("SELECT * FROM tokens") for v in row)
     assert secret.split("_", 2)[2] not in stored
     listing = CliRunner().invoke(main, ["tokens", "list", "--db", str(guarded.settings.db)])
