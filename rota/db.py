@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import importlib.metadata
 import logging
 import os
@@ -321,8 +322,7 @@ def migrate(path: Path) -> None:
     conn = connect(path)
     try:
         database = sqlite_utils.Database(conn)
-        # Every migration this Rota has: what an empty database would still need.
-        known = {m.name for m in migrations.pending(sqlite_utils.Database(memory=True))}
+        known = _known_migrations()
         unknown = [m.name for m in migrations.applied(database) if m.name not in known]
         if unknown:  # its schema may mean what this Rota cannot read, or would undo
             by = database.execute("SELECT value FROM meta WHERE key = 'migrated_by'"
@@ -335,6 +335,16 @@ def migrate(path: Path) -> None:
                              " ('migrated_by', ?)", (_version(),))
     finally:
         conn.close()
+
+
+@functools.cache
+def _known_migrations() -> frozenset[str]:
+    """Every migration this Rota has: what an empty database would still need."""
+    empty = sqlite_utils.Database(memory=True)
+    try:
+        return frozenset(m.name for m in migrations.pending(empty))
+    finally:
+        empty.close()
 
 
 def _version() -> str:
