@@ -171,7 +171,8 @@ def main(ctx: click.Context) -> None:
 
 # Commands that run the server's code (or open its database), and the packages only they
 # need: a worker's or producer's install ('pip install rota') leaves those out.
-SERVER_COMMANDS = frozenset({"serve", "demo", "tokens"})
+# (`rota tokens` needs them only on the file: over the API, with --url, it is a client.)
+SERVER_COMMANDS = frozenset({"serve", "demo"})
 SERVER_PACKAGES = frozenset({"starlette", "uvicorn", "sqlite_utils", "httptools"})
 
 
@@ -674,6 +675,7 @@ def _over_api(url: str | None) -> bool:
 def _token_file(db: Path, *, create: bool = False, offer_create: bool = False) -> Path:
     """The database file, which must exist unless ``create``: a mistyped --db, or a run
     in another directory, would otherwise make a new database the server never reads."""
+    _need_server("tokens")
     if not create and not db.exists():
         _fail(f"no database at {db.resolve()}: pass the server's file with --db, or use the"
               " server's API with --url and an admin --token"
@@ -714,9 +716,7 @@ def tokens() -> None:
 def tokens_create(scope: str, queues: str | None, name: str | None, create_db: bool,
                   db: Path, url: str | None) -> None:
     """Create a token and print it. It is shown only this once: the store keeps a hash."""
-    from rota.auth import new_token
     from rota.specs import NAME_PATTERN
-    from rota.store import create_token
 
     limited = [q.strip() for q in queues.split(",") if q.strip()] if queues else None
     for queue in limited or []:
@@ -727,8 +727,12 @@ def tokens_create(scope: str, queues: str | None, name: str | None, create_db: b
         made = _api(url, "create_token", scope, name=name, queues=limited)
         token_id, secret = made["id"], made["token"]
     else:
+        path = _token_file(db, create=create_db, offer_create=True)
+        from rota.auth import new_token
+        from rota.store import create_token
+
         token_id, secret, hashed = new_token()
-        _on_file(create_token, _token_file(db, create=create_db, offer_create=True),
+        _on_file(create_token, path,
                  name=name or f"{scope}-{token_id}", scope=scope, queues=limited,
                  token_id=token_id, hashed=hashed)
     click.echo(secret)
@@ -740,13 +744,14 @@ def tokens_create(scope: str, queues: str | None, name: str | None, create_db: b
 @TOKENS_TARGET
 def tokens_list(db: Path, url: str | None) -> None:
     """The live tokens: id, name, scope, queues, when created (never the secret)."""
-    from rota.store import list_tokens, token_view
-
     if _over_api(url):
         assert url is not None
         rows = _api(url, "tokens")["tokens"]
     else:
-        rows = [token_view(row) for row in _on_file(list_tokens, _token_file(db))]
+        path = _token_file(db)
+        from rota.store import list_tokens, token_view
+
+        rows = [token_view(row) for row in _on_file(list_tokens, path)]
     if not rows:
         click.echo("no tokens: the server runs open (loopback only)")
     for row in rows:
@@ -760,13 +765,15 @@ def tokens_list(db: Path, url: str | None) -> None:
 @TOKENS_TARGET
 def tokens_revoke(which: str, db: Path, url: str | None) -> None:
     """Revoke TOKEN (its id or name): its calls are refused and its workers disconnected."""
-    from rota.store import revoke_token
-
     if _over_api(url):
         assert url is not None
         _api(url, "revoke_token", which)
-    elif not _on_file(revoke_token, _token_file(db), which):
-        _fail(f"no live token with id or name {which!r}")
+    else:
+        path = _token_file(db)
+        from rota.store import revoke_token
+
+        if not _on_file(revoke_token, path, which):
+            _fail(f"no live token with id or name {which!r}")
     click.echo(f"revoked {which}")
 
 

@@ -113,3 +113,12 @@ def test_server_commands_say_what_to_install_in_one_line(tmp_path: Path):
         [line] = done.stderr.strip().splitlines()
         assert f"'rota {command[0]}'" in line and "pip install 'rota[server]'" in line
     assert not list(tmp_path.iterdir())  # no database was made on the way
+
+
+def test_tokens_over_the_api_need_no_server_packages(tmp_path: Path):
+    done = run_slim("from rota.cli import main\n"
+                    "main(['tokens', 'list', '--url', 'http://127.0.0.1:9', '--token', 'x'])\n",
+                    tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert "cannot reach Rota" in line and "rota[server]" not in line  # a client, nothing more
