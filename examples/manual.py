@@ -2,6 +2,7 @@
 ROTA_URL and ROTA_TOKEN (a worker token) as `rota worker` does. Ctrl-C stops it."""
 
 import asyncio
+import logging
 import os
 from typing import Any
 
@@ -25,4 +26,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)  # the worker's lines: connected, each job, ...
     asyncio.run(main())
