@@ -11,7 +11,6 @@ import contextlib
 import errno
 import importlib
 import importlib.resources
-import ipaddress
 import json
 import re
 import signal
@@ -110,7 +109,7 @@ def _say(url: str, exc: ApiError) -> str:
     if exc.code == "bad_url":
         return f"{url!r} is not a server URL: {base}"
     if exc.code == "not_found" and exc.message.startswith("no route "):
-        return f"{url} has no such route ({exc.message.split(':')[0][9:]}): {base}"
+        return f"{url} answers 404 for this command's route: {base}"
     return f"{exc.message} ({exc.code})"
 
 
@@ -280,7 +279,7 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     """
     from rota.db import NewerDatabase, storage_error
     from rota.server import serve as run_server
-    from rota.settings import ServerSettings
+    from rota.settings import ServerSettings, loopback
     from rota.store import list_tokens
 
     logs.configure(log_level)
@@ -294,7 +293,7 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
         storage = storage_error(exc)
         _fail(f"cannot open the database {db}: "
               + (f"{storage.message} [{storage.code}]" if storage is not None else str(exc)))
-    if not tokens and not _loopback(options["host"]) and not insecure:
+    if not tokens and not loopback(options["host"]) and not insecure:
         _fail(f"refusing to serve on {options['host']} with no tokens: anyone who reaches it could"
               " take jobs and give orders. Create one with 'rota tokens create --scope admin',"
               " or pass --insecure")
@@ -335,12 +334,6 @@ def _hold_database(db: Path) -> None:
     except OSError as exc:
         _fail(f"cannot open the database {db}: {exc.strerror} ({exc.filename})")
 
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

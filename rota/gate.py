@@ -5,7 +5,6 @@ accepted socket. Routes then check the scope they need (``need``).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from typing import Any
@@ -17,6 +16,7 @@ from rota.auth import Principal
 from rota.coordinator import Coordinator
 from rota.logs import printable
 from rota.policy import TokenBucket
+from rota.settings import loopback
 
 log = logging.getLogger("rota.server")
 REFUSALS_LOGGED = 1.0  # refusal lines a second, on average (bursts of 10)
@@ -129,10 +129,10 @@ def _client(scope: Scope) -> Any:
 def _host_allowed(host: str, bind: str) -> bool:
     """Whether a Host header may reach a server bound to ``bind`` while auth is off:
     any, if it listens beyond loopback (run so with --insecure); else only loopback names."""
-    if not _loopback(bind):
+    if not loopback(bind):
         return True
     name = _host_name(host)
-    return name == bind or _loopback(name)
+    return name == bind or loopback(name)
 
 
 def _host_name(host: str) -> str:
@@ -140,12 +140,3 @@ def _host_name(host: str) -> str:
     if host.startswith("["):
         return host[1:host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-def _loopback(name: str) -> bool:
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False

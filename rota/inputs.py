@@ -85,8 +85,9 @@ def too_deep(data: bytes, limit: int = MAX_DEPTH) -> bool:
 def screen(data: bytes | str) -> bytes:
     """``data`` as bytes, refused with BadJson if it is not UTF-8 ("invalid_utf8") or
     nests past MAX_DEPTH ("too_deep")."""
-    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
-    if not raw.isascii():
+    if isinstance(data, str):  # already text (the WebSocket layer checked it): no 2nd check
+        raw = data.encode("utf-8", "surrogatepass")
+    elif not (raw := data).isascii():
         # Checked whole, up front: the decoder checks only the strings it decodes, and a
         # part kept raw (a batch's requests) would fail later, somewhere less prepared.
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,3 +64,14 @@ class ServerSettings:
     ssl_keyfile: str | None = None
     # Test switch: exit abruptly at a named point (see docs/reliability.md). Never in production.
     crash_at: str | None = None
+
+
+def loopback(host: str) -> bool:
+    """Whether a host name or address is this machine's loopback: the only place a server
+    without tokens listens, and the only names it answers to (rota/gate.py)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
