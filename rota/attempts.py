@@ -99,8 +99,8 @@ def end_attempt(job: Job, ending: Ending, error: p.ErrorInfo, now: Instant,
     job.run_at = decision.run_at
     job.due = None if decision.run_at is None else now.deadline(decision.run_at)
     log.info("attempt ended job=%s spec=%s@%s queue=%s worker=%s attempt=%d ending=%s"
-             " next=%s%s", job.id, job.spec, short(job.checksum), job.queue, job.worker_id,
-             job.attempt, ending, decision.state,
+             " next=%s duration_ms=%s%s", job.id, job.spec, short(job.checksum), job.queue,
+             job.worker_id, job.attempt, ending, decision.state, job.took_ms(now.wall),
              f" reason={decision.reason!r}" if decision.reason else "")
     terminal = decision.state in TERMINAL_STATES
     return Change(job, error=record, finished_at=now.wall if terminal else None)

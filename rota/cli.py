@@ -55,6 +55,11 @@ def _token() -> str | None:
     token: str | None = click.get_current_context().meta.get("rota.token")
     return token
 LEVELS = click.Choice(["debug", "info", "warning", "error"])
+_LOG_FORMAT = click.option(
+    "--log-format", envvar="ROTA_LOG_FORMAT", show_envvar=True, default="text",
+    show_default=True, type=click.Choice(logs.FORMATS),
+    help="text: one readable line a record; json: one JSON object a line (time, level,"
+         " logger, message, and fields such as job, spec, queue, worker, duration_ms).")
 SERVER_SWITCH_INTERVAL = 0.0005  # seconds: see serve()
 
 
@@ -194,6 +199,7 @@ def _need_server(command: str) -> None:
 @click.option("--db", envvar="ROTA_DB", default="rota.db", show_default=True, show_envvar=True,
               type=click.Path(dir_okay=False, path_type=Path), help="SQLite database file.")
 @click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True, show_envvar=True, type=LEVELS)
+@_LOG_FORMAT
 @click.option("--heartbeat-interval", envvar="ROTA_HEARTBEAT_INTERVAL", default=1.0, show_default=True, show_envvar=True,
               help="Seconds between worker heartbeats (told to workers in the welcome).")
 @click.option("--heartbeat-timeout", envvar="ROTA_HEARTBEAT_TIMEOUT", default=5.0, show_default=True, show_envvar=True,
@@ -270,8 +276,8 @@ def _need_server(command: str) -> None:
               type=click.Choice(["enqueue-before-commit", "enqueue-after-commit",
                                  "reserve-after-commit", "result-after-commit"]),
               help="Test switch: exit abruptly at this point (crash-safety tests).")
-def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, ...],
-          **options: Any) -> None:
+def serve(db: Path, log_level: str, log_format: str, insecure: bool,
+          allowed_origins: tuple[str, ...], **options: Any) -> None:
     """Run the Rota server: /work for workers, the HTTP API for everyone else.
 
     With no token created ('rota tokens create') it runs open, and then only on a loopback
@@ -282,7 +288,7 @@ def serve(db: Path, log_level: str, insecure: bool, allowed_origins: tuple[str, 
     from rota.settings import ServerSettings, loopback
     from rota.store import list_tokens
 
-    logs.configure(log_level)
+    logs.configure(log_level, log_format)
     _hold_database(db)  # first: a second server must not even migrate the file
     sock = _listen(options["host"], options["port"])  # then: a busy port touches no file
     try:  # opens the file and applies any migration: the first write of a start
@@ -350,6 +356,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 @URL_OPTION
 @click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True,
               show_envvar=True, type=LEVELS, help="The least severe lines the worker logs.")
+@_LOG_FORMAT
 @click.option("--concurrency", envvar="ROTA_CONCURRENCY", show_envvar=True,
               type=click.IntRange(1, 2**31 - 1), default=None,
               help="Jobs run at once (default: the Worker's own).")
@@ -365,8 +372,9 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
               type=click.IntRange(0, MAX_PREFETCH), default=None,
               help="The most jobs to hold beyond the worker's concurrency, waiting to"
               " start (default: the Worker's own, 32 x its concurrency unless set; 0: none).")
-def worker(target: str, url: str, log_level: str, concurrency: int | None, queues: str | None,
-           labels: tuple[str, ...], specs_dir: Path | None, prefetch: int | None) -> None:
+def worker(target: str, url: str, log_level: str, log_format: str, concurrency: int | None,
+           queues: str | None, labels: tuple[str, ...], specs_dir: Path | None,
+           prefetch: int | None) -> None:
     """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
 
     Signals: SIGTERM takes no new jobs, gives back the jobs waiting in its prefetch line,
@@ -375,7 +383,7 @@ def worker(target: str, url: str, log_level: str, concurrency: int | None, queue
     without waiting. A second SIGTERM or SIGINT takes the fast path. SIGTSTP goes quiet
     (no new jobs; the line goes back); SIGCONT resumes.
     """
-    logs.configure(log_level)
+    logs.configure(log_level, log_format)
     instance = _import_worker(target)
     instance.url = ws_url(url)
     instance.token = _token() or instance.token

@@ -390,11 +390,12 @@ class Engine(Intake, Reservations):
                 job = change.job
                 if job.state == JobState.COMPLETED:
                     completed.append((job.id, job.spec, short(job.checksum), job.queue,
-                                      worker_id, job.attempt))
+                                      worker_id, job.attempt,
+                                      job.took_ms(change.finished_at or now.wall)))
                 self._remember(job.id, worker_id, job.attempt)
                 effects += self._place(job)
             log_lines(log, logging.INFO, "result job=%s spec=%s@%s queue=%s worker=%s"
-                      " attempt=%d outcome=completed", completed)
+                      " attempt=%d outcome=completed duration_ms=%s", completed)
             effects.append(Wake())
             accepted += [c.job.id for c in changes]
         connection = self.registry.get(worker_id, conn)

@@ -11,6 +11,11 @@ queued before them, so that a line that matters is never held back, even by a cr
 A hot path that logs one line per job of a batch (each job of an ``assign``, each result
 of a heartbeat) logs one record whose message is ``Lines``: the caller pays for one
 record, and the background thread writes one line per job, each with the usual prefix.
+
+``--log-format json`` swaps only the formatter (``JsonFormatter``): one JSON object a
+line. The callers keep logging ``"assign job=%s spec=%s@%s ..."`` as before; the fields
+are read off the format string (once per format, cached) and paired with the record's
+arguments on the background thread, so JSON costs the event loop nothing more.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import operator
+import re
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any, TextIO
+
+import msgspec
 
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s %(message)s"
 FLUSH_EVERY = 0.05  # seconds: the longest an INFO line waits when the thread is not woken
@@ -82,6 +91,114 @@ class Formatter(logging.Formatter):
             self._second = second
             self._prefix = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
         return f"{self._prefix},{int(record.msecs):03d}"
+
+
+# One %-conversion of a format string, with the ``key=`` (or the ``@`` of spec@checksum)
+# just before it; and a literal ``key=value`` (``outcome=completed``, ``by=server``).
+_CONVERSION = re.compile(r"(?:(\w+)=|(@))?%(?:\((\w+)\))?[-#0 +]*\d*(?:\.\d+)?[a-zA-Z%]")
+_LITERAL = re.compile(r"(?<![\w%])(\w+)=([^\s%=]+)(?=\s|$)")
+FORMATS_KEPT = 1000  # formats whose plan is cached; a message built per call (an f-string)
+# must not grow the cache without bound
+
+
+class _Plan:
+    """What a format string says about its arguments: which argument is which field
+    (``names`` and ``pick``, an itemgetter of those arguments: by position, or by key
+    for a %(key)s format), and what is the same on every line of it (``static``: the
+    literal fields, and ``event``, the words before the first field: "assign",
+    "attempt ended")."""
+
+    __slots__ = ("names", "pick", "static")
+
+    def __init__(self, fmt: str) -> None:
+        fields: list[tuple[int | str, str]] = []
+        self.static: dict[str, str] = {}
+        index, last, first = 0, "", None
+        for match in _CONVERSION.finditer(fmt):
+            name, at, key = match.group(1), match.group(2), match.group(3)
+            if match.group(0).endswith("%") and not key:
+                continue  # "%%": no argument
+            label = name or ("checksum" if at and last == "spec" else None)
+            if label is not None and label not in _BASE:
+                fields.append((key or index, label))
+            if label is not None:
+                first = match.start() if first is None else first
+            last = label or ""
+            index += 1
+        for match in _LITERAL.finditer(fmt):
+            if match.group(1) not in _BASE:
+                self.static[match.group(1)] = match.group(2).rstrip(":,;")
+            first = match.start() if first is None else min(first, match.start())
+        words = fmt[:first].strip().rstrip(":") if first else ""
+        if words and "%" not in words:
+            self.static = {"event": words, **self.static}
+        self.names = tuple(name for _, name in fields)
+        self.pick = operator.itemgetter(*(where for where, _ in fields)) if fields else None
+
+    def into(self, line: dict[str, Any], args: Any) -> None:
+        line.update(self.static)
+        if self.pick is None or not args:
+            return
+        try:
+            values = self.pick(args)
+        except (IndexError, KeyError, TypeError):
+            return  # a format and arguments that disagree: getMessage has said so
+        if len(self.names) == 1:
+            line[self.names[0]] = values
+        else:
+            line.update(zip(self.names, values))
+
+
+_PLANS: dict[str, _Plan] = {}
+_BASE = frozenset({"time", "level", "logger", "message", "exc_info", "stack_info"})
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ``time`` (RFC 3339, UTC), ``level``, ``logger``,
+    ``message`` (the text line's message), and for a line with ``key=value`` parts its
+    ``event`` and each field with its value as logged (a number stays a number)."""
+
+    _second = -1
+    _prefix = ""
+    _encode = msgspec.json.Encoder(enc_hook=str).encode
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = self._head(record)
+        line["message"] = record.getMessage()
+        if type(record.msg) is str:
+            self._plan(record.msg).into(line, record.args)
+        if record.exc_info:
+            line["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            line["stack_info"] = record.stack_info
+        return self._encode(line).decode()
+
+    def format_lines(self, lines: list[str], record: logging.LogRecord, batch: Lines) -> None:
+        """A batch's lines: what they share (time, level, logger, the plan) made once,
+        not once a row as ``format`` would (the hot path: a line per job)."""
+        head, plan, fmt, encode = self._head(record), self._plan(batch.fmt), batch.fmt, self._encode
+        for row in batch.rows:
+            line = head.copy()
+            line["message"] = fmt % row
+            plan.into(line, row)
+            lines.append(encode(line).decode())
+
+    def _head(self, record: logging.LogRecord) -> dict[str, Any]:
+        second = int(record.created)
+        if second != self._second:
+            self._second = second
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return {"time": f"{self._prefix}.{int(record.msecs):03d}Z",
+                "level": record.levelname, "logger": record.name}
+
+    @staticmethod
+    def _plan(fmt: str) -> _Plan:
+        plan = _PLANS.get(fmt)
+        if plan is None:
+            if len(_PLANS) >= FORMATS_KEPT:
+                _PLANS.clear()
+            plan = _PLANS[fmt] = _Plan(fmt)
+        return plan
 
 
 class LeanRecord(logging.LogRecord):
@@ -176,6 +293,9 @@ class BackgroundHandler(logging.Handler):
         if not isinstance(message, Lines):
             lines.append(self.format(record))
             return
+        if isinstance(self.formatter, JsonFormatter):
+            self.formatter.format_lines(lines, record, message)
+            return
         for row in message.rows:  # one line each, as if each had been logged alone
             record.msg, record.args = message.fmt, row
             lines.append(self.format(record))
@@ -193,7 +313,10 @@ class BackgroundHandler(logging.Handler):
             self.flush()
 
 
-def configure(level: str = "info") -> None:
+FORMATS = ("text", "json")
+
+
+def configure(level: str = "info", fmt: str = "text") -> None:
     # What a record would otherwise gather and the format never shows; these switches
     # are the ones the logging documentation names for this.
     logging._srcfile = None  # type: ignore[attr-defined]
@@ -202,7 +325,7 @@ def configure(level: str = "info") -> None:
     logging.logMultiprocessing = False
     logging.setLogRecordFactory(LeanRecord)
     handler = BackgroundHandler()
-    handler.setFormatter(Formatter(FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else Formatter(FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     # uvicorn's per-connection chatter says nothing Rota's own lines don't.
     logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, logging.getLogger().level))

@@ -127,12 +127,20 @@ class Job:
     capture_logs: bool = False  # the producer asked for the job's log lines
     created_by: str | None = None  # the id of the token that enqueued it
     log_lines: int = 0  # captured lines taken (this server run)
+    reserved_at: float | None = None  # wall: its attempt's assignment (a result's duration)
 
     def move(self, to: JobState) -> None:
         """Change state, refusing a move the lifecycle does not allow."""
         if to != self.state and to not in TRANSITIONS[JobState(self.state)]:
             raise InvalidTransition(self.id, self.state, to)
         self.state = to
+
+    def took_ms(self, until: float) -> int | None:
+        """Milliseconds from its attempt's assignment to ``until`` (wall), for the log;
+        None if the assignment is not known."""
+        if self.reserved_at is None:
+            return None
+        return max(0, round((until - self.reserved_at) * 1000))
 
     def clocks(self, now: Instant) -> None:
         """Derive the monotonic deadlines from the stored wall-clock moments."""

@@ -106,6 +106,7 @@ class Reservations:
                       " attempt=%d", [(job.id, job.spec, short(job.checksum), job.queue,
                                        worker_id, job.attempt) for job in live])
             for job in live:
+                job.reserved_at = at.wall  # as the reservation wrote it
                 # Frames of about ASSIGN_BYTES at most: a round for a worker with a long
                 # line of large jobs would otherwise be one frame of many megabytes, built
                 # whole in memory and past what most WebSocket clients accept by default.

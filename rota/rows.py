@@ -78,7 +78,7 @@ _LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max
          "max_fails", "backoff_base", "backoff_max", "max_worker_deaths", "visibility_timeout",
          "state", "attempt", "worker_id", "checksum", "run_at", "expires_at",
          "lease_expires_at", "fails", "deaths", "budget_start", "cancel_requested",
-         "capture_logs", "created_by")
+         "capture_logs", "created_by", "reserved_at")
 
 
 # Claims: rows reserved only if they are still available, and read back whole.
@@ -107,7 +107,7 @@ def live_job(r: tuple[Any, ...]) -> Job:
     (seq, job_id, spec, queue, args, priority, enqueued_at, max_attempts, max_fails,
      backoff_base, backoff_max, max_deaths, visibility_timeout, state, attempt, worker_id,
      checksum, run_at, expires_at, lease_expires_at, fails, deaths, budget_start,
-     cancel_requested, capture_logs, created_by) = r
+     cancel_requested, capture_logs, created_by, reserved_at) = r
     intern = sys.intern
     limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
                            backoff_max or 3600.0, max_deaths or 3)
@@ -120,7 +120,8 @@ def live_job(r: tuple[Any, ...]) -> Job:
                expires_at=expires_at, lease_expires_at=lease_expires_at, fails=fails,
                deaths=deaths, budget_start=budget_start,
                cancel_requested=bool(cancel_requested), capture_logs=bool(capture_logs),
-               created_by=None if created_by is None else intern(created_by))
+               created_by=None if created_by is None else intern(created_by),
+               reserved_at=reserved_at)
 
 
 def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
@@ -133,4 +134,5 @@ def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
                run_at=r["run_at"], expires_at=r["expires_at"],
                lease_expires_at=r["lease_expires_at"], fails=r["fails"], deaths=r["deaths"],
                budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
-               capture_logs=bool(r["capture_logs"]), created_by=r["created_by"])
+               capture_logs=bool(r["capture_logs"]), created_by=r["created_by"],
+               reserved_at=r["reserved_at"])

@@ -5,13 +5,15 @@ usual prefix, in order with the records around it."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import sys
 import threading
+from datetime import datetime
 
 import pytest
 
-from rota.logs import FORMAT, BackgroundHandler, Formatter, LeanRecord, Lines, log_lines
+from rota.logs import FORMAT, BackgroundHandler, Formatter, JsonFormatter, LeanRecord, Lines, log_lines
 
 
 def _record(factory: type[logging.LogRecord], msg: str, args: object,
@@ -102,3 +104,78 @@ def test_a_batch_is_written_one_line_per_row_with_its_prefix():
 
 def test_elsewhere_a_batch_reads_as_one_message_of_several_lines():
     assert str(Lines("job=%s", [("a",), ("b",)])) == "job=a\njob=b"
+
+
+# -- --log-format json --------------------------------------------------------------------
+def _json_lines(*records: logging.LogRecord) -> list[dict[str, object]]:
+    stream = io.StringIO()
+    handler = BackgroundHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    try:
+        for record in records:
+            handler.handle(record)
+        handler.flush()
+    finally:
+        handler.close()
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_a_json_line_carries_the_fields_of_its_format():
+    [line] = _json_lines(_record(
+        LeanRecord, "result job=%s spec=%s@%s queue=%s worker=%s attempt=%d"
+        " outcome=completed duration_ms=%s", ("j1", "echo", "sha256:ab", "mail", "w1", 2, 15)))
+    assert line.pop("message") == ("result job=j1 spec=echo@sha256:ab queue=mail worker=w1"
+                                   " attempt=2 outcome=completed duration_ms=15")
+    stamp = line.pop("time")
+    assert isinstance(stamp, str) and stamp.endswith("Z")
+    assert datetime.fromisoformat(stamp).tzinfo is not None
+    assert line == {"level": "INFO", "logger": "rota.server", "event": "result",
+                    "outcome": "completed", "job": "j1", "spec": "echo",
+                    "checksum": "sha256:ab", "queue": "mail", "worker": "w1", "attempt": 2,
+                    "duration_ms": 15}
+
+
+@pytest.mark.parametrize("msg, args, fields", [
+    ("no fields at all", (), {}),
+    ("100%% done job=%s", ("j",), {"job": "j"}),  # "%%" takes no argument
+    ("keyed %(job)s n=%(n)d", ({"job": "j2", "n": 3},), {"n": 3}),
+    ("outbox %s worker=%s", ("full", "w1"), {"worker": "w1"}),  # no event: words vary
+    ("directed by the server: state=%s", ("quiet",), {"event": "directed by the server",
+                                                      "state": "quiet"}),
+    ("job failed job=%s error=%s: %s", ("j", "ValueError", "boom"),
+     {"event": "job failed", "job": "j", "error": "ValueError"}),
+    ("level=%s message=%r", ("x", "forged"), {"event": None}),  # base keys are not replaced
+])
+def test_json_fields_follow_the_format(msg: str, args: tuple[object, ...],
+                                       fields: dict[str, object]):
+    [line] = _json_lines(_record(LeanRecord, msg, args))
+    assert line["message"] == msg % (args[0] if len(args) == 1 and isinstance(args[0], dict)
+                                     else args)
+    assert line["level"] == "INFO"
+    for key, value in fields.items():
+        assert line.get(key) == value, (key, line)
+
+
+def test_a_json_batch_is_one_object_per_row_as_if_logged_alone():
+    fmt = "assign job=%s spec=%s@%s queue=%s worker=%s attempt=%d"
+    rows = [("a", "echo", "sha256:1", "q", "w", 1), ("b", "echo", "sha256:1", "q", "w", 3)]
+    batch = _json_lines(_record(LeanRecord, Lines(fmt, rows), ()))  # type: ignore[arg-type]
+    alone = _json_lines(*(_record(LeanRecord, fmt, row) for row in rows))
+    for line in batch + alone:
+        line.pop("time")
+    assert batch == alone and [line["job"] for line in batch] == ["a", "b"]
+    assert batch[1]["attempt"] == 3 and batch[1]["event"] == "assign"
+
+
+def test_a_json_line_keeps_a_traceback_and_survives_bad_arguments():
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        info = sys.exc_info()
+    [line] = _json_lines(_record(LeanRecord, "failed job=%s", ("x",), info))
+    assert line["job"] == "x" and "ValueError: boom" in str(line["exc_info"])
+    # A value JSON has no word for is written as its text; a line is one line.
+    [line] = _json_lines(_record(LeanRecord, "odd job=%s", (object(),)))
+    assert str(line["job"]).startswith("<object object")
+    [line] = _json_lines(_record(LeanRecord, "two\nlines job=%s", ("x\ny",)))
+    assert line["job"] == "x\ny"
