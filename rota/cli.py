@@ -23,37 +23,18 @@ from typing import Any
 
 import click
 
-from rota import logs
-from rota.client import ApiError, Client, ws_url
+from rota import cli_ops, logs
+from rota.cli_base import TOKEN_OPTION as _TOKEN
+from rota.cli_base import URL_OPTION
+from rota.cli_base import api as _api
+from rota.cli_base import fail as _fail
+from rota.cli_base import print_json as _print_json
+from rota.cli_base import token as _token
+from rota.client import ws_url
 from rota.protocol import MAX_PREFETCH
 from rota.retention import parse_duration, parse_rule
 from rota.specs import SpecError, checksum, load_dir
 
-_URL = click.option(
-    "--url", envvar="ROTA_URL", show_envvar=True, default="http://127.0.0.1:8000",
-    show_default=True, help="Base URL of the Rota server.",
-)
-
-
-def _keep_token(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    if value:
-        ctx.meta["rota.token"] = value
-
-
-_TOKEN = click.option(
-    "--token", envvar="ROTA_TOKEN", show_envvar=True, expose_value=False, callback=_keep_token,
-    help="Bearer token for the server (printed once by 'rota tokens create').",
-)
-
-
-def URL_OPTION(command: Callable[..., Any]) -> Callable[..., Any]:  # noqa: N802
-    """--url and --token, for every command that talks to a server."""
-    return _URL(_TOKEN(command))
-
-
-def _token() -> str | None:
-    token: str | None = click.get_current_context().meta.get("rota.token")
-    return token
 LEVELS = click.Choice(["debug", "info", "warning", "error"])
 _LOG_FORMAT = click.option(
     "--log-format", envvar="ROTA_LOG_FORMAT", show_envvar=True, default="text",
@@ -90,36 +71,6 @@ class _RetainRule(click.ParamType):
 
 
 _DURATION, _RETAIN_RULE = _Duration(), _RetainRule()
-
-
-def _fail(message: str) -> None:
-    click.secho(f"error: {message}", fg="red", err=True)
-    sys.exit(1)
-
-
-def _api(url: str, action: str, *args: Any, **kwargs: Any) -> Any:
-    try:
-        with Client(url, token=_token()) as client:
-            return getattr(client, action)(*args, **kwargs)
-    except ApiError as exc:
-        _fail(_say(url, exc))
-
-
-def _say(url: str, exc: ApiError) -> str:
-    """An API error as one line a person can act on from the command line."""
-    base = "--url is the server's base URL, such as http://127.0.0.1:8000 (not /work)"
-    if exc.code == "unauthorized":
-        return ("the server wants a token: set ROTA_TOKEN or pass --token (one from 'rota"
-                " tokens create', of a scope that may do this)")
-    if exc.code == "bad_url":
-        return f"{url!r} is not a server URL: {base}"
-    if exc.code == "not_found" and exc.message.startswith("no route "):
-        return f"{url} answers 404 for this command's route: {base}"
-    return f"{exc.message} ({exc.code})"
-
-
-def _print_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
 def _print_job(data: dict[str, Any]) -> None:
@@ -589,7 +540,7 @@ def run(url: str, spec: str, args_json: str, job_id: str | None, wait: float,
 
 @main.group()
 def workers() -> None:
-    """See connected workers; quiet or terminate them (rolling deploys)."""
+    """See connected workers; quiet, resume or terminate them (rolling deploys)."""
 
 
 def _prefetched(worker: dict[str, Any]) -> str:
@@ -623,7 +574,7 @@ def _usage(worker: dict[str, Any]) -> str:
     return f"  cpu={worker['cpu_percent'] or 0:.0f}% rss={worker['memory_rss'] / 2**20:.0f}MiB"
 
 
-def _directive(state: str) -> Callable[..., None]:
+def _directive(name: str, state: str) -> Callable[..., None]:
     def command(worker_id: str | None, label: str | None, every: bool, url: str) -> None:
         if sum((worker_id is not None, label is not None, every)) != 1:
             _fail("name one worker ID, or --label LABEL, or --all")
@@ -631,18 +582,20 @@ def _directive(state: str) -> Callable[..., None]:
         for worker in reply["workers"]:
             click.echo(f"{worker}: {state}")
         if not reply["workers"]:  # a typo in a label must not pass for success in a deploy
-            _fail(f"no connected worker{f' with label {label!r}' if label else ''} to {state}")
+            _fail(f"no connected worker{f' with label {label!r}' if label else ''} to {name}")
 
     return command
 
 
-for _state, _help in (("quiet", "Stop sending jobs to workers; they finish what they run."),
-                      ("terminate", "Workers finish their jobs within their grace period, then exit.")):
-    workers.command(_state, help=_help)(
+for _name, _state, _help in (
+        ("quiet", "quiet", "Stop sending jobs to workers; they finish what they run."),
+        ("resume", "running", "Quiet workers take jobs again."),
+        ("terminate", "terminate", "Workers finish their jobs within their grace period, then exit.")):
+    workers.command(_name, help=_help)(
         click.argument("worker_id", required=False)(
             click.option("--label", help="Every worker with this label.")(
                 click.option("--all", "every", is_flag=True, help="Every connected worker.")(
-                    URL_OPTION(_directive(_state))))))
+                    URL_OPTION(_directive(_name, _state))))))
 
 
 DB_OPTION = click.option("--db", envvar="ROTA_DB", default="rota.db", show_default=True,
@@ -780,7 +733,7 @@ def tokens_revoke(which: str, db: Path, url: str | None) -> None:
 
 @main.group()
 def jobs() -> None:
-    """Inspect jobs."""
+    """Find and inspect jobs; retry or cancel one, or every job a filter matches."""
 
 
 @jobs.command("show")
@@ -791,25 +744,10 @@ def jobs_show(job_id: str, url: str) -> None:
     _print_job(_api(url, "job", job_id))
 
 
-@jobs.command("cancel")
-@click.argument("job_id")
-@URL_OPTION
-def jobs_cancel(job_id: str, url: str) -> None:
-    """Cancel job JOB_ID: at once if it waits; a running one is stopped on its worker."""
-    job = _api(url, "cancel", job_id)
-    if job["state"] == "cancelled":
-        click.echo(f"cancelled {job_id}")
-    else:
-        click.echo(f"cancel requested: {job_id} is running on worker {job['worker_id']}")
-
-
-@jobs.command("retry")
-@click.argument("job_id")
-@URL_OPTION
-def jobs_retry(job_id: str, url: str) -> None:
-    """Put discarded or cancelled job JOB_ID back in its queue with a fresh attempt budget."""
-    job = _api(url, "retry", job_id)
-    click.echo(f"{job_id} is {job['state']} again (attempts so far: {job['attempt']})")
+for _command in cli_ops.JOB_COMMANDS:  # list, and retry and cancel of one job or many
+    jobs.add_command(_command)
+for _command in (cli_ops.queues, cli_ops.watch, cli_ops.tail):
+    main.add_command(_command)
 
 
 @main.command()

@@ -159,6 +159,14 @@ def transport_error(url: str, exc: BaseException, *, connected: bool) -> ApiErro
                     " may have been carried out; repeat it with the same job id to be sure")
 
 
+def refusal(status: int, answer: Any, content: bytes) -> ApiError:
+    """The ApiError of an HTTP error answer: the server's JSON error, or the text."""
+    err = answer.get("error", {}) if isinstance(answer, dict) else {}
+    err = err if isinstance(err, dict) else {}
+    text = content.decode(errors="replace").strip() or f"HTTP {status}"
+    return ApiError(status, err.get("code", "http_error"), err.get("message", text))
+
+
 def ws_url(url: str) -> str:
     """The /work endpoint for a server base URL (http -> ws, https -> wss)."""
     base = url.rstrip("/")
@@ -296,10 +304,7 @@ class Client:
         except msgspec.DecodeError:
             answer = None  # not JSON: a proxy's page, or uvicorn's own 503
         if status >= 400:
-            err = answer.get("error", {}) if isinstance(answer, dict) else {}
-            err = err if isinstance(err, dict) else {}
-            text = content.decode(errors="replace").strip() or f"HTTP {status}"
-            raise ApiError(status, err.get("code", "http_error"), err.get("message", text))
+            raise refusal(status, answer, content)
         if answer is None:
             raise ApiError(status, "http_error", f"not a JSON answer: {content[:200]!r}")
         return answer
@@ -379,6 +384,41 @@ class Client:
 
     def queues(self) -> dict[str, Any]:
         return self._call("GET", "/queues")
+
+    def pause_queue(self, name: str, *, paused: bool = True) -> dict[str, Any]:
+        """Pause a queue (it keeps its jobs and assigns none) or resume it (admin)."""
+        action = "pause" if paused else "resume"
+        return self._call("POST", f"/queues/{urllib.parse.quote(name, safe='')}/{action}")
+
+    def list_jobs(self, *, states: tuple[str, ...] | list[str] = (), spec: str | None = None,
+                  queue: str | None = None, worker: str | None = None, q: str | None = None,
+                  limit: int = 50, cursor: str | None = None) -> dict[str, Any]:
+        """One page of ``GET /jobs`` (admin), newest first: ``{"jobs": [...],
+        "next_cursor"}``; pass ``next_cursor`` back as ``cursor`` for the next page."""
+        params = {"state": ",".join(states), "spec": spec, "queue": queue, "worker": worker,
+                  "q": q, "limit": limit, "cursor": cursor}
+        return self._call("GET", "/jobs", params={k: v for k, v in params.items() if v})
+
+    def bulk(self, action: str, *, ids: list[str] | None = None,
+             filter: dict[str, Any] | None = None, dry_run: bool = False,
+             limit: int | None = None) -> dict[str, Any]:
+        """``POST /jobs/retry`` or ``/jobs/cancel`` (admin) of these ids or of the jobs
+        that match ``filter`` (``state`` a list, ``spec``, ``queue``, ``worker``, ``q``),
+        at most ``limit`` (the server's default cap when None): how many matched and
+        were touched, the first ids, and why others were skipped."""
+        body: dict[str, Any] = {"dry_run": dry_run}
+        if ids is not None:
+            body["ids"] = ids
+        if filter is not None:
+            body["filter"] = filter
+        if limit is not None:
+            body["limit"] = limit
+        return self._call("POST", f"/jobs/{action}", json=body)
+
+    def stats(self, minutes: int = 60) -> dict[str, Any]:
+        """``GET /stats`` (admin): per-minute counts per queue and spec, and the age of
+        each queue's oldest available job."""
+        return self._call("GET", "/stats", params={"minutes": minutes})
 
     def create_token(self, scope: str, *, name: str | None = None,
                      queues: list[str] | None = None) -> dict[str, Any]:

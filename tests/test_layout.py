@@ -34,10 +34,13 @@ LAYERS: list[set[str]] = [
     {"server"},
     # the SDK and the producer client, beside the server
     {"context", "client", "link"},  # a handler's context; the producer client; the core
-    {"manual", "execution", "producer"},  # manual mode; running jobs; the asyncio producer
+    {"manual", "execution", "producer", "stream"},  # manual mode; running jobs; the asyncio
+    # producer; the event stream's client
     {"connection"},  # the connection thread
     {"worker"},
     {"__init__", "demo"},
+    {"cli_base"},  # what the commands that call a server share
+    {"cli_ops"},  # the operator's commands: jobs list, bulk actions, queues, watch, tail
     {"cli"},
     {"__main__"},
 ]
@@ -45,7 +48,7 @@ RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
 # What the worker SDK and the producer client may use of the rest.
 SHARED = {"errors", "ids", "inputs", "protocol", "specs"}
 SDK = {"context", "manual", "worker", "client", "link", "execution", "connection", "producer",
-       "__init__"}
+       "stream", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
 PURE = {"inputs", "model", "policy", "ready", "retention", "scheduler", "effects", "registry", "attempts", "intake",
