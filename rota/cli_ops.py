@@ -403,8 +403,11 @@ def tail(spec: str | None, queue: str | None, worker: str | None, kinds: tuple[s
     """Follow the server's events as they happen, one line each (GET /events). It
     reconnects by itself and resumes where it stopped; Ctrl-C stops it."""
     params = {"spec": spec, "queue": queue, "worker": worker, "event": ",".join(_split(kinds))}
+    def say_err(message: str) -> None:  # stderr: stdout is the events, for a pipe
+        click.echo(f"rota tail: {message}", err=True)
+
     stream = EventStream(url, token=token(), params={k: v for k, v in params.items() if v},
-                         on_retry=lambda why: click.echo(f"rota tail: {why}", err=True))
+                         on_open=say_err, on_retry=say_err)
     try:
         for event in _follow(stream, url):
             click.echo(json.dumps({"id": event.id, **event.data}, separators=(",", ":"))

@@ -40,11 +40,12 @@ class Event:
 class EventStream:
     """``for event in EventStream(url, token=..., params={"event": "result"})``: every
     event from now on (or after ``last_event_id``), reconnecting as needed, until
-    ``close()``. ``on_retry(message)`` hears of each reconnection."""
+    ``close()``. ``on_open(message)`` hears of each stream opened (the server sends
+    every event from then on), ``on_retry(message)`` of each connection lost."""
 
     def __init__(self, url: str, *, token: str | None = None,
                  params: dict[str, str] | None = None, last_event_id: int | None = None,
-                 silence: float = SILENCE,
+                 silence: float = SILENCE, on_open: Callable[[str], None] | None = None,
                  on_retry: Callable[[str], None] | None = None) -> None:
         parts = urllib.parse.urlsplit(url.rstrip("/"))
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -57,6 +58,7 @@ class EventStream:
         self._token = token
         self.last_event_id = last_event_id
         self.silence = silence
+        self.on_open = on_open
         self.on_retry = on_retry
         self._conn: http.client.HTTPConnection | None = None
         self._closed = False
@@ -72,6 +74,10 @@ class EventStream:
         while not self._closed:
             try:
                 response = self._open()
+                if self.on_open is not None:
+                    self.on_open(f"resumed after event {self.last_event_id}" if self._opened
+                                 and self.last_event_id is not None
+                                 else f"following the events of {self.url}")
                 failures, self._opened = 0, True  # the next failure starts the backoff over
                 yield from self._events(response)
                 why = "the server ended the stream"

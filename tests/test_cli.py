@@ -112,7 +112,9 @@ def test_every_command_has_help():
     runner = CliRunner()
     commands = [[], ["serve"], ["worker"], ["specs"], ["specs", "push"], ["specs", "list"],
                 ["specs", "history"], ["specs", "checksum"], ["enqueue"], ["jobs"],
-                ["jobs", "show"], ["jobs", "cancel"], ["jobs", "retry"], ["run"], ["demo"]]
+                ["jobs", "show"], ["jobs", "cancel"], ["jobs", "retry"], ["jobs", "list"],
+                ["queues"], ["queues", "pause"], ["queues", "resume"], ["workers", "resume"],
+                ["watch"], ["tail"], ["run"], ["demo"]]
     for command in commands:
         result = runner.invoke(main, [*command, "--help"])
         assert result.exit_code == 0 and len(result.output.splitlines()) > 3, command

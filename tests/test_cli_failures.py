@@ -37,6 +37,18 @@ ON_A_SERVER = [
     (["specs", "retire", "missing"], "missing"),
     (["workers", "quiet", "--label", "typo"], "no connected worker with label 'typo'"),
     (["workers", "quiet"], "name one worker ID"),
+    (["jobs", "list", "--state", "nope"], "unknown state 'nope'"),
+    (["jobs", "list", "--limit", "0"], "Invalid value for '--limit'"),
+    (["jobs", "retry"], "name the jobs to retry"),
+    (["jobs", "cancel", "--dry-run"], "name the jobs to cancel"),
+    (["jobs", "cancel", "a", "--state", "discarded"], "not both"),
+    (["jobs", "retry", "--spec", "bad name"], "invalid_filter"),
+    (["queues", "pause"], "Missing argument 'NAME'"),
+    (["queues", "pause", "bad name"], "bad name"),
+    (["workers", "resume"], "name one worker ID"),
+    (["workers", "resume", "--label", "typo"], "no connected worker with label 'typo' to resume"),
+    (["watch", "--interval", "0"], "Invalid value for '--interval'"),
+    (["tail", "--event", "nope"], "nope"),
     (["enqueue"], "Missing argument 'SPEC'"),
     (["enqueue", "echo", "--nope"], "No such option"),
 ]
@@ -64,6 +76,13 @@ async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
         assert "base URL" in one_line(code, err, "the /work path")
         code, _, err = await rota("specs", "list", "--url", f"http://127.0.0.1:{free_port()}")
         assert "is the server running?" in one_line(code, err, "nothing listens")
+        for command in (["watch"], ["tail"], ["jobs", "list"], ["queues"]):
+            code, _, err = await rota(*command, "--url", live.base)
+            assert "set ROTA_TOKEN" in one_line(code, err, f"{command} with no token")
+            code, _, err = await rota(*command, "--url", f"http://127.0.0.1:{free_port()}")
+            assert "is the server running?" in one_line(code, err, f"{command}, nothing there")
+        code, _, err = await rota("tail", "--url", live.ws, "--token", admin)
+        assert "base URL" in one_line(code, err, "tail at the ws:// URL")
         code, _, err = await rota("worker", "nope:worker", cwd=tmp_path)
         assert "cannot load nope:worker" in one_line(code, err, "a bad worker target")
         write_spec(tmp_path, "echo")
