@@ -12,7 +12,7 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -406,25 +406,22 @@ def tail(spec: str | None, queue: str | None, worker: str | None, kinds: tuple[s
     def say_err(message: str) -> None:  # stderr: stdout is the events, for a pipe
         click.echo(f"rota tail: {message}", err=True)
 
-    stream = EventStream(url, token=token(), params={k: v for k, v in params.items() if v},
-                         on_open=say_err, on_retry=say_err)
+    stream: EventStream | None = None
     try:
-        for event in _follow(stream, url):
+        stream = EventStream(url, token=token(), params={k: v for k, v in params.items() if v},
+                             on_open=say_err, on_retry=say_err)
+        for event in stream:
             click.echo(json.dumps({"id": event.id, **event.data}, separators=(",", ":"))
                        if as_json else event_line(event.id, event.data))
+    except ApiError as exc:
+        fail(say(url, exc))
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:
         _quiet_stdout()
     finally:
-        stream.close()
-
-
-def _follow(stream: EventStream, url: str) -> Iterator[Any]:
-    try:
-        yield from stream
-    except ApiError as exc:
-        fail(say(url, exc))
+        if stream is not None:
+            stream.close()
 
 
 def _quiet_stdout() -> None:

@@ -44,7 +44,7 @@ ON_A_SERVER = [
     (["jobs", "cancel", "a", "--state", "discarded"], "not both"),
     (["jobs", "retry", "--spec", "bad name"], "invalid_filter"),
     (["queues", "pause"], "Missing argument 'NAME'"),
-    (["queues", "pause", "bad name"], "bad name"),
+    (["queues", "pause", "bad name"], "invalid_queue"),
     (["workers", "resume"], "name one worker ID"),
     (["workers", "resume", "--label", "typo"], "no connected worker with label 'typo' to resume"),
     (["watch", "--interval", "0"], "Invalid value for '--interval'"),

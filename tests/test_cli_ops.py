@@ -9,14 +9,34 @@ import asyncio
 import json
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from conftest import Live, Proxy, write_spec
-from helpers import RawWorker, clean_env
+import pytest
+from conftest import Live, Proxy, start_server, stop_server, write_spec
+from helpers import RawWorker, RawWorkers, clean_env, wait_until
 from test_cli import rota
 
+from rota import JobContext, Worker
 from rota.specs import JobSpec
+
+
+@pytest.fixture
+async def live(tmp_path: Path) -> AsyncIterator[Live]:
+    """A server whose raw workers need not beat while a command runs (60 s of silence)."""
+    server = await start_server(tmp_path, heartbeat_timeout=60.0)
+    try:
+        yield server
+    finally:
+        await stop_server(server)
+
+
+@pytest.fixture
+async def connect(live: Live) -> AsyncIterator[RawWorkers]:
+    workers = RawWorkers(live.ws)
+    yield workers
+    await workers.close()
 
 
 async def discarded(live: Live, worker: RawWorker, *ids: str) -> None:
@@ -26,7 +46,7 @@ async def discarded(live: Live, worker: RawWorker, *ids: str) -> None:
     for copy in await worker.jobs(len(ids)):
         await worker.beat(results=[{"job_id": copy["id"], "attempt": copy["attempt"],
                                     "outcome": "failed", "error": {
-                                        "type": "ValueError", "message": f"bad {copy['id']}"}}])
+                                        "type": "ValueError", "message": f"no file for {copy['id']}"}}])
         await worker.expect("ack")
     for job_id in ids:
         await live.wait_state(job_id, "discarded")
@@ -61,9 +81,9 @@ async def test_jobs_list_filters_pages_and_prints_json(live: Live, connect, tmp_
     code, out, err = await rota("jobs", "list", "--spec", "resize", "--all", "--url", live.base)
     assert code == 0 and len(out.splitlines()) == 4 and not err
 
-    code, out, _ = await rota("jobs", "list", "--q", "bad 2", "--url", live.base)  # error text
-    assert [line.split()[0] for line in out.splitlines()[1:]] == ["bad-2"]
-    assert "ValueError: bad bad-2" in out and "discarded" in out
+    code, out, _ = await rota("jobs", "list", "--q", "file for bad-2", "--url", live.base)
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["bad-2"]  # error text
+    assert "ValueError: no file for bad-2" in out and "discarded" in out
     code, out, _ = await rota("jobs", "list", "--q", "img-", "--state", "available,active",
                               "--queue", "media", "--url", live.base)
     assert code == 0 and len(out.splitlines()) == 4
@@ -102,6 +122,7 @@ async def test_bulk_retry_and_cancel_by_filter_and_by_ids(live: Live, connect, t
 
 async def test_queues_pause_and_resume(live: Live, connect, tmp_path: Path):
     _, worker = await setup(live, connect, tmp_path)
+    await live.enqueue("resize", id="img-0")  # media: a queue that is not paused
     code, out, _ = await rota("queues", "pause", "default", "--url", live.base)
     assert (code, out.strip()) == (0, "default: paused")
     job = await live.enqueue("echo", id="held")
@@ -119,18 +140,25 @@ async def test_queues_pause_and_resume(live: Live, connect, tmp_path: Path):
     assert copy["id"] == job["id"]
 
 
-async def test_workers_resume(live: Live, connect, tmp_path: Path):
-    _, worker = await setup(live, connect, tmp_path)
-    code, out, _ = await rota("workers", "quiet", "w-ops", "--url", live.base)
-    assert (code, out.strip()) == (0, "w-ops: quiet")
-    await live.enqueue("echo", id="later")
-    await worker.assert_no_assign()
-    code, out, _ = await rota("workers", "resume", "--all", "--url", live.base)
-    assert (code, out.strip()) == (0, "w-ops: running")
-    [copy] = await worker.jobs(1)
-    assert copy["id"] == "later"
-    [shown] = (await live.http.get("/workers")).json()["workers"]
-    assert shown["state"] == "running"
+async def test_workers_resume(live: Live, sdk_worker, tmp_path: Path):
+    echo = write_spec(tmp_path / "specs", "echo")
+    await live.push(echo)
+    worker = Worker(specs_dir=tmp_path / "specs", heartbeat_interval=0.1, labels=["blue"])
+
+    @worker.handler("echo")
+    async def run(ctx: JobContext) -> str:
+        return "done"
+
+    await sdk_worker(worker)
+    code, out, _ = await rota("workers", "quiet", worker.worker_id, "--url", live.base)
+    assert (code, out.strip()) == (0, f"{worker.worker_id}: quiet")
+    await wait_until(lambda: worker.state == "quiet", what="the worker to go quiet")
+    job = await live.enqueue("echo")
+    code, out, _ = await rota("workers", "resume", "--label", "blue", "--url", live.base)
+    assert (code, out.strip()) == (0, f"{worker.worker_id}: running")
+    await live.wait_state(job["id"], "completed")
+    code, _, err = await rota("workers", "resume", "--all", "--url", live.base)
+    assert code == 1 and "no connected worker to resume" in err  # none is quiet now
 
 
 async def test_watch_prints_one_snapshot_as_json(live: Live, connect, tmp_path: Path):
