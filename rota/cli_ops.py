@@ -300,11 +300,11 @@ def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[
                      f" {q['workers']:>8}")
     if not view["queues"]:
         lines.append("(no queues yet)")
-    lines += ["", f"{'WORKER':<28} {'STATE':<10} {'LOAD':>9} {'BEAT':>7}  HOST"]
+    lines += ["", f"{'WORKER':<36} {'STATE':<10} {'LOAD':>9} {'BEAT':>7}  HOST"]
     for w in view["workers"]:
         load = f"{w['active']}/{w['concurrency']}" + (
             f"+{w['prefetched']}" if w["prefetched"] else "")
-        lines.append(f"{w['id']:<28} {w['state']:<10} {load:>9}"
+        lines.append(f"{w['id']:<36} {w['state']:<10} {load:>9}"
                      f" {_age(w['last_heartbeat_age']):>7}  {w['hostname']}")
     if not view["workers"]:
         lines.append("(no workers connected)")
@@ -320,7 +320,8 @@ def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[
         last = counts[-2] if len(counts) > 1 else (counts[-1] if counts else 0)
         lines.append(f"{kind:<10} {_spark(counts)}  last minute {last} ({last / 60:.1f}/s),"
                      f" in all {sum(counts)}")
-    return [printable(line, width) if len(line) > width else line for line in lines]
+    # printable: a worker's hostname is its own text, and must not drive the terminal
+    return [printable(line, max(20, width - 1)) for line in lines]
 
 
 def _spark(counts: list[int]) -> str:
@@ -378,14 +379,16 @@ FIELDS = ("job", "spec", "checksum", "queue", "worker", "attempt", "state", "dur
 def event_line(event_id: int | None, data: dict[str, Any]) -> str:
     """An event as one line: its time, kind, then its fields as key=value."""
     rest = [key for key in data if key not in ("at", "kind", *FIELDS)]
-    parts = [f"{key}={_value(data[key])}" for key in (*FIELDS, *rest)
+    parts = [f"{key}={_value(key, data[key])}" for key in (*FIELDS, *rest)
              if key in data and data[key] is not None]
     return printable(f"{data.get('at', '-')} {data.get('kind', '?'):<17} {' '.join(parts)}",
                      2000)
 
 
-def _value(value: Any) -> str:
+def _value(key: str, value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    if key == "checksum":
+        text = text[:19]  # sha256: and 12 digits, as 'rota specs list' shows it
     return json.dumps(text) if (not text or any(c in text for c in ' "=')) else text
 
 

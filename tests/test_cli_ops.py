@@ -257,7 +257,7 @@ async def test_tail_prints_a_line_an_event_and_ndjson(live: Live, connect, tmp_p
         first, second = json.loads(await tail.line()), json.loads(await tail.line())
         assert (first["kind"], first["job"], first["spec"]) == ("enqueue", "t-1", "echo")
         assert (second["kind"], second["job"], second["worker"]) == ("result", "t-1", "w-ops")
-        assert isinstance(second["duration_ms"], int) and second["id"] > first["id"]
+        assert second["duration_ms"] >= 0 and second["id"] > first["id"]
         line = await text.line()
         assert " result " in line and "job=t-1" in line and "worker=w-ops" in line
         assert "duration_ms=" in line and "\n" not in line
