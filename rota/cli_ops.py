@@ -365,8 +365,6 @@ def watch(interval: float, as_json: bool, url: str) -> None:
                 view = {**view, "at": f"{view['at']}  (stale: {say(url, exc)})"}
     except KeyboardInterrupt:
         pass
-    except BrokenPipeError:
-        _quiet_stdout()
     finally:
         client.close()
 
@@ -420,17 +418,7 @@ def tail(spec: str | None, queue: str | None, worker: str | None, kinds: tuple[s
         fail(say(url, exc))
     except KeyboardInterrupt:
         pass
-    except BrokenPipeError:
-        _quiet_stdout()
     finally:
         if stream is not None:
             stream.close()
 
-
-def _quiet_stdout() -> None:
-    """A reader that went away (rota tail | head): leave without a traceback, and without
-    the interpreter's own complaint when it flushes stdout at exit."""
-    import os
-
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import pty
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -285,3 +287,55 @@ async def test_tail_resumes_after_a_lost_connection(live: Live, connect, tmp_pat
     finally:
         await tail.stop()
         await proxy.close()
+
+
+async def test_a_filter_on_a_terminal_asks_first_with_the_count(live: Live, connect,
+                                                               tmp_path: Path):
+    await setup(live, connect, tmp_path)
+    for n in range(2):
+        await live.enqueue("resize", id=f"img-{n}")
+
+    async def answer(reply: bytes) -> tuple[int, str, str]:
+        """``rota jobs cancel --queue media`` with a terminal for stdin, answered."""
+        terminal, stdin = pty.openpty()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rota", "jobs", "cancel", "--queue", "media", "--url",
+            live.base, env=clean_env(), stdin=stdin, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        os.close(stdin)
+        try:
+            asked = b""
+            while b"[y/N]" not in asked:
+                chunk = await asyncio.wait_for(proc.stderr.read(200), 10)  # type: ignore[union-attr]
+                assert chunk, f"no question: {asked!r}"
+                asked += chunk
+            os.write(terminal, reply)
+            out, err = await asyncio.wait_for(proc.communicate(), 10)
+        finally:
+            os.close(terminal)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), (asked + err).decode()
+
+    code, out, err = await answer(b"n\n")
+    assert "cancel 2 job(s)?" in err and code == 1 and "aborted" in err and out == ""
+    assert (await live.job("img-0"))["state"] == "available"
+    code, out, err = await answer(b"y\n")
+    assert code == 0 and out.splitlines()[0].startswith("2 matched; cancelled: 2"), out + err
+    assert (await live.job("img-1"))["state"] == "cancelled"
+
+
+async def test_tail_into_a_reader_that_leaves_ends_quietly(live: Live, connect, tmp_path: Path):
+    await setup(live, connect, tmp_path)
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-c", f"{sys.executable} -m rota tail --json --url {live.base} | head -n 1",
+        env=clean_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    line = (await asyncio.wait_for(proc.stderr.readline(), 10)).decode()
+    assert "following the events of" in line
+    await live.enqueue("resize", id="first")
+    first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 10))  # type: ignore[union-attr]
+    assert first["job"] == "first"  # head has its line and leaves; tail finds out next
+    await live.enqueue("resize", id="second")
+    await live.enqueue("resize", id="third")
+    _, err = await asyncio.wait_for(proc.communicate(), 10)
+    assert proc.returncode == 0 and b"Traceback" not in err and b"Error" not in err, err
