@@ -115,8 +115,9 @@ async def stop_server(live: Live) -> None:
 
 
 @pytest.fixture
-async def live(tmp_path: Path) -> AsyncIterator[Live]:
-    server = await start_server(tmp_path)
+async def live(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Live]:
+    """A server; a test parametrizes it indirectly with settings of its own."""
+    server = await start_server(tmp_path, **getattr(request, "param", {}))
     try:
         yield server
     finally:

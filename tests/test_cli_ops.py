@@ -11,34 +11,21 @@ import os
 import pty
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Live, Proxy, start_server, stop_server, write_spec
-from helpers import RawWorker, RawWorkers, clean_env, wait_until
+from conftest import Live, Proxy, write_spec
+from helpers import RawWorker, clean_env, wait_until
 from test_cli import rota
 
 from rota import JobContext, Worker
 from rota.specs import JobSpec
 
 
-@pytest.fixture
-async def live(tmp_path: Path) -> AsyncIterator[Live]:
-    """A server whose raw workers need not beat while a command runs (60 s of silence)."""
-    server = await start_server(tmp_path, heartbeat_timeout=60.0)
-    try:
-        yield server
-    finally:
-        await stop_server(server)
-
-
-@pytest.fixture
-async def connect(live: Live) -> AsyncIterator[RawWorkers]:
-    workers = RawWorkers(live.ws)
-    yield workers
-    await workers.close()
+# Raw workers that need not beat while a command runs: 60 s of silence allowed.
+pytestmark = pytest.mark.parametrize("live", [{"heartbeat_timeout": 60.0}], indirect=True,
+                                     ids=["quiet-raw-workers"])
 
 
 async def discarded(live: Live, worker: RawWorker, *ids: str) -> None:
