@@ -156,8 +156,7 @@ def _bulk_command(action: str, single: Callable[[str, str], None], summary: str
 def _report(reply: dict[str, Any], done: str, verb: str) -> None:
     dry = reply["dry_run"]
     click.echo(f"{reply['matched']} matched; {'would be ' if dry else ''}{done}:"
-               f" {reply['touched']}; skipped: {reply['matched'] - reply['touched']}"
-               + ("  (dry run: nothing was changed)" if dry else ""))
+               f" {reply['touched']}" + ("  (dry run: nothing was changed)" if dry else ""))
     for job_id in reply["ids"]:
         click.echo(f"{'would ' + verb if dry else done} {job_id}")
     if reply["touched"] > len(reply["ids"]):
