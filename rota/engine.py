@@ -372,11 +372,7 @@ class Engine(Intake, Reservations):
             log.log(failure_level(error), "storing %d job transition(s) failed: %s",
                     len(payload), error)
             return []
-        for change in payload:
-            job = change.job
-            self.observe.ended(now.wall, job.id, job.spec, job.queue, job.worker_id,
-                               job.attempt, job.state, ending=change.ending, reported=False,
-                               started=job.reserved_at, error=change.error)
+        self.observe.ended(payload, now.wall, reported=False)
         return [Finished([c.job.id for c in payload if c.job.state in TERMINAL_STATES])]
 
     def _results_committed(self, ticket: int, payload: Any, error: BaseException | None,
@@ -399,15 +395,12 @@ class Engine(Intake, Reservations):
                     reason=f"could not be stored ({detail}); report it again"))
         else:
             completed = []
-            ended = self.observe.ended
+            self.observe.ended(changes, now.wall, worker=worker_id, reported=True)
             for change in changes:
                 job = change.job
                 if job.state == JobState.COMPLETED:
                     completed.append((job.id, job.spec, short(job.checksum), job.queue,
                                       worker_id, job.attempt))
-                ended(now.wall, job.id, job.spec, job.queue, worker_id, job.attempt, job.state,
-                      ending=change.ending, reported=True, started=job.reserved_at,
-                      error=change.error)
                 self._remember(job.id, worker_id, job.attempt)
                 effects += self._place(job)
             log_lines(log, logging.INFO, "result job=%s spec=%s@%s queue=%s worker=%s"

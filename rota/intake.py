@@ -83,8 +83,7 @@ class Intake:
             effects += [Arm(t) for t in (job.due, job.expiry) if t is not None]
         log_lines(log, logging.INFO, "enqueue job=%s spec=%s queue=%s priority=%d state=%s",
                   [(job.id, job.spec, job.queue, job.priority, job.state) for job, _ in jobs])
-        self.observe.enqueued([(job.id, job.spec, job.queue, job.state) for job, _ in jobs],
-                              now.wall)
+        self.observe.enqueued([job for job, _ in jobs], now.wall)
         return effects + [Wake()]
 
     def stored(self, job: Job, seq: int) -> None:

@@ -23,12 +23,13 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from rota.model import Change, Job
 from rota.protocol import rfc3339
 
 KINDS = ("enqueue", "assign", "result", "retry", "discard", "cancel", "worker_connect",
@@ -47,11 +48,11 @@ DURATION_BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
                    30.0, 60.0, 300.0, 1800.0)
 
 # An event as recorded: (wall, kind, job, spec, checksum, queue, worker, attempt, state,
-# duration_ms, message). ``message`` may be a job's stored error record (JSON bytes),
-# decoded only if the event is sent.
+# duration, message). ``duration`` is in seconds (sent as duration_ms); ``message`` may
+# be a job's stored error record (JSON bytes), decoded only if the event is sent.
 Event = tuple[float, str, str | None, str | None, str | None, str | None, str | None,
               int | None, str | None, float | None, Any]
-_FIELDS = ("job", "spec", "checksum", "queue", "worker", "attempt", "state", "duration_ms")
+_FIELDS = ("job", "spec", "checksum", "queue", "worker", "attempt", "state")
 _error = msgspec.json.Decoder()
 
 
@@ -81,15 +82,14 @@ class Series:
         self.wait = Histogram(WAIT_BOUNDS)
         self.duration = Histogram(DURATION_BOUNDS)
 
-    def count(self, what: int, wall: float, n: int = 1) -> None:
-        self.totals[what] += n
-        minute = int(wall // 60)
+    def row(self, minute: int) -> list[int]:
+        """The counts of minute number ``minute`` (wall // 60)."""
         row = self.minutes.get(minute)
         if row is None:  # a new minute: forget those that left the window
             row = self.minutes[minute] = [0] * len(COUNTS)
             for old in [m for m in self.minutes if m <= minute - MINUTES]:
                 del self.minutes[old]
-        row[what] += n
+        return row
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,96 +119,138 @@ class Observer:
         self.latest = 0.0  # the latest wall time recorded: for callers that have none
 
     # -- recording (the hot path) -----------------------------------------------------
+    # The batch methods take the engine's own objects (no tuple built per job to call
+    # them) and look up a job's (queue, spec) series and minute row only when it differs
+    # from the previous job's: a batch is usually all of one spec.
     def _series(self, queue: str, spec: str) -> Series:
         series = self.series.get((queue, spec))
         if series is None:
             series = self.series[(queue, spec)] = Series()
         return series
 
+    def _wake(self, wall: float) -> None:
+        self.latest = wall
+        if self.listener is not None:
+            self.listener()
+
     def event(self, wall: float, kind: str, *, job: str | None = None, spec: str | None = None,
               checksum: str | None = None, queue: str | None = None, worker: str | None = None,
               attempt: int | None = None, state: str | None = None,
-              duration_ms: float | None = None, message: Any = None) -> None:
+              duration: float | None = None, message: Any = None) -> None:
         """One event of any kind (the rarer ones: workers, state changes, alerts)."""
         self.ring.append((wall, kind, job, spec, checksum, queue, worker, attempt, state,
-                          duration_ms, message))
+                          duration, message))
         self.next_id += 1
-        self.latest = wall
-        if self.listener is not None:
-            self.listener()
+        self._wake(wall)
 
-    def enqueued(self, jobs: list[tuple[str, str, str, str]], wall: float) -> None:
-        """New jobs: (id, spec, queue, state) each."""
+    def enqueued(self, jobs: Iterable[Job], wall: float) -> None:
+        """New jobs, taken in."""
         append = self.ring.append
-        for job_id, spec, queue, state in jobs:
-            append((wall, "enqueue", job_id, spec, None, queue, None, 0, state, None, None))
-            self._series(queue, spec).count(ENQUEUED, wall)
-        self.next_id += len(jobs)
-        self.latest = wall
-        if self.listener is not None:
-            self.listener()
-
-    def assigned(self, jobs: list[tuple[str, str, str | None, str, str, int, float]],
-                 wall: float) -> None:
-        """Jobs sent to a worker: (id, spec, checksum, queue, worker, attempt, due) each,
-        ``due`` the wall time since which each could have run."""
-        append = self.ring.append
-        for job_id, spec, checksum, queue, worker, attempt, due in jobs:
-            append((wall, "assign", job_id, spec, checksum, queue, worker, attempt, "active",
+        minute = int(wall // 60)
+        queue = spec = ""
+        totals = row = [0]
+        n = 0
+        for job in jobs:
+            append((wall, "enqueue", job.id, job.spec, None, job.queue, None, 0, job.state,
                     None, None))
-            self._series(queue, spec).wait.observe(max(0.0, wall - due))
-        self.next_id += len(jobs)
-        self.latest = wall
-        if self.listener is not None:
-            self.listener()
+            if job.queue != queue or job.spec != spec:
+                queue, spec = job.queue, job.spec
+                series = self._series(queue, spec)
+                totals, row = series.totals, series.row(minute)
+            totals[ENQUEUED] += 1
+            row[ENQUEUED] += 1
+            n += 1
+        self.next_id += n
+        self._wake(wall)
 
-    def ended(self, wall: float, job: str, spec: str, queue: str, worker: str | None,
-              attempt: int, state: str, *, ending: str | None, reported: bool,
-              started: float | None, error: Any = None) -> None:
-        """An attempt ended (``reported``: by its worker's result, else by the server: a
-        lapsed lease, a worker gone, a time to live run out) and the job went to
-        ``state``; ``ending`` is why it did not complete (None: it did), ``started`` when
-        it was assigned (wall), ``error`` its stored error record."""
-        series = self._series(queue, spec)
+    def assigned(self, jobs: Iterable[Job], worker: str, wall: float) -> None:
+        """Jobs sent to ``worker``: each waited from its ``run_at`` (or its enqueue)."""
         append = self.ring.append
-        duration = None
-        if started is not None and reported and ending != "released":  # (it never ran)
-            duration = max(0.0, wall - started)
-            series.duration.observe(duration)
-            duration = round(duration * 1000, 3)
-        if reported:
-            append((wall, "result", job, spec, None, queue, worker, attempt, state, duration,
-                    error))
+        bisect_left = bisect.bisect_left
+        queue = spec = ""
+        wait = Histogram(())
+        n = 0
+        for job in jobs:
+            append((wall, "assign", job.id, job.spec, job.checksum, job.queue, worker,
+                    job.attempt, "active", None, None))
+            if job.queue != queue or job.spec != spec:
+                queue, spec = job.queue, job.spec
+                wait = self._series(queue, spec).wait
+            waited = wall - (job.run_at or job.enqueued_at)
+            if waited < 0.0:
+                waited = 0.0
+            wait.counts[bisect_left(wait.bounds, waited)] += 1
+            wait.sum += waited
+            n += 1
+        self.next_id += n
+        self._wake(wall)
+
+    def ended(self, changes: Iterable[Change], wall: float, *, worker: str | None = None,
+              reported: bool) -> None:
+        """Attempts that ended, committed (``reported``: by their worker's result, else by
+        the server: a lapsed lease, a worker gone, a time to live run out), each job gone
+        to its state; ``worker``: the results' worker (else each job's last holder)."""
+        append = self.ring.append
+        bisect_left = bisect.bisect_left
+        minute = int(wall // 60)
+        queue = spec = ""
+        series = Series()
+        row = series.totals
+        for change in changes:
+            job = change.job
+            if job.queue != queue or job.spec != spec:
+                queue, spec = job.queue, job.spec
+                series = self._series(queue, spec)
+                row = series.row(minute)
+            duration = None
+            started = job.reserved_at
+            if reported and started is not None and change.ending != "released":
+                duration = wall - started  # (a released job never ran)
+                if duration < 0.0:
+                    duration = 0.0
+                histogram = series.duration
+                histogram.counts[bisect_left(histogram.bounds, duration)] += 1
+                histogram.sum += duration
+            state = job.state
+            if state == "completed":  # the common case, first
+                append((wall, "result", job.id, spec, None, queue, worker, job.attempt,
+                        state, duration, None))
+                self.next_id += 1
+                series.totals[COMPLETED] += 1
+                row[COMPLETED] += 1
+                continue
+            holder = worker if reported else job.worker_id
+            if reported:
+                append((wall, "result", job.id, spec, None, queue, holder, job.attempt,
+                        state, duration, change.error))
+                self.next_id += 1
+            failure = change.ending in FAILURES
+            if failure:
+                series.totals[FAILED] += 1
+                row[FAILED] += 1
+            if state == "discarded":
+                what, kind = DISCARDED, "discard"
+            elif state == "cancelled":
+                what, kind = CANCELLED, "cancel"
+            elif failure:
+                what, kind = RETRIED, "retry"
+            else:
+                continue
+            series.totals[what] += 1
+            row[what] += 1
+            append((wall, kind, job.id, spec, None, queue, holder, job.attempt, state, None,
+                    change.error))
             self.next_id += 1
-        if state == "completed":
-            series.count(COMPLETED, wall)
-        elif ending in FAILURES:
-            series.count(FAILED, wall)
-        if state == "discarded":
-            series.count(DISCARDED, wall)
-            kind: str | None = "discard"
-        elif state == "cancelled":
-            series.count(CANCELLED, wall)
-            kind = "cancel"
-        elif state != "completed" and ending in FAILURES:
-            series.count(RETRIED, wall)
-            kind = "retry"
-        else:
-            kind = None
-        if kind is not None:
-            append((wall, kind, job, spec, None, queue, worker, attempt, state, None,
-                    error))
-            self.next_id += 1
-        self.latest = wall
-        if self.listener is not None:
-            self.listener()
+        self._wake(wall)
 
     def counted(self, wall: float, kind: str, job: str, spec: str, queue: str, *,
                 attempt: int | None = None, message: Any = None) -> None:
         """A job moved by an operator or a timer: "retry" (a manual retry), "cancel"
         (a waiting job cancelled), "discard" (its time to live ran out)."""
         what = {"retry": RETRIED, "cancel": CANCELLED, "discard": DISCARDED}[kind]
-        self._series(queue, spec).count(what, wall)
+        series = self._series(queue, spec)
+        series.totals[what] += 1
+        series.row(int(wall // 60))[what] += 1
         state = {"retry": "available", "cancel": "cancelled", "discard": "discarded"}[kind]
         self.event(wall, kind, job=job, spec=spec, queue=queue, attempt=attempt, state=state,
                    message=message)
@@ -259,9 +301,11 @@ def encode(event_id: int, event: Event) -> bytes:
     """One event as a server-sent event: its id, kind and a JSON object."""
     wall, kind = event[0], event[1]
     data: dict[str, Any] = {"at": rfc3339(wall), "kind": kind}
-    for name, value in zip(_FIELDS, event[2:10], strict=True):
+    for name, value in zip(_FIELDS, event[2:9], strict=True):
         if value is not None:
             data[name] = value
+    if event[9] is not None:
+        data["duration_ms"] = round(event[9] * 1000, 3)
     message = event[10]
     if isinstance(message, bytes):  # a stored error record: its message
         try:

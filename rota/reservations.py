@@ -109,9 +109,7 @@ class Reservations:
                                        worker_id, job.attempt) for job in live])
             for job in live:
                 job.reserved_at = now.wall
-            self.observe.assigned([(job.id, job.spec, job.checksum, job.queue, worker_id,
-                                    job.attempt, job.run_at or job.enqueued_at)
-                                   for job in live], now.wall)
+            self.observe.assigned(live, worker_id, now.wall)
             for job in live:
                 # Frames of about ASSIGN_BYTES at most: a round for a worker with a long
                 # line of large jobs would otherwise be one frame of many megabytes, built
