@@ -6,7 +6,7 @@ slowly waits in its own ``send`` (the transport's flow control), never holds the
 anyone else, and, once the ring has moved past it, gets a ``gap`` event and goes on
 from the oldest event kept. /metrics turns the observer's plain numbers, and gauges
 read at scrape time, into Prometheus's text format through a collector of our own: no
-prometheus-client object is touched per job.
+prometheus-client object is touched per job (nor imported before the first scrape).
 """
 
 from __future__ import annotations
@@ -14,12 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, Metric)
-from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -29,6 +25,9 @@ from rota.coordinator import Coordinator
 from rota.errors import RequestError
 from rota.model import JOB_STATES
 from rota.observe import COUNTS, KINDS, Filter, Histogram, Observer, encode, gap
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 CHUNK = 1000  # events taken from the ring per send: a slow client's backlog is bounded
 KEEP_ALIVE = b": keep-alive\n\n"
@@ -166,13 +165,17 @@ def blocked_reason(reason: str) -> str:
     return "checksum_mismatch"
 
 
-class Snapshot(Collector):
-    """The metrics of one scrape: the observer's numbers and the gauges read for it."""
+class Snapshot:
+    """The metrics of one scrape, as a prometheus-client collector (it asks only for
+    ``collect``): the observer's numbers and the gauges read for it."""
 
     def __init__(self, observer: Observer, gauges: dict[str, Any]) -> None:
         self.observer, self.gauges = observer, gauges
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+
         labels = ["queue", "spec"]
         counters = [CounterMetricFamily(f"rota_jobs_{name}", f"Jobs {name}, since the"
                                         " server started", labels=labels) for name in COUNTS]
@@ -243,6 +246,10 @@ async def gauges(coordinator: Coordinator) -> dict[str, Any]:
 
 
 async def metrics(request: Request) -> Response:
+    # Imported at the first scrape, not at the start: it takes ~80 ms, and a restart
+    # is measured to /healthz (docs/performance.md).
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
     need(request, "metrics")
     coordinator: Coordinator = request.app.state.coordinator
     registry = CollectorRegistry(auto_describe=False)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, wait_until
+from test_cli import rota
 from test_security import bearer, make_token
 
 from rota import JobContext, Worker
@@ -305,3 +306,27 @@ async def test_a_client_that_does_not_read_holds_nothing_and_gets_a_gap(tmp_path
         await wait_until(lambda: live.coordinator._subscribers == 0, what="unsubscribed")
     finally:
         await stop_server(live)
+
+
+async def test_rota_tokens_create_makes_a_metrics_token_that_scrapes(live: Live):
+    code, out, err = await rota("tokens", "create", "--scope", "metrics", "--name", "prom",
+                                "--db", str(live.settings.db))
+    assert code == 0 and out.startswith("rota_"), err
+    secret = out.split()[0]
+    await wait_until(lambda: live.coordinator.tokens.required, what="auth on")
+    scraped = await live.http.get("/metrics", headers=bearer(secret))
+    assert scraped.status_code == 200 and "rota_workers" in scraped.text
+    assert (await live.http.get("/events", headers=bearer(secret))).status_code == 403
+
+
+async def test_a_stream_ends_when_the_server_stops(tmp_path: Path):
+    live = await start_server(tmp_path, events_keepalive=60.0)
+    async with httpx.AsyncClient(base_url=live.base) as client:
+        stream, manager = await open_stream(live, client)
+        try:
+            stopping = asyncio.create_task(stop_server(live))
+            with pytest.raises(AssertionError, match="the stream ended"):
+                await stream.next(timeout=5)  # ended, not cut off after the keep-alive
+            await asyncio.wait_for(stopping, 10)
+        finally:
+            await manager.__aexit__(None, None, None)
