@@ -587,7 +587,6 @@ class Coordinator:
             self.apply(self.engine.status_quo_changed(specs, changes, self.clock()))
         return [self.engine.change_report(c) for c in changes]
 
-
     # -- what the operator watches (rota/observe.py) -----------------------------------
     def _watch_storage(self, now: Instant) -> None:
         """A state_change event when the store becomes degraded or recovers (seen at
