@@ -17,6 +17,7 @@ from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, wait_until
 from test_cli import rota
 from test_security import bearer, make_token
+from test_storage import QUOTA, batch
 
 from rota import JobContext, Worker
 
@@ -328,5 +329,51 @@ async def test_a_stream_ends_when_the_server_stops(tmp_path: Path):
             with pytest.raises(AssertionError, match="the stream ended"):
                 await stream.next(timeout=5)  # ended, not cut off after the keep-alive
             await asyncio.wait_for(stopping, 10)
+        finally:
+            await manager.__aexit__(None, None, None)
+
+
+async def test_a_full_disk_is_a_state_change_event(tmp_path: Path):
+    live = await start_server(tmp_path, max_db_size=QUOTA)
+    try:
+        await live.push(write_spec(tmp_path / "specs", "echo"))
+        since = live.coordinator.engine.observe.next_id - 1  # after the push's own event
+
+        async def refused() -> bool:
+            response = await live.http.post("/jobs/batch", json=batch(20))
+            return response.status_code == 503
+
+        await wait_until(refused, timeout=30, what="a full quota")
+        async with httpx.AsyncClient(base_url=live.base) as client:
+            stream, manager = await open_stream(
+                live, client, f"?event=state_change&last_event_id={since}")
+            try:
+                [full] = await stream.events(1)
+            finally:
+                await manager.__aexit__(None, None, None)
+        assert full["data"]["state"] == "storage_degraded"
+        assert full["data"]["message"].startswith("storage_full: ")
+    finally:
+        await stop_server(live)
+
+
+async def test_directives_and_alerts_are_events(watched: Live, tmp_path: Path):
+    spec = write_spec(tmp_path / "specs", "ping")
+    await watched.push(spec)
+    async with httpx.AsyncClient(base_url=watched.base) as client:
+        stream, manager = await open_stream(watched, client, "?event=worker_state,alert")
+        try:
+            worker = await RawWorker.open(watched.ws, "w1")
+            await worker.register([spec])
+            quiet = await watched.http.post("/workers/w1/state", json={"state": "quiet"})
+            assert quiet.status_code == 200
+            await worker.beat(status={"state": "quiet", "active_job_ids": [], "alerts": [
+                {"level": "error", "message": "disk almost full"}]})
+            directed, alert = await stream.events(2)
+            assert directed["event"] == "worker_state"
+            assert (directed["data"]["worker"], directed["data"]["state"]) == ("w1", "quiet")
+            assert alert["event"] == "alert" and alert["data"]["level"] == "error"
+            assert alert["data"]["message"] == "disk almost full"
+            await worker.ws.close()
         finally:
             await manager.__aexit__(None, None, None)
