@@ -116,6 +116,7 @@ class Job:
     run_at: float | None = None  # wall: scheduled or retryable until then
     expires_at: float | None = None  # wall: its time to live runs out
     lease_expires_at: float | None = None  # wall: when its reservation lapses (as shown)
+    reserved_at: float | None = None  # wall: when it was last assigned (as its row says)
     due: float | None = None  # monotonic run_at
     expiry: float | None = None  # monotonic expires_at
     lease: float | None = None  # monotonic: when its reservation lapses
@@ -127,7 +128,6 @@ class Job:
     capture_logs: bool = False  # the producer asked for the job's log lines
     created_by: str | None = None  # the id of the token that enqueued it
     log_lines: int = 0  # captured lines taken (this server run)
-    reserved_at: float | None = None  # wall: its attempt's assignment (a result's duration)
 
     def move(self, to: JobState) -> None:
         """Change state, refusing a move the lifecycle does not allow."""
@@ -159,6 +159,7 @@ class Change:
     result: bytes | None = None
     finished_at: float | None = None
     undo: tuple[int, int, float | None, float | None] | None = None  # see Engine._undo
+    ending: str | None = None  # why an attempt did not complete (rota/policy.py Ending)
 
 
 @dataclass(slots=True)

@@ -19,8 +19,9 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 LAYERS: list[set[str]] = [
     {"errors", "ids", "inputs", "logs", "settings"},  # leaves: no rota imports
     {"protocol", "model", "db"},  # the wire format; the job and its lifecycle; SQLite
-    {"specs", "policy", "auth", "ready", "retention"},  # spec files and checksums; retry
-    # rules; tokens; the ready index; how long finished jobs are kept
+    {"specs", "policy", "auth", "ready", "retention", "observe"},  # spec files and
+    # checksums; retry rules; tokens; the ready index; how long finished jobs are kept;
+    # what happened (events, counts, metrics as numbers)
     {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
@@ -30,6 +31,7 @@ LAYERS: list[set[str]] = [
     {"coordinator"},  # the async shell
     {"gate", "safety"},  # authentication at the door; the net for what nobody expected
     {"sessions", "api"},  # /work and the HTTP routes
+    {"feeds"},  # what an operator watches: /events, /stats, /metrics
     {"openapi", "edge"},  # the route table; uvicorn's protocols as Rota runs them
     {"server"},
     # the SDK and the producer client, beside the server
@@ -51,7 +53,7 @@ SDK = {"context", "manual", "worker", "client", "link", "execution", "connection
        "stream", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"inputs", "model", "policy", "ready", "retention", "scheduler", "effects", "registry", "attempts", "intake",
+PURE = {"inputs", "model", "policy", "ready", "retention", "observe", "scheduler", "effects", "registry", "attempts", "intake",
         "reservations", "engine",
         "link"}
 

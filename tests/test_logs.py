@@ -179,3 +179,28 @@ def test_a_json_line_keeps_a_traceback_and_survives_bad_arguments():
     assert str(line["job"]).startswith("<object object")
     [line] = _json_lines(_record(LeanRecord, "two\nlines job=%s", ("x\ny",)))
     assert line["job"] == "x\ny"
+
+
+def test_a_batch_is_formatted_from_a_copy_leaving_the_shared_record_alone():
+    # The record also goes to other handlers (pytest's capture), which may be formatting
+    # it on another thread: the log thread must never change it under them.
+    seen: list[object] = []
+    batch = _record(LeanRecord, "", ())
+    batch.msg = Lines("job=%s", [("a",), ("b",)])
+
+    class Watching(Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            seen.append(batch.msg)  # what another handler would see meanwhile
+            return super().format(record)
+
+    stream = io.StringIO()
+    handler = BackgroundHandler(stream)
+    handler.setFormatter(Watching("%(message)s"))
+    try:
+        handler.handle(batch)
+        handler.flush()
+    finally:
+        handler.close()
+    assert stream.getvalue() == "job=a\njob=b\n"
+    assert all(isinstance(msg, Lines) for msg in seen) and len(seen) == 2
+    assert batch.args == ()
