@@ -10,10 +10,12 @@ in the table (bench/listing.py measures it):
   given), each walking ``(state)``, ``(state, spec)``, ``(state, queue)`` or the partial
   ``(state, worker_id)`` newest first, merged (``listing.merge_newest``). SQLite cannot
   walk an ``IN`` list of states in row id order, and would sort every match instead;
-- ``q`` (error text): examines at most ``MAX_SCAN`` rows per state query, newest first,
-  within the other filters. A page that ends at that bound may hold fewer jobs than
-  asked (even none) and still give a ``next_cursor``: the search goes on from there.
-  An id prefix is looked up in the primary key (at most ``MAX_SCAN`` ids).
+- ``q`` (error text): examines at most ``MAX_SCAN`` rows per state query (or of the
+  table, with no other filter), newest first, within the other filters. A page that
+  ends at that bound may hold fewer jobs than asked (even none) and still give a
+  ``next_cursor``: the search goes on from there.
+  A ``q`` that some job's id starts with (within the other filters) is an id prefix
+  instead, looked up in the primary key (at most ``MAX_SCAN`` ids).
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ NO_CURSOR = 2**63 - 1
 Page = list[tuple[int, dict[str, Any]]]
 
 
-def _where(flt: JobFilter, state: str | None) -> tuple[list[str], list[Any]]:
+def _where(flt: JobFilter, state: str | None, plain: str = "") -> tuple[list[str], list[Any]]:
+    """Terms for the filter's fields but ``q`` (``plain="+"``: none of them may pick the
+    index, for a query that must walk the primary key)."""
     terms: list[str] = []
     params: list[Any] = []
     for column, value in (("state", state), ("spec", flt.spec), ("queue", flt.queue),
                           ("worker_id", flt.worker)):
         if value is not None:
-            terms.append(f"{column} = ?")
+            terms.append(f"{plain}{column} = ?")
             params.append(value)
     return terms, params
 
@@ -44,9 +48,9 @@ def _where(flt: JobFilter, state: str | None) -> tuple[list[str], list[Any]]:
 def _states(flt: JobFilter) -> list[str | None]:
     if flt.states:
         return list(flt.states)
-    if flt.spec or flt.queue or flt.worker or flt.q:
+    if flt.spec or flt.queue or flt.worker:
         return list(JOB_STATES)  # the indexes all lead with state
-    return [None]
+    return [None]  # the table itself, newest row first
 
 
 def page(conn: sqlite3.Connection, flt: JobFilter, limit: int, before: int | None,
@@ -54,6 +58,8 @@ def page(conn: sqlite3.Connection, flt: JobFilter, limit: int, before: int | Non
     """Up to ``limit`` matching rows older than row id ``before`` (None: the newest),
     newest first, and the cursor of the next page (None: there is none)."""
     before = NO_CURSOR if before is None else before
+    if flt.q is not None and (by_id := _by_id(conn, flt, limit, before, columns)) is not None:
+        return by_id
     pages: list[Page] = []
     boundary = 0  # the scans examined every row above this (q only)
     for state in _states(flt):
@@ -66,24 +72,46 @@ def page(conn: sqlite3.Connection, flt: JobFilter, limit: int, before: int | Non
                    " ORDER BY rowid DESC LIMIT ?")
             pages.append(_read(conn, sql, [*params, limit + 1]))
             continue
-        # The error text: a bounded walk newest first. (lower(): a case-blind search.)
-        sql = (f"SELECT rowid_, {columns}, instr(lower(errors), lower(?)) AS hit_"
-               f" FROM (SELECT rowid AS rowid_, * FROM jobs WHERE {where}"
-               " ORDER BY rowid DESC LIMIT ?)")
-        scanned = _read(conn, sql, [flt.q, *params, MAX_SCAN])
-        if len(scanned) == MAX_SCAN:
-            boundary = max(boundary, scanned[-1][0])
-        pages.append([(r, row) for r, row in scanned if row.pop("hit_")])
-        # An id prefix, from the primary key: ids sort as bytes, and every character an
-        # id may hold is below 0x7f.
+        # The error text: a bounded walk newest first (lower(): a case-blind search), and
+        # where the walk stopped, if it was stopped by its bound.
         sql = (f"SELECT rowid_, {columns} FROM (SELECT rowid AS rowid_, * FROM jobs"
-               f" WHERE id >= ? AND id < ? AND {where} LIMIT ?)")
-        pages.append(_read(conn, sql, [flt.q, flt.q + "\x7f", *params, MAX_SCAN]))
+               f" WHERE {where} ORDER BY rowid DESC LIMIT ?)"
+               " WHERE instr(lower(errors), lower(?)) > 0 LIMIT ?")
+        pages.append(_read(conn, sql, [*params, MAX_SCAN, flt.q, limit + 1]))
+        last = conn.execute(f"SELECT rowid FROM jobs WHERE {where} ORDER BY rowid DESC"
+                            " LIMIT 1 OFFSET ?", [*params, MAX_SCAN - 1]).fetchone()
+        if last is not None:
+            boundary = max(boundary, last[0])
     found = [(r, row) for r, row in merge_newest(pages, limit + 1) if r >= boundary]
     if len(found) > limit:
         return found[:limit], encode_cursor(found[limit - 1][0])
     if boundary:
         return found, encode_cursor(boundary)
+    return found, None
+
+
+def _by_id(conn: sqlite3.Connection, flt: JobFilter, limit: int, before: int,
+           columns: str) -> tuple[Page, str | None] | None:
+    """``q`` as an id prefix, if any job within the other filters has an id that starts
+    with it (else None: ``q`` is error text). The ids come from the primary key (ids sort
+    as bytes, and every character an id may hold is below 0x7f), at most MAX_SCAN of
+    them; the other filters must not pick another index (the ``+``)."""
+    assert flt.q is not None
+    terms, params = _where(flt, None, plain="+")
+    if flt.states:
+        terms.append(f"+state IN ({', '.join('?' * len(flt.states))})")
+        params += flt.states
+    where = "".join(f" AND {term}" for term in terms)
+    ids = [flt.q, flt.q + "\x7f", *params]
+    if conn.execute(f"SELECT 1 FROM jobs WHERE id >= ? AND id < ?{where} LIMIT 1",
+                    ids).fetchone() is None:
+        return None
+    sql = (f"SELECT rowid_, {columns} FROM (SELECT rowid AS rowid_, * FROM jobs"
+           f" WHERE id >= ? AND id < ?{where} LIMIT ?) WHERE rowid_ < ?"
+           " ORDER BY rowid_ DESC LIMIT ?")
+    found = _read(conn, sql, [*ids, MAX_SCAN, before, limit + 1])
+    if len(found) > limit:
+        return found[:limit], encode_cursor(found[limit - 1][0])
     return found, None
 
 

@@ -3,13 +3,20 @@ cancel, queue pause and resume (kept across a restart), worker resume."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from conftest import Live, start_server, stop_server, wait_until, write_spec
 from helpers import RawWorkers
 
-from rota import JobContext, Worker
+from rota import JobContext, Worker, lookup
+from rota.db import connect, migrate
+from rota.errors import RequestError
+from rota.listing import JobFilter, decode_cursor, encode_cursor, filter_params, parse_filter
 
 
 async def _fail(live: Live, worker: Any, message: str) -> dict[str, Any]:
@@ -172,3 +179,50 @@ async def test_a_quiet_worker_is_resumed_over_http(live: Live, sdk_worker, tmp_p
     assert resumed.json() == {"workers": [worker.worker_id], "state": "running"}
     await wait_until(lambda: worker.state == "running", what="the worker to resume")
     await live.wait_state(job["id"], "completed")
+
+
+def _store_with(tmp_path: Path, errors: list[str]) -> sqlite3.Connection:
+    """A migrated store holding one discarded job per error message, oldest first."""
+    path = tmp_path / "rota.db"
+    migrate(path)
+    conn = connect(path)
+    conn.executemany(
+        "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt, enqueued_at,"
+        " errors) VALUES (?, 'echo', 'default', '{}', 0, 'discarded', 1, 0, ?)",
+        [(f"job-{n:03d}", json.dumps([{"message": m}])) for n, m in enumerate(errors)])
+    return conn
+
+
+def test_an_error_search_is_bounded_and_pages_on_to_every_match(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(lookup, "MAX_SCAN", 10)
+    errors = ["Needle in row" if n % 7 == 0 else "hay" for n in range(45)]
+    conn = _store_with(tmp_path, errors)
+    flt = parse_filter({"q": "needle"})
+    found, before, pages = [], None, 0
+    while True:
+        rows, cursor = lookup.page(conn, flt, 3, before)
+        assert len(rows) <= 3
+        found += [row["id"] for _, row in rows]
+        pages += 1
+        if cursor is None:
+            break
+        before = decode_cursor(cursor)
+    assert found == [f"job-{n:03d}" for n in range(44, -1, -1) if n % 7 == 0]
+    assert pages >= 5  # 45 rows, 10 examined at most per page
+    # With a state, the bound is per state query; an id prefix goes by the primary key.
+    assert [r["id"] for _, r in lookup.page(conn, parse_filter({"q": "job-00"}), 50, None)[0]] \
+        == [f"job-00{n}" for n in range(9, -1, -1)]
+    assert lookup.count(conn, parse_filter({"state": "discarded"})) == 45
+    assert lookup.state_counts(conn)["discarded"] == 45
+    conn.close()
+
+
+def test_filters_and_cursors_parse_strictly():
+    flt = parse_filter({"state": ["discarded,cancelled", "discarded"], "spec": "echo"})
+    assert flt == JobFilter(("discarded", "cancelled"), "echo")
+    assert parse_filter(filter_params(flt)) == flt
+    assert decode_cursor(encode_cursor(12345)) == 12345
+    for bad in ("", "Yzk5eA", "c123", "=" * 50, "Yw", "!!"):
+        with pytest.raises(RequestError) as refused:
+            decode_cursor(bad)
+        assert refused.value.code == "invalid_cursor"
