@@ -5,6 +5,7 @@ Run from the repository root:
     .venv/bin/python bench/listing.py                 # 1,000,000 jobs
     .venv/bin/python bench/listing.py --jobs 100000   # smaller
     .venv/bin/python bench/listing.py --db /tmp/big.db  # keep (and reuse) the filled file
+    .venv/bin/python bench/listing.py --index-cost      # what the listing's indexes cost writes
 
 What happens: a SQLite file is migrated as ``rota serve`` would, then filled with
 ``--jobs`` rows by plain SQL inserts (as a server that ran them would leave them: 88 %
@@ -14,6 +15,14 @@ each filter is asked ``--rounds`` times, one request at a time on one keep-alive
 connection; then pages are followed by their cursor. Figures (p50 and p95 in ms,
 client-side, for the whole request) are printed and written to
 ``bench/results/listing.json``.
+
+``--index-cost`` measures instead what migration m011's indexes cost the writes every
+job makes, in CPU time per job: its insert (batches of 1,000, one commit each,
+``synchronous=FULL`` as the server runs), and the insert with its reservation (state
+and worker set) and its result (state again), on a store that already holds
+``--jobs`` (default here 200,000) finished ones, with and without the indexes (and
+with each left out), ``--rounds`` times alternating; medians are written to
+``bench/results/listing-index-cost.json``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import shutil
 import socket
 import sqlite3
 import statistics
@@ -81,6 +91,76 @@ def fill(path: Path, count: int) -> float:
     return time.perf_counter() - started
 
 
+M011_INDEXES = ("idx_jobs_state", "idx_jobs_state_spec", "idx_jobs_state_worker")
+# Which of m011's indexes each variant drops.
+VARIANTS = {"without": M011_INDEXES, "with": (), "no (state)": ("idx_jobs_state",),
+            "no (state, spec)": ("idx_jobs_state_spec",),
+            "worker's only": ("idx_jobs_state", "idx_jobs_state_spec")}
+
+
+def lifecycle(path: Path, jobs: int, batch: int = 1000) -> tuple[float, float]:
+    """CPU seconds to insert ``jobs`` jobs, and to insert, reserve and finish them, a
+    batch per transaction for each step as the server's writer does them. CPU time, not
+    wall time: on a shared machine the wall clock measures the neighbours."""
+    conn = rota_db.connect(path)  # WAL, synchronous=FULL: the server's own settings
+    inserting = total = 0.0
+    try:
+        for start in range(0, jobs, batch):
+            ids = [uuid7() for _ in range(batch)]
+            now = time.time()
+            started = time.process_time()
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(
+                "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt,"
+                " enqueued_at) VALUES (?, 'spec1', 'default', '{}', 0, 'available', 0, ?)",
+                [(job_id, now) for job_id in ids])
+            conn.execute("COMMIT")
+            inserted = time.process_time()
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany("UPDATE jobs SET state = 'active', attempt = 1, worker_id = ?,"
+                             " reserved_at = ? WHERE id = ?",
+                             [(WORKERS[start % 20], now, job_id) for job_id in ids])
+            conn.execute("COMMIT")
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany("UPDATE jobs SET state = 'completed', finished_at = ?,"
+                             " result = 'null' WHERE id = ?", [(now, job_id) for job_id in ids])
+            conn.execute("COMMIT")
+            inserting += inserted - started
+            total += time.process_time() - started
+        return inserting, total
+    finally:
+        conn.close()
+
+
+def index_cost(kept: int, jobs: int, rounds: int, output: Path) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="rota-index-cost-"))
+    base = workdir / "base.db"
+    fill(base, kept)
+    runs: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+    for _ in range(rounds):  # alternating, so that a busy minute spoils every variant
+        for variant, dropped in VARIANTS.items():
+            path = workdir / "run.db"
+            for leftover in workdir.glob("run.db*"):
+                leftover.unlink()
+            shutil.copy(base, path)
+            with contextlib.closing(sqlite3.connect(path)) as conn:
+                for index in dropped:
+                    conn.execute(f"DROP INDEX {index}")
+            runs[variant].append(lifecycle(path, jobs))
+    figures = {}
+    for variant, times in runs.items():
+        insert = statistics.median(t[0] for t in times) / jobs * 1e6
+        whole = statistics.median(t[1] for t in times) / jobs * 1e6
+        figures[variant] = {"insert_us_per_job": round(insert, 2),
+                            "lifecycle_us_per_job": round(whole, 2)}
+    document = {"timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                "kept": kept, "jobs": jobs, "rounds": rounds, "cpu_median": figures}
+    output.write_text(json.dumps(document, indent=2) + "\n")
+    shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(document, indent=1))
+    return 0
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -125,8 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--db", type=Path, default=None,
                         help="the store's file: filled if it does not exist, else reused")
-    parser.add_argument("--output", type=Path, default=RESULTS / "listing.json")
+    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--index-cost", action="store_true",
+                        help="measure what the listing's indexes cost writes instead")
     opts = parser.parse_args(argv)
+    if opts.index_cost:
+        return index_cost(200_000 if opts.jobs == 1_000_000 else opts.jobs, 20_000, opts.rounds,
+                          opts.output or RESULTS / "listing-index-cost.json")
+    opts.output = opts.output or RESULTS / "listing.json"
     workdir = Path(tempfile.mkdtemp(prefix="rota-listing-"))
     path = opts.db or workdir / "rota.db"
     fill_seconds = None

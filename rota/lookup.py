@@ -2,34 +2,68 @@
 behind ``GET /jobs``, its counts and the bulk actions. Functions of a connection; the
 store runs them on its readers.
 
-Every query is served by an index and reads only what a page needs, with 1,000,000 jobs
-in the table (bench/listing.py measures it):
+Every query reads only what a page needs, with 1,000,000 jobs in the table
+(bench/listing.py measures it), and the indexes it needs cost the hot path as little
+as they can: every job is inserted ``available``, reserved ``active`` and finished, so
+m011's indexes are partial, leaving out those two states (an enqueue and a reservation
+touch none of them):
 
 - no filter: the table itself, newest row id first;
-- a state, or a spec, queue or worker: one query per state (all seven when none is
-  given), each walking ``(state)``, ``(state, spec)``, ``(state, queue)`` or the partial
-  ``(state, worker_id)`` newest first, merged (``listing.merge_newest``). SQLite cannot
-  walk an ``IN`` list of states in row id order, and would sort every match instead;
-- ``q`` (error text): examines at most ``MAX_SCAN`` rows per state query (or of the
-  table, with no other filter), newest first, within the other filters. A page that
-  ends at that bound may hold fewer jobs than asked (even none) and still give a
-  ``next_cursor``: the search goes on from there.
-  A ``q`` that some job's id starts with (within the other filters) is an id prefix
-  instead, looked up in the primary key (at most ``MAX_SCAN`` ids).
+- otherwise one walk per state (all seven when none is given), newest first, merged
+  (``listing.merge_newest``): SQLite cannot walk an ``IN`` list of states in row id
+  order, and would sort every match instead. The state is written into the SQL, from
+  the fixed list, so that SQLite may use a partial index for it;
+- a finished, scheduled or retryable state: ``(state)``, ``(state, spec)`` or
+  ``(state, worker_id)`` (partial), or m001's ``(state, queue)``;
+- ``active``: few rows (the fleet's slots), read whole;
+- ``available``: ``(state, queue)``, one walk per queue (found by seeks). A ``spec``
+  there is checked row by row: like ``q``, a bounded walk;
+- a bounded walk examines at most ``MAX_SCAN`` rows per page. A page that ends at that
+  bound may hold fewer jobs than asked (even none) and still give a ``next_cursor``:
+  the search goes on from there. ``q`` is such a filter (error text), unless some job's
+  id starts with it: then it is an id prefix, looked up in the primary key.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 from rota.listing import JobFilter, encode_cursor, merge_newest
 from rota.model import JOB_STATES
 
-MAX_SCAN = 10_000  # rows examined per state query for a q search
+MAX_SCAN = 10_000  # rows a bounded walk examines per page
 COUNT_CAP = 100_000  # a count stops here: count_jobs says "at least"
 NO_CURSOR = 2**63 - 1
+HOT = ("available", "active")  # every job passes through them: no index of m011's
 Page = list[tuple[int, dict[str, Any]]]
+
+
+class Walk(NamedTuple):
+    """One index walk, newest first: ``where`` picks the rows walked (from ``source``);
+    ``check`` (if any) is tested row by row on at most MAX_SCAN of them."""
+
+    source: str
+    where: str
+    params: list[Any]
+    check: str = ""
+    check_params: list[Any] = []
+
+
+# The partial indexes' condition, repeated word for word in a query that uses them:
+# SQLite proves a partial index usable only from terms of the query itself.
+COLD = "state NOT IN ('available', 'active')"
+
+
+def _cold_index(flt: JobFilter) -> str:
+    """The index for a walk of one cold state: named, so that the planner (which has no
+    statistics) cannot prefer (state, finished_at) and sort every row of the state."""
+    if flt.worker is not None:
+        return "idx_jobs_state_worker"
+    if flt.spec is not None:
+        return "idx_jobs_state_spec"
+    return "idx_jobs_state_queue" if flt.queue is not None else "idx_jobs_state"
 
 
 def _where(flt: JobFilter, state: str | None, plain: str = "") -> tuple[list[str], list[Any]]:
@@ -45,12 +79,49 @@ def _where(flt: JobFilter, state: str | None, plain: str = "") -> tuple[list[str
     return terms, params
 
 
-def _states(flt: JobFilter) -> list[str | None]:
-    if flt.states:
-        return list(flt.states)
-    if flt.spec or flt.queue or flt.worker:
-        return list(JOB_STATES)  # the indexes all lead with state
-    return [None]  # the table itself, newest row first
+def _walks(conn: sqlite3.Connection, flt: JobFilter) -> Iterator[Walk]:
+    text = ("instr(lower(errors), lower(?)) > 0", [flt.q]) if flt.q is not None else ("", [])
+    states: list[str | None] = list(flt.states)
+    if not states:
+        states = list(JOB_STATES) if flt.spec or flt.queue or flt.worker else [None]
+    for state in states:
+        if state is None:  # the table itself
+            yield Walk("jobs", "1", [], *text)
+            continue
+        assert state in JOB_STATES  # written into the SQL: only the fixed names
+        terms, params = _where(flt, None)
+        if state == "active":  # few: the fleet's slots
+            yield Walk("jobs", " AND ".join(["state = 'active'", *terms]), params, *text)
+            continue
+        if state != "available":
+            yield Walk(f"jobs INDEXED BY {_cold_index(flt)}",
+                       " AND ".join([f"state = '{state}'", COLD, *terms]), params, *text)
+            continue
+        if flt.worker is not None:
+            continue  # a waiting job belongs to no worker
+        checks, check_params = [], []
+        if flt.spec is not None:
+            checks.append("spec = ?")
+            check_params.append(flt.spec)
+        if text[0]:
+            checks.append(text[0])
+            check_params += text[1]
+        for queue in [flt.queue] if flt.queue is not None else queues(conn, state):
+            yield Walk("jobs INDEXED BY idx_jobs_state_queue",
+                       "state = 'available' AND queue = ?", [queue], " AND ".join(checks),
+                       check_params)
+
+
+def queues(conn: sqlite3.Connection, state: str) -> list[str]:
+    """The queues with jobs in ``state``: one seek each in the (state, queue) index."""
+    found: list[str] = []
+    while True:
+        row = conn.execute("SELECT queue FROM jobs WHERE state = ? AND queue > ?"
+                           " ORDER BY queue LIMIT 1", (state, found[-1] if found else "")
+                           ).fetchone()
+        if row is None:
+            return found
+        found.append(row[0])
 
 
 def page(conn: sqlite3.Connection, flt: JobFilter, limit: int, before: int | None,
@@ -61,25 +132,21 @@ def page(conn: sqlite3.Connection, flt: JobFilter, limit: int, before: int | Non
     if flt.q is not None and (by_id := _by_id(conn, flt, limit, before, columns)) is not None:
         return by_id
     pages: list[Page] = []
-    boundary = 0  # the scans examined every row above this (q only)
-    for state in _states(flt):
-        terms, params = _where(flt, state)
-        terms.append("rowid < ?")
-        params.append(before)
-        where = " AND ".join(terms)
-        if flt.q is None:
-            sql = (f"SELECT rowid AS rowid_, {columns} FROM jobs WHERE {where}"
+    boundary = 0  # the bounded walks examined every row above this
+    for walk in _walks(conn, flt):
+        where = f"{walk.where} AND rowid < ?"
+        params = [*walk.params, before]
+        if not walk.check:
+            sql = (f"SELECT rowid AS rowid_, {columns} FROM {walk.source} WHERE {where}"
                    " ORDER BY rowid DESC LIMIT ?")
             pages.append(_read(conn, sql, [*params, limit + 1]))
             continue
-        # The error text: a bounded walk newest first (lower(): a case-blind search), and
-        # where the walk stopped, if it was stopped by its bound.
-        sql = (f"SELECT rowid_, {columns} FROM (SELECT rowid AS rowid_, * FROM jobs"
-               f" WHERE {where} ORDER BY rowid DESC LIMIT ?)"
-               " WHERE instr(lower(errors), lower(?)) > 0 LIMIT ?")
-        pages.append(_read(conn, sql, [*params, MAX_SCAN, flt.q, limit + 1]))
-        last = conn.execute(f"SELECT rowid FROM jobs WHERE {where} ORDER BY rowid DESC"
-                            " LIMIT 1 OFFSET ?", [*params, MAX_SCAN - 1]).fetchone()
+        sql = (f"SELECT rowid_, {columns} FROM (SELECT rowid AS rowid_, * FROM {walk.source}"
+               f" WHERE {where} ORDER BY rowid DESC LIMIT ?) WHERE {walk.check} LIMIT ?")
+        pages.append(_read(conn, sql, [*params, MAX_SCAN, *walk.check_params, limit + 1]))
+        last = conn.execute(f"SELECT rowid FROM {walk.source} WHERE {where}"
+                            " ORDER BY rowid DESC LIMIT 1 OFFSET ?",
+                            [*params, MAX_SCAN - 1]).fetchone()
         if last is not None:
             boundary = max(boundary, last[0])
     found = [(r, row) for r, row in merge_newest(pages, limit + 1) if r >= boundary]
@@ -125,16 +192,16 @@ def _read(conn: sqlite3.Connection, sql: str, params: list[Any]) -> Page:
 
 
 def count(conn: sqlite3.Connection, flt: JobFilter) -> int:
-    """Matching jobs, at most COUNT_CAP. With ``q``, those within the bounded search."""
-    if flt.q is not None:
-        rows, _ = page(conn, flt, COUNT_CAP, None, "id")
-        return len(rows)
+    """Matching jobs, at most COUNT_CAP. With a bounded walk (``q``, or a ``spec`` of
+    available jobs), those within its bound."""
     total = 0
-    for state in _states(flt):
-        terms, params = _where(flt, state)
-        where = f" WHERE {' AND '.join(terms)}" if terms else ""
-        total += conn.execute(f"SELECT count(*) FROM (SELECT 1 FROM jobs{where} LIMIT ?)",
-                              [*params, COUNT_CAP - total]).fetchone()[0]
+    for walk in _walks(conn, flt):
+        if walk.check:
+            rows, _ = page(conn, flt, COUNT_CAP, None, "id")
+            return len(rows)
+        total += conn.execute(f"SELECT count(*) FROM (SELECT 1 FROM {walk.source}"
+                              f" WHERE {walk.where} LIMIT ?)",
+                              [*walk.params, COUNT_CAP - total]).fetchone()[0]
         if total >= COUNT_CAP:
             break
     return total
@@ -153,13 +220,8 @@ def oldest_available(conn: sqlite3.Connection, now: float) -> dict[str, float | 
     the first by enqueue order, from when it became due (its run_at) or was enqueued.
     One index probe per queue."""
     ages: dict[str, float | None] = {}
-    queue = ""
-    while True:  # the next queue in the (state, queue) index: a seek, not a walk
-        found = conn.execute("SELECT queue FROM jobs WHERE state = 'available' AND queue > ?"
-                             " ORDER BY queue LIMIT 1", (queue,)).fetchone()
-        if found is None:
-            return ages
-        queue = found[0]
+    for queue in queues(conn, "available"):
         row = conn.execute("SELECT enqueued_at, run_at FROM jobs WHERE state = 'available'"
                            " AND queue = ? ORDER BY rowid LIMIT 1", (queue,)).fetchone()
         ages[queue] = round(max(0.0, now - max(row[0], row[1] or 0.0)), 3)
+    return ages

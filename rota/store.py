@@ -299,8 +299,10 @@ class Store:
     async def queue_counts(self) -> dict[str, dict[str, int]]:
         def read(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
             counts: dict[str, dict[str, int]] = {}
-            for row in conn.execute("SELECT queue, state, count(*) FROM jobs GROUP BY queue, state"):
-                counts.setdefault(row[0], dict.fromkeys(JOB_STATES, 0))[row[1]] = row[2]
+            # In the (state, queue) index's own order: a walk of it, no sort (a third
+            # faster with 1,000,000 jobs: docs/performance.md).
+            for row in conn.execute("SELECT state, queue, count(*) FROM jobs GROUP BY state, queue"):
+                counts.setdefault(row[1], dict.fromkeys(JOB_STATES, 0))[row[0]] = row[2]
             return counts
 
         return await self.readers.run(read)
