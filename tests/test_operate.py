@@ -226,3 +226,31 @@ def test_filters_and_cursors_parse_strictly():
         with pytest.raises(RequestError) as refused:
             decode_cursor(bad)
         assert refused.value.code == "invalid_cursor"
+
+
+def test_a_spec_among_available_jobs_is_found_across_queues_and_pages(tmp_path: Path,
+                                                                      monkeypatch):
+    monkeypatch.setattr(lookup, "MAX_SCAN", 4)
+    conn = _store_with(tmp_path, [])
+    conn.executemany(
+        "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt, enqueued_at)"
+        " VALUES (?, ?, ?, '{}', 0, 'available', 0, ?)",
+        [(f"a-{n:02d}", "rare" if n % 5 == 0 else "echo", ("q1", "q2")[n % 2], n)
+         for n in range(30)])
+    assert lookup.queues(conn, "available") == ["q1", "q2"]
+    flt = parse_filter({"spec": "rare"})
+    found, before = [], None
+    while True:
+        rows, cursor = lookup.page(conn, flt, 2, before)
+        found += [row["id"] for _, row in rows]
+        if cursor is None:
+            break
+        before = decode_cursor(cursor)
+    assert found == [f"a-{n:02d}" for n in range(29, -1, -1) if n % 5 == 0]
+    rows, _ = lookup.page(conn, parse_filter({"state": "available"}), 50, None)
+    assert [r["id"] for _, r in rows] == [f"a-{n:02d}" for n in range(29, -1, -1)]
+    assert lookup.count(conn, parse_filter({"state": "available", "queue": "q1"})) == 15
+    assert set(lookup.oldest_available(conn, 100.0)) == {"q1", "q2"}
+    assert lookup.page(conn, parse_filter({"state": "available", "worker": "w"}), 5,
+                       None) == ([], None)
+    conn.close()
