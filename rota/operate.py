@@ -7,7 +7,7 @@ The filter is the same everywhere (rota/listing.py): query parameters here, a JS
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 from starlette.requests import Request
