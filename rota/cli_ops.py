@@ -95,13 +95,13 @@ def jobs_list(states: tuple[str, ...], spec: str | None, queue: str | None,
 def _job_lines(jobs: list[dict[str, Any]], *, header: bool) -> None:
     if header and jobs:
         click.echo(f"{'ID':<36}  {'STATE':<9}  {'SPEC':<16}  {'QUEUE':<12}  {'TRY':>3}"
-                   f"  {'WHEN':<20}  {'WORKER':<16}  LAST ERROR")
+                   f"  {'WHEN':<20}  {'WORKER':<36}  LAST ERROR")
     for job in jobs:
         when = job["finished_at"] or job["reserved_at"] or job["enqueued_at"] or ""
         errors = job.get("errors") or []
         last = (f"{errors[-1].get('type')}: {errors[-1].get('message')}" if errors else "")
         click.echo(f"{job['id']:<36}  {job['state']:<9}  {job['spec']:<16}  {job['queue']:<12}"
-                   f"  {job['attempt']:>3}  {when[:19]:<20}  {job['worker_id'] or '-':<16}"
+                   f"  {job['attempt']:>3}  {when[:19]:<20}  {job['worker_id'] or '-':<36}"
                    f"  {printable(last, 80)}")
 
 
