@@ -312,13 +312,15 @@ def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[
         lines.append(f"{b['queue']}/{b['spec']}: {b['available']} waiting: {b['reason']}")
     if not view["blocked"]:
         lines.append("(nothing blocked)")
-    lines += ["", f"THROUGHPUT  jobs a minute over the last {len(view['throughput']['minute_starts'])}"
-              " minutes (the last one so far)"]
+    # As many minutes as the terminal has room for beside the figures (the whole hour
+    # at 110 columns).
+    shown = max(10, min(len(view["throughput"]["minute_starts"]), width - 50))
+    lines += ["", f"THROUGHPUT  jobs a minute, the last {shown} minutes (the last so far)"]
     for kind in ("enqueued", "completed", "failed", "discarded"):
         counts = view["throughput"][kind]
         last = counts[-2] if len(counts) > 1 else (counts[-1] if counts else 0)
-        lines.append(f"{kind:<10} {_spark(counts)}  last minute {last} ({last / 60:.1f}/s),"
-                     f" in all {sum(counts)}")
+        lines.append(f"{kind:<10} {_spark(counts[-shown:])}  last minute {last}"
+                     f" ({last / 60:.1f}/s), in the hour {sum(counts)}")
     # printable: a worker's hostname is its own text, and must not drive the terminal
     return [printable(line, max(20, width - 1)) for line in lines]
 
