@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Live, Proxy, write_spec
+from conftest import Live, Proxy, start_server, stop_server, write_spec
 from helpers import RawWorker, clean_env, wait_until
 from test_cli import rota
 
@@ -23,9 +23,9 @@ from rota import JobContext, Worker
 from rota.specs import JobSpec
 
 
-# Raw workers that need not beat while a command runs: 60 s of silence allowed.
-pytestmark = pytest.mark.parametrize("live", [{"heartbeat_timeout": 60.0}], indirect=True,
-                                     ids=["quiet-raw-workers"])
+# A server whose raw workers need not beat while a command runs: 60 s of silence allowed.
+QUIET_WORKERS = pytest.mark.parametrize("live", [{"heartbeat_timeout": 60.0}], indirect=True,
+                                        ids=["quiet-raw-workers"])
 
 
 async def discarded(live: Live, worker: RawWorker, *ids: str) -> None:
@@ -49,6 +49,7 @@ async def setup(live: Live, connect: Any, tmp_path: Path) -> tuple[JobSpec, RawW
     return echo, worker
 
 
+@QUIET_WORKERS
 async def test_jobs_list_filters_pages_and_prints_json(live: Live, connect, tmp_path: Path):
     _, worker = await setup(live, connect, tmp_path)
     await discarded(live, worker, "bad-1", "bad-2", "bad-3")
@@ -80,6 +81,7 @@ async def test_jobs_list_filters_pages_and_prints_json(live: Live, connect, tmp_
     assert code == 0 and out == "" and "no job matches" in err
 
 
+@QUIET_WORKERS
 async def test_bulk_retry_and_cancel_by_filter_and_by_ids(live: Live, connect, tmp_path: Path):
     _, worker = await setup(live, connect, tmp_path)
     await discarded(live, worker, "bad-1", "bad-2")
@@ -109,6 +111,7 @@ async def test_bulk_retry_and_cancel_by_filter_and_by_ids(live: Live, connect, t
     assert code == 0 and "retried: 1" in out and reply["truncated"] is False
 
 
+@QUIET_WORKERS
 async def test_queues_pause_and_resume(live: Live, connect, tmp_path: Path):
     _, worker = await setup(live, connect, tmp_path)
     await live.enqueue("resize", id="img-0")  # media: a queue that is not paused
@@ -129,6 +132,7 @@ async def test_queues_pause_and_resume(live: Live, connect, tmp_path: Path):
     assert copy["id"] == job["id"]
 
 
+@QUIET_WORKERS
 async def test_workers_resume(live: Live, sdk_worker, tmp_path: Path):
     echo = write_spec(tmp_path / "specs", "echo")
     await live.push(echo)
@@ -150,6 +154,7 @@ async def test_workers_resume(live: Live, sdk_worker, tmp_path: Path):
     assert code == 1 and "no connected worker to resume" in err  # none is quiet now
 
 
+@QUIET_WORKERS
 async def test_watch_prints_one_snapshot_as_json(live: Live, connect, tmp_path: Path):
     echo, worker = await setup(live, connect, tmp_path)
     stale = await connect("w-stale")
@@ -175,6 +180,7 @@ async def test_watch_prints_one_snapshot_as_json(live: Live, connect, tmp_path: 
     assert len(throughput["completed"]) == len(throughput["minute_starts"])
 
 
+@QUIET_WORKERS
 async def test_watch_redraws_until_interrupted(live: Live, connect, tmp_path: Path):
     await setup(live, connect, tmp_path)
     proc = await asyncio.create_subprocess_exec(
@@ -232,6 +238,7 @@ async def opened(tail: Tail, says: str = "following the events of") -> None:
     assert line.startswith("rota tail: ") and says in line, line
 
 
+@QUIET_WORKERS
 async def test_tail_prints_a_line_an_event_and_ndjson(live: Live, connect, tmp_path: Path):
     _, worker = await setup(live, connect, tmp_path)
     tail = await Tail.start(live.base, "--event", "enqueue,result", "--spec", "echo", "--json")
@@ -255,6 +262,7 @@ async def test_tail_prints_a_line_an_event_and_ndjson(live: Live, connect, tmp_p
         await text.stop()
 
 
+@QUIET_WORKERS
 async def test_tail_resumes_after_a_lost_connection(live: Live, connect, tmp_path: Path):
     await setup(live, connect, tmp_path)
     proxy = await Proxy(live.port).start()
@@ -276,6 +284,7 @@ async def test_tail_resumes_after_a_lost_connection(live: Live, connect, tmp_pat
         await proxy.close()
 
 
+@QUIET_WORKERS
 async def test_a_filter_on_a_terminal_asks_first_with_the_count(live: Live, connect,
                                                                tmp_path: Path):
     await setup(live, connect, tmp_path)
@@ -311,6 +320,7 @@ async def test_a_filter_on_a_terminal_asks_first_with_the_count(live: Live, conn
     assert (await live.job("img-1"))["state"] == "cancelled"
 
 
+@QUIET_WORKERS
 async def test_tail_into_a_reader_that_leaves_ends_quietly(live: Live, connect, tmp_path: Path):
     await setup(live, connect, tmp_path)
     proc = await asyncio.create_subprocess_exec(
@@ -326,3 +336,28 @@ async def test_tail_into_a_reader_that_leaves_ends_quietly(live: Live, connect, 
     await live.enqueue("resize", id="third")
     _, err = await asyncio.wait_for(proc.communicate(), 10)
     assert proc.returncode == 0 and b"Traceback" not in err and b"Error" not in err, err
+
+
+async def test_tail_says_what_the_server_no_longer_had(tmp_path: Path):
+    live = await start_server(tmp_path, events_buffer=4)  # a ring of four events
+    proxy = await Proxy(live.port).start()
+    await live.push(write_spec(tmp_path / "specs", "echo"))
+    tail = await Tail.start(f"http://127.0.0.1:{proxy.port}")
+    try:
+        await opened(tail)
+        await live.enqueue("echo", id="e-0")
+        assert "job=e-0" in await tail.line()
+        proxy.cut()
+        for n in range(1, 11):  # ten while it is away: the ring keeps the last four
+            await live.enqueue("echo", id=f"e-{n}")
+        await opened(tail, "reconnecting in")
+        await opened(tail, "resumed after event")
+        gap = await tail.line()
+        assert " gap " in gap and "missed_from=" in gap and "missed_to=" in gap, gap
+        kept = [await tail.line() for _ in range(4)]
+        assert [line.split("job=")[1].split()[0] for line in kept] == ["e-7", "e-8", "e-9",
+                                                                        "e-10"]
+    finally:
+        await tail.stop()
+        await proxy.close()
+        await stop_server(live)
