@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from rota import cli_ops, logs
+from rota import cli_live, cli_ops, logs
 from rota.cli_base import TOKEN_OPTION as _TOKEN
 from rota.cli_base import URL_OPTION
 from rota.cli_base import api as _api
@@ -754,7 +754,7 @@ def jobs_show(job_id: str, url: str) -> None:
 
 for _command in cli_ops.JOB_COMMANDS:  # list, and retry and cancel of one job or many
     jobs.add_command(_command)
-for _command in (cli_ops.queues, cli_ops.watch, cli_ops.tail):
+for _command in (cli_ops.queues, cli_live.watch, cli_live.tail):
     main.add_command(_command)
 
 

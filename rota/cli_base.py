@@ -1,6 +1,6 @@
 """What every ``rota`` command that talks to a server shares: ``--url`` and ``--token``
 (ROTA_URL, ROTA_TOKEN), an API call whose refusal is one line on stderr and exit 1, and
-JSON on stdout. ``rota.cli`` and ``rota.cli_ops`` both build on it."""
+JSON on stdout. ``rota.cli``, ``rota.cli_ops`` and ``rota.cli_live`` build on it."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ LAYERS: list[set[str]] = [
     {"worker"},
     {"__init__", "demo"},
     {"cli_base"},  # what the commands that call a server share
-    {"cli_ops"},  # the operator's commands: jobs list, bulk actions, queues, watch, tail
+    {"cli_ops"},  # the operator's commands: jobs list, bulk actions, queues
+    {"cli_live"},  # rota watch and rota tail
     {"cli"},
     {"__main__"},
 ]
