@@ -187,7 +187,10 @@ async def show_job(request: Request) -> Response:
     coordinator = _coordinator(request)
     row = _visible(request, await coordinator.store.get_job(request.path_params["job_id"]))
     if row is None:
-        return error(404, "not_found", f"no job {request.path_params['job_id']}")
+        job_id = request.path_params["job_id"]
+        hint = (f" (the bulk action is POST /jobs/{job_id})" if job_id in ("retry", "cancel")
+                else "")
+        return error(404, "not_found", f"no job {job_id}{hint}")
     view = job_view(row)
     view["logs"] = await coordinator.store.job_logs(row["id"], MAX_LOG_LINES)
     if row["state"] == "available":
@@ -326,6 +329,9 @@ async def list_workers(request: Request) -> Response:
     return JSON({"workers": sorted(workers, key=lambda w: w["id"])})
 
 
+STATE_WORDS = {"terminate": "terminating"}  # a worker's state, said in a sentence
+
+
 async def direct_worker(request: Request) -> Response:
     """Ask one worker to go quiet or terminate (it hears it in its next ack)."""
     need(request, "admin")
@@ -336,9 +342,9 @@ async def direct_worker(request: Request) -> Response:
     if conn is None:
         return error(404, "not_found", f"no connected worker {worker_id}")
     if not coordinator.direct([worker_id], payload.state) and conn.worker.state != payload.state:
+        now = STATE_WORDS.get(conn.worker.state, conn.worker.state)
         return error(409, "invalid_transition",
-                     f"worker {worker_id} is {conn.worker.state}; it cannot go back to"
-                     f" {payload.state}")
+                     f"worker {worker_id} is {now}; it cannot go back to {payload.state}")
     return JSON({"workers": [worker_id], "state": payload.state})
 
 

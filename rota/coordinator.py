@@ -681,10 +681,11 @@ class Coordinator:
             found = [(job_id, states.get(job_id)) for job_id in chosen]
         else:
             assert flt is not None
-            rows, truncated = await self.store.match_jobs(flt, limit)
-            found = [(job_id, state) for job_id, state in rows]
+            rows, stopped = await self.store.match_jobs(flt, limit)
+            found = rows[:limit]
             matched = len(found)
-            if truncated:  # (a count stops at lookup.COUNT_CAP)
+            truncated = stopped or len(rows) > limit
+            if len(rows) > limit:  # more than the cap: counted (up to lookup.COUNT_CAP)
                 matched = max(await self.store.count_jobs(flt), limit + 1)
         eligible: list[str] = []
         skipped: list[dict[str, str]] = []

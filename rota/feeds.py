@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from rota.api import JSON, need
 from rota.coordinator import Coordinator
 from rota.errors import RequestError
+from rota.listing import NAME
 from rota.model import JOB_STATES
 from rota.observe import COUNTS, KINDS, Filter, Histogram, Observer, encode, gap
 
@@ -40,13 +41,33 @@ def _last_event_id(request: Request) -> int | None:
     if text is None or text == "":
         return None
     if not text.isascii() or not text.isdigit() or len(text) > 19:
-        raise RequestError(400, "invalid_last_event_id",
-                           "Last-Event-ID (or last_event_id) must be an event id: digits")
+        raise RequestError(400, "invalid_last_event_id", "Last-Event-ID (or last_event_id)"
+                           " must be an event id: at most 19 digits")
     return int(text)
 
 
-def _filter(request: Request) -> Filter:
+def _known_params(request: Request, known: tuple[str, ...], repeatable: tuple[str, ...] = ()
+                  ) -> None:
+    """A misspelt or repeated parameter is refused, as GET /jobs does, rather than
+    silently widening (or narrowing) what is answered."""
     params = request.query_params
+    for key in params:
+        if key not in known:
+            raise RequestError(400, "invalid_filter", f"unknown parameter {key[:40]!r}: the"
+                               f" parameters are {', '.join(known)}")
+        if key not in repeatable and len(params.getlist(key)) > 1:
+            raise RequestError(400, "invalid_filter", f"{key} may be given once")
+
+
+def _filter(request: Request) -> Filter:
+    _known_params(request, ("last_event_id", "event", "spec", "queue", "worker"),
+                  repeatable=("event",))
+    params = request.query_params
+    for key in ("spec", "queue", "worker"):
+        value = params.get(key)
+        if value and not NAME.fullmatch(value):
+            raise RequestError(400, "invalid_filter",
+                               f"{key} is not a name (letters, digits and _.:- up to 128)")
     kinds = None
     if "event" in params:
         kinds = frozenset(k.strip() for value in params.getlist("event")
@@ -92,10 +113,16 @@ class EventStream(Response):
         loop = asyncio.get_running_loop()
         quiet_since = loop.time()
         while not gone.done() and not coordinator.stopping:
+            before = self.last_id
             chunk = self._take(observer)
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 quiet_since = loop.time()
+                continue
+            if self.last_id != before:
+                # A chunk none of which passed the filter: read on at once (the buffer
+                # may hold matching events further on), letting others run between.
+                await asyncio.sleep(0)
                 continue
             left = quiet_since + keepalive - loop.time()
             if left <= 0:
@@ -142,6 +169,7 @@ async def events(request: Request) -> Response:
 # -- GET /stats -----------------------------------------------------------------------------
 async def stats(request: Request) -> Response:
     need(request, "admin")
+    _known_params(request, ("minutes",))
     text = request.query_params.get("minutes", "60")
     if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 60):
         raise RequestError(400, "invalid_minutes", "minutes must be a whole number from 1 to 60")

@@ -21,7 +21,7 @@ from rota.model import JOB_STATES
 FIELDS = ("state", "spec", "queue", "worker", "q")
 # Names as the wire takes them (rota/protocol.py NAME_PATTERN, JOB_ID_PATTERN); q is
 # free text, bounded so that it cannot make a LIKE pattern of any size.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 MAX_Q = 200
 _CURSOR = re.compile(r"c[0-9]{1,19}")
 
@@ -71,7 +71,7 @@ def parse_filter(params: Mapping[str, str | list[str]]) -> JobFilter:
     names = {}
     for key in ("spec", "queue", "worker"):
         value = _one(params, key)
-        if value is not None and not _NAME.fullmatch(value):
+        if value is not None and not NAME.fullmatch(value):
             raise _invalid(f"{key} is not a name (letters, digits and _.:- up to 128)")
         names[key] = value
     q = _one(params, "q")
@@ -106,7 +106,7 @@ def decode_cursor(cursor: str) -> int:
         text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         text = ""
-    if len(cursor) > 40 or not _CURSOR.fullmatch(text):
+    if len(cursor) > 40 or not _CURSOR.fullmatch(text) or int(text[1:]) > 2**63 - 1:
         raise RequestError(400, "invalid_cursor", "cursor is not one this server gave")
     return int(text[1:])
 

@@ -20,6 +20,7 @@ from rota.listing import FIELDS, JobFilter, parse_filter
 from rota.protocol import NAME_PATTERN, JobId, Name
 
 DEFAULT_LIMIT = 50
+DEFAULT_BULK = 1000  # a filter's matches touched by one call unless limit says
 MAX_LIMIT = 500
 LIST_PARAMS = frozenset({*FIELDS, "limit", "cursor"})
 
@@ -36,7 +37,8 @@ class BulkRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ids: Annotated[list[JobId], msgspec.Meta(min_length=1, max_length=MAX_BULK)] | None = None
     filter: BulkFilter | None = None
     dry_run: bool = False  # say what would be touched; change nothing
-    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_BULK)] = 1000  # the most touched
+    # The most touched: by default every id given, or 1000 of a filter's matches.
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_BULK)] | None = None
 
 
 def _limit(text: str | None) -> int:
@@ -67,6 +69,13 @@ async def list_jobs(request: Request) -> Response:
 
 def _filter(raw: BulkFilter) -> JobFilter:
     params = {k: v for k, v in msgspec.structs.asdict(raw).items() if v is not None}
+    # In a query string an empty field is an unset one (an HTML form sends them all);
+    # in a bulk action it would widen what is changed (a "spec": "$SPEC" whose variable
+    # was unset), so it is refused.
+    empty = sorted(k for k, v in params.items() if v == "" or v == [])
+    if empty:
+        raise RequestError(400, "invalid_filter", f"{empty[0]} is empty: leave it out to"
+                           " match any, or give a value")
     flt = parse_filter(params)
     if flt == JobFilter():
         raise RequestError(422, "invalid_request", "the filter is empty: give at least one"
@@ -78,10 +87,13 @@ async def _bulk(request: Request, action: str) -> Response:
     need(request, "admin")
     body: BulkRequest = decode_as(await _read_body(request), BulkRequest)
     if (body.ids is None) == (body.filter is None):
-        raise RequestError(422, "invalid_request", "give either ids or filter")
+        raise RequestError(422, "invalid_request", "give either ids or filter, not both"
+                           if body.ids is not None else "give either ids or filter")
     flt = _filter(body.filter) if body.filter is not None else None
     return JSON(await _coordinator(request).bulk(action, ids=body.ids, flt=flt,
-                                                 dry_run=body.dry_run, limit=body.limit))
+                                                 dry_run=body.dry_run,
+                                                 limit=body.limit or len(body.ids or ())
+                                                 or DEFAULT_BULK))
 
 
 async def bulk_retry(request: Request) -> Response:

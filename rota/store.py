@@ -338,19 +338,20 @@ class Store:
 
     async def match_jobs(self, flt: JobFilter, limit: int, pages: int = 20
                          ) -> tuple[list[tuple[str, str]], bool]:
-        """(id, state) of up to ``limit`` matching jobs, newest first, and whether more
-        match (a q search stops after ``pages`` bounded scans)."""
+        """(id, state) of up to ``limit + 1`` matching jobs, newest first (one more than
+        ``limit`` says more match), and whether a bounded search (q) stopped after
+        ``pages`` scans with rows left unexamined."""
         def read(conn: sqlite3.Connection) -> tuple[list[tuple[str, str]], bool]:
             found: list[tuple[str, str]] = []
-            before, more = None, False
+            before = None
             for _ in range(pages):
                 rows, cursor = lookup.page(conn, flt, limit + 1 - len(found), before,
                                            "id, state")
                 found += [(row["id"], row["state"]) for _, row in rows]
                 if cursor is None or len(found) > limit:
-                    break
-                before, more = decode_cursor(cursor), True
-            return found[:limit], more or len(found) > limit
+                    return found[:limit + 1], False
+                before = decode_cursor(cursor)
+            return found, True
 
         return await self.readers.run(read)
 

@@ -171,6 +171,9 @@ async def test_server_side_filters(watched: Live, tmp_path: Path):
     ("?event=", {}, "invalid_filter"),
     ("", {"Last-Event-ID": "12a"}, "invalid_last_event_id"),
     ("?last_event_id=-3", {}, "invalid_last_event_id"),
+    ("?kind=discard", {}, "invalid_filter"),  # a misspelt parameter widens nothing
+    ("?spec=a&spec=b", {}, "invalid_filter"),
+    ("?spec=bad%20name", {}, "invalid_filter"),
 ])
 async def test_bad_event_requests_are_refused(live: Live, query: str, headers: dict[str, str],
                                               code: str):
@@ -276,6 +279,37 @@ async def test_bad_minutes_are_refused(live: Live, minutes: str):
     response = await live.http.get(f"/stats?minutes={minutes}")
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_minutes"
+
+
+@pytest.mark.parametrize("query", ["?foo=1", "?minutes=1&minutes=2"])
+async def test_unknown_or_repeated_stats_parameters_are_refused(live: Live, query: str):
+    response = await live.http.get(f"/stats{query}")
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_filter"
+
+
+async def test_a_filtered_stream_reads_past_events_it_does_not_want(tmp_path: Path):
+    """Thousands of events the filter drops, then one it wants: it comes at once, not
+    at the next keep-alive (set far away here)."""
+    server = await start_server(tmp_path, events_keepalive=60.0)
+    try:
+        other = write_spec(tmp_path / "specs", "other", queue="other")
+        await server.push(other)
+        await server.http.post("/queues/default/pause")
+        async with httpx.AsyncClient(base_url=server.base) as client:
+            stream, manager = await open_stream(server, client, "?queue=other&event=enqueue")
+            try:
+                for _ in range(3):
+                    body = {"jobs": [{"spec": "echo", "args": {}} for _ in range(3_000)]}
+                    response = await server.http.post("/jobs/batch", json=body, timeout=30)
+                    assert response.status_code == 200
+                job = await server.enqueue("other")
+                [event] = await stream.events(1, timeout=5.0)
+                assert (event["event"], event["data"]["job"]) == ("enqueue", job["id"])
+            finally:
+                await manager.__aexit__(None, None, None)
+    finally:
+        await stop_server(server)
 
 
 async def test_a_client_that_does_not_read_holds_nothing_and_gets_a_gap(tmp_path: Path):

@@ -3,6 +3,7 @@ cancel, queue pause and resume (kept across a restart), worker resume."""
 
 from __future__ import annotations
 
+import base64
 import json
 import sqlite3
 from pathlib import Path
@@ -117,7 +118,10 @@ async def test_bulk_actions_refuse_bad_bodies_precisely(live: Live):
              ({"filter": {"state": "failed"}}, 400, "invalid_filter"),
              ({"ids": []}, 422, "invalid_request"),
              ({"ids": ["a"], "limit": 10001}, 422, "invalid_request"),
-             ({"ids": ["a"], "colour": 1}, 422, "invalid_request")]
+             ({"ids": ["a"], "colour": 1}, 422, "invalid_request"),
+             # an unset shell variable must not widen a bulk action to every spec
+             ({"filter": {"state": "scheduled", "spec": ""}}, 400, "invalid_filter"),
+             ({"filter": {"queue": "", "q": "x"}}, 400, "invalid_filter")]
     for body, status, code in cases:
         for action in ("retry", "cancel"):
             response = await live.http.post(f"/jobs/{action}", json=body)
@@ -222,7 +226,8 @@ def test_filters_and_cursors_parse_strictly():
     assert flt == JobFilter(("discarded", "cancelled"), "echo")
     assert parse_filter(filter_params(flt)) == flt
     assert decode_cursor(encode_cursor(12345)) == 12345
-    for bad in ("", "Yzk5eA", "c123", "=" * 50, "Yw", "!!"):
+    too_big = base64.urlsafe_b64encode(b"c9223372036854775808").decode().rstrip("=")
+    for bad in ("", "Yzk5eA", "c123", "=" * 50, "Yw", "!!", too_big):
         with pytest.raises(RequestError) as refused:
             decode_cursor(bad)
         assert refused.value.code == "invalid_cursor"
@@ -254,3 +259,29 @@ def test_a_spec_among_available_jobs_is_found_across_queues_and_pages(tmp_path: 
     assert lookup.page(conn, parse_filter({"state": "available", "worker": "w"}), 5,
                        None) == ([], None)
     conn.close()
+
+
+async def test_a_bulk_action_counts_what_matches_past_the_search_bound(live: Live,
+                                                                        tmp_path: Path):
+    """More jobs than one bounded text search examines: a q that matches nothing says 0,
+    not "more than the cap"; ids beyond the default cap of a filter are all handled."""
+    await live.push(write_spec(tmp_path / "specs", "echo"))
+    await live.http.post("/queues/default/pause")
+    for _ in range(2):
+        body = {"jobs": [{"spec": "echo", "args": {}} for _ in range(6_000)]}
+        response = await live.http.post("/jobs/batch", json=body, timeout=30)
+        assert {item["status"] for item in response.json()["results"]} == {201}
+    for limit in (None, 10):
+        body: dict[str, Any] = {"filter": {"q": "zzzz-nothing"}, "dry_run": True}
+        if limit:
+            body["limit"] = limit
+        answer = (await live.http.post("/jobs/cancel", json=body, timeout=30)).json()
+        assert (answer["matched"], answer["touched"], answer["truncated"]) == (0, 0, False)
+    ids = [job["id"] for job in (await _list(live, limit=500))["jobs"]]
+    ids += [job["id"] for job in (await _list(live, limit=500, cursor=(
+        await _list(live, limit=500))["next_cursor"]))["jobs"]]
+    ids += [f"no-such-{n}" for n in range(500)]
+    answer = (await live.http.post("/jobs/cancel", json={"ids": ids, "dry_run": True},
+                                   timeout=30)).json()
+    assert (answer["matched"], answer["touched"], answer["truncated"]) == (1500, 1000, False)
+    assert {s["reason"] for s in answer["skipped"]} == {"no such job"}
