@@ -43,7 +43,12 @@ def filter_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def _filter(states: tuple[str, ...], spec: str | None, queue: str | None,
             worker: str | None, q: str | None) -> dict[str, Any]:
+    """The filter given, refusing an empty field: ``--queue "$QUEUE"`` with QUEUE unset
+    must not widen a bulk cancel to every queue."""
     given = {"state": split(states), "spec": spec, "queue": queue, "worker": worker, "q": q}
+    for key, value in given.items():
+        if (bool(states) if key == "state" else value is not None) and not value:
+            fail(f"--{key} is empty (an unset variable?): give a value, or leave it out")
     return {key: value for key, value in given.items() if value}
 
 
@@ -112,7 +117,8 @@ def _bulk_command(action: str, single: Callable[[str, str], None], summary: str
     @filter_options
     @click.option("--dry-run", is_flag=True, help=f"Say what would be {done}; change nothing.")
     @click.option("--limit", type=click.IntRange(1, 10_000), default=None,
-                  help=f"The most jobs to {verb} in one call (the server's default: 1000).")
+                  help=f"The most jobs to {verb} in one call (by default every ID given, or 1000"
+                  " of a filter's matches).")
     @click.option("--yes", "-y", is_flag=True,
                   help="Do not ask first (a filter, on a terminal, asks with the count).")
     @click.option("--json", "as_json", is_flag=True, help="Print the server's answer as JSON.")
