@@ -96,7 +96,7 @@ def need(request: Request, *scopes: Scope) -> Principal:
     return principal
 
 
-async def _read_body(request: Request) -> bytes:
+async def read_body(request: Request) -> bytes:
     """The body, refused with 413 as soon as it passes the limit: never buffered whole."""
     limit = _coordinator(request).settings.max_body_bytes
     too_large = RequestError(413, "body_too_large",
@@ -122,7 +122,7 @@ async def _read_body(request: Request) -> bytes:
 
 
 async def _decode(request: Request, kind: type[Any]) -> Any:
-    return decode_as(await _read_body(request), kind)
+    return decode_as(await read_body(request), kind)
 
 
 def decode_as(body: bytes, kind: type[Any]) -> Any:
@@ -188,13 +188,19 @@ async def show_job(request: Request) -> Response:
     row = _visible(request, await coordinator.store.get_job(request.path_params["job_id"]))
     if row is None:
         return error(404, "not_found", f"no job {request.path_params['job_id']}")
+    return JSON(await job_detail(coordinator, row))
+
+
+async def job_detail(coordinator: Coordinator, row: dict[str, Any]) -> dict[str, Any]:
+    """A job as GET /jobs/{id} shows it: its view, its logs, and why it waits (also the
+    dashboard's job page)."""
     view = job_view(row)
     view["logs"] = await coordinator.store.job_logs(row["id"], MAX_LOG_LINES)
     if row["state"] == "available":
         view["waiting_reason"] = coordinator.scheduler.waiting_reason(row["queue"], row["spec"])
     elif row["state"] in ("scheduled", "retryable"):
         view["waiting_reason"] = f"{row['state']} until {view['run_at']}"
-    return JSON(view)
+    return view
 
 
 async def cancel_job(request: Request) -> Response:
@@ -264,7 +270,7 @@ async def push_specs(request: Request) -> Response:
 
 async def retire_spec(request: Request) -> Response:
     need(request, "admin")
-    body = await _read_body(request)
+    body = await read_body(request)
     payload = decode_as(body, RetireRequest) if body.strip() else RetireRequest()
     return JSON(await _coordinator(request).retire_spec(
         request.path_params["name"], cancel_waiting=payload.cancel_waiting))
@@ -303,7 +309,11 @@ async def revoke_token(request: Request) -> Response:
 # -- workers, queues, health ---------------------------------------------------------
 async def list_workers(request: Request) -> Response:
     need(request, "admin")
-    coordinator = _coordinator(request)
+    return JSON({"workers": worker_views(_coordinator(request))})
+
+
+def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
+    """The connected workers as GET /workers shows them (and the dashboard), by id."""
     now = coordinator.clock().mono
     workers = []
     for conn in coordinator.connections.values():
@@ -323,7 +333,7 @@ async def list_workers(request: Request) -> Response:
             "last_heartbeat_age": round(now - conn.last_seen, 3),
             "heartbeats": conn.frames,
         })
-    return JSON({"workers": sorted(workers, key=lambda w: w["id"])})
+    return sorted(workers, key=lambda w: w["id"])
 
 
 async def direct_worker(request: Request) -> Response:
@@ -355,7 +365,11 @@ async def direct_workers(request: Request) -> Response:
 
 async def list_queues(request: Request) -> Response:
     need(request, "admin")
-    coordinator = _coordinator(request)
+    return JSON({"queues": await queue_views(_coordinator(request))})
+
+
+async def queue_views(coordinator: Coordinator) -> list[dict[str, Any]]:
+    """Every queue as GET /queues shows it (and the dashboard), by name."""
     scheduler = coordinator.scheduler
     counts = await coordinator.store.queue_counts()
     waiting: dict[str, list[dict[str, Any]]] = {}
@@ -363,13 +377,12 @@ async def list_queues(request: Request) -> Response:
         waiting.setdefault(queue, []).append(
             {"spec": spec, "available": n, "reason": scheduler.waiting_reason(queue, spec)})
     names = set(counts) | {q for w in scheduler.workers.values() for q in w.queues}
-    queues = [
+    return [
         {"name": name, "counts": counts.get(name, {}),
          "workers": sum(1 for w in scheduler.workers.values() if name in w.queues),
          "waiting": waiting.get(name, [])}
         for name in sorted(names)
     ]
-    return JSON({"queues": queues})
 
 
 async def healthz(request: Request) -> Response:

@@ -1,0 +1,309 @@
+"""The web dashboard at /ui: server-rendered pages (Jinja2 templates in rota/ui/templates)
+over what the JSON API shows, and HTML forms for the operator's actions.
+
+Each page puts what changes in one region (``<main id="live">``); rota/ui/static/rota.js
+fetches the page again every 2 s with ``X-Rota-Live: 1`` and swaps that region, which
+the server then renders alone. Actions are plain form POSTs answered by a redirect back
+(post/redirect/get) with a one-time message in a cookie; the gate (rota/gate.py) lets
+them in only from this origin, and not at all with ``--ui-read-only``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from rota import display
+from rota.api import job_detail, need, queue_views, read_body, worker_views
+from rota.coordinator import Coordinator
+from rota.errors import DomainError, RequestError
+from rota.gate import COOKIE
+from rota.policy import TERMINAL_STATES
+from rota.protocol import rfc3339
+
+HERE = Path(__file__).resolve().parent / "ui"
+LIVE = "x-rota-live"  # the poller's header: render the live region only
+FLASH = "rota_flash"  # a one-time message after an action, shown by the next page
+STATES = ("scheduled", "available", "active", "retryable", "completed", "discarded",
+          "cancelled")
+DIRECTIVES = ("quiet", "terminate")
+
+env = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(HERE / "templates"),
+    autoescape=True,
+    undefined=jinja2.StrictUndefined,  # a misspelt name fails the test, not the page
+    auto_reload=False,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+env.filters.update(size=display.size, duration=display.duration, pretty=display.pretty,
+                   short=display.short, count=display.count)
+
+
+def _coordinator(request: Request) -> Coordinator:
+    return request.app.state.coordinator
+
+
+def render(request: Request, name: str, status: int = 200, **context: Any) -> Response:
+    """A page, or only its live region when the poller asks."""
+    coordinator = _coordinator(request)
+    now = coordinator.clock().wall
+    context |= {
+        "page": name, "path": request.url.path,
+        "here": request.url.path + (f"?{request.url.query}" if request.url.query else ""),
+        "read_only": coordinator.settings.ui_read_only,
+        "auth": coordinator.tokens.required, "now": now,
+        "ago": lambda moment: display.ago(moment, now),
+        "flash": unquote(request.cookies.get(FLASH, "")),
+    }
+    template = env.get_template(f"{name}.html")
+    if request.headers.get(LIVE):
+        body = "".join(template.blocks["live"](template.new_context(context)))
+    else:
+        body = template.render(context)
+    response = HTMLResponse(body, status_code=status, headers={"cache-control": "no-store"})
+    if context["flash"] and not request.headers.get(LIVE):
+        response.delete_cookie(FLASH, path="/ui")
+    return response
+
+
+def back(request: Request, form: dict[str, str], message: str) -> Response:
+    """Back to the page the form was on (only ever a dashboard page), with a message."""
+    target = form.get("back", "/ui")
+    if not target.startswith("/ui") or target.startswith("//"):
+        target = "/ui"
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(FLASH, quote(message), path="/ui", httponly=True, samesite="strict")
+    return response
+
+
+async def read_form(request: Request) -> dict[str, str]:
+    """An urlencoded form, within the body limit; a field given twice keeps its last."""
+    body = await read_body(request)
+    try:
+        fields = parse_qs(body.decode(), keep_blank_values=True, max_num_fields=100)
+    except (UnicodeDecodeError, ValueError):
+        raise RequestError(400, "invalid_form", "the form is not URL-encoded text") from None
+    return {key: values[-1].strip() for key, values in fields.items()}
+
+
+def action(run: Callable[[Request, dict[str, str]], Awaitable[str]]
+           ) -> Callable[[Request], Awaitable[Response]]:
+    """A form POST: admin only; the core's refusal (a job already finished, say) becomes
+    the message shown, not an error page."""
+    async def handler(request: Request) -> Response:
+        need(request, "admin")
+        form = await read_form(request)
+        try:
+            message = await run(request, form)
+        except DomainError as exc:
+            message = f"refused: {exc.message}"
+        return back(request, form, message)
+
+    return handler
+
+
+# -- pages ----------------------------------------------------------------------------
+async def overview(request: Request) -> Response:
+    need(request, "admin")
+    coordinator = _coordinator(request)
+    queues = await queue_views(coordinator)
+    totals = dict.fromkeys(STATES, 0)
+    for queue in queues:
+        for state, n in queue["counts"].items():
+            totals[state] += n
+    workers = worker_views(coordinator)
+    by_state: dict[str, int] = {}
+    for worker in workers:
+        by_state[worker["state"]] = by_state.get(worker["state"], 0) + 1
+    degraded = coordinator.store.health.degraded
+    return render(request, "overview", totals=totals, chart=None, counts_note=None, queues=queues, workers=by_state,
+                  worker_count=len(workers), blocked=blocked(coordinator),
+                  live_jobs=coordinator.scheduler.live(), specs=len(coordinator.specs),
+                  storage=None if degraded is None else degraded.message,
+                  uptime=coordinator.uptime())
+
+
+def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:
+    """Available jobs that no worker will take now, per queue and spec, and why."""
+    scheduler = coordinator.scheduler
+    rows = []
+    for (queue, spec), n in sorted(scheduler.ready_counts().items()):
+        reason = scheduler.waiting_reason(queue, spec)
+        if reason is not None and n:
+            rows.append({"queue": queue, "spec": spec, "jobs": n, "reason": reason})
+    return rows
+
+
+async def queues_page(request: Request) -> Response:
+    need(request, "admin")
+    return render(request, "queues", queues=await queue_views(_coordinator(request)),
+                  states=STATES)
+
+
+async def specs_page(request: Request) -> Response:
+    need(request, "admin")
+    coordinator = _coordinator(request)
+    scheduler = coordinator.scheduler
+    stuck = blocked(coordinator)
+    declared = {w.id: w.specs for w in scheduler.workers.values()}
+    specs = []
+    for name, spec in sorted(coordinator.specs.items()):
+        checksum = scheduler.status_quo.get(name, "")
+        retired = coordinator.engine.retired.get(name)
+        specs.append({
+            "name": name, "version": spec.version, "checksum": checksum, "queue": spec.queue,
+            "description": spec.description,
+            "retired_at": None if retired is None else rfc3339(retired),
+            "matching": scheduler.matching_workers(name, checksum),
+            "other": [(w, declared[w][name]) for w in
+                      scheduler.mismatched_workers(name, checksum)],
+            "blocked": [row for row in stuck if row["spec"] == name],
+            "history": (await coordinator.store.spec_history(name))[::-1],
+        })
+    return render(request, "specs", specs=specs)
+
+
+async def workers_page(request: Request) -> Response:
+    need(request, "admin")
+    workers = worker_views(_coordinator(request))
+    labels = sorted({label for worker in workers for label in worker["labels"]})
+    return render(request, "workers", workers=workers, labels=labels, directives=DIRECTIVES,
+                  actions_for=actions_for)
+
+
+def actions_for(state: str) -> tuple[str, ...]:
+    """What may be asked of a worker in this state: never back from terminate."""
+    return {"running": ("quiet", "terminate"), "quiet": ("terminate",)}.get(state, ())
+
+
+async def jobs_page(request: Request) -> Response:
+    need(request, "admin")
+    coordinator = _coordinator(request)
+    q = request.query_params.get("q", "").strip()
+    if q and await coordinator.store.get_job(q) is not None:
+        return RedirectResponse(f"/ui/jobs/{quote(q)}", status_code=303)
+    return render(request, "jobs", q=q, missing=bool(q))
+
+
+async def job_page(request: Request) -> Response:
+    need(request, "admin")
+    coordinator = _coordinator(request)
+    job_id = request.path_params["job_id"]
+    row = await coordinator.store.get_job(job_id)
+    if row is None:
+        return render(request, "missing", status=404, what=f"job {job_id}")
+    job = await job_detail(coordinator, row)
+    for error in job["errors"]:  # the traceback as lines of its own, not a JSON string
+        details = error.get("details")
+        trace = details.pop("traceback", None) if isinstance(details, dict) else None
+        error["traceback"] = trace if isinstance(trace, str) else None
+    return render(request, "job", job=job, terminal=job["state"] in TERMINAL_STATES,
+                  retryable=job["state"] in ("discarded", "cancelled"))
+
+
+# -- actions --------------------------------------------------------------------------
+async def retry_job(request: Request, form: dict[str, str]) -> str:
+    row = await _coordinator(request).retry(request.path_params["job_id"])
+    return f"job {row['id']} is {row['state']} again"
+
+
+async def cancel_job(request: Request, form: dict[str, str]) -> str:
+    row, done = await _coordinator(request).cancel(request.path_params["job_id"])
+    if done:
+        return f"job {row['id']} is {row['state']}"
+    return f"job {row['id']}: its worker was asked to cancel it"
+
+
+def _directive(form: dict[str, str]) -> str:
+    state = form.get("state", "")
+    if state not in DIRECTIVES:
+        raise RequestError(422, "invalid_request", f"state must be one of {DIRECTIVES}")
+    return state
+
+
+async def direct_worker(request: Request, form: dict[str, str]) -> str:
+    coordinator = _coordinator(request)
+    state, worker_id = _directive(form), request.path_params["worker_id"]
+    if worker_id not in coordinator.connections:
+        return f"refused: no connected worker {worker_id}"
+    if not coordinator.direct([worker_id], state):
+        return f"refused: worker {worker_id} is {coordinator.connections[worker_id].worker.state}"
+    return f"worker {worker_id} was told: {state}"
+
+
+async def direct_label(request: Request, form: dict[str, str]) -> str:
+    coordinator = _coordinator(request)
+    state, label = _directive(form), form.get("label", "")
+    if not label:
+        return "refused: choose a label"
+    chosen = coordinator.direct(coordinator.select_workers(label=label), state)
+    return f"{len(chosen)} worker(s) labelled {label!r} were told: {state}"
+
+
+# -- login ----------------------------------------------------------------------------
+async def login_form(request: Request) -> Response:
+    coordinator = _coordinator(request)
+    return render(request, "login", next=_next(request.query_params.get("next")),
+                  error=None, auth=coordinator.tokens.required)
+
+
+async def login(request: Request) -> Response:
+    """Check the token once here, then keep it in an HttpOnly cookie: scripts on any page
+    cannot read it, and SameSite=Strict keeps other sites' requests from carrying it."""
+    coordinator = _coordinator(request)
+    form = await read_form(request)
+    target = _next(form.get("next"))
+    token = form.get("token", "")
+    principal = coordinator.tokens.authenticate(f"Bearer {token}")
+    if coordinator.tokens.required and (principal is None or principal.scope != "admin"):
+        await coordinator.reread_tokens()  # one created a moment ago?
+        principal = coordinator.tokens.authenticate(f"Bearer {token}")
+    if coordinator.tokens.required and (principal is None or principal.scope != "admin"):
+        why = "not a valid token" if principal is None else (
+            f"a {principal.scope} token: the dashboard needs an admin token")
+        return render(request, "login", status=401, next=target, error=why)
+    response = RedirectResponse(target, status_code=303)
+    if coordinator.tokens.required:
+        response.set_cookie(COOKIE, token, path="/", httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https")
+    return response
+
+
+async def logout(request: Request) -> Response:
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(COOKIE, path="/")
+    return response
+
+
+def _next(target: str | None) -> str:
+    """Where to go after logging in: a dashboard page, never another site."""
+    if not target or not target.startswith("/ui") or target.startswith("//"):
+        return "/ui"
+    return target
+
+
+routes: list[BaseRoute] = [
+    Route("/ui", overview, methods=["GET"]),
+    Route("/ui/queues", queues_page, methods=["GET"]),
+    Route("/ui/specs", specs_page, methods=["GET"]),
+    Route("/ui/workers", workers_page, methods=["GET"]),
+    Route("/ui/workers/state", action(direct_label), methods=["POST"]),
+    Route("/ui/workers/{worker_id}/state", action(direct_worker), methods=["POST"]),
+    Route("/ui/jobs", jobs_page, methods=["GET"]),
+    Route("/ui/jobs/{job_id}", job_page, methods=["GET"]),
+    Route("/ui/jobs/{job_id}/retry", action(retry_job), methods=["POST"]),
+    Route("/ui/jobs/{job_id}/cancel", action(cancel_job), methods=["POST"]),
+    Route("/ui/login", login_form, methods=["GET"]),
+    Route("/ui/login", login, methods=["POST"]),
+    Route("/ui/logout", logout, methods=["POST"]),
+    Mount("/ui/static", StaticFiles(directory=HERE / "static"), name="static"),
+]
