@@ -368,10 +368,13 @@ async def list_queues(request: Request) -> Response:
     return JSON({"queues": await queue_views(_coordinator(request))})
 
 
-async def queue_views(coordinator: Coordinator) -> list[dict[str, Any]]:
-    """Every queue as GET /queues shows it (and the dashboard), by name."""
+async def queue_views(coordinator: Coordinator,
+                      counts: dict[str, dict[str, int]] | None = None) -> list[dict[str, Any]]:
+    """Every queue as GET /queues shows it, by name; the dashboard brings its own
+    ``counts`` (rota/dashboard.py: it does not count a million rows every 2 s)."""
     scheduler = coordinator.scheduler
-    counts = await coordinator.store.queue_counts()
+    if counts is None:
+        counts = await coordinator.store.queue_counts()
     waiting: dict[str, list[dict[str, Any]]] = {}
     for (queue, spec), n in sorted(scheduler.ready_counts().items()):
         waiting.setdefault(queue, []).append(
