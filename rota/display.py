@@ -57,9 +57,12 @@ def pretty(value: Any) -> str:
 
 
 def short(text: str | None, keep: int = 12) -> str:
-    """A long id or checksum cut for a table cell (the full one goes in a title)."""
+    """A long id or checksum cut for a table cell (the full one goes in a title). A
+    UUID keeps both ends: UUIDv7s made in the same second share their first digits."""
     if text is None:
         return "–"
+    if len(text) == 36 and text.count("-") == 4:
+        return f"{text[:8]}…{text[-6:]}"
     return text if len(text) <= keep else text[:keep] + "…"
 
 

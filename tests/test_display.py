@@ -36,6 +36,7 @@ def test_pretty_takes_stored_json_as_it_is():
     assert display.pretty(msgspec.Raw(b'{"a":[1,2]}')) == '{\n  "a": [\n    1,\n    2\n  ]\n}'
     assert display.pretty("é") == '"é"'
     assert display.short("0123456789abcdef", 4) == "0123…" and display.short(None) == "–"
+    assert display.short("01a21208-38b4-71f9-b504-5894784ef97e") == "01a21208…4ef97e"
     assert display.count(1234567) == "1,234,567"
 
 

@@ -20,7 +20,8 @@ from uirig import CHROMIUM, Rig
 from rota.worker import JobContext
 
 pytestmark = pytest.mark.xdist_group("browser")  # one xdist worker runs them: one browser
-WAIT = 10_000  # ms: the longest any page condition may take (a refresh is every 2 s)
+WAIT = 10_000  # ms: the longest any page condition may take
+REFRESH_MS = 250  # the pages refresh every 2 s; here faster, so the tests wait less
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +43,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
 
 def open_page(browser: Browser, rig: Rig) -> Page:
     context = browser.new_context(base_url=rig.base)
+    context.add_init_script(f"window.ROTA_REFRESH_MS = {REFRESH_MS}")
     page = context.new_page()
     page.on("dialog", lambda dialog: dialog.accept())  # data-confirm: the operator agrees
     return page
@@ -242,3 +244,24 @@ def test_read_only_hides_and_refuses_every_action(browser: Browser, tmp_path: Pa
         page.context.close()
     finally:
         rig.close()
+
+
+def test_the_pause_button_stops_the_refresh_until_it_is_pressed_again(page: Page, rig: Rig):
+    rig.spec("echo")
+    log_in(page, rig)
+    available = page.locator('.figure[data-state="available"]')
+    polls: list[str] = []
+    page.on("request", lambda r: polls.append(r.url) if r.headers.get("x-rota-live") else None)
+    expect(page.locator("#poll-state")).to_contain_text("live ·")  # it has refreshed
+    page.get_by_role("button", name="Pause").click()
+    expect(page.locator("#poll-state")).to_have_text("paused")
+    rig.enqueue("echo")
+    seen = len(polls)
+    page.wait_for_timeout(4 * REFRESH_MS)  # noqa: sleep-ok (proving nothing happens)
+    assert len(polls) == seen and available.inner_text() == "0"
+    page.reload()  # the pause holds across pages
+    expect(page.get_by_role("button", name="Resume")).to_be_visible()
+    expect(available).to_have_text("1")  # a page load shows the moment
+    rig.enqueue("echo")
+    page.get_by_role("button", name="Resume").click()
+    expect(available).to_have_text("2")

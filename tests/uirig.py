@@ -70,8 +70,8 @@ class Rig:
 
     def worker(self, handlers: dict[str, Callable[..., Any]], **options: Any) -> Worker:
         """Start an SDK worker on a loop of its own and wait until it is connected."""
-        worker = Worker(url=self.live.ws, specs_dir=self.tmp / "specs", handle_signals=False,
-                        token=self.token, **options)
+        options.setdefault("specs_dir", self.tmp / "specs")
+        worker = Worker(url=self.live.ws, handle_signals=False, token=self.token, **options)
         for name, handler in handlers.items():
             worker.handler(name)(handler)
         loop = asyncio.new_event_loop()

@@ -2,7 +2,7 @@
 // remembered across pages), and ask before a form marked data-confirm is sent.
 (function () {
   "use strict";
-  var EVERY = 2000;
+  var EVERY = window.ROTA_REFRESH_MS || 2000;  // tests set it lower before the page loads
   var live = document.getElementById("live");
   var button = document.getElementById("poll");
   var state = document.getElementById("poll-state");
