@@ -145,6 +145,7 @@ async def serve(settings: ServerSettings, *, log_level: str = "info",
         # degraded and recovers when the limit is raised (docs/operations.md).
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     scheme = "https" if settings.ssl_certfile else "http"
-    log.info("serving on %s://%s:%d (workers connect to /work)", scheme, settings.host,
-             settings.port)
+    log.info("serving on %s://%s:%d (workers connect to /work; the dashboard is at /ui%s)",
+             scheme, settings.host, settings.port,
+             ", read-only" if settings.ui_read_only else "")
     await server.serve(sockets=[sock or listen_socket(settings.host, settings.port)])
