@@ -171,6 +171,8 @@ def _rows(path: Path) -> int:
     return count
 
 
+# 100,000 jobs: well under a minute alone, but a loaded CI machine may take longer.
+@pytest.mark.timeout(180)
 async def test_a_stream_of_jobs_levels_the_file_off(tmp_path: Path,
                                                     caplog: pytest.LogCaptureFixture):
     caplog.set_level(logging.INFO, logger="rota.server")

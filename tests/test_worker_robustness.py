@@ -162,6 +162,8 @@ async def test_past_max_abandoned_threads_the_worker_drains_and_exits(live: Live
     await wait_until(gone, what="the worker to deregister")
 
 
+# Tens of thousands of jobs: a loaded CI machine may need more than the default minute.
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize(("workers", "concurrency"), [(1, 10), (2, 100)])
 async def test_under_load_every_job_runs_exactly_once(live: Live, fleet: Fleet, workers: int,
                                                       concurrency: int):
