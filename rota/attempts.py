@@ -103,7 +103,7 @@ def end_attempt(job: Job, ending: Ending, error: p.ErrorInfo, now: Instant,
              job.attempt, ending, decision.state,
              f" reason={decision.reason!r}" if decision.reason else "")
     terminal = decision.state in TERMINAL_STATES
-    return Change(job, error=record, finished_at=now.wall if terminal else None)
+    return Change(job, error=record, finished_at=now.wall if terminal else None, ending=ending)
 
 
 def status_notes(jobs: dict[str, Job], connection: Connection, status: p.Status,

@@ -6,7 +6,8 @@ it is limited to and a SHA-256 of the secret, never the secret itself (the secre
 token is found by its id and its secret compared in constant time.
 
 Scopes: ``worker`` connects to /work; ``producer`` enqueues, reads the specs, and reads
-and cancels the jobs it enqueued; ``admin`` does everything. A token limited to queues
+and cancels the jobs it enqueued; ``metrics`` reads GET /metrics only (for a Prometheus
+server's scrape config); ``admin`` does everything. A token limited to queues
 may register for, or enqueue into, only those. With no token in the store the server
 runs open: every caller is an admin (``OPEN``), which ``rota serve`` allows on loopback
 only.
@@ -22,8 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Scope = Literal["worker", "producer", "admin"]
-SCOPES: tuple[Scope, ...] = ("worker", "producer", "admin")
+Scope = Literal["worker", "producer", "admin", "metrics"]
+SCOPES: tuple[Scope, ...] = ("worker", "producer", "admin", "metrics")
 _TOKEN = re.compile(r"^rota_([0-9a-f]{12})_([A-Za-z0-9_-]{20,100})$")
 
 

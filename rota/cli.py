@@ -172,7 +172,7 @@ def main(ctx: click.Context) -> None:
 # need: a worker's or producer's install ('pip install rota') leaves those out.
 # (`rota tokens` needs them only on the file: over the API, with --url, it is a client.)
 SERVER_COMMANDS = frozenset({"serve", "demo"})
-SERVER_PACKAGES = frozenset({"starlette", "uvicorn", "sqlite_utils", "httptools"})
+SERVER_PACKAGES = frozenset({"starlette", "uvicorn", "sqlite_utils", "httptools", "prometheus_client"})
 
 
 def _need_server(command: str) -> None:
@@ -258,6 +258,13 @@ def _need_server(command: str) -> None:
               help="Seconds a client has to send a request's headers.")
 @click.option("--body-timeout", envvar="ROTA_BODY_TIMEOUT", default=30.0, show_default=True, show_envvar=True,
               help="Seconds a client has to send a request's body, once its headers are in.")
+@click.option("--events-buffer", envvar="ROTA_EVENTS_BUFFER", default=10_000, show_default=True,
+              show_envvar=True, type=click.IntRange(min=1),
+              help="Events kept for GET /events clients that resume (Last-Event-ID); one"
+              " further behind gets a gap event.")
+@click.option("--events-keepalive", envvar="ROTA_EVENTS_KEEPALIVE", default=15.0, show_default=True,
+              show_envvar=True, type=click.FloatRange(min=0.01),
+              help="Most seconds GET /events stays silent: a keep-alive comment then.")
 @click.option("--ssl-certfile", envvar="ROTA_SSL_CERTFILE", show_envvar=True,
               type=click.Path(exists=True, dir_okay=False), help="Serve HTTPS/wss with this certificate (PEM).")
 @click.option("--ssl-keyfile", envvar="ROTA_SSL_KEYFILE", show_envvar=True,
@@ -701,8 +708,9 @@ def tokens() -> None:
 
 
 @tokens.command("create")
-@click.option("--scope", required=True, type=click.Choice(["worker", "producer", "admin"]),
-              help="worker: /work; producer: enqueue, read specs, read and cancel its own jobs; admin: all.")
+@click.option("--scope", required=True, type=click.Choice(["worker", "producer", "admin", "metrics"]),
+              help="worker: /work; producer: enqueue, read specs, read and cancel its own jobs;"
+              " metrics: GET /metrics only; admin: all.")
 @click.option("--queues", help="Limit the token to these queues (comma-separated).")
 @click.option("--name", help="A name to know it by (default: scope and id).")
 @click.option("--create", "create_db", is_flag=True,

@@ -87,6 +87,13 @@ class Coordinator:
         self._no_connections.set()
         self._stopping = False
         self.started = clock()
+        # Event ids go on from a clock reading (microseconds since the epoch, as of the
+        # start), so that they keep growing across restarts: a client that resumes with an
+        # id of the previous run hears of the gap instead of skipping the new events.
+        self.engine.observe.next_id = int(self.started.wall * 1_000_000)
+        self._pulse: asyncio.Future[None] | None = None  # resolved when events come
+        self._subscribers = 0
+        self._storage_seen: Any = None  # the store's degradation last reported as an event
 
     # -- what routes and tests read --------------------------------------------------
     @property
@@ -100,6 +107,10 @@ class Coordinator:
     @property
     def specs(self) -> dict[str, JobSpec]:
         return self.engine.specs
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def uptime(self) -> float:
         return self.clock().mono - self.started.mono
@@ -136,6 +147,7 @@ class Coordinator:
         self._stopping = True
         for job_id in list(self._waiters):
             self._wake_waiters(job_id)
+        self._events_came()  # and GET /events streams end
 
     async def stop(self) -> None:
         self.begin_shutdown()
@@ -296,7 +308,11 @@ class Coordinator:
         return buckets
 
     def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
-        return self.engine.registry.direct(worker_ids, state)
+        directed = self.engine.registry.direct(worker_ids, state)
+        wall = self.clock().wall
+        for worker_id in directed:
+            self.engine.observe.event(wall, "worker_state", worker=worker_id, state=state)
+        return directed
 
     def select_workers(self, *, label: str | None = None, every: bool = False) -> list[str]:
         return self.engine.registry.select(label=label, every=every)
@@ -313,6 +329,7 @@ class Coordinator:
         while True:
             now = self.clock()
             self.apply(self.engine.tick(now))
+            self._watch_storage(now)
             deadline = self.engine.next_deadline()
             wait = every if deadline is None else min(every, max(0.0, deadline - now.mono))
             self._timers_wake_at = now.mono + wait
@@ -503,7 +520,7 @@ class Coordinator:
                                " discarded or cancelled jobs can be retried")
             job = job_from_row(row)
             await self.run(self.engine.retry(job))
-            self.apply(self.engine.retried(job))
+            self.apply(self.engine.retried(job, self.clock()))
         finally:
             self._retrying.discard(job_id)
         return await self._row(job_id)
@@ -567,6 +584,65 @@ class Coordinator:
             raise Invalid("duplicate_spec", "a spec name appears twice in the push")
         changes = await self.store.push_specs([(s, checksum(s)) for s in specs], dry_run=dry_run)
         if not dry_run:
-            self.apply(self.engine.status_quo_changed(specs, changes))
+            self.apply(self.engine.status_quo_changed(specs, changes, self.clock()))
         return [self.engine.change_report(c) for c in changes]
 
+    # -- what the operator watches (rota/observe.py) -----------------------------------
+    def _watch_storage(self, now: Instant) -> None:
+        """A state_change event when the store becomes degraded or recovers (seen at
+        each timer tick: the store's health has no listener, and a tick is often enough)."""
+        degraded = self.store.health.degraded
+        if degraded is self._storage_seen:
+            return
+        if degraded is None:
+            self.engine.observe.event(now.wall, "state_change", state="storage_ok",
+                                      message="storage recovered: writes succeed again")
+        elif self._storage_seen is None or degraded.code != self._storage_seen.code:
+            self.engine.observe.event(now.wall, "state_change", state="storage_degraded",
+                                      message=f"{degraded.code}: {degraded.message}")
+        self._storage_seen = degraded
+
+    def subscribe(self) -> None:
+        """A GET /events subscriber starts listening: events wake it from now on."""
+        self._subscribers += 1
+        self.engine.observe.listener = self._events_came
+
+    def unsubscribe(self) -> None:
+        self._subscribers -= 1
+        if not self._subscribers:  # recording goes back to costing one test
+            self.engine.observe.listener = None
+
+    def _events_came(self) -> None:
+        pulse = self._pulse
+        if pulse is not None:
+            self._pulse = None
+            if not pulse.done():
+                pulse.set_result(None)
+
+    def events_pulse(self) -> asyncio.Future[None]:
+        """Resolved when the next events are recorded: shared by every subscriber."""
+        if self._pulse is None:
+            self._pulse = asyncio.get_running_loop().create_future()
+        return self._pulse
+
+    async def oldest_available(self) -> dict[str, float]:
+        """Per queue with available jobs, since when (wall) its oldest one waits."""
+        return await self.store.oldest_available(
+            sorted({queue for queue, _ in self.scheduler.ready_counts()}))
+
+    async def stats(self, minutes: int) -> dict[str, Any]:
+        """GET /stats: counts per minute over the last ``minutes`` per queue and spec,
+        and the age of each queue's oldest available job."""
+        now = self.clock()
+        starts, series = self.engine.observe.window(minutes, now.wall)
+        oldest = await self.oldest_available()
+        queues = set(oldest) | {row["queue"] for row in series} | {
+            q for w in self.scheduler.workers.values() for q in w.queues}
+        return {"now": p.rfc3339(now.wall),
+                "minute_starts": [p.rfc3339(m * 60.0) for m in starts],
+                "series": [{k: row[k] for k in ("queue", "spec", "enqueued", "completed",
+                                                 "failed", "discarded", "retried",
+                                                 "cancelled")} for row in series],
+                "oldest_available": {q: (None if oldest.get(q) is None
+                                         else round(max(0.0, now.wall - oldest[q]), 3))
+                                     for q in sorted(queues)}}

@@ -33,6 +33,7 @@ from rota.intake import Intake
 from rota.jobs import error_record
 from rota.logs import log_lines, printable
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
+from rota.observe import Observer
 from rota.policy import Ending
 from rota.registry import Connection, Registry, held_ids, judge_specs, short
 from rota.reservations import Reservations
@@ -66,6 +67,7 @@ class Engine(Intake, Reservations):
         self.registry = Registry()
         self.specs: dict[str, JobSpec] = {}
         self.retired: dict[str, float] = {}  # retired specs (no new jobs) -> when (wall)
+        self.observe = Observer(settings.events_buffer)
         self.stopping = False
         self._rand = rand or random.Random().random
         self._tickets = 0
@@ -149,6 +151,8 @@ class Engine(Intake, Reservations):
             "labels": msgspec.json.encode(reg.labels).decode(),
             "concurrency": reg.concurrency, "specs": msgspec.json.encode(reg.specs).decode(),
             "connected_at": now.wall, "disconnected_at": None}))
+        self.observe.event(now.wall, "worker_connect", worker=slot.id, state=slot.state,
+                           message=f"host {printable(reg.hostname)} pid {reg.pid}")
         effects.append(Send(conn, p.encode(p.Welcome(
             worker_id=slot.id, server_time=p.rfc3339(now.wall),
             heartbeat_interval=self.settings.heartbeat_interval,
@@ -164,6 +168,7 @@ class Engine(Intake, Reservations):
             return []
         held = self.scheduler.remove_worker(worker_id, connection.reported)
         effects: list[Effect] = [WorkerGone(worker_id, connection.connected_at, now.wall)]
+        self.observe.event(now.wall, "worker_disconnect", worker=worker_id, message=reason)
         if self.stopping:
             log.info("disconnect worker=%s reason=%s jobs_kept_for_reclaim=%d", worker_id,
                      reason, len(held))
@@ -244,6 +249,9 @@ class Engine(Intake, Reservations):
             if hb.status.progress or hb.status.logs or hb.status.alerts:
                 notes = status_notes(self.scheduler.jobs, connection, hb.status, now)
                 effects += [Note(notes)] if notes else []
+                for alert in hb.status.alerts:
+                    self.observe.event(now.wall, "alert", job=alert.job_id, worker=worker.id,
+                                       message=(alert.level, p.cut_text(alert.message)))
         if hb.capacity is not None:
             worker.capacity = hb.capacity
         again, _, rejected, changes = self._take_results(worker, hb.results, now)
@@ -364,6 +372,7 @@ class Engine(Intake, Reservations):
             log.log(failure_level(error), "storing %d job transition(s) failed: %s",
                     len(payload), error)
             return []
+        self.observe.ended(payload, now.wall, reported=False)
         return [Finished([c.job.id for c in payload if c.job.state in TERMINAL_STATES])]
 
     def _results_committed(self, ticket: int, payload: Any, error: BaseException | None,
@@ -386,6 +395,7 @@ class Engine(Intake, Reservations):
                     reason=f"could not be stored ({detail}); report it again"))
         else:
             completed = []
+            self.observe.ended(changes, now.wall, worker=worker_id, reported=True)
             for change in changes:
                 job = change.job
                 if job.state == JobState.COMPLETED:

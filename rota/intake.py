@@ -18,6 +18,7 @@ from rota.errors import DomainError, Forbidden, Invalid, TooLarge, failure_level
 from rota.jobs import EnqueueRequest, new_job
 from rota.logs import log_lines
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
+from rota.observe import Observer
 from rota.registry import Registry, short
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
@@ -32,6 +33,7 @@ class Intake:
     registry: Registry
     specs: dict[str, JobSpec]
     retired: dict[str, float]
+    observe: Observer
 
     def build(self, request: EnqueueRequest, principal: Principal, now: Instant
               ) -> Job | DomainError:
@@ -81,6 +83,7 @@ class Intake:
             effects += [Arm(t) for t in (job.due, job.expiry) if t is not None]
         log_lines(log, logging.INFO, "enqueue job=%s spec=%s queue=%s priority=%d state=%s",
                   [(job.id, job.spec, job.queue, job.priority, job.state) for job, _ in jobs])
+        self.observe.enqueued([job for job, _ in jobs], now.wall)
         return effects + [Wake()]
 
     def stored(self, job: Job, seq: int) -> None:
@@ -115,6 +118,8 @@ class Intake:
         job.move(JobState.CANCELLED)
         self.scheduler.finish(job)
         log.info("cancelled job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        self.observe.counted(now.wall, "cancel", job.id, job.spec, job.queue,
+                             attempt=job.attempt)
         return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id])]
 
     def cancel_not_stored(self, job: Job, was: tuple[str, bool]) -> list[Effect]:
@@ -149,6 +154,8 @@ class Intake:
             return [Wake()]
         log.info("cancelled job=%s spec=%s queue=%s", withdraw.job_id, withdraw.spec,
                  withdraw.queue)
+        self.observe.counted(withdraw.wall, "cancel", withdraw.job_id, withdraw.spec,
+                             withdraw.queue)
         return [Finished([withdraw.job_id])]
 
     def retry(self, job: Job) -> list[Effect]:
@@ -162,17 +169,21 @@ class Intake:
         job.worker_id = None
         return [Save([Change(job)])]
 
-    def retried(self, job: Job) -> list[Effect]:
+    def retried(self, job: Job, now: Instant | None = None) -> list[Effect]:
         """The retry's row is committed: the job waits for a worker again."""
         self.scheduler.add(job)
         log.info("retry job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        self.observe.counted(self.observe.latest if now is None else now.wall, "retry",
+                             job.id, job.spec, job.queue, attempt=job.attempt,
+                             message="retried by an operator")
         return [Wake()]
 
     def is_live(self, job_id: str) -> bool:
         """Whether the job is held whole (a compact waiting job is not: its row says so)."""
         return job_id in self.scheduler.jobs
 
-    def status_quo_changed(self, specs: list[JobSpec], changes: list[Any]) -> list[Effect]:
+    def status_quo_changed(self, specs: list[JobSpec], changes: list[Any],
+                           now: Instant | None = None) -> list[Effect]:
         """A push committed: the new checksums rule from now on."""
         by_name = {s.name: s for s in specs}
         for change in changes:
@@ -183,6 +194,10 @@ class Intake:
             self.scheduler.status_quo[change.name] = change.checksum
             log.info("status quo spec=%s checksum=%s previous=%s", change.name,
                      short(change.checksum), short(change.previous))
+            self.observe.event(self.observe.latest if now is None else now.wall,
+                               "state_change", spec=change.name, checksum=change.checksum,
+                               state="status_quo", message=f"spec {change.name} pushed:"
+                               f" {change.change}, checksum {short(change.checksum)}")
             for worker_id in self.scheduler.mismatched_workers(change.name, change.checksum):
                 declared = self.scheduler.workers[worker_id].specs[change.name]
                 log.warning("spec mismatch worker=%s spec=%s checksum=%s status_quo=%s",

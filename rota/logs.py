@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
 import logging
 import sys
 import threading
@@ -176,10 +177,13 @@ class BackgroundHandler(logging.Handler):
         if not isinstance(message, Lines):
             lines.append(self.format(record))
             return
-        for row in message.rows:  # one line each, as if each had been logged alone
-            record.msg, record.args = message.fmt, row
-            lines.append(self.format(record))
-        record.msg, record.args = message, ()
+        # One line each, as if each had been logged alone, from a copy: the record is
+        # shared with every other handler (pytest's, an embedder's), which may be
+        # formatting it on another thread at this moment.
+        line = copy.copy(record)
+        for row in message.rows:
+            line.msg, line.args = message.fmt, row
+            lines.append(self.format(line))
 
     def close(self) -> None:
         self._closed = True

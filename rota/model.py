@@ -116,6 +116,7 @@ class Job:
     run_at: float | None = None  # wall: scheduled or retryable until then
     expires_at: float | None = None  # wall: its time to live runs out
     lease_expires_at: float | None = None  # wall: when its reservation lapses (as shown)
+    reserved_at: float | None = None  # wall: when it was last assigned (this server run)
     due: float | None = None  # monotonic run_at
     expiry: float | None = None  # monotonic expires_at
     lease: float | None = None  # monotonic: when its reservation lapses
@@ -151,6 +152,7 @@ class Change:
     result: bytes | None = None
     finished_at: float | None = None
     undo: tuple[int, int, float | None, float | None] | None = None  # see Engine._undo
+    ending: str | None = None  # why an attempt did not complete (rota/policy.py Ending)
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota import api
+from rota import api, feeds
 from rota.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.jobs import BatchRequest, EnqueueRequest
 
@@ -168,7 +168,7 @@ class History(msgspec.Struct):
 class TokenView(msgspec.Struct, kw_only=True):
     id: str
     name: str
-    scope: Literal["worker", "producer", "admin"]
+    scope: Literal["worker", "producer", "admin", "metrics"]
     queues: list[str] | None  # None: any queue
     created_at: str
 
@@ -258,6 +258,41 @@ class Health(msgspec.Struct):
     storage: StorageState | None = None
 
 
+class StatsSeries(msgspec.Struct):
+    queue: str
+    spec: str
+    enqueued: list[int]  # one count per minute, as minute_starts
+    completed: list[int]
+    failed: list[int]
+    discarded: list[int]
+    retried: list[int]
+    cancelled: list[int]
+
+
+class Stats(msgspec.Struct):
+    now: str
+    minute_starts: list[str]  # the minutes counted, oldest first; the last is under way
+    series: list[StatsSeries]
+    oldest_available: dict[str, float | None]  # per queue: seconds, null if none waits
+
+
+# Answers that are not JSON: the media type and a description for the document.
+TEXT_ANSWERS: dict[str, tuple[str, str]] = {
+    "/events": ("text/event-stream", "server-sent events: `id:`, `event:` (the kind) and"
+                " one JSON object as `data:` per event; `: keep-alive` comments"
+                " (docs/protocol.md)"),
+    "/metrics": ("text/plain; version=0.0.4", "Prometheus text exposition format"),
+}
+
+
+_TEXT = {"type": "string"}
+QUERIES: dict[str, dict[str, Any]] = {
+    "/events": {"last_event_id": {"type": "string", "pattern": "^[0-9]{1,19}$"},
+                "event": _TEXT, "spec": _TEXT, "queue": _TEXT, "worker": _TEXT},
+    "/stats": {"minutes": {"type": "integer", "minimum": 1, "maximum": 60}},
+}
+
+
 class Op(NamedTuple):
     """One operation: it makes both a Starlette route and an entry of the document, so
     the two cannot drift apart. Every route may also answer 401 (no valid token) and
@@ -309,12 +344,18 @@ ROUTES: list[Op] = [
        {200: TokenList}),
     Op("delete", "/tokens/{token}", api.revoke_token, "Revoke a token by id or name (admin)",
        None, {200: Revoked, 404: ErrorBody}),
+    Op("get", "/events", feeds.events, "Server-sent events: what happens, as it happens"
+       " (admin)", None, {200: None, 400: ErrorBody}),
+    Op("get", "/stats", feeds.stats, "Counts per minute over the last hour, and the oldest"
+       " available job per queue (admin)", None, {200: Stats, 400: ErrorBody}),
+    Op("get", "/metrics", feeds.metrics, "Prometheus metrics (admin or metrics scope)", None,
+       {200: None}),
     Op("get", "/healthz", api.healthz, "Health (no token needed)", None, {200: Health}),
 ]
 OPEN_PATHS = {"/healthz"}
 STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry",
                 "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues",
-                "/tokens", "/tokens/{token}", "/specs/{name}/retire"}
+                "/tokens", "/tokens/{token}", "/specs/{name}/retire", "/stats", "/metrics"}
 
 
 def document() -> dict[str, Any]:
@@ -334,6 +375,10 @@ def document() -> dict[str, Any]:
             operation["parameters"].append(
                 {"name": "wait", "in": "query", "required": False,
                  "schema": {"type": "number", "minimum": 0}})
+        if path in QUERIES:
+            operation["parameters"] = [
+                {"name": name, "in": "query", "required": False, "schema": schema}
+                for name, schema in QUERIES[path].items()]
         if body is not None:
             operation["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": refs[body]}}}
@@ -346,6 +391,11 @@ def document() -> dict[str, Any]:
             operation["security"] = []  # no token needed
             extra = {500: ErrorBody}
         for status, answer in sorted({**answers, **extra}.items()):
+            if answer is None:  # not JSON
+                media, description = TEXT_ANSWERS[path]
+                operation["responses"][str(status)] = {"description": description, "content": {
+                    media: {"schema": {"type": "string"}}}}
+                continue
             operation["responses"][str(status)] = {
                 "description": _DESCRIPTIONS.get(status, "answer"),
                 "content": {"application/json": {"schema": refs.get(answer)

@@ -19,6 +19,7 @@ from rota.effects import Arm, Effect, Reserve, Send, Wake
 from rota.errors import failure_level
 from rota.logs import log_lines
 from rota.model import Instant, Job, JobState
+from rota.observe import Observer
 from rota.ready import Claim
 from rota.registry import Registry, short
 from rota.scheduler import Scheduler
@@ -40,6 +41,7 @@ class Reservations:
     scheduler: Scheduler
     registry: Registry
     stopping: bool
+    observe: Observer
     _ticket: Callable[[str, Any], int]
     _recover: Callable[..., list[Effect]]  # (jobs, ending, message, now, *, death)
     _paused_until = 0.0  # monotonic: no round before it (a failed round's pause)
@@ -105,6 +107,9 @@ class Reservations:
             log_lines(log, logging.INFO, "assign job=%s spec=%s@%s queue=%s worker=%s"
                       " attempt=%d", [(job.id, job.spec, short(job.checksum), job.queue,
                                        worker_id, job.attempt) for job in live])
+            for job in live:
+                job.reserved_at = now.wall
+            self.observe.assigned(live, worker_id, now.wall)
             for job in live:
                 # Frames of about ASSIGN_BYTES at most: a round for a worker with a long
                 # line of large jobs would otherwise be one frame of many megabytes, built

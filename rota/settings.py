@@ -65,6 +65,10 @@ class ServerSettings:
     ui_read_only: bool = False
     ssl_certfile: str | None = None  # serve HTTPS and wss:// with this certificate
     ssl_keyfile: str | None = None
+    # GET /events: the events kept for clients that resume (Last-Event-ID), and the most
+    # seconds between two things sent to a subscriber (a comment if nothing happened).
+    events_buffer: int = 10_000
+    events_keepalive: float = 15.0
     # Test switch: exit abruptly at a named point (see docs/reliability.md). Never in production.
     crash_at: str | None = None
 

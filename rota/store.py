@@ -14,7 +14,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,6 +305,25 @@ class Store:
                                     f" ({marks}) GROUP BY queue, state", tuple(states)):
                 counts.setdefault(row[0], dict.fromkeys(JOB_STATES, 0))[row[1]] = row[2]
             return counts
+
+        return await self.readers.run(read)
+
+    async def oldest_available(self, queues: Iterable[str]) -> dict[str, float]:
+        """Per queue, the wall time since which its first available job (by insertion
+        order) could run: each is one probe of the (state, queue) index, which ends in
+        the row id, so MIN(rowid) is its first entry, whatever the backlog."""
+        names = list(queues)
+
+        def read(conn: sqlite3.Connection) -> dict[str, float]:
+            oldest = {}
+            for queue in names:
+                row = conn.execute(
+                    "SELECT coalesce(run_at, enqueued_at) FROM jobs WHERE rowid ="
+                    " (SELECT min(rowid) FROM jobs WHERE state = 'available' AND queue = ?)",
+                    (queue,)).fetchone()
+                if row is not None:
+                    oldest[queue] = row[0]
+            return oldest
 
         return await self.readers.run(read)
 

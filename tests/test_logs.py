@@ -102,3 +102,28 @@ def test_a_batch_is_written_one_line_per_row_with_its_prefix():
 
 def test_elsewhere_a_batch_reads_as_one_message_of_several_lines():
     assert str(Lines("job=%s", [("a",), ("b",)])) == "job=a\njob=b"
+
+
+def test_a_batch_is_formatted_from_a_copy_leaving_the_shared_record_alone():
+    # The record also goes to other handlers (pytest's capture), which may be formatting
+    # it on another thread: the log thread must never change it under them.
+    seen: list[object] = []
+    batch = _record(LeanRecord, "", ())
+    batch.msg = Lines("job=%s", [("a",), ("b",)])
+
+    class Watching(Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            seen.append(batch.msg)  # what another handler would see meanwhile
+            return super().format(record)
+
+    stream = io.StringIO()
+    handler = BackgroundHandler(stream)
+    handler.setFormatter(Watching("%(message)s"))
+    try:
+        handler.handle(batch)
+        handler.flush()
+    finally:
+        handler.close()
+    assert stream.getvalue() == "job=a\njob=b\n"
+    assert all(isinstance(msg, Lines) for msg in seen) and len(seen) == 2
+    assert batch.args == ()

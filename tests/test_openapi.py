@@ -55,7 +55,7 @@ def test_the_document_names_every_route(server: ThreadedServer):
     assert document["openapi"].startswith("3.1")
     routed = {(op.method, op.path) for op in ROUTES}
     listed = {(method, path) for path, ops in document["paths"].items() for method in ops}
-    assert listed == routed and len(routed) == 18
+    assert listed == routed and len(routed) == 21
 
 
 def cases() -> list[tuple[str, GenerationMode]]:
@@ -63,6 +63,8 @@ def cases() -> list[tuple[str, GenerationMode]]:
     chosen = []
     for op in ROUTES:
         label = f"{op.method.upper()} {op.path}"
+        if op.path == "/events":  # a stream that never ends: tests/test_feeds.py reads it
+            continue
         chosen.append((label, GenerationMode.POSITIVE))
         if op.body is not None or "{" in op.path:
             chosen.append((label, GenerationMode.NEGATIVE))

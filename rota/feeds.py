@@ -1,0 +1,257 @@
+"""What an operator watches: GET /events (server-sent events), GET /stats and GET /metrics.
+
+All three read what rota/observe.py recorded. The event stream is pulled by each
+subscriber from the observer's ring at its own pace: a subscriber whose client reads
+slowly waits in its own ``send`` (the transport's flow control), never holds the loop or
+anyone else, and, once the ring has moved past it, gets a ``gap`` event and goes on
+from the oldest event kept. /metrics turns the observer's plain numbers, and gauges
+read at scrape time, into Prometheus's text format through a collector of our own: no
+prometheus-client object is touched per job (nor imported before the first scrape).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from rota.api import JSON, need
+from rota.coordinator import Coordinator
+from rota.errors import RequestError
+from rota.model import JOB_STATES
+from rota.observe import COUNTS, KINDS, Filter, Histogram, Observer, encode, gap
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+CHUNK = 1000  # events taken from the ring per send: a slow client's backlog is bounded
+KEEP_ALIVE = b": keep-alive\n\n"
+WORKER_STATES = ("running", "quiet", "terminate")
+
+
+# -- GET /events --------------------------------------------------------------------------
+def _last_event_id(request: Request) -> int | None:
+    text = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    if text is None or text == "":
+        return None
+    if not text.isascii() or not text.isdigit() or len(text) > 19:
+        raise RequestError(400, "invalid_last_event_id",
+                           "Last-Event-ID (or last_event_id) must be an event id: digits")
+    return int(text)
+
+
+def _filter(request: Request) -> Filter:
+    params = request.query_params
+    kinds = None
+    if "event" in params:
+        kinds = frozenset(k.strip() for value in params.getlist("event")
+                          for k in value.split(",") if k.strip())
+        unknown = sorted(kinds - set(KINDS))
+        if unknown or not kinds:
+            raise RequestError(400, "invalid_filter", f"unknown event kind(s)"
+                               f" {', '.join(unknown) or '(none given)'}; the kinds are"
+                               f" {', '.join(KINDS)}")
+    return Filter(kinds=kinds, spec=params.get("spec") or None,
+                  queue=params.get("queue") or None, worker=params.get("worker") or None)
+
+
+class EventStream(Response):
+    """A text/event-stream that runs until the client goes or the server stops."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, coordinator: Coordinator, last_id: int, only: Filter) -> None:
+        # As StreamingResponse does: no body, so no content-length among the headers.
+        self.status_code, self.background = 200, None
+        self.init_headers({"cache-control": "no-store", "x-accel-buffering": "no"})
+        self.coordinator, self.last_id, self.only = coordinator, last_id, only
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        coordinator = self.coordinator
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        gone = asyncio.ensure_future(_disconnected(receive))
+        coordinator.subscribe()
+        try:
+            await self._stream(send, gone)
+        finally:
+            coordinator.unsubscribe()
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+
+    async def _stream(self, send: Send, gone: asyncio.Future[None]) -> None:
+        coordinator = self.coordinator
+        observer = coordinator.engine.observe
+        keepalive = coordinator.settings.events_keepalive
+        loop = asyncio.get_running_loop()
+        quiet_since = loop.time()
+        while not gone.done() and not coordinator.stopping:
+            chunk = self._take(observer)
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                quiet_since = loop.time()
+                continue
+            left = quiet_since + keepalive - loop.time()
+            if left <= 0:
+                await send({"type": "http.response.body", "body": KEEP_ALIVE,
+                            "more_body": True})
+                quiet_since = loop.time()
+                continue
+            await asyncio.wait([coordinator.events_pulse(), gone], timeout=left,
+                               return_when=asyncio.FIRST_COMPLETED)
+        if not gone.done():  # the server stops: end the stream cleanly
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _take(self, observer: Observer) -> bytes:
+        """What this subscriber has not had yet, up to CHUNK events, encoded."""
+        missed, events = observer.after(self.last_id, CHUNK)
+        parts = []
+        if missed:  # (then events holds the oldest kept)
+            parts.append(gap(missed, events[0][0] - 1, observer.latest))
+        only = self.only
+        for event_id, event in events:
+            if only.matches(event):
+                parts.append(encode(event_id, event))
+        if events:
+            self.last_id = events[-1][0]
+        return b"".join(parts)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def events(request: Request) -> Response:
+    need(request, "admin")
+    coordinator: Coordinator = request.app.state.coordinator
+    only = _filter(request)
+    last_id = _last_event_id(request)
+    newest = coordinator.engine.observe.next_id - 1
+    # No id, or one ahead of this server's (not one it gave): from now on.
+    start = newest if last_id is None or last_id > newest else last_id
+    return EventStream(coordinator, start, only)
+
+
+# -- GET /stats -----------------------------------------------------------------------------
+async def stats(request: Request) -> Response:
+    need(request, "admin")
+    text = request.query_params.get("minutes", "60")
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 60):
+        raise RequestError(400, "invalid_minutes", "minutes must be a whole number from 1 to 60")
+    return JSON(await request.app.state.coordinator.stats(int(text)))
+
+
+# -- GET /metrics -------------------------------------------------------------------------
+def blocked_reason(reason: str) -> str:
+    """A waiting reason (Scheduler.waiting_reason, free text with names and counts) as a
+    label value of a few fixed words, so the label's values stay few."""
+    if reason.startswith("no connected worker"):
+        return "no_worker"
+    if reason.endswith("has no status quo"):
+        return "no_status_quo"
+    if "paused" in reason:
+        return "queue_paused"
+    if "none implements" in reason:
+        return "not_implemented"
+    if reason.startswith("all "):
+        return "workers_busy"
+    return "checksum_mismatch"
+
+
+class Snapshot:
+    """The metrics of one scrape, as a prometheus-client collector (it asks only for
+    ``collect``): the observer's numbers and the gauges read for it."""
+
+    def __init__(self, observer: Observer, gauges: dict[str, Any]) -> None:
+        self.observer, self.gauges = observer, gauges
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+
+        labels = ["queue", "spec"]
+        counters = [CounterMetricFamily(f"rota_jobs_{name}", f"Jobs {name}, since the"
+                                        " server started", labels=labels) for name in COUNTS]
+        wait = HistogramMetricFamily("rota_job_queue_wait_seconds", "Seconds from when a job"
+                                     " could run to its assignment", labels=labels)
+        duration = HistogramMetricFamily("rota_job_duration_seconds", "Seconds from a job's"
+                                         " assignment to its result", labels=labels)
+        for queue, spec, series in self.observer.totals():
+            for counter, total in zip(counters, series.totals, strict=True):
+                counter.add_metric([queue, spec], total)
+            for family, histogram in ((wait, series.wait), (duration, series.duration)):
+                if any(histogram.counts):
+                    family.add_metric([queue, spec], _buckets(histogram), histogram.sum)
+        yield from counters
+        yield wait
+        yield duration
+        jobs = GaugeMetricFamily("rota_queue_jobs", "Jobs per queue and state",
+                                 labels=["queue", "state"])
+        for queue, counts in sorted(self.gauges["queue_counts"].items()):
+            for state in JOB_STATES:
+                jobs.add_metric([queue, state], counts.get(state, 0))
+        yield jobs
+        oldest = GaugeMetricFamily("rota_queue_oldest_available_seconds", "Age of the oldest"
+                                   " available job per queue (0: none)", labels=["queue"])
+        for queue, age in sorted(self.gauges["oldest"].items()):
+            oldest.add_metric([queue], age)
+        yield oldest
+        workers = GaugeMetricFamily("rota_workers", "Connected workers per state",
+                                    labels=["state"])
+        for state in WORKER_STATES:
+            workers.add_metric([state], self.gauges["workers"].get(state, 0))
+        yield workers
+        blocked = GaugeMetricFamily("rota_jobs_blocked", "Available jobs that cannot run now,"
+                                    " per spec and why", labels=["spec", "reason"])
+        for (spec, reason), n in sorted(self.gauges["blocked"].items()):
+            blocked.add_metric([spec, reason], n)
+        yield blocked
+
+
+def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
+    cumulative, out = 0, []
+    for bound, n in zip([*map(repr, histogram.bounds), "+Inf"], histogram.counts, strict=True):
+        cumulative += n
+        out.append((bound, cumulative))
+    return out
+
+
+async def gauges(coordinator: Coordinator) -> dict[str, Any]:
+    """The scrape-time gauges: the store's counts per queue and state, and what memory
+    says of the oldest waiting jobs, the workers and the blocked jobs."""
+    now = coordinator.clock().wall
+    scheduler = coordinator.scheduler
+    counts = await coordinator.store.queue_counts()
+    since = await coordinator.oldest_available()
+    queues = set(counts) | set(since)
+    oldest = {q: (round(max(0.0, now - since[q]), 3) if q in since else 0.0) for q in queues}
+    workers: dict[str, int] = {}
+    for connection in coordinator.connections.values():
+        state = connection.worker.state
+        workers[state] = workers.get(state, 0) + 1
+    blocked: dict[tuple[str, str], int] = {}
+    for (queue, spec), n in scheduler.ready_counts().items():
+        reason = scheduler.waiting_reason(queue, spec) if n else None
+        if reason is not None:
+            key = (spec, blocked_reason(reason))
+            blocked[key] = blocked.get(key, 0) + n
+    return {"queue_counts": counts, "oldest": oldest, "workers": workers, "blocked": blocked}
+
+
+async def metrics(request: Request) -> Response:
+    # Imported at the first scrape, not at the start: it takes ~80 ms, and a restart
+    # is measured to /healthz (docs/performance.md).
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    need(request, "metrics")
+    coordinator: Coordinator = request.app.state.coordinator
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Snapshot(coordinator.engine.observe, await gauges(coordinator)))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

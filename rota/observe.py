@@ -1,0 +1,349 @@
+"""What happened on the server, kept for its operator: events, per-minute counts, metrics.
+
+Pure: the engine (and the shell, for what only it sees) records each fact here with the
+wall time it was given; nothing reads a clock or does I/O. Recording is on the hot path
+(three records per job at ~15,000 jobs a second), so a record is a plain tuple appended
+to a bounded deque and a few integer increments: no JSON, no prometheus-client call. An
+event becomes JSON only when it is sent to a subscriber (``encode``), and the numbers
+become Prometheus metrics only at scrape time (rota/feeds.py).
+
+Three things are kept:
+
+- a ring of the latest events (``buffer`` of them), numbered by increasing integers
+  (``first_id`` the first: the shell starts from a clock reading, so that ids keep
+  growing across restarts and a client resuming from a previous run sees a gap);
+- per (queue, spec), counts per minute over the last ``MINUTES`` minutes, and totals
+  since the start (the Prometheus counters);
+- per (queue, spec), two histograms: queue wait (due to assigned) and run time
+  (assigned to result).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import functools
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from rota.model import Change, Job
+from rota.protocol import rfc3339
+
+KINDS = ("enqueue", "assign", "result", "retry", "discard", "cancel", "worker_connect",
+         "worker_disconnect", "worker_state", "state_change", "alert")
+COUNTS = ("enqueued", "completed", "failed", "retried", "discarded", "cancelled")
+ENQUEUED, COMPLETED, FAILED, RETRIED, DISCARDED, CANCELLED = range(6)
+MINUTES = 60  # the per-minute counts kept
+# Attempt endings that are the job's (or its worker's) failure; others (released from a
+# prefetch line, a worker's shutdown, a cancel) neither count as failed nor retried.
+FAILURES = frozenset({"failed", "worker_death", "visibility_timeout"})
+# Histogram bounds, seconds (Prometheus ``le``): from a drain's sub-millisecond waits to
+# an hour in a backlog; from a no-op job to the default visibility timeout.
+WAIT_BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+               60.0, 300.0, 900.0, 3600.0)
+DURATION_BOUNDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0, 300.0, 1800.0)
+
+# An event as recorded: (wall, kind, job, spec, checksum, queue, worker, attempt, state,
+# duration, message). ``duration`` is in seconds (sent as duration_ms); ``message`` may
+# be a job's stored error record (JSON bytes), decoded only if the event is sent.
+Event = tuple[float, str, str | None, str | None, str | None, str | None, str | None,
+              int | None, str | None, float | None, Any]
+_error = msgspec.json.Decoder()
+
+
+class Histogram:
+    """Counts per bucket (the last is +Inf) and their sum: plain numbers."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class Series:
+    """One (queue, spec): totals, counts per minute (minute number -> counts), histograms."""
+
+    __slots__ = ("totals", "minutes", "wait", "duration")
+
+    def __init__(self) -> None:
+        self.totals = [0] * len(COUNTS)
+        self.minutes: dict[int, list[int]] = {}
+        self.wait = Histogram(WAIT_BOUNDS)
+        self.duration = Histogram(DURATION_BOUNDS)
+
+    def row(self, minute: int) -> list[int]:
+        """The counts of minute number ``minute`` (wall // 60)."""
+        row = self.minutes.get(minute)
+        if row is None:  # a new minute: forget those that left the window
+            row = self.minutes[minute] = [0] * len(COUNTS)
+            for old in [m for m in self.minutes if m <= minute - MINUTES]:
+                del self.minutes[old]
+        return row
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """A subscriber's server-side filter: None matches anything."""
+
+    kinds: frozenset[str] | None = None
+    spec: str | None = None
+    queue: str | None = None
+    worker: str | None = None
+
+    def matches(self, event: Event) -> bool:
+        return ((self.kinds is None or event[1] in self.kinds)
+                and (self.spec is None or event[3] == self.spec)
+                and (self.queue is None or event[5] == self.queue)
+                and (self.worker is None or event[6] == self.worker))
+
+
+class Observer:
+    def __init__(self, buffer: int = 10_000, first_id: int = 1) -> None:
+        self.ring: collections.deque[Event] = collections.deque(maxlen=max(1, buffer))
+        self.next_id = first_id  # the id the next event gets
+        self.series: dict[tuple[str, str], Series] = {}
+        # Called after events are recorded, while someone listens (the shell wakes its
+        # subscribers); None otherwise, so that recording costs one test.
+        self.listener: Any = None
+        self.latest = 0.0  # the latest wall time recorded: for callers that have none
+
+    # -- recording (the hot path) -----------------------------------------------------
+    # The batch methods take the engine's own objects (no tuple built per job to call
+    # them) and look up a job's (queue, spec) series and minute row only when it differs
+    # from the previous job's: a batch is usually all of one spec.
+    def _series(self, queue: str, spec: str) -> Series:
+        series = self.series.get((queue, spec))
+        if series is None:
+            series = self.series[(queue, spec)] = Series()
+        return series
+
+    def _wake(self, wall: float) -> None:
+        self.latest = wall
+        if self.listener is not None:
+            self.listener()
+
+    def event(self, wall: float, kind: str, *, job: str | None = None, spec: str | None = None,
+              checksum: str | None = None, queue: str | None = None, worker: str | None = None,
+              attempt: int | None = None, state: str | None = None,
+              duration: float | None = None, message: Any = None) -> None:
+        """One event of any kind (the rarer ones: workers, state changes, alerts)."""
+        self.ring.append((wall, kind, job, spec, checksum, queue, worker, attempt, state,
+                          duration, message))
+        self.next_id += 1
+        self._wake(wall)
+
+    def enqueued(self, jobs: Iterable[Job], wall: float) -> None:
+        """New jobs, taken in."""
+        append = self.ring.append
+        minute = int(wall // 60)
+        queue = spec = ""
+        totals = row = [0]
+        n = 0
+        for job in jobs:
+            append((wall, "enqueue", job.id, job.spec, None, job.queue, None, 0, job.state,
+                    None, None))
+            if job.queue != queue or job.spec != spec:
+                queue, spec = job.queue, job.spec
+                series = self._series(queue, spec)
+                totals, row = series.totals, series.row(minute)
+            totals[ENQUEUED] += 1
+            row[ENQUEUED] += 1
+            n += 1
+        self.next_id += n
+        self._wake(wall)
+
+    def assigned(self, jobs: Iterable[Job], worker: str, wall: float) -> None:
+        """Jobs sent to ``worker``: each waited from its ``run_at`` (or its enqueue)."""
+        append = self.ring.append
+        bisect_left = bisect.bisect_left
+        queue = spec = ""
+        wait = Histogram(())
+        n = 0
+        for job in jobs:
+            append((wall, "assign", job.id, job.spec, job.checksum, job.queue, worker,
+                    job.attempt, "active", None, None))
+            if job.queue != queue or job.spec != spec:
+                queue, spec = job.queue, job.spec
+                wait = self._series(queue, spec).wait
+            waited = wall - (job.run_at or job.enqueued_at)
+            if waited < 0.0:
+                waited = 0.0
+            wait.counts[bisect_left(wait.bounds, waited)] += 1
+            wait.sum += waited
+            n += 1
+        self.next_id += n
+        self._wake(wall)
+
+    def ended(self, changes: Iterable[Change], wall: float, *, worker: str | None = None,
+              reported: bool) -> None:
+        """Attempts that ended, committed (``reported``: by their worker's result, else by
+        the server: a lapsed lease, a worker gone, a time to live run out), each job gone
+        to its state; ``worker``: the results' worker (else each job's last holder)."""
+        append = self.ring.append
+        bisect_left = bisect.bisect_left
+        minute = int(wall // 60)
+        queue = spec = ""
+        series = Series()
+        row = series.totals
+        for change in changes:
+            job = change.job
+            if job.queue != queue or job.spec != spec:
+                queue, spec = job.queue, job.spec
+                series = self._series(queue, spec)
+                row = series.row(minute)
+            duration = None
+            started = job.reserved_at
+            if reported and started is not None and change.ending != "released":
+                duration = wall - started  # (a released job never ran)
+                if duration < 0.0:
+                    duration = 0.0
+                histogram = series.duration
+                histogram.counts[bisect_left(histogram.bounds, duration)] += 1
+                histogram.sum += duration
+            state = job.state
+            if state == "completed":  # the common case, first
+                append((wall, "result", job.id, spec, None, queue, worker, job.attempt,
+                        state, duration, None))
+                self.next_id += 1
+                series.totals[COMPLETED] += 1
+                row[COMPLETED] += 1
+                continue
+            holder = worker if reported else job.worker_id
+            if reported:
+                append((wall, "result", job.id, spec, None, queue, holder, job.attempt,
+                        state, duration, change.error))
+                self.next_id += 1
+            failure = change.ending in FAILURES
+            if failure:
+                series.totals[FAILED] += 1
+                row[FAILED] += 1
+            if state == "discarded":
+                what, kind = DISCARDED, "discard"
+            elif state == "cancelled":
+                what, kind = CANCELLED, "cancel"
+            elif failure:
+                what, kind = RETRIED, "retry"
+            else:
+                continue
+            series.totals[what] += 1
+            row[what] += 1
+            append((wall, kind, job.id, spec, None, queue, holder, job.attempt, state, None,
+                    change.error))
+            self.next_id += 1
+        self._wake(wall)
+
+    def counted(self, wall: float, kind: str, job: str, spec: str, queue: str, *,
+                attempt: int | None = None, message: Any = None) -> None:
+        """A job moved by an operator or a timer: "retry" (a manual retry), "cancel"
+        (a waiting job cancelled), "discard" (its time to live ran out)."""
+        what = {"retry": RETRIED, "cancel": CANCELLED, "discard": DISCARDED}[kind]
+        series = self._series(queue, spec)
+        series.totals[what] += 1
+        series.row(int(wall // 60))[what] += 1
+        state = {"retry": "available", "cancel": "cancelled", "discard": "discarded"}[kind]
+        self.event(wall, kind, job=job, spec=spec, queue=queue, attempt=attempt, state=state,
+                   message=message)
+
+    # -- reading ------------------------------------------------------------------------
+    @property
+    def first_kept(self) -> int:
+        """The id of the oldest event still in the ring (``next_id`` if it is empty)."""
+        return self.next_id - len(self.ring)
+
+    def after(self, last_id: int, limit: int) -> tuple[int, list[tuple[int, Event]]]:
+        """Events with ids above ``last_id``, oldest first, at most ``limit``; and the
+        first id that was wanted but is no longer kept (0: none was missed)."""
+        first = self.first_kept
+        missed = 0
+        if last_id + 1 < first:
+            missed, last_id = last_id + 1, first - 1
+        start = last_id + 1 - first
+        stop = min(len(self.ring), start + limit)
+        if start >= stop:
+            return missed, []
+        picked = itertools.islice(self.ring, start, stop)  # C speed, even from the far end
+        return missed, [(first + i, ev) for i, ev in zip(range(start, stop), picked,
+                                                        strict=True)]
+
+    def window(self, minutes: int, wall: float) -> tuple[list[int], list[dict[str, Any]]]:
+        """The last ``minutes`` minute numbers (the current one last) and, per (queue,
+        spec) seen in them, the counts of each minute."""
+        now = int(wall // 60)
+        starts = list(range(now - minutes + 1, now + 1))
+        rows = []
+        for (queue, spec), series in sorted(self.series.items()):
+            picked = [series.minutes.get(m) for m in starts]
+            if not any(picked):
+                continue
+            row: dict[str, Any] = {"queue": queue, "spec": spec}
+            for what, name in enumerate(COUNTS):
+                row[name] = [0 if counts is None else counts[what] for counts in picked]
+            rows.append(row)
+        return starts, rows
+
+    def totals(self) -> Iterator[tuple[str, str, Series]]:
+        for (queue, spec), series in sorted(self.series.items()):
+            yield queue, spec, series
+
+
+class EventData(msgspec.Struct, omit_defaults=True):
+    """An event's ``data``: what does not apply is left out (msgspec omits the Nones,
+    faster than building a dict of what is set)."""
+
+    at: str
+    kind: str
+    job: str | None = None
+    spec: str | None = None
+    checksum: str | None = None
+    queue: str | None = None
+    worker: str | None = None
+    attempt: int | None = None
+    state: str | None = None
+    duration_ms: float | None = None
+    level: str | None = None
+    message: str | None = None
+
+
+# The events of a batch share their time: its text is made once (rfc3339 is ~1 us).
+_at = functools.lru_cache(maxsize=256)(rfc3339)
+_json = msgspec.json.Encoder()
+
+
+def encode(event_id: int, event: Event) -> bytes:
+    """One event as a server-sent event: its id, kind and a JSON object. Only here,
+    for a subscriber that reads it, does an event cost its encoding."""
+    wall, kind, job, spec, checksum, queue, worker, attempt, state, duration, message = event
+    level = None
+    if message is not None:
+        if isinstance(message, bytes):  # a stored error record: its message
+            try:
+                message = _error.decode(message).get("message")
+            except (msgspec.DecodeError, AttributeError):
+                message = None
+        elif isinstance(message, tuple):  # an alert's (level, text)
+            level, message = message
+    data = EventData(_at(wall), kind, job, spec, checksum, queue, worker, attempt, state,
+                     None if duration is None else round(duration * 1000, 3), level, message)
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (event_id, kind.encode(), _json.encode(data))
+
+
+def gap(missed_from: int, missed_to: int, wall: float) -> bytes:
+    """What a subscriber that fell behind the ring gets before the events it can have."""
+    return frame(missed_to, "gap", {"at": rfc3339(wall), "kind": "gap",
+                                    "missed_from": missed_from, "missed_to": missed_to})
+
+
+def frame(event_id: int, kind: str, data: Mapping[str, Any]) -> bytes:
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (event_id, kind.encode(),
+                                                 msgspec.json.encode(data))
