@@ -96,7 +96,7 @@ def need(request: Request, *scopes: Scope) -> Principal:
     return principal
 
 
-async def read_body(request: Request) -> bytes:
+async def _read_body(request: Request) -> bytes:
     """The body, refused with 413 as soon as it passes the limit: never buffered whole."""
     limit = _coordinator(request).settings.max_body_bytes
     too_large = RequestError(413, "body_too_large",
@@ -122,7 +122,7 @@ async def read_body(request: Request) -> bytes:
 
 
 async def _decode(request: Request, kind: type[Any]) -> Any:
-    return decode_as(await read_body(request), kind)
+    return decode_as(await _read_body(request), kind)
 
 
 def decode_as(body: bytes, kind: type[Any]) -> Any:
@@ -270,7 +270,7 @@ async def push_specs(request: Request) -> Response:
 
 async def retire_spec(request: Request) -> Response:
     need(request, "admin")
-    body = await read_body(request)
+    body = await _read_body(request)
     payload = decode_as(body, RetireRequest) if body.strip() else RetireRequest()
     return JSON(await _coordinator(request).retire_spec(
         request.path_params["name"], cancel_waiting=payload.cancel_waiting))

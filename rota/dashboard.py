@@ -23,7 +23,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from rota import display
-from rota.api import job_detail, need, queue_views, read_body, worker_views
+from rota.api import _read_body, job_detail, need, queue_views, worker_views
 from rota.coordinator import Coordinator
 from rota.errors import DomainError, RequestError, StorageError
 from rota.gate import COOKIE
@@ -88,7 +88,7 @@ def back(request: Request, form: dict[str, str], message: str) -> Response:
 
 async def read_form(request: Request) -> dict[str, str]:
     """An urlencoded form, within the body limit; a field given twice keeps its last."""
-    body = await read_body(request)
+    body = await _read_body(request)
     try:
         fields = parse_qs(body.decode(), keep_blank_values=True, max_num_fields=100)
     except (UnicodeDecodeError, ValueError):
