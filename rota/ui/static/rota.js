@@ -23,7 +23,8 @@
   }
 
   function refresh() {
-    if (paused || busy || document.hidden || !live || typing()) return;
+    // A page with nothing live (the login form, a confirmation) is not fetched again.
+    if (paused || busy || document.hidden || !live || !live.firstElementChild || typing()) return;
     busy = true;
     fetch(location.href, {headers: {"X-Rota-Live": "1"}, credentials: "same-origin",
                           cache: "no-store"})
