@@ -32,7 +32,7 @@ from rota.specs import JobSpec, checksum
 from rota.store import token_view
 from rota.views import job_view
 
-Directive = Literal["quiet", "terminate"]
+Directive = Literal["quiet", "terminate", "running"]  # running: resume a quiet worker
 # Printable, and short enough for a listing; an id is the other way to name a token.
 TokenName = Annotated[str, msgspec.Meta(pattern=r"^[^\x00-\x1f\x7f]{1,100}$")]
 
@@ -379,11 +379,14 @@ async def queue_views(coordinator: Coordinator,
     for (queue, spec), n in sorted(scheduler.ready_counts().items()):
         waiting.setdefault(queue, []).append(
             {"spec": spec, "available": n, "reason": scheduler.waiting_reason(queue, spec)})
-    names = set(counts) | {q for w in scheduler.workers.values() for q in w.queues}
+    oldest = await coordinator.store.oldest_available(coordinator.clock().wall)
+    names = (set(counts) | {q for w in scheduler.workers.values() for q in w.queues}
+             | scheduler.paused)
     return [
         {"name": name, "counts": counts.get(name, {}),
          "workers": sum(1 for w in scheduler.workers.values() if name in w.queues),
-         "waiting": waiting.get(name, [])}
+         "waiting": waiting.get(name, []), "paused": name in scheduler.paused,
+         "oldest_available_age": oldest.get(name)}
         for name in sorted(names)
     ]
 

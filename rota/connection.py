@@ -76,6 +76,8 @@ class Host(Protocol):
 
     def quiet(self) -> None: ...
 
+    def resume(self) -> None: ...
+
     def terminate(self) -> None: ...
 
 
@@ -370,8 +372,8 @@ class Connection:
         outcome = self.link.on_ack(ack, time.monotonic())
         if outcome.directive is not None:
             log.info("directed by the server: state=%s", outcome.directive)
-            self._post(self.worker.terminate if outcome.directive == "terminate"
-                       else self.worker.quiet)
+            self._post({"terminate": self.worker.terminate, "running": self.worker.resume}
+                       .get(outcome.directive, self.worker.quiet))
         for rejected in outcome.rejected:
             log.warning("result rejected job=%s attempt=%d reason=%s", rejected.job_id,
                         rejected.attempt, rejected.reason)

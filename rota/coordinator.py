@@ -27,6 +27,7 @@ from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Sen
 from rota.engine import MAX_LOG_LINES, Engine
 from rota.errors import Conflict, DomainError, Invalid, NotFound, StorageError, failure_level
 from rota.jobs import EnqueueRequest, same_job
+from rota.listing import JobFilter
 from rota.model import TERMINAL_STATES, Instant, Job
 from rota.policy import TokenBucket
 from rota.registry import Connection
@@ -41,6 +42,11 @@ log = logging.getLogger("rota.server")
 REREAD_EVERY = 0.1  # seconds: the most often an unknown token makes the server look
 LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
+MAX_BULK = 10_000  # jobs one bulk action may touch (its ``limit``)
+SHOWN = 100  # ids and skipped jobs a bulk action's answer lists
+BULK_CHUNK = 200  # jobs a bulk action handles at once: their writes share commits
+BULK_OK = {"retry": frozenset({"discarded", "cancelled"}),
+           "cancel": frozenset({"scheduled", "available", "retryable", "active"})}
 
 
 class Outbox(Protocol):
@@ -129,7 +135,7 @@ class Coordinator:
                         " take jobs and give orders. Create one: rota tokens create --scope admin")
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
                                     self.clock(), snapshot.waiting, snapshot.last_seq,
-                                    snapshot.retired))
+                                    snapshot.retired, snapshot.paused))
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.settings.db,
                  self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")
@@ -627,7 +633,7 @@ class Coordinator:
 
     async def oldest_available(self) -> dict[str, float]:
         """Per queue with available jobs, since when (wall) its oldest one waits."""
-        return await self.store.oldest_available(
+        return await self.store.oldest_available_since(
             sorted({queue for queue, _ in self.scheduler.ready_counts()}))
 
     async def stats(self, minutes: int) -> dict[str, Any]:
@@ -646,3 +652,71 @@ class Coordinator:
                 "oldest_available": {q: (None if oldest.get(q) is None
                                          else round(max(0.0, now.wall - oldest[q]), 3))
                                      for q in sorted(queues)}}
+
+    # -- operators: queues, bulk actions ----------------------------------------------
+    async def pause_queue(self, name: str, paused: bool) -> dict[str, Any]:
+        """Pause or resume a queue: stored first, so a restart keeps it; then no round
+        assigns its jobs (or, resumed, the next round does)."""
+        now = self.clock()
+        await self.store.set_paused(name, paused, now.wall)
+        self.apply(self.engine.pause_queue(name, paused, now))
+        return {"queue": name, "paused": paused}
+
+    async def bulk(self, action: str, ids: list[str] | None = None,
+                   flt: JobFilter | None = None, dry_run: bool = False,
+                   limit: int = 1000) -> dict[str, Any]:
+        """Retry or cancel the jobs named by ``ids`` or matching ``flt``, at most ``limit``
+        of them (newest first), each as its single-job route would. A dry run says what
+        would be touched and changes nothing."""
+        if action not in BULK_OK:
+            raise Invalid("invalid_request", f"unknown bulk action {action!r}")
+        if (ids is None) == (flt is None):
+            raise Invalid("invalid_request", "give either ids or filter")
+        if not 1 <= limit <= MAX_BULK:
+            raise Invalid("invalid_request", f"limit must be between 1 and {MAX_BULK}")
+        if ids is not None:
+            unique = list(dict.fromkeys(ids))
+            chosen, truncated, matched = unique[:limit], len(unique) > limit, len(unique)
+            states = await self.store.job_states(chosen)
+            found = [(job_id, states.get(job_id)) for job_id in chosen]
+        else:
+            assert flt is not None
+            rows, truncated = await self.store.match_jobs(flt, limit)
+            found = [(job_id, state) for job_id, state in rows]
+            matched = len(found)
+            if truncated:  # (a count stops at lookup.COUNT_CAP)
+                matched = max(await self.store.count_jobs(flt), limit + 1)
+        eligible: list[str] = []
+        skipped: list[dict[str, str]] = []
+        for job_id, state in found:
+            if state in BULK_OK[action]:
+                eligible.append(job_id)
+            else:
+                skipped.append({"id": job_id, "reason": "no such job" if state is None
+                                else f"job is {state}"})
+        touched = eligible
+        if not dry_run:
+            touched = []
+            for start in range(0, len(eligible), BULK_CHUNK):
+                chunk = eligible[start:start + BULK_CHUNK]
+                outcomes = await asyncio.gather(*(self._bulk_one(action, job_id)
+                                                  for job_id in chunk))
+                for job_id, refused in zip(chunk, outcomes, strict=True):
+                    if refused is None:
+                        touched.append(job_id)
+                    else:  # it changed since it was read
+                        skipped.append({"id": job_id, "reason": refused})
+        return {"action": action, "dry_run": dry_run, "matched": matched,
+                "touched": len(touched), "ids": touched[:SHOWN], "skipped": skipped[:SHOWN],
+                "truncated": truncated}
+
+    async def _bulk_one(self, action: str, job_id: str) -> str | None:
+        """One job of a bulk action: None if done, else why not."""
+        try:
+            if action == "retry":
+                await self.retry(job_id)
+            else:
+                await self.cancel(job_id)
+        except (NotFound, Conflict) as exc:
+            return exc.message
+        return None

@@ -165,6 +165,22 @@ def m010_meta(db: sqlite_utils.Database) -> None:
     db["meta"].create({"key": str, "value": str}, pk="key")
 
 
+@migrations()
+def m011_operator(db: sqlite_utils.Database) -> None:
+    # Paused queues (POST /queues/{name}/pause): a restart keeps them paused.
+    db["queues"].create({"name": str, "paused": int, "updated_at": float}, pk="name")
+    # GET /jobs, newest first, with 1,000,000 jobs (rota/lookup.py): one walk per state
+    # in row id order (every index ends with the row id); (state, queue) is m001's.
+    # Partial: every job is inserted available and reserved active, so leaving those
+    # two states out spares an enqueue and a reservation every write to them
+    # (bench/listing.py --index-cost, docs/performance.md).
+    cold = "state NOT IN ('available', 'active')"
+    db.execute(f"CREATE INDEX idx_jobs_state ON jobs (state) WHERE {cold}")
+    db.execute(f"CREATE INDEX idx_jobs_state_spec ON jobs (state, spec) WHERE {cold}")
+    db.execute("CREATE INDEX idx_jobs_state_worker ON jobs (state, worker_id)"
+               f" WHERE {cold} AND worker_id IS NOT NULL")
+
+
 # -- a full or failing disk ------------------------------------------------------------
 # SQLite's primary result codes that blame the storage rather than the statement: what
 # the client is told (code, sentence) and how many seconds it should wait before asking

@@ -86,12 +86,14 @@ class Engine(Intake, Reservations):
     # -- start -------------------------------------------------------------------------
     def load(self, specs: dict[str, JobSpec], checksums: dict[str, str], jobs: list[Job],
              now: Instant, waiting: dict[tuple[str, str], list[int]] | None = None,
-             last_seq: int = 0, retired: dict[str, float] | None = None) -> list[Effect]:
+             last_seq: int = 0, retired: dict[str, float] | None = None,
+             paused: Iterable[str] = ()) -> list[Effect]:
         """Take in what the store holds: whole jobs, and the keys of plain available ones
         by (queue, spec) (rota/ready.py). Active jobs wait heartbeat_timeout for their
         workers to reconnect and reclaim them."""
         self.specs = dict(specs)
         self.retired = dict(retired or {})
+        self.scheduler.paused = set(paused)
         self.scheduler.status_quo = dict(checksums)
         self.scheduler.last_seq = max(self.scheduler.last_seq, last_seq)
         for (queue, spec), keys in (waiting or {}).items():
@@ -109,6 +111,21 @@ class Engine(Intake, Reservations):
                         orphans, self.settings.heartbeat_timeout)
         self._last_tick = now.mono
         return [Wake()]
+
+    def pause_queue(self, queue: str, paused: bool, now: Instant) -> list[Effect]:
+        """Pause a queue (its jobs stay, none is assigned) or resume it (its jobs go to
+        workers from the next round). Already-assigned jobs run on."""
+        was = queue in self.scheduler.paused
+        if paused:
+            self.scheduler.paused.add(queue)
+        else:
+            self.scheduler.paused.discard(queue)
+        if was != paused:
+            word = "paused" if paused else "resumed"
+            log.info("queue %s queue=%s", word, queue)
+            self.observe.event(now.wall, "state_change", queue=queue, state=word,
+                               message=f"queue {queue} {word}")
+        return [] if paused else [Wake()]
 
     def begin_shutdown(self) -> None:
         """From here on, a closing connection keeps its jobs reserved: after the restart

@@ -220,6 +220,8 @@ class Link:
         said, sent_at = self._sent_state.pop(ack.seq, (ack.state, None))
         if p.STATE_RANK[ack.state] > p.STATE_RANK[said]:  # type: ignore[index]
             outcome.directive = ack.state
+        elif said == "quiet" and ack.state == "running":  # the server resumes it
+            outcome.directive = "running"
         if now is not None and sent_at is not None and ack.seq in self._unacked:
             self.round_trip += SMOOTHING * (now - sent_at - self.round_trip)
         sent = {r.job_id: r for r in self._unacked.pop(ack.seq, [])}

@@ -18,9 +18,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota import api, feeds
+from rota import api, feeds, operate
 from rota.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.jobs import BatchRequest, EnqueueRequest
+from rota.operate import BulkRequest
 
 JobState = Literal["scheduled", "available", "active", "retryable", "completed", "discarded",
                    "cancelled"]
@@ -237,6 +238,33 @@ class QueueView(msgspec.Struct):
     counts: dict[str, int]
     workers: int
     waiting: list[Waiting]
+    paused: bool  # POST /queues/{queue}/pause: it keeps its jobs and assigns none
+    oldest_available_age: float | None  # seconds its longest-waiting available job waited
+
+
+class QueuePaused(msgspec.Struct):
+    queue: str
+    paused: bool
+
+
+class JobList(msgspec.Struct):
+    jobs: list[JobView]
+    next_cursor: str | None  # GET /jobs?cursor= for the next page; null: the last page
+
+
+class Skipped(msgspec.Struct):
+    id: str
+    reason: str
+
+
+class BulkReply(msgspec.Struct):
+    action: Literal["retry", "cancel"]
+    dry_run: bool
+    matched: int  # jobs that matched (a count stops at 100,000)
+    touched: int  # retried or cancelled (in a dry run: would be)
+    ids: list[str]  # the first 100 touched
+    skipped: list[Skipped]  # the first 100 that matched and were not touched, and why
+    truncated: bool  # more matched than the limit
 
 
 class Queues(msgspec.Struct):
@@ -310,6 +338,14 @@ BAD = {400: ErrorBody, 413: ErrorBody, 422: ErrorBody}
 ROUTES: list[Op] = [
     Op("post", "/jobs", api.enqueue, "Enqueue a job", EnqueueRequest,
      {201: Enqueued, 200: Enqueued, 409: ErrorBody, **BAD}),
+    Op("get", "/jobs", operate.list_jobs, "Find jobs, newest first, a page at a time (admin)",
+       None, {200: JobList, 400: ErrorBody}),
+    Op("post", "/jobs/retry", operate.bulk_retry,
+       "Retry discarded and cancelled jobs, by ids or filter (admin)", BulkRequest,
+       {200: BulkReply, **BAD}),
+    Op("post", "/jobs/cancel", operate.bulk_cancel,
+       "Cancel waiting and running jobs, by ids or filter (admin)", BulkRequest,
+       {200: BulkReply, **BAD}),
     Op("post", "/jobs/batch", api.enqueue_batch,
        "Enqueue many jobs in one transaction", BatchRequest,
      {200: BatchReply, **BAD}),
@@ -338,6 +374,11 @@ ROUTES: list[Op] = [
      {200: Directed, 404: ErrorBody, 409: ErrorBody, **BAD}),
     Op("get", "/queues", api.list_queues,
        "Per-queue counts and why jobs wait", None, {200: Queues}),
+    Op("post", "/queues/{queue}/pause", operate.pause_queue,
+       "Pause a queue: it keeps its jobs and assigns none (admin)", None,
+       {200: QueuePaused, 400: ErrorBody}),
+    Op("post", "/queues/{queue}/resume", operate.resume_queue,
+       "Resume a paused queue (admin)", None, {200: QueuePaused, 400: ErrorBody}),
     Op("post", "/tokens", api.create_token, "Create a token (admin)", TokenRequest,
        {201: NewToken, 409: ErrorBody, **BAD}),
     Op("get", "/tokens", api.list_tokens, "The live tokens, never their secrets (admin)", None,
@@ -355,7 +396,8 @@ ROUTES: list[Op] = [
 OPEN_PATHS = {"/healthz"}
 STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry",
                 "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues",
-                "/tokens", "/tokens/{token}", "/specs/{name}/retire", "/stats", "/metrics"}
+                "/tokens", "/tokens/{token}", "/specs/{name}/retire", "/stats", "/metrics",
+                "/jobs/retry", "/jobs/cancel", "/queues/{queue}/pause", "/queues/{queue}/resume"}
 
 
 def document() -> dict[str, Any]:
@@ -379,6 +421,8 @@ def document() -> dict[str, Any]:
             operation["parameters"] = [
                 {"name": name, "in": "query", "required": False, "schema": schema}
                 for name, schema in QUERIES[path].items()]
+        if method == "get" and path == "/jobs":
+            operation["parameters"] = _LISTING_PARAMETERS
         if body is not None:
             operation["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": refs[body]}}}
@@ -412,6 +456,17 @@ def document() -> dict[str, Any]:
         },
         "security": [{"bearer": []}],
     }
+
+
+_STATES = {"type": "string", "enum": list(JobState.__args__)}
+_LISTING_PARAMETERS: list[dict[str, Any]] = [
+    {"name": "state", "in": "query", "required": False, "style": "form", "explode": True,
+     "schema": {"type": "array", "items": _STATES}},
+    *({"name": name, "in": "query", "required": False, "schema": {"type": "string"}}
+      for name in ("spec", "queue", "worker", "q", "cursor")),
+    {"name": "limit", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 1, "maximum": 500}},
+]
 
 
 def _ref(kind: Any) -> dict[str, str]:

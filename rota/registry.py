@@ -135,11 +135,11 @@ class Registry:
                 connection.over_since = min(now, connection.over_since + delta)
 
     def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
-        """Ask workers to go quiet or terminate; returns those that were asked.
-
-        A worker never goes back from terminate, and running is its own decision (SIGCONT),
-        so the only directions are forward."""
+        """Ask workers to go quiet or terminate, or quiet ones to run again (``resume``);
+        returns those that were asked. A worker never goes back from terminate."""
         directed = []
+        if state == "running":
+            return self.resume(worker_ids)
         for worker_id in worker_ids:
             connection = self.connections.get(worker_id)
             if connection is None or p.STATE_RANK[connection.worker.state] >= p.STATE_RANK[state]:
@@ -150,6 +150,20 @@ class Registry:
             log.info("state change worker=%s state=%s by=server", worker_id, state)
         return directed
 
+    def resume(self, worker_ids: Iterable[str]) -> list[str]:
+        """Ask quiet workers to run again (as SIGCONT would); returns those asked. The
+        server keeps scheduling by the state the worker reports: it takes jobs again once
+        a heartbeat says running, so a worker that never heard the ask gets nothing."""
+        resumed = []
+        for worker_id in worker_ids:
+            connection = self.connections.get(worker_id)
+            if connection is None or connection.worker.state != "quiet":
+                continue
+            connection.directive = "running"
+            resumed.append(worker_id)
+            log.info("state change worker=%s state=running by=server", worker_id)
+        return resumed
+
     def select(self, *, label: str | None = None, every: bool = False) -> list[str]:
         """Connected workers with ``label``, or all of them."""
         if every:
@@ -158,10 +172,16 @@ class Registry:
 
     def report(self, connection: Connection, status: p.Status) -> None:
         """Take in what a status says of the worker itself."""
-        if connection.directive and p.STATE_RANK[status.state] >= p.STATE_RANK[connection.directive]:
-            connection.directive = None  # the worker got there: the directive is done
-        # Until it does, schedule by the stricter of what it says and what we asked.
-        connection.worker.state = connection.directive or status.state
+        if connection.directive == "running":  # a resume: done when it runs (or ends)
+            if status.state != "quiet":
+                connection.directive = None
+            connection.worker.state = status.state  # no jobs before it says it runs
+        else:
+            if connection.directive and (p.STATE_RANK[status.state]
+                                         >= p.STATE_RANK[connection.directive]):
+                connection.directive = None  # the worker got there: the directive is done
+            # Until it does, schedule by the stricter of what it says and what we asked.
+            connection.worker.state = connection.directive or status.state
         connection.reported = held_ids(status)
         if status.cpu_percent is not None:
             connection.cpu_percent = status.cpu_percent

@@ -28,6 +28,7 @@ class Snapshot:
     waiting: dict[tuple[str, str], list[int]]  # (queue, spec) -> keys of plain available jobs
     last_seq: int  # the highest row id
     retired: dict[str, float]  # retired specs: when (wall)
+    paused: frozenset[str] = frozenset()  # paused queues (POST /queues/{name}/pause)
 
 
 
@@ -49,8 +50,10 @@ def load(conn: sqlite3.Connection) -> Snapshot:
     )
     live.row_factory = None  # plain tuples
     jobs = [live_job(r) for r in live]
+    paused = frozenset(r[0] for r in conn.execute("SELECT name FROM queues WHERE paused"))
     return Snapshot(status_quo, checksums, jobs, _waiting(conn),
-                    conn.execute("SELECT max(rowid) FROM jobs").fetchone()[0] or 0, retired)
+                    conn.execute("SELECT max(rowid) FROM jobs").fetchone()[0] or 0, retired,
+                    paused)
 
 
 # A plain available job: kept as a key only (rota/ready.py). Anything else is kept whole.

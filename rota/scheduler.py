@@ -43,6 +43,7 @@ class Scheduler:
         self.status_quo: dict[str, str] = {}  # spec name -> checksum
         self.jobs: dict[str, Job] = {}  # every live job kept whole, whatever its state
         self.workers: dict[str, WorkerSlot] = {}
+        self.paused: set[str] = set()  # queues that keep their jobs and assign none
         self.ready = Ready(self.jobs)
         self.unstored: set[str] = set()  # jobs taken in before their rows (no row id yet)
         self.claims = 0  # claims whose rows are being read
@@ -344,7 +345,7 @@ class Scheduler:
         """Reserve, in memory, the best job this worker may run (following its queues)."""
         for queue in worker.queues:
             by_spec = self.ready.buckets.get(queue)
-            if not by_spec:
+            if not by_spec or queue in self.paused:
                 continue
             best, best_head, best_spec = None, None, ""
             for spec, bucket in by_spec.items():
@@ -368,6 +369,8 @@ class Scheduler:
     # -- explaining ------------------------------------------------------------------
     def waiting_reason(self, queue: str, spec: str) -> str | None:
         """Why available jobs of (queue, spec) are not running; None if they will be."""
+        if queue in self.paused:
+            return "queue paused"
         serving = [w for w in self.workers.values() if queue in w.queues]
         if not serving:
             return f"no connected worker serves queue {queue!r}"

@@ -392,7 +392,56 @@ def test_a_directive_rides_every_ack_until_the_worker_gets_there(engine, clock):
     assert ack["state"] == "quiet"
     engine.heartbeat(1, "w1", hb("w1", 2, state="quiet"), clock())
     assert engine.connections["w1"].directive is None
-    assert engine.registry.direct(["w1"], "running") == []  # never backwards
+    assert engine.registry.direct(["w1"], "terminate") == ["w1"]
+    engine.heartbeat(1, "w1", hb("w1", 3, state="terminate"), clock())
+    assert engine.registry.direct(["w1"], "running") == []  # never back from terminate
+
+
+def test_a_quiet_worker_resumed_gets_jobs_once_it_says_it_runs(engine, clock):
+    connect(engine, clock)
+    engine.heartbeat(1, "w1", hb("w1", 1, state="quiet"), clock())  # quiet by SIGTSTP
+    enqueue(engine, clock)
+    assert engine.registry.direct(["w1"], "running") == ["w1"]
+    assert not of(Reserve, engine.dispatch(clock()))  # not before it runs again
+    [ack] = sent(engine.heartbeat(1, "w1", hb("w1", 2, state="quiet"), clock()))
+    assert ack["state"] == "running"  # the ask rides every ack until the worker runs
+    assert engine.connections["w1"].worker.state == "quiet"
+    assert not of(Reserve, engine.dispatch(clock.advance(1.0)))
+    [ack] = sent(engine.heartbeat(1, "w1", hb("w1", 3), clock()))
+    assert ack["state"] == "running" and engine.connections["w1"].directive is None
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    assert len(reserve.jobs) + len(reserve.claims) == 1
+    assert engine.registry.direct(["w1"], "running") == []  # running already: nothing asked
+
+
+def test_a_paused_queue_keeps_its_jobs_and_assigns_none_until_resumed(engine, clock):
+    connect(engine, clock)
+    assert engine.pause_queue("default", True, clock()) == []
+    enqueue(engine, clock, n=3)
+    for _ in range(3):  # however long it waits
+        engine.tick(clock.advance(10.0))
+        assert not of(Reserve, engine.dispatch(clock()))
+    assert engine.scheduler.ready_counts() == {("default", "echo"): 3}
+    assert engine.scheduler.waiting_reason("default", "echo") == "queue paused"
+    assert of(Wake, engine.pause_queue("default", False, clock()))
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    assert len(reserve.jobs) + len(reserve.claims) == 3
+    assert engine.scheduler.waiting_reason("default", "echo") is None
+    changes = [ev for _, ev in engine.observe.after(0, 10_000)[1] if ev[1] == "state_change"]
+    assert [(ev[5], ev[8]) for ev in changes] == [("default", "paused"), ("default", "resumed")]
+
+
+def test_a_queue_paused_before_a_restart_stays_paused(clock):
+    settings = ServerSettings(heartbeat_interval=1.0, heartbeat_timeout=5.0)
+    engine = Engine(settings, rand=lambda: 0.0)
+    engine.load({SPEC.name: SPEC}, {SPEC.name: checksum(SPEC)}, [], clock(),
+                paused=["default"])
+    connect(engine, clock)
+    enqueue(engine, clock)
+    assert not of(Reserve, engine.dispatch(clock()))
+    engine.pause_queue("other", True, clock())  # another queue paused: no matter here
+    engine.pause_queue("default", False, clock())
+    assert of(Reserve, engine.dispatch(clock()))
 
 
 # -- poison -----------------------------------------------------------------------------

@@ -20,19 +20,20 @@ LAYERS: list[set[str]] = [
     {"errors", "ids", "inputs", "logs", "settings", "display", "charts"},  # leaves: no
     # rota imports (the last two: the dashboard's figures and its chart, as text)
     {"protocol", "model", "db"},  # the wire format; the job and its lifecycle; SQLite
-    {"specs", "policy", "auth", "ready", "retention", "observe"},  # spec files and
-    # checksums; retry rules; tokens; the ready index; how long finished jobs are kept;
-    # what happened (events, counts, metrics as numbers)
+    {"specs", "policy", "auth", "ready", "retention", "observe", "listing"},  # spec files
+    # and checksums; retry rules; tokens; the ready index; how long finished jobs are kept;
+    # what happened (events, counts, metrics as numbers); job filters
     {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
     {"engine"},  # the pure state machine
-    {"rows"},  # jobs as rows: a restart's load, claims
+    {"rows", "lookup"},  # jobs as rows: a restart's load, claims; an operator's queries
     {"store"},  # SQLite
     {"coordinator"},  # the async shell
     {"gate", "safety"},  # authentication at the door; the net for what nobody expected
     {"sessions", "api"},  # /work and the HTTP routes
-    {"feeds"},  # what an operator watches: /events, /stats, /metrics
+    {"feeds", "operate"},  # what an operator watches (/events, /stats, /metrics) and
+    # steers (job listing, bulk actions, queue pause)
     {"openapi", "edge", "dashboard"},  # the route table; uvicorn's protocols as Rota runs
     # them; the web dashboard's pages
     {"server"},
@@ -52,7 +53,7 @@ SDK = {"context", "manual", "worker", "client", "link", "execution", "connection
        "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"inputs", "model", "policy", "ready", "retention", "observe", "display", "charts", "scheduler", "effects", "registry", "attempts", "intake",
+PURE = {"inputs", "model", "policy", "ready", "retention", "observe", "listing", "display", "charts", "scheduler", "effects", "registry", "attempts", "intake",
         "reservations", "engine",
         "link"}
 

@@ -93,6 +93,14 @@ def test_an_ack_directs_only_when_stricter_than_what_its_heartbeat_said():
     assert link.on_ack(ack(said_running, state="terminate")).directive == "terminate"
 
 
+def test_an_ack_saying_running_to_a_quiet_heartbeat_resumes_the_worker():
+    link, _ = connected()
+    said_quiet = link.heartbeat(0.1, state="quiet", active=[], capacity=0)
+    assert link.on_ack(ack(said_quiet, state="running")).directive == "running"
+    said_terminate = link.heartbeat(0.2, state="terminate", active=[], capacity=0)
+    assert link.on_ack(ack(said_terminate, state="running")).directive is None  # final
+
+
 def test_a_result_the_server_could_not_store_goes_again():
     link, _ = connected()
     link.add_result(result("a"), 0.1)

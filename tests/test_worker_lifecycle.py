@@ -108,11 +108,15 @@ async def test_directive_errors(live: Live, connect, tmp_path: Path):
     raw = await connect("raw")
     await raw.register([spec])
     assert (await live.http.post("/workers/nobody/state", json={"state": "quiet"})).status_code == 404
-    bad = await live.http.post("/workers/raw/state", json={"state": "running"})
+    running = await live.http.post("/workers/raw/state", json={"state": "running"})
+    assert running.status_code == 200  # it runs already: nothing to do
+    bad = await live.http.post("/workers/raw/state", json={"state": "sleeping"})
     assert bad.status_code == 422
     assert (await live.http.post("/workers/state", json={"state": "quiet"})).status_code == 422
     assert (await live.http.post("/workers/raw/state", json={"state": "terminate"})).status_code == 200
     back = await live.http.post("/workers/raw/state", json={"state": "quiet"})
+    assert back.status_code == 409 and back.json()["error"]["code"] == "invalid_transition"
+    back = await live.http.post("/workers/raw/state", json={"state": "running"})
     assert back.status_code == 409 and back.json()["error"]["code"] == "invalid_transition"
     await raw.beat(status={"state": "running", "active_job_ids": []})
     assert (await raw.expect("ack"))["state"] == "terminate"  # said until the worker gets there
