@@ -108,7 +108,12 @@ def test_watch_a_job_appear_and_finish(page: Page, rig: Rig):
     job_id = rig.enqueue("slow", {"n": 7})
     expect(available).to_have_text("1", timeout=WAIT)  # the overview refreshed by itself
 
-    page.goto(f"/ui/jobs/{job_id}")
+    page.goto("/ui/jobs")
+    expect(page.locator("tr[data-job]")).to_have_count(1)
+    second = rig.enqueue("slow", {"n": 8})
+    expect(page.locator(f'tr[data-job="{second}"]')).to_be_visible(timeout=WAIT)  # appears
+    page.locator(f'tr[data-job="{job_id}"] a').click()
+    expect(page).to_have_url(re.compile(f"/ui/jobs/{job_id}$"))
     state = page.locator("#job-state")
     expect(state).to_have_text("available")
     expect(page.get_by_text("no connected worker serves queue 'default'")).to_be_visible()
@@ -118,6 +123,10 @@ def test_watch_a_job_appear_and_finish(page: Page, rig: Rig):
     release.set()
     expect(state).to_have_text("completed", timeout=WAIT)
     expect(page.locator("#result")).to_contain_text('"echo": 7')
+    page.goto("/ui")  # the chart's hour: both enqueued, both completed
+    expect(page.locator(".legend .key.enqueued strong")).to_have_text("2")
+    expect(page.locator(".legend .key.completed strong")).to_have_text("2", timeout=WAIT)
+    expect(page.locator("svg.chart polyline.completed")).to_have_count(1)
 
 
 def test_retry_a_discarded_job_from_its_page(page: Page, rig: Rig):
@@ -161,8 +170,10 @@ def test_quiet_a_worker_and_it_gets_no_more_jobs(page: Page, rig: Rig):
     row = page.locator(f'tr[data-worker="{first.worker_id}"]')
     expect(row.locator("[data-state]")).to_have_text("running")
     row.get_by_role("button", name="Quiet").click()
-    expect(page.get_by_role("status")).to_contain_text("was told: quiet")
+    expect(page.get_by_role("status")).to_contain_text("was told to go quiet")
     expect(row.locator("[data-state]")).to_have_text("quiet", timeout=WAIT)  # it obeyed
+    expect(row.get_by_role("button", name="Quiet")).to_have_count(0)
+    expect(row.get_by_role("button", name="Resume")).to_be_visible()
 
     job_id = rig.enqueue("echo")
     page.goto(f"/ui/jobs/{job_id}")
@@ -171,6 +182,59 @@ def test_quiet_a_worker_and_it_gets_no_more_jobs(page: Page, rig: Rig):
     expect(page.locator("#job-state")).to_have_text("completed", timeout=WAIT)
     assert rig.job(job_id)["worker_id"] == second.worker_id  # the quiet one took nothing
     assert done == [second.worker_id]
+
+    page.goto("/ui/workers")  # and back to work
+    row.get_by_role("button", name="Resume").click()
+    expect(page.get_by_role("status")).to_contain_text("was told to resume")
+    expect(row.locator("[data-state]")).to_have_text("running", timeout=WAIT)
+
+
+def test_pause_a_queue_and_resume_it(page: Page, rig: Rig):
+    rig.spec("echo")
+
+    async def echo(ctx: JobContext) -> str:
+        return "ok"
+
+    rig.worker({"echo": echo})
+    log_in(page, rig, "/ui/queues")
+    row = page.locator("#q-default")
+    row.get_by_role("button", name="Pause").click()
+    expect(page.get_by_role("status")).to_contain_text("queue default is paused")
+    expect(row.locator(".pill")).to_have_text("paused")
+    job_id = rig.enqueue("echo")
+    page.goto(f"/ui/jobs/{job_id}")
+    expect(page.get_by_text("Waiting: queue paused")).to_be_visible(timeout=WAIT)
+    page.goto("/ui/queues")
+    row.get_by_role("button", name="Resume").click()
+    expect(page.get_by_role("status")).to_contain_text("queue default is resumed")
+    rig.wait(lambda: rig.job(job_id)["state"] == "completed", "the job to run")
+
+
+def test_filter_the_jobs_and_retry_what_matches_after_a_count(page: Page, rig: Rig):
+    rig.spec("flaky", extra="[retry]\nmax_attempts = 1\n")
+
+    def flaky(ctx: JobContext) -> str:
+        if ctx.attempt == 1:
+            raise ValueError(f"first attempt of {ctx.args['n']}")
+        return "fine"
+
+    rig.worker({"flaky": flaky})
+    ids = [rig.enqueue("flaky", {"n": n}) for n in range(3)]
+    rig.wait(lambda: all(rig.job(i)["state"] == "discarded" for i in ids), "3 discarded")
+    log_in(page, rig, "/ui/jobs")
+    page.get_by_label("discarded").check()
+    page.get_by_role("button", name="Filter").click()
+    expect(page).to_have_url(re.compile(r"/ui/jobs\?state=discarded"))
+    expect(page.locator(".summary")).to_contain_text("3 job(s) match")
+    expect(page.locator("tr[data-job] .error-text").first).to_contain_text(
+        "ValueError: first attempt of 2")  # newest first
+
+    page.get_by_role("link", name="Retry all…").click()
+    expect(page.locator("#bulk-count")).to_have_text("This will retry 3 job(s).")
+    page.get_by_role("button", name="Retry 3 job(s)").click()
+    expect(page.get_by_role("status")).to_contain_text("3 job(s) retried")
+    expect(page.locator(".summary")).to_contain_text("0 job(s) match", timeout=WAIT)
+    rig.wait(lambda: all(rig.job(i)["state"] == "completed" for i in ids), "3 completed")
 
 
 def test_an_action_from_another_site_or_without_the_cookie_is_refused(

@@ -145,7 +145,7 @@ async def test_quiet_then_terminate_by_label(busy):
     answer = await live.http.post("/ui/workers/state", headers=SAME,
                                   data={"label": "eu", "state": "quiet", "back": "/ui/workers"})
     assert answer.status_code == 303
-    assert "1 worker(s) labelled &#39;eu&#39; were told: quiet" in await page(live, "/ui/workers")
+    assert "1 worker(s) labelled &#39;eu&#39; were told to go quiet" in await page(live, "/ui/workers")
     await wait_until(lambda: live.coordinator.connections[worker.worker_id].worker.state
                      == "quiet", what="the worker quiet")
 
@@ -159,3 +159,81 @@ async def test_an_empty_server_renders_every_page(tmp_path):
         assert "Nothing waits for lack of a worker" in await page(live, "/ui")
     finally:
         await stop_server(live)
+
+
+async def test_the_jobs_list_filters_and_pages(busy):
+    live = busy["live"]
+    text = await page(live, "/ui/jobs?state=discarded")
+    assert "<strong>1</strong> job(s) match" in text and busy["failed"] in text
+    assert busy["done"] not in text
+    assert 'href="/ui/bulk?action=retry&amp;state=discarded"' in text
+    everything = await page(live, "/ui/jobs")
+    assert all(busy[k] in everything for k in ("done", "failed", "waiting"))
+    assert "Retry all" not in everything  # no bulk action without a filter
+    first = await page(live, "/ui/jobs?queue=emails&state=discarded&state=completed")
+    assert "<strong>1</strong> job(s) match" in first
+
+
+@pytest.mark.parametrize(("path", "status", "text"), [
+    ("/ui/jobs?state=bogus", 400, "unknown state &#39;bogus&#39;"),
+    ("/ui/jobs?spec=a%20b", 400, "spec is not a name"),
+])
+async def test_a_bad_filter_says_why_on_the_page(busy, path, status, text):
+    answer = await busy["live"].http.get(path)
+    assert answer.status_code == status and text in answer.text
+
+
+async def test_a_bulk_action_is_counted_before_it_is_done(busy):
+    live = busy["live"]
+    text = await page(live, "/ui/bulk?action=cancel&queue=audits")
+    assert 'id="bulk-count">This will cancel <strong>1</strong> job(s).' in text
+    nothing = await page(live, "/ui/bulk?action=retry&queue=audits")
+    assert "No job that matches can be retried." in nothing and "1 of those are left" in nothing
+    done = await live.http.post("/ui/bulk", headers=SAME, data={
+        "action": "cancel", "queue": "audits", "limit": "1", "back": "/ui/jobs?queue=audits"})
+    assert done.status_code == 303 and done.headers["location"] == "/ui/jobs?queue=audits"
+    assert "1 job(s) cancelled" in await page(live, done.headers["location"])
+    assert (await live.job(busy["waiting"]))["state"] == "cancelled"
+
+
+@pytest.mark.parametrize(("method", "path", "form", "status", "code"), [
+    ("get", "/ui/bulk?action=delete&state=discarded", None, 400, "invalid_request"),
+    ("get", "/ui/bulk?action=retry", None, 400, "invalid_filter"),
+    ("post", "/ui/bulk", {"action": "retry", "state": "discarded", "limit": "0"}, 422,
+     "invalid_request"),
+    ("post", "/ui/bulk", {"action": "retry", "limit": "5"}, 400, "invalid_filter"),
+    ("post", "/ui/bulk", {"action": "retry", "state": "nope", "limit": "5"}, 400,
+     "invalid_filter"),
+    ("post", "/ui/queues/a%20b/pause", {}, 400, "invalid_queue"),
+])
+async def test_bad_bulk_and_queue_requests_are_precise_4xx(busy, method, path, form, status,
+                                                          code):
+    live = busy["live"]
+    if method == "get":
+        answer = await live.http.get(path)
+    else:
+        answer = await live.http.post(path, data=form, headers=SAME)
+    assert answer.status_code == status and answer.json()["error"]["code"] == code
+
+
+async def test_a_job_whose_id_holds_a_slash_has_its_page(busy):
+    live = busy["live"]
+    await live.enqueue("audit", id="order/17")
+    text = await page(live, "/ui/jobs/order/17")
+    assert "order/17" in text and 'action="/ui/jobs/order/17/cancel"' in text
+    done = await live.http.post("/ui/jobs/order/17/cancel", headers=SAME,
+                                data={"back": "/ui/jobs/order/17"})
+    assert done.status_code == 303
+    assert "is cancelled" in await page(live, "/ui/jobs/order/17")
+
+
+async def test_pause_and_resume_a_queue_from_its_page(busy):
+    live = busy["live"]
+    paused = await live.http.post("/ui/queues/audits/pause", headers=SAME,
+                                  data={"back": "/ui/queues"})
+    assert paused.status_code == 303
+    text = await page(live, "/ui/queues")
+    assert "queue audits is paused" in text and ">Resume</button>" in text
+    assert live.coordinator.scheduler.paused == {"audits"}
+    await live.http.post("/ui/queues/audits/resume", headers=SAME, data={})
+    assert live.coordinator.scheduler.paused == set()
