@@ -1,202 +1,41 @@
-"""The web dashboard at /ui: server-rendered pages (Jinja2 templates in rota/ui/templates)
-over what the JSON API shows, and HTML forms for the operator's actions.
-
-Each page puts what changes in one region (``<main id="live">``); rota/ui/static/rota.js
-fetches the page again every 2 s with ``X-Rota-Live: 1`` and swaps that region, which
-the server then renders alone. Actions are plain form POSTs answered by a redirect back
-(post/redirect/get) with a one-time message in a cookie; the gate (rota/gate.py) lets
-them in only from this origin, and not at all with ``--ui-read-only``.
+"""The web dashboard at /ui: the pages (overview, queues, specs, workers, jobs, a job),
+server-rendered over what the JSON API shows, and the operator's actions as HTML forms.
+How a page is rendered, refreshed, and posted to, and the login, are in rota/pages.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlencode
+from urllib.parse import quote, urlencode
 
-import jinja2
+import msgspec
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-import msgspec
-
-from rota import display
-from rota.api import _read_body, job_detail, need, queue_views, worker_views
+from rota.api import job_detail, need, worker_views
 from rota.charts import SERIES, throughput_svg
 from rota.coordinator import Coordinator
-from rota.errors import DomainError, RequestError, StorageError
-from rota.gate import COOKIE
+from rota.errors import RequestError
 from rota.listing import FIELDS, JobFilter, filter_params, parse_filter
 from rota.lookup import COUNT_CAP
+from rota.pages import (HERE, STATES, action, coordinator_of, counted_queues, login,
+                        login_form, logout, render)
 from rota.policy import TERMINAL_STATES
 from rota.protocol import Name, rfc3339
 
-HERE = Path(__file__).resolve().parent / "ui"
-LIVE = "x-rota-live"  # the poller's header: render the live region only
-FLASH = "rota_flash"  # a one-time message after an action, shown by the next page
-STATES = ("scheduled", "available", "active", "retryable", "completed", "discarded",
-          "cancelled")
 DIRECTIVES = ("quiet", "running", "terminate")  # running: resume a quiet worker
 VERBS = {"quiet": "go quiet", "running": "resume", "terminate": "terminate"}
 PAGE = 50  # jobs a page of the list shows
 BULK_LIMIT = 1000  # jobs one bulk action from the dashboard touches at most
 CHART_MINUTES = 60
 
-env = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(HERE / "templates"),
-    autoescape=True,
-    undefined=jinja2.StrictUndefined,  # a misspelt name fails the test, not the page
-    auto_reload=False,
-    trim_blocks=True,
-    lstrip_blocks=True,
-)
-env.filters.update(size=display.size, duration=display.duration, pretty=display.pretty,
-                   short=display.short, count=display.count)
-
-
-def _coordinator(request: Request) -> Coordinator:
-    return request.app.state.coordinator
-
-
-def render(request: Request, name: str, status: int = 200, **context: Any) -> Response:
-    """A page, or only its live region when the poller asks."""
-    coordinator = _coordinator(request)
-    now = coordinator.clock().wall
-    context |= {
-        "page": name, "path": request.url.path,
-        "here": request.url.path + (f"?{request.url.query}" if request.url.query else ""),
-        "read_only": coordinator.settings.ui_read_only,
-        "auth": coordinator.tokens.required, "now": now,
-        "ago": lambda moment: display.ago(moment, now),
-        "flash": unquote(request.cookies.get(FLASH, "")),
-    }
-    template = env.get_template(f"{name}.html")
-    if request.headers.get(LIVE):
-        body = "".join(template.blocks["live"](template.new_context(context)))
-    else:
-        body = template.render(context)
-    response = HTMLResponse(body, status_code=status, headers={"cache-control": "no-store"})
-    if context["flash"] and not request.headers.get(LIVE):
-        response.delete_cookie(FLASH, path="/ui")
-    return response
-
-
-def back(request: Request, form: dict[str, str], message: str) -> Response:
-    """Back to the page the form was on (only ever a dashboard page), with a message."""
-    target = form.get("back", "/ui")
-    if not target.startswith("/ui") or target.startswith("//"):
-        target = "/ui"
-    response = RedirectResponse(target, status_code=303)
-    response.set_cookie(FLASH, quote(message), path="/ui", httponly=True, samesite="strict")
-    return response
-
-
-async def read_form(request: Request) -> dict[str, str]:
-    """An urlencoded form, within the body limit; a field given twice keeps its last."""
-    body = await _read_body(request)
-    try:
-        fields = parse_qs(body.decode(), keep_blank_values=True, max_num_fields=100)
-    except (UnicodeDecodeError, ValueError):
-        raise RequestError(400, "invalid_form", "the form is not URL-encoded text") from None
-    return {key: values[-1].strip() for key, values in fields.items()}
-
-
-def action(run: Callable[[Request, dict[str, str]], Awaitable[str]]
-           ) -> Callable[[Request], Awaitable[Response]]:
-    """A form POST: admin only; the core's refusal (a job already finished, say) becomes
-    the message shown, not an error page."""
-    async def handler(request: Request) -> Response:
-        need(request, "admin")
-        form = await read_form(request)
-        try:
-            message = await run(request, form)
-        except DomainError as exc:
-            message = f"refused: {exc.message}"
-        return back(request, form, message)
-
-    return handler
-
-
-# -- counts ---------------------------------------------------------------------------
-FINISHED = ("completed", "discarded", "cancelled")
-RECOUNT_AFTER = 20.0  # x the last count's duration: how stale the finished counts may be
-RECOUNT_MAX = 60.0  # seconds, at most
-FRESH_WAIT = 0.05  # seconds a page waits for a count it started (a small store's is done)
-
-
-class FinishedCounts:
-    """Finished jobs per queue and state, counted in the background. Counting them is a
-    scan of every finished row (0.3-0.5 s with a million on 2 cores), so a page never
-    waits for more than FRESH_WAIT: it shows the last count, which is redone once it is
-    RECOUNT_AFTER times as old as the count took (a small store's: at every refresh; a
-    million jobs': every 8 s or so, a few per cent of one core while someone looks). The
-    jobs still in play are counted exactly, in memory, on every render
-    (``Scheduler.live_counts``)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, dict[str, int]] | None = None  # None: never counted yet
-        self.began = 0.0  # monotonic, when the count shown began
-        self.wall = 0.0  # ... as wall-clock time, for the page's note
-        self.took = 0.0  # seconds the last count took
-        self.task: asyncio.Task[None] | None = None
-
-    async def get(self, coordinator: Coordinator) -> dict[str, dict[str, int]] | None:
-        now = coordinator.clock()
-        due = min(RECOUNT_MAX, RECOUNT_AFTER * self.took)
-        if (self.counts is None or now.mono - self.began > due) and (
-                self.task is None or self.task.done()):
-            self.task = coordinator.spawn(self._count(coordinator, now.mono, now.wall),
-                                          "rota-ui-counts")
-            await asyncio.wait({self.task}, timeout=FRESH_WAIT)
-        return self.counts
-
-    async def _count(self, coordinator: Coordinator, began: float, wall: float) -> None:
-        try:
-            counts = await coordinator.store.queue_counts(FINISHED)
-        except StorageError:
-            return  # the store's health logs it once; the last counts stay shown
-        self.counts, self.began, self.wall = counts, began, wall
-        self.took = coordinator.clock().mono - began
-
-
-def _finished(request: Request) -> FinishedCounts:
-    state = request.app.state
-    if not hasattr(state, "ui_counts"):
-        state.ui_counts = FinishedCounts()
-    counts: FinishedCounts = state.ui_counts
-    return counts
-
-
-async def counted_queues(request: Request) -> tuple[list[dict[str, Any]], str | None]:
-    """The queues as GET /queues shows them, with the jobs in play counted exactly and
-    finished ones from the background count; and a note saying how old that is, if it
-    is not from this moment."""
-    coordinator = _coordinator(request)
-    cache = _finished(request)
-    finished = await cache.get(coordinator)
-    counts: dict[str, dict[str, int]] = {}
-    for source in (coordinator.scheduler.live_counts(), finished or {}):
-        for queue, per in source.items():
-            merged = counts.setdefault(queue, dict.fromkeys(STATES, 0))
-            for state, n in per.items():
-                merged[state] += n
-    note = None
-    if finished is None:
-        note = "Still counting the completed, discarded and cancelled jobs…"
-    elif (age := coordinator.clock().wall - cache.wall) >= 1:
-        note = (f"Completed, discarded and cancelled jobs as counted {display.duration(age)}"
-                " ago (a large store is counted in the background); the others now.")
-    return await queue_views(coordinator, counts), note
-
 
 # -- pages ----------------------------------------------------------------------------
 async def overview(request: Request) -> Response:
     need(request, "admin")
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     queues, note = await counted_queues(request)
     totals = dict.fromkeys(STATES, 0)
     for queue in queues:
@@ -247,7 +86,7 @@ async def queues_page(request: Request) -> Response:
 
 async def specs_page(request: Request) -> Response:
     need(request, "admin")
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     scheduler = coordinator.scheduler
     stuck = blocked(coordinator)
     declared = {w.id: w.specs for w in scheduler.workers.values()}
@@ -270,7 +109,7 @@ async def specs_page(request: Request) -> Response:
 
 async def workers_page(request: Request) -> Response:
     need(request, "admin")
-    workers = worker_views(_coordinator(request))
+    workers = worker_views(coordinator_of(request))
     labels = sorted({label for worker in workers for label in worker["labels"]})
     return render(request, "workers", workers=workers, labels=labels, directives=DIRECTIVES,
                   verbs=VERBS, actions_for=actions_for)
@@ -289,7 +128,7 @@ def job_filter(params: Any) -> JobFilter:
 
 async def jobs_page(request: Request) -> Response:
     need(request, "admin")
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     params = request.query_params
     form = {"states": (), "spec": "", "queue": "", "worker": "", "q": ""}
     choices = {"specs": sorted(coordinator.specs),
@@ -320,7 +159,7 @@ async def bulk_page(request: Request) -> Response:
     """What a bulk retry or cancel of the list's filter would do, counted by a dry run,
     and the button that does it: the confirmation states the count."""
     need(request, "admin")
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     action = request.query_params.get("action", "")
     if action not in ("retry", "cancel"):
         raise RequestError(400, "invalid_request", "action must be retry or cancel")
@@ -350,7 +189,7 @@ async def bulk_run(request: Request, form: dict[str, str]) -> str:
     limit = form.get("limit", "")
     if not limit.isdigit() or not 1 <= int(limit) <= BULK_LIMIT:
         raise RequestError(422, "invalid_request", f"limit must be 1 to {BULK_LIMIT}")
-    done = await _coordinator(request).bulk(action, flt=flt, limit=int(limit))
+    done = await coordinator_of(request).bulk(action, flt=flt, limit=int(limit))
     verb = "retried" if action == "retry" else "cancelled"
     message = f"{done['touched']} job(s) {verb}"
     if done["skipped"]:
@@ -361,7 +200,7 @@ async def bulk_run(request: Request, form: dict[str, str]) -> str:
 
 async def job_page(request: Request) -> Response:
     need(request, "admin")
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     job_id = request.path_params["job_id"]
     row = await coordinator.store.get_job(job_id)
     if row is None:
@@ -377,12 +216,12 @@ async def job_page(request: Request) -> Response:
 
 # -- actions --------------------------------------------------------------------------
 async def retry_job(request: Request, form: dict[str, str]) -> str:
-    row = await _coordinator(request).retry(request.path_params["job_id"])
+    row = await coordinator_of(request).retry(request.path_params["job_id"])
     return f"job {row['id']} is {row['state']} again"
 
 
 async def cancel_job(request: Request, form: dict[str, str]) -> str:
-    row, done = await _coordinator(request).cancel(request.path_params["job_id"])
+    row, done = await coordinator_of(request).cancel(request.path_params["job_id"])
     if done:
         return f"job {row['id']} is {row['state']}"
     return f"job {row['id']}: its worker was asked to cancel it"
@@ -397,13 +236,13 @@ def _queue(request: Request) -> str:
 
 async def pause_queue(request: Request, form: dict[str, str]) -> str:
     name = _queue(request)
-    await _coordinator(request).pause_queue(name, True)
+    await coordinator_of(request).pause_queue(name, True)
     return f"queue {name} is paused: it keeps its jobs and assigns none"
 
 
 async def resume_queue(request: Request, form: dict[str, str]) -> str:
     name = _queue(request)
-    await _coordinator(request).pause_queue(name, False)
+    await coordinator_of(request).pause_queue(name, False)
     return f"queue {name} is resumed"
 
 
@@ -415,7 +254,7 @@ def _directive(form: dict[str, str]) -> str:
 
 
 async def direct_worker(request: Request, form: dict[str, str]) -> str:
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     state, worker_id = _directive(form), request.path_params["worker_id"]
     if worker_id not in coordinator.connections:
         return f"refused: no connected worker {worker_id}"
@@ -426,54 +265,12 @@ async def direct_worker(request: Request, form: dict[str, str]) -> str:
 
 
 async def direct_label(request: Request, form: dict[str, str]) -> str:
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     state, label = _directive(form), form.get("label", "")
     if not label:
         return "refused: choose a label"
     chosen = coordinator.direct(coordinator.select_workers(label=label), state)
     return f"{len(chosen)} worker(s) labelled {label!r} were told to {VERBS[state]}"
-
-
-# -- login ----------------------------------------------------------------------------
-async def login_form(request: Request) -> Response:
-    coordinator = _coordinator(request)
-    return render(request, "login", next=_next(request.query_params.get("next")),
-                  error=None, auth=coordinator.tokens.required)
-
-
-async def login(request: Request) -> Response:
-    """Check the token once here, then keep it in an HttpOnly cookie: scripts on any page
-    cannot read it, and SameSite=Strict keeps other sites' requests from carrying it."""
-    coordinator = _coordinator(request)
-    form = await read_form(request)
-    target = _next(form.get("next"))
-    token = form.get("token", "")
-    principal = coordinator.tokens.authenticate(f"Bearer {token}")
-    if coordinator.tokens.required and (principal is None or principal.scope != "admin"):
-        await coordinator.reread_tokens()  # one created a moment ago?
-        principal = coordinator.tokens.authenticate(f"Bearer {token}")
-    if coordinator.tokens.required and (principal is None or principal.scope != "admin"):
-        why = "not a valid token" if principal is None else (
-            f"a {principal.scope} token: the dashboard needs an admin token")
-        return render(request, "login", status=401, next=target, error=why)
-    response = RedirectResponse(target, status_code=303)
-    if coordinator.tokens.required:
-        response.set_cookie(COOKIE, token, path="/", httponly=True, samesite="strict",
-                            secure=request.url.scheme == "https")
-    return response
-
-
-async def logout(request: Request) -> Response:
-    response = RedirectResponse("/ui/login", status_code=303)
-    response.delete_cookie(COOKIE, path="/")
-    return response
-
-
-def _next(target: str | None) -> str:
-    """Where to go after logging in: a dashboard page, never another site."""
-    if not target or not target.startswith("/ui") or target.startswith("//"):
-        return "/ui"
-    return target
 
 
 routes: list[BaseRoute] = [

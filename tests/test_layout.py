@@ -32,10 +32,10 @@ LAYERS: list[set[str]] = [
     {"coordinator"},  # the async shell
     {"gate", "safety"},  # authentication at the door; the net for what nobody expected
     {"sessions", "api"},  # /work and the HTTP routes
-    {"feeds", "operate"},  # what an operator watches (/events, /stats, /metrics) and
-    # steers (job listing, bulk actions, queue pause)
+    {"feeds", "operate", "pages"},  # what an operator watches (/events, /stats, /metrics)
+    # and steers (job listing, bulk actions, queue pause); the dashboard's plumbing
     {"openapi", "edge", "dashboard"},  # the route table; uvicorn's protocols as Rota runs
-    # them; the web dashboard's pages
+    # them; the dashboard's pages
     {"server"},
     # the SDK and the producer client, beside the server
     {"context", "client", "link"},  # a handler's context; the producer client; the core
