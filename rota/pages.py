@@ -31,6 +31,17 @@ from rota.gate import COOKIE
 HERE = Path(__file__).resolve().parent / "ui"
 LIVE = "x-rota-live"  # the poller's header: render the live region only
 FLASH = "rota_flash"  # a one-time message after an action, shown by the next page
+# Every page: never cached (it holds live figures and the operator's session), never
+# framed by another site (a one-click Terminate under a decoy), no script but ours.
+HEADERS = {
+    "cache-control": "no-store",
+    "content-security-policy": "default-src 'self'; img-src 'self' data:; style-src 'self'"
+                               " 'unsafe-inline'; frame-ancestors 'none'; form-action 'self';"
+                               " base-uri 'none'",
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+}
 STATES = ("scheduled", "available", "active", "retryable", "completed", "discarded",
           "cancelled")
 
@@ -67,7 +78,7 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> Re
         body = "".join(template.blocks["live"](template.new_context(context)))
     else:
         body = template.render(context)
-    response = HTMLResponse(body, status_code=status, headers={"cache-control": "no-store"})
+    response = HTMLResponse(body, status_code=status, headers=HEADERS)
     if context["flash"] and not request.headers.get(LIVE):
         response.delete_cookie(FLASH, path="/ui")
     return response

@@ -1,7 +1,8 @@
 """The dashboard in a real browser: Debian's chromium driven by Playwright, against a real
-server with real SDK workers. One browser for the session; a fresh server, and a fresh
-browser context (no cookies), per test. Every wait is Playwright's ``expect``, which
-polls the page until the condition holds or its deadline passes.
+server with real SDK workers. One browser for the module (all the browser tests); a
+fresh server, and a fresh browser context (no cookies), per test. Every wait is
+Playwright's ``expect``, which polls the page until the condition holds or its deadline
+passes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ WAIT = 10_000  # ms: the longest any page condition may take
 REFRESH_MS = 250  # the pages refresh every 2 s; here faster, so the tests wait less
 
 
-@pytest.fixture(scope="session")
+# One browser for the module, which one xdist worker runs whole. Not for the session:
+# while Playwright's sync API is started it holds an event loop as the thread's running
+# loop, and the asyncio tests that worker runs next could not start theirs.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     if not Path(CHROMIUM).exists():
         pytest.fail(f"no {CHROMIUM}: apt-get install chromium (.ci/run does)")

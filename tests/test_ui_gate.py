@@ -182,6 +182,10 @@ async def test_the_poller_gets_the_live_region_alone(guarded):
         assert whole.text.startswith("<!doctype html>") and '<main id="live">' in whole.text
         assert region.status_code == 200 and "<html" not in region.text
         assert "<h1>Overview</h1>" in region.text and region.headers["cache-control"] == "no-store"
+        # Never framed by another site, never a script from elsewhere.
+        assert whole.headers["x-frame-options"] == "DENY"
+        policy = whole.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in policy and "default-src 'self'" in policy
 
 
 @pytest.mark.parametrize(("path", "form", "status", "text"), [
