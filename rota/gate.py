@@ -68,7 +68,9 @@ class Gate:
         # connection (10,000 idle workers held 12 MiB of decoded headers this way).
         raw = scope["headers"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
-        if "authorization" not in headers and COOKIE in headers.get("cookie", ""):
+        # The session cookie stands for a token on HTTP only: /work is for workers.
+        if (scope["type"] == "http" and "authorization" not in headers
+                and COOKIE in headers.get("cookie", "")):
             session = cookie_parser(headers["cookie"]).get(COOKIE)
             if session:
                 headers["authorization"] = f"Bearer {session}"

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import websockets
 from conftest import Live, start_server, stop_server, write_spec
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
@@ -220,3 +221,12 @@ async def test_a_missing_job_page_is_a_404_page(guarded):
     async with browser(live, secret) as client:
         answer = await client.get("/ui/jobs/0000")
         assert answer.status_code == 404 and "There is no job 0000" in answer.text
+
+
+async def test_the_cookie_is_no_credential_for_a_worker_socket(guarded):
+    live, secret = guarded
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        async with websockets.connect(live.ws, additional_headers={
+                "Cookie": f"rota_session={secret}"}):
+            pass
+    assert refused.value.response.status_code == 401
