@@ -133,11 +133,11 @@ def shoot(rig: Rig, ids: dict[str, str]) -> list[Path]:
         page.wait_for_url("**/ui")
         for name, path in shots:
             page.goto(path)
-            page.get_by_role("button", name="Pause").click()  # hold still for the picture
+            page.locator("#poll").click()  # hold still for the picture
             page.evaluate("document.activeElement.blur()")
             page.screenshot(path=OUT / f"{name}.png", full_page=True)
             written.append(OUT / f"{name}.png")
-            page.get_by_role("button", name="Resume").click()
+            page.locator("#poll").click()
         browser.close()
     return written
 

@@ -321,15 +321,15 @@ def test_the_pause_button_stops_the_refresh_until_it_is_pressed_again(page: Page
     polls: list[str] = []
     page.on("request", lambda r: polls.append(r.url) if r.headers.get("x-rota-live") else None)
     expect(page.locator("#poll-state")).to_contain_text("live ·")  # it has refreshed
-    page.get_by_role("button", name="Pause").click()
+    page.get_by_role("button", name="Pause updates").click()
     expect(page.locator("#poll-state")).to_have_text("paused")
     rig.enqueue("echo")
     seen = len(polls)
     page.wait_for_timeout(4 * REFRESH_MS)  # noqa: sleep-ok (proving nothing happens)
     assert len(polls) == seen and available.inner_text() == "0"
     page.reload()  # the pause holds across pages
-    expect(page.get_by_role("button", name="Resume")).to_be_visible()
+    expect(page.locator("#poll")).to_have_text("Resume updates")
     expect(available).to_have_text("1")  # a page load shows the moment
     rig.enqueue("echo")
-    page.get_by_role("button", name="Resume").click()
+    page.get_by_role("button", name="Resume updates").click()
     expect(available).to_have_text("2")

@@ -11,7 +11,7 @@
 
   function show(text) {
     if (button) {
-      button.textContent = paused ? "Resume" : "Pause";
+      button.textContent = paused ? "Resume updates" : "Pause updates";
       button.setAttribute("aria-pressed", paused ? "true" : "false");
     }
     if (state) state.textContent = paused ? "paused" : text;
