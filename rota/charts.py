@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from html import escape
 
-WIDTH, HEIGHT = 720, 200
+WIDTH, HEIGHT = 1000, 220
 LEFT, RIGHT, TOP, BOTTOM = 44, 12, 12, 26  # room for the axis labels
 # Each series: its colour (the legend in the page uses the same CSS classes).
 SERIES = ("enqueued", "completed", "failed", "discarded")

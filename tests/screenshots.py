@@ -77,6 +77,7 @@ def build(rig: Rig, release: threading.Event) -> dict[str, str]:
     stale = rig.worker({"resize_image": resize_image}, specs_dir=old, labels=["canary"],
                        queues=["media"], concurrency=2)
     rig.api("POST", f"/workers/{stale.worker_id}/state", json={"state": "quiet"})
+    rig.api("POST", "/queues/reports/pause")  # its running report goes on
     report = rig.enqueue("monthly_report", {"customer": "ACME Corp", "month": "2026-10"},
                          capture_logs=True)
     rig.wait(lambda: rig.job(report)["progress"] is not None
@@ -135,7 +136,8 @@ def shoot(rig: Rig, ids: dict[str, str]) -> list[Path]:
             page.goto(path)
             page.locator("#poll").click()  # hold still for the picture
             page.evaluate("document.activeElement.blur()")
-            page.screenshot(path=OUT / f"{name}.png", full_page=True)
+            # The whole page, but a long list only as far as the window shows it.
+            page.screenshot(path=OUT / f"{name}.png", full_page=name != "jobs")
             written.append(OUT / f"{name}.png")
             page.locator("#poll").click()
         browser.close()
