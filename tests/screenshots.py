@@ -77,11 +77,11 @@ def build(rig: Rig, release: threading.Event) -> dict[str, str]:
     stale = rig.worker({"resize_image": resize_image}, specs_dir=old, labels=["canary"],
                        queues=["media"], concurrency=2)
     rig.api("POST", f"/workers/{stale.worker_id}/state", json={"state": "quiet"})
-    rig.api("POST", "/queues/reports/pause")  # its running report goes on
     report = rig.enqueue("monthly_report", {"customer": "ACME Corp", "month": "2026-10"},
                          capture_logs=True)
     rig.wait(lambda: rig.job(report)["progress"] is not None
              and rig.job(report)["progress"]["percent"] >= 80, "the report running")
+    rig.api("POST", "/queues/reports/pause")  # the running report goes on
     for n in range(3):
         rig.enqueue("export_csv", {"table": f"orders_{n}"})  # no worker serves "exports"
     return {"report": report, "reporter": reporter.worker_id}
