@@ -13,6 +13,10 @@ import httpx
 import pytest
 import websockets
 from conftest import Live, start_server, stop_server, write_spec
+from helpers import free_port, spawn_serve
+
+from rota.auth import new_token
+from rota.store import create_token
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
 
@@ -230,3 +234,21 @@ async def test_the_cookie_is_no_credential_for_a_worker_socket(guarded):
                 "Cookie": f"rota_session={secret}"}):
             pass
     assert refused.value.response.status_code == 401
+
+
+async def test_rota_serve_ui_read_only_says_so_and_refuses_the_cookie(tmp_path):
+    """The option end to end: the command line, the settings, the gate."""
+    db, port = tmp_path / "rota.db", free_port()
+    token_id, secret, hashed = new_token()
+    create_token(db, name="ops", scope="admin", queues=None, token_id=token_id, hashed=hashed)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                 cookies={"rota_session": secret}) as http:
+        proc = await spawn_serve(http, ["--db", str(db), "--port", str(port), "--ui-read-only"],
+                                 tmp_path / "serve.log")
+        try:
+            answer = await http.post("/jobs", json={"spec": "x"}, headers=SAME)
+            assert answer.status_code == 403 and answer.json()["error"]["code"] == "read_only"
+        finally:
+            proc.terminate()
+            await proc.wait()
+    assert "the dashboard is at /ui, read-only" in (tmp_path / "serve.log").read_text()
