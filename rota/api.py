@@ -191,13 +191,19 @@ async def show_job(request: Request) -> Response:
         hint = (f" (the bulk action is POST /jobs/{job_id})" if job_id in ("retry", "cancel")
                 else "")
         return error(404, "not_found", f"no job {job_id}{hint}")
+    return JSON(await job_detail(coordinator, row))
+
+
+async def job_detail(coordinator: Coordinator, row: dict[str, Any]) -> dict[str, Any]:
+    """A job as GET /jobs/{id} shows it: its view, its logs, and why it waits (also the
+    dashboard's job page)."""
     view = job_view(row)
     view["logs"] = await coordinator.store.job_logs(row["id"], MAX_LOG_LINES)
     if row["state"] == "available":
         view["waiting_reason"] = coordinator.scheduler.waiting_reason(row["queue"], row["spec"])
     elif row["state"] in ("scheduled", "retryable"):
         view["waiting_reason"] = f"{row['state']} until {view['run_at']}"
-    return JSON(view)
+    return view
 
 
 async def cancel_job(request: Request) -> Response:
@@ -306,7 +312,11 @@ async def revoke_token(request: Request) -> Response:
 # -- workers, queues, health ---------------------------------------------------------
 async def list_workers(request: Request) -> Response:
     need(request, "admin")
-    coordinator = _coordinator(request)
+    return JSON({"workers": worker_views(_coordinator(request))})
+
+
+def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
+    """The connected workers as GET /workers shows them (and the dashboard), by id."""
     now = coordinator.clock().mono
     workers = []
     for conn in coordinator.connections.values():
@@ -326,7 +336,7 @@ async def list_workers(request: Request) -> Response:
             "last_heartbeat_age": round(now - conn.last_seen, 3),
             "heartbeats": conn.frames,
         })
-    return JSON({"workers": sorted(workers, key=lambda w: w["id"])})
+    return sorted(workers, key=lambda w: w["id"])
 
 
 STATE_WORDS = {"terminate": "terminating"}  # a worker's state, said in a sentence
@@ -361,9 +371,16 @@ async def direct_workers(request: Request) -> Response:
 
 async def list_queues(request: Request) -> Response:
     need(request, "admin")
-    coordinator = _coordinator(request)
+    return JSON({"queues": await queue_views(_coordinator(request))})
+
+
+async def queue_views(coordinator: Coordinator,
+                      counts: dict[str, dict[str, int]] | None = None) -> list[dict[str, Any]]:
+    """Every queue as GET /queues shows it, by name; the dashboard brings its own
+    ``counts`` (rota/dashboard.py: it does not count a million rows every 2 s)."""
     scheduler = coordinator.scheduler
-    counts = await coordinator.store.queue_counts()
+    if counts is None:
+        counts = await coordinator.store.queue_counts()
     waiting: dict[str, list[dict[str, Any]]] = {}
     for (queue, spec), n in sorted(scheduler.ready_counts().items()):
         waiting.setdefault(queue, []).append(
@@ -371,14 +388,13 @@ async def list_queues(request: Request) -> Response:
     oldest = await coordinator.store.oldest_available(coordinator.clock().wall)
     names = (set(counts) | {q for w in scheduler.workers.values() for q in w.queues}
              | scheduler.paused)
-    queues = [
+    return [
         {"name": name, "counts": counts.get(name, {}),
          "workers": sum(1 for w in scheduler.workers.values() if name in w.queues),
          "waiting": waiting.get(name, []), "paused": name in scheduler.paused,
          "oldest_available_age": oldest.get(name)}
         for name in sorted(names)
     ]
-    return JSON({"queues": queues})
 
 
 async def healthz(request: Request) -> Response:

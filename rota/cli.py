@@ -230,13 +230,16 @@ def _need_server(command: str) -> None:
               multiple=True, help="A browser Origin allowed on /work (repeat; none by default).")
 @click.option("--insecure", is_flag=True, envvar="ROTA_INSECURE", show_envvar=True,
               help="Allow a non-loopback --host with no tokens (anyone may take jobs).")
+@click.option("--ui-read-only", is_flag=True, envvar="ROTA_UI_READ_ONLY", show_envvar=True,
+              help="The dashboard (/ui) shows everything and changes nothing.")
 @click.option("--crash-at", envvar="ROTA_CRASH_AT", hidden=True,
               type=click.Choice(["enqueue-before-commit", "enqueue-after-commit",
                                  "reserve-after-commit", "result-after-commit"]),
               help="Test switch: exit abruptly at this point (crash-safety tests).")
 def serve(db: Path, log_level: str, log_format: str, insecure: bool,
           allowed_origins: tuple[str, ...], **options: Any) -> None:
-    """Run the Rota server: /work for workers, the HTTP API for everyone else.
+    """Run the Rota server: /work for workers, the HTTP API for everyone else, and the
+    dashboard at /ui.
 
     With no token created ('rota tokens create') it runs open, and then only on a loopback
     address unless --insecure is given. The limits are in docs/operations.md.

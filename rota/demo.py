@@ -95,7 +95,8 @@ async def run_demo(*, port: int, db: Path, specs_dir: Path, rate: float,
     async with httpx.AsyncClient(base_url=base) as client:
         body = {"specs": [msgspec.to_builtins(s) for s in specs]}
         (await client.put("/specs", json=body)).raise_for_status()
-    log.info("demo server at %s, db %s; %d specs pushed; Ctrl-C stops", base, db, len(specs))
+    log.info("demo server at %s (the dashboard: %s/ui), db %s; %d specs pushed; Ctrl-C stops",
+             base, base, db, len(specs))
     worker = build_worker(ws_url(base), specs_dir)
     worker_task = asyncio.create_task(worker.run(), name="demo-worker")
     producer = asyncio.create_task(produce(base, rate, stop), name="demo-producer")

@@ -1,6 +1,13 @@
 """The door: every HTTP request and WebSocket handshake proves who it is before any
 route runs. A refused WebSocket handshake gets an HTTP answer (401, 403), never an
 accepted socket. Routes then check the scope they need (``need``).
+
+Two credentials: an ``Authorization: Bearer`` token, or the dashboard's session cookie
+(``rota_session``, set by /ui/login, holding an admin token). A browser sends the cookie
+by itself with any request, including one a foreign page makes it send, so a request
+that changes state and proves itself only by the cookie must come from this origin
+(``Sec-Fetch-Site: same-origin``, or an ``Origin`` naming this host), and with
+``--ui-read-only`` it is refused outright.
 """
 
 from __future__ import annotations
@@ -8,8 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
+from urllib.parse import urlencode
 
 import msgspec
+from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rota.auth import Principal
@@ -22,6 +31,12 @@ log = logging.getLogger("rota.server")
 REFUSALS_LOGGED = 1.0  # refusal lines a second, on average (bursts of 10)
 # Load balancers probe health without a token; the API's description is public.
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})
+COOKIE = "rota_session"
+# The dashboard's pages that need no credential (the login form, its stylesheet), but
+# whose requests still pass the Origin checks: a foreign page must not log a browser in.
+UI_OPEN = frozenset({"/ui/login", "/ui/logout"})
+STATIC = "/ui/static/"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class Gate:
@@ -53,10 +68,20 @@ class Gate:
         # connection (10,000 idle workers held 12 MiB of decoded headers this way).
         raw = scope["headers"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        # The session cookie stands for a token on HTTP only: /work is for workers.
+        if (scope["type"] == "http" and "authorization" not in headers
+                and COOKIE in headers.get("cookie", "")):
+            session = cookie_parser(headers["cookie"]).get(COOKIE)
+            if session:
+                headers["authorization"] = f"Bearer {session}"
+                scope["rota.cookie"] = True
         if self.coordinator.tokens.unknown(headers.get("authorization")):
             await self.coordinator.reread_tokens()  # created a moment ago?
         refusal = self._refusal(scope, headers, repeated=len(headers) != len(raw))
         if refusal is not None:
+            if refusal[0] == 401 and _ui_page(scope):
+                await to_login(scope, send)  # a person, not a script: show the form
+                return
             await deny(scope, send, *refusal)
             return
         await self.app(scope, receive, send)
@@ -89,14 +114,55 @@ class Gate:
                         " loopback", scope["type"], printable(host), _client(scope))
             return 403, "host_not_allowed", (f"Host {host!r} is not this server's name; with"
                                              " no tokens only loopback names are served")
-        principal = self.coordinator.tokens.authenticate(headers.get("authorization"))
-        if principal is None:
-            self._refused("refused %s %s client=%s: no valid token", scope["type"],
-                        printable(scope["path"]),
-                        _client(scope))
-            return 401, "unauthorized", "send a valid token: 'Authorization: Bearer rota_...'"
-        scope["rota.principal"] = principal
+        path = scope["path"]
+        ui = path == "/ui" or path.startswith("/ui/")
+        unsafe = scope["type"] == "http" and scope["method"] not in SAFE_METHODS
+        if path in UI_OPEN or path.startswith(STATIC):
+            principal = None  # no credential needed, nor checked
+        else:
+            principal = self.coordinator.tokens.authenticate(headers.get("authorization"))
+            by_cookie = scope.get("rota.cookie", False)
+            if principal is None or (by_cookie and principal.scope != "admin"):
+                self._refused("refused %s %s client=%s: no valid %s", scope["type"],
+                              printable(path), _client(scope),
+                              "session cookie" if by_cookie else "token")
+                return 401, "unauthorized", "send a valid token: 'Authorization: Bearer rota_...'"
+        if unsafe and (ui or scope.get("rota.cookie")):
+            if not same_origin(headers):
+                self._refused("refused %s %s client=%s: not from this origin", scope["method"],
+                              printable(path), _client(scope))
+                return 403, "cross_site", ("a browser's state-changing request must come from"
+                                           " this server's own pages")
+            if settings.ui_read_only and path not in UI_OPEN:
+                return 403, "read_only", "the dashboard is read-only (--ui-read-only)"
+        if principal is not None:
+            scope["rota.principal"] = principal
         return None
+
+
+def same_origin(headers: dict[str, str]) -> bool:
+    """Whether a browser says the request comes from a page of this very server. Browsers
+    set Sec-Fetch-Site themselves (no page can forge it); older ones only send Origin."""
+    if "sec-fetch-site" in headers:
+        return headers["sec-fetch-site"] == "same-origin"
+    host = headers.get("host", "")
+    return headers.get("origin") in (f"http://{host}", f"https://{host}")
+
+
+def _ui_page(scope: Scope) -> bool:
+    return (scope["type"] == "http" and scope["method"] in ("GET", "HEAD")
+            and (scope["path"] == "/ui" or scope["path"].startswith("/ui/")))
+
+
+async def to_login(scope: Scope, send: Send) -> None:
+    """Send a browser that has no valid session to the login form, and back after."""
+    target = scope["path"] + ("?" + scope["query_string"].decode("latin-1")
+                              if scope["query_string"] else "")
+    location = "/ui/login?" + urlencode({"next": target})
+    await send({"type": "http.response.start", "status": 303,
+                "headers": [(b"location", location.encode("latin-1")),
+                            (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def principal_of(scope: Scope) -> Principal:

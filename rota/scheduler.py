@@ -393,6 +393,20 @@ class Scheduler:
                 counts[key] = counts.get(key, 0) + 1
         return counts
 
+    def live_counts(self) -> dict[str, dict[str, int]]:
+        """Jobs per queue in the states held in memory (scheduled, available, retryable,
+        active): what the dashboard shows without counting rows (a backlog of a million
+        available jobs would take SQLite half a second to count)."""
+        counts: dict[str, dict[str, int]] = {}
+        for (queue, _), n in self.ready_counts().items():
+            per = counts.setdefault(queue, {})
+            per["available"] = per.get("available", 0) + n
+        for job in self.jobs.values():
+            if job.state != "available":
+                per = counts.setdefault(job.queue, {})
+                per[job.state.value] = per.get(job.state.value, 0) + 1
+        return counts
+
     def mismatched_workers(self, spec: str, checksum: str) -> list[str]:
         """Workers that declare ``spec`` with a checksum other than ``checksum``."""
         return sorted(w.id for w in self.workers.values() if w.specs.get(spec, checksum) != checksum)

@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import WebSocketRoute
 
-from rota import api, openapi
+from rota import api, dashboard, openapi
 from rota.coordinator import Coordinator
 from rota.edge import GuardedHttp, LeanWebSocket
 from rota.gate import Gate
@@ -40,7 +40,7 @@ def create_app(settings: ServerSettings) -> Starlette:
             await coordinator.stop()
 
     app = Starlette(
-        routes=[*openapi.routes, WebSocketRoute("/work", work_endpoint),
+        routes=[*openapi.routes, *dashboard.routes, WebSocketRoute("/work", work_endpoint),
                 WebSocketRoute("/{path:path}", api.no_such_socket)],
         exception_handlers=api.exception_handlers,  # type: ignore[arg-type]
         # The net outermost: whatever escapes the routes or the gate still gets an answer.
@@ -145,6 +145,7 @@ async def serve(settings: ServerSettings, *, log_level: str = "info",
         # degraded and recovers when the limit is raised (docs/operations.md).
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     scheme = "https" if settings.ssl_certfile else "http"
-    log.info("serving on %s://%s:%d (workers connect to /work)", scheme, settings.host,
-             settings.port)
+    log.info("serving on %s://%s:%d (workers connect to /work; the dashboard is at /ui%s)",
+             scheme, settings.host, settings.port,
+             ", read-only" if settings.ui_read_only else "")
     await server.serve(sockets=[sock or listen_socket(settings.host, settings.port)])

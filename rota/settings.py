@@ -60,6 +60,9 @@ class ServerSettings:
     header_timeout: float = 10.0  # a client must send a request's headers within this
     body_timeout: float = 30.0  # ... and, once they are in, the whole body within this
     allowed_origins: tuple[str, ...] = ()  # browser Origins accepted on /work
+    # The dashboard (/ui) shows and does nothing that changes state; a state-changing
+    # request authenticated by its cookie is refused (rota/gate.py).
+    ui_read_only: bool = False
     ssl_certfile: str | None = None  # serve HTTPS and wss:// with this certificate
     ssl_keyfile: str | None = None
     # GET /events: the events kept for clients that resume (Last-Event-ID), and the most

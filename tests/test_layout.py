@@ -17,7 +17,8 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Lowest first. Within a layer no module imports another.
 LAYERS: list[set[str]] = [
-    {"errors", "ids", "inputs", "logs", "settings"},  # leaves: no rota imports
+    {"errors", "ids", "inputs", "logs", "settings", "display", "charts"},  # leaves: no
+    # rota imports (the last two: the dashboard's figures and its chart, as text)
     {"protocol", "model", "db"},  # the wire format; the job and its lifecycle; SQLite
     {"specs", "policy", "auth", "ready", "retention", "observe", "listing"},  # spec files
     # and checksums; retry rules; tokens; the ready index; how long finished jobs are kept;
@@ -31,9 +32,10 @@ LAYERS: list[set[str]] = [
     {"coordinator"},  # the async shell
     {"gate", "safety"},  # authentication at the door; the net for what nobody expected
     {"sessions", "api"},  # /work and the HTTP routes
-    {"feeds", "operate"},  # what an operator watches (/events, /stats, /metrics) and
-    # steers (job listing, bulk actions, queue pause)
-    {"openapi", "edge"},  # the route table; uvicorn's protocols as Rota runs them
+    {"feeds", "operate", "pages"},  # what an operator watches (/events, /stats, /metrics)
+    # and steers (job listing, bulk actions, queue pause); the dashboard's plumbing
+    {"openapi", "edge", "dashboard"},  # the route table; uvicorn's protocols as Rota runs
+    # them; the dashboard's pages
     {"server"},
     # the SDK and the producer client, beside the server
     {"context", "client", "link"},  # a handler's context; the producer client; the core
@@ -55,7 +57,7 @@ SDK = {"context", "manual", "worker", "client", "link", "execution", "connection
        "stream", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"inputs", "model", "policy", "ready", "retention", "observe", "listing", "scheduler", "effects", "registry", "attempts", "intake",
+PURE = {"inputs", "model", "policy", "ready", "retention", "observe", "listing", "display", "charts", "scheduler", "effects", "registry", "attempts", "intake",
         "reservations", "engine",
         "link"}
 

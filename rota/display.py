@@ -1,0 +1,71 @@
+"""How the dashboard writes numbers, times and JSON for people: pure functions, used as
+Jinja filters (rota/dashboard.py), so the templates stay free of arithmetic."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def size(value: int | None) -> str:
+    """Bytes as a short figure: 1536 -> "1.5 KiB"."""
+    if value is None:
+        return "–"
+    amount = float(value)
+    for unit in _UNITS:
+        if amount < 1024 or unit == _UNITS[-1]:
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    raise AssertionError("unreachable")
+
+
+def duration(seconds: float | None) -> str:
+    """Seconds as the two largest units: 0.25 -> "250 ms", 3725 -> "1 h 2 min"."""
+    if seconds is None:
+        return "–"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = int(seconds)
+    for unit, span, smaller, small_span in (("d", 86400, "h", 3600), ("h", 3600, "min", 60),
+                                            ("min", 60, "s", 1)):
+        if whole >= span:
+            rest = (whole % span) // small_span
+            return f"{whole // span} {unit}" + (f" {rest} {smaller}" if rest else "")
+    raise AssertionError("unreachable")
+
+
+def ago(moment: str | None, now: float) -> str:
+    """An RFC 3339 moment as "12 s ago" (or "in 5 s") against the Unix time ``now``."""
+    if not moment:
+        return "–"
+    delta = now - datetime.fromisoformat(moment).timestamp()
+    return f"{duration(delta)} ago" if delta >= 0 else f"in {duration(-delta)}"
+
+
+def pretty(value: Any) -> str:
+    """Any JSON value (stored JSON kept raw included), indented for a <pre>."""
+    if isinstance(value, msgspec.Raw):
+        value = msgspec.json.decode(value)
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
+
+
+def short(text: str | None, keep: int = 12) -> str:
+    """A long id or checksum cut for a table cell (the full one goes in a title). A
+    UUID keeps both ends: UUIDv7s made in the same second share their first digits."""
+    if text is None:
+        return "–"
+    if len(text) == 36 and text.count("-") == 4:
+        return f"{text[:8]}…{text[-6:]}"
+    return text if len(text) <= keep else text[:keep] + "…"
+
+
+def count(value: int) -> str:
+    """An integer with thin separators: 1234567 -> "1,234,567"."""
+    return f"{value:,}"
