@@ -14,8 +14,9 @@ from typing import Any
 import click
 
 from rota.cli_base import URL_OPTION, fail, print_json, say, token
-from rota.cli_ops import WAITING_STATES, age, split
+from rota.cli_ops import WAITING_STATES, split
 from rota.client import ApiError, Client
+from rota.display import duration
 from rota.logs import printable
 from rota.stream import EventStream
 
@@ -61,20 +62,21 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
 def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[str]:
     """The screen of ``rota watch``, as lines no wider than ``width``."""
     lines = [f"rota watch  {url}  {view['at']}  (every {interval:g}s; Ctrl-C stops)", ""]
-    lines.append(f"{'QUEUE':<20} {'STATE':<8} {'WAITING':>8} {'ACTIVE':>7} {'OLDEST':>8}"
+    lines.append(f"{'QUEUE':<20} {'STATE':<8} {'WAITING':>8} {'ACTIVE':>7} {'OLDEST':>10}"
                  f" {'WORKERS':>8}")
     for q in view["queues"]:
         lines.append(f"{q['name']:<20} {'paused' if q['paused'] else 'running':<8}"
-                     f" {q['waiting']:>8} {q['active']:>7} {age(q['oldest_available_age']):>8}"
+                     f" {q['waiting']:>8} {q['active']:>7}"
+                     f" {duration(q['oldest_available_age']):>10}"
                      f" {q['workers']:>8}")
     if not view["queues"]:
         lines.append("(no queues yet)")
-    lines += ["", f"{'WORKER':<36} {'STATE':<10} {'LOAD':>9} {'BEAT':>7}  HOST"]
+    lines += ["", f"{'WORKER':<36} {'STATE':<10} {'LOAD':>9} {'BEAT':>9}  HOST"]
     for w in view["workers"]:
         load = f"{w['active']}/{w['concurrency']}" + (
             f"+{w['prefetched']}" if w["prefetched"] else "")
         lines.append(f"{w['id']:<36} {w['state']:<10} {load:>9}"
-                     f" {age(w['last_heartbeat_age']):>7}  {w['hostname']}")
+                     f" {duration(w['last_heartbeat_age']):>9}  {w['hostname']}")
     if not view["workers"]:
         lines.append("(no workers connected)")
     lines += ["", "BLOCKED"]

@@ -15,6 +15,7 @@ import click
 
 from rota.cli_base import URL_OPTION, api, fail, print_json, say, token
 from rota.client import ApiError, Client
+from rota.display import duration
 from rota.logs import printable
 
 PAGE = 500  # jobs a page when --all follows the cursor (the server's most)
@@ -214,7 +215,7 @@ def queues(ctx: click.Context, as_json: bool, url: str) -> None:
         states = " ".join(f"{state}={counts[state]}" for state in counts if counts[state])
         click.echo(f"{row['name']:<16} {'paused ' if row.get('paused') else 'running'}"
                    f"  waiting={sum(counts.get(s, 0) for s in WAITING_STATES)}"
-                   f"  oldest={age(row.get('oldest_available_age'))}"
+                   f"  oldest={duration(row.get('oldest_available_age'))}"
                    f"  workers={row['workers']}  {states or 'no jobs'}")
         for entry in row["waiting"]:
             if entry["reason"]:
@@ -236,15 +237,3 @@ def _pause_command(paused: bool) -> click.Command:
 
 queues.add_command(_pause_command(True))
 queues.add_command(_pause_command(False))
-
-
-def age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-    if seconds < 86400:
-        return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
-    return f"{int(seconds // 86400)}d{int(seconds % 86400 // 3600):02d}h"
