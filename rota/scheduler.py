@@ -404,7 +404,8 @@ class Scheduler:
         for job in self.jobs.values():
             if job.state != "available":
                 per = counts.setdefault(job.queue, {})
-                per[job.state.value] = per.get(job.state.value, 0) + 1
+                state = str(job.state)  # (a new job's state may be a plain str)
+                per[state] = per.get(state, 0) + 1
         return counts
 
     def mismatched_workers(self, spec: str, checksum: str) -> list[str]:

@@ -237,3 +237,15 @@ async def test_pause_and_resume_a_queue_from_its_page(busy):
     assert live.coordinator.scheduler.paused == {"audits"}
     await live.http.post("/ui/queues/audits/resume", headers=SAME, data={})
     assert live.coordinator.scheduler.paused == set()
+
+
+async def test_pages_render_while_a_delayed_job_waits(busy):
+    """A job enqueued with a delay is held in memory as scheduled: the counts taken from
+    memory (overview, queues) must take it as it was built, not only as a restart loads it."""
+    live = busy["live"]
+    job = await live.enqueue("audit", {"who": "later"}, delay=3600)
+    assert job["state"] == "scheduled"
+    for path in ("/ui", "/ui/queues"):
+        await page(live, path)
+    text = await page(live, "/ui/queues")
+    assert 'data-state="scheduled"' in text or "scheduled" in text

@@ -176,7 +176,9 @@ async def test_under_load_every_job_runs_exactly_once(live: Live, fleet: Fleet, 
         assert response.status_code == 200
 
     async def all_completed() -> bool:
-        queues = (await live.http.get("/queues")).json()["queues"]
+        response = await live.http.get("/queues")
+        assert response.status_code == 200, response.text  # under load too
+        queues = response.json()["queues"]
         return sum(q["counts"].get("completed", 0) for q in queues) == total
 
     await wait_until(all_completed, timeout=40, what=f"{total} jobs to complete")
