@@ -273,7 +273,10 @@ class Connection:
                 self._watch_handlers()
                 self._post(worker.tick)  # lapsed leases, the grace period: handlers' side
             capacity = worker.runner.capacity(worker.state, link.round_trip)
-            if not link.due(now, capacity=capacity, stopping=worker.stopping):
+            # Stopping forces a beat only once nothing runs (to say goodbye): while a job
+            # still runs, every ack would wake this loop into another beat at once.
+            if not link.due(now, capacity=capacity,
+                            stopping=worker.stopping and not worker.runner.running):
                 continue
             await self._check_server_alive(ws)
             await self._beat(ws)

@@ -82,6 +82,25 @@ def sdk(tmp_path: Path, **options) -> Worker:
     return worker
 
 
+async def test_a_stopping_worker_beats_at_its_pace_while_a_job_runs(live: Live, sdk_worker,
+                                                                     tmp_path: Path):
+    """Told to terminate with a job still running, a worker keeps its heartbeat interval
+    until the job ends (it beat once per ack, thousands a second, before)."""
+    await live.push(write_spec(tmp_path, "work"))
+    worker = await sdk_worker(sdk(tmp_path))
+    job = await live.enqueue("work", {"seconds": 1.5})
+    await live.wait_state(job["id"], "active")
+    conn = live.coordinator.connections[worker.worker_id]
+    worker.stop()
+    await wait_until(lambda: conn.worker.state == "terminate", what="the stop to be heard")
+    before, started = conn.frames, time.monotonic()
+    await wait_until(lambda: time.monotonic() - started >= 0.5 or not live.coordinator
+                     .connections, what="half a second of a stopping worker")
+    elapsed = time.monotonic() - started
+    assert conn.frames - before <= 5 + 20 * elapsed  # interval 0.1 s: ~10 a second
+    assert (await live.wait_state(job["id"], "completed"))["attempt"] == 1
+
+
 # -- directives ---------------------------------------------------------------------------
 async def test_server_directs_quiet_then_terminate(live: Live, sdk_worker, tmp_path: Path):
     await live.push(write_spec(tmp_path, "work"))
