@@ -131,10 +131,16 @@ async def jobs_page(request: Request) -> Response:
     coordinator = coordinator_of(request)
     params = request.query_params
     form = {"states": (), "spec": "", "queue": "", "worker": "", "q": ""}
-    choices = {"specs": sorted(coordinator.specs),
+    scheduler = coordinator.scheduler
+    # Every queue that has live jobs, a worker or a pause, and the one asked for: a queue
+    # given only at enqueue must not fall out of the form (the next Filter would widen
+    # to every queue, and a bulk action with it).
+    asked = {params["queue"]} if params.get("queue") else set()
+    choices = {"specs": sorted(set(coordinator.specs)
+                               | ({params["spec"]} if params.get("spec") else set())),
                "queues": sorted({spec.queue for spec in coordinator.specs.values()}
-                                | {q for w in coordinator.scheduler.workers.values()
-                                   for q in w.queues})}
+                                | {q for w in scheduler.workers.values() for q in w.queues}
+                                | set(scheduler.live_counts()) | scheduler.paused | asked)}
     try:
         flt = job_filter(params)
     except RequestError as exc:

@@ -79,7 +79,7 @@ class Gate:
             await self.coordinator.reread_tokens()  # created a moment ago?
         refusal = self._refusal(scope, headers, repeated=len(headers) != len(raw))
         if refusal is not None:
-            if refusal[0] == 401 and _ui_page(scope):
+            if refusal[0] == 401 and _ui_page(scope, headers):
                 await to_login(scope, send)  # a person, not a script: show the form
                 return
             await deny(scope, send, *refusal)
@@ -149,15 +149,22 @@ def same_origin(headers: dict[str, str]) -> bool:
     return headers.get("origin") in (f"http://{host}", f"https://{host}")
 
 
-def _ui_page(scope: Scope) -> bool:
-    return (scope["type"] == "http" and scope["method"] in ("GET", "HEAD")
+def _ui_page(scope: Scope, headers: dict[str, str]) -> bool:
+    """A page of the dashboard asked for, or a form of it posted by a browser (a session
+    that ended in another tab): both are answered with the login form, not JSON."""
+    return (scope["type"] == "http"
+            and (scope["method"] in ("GET", "HEAD")
+                 or headers.get("sec-fetch-mode") == "navigate")
             and (scope["path"] == "/ui" or scope["path"].startswith("/ui/")))
 
 
 async def to_login(scope: Scope, send: Send) -> None:
-    """Send a browser that has no valid session to the login form, and back after."""
-    target = scope["path"] + ("?" + scope["query_string"].decode("latin-1")
-                              if scope["query_string"] else "")
+    """Send a browser that has no valid session to the login form, and back after (to the
+    page asked for; after a posted form, to the overview: the form is not sent again)."""
+    target = "/ui"
+    if scope["method"] in ("GET", "HEAD"):
+        target = scope["path"] + ("?" + scope["query_string"].decode("latin-1")
+                                  if scope["query_string"] else "")
     location = "/ui/login?" + urlencode({"next": target})
     await send({"type": "http.response.start", "status": 303,
                 "headers": [(b"location", location.encode("latin-1")),

@@ -100,6 +100,12 @@ async def test_without_a_credential_pages_send_to_login_and_the_api_says_401(gua
         assert page.headers["location"] == "/ui/login?next=%2Fui%2Fjobs%3Fq%3Dabc"
         action = await client.post("/ui/workers/state", data={"state": "quiet"}, headers=SAME)
         assert action.status_code == 401 and action.json()["error"]["code"] == "unauthorized"
+        # The same form posted by a browser whose session ended in another tab: the login
+        # form, then the overview (the form is not sent again), never a JSON error.
+        posted = await client.post("/ui/workers/state", data={"state": "quiet"},
+                                   headers={**SAME, "Sec-Fetch-Mode": "navigate"})
+        assert posted.status_code == 303
+        assert posted.headers["location"] == "/ui/login?next=%2Fui"
         assert (await client.get("/ui/static/rota.css")).status_code == 200  # the login's look
 
 

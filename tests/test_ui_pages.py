@@ -249,3 +249,14 @@ async def test_pages_render_while_a_delayed_job_waits(busy):
         await page(live, path)
     text = await page(live, "/ui/queues")
     assert 'data-state="scheduled"' in text or "scheduled" in text
+
+
+async def test_a_queue_given_only_at_enqueue_stays_selected_in_the_filter(busy):
+    """No spec names queue 'parked' and no worker serves it: the form must still offer it
+    and keep it chosen, or the next Filter (and a bulk action) would take every queue."""
+    live = busy["live"]
+    await live.enqueue("audit", {"who": "x"}, queue="parked")
+    text = await page(live, "/ui/jobs?queue=parked")
+    assert "<option selected>parked</option>" in text
+    text = await page(live, "/ui/jobs?queue=nowhere")  # asked for, though nothing is there
+    assert "<option selected>nowhere</option>" in text
