@@ -153,7 +153,12 @@ async def jobs_page(request: Request) -> Response:
     if q and flt == JobFilter(q=q) and await coordinator.store.get_job(q) is not None:
         return RedirectResponse(f"/ui/jobs/{quote(q)}", status_code=303)  # an id: its page
     cursor = params.get("cursor") or None
-    jobs, after = await coordinator.store.list_jobs(flt, PAGE, cursor)
+    try:
+        jobs, after = await coordinator.store.list_jobs(flt, PAGE, cursor)
+    except RequestError as exc:  # a cursor edited by hand: said on the page, as a filter is
+        return render(request, "jobs", status=400, error=exc.message, flt=None, form=form,
+                      jobs=[], total=0, capped=False, after=None, query="", paged=False,
+                      states=STATES, **choices)
     total = await coordinator.store.count_jobs(flt)
     return render(request, "jobs", error=None, flt=flt, form=form, jobs=jobs, total=total,
                   capped=total >= COUNT_CAP, after=after, paged=cursor is not None,
@@ -210,7 +215,8 @@ async def job_page(request: Request) -> Response:
     job_id = request.path_params["job_id"]
     row = await coordinator.store.get_job(job_id)
     if row is None:
-        return render(request, "missing", status=404, what=f"job {job_id}")
+        return render(request, "missing", status=404, what=f"job {job_id}" if job_id
+                      else "job without an id")
     job = await job_detail(coordinator, row)
     for error in job["errors"]:  # the traceback as lines of its own, not a JSON string
         details = error.get("details")

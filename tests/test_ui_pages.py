@@ -177,10 +177,13 @@ async def test_the_jobs_list_filters_and_pages(busy):
 @pytest.mark.parametrize(("path", "status", "text"), [
     ("/ui/jobs?state=bogus", 400, "unknown state &#39;bogus&#39;"),
     ("/ui/jobs?spec=a%20b", 400, "spec is not a name"),
+    ("/ui/jobs?cursor=garbage", 400, "cursor is not one this server gave"),
+    ("/ui/jobs/", 404, "There is no job without an id"),
 ])
 async def test_a_bad_filter_says_why_on_the_page(busy, path, status, text):
     answer = await busy["live"].http.get(path)
     assert answer.status_code == status and text in answer.text
+    assert answer.headers["content-type"].startswith("text/html")  # a page, not JSON
 
 
 async def test_a_bulk_action_is_counted_before_it_is_done(busy):
