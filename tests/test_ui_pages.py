@@ -172,6 +172,11 @@ async def test_the_jobs_list_filters_and_pages(busy):
     assert "Retry all" not in everything  # no bulk action without a filter
     first = await page(live, "/ui/jobs?queue=emails&state=discarded&state=completed")
     assert "<strong>1</strong> job(s) match" in first
+    # Only what the filtered states allow: completed jobs can be neither retried nor
+    # cancelled, discarded ones only retried.
+    completed = await page(live, "/ui/jobs?state=completed")
+    assert "Retry all" not in completed and "Cancel all" not in completed
+    assert "Cancel all" not in text and "Retry all" in text  # (state=discarded, above)
 
 
 @pytest.mark.parametrize(("path", "status", "text"), [
