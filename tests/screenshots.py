@@ -51,7 +51,7 @@ def build(rig: Rig, release: threading.Event) -> dict[str, str]:
         return {"message_id": f"<{ctx.id[:8]}@example.com>"}
 
     async def resize_image(ctx: JobContext) -> dict[str, Any]:
-        await asyncio.sleep(random.uniform(0.05, 0.3))  # stands in for the work
+        await asyncio.sleep(random.uniform(0.05, 0.3))  # noqa: sleep-ok (stands in for a handler's work)
         return {"widths": ctx.args["widths"]}
 
     async def monthly_report(ctx: JobContext) -> dict[str, Any]:
