@@ -156,7 +156,7 @@ def test_retry_a_discarded_job_from_its_page(page: Page, rig: Rig):
     expect(traceback).to_contain_text('raise ValueError("the first call always fails")')
 
     page.get_by_role("button", name="Retry").click()
-    expect(page.get_by_role("status")).to_contain_text(f"job {job_id} is available again")
+    expect(page.get_by_role("status")).to_contain_text(f"job {job_id} will run again")
     expect(state).to_have_text("completed", timeout=WAIT)
     assert rig.job(job_id)["result"] == "fine"
 
