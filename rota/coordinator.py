@@ -16,6 +16,7 @@ import collections
 import functools
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Protocol
@@ -69,6 +70,11 @@ class Coordinator:
         self.store = Store(settings.db,
                            crash_before_commit=settings.crash_at == "enqueue-before-commit",
                            durability=settings.durability, max_db_size=settings.max_db_size)
+        # Its name among the servers sharing a database (docs/scaling.md): reservations
+        # carry it, so that the others know whose workers hold what.
+        self.server_id = settings.server_id or f"{socket.gethostname()}:{settings.port}"
+        self.store.server_id = self.server_id
+        self.store.lease = settings.server_lease
         self.engine = Engine(settings)
         self.retention = Retention.from_rules(
             {"completed": settings.retain_completed, "discarded": settings.retain_discarded,
@@ -100,6 +106,9 @@ class Coordinator:
         self._pulse: asyncio.Future[None] | None = None  # resolved when events come
         self._subscribers = 0
         self._storage_seen: Any = None  # the store's degradation last reported as an event
+        # Run at a stop once the connections are closed, before the store closes (the
+        # cluster ends its lease there).
+        self.on_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []
 
     # -- what routes and tests read --------------------------------------------------
     @property
@@ -167,6 +176,8 @@ class Coordinator:
             if task.get_name() in LOOPS:
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for hook in self.on_stop:
+            await hook()
         await asyncio.to_thread(self.store.close)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -483,6 +494,10 @@ class Coordinator:
             if row["state"] == "available":  # kept as a key only: its row decides
                 outcome, effects = self.engine.cancel_waiting(row, self.clock())
                 break
+            if (self.store.shared and row["state"] == "active"
+                    and await self.store.request_cancel(job_id) is not None):
+                # Its worker is another server's: that server passes the cancel on.
+                return await self._row(job_id), False
             if row["state"] in TERMINAL_STATES or look:
                 raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
             # Held as a key while its row still says otherwise, or reserved from its

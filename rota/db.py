@@ -181,6 +181,16 @@ def m011_operator(db: sqlite_utils.Database) -> None:
                f" WHERE {cold} AND worker_id IS NOT NULL")
 
 
+@migrations()
+def m012_servers(db: sqlite_utils.Database) -> None:
+    # Several servers on one database (docs/scaling.md): which server's worker holds a
+    # reservation, and each server's lease, which the others watch to recover the
+    # reservations of one that died.
+    db["jobs"].add_column("server_id", str)
+    db["servers"].create({"id": str, "host": str, "pid": int, "url": str, "started_at": float,
+                          "lease_expires_at": float, "stopped_at": float}, pk="id")
+
+
 # -- a full or failing disk ------------------------------------------------------------
 # SQLite's primary result codes that blame the storage rather than the statement: what
 # the client is told (code, sentence) and how many seconds it should wait before asking

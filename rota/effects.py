@@ -40,6 +40,16 @@ class Reserve:
 
 
 @dataclass(slots=True)
+class Reserved:
+    """A ``Reserve``'s outcome: each claim's job as its row read after the claim (None:
+    no longer available), and the whole jobs whose rows had moved on meanwhile (another
+    server reserved, cancelled or finished them first), which this server must let go."""
+
+    read: list[Job | None] = field(default_factory=list)
+    lost: frozenset[str] = frozenset()
+
+
+@dataclass(slots=True)
 class Withdraw:
     """Cancel a job kept only as a key, if its row is still available (the row decides:
     the job may be being reserved). The shell awaits it and reports to ``withdrawn``."""

@@ -26,7 +26,7 @@ import msgspec
 from rota import protocol as p
 from rota.attempts import MAX_LOG_LINES, end_attempt, held_by, result_problem, settle, status_notes
 from rota.auth import Principal
-from rota.effects import (Abort, Arm, Effect, Finished, Note, Save, Send, Wake, WorkerGone,
+from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserved, Save, Send, Wake, WorkerGone,
                           WorkerSeen)
 from rota.errors import RotaError, failure_level
 from rota.intake import Intake
@@ -375,7 +375,7 @@ class Engine(Intake, Reservations):
 
     # -- commits ---------------------------------------------------------------------
     def committed(self, ticket: int, error: BaseException | None, now: Instant,
-                  read: list[Job | None] | None = None) -> list[Effect]:
+                  read: Reserved | list[Job | None] | None = None) -> list[Effect]:
         """The outcome of a ``Save`` or ``Reserve`` that carried ``ticket``; ``read``: a
         reservation's claimed jobs as their rows read after it (None where a row was no
         longer available)."""
@@ -383,7 +383,9 @@ class Engine(Intake, Reservations):
         if kind == "results":
             return self._results_committed(ticket, payload, error, now)
         if kind == "reserve":
-            return self._reserve_committed(payload, error, read or [], now)
+            if not isinstance(read, Reserved):
+                read = Reserved(read or [])
+            return self._reserve_committed(payload, error, read, now)
         # "finish": attempts ended by the server; wake whoever waits on a final state
         if error is not None:
             log.log(failure_level(error), "storing %d job transition(s) failed: %s",

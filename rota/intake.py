@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from rota import protocol as p
 from rota.auth import Principal
@@ -25,6 +25,15 @@ from rota.settings import ServerSettings
 from rota.specs import JobSpec, SpecError, validate_args
 
 log = logging.getLogger("rota.server")
+
+
+class Pushed(NamedTuple):
+    """A status quo change another server made, as ``status_quo_changed`` reads one."""
+
+    name: str
+    checksum: str
+    previous: str | None
+    change: str
 
 
 class Intake:
@@ -177,6 +186,40 @@ class Intake:
                              job.id, job.spec, job.queue, attempt=job.attempt,
                              message="retried by an operator")
         return [Wake()]
+
+    # -- what other servers on the same database did (docs/scaling.md) ------------------
+    def taken_in(self, jobs: list[Job], now: Instant) -> list[Effect]:
+        """Jobs another server made wait (new, retried, back from a worker, due), as
+        their rows read now. Every server may give them out and the row decides who does
+        (fenced reservations), so each takes them in. A copy held here gives way to the
+        row, unless this server has it reserved or holds a later attempt of it: its own
+        reservation's commit decides then."""
+        effects: list[Effect] = []
+        for job in jobs:
+            known = self.scheduler.jobs.get(job.id)
+            if known is not None:
+                if (known.state == JobState.ACTIVE or known.attempt > job.attempt
+                        or job.id in self.scheduler.unstored):
+                    continue
+                self.scheduler.finish(known)
+            job.clocks(now)
+            self.scheduler.track(job)
+            effects += [Arm(t) for t in (job.due, job.expiry) if t is not None]
+        return effects + [Wake()] if jobs else effects
+
+    def status_quo_read(self, specs: dict[str, JobSpec], checksums: dict[str, str],
+                        retired: dict[str, float], now: Instant) -> list[Effect]:
+        """The status quo as the database says after another server's push or
+        retirement: what differs from this server's takes effect here too."""
+        held = self.scheduler.status_quo
+        changes = [Pushed(name, checksum, held.get(name), "changed" if name in held else "new")
+                   for name, checksum in checksums.items() if held.get(name) != checksum]
+        effects = self.status_quo_changed([specs[c.name] for c in changes], changes, now)
+        for name in retired.keys() - self.retired.keys():
+            log.info("retired spec=%s (by another server)", name)
+        self.retired.clear()
+        self.retired.update(retired)
+        return effects if changes else []
 
     def is_live(self, job_id: str) -> bool:
         """Whether the job is held whole (a compact waiting job is not: its row says so)."""

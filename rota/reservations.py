@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rota import protocol as p
-from rota.effects import Arm, Effect, Reserve, Send, Wake
+from rota.effects import Arm, Effect, Reserve, Reserved, Send, Wake
 from rota.errors import failure_level
 from rota.logs import log_lines
 from rota.model import Instant, Job, JobState
@@ -69,8 +69,9 @@ class Reservations:
         return effects + ([Arm(min(j.lease or 0.0 for j in jobs))] if jobs else [])
 
     def _reserve_committed(self, payload: Any, error: BaseException | None,
-                           read: list[Job | None], now: Instant) -> list[Effect]:
+                           outcome: Reserved, now: Instant) -> list[Effect]:
         plan, jobs, claims, at = payload
+        read = outcome.read
         if error is not None:
             log.log(failure_level(error), "reservation commit failed; returning %d jobs: %s",
                     len(jobs) + len(claims), error)
@@ -82,6 +83,9 @@ class Reservations:
             self._paused_until = now.mono + PAUSE_AFTER_FAILED_ROUND
             return []
         effects: list[Effect] = []
+        for job in jobs:
+            if job.id in outcome.lost:
+                effects += self._lost_race(job)
         got: dict[int, Job] = {}  # claim's seq -> the job its worker holds now
         for claim, job in zip(claims, read, strict=True):
             if job is not None:
@@ -131,6 +135,17 @@ class Reservations:
         if not self._paused_until or now.mono < self._paused_until:
             return []
         self._paused_until = 0.0
+        return [Wake()]
+
+    def _lost_race(self, job: Job) -> list[Effect]:
+        """A whole job whose row had moved on when its reservation was written: another
+        server reserved, cancelled or finished it first (each server holds the jobs that
+        wait; the row decides). This copy is stale: forget it, and the worker has the
+        slot back. Its assign is never sent."""
+        log.info("lost race job=%s spec=%s queue=%s worker=%s attempt=%d: its row moved on"
+                 " (another server holds it)", job.id, job.spec, job.queue, job.worker_id,
+                 job.attempt)
+        self.scheduler.let_go(job)
         return [Wake()]
 
     def _lost_claim(self, job: Job, now: Instant) -> list[Effect]:

@@ -32,7 +32,28 @@ class Snapshot:
 
 
 
-def load(conn: sqlite3.Connection) -> Snapshot:
+def load(conn: sqlite3.Connection, server_id: str | None = None) -> Snapshot:
+    """What a start takes in. ``server_id``: one of several servers on one database
+    (docs/scaling.md), which takes in only the reservations its own workers held; the
+    others' belong to them, or to whoever recovers them."""
+    status_quo, checksums, retired = read_status_quo(conn)
+    mine = "" if server_id is None else " AND server_id = ?"
+    live = conn.execute(
+        f"SELECT {', '.join(_LIVE)} FROM jobs WHERE state IN ('scheduled', 'retryable')"
+        f" OR (state = 'active'{mine}) OR (state = 'available' AND NOT ({_PLAIN}))"
+        " ORDER BY rowid", () if server_id is None else (server_id,)
+    )
+    live.row_factory = None  # plain tuples
+    jobs = [live_job(r) for r in live]
+    paused = frozenset(r[0] for r in conn.execute("SELECT name FROM queues WHERE paused = 1"))
+    return Snapshot(status_quo, checksums, jobs, _waiting(conn),
+                    conn.execute("SELECT max(rowid) FROM jobs").fetchone()[0] or 0, retired,
+                    paused)
+
+
+def read_status_quo(conn: sqlite3.Connection
+                    ) -> tuple[dict[str, JobSpec], dict[str, str], dict[str, float]]:
+    """Each spec's status quo: (specs, checksums, retired specs and when) by name."""
     status_quo: dict[str, JobSpec] = {}
     checksums: dict[str, str] = {}
     retired: dict[str, float] = {}
@@ -44,16 +65,7 @@ def load(conn: sqlite3.Connection) -> Snapshot:
         checksums[row["name"]] = row["checksum"]
         if row["retired_at"] is not None:
             retired[row["name"]] = row["retired_at"]
-    live = conn.execute(
-        f"SELECT {', '.join(_LIVE)} FROM jobs WHERE state IN ('scheduled', 'retryable', 'active')"
-        f" OR (state = 'available' AND NOT ({_PLAIN})) ORDER BY rowid"
-    )
-    live.row_factory = None  # plain tuples
-    jobs = [live_job(r) for r in live]
-    paused = frozenset(r[0] for r in conn.execute("SELECT name FROM queues WHERE paused"))
-    return Snapshot(status_quo, checksums, jobs, _waiting(conn),
-                    conn.execute("SELECT max(rowid) FROM jobs").fetchone()[0] or 0, retired,
-                    paused)
+    return status_quo, checksums, retired
 
 
 # A plain available job: kept as a key only (rota/ready.py). Anything else is kept whole.
@@ -87,7 +99,7 @@ _LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max
 # Claims: rows reserved only if they are still available, and read back whole.
 _CLAIM = (
     "UPDATE jobs SET state = 'active', attempt = attempt + 1, worker_id = ?, checksum = ?,"
-    " reserved_at = ?,"
+    " server_id = ?, reserved_at = ?,"
     " lease_expires_at = ? + MAX(COALESCE(NULLIF(visibility_timeout, 0), ?), ?)"
     " WHERE rowid IN ({}) AND +state = 'available' RETURNING " + ", ".join(_LIVE)
 )  # "+state": look the rows up by rowid, never by the (state, queue) index (a scan of
@@ -95,13 +107,28 @@ _CLAIM = (
 
 
 def claim_rows(conn: sqlite3.Connection, worker_id: str, checksum: str, now: float,
-               lease: float, min_lease: float, seqs: list[int]) -> list[tuple[Any, ...]]:
+               lease: float, min_lease: float, seqs: list[int], server_id: str | None = None
+               ) -> list[tuple[Any, ...]]:
     """Reserve these rows for a worker where they are still available; the rows reserved,
     as live_job reads them (in no particular order)."""
     cursor = conn.execute(_CLAIM.format(", ".join("?" * len(seqs))),
-                          (worker_id, checksum, now, now, lease, min_lease, *seqs))
+                          (worker_id, checksum, server_id, now, now, lease, min_lease, *seqs))
     cursor.row_factory = None
     return cursor.fetchall()
+
+
+def waiting_rows(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple[Any, ...]]:
+    """The rows of these ids that wait (as live_job reads them): jobs another server
+    made wait (rota/fleet.py)."""
+    out: list[tuple[Any, ...]] = []
+    for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
+        chunk = seqs[start:start + 500]
+        cursor = conn.execute(f"SELECT {', '.join(_LIVE)} FROM jobs WHERE rowid IN"
+                              f" ({', '.join('?' * len(chunk))})"
+                              " AND state IN ('available', 'scheduled', 'retryable')", chunk)
+        cursor.row_factory = None
+        out += [tuple(r) for r in cursor.fetchall()]
+    return out
 
 
 def live_job(r: tuple[Any, ...]) -> Job:

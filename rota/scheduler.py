@@ -140,6 +140,18 @@ class Scheduler:
         job.attempt -= 1
         self.release(job)
 
+    def let_go(self, job: Job) -> None:
+        """Forget a job whose reservation lost to another server's: the worker it was
+        meant for has the slot back."""
+        worker = self.workers.get(job.worker_id or "")
+        if worker is not None:
+            worker.active.discard(job.id)
+            worker.capacity += 1
+        if self.jobs.get(job.id) is job:
+            del self.jobs[job.id]
+        self.unstored.discard(job.id)
+        job.worker_id = None  # so the round that reserved it sends no assign of it
+
     def release(self, job: Job) -> None:
         """Take a job back from its worker and make it available again."""
         if job.orphaned:

@@ -69,6 +69,12 @@ class ServerSettings:
     # seconds between two things sent to a subscriber (a comment if nothing happened).
     events_buffer: int = 10_000
     events_keepalive: float = 15.0
+    # Several servers on one PostgreSQL database (docs/scaling.md): this server's name
+    # among them (None: "host:port"), and its lease, which it renews a few times per
+    # lease; the others recover its workers' jobs once it lapsed longer than the
+    # reconnect grace.
+    server_id: str | None = None
+    server_lease: float = 10.0
     # Test switch: exit abruptly at a named point (see docs/reliability.md). Never in production.
     crash_at: str | None = None
 

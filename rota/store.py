@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import os
+import socket
 import sqlite3
 import time
 from collections.abc import Container, Iterable, Sequence
@@ -22,14 +23,16 @@ from typing import Any
 import msgspec
 
 from rota import db
-from rota import lookup
+from rota import fleet, lookup
 from rota.errors import Conflict, StorageError
 from rota.listing import JobFilter, decode_cursor
+from rota.effects import Reserved
 from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
 from rota.protocol import rfc3339
 from rota.ready import Claim
 from rota.retention import Cutoff
-from rota.rows import Snapshot, claim_rows, job_from_row, live_job, load
+from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, read_status_quo,
+                       waiting_rows)
 from rota.specs import JobSpec
 from rota.views import job_view
 
@@ -51,6 +54,12 @@ class Store:
     durability: str = "full"  # db.SYNCHRONOUS: what a commit survives
     max_db_size: int | None = None  # bytes (--max-db-size); None: as much as the disk holds
     health: db.Health = field(default_factory=db.Health)  # degraded while the disk fails
+    # The server this store writes for: its reservations carry the id. ``shared``: one of
+    # several servers on this database (PostgreSQL), which hear of each other's work by
+    # the notices its writes send (rota/fleet.py).
+    server_id: str | None = None
+    shared: bool = False
+    lease: float = 10.0  # seconds a shared store's server holds its lease (rota/fleet.py)
     writer: db.Writer = field(init=False)
     readers: db.Readers = field(init=False)
     checkpointer: db.Checkpointer = field(init=False)
@@ -66,9 +75,19 @@ class Store:
         conn = db.connect(self.path)
         try:
             self.writer.used_bytes = db.used_bytes(conn)
-            return load(conn)
+            if self.shared:
+                self._register(conn)
+            return load(conn, self.server_id if self.shared else None)
         finally:
             conn.close()
+
+    def _register(self, conn: sqlite3.Connection) -> None:
+        """Hold this server's lease before reading the snapshot: a server recovering
+        this one's reservations now either commits first (and the snapshot holds none
+        of them) or finds the lease renewed and recovers nothing."""
+        with conn:
+            fleet.renew(conn, self.server_id or "", host=socket.gethostname(), pid=os.getpid(),
+                        url="", now=time.time(), lease=self.lease, starting=True)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.writer.start(loop)
@@ -120,6 +139,9 @@ class Store:
                         outcomes.append((made, True))
                         continue
                 outcomes.append((_fetch_job(conn, row[0]), False))
+            if self.shared:
+                fleet.notify(conn, fleet.JOBS, self.server_id or "",
+                             [str(row["rowid"]) for row, new in outcomes if new])
             if self.crash_before_commit:
                 _crash("enqueue-before-commit")
             return outcomes
@@ -127,31 +149,40 @@ class Store:
         return self.writer.submit(op)
 
     def reserve(self, jobs: list[Job], now: float, claims: Sequence[Claim] = (),
-                lease: float = 1800.0, min_lease: float = 0.0
-                ) -> asyncio.Future[list[Job | None]]:
+                lease: float = 1800.0, min_lease: float = 0.0) -> asyncio.Future[Reserved]:
         """Reserve whole jobs as they are in memory, and claimed ones if their rows are
-        still available, reading those back (in claim order; None: not available)."""
-        rows = [(j.attempt, j.worker_id, j.checksum, now, j.lease_expires_at, j.id) for j in jobs]
+        still available, reading those back (in claim order; None: not available).
+
+        Both are fenced by the row: a whole job is reserved only if its row still waits
+        at the attempt memory holds, so a server whose copy went stale (another server
+        reserved, cancelled or finished the job first) reserves nothing and hears which
+        jobs it lost."""
+        server = self.server_id
+        rows = [(j.attempt, j.worker_id, j.checksum, server, now, j.lease_expires_at, j.id,
+                 j.attempt - 1) for j in jobs]
         # One statement per (worker, checksum): a round's claims for a worker are one
         # UPDATE ... WHERE rowid IN (...), not one per job.
         groups: dict[tuple[str, str], list[int]] = {}
+        order: list[int] = []
         for c in claims:
             groups.setdefault((c.worker.id, c.checksum), []).append(c.seq)
-        order = [c.seq for c in claims]
+            order.append(c.seq)
 
-        def op(conn: sqlite3.Connection) -> list[Job | None]:
-            conn.executemany(
-                "UPDATE jobs SET state = 'active', attempt = ?, worker_id = ?, checksum = ?,"
-                " reserved_at = ?, lease_expires_at = ? WHERE id = ?",
-                rows,
-            )
+        def op(conn: sqlite3.Connection) -> Reserved:
+            cursor = conn.executemany(_RESERVE, rows)
+            lost: frozenset[str] = frozenset()
+            if rows and cursor.rowcount != len(rows):  # rare: find which rows moved on
+                lost = frozenset(_moved_on(conn, jobs))
             read: dict[int, Job] = {}
             for (worker_id, checksum), seqs in groups.items():
                 for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
                     for row in claim_rows(conn, worker_id, checksum, now, lease, min_lease,
-                                          seqs[start:start + 500]):
+                                          seqs[start:start + 500], server):
                         read[row[0]] = live_job(row)
-            return [read.get(seq) for seq in order]
+            # A key known twice (its job came back while a stale key of it was still
+            # waiting) is claimed twice in one round: the row is reserved once, so only
+            # the first claim gets the job.
+            return Reserved([read.pop(seq, None) for seq in order], lost)
 
         return self.writer.submit(op)
 
@@ -176,9 +207,15 @@ class Store:
         """Commit job transitions. Values are taken now: the job may change again before
         the writer runs, and FIFO order then keeps the later write last."""
         rows = [_change_row(c) for c in changes]
+        # Jobs that wait again (retried, back from a worker, due): every server may give
+        # them out, so every server hears of them.
+        waiting = [str(c.job.seq) for c in changes if c.job.state in WAITING_STATES] \
+            if self.shared else []
 
         def op(conn: sqlite3.Connection) -> None:
             conn.executemany(_SAVE, rows)
+            if waiting:
+                fleet.notify(conn, fleet.JOBS, self.server_id or "", waiting)
 
         return self.writer.submit(op)
 
@@ -239,6 +276,8 @@ class Store:
             changes = [_push_one(conn, spec, checksum, now) for spec, checksum in specs]
             if dry_run:
                 raise _DryRun(changes)
+            if self.shared and any(c.change != "unchanged" for c in changes):
+                fleet.notify(conn, fleet.SPECS, self.server_id or "")
             return changes
 
         try:
@@ -262,6 +301,41 @@ class Store:
                          (now, worker_id, connected_at))
 
         return self.writer.submit(op)
+
+    # -- several servers (rota/fleet.py) ---------------------------------------------
+    def renew_lease(self, *, host: str, pid: int, url: str, now: float, lease: float,
+                    starting: bool = False) -> asyncio.Future[bool]:
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.renew(
+            conn, server, host=host, pid=pid, url=url, now=now, lease=lease, starting=starting))
+
+    def let_lease_lapse(self, now: float) -> asyncio.Future[None]:
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.let_lapse(conn, server, now))
+
+    async def lapsed_servers(self, before: float) -> list[str]:
+        server = self.server_id or ""
+        return await self.readers.run(lambda conn: fleet.lapsed(conn, server, before))
+
+    def recover_server(self, dead: str, now: float, before: float
+                       ) -> asyncio.Future[list[int] | None]:
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.recover(conn, dead, server, now, before))
+
+    async def waiting_jobs(self, seqs: list[int]) -> list[Job]:
+        """The jobs of these row ids that wait, as their rows say now."""
+        rows = await self.readers.run(lambda conn: waiting_rows(conn, seqs))
+        return [live_job(row) for row in rows]
+
+    async def status_quo(self) -> tuple[dict[str, JobSpec], dict[str, str], dict[str, float]]:
+        return await self.readers.run(read_status_quo)
+
+    async def paused_queues(self) -> frozenset[str]:
+        return await self.readers.run(fleet.paused_queues)
+
+    def request_cancel(self, job_id: str) -> asyncio.Future[str | None]:
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.request_cancel(conn, job_id, server))
 
     # -- reads ---------------------------------------------------------------------
     async def get_job(self, job_id: str) -> dict[str, Any] | None:
@@ -389,13 +463,21 @@ class Store:
             conn.execute("INSERT INTO queues (name, paused, updated_at) VALUES (?, ?, ?)"
                          " ON CONFLICT(name) DO UPDATE SET paused = excluded.paused,"
                          " updated_at = excluded.updated_at", (queue, int(paused), now))
+            if self.shared:
+                fleet.notify(conn, fleet.QUEUES, self.server_id or "", [queue])
 
         return self.writer.submit(op)
 
     def retire_spec(self, name: str, now: float
                     ) -> asyncio.Future[tuple[str, float, bool] | None]:
         """Mark spec ``name`` retired (rota/intake.py refuses its new jobs)."""
-        return self.writer.submit(lambda conn: _retire(conn, name, now))
+        def op(conn: sqlite3.Connection) -> tuple[str, float, bool] | None:
+            retired = _retire(conn, name, now)
+            if self.shared and retired is not None:
+                fleet.notify(conn, fleet.SPECS, self.server_id or "")
+            return retired
+
+        return self.writer.submit(op)
 
     async def spec_jobs(self, name: str) -> tuple[dict[str, int], list[str]]:
         """Unfinished jobs of spec ``name``: counts by state, and the ids of waiting ones."""
@@ -439,13 +521,20 @@ _INSERT = (
     " ON CONFLICT(id) DO NOTHING"
 )
 _RETURNING_ROW = " RETURNING rowid, *"
+_RESERVE = (
+    "UPDATE jobs SET state = 'active', attempt = ?, worker_id = ?, checksum = ?,"
+    " server_id = ?, reserved_at = ?, lease_expires_at = ? WHERE id = ? AND attempt = ?"
+    " AND state IN ('available', 'scheduled', 'retryable')"
+)
 _DUE = "SELECT rowid, id FROM jobs WHERE state = ? AND finished_at < ?"
 _SAVE = (
-    "UPDATE jobs SET state = ?, worker_id = ?, run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
+    "UPDATE jobs SET state = ?, worker_id = ?, server_id = CASE WHEN ? THEN NULL ELSE server_id END,"
+    " run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
     " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
     " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
-    " WHERE id = ?"
-)
+    " WHERE id = ? AND attempt = ?"
+)  # "attempt = ?": the fence. Only a reservation moves a row's attempt on, so a server
+# whose copy of the job is stale (another one reserved it since) changes nothing.
 
 
 def _insert_row(job: Job) -> tuple[Any, ...]:
@@ -456,14 +545,27 @@ def _insert_row(job: Job) -> tuple[Any, ...]:
             int(job.capture_logs), job.created_by, lim.max_worker_deaths)
 
 
+def _moved_on(conn: sqlite3.Connection, jobs: list[Job]) -> list[str]:
+    """Of jobs just reserved, those whose rows another reservation did not come from
+    here (the row's attempt, worker or state differs from what was written)."""
+    lost = []
+    for job in jobs:
+        row = conn.execute("SELECT attempt, worker_id, state FROM jobs WHERE id = ?",
+                           (job.id,)).fetchone()
+        if row is None or tuple(row) != (job.attempt, job.worker_id, "active"):
+            lost.append(job.id)
+    return lost
+
+
 def _change_row(change: Change) -> tuple[Any, ...]:
     job = change.job
     error = _text(change.error)
     # A waiting job belongs to no worker; a finished one keeps who ran it, for audit.
     worker_id = None if job.state in WAITING_STATES else job.worker_id
-    return (str(job.state), worker_id, job.run_at, job.fails, job.deaths, job.budget_start,
+    return (str(job.state), worker_id, worker_id is None, job.run_at, job.fails, job.deaths,
+            job.budget_start,
             int(job.cancel_requested), job.expires_at, change.finished_at,
-            _text(change.result), error, error, job.id)
+            _text(change.result), error, error, job.id, job.attempt)
 
 
 def _live_tokens(conn: sqlite3.Connection) -> list[dict[str, Any]]:

@@ -27,10 +27,12 @@ LAYERS: list[set[str]] = [
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
     {"engine"},  # the pure state machine
-    {"rows", "lookup"},  # jobs as rows: a restart's load, claims; an operator's queries
+    {"rows", "lookup", "fleet"},  # jobs as rows: a restart's load, claims; an operator's
+    # queries; several servers' leases, notices and recovery
     {"store"},  # SQLite
     {"coordinator"},  # the async shell
-    {"gate", "safety"},  # authentication at the door; the net for what nobody expected
+    {"gate", "safety", "cluster"},  # authentication at the door; the net for what nobody
+    # expected; one of several servers on one database
     {"sessions", "api"},  # /work and the HTTP routes
     {"feeds", "operate", "pages"},  # what an operator watches (/events, /stats, /metrics)
     # and steers (job listing, bulk actions, queue pause); the dashboard's plumbing

@@ -140,7 +140,8 @@ async def test_scheduled_jobs_wait_for_their_time_and_survive_a_restart(tmp_path
     await live.push(spec)
     past = await live.enqueue("later", run_at="2001-01-01T00:00:00Z")
     assert past["state"] == "available"
-    soon = await live.enqueue("later", delay=0.5)
+    # Long enough that the restart below (slow on a loaded machine) is over before it.
+    soon = await live.enqueue("later", delay=2.0)
     assert soon["state"] == "scheduled" and soon["run_at"] is not None
     reason = (await live.job(soon["id"]))["waiting_reason"]
     assert reason.startswith("scheduled until")
@@ -151,7 +152,7 @@ async def test_scheduled_jobs_wait_for_their_time_and_survive_a_restart(tmp_path
         await worker.register([spec])
         [first] = await worker.jobs(1)
         assert first["id"] == past["id"]
-        [second] = await worker.jobs(1, timeout=3)
+        [second] = await worker.jobs(1, timeout=5)
         assert second["id"] == soon["id"]
         reserved = (await live.job(soon["id"]))["reserved_at"]
         assert reserved >= soon["run_at"]

@@ -1,0 +1,175 @@
+"""One of several servers on one PostgreSQL database: the shell of that (docs/scaling.md).
+
+It holds this server's lease (a row of ``servers``, renewed a few times per lease),
+watches the others' and recovers the reservations of one whose lease lapsed more than
+the reconnect grace ago, and turns the notices the others' writes send (rota/fleet.py)
+into engine events: jobs that wait again are taken in, a changed status quo or paused
+queue is read again, a cancel for a job this server's worker runs is passed on.
+Every decision stays the engine's; this only reads, listens and applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from rota import fleet
+from rota.coordinator import Coordinator
+
+log = logging.getLogger("rota.server")
+
+
+class Listener(Protocol):
+    """What the cluster needs of a LISTEN connection (rota/pg.py): it calls back on the
+    event loop with (channel, payload), and ``on_connect`` each time it (re)connects."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+ListenerFactory = Callable[[Sequence[str], Callable[[str, str], None], Callable[[], None]],
+                           Listener]
+
+
+class Cluster:
+    def __init__(self, coordinator: Coordinator, listener: ListenerFactory, *,
+                 url: str = "") -> None:
+        self.coordinator = coordinator
+        self.store = coordinator.store
+        self.me = coordinator.server_id
+        self.lease = coordinator.settings.server_lease
+        self.grace = coordinator.settings.reconnect_grace
+        self.url = url  # where this server's workers reach it, for the operator
+        self.listener = listener(fleet.CHANNELS, self._heard, self._connected)
+        self._pending: set[int] = set()  # row ids heard of, not yet read
+        self._arrived = asyncio.Event()
+        self._missed: set[str] = set()  # servers seen past their lease, not yet recovered
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._listening = False
+
+    async def start(self) -> None:
+        """After the coordinator started (its store registered this server's lease
+        before it read the snapshot): listen, then watch the leases."""
+        await self.listener.start()
+        self._spawn(self._take_in_loop(), "rota-cluster-jobs")
+        self._spawn(self._lease_loop(), "rota-cluster-leases")
+        log.info("cluster server=%s lease=%gs grace=%gs: sharing the database with any"
+                 " other server on it", self.me, self.lease, self.grace)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.listener.stop()
+
+    async def let_go(self) -> None:
+        """A clean stop, before the store closes: the lease ends now, so the others
+        recover what this server's workers still hold after the grace alone."""
+        try:
+            await self.store.let_lease_lapse(time.time())
+        except Exception as exc:  # the database is gone too: the lease lapses by itself
+            log.warning("could not end this server's lease at stop: %s", exc)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    # -- notices ---------------------------------------------------------------------
+    def _connected(self) -> None:
+        if self._listening:  # notices sent while it was away are lost: say so
+            log.warning("cluster: listening again after a lost connection; jobs made to"
+                        " wait meanwhile by other servers reach this server's workers"
+                        " when a server restarts or they are retried")
+        self._listening = True
+
+    def _heard(self, channel: str, payload: str) -> None:
+        origin, words = fleet.parse(payload)
+        if origin == self.me:  # this server's own writes: its engine knows already
+            return
+        if channel == fleet.JOBS:
+            self._pending.update(int(w) for w in words if w.isdigit())
+            self._arrived.set()
+        elif channel == fleet.SPECS:
+            self._spawn(self._read_status_quo(), "rota-cluster-specs")
+        elif channel == fleet.QUEUES:
+            self._spawn(self._read_paused(), "rota-cluster-queues")
+        elif channel == fleet.CANCEL and len(words) == 2 and words[0] == self.me:
+            outcome, effects = self.coordinator.engine.cancel(words[1], self.coordinator.clock())
+            log.info("cancel job=%s from server=%s: %s", words[1], origin, outcome)
+            self.coordinator.apply(effects)
+
+    async def _take_in_loop(self) -> None:
+        while True:
+            await self._arrived.wait()
+            self._arrived.clear()
+            seqs, self._pending = sorted(self._pending), set()
+            try:
+                jobs = await self.store.waiting_jobs(seqs)
+            except Exception as exc:
+                log.warning("cluster: could not read %d job(s) another server made wait:"
+                            " %s", len(seqs), exc)
+                continue
+            coordinator = self.coordinator
+            coordinator.apply(coordinator.engine.taken_in(jobs, coordinator.clock()))
+
+    async def _read_status_quo(self) -> None:
+        specs, checksums, retired = await self.store.status_quo()
+        coordinator = self.coordinator
+        coordinator.apply(coordinator.engine.status_quo_read(specs, checksums, retired,
+                                                             coordinator.clock()))
+
+    async def _read_paused(self) -> None:
+        paused = await self.store.paused_queues()
+        coordinator = self.coordinator
+        held = set(coordinator.scheduler.paused)
+        for queue in paused ^ held:
+            coordinator.apply(coordinator.engine.pause_queue(queue, queue in paused,
+                                                             coordinator.clock()))
+
+    # -- leases ----------------------------------------------------------------------
+    async def _lease_loop(self) -> None:
+        host, pid = socket.gethostname(), os.getpid()
+        while True:
+            # A timer, not a synchronisation: a few renewals per lease ride out one slow
+            # commit.
+            await asyncio.sleep(self.lease / 4)  # noqa: sleep-ok
+            now = time.time()
+            try:
+                held = await self.store.renew_lease(host=host, pid=pid, url=self.url, now=now,
+                                                    lease=self.lease)
+                if not held:
+                    log.error("cluster: this server's lease had lapsed and server(s) recovered"
+                              " the jobs its workers held; it holds a new lease now")
+                await self._watch(now)
+            except Exception as exc:  # the database is unreachable: try again next time
+                log.warning("cluster: lease renewal failed: %s", exc)
+
+    async def _watch(self, now: float) -> None:
+        """Say which servers missed their lease, and recover those past the grace."""
+        lapsed = await self.store.lapsed_servers(now)
+        for server in set(lapsed) - self._missed:
+            log.warning("cluster: server=%s missed its lease; its workers' jobs come back"
+                        " after %gs unless it returns", server, self.grace)
+        self._missed = set(lapsed)
+        for server in await self.store.lapsed_servers(now - self.grace):
+            seqs = await self.store.recover_server(server, now, now - self.grace)
+            self._missed.discard(server)
+            if seqs is None:  # another server was first, or it came back
+                continue
+            log.warning("recovered server=%s jobs=%d: they wait again", server, len(seqs))
+            if seqs:
+                jobs = await self.store.waiting_jobs(seqs)
+                coordinator = self.coordinator
+                coordinator.apply(coordinator.engine.taken_in(jobs, coordinator.clock()))

@@ -1,0 +1,144 @@
+"""Several servers on one database: their leases, the notices they send one another, and
+the recovery of a dead server's reservations (docs/scaling.md).
+
+SQL on a connection, run by the store's writer or readers, plus the pure judgement of
+which servers are gone. Every server holds the waiting jobs in memory and the rows
+decide who gets one (fenced reservations, rota/store.py); what a server must hear of
+the others' work travels as notices, sent inside the transaction that made it true
+(PostgreSQL's NOTIFY delivers them at its COMMIT, never before, never if it rolls
+back):
+
+- ``rota_jobs``: row ids that may wait now (new, retried, back from a worker, due);
+- ``rota_specs``: the status quo changed (a push or a retirement);
+- ``rota_queues``: a queue was paused or resumed;
+- ``rota_cancel``: a running job is to be cancelled by the server that holds it.
+
+A payload is the sending server's id, then words: "<origin> <word> <word> ...".
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from rota.protocol import rfc3339
+
+JOBS, SPECS, QUEUES, CANCEL = "rota_jobs", "rota_specs", "rota_queues", "rota_cancel"
+CHANNELS = (JOBS, SPECS, QUEUES, CANCEL)
+# PostgreSQL refuses a payload of 8,000 bytes or more: longer lists go as several.
+MAX_PAYLOAD = 7_000
+
+
+# -- notices ---------------------------------------------------------------------------
+def notify(conn: sqlite3.Connection, channel: str, origin: str, words: Iterable[str] = ()
+           ) -> None:
+    """Queue notices on ``channel`` in the open transaction (sent at its COMMIT)."""
+    for payload in payloads(origin, words):
+        conn.execute("SELECT pg_notify(?, ?)", (channel, payload))
+
+
+def payloads(origin: str, words: Iterable[str]) -> list[str]:
+    """``origin`` and the words, split into payloads under MAX_PAYLOAD bytes (one at least)."""
+    out: list[str] = []
+    current = origin
+    for word in words:
+        if len(current) + 1 + len(word) > MAX_PAYLOAD and current != origin:
+            out.append(current)
+            current = origin
+        current += " " + word
+    out.append(current)
+    return out
+
+
+def parse(payload: str) -> tuple[str, list[str]]:
+    """(origin, words) of a payload."""
+    origin, *words = payload.split(" ")
+    return origin, words
+
+
+# -- leases ----------------------------------------------------------------------------
+def renew(conn: sqlite3.Connection, server_id: str, *, host: str, pid: int, url: str,
+          now: float, lease: float, starting: bool) -> bool:
+    """Hold this server's lease until ``now + lease``. False if the others had already
+    declared it gone (its reservations were recovered): it holds none of them now."""
+    if starting:  # a restart under the same id begins a new life
+        conn.execute(
+            "INSERT INTO servers (id, host, pid, url, started_at, lease_expires_at, stopped_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, NULL) ON CONFLICT(id) DO UPDATE SET host = excluded.host,"
+            " pid = excluded.pid, url = excluded.url, started_at = excluded.started_at,"
+            " lease_expires_at = excluded.lease_expires_at, stopped_at = NULL",
+            (server_id, host, pid, url, now, now + lease))
+        return True
+    cursor = conn.execute("UPDATE servers SET lease_expires_at = ? WHERE id = ?"
+                          " AND stopped_at IS NULL", (now + lease, server_id))
+    if cursor.rowcount == 1:
+        return True
+    renew(conn, server_id, host=host, pid=pid, url=url, now=now, lease=lease, starting=True)
+    return False
+
+
+def let_lapse(conn: sqlite3.Connection, server_id: str, now: float) -> None:
+    """A clean stop: the lease ends now, so the others recover what this server's
+    workers still hold after the reconnect grace, not after a whole lease."""
+    conn.execute("UPDATE servers SET lease_expires_at = ? WHERE id = ? AND stopped_at IS NULL",
+                 (now, server_id))
+
+
+def lapsed(conn: sqlite3.Connection, me: str, before: float) -> list[str]:
+    """Servers whose lease ended before ``before`` and whose reservations nobody has
+    recovered yet."""
+    return [r[0] for r in conn.execute(
+        "SELECT id FROM servers WHERE stopped_at IS NULL AND lease_expires_at < ? AND id <> ?",
+        (before, me))]
+
+
+def recover(conn: sqlite3.Connection, dead: str, me: str, now: float, before: float
+            ) -> list[int] | None:
+    """Take a dead server's reservations back: its active jobs wait again, each with an
+    error record that says why (a run of it may still finish on a worker that lost its
+    server: the attempt fence turns away a result of it once another attempt began).
+    Fenced on the lease, so only one server recovers it, and not one that came back.
+    The row ids that wait again (also sent as a ``rota_jobs`` notice); None if another
+    server recovered it first, or it renewed its lease meanwhile."""
+    claimed = conn.execute("UPDATE servers SET stopped_at = ? WHERE id = ? AND stopped_at IS NULL"
+                           " AND lease_expires_at < ?", (now, dead, before))
+    if claimed.rowcount != 1:
+        return None
+    held = conn.execute("SELECT rowid, id, attempt, worker_id FROM jobs WHERE server_id = ?"
+                        " AND state = 'active'", (dead,)).fetchall()
+    seqs: list[int] = []
+    for seq, job_id, attempt, worker_id in (tuple(r) for r in held):
+        record = msgspec.json.encode({
+            "type": "server_lost", "retryable": True, "details": None,
+            "message": f"server {dead} stopped renewing its lease while its worker held"
+                       " the job; recovered by server " + me,
+            "attempt": attempt, "worker_id": worker_id, "at": rfc3339(now)}).decode()
+        conn.execute("UPDATE jobs SET state = 'available', worker_id = NULL, server_id = NULL,"
+                     " lease_expires_at = NULL, run_at = NULL,"
+                     " errors = json_insert(errors, '$[#]', json(?))"
+                     " WHERE id = ? AND attempt = ? AND state = 'active'",
+                     (record, job_id, attempt))
+        seqs.append(seq)
+    notify(conn, JOBS, me, map(str, seqs))
+    return seqs
+
+
+# -- what a notice names -----------------------------------------------------------------
+def paused_queues(conn: sqlite3.Connection) -> frozenset[str]:
+    return frozenset(r[0] for r in conn.execute("SELECT name FROM queues WHERE paused = 1"))
+
+
+def request_cancel(conn: sqlite3.Connection, job_id: str, me: str) -> str | None:
+    """Mark a running job's cancel as requested and ask its server to pass it on to the
+    worker; that server's id, or None if the job is not running on another server."""
+    row = conn.execute("SELECT server_id FROM jobs WHERE id = ? AND state = 'active'",
+                       (job_id,)).fetchone()
+    if row is None or row[0] is None or row[0] == me:
+        return None
+    conn.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ? AND state = 'active'",
+                 (job_id,))
+    notify(conn, CANCEL, me, [row[0], job_id])
+    return str(row[0])

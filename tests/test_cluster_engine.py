@@ -1,0 +1,90 @@
+"""The engine as one of several servers on one database (docs/scaling.md), driven
+in-process with a fake clock: jobs another server made wait are taken in, a reservation
+that lost to another server's sends nothing and frees its slot, and a status quo pushed
+through another server rules here too."""
+
+from __future__ import annotations
+
+from test_engine import (SPEC, FakeClock, assign, clock, connect, engine, enqueue, of,  # noqa: F401
+                         sent)
+
+from rota.effects import Reserve, Reserved, Wake
+from rota.engine import Engine
+from rota.jobs import EnqueueRequest
+from rota.auth import OPEN
+from rota.model import Job, JobState
+from rota.specs import JobSpec, checksum
+
+
+def row_of(engine: Engine, clock: FakeClock, job_id: str, seq: int, **options: object) -> Job:
+    """A job as another server's enqueue stored it: its row, read back here."""
+    built = engine.build(EnqueueRequest(spec="echo", id=job_id, **options), OPEN, clock())
+    assert isinstance(built, Job)
+    built.seq = seq
+    return built
+
+
+def test_a_job_another_server_made_wait_is_taken_in_and_assigned(engine, clock):
+    connect(engine, clock)
+    job = row_of(engine, clock, "from-b", 7, priority=1_000_000)  # held whole
+    effects = engine.taken_in([job], clock())
+    assert of(Wake, effects)
+    [copy] = assign(engine, clock)
+    assert copy["id"] == "from-b" and copy["attempt"] == 1
+
+
+def test_a_reservation_that_lost_to_another_server_sends_nothing_and_frees_the_slot(
+        engine, clock):
+    connect(engine, clock, capacity=1)
+    engine.taken_in([row_of(engine, clock, "contested", 3, priority=1_000_000)], clock())
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    assert [j.id for j in reserve.jobs] == ["contested"]
+    # The row had moved on: another server's worker holds it.
+    effects = engine.committed(reserve.ticket, None, clock(),
+                               Reserved([], frozenset({"contested"})))
+    assert not sent(effects) and of(Wake, effects)
+    assert "contested" not in engine.scheduler.jobs
+    assert engine.scheduler.workers["w1"].free() == 1
+    # The job comes back (its worker there failed it): this server may give it out again.
+    engine.taken_in([row_of(engine, clock, "contested", 3, priority=1_000_000)], clock())
+    [copy] = assign(engine, clock)
+    assert copy["id"] == "contested"
+
+
+def test_a_copy_this_server_has_reserved_is_not_replaced_by_a_notice(engine, clock):
+    connect(engine, clock)
+    [job] = enqueue(engine, clock, 1, priority=1_000_000)
+    [copy] = assign(engine, clock)
+    stale = row_of(engine, clock, job.id, job.seq, priority=1_000_000)
+    engine.taken_in([stale], clock())
+    assert engine.scheduler.jobs[job.id].state == JobState.ACTIVE
+    assert engine.scheduler.jobs[job.id].worker_id == "w1"
+
+
+def test_a_waiting_copy_gives_way_to_the_row(engine, clock):
+    held = row_of(engine, clock, "moved", 5, priority=1_000_000, delay=60)
+    engine.taken_in([held], clock())
+    assert engine.scheduler.jobs["moved"].state == JobState.SCHEDULED
+    now_available = row_of(engine, clock, "moved", 5, priority=1_000_000)
+    engine.taken_in([now_available], clock())
+    assert engine.scheduler.jobs["moved"].state == JobState.AVAILABLE
+    connect(engine, clock)
+    assert [c["id"] for c in assign(engine, clock)] == ["moved"]
+
+
+def test_a_status_quo_pushed_through_another_server_gates_this_servers_workers(engine, clock):
+    connect(engine, clock)  # declares echo at version 1
+    v2 = JobSpec(name="echo", version="2")
+    effects = engine.status_quo_read({"echo": v2}, {"echo": checksum(v2)}, {}, clock())
+    assert of(Wake, effects)
+    assert engine.scheduler.status_quo["echo"] == checksum(v2)
+    enqueue(engine, clock, 1)
+    assert not of(Reserve, engine.dispatch(clock()))  # w1 runs the old echo: nothing for it
+    # Reading the same status quo again changes nothing.
+    assert engine.status_quo_read({"echo": v2}, {"echo": checksum(v2)}, {}, clock()) == []
+
+
+def test_a_retirement_through_another_server_refuses_new_jobs_here(engine, clock):
+    engine.status_quo_read({"echo": SPEC}, {"echo": checksum(SPEC)}, {"echo": 1.0}, clock())
+    refused = engine.build(EnqueueRequest(spec="echo"), OPEN, clock())
+    assert not isinstance(refused, Job) and refused.code == "spec_retired"

@@ -1,0 +1,75 @@
+"""The row decides (docs/scaling.md): a reservation or a transition written from a stale
+copy of a job changes nothing, straight on a real store. With one server these never
+trip; with several sharing a database they keep each job in one reservation at a time."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rota.model import Change, Job, JobState, shared_limits
+from rota.ready import Claim
+from rota.ready import WorkerSlot
+from rota.store import Store
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    store = Store(tmp_path / "rota.db", server_id="a")
+    await asyncio.to_thread(store.load)
+    store.start(asyncio.get_running_loop())
+    yield store
+    await asyncio.to_thread(store.close)
+
+
+def new_job(job_id: str) -> Job:
+    return Job(id=job_id, spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
+               enqueued_at=1.0, seq=0, limits=shared_limits(25, None, 1.0, 3600.0, 3))
+
+
+def reserved_copy(job: Job, seq: int, worker: str, attempt: int) -> Job:
+    copy = new_job(job.id)
+    copy.seq, copy.state, copy.worker_id, copy.attempt = seq, JobState.ACTIVE, worker, attempt
+    copy.checksum, copy.lease_expires_at = "c", 100.0
+    return copy
+
+
+async def test_a_whole_job_is_reserved_once_and_the_stale_copy_hears_it_lost(store: Store):
+    [(row, _)] = await store.enqueue([new_job("j")])
+    first = await store.reserve([reserved_copy(new_job("j"), row["rowid"], "w1", 1)], 2.0)
+    assert first.lost == frozenset()
+    # A second server's copy, made from the same waiting row, reserves nothing.
+    second = await store.reserve([reserved_copy(new_job("j"), row["rowid"], "w2", 1)], 2.0)
+    assert second.lost == {"j"}
+    stored = await store.get_job("j")
+    assert stored is not None
+    assert (stored["worker_id"], stored["attempt"], stored["server_id"]) == ("w1", 1, "a")
+
+
+async def test_a_transition_from_a_stale_attempt_changes_nothing(store: Store):
+    [(row, _)] = await store.enqueue([new_job("j")])
+    held = reserved_copy(new_job("j"), row["rowid"], "w1", 1)
+    await store.reserve([held], 2.0)
+    stale = reserved_copy(new_job("j"), row["rowid"], "w0", 0)  # before the reservation
+    stale.state = JobState.COMPLETED
+    await store.save([Change(stale, result=b'"old"', finished_at=3.0)])
+    stored = await store.get_job("j")
+    assert stored is not None and stored["state"] == "active" and stored["result"] is None
+    held.state = JobState.COMPLETED
+    await store.save([Change(held, result=b'"new"', finished_at=3.0)])
+    stored = await store.get_job("j")
+    assert stored is not None and (stored["state"], stored["result"]) == ("completed", '"new"')
+    assert stored["server_id"] == "a"  # kept for the audit: which server's worker ran it
+
+
+async def test_a_key_claimed_twice_in_one_round_reserves_one_job(store: Store):
+    [(row, _)] = await store.enqueue([new_job("j")])
+    worker = WorkerSlot(id="w1", queues=["default"], concurrency=2, specs={"echo": "c"},
+                        capacity=2)
+    claims = [Claim(row["rowid"], "default", "echo", 0, worker, "c")] * 2
+    outcome = await store.reserve([], 2.0, claims)
+    assert [job is not None for job in outcome.read] == [True, False]
