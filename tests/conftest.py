@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ import msgspec
 import pytest
 from helpers import RawWorker as RawWorker  # re-exported: tests import it from here
 from helpers import RawWorkers, wait_until
+from pgserver import Cluster
 
 from rota.coordinator import Coordinator
 from rota.server import EmbeddedServer, listen_socket, uvicorn_config
@@ -122,6 +123,24 @@ async def live(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[
         yield server
     finally:
         await stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[Cluster]:
+    """A throwaway PostgreSQL for this test process (tests/pgserver.py): one per xdist
+    worker, started at the first test that needs it."""
+    cluster = Cluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: Cluster) -> str:
+    """The URL of a fresh, empty database of its own for this test."""
+    return pg_cluster.create_database()
 
 
 @pytest.fixture
