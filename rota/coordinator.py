@@ -68,7 +68,8 @@ class Coordinator:
         self.clock = clock
         self.store = Store(settings.db,
                            crash_before_commit=settings.crash_at == "enqueue-before-commit",
-                           durability=settings.durability, max_db_size=settings.max_db_size)
+                           durability=settings.durability, max_db_size=settings.max_db_size,
+                           database_url=settings.database_url, db_pool=settings.db_pool)
         self.engine = Engine(settings)
         self.retention = Retention.from_rules(
             {"completed": settings.retain_completed, "discarded": settings.retain_discarded,
@@ -136,7 +137,7 @@ class Coordinator:
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
                                     self.clock(), snapshot.waiting, snapshot.last_seq,
                                     snapshot.retired, snapshot.paused))
-        log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.settings.db,
+        log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.store.where,
                  self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")

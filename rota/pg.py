@@ -349,7 +349,13 @@ class Connection:
 
 
 def _params(url: str) -> dict[str, Any]:
+    """The connection settings the URL leaves to DEFAULTS. A malformed URL raises
+    ProgrammingError here, before connecting: libpq would report a port that is not a
+    number as a bad connection, which reads as a server that is down."""
     given = conninfo_to_dict(url)
+    port = str(given.get("port", ""))
+    if port and not all(p.strip().isdigit() for p in port.split(",")):
+        raise psycopg.ProgrammingError(f"invalid URL: the port {port!r} is not a number")
     return {key: value for key, value in DEFAULTS.items() if key not in given}
 
 
