@@ -14,10 +14,14 @@ in SQLite's SQL, against a sqlite3 connection. Here they run unchanged on Postgr
 
 The driver is psycopg 3: sync connections on the writer's and readers' threads (the model
 of rota/db.py, so nothing differs but the connection) and its AsyncConnection for LISTEN.
-Parameters are bound on the client (``ClientCursor``): SQLite's SQL leaves their types
-to the values (``? IS NULL`` with None, a float added to a column's MAX), which a
-server-side bind would refuse as undetermined, and a statement sent whole needs no
-prepared statements (a transaction-pooling PgBouncer in front works too).
+Parameters are bound by the server, and every statement is prepared on its first use
+(``prepare_threshold=0``): the store's statements come from a few templates, and a
+prepared one costs half the time of one sent whole (measured: 6,000 single-row enqueue
+INSERTs in 1.8 s against 3.7 s bound on the client). The price is that PostgreSQL must
+tell each parameter's type from its place, which SQLite never asks: ``translate`` gives
+a bare ``? IS NULL`` a type, and new SQL must not leave a parameter with nothing around
+it to type it. (A PgBouncer in front must be 1.21 or newer, in transaction mode, with
+``max_prepared_statements`` set.)
 
 The database server going away is an expected fault: its errors become ``StorageError``
 (``storage_unavailable``), the store is degraded (rota/db.py ``Health``), and each
@@ -98,6 +102,12 @@ def _json_append(sql: str) -> str:
     # write it back with other spacing and key order).
     return re.sub(r"(?i)json_insert\(\s*(\w+)\s*,\s*'\$\[#\]'\s*,\s*json\(\s*\?\s*\)\s*\)",
                   r"rota_json_append(\1, ?)", sql)
+
+
+def _null_test(sql: str) -> str:
+    # "? IS NULL": a parameter with nothing around it to give it a type, which PostgreSQL
+    # must know to prepare the statement. Any value's text is NULL only if it is.
+    return re.sub(r"\?(\s+IS\s+(?:NOT\s+)?NULL\b)", r"CAST(? AS TEXT)\1", sql, flags=re.I)
 
 
 def _instr(sql: str) -> str:
@@ -228,7 +238,7 @@ def _placeholders(sql: str) -> str:
 
 
 RULES: tuple[Callable[[str], str], ...] = (
-    _begin, _index_hints, _unary_plus, _json_append, _instr, _scalar_min_max,
+    _begin, _index_hints, _unary_plus, _json_append, _null_test, _instr, _scalar_min_max,
     _subquery_aliases, _truth, _or_ignore, _or_replace, _placeholders)
 
 
@@ -360,8 +370,7 @@ def _params(url: str) -> dict[str, Any]:
 
 
 def connect(url: str, *, readonly: bool = False, durability: str = "full") -> Connection:
-    raw = psycopg.connect(url, autocommit=True, cursor_factory=psycopg.ClientCursor,
-                          **_params(url))
+    raw = psycopg.connect(url, autocommit=True, prepare_threshold=0, **_params(url))
     try:
         if readonly:
             raw.execute("SET default_transaction_read_only = on")
@@ -370,6 +379,10 @@ def connect(url: str, *, readonly: bool = False, durability: str = "full") -> Co
             # nothing, one of PostgreSQL or its machine may lose the last commits (as
             # --durability process does on SQLite). The database stays consistent.
             raw.execute("SET synchronous_commit = off")
+        elif raw.execute("SHOW synchronous_commit").fetchone() == ("off",):  # type: ignore[union-attr]
+            # full: an acknowledged commit is flushed. The server's own setting stands
+            # when it promises that or more (on, remote_write, remote_apply); off does not.
+            raw.execute("SET synchronous_commit = on")
     except BaseException:
         raw.close()
         raise

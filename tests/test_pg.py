@@ -46,6 +46,12 @@ def test_a_scalar_max_or_min_is_greatest_or_least_and_the_aggregate_stays() -> N
         "SELECT %s + GREATEST(COALESCE(NULLIF(v, 0), %s), %s), max(rowid), LEAST(a, (b))"
 
 
+def test_a_bare_parameter_tested_for_null_gets_a_type() -> None:
+    assert translate("SET a = CASE WHEN ? IS NULL THEN a ELSE ? END, b = ? IS NOT NULL") == \
+        "SET a = CASE WHEN CAST(%s AS TEXT) IS NULL THEN a ELSE %s END," \
+        " b = CAST(%s AS TEXT) IS NOT NULL"
+
+
 def test_instr_is_strpos() -> None:
     assert translate("SELECT 1 WHERE instr(lower(errors), lower(?)) > 0") == \
         "SELECT 1 WHERE strpos(lower(errors), lower(%s)) > 0"
