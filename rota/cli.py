@@ -127,8 +127,62 @@ def main(ctx: click.Context) -> None:
 # Commands that run the server's code (or open its database), and the packages only they
 # need: a worker's or producer's install ('pip install rota') leaves those out.
 # (`rota tokens` needs them only on the file: over the API, with --url, it is a client.)
+class DatabaseParam(click.ParamType):
+    """--db: an SQLite file (a Path), or a PostgreSQL database's URL (postgresql:// or
+    postgres://, kept as text)."""
+
+    name = "FILE|URL"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Path | str:
+        if isinstance(value, Path):
+            return value
+        text = str(value)
+        if text.startswith(("postgresql://", "postgres://")):
+            return text
+        if text.endswith("/") or Path(text).is_dir():
+            self.fail(f"{text!r} is a directory: give a database file, or a postgresql://"
+                      " URL", param, ctx)
+        return Path(text)
+
+
+DATABASE = DatabaseParam()
+
+
+def _database_failure(db: Path | str, exc: BaseException) -> str | None:
+    """One line for a database that cannot be used (an SQLite error, a PostgreSQL server
+    that is down or refuses us, a malformed URL); None if ``exc`` is none of these."""
+    from rota.db import storage_error
+
+    where = db if isinstance(db, Path) else _redacted(db)
+    if isinstance(exc, sqlite3.Error):
+        storage = storage_error(exc)
+        return f"cannot open the database {where}: " + (
+            f"{storage.message} [{storage.code}]" if storage is not None else str(exc))
+    try:
+        import psycopg
+    except ImportError:
+        return None
+    if not isinstance(exc, psycopg.Error):
+        return None
+    from rota import pg
+
+    storage = pg.storage_error(exc)
+    if storage is not None:
+        return f"cannot open the database {where}: {storage.message} [{storage.code}]"
+    # A malformed URL, a refused login, a missing database: what PostgreSQL said, on one
+    # line (libpq's messages run over several).
+    said = " ".join(str(exc).split()) or type(exc).__name__
+    return f"cannot open the database {where}: {said}"
+
+
+def _redacted(url: str) -> str:
+    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
 SERVER_COMMANDS = frozenset({"serve", "demo"})
-SERVER_PACKAGES = frozenset({"starlette", "uvicorn", "sqlite_utils", "httptools", "prometheus_client"})
+SERVER_PACKAGES = frozenset({"starlette", "uvicorn", "sqlite_utils", "psycopg", "httptools",
+                             "prometheus_client"})
 
 
 def _need_server(command: str) -> None:
@@ -148,7 +202,11 @@ def _need_server(command: str) -> None:
               help="Address to listen on.")
 @click.option("--port", envvar="ROTA_PORT", default=8000, show_default=True, show_envvar=True, help="Port to listen on.")
 @click.option("--db", envvar="ROTA_DB", default="rota.db", show_default=True, show_envvar=True,
-              type=click.Path(dir_okay=False, path_type=Path), help="SQLite database file.")
+              type=DATABASE, help="SQLite database file, or a PostgreSQL database's URL"
+              " (postgresql://user@host:5432/rota), which several servers may share.")
+@click.option("--db-pool", envvar="ROTA_DB_POOL", default=2, show_default=True, show_envvar=True,
+              type=click.IntRange(min=1), help="Reader connections to the database (reads"
+              " for the API and the dashboard; writes have one connection of their own).")
 @click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True, show_envvar=True, type=LEVELS)
 @_LOG_FORMAT
 @click.option("--heartbeat-interval", envvar="ROTA_HEARTBEAT_INTERVAL", default=1.0, show_default=True, show_envvar=True,
@@ -236,7 +294,7 @@ def _need_server(command: str) -> None:
               type=click.Choice(["enqueue-before-commit", "enqueue-after-commit",
                                  "reserve-after-commit", "result-after-commit"]),
               help="Test switch: exit abruptly at this point (crash-safety tests).")
-def serve(db: Path, log_level: str, log_format: str, insecure: bool,
+def serve(db: Path | str, log_level: str, log_format: str, insecure: bool,
           allowed_origins: tuple[str, ...], **options: Any) -> None:
     """Run the Rota server: /work for workers, the HTTP API for everyone else, and the
     dashboard at /ui.
@@ -244,27 +302,29 @@ def serve(db: Path, log_level: str, log_format: str, insecure: bool,
     With no token created ('rota tokens create') it runs open, and then only on a loopback
     address unless --insecure is given. The limits are in docs/operations.md.
     """
-    from rota.db import NewerDatabase, storage_error
+    from rota.db import NewerDatabase
     from rota.server import serve as run_server
     from rota.settings import ServerSettings, loopback
     from rota.store import list_tokens
 
     logs.configure(log_level, log_format)
-    _hold_database(db)  # first: a second server must not even migrate the file
+    if isinstance(db, Path):  # (several servers share a PostgreSQL database: no lock)
+        _hold_database(db)  # first: a second server must not even migrate the file
     sock = _listen(options["host"], options["port"])  # then: a busy port touches no file
-    try:  # opens the file and applies any migration: the first write of a start
+    try:  # opens the database and applies any migration: the first write of a start
         tokens = list_tokens(db)
     except NewerDatabase as exc:
         _fail(exc.message)
-    except sqlite3.Error as exc:
-        storage = storage_error(exc)
-        _fail(f"cannot open the database {db}: "
-              + (f"{storage.message} [{storage.code}]" if storage is not None else str(exc)))
+    except Exception as exc:
+        if (failure := _database_failure(db, exc)) is None:
+            raise
+        _fail(failure)
     if not tokens and not loopback(options["host"]) and not insecure:
         _fail(f"refusing to serve on {options['host']} with no tokens: anyone who reaches it could"
               " take jobs and give orders. Create one with 'rota tokens create --scope admin',"
               " or pass --insecure")
-    settings = ServerSettings(db=db, allowed_origins=allowed_origins, **options)
+    where = {"db": db} if isinstance(db, Path) else {"database_url": db}
+    settings = ServerSettings(**where, allowed_origins=allowed_origins, **options)
     # The writer thread hands a commit back to a busy event loop only when the loop lets go
     # of the GIL; by default that can take 5 ms. 0.5 ms: 5-7% more jobs/s in a drain of
     # 10,000 no-op jobs (docs/performance.md), and a shorter worst case on the idle path.
@@ -609,8 +669,9 @@ for _name, _state, _help in (
 
 
 DB_OPTION = click.option("--db", envvar="ROTA_DB", default="rota.db", show_default=True,
-                         show_envvar=True, type=click.Path(dir_okay=False, path_type=Path),
-                         help="The server's SQLite file (tokens are kept there).")
+                         show_envvar=True, type=DATABASE,
+                         help="The server's SQLite file or PostgreSQL URL (tokens are kept"
+                         " there).")
 
 
 def TOKENS_TARGET(command: Callable[..., Any]) -> Callable[..., Any]:  # noqa: N802
@@ -636,11 +697,13 @@ def _over_api(url: str | None) -> bool:
     return True
 
 
-def _token_file(db: Path, *, create: bool = False, offer_create: bool = False) -> Path:
+def _token_file(db: Path | str, *, create: bool = False, offer_create: bool = False
+                ) -> Path | str:
     """The database file, which must exist unless ``create``: a mistyped --db, or a run
-    in another directory, would otherwise make a new database the server never reads."""
+    in another directory, would otherwise make a new database the server never reads.
+    (A PostgreSQL URL names a database that exists, or connecting says it does not.)"""
     _need_server("tokens")
-    if not create and not db.exists():
+    if isinstance(db, Path) and not create and not db.exists():
         _fail(f"no database at {db.resolve()}: pass the server's file with --db, or use the"
               " server's API with --url and an admin --token"
               + ("; --create makes a new one, for the first token before any server ran"
@@ -648,8 +711,8 @@ def _token_file(db: Path, *, create: bool = False, offer_create: bool = False) -
     return db
 
 
-def _on_file(action: Callable[..., Any], db: Path, *args: Any, **kwargs: Any) -> Any:
-    """Run a token ``action`` on the file; its refusals in one line."""
+def _on_file(action: Callable[..., Any], db: Path | str, *args: Any, **kwargs: Any) -> Any:
+    """Run a token ``action`` on the database; its refusals in one line."""
     from rota.db import NewerDatabase
     from rota.errors import Conflict
 
@@ -657,8 +720,10 @@ def _on_file(action: Callable[..., Any], db: Path, *args: Any, **kwargs: Any) ->
         return action(db, *args, **kwargs)
     except (Conflict, NewerDatabase) as exc:
         _fail(exc.message)
-    except sqlite3.Error as exc:
-        _fail(f"cannot use the database {db}: {exc}")
+    except Exception as exc:
+        if (failure := _database_failure(db, exc)) is None:
+            raise
+        _fail(failure)
 
 
 @main.group()
@@ -679,7 +744,7 @@ def tokens() -> None:
               " server ran; 'rota serve' creates it too).")
 @TOKENS_TARGET
 def tokens_create(scope: str, queues: str | None, name: str | None, create_db: bool,
-                  db: Path, url: str | None) -> None:
+                  db: Path | str, url: str | None) -> None:
     """Create a token and print it. It is shown only this once: the store keeps a hash."""
     from rota.specs import NAME_PATTERN
 
@@ -707,7 +772,7 @@ def tokens_create(scope: str, queues: str | None, name: str | None, create_db: b
 
 @tokens.command("list")
 @TOKENS_TARGET
-def tokens_list(db: Path, url: str | None) -> None:
+def tokens_list(db: Path | str, url: str | None) -> None:
     """The live tokens: id, name, scope, queues, when created (never the secret)."""
     if _over_api(url):
         assert url is not None
@@ -728,7 +793,7 @@ def tokens_list(db: Path, url: str | None) -> None:
 @tokens.command("revoke")
 @click.argument("which", metavar="TOKEN")  # not "token": --token is the caller's own
 @TOKENS_TARGET
-def tokens_revoke(which: str, db: Path, url: str | None) -> None:
+def tokens_revoke(which: str, db: Path | str, url: str | None) -> None:
     """Revoke TOKEN (its id or name): its calls are refused and its workers disconnected."""
     if _over_api(url):
         assert url is not None

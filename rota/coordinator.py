@@ -69,7 +69,8 @@ class Coordinator:
         self.clock = clock
         self.store = Store(settings.db,
                            crash_before_commit=settings.crash_at == "enqueue-before-commit",
-                           durability=settings.durability, max_db_size=settings.max_db_size)
+                           durability=settings.durability, max_db_size=settings.max_db_size,
+                           database_url=settings.database_url, db_pool=settings.db_pool)
         # Its name among the servers sharing a database (docs/scaling.md): reservations
         # carry it, so that the others know whose workers hold what.
         self.server_id = settings.server_id or f"{socket.gethostname()}:{settings.port}"
@@ -145,7 +146,7 @@ class Coordinator:
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
                                     self.clock(), snapshot.waiting, snapshot.last_seq,
                                     snapshot.retired, snapshot.paused))
-        log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.settings.db,
+        log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.store.where,
                  self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")

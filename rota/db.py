@@ -183,9 +183,9 @@ def m011_operator(db: sqlite_utils.Database) -> None:
 
 @migrations()
 def m012_servers(db: sqlite_utils.Database) -> None:
-    # Several servers on one database (docs/scaling.md): which server's worker holds a
-    # reservation, and each server's lease, which the others watch to recover the
-    # reservations of one that died.
+    # Several Rota servers on one PostgreSQL (docs/scaling.md): the server whose worker
+    # holds a job's reservation, and each server's lease. SQLite has one server, but the
+    # schema is one description (rota/schema.py) for both stores.
     db["jobs"].add_column("server_id", str)
     db["servers"].create({"id": str, "host": str, "pid": int, "url": str, "started_at": float,
                           "lease_expires_at": float, "stopped_at": float}, pk="id")
@@ -381,9 +381,11 @@ def _version() -> str:
 
 
 class NewerDatabase(RotaError):
-    """The file was migrated by a newer Rota: this one refuses to open it."""
+    """The database (a file, or a PostgreSQL URL) was migrated by a newer Rota: this one
+    refuses to open it."""
 
-    def __init__(self, path: Path, unknown: list[str], version: str, by: str | None) -> None:
+    def __init__(self, path: Path | str, unknown: list[str], version: str, by: str | None
+                 ) -> None:
         writer = f"Rota {by}" if by else "a newer Rota"
         super().__init__("newer_database", f"{path} was written by {writer}, and this is"
                          f" Rota {version}: its schema has {', '.join(unknown)}, which this"
@@ -436,15 +438,16 @@ def _holder(fd: int) -> int | None:
 class Writer:
     """The only thread that writes; it commits whatever has queued up together."""
 
-    def __init__(self, path: Path, durability: str = "full", health: Health | None = None,
+    def __init__(self, path: Any, durability: str = "full", health: Health | None = None,
                  max_bytes: int | None = None) -> None:
-        self._path = path
+        self._path = path  # a file here; a URL for rota/pg.py's
         self._durability = durability
         self.health = health or Health()
         self.max_bytes = max_bytes  # --max-db-size: SQLite refuses to grow the file past it
         self.used_bytes = 0  # after the last commit, when there is a quota to compare with
         self._queue: queue.SimpleQueue[tuple[Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="rota-writer", daemon=True)
+        self._conn: Any = None  # the writer thread's own
         self._loop: asyncio.AbstractEventLoop | None = None
         # Callbacks run the moment their write's transaction settles (see ``on_settle``).
         # Only the loop's thread touches this.
@@ -473,7 +476,9 @@ class Writer:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
-    def _run(self) -> None:
+    # -- what a backend provides (rota/pg.py's Writer: PostgreSQL) ----------------
+    def _open(self) -> Any:
+        """A new connection of the writer's, ready for work."""
         conn = connect(self._path, durability=self._durability)
         try:
             # Checkpoints belong to the Checkpointer thread: run inline they would fsync the
@@ -485,6 +490,40 @@ class Writer:
                 page_size = conn.execute("PRAGMA page_size").fetchone()[0]
                 conn.execute(f"PRAGMA max_page_count = {max(1, self.max_bytes // page_size)}")
                 self.used_bytes = used_bytes(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _usable(self, conn: Any) -> bool:
+        """Whether ``conn`` can still be used (an SQLite file's always can)."""
+        return True
+
+    def _classify(self, exc: BaseException) -> StorageError | None:
+        return storage_error(exc)
+
+    def _measure(self, conn: Any) -> int:
+        return used_bytes(conn)
+
+    def _connection(self) -> Any:
+        """The writer's connection, opened again if the last one broke (a database
+        server that went away); what fails to open raises."""
+        if self._conn is not None and not self._usable(self._conn):
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+        if self._conn is None:
+            self._conn = self._open()
+        return self._conn
+
+    def _run(self) -> None:
+        try:
+            try:
+                self._connection()
+            except Exception as exc:  # the storage's fault: degraded, opened again later
+                if (failure := self._classify(exc)) is None:
+                    raise
+                self.health.failed(failure)
             while True:
                 try:
                     first = self._queue.get(timeout=PROBE_EVERY)
@@ -492,17 +531,18 @@ class Writer:
                     # Idle. If a failure (here, or a reader's or the checkpointer's) left
                     # the store degraded, only a write tells whether writes work again.
                     if self.health.degraded is not None:
-                        self._probe(conn)
+                        self._probe()
                     continue
                 if first is None:
                     return
                 batch = [first]
                 stopping = self._drain_into(batch)
-                self._commit(conn, batch)
+                self._commit(batch)
                 if stopping:
                     return
         finally:
-            conn.close()
+            if self._conn is not None:
+                self._conn.close()
 
     def _drain_into(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> bool:
         while len(batch) < MAX_BATCH:
@@ -515,24 +555,27 @@ class Writer:
             batch.append(item)
         return False
 
-    def _commit(self, conn: sqlite3.Connection, batch: list[tuple[Op, asyncio.Future[Any]]]) -> None:
+    def _commit(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> None:
         outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        conn = None
         try:
+            conn = self._connection()
             _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
             conn.execute("BEGIN IMMEDIATE")
             for op, future in batch:
-                outcomes.append((future, *_run_in_savepoint(conn, op)))
+                outcomes.append((future, *_run_in_savepoint(conn, op, self._classify)))
             conn.execute("COMMIT")
         except BaseException as exc:  # the whole transaction is gone: every caller hears it
-            _rollback(conn)
+            if conn is not None:
+                _rollback(conn)
             error: BaseException = exc
-            if (failure := storage_error(exc)) is not None:
+            if (failure := self._classify(exc)) is not None:
                 error = self.health.failed(failure)
             outcomes = [(future, None, error) for _, future in batch]
         else:
             self.health.succeeded()
             if self.max_bytes is not None:
-                self.used_bytes = used_bytes(conn)
+                self.used_bytes = self._measure(conn)
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._settle, outcomes)
 
@@ -551,16 +594,19 @@ class Writer:
                 except Exception:  # one hook's bug must not keep the others' news back
                     log.exception("a commit callback failed")
 
-    def _probe(self, conn: sqlite3.Connection) -> None:
+    def _probe(self) -> None:
+        conn = None
         try:
+            conn = self._connection()
             _rollback(conn)
             conn.execute("BEGIN IMMEDIATE")
             conn.execute("INSERT OR REPLACE INTO storage_probe (id, at) VALUES (1, ?)",
                          (time.time(),))
             conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            _rollback(conn)
-            if (failure := storage_error(exc)) is None:  # not the disk: say so, go on
+        except Exception as exc:
+            if conn is not None:
+                _rollback(conn)
+            if (failure := self._classify(exc)) is None:  # not the disk: say so, go on
                 log.warning("storage probe failed: %s", exc)
             else:
                 self.health.failed(failure)
@@ -608,12 +654,14 @@ class Checkpointer:
             self._health.failed(failure)
 
 
-def _run_in_savepoint(conn: sqlite3.Connection, op: Op) -> tuple[Any, BaseException | None]:
+def _run_in_savepoint(conn: sqlite3.Connection, op: Op,
+                      classify: Callable[[BaseException], StorageError | None]
+                      ) -> tuple[Any, BaseException | None]:
     conn.execute("SAVEPOINT op")
     try:
         value = op(conn)
     except Exception as exc:
-        if storage_error(exc) is not None or not conn.in_transaction:
+        if classify(exc) is not None or not conn.in_transaction:
             # The storage failed, not this op: SQLite may have rolled the whole
             # transaction back already (it does on a full disk or an I/O error), and
             # the ops after it would hit the same wall. They all fail alike.
@@ -631,15 +679,15 @@ def _rollback(conn: sqlite3.Connection) -> None:
     if conn.in_transaction:
         try:
             conn.execute("ROLLBACK")
-        except sqlite3.Error as exc:
+        except Exception as exc:  # (SQLite's, or PostgreSQL's lost connection)
             log.debug("rollback failed: %s", exc)
 
 
 class Readers:
     """A small pool of read-only connections; WAL lets them read while the writer commits."""
 
-    def __init__(self, path: Path, size: int = 2, health: Health | None = None) -> None:
-        self._path = path
+    def __init__(self, path: Any, size: int = 2, health: Health | None = None) -> None:
+        self._path = path  # a file here; a URL for rota/pg.py's
         self._health = health or Health()
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix="rota-reader")
@@ -650,17 +698,33 @@ class Readers:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._call, fn)
 
+    # -- what a backend provides (rota/pg.py's Readers: PostgreSQL) ----------------
+    def _open(self) -> Any:
+        return connect(self._path, readonly=True)
+
+    def _usable(self, conn: Any) -> bool:
+        return True
+
+    def _classify(self, exc: BaseException) -> StorageError | None:
+        return storage_error(exc)
+
     def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         try:
             conn = getattr(self._local, "conn", None)
+            if conn is not None and not self._usable(conn):  # its server went away
+                with self._lock:
+                    self._conns.remove(conn)
+                with contextlib.suppress(Exception):
+                    conn.close()
+                conn = None
             if conn is None:
-                conn = connect(self._path, readonly=True)
+                conn = self._open()
                 self._local.conn = conn
                 with self._lock:
                     self._conns.append(conn)
             return fn(conn)
-        except sqlite3.Error as exc:
-            if (failure := storage_error(exc)) is None:
+        except Exception as exc:
+            if (failure := self._classify(exc)) is None:
                 raise
             raise self._health.failed(failure) from exc
 

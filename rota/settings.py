@@ -10,6 +10,10 @@ from pathlib import Path
 @dataclass(frozen=True, kw_only=True)
 class ServerSettings:
     db: Path = Path("rota.db")
+    # PostgreSQL instead of the file (rota serve --db postgresql://...; rota/pg.py), and
+    # the store's reader connections (either backend).
+    database_url: str | None = None
+    db_pool: int = 2
     host: str = "127.0.0.1"
     port: int = 8000
     # How often workers should beat, and how long silence may last before a worker is

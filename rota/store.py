@@ -1,6 +1,7 @@
-"""Rota's durable state: jobs, spec versions, the status quo and workers, in one SQLite file.
+"""Rota's durable state: jobs, spec versions, the status quo and workers, in one SQLite file
+or a PostgreSQL database (``database_url``; rota/pg.py runs the same operations there).
 
-Every write goes through the single writer thread (``db.Writer``): a write method
+Every write goes through the single writer thread (``db.Writer``, ``pg.Writer``): a write method
 queues its work at once, in call order, and returns a future that resolves after its
 COMMIT. Reads run on a reader pool. The in-memory scheduler is rebuilt from
 ``load()`` at start (rota/rows.py).
@@ -22,8 +23,7 @@ from typing import Any
 
 import msgspec
 
-from rota import db
-from rota import fleet, lookup
+from rota import db, fleet, lookup, pg
 from rota.errors import Conflict, StorageError
 from rota.listing import JobFilter, decode_cursor
 from rota.effects import Reserved
@@ -54,27 +54,51 @@ class Store:
     durability: str = "full"  # db.SYNCHRONOUS: what a commit survives
     max_db_size: int | None = None  # bytes (--max-db-size); None: as much as the disk holds
     health: db.Health = field(default_factory=db.Health)  # degraded while the disk fails
+    # PostgreSQL (rota/pg.py) instead of the file at ``path``: the database's URL, and how
+    # many reader connections (SQLite's reader pool is that size too).
+    database_url: str | None = None
+    db_pool: int = 2
     # The server this store writes for: its reservations carry the id. ``shared``: one of
     # several servers on this database (PostgreSQL), which hear of each other's work by
     # the notices its writes send (rota/fleet.py).
     server_id: str | None = None
-    shared: bool = False
     lease: float = 10.0  # seconds a shared store's server holds its lease (rota/fleet.py)
     writer: db.Writer = field(init=False)
     readers: db.Readers = field(init=False)
-    checkpointer: db.Checkpointer = field(init=False)
+    checkpointer: db.Checkpointer | None = field(init=False)  # SQLite's WAL only
 
     def __post_init__(self) -> None:
+        if self.database_url is not None:
+            self.writer = pg.Writer(self.database_url, self.durability, self.health,
+                                    self.max_db_size)
+            self.readers = pg.Readers(self.database_url, self.db_pool, health=self.health)
+            self.checkpointer = None
+            return
         self.writer = db.Writer(self.path, self.durability, self.health, self.max_db_size)
-        self.readers = db.Readers(self.path, health=self.health)
+        self.readers = db.Readers(self.path, self.db_pool, health=self.health)
         self.checkpointer = db.Checkpointer(self.path, health=self.health)
+
+    @property
+    def backend(self) -> str:
+        return "sqlite" if self.database_url is None else "postgres"
+
+    @property
+    def shared(self) -> bool:
+        """One of several servers that may share this database: PostgreSQL. (A SQLite
+        file has one server, which its lock ensures.)"""
+        return self.database_url is not None
+
+    @property
+    def where(self) -> str:
+        """The database, as logs say it (a URL without its password)."""
+        return str(self.path) if self.database_url is None else pg.redact(self.database_url)
 
     # -- lifecycle (startup runs in a thread, before the server takes traffic) ----
     def load(self) -> Snapshot:
-        db.migrate(self.path)
-        conn = db.connect(self.path)
+        conn = _open(self.path if self.database_url is None else self.database_url)
         try:
-            self.writer.used_bytes = db.used_bytes(conn)
+            self.writer.used_bytes = (db.used_bytes(conn) if self.database_url is None
+                                      else pg.used_bytes(conn))
             if self.shared:
                 self._register(conn)
             return load(conn, self.server_id if self.shared else None)
@@ -85,18 +109,21 @@ class Store:
         """Hold this server's lease before reading the snapshot: a server recovering
         this one's reservations now either commits first (and the snapshot holds none
         of them) or finds the lease renewed and recovers nothing."""
-        with conn:
-            fleet.renew(conn, self.server_id or "", host=socket.gethostname(), pid=os.getpid(),
-                        url="", now=time.time(), lease=self.lease, starting=True)
+        conn.execute("BEGIN IMMEDIATE")
+        fleet.renew(conn, self.server_id or "", host=socket.gethostname(), pid=os.getpid(),
+                    url="", now=time.time(), lease=self.lease, starting=True)
+        conn.execute("COMMIT")
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.writer.start(loop)
-        self.checkpointer.start()
+        if self.checkpointer is not None:
+            self.checkpointer.start()
 
     def close(self) -> None:
         self.writer.stop()
         self.readers.close()
-        self.checkpointer.stop()
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
 
     # -- writes --------------------------------------------------------------------
     def enqueue(self, jobs: list[Job], *, live: int = 0
@@ -603,12 +630,23 @@ def _revoke_tokens(conn: sqlite3.Connection, id_or_name: str) -> list[dict[str, 
             for r in rows]
 
 
-# -- tokens, from the CLI: straight to the file, so the first token needs no server ------
-def create_token(path: Path, *, name: str, scope: str, queues: list[str] | None,
+def _open(target: Path | str) -> Any:
+    """A connection to the database, migrated first: the SQLite file at ``target``, or
+    the PostgreSQL database a URL names (a sqlite3-like rota/pg.py connection)."""
+    if pg.is_url(target):
+        assert isinstance(target, str)
+        pg.migrate(target)
+        return pg.connect(target)
+    db.migrate(Path(target))
+    return db.connect(Path(target))
+
+
+# -- tokens, from the CLI: straight to the database, so the first token needs no server --
+def create_token(path: Path | str, *, name: str, scope: str, queues: list[str] | None,
                  token_id: str, hashed: str) -> None:
-    """Raises Conflict (token_name_taken) if a live token has this name."""
-    db.migrate(path)
-    conn = db.connect(path)
+    """Raises Conflict (token_name_taken) if a live token has this name. ``path``: the
+    file, or a PostgreSQL URL."""
+    conn = _open(path)
     try:
         with conn:
             conn.execute("BEGIN IMMEDIATE")
@@ -618,19 +656,17 @@ def create_token(path: Path, *, name: str, scope: str, queues: list[str] | None,
         conn.close()
 
 
-def list_tokens(path: Path) -> list[dict[str, Any]]:
-    db.migrate(path)
-    conn = db.connect(path)
+def list_tokens(path: Path | str) -> list[dict[str, Any]]:
+    conn = _open(path)
     try:
         return _live_tokens(conn)
     finally:
         conn.close()
 
 
-def revoke_token(path: Path, id_or_name: str) -> int:
+def revoke_token(path: Path | str, id_or_name: str) -> int:
     """Revoke the live token with this id or name; returns how many were revoked."""
-    db.migrate(path)
-    conn = db.connect(path)
+    conn = _open(path)
     try:
         with conn:
             conn.execute("BEGIN IMMEDIATE")

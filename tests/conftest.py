@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,9 @@ import msgspec
 import pytest
 from helpers import RawWorker as RawWorker  # re-exported: tests import it from here
 from helpers import RawWorkers, wait_until
+from pgserver import Cluster
 
+from rota import db, pg
 from rota.coordinator import Coordinator
 from rota.server import EmbeddedServer, listen_socket, uvicorn_config
 from rota.settings import ServerSettings
@@ -24,6 +26,45 @@ from rota.specs import JobSpec, parse_spec
 from rota.worker import Worker
 
 REPO = Path(__file__).resolve().parent.parent
+BACKENDS = ("sqlite", "postgres")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "both_backends: run each test on SQLite and on"
+                            " PostgreSQL (the backend fixture; servers started by the test"
+                            " use it)")
+    config.addinivalue_line("markers", "sqlite_only(reason): in a both_backends module, a"
+                            " test that means SQLite only (a file, its locks, its disk)")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    node = metafunc.definition
+    if node.get_closest_marker("both_backends") and not node.get_closest_marker("sqlite_only"):
+        metafunc.parametrize("backend", BACKENDS, indirect=True)
+
+
+# Where start_server puts a test's store when its backend is PostgreSQL: one database per
+# tmp directory, so that a server restarted on the same tmp finds its jobs as it would
+# find its SQLite file. None: SQLite (the file in tmp).
+_server_database: Callable[[Path], str] | None = None
+
+
+def store_url(tmp: Path) -> str | None:
+    """The PostgreSQL database of the test's store in ``tmp`` (backend postgres), or None
+    for SQLite (the file tmp/rota.db): for Store(..., database_url=store_url(tmp))."""
+    return _server_database(tmp) if _server_database is not None else None
+
+
+def open_store(tmp: Path) -> Any:
+    """A migrated connection to the test's store in ``tmp``, on its backend, for the
+    store's own functions (rows.py, lookup.py) called straight: sqlite3's, or rota/pg.py's
+    sqlite3-like one. The caller closes it."""
+    url = store_url(tmp)
+    if url is not None:
+        pg.migrate(url)
+        return pg.connect(url)
+    db.migrate(tmp / "rota.db")
+    return db.connect(tmp / "rota.db")
 
 
 def write_spec(directory: Path, name: str, *, version: str = "1", queue: str = "default",
@@ -97,6 +138,8 @@ async def start_server(tmp: Path, **overrides: Any) -> Live:
     port = sock.getsockname()[1]
     options: dict[str, Any] = {"db": tmp / "rota.db", "port": port,
                                "heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
+    if _server_database is not None:
+        options["database_url"] = _server_database(tmp)
     options.update(overrides)
     settings = ServerSettings(**options)
     server = EmbeddedServer(uvicorn_config(settings, log_level="info"))
@@ -122,6 +165,53 @@ async def live(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[
         yield server
     finally:
         await stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[Cluster]:
+    """A throwaway PostgreSQL for this test process (tests/pgserver.py): one per xdist
+    worker, started at the first test that needs it."""
+    cluster = Cluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: Cluster) -> str:
+    """The URL of a fresh, empty database of its own for this test."""
+    return pg_cluster.create_database()
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    """The store the test's servers run on: "sqlite" unless the module is marked
+    both_backends (then each test runs once with each)."""
+    return str(getattr(request, "param", "sqlite"))
+
+
+@pytest.fixture(autouse=True)
+def _servers_backend(backend: str, request: pytest.FixtureRequest) -> Iterator[None]:
+    """Servers the test starts run on its backend (start_server, the live fixture)."""
+    global _server_database
+    if backend != "postgres":
+        yield
+        return
+    cluster: Cluster = request.getfixturevalue("pg_cluster")
+    databases: dict[Path, str] = {}
+
+    def database(tmp: Path) -> str:
+        if tmp not in databases:
+            databases[tmp] = cluster.create_database()
+        return databases[tmp]
+
+    _server_database = database
+    try:
+        yield
+    finally:
+        _server_database = None
 
 
 @pytest.fixture

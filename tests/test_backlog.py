@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sqlite3
 from pathlib import Path
 
-from conftest import Live, RawWorker, start_server, stop_server, write_spec
+import pytest
+from conftest import Live, RawWorker, open_store, start_server, stop_server, write_spec
 from helpers import completed, wait_until
+
+pytestmark = pytest.mark.both_backends
 
 
 async def test_a_restart_keeps_every_job_in_priority_order(tmp_path: Path):
@@ -142,12 +144,10 @@ async def test_a_cancel_racing_the_reservation_of_its_key_reaches_the_worker(
 
 
 def test_the_store_reserves_a_claimed_row_only_while_it_is_available(tmp_path: Path):
-    """The store's side, straight on the file: a withdrawn row cannot be claimed."""
-    from rota import db
+    """The store's side, straight on the database: a withdrawn row cannot be claimed."""
     from rota.rows import claim_rows
 
-    db.migrate(tmp_path / "rota.db")
-    with contextlib.closing(sqlite3.connect(tmp_path / "rota.db")) as conn, conn:
+    with contextlib.closing(open_store(tmp_path)) as conn:
         conn.execute("INSERT INTO jobs (id, spec, queue, args, priority, state, attempt,"
                      " enqueued_at) VALUES ('j', 'echo', 'default', '{}', 0, 'cancelled', 0, 0)")
         seq = conn.execute("SELECT rowid FROM jobs WHERE id = 'j'").fetchone()[0]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import free_port
+from pgserver import Cluster
 from test_cli import rota
 from test_security import make_token
 
@@ -145,3 +146,33 @@ async def test_a_failed_jobs_traceback_is_printed_as_lines(live: Live, connect, 
     assert code == 0 and json.loads(out)["errors"][0]["details"]["traceback"] == "(on stderr)"
     assert '  File "app.py", line 3, in send\nValueError: boom' in err  # lines, not \\n
     assert "attempt 1" in err and "ValueError: boom" in err.splitlines()[0]
+
+
+async def test_serve_and_tokens_on_a_postgresql_url_fail_in_one_line(pg_cluster: Cluster,
+                                                                    tmp_path: Path):
+    down = f"postgresql://rota:secret@127.0.0.1:{free_port()}/rota"
+    for command in (["serve", "--port", "0"], ["tokens", "list"]):
+        code, _, err = await rota(*command, "--db", down)
+        line = one_line(code, err, f"{command[0]}: nothing listens")
+        assert "the PostgreSQL server cannot be reached" in line and "storage_unavailable" in line
+        assert "secret" not in line and "rota:***@127.0.0.1" in line
+    code, _, err = await rota("serve", "--port", "0", "--db",
+                              pg_cluster.url("nonexistent_database"))
+    assert 'database "nonexistent_database" does not exist' in one_line(code, err, "no db")
+    code, _, err = await rota("tokens", "list", "--db", "postgresql://127.0.0.1:notaport/x")
+    assert "invalid URL: the port 'notaport' is not a number" in one_line(code, err, "a bad URL")
+
+
+async def test_tokens_on_a_postgresql_database(pg_url: str):
+    code, secret, err = await rota("tokens", "create", "--scope", "admin", "--name", "ops",
+                                   "--db", pg_url)
+    assert code == 0, err
+    code, _, err = await rota("tokens", "create", "--scope", "admin", "--name", "ops",
+                              "--db", pg_url)
+    assert "already named 'ops'" in one_line(code, err, "a name taken")
+    code, out, err = await rota("tokens", "list", "--db", pg_url)
+    assert code == 0 and "name=ops" in out and secret.strip() not in out, err
+    code, out, err = await rota("tokens", "revoke", "ops", "--db", pg_url)
+    assert code == 0 and "revoked ops" in out, err
+    code, out, _ = await rota("tokens", "list", "--db", pg_url)
+    assert "no tokens" in out

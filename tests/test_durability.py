@@ -4,21 +4,30 @@ trades the machine's crash for speed. Both keep a commit atomic."""
 from __future__ import annotations
 
 import contextlib
-import sqlite3
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from rota import db
+from conftest import open_store, store_url
+
+from rota import db, pg
 from rota.cli import main
 from rota.coordinator import Coordinator
 from rota.settings import ServerSettings
 
+pytestmark = pytest.mark.both_backends
 
-@pytest.mark.parametrize(("durability", "synchronous"), [("full", 2), ("process", 1)])
+
+@pytest.mark.parametrize(("durability", "synchronous", "commit"),
+                         [("full", 2, "on"), ("process", 1, "off")])
 def test_the_writer_connection_syncs_as_asked(tmp_path: Path, durability: str,
-                                              synchronous: int) -> None:
+                                              synchronous: int, commit: str) -> None:
+    url = store_url(tmp_path)
+    if url is not None:  # PostgreSQL: a commit is acknowledged before its flush, or after
+        with contextlib.closing(pg.connect(url, durability=durability)) as conn:
+            assert conn.execute("SHOW synchronous_commit").fetchone()[0] == commit
+        return
     conn = db.connect(tmp_path / "r.db", durability=durability)
     try:
         assert conn.execute("PRAGMA synchronous").fetchone()[0] == synchronous
@@ -27,6 +36,7 @@ def test_the_writer_connection_syncs_as_asked(tmp_path: Path, durability: str,
         conn.close()
 
 
+@pytest.mark.sqlite_only("settings only: no store is opened")
 def test_the_default_is_full_and_the_setting_reaches_the_store(tmp_path: Path) -> None:
     assert ServerSettings().durability == "full"
     coordinator = Coordinator(ServerSettings(db=tmp_path / "r.db", durability="process"))
@@ -34,7 +44,8 @@ def test_the_default_is_full_and_the_setting_reaches_the_store(tmp_path: Path) -
 
 
 async def test_a_process_durable_server_stores_and_serves(tmp_path: Path) -> None:
-    coordinator = Coordinator(ServerSettings(db=tmp_path / "r.db", durability="process"))
+    coordinator = Coordinator(ServerSettings(db=tmp_path / "rota.db", durability="process",
+                                             database_url=store_url(tmp_path)))
     await coordinator.start()
     try:
         # the writer runs; a commit lands in the file
@@ -43,10 +54,11 @@ async def test_a_process_durable_server_stores_and_serves(tmp_path: Path) -> Non
             " VALUES ('t', 'n', 'admin', '[]', 'h', 0)"))
     finally:
         await coordinator.stop()
-    with contextlib.closing(sqlite3.connect(tmp_path / "r.db")) as check:
+    with contextlib.closing(open_store(tmp_path)) as check:
         assert check.execute("SELECT count(*) FROM tokens").fetchone()[0] == 1
 
 
+@pytest.mark.sqlite_only("the command line's check only: no store is opened")
 def test_an_unknown_durability_is_refused_by_name(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["serve", "--db", str(tmp_path / "r.db"),
                                        "--durability", "none"])

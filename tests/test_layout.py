@@ -17,12 +17,13 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Lowest first. Within a layer no module imports another.
 LAYERS: list[set[str]] = [
-    {"errors", "ids", "inputs", "logs", "settings", "display", "charts"},  # leaves: no
-    # rota imports (the last two: the dashboard's figures and its chart, as text)
+    {"errors", "ids", "inputs", "logs", "settings", "display", "charts", "schema"},  # leaves:
+    # no rota imports (the dashboard's figures and its chart, as text; the store's tables)
     {"protocol", "model", "db"},  # the wire format; the job and its lifecycle; SQLite
-    {"specs", "policy", "auth", "ready", "retention", "observe", "listing"},  # spec files
+    {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "pg"},  # spec files
     # and checksums; retry rules; tokens; the ready index; how long finished jobs are kept;
-    # what happened (events, counts, metrics as numbers); job filters
+    # what happened (events, counts, metrics as numbers); job filters; PostgreSQL (db's
+    # writer and readers on psycopg, SQLite's SQL translated: just above db, which it extends)
     {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
@@ -57,7 +58,7 @@ RANK = {module: rank for rank, layer in enumerate(LAYERS) for module in layer}
 SHARED = {"errors", "ids", "inputs", "protocol", "specs"}
 SDK = {"context", "manual", "worker", "client", "link", "execution", "connection", "producer",
        "stream", "__init__"}
-SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx"}
+SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx", "psycopg"}
 # The pure core: no I/O, no event loop, no clock.
 PURE = {"inputs", "model", "policy", "ready", "retention", "observe", "listing", "display", "charts", "scheduler", "effects", "registry", "attempts", "intake",
         "reservations", "engine",

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import base64
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Live, start_server, stop_server, wait_until, write_spec
+from conftest import Live, open_store, start_server, stop_server, wait_until, write_spec
 from helpers import RawWorkers
 
 from rota import JobContext, Worker, lookup
-from rota.db import connect, migrate
 from rota.errors import RequestError
 from rota.listing import JobFilter, decode_cursor, encode_cursor, filter_params, parse_filter
+
+pytestmark = pytest.mark.both_backends
 
 
 async def _fail(live: Live, worker: Any, message: str) -> dict[str, Any]:
@@ -185,11 +185,10 @@ async def test_a_quiet_worker_is_resumed_over_http(live: Live, sdk_worker, tmp_p
     await live.wait_state(job["id"], "completed")
 
 
-def _store_with(tmp_path: Path, errors: list[str]) -> sqlite3.Connection:
-    """A migrated store holding one discarded job per error message, oldest first."""
-    path = tmp_path / "rota.db"
-    migrate(path)
-    conn = connect(path)
+def _store_with(tmp_path: Path, errors: list[str]) -> Any:
+    """A migrated store (the test's backend) holding one discarded job per error message,
+    oldest first."""
+    conn = open_store(tmp_path)
     conn.executemany(
         "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt, enqueued_at,"
         " errors) VALUES (?, 'echo', 'default', '{}', 0, 'discarded', 1, 0, ?)",

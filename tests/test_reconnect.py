@@ -19,8 +19,10 @@ import websockets
 from conftest import Live, Proxy, start_server, stop_server, write_spec
 from helpers import RawWorker, registration, wait_until
 
-from rota import JobContext, Worker
+from rota import JobContext, Worker, pg
 from rota.specs import JobSpec
+
+pytestmark = pytest.mark.both_backends
 
 STARTED = "2026-11-23T09:00:00.000Z"
 
@@ -287,15 +289,21 @@ async def test_cut_then_server_restart_loses_no_result(tmp_path: Path):
 
 
 async def test_a_slow_commit_is_not_taken_for_a_dead_server(live: Live, tmp_path: Path):
-    """An ack waits behind its results' commit. Another process holding SQLite's write
-    lock makes that commit slow for real: the worker must ask (ping), not reconnect."""
+    """An ack waits behind its results' commit. Another process holding the store's write
+    lock (SQLite's; on PostgreSQL a lock on the jobs table that lets reads through) makes
+    that commit slow for real: the worker must ask (ping), not reconnect."""
     await live.push(write_spec(tmp_path, "work"))
     async with behind_proxy(live.settings.port, tmp_path, concurrency=1,
                             seconds=0.3) as (tally, worker, proxy):
         job = await live.enqueue("work")
         await wait_until(lambda: tally.now == 1, what="the job to start")
-        blocker = sqlite3.connect(live.settings.db, isolation_level=None)
-        blocker.execute("BEGIN IMMEDIATE")  # the server's writer now waits on this lock
+        if live.settings.database_url is None:
+            blocker: Any = sqlite3.connect(live.settings.db, isolation_level=None)
+            blocker.execute("BEGIN IMMEDIATE")  # the server's writer now waits on this lock
+        else:
+            blocker = pg.connect(live.settings.database_url)
+            blocker.execute("BEGIN")
+            blocker.execute("LOCK TABLE jobs IN SHARE MODE")  # writes wait, reads do not
         try:
             await wait_until(lambda: tally.finished == 1, what="the job to finish")
             await asyncio.sleep(1.5)  # noqa: sleep-ok (the slow commit: 3x the ack patience)

@@ -23,7 +23,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # What a producer or a worker imports: `import rota` and the rest of the SDK; the CLI's
 # module-level imports (`rota worker` runs there; server commands import lazily).
 SLIM_ROOTS = {"__init__", "client", "producer", "worker"}
-SERVER_PACKAGES = {"starlette", "uvicorn", "sqlite_utils", "httptools", "jinja2",
+SERVER_PACKAGES = {"starlette", "uvicorn", "sqlite_utils", "psycopg", "httptools", "jinja2",
                    "prometheus_client"}
 
 

@@ -256,7 +256,9 @@ async def test_a_full_quota_refuses_new_jobs_and_the_accepted_ones_still_finish(
         error = response.json()["error"]
         assert error["code"] == "storage_full" and "--max-db-size" in error["message"]
         assert int(response.headers["Retry-After"]) >= 1
-        assert len(acked) >= 100  # the quota was spent on jobs, not refused at once
+        # The quota was spent on jobs, not refused at once: four batches of 20 fit (five
+        # before m012's servers table took a page of the 256 KiB).
+        assert len(acked) >= 80
 
         async def single_refused() -> httpx.Response | None:  # a lone job may still fit
             response = await enqueue({"spec": "echo", "args": {}}, "/jobs")

@@ -1,0 +1,308 @@
+"""rota/pg.py: SQLite's SQL translated rule by rule, the sqlite3-like connection on a real
+PostgreSQL, its schema and migrations, a lost server as storage_unavailable, LISTEN."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from helpers import wait_until
+from pgserver import Cluster
+
+from rota import db, pg, schema
+from rota.errors import StorageError
+from rota.pg import translate
+
+
+# -- translate(), one rule at a time --------------------------------------------------------
+def test_placeholders_become_psycopg_s_and_a_percent_is_doubled() -> None:
+    assert translate("SELECT 100 % 7 FROM t WHERE a = ? AND b = '?'") == \
+        "SELECT 100 %% 7 FROM t WHERE a = %s AND b = '?'"
+
+
+def test_begin_immediate_is_begin() -> None:
+    assert translate("BEGIN IMMEDIATE") == "BEGIN"
+
+
+def test_index_hints_are_dropped() -> None:
+    assert translate("SELECT id FROM jobs INDEXED BY idx_jobs_state WHERE state = 'x'") == \
+        "SELECT id FROM jobs WHERE state = 'x'"
+
+
+def test_a_unary_plus_before_a_column_is_dropped_and_addition_stays() -> None:
+    assert translate("UPDATE t SET a = ? + b WHERE rowid = ? AND +state = 'a'") == \
+        "UPDATE t SET a = %s + b WHERE rowid = %s AND state = 'a'"
+    assert translate("SELECT (-priority << 40) + rowid FROM jobs WHERE (+spec = ?)") == \
+        "SELECT (-priority << 40) + rowid FROM jobs WHERE (spec = %s)"
+
+
+def test_a_scalar_max_or_min_is_greatest_or_least_and_the_aggregate_stays() -> None:
+    assert translate("SELECT ? + MAX(COALESCE(NULLIF(v, 0), ?), ?), max(rowid), "
+                     "min(a, (b))") == \
+        "SELECT %s + GREATEST(COALESCE(NULLIF(v, 0), %s), %s), max(rowid), LEAST(a, (b))"
+
+
+def test_a_bare_parameter_tested_for_null_gets_a_type() -> None:
+    assert translate("SET a = CASE WHEN ? IS NULL THEN a ELSE ? END, b = ? IS NOT NULL") == \
+        "SET a = CASE WHEN CAST(%s AS TEXT) IS NULL THEN a ELSE %s END," \
+        " b = CAST(%s AS TEXT) IS NOT NULL"
+
+
+def test_instr_is_strpos() -> None:
+    assert translate("SELECT 1 WHERE instr(lower(errors), lower(?)) > 0") == \
+        "SELECT 1 WHERE strpos(lower(errors), lower(%s)) > 0"
+
+
+def test_json_insert_at_the_end_is_rota_json_append() -> None:
+    assert translate("UPDATE jobs SET errors = json_insert(errors, '$[#]', json(?))") == \
+        "UPDATE jobs SET errors = rota_json_append(errors, %s)"
+
+
+def test_a_subquery_in_from_gets_a_name_unless_it_has_one() -> None:
+    assert translate("SELECT count(*) FROM (SELECT 1 FROM jobs LIMIT ?)") == \
+        "SELECT count(*) FROM (SELECT 1 FROM jobs LIMIT %s) AS _sub1"
+    assert translate("SELECT a FROM (SELECT a FROM t) WHERE a > 1") == \
+        "SELECT a FROM (SELECT a FROM t) AS _sub1 WHERE a > 1"
+    assert translate("SELECT x.a FROM (SELECT a FROM t) x") == \
+        "SELECT x.a FROM (SELECT a FROM t) x"
+
+
+def test_a_number_as_a_condition_is_compared_with_zero() -> None:
+    assert translate("SELECT name FROM queues WHERE paused") == \
+        "SELECT name FROM queues WHERE (paused <> 0)"
+    assert translate("SELECT 1 FROM jobs WHERE 1 AND rowid < ? ORDER BY rowid") == \
+        "SELECT 1 FROM jobs WHERE (1 <> 0) AND rowid < %s ORDER BY rowid"
+    # comparisons and NULL tests are left alone
+    assert translate("SELECT 1 WHERE a = 1 AND b IS NOT NULL AND NOT (c = 2)") == \
+        "SELECT 1 WHERE a = 1 AND b IS NOT NULL AND NOT (c = 2)"
+
+
+def test_insert_or_ignore_does_nothing_on_conflict() -> None:
+    assert translate("INSERT OR IGNORE INTO t (a) VALUES (?)") == \
+        "INSERT INTO t (a) VALUES (%s) ON CONFLICT DO NOTHING"
+    assert translate("INSERT OR IGNORE INTO t (a) VALUES (?) RETURNING a") == \
+        "INSERT INTO t (a) VALUES (%s) ON CONFLICT DO NOTHING RETURNING a"
+
+
+def test_insert_or_replace_sets_every_column_as_a_new_row_would() -> None:
+    assert translate("INSERT OR REPLACE INTO queues (name, paused) VALUES (?, ?)") == (
+        "INSERT INTO queues (name, paused) VALUES (%s, %s) ON CONFLICT (name) DO UPDATE"
+        " SET paused = excluded.paused, updated_at = DEFAULT")
+
+
+def test_translations_are_cached_per_statement() -> None:
+    text = "SELECT ? AS cached_once"
+    assert translate(text) is translate(text)
+
+
+# -- the adapter on a real PostgreSQL ----------------------------------------------------
+@pytest.fixture
+def conn(pg_url: str) -> Iterator[pg.Connection]:
+    pg.migrate(pg_url)
+    connection = pg.connect(pg_url)
+    yield connection
+    connection.close()
+
+
+def test_rows_read_as_sqlite3_rows(conn: pg.Connection) -> None:
+    conn.execute("INSERT INTO queues (name, paused, updated_at) VALUES (?, ?, ?)",
+                 ("q", 1, 1.5))
+    row = conn.execute("SELECT name, paused, updated_at FROM queues").fetchone()
+    assert (row[0], row["paused"], row["updated_at"]) == ("q", 1, 1.5)
+    assert row.keys() == ["name", "paused", "updated_at"]
+    assert dict(row) == {"name": "q", "paused": 1, "updated_at": 1.5}
+    name, paused, at = row
+    assert (name, paused, at) == ("q", 1, 1.5)
+    cursor = conn.execute("SELECT name, paused FROM queues")
+    cursor.row_factory = None
+    assert cursor.fetchall() == [("q", 1)]
+    assert dict(conn.execute("SELECT name, updated_at FROM queues")) == {"q": 1.5}
+    assert conn.execute("SELECT name FROM queues WHERE paused").fetchall()[0][0] == "q"
+    assert conn.execute("UPDATE queues SET paused = 0 WHERE name = ?", ("q",)).rowcount == 1
+    assert conn.execute("SELECT 1 FROM queues WHERE name = ?", ("none",)).fetchone() is None
+
+
+def test_transactions_and_savepoints_as_the_writer_uses_them(conn: pg.Connection) -> None:
+    assert not conn.in_transaction
+    conn.execute("BEGIN IMMEDIATE")
+    assert conn.in_transaction
+    conn.execute("SAVEPOINT op")
+    conn.execute("INSERT INTO meta (key, value) VALUES ('a', '1')")
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        conn.execute("INSERT INTO meta (key, value) VALUES ('a', '2')")
+    assert conn.in_transaction  # failed, not ended: the savepoint undoes the op
+    conn.execute("ROLLBACK TO op")
+    conn.execute("RELEASE op")
+    conn.execute("INSERT INTO meta (key, value) VALUES ('b', '2')")
+    conn.execute("COMMIT")
+    assert [r[0] for r in conn.execute("SELECT key FROM meta ORDER BY key")] == \
+        ["b", "migrated_by"]
+
+
+def test_the_jobs_rowid_is_a_column_and_returning_gives_it(conn: pg.Connection) -> None:
+    insert = ("INSERT INTO jobs (id, spec, queue, args, priority, state, enqueued_at)"
+              " VALUES (?, 's', 'q', '{}', 0, 'available', ?) ON CONFLICT(id) DO NOTHING")
+    first = conn.execute(insert + " RETURNING rowid, *", ("a", 1.0)).fetchone()
+    second = conn.execute(insert + " RETURNING rowid", ("b", 2.0)).fetchone()
+    assert second[0] > first["rowid"] and first["id"] == "a" and first["errors"] == "[]"
+    assert conn.execute(insert + " RETURNING rowid", ("a", 3.0)).fetchone() is None
+    conn.execute("UPDATE jobs SET errors = CASE WHEN ? IS NULL THEN errors ELSE"
+                 " json_insert(errors, '$[#]', json(?)) END WHERE id = ?",
+                 ('{"x":1}', '{"x":1}', "a"))
+    conn.execute("UPDATE jobs SET errors = CASE WHEN ? IS NULL THEN errors ELSE"
+                 " json_insert(errors, '$[#]', json(?)) END WHERE id = ?", (None, None, "a"))
+    conn.execute("UPDATE jobs SET errors = json_insert(errors, '$[#]', json(?))"
+                 " WHERE id = ?", ('"y"', "a"))
+    assert conn.execute("SELECT errors FROM jobs WHERE id = 'a'").fetchone()[0] == \
+        '[{"x":1},"y"]'  # the text SQLite's json_insert writes
+    keys = conn.execute("SELECT (-priority << 40) + rowid FROM jobs ORDER BY rowid")
+    keys.row_factory = None
+    assert [k for (k,) in keys] == [first["rowid"], second[0]]
+
+
+def test_text_sorts_as_bytes_as_in_sqlite(conn: pg.Connection) -> None:
+    conn.executemany("INSERT INTO meta (key, value) VALUES (?, '')",
+                     [("a",), ("B",), ("a\x7f",), ("ab",)])
+    keys = [r[0] for r in conn.execute("SELECT key FROM meta WHERE key >= ? AND key < ?"
+                                       " ORDER BY key", ("B", "a\x7f"))]
+    assert keys == ["B", "a", "ab"]
+
+
+# -- the schema --------------------------------------------------------------------------
+def test_the_database_has_the_described_tables_and_indexes(conn: pg.Connection) -> None:
+    for table in schema.TABLES:
+        columns = [r[0] for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = ?"
+            " ORDER BY ordinal_position", (table.name,))]
+        assert columns == ["rowid"] * table.rowid + [c.name for c in table.columns]
+    indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes")}
+    assert {i.name for i in schema.INDEXES} <= indexes
+    applied = [r[0] for r in conn.execute(f"SELECT name FROM {pg.MIGRATIONS_TABLE}"
+                                          " ORDER BY name")]
+    assert applied == list(schema.MIGRATIONS)  # the names SQLite records
+
+
+def test_migrate_again_changes_nothing(pg_url: str, conn: pg.Connection) -> None:
+    conn.execute("INSERT INTO meta (key, value) VALUES ('kept', 'yes')")
+    pg.migrate(pg_url)
+    assert conn.execute("SELECT value FROM meta WHERE key = 'kept'").fetchone()[0] == "yes"
+
+
+def test_a_database_a_newer_rota_migrated_is_refused(pg_url: str, conn: pg.Connection,
+                                                     tmp_path: Path) -> None:
+    conn.execute(f"INSERT INTO {pg.MIGRATIONS_TABLE} (name) VALUES ('m999_future')")
+    conn.execute("UPDATE meta SET value = '9.0' WHERE key = 'migrated_by'")
+    with pytest.raises(db.NewerDatabase) as refused:
+        pg.migrate(pg_url.replace("rota@", "rota:secret@"))
+    assert "m999_future" in refused.value.message and "Rota 9.0" in refused.value.message
+    assert "secret" not in refused.value.message
+    # the same refusal on SQLite
+    db.migrate(tmp_path / "rota.db")
+    with db.connect(tmp_path / "rota.db") as lite:
+        lite.execute("INSERT INTO _sqlite_migrations (migration_set, name, applied_at)"
+                     " VALUES ('rota', 'm999_future', '')")
+    with pytest.raises(db.NewerDatabase, match="m999_future"):
+        db.migrate(tmp_path / "rota.db")
+
+
+# -- a lost server -----------------------------------------------------------------------
+def test_a_server_that_is_down_is_storage_unavailable(pg_cluster: Cluster,
+                                                      conn: pg.Connection) -> None:
+    pg_cluster.stop()
+    try:
+        with pytest.raises(psycopg.Error) as lost:
+            conn.execute("SELECT 1")
+        error = pg.storage_error(lost.value)
+        assert error is not None and error.code == "storage_unavailable"
+        with pytest.raises(psycopg.OperationalError) as refused:
+            pg.connect(pg_cluster.url())
+        error = pg.storage_error(refused.value)
+        assert error is not None and error.code == "storage_unavailable"
+        assert not conn.usable
+    finally:
+        pg_cluster.start()
+    other = pg.connect(pg_cluster.url())
+    with pytest.raises(psycopg.errors.UndefinedTable) as bug:
+        other.execute("SELECT * FROM nowhere")
+    other.close()
+    assert pg.storage_error(bug.value) is None  # the statement's fault, not the storage's
+
+
+async def test_the_writer_degrades_while_the_server_is_down_and_recovers(
+        pg_cluster: Cluster, pg_url: str) -> None:
+    pg.migrate(pg_url)
+    health = db.Health(hold=0.0)
+    writer = pg.Writer(pg_url, health=health)
+    readers = pg.Readers(pg_url, health=health)
+    writer.start(asyncio.get_running_loop())
+    try:
+        await writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('a', '1')"))
+        assert await readers.run(lambda c: c.execute("SELECT count(*) FROM meta"
+                                                     ).fetchone()[0]) == 2
+        pg_cluster.stop()
+        try:
+            with pytest.raises(StorageError) as failed:
+                await writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('b', '2')"))
+            assert failed.value.code == "storage_unavailable"
+            with pytest.raises(StorageError):
+                await readers.run(lambda c: c.execute("SELECT 1").fetchone())
+            assert health.degraded is not None
+        finally:
+            pg_cluster.start()
+        # the writer's probe (or the next write) finds the server back
+        await wait_until(lambda: health.degraded is None, timeout=10, what="recovery")
+        await writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('c', '3')"))
+        assert await readers.run(lambda c: c.execute("SELECT count(*) FROM meta"
+                                                     ).fetchone()[0]) == 3
+    finally:
+        await asyncio.to_thread(writer.stop)
+        readers.close()
+
+
+# -- LISTEN --------------------------------------------------------------------------------
+async def test_the_listener_hears_notify_and_listens_again_after_a_restart(
+        pg_cluster: Cluster, pg_url: str) -> None:
+    heard: list[tuple[str, str]] = []
+    connects = 0
+
+    def connected() -> None:
+        nonlocal connects
+        connects += 1
+
+    listener = pg.Listener(pg_url, ["rota_jobs", "rota specs"],
+                           lambda channel, payload: heard.append((channel, payload)),
+                           on_connect=connected, retry=0.1)
+    listener.start()
+    notify = pg.connect(pg_url)
+    try:
+        await wait_until(listener.listening.is_set, what="LISTEN")
+        notify.execute("SELECT pg_notify(?, ?)", ("rota_jobs", "one"))
+        notify.execute("SELECT pg_notify(?, ?)", ("rota specs", "two"))
+        await wait_until(lambda: len(heard) == 2, what="two notifications")
+        assert heard == [("rota_jobs", "one"), ("rota specs", "two")]
+        await asyncio.to_thread(pg_cluster.stop)
+        try:
+            await wait_until(lambda: not listener.listening.is_set(), what="lost")
+        finally:
+            await asyncio.to_thread(pg_cluster.start)
+        await wait_until(listener.listening.is_set, timeout=10, what="LISTEN again")
+        assert connects == 2
+        again = pg.connect(pg_url)
+        again.execute("SELECT pg_notify(?, ?)", ("rota_jobs", "three"))
+        again.close()
+        await wait_until(lambda: heard[-1:] == [("rota_jobs", "three")], what="after restart")
+    finally:
+        notify.close()
+        await listener.stop()
+
+
+def test_a_url_is_told_from_a_file() -> None:
+    assert pg.is_url("postgresql://u@h/db") and pg.is_url("postgres://h/db")
+    assert not pg.is_url("rota.db") and not pg.is_url(Path("postgresql:/x"))
+    assert pg.redact("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
+    assert pg.redact("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert time.time() > 0
