@@ -207,6 +207,15 @@ def _need_server(command: str) -> None:
 @click.option("--db-pool", envvar="ROTA_DB_POOL", default=2, show_default=True, show_envvar=True,
               type=click.IntRange(min=1), help="Reader connections to the database (reads"
               " for the API and the dashboard; writes have one connection of their own).")
+@click.option("--server-id", envvar="ROTA_SERVER_ID", default=None, show_envvar=True,
+              help="This server's name among those sharing a PostgreSQL database"
+              " (default: host:port). A restart under the same name takes back its workers'"
+              " reservations.")
+@click.option("--server-lease", envvar="ROTA_SERVER_LEASE", default=10.0, show_default=True,
+              show_envvar=True, type=click.FloatRange(min=0.2),
+              help="Seconds a server's lease lasts (renewed 4 times per lease). Servers"
+              " sharing a database recover a dead one's reservations after its lease and"
+              " the reconnect grace.")
 @click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True, show_envvar=True, type=LEVELS)
 @_LOG_FORMAT
 @click.option("--heartbeat-interval", envvar="ROTA_HEARTBEAT_INTERVAL", default=1.0, show_default=True, show_envvar=True,

@@ -15,38 +15,25 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from rota import fleet
 from rota.coordinator import Coordinator
+from rota.pg import Listener
 
 log = logging.getLogger("rota.server")
 
 
-class Listener(Protocol):
-    """What the cluster needs of a LISTEN connection (rota/pg.py): it calls back on the
-    event loop with (channel, payload), and ``on_connect`` each time it (re)connects."""
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-ListenerFactory = Callable[[Sequence[str], Callable[[str, str], None], Callable[[], None]],
-                           Listener]
-
-
 class Cluster:
-    def __init__(self, coordinator: Coordinator, listener: ListenerFactory, *,
-                 url: str = "") -> None:
+    def __init__(self, coordinator: Coordinator, database_url: str, *, url: str = "") -> None:
         self.coordinator = coordinator
         self.store = coordinator.store
         self.me = coordinator.server_id
         self.lease = coordinator.settings.server_lease
         self.grace = coordinator.settings.reconnect_grace
         self.url = url  # where this server's workers reach it, for the operator
-        self.listener = listener(fleet.CHANNELS, self._heard, self._connected)
+        self.listener = Listener(database_url, fleet.CHANNELS, self._heard,
+                                 on_connect=self._connected)
         self._pending: set[int] = set()  # row ids heard of, not yet read
         self._arrived = asyncio.Event()
         self._missed: set[str] = set()  # servers seen past their lease, not yet recovered
@@ -56,7 +43,11 @@ class Cluster:
     async def start(self) -> None:
         """After the coordinator started (its store registered this server's lease
         before it read the snapshot): listen, then watch the leases."""
-        await self.listener.start()
+        self.listener.start()
+        try:  # a notice sent before LISTEN holds is not heard: take no traffic before it
+            await asyncio.wait_for(self.listener.listening.wait(), timeout=15)
+        except TimeoutError:
+            log.warning("cluster: not listening yet; other servers' work is heard once it is")
         self._spawn(self._take_in_loop(), "rota-cluster-jobs")
         self._spawn(self._lease_loop(), "rota-cluster-leases")
         log.info("cluster server=%s lease=%gs grace=%gs: sharing the database with any"

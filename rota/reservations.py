@@ -102,8 +102,9 @@ class Reservations:
             connection = self.registry.get(worker_id)
             # A job taken back meanwhile (the worker left) is no longer this worker's.
             held = [got.get(j.seq) if isinstance(j, Claim) else j for j in batch]
-            live = [j for j in held if j is not None and j.worker_id == worker_id
-                    and j.state == JobState.ACTIVE and not j.orphaned]
+            # (A job whose key was known twice, claimed twice in this round, went once.)
+            live = list({j.id: j for j in held if j is not None and j.worker_id == worker_id
+                         and j.state == JobState.ACTIVE and not j.orphaned}.values())
             if connection is None or not live:
                 continue
             copies: list[p.JobCopy] = []

@@ -15,6 +15,7 @@ from starlette.middleware import Middleware
 from starlette.routing import WebSocketRoute
 
 from rota import api, dashboard, openapi
+from rota.cluster import Cluster
 from rota.coordinator import Coordinator
 from rota.edge import GuardedHttp, LeanWebSocket
 from rota.gate import Gate
@@ -34,9 +35,17 @@ def create_app(settings: ServerSettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await coordinator.start()
+        cluster = None
+        if settings.database_url is not None:  # possibly one of several servers on it
+            cluster = Cluster(coordinator, settings.database_url,
+                              url=f"{settings.host}:{settings.port}")
+            coordinator.on_stop.append(cluster.let_go)
+            await cluster.start()
         try:
             yield
         finally:
+            if cluster is not None:
+                await cluster.stop()
             await coordinator.stop()
 
     app = Starlette(

@@ -88,3 +88,20 @@ def test_a_retirement_through_another_server_refuses_new_jobs_here(engine, clock
     engine.status_quo_read({"echo": SPEC}, {"echo": checksum(SPEC)}, {"echo": 1.0}, clock())
     refused = engine.build(EnqueueRequest(spec="echo"), OPEN, clock())
     assert not isinstance(refused, Job) and refused.code == "spec_retired"
+
+
+def test_a_job_whose_key_is_known_twice_is_assigned_once(engine, clock):
+    """A stale key (another server took the job) and a fresh one (it came back) for one
+    row: a round may claim both; the store reserves the row once, and the worker is
+    sent the job once."""
+    connect(engine, clock, capacity=2)
+    [job] = enqueue(engine, clock, 1)  # kept as a key
+    engine.taken_in([row_of(engine, clock, job.id, job.seq)], clock())  # the key again
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    assert [c.seq for c in reserve.claims] == [job.seq, job.seq]
+    claimed = row_of(engine, clock, job.id, job.seq)
+    claimed.state, claimed.worker_id, claimed.attempt = JobState.ACTIVE, "w1", 1
+    claimed.checksum = reserve.claims[0].checksum
+    effects = engine.committed(reserve.ticket, None, clock(), Reserved([claimed, None]))
+    assert [j["id"] for f in sent(effects) for j in f["jobs"]] == [job.id]
+    assert engine.scheduler.workers["w1"].free() == 1
