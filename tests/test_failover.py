@@ -1,0 +1,89 @@
+"""A worker given several servers moves to the next one when its server goes away.
+
+Each test runs two independent servers (each its own SQLite file, the same spec pushed
+to both): the worker runs a job on A; A stops; the worker connects to B, by itself, and runs the jobs enqueued there. Servers
+that share one PostgreSQL database are the real use; two files are enough to show where
+the worker goes, and that it registers again and runs work on the server it lands on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from conftest import Api, Live, start_server, stop_server, write_spec
+from helpers import free_port, wait_until
+
+from rota import JobContext, Worker
+
+
+@contextlib.asynccontextmanager
+async def two_servers(tmp_path: Path) -> AsyncIterator[tuple[Live, Live]]:
+    """Servers A and B in this process, each on its own file, with spec echo on both."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = await start_server(tmp_path / "a")
+    b = await start_server(tmp_path / "b")
+    try:
+        echo = write_spec(tmp_path / "specs", "echo")
+        for server in (a, b):
+            await server.push(echo)
+        yield a, b
+    finally:
+        for server in (a, b):
+            if not server.server.test_task.done():  # type: ignore[attr-defined]
+                await stop_server(server)
+
+
+async def runs_a_job(server: Api, where: str, timeout: float = 10.0) -> None:
+    job = await server.enqueue("echo", {"on": where})
+    done = await server.wait_state(job["id"], "completed", timeout=timeout)
+    assert done["result"] == {"echoed": {"on": where}}
+
+
+def test_a_worker_takes_one_url_or_several_and_checks_them_all_at_once():
+    assert Worker(url="http://127.0.0.1:8000").urls == ["ws://127.0.0.1:8000/work"]
+    worker = Worker(url=["http://127.0.0.1:8000", "wss://b.internal/", "ws://127.0.0.1:8000/work"])
+    # Two spellings of one server are one stop; the first URL is the one in use.
+    assert worker.urls == ["ws://127.0.0.1:8000/work", "wss://b.internal/work"]
+    assert worker.server_url == worker.url == "ws://127.0.0.1:8000/work"
+    worker.url = "http://c:9000"  # (as `rota worker` and the test fixtures set it)
+    assert worker.urls == ["ws://c:9000/work"]
+    for bad in (["http://127.0.0.1:8000", "127.0.0.1:8001"], ["http://"], ["http://a:port"]):
+        with pytest.raises(ValueError, match="base URL") as refused:
+            Worker(url=bad)
+        assert repr(bad[-1]) in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="at least one server"):
+        Worker(url=[])
+
+
+async def test_a_worker_moves_to_the_next_server_when_its_server_stops(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    async with two_servers(tmp_path) as (a, b):
+        nobody = f"http://127.0.0.1:{free_port()}"  # refused: the worker goes on to A
+        worker = Worker(url=[nobody, a.base, b.base], specs_dir=tmp_path / "specs",
+                        heartbeat_interval=0.1, handle_signals=False)
+
+        @worker.handler("echo")
+        async def echo(ctx: JobContext) -> dict[str, object]:
+            return {"echoed": ctx.args}
+
+        task = asyncio.create_task(worker.run(), name="sdk-failover")
+        try:
+            await wait_until(lambda: worker.connected.is_set() or task.done(), what="connect")
+            assert worker.server_url == a.ws
+            await runs_a_job(a, "a")
+            await stop_server(a)  # graceful: A says it is shutting down, and closes
+            await wait_until(lambda: worker.server_url == b.ws or task.done(), what="switch")
+            await runs_a_job(b, "b")
+            assert worker.server_url == b.ws and not task.done()
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 10)
+    # One line per switch: where it went, and why it left.
+    assert f"cannot connect to ws://127.0.0.1:{nobody.rsplit(':', 1)[1]}/work" in caplog.text
+    assert f"switching to {a.ws}" in caplog.text
+    left = next(line for line in caplog.text.splitlines() if f"connection to {a.ws} lost" in line)
+    assert f"switching to {b.ws}" in left, left
