@@ -1,7 +1,8 @@
 """A worker given several servers moves to the next one when its server goes away.
 
 Each test runs two independent servers (each its own SQLite file, the same spec pushed
-to both): the worker runs a job on A; A stops; the worker connects to B, by itself, and runs the jobs enqueued there. Servers
+to both): the worker runs a job on A; A stops (gracefully, or kill -9 as a `rota serve`
+process); the worker connects to B, by itself, and runs the jobs enqueued there. Servers
 that share one PostgreSQL database are the real use; two files are enough to show where
 the worker goes, and that it registers again and runs work on the server it lands on."""
 
@@ -9,12 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import Api, Live, start_server, stop_server, write_spec
-from helpers import free_port, wait_until
+from helpers import free_port, spawn_serve, wait_until
+from test_cli import WORKER_MODULE, rota
+from test_cli_failures import one_line
 
 from rota import JobContext, Worker
 
@@ -87,3 +94,63 @@ async def test_a_worker_moves_to_the_next_server_when_its_server_stops(
     assert f"switching to {a.ws}" in caplog.text
     left = next(line for line in caplog.text.splitlines() if f"connection to {a.ws} lost" in line)
     assert f"switching to {b.ws}" in left, left
+
+
+@pytest.mark.parametrize("stop", ["kill -9", "SIGTERM"])
+async def test_rota_worker_moves_to_a_surviving_server(tmp_path: Path, stop: str):
+    """A is `rota serve` in a process of its own, B a server here; the worker is
+    `rota worker`, given both URLs by --url twice (kill -9) or by ROTA_URL (SIGTERM)."""
+    (tmp_path / "b").mkdir()
+    b = await start_server(tmp_path / "b")
+    a = Api()
+    a.port = free_port()
+    worker: asyncio.subprocess.Process | None = None
+    server: asyncio.subprocess.Process | None = None
+    log = tmp_path / "worker.log"
+    async with httpx.AsyncClient(base_url=a.base, timeout=10) as a.http:
+        try:
+            server = await spawn_serve(a.http, ["--port", str(a.port), "--db", str(tmp_path / "a.db")],
+                                       tmp_path / "a.log")
+            echo = write_spec(tmp_path / "specs", "echo")
+            for live in (a, b):
+                await live.push(echo)
+            (tmp_path / "demo_worker.py").write_text(WORKER_MODULE)
+            if stop == "kill -9":
+                urls, env = ["--url", a.base, "--url", b.base], {}
+            else:
+                urls, env = [], {"ROTA_URL": f"{a.base},{b.base}"}
+            with log.open("wb") as sink:
+                worker = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "rota", "worker", "demo_worker:worker", *urls,
+                    cwd=tmp_path, env={**os.environ, **env}, stdout=sink, stderr=sink)
+            await runs_a_job(a, "a", timeout=15)
+            if stop == "kill -9":
+                server.kill()
+            else:
+                server.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(server.wait(), 15)
+            await runs_a_job(b, "b", timeout=15)
+            [shown] = (await b.http.get("/workers")).json()["workers"]
+            assert shown["pid"] == worker.pid
+            worker.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(worker.wait(), 15) == 0
+        finally:
+            for proc in (worker, server):
+                if proc is not None and proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+            await stop_server(b)
+    said = log.read_text()
+    assert f"switching to {b.ws}" in said, said
+
+
+async def test_rota_worker_refuses_a_bad_url_in_its_list_in_one_line(tmp_path: Path):
+    (tmp_path / "w.py").write_text("from rota import Worker\nworker = Worker(specs_dir='.')\n"
+                                   "worker.handler('echo')(lambda ctx: ctx.args)\n")
+    good = f"http://127.0.0.1:{free_port()}"
+    code, _, err = await rota("worker", "w:worker", "--url", good, "--url", "localhost:8000",
+                              cwd=tmp_path)
+    assert "not 'localhost:8000'" in one_line(code, err, "a bad second --url")
+    code, _, err = await rota("worker", "w:worker", cwd=tmp_path,
+                              env={"ROTA_URL": f"{good}, ftp://x"})
+    assert "not 'ftp://x'" in one_line(code, err, "a bad URL in ROTA_URL")
