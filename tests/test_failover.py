@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,7 +24,8 @@ from helpers import free_port, spawn_serve, wait_until
 from test_cli import WORKER_MODULE, rota
 from test_cli_failures import one_line
 
-from rota import JobContext, Worker
+from rota import AsyncClient, Client, JobContext, Worker
+from rota.client import ApiError
 
 
 @contextlib.asynccontextmanager
@@ -154,3 +156,53 @@ async def test_rota_worker_refuses_a_bad_url_in_its_list_in_one_line(tmp_path: P
     code, _, err = await rota("worker", "w:worker", cwd=tmp_path,
                               env={"ROTA_URL": f"{good}, ftp://x"})
     assert "not 'ftp://x'" in one_line(code, err, "a bad URL in ROTA_URL")
+
+
+# -- producer clients ----------------------------------------------------------------------
+async def test_a_producer_client_moves_on_connection_errors_and_never_on_an_answer(
+        tmp_path: Path):
+    async with two_servers(tmp_path) as (a, b):
+        nobody = f"http://127.0.0.1:{free_port()}"
+        client = Client([nobody, a.base, b.base], timeout=5)
+        try:
+            # Refused: nothing was sent, so the enqueue goes on to A within this call.
+            assert (await asyncio.to_thread(client.enqueue, "echo", id="one")).created
+            assert client.url == a.base and (await a.job("one"))["state"] == "available"
+            with pytest.raises(ApiError) as refused:  # an answer: the same on every server
+                await asyncio.to_thread(client.enqueue, "nope")
+            assert refused.value.status == 422 and client.url == a.base
+            await stop_server(a)
+            assert (await asyncio.to_thread(client.specs))["specs"]  # asked of B
+            assert client.url == b.base
+            await asyncio.to_thread(client.enqueue, "echo", id="two")
+            assert (await b.job("two"))["state"] == "available"
+        finally:
+            client.close()
+
+        async with AsyncClient([nobody, b.base]) as producer:
+            job = await producer.enqueue("echo", id="three")
+            assert job.created and producer.url == b.base
+            with pytest.raises(ApiError) as refused:
+                await producer.enqueue("nope")
+            assert refused.value.status == 422 and producer.url == b.base
+
+
+async def test_a_request_that_may_have_been_carried_out_is_not_sent_again(tmp_path: Path):
+    async with two_servers(tmp_path) as (_, b):
+        with socket.socket() as silent:  # the kernel accepts; nobody ever answers
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            first = f"http://127.0.0.1:{silent.getsockname()[1]}"
+            with Client([first, b.base], timeout=0.3) as client:
+                with pytest.raises(ApiError) as caught:  # it may be stored on the first
+                    await asyncio.to_thread(client.enqueue, "echo", id="once")
+                assert caught.value.code == "no_answer" and first in caught.value.message
+                assert client.url == b.base  # the next request goes to B
+                with pytest.raises(ApiError) as missing:
+                    await asyncio.to_thread(client.job, "once")
+                assert missing.value.status == 404  # B was asked, and never sent the enqueue
+            async with AsyncClient([first, b.base], timeout=0.3) as producer:
+                # A read means the same thing twice: it goes on to B within the call.
+                with pytest.raises(ApiError) as missing:
+                    await producer.job("once")
+                assert missing.value.status == 404 and producer.url == b.base
