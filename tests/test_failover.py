@@ -1,4 +1,5 @@
-"""A worker given several servers moves to the next one when its server goes away.
+"""A worker given several servers moves to the next one when its server goes away, and a
+producer client moves on connection errors (never on an error answer).
 
 Each test runs two independent servers (each its own SQLite file, the same spec pushed
 to both): the worker runs a job on A; A stops (gracefully, or kill -9 as a `rota serve`
