@@ -29,6 +29,7 @@ from rota.cli_base import URL_OPTION
 from rota.cli_base import api as _api
 from rota.cli_base import fail as _fail
 from rota.cli_base import print_json as _print_json
+from rota.cli_base import servers as _servers
 from rota.cli_base import token as _token
 from rota.protocol import MAX_PREFETCH
 from rota.retention import parse_duration, parse_rule
@@ -322,7 +323,7 @@ _WORKER_URLS = click.option(
 
 def _split_urls(values: tuple[str, ...]) -> list[str]:
     """--url A --url B, --url A,B and ROTA_URL=A,B all name A then B."""
-    return [url.strip() for value in values for url in value.split(",") if url.strip()]
+    return [url for value in values for url in _servers(value)]
 
 
 @main.command()

@@ -207,3 +207,15 @@ async def test_a_request_that_may_have_been_carried_out_is_not_sent_again(tmp_pa
                 with pytest.raises(ApiError) as missing:
                     await producer.job("once")
                 assert missing.value.status == 404 and producer.url == b.base
+
+
+async def test_the_commands_beside_a_worker_read_a_rota_url_of_several_servers(tmp_path: Path):
+    """One ROTA_URL serves a deploy's `rota worker` and its other commands alike."""
+    async with two_servers(tmp_path) as (a, _):
+        nobody = f"http://127.0.0.1:{free_port()}"
+        code, out, err = await rota("specs", "list", env={"ROTA_URL": f"{nobody}, {a.base}"})
+        assert code == 0 and out.startswith("echo"), err
+        code, _, err = await rota("jobs", "list", env={"ROTA_URL": f"{nobody},{nobody}/x"})
+        assert f"cannot reach Rota at any of {nobody}, {nobody}/x" in one_line(code, err, "none")
+        code, _, err = await rota("tail", "--url", f"{a.base},{nobody}")
+        assert "give it one --url" in one_line(code, err, "tail of two servers")
