@@ -99,6 +99,38 @@ async def test_a_worker_moves_to_the_next_server_when_its_server_stops(
     assert f"switching to {b.ws}" in left, left
 
 
+async def test_the_server_it_moves_to_hears_of_the_job_it_holds(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """As on any reconnect, the registration names the runs the worker holds. B's file
+    never had A's job, so B tells it to stop that run; servers that share one database
+    take it back instead."""
+    async with two_servers(tmp_path) as (a, b):
+        worker = Worker(url=[a.base, b.base], specs_dir=tmp_path / "specs",
+                        heartbeat_interval=0.1, handle_signals=False)
+        started, stopped = asyncio.Event(), asyncio.Event()
+
+        @worker.handler("echo")
+        async def echo(ctx: JobContext) -> None:
+            started.set()
+            try:
+                await asyncio.Event().wait()  # runs until it is told to stop
+            finally:
+                stopped.set()
+
+        task = asyncio.create_task(worker.run(), name="sdk-failover-held")
+        try:
+            await wait_until(lambda: worker.connected.is_set() or task.done(), what="connect")
+            job = await a.enqueue("echo")
+            await asyncio.wait_for(started.wait(), 10)
+            await stop_server(a)
+            await asyncio.wait_for(stopped.wait(), 10)  # B's cancel: reservation_lost
+            assert worker.server_url == b.ws and not worker.running_jobs
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 10)
+    assert f"reservation lost worker={worker.worker_id} jobs={job['id']}" in caplog.text
+
+
 @pytest.mark.parametrize("stop", ["kill -9", "SIGTERM"])
 async def test_rota_worker_moves_to_a_surviving_server(tmp_path: Path, stop: str):
     """A is `rota serve` in a process of its own, B a server here; the worker is
