@@ -253,8 +253,9 @@ class Connection:
                 log.log(level, what + " (%s); reconnect attempt %d in %.2fs, %d job(s) running",
                         url, why, self.link.reconnects, delay, running)
             else:  # one line per switch: where it goes, and why it left
+                following = worker.servers.advance()
                 log.log(level, what + " (%s); switching to %s in %.2fs (reconnect attempt %d),"
-                        " %d job(s) running", url, why, worker.servers.advance(), delay,
+                        " %d job(s) running", url, why, following, delay,
                         self.link.reconnects, running)
             assert self._dirty is not None
             await _wait(self._dirty if worker.stopping_now else asyncio.Event(), delay)
