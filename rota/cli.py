@@ -29,8 +29,8 @@ from rota.cli_base import URL_OPTION
 from rota.cli_base import api as _api
 from rota.cli_base import fail as _fail
 from rota.cli_base import print_json as _print_json
+from rota.cli_base import servers as _servers
 from rota.cli_base import token as _token
-from rota.client import ws_url
 from rota.protocol import MAX_PREFETCH
 from rota.retention import parse_duration, parse_rule
 from rota.specs import SpecError, checksum, load_dir
@@ -381,9 +381,24 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+# A worker's --url, unlike the other commands', takes several servers (servers that
+# share one database): ROTA_URL can then name them all, for workers and commands alike.
+_WORKER_URLS = click.option(
+    "--url", "urls", envvar="ROTA_URL", show_envvar=True, multiple=True,
+    default=["http://127.0.0.1:8000"], show_default=True,
+    help="Base URL of a Rota server (repeatable; ROTA_URL takes several, separated by"
+         " commas). When the connection fails or is lost, the worker moves to the next.")
+
+
+def _split_urls(values: tuple[str, ...]) -> list[str]:
+    """--url A --url B, --url A,B and ROTA_URL=A,B all name A then B."""
+    return [url for value in values for url in _servers(value)]
+
+
 @main.command()
 @click.argument("target")
-@URL_OPTION
+@_WORKER_URLS
+@_TOKEN
 @click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True,
               show_envvar=True, type=LEVELS, help="The least severe lines the worker logs.")
 @_LOG_FORMAT
@@ -402,10 +417,11 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
               type=click.IntRange(0, MAX_PREFETCH), default=None,
               help="The most jobs to hold beyond the worker's concurrency, waiting to"
               " start (default: the Worker's own, 32 x its concurrency unless set; 0: none).")
-def worker(target: str, url: str, log_level: str, log_format: str, concurrency: int | None,
+def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, concurrency: int | None,
            queues: str | None, labels: tuple[str, ...], specs_dir: Path | None,
            prefetch: int | None) -> None:
-    """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url.
+    """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url
+    (or the servers: the worker moves to the next when its connection fails or is lost).
 
     Signals: SIGTERM takes no new jobs, gives back the jobs waiting in its prefetch line,
     lets running ones finish within the worker's grace period (cancelling the rest, which
@@ -415,7 +431,10 @@ def worker(target: str, url: str, log_level: str, log_format: str, concurrency: 
     """
     logs.configure(log_level, log_format)
     instance = _import_worker(target)
-    instance.url = ws_url(url)
+    try:
+        instance.url = _split_urls(urls)
+    except ValueError as exc:  # every URL is checked before any is tried
+        _fail(str(exc))
     instance.token = _token() or instance.token
     try:  # a deploy sets these from the environment, without editing the worker's code
         instance.configure(concurrency=concurrency, prefetch=prefetch, labels=list(labels),

@@ -15,8 +15,16 @@ from rota.client import ApiError, Client
 
 _URL = click.option(
     "--url", envvar="ROTA_URL", show_envvar=True, default="http://127.0.0.1:8000",
-    show_default=True, help="Base URL of the Rota server.",
+    show_default=True, help="Base URL of the Rota server (or of several that share one"
+    " database, separated by commas: the next is asked when one cannot be reached).",
 )
+
+
+def servers(url: str) -> list[str]:
+    """--url or ROTA_URL as the servers it names: one, or several separated by commas.
+    A deploy sets ROTA_URL once for `rota worker` (which goes round them) and for the
+    commands beside it, which must not take the list for one malformed URL."""
+    return [part.strip() for part in url.split(",") if part.strip()] or [url]
 
 
 def _keep_token(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -48,7 +56,7 @@ def fail(message: str) -> NoReturn:
 def api(url: str, action: str, *args: Any, **kwargs: Any) -> Any:
     """``Client(url).action(*args, **kwargs)``, or the refusal in one line and exit 1."""
     try:
-        with Client(url, token=token()) as client:
+        with Client(servers(url), token=token()) as client:
             return getattr(client, action)(*args, **kwargs)
     except ApiError as exc:
         fail(say(url, exc))

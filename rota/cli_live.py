@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from rota.cli_base import URL_OPTION, fail, print_json, say, token
+from rota.cli_base import URL_OPTION, fail, print_json, say, servers, token
 from rota.cli_ops import WAITING_STATES, split
 from rota.client import ApiError, Client
 from rota.display import duration
@@ -114,7 +114,7 @@ def watch(interval: float, as_json: bool, url: str) -> None:
     """A live view of the server, redrawn every --interval seconds: queues (waiting jobs,
     the oldest one's age, paused), workers (state, load, heartbeat age), blocked specs and
     jobs a minute over the last hour."""
-    client = Client(url, token=token())
+    client = Client(servers(url), token=token())
     try:
         view = snapshot(client)  # the first look fails in one line: a wrong URL or token
     except ApiError as exc:
@@ -176,6 +176,8 @@ def tail(spec: str | None, queue: str | None, worker: str | None, kinds: tuple[s
          as_json: bool, url: str) -> None:
     """Follow the server's events as they happen, one line each (GET /events). It
     reconnects by itself and resumes where it stopped; Ctrl-C stops it."""
+    if len(servers(url)) > 1:  # each server streams its own events: which to follow?
+        fail("rota tail follows one server's events: give it one --url, not several")
     params = {"spec": spec, "queue": queue, "worker": worker, "event": ",".join(split(kinds))}
     def say_err(message: str) -> None:  # stderr: stdout is the events, for a pipe
         click.echo(f"rota tail: {message}", err=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from rota.cli_base import URL_OPTION, api, fail, print_json, say, token
+from rota.cli_base import URL_OPTION, api, fail, print_json, say, servers, token
 from rota.client import ApiError, Client
 from rota.display import duration
 from rota.logs import printable
@@ -70,7 +70,7 @@ def jobs_list(states: tuple[str, ...], spec: str | None, queue: str | None,
     found: list[dict[str, Any]] = []  # kept for --json; printed page by page otherwise
     shown, cursor = 0, None
     try:
-        with Client(url, token=token()) as client:
+        with Client(servers(url), token=token()) as client:
             while True:
                 page = client.list_jobs(states=flt.get("state", ()), spec=spec, queue=queue,
                                         worker=worker, q=q, cursor=cursor,

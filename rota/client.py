@@ -15,6 +15,7 @@ import socket
 import ssl
 import time
 import urllib.parse
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -175,6 +176,51 @@ def ws_url(url: str) -> str:
     return base if base.endswith("/work") else base + "/work"
 
 
+class Failover:
+    """The base URLs of servers that share one database, for a producer client, and the
+    one its requests go to. A connection error (and only that: an HTTP error answer is
+    the database's word, the same on every server) moves it to the next URL, for this
+    request when that is safe (``again``) and for the ones after it."""
+
+    def __init__(self, url: str | Sequence[str]) -> None:
+        given = [url] if isinstance(url, str) else list(url)
+        if not given:
+            raise ApiError(None, "bad_url", "no server URL given (give the server's base URL,"
+                           " such as http://127.0.0.1:8000)")
+        self.urls = list(dict.fromkeys(u.rstrip("/") for u in given))
+        self.index = 0
+
+    @property
+    def url(self) -> str:
+        return self.urls[self.index]
+
+    @property
+    def where(self) -> str:
+        """The servers, as an error names them."""
+        return self.url if len(self.urls) == 1 else "any of " + ", ".join(self.urls)
+
+    def round(self) -> list[int]:
+        """Each server once, from the one in use now."""
+        return [(self.index + step) % len(self.urls) for step in range(len(self.urls))]
+
+    def failed(self, index: int) -> None:
+        # Only if no other request has moved on already: two requests that fail at once
+        # on one dead server must not skip the next one.
+        if index == self.index:
+            self.index = (index + 1) % len(self.urls)
+
+    def gave_up(self, last: ApiError, exc: BaseException) -> ApiError:
+        """The error of a request that every server failed, ``last`` the last one's."""
+        return transport_error(self.where, exc, connected=last.code != "unreachable")
+
+    @staticmethod
+    def again(method: str, error: ApiError) -> bool:
+        """Whether a request that failed so may go to the next server: if it never
+        reached the first, or if it means the same thing twice. Any other may have been
+        carried out (an enqueue with no id would be stored twice): its caller decides."""
+        return error.code == "unreachable" or (error.code == "no_answer" and method in IDEMPOTENT)
+
+
 # A kept-alive connection idle longer than this is not reused: the server closes idle
 # ones after 5 s, and a request sent as it does so would be lost in the race.
 IDLE_REUSE = 2.0
@@ -185,6 +231,7 @@ class _Transport:
     """One HTTP/1.1 connection to the server, opened on demand and kept alive."""
 
     def __init__(self, url: str, *, timeout: float, headers: dict[str, str]) -> None:
+        self.url = url
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ApiError(None, "bad_url", f"not an http(s) URL: {url!r} (give the server's"
@@ -268,22 +315,32 @@ class Client:
     so give each thread its own (they are cheap). ``token``: a bearer token (a producer
     token is enough to enqueue and read its own jobs); ``timeout``: seconds for a request
     to be answered; ``max_wait``: the longest single long poll (the server's
-    ``max_result_wait``). Failed requests raise ``ApiError``.
+    ``max_result_wait``). Failed requests raise ``ApiError``. ``url`` may be a list: the
+    base URLs of servers that share one database, used in turn (``Failover``).
 
         with Client("http://127.0.0.1:8000", token=token) as client:
             job = client.enqueue("send_email", {"to": "ada@example.com"})
             print(job.id, job.state, job.result(timeout=30))
     """
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
-                 timeout: float = 30.0, max_wait: float = MAX_WAIT) -> None:
-        self.url = url.rstrip("/")
+    def __init__(self, url: str | Sequence[str] = "http://127.0.0.1:8000", *,
+                 token: str | None = None, timeout: float = 30.0,
+                 max_wait: float = MAX_WAIT) -> None:
+        self.servers = Failover(url)
         self.max_wait = max_wait
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = _Transport(self.url, timeout=timeout, headers=headers)
+        # One connection per server, every URL checked now (bad_url before any request).
+        self._transports = [_Transport(u, timeout=timeout, headers=headers)
+                            for u in self.servers.urls]
+
+    @property
+    def url(self) -> str:
+        """The base URL of the server requests go to now."""
+        return self.servers.url
 
     def close(self) -> None:
-        self._http.close()
+        for transport in self._transports:
+            transport.close()
 
     def __enter__(self) -> Client:
         return self
@@ -294,11 +351,7 @@ class Client:
     def _call(self, method: str, path: str, *, json: Any = None,
               params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         body = None if json is None else msgspec.json.encode(json)
-        try:
-            status, content = self._http.request(method, path, body=body, params=params,
-                                                 timeout=timeout)
-        except (OSError, http.client.HTTPException) as exc:
-            raise transport_error(self.url, exc, connected=self._http.connected) from exc
+        status, content = self._request(method, path, body, params, timeout)
         try:
             answer = msgspec.json.decode(content) if content else {}
         except msgspec.DecodeError:
@@ -308,6 +361,24 @@ class Client:
         if answer is None:
             raise ApiError(status, "http_error", f"not a JSON answer: {content[:200]!r}")
         return answer
+
+    def _request(self, method: str, path: str, body: bytes | None,
+                 params: dict[str, Any] | None, timeout: float | None) -> tuple[int, bytes]:
+        """One request, on the next server too when the one in use cannot be reached."""
+        failure: tuple[ApiError, BaseException] | None = None
+        for index in self.servers.round():
+            transport = self._transports[index]
+            try:
+                return transport.request(method, path, body=body, params=params,
+                                         timeout=timeout)
+            except (OSError, http.client.HTTPException) as exc:
+                error = transport_error(transport.url, exc, connected=transport.connected)
+                self.servers.failed(index)
+                if not self.servers.again(method, error):
+                    raise error from exc
+                failure = (error, exc)
+        assert failure is not None  # (a round has one server at least)
+        raise self.servers.gave_up(*failure) from failure[1]
 
     def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any) -> Job:
         """Enqueue a job of ``spec`` with ``args``; returned once it is committed.

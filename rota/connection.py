@@ -11,6 +11,9 @@ The connection also watches the handlers' loop: a probe posted to it that does n
 within ``BLOCKED_AFTER`` seconds means a handler is blocking it. The handler and its job
 are read off that thread's stack while the block lasts; when the loop is free again, one
 WARNING says for how long and by which handlers and jobs, and each of them gets an alert.
+
+Given several server URLs, every failed or lost connection moves to the next one
+(``Servers``), and one line says where the worker goes and why it left.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from typing import Any, Protocol
 import msgspec
 import websockets
 from websockets.asyncio.client import ClientConnection
+from websockets.frames import CloseCode
 
 from rota import protocol as p
 from rota.context import STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.execution import Handler, Runner
-from rota.link import FRAME_BUDGET, Link, ids_size
+from rota.link import FRAME_BUDGET, Link, Servers, ids_size
 
 log = logging.getLogger("rota.worker")
 METRICS_EVERY = 5.0  # seconds between CPU/RAM figures in heartbeats
@@ -42,7 +46,7 @@ PROBE_EVERY = 0.1  # how often the connection looks at the handlers' loop
 class Host(Protocol):
     """What the connection needs of its worker (rota.worker.Worker)."""
 
-    url: str
+    servers: Servers
     worker_id: str
     reconnect: bool
     patience: float | None
@@ -51,6 +55,9 @@ class Host(Protocol):
     runner: Runner
     status: StatusBuffer
     handlers: dict[str, Handler]
+
+    @property
+    def server_url(self) -> str: ...
 
     @property
     def state(self) -> p.WorkerState: ...
@@ -95,6 +102,7 @@ class Connection:
                                                daemon=True)
         self._ws: ClientConnection | None = None  # the open connection, if any
         self._opened = False  # a connection was open since the last one was lost
+        self._farewell: str | None = None  # the server's error frame on this connection
         self._metrics_at = -METRICS_EVERY
         self._ticked = 0.0  # when the handlers' side was last asked to tick
         # Jobs handed to the handlers' loop, and jobs it has taken in: each counter is
@@ -204,14 +212,16 @@ class Connection:
         worker = self.worker
         lost_at: float | None = None
         while not worker.stopping or worker.runner.running:
-            why = "closed by the server"
+            url = worker.server_url
+            self._farewell = None
             try:
                 async with worker.connect() as ws:
                     await self._session(ws)
+                why = self._farewell or _closed_by_server(ws.close_code, ws.close_reason)
             except websockets.InvalidStatus as exc:
                 status = exc.response.status_code
                 if status in (401, 403):  # retrying would not change the server's mind
-                    raise PermissionError(f"{worker.url} refused this worker ({status}"
+                    raise PermissionError(f"{url} refused this worker ({status}"
                                           f" {_refusal(exc.response.body)})") from exc
                 if not worker.reconnect:
                     raise
@@ -219,7 +229,10 @@ class Connection:
             except (OSError, websockets.ConnectionClosed, websockets.InvalidHandshake) as exc:
                 if not worker.reconnect:
                     raise
-                why = str(exc) or type(exc).__name__
+                # A stopping server says why in an error frame before it closes.
+                why = self._farewell or str(exc) or type(exc).__name__
+                if isinstance(exc, websockets.ConnectionClosed) and exc.rcvd is not None:
+                    why = self._farewell or _closed_by_server(exc.rcvd.code, exc.rcvd.reason)
             self.link.lost()
             self._post(worker.connected.clear)
             if worker.stopping and not worker.runner.running and not self._starting:
@@ -227,14 +240,23 @@ class Connection:
             if lost_at is None or not self.link.reconnects:
                 lost_at = time.monotonic()  # (a welcome sets reconnects back to 0)
             if worker.patience is not None and time.monotonic() - lost_at > worker.patience:
-                raise ConnectionError(f"no connection to {worker.url} for {worker.patience}s")
-            delay = self.link.reconnect_delay()
+                urls = worker.servers.urls
+                where = urls[0] if len(urls) == 1 else "any of " + ", ".join(urls)
+                raise ConnectionError(f"no connection to {where} for {worker.patience}s")
+            delay = self.link.reconnect_delay(len(worker.servers))
             # The first lost connection is news; the attempts after it are detail.
             level = logging.WARNING if self.link.reconnects == 1 else logging.INFO
             what = "connection to %s lost" if self._opened else "cannot connect to %s"
             self._opened = False
-            log.log(level, what + " (%s); reconnect attempt %d in %.2fs, %d job(s) running",
-                    worker.url, why, self.link.reconnects, delay, len(worker.runner.running))
+            running = len(worker.runner.running)
+            if len(worker.servers) == 1:
+                log.log(level, what + " (%s); reconnect attempt %d in %.2fs, %d job(s) running",
+                        url, why, self.link.reconnects, delay, running)
+            else:  # one line per switch: where it goes, and why it left
+                following = worker.servers.advance()
+                log.log(level, what + " (%s); switching to %s in %.2fs (reconnect attempt %d),"
+                        " %d job(s) running", url, why, following, delay,
+                        self.link.reconnects, running)
             assert self._dirty is not None
             await _wait(self._dirty if worker.stopping_now else asyncio.Event(), delay)
 
@@ -356,6 +378,7 @@ class Connection:
                     worker.welcomed(message)
                     self._post(worker.connected.set)
                 case p.Error(code=code, message=text):
+                    self._farewell = f"{code}: {text}"
                     log.error("server error code=%s message=%s", code, text)
 
     def _start(self, jobs: list[p.JobCopy]) -> None:
@@ -443,6 +466,15 @@ async def _wait(event: asyncio.Event, timeout: float,
         await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiter.cancel()
+
+
+def _closed_by_server(code: int | None, reason: str | None) -> str:
+    """Why the server closed the connection, in words: a server that stops is the usual
+    reason to move to another one, and its close code alone does not say so plainly."""
+    said = f"{code}{f' {reason}' if reason else ''}"
+    if code in (CloseCode.GOING_AWAY, CloseCode.SERVICE_RESTART):
+        return f"the server is stopping: close code {said}"
+    return f"closed by the server: close code {said}"
 
 
 def _refusal(body: bytes) -> str:

@@ -5,7 +5,8 @@ asks this core; tests drive it with a fake clock (tests/test_link.py).
 It keeps the heartbeat bookkeeping (``seq``, the state each heartbeat reported, the
 results each one carried until its ack), batches results, decides when a heartbeat is
 due, reads acks (directives, results to send again), and decides when an overdue ack is
-worth a ping and how long to wait before reconnecting.
+worth a ping and how long to wait before reconnecting. ``Servers`` keeps the server URLs a
+worker may use and which one is next.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import collections
 import enum
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -115,13 +116,15 @@ class Link:
         if self._interval is None:
             self._interval = welcome.heartbeat_interval
 
-    def reconnect_delay(self) -> float:
+    def reconnect_delay(self, servers: int = 1) -> float:
         """Exponential, jittered, capped; below half the server's heartbeat timeout, so
-        that after a server restart this worker is back in time to reclaim its jobs."""
+        that after a server restart this worker is back in time to reclaim its jobs.
+        With several ``servers`` the delay grows once per full round of failed attempts,
+        not per attempt: a dead server is no reason to wait longer for the next one."""
         cap = self.reconnect_max_delay
         if self.welcome is not None:
             cap = min(cap, self.welcome.heartbeat_timeout / 2)
-        delay = min(cap, 0.1 * 2.0 ** self.reconnects)
+        delay = min(cap, 0.1 * 2.0 ** (self.reconnects // max(1, servers)))
         self.reconnects += 1
         return delay * (0.5 + self._rand() / 2)
 
@@ -252,6 +255,31 @@ class Link:
     def drained(self, *, running: int, fast: bool) -> bool:
         """Nothing left to run or report (on the fast path, acks are not waited for)."""
         return not (running or self._results or self._deferred or (self._unacked and not fast))
+
+
+class Servers:
+    """The server URLs a worker may connect to, in the order given, and the one it uses
+    (or tries) now. Any failure moves to the next one, round-robin: servers that share
+    one database are interchangeable, and the one that failed is the least likely to
+    answer next (it is down, stopping, or cut off from this worker)."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError("url must name at least one server")
+        self.urls = tuple(urls)
+        self._index = 0
+
+    @property
+    def current(self) -> str:
+        return self.urls[self._index]
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def advance(self) -> str:
+        """Move to the next URL (the same one again when there is only one)."""
+        self._index = (self._index + 1) % len(self.urls)
+        return self.current
 
 
 def result_size(result: p.Result) -> int:

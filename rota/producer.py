@@ -18,14 +18,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import msgspec
 
-from rota.client import MAX_WAIT, ApiError, JobHandle, ResultTimeout, outcome, poll_wait, \
-    transport_error
+from rota.client import MAX_WAIT, ApiError, Failover, JobHandle, ResultTimeout, outcome, \
+    poll_wait, transport_error
 
 # A batch is cut before its body reaches this (the server refuses bodies over 1 MiB by
 # default); a single job larger than that goes alone and gets its own 413.
@@ -65,33 +66,39 @@ class AsyncClient:
     bearer token; ``timeout``: seconds for a request to be answered; ``max_batch``: jobs
     per batch request; ``max_in_flight``: enqueue requests at once; ``max_wait``: the
     longest single long poll (the server's ``max_result_wait``). Failed requests raise
-    ``ApiError``.
+    ``ApiError``. ``url`` may be a list: the base URLs of servers that share one
+    database, used in turn, as ``Client`` does (``rota.client.Failover``).
 
         async with AsyncClient("http://127.0.0.1:8000", token=token) as client:
             job = await client.enqueue("send_email", {"to": "ada@example.com"})
             print(job.id, job.state, await job.result(timeout=30))
     """
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", *, token: str | None = None,
-                 timeout: float = 30.0, max_batch: int = 1000, max_in_flight: int = 1,
-                 max_wait: float = MAX_WAIT) -> None:
+    def __init__(self, url: str | Sequence[str] = "http://127.0.0.1:8000", *,
+                 token: str | None = None, timeout: float = 30.0, max_batch: int = 1000,
+                 max_in_flight: int = 1, max_wait: float = MAX_WAIT) -> None:
         if not 1 <= max_batch <= 10_000:
             raise ValueError("max_batch must be 1 to 10,000 (the server's limit per batch)")
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
-        self.url = url.rstrip("/")
+        self.servers = Failover(url)
         self.max_batch = max_batch
         self.max_in_flight = max_in_flight
         self.max_wait = max_wait
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(
-            base_url=self.url, timeout=timeout, headers=headers,
-            limits=httpx.Limits(max_connections=max_in_flight + 4))
+        self._https = [httpx.AsyncClient(base_url=base, timeout=timeout, headers=headers,
+                                         limits=httpx.Limits(max_connections=max_in_flight + 4))
+                       for base in self.servers.urls]  # a pool per server
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._in_flight: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it belongs to
         self._closed = False
         self.requests = 0  # enqueue requests sent: how well calls were coalesced
+
+    @property
+    def url(self) -> str:
+        """The base URL of the server requests go to now."""
+        return self.servers.url
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -108,7 +115,8 @@ class AsyncClient:
             # tasks that have all finished returns without yielding (Python 3.12+): let
             # the loop turn once, or this spins.
             await asyncio.sleep(0)
-        await self._http.aclose()
+        for http in self._https:
+            await http.aclose()
 
     def _check_usable(self, *, new_work: bool = True) -> None:
         # Its connections belong to one event loop; after aclose() it takes no new work
@@ -227,15 +235,7 @@ class AsyncClient:
         still go."""
         self._check_usable(new_work=not queued)
         headers = {"Content-Type": "application/json"} if content is not None else None
-        try:
-            response = await self._http.request(
-                method, path, content=content, params=params, headers=headers,
-                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
-        except httpx.TransportError as exc:
-            connected = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout
-                                       | httpx.UnsupportedProtocol)
-            cause = TimeoutError(str(exc)) if isinstance(exc, httpx.TimeoutException) else exc
-            raise transport_error(self.url, cause, connected=connected) from exc
+        response = await self._request(method, path, content, params, headers, timeout)
         try:
             body = msgspec.json.decode(response.content) if response.content else {}
         except msgspec.DecodeError:
@@ -249,6 +249,29 @@ class AsyncClient:
             raise ApiError(response.status_code, "http_error",
                            f"not a JSON answer: {response.content[:200]!r}")
         return body
+
+
+    async def _request(self, method: str, path: str, content: bytes | None,
+                       params: dict[str, Any] | None, headers: dict[str, str] | None,
+                       timeout: float | None) -> httpx.Response:
+        """One request, on the next server too when the one in use cannot be reached."""
+        failure: tuple[ApiError, BaseException, httpx.TransportError] | None = None
+        for index in self.servers.round():
+            try:
+                return await self._https[index].request(
+                    method, path, content=content, params=params, headers=headers,
+                    timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
+            except httpx.TransportError as exc:
+                connected = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout
+                                           | httpx.UnsupportedProtocol)
+                cause = TimeoutError(str(exc)) if isinstance(exc, httpx.TimeoutException) else exc
+                error = transport_error(self.servers.urls[index], cause, connected=connected)
+                self.servers.failed(index)
+                if not self.servers.again(method, error):
+                    raise error from exc
+                failure = (error, cause, exc)
+        assert failure is not None  # (a round has one server at least)
+        raise self.servers.gave_up(failure[0], failure[1]) from failure[2]
 
 
 def _settle(waiting: _Waiting, value: dict[str, Any]) -> None:

@@ -13,7 +13,9 @@ a thread of their own (rota/execution.py). The connection to the server runs on 
 thread and loop of its own (rota/connection.py), so no handler can silence it; its
 protocol decisions are a sans-I/O core (rota/link.py). Each handler's spec is read
 from ``specs_dir`` and declared with its checksum, so the server sends this worker only
-jobs whose spec matches the status quo. Only ``protocol``, ``specs``, ``ids`` and the
+jobs whose spec matches the status quo. Given several server URLs (servers that share one
+database), the worker moves to the next one whenever its connection fails or is lost.
+Only ``protocol``, ``specs``, ``ids`` and the
 SDK's own modules are imported: a worker needs none of the server's dependencies.
 
 Lifecycle: running -> quiet -> terminate, never back from terminate (SIGCONT or
@@ -31,7 +33,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from ssl import SSLContext
 from typing import Any
@@ -45,7 +48,7 @@ from rota.connection import Connection
 from rota.context import JobContext, StatusBuffer, check_level
 from rota.execution import Handler, ResultTooLarge, Runner
 from rota.ids import uuid7
-from rota.link import RESULT_BYTES_PER_BEAT, Link
+from rota.link import RESULT_BYTES_PER_BEAT, Link, Servers
 from rota.manual import Listener
 from rota.specs import JobSpec, SpecError, checksum, load_dir
 
@@ -66,7 +69,7 @@ class Worker:
     def __init__(
         self,
         *,
-        url: str = "ws://127.0.0.1:8000/work",
+        url: str | Sequence[str] = "ws://127.0.0.1:8000/work",
         specs_dir: str | Path = "specs",
         queues: list[str] | None = None,
         concurrency: int = 10,
@@ -89,11 +92,7 @@ class Worker:
             _check_prefetch(prefetch)
         if max_abandoned_threads is not None and max_abandoned_threads < 1:
             raise ValueError("max_abandoned_threads must be at least 1 (None: 2 x concurrency)")
-        if not url.startswith(("ws://", "wss://", "http://", "https://")):
-            raise ValueError(f"url must be the server's base URL (http://host:port) or its /work"
-                             f" endpoint (ws://host:port/work), not {url!r}")
-        # The server's base URL, as the CLI takes it, or its /work endpoint: the same socket.
-        self.url = ws_url(url)
+        self.url = url  # checked and made /work URLs by the setter
         self.specs_dir = Path(specs_dir)
         self.concurrency = concurrency
         self.labels = list(labels or [])
@@ -145,6 +144,26 @@ class Worker:
         self.connected = asyncio.Event()
 
     # -- configuration ----------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """The /work URL in use, or being tried, now (``server_url``). Set it to one
+        server's URL or to a list of them, before run()."""
+        return self.servers.current
+
+    @url.setter
+    def url(self, value: str | Sequence[str]) -> None:
+        self.servers = Servers(work_urls(value))
+
+    @property
+    def urls(self) -> list[str]:
+        """Every server URL this worker may use, in the order it tries them."""
+        return list(self.servers.urls)
+
+    @property
+    def server_url(self) -> str:
+        """The /work URL of the server this worker is connected to (or trying now)."""
+        return self.servers.current
+
     def configure(self, *, concurrency: int | None = None, prefetch: int | None = None,
                   queues: list[str] | None = None, labels: list[str] | None = None,
                   specs_dir: str | Path | None = None) -> None:
@@ -218,7 +237,7 @@ class Worker:
     def connect(self) -> websockets.connect:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         # close_timeout: leaving never waits long on a server that does not answer a close
-        return websockets.connect(self.url, max_size=None, compression=None, ping_interval=None,
+        return websockets.connect(self.server_url, max_size=None, compression=None, ping_interval=None,
                                   close_timeout=2.0,
                                   additional_headers=headers, ssl=self.ssl)
 
@@ -240,7 +259,7 @@ class Worker:
                         rejected.name, rejected.checksum[:15], (rejected.expected or "none")[:15],
                         rejected.reason)
         log.info("connected worker=%s url=%s queues=%s specs_accepted=%s", self.worker_id,
-                 self.url, ",".join(self.queues), ",".join(welcome.specs.accepted) or "-")
+                 self.server_url, ",".join(self.queues), ",".join(welcome.specs.accepted) or "-")
 
     # -- lifecycle: running -> quiet -> terminate, never back from terminate ------------
     @property
@@ -412,6 +431,32 @@ def _check_prefetch(value: object) -> None:
     if type(value) is not int or not 0 <= value <= p.MAX_PREFETCH:
         raise ValueError(f"prefetch must be a whole number from 0 to {p.MAX_PREFETCH}, not"
                          f" {value!r} (None: {PREFETCH_PER_SLOT} x concurrency)")
+
+
+def work_urls(value: str | Sequence[str]) -> list[str]:
+    """One server URL or several, each a base URL (http://host:port, as the CLI takes it)
+    or a /work endpoint (ws://host:port/work), as the /work URLs to connect to. All are
+    checked now: a typo in the third URL must not wait for two servers to fail first."""
+    given = [value] if isinstance(value, str) else list(value)
+    if not given:
+        raise ValueError("url must name at least one server")
+    for url in given:
+        if not _is_server_url(url):
+            raise ValueError(f"url must be the server's base URL (http://host:port) or its /work"
+                             f" endpoint (ws://host:port/work), not {url!r}")
+    # Two spellings of one server (its base URL and its /work URL) are one stop, not two.
+    return list(dict.fromkeys(ws_url(url) for url in given))
+
+
+def _is_server_url(url: object) -> bool:
+    if not isinstance(url, str) or not url.startswith(("ws://", "wss://", "http://", "https://")):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (read for its check: a port that is not a number raises)
+    except ValueError:  # a malformed host ("[::1") or port
+        return False
+    return bool(parts.hostname)
 
 
 def default_prefetch(concurrency: int) -> int:

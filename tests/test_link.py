@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rota import protocol as p
-from rota.link import SMOOTHING, Link, LinkState, ids_size, prefetch_line
+from rota.link import SMOOTHING, Link, LinkState, Servers, ids_size, prefetch_line
 
 WELCOME = p.Welcome(worker_id="w", server_time="2026-01-01T00:00:00Z", heartbeat_interval=1.0,
                     heartbeat_timeout=8.0, visibility_timeout=60.0,
@@ -143,6 +145,26 @@ def test_reconnect_delays_grow_jittered_and_stay_under_half_the_timeout():
     assert max(highs) == 4.0  # heartbeat_timeout / 2
     low.on_welcome(WELCOME)  # a welcome resets the count
     assert low.reconnect_delay() == 0.05
+
+
+def test_with_several_servers_the_delay_grows_once_per_full_round():
+    link = Link("w", reconnect_max_delay=30.0, rand=lambda: 1.0)
+    link.on_welcome(WELCOME)
+    # Three servers: each is tried at the first step's pace before the next step.
+    assert [link.reconnect_delay(3) for _ in range(7)] == [0.1, 0.1, 0.1, 0.2, 0.2, 0.2, 0.4]
+    link.on_welcome(WELCOME)  # connected somewhere: the count starts again
+    assert link.reconnect_delay(3) == 0.1
+
+
+def test_servers_go_round_in_the_order_given():
+    servers = Servers(["ws://a/work", "ws://b/work", "ws://c/work"])
+    assert servers.current == "ws://a/work" and len(servers) == 3
+    assert [servers.advance() for _ in range(4)] == ["ws://b/work", "ws://c/work",
+                                                     "ws://a/work", "ws://b/work"]
+    alone = Servers(["ws://a/work"])
+    assert alone.advance() == alone.current == "ws://a/work"
+    with pytest.raises(ValueError, match="at least one server"):
+        Servers([])
 
 
 def test_drained_means_nothing_runs_nothing_waits_and_on_the_slow_path_all_is_acked():
