@@ -38,6 +38,9 @@ log = logging.getLogger("rota.server")
 Op = Callable[[sqlite3.Connection], Any]
 
 MAX_BATCH = 512
+# Times a writer's transaction runs before its failure is the callers': more than one
+# only where another process's transactions can collide with it (rota/pg.py).
+TRANSACTION_ATTEMPTS = 5
 CHECKPOINT_EVERY = 0.5  # seconds between background WAL checkpoints
 migrations = sqlite_utils.Migrations("rota")
 
@@ -558,26 +561,42 @@ class Writer:
     def _commit(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> None:
         outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         conn = None
-        try:
-            conn = self._connection()
-            _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
-            conn.execute("BEGIN IMMEDIATE")
-            for op, future in batch:
-                outcomes.append((future, *_run_in_savepoint(conn, op, self._classify)))
-            conn.execute("COMMIT")
-        except BaseException as exc:  # the whole transaction is gone: every caller hears it
-            if conn is not None:
-                _rollback(conn)
-            error: BaseException = exc
-            if (failure := self._classify(exc)) is not None:
-                error = self.health.failed(failure)
-            outcomes = [(future, None, error) for _, future in batch]
-        else:
-            self.health.succeeded()
-            if self.max_bytes is not None:
-                self.used_bytes = self._measure(conn)
+        for attempt in range(TRANSACTION_ATTEMPTS):
+            outcomes = []
+            try:
+                conn = self._connection()
+                _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
+                conn.execute("BEGIN IMMEDIATE")
+                for op, future in batch:
+                    outcomes.append((future, *_run_in_savepoint(conn, op, self._classify)))
+                conn.execute("COMMIT")
+            except BaseException as exc:  # the whole transaction is gone
+                if conn is not None:
+                    _rollback(conn)
+                if self._again(exc) and attempt + 1 < TRANSACTION_ATTEMPTS:
+                    # Another server's transaction took the same rows in another order
+                    # (PostgreSQL broke the deadlock by ending this one): every op of the
+                    # batch runs again from the start, in a new transaction.
+                    log.info("transaction of %d write(s) ran into another server's and runs"
+                             " again (attempt %d): %s", len(batch), attempt + 2,
+                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    continue
+                error: BaseException = exc
+                if (failure := self._classify(exc)) is not None:
+                    error = self.health.failed(failure)
+                outcomes = [(future, None, error) for _, future in batch]
+            else:
+                self.health.succeeded()
+                if self.max_bytes is not None:
+                    self.used_bytes = self._measure(conn)
+            break
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._settle, outcomes)
+
+    def _again(self, exc: BaseException) -> bool:
+        """Whether a failed transaction may simply run again (SQLite: never; its one
+        writer has no other to collide with)."""
+        return False
 
     def _settle(self, outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]
                 ) -> None:

@@ -461,6 +461,16 @@ class Writer(db.Writer):
     def _measure(self, conn: Any) -> int:
         return used_bytes(conn)
 
+    def _again(self, exc: BaseException) -> bool:
+        # A deadlock (two servers' writers updating the same rows in different orders)
+        # or a serialization failure: PostgreSQL rolled the transaction back and asks
+        # for it again. Every op is a function of its inputs and the rows, so it can.
+        return getattr(exc, "sqlstate", None) in AGAIN or \
+            getattr(exc.__cause__, "sqlstate", None) in AGAIN
+
+
+AGAIN = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure
+
 
 class Readers(db.Readers):
     """rota/db.py's reader pool on read-only PostgreSQL connections (``size`` of them:

@@ -47,13 +47,16 @@ class Runs:
     def per_job(self) -> collections.Counter[str]:
         return collections.Counter(job for job, _, _ in self.runs)
 
-    def worker(self, specs: Path, urls: str | list[str], name: str, **options: Any) -> Worker:
+    def worker(self, specs: Path, urls: str | list[str], name: str, *, seconds: float = 0.0,
+               **options: Any) -> Worker:
         worker = Worker(url=urls, specs_dir=specs, heartbeat_interval=0.1, worker_id=name,
                         **options)
 
         @worker.handler("echo")
         async def echo(ctx: JobContext) -> str:
             self.runs.append((ctx.id, ctx.attempt, name))
+            if seconds:
+                await asyncio.sleep(seconds)  # noqa: sleep-ok (the job's own work)
             return name
 
         return worker
@@ -250,8 +253,9 @@ async def test_chaos_three_servers_four_workers_one_killed_and_restarted(
         body = {"specs": [{"name": spec.name, "version": spec.version, "queue": spec.queue}]}
         assert (await clients[0].put("/specs", json=body)).status_code == 200
         # Worker k starts at server k % 3 and rotates through the others.
-        workers = [runs.worker(specs, urls[k % 3:] + urls[:k % 3], f"w{k}", concurrency=8)
-                   for k in range(4)]
+        # Jobs that take a little while, so that the killed server's workers hold some.
+        workers = [runs.worker(specs, urls[k % 3:] + urls[:k % 3], f"w{k}", concurrency=8,
+                               seconds=0.005) for k in range(4)]
         async with running(*workers):
             ids: list[str] = []
             for start in range(0, 5000, 250):
@@ -276,8 +280,11 @@ async def test_chaos_three_servers_four_workers_one_killed_and_restarted(
         for job in twice:
             first = next(w for j, _, w in runs.runs if j == job)
             assert first in lost_by, f"job {job} ran twice, first on {first}"
-        print(f"chaos: 5000 jobs, {len(twice)} ran twice (all first on a worker of the"
-              f" killed server)")
+        recovered = [line for i in (0, 2) for line in
+                     (tmp_path / f"s{i}.log").read_text().splitlines()
+                     if "recovered server=s1" in line]
+        print(f"chaos: 5000 jobs, {len(twice)} ran twice (each first on a worker of the"
+              f" killed server); recovery: {recovered}")
     finally:
         for proc in procs:
             if proc.returncode is None:
