@@ -39,17 +39,26 @@ class Cluster:
         self._missed: set[str] = set()  # servers seen past their lease, not yet recovered
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listening = False
+        self._ready = False  # the coordinator has started: notices may become events
 
-    async def start(self) -> None:
-        """After the coordinator started (its store registered this server's lease
-        before it read the snapshot): listen, then watch the leases."""
+    async def listen(self) -> None:
+        """Before the coordinator reads its snapshot: a job another server makes wait
+        from now on is heard (and taken in once ``start`` runs), so none falls between
+        the snapshot and the first notice."""
         self.listener.start()
-        try:  # a notice sent before LISTEN holds is not heard: take no traffic before it
+        try:
             await asyncio.wait_for(self.listener.listening.wait(), timeout=15)
         except TimeoutError:
             log.warning("cluster: not listening yet; other servers' work is heard once it is")
+
+    def start(self) -> None:
+        """Once the coordinator started: take in what was heard meanwhile, and watch the
+        leases."""
+        self._ready = True
         self._spawn(self._take_in_loop(), "rota-cluster-jobs")
         self._spawn(self._lease_loop(), "rota-cluster-leases")
+        if self._pending:
+            self._arrived.set()
         log.info("cluster server=%s lease=%gs grace=%gs: sharing the database with any"
                  " other server on it", self.me, self.lease, self.grace)
 
@@ -92,6 +101,8 @@ class Cluster:
         if channel == fleet.JOBS:
             self._pending.update(int(w) for w in words if w.isdigit())
             self._arrived.set()
+        elif not self._ready:  # the snapshot being read holds the status quo and pauses
+            return
         elif channel == fleet.SPECS:
             self._spawn(self._read_status_quo(), "rota-cluster-specs")
         elif channel == fleet.QUEUES:

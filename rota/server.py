@@ -34,13 +34,20 @@ def create_app(settings: ServerSettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await coordinator.start()
         cluster = None
         if settings.database_url is not None:  # possibly one of several servers on it
             cluster = Cluster(coordinator, settings.database_url,
                               url=f"{settings.host}:{settings.port}")
             coordinator.on_stop.append(cluster.let_go)
-            await cluster.start()
+            await cluster.listen()
+        try:
+            await coordinator.start()
+        except BaseException:  # (no coordinator.stop() follows a failed start)
+            if cluster is not None:
+                await cluster.stop()
+            raise
+        if cluster is not None:
+            cluster.start()
         try:
             yield
         finally:
