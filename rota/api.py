@@ -11,6 +11,7 @@ import asyncio
 import logging
 import re
 from typing import Annotated, Any, Literal
+from urllib.parse import quote
 
 import msgspec
 from starlette.exceptions import HTTPException
@@ -350,6 +351,11 @@ async def direct_worker(request: Request) -> Response:
     worker_id = request.path_params["worker_id"]
     conn = coordinator.connections.get(worker_id)
     if conn is None:
+        if coordinator.store.shared and await coordinator.store.connected_somewhere(worker_id):
+            # Connected to another server on this database: that server passes it on.
+            await coordinator.store.tell_servers(payload.state, f"id={quote(worker_id)}")
+            return JSON({"workers": [worker_id], "state": payload.state, "forwarded": True},
+                        status_code=202)
         return error(404, "not_found", f"no connected worker {worker_id}")
     if not coordinator.direct([worker_id], payload.state) and conn.worker.state != payload.state:
         now = STATE_WORDS.get(conn.worker.state, conn.worker.state)
@@ -366,7 +372,12 @@ async def direct_workers(request: Request) -> Response:
     if (payload.label is None) == (not payload.all):
         return error(422, "invalid_request", "give either label or all: true")
     chosen = coordinator.select_workers(label=payload.label, every=payload.all)
-    return JSON({"workers": coordinator.direct(chosen, payload.state), "state": payload.state})
+    directed = coordinator.direct(chosen, payload.state)
+    shared = coordinator.store.shared
+    if shared:  # the workers of the other servers on this database too
+        target = "all" if payload.all else f"label={quote(payload.label or '')}"
+        await coordinator.store.tell_servers(payload.state, target)
+    return JSON({"workers": directed, "state": payload.state, "forwarded": shared})
 
 
 async def list_queues(request: Request) -> Response:

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+import urllib.parse
 from typing import Any
 
 from rota import fleet
@@ -107,10 +108,26 @@ class Cluster:
             self._spawn(self._read_status_quo(), "rota-cluster-specs")
         elif channel == fleet.QUEUES:
             self._spawn(self._read_paused(), "rota-cluster-queues")
+        elif channel == fleet.WORKERS and len(words) == 2:
+            self._direct(origin, words[0], urllib.parse.unquote(words[1]))
         elif channel == fleet.CANCEL and len(words) == 2 and words[0] == self.me:
             outcome, effects = self.coordinator.engine.cancel(words[1], self.coordinator.clock())
             log.info("cancel job=%s from server=%s: %s", words[1], origin, outcome)
             self.coordinator.apply(effects)
+
+    def _direct(self, origin: str, state: str, target: str) -> None:
+        """An operator's directive given through another server, for the workers here."""
+        coordinator = self.coordinator
+        kind, _, name = target.partition("=")
+        if kind == "id":
+            chosen = [name] if name in coordinator.connections else []
+        else:
+            chosen = coordinator.select_workers(label=name if kind == "label" else None,
+                                                every=kind == "all")
+        directed = coordinator.direct(chosen, state)
+        if directed:
+            log.info("directive state=%s workers=%s from server=%s", state,
+                     ",".join(directed), origin)
 
     async def _take_in_loop(self) -> None:
         while True:

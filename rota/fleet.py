@@ -11,7 +11,10 @@ back):
 - ``rota_jobs``: row ids that may wait now (new, retried, back from a worker, due);
 - ``rota_specs``: the status quo changed (a push or a retirement);
 - ``rota_queues``: a queue was paused or resumed;
-- ``rota_cancel``: a running job is to be cancelled by the server that holds it.
+- ``rota_cancel``: a running job is to be cancelled by the server that holds it;
+- ``rota_workers``: an operator's directive (quiet, terminate, resume) for workers
+  connected to other servers: "<state> id=<worker>", "<state> label=<label>" or
+  "<state> all" (the name percent-encoded).
 
 A payload is the sending server's id, then words: "<origin> <word> <word> ...".
 """
@@ -27,7 +30,8 @@ import msgspec
 from rota.protocol import rfc3339
 
 JOBS, SPECS, QUEUES, CANCEL = "rota_jobs", "rota_specs", "rota_queues", "rota_cancel"
-CHANNELS = (JOBS, SPECS, QUEUES, CANCEL)
+WORKERS = "rota_workers"
+CHANNELS = (JOBS, SPECS, QUEUES, CANCEL, WORKERS)
 # PostgreSQL refuses a payload of 8,000 bytes or more: longer lists go as several.
 MAX_PAYLOAD = 7_000
 
@@ -142,3 +146,10 @@ def request_cancel(conn: sqlite3.Connection, job_id: str, me: str) -> str | None
                  (job_id,))
     notify(conn, CANCEL, me, [row[0], job_id])
     return str(row[0])
+
+
+def connected_somewhere(conn: sqlite3.Connection, worker_id: str) -> bool:
+    """Whether a worker of this id is connected to some server (its last connection has
+    not ended, as the servers record it)."""
+    return conn.execute("SELECT 1 FROM workers WHERE id = ? AND disconnected_at IS NULL",
+                        (worker_id,)).fetchone() is not None

@@ -225,6 +225,7 @@ class Workers(msgspec.Struct):
 class Directed(msgspec.Struct):
     workers: list[str]
     state: str
+    forwarded: bool = False  # also passed on to the other servers sharing the database
 
 
 class Waiting(msgspec.Struct):
@@ -371,7 +372,7 @@ ROUTES: list[Op] = [
      {200: Directed, **BAD}),
     Op("post", "/workers/{worker_id}/state", api.direct_worker,
        "Quiet or terminate one worker", StateRequest,
-     {200: Directed, 404: ErrorBody, 409: ErrorBody, **BAD}),
+     {200: Directed, 202: Directed, 404: ErrorBody, 409: ErrorBody, **BAD}),
     Op("get", "/queues", api.list_queues,
        "Per-queue counts and why jobs wait", None, {200: Queues}),
     Op("post", "/queues/{queue}/pause", operate.pause_queue,

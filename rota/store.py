@@ -364,6 +364,15 @@ class Store:
         server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.request_cancel(conn, job_id, server))
 
+    def tell_servers(self, state: str, target: str) -> asyncio.Future[None]:
+        """Pass an operator's directive on to the other servers' workers (rota/fleet.py)."""
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.notify(conn, fleet.WORKERS, server,
+                                                            [state, target]))
+
+    async def connected_somewhere(self, worker_id: str) -> bool:
+        return await self.readers.run(lambda conn: fleet.connected_somewhere(conn, worker_id))
+
     # -- reads ---------------------------------------------------------------------
     async def get_job(self, job_id: str) -> dict[str, Any] | None:
         return await self.readers.run(lambda conn: _fetch_job(conn, job_id))

@@ -166,14 +166,23 @@ async def test_fifty_concurrent_enqueues_of_one_id_over_two_servers_give_one_job
         assert [j["id"] for j in listed] == ["order-17"]
 
 
-async def test_a_cancel_through_one_server_reaches_the_worker_on_another(tmp_path: Path,
-                                                                         pg_url: str):
-    specs = tmp_path / "specs"
-    spec = write_spec(specs, "echo")
-    async with servers(tmp_path, pg_url, 2) as (a, b):
+@contextlib.asynccontextmanager
+async def worker_on_b(tmp: Path, url: str) -> AsyncIterator[tuple[Live, Live, RawWorker]]:
+    """Two servers, the spec pushed through A, and a raw worker registered on B."""
+    spec = write_spec(tmp / "specs", "echo")
+    async with servers(tmp, url, 2) as (a, b):
         await a.push(spec)
         worker = await RawWorker.open(b.ws, "wb")
         await worker.register([spec])
+        try:
+            yield a, b, worker
+        finally:
+            await worker.ws.close()
+
+
+async def test_a_cancel_through_one_server_reaches_the_worker_on_another(tmp_path: Path,
+                                                                         pg_url: str):
+    async with worker_on_b(tmp_path, pg_url) as (a, _, worker):
         job = await a.enqueue("echo")
         [copy] = await worker.jobs(1)
         assert copy["id"] == job["id"]
@@ -181,7 +190,6 @@ async def test_a_cancel_through_one_server_reaches_the_worker_on_another(tmp_pat
         assert response.status_code in (200, 202), response.text
         cancel = await worker.expect("cancel")
         assert cancel["job_ids"] == [job["id"]]
-        await worker.ws.close()
 
 
 async def test_a_killed_servers_jobs_come_back_after_its_lease_and_the_grace(
@@ -298,3 +306,23 @@ async def _completed(http: httpx.AsyncClient) -> int:
     """Jobs completed, as the database counts them (GET /queues)."""
     response = await http.get("/queues")
     return sum(q["counts"].get("completed", 0) for q in response.json()["queues"])
+
+
+async def test_a_directive_through_one_server_reaches_a_worker_on_another(tmp_path: Path,
+                                                                         pg_url: str):
+    async with worker_on_b(tmp_path, pg_url) as (a, b, _):
+        async def quieted() -> httpx.Response | None:  # once B's record of it is committed
+            response = await a.http.post("/workers/wb/state", json={"state": "quiet"})
+            return response if response.status_code != 404 else None
+
+        response = await wait_until(quieted, what="A to know wb is connected to a server")
+        assert response.status_code == 202, response.text
+        assert response.json() == {"workers": ["wb"], "state": "quiet", "forwarded": True}
+        await wait_until(lambda: b.coordinator.connections["wb"].directive == "quiet",
+                         what="B to quiet its worker")
+        every = await a.http.post("/workers/state", json={"state": "terminate", "all": True})
+        assert every.json() == {"workers": [], "state": "terminate", "forwarded": True}
+        await wait_until(lambda: b.coordinator.connections["wb"].directive == "terminate",
+                         what="B to terminate its worker")
+        missing = await a.http.post("/workers/nobody/state", json={"state": "quiet"})
+        assert missing.status_code == 404
