@@ -731,11 +731,7 @@ class Readers:
         try:
             conn = getattr(self._local, "conn", None)
             if conn is not None and not self._usable(conn):  # its server went away
-                with self._lock:
-                    self._conns.remove(conn)
-                with contextlib.suppress(Exception):
-                    conn.close()
-                conn = None
+                self._local.conn = conn = self._forget(conn)
             if conn is None:
                 conn = self._open()
                 self._local.conn = conn
@@ -746,6 +742,14 @@ class Readers:
             if (failure := self._classify(exc)) is None:
                 raise
             raise self._health.failed(failure) from exc
+
+    def _forget(self, conn: Any) -> None:
+        """Close a broken connection and drop it from the pool (a new one is opened at
+        this thread's next use, which may fail again while the server is away)."""
+        with self._lock:
+            self._conns.remove(conn)
+        with contextlib.suppress(Exception):
+            conn.close()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

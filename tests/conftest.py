@@ -204,7 +204,7 @@ def _servers_backend(backend: str, request: pytest.FixtureRequest) -> Iterator[N
 
     def database(tmp: Path) -> str:
         if tmp not in databases:
-            databases[tmp] = cluster.create_database()
+            databases[tmp] = cluster.create_database(migrated=True)
         return databases[tmp]
 
     _server_database = database

@@ -55,6 +55,7 @@ class Cluster:
         self.data = self.root / "data"
         self.port = 0
         self._names = itertools.count(1)
+        self._migrated = False  # the template of create_database(migrated=True) exists
         # PostgreSQL will not run as root: as root, the directory is given to postgres
         # and every command runs as that user.
         self._as: list[str] = []
@@ -101,12 +102,25 @@ class Cluster:
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{USER}@127.0.0.1:{self.port}/{database}"
 
-    def create_database(self) -> str:
-        """A fresh empty database; its URL."""
+    def create_database(self, *, migrated: bool = False) -> str:
+        """A fresh database, empty or (``migrated``) with Rota's schema already in it; its
+        URL. A migrated one is a copy of a template migrated once per cluster: copying
+        costs a test less than migrating (about 0.2 s against 0.4 s here)."""
         name = f"t{os.getpid()}_{next(self._names)}"
+        template = self._template() if migrated else "template1"
         with psycopg.connect(self.url(), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
         return self.url(name)
+
+    def _template(self) -> str:
+        if not self._migrated:
+            from rota import pg  # (the suite's own store code: migrated as Rota does it)
+
+            with psycopg.connect(self.url(), autocommit=True) as conn:
+                conn.execute('CREATE DATABASE "rota_template"')
+            pg.migrate(self.url("rota_template"))
+            self._migrated = True
+        return "rota_template"
 
     def destroy(self) -> None:
         try:

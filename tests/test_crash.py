@@ -25,12 +25,14 @@ from typing import Any
 import httpx
 import pytest
 import websockets
-from conftest import Api, start_server, stop_server, write_spec
+from conftest import Api, start_server, stop_server, store_url, write_spec
 from helpers import (RawWorker, RawWorkers, clean_env, completed, free_port, registration,
                      spawn_serve, wait_until)
 
-from rota import JobContext, Worker
+from rota import JobContext, Worker, pg
 from rota.specs import JobSpec
+
+pytestmark = pytest.mark.both_backends
 
 HEARTBEAT_TIMEOUT = 1.0
 CRASH_EXIT = 86  # what os._exit() returns at a --crash-at point
@@ -58,20 +60,29 @@ async def echo(ctx):
 '''
 
 
-def read_jobs(db: Path) -> dict[str, dict[str, Any]]:
-    """Every job row, read straight from the SQLite file (read-only)."""
+def _read_only(db: Path | str) -> Any:
+    """A read-only connection to the store: the SQLite file, or a PostgreSQL database."""
+    if isinstance(db, str):
+        return pg.connect(db, readonly=True)
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     conn.row_factory = sqlite3.Row
+    return conn
+
+
+def read_jobs(db: Path | str) -> dict[str, dict[str, Any]]:
+    """Every job row, read straight from the store (read-only)."""
+    conn = _read_only(db)
     try:
         return {row["id"]: dict(row) for row in conn.execute("SELECT * FROM jobs")}
     finally:
         conn.close()
 
 
-def count_states(db: Path) -> Counter[str]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+def count_states(db: Path | str) -> Counter[str]:
+    conn = _read_only(db)
     try:
-        return Counter(dict(conn.execute("SELECT state, count(*) FROM jobs GROUP BY state")))
+        return Counter({row[0]: row[1] for row in
+                        conn.execute("SELECT state, count(*) FROM jobs GROUP BY state")})
     finally:
         conn.close()
 
@@ -84,11 +95,12 @@ async def register_with(worker: RawWorker, specs: list[JobSpec], **sections: Any
 
 
 class ServerProcess(Api):
-    """``rota serve`` as a subprocess on one port and db file, restartable after a crash."""
+    """``rota serve`` as a subprocess on one port and store (the test's backend: a file,
+    or a PostgreSQL database), restartable after a crash."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.db = tmp / "rota.db"
+        self.db: Path | str = store_url(tmp) or tmp / "rota.db"
         self.port = free_port()
         self.proc: asyncio.subprocess.Process | None = None
         self.http = httpx.AsyncClient(base_url=self.base, timeout=10)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from conftest import start_server, stop_server, write_spec
 from helpers import wait_until
 from pgserver import Cluster
 
@@ -237,7 +238,7 @@ async def test_the_writer_degrades_while_the_server_is_down_and_recovers(
     pg.migrate(pg_url)
     health = db.Health(hold=0.0)
     writer = pg.Writer(pg_url, health=health)
-    readers = pg.Readers(pg_url, health=health)
+    readers = pg.Readers(pg_url, 1, health=health)  # one thread: one connection, reused
     writer.start(asyncio.get_running_loop())
     try:
         await writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('a', '1')"))
@@ -248,8 +249,9 @@ async def test_the_writer_degrades_while_the_server_is_down_and_recovers(
             with pytest.raises(StorageError) as failed:
                 await writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('b', '2')"))
             assert failed.value.code == "storage_unavailable"
-            with pytest.raises(StorageError):
-                await readers.run(lambda c: c.execute("SELECT 1").fetchone())
+            for _ in range(3):  # its connection lost, then none to be had: each says so
+                with pytest.raises(StorageError):
+                    await readers.run(lambda c: c.execute("SELECT 1").fetchone())
             assert health.degraded is not None
         finally:
             pg_cluster.start()
@@ -306,3 +308,40 @@ def test_a_url_is_told_from_a_file() -> None:
     assert pg.redact("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
     assert pg.redact("postgresql://u@h/db") == "postgresql://u@h/db"
     assert time.time() > 0
+
+
+async def test_a_server_on_postgresql_answers_503_while_it_is_down_and_recovers(
+        pg_cluster: Cluster, pg_url: str, tmp_path: Path) -> None:
+    """The database server stops under a running Rota: enqueues get 503
+    storage_unavailable with Retry-After, /healthz says degraded, reads of what is cached
+    fail the same way; once it is back, Rota recovers by itself, and every job it
+    acknowledged is there."""
+    live = await start_server(tmp_path, database_url=pg_url)
+    acked: list[str] = []
+    try:
+        await live.push(write_spec(tmp_path / "specs", "echo"))
+        acked.append((await live.enqueue("echo"))["id"])
+        await asyncio.to_thread(pg_cluster.stop)
+        try:
+            response = await live.http.post("/jobs", json={"spec": "echo", "args": {}})
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["code"] == "storage_unavailable", error
+            assert "PostgreSQL server cannot be reached" in error["message"]
+            assert 1 <= int(response.headers["Retry-After"]) <= 5
+            health = (await live.http.get("/healthz")).json()
+            assert health["status"] == "degraded"
+            assert health["storage"]["code"] == "storage_unavailable"
+        finally:
+            await asyncio.to_thread(pg_cluster.start)
+
+        async def healthy() -> bool:
+            health = (await live.http.get("/healthz")).json()
+            return health["status"] == "ok" and health["storage"] is None
+
+        await wait_until(healthy, timeout=db.RECOVER_AFTER + 20, what="recovery")
+        acked.append((await live.enqueue("echo"))["id"])
+        for job_id in acked:
+            assert (await live.job(job_id))["state"] == "available"
+    finally:
+        await stop_server(live)

@@ -21,6 +21,8 @@ from rota import protocol as p
 from rota.context import MAX_HELD_LINES, MAX_LINES_PER_BEAT, STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.link import RESULT_BYTES_PER_BEAT, Link
 
+pytestmark = pytest.mark.both_backends
+
 
 def chatty(tmp_path: Path, release: asyncio.Event, **options: Any) -> Worker:
     worker = Worker(specs_dir=tmp_path, **options)
