@@ -16,13 +16,15 @@ import os
 import socket
 import time
 import urllib.parse
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from rota import fleet
 from rota.coordinator import Coordinator
 from rota.pg import Listener
 
 log = logging.getLogger("rota.server")
+T = TypeVar("T")
 
 
 class Cluster:
@@ -134,28 +136,41 @@ class Cluster:
             await self._arrived.wait()
             self._arrived.clear()
             seqs, self._pending = sorted(self._pending), set()
-            try:
-                jobs = await self.store.waiting_jobs(seqs)
-            except Exception as exc:
-                log.warning("cluster: could not read %d job(s) another server made wait:"
-                            " %s", len(seqs), exc)
-                continue
+            jobs = await self._persist(lambda: self.store.waiting_jobs(seqs),
+                                       f"read {len(seqs)} job(s) another server made wait")
             coordinator = self.coordinator
             coordinator.apply(coordinator.engine.taken_in(jobs, coordinator.clock()))
 
     async def _read_status_quo(self) -> None:
-        specs, checksums, retired = await self.store.status_quo()
+        specs, checksums, retired = await self._persist(self.store.status_quo,
+                                                        "read the status quo")
         coordinator = self.coordinator
         coordinator.apply(coordinator.engine.status_quo_read(specs, checksums, retired,
                                                              coordinator.clock()))
 
     async def _read_paused(self) -> None:
-        paused = await self.store.paused_queues()
+        paused = await self._persist(self.store.paused_queues, "read the paused queues")
         coordinator = self.coordinator
         held = set(coordinator.scheduler.paused)
         for queue in paused ^ held:
             coordinator.apply(coordinator.engine.pause_queue(queue, queue in paused,
                                                              coordinator.clock()))
+
+    async def _persist(self, read: Callable[[], Awaitable[T]], what: str) -> T:
+        """``read()``, again until it works: what another server did must take effect
+        here (a status quo above all), so a database that is down delays it, never
+        drops it."""
+        failures = 0
+        while True:
+            try:
+                return await read()
+            except Exception as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("cluster: could not %s, trying again until it works: %s",
+                                what, exc)
+            # Pacing the retries of a database that is down, not a synchronisation.
+            await asyncio.sleep(min(2.0, 0.1 * 2 ** failures))  # noqa: sleep-ok
 
     # -- leases ----------------------------------------------------------------------
     async def _lease_loop(self) -> None:

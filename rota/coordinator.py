@@ -31,7 +31,7 @@ from rota.jobs import EnqueueRequest, same_job
 from rota.listing import JobFilter
 from rota.model import TERMINAL_STATES, Instant, Job
 from rota.policy import TokenBucket
-from rota.registry import Connection
+from rota.registry import Connection, held_ids
 from rota.retention import BATCH, PruneTally, Retention, due, next_pass
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
@@ -297,6 +297,24 @@ class Coordinator:
         effects += self.engine.heartbeat(conn, hb.worker_id, hb, now)
         self.apply(effects, source=conn)
 
+    async def take_over(self, hb: p.Heartbeat) -> None:
+        """Before a registration is handled: on a database several servers share, the
+        jobs the worker holds that another server reserved become this server's (their
+        rows say so, fenced on the worker and the attempt's state), so the worker goes
+        on with them here instead of being told they were lost."""
+        if not self.store.shared:
+            return
+        named = held_ids(hb.status) if hb.status is not None else []
+        held = {*named, *(r.job_id for r in hb.results)} - self.scheduler.jobs.keys()
+        if not held:
+            return
+        try:
+            jobs = await self.store.take_over(hb.worker_id, sorted(held))
+        except StorageError as exc:  # then as on one server: they come back later
+            log.warning("take over jobs=%d worker=%s failed: %s", len(held), hb.worker_id, exc)
+            return
+        self.apply(self.engine.taken_over(jobs, hb.worker_id, self.clock()))
+
     async def settled(self, conn: int) -> None:
         """Until the results this connection sent are committed and answered."""
         future = self._inflight.get(conn)
@@ -360,12 +378,20 @@ class Coordinator:
     async def _token_loop(self) -> None:
         """Tokens are created and revoked from the CLI, straight into the file: look every
         heartbeat interval, so that a revoked worker is gone within one."""
+        failed = ""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval)
             try:
                 await self._refresh_tokens()
             except StorageError:  # the store's health says so; the last table stands
                 pass
+            except Exception as exc:  # a bug: said once, and the loop goes on, or a
+                # revoked token would keep working and a new one never be required
+                if str(exc) != failed:
+                    log.exception("reading the tokens failed; the last table stands")
+                failed = str(exc)
+            else:
+                failed = ""
 
     async def _retention_loop(self) -> None:
         """Delete finished jobs past their retention, one batch per writer transaction:

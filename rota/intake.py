@@ -207,6 +207,24 @@ class Intake:
             effects += [Arm(t) for t in (job.due, job.expiry) if t is not None]
         return effects + [Wake()] if jobs else effects
 
+    def taken_over(self, jobs: list[Job], worker_id: str, now: Instant) -> list[Effect]:
+        """Jobs a worker held through another server, whose rows name this server now
+        (``Coordinator.take_over``): kept for the worker as after a restart, so the
+        registration that follows reclaims them and their results are taken."""
+        grace = now.mono + self.settings.heartbeat_timeout
+        for job in jobs:
+            known = self.scheduler.jobs.get(job.id)
+            if known is not None:
+                self.scheduler.finish(known)
+            job.clocks(now)
+            self.scheduler.track(job)
+            self.scheduler.orphan(job, grace)
+        if jobs:
+            log_lines(log, logging.INFO, "take over job=%s spec=%s queue=%s worker=%s"
+                      " attempt=%d from another server", [(j.id, j.spec, j.queue, worker_id,
+                                                          j.attempt) for j in jobs])
+        return []
+
     def status_quo_read(self, specs: dict[str, JobSpec], checksums: dict[str, str],
                         retired: dict[str, float], now: Instant) -> list[Effect]:
         """The status quo as the database says after another server's push or

@@ -131,6 +131,23 @@ def waiting_rows(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple[Any, .
     return out
 
 
+def take_over_rows(conn: sqlite3.Connection, server_id: str, worker_id: str,
+                   job_ids: list[str]) -> list[tuple[Any, ...]]:
+    """Make the reservations this worker holds through other servers this server's:
+    only rows still active for that worker (a job taken back meanwhile stays where it
+    is). The rows taken, as live_job reads them."""
+    out: list[tuple[Any, ...]] = []
+    for start in range(0, len(job_ids), 500):  # SQLite's limit on parameters
+        chunk = job_ids[start:start + 500]
+        cursor = conn.execute(
+            f"UPDATE jobs SET server_id = ? WHERE id IN ({', '.join('?' * len(chunk))})"
+            " AND worker_id = ? AND state = 'active' AND (server_id IS NULL OR server_id <> ?)"
+            " RETURNING " + ", ".join(_LIVE), (server_id, *chunk, worker_id, server_id))
+        cursor.row_factory = None
+        out += [tuple(r) for r in cursor.fetchall()]
+    return out
+
+
 def live_job(r: tuple[Any, ...]) -> Job:
     """job_from_row for a restart: positional, and the names that repeat from row to row
     (spec, queue, state, worker, checksum, token) shared rather than held once per job."""

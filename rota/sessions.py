@@ -220,7 +220,13 @@ class Session:
             if self._over:  # the worker may have read some, with nothing sent to show it
                 self._watch()
             await self._throttle(len(text))
-            self._handle(p.decode_heartbeat(text))
+            hb = p.decode_heartbeat(text)
+            if self.worker_id is None and hb.registration is not None:
+                # It may come from another server sharing the database, holding jobs
+                # reserved through that one: this server takes them over first, so that
+                # the registration reclaims them as after a restart (rota/cluster.py).
+                await self.coordinator.take_over(hb)
+            self._handle(hb)
 
     async def _next_message(self) -> dict[str, object]:
         if self.worker_id is not None:

@@ -32,7 +32,7 @@ from rota.protocol import rfc3339
 from rota.ready import Claim
 from rota.retention import Cutoff
 from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, read_status_quo,
-                       waiting_rows)
+                       take_over_rows, waiting_rows)
 from rota.specs import JobSpec
 from rota.views import job_view
 
@@ -239,8 +239,11 @@ class Store:
         waiting = [str(c.job.seq) for c in changes if c.job.state in WAITING_STATES] \
             if self.shared else []
 
+        if self.shared:  # and only from the server whose worker holds the job, if any
+            rows = [(*row, self.server_id) for row in rows]
+
         def op(conn: sqlite3.Connection) -> None:
-            conn.executemany(_SAVE, rows)
+            conn.executemany(_SAVE_SHARED if self.shared else _SAVE, rows)
             if waiting:
                 fleet.notify(conn, fleet.JOBS, self.server_id or "", waiting)
 
@@ -363,6 +366,15 @@ class Store:
     def request_cancel(self, job_id: str) -> asyncio.Future[str | None]:
         server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.request_cancel(conn, job_id, server))
+
+    def take_over(self, worker_id: str, job_ids: list[str]) -> asyncio.Future[list[Job]]:
+        """The jobs this worker holds through other servers, made this server's."""
+        server = self.server_id or ""
+
+        def op(conn: sqlite3.Connection) -> list[Job]:
+            return [live_job(r) for r in take_over_rows(conn, server, worker_id, job_ids)]
+
+        return self.writer.submit(op)
 
     def tell_servers(self, state: str, target: str) -> asyncio.Future[None]:
         """Pass an operator's directive on to the other servers' workers (rota/fleet.py)."""
@@ -571,6 +583,9 @@ _SAVE = (
     " WHERE id = ? AND attempt = ?"
 )  # "attempt = ?": the fence. Only a reservation moves a row's attempt on, so a server
 # whose copy of the job is stale (another one reserved it since) changes nothing.
+# Servers sharing a database (rota/fleet.py) also fence on the holder: a job another
+# server took over from this one (its worker moved there) is not this one's to change.
+_SAVE_SHARED = _SAVE + " AND (server_id IS NULL OR server_id = ?)"
 
 
 def _insert_row(job: Job) -> tuple[Any, ...]:

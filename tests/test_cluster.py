@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -326,3 +327,51 @@ async def test_a_directive_through_one_server_reaches_a_worker_on_another(tmp_pa
                          what="B to terminate its worker")
         missing = await a.http.post("/workers/nobody/state", json={"state": "quiet"})
         assert missing.status_code == 404
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+async def test_a_worker_that_moves_to_another_server_keeps_its_running_job(
+        tmp_path: Path, pg_url: str, how: signal.Signals, caplog: pytest.LogCaptureFixture):
+    """Its server dies (or stops) while the worker runs a job: the worker moves to B,
+    which takes the reservation over, and the run started on A finishes there, once, as
+    attempt 1."""
+    caplog.set_level(logging.INFO, logger="rota.server")
+    specs = tmp_path / "specs"
+    spec = write_spec(specs, "echo")
+    port = free_port()
+    gate = asyncio.Event()
+    started: list[str] = []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        proc = await spawn_serve(http, ["--db", pg_url, "--port", str(port), "--server-id", "A",
+                                        "--heartbeat-interval", "0.2", "--heartbeat-timeout",
+                                        "2"], tmp_path / "a.log")
+        try:
+            async with servers(tmp_path, pg_url, 1) as (b,):
+                await b.push(spec)
+                worker = Worker(url=[f"http://127.0.0.1:{port}", b.base], specs_dir=specs,
+                                heartbeat_interval=0.1, worker_id="mover")
+
+                @worker.handler("echo")
+                async def echo(ctx: JobContext) -> int:
+                    started.append(ctx.id)
+                    await gate.wait()
+                    return ctx.attempt
+
+                async with running(worker):
+                    job = await b.enqueue("echo")
+                    await wait_until(lambda: started, what="the job to start on A's worker")
+                    proc.send_signal(how)
+                    await proc.wait()
+                    await wait_until(lambda: worker.server_url.startswith(b.ws.rsplit("/", 1)[0]),
+                                     what="the worker to move to B")
+                    await wait_until(lambda: "mover" in b.coordinator.connections,
+                                     what="the worker to register on B")
+                    gate.set()
+                    done = await b.wait_state(job["id"], "completed", timeout=10)
+                assert done["attempt"] == 1 and done["result"] == 1 and done["errors"] == []
+                assert started == [job["id"]]
+                assert "take over job=" in caplog.text
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()

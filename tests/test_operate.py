@@ -180,7 +180,9 @@ async def test_a_quiet_worker_is_resumed_over_http(live: Live, sdk_worker, tmp_p
     await wait_until(lambda: worker.state == "quiet", what="the worker to go quiet")
     job = await live.enqueue("echo")
     resumed = await live.http.post("/workers/state", json={"state": "running", "all": True})
-    assert resumed.json() == {"workers": [worker.worker_id], "state": "running"}
+    # On PostgreSQL the directive goes to the other servers' workers too (docs/scaling.md).
+    assert resumed.json() == {"workers": [worker.worker_id], "state": "running",
+                              "forwarded": live.coordinator.store.shared}
     await wait_until(lambda: worker.state == "running", what="the worker to resume")
     await live.wait_state(job["id"], "completed")
 
