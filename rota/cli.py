@@ -14,6 +14,7 @@ import importlib.resources
 import json
 import re
 import signal
+import socket
 import sqlite3
 import sys
 import time
@@ -140,6 +141,9 @@ class DatabaseParam(click.ParamType):
         text = str(value)
         if text.startswith(("postgresql://", "postgres://")):
             return text
+        if "://" in text:  # a server's URL, or a misspelt scheme: not a file name
+            self.fail(f"{text!r} is neither a database file nor a postgresql:// URL (a"
+                      " server's own URL goes in --url)", param, ctx)
         if text.endswith("/") or Path(text).is_dir():
             self.fail(f"{text!r} is a directory: give a database file, or a postgresql://"
                       " URL", param, ctx)
@@ -314,7 +318,7 @@ def serve(db: Path | str, log_level: str, log_format: str, insecure: bool,
     from rota.db import NewerDatabase
     from rota.server import serve as run_server
     from rota.settings import ServerSettings, loopback
-    from rota.store import list_tokens
+    from rota.store import list_tokens, server_id_in_use
 
     logs.configure(log_level, log_format)
     if isinstance(db, Path):  # (several servers share a PostgreSQL database: no lock)
@@ -328,6 +332,16 @@ def serve(db: Path | str, log_level: str, log_format: str, insecure: bool,
         if (failure := _database_failure(db, exc)) is None:
             raise
         _fail(failure)
+    if not isinstance(db, Path):  # two live servers under one name would share a lease
+        server_id = options["server_id"] or f"{socket.gethostname()}:{options['port']}"
+        try:
+            in_use = server_id_in_use(db, server_id)
+        except Exception as exc:
+            if (failure := _database_failure(db, exc)) is None:
+                raise
+            _fail(failure)
+        if in_use is not None:
+            _fail(in_use)
     if not tokens and not loopback(options["host"]) and not insecure:
         _fail(f"refusing to serve on {options['host']} with no tokens: anyone who reaches it could"
               " take jobs and give orders. Create one with 'rota tokens create --scope admin',"

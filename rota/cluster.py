@@ -194,15 +194,17 @@ class Cluster:
         """Say which servers missed their lease, and recover those past the grace."""
         lapsed = await self.store.lapsed_servers(now)
         for server in set(lapsed) - self._missed:
-            log.warning("cluster: server=%s missed its lease; its workers' jobs come back"
-                        " after %gs unless it returns", server, self.grace)
+            log.warning("cluster: server=%s holds no lease (it stopped, or died); its"
+                        " workers' jobs come back after %gs unless it returns", server,
+                        self.grace)
         self._missed = set(lapsed)
         for server in await self.store.lapsed_servers(now - self.grace):
             seqs = await self.store.recover_server(server, now, now - self.grace)
             self._missed.discard(server)
             if seqs is None:  # another server was first, or it came back
                 continue
-            log.warning("recovered server=%s jobs=%d: they wait again", server, len(seqs))
+            log.log(logging.WARNING if seqs else logging.INFO,
+                    "recovered server=%s jobs=%d: they wait again", server, len(seqs))
             if seqs:
                 jobs = await self.store.waiting_jobs(seqs)
                 coordinator = self.coordinator

@@ -117,8 +117,9 @@ def recover(conn: sqlite3.Connection, dead: str, me: str, now: float, before: fl
     for seq, job_id, attempt, worker_id in (tuple(r) for r in held):
         record = msgspec.json.encode({
             "type": "server_lost", "retryable": True, "details": None,
-            "message": f"server {dead} stopped renewing its lease while its worker held"
-                       " the job; recovered by server " + me,
+            "message": f"server {dead} held no lease any more (it stopped or died) while"
+                       " its worker ran the job, and the worker did not come back to"
+                       " another server in time; recovered by server " + me,
             "attempt": attempt, "worker_id": worker_id, "at": rfc3339(now)}).decode()
         conn.execute("UPDATE jobs SET state = 'available', worker_id = NULL, server_id = NULL,"
                      " lease_expires_at = NULL, run_at = NULL,"
@@ -153,3 +154,12 @@ def connected_somewhere(conn: sqlite3.Connection, worker_id: str) -> bool:
     not ended, as the servers record it)."""
     return conn.execute("SELECT 1 FROM workers WHERE id = ? AND disconnected_at IS NULL",
                         (worker_id,)).fetchone() is not None
+
+
+def holder(conn: sqlite3.Connection, server_id: str, now: float
+           ) -> tuple[str, int, float] | None:
+    """(host, pid, lease end) of a server that holds ``server_id``'s lease now, if any."""
+    row = conn.execute("SELECT host, pid, lease_expires_at FROM servers WHERE id = ?"
+                       " AND stopped_at IS NULL AND lease_expires_at > ?",
+                       (server_id, now)).fetchone()
+    return None if row is None else (str(row[0]), int(row[1]), float(row[2]))

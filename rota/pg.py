@@ -393,6 +393,7 @@ def connect(url: str, *, readonly: bool = False, durability: str = "full") -> Co
 # SQLSTATE classes and codes that blame the database server rather than the statement:
 # (code, sentence, seconds to wait), as rota/db.py's STORAGE_ERRORS for SQLite.
 UNAVAILABLE = ("storage_unavailable", "the PostgreSQL server cannot be reached", 1)
+REFUSED = ("storage_unavailable", "the PostgreSQL server refused the connection", 1)
 STORAGE_STATES: dict[str, tuple[str, str, int]] = {
     "08": UNAVAILABLE,  # connection exceptions
     "57P": UNAVAILABLE,  # shut down, crashed, starting up
@@ -421,7 +422,9 @@ def storage_error(exc: BaseException) -> StorageError | None:
     if state is None:
         # No SQLSTATE: the client's own (refused or lost connection, one closed already).
         if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
-            meaning = UNAVAILABLE
+            # A server that answered with FATAL (no such database or role, a refused
+            # login) was reached: say that it refused, not that it cannot be reached.
+            meaning = REFUSED if "FATAL:" in str(exc) else UNAVAILABLE
     else:
         meaning = next((m for prefix, m in sorted(STORAGE_STATES.items(),
                                                   key=lambda kv: -len(kv[0]))

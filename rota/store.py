@@ -680,6 +680,35 @@ def create_token(path: Path | str, *, name: str, scope: str, queues: list[str] |
         conn.close()
 
 
+def server_id_in_use(url: str, server_id: str) -> str | None:
+    """Why another live server holds ``server_id`` on this database, or None. A server
+    on this host whose process is gone (a crash, restarted under the same name) does
+    not count: it takes its own reservations back."""
+    conn = _open(url)
+    try:
+        held = fleet.holder(conn, server_id, time.time())
+    finally:
+        conn.close()
+    if held is None:
+        return None
+    host, pid, until = held
+    if host == socket.gethostname() and (pid == os.getpid() or not _alive(pid)):
+        return None
+    return (f"server id {server_id} is in use by rota serve pid {pid} on {host} (its lease"
+            f" runs {max(0.0, until - time.time()):.1f}s more): give this one another"
+            " --server-id")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process, alive
+        return True
+    return True
+
+
 def list_tokens(path: Path | str) -> list[dict[str, Any]]:
     conn = _open(path)
     try:

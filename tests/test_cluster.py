@@ -11,6 +11,7 @@ import collections
 import contextlib
 import logging
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -375,3 +376,19 @@ async def test_a_worker_that_moves_to_another_server_keeps_its_running_job(
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def test_a_second_live_server_under_the_same_id_refuses_to_start(tmp_path: Path,
+                                                                       pg_url: str):
+    """Two live servers under one --server-id would renew one lease, and a crash of
+    either would strand its workers' jobs: the second refuses, in one line. (One whose
+    process is gone, on this host, is a restart: that one starts.)"""
+    async with servers(tmp_path, pg_url, 1):  # s0's lease: this host, this live process
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rota", "serve", "--db", pg_url, "--port", str(free_port()),
+            "--server-id", "s0", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    text = out.decode()
+    assert proc.returncode != 0 and "Traceback" not in text
+    assert "server id s0 is in use by rota serve pid" in text and "--server-id" in text
