@@ -33,7 +33,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import re
+import select
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -344,7 +347,16 @@ class Connection:
 
     @property
     def usable(self) -> bool:
-        return not self.raw.closed and not self.raw.broken
+        """Whether the connection can still be used: not found broken, and, if it sits
+        idle, not ended by the server meanwhile (a restart or failover of PostgreSQL
+        leaves its farewell, an ErrorResponse, or the end of the stream unread on the
+        socket). Seen here, without a round trip, the next write opens a new connection
+        instead of failing on the old one with a 503."""
+        if self.raw.closed or self.raw.broken:
+            return False
+        if self.raw.info.transaction_status != TransactionStatus.IDLE:
+            return True
+        return _still_open(self.raw.pgconn.socket)
 
     def close(self) -> None:
         self.raw.close()
@@ -356,6 +368,22 @@ class Connection:
         # As sqlite3's: the open transaction is committed, or rolled back on an error.
         if self.in_transaction:
             self.raw.execute("ROLLBACK" if kind is not None else "COMMIT")
+
+
+def _still_open(fd: int) -> bool:
+    """Whether an idle connection's socket has no farewell from the server waiting: nothing
+    to read (the usual case, one poll), or a message an idle session may get (a notice,
+    a parameter's new value, a notification) rather than an error or the end."""
+    try:
+        if not select.select([fd], [], [], 0)[0]:
+            return True
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            first = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return first not in (b"", b"E")
 
 
 def _params(url: str) -> dict[str, Any]:

@@ -265,6 +265,29 @@ async def test_the_writer_degrades_while_the_server_is_down_and_recovers(
         readers.close()
 
 
+async def test_a_database_restarted_while_rota_is_idle_costs_no_write_a_failure(
+        pg_cluster: Cluster, pg_url: str) -> None:
+    """The connections' server went away and came back while they sat idle: the writer
+    and a reader see it before they use them, and open new ones; nothing fails."""
+    pg.migrate(pg_url)
+    health = db.Health(hold=0.0)
+    writer = pg.Writer(pg_url, health=health)
+    readers = pg.Readers(pg_url, 1, health=health)
+    writer.start(asyncio.get_running_loop())
+    try:
+        await writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('a', '1')"))
+        assert await readers.run(lambda c: c.execute("SELECT 1").fetchone()[0]) == 1
+        await asyncio.to_thread(pg_cluster.stop)
+        await asyncio.to_thread(pg_cluster.start)
+        await writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('b', '2')"))
+        assert await readers.run(lambda c: c.execute("SELECT count(*) FROM meta"
+                                                     ).fetchone()[0]) == 3
+        assert health.degraded is None
+    finally:
+        await asyncio.to_thread(writer.stop)
+        readers.close()
+
+
 # -- LISTEN --------------------------------------------------------------------------------
 async def test_the_listener_hears_notify_and_listens_again_after_a_restart(
         pg_cluster: Cluster, pg_url: str) -> None:
