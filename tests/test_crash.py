@@ -383,7 +383,10 @@ async def test_kill_9_server_under_load_loses_no_job(server: ServerProcess,
     survivors = procs[1:] if with_worker else procs
     at_kill = read_jobs(server.db)  # what was committed when the server died
     states = Counter(row["state"] for row in at_kill.values())
-    assert states["active"] > 0 and states["available"] > 0 and states["completed"] < TOTAL
+    # Running and completing at the kill. (Queued too, most often; but where commits are
+    # slower, as on PostgreSQL on a busy machine, the workers' prefetch may have reserved
+    # every job already: the kill then hits no waiting job, and the test still holds.)
+    assert states["active"] > 0 and states["completed"] < TOTAL
     orphans_of_dead = {i for i, row in at_kill.items()
                        if row["state"] == "active" and row["worker_id"] == dead_id}
     assert orphans_of_dead or not with_worker
