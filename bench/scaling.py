@@ -96,11 +96,20 @@ from rota import JobContext, Worker
 worker = Worker(specs_dir={specs_dir!r}, concurrency={concurrency}, prefetch=0)
 
 
+def note(ctx: JobContext, what: str) -> None:
+    with open({runs!r}, "a") as out:
+        out.write(f"{{time.time()!r}} {{ctx.id}} {{ctx.attempt}} {{ctx.worker_id}} {{what}}\\n")
+
+
 @worker.handler({spec!r})
 async def noop(ctx: JobContext) -> None:
-    with open({runs!r}, "a") as out:
-        out.write(f"{{time.time()!r}} {{ctx.id}} {{ctx.attempt}} {{ctx.worker_id}}\\n")
-    await asyncio.sleep(ctx.args.get("seconds", 0))  # noqa: sleep-ok (the job's own work)
+    note(ctx, "start")
+    outcome = "stopped"  # a cancel (reservation lost) ends the sleep with CancelledError
+    try:
+        await asyncio.sleep(ctx.args.get("seconds", 0))  # noqa: sleep-ok (the job's work)
+        outcome = "end"
+    finally:
+        note(ctx, outcome)
 '''
 
 
@@ -116,7 +125,7 @@ class Server:
 class Fleet:
     """Servers and workers of one run, as subprocesses, in a temp dir of their own."""
 
-    db: str  # a SQLite file or a postgresql:// URL
+    db: str  # a postgresql:// URL, or "" for a SQLite file in the run's directory
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rota-scale-")))
     children: tp.Children = field(default_factory=tp.Children)
     servers: list[Server] = field(default_factory=list)
@@ -126,6 +135,7 @@ class Fleet:
         self.specs_dir = self.workdir / "specs"
         self.specs_dir.mkdir()
         (self.specs_dir / f"{tp.SPEC_NAME}.toml").write_text(tp.NOOP_SPEC)
+        self.db = self.db or str(self.workdir / "rota.db")
 
     def serve(self, name: str, extra: tuple[str, ...] = ()) -> Server:
         port = tp.free_port()
@@ -187,8 +197,8 @@ def fleet(db: str) -> Iterator[Fleet]:
 
 
 @contextlib.contextmanager
-def postgres() -> Iterator[Cluster]:
-    cluster = Cluster(durable=True)
+def postgres(durable: bool = True) -> Iterator[Cluster]:
+    cluster = Cluster(durable=durable)
     try:
         cluster.start()
         yield cluster
@@ -222,6 +232,18 @@ def cpu_snapshot(run: Fleet, cluster: Cluster | None) -> dict[str, dict[int, flo
                 times = proc.cpu_times()
                 snap[role][proc.pid] = times.user + times.system
     return snap
+
+
+def machine_busy(before: Any, after: Any) -> float:
+    """Percent of one core the whole machine was busy between two psutil.cpu_times()
+    (200 = both cores): set beside what the run's own processes used, it shows what the
+    other work on the machine took."""
+    def idle(t: Any) -> float:
+        return float(t.idle + getattr(t, "iowait", 0.0))
+
+    total = sum(after) - sum(before)
+    busy = total - (idle(after) - idle(before))
+    return round(100 * (os.cpu_count() or 1) * busy / total, 1) if total else 0.0
 
 
 def cpu_used(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]],
@@ -295,10 +317,11 @@ async def produce(servers: list[Server], jobs: int, batch: int) -> tuple[float, 
     return first, failures
 
 
-def e2e(db: str, servers: int, jobs: int, cluster: Cluster | None) -> dict[str, Any]:
-    """``servers`` servers on ``db``, a worker (concurrency 10) on each, ``jobs`` no-op jobs
-    in batches of 1,000 spread over the servers; jobs/s and each process's CPU."""
-    with fleet(db) as run:
+def e2e(cluster: Cluster | None, servers: int, jobs: int) -> dict[str, Any]:
+    """``servers`` servers on a fresh database of ``cluster`` (SQLite without one), a worker
+    (concurrency 10) on each, ``jobs`` no-op jobs in batches of 1,000 spread over the
+    servers; jobs/s and each process's CPU."""
+    with fleet(cluster.create_database() if cluster else "") as run:
         for i in range(servers):
             run.serve(f"s{i}")
         run.push(run.servers[0])  # one push: the others hear of it (rota_specs)
@@ -307,14 +330,15 @@ def e2e(db: str, servers: int, jobs: int, cluster: Cluster | None) -> dict[str, 
             run.worker(f"worker-{i}", target, [server])
         for server in run.servers:
             run.wait_workers(server, 1)
-        store = Store(db)
+        store = Store(run.db)
         try:
-            before = cpu_snapshot(run, cluster)
+            before, machine_before = cpu_snapshot(run, cluster), psutil.cpu_times()
             started = time.monotonic()
             first, failures = asyncio.run(produce(run.servers, jobs, 1000))
             wait_completed(store, jobs, run, 300.0)
             seconds = time.monotonic() - started
-            after = cpu_snapshot(run, cluster)
+            after, busy = cpu_snapshot(run, cluster), machine_busy(machine_before,
+                                                                    psutil.cpu_times())
             last = store.one("SELECT max(finished_at) FROM jobs")
             states = dict(store.all("SELECT state, count(*) FROM jobs GROUP BY state"))
             reruns = store.one("SELECT count(*) FROM jobs WHERE attempt > 1")
@@ -326,10 +350,12 @@ def e2e(db: str, servers: int, jobs: int, cluster: Cluster | None) -> dict[str, 
             "states": states, "jobs_run_more_than_once": reruns,
             "jobs_per_worker": sorted(per_worker.values()), "enqueue_failures": failures[:10],
             "cpu_percent_of_one_core": cpu_used(before, after, seconds),
+            "machine_busy_percent_of_one_core": busy,
             "log_problems": run.problems()}
     cpu = figures["cpu_percent_of_one_core"]
     print(f"  {servers} server(s) on {'PostgreSQL' if cluster else 'SQLite'}: "
-          f"{figures['end_to_end_per_s']} jobs/s; CPU % of a core: {cpu}")
+          f"{figures['end_to_end_per_s']} jobs/s; CPU % of a core: {cpu}; whole machine:"
+          f" {figures['machine_busy_percent_of_one_core']}")
     return figures
 
 
@@ -380,12 +406,20 @@ def latency(url: str, count: int, rate: float) -> dict[str, Any]:
                     paced(count, rate, send)
                 done = len(sent) if phase == "cross_server" else 2 * count
                 wait_completed(store, done, run, 60.0)
-                rows = store.all("SELECT id, result FROM jobs WHERE state = 'completed'")
-                waits = [json.loads(result) - sent[job] for job, result in rows if job in sent]
-                # From the acknowledgement on: what the push itself adds to the commit.
-                after = [json.loads(result) - acked[job] for job, result in rows if job in sent]
-                figures[phase] = {**distribution(waits), "enqueue_call": distribution(calls),
-                                  "from_the_acknowledgement": distribution(after)}
+                rows = [(job, json.loads(result), reserved) for job, result, reserved in
+                        store.all("SELECT id, result, reserved_at FROM jobs"
+                                  " WHERE state = 'completed'") if job in sent]
+                figures[phase] = {
+                    **distribution([start - sent[job] for job, start, _ in rows]),
+                    "enqueue_call": distribution(calls),
+                    # From the acknowledgement on: what the push adds to the commit, split
+                    # at the reservation (the serving server's clock when it reserved).
+                    "from_the_acknowledgement": distribution(
+                        [start - acked[job] for job, start, _ in rows]),
+                    "acknowledgement_to_reservation": distribution(
+                        [reserved - acked[job] for job, _, reserved in rows]),
+                    "reservation_to_handler_start": distribution(
+                        [start - reserved for _, start, reserved in rows])}
                 print(f"  {phase}: {figures[phase]}")
         finally:
             store.close()
@@ -398,13 +432,13 @@ LEASE, GRACE = 2.0, 2.0
 LONG_JOB = 10.0
 
 
-def read_runs(path: Path) -> list[tuple[float, str, int, str]]:
-    """(start wall clock, job id, attempt, worker id) per handler start so far."""
+def read_runs(path: Path, what: str = "start") -> list[tuple[float, str, int, str]]:
+    """(wall clock, job id, attempt, worker id) per handler start (or end, or stop)."""
     out = []
     with contextlib.suppress(OSError):
         for line in path.read_text().splitlines():
             parts = line.split()
-            if len(parts) == 4:  # a line being written is skipped until it is whole
+            if len(parts) == 5 and parts[4] == what:  # a line being written is skipped
                 out.append((float(parts[0]), parts[1], int(parts[2]), parts[3]))
     return out
 
@@ -498,9 +532,17 @@ def death(url: str) -> dict[str, Any]:
             "their_last_error_type": errors,
             "jobs_held_by_the_worker_with_both_urls_after": [
                 {"state": state, "attempt": attempt} for _, state, attempt, _ in w_jobs],
-            "their_starts": sorted(
-                {f"attempt {attempt} by {worker}" for _, job, attempt, worker in starts
-                 if job in held_by_w}),
+            "their_runs": sorted(
+                {f"attempt {attempt} by {worker[:8]}: {what}" for what in ("start", "stopped")
+                 for _, job, attempt, worker in read_runs(runs_file, what) if job in held_by_w}),
+            "their_attempt_1_stopped_after_s": sorted(
+                round(t - killed_at, 3) for t, job, attempt, _ in read_runs(runs_file, "stopped")
+                if job in held_by_w and attempt == 1),
+            "their_attempt_2_started_after_s": sorted(
+                round(t - killed_at, 3) for t, job, attempt, _ in starts
+                if job in held_by_w and attempt == 2),
+            "their_last_error": [json.loads(e)[-1] if json.loads(e) else None
+                                 for _, _, _, e in w_jobs],
             "log_problems": run.problems()}
     print(f"  death: {json.dumps({k: v for k, v in figures.items() if k != 'log_problems'})}")
     return figures
@@ -532,6 +574,13 @@ def _pg_version() -> str:
     return find_bin().parent.name
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median end-to-end rate, with every run's rate beside it."""
+    ordered = sorted(runs, key=lambda r: r["end_to_end_per_s"])
+    return {**ordered[len(ordered) // 2],
+            "end_to_end_per_s_every_run": [r["end_to_end_per_s"] for r in runs]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes (~2 min)")
@@ -539,11 +588,14 @@ def main(argv: list[str] | None = None) -> int:
                         action="append", help="run only these parts (repeatable)")
     opts = parser.parse_args(argv)
     parts = opts.only or ["backends", "servers", "latency", "death"]
-    jobs = 3_000 if opts.quick else 20_000
+    jobs = 3_000 if opts.quick else 10_000
+    # Other work shares this machine: each end-to-end setting runs `rounds` times,
+    # interleaved (so that a busy minute touches every setting), and the median is kept.
+    rounds = 1 if opts.quick else 3
     results: dict[str, Any] = {
         "command": "bench/scaling.py" + (" --quick" if opts.quick else ""),
         "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine_before": machine(),
+        "machine_before": machine(), "rounds": rounds,
         "postgresql_settings": "fsync, synchronous_commit, full_page_writes on (defaults)",
         "sqlite_settings": "rota serve defaults: --durability full (synchronous=FULL)"}
     with postgres() as cluster:
@@ -551,17 +603,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"one durable PostgreSQL commit: {results['postgresql_commit']}")
         if "backends" in parts:
             print(f"backends: {jobs} no-op jobs, 1 worker x 10, batches of 1,000")
-            sqlite = e2e(str(Path(tempfile.mkdtemp(prefix="rota-scale-")) / "rota.db"), 1,
-                         jobs, None)
-            pg = e2e(cluster.create_database(), 1, jobs, cluster)
             ref = huey()
-            reference = ref.huey_e2e(jobs=jobs, concurrency=10) if ref else None
-            print(f"  huey: {reference}")
-            results["backends"] = {"sqlite": sqlite, "postgresql": pg, "huey": reference}
+            by: dict[str, list[Any]] = {"sqlite": [], "postgresql": [], "huey": []}
+            for _ in range(rounds):
+                by["sqlite"].append(e2e(None, 1, jobs))
+                by["postgresql"].append(e2e(cluster, 1, jobs))
+                if ref:
+                    by["huey"].append(ref.huey_e2e(jobs=jobs, concurrency=10))
+                    print(f"  huey: {by['huey'][-1]}")
+            results["backends"] = {"sqlite": median_run(by["sqlite"]),
+                                   "postgresql": median_run(by["postgresql"]),
+                                   "huey": median_run(by["huey"]) if by["huey"] else None}
         if "servers" in parts:
             print(f"servers: {jobs} no-op jobs, a worker x 10 per server, producers spread")
-            results["servers"] = [e2e(cluster.create_database(), n, jobs, cluster)
-                                  for n in (1, 2, 3)]
+            runs: dict[int, list[dict[str, Any]]] = {1: [], 2: [], 3: []}
+            for _ in range(rounds):
+                for n, done in runs.items():
+                    done.append(e2e(cluster, n, jobs))
+            results["servers"] = [median_run(done) for done in runs.values()]
         if "latency" in parts:
             count = 150 if opts.quick else 500
             print(f"latency: {count} single enqueues at 50/s, worker idle on B")
@@ -569,6 +628,12 @@ def main(argv: list[str] | None = None) -> int:
         if "death" in parts:
             print("death: kill -9 of server A")
             results["death"] = death(cluster.create_database())
+    if "latency" in parts:
+        # The same path without the disk (the suite's settings): what the push itself
+        # costs, beside what the two durable commits on its way cost.
+        with postgres(durable=False) as fast:
+            print("latency again, PostgreSQL with fsync off")
+            results["latency_fsync_off"] = latency(fast.create_database(), count, 50.0)
     results["machine_after"] = {"load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]}
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / ("scaling-quick.json" if opts.quick else "scaling.json")
