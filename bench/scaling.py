@@ -25,8 +25,11 @@ The bench starts its own PostgreSQL (tests/pgserver.py's Cluster, ``durable=True
 fsync, synchronous commit and full page writes on, PostgreSQL's defaults) so that an
 acknowledged enqueue is on disk, as with SQLite at ``synchronous=FULL``; and its own
 redis for huey. Every server runs as a user runs it (``rota serve``, INFO logging). The
-figures go to ``bench/results/scaling.json`` (``scaling-quick.json`` with ``--quick``);
-nothing is asserted.
+figures go to ``bench/results/scaling.json`` (``scaling-quick.json`` with ``--quick``;
+``--only`` and ``--profile`` add their parts to the name); nothing is asserted.
+
+    .venv/bin/python bench/scaling.py --only backends --profile   # py-spy of a server
+
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import platform
 import shutil
 import signal
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -178,7 +182,8 @@ class Fleet:
         for child in self.children.items:
             with contextlib.suppress(OSError):
                 for line in child.log_path.read_text(errors="replace").splitlines():
-                    if tp.LOG_PROBLEM.search(line):
+                    # Every server here runs without tokens, and says so at start.
+                    if tp.LOG_PROBLEM.search(line) and "AUTH IS OFF" not in line:
                         found.append(f"{child.log_path.parent.name}/{child.name}: {line[:300]}")
         return found[:tp.MAX_LOG_LINES]
 
@@ -317,10 +322,12 @@ async def produce(servers: list[Server], jobs: int, batch: int) -> tuple[float, 
     return first, failures
 
 
-def e2e(cluster: Cluster | None, servers: int, jobs: int) -> dict[str, Any]:
+def e2e(cluster: Cluster | None, servers: int, jobs: int,
+        profile: Path | None = None) -> dict[str, Any]:
     """``servers`` servers on a fresh database of ``cluster`` (SQLite without one), a worker
     (concurrency 10) on each, ``jobs`` no-op jobs in batches of 1,000 spread over the
-    servers; jobs/s and each process's CPU."""
+    servers; jobs/s and each process's CPU. With ``profile``, py-spy samples the first
+    server's threads (idle ones too) into that file, summarised in the figures."""
     with fleet(cluster.create_database() if cluster else "") as run:
         for i in range(servers):
             run.serve(f"s{i}")
@@ -332,6 +339,13 @@ def e2e(cluster: Cluster | None, servers: int, jobs: int) -> dict[str, Any]:
             run.wait_workers(server, 1)
         store = Store(run.db)
         try:
+            spy = None
+            if profile is not None:
+                spy = subprocess.Popen(
+                    [str(Path(sys.executable).with_name("py-spy")), "record", "--format", "raw",
+                     "--idle", "--threads", "--rate", "100", "--output", str(profile),
+                     "--pid", str(run.servers[0].child.proc.pid)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             before, machine_before = cpu_snapshot(run, cluster), psutil.cpu_times()
             started = time.monotonic()
             first, failures = asyncio.run(produce(run.servers, jobs, 1000))
@@ -339,6 +353,9 @@ def e2e(cluster: Cluster | None, servers: int, jobs: int) -> dict[str, Any]:
             seconds = time.monotonic() - started
             after, busy = cpu_snapshot(run, cluster), machine_busy(machine_before,
                                                                     psutil.cpu_times())
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                spy.wait(60)
             last = store.one("SELECT max(finished_at) FROM jobs")
             states = dict(store.all("SELECT state, count(*) FROM jobs GROUP BY state"))
             reruns = store.one("SELECT count(*) FROM jobs WHERE attempt > 1")
@@ -352,11 +369,46 @@ def e2e(cluster: Cluster | None, servers: int, jobs: int) -> dict[str, Any]:
             "cpu_percent_of_one_core": cpu_used(before, after, seconds),
             "machine_busy_percent_of_one_core": busy,
             "log_problems": run.problems()}
+        if profile is not None:
+            figures["profile_of_s0"] = summarise_profile(profile)
     cpu = figures["cpu_percent_of_one_core"]
     print(f"  {servers} server(s) on {'PostgreSQL' if cluster else 'SQLite'}: "
           f"{figures['end_to_end_per_s']} jobs/s; CPU % of a core: {cpu}; whole machine:"
           f" {figures['machine_busy_percent_of_one_core']}")
     return figures
+
+
+def summarise_profile(path: Path) -> dict[str, Any]:
+    """Per thread of a py-spy raw (collapsed) profile taken with --idle: the share of
+    samples spent waiting for PostgreSQL (psycopg's wait), idle (waiting for work), or
+    on the CPU; and, for the writer, which store operation each share belongs to."""
+    threads: dict[str, dict[str, int]] = {}
+    writer: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        name = frames[0].split(": ", 1)[-1].rstrip(")").strip()
+        leaf = frames[-1]
+        # The writer waits for work in a C call (its queue's get), so its own frame is
+        # the leaf then; the event loop waits inside uvloop, below asyncio's runner.
+        kind = ("postgresql" if "psycopg/connection.py" in leaf and "wait" in leaf else
+                "idle" if any(w in leaf for w in ("Condition.wait", "queue.py", "runners.py",
+                                                  "thread.py", "selectors.py", "Writer._run"))
+                else "cpu")
+        bucket = threads.setdefault(name, {})
+        bucket[kind] = bucket.get(kind, 0) + int(count)
+        if "writer" in name:
+            ops = [f.split(" (")[0] for f in frames if "rota/store.py" in f or "rota/rows.py" in f]
+            key = f"{kind}: {ops[-1] if ops else '-'}"
+            writer[key] = writer.get(key, 0) + int(count)
+
+    def shares(counts: dict[str, int]) -> dict[str, float]:
+        total = sum(counts.values()) or 1
+        ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+        return {k: round(100 * v / total, 1) for k, v in ranked if 100 * v / total >= 1}
+
+    return {"percent_of_samples_per_thread": {t: shares(c) for t, c in threads.items()},
+            "writer_thread_by_operation": shares(writer)}
 
 
 # -- 3: push latency ---------------------------------------------------------------------
@@ -544,6 +596,8 @@ def death(url: str) -> dict[str, Any]:
             "their_last_error": [json.loads(e)[-1] if json.loads(e) else None
                                  for _, _, _, e in w_jobs],
             "log_problems": run.problems()}
+        if profile is not None:
+            figures["profile_of_s0"] = summarise_profile(profile)
     print(f"  death: {json.dumps({k: v for k, v in figures.items() if k != 'log_problems'})}")
     return figures
 
@@ -584,6 +638,9 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes (~2 min)")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy the server of one 1-server PostgreSQL run (idle threads"
+                             " too), summary in the JSON (needs pip install py-spy)")
     parser.add_argument("--only", choices=["backends", "servers", "latency", "death"],
                         action="append", help="run only these parts (repeatable)")
     opts = parser.parse_args(argv)
@@ -593,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     # interleaved (so that a busy minute touches every setting), and the median is kept.
     rounds = 1 if opts.quick else 3
     results: dict[str, Any] = {
-        "command": "bench/scaling.py" + (" --quick" if opts.quick else ""),
+        "command": " ".join(["bench/scaling.py", *(sys.argv[1:] if argv is None else argv)]),
         "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine_before": machine(), "rounds": rounds,
         "postgresql_settings": "fsync, synchronous_commit, full_page_writes on (defaults)",
@@ -621,6 +678,12 @@ def main(argv: list[str] | None = None) -> int:
                 for n, done in runs.items():
                     done.append(e2e(cluster, n, jobs))
             results["servers"] = [median_run(done) for done in runs.values()]
+        if opts.profile:
+            print("profile: one server on PostgreSQL, under py-spy")
+            RESULTS_DIR.mkdir(exist_ok=True)
+            raw = RESULTS_DIR / "scaling-profile.txt"
+            results["profile"] = e2e(cluster, 1, jobs, profile=raw)
+            print(json.dumps(results["profile"]["profile_of_s0"], indent=1))
         if "latency" in parts:
             count = 150 if opts.quick else 500
             print(f"latency: {count} single enqueues at 50/s, worker idle on B")
@@ -636,7 +699,10 @@ def main(argv: list[str] | None = None) -> int:
             results["latency_fsync_off"] = latency(fast.create_database(), count, 50.0)
     results["machine_after"] = {"load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]}
     RESULTS_DIR.mkdir(exist_ok=True)
-    out = RESULTS_DIR / ("scaling-quick.json" if opts.quick else "scaling.json")
+    # A partial run (--only, --profile) keeps the whole run's file as it is.
+    name = "-".join(["scaling", *(opts.only or []), *(["profile"] if opts.profile else []),
+                     *(["quick"] if opts.quick else [])])
+    out = RESULTS_DIR / f"{name}.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"written to {out.relative_to(ROOT)}")
     return 0
