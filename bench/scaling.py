@@ -187,6 +187,15 @@ class Fleet:
                         found.append(f"{child.log_path.parent.name}/{child.name}: {line[:300]}")
         return found[:tp.MAX_LOG_LINES]
 
+    def count(self, text: str) -> int:
+        """Lines of the servers' logs that hold ``text``."""
+        found = 0
+        for child in self.children.items:
+            if child.name == "server":
+                with contextlib.suppress(OSError):
+                    found += child.log_path.read_text(errors="replace").count(text)
+        return found
+
     def close(self) -> None:
         self.children.stop_all()
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -368,13 +377,19 @@ def e2e(cluster: Cluster | None, servers: int, jobs: int,
             "jobs_per_worker": sorted(per_worker.values()), "enqueue_failures": failures[:10],
             "cpu_percent_of_one_core": cpu_used(before, after, seconds),
             "machine_busy_percent_of_one_core": busy,
+            # Every server offers every waiting job to its own workers; the row decides.
+            # A claim that lost is a round trip spent for nothing: the price of N servers.
+            "claims_lost_to_another_server": run.count("lost race job="),
+            "transactions_run_again": run.count("ran into another server's"),
             "log_problems": run.problems()}
         if profile is not None:
             figures["profile_of_s0"] = summarise_profile(profile)
     cpu = figures["cpu_percent_of_one_core"]
     print(f"  {servers} server(s) on {'PostgreSQL' if cluster else 'SQLite'}: "
           f"{figures['end_to_end_per_s']} jobs/s; CPU % of a core: {cpu}; whole machine:"
-          f" {figures['machine_busy_percent_of_one_core']}")
+          f" {figures['machine_busy_percent_of_one_core']}; claims lost:"
+          f" {figures['claims_lost_to_another_server']}; transactions run again:"
+          f" {figures['transactions_run_again']}")
     return figures
 
 
