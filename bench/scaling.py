@@ -611,8 +611,6 @@ def death(url: str) -> dict[str, Any]:
             "their_last_error": [json.loads(e)[-1] if json.loads(e) else None
                                  for _, _, _, e in w_jobs],
             "log_problems": run.problems()}
-        if profile is not None:
-            figures["profile_of_s0"] = summarise_profile(profile)
     print(f"  death: {json.dumps({k: v for k, v in figures.items() if k != 'log_problems'})}")
     return figures
 
