@@ -47,10 +47,14 @@ def _free_port() -> int:
 
 class Cluster:
     """A PostgreSQL cluster in a temporary directory. ``stop()``/``start()`` take the
-    server down and back up on the same port (what the storage-failure tests need)."""
+    server down and back up on the same port (what the storage-failure tests need).
+    ``durable=True`` keeps PostgreSQL's own defaults (fsync, synchronous commit, full
+    page writes on): the benchmarks compare it with SQLite at ``synchronous=FULL``, so
+    a commit must reach the disk there too."""
 
-    def __init__(self) -> None:
+    def __init__(self, durable: bool = False) -> None:
         self.bin = find_bin()
+        self.durable = durable
         self.root = Path(tempfile.mkdtemp(prefix="rota-pg-"))
         self.data = self.root / "data"
         self.port = 0
@@ -74,8 +78,9 @@ class Cluster:
 
     def start(self) -> None:
         """Start the server (on a new free port the first time, the same one after)."""
-        options = ("-c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off"
-                   " -c full_page_writes=off -c max_connections=200"
+        fast = ("" if self.durable else
+                " -c fsync=off -c synchronous_commit=off -c full_page_writes=off")
+        options = (f"-c listen_addresses=127.0.0.1{fast} -c max_connections=200"
                    f" -k {self.root} -p {{port}}")
         for attempt in range(5):  # another process may take a free port before we do
             port = self.port or _free_port()
