@@ -481,7 +481,13 @@ class Engine(Intake, Reservations):
         return self.scheduler.next_deadline()
 
     def tick(self, now: Instant) -> list[Effect]:
-        """Fire whatever is due: timers, lapsed leases, expired jobs, silent workers."""
+        """Fire whatever is due: timers, lapsed leases, expired jobs, silent workers.
+        Nothing once a shutdown began: the jobs held stay reserved as they are, and the
+        restart judges every deadline again from the rows (a reclaim grace that ran out
+        during the stop would otherwise take back jobs the restart keeps for their
+        workers)."""
+        if self.stopping:
+            return []
         effects: list[Effect] = []
         if self._last_tick is not None:
             stall = now.mono - self._last_tick - self.tick_every

@@ -733,3 +733,17 @@ def test_a_lease_is_never_shorter_than_two_heartbeat_intervals(engine, clock):
     assert copy["visibility_timeout"] == 2 * interval
     held = engine.scheduler.jobs[copy["id"]]
     assert held.lease is not None and held.lease >= clock().mono + 2 * interval - 1e-6
+
+
+def test_once_a_shutdown_began_no_deadline_takes_a_job_back(engine, clock):
+    """A reclaim grace that runs out while the server stops: the job stays reserved for
+    its worker, and the restart gives it a grace of its own (rows decide then)."""
+    connect(engine, clock)
+    enqueue(engine, clock, 1, priority=1_000_000)
+    [copy] = assign(engine, clock)
+    engine.disconnect(1, "w1", "connection_lost", clock())  # kept for a reclaim
+    engine.begin_shutdown()
+    effects = run_for(engine, clock, 60)
+    assert not of(Save, effects)
+    job = engine.scheduler.jobs[copy["id"]]
+    assert job.state == JobState.ACTIVE and job.worker_id == "w1"

@@ -4,6 +4,7 @@ PostgreSQL, its schema and migrations, a lost server as storage_unavailable, LIS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,7 +204,7 @@ def test_a_database_a_newer_rota_migrated_is_refused(pg_url: str, conn: pg.Conne
     assert "secret" not in refused.value.message
     # the same refusal on SQLite
     db.migrate(tmp_path / "rota.db")
-    with db.connect(tmp_path / "rota.db") as lite:
+    with contextlib.closing(db.connect(tmp_path / "rota.db")) as lite:
         lite.execute("INSERT INTO _sqlite_migrations (migration_set, name, applied_at)"
                      " VALUES ('rota', 'm999_future', '')")
     with pytest.raises(db.NewerDatabase, match="m999_future"):
