@@ -192,13 +192,13 @@ class Cluster:
 
     async def _watch(self, now: float) -> None:
         """Say which servers missed their lease, and recover those past the grace."""
-        lapsed = await self.store.lapsed_servers(now)
-        for server in set(lapsed) - self._missed:
+        lapsed = await self.store.lapsed_servers(now)  # one read: the lapse, and since when
+        for server in lapsed.keys() - self._missed:
             log.warning("cluster: server=%s holds no lease (it stopped, or died); its"
                         " workers' jobs come back after %gs unless it returns", server,
                         self.grace)
         self._missed = set(lapsed)
-        for server in await self.store.lapsed_servers(now - self.grace):
+        for server in [s for s, ended in lapsed.items() if ended < now - self.grace]:
             seqs = await self.store.recover_server(server, now, now - self.grace)
             self._missed.discard(server)
             if seqs is None:  # another server was first, or it came back

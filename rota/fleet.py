@@ -91,12 +91,12 @@ def let_lapse(conn: sqlite3.Connection, server_id: str, now: float) -> None:
                  (now, server_id))
 
 
-def lapsed(conn: sqlite3.Connection, me: str, before: float) -> list[str]:
+def lapsed(conn: sqlite3.Connection, me: str, before: float) -> dict[str, float]:
     """Servers whose lease ended before ``before`` and whose reservations nobody has
-    recovered yet."""
-    return [r[0] for r in conn.execute(
-        "SELECT id FROM servers WHERE stopped_at IS NULL AND lease_expires_at < ? AND id <> ?",
-        (before, me))]
+    recovered yet, with when their lease ended."""
+    return {str(r[0]): float(r[1]) for r in conn.execute(
+        "SELECT id, lease_expires_at FROM servers WHERE stopped_at IS NULL"
+        " AND lease_expires_at < ? AND id <> ?", (before, me))}
 
 
 def recover(conn: sqlite3.Connection, dead: str, me: str, now: float, before: float

@@ -201,9 +201,7 @@ class Intake:
                 if (known.state == JobState.ACTIVE or known.attempt > job.attempt
                         or job.id in self.scheduler.unstored):
                     continue
-                self.scheduler.finish(known)
-            job.clocks(now)
-            self.scheduler.track(job)
+            self._hold_as_read(job, now)
             effects += [Arm(t) for t in (job.due, job.expiry) if t is not None]
         return effects + [Wake()] if jobs else effects
 
@@ -213,17 +211,21 @@ class Intake:
         registration that follows reclaims them and their results are taken."""
         grace = now.mono + self.settings.heartbeat_timeout
         for job in jobs:
-            known = self.scheduler.jobs.get(job.id)
-            if known is not None:
-                self.scheduler.finish(known)
-            job.clocks(now)
-            self.scheduler.track(job)
+            self._hold_as_read(job, now)
             self.scheduler.orphan(job, grace)
         if jobs:
             log_lines(log, logging.INFO, "take over job=%s spec=%s queue=%s worker=%s"
                       " attempt=%d from another server", [(j.id, j.spec, j.queue, worker_id,
                                                           j.attempt) for j in jobs])
         return []
+
+    def _hold_as_read(self, job: Job, now: Instant) -> None:
+        """Hold ``job`` as its row was just read, in place of any copy held until now."""
+        known = self.scheduler.jobs.get(job.id)
+        if known is not None:
+            self.scheduler.finish(known)
+        job.clocks(now)
+        self.scheduler.track(job)
 
     def status_quo_read(self, specs: dict[str, JobSpec], checksums: dict[str, str],
                         retired: dict[str, float], now: Instant) -> list[Effect]:

@@ -343,7 +343,7 @@ class Store:
         server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.let_lapse(conn, server, now))
 
-    async def lapsed_servers(self, before: float) -> list[str]:
+    async def lapsed_servers(self, before: float) -> dict[str, float]:
         server = self.server_id or ""
         return await self.readers.run(lambda conn: fleet.lapsed(conn, server, before))
 
