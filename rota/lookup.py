@@ -223,5 +223,9 @@ def oldest_available(conn: sqlite3.Connection, now: float) -> dict[str, float | 
     for queue in queues(conn, "available"):
         row = conn.execute("SELECT enqueued_at, run_at FROM jobs WHERE state = 'available'"
                            " AND queue = ? ORDER BY rowid LIMIT 1", (queue,)).fetchone()
+        if row is None:
+            # Each statement reads its own snapshot: the queue's last available job was
+            # taken between the two reads, so nothing in it waits any more.
+            continue
         ages[queue] = round(max(0.0, now - max(row[0], row[1] or 0.0)), 3)
     return ages

@@ -286,3 +286,27 @@ async def test_a_bulk_action_counts_what_matches_past_the_search_bound(live: Liv
                                    timeout=30)).json()
     assert (answer["matched"], answer["touched"], answer["truncated"]) == (1500, 1000, False)
     assert {s["reason"] for s in answer["skipped"]} == {"no such job"}
+
+
+def test_the_oldest_available_age_skips_a_queue_emptied_between_its_two_reads(
+        tmp_path: Path, monkeypatch):
+    """GET /queues lists the queues with available jobs, then reads each one's oldest: on
+    a busy server (or another server on one PostgreSQL) the last available job of a queue
+    may be taken between those two statements. That queue has no age then, and the
+    answer is no 500 (CI saw a TypeError here in the three-server chaos test)."""
+    conn = _store_with(tmp_path, [])
+    conn.executemany(
+        "INSERT INTO jobs (id, spec, queue, args, priority, state, attempt, enqueued_at)"
+        " VALUES (?, 'echo', ?, '{}', 0, 'available', 0, ?)",
+        [("a-1", "q1", 10.0), ("a-2", "q2", 20.0)])
+    listed = lookup.queues
+
+    def then_taken(conn_: Any, state: str) -> list[str]:
+        found = listed(conn_, state)
+        # What a worker's reservation commits between the two reads.
+        conn_.execute("UPDATE jobs SET state = 'active' WHERE id = 'a-1'")
+        return found
+
+    monkeypatch.setattr(lookup, "queues", then_taken)
+    assert lookup.oldest_available(conn, 100.0) == {"q2": 80.0}
+    conn.close()
