@@ -255,6 +255,8 @@ class Proxy:
         self._pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
         self._pumps: set[asyncio.Task[None]] = set()
         self._silent: list[asyncio.StreamWriter] = []  # sockets left open by blackhole()
+        self._open = asyncio.Event()  # hold() clears it: new connections wait, unrelayed
+        self._open.set()
 
     @property
     def ws(self) -> str:
@@ -267,6 +269,7 @@ class Proxy:
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
+        await self._open.wait()
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         self._pairs.append((writer, up_writer))
         for source, sink in ((reader, up_writer), (up_reader, writer)):
@@ -285,6 +288,14 @@ class Proxy:
         except asyncio.CancelledError:
             return  # blackholed: the other side stays open and hears nothing
         sink.close()
+
+    def hold(self) -> None:
+        """Keep the connections made from now on waiting (the peer is away) until
+        ``release()``: a test decides when a reconnect gets through."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
 
     def cut(self) -> None:
         for worker_side, server_side in self._pairs:

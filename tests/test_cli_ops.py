@@ -347,10 +347,12 @@ async def test_tail_says_what_the_server_no_longer_had(tmp_path: Path):
         await opened(tail)
         await live.enqueue("echo", id="e-0")
         assert "job=e-0" in await tail.line()
+        proxy.hold()  # its reconnect gets through once all ten are in
         proxy.cut()
         for n in range(1, 11):  # ten while it is away: the ring keeps the last four
             await live.enqueue("echo", id=f"e-{n}")
         await opened(tail, "reconnecting in")
+        proxy.release()
         await opened(tail, "resumed after event")
         gap = await tail.line()
         assert " gap " in gap and "missed_from=" in gap and "missed_to=" in gap, gap
