@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 from helpers import clean_env, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +154,7 @@ def test_python_blocks_that_name_an_example_are_that_example():
     assert named >= 2
 
 
+@pytest.mark.timeout(120)  # every walkthrough command, servers and workers included
 async def test_every_walkthrough_command_runs_in_order(tmp_path):
     for folder in ("specs", "examples"):
         shutil.copytree(ROOT / folder, tmp_path / folder)

@@ -218,7 +218,7 @@ async def behind_proxy(port: int, specs: Path, *, concurrency: int, seconds: flo
 
 
 async def break_when_busy(tally: Tally, worker: Worker, busy: int, how: Callable[[], None]) -> None:
-    await wait_until(lambda: tally.now == busy, what=f"{busy} slots busy")
+    await wait_until(lambda: tally.now == busy, timeout=20, what=f"{busy} slots busy")
     worker.connected.clear()
     how()
 

@@ -22,6 +22,7 @@ from rota.worker import JobContext
 
 pytestmark = pytest.mark.xdist_group("browser")  # one xdist worker runs them: one browser
 WAIT = 10_000  # ms: the longest any page condition may take
+expect.set_options(timeout=WAIT)  # every expect(): a loaded machine answers slowly
 REFRESH_MS = 250  # the pages refresh every 2 s; here faster, so the tests wait less
 
 
