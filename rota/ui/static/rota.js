@@ -8,6 +8,9 @@
   var state = document.getElementById("poll-state");
   var paused = localStorage.getItem("rota.paused") === "1";
   var busy = false;
+  // A button of the live region is held down: a refresh that replaced it now would lose
+  // the click (its mouseup would land on a new element), so it waits for the release.
+  var pressed = false;
 
   function show(text) {
     if (button) {
@@ -24,7 +27,8 @@
 
   function refresh() {
     // A page with nothing live (the login form, a confirmation) is not fetched again.
-    if (paused || busy || document.hidden || !live || !live.firstElementChild || typing()) return;
+    if (paused || busy || pressed || document.hidden || !live || !live.firstElementChild ||
+        typing()) return;
     busy = true;
     fetch(location.href, {headers: {"X-Rota-Live": "1"}, credentials: "same-origin",
                           cache: "no-store"})
@@ -33,6 +37,7 @@
         if (response.redirected || response.status === 401) { location.reload(); return; }
         if (!response.ok) { show("error " + response.status); return; }
         return response.text().then(function (html) {
+          if (pressed) return;  // pressed while this was fetched: the next refresh shows it
           if (html !== live.dataset.last) {
             var open = [];
             live.querySelectorAll("details[open][data-key]").forEach(function (d) {
@@ -58,6 +63,15 @@
       localStorage.setItem("rota.paused", paused ? "1" : "0");
       show("live");
       refresh();
+    });
+  }
+  if (live) {
+    live.addEventListener("pointerdown", function () { pressed = true; });
+    ["pointerup", "pointercancel"].forEach(function (name) {
+      // After the click that follows the release has been dispatched.
+      document.addEventListener(name, function () {
+        setTimeout(function () { pressed = false; }, 0);
+      }, true);
     });
   }
   document.addEventListener("submit", function (event) {
