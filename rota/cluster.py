@@ -41,7 +41,6 @@ class Cluster:
         self._arrived = asyncio.Event()
         self._missed: set[str] = set()  # servers seen past their lease, not yet recovered
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._listening = False
         self._ready = False  # the coordinator has started: notices may become events
 
     async def listen(self) -> None:
@@ -91,11 +90,13 @@ class Cluster:
 
     # -- notices ---------------------------------------------------------------------
     def _connected(self) -> None:
-        if self._listening:  # notices sent while it was away are lost: say so
-            log.warning("cluster: listening again after a lost connection; jobs made to"
-                        " wait meanwhile by other servers reach this server's workers"
-                        " when a server restarts or they are retried")
-        self._listening = True
+        """LISTEN holds (again). Before ``start`` the snapshot still to be read covers what
+        came before; after it, notices sent while nobody listened are lost, so read what
+        they would have said."""
+        if self._ready:
+            log.warning("cluster: listening again; reading what other servers changed while"
+                        " this server could not hear them")
+            self._spawn(self._catch_up(), "rota-cluster-catch-up")
 
     def _heard(self, channel: str, payload: str) -> None:
         origin, words = fleet.parse(payload)
@@ -140,6 +141,33 @@ class Cluster:
                                        f"read {len(seqs)} job(s) another server made wait")
             coordinator = self.coordinator
             coordinator.apply(coordinator.engine.taken_in(jobs, coordinator.clock()))
+
+    async def _catch_up(self) -> None:
+        """What missed notices would have said: the status quo and the paused queues as
+        they are, the waiting jobs this server does not hold, and the cancels asked for
+        its workers' jobs. (A directive given to workers by name or label meanwhile is
+        not stored anywhere: it is lost, and the operator's tools show it was.)"""
+        await self._read_status_quo()
+        await self._read_paused()
+        seqs = await self._persist(self.store.waiting_seqs, "read which jobs wait")
+        coordinator = self.coordinator
+        held = {job.seq for job in coordinator.scheduler.jobs.values()}
+        missed = [seq for seq in seqs if seq not in held]
+        cancels = await self._persist(self.store.cancels_requested,
+                                      "read the cancels asked for")
+        passed = 0
+        for job_id in cancels:
+            job = coordinator.scheduler.jobs.get(job_id)
+            if job is not None and not job.cancel_requested:
+                outcome, effects = coordinator.engine.cancel(job_id, coordinator.clock())
+                log.info("cancel job=%s from another server, heard late: %s", job_id, outcome)
+                coordinator.apply(effects)
+                passed += 1
+        log.info("cluster: caught up: %d waiting job(s) taken in, %d cancel(s) passed on",
+                 len(missed), passed)
+        if missed:
+            self._pending.update(missed)
+            self._arrived.set()
 
     async def _read_status_quo(self) -> None:
         specs, checksums, retired = await self._persist(self.store.status_quo,

@@ -136,6 +136,20 @@ def paused_queues(conn: sqlite3.Connection) -> frozenset[str]:
     return frozenset(r[0] for r in conn.execute("SELECT name FROM queues WHERE paused = 1"))
 
 
+def waiting_seqs(conn: sqlite3.Connection) -> list[int]:
+    """The row ids of every job that waits: after notices were missed, a server compares
+    them with the jobs it holds (rota/cluster.py's catch-up)."""
+    return [int(r[0]) for r in conn.execute(
+        "SELECT rowid FROM jobs WHERE state IN ('available', 'scheduled', 'retryable')")]
+
+
+def cancels_requested(conn: sqlite3.Connection, me: str) -> list[str]:
+    """Jobs running on this server's workers whose cancel another server asked for."""
+    return [str(r[0]) for r in conn.execute(
+        "SELECT id FROM jobs WHERE server_id = ? AND state = 'active'"
+        " AND cancel_requested = 1", (me,))]
+
+
 def request_cancel(conn: sqlite3.Connection, job_id: str, me: str) -> str | None:
     """Mark a running job's cancel as requested and ask its server to pass it on to the
     worker; that server's id, or None if the job is not running on another server."""

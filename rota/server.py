@@ -39,6 +39,7 @@ def create_app(settings: ServerSettings) -> Starlette:
             cluster = Cluster(coordinator, settings.database_url,
                               url=f"{settings.host}:{settings.port}")
             coordinator.on_stop.append(cluster.let_go)
+            app.state.cluster = cluster  # for tests and tools that look inside
             await cluster.listen()
         try:
             await coordinator.start()

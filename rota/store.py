@@ -363,6 +363,13 @@ class Store:
     async def paused_queues(self) -> frozenset[str]:
         return await self.readers.run(fleet.paused_queues)
 
+    async def waiting_seqs(self) -> list[int]:
+        return await self.readers.run(fleet.waiting_seqs)
+
+    async def cancels_requested(self) -> list[str]:
+        server = self.server_id or ""
+        return await self.readers.run(lambda conn: fleet.cancels_requested(conn, server))
+
     def request_cancel(self, job_id: str) -> asyncio.Future[str | None]:
         server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.request_cancel(conn, job_id, server))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, free_port, spawn_serve, wait_until
@@ -169,10 +170,11 @@ async def test_fifty_concurrent_enqueues_of_one_id_over_two_servers_give_one_job
 
 
 @contextlib.asynccontextmanager
-async def worker_on_b(tmp: Path, url: str) -> AsyncIterator[tuple[Live, Live, RawWorker]]:
+async def worker_on_b(tmp: Path, url: str, **options: Any
+                      ) -> AsyncIterator[tuple[Live, Live, RawWorker]]:
     """Two servers, the spec pushed through A, and a raw worker registered on B."""
     spec = write_spec(tmp / "specs", "echo")
-    async with servers(tmp, url, 2) as (a, b):
+    async with servers(tmp, url, 2, **options) as (a, b):
         await a.push(spec)
         worker = await RawWorker.open(b.ws, "wb")
         await worker.register([spec])
@@ -192,6 +194,59 @@ async def test_a_cancel_through_one_server_reaches_the_worker_on_another(tmp_pat
         assert response.status_code in (200, 202), response.text
         cancel = await worker.expect("cancel")
         assert cancel["job_ids"] == [job["id"]]
+
+
+async def test_a_server_that_could_not_hear_the_others_catches_up_when_it_listens_again(
+        tmp_path: Path, pg_url: str):
+    """B's LISTEN connection is down while A enqueues a job, cancels one that B's worker
+    runs, and pushes a new version of the spec: those notices are lost. When B listens
+    again it reads what they would have said: its worker gets the new job and the
+    cancel, and B's status quo is A's."""
+    # The raw worker sends no heartbeats: a timeout it cannot reach on a loaded machine.
+    async with worker_on_b(tmp_path, pg_url, heartbeat_timeout=30.0) as (a, b, worker):
+        listener = b.server.config.loaded_app.app.state.cluster.listener  # type: ignore[union-attr]
+        running_job = await a.enqueue("echo")
+        [copy] = await worker.jobs(1)
+        assert copy["id"] == running_job["id"]
+        await listener.stop()  # deaf from here on
+        response = await a.http.delete(f"/jobs/{running_job['id']}")
+        assert response.status_code in (200, 202), response.text
+        missed = await a.enqueue("echo")
+        assert missed["id"] not in b.coordinator.scheduler.jobs
+        listener.start()
+        cancel = await worker.expect("cancel")
+        assert cancel["job_ids"] == [running_job["id"]]
+        [late] = await worker.jobs(1)
+        assert late["id"] == missed["id"]
+
+        await listener.stop()
+        await a.push(write_spec(tmp_path / "v2", "echo", version="2"))
+        assert b.coordinator.scheduler.status_quo != a.coordinator.scheduler.status_quo
+        listener.start()
+        await wait_until(lambda: b.coordinator.scheduler.status_quo
+                         == a.coordinator.scheduler.status_quo,
+                         what="B to read the status quo pushed while it could not hear")
+
+
+async def test_a_listening_connection_killed_by_postgresql_comes_back_and_catches_up(
+        tmp_path: Path, pg_url: str, caplog: pytest.LogCaptureFixture):
+    """PostgreSQL itself ends the servers' LISTEN connections (pg_terminate_backend, as
+    an operator or a failover would): each server says so, connects again, and reads
+    what it may have missed."""
+    caplog.set_level(logging.INFO, logger="rota.server")
+    async with servers(tmp_path, pg_url, 2) as (a, _):
+        await a.push(write_spec(tmp_path / "specs", "echo"))
+        async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as admin:
+            cursor = await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE"
+                " datname = current_database() AND query LIKE 'LISTEN %'")
+            assert len(await cursor.fetchall()) == 2  # one per server
+
+        def caught_up() -> bool:
+            return caplog.text.count("cluster: caught up:") == 2
+
+        await wait_until(caught_up, timeout=15, what="both servers to listen again")
+        assert caplog.text.count("LISTEN connection lost") == 2
 
 
 async def test_a_killed_servers_jobs_come_back_after_its_lease_and_the_grace(
