@@ -202,21 +202,37 @@ class Cluster:
 
     # -- leases ----------------------------------------------------------------------
     async def _lease_loop(self) -> None:
-        host, pid = socket.gethostname(), os.getpid()
         while True:
             # A timer, not a synchronisation: a few renewals per lease ride out one slow
             # commit.
             await asyncio.sleep(self.lease / 4)  # noqa: sleep-ok
-            now = time.time()
-            try:
-                held = await self.store.renew_lease(host=host, pid=pid, url=self.url, now=now,
-                                                    lease=self.lease)
-                if not held:
-                    log.error("cluster: this server's lease had lapsed and server(s) recovered"
-                              " the jobs its workers held; it holds a new lease now")
-                await self._watch(now)
-            except Exception as exc:  # the database is unreachable: try again next time
-                log.warning("cluster: lease renewal failed: %s", exc)
+            await self.renew()
+
+    async def renew(self) -> None:
+        """Renew this server's lease and watch the others'. A lease found lapsed (this
+        server stalled past it and the grace, and another recovered its workers' jobs)
+        is taken again, and with it the jobs its workers still run that nobody gave
+        out again; the rest are cancelled on the workers here."""
+        now = time.time()
+        try:
+            held = await self.store.renew_lease(host=socket.gethostname(), pid=os.getpid(),
+                                                url=self.url, now=now, lease=self.lease)
+            if not held:
+                await self._after_lapse()
+            await self._watch(now)
+        except Exception as exc:  # the database is unreachable: try again next time
+            log.warning("cluster: lease renewal failed: %s", exc)
+
+    async def _after_lapse(self) -> None:
+        coordinator = self.coordinator
+        running = coordinator.engine.running_here()
+        taken = set(await self.store.take_back(running)) if running else set()
+        lost = [job.id for job in running if job.id not in taken]
+        log.error("cluster: this server's lease had lapsed and another server recovered the"
+                  " jobs its workers held; it holds a new lease, took back %d of their %d"
+                  " running job(s), and cancels the %d given out again", len(taken),
+                  len(running), len(lost))
+        coordinator.apply(coordinator.engine.lapse_settled(lost, coordinator.clock()))
 
     async def _watch(self, now: float) -> None:
         """Say which servers missed their lease, and recover those past the grace."""

@@ -219,6 +219,35 @@ class Intake:
                                                           j.attempt) for j in jobs])
         return []
 
+    def running_here(self) -> list[Job]:
+        """The jobs this server's workers run, as it holds them: after its lease lapsed,
+        the ones it asks to take back (``lapse_settled``)."""
+        return [job for job in self.scheduler.jobs.values()
+                if job.state == JobState.ACTIVE and job.worker_id is not None]
+
+    def lapse_settled(self, lost: list[str], now: Instant) -> list[Effect]:
+        """This server's lease had lapsed and another recovered its workers' jobs; it took
+        back those that still waited (their rows name it again), and ``lost`` are the
+        rest: another server gave them out again, or they ended there. The run here is
+        stale: its worker is told to cancel it, and its slot is free (a result it still
+        sends is turned away as unknown here and by the attempt fence in the row; a
+        ``reservation_lost`` cancel tells the SDK not to send one)."""
+        effects: list[Effect] = []
+        for job_id in lost:
+            job = self.scheduler.jobs.get(job_id)
+            if job is None or job.state != JobState.ACTIVE:
+                continue  # it ended here meanwhile: its row decided, nothing runs
+            log.warning("lost job=%s spec=%s queue=%s worker=%s attempt=%d: this server's"
+                        " lease had lapsed and another server gave it out again; the run"
+                        " here is cancelled", job.id, job.spec, job.queue, job.worker_id,
+                        job.attempt)
+            connection = self.registry.get(job.worker_id or "")
+            if connection is not None and not job.orphaned:
+                effects.append(Send(connection.conn, p.encode(
+                    p.Cancel(job_ids=[job.id], reason="reservation_lost"))))
+            self.scheduler.let_go(job)
+        return effects + [Wake()] if effects or lost else effects
+
     def _hold_as_read(self, job: Job, now: Instant) -> None:
         """Hold ``job`` as its row was just read, in place of any copy held until now."""
         known = self.scheduler.jobs.get(job.id)

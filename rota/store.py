@@ -339,6 +339,13 @@ class Store:
         return self.writer.submit(lambda conn: fleet.renew(
             conn, server, host=host, pid=pid, url=url, now=now, lease=lease, starting=starting))
 
+    def take_back(self, jobs: list[Job]) -> asyncio.Future[list[str]]:
+        """fleet.take_back, for jobs this server's workers run (``Engine.running_here``)."""
+        server = self.server_id or ""
+        rows = [(j.id, j.attempt, j.worker_id or "", j.reserved_at, j.lease_expires_at)
+                for j in jobs]
+        return self.writer.submit(lambda conn: fleet.take_back(conn, server, rows))
+
     def let_lease_lapse(self, now: float) -> asyncio.Future[None]:
         server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.let_lapse(conn, server, now))

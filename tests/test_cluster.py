@@ -21,7 +21,7 @@ import httpx
 import psycopg
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import RawWorker, free_port, spawn_serve, wait_until
+from helpers import RawWorker, completed, free_port, spawn_serve, wait_until
 
 from rota import JobContext, Worker
 
@@ -247,6 +247,52 @@ async def test_a_listening_connection_killed_by_postgresql_comes_back_and_catche
 
         await wait_until(caught_up, timeout=15, what="both servers to listen again")
         assert caplog.text.count("LISTEN connection lost") == 2
+
+
+async def test_a_server_whose_lease_lapsed_takes_back_what_nobody_gave_out_again(
+        tmp_path: Path, pg_url: str):
+    """Server A stalls past its lease (here: its lease is ended in the database) and B
+    recovers the two jobs A's worker runs; B's worker gets one of them at attempt 2, and
+    A (not knowing yet) gives its worker a third. When A renews, it holds a new lease,
+    takes back the second, keeps the third (both runs go on, and their results are
+    taken), and tells its worker to drop the one given out again."""
+    spec = write_spec(tmp_path / "specs", "echo")
+    quiet = {"database_url": pg_url, "heartbeat_timeout": 30.0}  # raw workers send no beats
+    a = await start_server(tmp_path / "a", server_id="A", server_lease=30.0, **quiet)
+    b = await start_server(tmp_path / "b", server_id="B", server_lease=1.0, **quiet)
+    try:
+        await a.push(spec)
+        wa = await RawWorker.open(a.ws, "wa")
+        await wa.register([spec], concurrency=3)
+        jobs = [await a.enqueue("echo") for _ in range(2)]
+        assert sorted(c["id"] for c in await wa.jobs(2)) == sorted(j["id"] for j in jobs)
+        wb = await RawWorker.open(b.ws, "wb")
+        await wb.register([spec], concurrency=1)
+        async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as admin:
+            await admin.execute("UPDATE servers SET lease_expires_at = 0 WHERE id = 'A'")
+        [again] = await wb.jobs(1, timeout=10)  # B recovered both and gave out one
+        assert again["attempt"] == 2
+        [other] = [j["id"] for j in jobs if j["id"] != again["id"]]
+        third = await a.enqueue("echo")  # reserved by A after the recovery: its own
+        [copy] = await wa.jobs(1)
+        assert copy["id"] == third["id"]
+
+        await a.server.config.loaded_app.app.state.cluster.renew()  # type: ignore[union-attr]
+        cancel = await wa.expect("cancel")
+        assert cancel == {"type": "cancel", "job_ids": [again["id"]],
+                          "reason": "reservation_lost"}
+        for kept in (other, third["id"]):
+            row = await a.job(kept)
+            assert (row["state"], row["attempt"], row["worker_id"]) == ("active", 1, "wa")
+        await wa.beat(results=[completed({"id": other, "attempt": 1}, "done"),
+                               completed({"id": third["id"], "attempt": 1}, "done")])
+        await a.wait_state(other, "completed")
+        await a.wait_state(third["id"], "completed")
+        await wb.ws.close()
+        await wa.ws.close()
+    finally:
+        await stop_server(a)
+        await stop_server(b)
 
 
 async def test_a_killed_servers_jobs_come_back_after_its_lease_and_the_grace(

@@ -105,3 +105,25 @@ def test_a_job_whose_key_is_known_twice_is_assigned_once(engine, clock):
     effects = engine.committed(reserve.ticket, None, clock(), Reserved([claimed, None]))
     assert [j["id"] for f in sent(effects) for j in f["jobs"]] == [job.id]
     assert engine.scheduler.workers["w1"].free() == 1
+
+
+def test_after_a_lapsed_lease_a_job_given_out_again_is_cancelled_on_the_worker_here(
+        engine, clock):
+    """This server stalled past its lease; another recovered its workers' jobs. Of the
+    two its worker runs, one was taken back (its row names this server again) and one
+    was given out again elsewhere: that run is cancelled as a lost reservation, its slot
+    is free, and nothing is sent about the other."""
+    connect(engine, clock, capacity=2)
+    kept, lost = enqueue(engine, clock, 2, priority=1_000_000)
+    assert sorted(c["id"] for c in assign(engine, clock)) == sorted([kept.id, lost.id])
+    assert {j.id for j in engine.running_here()} == {kept.id, lost.id}
+    effects = engine.lapse_settled([lost.id], clock())
+    assert sent(effects) == [{"type": "cancel", "job_ids": [lost.id],
+                              "reason": "reservation_lost"}]
+    assert of(Wake, effects)
+    assert lost.id not in engine.scheduler.jobs
+    assert engine.scheduler.jobs[kept.id].state == JobState.ACTIVE
+    assert engine.scheduler.workers["w1"].free() == 1
+    assert [j.id for j in engine.running_here()] == [kept.id]
+    # A job that ended here meanwhile (its result came first) is left as it is.
+    assert engine.lapse_settled(["no-such-job"], clock()) == [Wake()]

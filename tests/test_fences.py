@@ -73,3 +73,35 @@ async def test_a_key_claimed_twice_in_one_round_reserves_one_job(store: Store):
     claims = [Claim(row["rowid"], "default", "echo", 0, worker, "c")] * 2
     outcome = await store.reserve([], 2.0, claims)
     assert [job is not None for job in outcome.read] == [True, False]
+
+
+async def test_after_a_lapsed_lease_the_jobs_still_this_servers_are_kept(store: Store):
+    """Server a's lease lapsed and another server recovered its reservations. Of the jobs
+    a's workers still run: one the recovery made wait is taken back, one a reserved after
+    the recovery is its own already; one given out again elsewhere, and one that ended
+    there, are not a's any more."""
+    seqs: dict[str, int] = {}
+    for name in ("recovered", "ours", "elsewhere", "ended"):
+        [(row, _)] = await store.enqueue([new_job(name)])
+        seqs[name] = row["rowid"]
+    held = [reserved_copy(new_job(name), seq, "w1", 1) for name, seq in seqs.items()]
+    await store.reserve(held, 2.0)
+
+    def elsewhere(conn: object) -> None:  # the recovery, then another server's work
+        run = conn.execute  # type: ignore[attr-defined]
+        run("UPDATE jobs SET state = 'available', worker_id = NULL, server_id = NULL,"
+            " lease_expires_at = NULL WHERE id IN ('recovered', 'elsewhere', 'ended')")
+        run("UPDATE jobs SET state = 'active', attempt = 2, worker_id = 'w9', server_id = 'b'"
+            " WHERE id IN ('elsewhere', 'ended')")
+        run("UPDATE jobs SET state = 'completed', server_id = NULL WHERE id = 'ended'")
+
+    await store.writer.submit(elsewhere)
+    assert sorted(await store.take_back(held)) == ["ours", "recovered"]
+    for name in ("recovered", "ours"):
+        stored = await store.get_job(name)
+        assert stored is not None
+        assert (stored["state"], stored["worker_id"], stored["server_id"], stored["attempt"],
+                stored["lease_expires_at"] is not None) == ("active", "w1", "a", 1, True)
+    for name in ("elsewhere", "ended"):
+        stored = await store.get_job(name)
+        assert stored is not None and (stored["worker_id"], stored["attempt"]) == ("w9", 2)
