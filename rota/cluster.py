@@ -42,6 +42,7 @@ class Cluster:
         self._missed: set[str] = set()  # servers seen past their lease, not yet recovered
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False  # the coordinator has started: notices may become events
+        self._lapsed = False  # this server's lease was found lapsed, not yet settled
 
     async def listen(self) -> None:
         """Before the coordinator reads its snapshot: a job another server makes wait
@@ -218,7 +219,10 @@ class Cluster:
             held = await self.store.renew_lease(host=socket.gethostname(), pid=os.getpid(),
                                                 url=self.url, now=now, lease=self.lease)
             if not held:
+                self._lapsed = True
+            if self._lapsed:  # settled once, even if the database failed the first try
                 await self._after_lapse()
+                self._lapsed = False
             await self._watch(now)
         except Exception as exc:  # the database is unreachable: try again next time
             log.warning("cluster: lease renewal failed: %s", exc)
