@@ -95,8 +95,9 @@ class Cluster:
         came before; after it, notices sent while nobody listened are lost, so read what
         they would have said."""
         if self._ready:
-            log.warning("cluster: listening again; reading what other servers changed while"
-                        " this server could not hear them")
+            # (The listener said at WARNING that it listens again.)
+            log.info("cluster: reading what other servers changed while this server could"
+                     " not hear them")
             self._spawn(self._catch_up(), "rota-cluster-catch-up")
 
     def _heard(self, channel: str, payload: str) -> None:
@@ -152,7 +153,7 @@ class Cluster:
         await self._read_paused()
         seqs = await self._persist(self.store.waiting_seqs, "read which jobs wait")
         coordinator = self.coordinator
-        held = {job.seq for job in coordinator.scheduler.jobs.values()}
+        held = coordinator.scheduler.held_seqs()
         missed = [seq for seq in seqs if seq not in held]
         cancels = await self._persist(self.store.cancels_requested,
                                       "read the cancels asked for")

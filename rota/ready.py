@@ -222,6 +222,10 @@ class Ready:
         return {(queue, spec): bucket.count for queue, by_spec in self.buckets.items()
                 for spec, bucket in by_spec.items() if bucket.count}
 
+    def held_seqs(self) -> set[int]:
+        """The row ids of the compact jobs held: waiting, or popped for a claim being read."""
+        return self.waiting_seqs() | self._claiming
+
     def waiting_seqs(self) -> set[int]:
         """The row ids of the compact jobs waiting (a full scan: for checks, not for hot paths)."""
         return {key & SEQ_MASK for by_spec in self.buckets.values()

@@ -73,6 +73,11 @@ class Scheduler:
         elif job.state == "active":
             self._push(self._leases, job.lease or 0.0, job.id)
 
+    def held_seqs(self) -> set[int]:
+        """The row ids of every live job held here, whole or compact (a full scan: for a
+        catch-up after missed notices, not for hot paths)."""
+        return {job.seq for job in self.jobs.values()} | self.ready.held_seqs()
+
     def live(self) -> int:
         """Live jobs, whole or compact (or being claimed)."""
         return len(self.jobs) + self.ready.keys + self.claims

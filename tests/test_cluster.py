@@ -197,14 +197,18 @@ async def test_a_cancel_through_one_server_reaches_the_worker_on_another(tmp_pat
 
 
 async def test_a_server_that_could_not_hear_the_others_catches_up_when_it_listens_again(
-        tmp_path: Path, pg_url: str):
+        tmp_path: Path, pg_url: str, caplog: pytest.LogCaptureFixture):
     """B's LISTEN connection is down while A enqueues a job, cancels one that B's worker
     runs, and pushes a new version of the spec: those notices are lost. When B listens
     again it reads what they would have said: its worker gets the new job and the
-    cancel, and B's status quo is A's."""
+    cancel, and B's status quo is A's. A job B holds already (waiting in a queue no
+    worker takes) is not taken in a second time."""
+    caplog.set_level(logging.INFO, logger="rota.server")
     # The raw worker sends no heartbeats: a timeout it cannot reach on a loaded machine.
     async with worker_on_b(tmp_path, pg_url, heartbeat_timeout=30.0) as (a, b, worker):
         listener = b.server.config.loaded_app.app.state.cluster.listener  # type: ignore[union-attr]
+        await b.enqueue("echo", queue="nobody")  # held by B as a key only
+        live = b.coordinator.scheduler.live()
         running_job = await a.enqueue("echo")
         [copy] = await worker.jobs(1)
         assert copy["id"] == running_job["id"]
@@ -218,6 +222,8 @@ async def test_a_server_that_could_not_hear_the_others_catches_up_when_it_listen
         assert cancel["job_ids"] == [running_job["id"]]
         [late] = await worker.jobs(1)
         assert late["id"] == missed["id"]
+        assert "caught up: 1 waiting job(s) taken in, 1 cancel(s) passed on" in caplog.text
+        assert b.coordinator.scheduler.live() == live + 2  # the running job and the late one
 
         await listener.stop()
         await a.push(write_spec(tmp_path / "v2", "echo", version="2"))
