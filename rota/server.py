@@ -94,7 +94,7 @@ def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvic
 
 
 def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A bound TCP socket to hand to uvicorn (port 0 picks a free one).
+    """A bound, listening TCP socket to hand to uvicorn (port 0 picks a free one).
 
     asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto is IPPROTO_TCP; a
     plain socket.socket() has proto 0, and then every second small frame in a row waits
@@ -102,8 +102,17 @@ def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        # Listening at once claims the port: with SO_REUSEADDR, another socket may bind a
+        # port that is bound but not listening yet, listen first, and leave this one
+        # failing later with EADDRINUSE (seen when the kernel handed port 0's pick to two
+        # programs at once). uvicorn's own listen() only sets the backlog again.
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
     sock.set_inheritable(True)
     return sock
 

@@ -147,6 +147,7 @@ async def start_server(tmp: Path, **overrides: Any) -> Live:
     server.test_task = task  # type: ignore[attr-defined]
     await wait_until(lambda: server.started or task.done(), what="server start")
     if task.done():
+        sock.close()
         task.result()
     return Live(settings, server, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}"), tmp)
 
