@@ -116,9 +116,13 @@ class Cluster:
         elif channel == fleet.WORKERS and len(words) == 2:
             self._direct(origin, words[0], urllib.parse.unquote(words[1]))
         elif channel == fleet.CANCEL and len(words) == 2 and words[0] == self.me:
-            outcome, effects = self.coordinator.engine.cancel(words[1], self.coordinator.clock())
-            log.info("cancel job=%s from server=%s: %s", words[1], origin, outcome)
-            self.coordinator.apply(effects)
+            self._pass_cancel(words[1], f"server={origin}")
+
+    def _pass_cancel(self, job_id: str, source: str) -> None:
+        """A cancel another server stored for a job this server's worker runs."""
+        outcome, effects = self.coordinator.engine.cancel(job_id, self.coordinator.clock())
+        log.info("cancel job=%s from %s: %s", job_id, source, outcome)
+        self.coordinator.apply(effects)
 
     def _direct(self, origin: str, state: str, target: str) -> None:
         """An operator's directive given through another server, for the workers here."""
@@ -161,9 +165,7 @@ class Cluster:
         for job_id in cancels:
             job = coordinator.scheduler.jobs.get(job_id)
             if job is not None and not job.cancel_requested:
-                outcome, effects = coordinator.engine.cancel(job_id, coordinator.clock())
-                log.info("cancel job=%s from another server, heard late: %s", job_id, outcome)
-                coordinator.apply(effects)
+                self._pass_cancel(job_id, "another server, heard late")
                 passed += 1
         log.info("cluster: caught up: %d waiting job(s) taken in, %d cancel(s) passed on",
                  len(missed), passed)

@@ -232,21 +232,21 @@ class Intake:
         stale: its worker is told to cancel it, and its slot is free (a result it still
         sends is turned away as unknown here and by the attempt fence in the row; a
         ``reservation_lost`` cancel tells the SDK not to send one)."""
+        # A job that ended here meanwhile is left alone: its row decided, nothing runs.
+        stale = [job for job in map(self.scheduler.jobs.get, lost)
+                 if job is not None and job.state == JobState.ACTIVE]
+        log_lines(log, logging.WARNING, "lost job=%s spec=%s queue=%s worker=%s attempt=%d:"
+                  " this server's lease had lapsed and another server gave it out again;"
+                  " the run here is cancelled",
+                  [(j.id, j.spec, j.queue, j.worker_id, j.attempt) for j in stale])
         effects: list[Effect] = []
-        for job_id in lost:
-            job = self.scheduler.jobs.get(job_id)
-            if job is None or job.state != JobState.ACTIVE:
-                continue  # it ended here meanwhile: its row decided, nothing runs
-            log.warning("lost job=%s spec=%s queue=%s worker=%s attempt=%d: this server's"
-                        " lease had lapsed and another server gave it out again; the run"
-                        " here is cancelled", job.id, job.spec, job.queue, job.worker_id,
-                        job.attempt)
+        for job in stale:
             connection = self.registry.get(job.worker_id or "")
             if connection is not None and not job.orphaned:
                 effects.append(Send(connection.conn, p.encode(
                     p.Cancel(job_ids=[job.id], reason="reservation_lost"))))
             self.scheduler.let_go(job)
-        return effects + [Wake()] if effects or lost else effects
+        return effects + [Wake()] if lost else []
 
     def _hold_as_read(self, job: Job, now: Instant) -> None:
         """Hold ``job`` as its row was just read, in place of any copy held until now."""
