@@ -323,7 +323,7 @@ def serve(db: Path | str, log_level: str, log_format: str, insecure: bool,
     logs.configure(log_level, log_format)
     if isinstance(db, Path):  # (several servers share a PostgreSQL database: no lock)
         _hold_database(db)  # first: a second server must not even migrate the file
-    sock = _listen(options["host"], options["port"])  # then: a busy port touches no file
+    sock = _listen(options["host"], options["port"])  # then: a busy port migrates nothing
     try:  # opens the database and applies any migration: the first write of a start
         tokens = list_tokens(db)
     except NewerDatabase as exc:
@@ -374,7 +374,7 @@ def _hold_database(db: Path) -> None:
     """Hold the database's one-server lock until this command ends, or fail in one line
     (docs/operations.md, One server per database). ``rota tokens`` takes no lock: it
     writes the file beside a running server, through SQLite's own locking."""
-    from rota.db import hold_database
+    from rota.dblock import hold_database
     from rota.errors import DatabaseInUse
 
     try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import functools
 import importlib.metadata
 import logging
@@ -23,7 +22,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any, TypeVar
 
 import sqlite_utils
 
-from rota.errors import DatabaseInUse, RotaError, StorageError
+from rota.errors import RotaError, StorageError
 
 T = TypeVar("T")
 log = logging.getLogger("rota.server")
@@ -393,49 +392,6 @@ class NewerDatabase(RotaError):
         super().__init__("newer_database", f"{path} was written by {writer}, and this is"
                          f" Rota {version}: its schema has {', '.join(unknown)}, which this"
                          " version does not know. Upgrade Rota, or use another --db")
-
-
-
-def lock_path(path: Path) -> Path:
-    """The server lock of a database: ``rota.db.lock`` beside ``rota.db`` (its real
-    path, so that two names of one file share one lock)."""
-    real = path.resolve()
-    return real.with_name(real.name + ".lock")
-
-
-@contextlib.contextmanager
-def hold_database(path: Path) -> Iterator[None]:
-    """Hold the one-server lock of the database at ``path`` while the block runs; raise
-    ``DatabaseInUse`` (naming the holder's pid) if another process holds it.
-
-    Why a file of its own, with flock, and not a lock on the database: SQLite locks the
-    database with POSIX record locks, which belong to the whole process, and closing
-    *any* descriptor of the file drops them all; a descriptor of ours on it could cost
-    SQLite its own locks. flock on a separate file cannot touch them. The kernel drops
-    the lock when its process dies, kill -9 included, so a crashed server never blocks
-    the next one: the file stays behind, its lock does not (and the file is never
-    deleted, or two servers could each lock a different file of the same name).
-    """
-    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DatabaseInUse(str(path), _holder(fd)) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the refusal of the next one
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)  # a clean exit leaves no pid to mislead a reader
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _holder(fd: int) -> int | None:
-    """The pid the holder wrote, or None if it has not written it yet."""
-    text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-    return int(text) if text.isdigit() else None
 
 
 class Writer:

@@ -81,7 +81,7 @@ class StorageError(RotaError):
 
 
 class DatabaseInUse(RotaError):
-    """Another Rota server holds this database file (rota/db.py ``hold_database``).
+    """Another Rota server holds this database file (rota/dblock.py ``hold_database``).
 
     Two servers on one file would each keep their own view of the jobs in memory and
     give the same job to two workers; the second one refuses to start instead."""

@@ -19,7 +19,8 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 LAYERS: list[set[str]] = [
     {"errors", "ids", "inputs", "logs", "settings", "display", "charts", "schema"},  # leaves:
     # no rota imports (the dashboard's figures and its chart, as text; the store's tables)
-    {"protocol", "model", "db"},  # the wire format; the job and its lifecycle; SQLite
+    {"protocol", "model", "db", "dblock"},  # the wire format; the job and its lifecycle;
+    # SQLite; one server per SQLite file
     {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "pg"},  # spec files
     # and checksums; retry rules; tokens; the ready index; how long finished jobs are kept;
     # what happened (events, counts, metrics as numbers); job filters; PostgreSQL (db's

@@ -1,5 +1,6 @@
-"""One server per database file: a second ``rota serve`` on the same file refuses to start,
-in one line naming the holder's pid, and the lock dies with its holder."""
+"""One server per database file: a second ``rota serve`` on the same file, under any name of
+it (a symlink, a hard link, a path through ``..``), refuses to start, in one line naming the
+holder's pid, and the lock dies with its holder."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from helpers import spawn_serve
 from test_cli import rota
 from test_crash import free_port
 
-from rota.db import hold_database, lock_path
+from rota.dblock import hold_database
 from rota.errors import DatabaseInUse
 
 
@@ -41,9 +42,14 @@ async def test_a_second_server_on_the_same_file_refuses_to_start(tmp_path: Path,
     db = tmp_path / "rota.db"
     first = await serve(http, db, tmp_path / "first.log")
     try:
-        # Another name of the same file (through a symlink) is the same database.
+        # Every other name of the same file is the same database: a symlink, a hard link
+        # in another directory (which once took a lock of its own, and two servers then
+        # wrote one file) and a path through "..".
         (tmp_path / "alias.db").symlink_to(db)
-        for name in (str(db), str(tmp_path / "alias.db")):
+        (tmp_path / "elsewhere").mkdir()
+        os.link(db, tmp_path / "elsewhere" / "linked.db")
+        for name in (str(db), str(tmp_path / "alias.db"), str(tmp_path / "elsewhere" / "linked.db"),
+                     f"{tmp_path}/elsewhere/../rota.db"):
             code, out, err = await rota("serve", "--port", str(free_port()), "--db", name,
                                         timeout=20)
             assert code == 1, err
@@ -60,16 +66,17 @@ async def test_a_second_server_on_the_same_file_refuses_to_start(tmp_path: Path,
     assert await stop(third) == 0
 
 
-def test_the_lock_names_its_holder_and_is_released_on_exit(tmp_path: Path):
+def test_the_lock_is_the_files_names_its_holder_and_is_released_on_exit(tmp_path: Path):
     db = tmp_path / "rota.db"
-    with hold_database(db):
-        assert lock_path(db).read_text() == f"{os.getpid()}\n"
-        with pytest.raises(DatabaseInUse) as refused, hold_database(db):
-            pass
-        assert refused.value.pid == os.getpid()
-        assert not db.exists()  # the lock is a file of its own: SQLite's file is untouched
-    assert lock_path(db).read_text() == ""  # no stale pid after a clean exit
-    with hold_database(db):
+    with hold_database(db):  # a database that does not exist yet: created empty, and locked
+        assert db.stat().st_size == 0
+        os.link(db, tmp_path / "linked.db")
+        for name in (db, tmp_path / "linked.db"):
+            with pytest.raises(DatabaseInUse) as refused, hold_database(name):
+                pass
+            assert refused.value.pid == os.getpid()  # found in /proc/locks by the file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["linked.db", "rota.db"]  # no lock file
+    with hold_database(tmp_path / "linked.db"):
         pass
 
 
