@@ -152,16 +152,14 @@ class Engine(Intake, Reservations):
             effects.append(Abort(old.conn, "superseded", "the worker reconnected on a new"
                                  " connection", p.CLOSE_POLICY))
             effects += self.disconnect(old.conn, hb.worker_id, "superseded", now)
-        verdict = judge_specs(self.scheduler.status_quo, hb.worker_id, reg.specs)
+        verdict = judge_specs(self.scheduler.status_quo, reg.specs)
         slot = WorkerSlot(id=hb.worker_id, queues=list(reg.queues), concurrency=reg.concurrency,
                           specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels),
                           prefetch=reg.prefetch)
         self.scheduler.add_worker(slot)
-        self.registry.add(Connection(conn, slot, reg, now.wall, now.mono, principal))
-        log.info("register worker=%s host=%s pid=%d queues=%s concurrency=%d prefetch=%d"
-                 " specs_ok=%d specs_rejected=%d", slot.id, printable(reg.hostname), reg.pid,
-                 ",".join(reg.queues), reg.concurrency, reg.prefetch, len(verdict.accepted),
-                 len(verdict.rejected))
+        connection = Connection(conn, slot, reg, now.wall, now.mono, principal)
+        self.registry.add(connection)
+        self.registry.log_registration(connection, verdict, now.mono)
         effects.append(WorkerSeen({
             "id": hb.worker_id, "hostname": reg.hostname, "pid": reg.pid,
             "queues": msgspec.json.encode(reg.queues).decode(),
@@ -186,12 +184,15 @@ class Engine(Intake, Reservations):
         held = self.scheduler.remove_worker(worker_id, connection.reported)
         effects: list[Effect] = [WorkerGone(worker_id, connection.connected_at, now.wall)]
         self.observe.event(now.wall, "worker_disconnect", worker=worker_id, message=reason)
+        quiet = not (connection.logged or held)  # its registration was not logged either
         if self.stopping:
-            log.info("disconnect worker=%s reason=%s jobs_kept_for_reclaim=%d", worker_id,
-                     reason, len(held))
+            if not quiet:
+                log.info("disconnect worker=%s reason=%s jobs_kept_for_reclaim=%d", worker_id,
+                         reason, len(held))
         elif reason not in MAY_RECONNECT or not held:
-            log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason,
-                     len(held))
+            if not quiet:
+                log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason,
+                         len(held))
             effects += self._recover(held, "worker_death", f"worker {worker_id} is gone"
                                      f" ({reason})", now, death=reason in DEATHS)
         else:

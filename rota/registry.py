@@ -15,6 +15,7 @@ from typing import Any
 from rota import protocol as p
 from rota.auth import OPEN, Principal
 from rota.errors import FrameError
+from rota.logs import printable
 from rota.policy import TokenBucket
 from rota.scheduler import WorkerSlot
 
@@ -27,6 +28,13 @@ def short(checksum_: str | None) -> str:
 
 MAX_ALERTS_KEPT = 20  # per connection, for GET /workers
 ALERT_LINES = 5.0  # alerts logged a second per connection, on average
+# A worker token could flood the log by registering again and again: at most
+# REGISTER_LINES registrations logged a second per token (in bursts of REGISTER_BURST, so
+# that a fleet restarting under one token is logged whole); the rest are counted.
+REGISTER_LINES = 10.0
+REGISTER_BURST = 100
+MAX_LINE_BUDGETS = 10_000  # tokens whose registration lines are counted (the least recent go)
+NAMED_REJECTIONS = 3  # rejected specs a registration line names; it counts the others
 
 
 @dataclass(slots=True)
@@ -43,6 +51,7 @@ class Connection:
     directive: str | None = None  # the state the server wants; None: whatever the worker says
     checked: bool = False  # its first status was checked for runs it no longer holds
     frames: int = 0  # heartbeats read from this connection
+    logged: bool = True  # its registration was logged (and so its disconnect will be)
     over_since: float | None = None  # monotonic: since when its outbox is over the limit
     # Lists, not deques: an empty deque takes 760 bytes, and 10,000 idle connections
     # each held two (both stay short: 20 alerts at most, acks one or two).
@@ -71,9 +80,49 @@ class Connection:
         return False
 
 
+@dataclass(slots=True)
+class LineBudget:
+    """One token's registration lines: how fast they may come, and how many were not."""
+
+    bucket: TokenBucket = field(default_factory=lambda: TokenBucket(REGISTER_LINES,
+                                                                     REGISTER_BURST))
+    unlogged: int = 0
+
+
 class Registry:
     def __init__(self) -> None:
         self.connections: dict[str, Connection] = {}
+        self._lines: dict[str | None, LineBudget] = {}  # by token id; None: no tokens
+
+    def log_registration(self, connection: Connection, verdict: p.SpecVerdict,
+                         now: float) -> None:
+        """One line for a registration, with its rejected specs counted and the first few
+        named; WARNING when any was rejected. Within the token's budget only (the rest
+        are counted, and said at the next line logged)."""
+        token = connection.principal.token_id
+        budget = self._lines.pop(token, None) or LineBudget()
+        self._lines[token] = budget  # the most recent last
+        if len(self._lines) > MAX_LINE_BUDGETS:
+            self._lines.pop(next(iter(self._lines)))
+        if not budget.bucket.take(now):
+            budget.unlogged += 1
+            connection.logged = False
+            return
+        if budget.unlogged:
+            log.warning("registrations token=%s: %d not logged, nor their disconnects (over %g"
+                        " a second; GET /workers lists the connected)", token or "-",
+                        budget.unlogged, REGISTER_LINES)
+            budget.unlogged = 0
+        reg, slot = connection.registration, connection.worker
+        rejected = [f"{r.name}@{short(r.checksum)}(status_quo={short(r.expected)})"
+                    for r in verdict.rejected[:NAMED_REJECTIONS]]
+        if len(verdict.rejected) > NAMED_REJECTIONS:
+            rejected.append(f"+{len(verdict.rejected) - NAMED_REJECTIONS} more")
+        log.log(logging.WARNING if rejected else logging.INFO,
+                "register worker=%s host=%s pid=%d queues=%s concurrency=%d prefetch=%d"
+                " specs_ok=%d specs_rejected=%d%s", slot.id, printable(reg.hostname), reg.pid,
+                ",".join(reg.queues), reg.concurrency, reg.prefetch, len(verdict.accepted),
+                len(verdict.rejected), f" rejected={','.join(rejected)}" if rejected else "")
 
     def get(self, worker_id: str, conn: int | None = None) -> Connection | None:
         """The worker's connection (only if it is ``conn``, when that is given)."""
@@ -196,9 +245,9 @@ def held_ids(status: p.Status) -> list[str]:
     return [*status.active_job_ids, *status.prefetched_job_ids]
 
 
-def judge_specs(status_quo: dict[str, str], worker_id: str, declared: list[p.SpecRef]
-                ) -> p.SpecVerdict:
-    """Which declared specs match the status quo, and why the others do not."""
+def judge_specs(status_quo: dict[str, str], declared: list[p.SpecRef]) -> p.SpecVerdict:
+    """Which declared specs match the status quo, and why the others do not (the
+    registration's one line counts them: ``Registry.log_registration``)."""
     accepted: list[str] = []
     rejected: list[p.SpecRejection] = []
     for ref in declared:
@@ -209,6 +258,4 @@ def judge_specs(status_quo: dict[str, str], worker_id: str, declared: list[p.Spe
         reason = "spec has no status quo" if expected is None else "checksum differs from the status quo"
         rejected.append(p.SpecRejection(name=ref.name, checksum=ref.checksum,
                                         expected=expected, reason=reason))
-        log.warning("spec mismatch worker=%s spec=%s checksum=%s status_quo=%s",
-                    worker_id, ref.name, short(ref.checksum), short(expected))
     return p.SpecVerdict(accepted=accepted, rejected=rejected)

@@ -291,6 +291,60 @@ async def test_refusals_are_logged_at_a_bounded_rate(guarded: Live, caplog):
     assert 1 <= len(lines) <= 11  # a burst of 10 (and one more if a second passed)
 
 
+async def test_a_token_registering_in_a_loop_with_bad_specs_logs_a_bounded_number_of_lines(
+        guarded: Live, caplog):
+    """Each registration logged one WARNING per mismatched spec: a worker token declaring
+    1,000 unknown specs, connecting again and again, wrote 722,000 lines in 10 s. (200
+    here: each registration costs the loaded test machine less.)"""
+    from rota.registry import REGISTER_BURST, REGISTER_LINES
+
+    caplog.set_level(logging.INFO, logger="rota.server")
+    secret = await make_token(guarded, "worker")
+    declared = {f"nope-{k}": "sha256:" + "0" * 64 for k in range(200)}
+
+    async def register(worker_id: str) -> None:
+        raw = await raw_worker(guarded, secret, worker_id)  # a new id each time: one token
+        welcome = await raw.register([], declared=declared)
+        assert len(welcome["specs"]["rejected"]) == 200  # the worker is told of each
+        await raw.ws.close()
+        await wait_until(lambda: worker_id not in guarded.coordinator.engine.registry.connections,
+                         what="the server to see it go")  # (3 connections per token here)
+
+    started = asyncio.get_running_loop().time()
+    done = 0
+    while done < REGISTER_BURST + 30:
+        await register(f"flood-{done}")
+        done += 1
+    elapsed = asyncio.get_running_loop().time() - started
+    records = [r for r in caplog.records if r.name == "rota.server"]
+    flood = [r.getMessage() for r in records if "flood-" in r.getMessage()
+             or "not logged" in r.getMessage()]
+    assert len(records) <= len(flood) + 10  # nothing else of it (the bystander is quiet)
+    registered = [m for m in flood if m.startswith("register ")]
+    assert len(registered) <= REGISTER_BURST + REGISTER_LINES * elapsed + 1
+    assert len(flood) <= 3 * len(registered) + 1  # and a disconnect, a count of the unlogged
+    assert len(registered) < done
+    assert all(m.endswith(" specs_ok=0 specs_rejected=200 rejected="
+                          + ",".join(f"nope-{k}@sha256:00000000(status_quo=none)" for k in range(3))
+                          + ",+197 more") for m in registered), registered[0]
+    assert all(r.levelno == logging.WARNING for r in records
+               if r.getMessage().startswith("register worker=flood-"))
+    # A registration logged says first how many of the token's were not since the last:
+    # once one is logged again, every registration is either a line or in a count.
+    while True:
+        await register(f"flood-{done}")
+        done += 1
+        if any(r.getMessage().startswith(f"register worker=flood-{done - 1} ")
+               for r in caplog.records):
+            break
+    counted = [r.getMessage() for r in caplog.records if r.name == "rota.server"
+               and ("not logged" in r.getMessage()
+                    or r.getMessage().startswith("register worker=flood-"))]
+    unlogged = sum(int(m.split(": ")[1].split()[0]) for m in counted if "not logged" in m)
+    assert unlogged + sum(m.startswith("register ") for m in counted) == done
+    await bystander_still_works(guarded)
+
+
 async def test_two_authorization_headers_are_refused(guarded: Live):
     status, body = await raw_http(guarded.settings.port, b"GET /specs HTTP/1.1\r\nHost: x\r\n"
                                      b"Authorization: Bearer junk\r\nAuthorization: Bearer "
