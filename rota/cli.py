@@ -28,7 +28,10 @@ from rota import cli_live, cli_ops, logs
 from rota.cli_base import TOKEN_OPTION as _TOKEN
 from rota.cli_base import URL_OPTION
 from rota.cli_base import api as _api
+from rota.cli_base import error as _error
 from rota.cli_base import fail as _fail
+from rota.cli_base import out as _out
+from rota.cli_base import out_lines as _out_lines
 from rota.cli_base import print_json as _print_json
 from rota.cli_base import servers as _servers
 from rota.cli_base import token as _token
@@ -76,7 +79,9 @@ _DURATION, _RETAIN_RULE = _Duration(), _RetainRule()
 
 def _print_job(data: dict[str, Any]) -> None:
     """A job (or a result) as JSON on stdout, for scripts, with each error's traceback
-    taken out and written to stderr as it was raised: lines, not one string of \\n."""
+    taken out and written to stderr as it was raised: lines, not one string of \\n,
+    under a line naming its attempt and indented by 4 (the worker's text, which may hold
+    a line that looks like that one)."""
     errors = [e for e in [*data.get("errors", []), data.get("error")] if isinstance(e, dict)]
     tracebacks = []
     for error in errors:
@@ -85,10 +90,10 @@ def _print_job(data: dict[str, Any]) -> None:
             tracebacks.append((error, details["traceback"]))
             details["traceback"] = "(on stderr)"
     _print_json(data)
-    for error, text in tracebacks:
-        click.echo(f"--- attempt {error.get('attempt', '?')} on {error.get('worker_id') or '?'}:"
-                   f" {error.get('type')}: {error.get('message')}", err=True)
-        click.echo(text.rstrip("\n"), err=True)
+    for error, text in tracebacks:  # the worker's own lines, each escaped
+        _out(f"--- attempt {error.get('attempt', '?')} on {error.get('worker_id') or '?'}:"
+             f" {error.get('type')}: {error.get('message')}", err=True)
+        _out_lines(text, indent="    ", err=True)
 
 
 class OneLineErrors(click.Group):
@@ -101,17 +106,17 @@ class OneLineErrors(click.Group):
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.NoArgsIsHelpError as exc:  # bare `rota`, `rota specs`: help
-            click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            _out_lines(exc.ctx.get_help() if exc.ctx else exc.format_message())
             sys.exit(0)
         except click.UsageError as exc:
             hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
-            click.secho(f"error: {exc.format_message()}{hint}", fg="red", err=True)
+            _error(f"{exc.format_message()}{hint}")
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
-            click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+            _error(exc.format_message())
             sys.exit(exc.exit_code)
         except click.Abort:
-            click.echo("aborted", err=True)
+            _out("aborted", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
@@ -517,9 +522,9 @@ def specs_push(directory: Path, url: str, dry_run: bool) -> None:
         line = f"{item['change']:<9} {item['name']}  {item['checksum'][:19]}"
         if item["change"] == "changed":
             line += f"  (was {item['previous'][:19]}; {item['mismatched_workers']} connected worker(s) no longer match)"
-        click.echo(line)
+        _out(line)
     if dry_run:
-        click.echo("dry run: nothing was changed")
+        _out("dry run: nothing was changed")
 
 
 @specs.command("list")
@@ -528,8 +533,8 @@ def specs_list(url: str) -> None:
     """List the status-quo specs with their versions and checksums."""
     for spec in _api(url, "specs")["specs"]:
         retired = f"  retired {spec['retired_at']}" if spec.get("retired_at") else ""
-        click.echo(f"{spec['name']:<24} {spec['version']:<10} {spec['checksum'][:19]}"
-                   f"  queue={spec['queue']}{retired}")
+        _out(f"{spec['name']:<24} {spec['version']:<10} {spec['checksum'][:19]}"
+             f"  queue={spec['queue']}{retired}")
 
 
 @specs.command("history")
@@ -539,7 +544,7 @@ def specs_history(name: str, url: str) -> None:
     """Show every version of spec NAME that was made the status quo, oldest first."""
     for entry in _api(url, "spec_history", name)["history"]:
         retired = "  retired" if entry.get("event") == "retire" else ""
-        click.echo(f"{entry['pushed_at']}  {entry['version']:<10} {entry['checksum'][:19]}{retired}")
+        _out(f"{entry['pushed_at']}  {entry['version']:<10} {entry['checksum'][:19]}{retired}")
 
 
 @specs.command("retire")
@@ -556,17 +561,17 @@ def specs_retire(name: str, url: str, cancel_waiting: bool) -> None:
     report = _api(url, "retire_spec", name, cancel_waiting=cancel_waiting)
     jobs = report["jobs"]
     waiting = jobs["scheduled"] + jobs["available"] + jobs["retryable"]
-    click.echo(f"{name} {'was already' if report['already_retired'] else 'is now'} retired"
-               f" (since {report['retired_at']}, checksum {report['checksum'][:19]}):"
-               " new jobs are refused; push it again to use it")
+    _out(f"{name} {'was already' if report['already_retired'] else 'is now'} retired"
+         f" (since {report['retired_at']}, checksum {report['checksum'][:19]}):"
+         " new jobs are refused; push it again to use it")
     if cancel_waiting:
-        click.echo(f"cancelled {report['cancelled']} waiting job(s)")
-    click.echo(f"waiting: {waiting} (scheduled {jobs['scheduled']}, available"
-               f" {jobs['available']}, retryable {jobs['retryable']}); running:"
-               f" {jobs['active']}; matching workers: {report['matching_workers']}")
+        _out(f"cancelled {report['cancelled']} waiting job(s)")
+    _out(f"waiting: {waiting} (scheduled {jobs['scheduled']}, available"
+         f" {jobs['available']}, retryable {jobs['retryable']}); running:"
+         f" {jobs['active']}; matching workers: {report['matching_workers']}")
     if waiting:
-        click.echo("the waiting jobs still run on workers that declare this checksum;"
-                   " rota specs retire --cancel-waiting cancels them")
+        _out("the waiting jobs still run on workers that declare this checksum;"
+             " rota specs retire --cancel-waiting cancels them")
 
 
 @specs.command("checksum")
@@ -575,7 +580,7 @@ def specs_checksum(directory: Path) -> None:
     """Print the checksum of every spec in DIRECTORY (no server needed)."""
     try:
         for spec in load_dir(directory):
-            click.echo(f"{spec.name:<24} {checksum(spec)}")
+            _out(f"{spec.name:<24} {checksum(spec)}")
     except SpecError as exc:
         _fail(str(exc))
 
@@ -621,7 +626,7 @@ def enqueue(url: str, spec: str, args_json: str, job_id: str | None, **options: 
     """Enqueue a job of SPEC and print it."""
     reply = _enqueue(url, spec, args_json, job_id, **options)
     if not reply["created"]:
-        click.echo("a job with this id exists already:", err=True)
+        _out("a job with this id exists already:", err=True)
     _print_json(reply["job"])
 
 
@@ -645,7 +650,7 @@ def run(url: str, spec: str, args_json: str, job_id: str | None, wait: float,
             break
     _print_job(reply)
     if not reply["done"]:
-        click.echo(f"job {job['id']} has not finished after {wait:g}s", err=True)
+        _out(f"job {job['id']} has not finished after {wait:g}s", err=True)
         sys.exit(2)
     sys.exit(0 if reply["state"] == "completed" else 1)
 
@@ -668,16 +673,15 @@ def workers_list(url: str) -> None:
     """Each worker's state, queues, labels, load, spec matches and last heartbeat age."""
     rows = _api(url, "workers")["workers"]
     if not rows:
-        click.echo("no workers connected")
+        _out("no workers connected")
     for w in rows:
-        click.echo(
-            f"{w['id']}  {w['state']:<9} load={w['active']}/{w['concurrency']}"
-            f"{_prefetched(w)}"
-            f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"
-            f"  specs ok={','.join(w['specs_matching']) or '-'}"
-            f" mismatched={','.join(w['specs_mismatching']) or '-'}"
-            f"  host={w['hostname']} pid={w['pid']}{_usage(w)}"
-            f"  beat={w['last_heartbeat_age']:.1f}s ago")
+        _out(f"{w['id']}  {w['state']:<9} load={w['active']}/{w['concurrency']}"
+             f"{_prefetched(w)}"
+             f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"
+             f"  specs ok={','.join(w['specs_matching']) or '-'}"
+             f" mismatched={','.join(w['specs_mismatching']) or '-'}"
+             f"  host={w['hostname']} pid={w['pid']}{_usage(w)}"
+             f"  beat={w['last_heartbeat_age']:.1f}s ago")
 
 
 def _usage(worker: dict[str, Any]) -> str:
@@ -692,7 +696,7 @@ def _directive(name: str, state: str) -> Callable[..., None]:
             _fail("name one worker ID, or --label LABEL, or --all")
         reply = _api(url, "direct", state, worker_id=worker_id, label=label, every=every)
         for worker in reply["workers"]:
-            click.echo(f"{worker}: {state}")
+            _out(f"{worker}: {state}")
         if not reply["workers"]:  # a typo in a label must not pass for success in a deploy
             _fail(f"no connected worker{f' with label {label!r}' if label else ''} to {name}")
 
@@ -807,9 +811,9 @@ def tokens_create(scope: str, queues: str | None, name: str | None, create_db: b
         _on_file(create_token, path,
                  name=name or f"{scope}-{token_id}", scope=scope, queues=limited,
                  token_id=token_id, hashed=hashed)
-    click.echo(secret)
-    click.echo(f"token {token_id} ({scope}{', queues ' + ','.join(limited) if limited else ''})"
-               " created; copy it now, it is not shown again", err=True)
+    _out(secret)
+    _out(f"token {token_id} ({scope}{', queues ' + ','.join(limited) if limited else ''})"
+         " created; copy it now, it is not shown again", err=True)
 
 
 @tokens.command("list")
@@ -825,11 +829,11 @@ def tokens_list(db: Path | str, url: str | None) -> None:
 
         rows = [token_view(row) for row in _on_file(list_tokens, path)]
     if not rows:
-        click.echo("no tokens: the server runs open (loopback only)")
+        _out("no tokens: the server runs open (loopback only)")
     for row in rows:
         queues = ",".join(row["queues"]) if row["queues"] else "*"
-        click.echo(f"{row['id']}  {row['scope']:<8} queues={queues}  name={row['name']}"
-                   f"  created={row['created_at']}")
+        _out(f"{row['id']}  {row['scope']:<8} queues={queues}  name={row['name']}"
+             f"  created={row['created_at']}")
 
 
 @tokens.command("revoke")
@@ -846,7 +850,7 @@ def tokens_revoke(which: str, db: Path | str, url: str | None) -> None:
 
         if not _on_file(revoke_token, path, which):
             _fail(f"no live token with id or name {which!r}")
-    click.echo(f"revoked {which}")
+    _out(f"revoked {which}")
 
 
 @main.group()

@@ -1,6 +1,15 @@
 """What every ``rota`` command that talks to a server shares: ``--url`` and ``--token``
 (ROTA_URL, ROTA_TOKEN), an API call whose refusal is one line on stderr and exit 1, and
-JSON on stdout. ``rota.cli``, ``rota.cli_ops`` and ``rota.cli_live`` build on it."""
+JSON on stdout. ``rota.cli``, ``rota.cli_ops`` and ``rota.cli_live`` build on it.
+
+And the one way ``rota`` prints: ``out`` (a line), ``out_lines`` (a text of several),
+``screen`` (``rota watch``'s frame), ``fail`` and ``error`` (a line on stderr) and
+``print_json``. What a server returns is partly workers' own text (a hostname, an error's
+message and traceback, a result): a newline in it could forge a line of output, an escape
+sequence retitle the terminal (OSC 0) or write its clipboard (OSC 52), a bidirectional
+override reverse what follows. Each of these writes every character that is not printable
+as its Python escape (``\x1b``, ``\u202e``), and JSON escapes them itself.
+tests/test_cli_print.py checks that nothing in the CLI prints another way."""
 
 from __future__ import annotations
 
@@ -12,6 +21,9 @@ from typing import Any, NoReturn
 import click
 
 from rota.client import ApiError, Client
+from rota.logs import printable
+
+UNCUT = sys.maxsize  # the CLI escapes text but never cuts it (the log does)
 
 _URL = click.option(
     "--url", envvar="ROTA_URL", show_envvar=True, default="http://127.0.0.1:8000",
@@ -48,8 +60,31 @@ def token() -> str | None:
     return found
 
 
+def out(line: str = "", *, err: bool = False) -> None:
+    """Print one line: a newline or any other control character in it is escaped."""
+    click.echo(printable(line, UNCUT), err=err)
+
+
+def out_lines(text: str, *, indent: str = "", err: bool = False) -> None:
+    """Print a text of several lines (a traceback, a help page), each as ``out`` does,
+    after ``indent``: a worker's text indented cannot pass for a line of rota's own."""
+    for line in text.rstrip("\n").split("\n"):
+        out(indent + line, err=err)
+
+
+def screen(lines: list[str], *, clear: bool) -> None:
+    """One frame of ``rota watch``: on a terminal (``clear``), home and clear first."""
+    click.echo(("\x1b[H\x1b[J" if clear else "")  # the one escape sequence rota writes
+               + "\n".join(printable(line, UNCUT) for line in lines) + ("" if clear else "\n"))
+
+
+def error(message: str) -> None:
+    """The one line on stderr of a command that fails (red on a terminal)."""
+    click.secho(f"error: {printable(message, UNCUT)}", fg="red", err=True)
+
+
 def fail(message: str) -> NoReturn:
-    click.secho(f"error: {message}", fg="red", err=True)
+    error(message)
     sys.exit(1)
 
 
@@ -75,5 +110,9 @@ def say(url: str, exc: ApiError) -> str:
     return f"{exc.message} ({exc.code})"
 
 
-def print_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False))
+def print_json(data: Any, *, compact: bool = False) -> None:
+    """``data`` as JSON: indented, or ``compact`` on one line (NDJSON). json.dumps escapes
+    every control character and everything past ASCII; DEL, the one it leaves, too."""
+    text = (json.dumps(data, separators=(",", ":")) if compact
+            else json.dumps(data, indent=2, sort_keys=False))
+    click.echo(text.replace("\x7f", "\\u007f"))

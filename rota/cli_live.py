@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from rota.cli_base import URL_OPTION, fail, print_json, say, servers, token
+from rota.cli_base import URL_OPTION, fail, out, print_json, say, screen, servers, token
 from rota.cli_ops import WAITING_STATES, split
 from rota.client import ApiError, Client
 from rota.display import duration
@@ -128,9 +128,9 @@ def watch(interval: float, as_json: bool, url: str) -> None:
     try:
         while True:
             width = shutil.get_terminal_size().columns if tty else 10_000
-            screen = render(view, url, interval, width)
+            frame = render(view, url, interval, width)
             # Home and clear on a terminal; elsewhere (a pipe, a file) one frame after another.
-            click.echo(("\x1b[H\x1b[J" if tty else "") + "\n".join(screen) + ("" if tty else "\n"))
+            screen(frame, clear=tty)
             time.sleep(interval)  # noqa: sleep-ok (the refresh period the user asked for)
             try:
                 view = snapshot(client)
@@ -180,15 +180,17 @@ def tail(spec: str | None, queue: str | None, worker: str | None, kinds: tuple[s
         fail("rota tail follows one server's events: give it one --url, not several")
     params = {"spec": spec, "queue": queue, "worker": worker, "event": ",".join(split(kinds))}
     def say_err(message: str) -> None:  # stderr: stdout is the events, for a pipe
-        click.echo(f"rota tail: {message}", err=True)
+        out(f"rota tail: {message}", err=True)
 
     stream: EventStream | None = None
     try:
         stream = EventStream(url, token=token(), params={k: v for k, v in params.items() if v},
                              on_open=say_err, on_retry=say_err)
         for event in stream:
-            click.echo(json.dumps({"id": event.id, **event.data}, separators=(",", ":"))
-                       if as_json else event_line(event.id, event.data))
+            if as_json:
+                print_json({"id": event.id, **event.data}, compact=True)
+            else:
+                out(event_line(event.id, event.data))
     except ApiError as exc:
         fail(say(url, exc))
     except KeyboardInterrupt:

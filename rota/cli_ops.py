@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from rota.cli_base import URL_OPTION, api, fail, print_json, say, servers, token
+from rota.cli_base import URL_OPTION, api, fail, out, print_json, say, servers, token
 from rota.client import ApiError, Client
 from rota.display import duration
 from rota.logs import printable
@@ -88,22 +88,22 @@ def jobs_list(states: tuple[str, ...], spec: str | None, queue: str | None,
     if as_json:
         print_json({"jobs": found, "next_cursor": cursor})
     elif not shown:
-        click.echo("no job matches", err=True)
+        out("no job matches", err=True)
     elif cursor is not None:
-        click.echo(f"(the newest {shown}; more match: --limit up to 500, or --all)", err=True)
+        out(f"(the newest {shown}; more match: --limit up to 500, or --all)", err=True)
 
 
 def _job_lines(jobs: list[dict[str, Any]], *, header: bool) -> None:
     if header and jobs:
-        click.echo(f"{'ID':<36}  {'STATE':<9}  {'SPEC':<16}  {'QUEUE':<12}  {'TRY':>3}"
-                   f"  {'WHEN':<20}  {'WORKER':<36}  LAST ERROR")
+        out(f"{'ID':<36}  {'STATE':<9}  {'SPEC':<16}  {'QUEUE':<12}  {'TRY':>3}"
+            f"  {'WHEN':<20}  {'WORKER':<36}  LAST ERROR")
     for job in jobs:
         when = job["finished_at"] or job["reserved_at"] or job["enqueued_at"] or ""
         errors = job.get("errors") or []
         last = (f"{errors[-1].get('type')}: {errors[-1].get('message')}" if errors else "")
-        click.echo(f"{job['id']:<36}  {job['state']:<9}  {job['spec']:<16}  {job['queue']:<12}"
-                   f"  {job['attempt']:>3}  {when[:19]:<20}  {job['worker_id'] or '-':<36}"
-                   f"  {printable(last, 80)}")
+        out(f"{job['id']:<36}  {job['state']:<9}  {job['spec']:<16}  {job['queue']:<12}"
+            f"  {job['attempt']:>3}  {when[:19]:<20}  {job['worker_id'] or '-':<36}"
+            f"  {printable(last, 80)}")
 
 
 # -- jobs retry | cancel -------------------------------------------------------------------
@@ -157,29 +157,29 @@ def _bulk_command(action: str, single: Callable[[str, str], None], summary: str
 
 def _report(reply: dict[str, Any], done: str, verb: str) -> None:
     dry = reply["dry_run"]
-    click.echo(f"{reply['matched']} matched; {'would be ' if dry else ''}{done}:"
-               f" {reply['touched']}" + ("  (dry run: nothing was changed)" if dry else ""))
+    out(f"{reply['matched']} matched; {'would be ' if dry else ''}{done}:"
+        f" {reply['touched']}" + ("  (dry run: nothing was changed)" if dry else ""))
     for job_id in reply["ids"]:
-        click.echo(f"{'would ' + verb if dry else done} {job_id}")
+        out(f"{'would ' + verb if dry else done} {job_id}")
     if reply["touched"] > len(reply["ids"]):
-        click.echo(f"... and {reply['touched'] - len(reply['ids'])} more")
+        out(f"... and {reply['touched'] - len(reply['ids'])} more")
     for skipped in reply["skipped"]:
-        click.echo(f"skipped {skipped['id']}: {skipped['reason']}")
+        out(f"skipped {skipped['id']}: {skipped['reason']}")
     if reply["truncated"]:
-        click.echo(f"more jobs match than --limit: run it again to {verb} the rest", err=True)
+        out(f"more jobs match than --limit: run it again to {verb} the rest", err=True)
 
 
 def _retry_one(job_id: str, url: str) -> None:
     job = api(url, "retry", job_id)
-    click.echo(f"{job_id} is {job['state']} again (attempts so far: {job['attempt']})")
+    out(f"{job_id} is {job['state']} again (attempts so far: {job['attempt']})")
 
 
 def _cancel_one(job_id: str, url: str) -> None:
     job = api(url, "cancel", job_id)
     if job["state"] == "cancelled":
-        click.echo(f"cancelled {job_id}")
+        out(f"cancelled {job_id}")
     else:
-        click.echo(f"cancel requested: {job_id} is running on worker {job['worker_id']}")
+        out(f"cancel requested: {job_id} is running on worker {job['worker_id']}")
 
 
 jobs_retry = _bulk_command("retry", _retry_one, """Put discarded or cancelled jobs back in
@@ -209,17 +209,17 @@ def queues(ctx: click.Context, as_json: bool, url: str) -> None:
         print_json({"queues": rows})
         return
     if not rows:
-        click.echo("no queues: no job was enqueued and no worker is connected")
+        out("no queues: no job was enqueued and no worker is connected")
     for row in rows:
         counts = row["counts"]
         states = " ".join(f"{state}={counts[state]}" for state in counts if counts[state])
-        click.echo(f"{row['name']:<16} {'paused ' if row.get('paused') else 'running'}"
-                   f"  waiting={sum(counts.get(s, 0) for s in WAITING_STATES)}"
-                   f"  oldest={duration(row.get('oldest_available_age'))}"
-                   f"  workers={row['workers']}  {states or 'no jobs'}")
+        out(f"{row['name']:<16} {'paused ' if row.get('paused') else 'running'}"
+            f"  waiting={sum(counts.get(s, 0) for s in WAITING_STATES)}"
+            f"  oldest={duration(row.get('oldest_available_age'))}"
+            f"  workers={row['workers']}  {states or 'no jobs'}")
         for entry in row["waiting"]:
             if entry["reason"]:
-                click.echo(f"  {entry['spec']}: {entry['available']} waiting: {entry['reason']}")
+                out(f"  {entry['spec']}: {entry['available']} waiting: {entry['reason']}")
 
 
 def _pause_command(paused: bool) -> click.Command:
@@ -227,7 +227,7 @@ def _pause_command(paused: bool) -> click.Command:
     @URL_OPTION
     def command(name: str, url: str) -> None:
         reply = api(url, "pause_queue", name, paused=paused)
-        click.echo(f"{reply['queue']}: {'paused' if reply['paused'] else 'running'}")
+        out(f"{reply['queue']}: {'paused' if reply['paused'] else 'running'}")
 
     command.__doc__ = ("Pause queue NAME: it keeps its jobs and assigns none until resumed"
                        " (running jobs finish)." if paused else

@@ -144,7 +144,7 @@ async def test_a_failed_jobs_traceback_is_printed_as_lines(live: Live, connect, 
     await live.wait_state(job["id"], "discarded")
     code, out, err = await rota("jobs", "show", job["id"], "--url", live.base)
     assert code == 0 and json.loads(out)["errors"][0]["details"]["traceback"] == "(on stderr)"
-    assert '  File "app.py", line 3, in send\nValueError: boom' in err  # lines, not \\n
+    assert '      File "app.py", line 3, in send\n    ValueError: boom' in err  # lines, not \\n
     assert "attempt 1" in err and "ValueError: boom" in err.splitlines()[0]
 
 
