@@ -747,3 +747,40 @@ def test_once_a_shutdown_began_no_deadline_takes_a_job_back(engine, clock):
     assert not of(Save, effects)
     job = engine.scheduler.jobs[copy["id"]]
     assert job.state == JobState.ACTIVE and job.worker_id == "w1"
+
+
+def test_registrations_are_one_line_each_and_at_most_a_budget_a_token(engine, clock, caplog):
+    """One line a registration, however many specs it declares wrong; past the token's
+    budget (a burst, then a rate), counted and said in one line when one is logged again."""
+    from rota.auth import Principal
+    from rota.registry import REGISTER_BURST, REGISTER_LINES
+
+    caplog.set_level(logging.INFO, logger="rota.server")
+    flooder = Principal(token_id="t-flood", name="flood", scope="worker")
+    bad = [p.SpecRef(f"nope-{k}", "sha256:" + "0" * 64) for k in range(50)]
+
+    def register(worker: str, principal: Principal = flooder) -> None:
+        first = hb(worker, 0, register=True)
+        first.registration.specs = bad  # type: ignore[union-attr]
+        engine.register(next(SEQ), first, principal, clock())
+        engine.disconnect(engine.connections[worker].conn, worker, "closed", clock())
+
+    for n in range(REGISTER_BURST + 30):  # at one instant: the burst, and no more
+        register(f"f{n}")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([m for m in lines if m.startswith("register ")]) == REGISTER_BURST
+    assert len([m for m in lines if m.startswith("disconnect ")]) == REGISTER_BURST
+    assert all(m.endswith("specs_ok=0 specs_rejected=50 rejected=nope-0@sha256:00000000"
+                          "(status_quo=none),nope-1@sha256:00000000(status_quo=none),"
+                          "nope-2@sha256:00000000(status_quo=none),+47 more")
+               for m in lines if m.startswith("register "))
+    register("w-other", OPEN)  # another token's budget is its own
+    assert caplog.records[-2].getMessage().startswith("register worker=w-other ")
+    caplog.clear()
+    clock.advance(1 / REGISTER_LINES)  # room for one more
+    register("f-next")
+    assert caplog.records[0].getMessage() == (
+        "registrations token=t-flood: 30 not logged, nor their disconnects (over 10 a second;"
+        " GET /workers lists the connected)")
+    assert caplog.records[1].getMessage().startswith("register worker=f-next ")
+    assert caplog.records[1].levelno == logging.WARNING
