@@ -297,11 +297,12 @@ class Coordinator:
         effects += self.engine.heartbeat(conn, hb.worker_id, hb, now)
         self.apply(effects, source=conn)
 
-    async def take_over(self, hb: p.Heartbeat) -> None:
+    async def take_over(self, hb: p.Heartbeat, principal: Principal = OPEN) -> None:
         """Before a registration is handled: on a database several servers share, the
         jobs the worker holds that another server reserved become this server's (their
         rows say so, fenced on the worker and the attempt's state), so the worker goes
-        on with them here instead of being told they were lost."""
+        on with them here instead of being told they were lost. Only the jobs a worker
+        of the caller's token holds: a worker id taken by another token takes nothing."""
         if not self.store.shared:
             return
         named = held_ids(hb.status) if hb.status is not None else []
@@ -309,7 +310,7 @@ class Coordinator:
         if not held:
             return
         try:
-            jobs = await self.store.take_over(hb.worker_id, sorted(held))
+            jobs = await self.store.take_over(hb.worker_id, sorted(held), principal.token_id)
         except StorageError as exc:  # then as on one server: they come back later
             log.warning("take over jobs=%d worker=%s failed: %s", len(held), hb.worker_id, exc)
             return

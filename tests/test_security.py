@@ -20,7 +20,7 @@ import trustme
 import websockets
 from click.testing import CliRunner
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import RawWorker, heartbeat, raw_http, registration, wait_until
+from helpers import RawWorker, completed, heartbeat, raw_http, registration, wait_until
 from test_bad_input import closed_with
 from test_cli import rota
 
@@ -157,6 +157,52 @@ async def test_tokens_limited_to_queues(guarded: Live, tmp_path: Path):
     error = await worker.expect("error")
     assert error["code"] == "queue_not_allowed" and "mail" in error["message"]
     assert await closed_with(worker) == 1008
+    await bystander_still_works(guarded)
+
+
+async def test_a_worker_token_cannot_take_another_tokens_worker_id(guarded: Live,
+                                                                    tmp_path: Path):
+    """Issue 20, item 3: a token limited to acc-low, naming the worker id of an acc-high
+    worker, neither supersedes it while it is connected (with its hostname, pid and start
+    time copied) nor reclaims and completes its job while it is away."""
+    pay = write_spec(tmp_path / "specs", "pay", queue="acc-high")
+    await guarded.push(pay)
+    high = await make_token(guarded, "worker", queues=["acc-high"])
+    low = await make_token(guarded, "worker", queues=["acc-low"])
+    started = "2026-11-23T09:00:00.000Z"
+    victim = await raw_worker(guarded, high, "payer")
+    await victim.register([pay], queues=["acc-high"], concurrency=1, started_at=started)
+    job = await guarded.enqueue("pay", {"amount": 10})
+    [copy] = await victim.jobs(1)
+    status = {"state": "running", "active_job_ids": [job["id"]]}
+    the_same_process = registration([pay], queues=["acc-low"], started_at=started)
+
+    async def refused(**sections: Any) -> None:
+        thief = await raw_worker(guarded, low, "payer")
+        await thief.beat(registration=the_same_process, status=status, **sections)
+        error = await thief.expect("error")
+        assert error["code"] == "worker_id_taken" and "another token" in error["message"]
+        assert await closed_with(thief) == 1008
+
+    await refused()  # while the victim is connected: not superseded
+    held = guarded.coordinator.connections["payer"]
+    await victim.beat(status=status)
+    assert (await victim.expect("ack"))["seq"] == victim.seq - 1  # it goes on as it was
+    assert guarded.coordinator.connections["payer"] is held
+
+    victim.ws.transport.abort()  # lost: its job is kept for it for the reconnect grace
+    await wait_until(lambda: "payer" not in guarded.coordinator.connections,
+                     what="the server to notice")
+    await refused(results=[completed(copy, "forged")])
+    row = await guarded.job(job["id"])
+    assert (row["state"], row["worker_id"], row["result"], row["errors"]) == (
+        "active", "payer", None, [])
+
+    owner = await raw_worker(guarded, high, "payer")  # its own token reclaims it
+    await owner.register([pay], queues=["acc-high"], concurrency=1, capacity=0, status=status)
+    assert (await owner.complete(copy, "paid"))["accepted"] == [job["id"]]
+    done = await guarded.job(job["id"])
+    assert (done["state"], done["attempt"], done["result"]) == ("completed", 1, "paid")
     await bystander_still_works(guarded)
 
 
