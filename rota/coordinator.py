@@ -496,8 +496,11 @@ class Coordinator:
                 outcomes.append((row, created))
                 continue
             if not created:
-                if not same_job(row, job, request.args):
-                    outcomes.append(Conflict("id_conflict", f"job {job.id} exists with a"
+                # A producer's ids are its own: a row under one that it did not make (an
+                # admin chose that id) is not shown to it either.
+                theirs = principal.owns_ids and row["created_by"] != principal.token_id
+                if theirs or not same_job(row, job, request.args):
+                    outcomes.append(Conflict("id_conflict", f"job {request.id} exists with a"
                                              " different spec, queue, priority or args"))
                     continue
             else:

@@ -142,6 +142,82 @@ async def test_a_producer_reads_specs_and_cancels_its_own_jobs_only(guarded: Liv
     assert code == 1 and "not_found" in err
 
 
+async def test_producers_job_ids_are_their_own(guarded: Live):
+    """Issue 20, item 4: a producer re-enqueueing another's id, with the same body or
+    another, gets a job of its own and learns nothing of the other's; reading it is a 404
+    exactly as for a missing id; and an id used first by one does not block the other."""
+    a, b = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    a_id, b_id = a.split("_")[1], b.split("_")[1]
+    async with (httpx.AsyncClient(base_url=guarded.base, headers=bearer(a)) as alice,
+                httpx.AsyncClient(base_url=guarded.base, headers=bearer(b)) as bob):
+        secret = {"spec": "echo", "args": {"card": "4111"}, "id": "order-17"}
+        assert (await alice.post("/jobs", json=secret)).status_code == 201
+        done = await alice.get("/jobs/order-17/result?wait=5")
+        assert done.json()["result"] == {"card": "4111"}
+
+        copied = await bob.post("/jobs", json=secret)  # the same body: a job of its own
+        assert copied.status_code == 201, copied.text
+        view = copied.json()["job"]
+        assert (view["attempt"], view["result"], view["worker_id"]) == (0, None, None)
+        assert view["id"] == f"{b_id}:order-17" and copied.json()["created"] is True
+        again = await alice.post("/jobs", json=secret)  # its own: idempotent as ever
+        assert (again.status_code, again.json()["job"]["result"]) == (200, {"card": "4111"})
+        assert again.json()["job"]["id"] == f"{a_id}:order-17"
+        await alice.post("/jobs", json={"spec": "echo", "delay": 3600, "id": "order-18"})
+        other = await bob.post("/jobs", json={"spec": "echo", "args": {"x": 1}, "id": "order-18"})
+        assert other.status_code == 201  # not 409: nothing says the id exists elsewhere
+
+        async def answer(method: str, path: str) -> tuple[int, dict[str, Any]]:
+            reply = await bob.request(method, path)
+            return reply.status_code, reply.json()
+
+        for theirs in (f"{a_id}:order-18", f"{a_id}:order-17"):
+            missing = f"{a_id}:order-99"
+            for method, path in (("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"),
+                                 ("DELETE", "/jobs/{}")):
+                got, nothing = (await answer(method, path.format(theirs)),
+                                await answer(method, path.format(missing)))
+                assert got[0] == nothing[0] == 404
+                assert got[1] == json.loads(json.dumps(nothing[1]).replace(missing, theirs))
+        assert (await guarded.job(f"{a_id}:order-18"))["state"] == "scheduled"  # untouched
+
+        squatted = {"spec": "echo", "delay": 3600, "id": "invoice-1"}
+        assert (await bob.post("/jobs", json={**squatted, "args": {"by": "b"}})).status_code == 201
+        mine = await alice.post("/jobs", json={**squatted, "args": {"by": "a"}})
+        assert mine.status_code == 201 and mine.json()["created"] is True
+        for client, who in ((alice, "a"), (bob, "b")):
+            for name in ("invoice-1", f"{a_id if who == 'a' else b_id}:invoice-1"):
+                assert (await client.get(f"/jobs/{name}")).json()["args"] == {"by": who}
+        cancelled = await bob.delete("/jobs/invoice-1")  # its own only
+        assert cancelled.status_code == 200 and cancelled.json()["id"] == f"{b_id}:invoice-1"
+        assert (await alice.get("/jobs/invoice-1")).json()["state"] == "scheduled"
+
+        room = 128 - len(f"{a_id}:")  # the kept id is 128 characters at most
+        long = await alice.post("/jobs", json={"spec": "echo", "delay": 60, "id": "x" * room})
+        assert long.status_code == 201
+        too_long = await alice.post("/jobs", json={"spec": "echo", "id": "x" * (room + 1)})
+        assert too_long.status_code == 422 and f"{room} at most" in too_long.text
+    # The admin sees every job, under the ids they are kept under.
+    assert (await guarded.job(f"{b_id}:order-17"))["args"] == {"card": "4111"}
+    assert (await guarded.http.get("/jobs/order-17")).status_code == 404
+    await bystander_still_works(guarded)
+
+
+async def test_a_producer_still_reads_its_jobs_from_before_ids_were_its_own(guarded: Live):
+    a, b = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    await guarded.enqueue("echo", {"n": 1}, id="legacy", delay=3600)
+
+    def made_by_a(conn: Any) -> None:  # as a Rota that kept producers' ids as given left it
+        conn.execute("UPDATE jobs SET created_by = ? WHERE id = 'legacy'", (a.split("_")[1],))
+
+    await guarded.coordinator.store.writer.submit(made_by_a)
+    async with (httpx.AsyncClient(base_url=guarded.base, headers=bearer(a)) as alice,
+                httpx.AsyncClient(base_url=guarded.base, headers=bearer(b)) as bob):
+        assert (await alice.get("/jobs/legacy")).json()["id"] == "legacy"
+        assert (await bob.get("/jobs/legacy")).status_code == 404
+        assert (await alice.delete("/jobs/legacy")).json()["state"] == "cancelled"
+
+
 async def test_tokens_limited_to_queues(guarded: Live, tmp_path: Path):
     await guarded.push(write_spec(tmp_path / "specs", "mail", queue="mail"))
     producer = await make_token(guarded, "producer", queues=["default"])
