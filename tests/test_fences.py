@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import store_url
 
 from rota.model import Change, Job, JobState, shared_limits
 from rota.ready import Claim
@@ -107,10 +108,22 @@ async def test_after_a_lapsed_lease_the_jobs_still_this_servers_are_kept(store: 
         assert stored is not None and (stored["worker_id"], stored["attempt"]) == ("w9", 2)
 
 
-async def test_a_worker_id_takes_over_only_its_own_tokens_reservations(store: Store):
+@pytest.fixture
+async def either_store(tmp_path: Path) -> AsyncIterator[Store]:
+    """The store on the test's backend (both_backends): SQLite, or PostgreSQL."""
+    store = Store(tmp_path / "rota.db", server_id="a", database_url=store_url(tmp_path))
+    await asyncio.to_thread(store.load)
+    store.start(asyncio.get_running_loop())
+    yield store
+    await asyncio.to_thread(store.close)
+
+
+@pytest.mark.both_backends
+async def test_a_worker_id_takes_over_only_its_own_tokens_reservations(either_store: Store):
     """A job's row keeps the token its worker connected with (a whole job's reservation
     and a claim alike), and a take-over from another server is fenced on it: a worker
     id registered by another token takes nothing (issue 20, item 3)."""
+    store = either_store
     rows = [(await store.enqueue([new_job(name)]))[0][0] for name in ("whole", "claimed")]
     whole = reserved_copy(new_job("whole"), rows[0]["rowid"], "w1", 1)
     whole.worker_token = "tok-a"
