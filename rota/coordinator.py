@@ -31,7 +31,7 @@ from rota.jobs import EnqueueRequest, same_job
 from rota.listing import JobFilter
 from rota.model import TERMINAL_STATES, Instant, Job
 from rota.policy import TokenBucket
-from rota.registry import Connection, held_ids
+from rota.registry import Connection, claim_worker_id, held_ids
 from rota.retention import BATCH, PruneTally, Retention, due, next_pass
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
@@ -310,11 +310,15 @@ class Coordinator:
         if not held:
             return
         try:
-            jobs = await self.store.take_over(hb.worker_id, sorted(held), principal.token_id)
+            jobs, others = await self.store.take_over(hb.worker_id, sorted(held),
+                                                      principal.token_id)
         except StorageError as exc:  # then as on one server: they come back later
             log.warning("take over jobs=%d worker=%s failed: %s", len(held), hb.worker_id, exc)
             return
         self.apply(self.engine.taken_over(jobs, hb.worker_id, self.clock()))
+        # Jobs it names that another token's worker holds through another server: the
+        # worker id is that token's, as if they were kept here (Registry.admit).
+        claim_worker_id(hb.worker_id, others, principal)
 
     async def settled(self, conn: int) -> None:
         """Until the results this connection sent are committed and answered."""

@@ -104,10 +104,8 @@ class Registry:
             raise FrameError("invalid_message", "a spec is declared twice in the registration",
                              p.CLOSE_INVALID_PAYLOAD)
         old = self.connections.get(worker_id)
-        holders = [old.principal.token_id] if old is not None else list(kept)
-        if not all(same_token(holder, principal) for holder in holders):
-            raise FrameError("worker_id_taken", f"worker {worker_id} belongs to another"
-                             " token; register under a worker_id of your own", p.CLOSE_POLICY)
+        claim_worker_id(worker_id, [old.principal.token_id] if old is not None else kept,
+                        principal)
         if old is None:
             return None
         # A second connection under a connected id is refused, unless it comes from the
@@ -200,6 +198,16 @@ class Registry:
             connection.cpu_percent = status.cpu_percent
         if status.memory_rss is not None:
             connection.memory_rss = status.memory_rss
+
+
+def claim_worker_id(worker_id: str, holders: Iterable[str | None], principal: Principal
+                    ) -> None:
+    """Refuse (FrameError) a registration under ``worker_id`` whose worker is held by
+    another token: ``holders`` are the token ids of the workers using it (connected, or
+    holding jobs kept for it)."""
+    if not all(same_token(holder, principal) for holder in holders):
+        raise FrameError("worker_id_taken", f"worker {worker_id} belongs to another token;"
+                         " register under a worker_id of your own", p.CLOSE_POLICY)
 
 
 def same_token(holder: str | None, principal: Principal) -> bool:

@@ -155,6 +155,20 @@ def take_over_rows(conn: sqlite3.Connection, server_id: str, worker_id: str,
     return out
 
 
+def other_tokens(conn: sqlite3.Connection, worker_id: str, job_ids: list[str], token: str
+                 ) -> set[str]:
+    """The tokens (ids) other than ``token`` whose workers hold, under this worker id,
+    any of these jobs (a worker id another token's worker is using)."""
+    found: set[str] = set()
+    for start in range(0, len(job_ids), 500):  # SQLite's limit on parameters
+        chunk = job_ids[start:start + 500]
+        found.update(r[0] for r in conn.execute(
+            f"SELECT DISTINCT worker_token FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})"
+            " AND worker_id = ? AND state = 'active' AND worker_token IS NOT NULL"
+            " AND worker_token <> ?", (*chunk, worker_id, token)))
+    return found
+
+
 def live_job(r: tuple[Any, ...]) -> Job:
     """job_from_row for a restart: positional, and the names that repeat from row to row
     (spec, queue, state, worker, checksum, token) shared rather than held once per job."""

@@ -31,8 +31,8 @@ from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
 from rota.protocol import rfc3339
 from rota.ready import Claim
 from rota.retention import Cutoff
-from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, read_status_quo,
-                       take_over_rows, waiting_rows)
+from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, other_tokens,
+                       read_status_quo, take_over_rows, waiting_rows)
 from rota.specs import JobSpec
 from rota.views import job_view
 
@@ -382,14 +382,16 @@ class Store:
         return self.writer.submit(lambda conn: fleet.request_cancel(conn, job_id, server))
 
     def take_over(self, worker_id: str, job_ids: list[str], token: str | None = None
-                  ) -> asyncio.Future[list[Job]]:
+                  ) -> asyncio.Future[tuple[list[Job], set[str]]]:
         """The jobs this worker holds through other servers, made this server's (only
-        those its token's workers hold: ``token``, its id; None: no token, any)."""
+        those its token's workers hold: ``token``, its id; None: no token, any); and the
+        other tokens whose workers hold any of them under this worker id."""
         server = self.server_id or ""
 
-        def op(conn: sqlite3.Connection) -> list[Job]:
+        def op(conn: sqlite3.Connection) -> tuple[list[Job], set[str]]:
+            others = set() if token is None else other_tokens(conn, worker_id, job_ids, token)
             return [live_job(r) for r in take_over_rows(conn, server, worker_id, job_ids,
-                                                        token)]
+                                                        token)], others
 
         return self.writer.submit(op)
 

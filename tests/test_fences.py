@@ -138,7 +138,10 @@ async def test_a_worker_id_takes_over_only_its_own_tokens_reservations(either_st
         conn.execute("UPDATE jobs SET server_id = 'b'")  # type: ignore[attr-defined]
 
     await store.writer.submit(on_server_b)
-    assert await store.take_over("w1", ["claimed", "whole"], "tok-b") == []
-    taken = await store.take_over("w1", ["claimed", "whole"], "tok-a")
+    # Taken by nobody, and the worker id named as another token's (its registration is
+    # then refused: Coordinator.take_over).
+    assert await store.take_over("w1", ["claimed", "whole"], "tok-b") == ([], {"tok-a"})
+    taken, others = await store.take_over("w1", ["claimed", "whole"], "tok-a")
     assert sorted((j.id, j.worker_token) for j in taken) == [("claimed", "tok-a"),
                                                              ("whole", "tok-a")]
+    assert others == set()
