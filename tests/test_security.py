@@ -28,6 +28,7 @@ from rota import JobContext, Worker
 from rota.client import ApiError, Client
 from rota.auth import new_token
 from rota.cli import main
+from rota.producer import AsyncClient
 from rota.store import create_token
 
 
@@ -201,6 +202,16 @@ async def test_producers_job_ids_are_their_own(guarded: Live):
     assert (await guarded.job(f"{b_id}:order-17"))["args"] == {"card": "4111"}
     assert (await guarded.http.get("/jobs/order-17")).status_code == 404
     await bystander_still_works(guarded)
+
+
+async def test_the_sdk_names_a_producers_jobs_by_either_id(guarded: Live):
+    token = await make_token(guarded, "producer")
+    async with AsyncClient(guarded.base, token=token) as client:
+        job = await client.enqueue("echo", {"n": 7}, id="order-17")
+        assert job.id == f"{token.split('_')[1]}:order-17"
+        assert await job.result(timeout=5) == {"n": 7}
+        assert await client.wait("order-17", timeout=5) == {"n": 7}
+        assert (await client.job("order-17"))["id"] == job.id
 
 
 async def test_a_producer_still_reads_its_jobs_from_before_ids_were_its_own(guarded: Live):
