@@ -14,6 +14,7 @@ import ssl
 from pathlib import Path
 from typing import Any
 
+import corpus
 import httpx
 import pytest
 import trustme
@@ -201,6 +202,20 @@ async def test_producers_job_ids_are_their_own(guarded: Live):
     # The admin sees every job, under the ids they are kept under.
     assert (await guarded.job(f"{b_id}:order-17"))["args"] == {"card": "4111"}
     assert (await guarded.http.get("/jobs/order-17")).status_code == 404
+    await bystander_still_works(guarded)
+
+
+async def test_hostile_ids_on_a_producers_routes_are_plain_404s(guarded: Live):
+    """The id a producer names is made into its kept id (rota/auth.py) before the
+    lookup: whatever the segment (tests/corpus.py), the answer is a 4xx JSON error."""
+    producer = await make_token(guarded, "producer")
+    async with httpx.AsyncClient(base_url=guarded.base, headers=bearer(producer)) as client:
+        for method, route in (("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"),
+                              ("DELETE", "/jobs/{}")):
+            for name, segment in corpus.SEGMENTS:
+                answer = await client.request(method, route.format(segment))
+                assert 400 <= answer.status_code < 500, f"{method} {route} <- {name}"
+                assert isinstance(answer.json()["error"]["code"], str), name
     await bystander_still_works(guarded)
 
 
