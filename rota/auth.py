@@ -6,8 +6,9 @@ it is limited to and a SHA-256 of the secret, never the secret itself (the secre
 token is found by its id and its secret compared in constant time.
 
 Scopes: ``worker`` connects to /work; ``producer`` enqueues, reads the specs, and reads
-and cancels the jobs it enqueued, under ids of its own (``Principal.stored_id``); ``metrics`` reads GET /metrics only (for a Prometheus
-server's scrape config); ``admin`` does everything. A token limited to queues
+and cancels the jobs it enqueued, under ids of its own (``Principal.stored_id``);
+``metrics`` reads GET /metrics only (for a Prometheus server's scrape config); ``admin``
+does everything. A token limited to queues
 may register for, or enqueue into, only those. With no token in the store the server
 runs open: every caller is an admin (``OPEN``), which ``rota serve`` allows on loopback
 only.

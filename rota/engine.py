@@ -296,9 +296,10 @@ class Engine(Intake, Reservations):
     def _reclaim(self, connection: Connection, hb: p.Heartbeat, now: Instant) -> list[Effect]:
         named = held_ids(hb.status) if hb.status is not None else []
         worker = connection.worker
-        # Only what its token may take: a job another token's worker held (which only
-        # a take-over from another server could bring here after the registration was
-        # admitted), or one of a queue its token may not serve, stays kept and lapses.
+        # Only what its token may take (Registry.admit refused it if another token's
+        # jobs were kept under this worker id; this holds for any that came since): a job
+        # of a queue its token may not serve (reserved by a worker without a token, before
+        # auth was on) stays kept, and lapses.
         allowed: list[Job] = []
         refused: list[Job] = []
         for job_id in [*named, *(r.job_id for r in hb.results)]:
