@@ -176,19 +176,25 @@ async def enqueue_batch(request: Request) -> Response:
     return JSON({"results": results})
 
 
-def _visible(request: Request, row: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A producer sees only the jobs it enqueued; to it, the others do not exist."""
+async def _find(request: Request, job_id: str) -> dict[str, Any] | None:
+    """The job the caller names ``job_id``: a producer's own, found under the id
+    it is kept under (rota/auth.py); to a producer, any other job does not exist, exactly
+    as a missing one."""
     principal = need(request, "producer")
+    store = _coordinator(request).store
+    row = await store.get_job(principal.stored_id(job_id))
+    if row is None and principal.owns_ids:
+        # A job enqueued before producers' ids were their own is kept under the id given.
+        row = await store.get_job(job_id)
     if row is None or principal.scope == "admin" or row["created_by"] == principal.token_id:
         return row
     return None
 
 
 async def show_job(request: Request) -> Response:
-    coordinator = _coordinator(request)
-    row = _visible(request, await coordinator.store.get_job(request.path_params["job_id"]))
+    coordinator, job_id = _coordinator(request), request.path_params["job_id"]
+    row = await _find(request, job_id)
     if row is None:
-        job_id = request.path_params["job_id"]
         hint = (f" (the bulk action is POST /jobs/{job_id})" if job_id in ("retry", "cancel")
                 else "")
         return error(404, "not_found", f"no job {job_id}{hint}")
@@ -214,8 +220,10 @@ async def cancel_job(request: Request) -> Response:
     principal = need(request, "producer")
     coordinator, job_id = _coordinator(request), request.path_params["job_id"]
     if principal.scope != "admin":  # (an admin's cancel needs no extra read)
-        if _visible(request, await coordinator.store.get_job(job_id)) is None:
+        row = await _find(request, job_id)
+        if row is None:
             return error(404, "not_found", f"no job {job_id}")
+        job_id = row["id"]
     row, done = await coordinator.cancel(job_id)
     return JSON(job_view(row), status_code=200 if done else 202)
 
@@ -238,15 +246,16 @@ async def job_result(request: Request) -> Response:
         return error(400, "invalid_wait",
                      f"wait must be between 0 and {coordinator.settings.max_result_wait} seconds")
     job_id = request.path_params["job_id"]
-    if _visible(request, await coordinator.store.get_job(job_id)) is None:
+    found = await _find(request, job_id)
+    if found is None:
         return error(404, "not_found", f"no job {job_id}")
-    row = await coordinator.wait_for_result(job_id, wait)
+    row = await coordinator.wait_for_result(found["id"], wait)
     if row is None:
         return error(404, "not_found", f"no job {job_id}")
     view = job_view(row)
     done = row["state"] in TERMINAL_STATES
     failed = row["state"] in ("discarded", "cancelled") and view["errors"]
-    body = {"id": job_id, "state": row["state"], "done": done, "result": view["result"],
+    body = {"id": row["id"], "state": row["state"], "done": done, "result": view["result"],
             "error": view["errors"][-1] if failed else None}
     return JSON(body, status_code=200 if done else 202)
 

@@ -6,8 +6,9 @@ it is limited to and a SHA-256 of the secret, never the secret itself (the secre
 token is found by its id and its secret compared in constant time.
 
 Scopes: ``worker`` connects to /work; ``producer`` enqueues, reads the specs, and reads
-and cancels the jobs it enqueued; ``metrics`` reads GET /metrics only (for a Prometheus
-server's scrape config); ``admin`` does everything. A token limited to queues
+and cancels the jobs it enqueued, under ids of its own (``Principal.stored_id``);
+``metrics`` reads GET /metrics only (for a Prometheus server's scrape config); ``admin``
+does everything. A token limited to queues
 may register for, or enqueue into, only those. With no token in the store the server
 runs open: every caller is an admin (``OPEN``), which ``rota serve`` allows on loopback
 only.
@@ -42,6 +43,23 @@ class Principal:
 
     def may_use_queue(self, queue: str) -> bool:
         return self.queues is None or queue in self.queues
+
+    # Job ids: a producer token's are its own. The id a producer gives (or the one the
+    # server makes for it) is kept as ``<token id>:<id>``, so that two producers using
+    # one id make two jobs, and neither can read, confirm or take the other's. That is
+    # the job's id everywhere (answers, workers, logs, the dashboard); the producer may
+    # name its jobs either way. An admin, and every caller of an open server, names jobs
+    # by the ids they are kept under, and its own ids are kept as given.
+    @property
+    def owns_ids(self) -> bool:
+        return self.token_id is not None and self.scope != "admin"
+
+    def stored_id(self, job_id: str) -> str:
+        """The id the job this caller names ``job_id`` is kept under."""
+        if not self.owns_ids:
+            return job_id
+        prefix = f"{self.token_id}:"
+        return job_id if job_id.startswith(prefix) else prefix + job_id
 
 
 OPEN = Principal(token_id=None, name="open", scope="admin")

@@ -31,7 +31,7 @@ from rota.jobs import EnqueueRequest, same_job
 from rota.listing import JobFilter
 from rota.model import TERMINAL_STATES, Instant, Job
 from rota.policy import TokenBucket
-from rota.registry import Connection, held_ids
+from rota.registry import Connection, claim_worker_id, held_ids
 from rota.retention import BATCH, PruneTally, Retention, due, next_pass
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
@@ -297,11 +297,12 @@ class Coordinator:
         effects += self.engine.heartbeat(conn, hb.worker_id, hb, now)
         self.apply(effects, source=conn)
 
-    async def take_over(self, hb: p.Heartbeat) -> None:
+    async def take_over(self, hb: p.Heartbeat, principal: Principal = OPEN) -> None:
         """Before a registration is handled: on a database several servers share, the
         jobs the worker holds that another server reserved become this server's (their
         rows say so, fenced on the worker and the attempt's state), so the worker goes
-        on with them here instead of being told they were lost."""
+        on with them here instead of being told they were lost. Only the jobs a worker
+        of the caller's token holds: a worker id taken by another token takes nothing."""
         if not self.store.shared:
             return
         named = held_ids(hb.status) if hb.status is not None else []
@@ -309,11 +310,15 @@ class Coordinator:
         if not held:
             return
         try:
-            jobs = await self.store.take_over(hb.worker_id, sorted(held))
+            jobs, others = await self.store.take_over(hb.worker_id, sorted(held),
+                                                      principal.token_id)
         except StorageError as exc:  # then as on one server: they come back later
             log.warning("take over jobs=%d worker=%s failed: %s", len(held), hb.worker_id, exc)
             return
         self.apply(self.engine.taken_over(jobs, hb.worker_id, self.clock()))
+        # Jobs it names that another token's worker holds through another server: the
+        # worker id is that token's, as if they were kept here (Registry.admit).
+        claim_worker_id(hb.worker_id, others, principal)
 
     async def settled(self, conn: int) -> None:
         """Until the results this connection sent are committed and answered."""
@@ -495,8 +500,11 @@ class Coordinator:
                 outcomes.append((row, created))
                 continue
             if not created:
-                if not same_job(row, job, request.args):
-                    outcomes.append(Conflict("id_conflict", f"job {job.id} exists with a"
+                # A producer's ids are its own: a row under one that it did not make (an
+                # admin chose that id) is not shown to it either.
+                theirs = principal.owns_ids and row["created_by"] != principal.token_id
+                if theirs or not same_job(row, job, request.args):
+                    outcomes.append(Conflict("id_conflict", f"job {request.id} exists with a"
                                              " different spec, queue, priority or args"))
                     continue
             else:

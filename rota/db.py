@@ -193,6 +193,14 @@ def m012_servers(db: sqlite_utils.Database) -> None:
                           "lease_expires_at": float, "stopped_at": float}, pk="id")
 
 
+@migrations()
+def m013_worker_token(db: sqlite_utils.Database) -> None:
+    # The id of the token the holding worker connected with: only a worker with that
+    # token may reclaim the job, after a lost connection, a restart, or on another server
+    # (docs/protocol.md, §2). NULL: reserved by a worker without a token.
+    db["jobs"].add_column("worker_token", str)
+
+
 # -- a full or failing disk ------------------------------------------------------------
 # SQLite's primary result codes that blame the storage rather than the statement: what
 # the client is told (code, sentence) and how many seconds it should wait before asking

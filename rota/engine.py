@@ -35,7 +35,7 @@ from rota.logs import log_lines, printable
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
 from rota.observe import Observer
 from rota.policy import Ending
-from rota.registry import Connection, Registry, held_ids, judge_specs, short
+from rota.registry import Connection, Registry, held_ids, judge_specs, may_reclaim, short
 from rota.reservations import Reservations
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.settings import ServerSettings
@@ -147,7 +147,8 @@ class Engine(Intake, Reservations):
         reg = hb.registration
         assert reg is not None
         effects: list[Effect] = []
-        old = self.registry.admit(hb.worker_id, reg, principal)
+        kept = {job.worker_token for job in self.scheduler.kept_for(hb.worker_id)}
+        old = self.registry.admit(hb.worker_id, reg, principal, kept)
         if old is not None:
             effects.append(Abort(old.conn, "superseded", "the worker reconnected on a new"
                                  " connection", p.CLOSE_POLICY))
@@ -155,7 +156,7 @@ class Engine(Intake, Reservations):
         verdict = judge_specs(self.scheduler.status_quo, reg.specs)
         slot = WorkerSlot(id=hb.worker_id, queues=list(reg.queues), concurrency=reg.concurrency,
                           specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels),
-                          prefetch=reg.prefetch)
+                          prefetch=reg.prefetch, token=principal.token_id)
         self.scheduler.add_worker(slot)
         connection = Connection(conn, slot, reg, now.wall, now.mono, principal)
         self.registry.add(connection)
@@ -296,8 +297,27 @@ class Engine(Intake, Reservations):
     def _reclaim(self, connection: Connection, hb: p.Heartbeat, now: Instant) -> list[Effect]:
         named = held_ids(hb.status) if hb.status is not None else []
         worker = connection.worker
-        adopted = self.scheduler.adopt(worker, [*named, *(r.job_id for r in hb.results)],
-                                       now.mono)
+        # Only what its token may take (Registry.admit refused it if another token's
+        # jobs were kept under this worker id; this holds for any that came since): a job
+        # of a queue its token may not serve (reserved by a worker without a token, before
+        # auth was on) stays kept, and lapses.
+        allowed: list[Job] = []
+        refused: list[Job] = []
+        for job_id in [*named, *(r.job_id for r in hb.results)]:
+            job = self.scheduler.jobs.get(job_id)
+            if job is None or not job.orphaned or job.worker_id != worker.id:
+                continue
+            if may_reclaim(job.worker_token, job.queue, connection.principal):
+                allowed.append(job)
+            elif connection.refused is None or job.id not in connection.refused:
+                connection.refused = connection.refused or set()
+                connection.refused.add(job.id)  # logged once, not at every heartbeat
+                refused.append(job)
+        log_lines(log, logging.WARNING, "reclaim refused job=%s queue=%s worker=%s token=%s:"
+                  " not its token's job or queue", [(j.id, j.queue, worker.id,
+                                                    connection.principal.token_id)
+                                                   for j in refused])
+        adopted = self.scheduler.adopt(worker, [j.id for j in allowed], now.mono)
         effects: list[Effect] = []
         for job in adopted:
             log.info("reclaim job=%s spec=%s@%s queue=%s worker=%s attempt=%d", job.id, job.spec,
@@ -533,8 +553,7 @@ class Engine(Intake, Reservations):
     def _lease_lapsed(self, job: Job, now: Instant) -> list[Effect]:
         holder = job.worker_id or ""
         if job.orphaned:
-            self.scheduler.orphans -= 1
-            job.orphaned = False
+            self.scheduler.unorphan(job)
             return self._recover([job], "worker_death",
                                  f"worker {holder} did not reconnect in time", now)
         effects: list[Effect] = []

@@ -132,22 +132,24 @@ def recover(conn: sqlite3.Connection, dead: str, me: str, now: float, before: fl
 
 
 def take_back(conn: sqlite3.Connection, me: str,
-              jobs: list[tuple[str, int, str, float | None, float | None]]) -> list[str]:
+              jobs: list[tuple[str, int, str, str | None, float | None, float | None]]
+              ) -> list[str]:
     """After this server's lease lapsed and another recovered its reservations: the
     jobs the workers here run that are still this server's. Those the recovery made wait
     (same attempt, no worker) are taken back; those reserved here after the recovery
     are this server's already (their rows name it). Each is ``(id, attempt, worker,
-    reserved_at, lease_expires_at)``; the ids kept. The others were given out again (or
+    worker's token id, reserved_at, lease_expires_at)``; the ids kept. The others were given out again (or
     ended): another server's reservation moved them on first."""
     kept: list[str] = []
-    for job_id, attempt, worker_id, reserved_at, lease_expires_at in jobs:
+    for job_id, attempt, worker_id, token, reserved_at, lease_expires_at in jobs:
         cursor = conn.execute(
-            "UPDATE jobs SET state = 'active', worker_id = ?, server_id = ?,"
+            "UPDATE jobs SET state = 'active', worker_id = ?, worker_token = ?, server_id = ?,"
             " reserved_at = COALESCE(reserved_at, ?),"
             " lease_expires_at = COALESCE(lease_expires_at, ?) WHERE id = ? AND attempt = ?"
             " AND ((state = 'available' AND worker_id IS NULL)"
             " OR (state = 'active' AND server_id = ? AND worker_id = ?))",
-            (worker_id, me, reserved_at, lease_expires_at, job_id, attempt, me, worker_id))
+            (worker_id, token, me, reserved_at, lease_expires_at, job_id, attempt, me,
+             worker_id))
         if cursor.rowcount == 1:
             kept.append(job_id)
     return kept

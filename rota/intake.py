@@ -58,6 +58,11 @@ class Intake:
         if not principal.may_use_queue(queue):
             return Forbidden("queue_not_allowed",
                              f"this token may not enqueue into queue {queue!r}")
+        if request.id is not None and len(principal.stored_id(request.id)) > p.MAX_JOB_ID:
+            room = p.MAX_JOB_ID - len(principal.stored_id(""))
+            return Invalid("invalid_request", f"id has {len(request.id)} characters; a"
+                           f" producer token's ids may have {room} at most (they are kept"
+                           f" as <token id>:<id>, {p.MAX_JOB_ID} characters in all)")
         try:
             validate_args(spec, request.args)
             job = new_job(request, spec, now.wall)
@@ -65,6 +70,7 @@ class Intake:
             return Invalid("invalid_args", str(exc))
         except DomainError as exc:
             return exc
+        job.id = principal.stored_id(job.id)  # a producer's ids are its own (rota/auth.py)
         limit = self.settings.max_args_bytes
         if len(job.args) > limit:
             return TooLarge("args_too_large", f"args are {len(job.args)} bytes as JSON;"

@@ -112,6 +112,7 @@ class Job:
     state: str = JobState.AVAILABLE
     attempt: int = 0
     worker_id: str | None = None
+    worker_token: str | None = None  # the id of the token its worker connected with
     checksum: str | None = None
     run_at: float | None = None  # wall: scheduled or retryable until then
     expires_at: float | None = None  # wall: its time to live runs out

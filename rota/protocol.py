@@ -29,6 +29,7 @@ Outcome = Literal["completed", "failed"]
 # spaces or control characters, so none can forge a line in the server's log.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@/+=-]{0,127}$"
+MAX_JOB_ID = 128  # characters, as JOB_ID_PATTERN says
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
 JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN)]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]

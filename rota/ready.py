@@ -57,6 +57,7 @@ class WorkerSlot:
     claims: int = 0  # compact jobs reserved for it whose rows are still being read
     prefetch: int = 0  # jobs it may hold beyond concurrency, waiting in its own line
     blocked: bool = False  # its connection's outbox is full: it is not reading what it is sent
+    token: str | None = None  # the id of the token it connected with (None: no token)
 
     def free(self) -> int:
         """Slots the server may fill now: none while the worker does not read its socket,

@@ -64,6 +64,9 @@ class Connection:
     # for GET /workers as ever. Made on the first alert: most connections never send one.
     alert_lines: TokenBucket | None = None
     alerts_unlogged: int = 0
+    # Kept jobs it named and may not reclaim (logged once). Made on the first: an empty
+    # set takes 216 bytes, and almost no connection ever has one.
+    refused: set[str] | None = None
 
     def alert(self, entry: dict[str, Any]) -> None:
         self.alerts.append(entry)
@@ -131,10 +134,16 @@ class Registry:
             return None
         return found
 
-    def admit(self, worker_id: str, reg: p.Registration, principal: Principal
-              ) -> Connection | None:
+    def admit(self, worker_id: str, reg: p.Registration, principal: Principal,
+              kept: Iterable[str | None] = ()) -> Connection | None:
         """Check a registration. Raise FrameError if it is refused; return the connection
-        it replaces (a half-open one of the same process), if any."""
+        it replaces (a half-open one of the same process), if any. ``kept``: the token
+        ids of the workers that held the jobs kept for this worker id while it is away.
+
+        A worker id belongs to the token its worker connected with, while it is
+        connected or jobs are kept for it: a worker of another token may neither
+        replace it nor take its jobs (one token limited to some queues must not reach
+        another token's jobs by naming its worker id)."""
         refused = [q for q in reg.queues if not principal.may_use_queue(q)]
         if refused:
             raise FrameError("queue_not_allowed", f"this token may not serve queue(s)"
@@ -144,6 +153,8 @@ class Registry:
             raise FrameError("invalid_message", "a spec is declared twice in the registration",
                              p.CLOSE_INVALID_PAYLOAD)
         old = self.connections.get(worker_id)
+        claim_worker_id(worker_id, [old.principal.token_id] if old is not None else kept,
+                        principal)
         if old is None:
             return None
         # A second connection under a connected id is refused, unless it comes from the
@@ -236,6 +247,31 @@ class Registry:
             connection.cpu_percent = status.cpu_percent
         if status.memory_rss is not None:
             connection.memory_rss = status.memory_rss
+
+
+def claim_worker_id(worker_id: str, holders: Iterable[str | None], principal: Principal
+                    ) -> None:
+    """Refuse (FrameError) a registration under ``worker_id`` whose worker is held by
+    another token: ``holders`` are the token ids of the workers using it (connected, or
+    holding jobs kept for it)."""
+    if not all(same_token(holder, principal) for holder in holders):
+        raise FrameError("worker_id_taken", f"worker {worker_id} belongs to another token;"
+                         " register under a worker_id of your own", p.CLOSE_POLICY)
+
+
+def same_token(holder: str | None, principal: Principal) -> bool:
+    """Whether a worker of ``principal`` may stand in for one that connected with token
+    ``holder`` (an id; None: none). By id, not by object: a token read again from the
+    store (a reload, a restart) is the same token. A server without tokens has no
+    owners to tell apart, nor has a job reserved by a worker without a token (reserved
+    before auth was turned on): as before tokens, anyone under that worker id."""
+    return principal.token_id is None or holder is None or holder == principal.token_id
+
+
+def may_reclaim(holder: str | None, queue: str, principal: Principal) -> bool:
+    """Whether a worker of ``principal`` may reclaim a job of ``queue`` kept for its worker
+    id, which a worker of token ``holder`` held: the same token, and a queue it may serve."""
+    return same_token(holder, principal) and principal.may_use_queue(queue)
 
 
 def held_ids(status: p.Status) -> list[str]:

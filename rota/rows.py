@@ -93,13 +93,13 @@ _LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max
          "max_fails", "backoff_base", "backoff_max", "max_worker_deaths", "visibility_timeout",
          "state", "attempt", "worker_id", "checksum", "run_at", "expires_at",
          "lease_expires_at", "fails", "deaths", "budget_start", "cancel_requested",
-         "capture_logs", "created_by", "reserved_at")
+         "capture_logs", "created_by", "reserved_at", "worker_token")
 
 
 # Claims: rows reserved only if they are still available, and read back whole.
 _CLAIM = (
-    "UPDATE jobs SET state = 'active', attempt = attempt + 1, worker_id = ?, checksum = ?,"
-    " server_id = ?, reserved_at = ?,"
+    "UPDATE jobs SET state = 'active', attempt = attempt + 1, worker_id = ?, worker_token = ?,"
+    " checksum = ?, server_id = ?, reserved_at = ?,"
     " lease_expires_at = ? + MAX(COALESCE(NULLIF(visibility_timeout, 0), ?), ?)"
     " WHERE rowid IN ({}) AND +state = 'available' RETURNING " + ", ".join(_LIVE)
 )  # "+state": look the rows up by rowid, never by the (state, queue) index (a scan of
@@ -107,12 +107,14 @@ _CLAIM = (
 
 
 def claim_rows(conn: sqlite3.Connection, worker_id: str, checksum: str, now: float,
-               lease: float, min_lease: float, seqs: list[int], server_id: str | None = None
-               ) -> list[tuple[Any, ...]]:
-    """Reserve these rows for a worker where they are still available; the rows reserved,
-    as live_job reads them (in no particular order)."""
+               lease: float, min_lease: float, seqs: list[int], server_id: str | None = None,
+               token: str | None = None) -> list[tuple[Any, ...]]:
+    """Reserve these rows for a worker (``token``: the id of the token it connected
+    with) where they are still available; the rows reserved, as live_job reads them (in
+    no particular order)."""
     cursor = conn.execute(_CLAIM.format(", ".join("?" * len(seqs))),
-                          (worker_id, checksum, server_id, now, now, lease, min_lease, *seqs))
+                          (worker_id, token, checksum, server_id, now, now, lease, min_lease,
+                           *seqs))
     cursor.row_factory = None
     return cursor.fetchall()
 
@@ -132,20 +134,39 @@ def waiting_rows(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple[Any, .
 
 
 def take_over_rows(conn: sqlite3.Connection, server_id: str, worker_id: str,
-                   job_ids: list[str]) -> list[tuple[Any, ...]]:
+                   job_ids: list[str], token: str | None = None) -> list[tuple[Any, ...]]:
     """Make the reservations this worker holds through other servers this server's:
     only rows still active for that worker (a job taken back meanwhile stays where it
-    is). The rows taken, as live_job reads them."""
+    is), and, when it connected with a token (``token``, its id), reserved by a worker
+    of that token (or of none): a worker id is no key to another token's jobs. The rows
+    taken, as live_job reads them."""
     out: list[tuple[Any, ...]] = []
+    fence, extra = ("", ()) if token is None else (
+        " AND (worker_token IS NULL OR worker_token = ?)", (token,))
     for start in range(0, len(job_ids), 500):  # SQLite's limit on parameters
         chunk = job_ids[start:start + 500]
         cursor = conn.execute(
             f"UPDATE jobs SET server_id = ? WHERE id IN ({', '.join('?' * len(chunk))})"
             " AND worker_id = ? AND state = 'active' AND (server_id IS NULL OR server_id <> ?)"
-            " RETURNING " + ", ".join(_LIVE), (server_id, *chunk, worker_id, server_id))
+            + fence + " RETURNING " + ", ".join(_LIVE),
+            (server_id, *chunk, worker_id, server_id, *extra))
         cursor.row_factory = None
         out += [tuple(r) for r in cursor.fetchall()]
     return out
+
+
+def other_tokens(conn: sqlite3.Connection, worker_id: str, job_ids: list[str], token: str
+                 ) -> set[str]:
+    """The tokens (ids) other than ``token`` whose workers hold, under this worker id,
+    any of these jobs (a worker id another token's worker is using)."""
+    found: set[str] = set()
+    for start in range(0, len(job_ids), 500):  # SQLite's limit on parameters
+        chunk = job_ids[start:start + 500]
+        found.update(r[0] for r in conn.execute(
+            f"SELECT DISTINCT worker_token FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})"
+            " AND worker_id = ? AND state = 'active' AND worker_token IS NOT NULL"
+            " AND worker_token <> ?", (*chunk, worker_id, token)))
+    return found
 
 
 def live_job(r: tuple[Any, ...]) -> Job:
@@ -154,7 +175,7 @@ def live_job(r: tuple[Any, ...]) -> Job:
     (seq, job_id, spec, queue, args, priority, enqueued_at, max_attempts, max_fails,
      backoff_base, backoff_max, max_deaths, visibility_timeout, state, attempt, worker_id,
      checksum, run_at, expires_at, lease_expires_at, fails, deaths, budget_start,
-     cancel_requested, capture_logs, created_by, reserved_at) = r
+     cancel_requested, capture_logs, created_by, reserved_at, worker_token) = r
     intern = sys.intern
     limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
                            backoff_max or 3600.0, max_deaths or 3)
@@ -168,7 +189,8 @@ def live_job(r: tuple[Any, ...]) -> Job:
                deaths=deaths, budget_start=budget_start,
                cancel_requested=bool(cancel_requested), capture_logs=bool(capture_logs),
                created_by=None if created_by is None else intern(created_by),
-               reserved_at=reserved_at)
+               reserved_at=reserved_at,
+               worker_token=None if worker_token is None else intern(worker_token))
 
 
 def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:

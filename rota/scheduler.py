@@ -53,6 +53,8 @@ class Scheduler:
         self._rotation = itertools.count()
         self._compact_at = {id(heap): COMPACT_SLACK for heap in (self._due, self._leases, self._ttls)}
         self.orphans = 0  # active jobs loaded at a restart whose worker has not reclaimed them
+        # worker id -> ids of the jobs kept for it while it is away (``kept_for``)
+        self._kept: dict[str, set[str]] = {}
         self.last_seq = 0  # the highest enqueue order taken in: new jobs come after it
 
     @property
@@ -159,9 +161,7 @@ class Scheduler:
 
     def release(self, job: Job) -> None:
         """Take a job back from its worker and make it available again."""
-        if job.orphaned:
-            job.orphaned = False
-            self.orphans -= 1
+        self.unorphan(job)
         self.add(job)
 
     def hold(self, job: Job, until: float) -> None:
@@ -171,6 +171,7 @@ class Scheduler:
 
     def finish(self, job: Job) -> None:
         """The job reached a terminal state (committed): forget it."""
+        self.unorphan(job)
         self._detach(job)
         self.jobs.pop(job.id, None)
 
@@ -278,6 +279,7 @@ class Scheduler:
         if not job.orphaned:
             job.orphaned = True
             self.orphans += 1
+            self._kept.setdefault(job.worker_id or "", set()).add(job.id)
         job.lease = until
         self._push(self._leases, until, job.id)
 
@@ -289,12 +291,37 @@ class Scheduler:
             job = self.jobs.get(job_id)
             if job is None or not job.orphaned or job.worker_id != worker.id:
                 continue
-            job.orphaned = False
-            self.orphans -= 1
+            self.unorphan(job)
             job.lease = now + self.lease_for(job)
             worker.active.add(job.id)
             adopted.append(job)
         return adopted
+
+    def unorphan(self, job: Job) -> None:
+        """The job is no longer kept for its absent worker (reclaimed, or taken back)."""
+        if not job.orphaned:
+            return
+        job.orphaned = False
+        self.orphans -= 1
+        kept = self._kept.get(job.worker_id or "")
+        if kept is not None:
+            kept.discard(job.id)
+            if not kept:
+                del self._kept[job.worker_id or ""]
+
+    def kept_for(self, worker_id: str) -> list[Job]:
+        """The jobs kept for an absent worker to reclaim. (An id whose job moved on by
+        another way than ``unorphan``, e.g. finished by another server, is dropped here.)"""
+        ids = self._kept.get(worker_id)
+        if not ids:
+            return []
+        kept = [job for job in map(self.jobs.get, ids) if job is not None and job.orphaned
+                and job.worker_id == worker_id and job.state == "active"]
+        if len(kept) < len(ids):
+            ids.intersection_update(job.id for job in kept)
+            if not ids:
+                del self._kept[worker_id]
+        return kept
 
     def lease_for(self, job: Job) -> float:
         # Never shorter than ``min_lease``: heartbeats renew leases, so one that ends
@@ -351,6 +378,7 @@ class Scheduler:
     def _reserve(self, job: Job, worker: WorkerSlot, now: float) -> None:
         job.move(JobState.ACTIVE)
         job.worker_id = worker.id
+        job.worker_token = worker.token
         job.attempt += 1
         job.checksum = self.status_quo[job.spec]
         job.lease = now + self.lease_for(job)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 MIGRATIONS = (
     "m001_initial", "m002_lifecycle", "m003_failed_is_discarded", "m004_live_status",
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
-    "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers",
+    "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
 )
 
 
@@ -76,7 +76,8 @@ TABLES: tuple[Table, ...] = (
         " fails INTEGER NOT NULL =0, budget_start INTEGER NOT NULL =0,"
         " cancel_requested INTEGER NOT NULL =0, capture_logs INTEGER NOT NULL =0,"
         " progress_percent REAL, progress_message TEXT, progress_at REAL, created_by TEXT,"
-        " deaths INTEGER NOT NULL =0, max_worker_deaths INTEGER, server_id TEXT"),
+        " deaths INTEGER NOT NULL =0, max_worker_deaths INTEGER, server_id TEXT,"
+        " worker_token TEXT"),
         pk=("id",), rowid=True),
     Table("spec_versions", _cols("name TEXT, checksum TEXT, version TEXT, body TEXT,"
                                  " first_pushed_at REAL"), pk=("name", "checksum")),

@@ -225,7 +225,7 @@ class Session:
                 # It may come from another server sharing the database, holding jobs
                 # reserved through that one: this server takes them over first, so that
                 # the registration reclaims them as after a restart (rota/cluster.py).
-                await self.coordinator.take_over(hb)
+                await self.coordinator.take_over(hb, self.principal)
             self._handle(hb)
 
     async def _next_message(self) -> dict[str, object]:

@@ -31,8 +31,8 @@ from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
 from rota.protocol import rfc3339
 from rota.ready import Claim
 from rota.retention import Cutoff
-from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, read_status_quo,
-                       take_over_rows, waiting_rows)
+from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, other_tokens,
+                       read_status_quo, take_over_rows, waiting_rows)
 from rota.specs import JobSpec
 from rota.views import job_view
 
@@ -185,14 +185,14 @@ class Store:
         reserved, cancelled or finished the job first) reserves nothing and hears which
         jobs it lost."""
         server = self.server_id
-        rows = [(j.attempt, j.worker_id, j.checksum, server, now, j.lease_expires_at, j.id,
-                 j.attempt - 1) for j in jobs]
+        rows = [(j.attempt, j.worker_id, j.worker_token, j.checksum, server, now,
+                 j.lease_expires_at, j.id, j.attempt - 1) for j in jobs]
         # One statement per (worker, checksum): a round's claims for a worker are one
         # UPDATE ... WHERE rowid IN (...), not one per job.
-        groups: dict[tuple[str, str], list[int]] = {}
+        groups: dict[tuple[str, str | None, str], list[int]] = {}
         order: list[int] = []
         for c in claims:
-            groups.setdefault((c.worker.id, c.checksum), []).append(c.seq)
+            groups.setdefault((c.worker.id, c.worker.token, c.checksum), []).append(c.seq)
             order.append(c.seq)
 
         def op(conn: sqlite3.Connection) -> Reserved:
@@ -201,10 +201,10 @@ class Store:
             if rows and cursor.rowcount != len(rows):  # rare: find which rows moved on
                 lost = frozenset(_moved_on(conn, jobs))
             read: dict[int, Job] = {}
-            for (worker_id, checksum), seqs in groups.items():
+            for (worker_id, token, checksum), seqs in groups.items():
                 for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
                     for row in claim_rows(conn, worker_id, checksum, now, lease, min_lease,
-                                          seqs[start:start + 500], server):
+                                          seqs[start:start + 500], server, token):
                         read[row[0]] = live_job(row)
             # A key known twice (its job came back while a stale key of it was still
             # waiting) is claimed twice in one round: the row is reserved once, so only
@@ -342,8 +342,8 @@ class Store:
     def take_back(self, jobs: list[Job]) -> asyncio.Future[list[str]]:
         """fleet.take_back, for jobs this server's workers run (``Engine.running_here``)."""
         server = self.server_id or ""
-        rows = [(j.id, j.attempt, j.worker_id or "", j.reserved_at, j.lease_expires_at)
-                for j in jobs]
+        rows = [(j.id, j.attempt, j.worker_id or "", j.worker_token, j.reserved_at,
+                 j.lease_expires_at) for j in jobs]
         return self.writer.submit(lambda conn: fleet.take_back(conn, server, rows))
 
     def let_lease_lapse(self, now: float) -> asyncio.Future[None]:
@@ -381,12 +381,17 @@ class Store:
         server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.request_cancel(conn, job_id, server))
 
-    def take_over(self, worker_id: str, job_ids: list[str]) -> asyncio.Future[list[Job]]:
-        """The jobs this worker holds through other servers, made this server's."""
+    def take_over(self, worker_id: str, job_ids: list[str], token: str | None = None
+                  ) -> asyncio.Future[tuple[list[Job], set[str]]]:
+        """The jobs this worker holds through other servers, made this server's (only
+        those its token's workers hold: ``token``, its id; None: no token, any); and the
+        other tokens whose workers hold any of them under this worker id."""
         server = self.server_id or ""
 
-        def op(conn: sqlite3.Connection) -> list[Job]:
-            return [live_job(r) for r in take_over_rows(conn, server, worker_id, job_ids)]
+        def op(conn: sqlite3.Connection) -> tuple[list[Job], set[str]]:
+            others = set() if token is None else other_tokens(conn, worker_id, job_ids, token)
+            return [live_job(r) for r in take_over_rows(conn, server, worker_id, job_ids,
+                                                        token)], others
 
         return self.writer.submit(op)
 
@@ -584,8 +589,9 @@ _INSERT = (
 )
 _RETURNING_ROW = " RETURNING rowid, *"
 _RESERVE = (
-    "UPDATE jobs SET state = 'active', attempt = ?, worker_id = ?, checksum = ?,"
-    " server_id = ?, reserved_at = ?, lease_expires_at = ? WHERE id = ? AND attempt = ?"
+    "UPDATE jobs SET state = 'active', attempt = ?, worker_id = ?, worker_token = ?,"
+    " checksum = ?, server_id = ?, reserved_at = ?, lease_expires_at = ?"
+    " WHERE id = ? AND attempt = ?"
     " AND state IN ('available', 'scheduled', 'retryable')"
 )
 _DUE = "SELECT rowid, id FROM jobs WHERE state = ? AND finished_at < ?"

@@ -509,3 +509,40 @@ async def test_a_second_live_server_under_the_same_id_refuses_to_start(tmp_path:
     text = out.decode()
     assert proc.returncode != 0 and "Traceback" not in text
     assert "server id s0 is in use by rota serve pid" in text and "--server-id" in text
+
+
+async def test_another_tokens_worker_cannot_take_over_a_job_through_another_server(
+        tmp_path: Path, pg_url: str):
+    """Issue 20, item 3, across servers: a worker of a token limited to acc-low registers
+    on B under the worker id of an acc-high worker running a job on A, naming that job. B
+    takes nothing over and refuses the registration; the job goes on on A."""
+    async with servers(tmp_path, pg_url, 2) as (a, b):
+        admin, _ = await a.coordinator.create_token("admin", "ops", None)
+        high, high_row = await a.coordinator.create_token("worker", "high", ["acc-high"])
+        low, low_row = await a.coordinator.create_token("worker", "low", ["acc-low"])
+        for live in (a, b):
+            live.http.headers["Authorization"] = f"Bearer {admin}"
+            await wait_until(lambda live=live: all(live.coordinator.tokens.valid_id(r["id"])
+                                                   for r in (high_row, low_row)),
+                             what="every server to know the tokens")
+        pay = write_spec(tmp_path / "specs", "pay", queue="acc-high")
+        await a.push(pay)
+        victim = await RawWorker.open(a.ws, "payer",
+                                      additional_headers={"Authorization": f"Bearer {high}"})
+        await victim.register([pay], queues=["acc-high"], concurrency=1)
+        job = await a.enqueue("pay", {"amount": 10})
+        [copy] = await victim.jobs(1)
+
+        thief = await RawWorker.open(b.ws, "payer",
+                                     additional_headers={"Authorization": f"Bearer {low}"})
+        await thief.beat(registration={"hostname": "test", "os": "linux", "pid": 1,
+                                       "sdk": "raw", "queues": ["acc-low"], "concurrency": 1,
+                                       "specs": []},
+                         status={"state": "running", "active_job_ids": [job["id"]]},
+                         results=[completed(copy, "forged")])
+        error = await thief.expect("error")
+        assert error["code"] == "worker_id_taken"
+        assert "payer" not in b.coordinator.connections
+        assert (await victim.complete(copy, "paid"))["accepted"] == [job["id"]]
+        done = await b.job(job["id"])
+        assert (done["state"], done["attempt"], done["result"]) == ("completed", 1, "paid")

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from rota import protocol as p
-from rota.auth import OPEN
+from rota.auth import OPEN, Principal
 from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake, Withdraw
 from rota.engine import Engine
 from rota.jobs import EnqueueRequest
@@ -64,9 +64,10 @@ def engine(clock: FakeClock) -> Engine:
 
 def hb(worker: str, seq: int, *, register: bool = False, active: list[str] | None = None,
        results: list[p.Result] | None = None, capacity: int | None = None,
-       started_at: str | None = "t0", state: str = "running") -> p.Heartbeat:
+       started_at: str | None = "t0", state: str = "running",
+       queues: list[str] | None = None) -> p.Heartbeat:
     registration = p.Registration(
-        hostname="h", os="linux", pid=7, sdk="test", queues=["default"], concurrency=4,
+        hostname="h", os="linux", pid=7, sdk="test", queues=queues or ["default"], concurrency=4,
         specs=[p.SpecRef(s.name, checksum(s)) for s in (SPEC, POISONOUS)],
         started_at=started_at) if register else None
     status = p.Status(state=state, active_job_ids=active or [])  # type: ignore[arg-type]
@@ -84,9 +85,10 @@ def of(kind: type, effects: list[Effect]) -> list[Any]:
 
 
 def connect(engine: Engine, clock: FakeClock, worker: str = "w1", conn: int = 1,
-            capacity: int = 4) -> list[Effect]:
-    first = hb(worker, 0, register=True, capacity=capacity)
-    return (engine.register(conn, first, OPEN, clock())
+            capacity: int = 4, principal: Principal = OPEN, active: list[str] | None = None
+            ) -> list[Effect]:
+    first = hb(worker, 0, register=True, capacity=capacity, active=active)
+    return (engine.register(conn, first, principal, clock())
             + engine.heartbeat(conn, worker, first, clock()))
 
 
@@ -120,6 +122,7 @@ def read(engine: Engine, reserve: Reserve) -> list[Job | None]:
             out.append(None)
             continue
         job.state, job.worker_id, job.checksum = JobState.ACTIVE, claim.worker.id, claim.checksum
+        job.worker_token = claim.worker.token
         job.attempt += 1
         job.lease_expires_at = reserve.wall + max(job.visibility_timeout or reserve.lease,
                                                   reserve.min_lease)
@@ -381,6 +384,94 @@ def test_another_process_under_a_connected_id_is_refused(engine, clock):
     with pytest.raises(p.FrameError) as refused:
         engine.register(2, other, OPEN, clock())
     assert refused.value.code == "worker_id_in_use"
+
+
+# Two worker tokens (issue 20, item 3): one limited to the queue of its own jobs.
+HIGH = Principal(token_id="aaaaaaaaaaaa", name="high", scope="worker", queues=None)
+LOW = Principal(token_id="bbbbbbbbbbbb", name="low", scope="worker",
+                queues=frozenset({"default", "acc-low"}))
+
+
+def test_a_lost_workers_id_is_refused_to_another_token_and_its_jobs_keep_their_grace(
+        engine, clock):
+    connect(engine, clock, principal=HIGH)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    job = engine.scheduler.jobs[copy["id"]]
+    assert job.worker_token == HIGH.token_id
+    engine.disconnect(1, "w1", "connection_lost", clock())
+    clock.advance(1.0)
+    forged = hb("w1", 0, register=True, active=[copy["id"]], results=[done(copy)])
+    with pytest.raises(p.FrameError) as refused:
+        engine.register(2, forged, LOW, clock())
+    assert (refused.value.code, refused.value.close_code) == ("worker_id_taken", p.CLOSE_POLICY)
+    assert "w1" not in engine.connections and job.orphaned and job.worker_id == "w1"
+    effects = run_for(engine, clock, 6.0)  # the grace runs out as if nobody had come
+    [save] = of(Save, effects)
+    assert b"did not reconnect in time" in (save.changes[0].error or b"")
+    assert job.state == JobState.AVAILABLE and job.attempt == 1
+
+
+def test_the_same_token_reclaims_even_as_a_principal_read_again(engine, clock):
+    connect(engine, clock, principal=HIGH)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    engine.disconnect(1, "w1", "connection_lost", clock())
+    clock.advance(2.0)
+    reloaded = Principal(token_id=HIGH.token_id, name="renamed", scope="worker")
+    connect(engine, clock, conn=2, principal=reloaded, active=[copy["id"]])
+    job = engine.scheduler.jobs[copy["id"]]
+    assert not job.orphaned and job.worker_id == "w1"
+
+
+def test_a_live_worker_is_superseded_only_by_its_own_token(engine, clock):
+    connect(engine, clock, principal=HIGH)
+    copied = hb("w1", 0, register=True)  # the same hostname, pid and started_at
+    with pytest.raises(p.FrameError) as refused:
+        engine.register(2, copied, LOW, clock())
+    assert refused.value.code == "worker_id_taken"
+    assert engine.connections["w1"].conn == 1  # untouched
+    effects = engine.register(3, copied, HIGH, clock())
+    assert [(a.conn, a.code) for a in of(Abort, effects)] == [(1, "superseded")]
+
+
+def kept_job(clock: FakeClock, job_id: str, queue: str, token: str | None) -> Job:
+    """An active job of w1's as a restart loads it from its row."""
+    return Job(id=job_id, spec="echo", queue=queue, args=msgspec.Raw(b"{}"), priority=0,
+               enqueued_at=clock.wall - 60, seq=1, state="active", attempt=1, worker_id="w1",
+               worker_token=token, checksum=checksum(SPEC), lease_expires_at=clock.wall + 1000,
+               limits=Limits(max_attempts=5, max_fails=None, backoff_base=1, backoff_max=1))
+
+
+def test_after_a_restart_a_kept_workers_id_is_still_its_tokens(clock):
+    engine = Engine(ServerSettings(heartbeat_timeout=5.0), rand=lambda: 0.0)
+    job = kept_job(clock, "j1", "default", HIGH.token_id)
+    engine.load({"echo": SPEC}, {"echo": checksum(SPEC)}, [job], clock())
+    with pytest.raises(p.FrameError, match="another token"):
+        connect(engine, clock, principal=LOW, active=["j1"])
+    connect(engine, clock, conn=2, principal=HIGH, active=["j1"])
+    assert not job.orphaned and engine.scheduler.kept_for("w1") == []
+
+
+def test_only_jobs_of_queues_the_token_may_serve_are_reclaimed(clock, caplog):
+    engine = Engine(ServerSettings(heartbeat_timeout=5.0), rand=lambda: 0.0)
+    # Reserved before auth was on (no token), in a queue LOW may not serve; and one of
+    # its own.
+    theirs = kept_job(clock, "high-1", "acc-high", None)
+    mine = kept_job(clock, "low-1", "acc-low", LOW.token_id)
+    engine.load({"echo": SPEC}, {"echo": checksum(SPEC)}, [theirs, mine], clock())
+    forged = p.Result(job_id="high-1", attempt=1, outcome="completed", result="forged")
+    first = hb("w1", 0, register=True, active=["high-1", "low-1"], results=[forged])
+    effects = engine.register(1, first, LOW, clock()) + engine.heartbeat(1, "w1", first, clock())
+    assert not mine.orphaned and theirs.orphaned and theirs.state == JobState.ACTIVE
+    [ack] = [f for f in sent(effects) if f["type"] == "ack"]
+    assert not ack.get("accepted") and [r["job_id"] for r in ack["rejected"]] == ["high-1"]
+    assert not of(Save, effects)  # the forged result changed nothing
+    assert any(f["type"] == "cancel" and f["job_ids"] == ["high-1"] for f in sent(effects))
+    effects = run_for(engine, clock, 6.0, worker="w1", active=["high-1", "low-1"])
+    assert caplog.text.count("reclaim refused job=high-1") == 1  # once, not every heartbeat
+    [save] = of(Save, effects)
+    assert [c.job.id for c in save.changes] == ["high-1"] and theirs.state == JobState.AVAILABLE
 
 
 def test_a_directive_rides_every_ack_until_the_worker_gets_there(engine, clock):

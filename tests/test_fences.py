@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import store_url
 
 from rota.model import Change, Job, JobState, shared_limits
 from rota.ready import Claim
@@ -105,3 +106,42 @@ async def test_after_a_lapsed_lease_the_jobs_still_this_servers_are_kept(store: 
     for name in ("elsewhere", "ended"):
         stored = await store.get_job(name)
         assert stored is not None and (stored["worker_id"], stored["attempt"]) == ("w9", 2)
+
+
+@pytest.fixture
+async def either_store(tmp_path: Path) -> AsyncIterator[Store]:
+    """The store on the test's backend (both_backends): SQLite, or PostgreSQL."""
+    store = Store(tmp_path / "rota.db", server_id="a", database_url=store_url(tmp_path))
+    await asyncio.to_thread(store.load)
+    store.start(asyncio.get_running_loop())
+    yield store
+    await asyncio.to_thread(store.close)
+
+
+@pytest.mark.both_backends
+async def test_a_worker_id_takes_over_only_its_own_tokens_reservations(either_store: Store):
+    """A job's row keeps the token its worker connected with (a whole job's reservation
+    and a claim alike), and a take-over from another server is fenced on it: a worker
+    id registered by another token takes nothing (issue 20, item 3)."""
+    store = either_store
+    rows = [(await store.enqueue([new_job(name)]))[0][0] for name in ("whole", "claimed")]
+    whole = reserved_copy(new_job("whole"), rows[0]["rowid"], "w1", 1)
+    whole.worker_token = "tok-a"
+    worker = WorkerSlot(id="w1", queues=["default"], concurrency=2, specs={"echo": "c"},
+                        capacity=2, token="tok-a")
+    outcome = await store.reserve([whole], 2.0,
+                                  [Claim(rows[1]["rowid"], "default", "echo", 0, worker, "c")])
+    [claimed] = outcome.read
+    assert claimed is not None and claimed.worker_token == "tok-a"
+
+    def on_server_b(conn: object) -> None:  # the worker's server was another one
+        conn.execute("UPDATE jobs SET server_id = 'b'")  # type: ignore[attr-defined]
+
+    await store.writer.submit(on_server_b)
+    # Taken by nobody, and the worker id named as another token's (its registration is
+    # then refused: Coordinator.take_over).
+    assert await store.take_over("w1", ["claimed", "whole"], "tok-b") == ([], {"tok-a"})
+    taken, others = await store.take_over("w1", ["claimed", "whole"], "tok-a")
+    assert sorted((j.id, j.worker_token) for j in taken) == [("claimed", "tok-a"),
+                                                             ("whole", "tok-a")]
+    assert others == set()

@@ -14,13 +14,14 @@ import ssl
 from pathlib import Path
 from typing import Any
 
+import corpus
 import httpx
 import pytest
 import trustme
 import websockets
 from click.testing import CliRunner
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import RawWorker, heartbeat, raw_http, registration, wait_until
+from helpers import RawWorker, completed, heartbeat, raw_http, registration, wait_until
 from test_bad_input import closed_with
 from test_cli import rota
 
@@ -28,6 +29,7 @@ from rota import JobContext, Worker
 from rota.client import ApiError, Client
 from rota.auth import new_token
 from rota.cli import main
+from rota.producer import AsyncClient
 from rota.store import create_token
 
 
@@ -142,6 +144,106 @@ async def test_a_producer_reads_specs_and_cancels_its_own_jobs_only(guarded: Liv
     assert code == 1 and "not_found" in err
 
 
+async def test_producers_job_ids_are_their_own(guarded: Live):
+    """Issue 20, item 4: a producer re-enqueueing another's id, with the same body or
+    another, gets a job of its own and learns nothing of the other's; reading it is a 404
+    exactly as for a missing id; and an id used first by one does not block the other."""
+    a, b = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    a_id, b_id = a.split("_")[1], b.split("_")[1]
+    async with (httpx.AsyncClient(base_url=guarded.base, headers=bearer(a)) as alice,
+                httpx.AsyncClient(base_url=guarded.base, headers=bearer(b)) as bob):
+        secret = {"spec": "echo", "args": {"card": "4111"}, "id": "order-17"}
+        assert (await alice.post("/jobs", json=secret)).status_code == 201
+        done = await alice.get("/jobs/order-17/result?wait=5")
+        assert done.json()["result"] == {"card": "4111"}
+
+        copied = await bob.post("/jobs", json=secret)  # the same body: a job of its own
+        assert copied.status_code == 201, copied.text
+        view = copied.json()["job"]
+        assert (view["attempt"], view["result"], view["worker_id"]) == (0, None, None)
+        assert view["id"] == f"{b_id}:order-17" and copied.json()["created"] is True
+        again = await alice.post("/jobs", json=secret)  # its own: idempotent as ever
+        assert (again.status_code, again.json()["job"]["result"]) == (200, {"card": "4111"})
+        assert again.json()["job"]["id"] == f"{a_id}:order-17"
+        await alice.post("/jobs", json={"spec": "echo", "delay": 3600, "id": "order-18"})
+        other = await bob.post("/jobs", json={"spec": "echo", "args": {"x": 1}, "id": "order-18"})
+        assert other.status_code == 201  # not 409: nothing says the id exists elsewhere
+
+        async def answer(method: str, path: str) -> tuple[int, dict[str, Any]]:
+            reply = await bob.request(method, path)
+            return reply.status_code, reply.json()
+
+        for theirs in (f"{a_id}:order-18", f"{a_id}:order-17"):
+            missing = f"{a_id}:order-99"
+            for method, path in (("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"),
+                                 ("DELETE", "/jobs/{}")):
+                got, nothing = (await answer(method, path.format(theirs)),
+                                await answer(method, path.format(missing)))
+                assert got[0] == nothing[0] == 404
+                assert got[1] == json.loads(json.dumps(nothing[1]).replace(missing, theirs))
+        assert (await guarded.job(f"{a_id}:order-18"))["state"] == "scheduled"  # untouched
+
+        squatted = {"spec": "echo", "delay": 3600, "id": "invoice-1"}
+        assert (await bob.post("/jobs", json={**squatted, "args": {"by": "b"}})).status_code == 201
+        mine = await alice.post("/jobs", json={**squatted, "args": {"by": "a"}})
+        assert mine.status_code == 201 and mine.json()["created"] is True
+        for client, who in ((alice, "a"), (bob, "b")):
+            for name in ("invoice-1", f"{a_id if who == 'a' else b_id}:invoice-1"):
+                assert (await client.get(f"/jobs/{name}")).json()["args"] == {"by": who}
+        cancelled = await bob.delete("/jobs/invoice-1")  # its own only
+        assert cancelled.status_code == 200 and cancelled.json()["id"] == f"{b_id}:invoice-1"
+        assert (await alice.get("/jobs/invoice-1")).json()["state"] == "scheduled"
+
+        room = 128 - len(f"{a_id}:")  # the kept id is 128 characters at most
+        long = await alice.post("/jobs", json={"spec": "echo", "delay": 60, "id": "x" * room})
+        assert long.status_code == 201
+        too_long = await alice.post("/jobs", json={"spec": "echo", "id": "x" * (room + 1)})
+        assert too_long.status_code == 422 and f"{room} at most" in too_long.text
+    # The admin sees every job, under the ids they are kept under.
+    assert (await guarded.job(f"{b_id}:order-17"))["args"] == {"card": "4111"}
+    assert (await guarded.http.get("/jobs/order-17")).status_code == 404
+    await bystander_still_works(guarded)
+
+
+async def test_hostile_ids_on_a_producers_routes_are_plain_404s(guarded: Live):
+    """The id a producer names is made into its kept id (rota/auth.py) before the
+    lookup: whatever the segment (tests/corpus.py), the answer is a 4xx JSON error."""
+    producer = await make_token(guarded, "producer")
+    async with httpx.AsyncClient(base_url=guarded.base, headers=bearer(producer)) as client:
+        for method, route in (("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"),
+                              ("DELETE", "/jobs/{}")):
+            for name, segment in corpus.SEGMENTS:
+                answer = await client.request(method, route.format(segment))
+                assert 400 <= answer.status_code < 500, f"{method} {route} <- {name}"
+                assert isinstance(answer.json()["error"]["code"], str), name
+    await bystander_still_works(guarded)
+
+
+async def test_the_sdk_names_a_producers_jobs_by_either_id(guarded: Live):
+    token = await make_token(guarded, "producer")
+    async with AsyncClient(guarded.base, token=token) as client:
+        job = await client.enqueue("echo", {"n": 7}, id="order-17")
+        assert job.id == f"{token.split('_')[1]}:order-17"
+        assert await job.result(timeout=5) == {"n": 7}
+        assert await client.wait("order-17", timeout=5) == {"n": 7}
+        assert (await client.job("order-17"))["id"] == job.id
+
+
+async def test_a_producer_still_reads_its_jobs_from_before_ids_were_its_own(guarded: Live):
+    a, b = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    await guarded.enqueue("echo", {"n": 1}, id="legacy", delay=3600)
+
+    def made_by_a(conn: Any) -> None:  # as a Rota that kept producers' ids as given left it
+        conn.execute("UPDATE jobs SET created_by = ? WHERE id = 'legacy'", (a.split("_")[1],))
+
+    await guarded.coordinator.store.writer.submit(made_by_a)
+    async with (httpx.AsyncClient(base_url=guarded.base, headers=bearer(a)) as alice,
+                httpx.AsyncClient(base_url=guarded.base, headers=bearer(b)) as bob):
+        assert (await alice.get("/jobs/legacy")).json()["id"] == "legacy"
+        assert (await bob.get("/jobs/legacy")).status_code == 404
+        assert (await alice.delete("/jobs/legacy")).json()["state"] == "cancelled"
+
+
 async def test_tokens_limited_to_queues(guarded: Live, tmp_path: Path):
     await guarded.push(write_spec(tmp_path / "specs", "mail", queue="mail"))
     producer = await make_token(guarded, "producer", queues=["default"])
@@ -157,6 +259,52 @@ async def test_tokens_limited_to_queues(guarded: Live, tmp_path: Path):
     error = await worker.expect("error")
     assert error["code"] == "queue_not_allowed" and "mail" in error["message"]
     assert await closed_with(worker) == 1008
+    await bystander_still_works(guarded)
+
+
+async def test_a_worker_token_cannot_take_another_tokens_worker_id(guarded: Live,
+                                                                    tmp_path: Path):
+    """Issue 20, item 3: a token limited to acc-low, naming the worker id of an acc-high
+    worker, neither supersedes it while it is connected (with its hostname, pid and start
+    time copied) nor reclaims and completes its job while it is away."""
+    pay = write_spec(tmp_path / "specs", "pay", queue="acc-high")
+    await guarded.push(pay)
+    high = await make_token(guarded, "worker", queues=["acc-high"])
+    low = await make_token(guarded, "worker", queues=["acc-low"])
+    started = "2026-11-23T09:00:00.000Z"
+    victim = await raw_worker(guarded, high, "payer")
+    await victim.register([pay], queues=["acc-high"], concurrency=1, started_at=started)
+    job = await guarded.enqueue("pay", {"amount": 10})
+    [copy] = await victim.jobs(1)
+    status = {"state": "running", "active_job_ids": [job["id"]]}
+    the_same_process = registration([pay], queues=["acc-low"], started_at=started)
+
+    async def refused(**sections: Any) -> None:
+        thief = await raw_worker(guarded, low, "payer")
+        await thief.beat(registration=the_same_process, status=status, **sections)
+        error = await thief.expect("error")
+        assert error["code"] == "worker_id_taken" and "another token" in error["message"]
+        assert await closed_with(thief) == 1008
+
+    await refused()  # while the victim is connected: not superseded
+    held = guarded.coordinator.connections["payer"]
+    await victim.beat(status=status)
+    assert (await victim.expect("ack"))["seq"] == victim.seq - 1  # it goes on as it was
+    assert guarded.coordinator.connections["payer"] is held
+
+    victim.ws.transport.abort()  # lost: its job is kept for it for the reconnect grace
+    await wait_until(lambda: "payer" not in guarded.coordinator.connections,
+                     what="the server to notice")
+    await refused(results=[completed(copy, "forged")])
+    row = await guarded.job(job["id"])
+    assert (row["state"], row["worker_id"], row["result"], row["errors"]) == (
+        "active", "payer", None, [])
+
+    owner = await raw_worker(guarded, high, "payer")  # its own token reclaims it
+    await owner.register([pay], queues=["acc-high"], concurrency=1, capacity=0, status=status)
+    assert (await owner.complete(copy, "paid"))["accepted"] == [job["id"]]
+    done = await guarded.job(job["id"])
+    assert (done["state"], done["attempt"], done["result"]) == ("completed", 1, "paid")
     await bystander_still_works(guarded)
 
 
