@@ -15,6 +15,7 @@ from rota import protocol as p
 from rota.auth import Principal
 from rota.effects import Arm, Effect, Finished, Save, Send, Wake, Withdraw
 from rota.errors import DomainError, Forbidden, Invalid, TooLarge, failure_level
+from rota.ids import job_id_problem
 from rota.jobs import EnqueueRequest, new_job
 from rota.logs import log_lines
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
@@ -47,6 +48,8 @@ class Intake:
     def build(self, request: EnqueueRequest, principal: Principal, now: Instant
               ) -> Job | DomainError:
         """A new job from an enqueue request, or why it is refused."""
+        if request.id is not None and (problem := job_id_problem(request.id)) is not None:
+            return Invalid("invalid_id", problem)
         spec = self.specs.get(request.spec)
         if request.spec in self.retired:
             return Invalid("spec_retired", f"spec {request.spec!r} was retired at"

@@ -25,12 +25,15 @@ STATE_RANK: dict[str, int] = {"running": 0, "quiet": 1, "terminate": 2}
 Outcome = Literal["completed", "failed"]
 
 # Names of specs, queues, labels and workers; job ids allow a few more characters, so
-# that producers can use keys like "order/17" or "user@example.com". Neither allows
+# that producers can use keys like "order-17" or "user@example.com". Neither allows
 # spaces or control characters, so none can forge a line in the server's log.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
-JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@/+=-]{0,127}$"
+# A job id as a frame or a bulk action names one: what a producer may give now
+# (rota/ids.py JOB_ID_PATTERN), or a "/" as well, which earlier versions accepted, so that
+# jobs stored then can still be reported, renewed and cancelled.
+JOB_REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@/+=-]{0,127}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
-JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN)]
+JobId = Annotated[str, msgspec.Meta(pattern=JOB_REF_PATTERN)]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 # Integers Rota stores or compares are bounded (docs/operations.md, Limits): counts,
 # attempts and priorities to 32 bits, which every JSON reader holds exactly (JavaScript's
