@@ -184,32 +184,11 @@ def _visible(request: Request, row: dict[str, Any] | None) -> dict[str, Any] | N
     return None
 
 
-def _encoded_slash(request: Request) -> str | None:
-    """Why a path holding an encoded slash (%2F) names nothing, or None if it holds none.
-    The server decodes a path before routing it, so "%2F" would split a segment in two:
-    GET /jobs/a%2Fresult would be the result of job "a". No job id, and no name, holds a
-    "/" (rota/ids.py), so such a path is answered 404 whatever route it would match."""
-    if b"%2f" not in request.scope.get("raw_path", b"").lower():
-        return None
-    path = printable(request.url.path, 200)
-    if path.startswith("/jobs/"):
-        return f"no job at {path}: a job id holds no '/', encoded (%2F) or not"
-    return f"nothing at {path}: no id or name holds a '/', encoded (%2F) or not"
-
-
-def _job_id(request: Request) -> str:
-    """The job id of a /jobs/{id} route."""
-    if (why := _encoded_slash(request)) is not None:
-        raise NotFound("not_found", why)
-    job_id: str = request.path_params["job_id"]
-    return job_id
-
-
 async def show_job(request: Request) -> Response:
     coordinator = _coordinator(request)
-    job_id = _job_id(request)
-    row = _visible(request, await coordinator.store.get_job(job_id))
+    row = _visible(request, await coordinator.store.get_job(request.path_params["job_id"]))
     if row is None:
+        job_id = request.path_params["job_id"]
         hint = (f" (the bulk action is POST /jobs/{job_id})" if job_id in ("retry", "cancel")
                 else "")
         return error(404, "not_found", f"no job {job_id}{hint}")
@@ -233,7 +212,7 @@ async def cancel_job(request: Request) -> Response:
     # token's job does not exist for it, as in GET. Retry stays admin-only: it
     # overrides the spec's retry limits, an operator's call.
     principal = need(request, "producer")
-    coordinator, job_id = _coordinator(request), _job_id(request)
+    coordinator, job_id = _coordinator(request), request.path_params["job_id"]
     if principal.scope != "admin":  # (an admin's cancel needs no extra read)
         if _visible(request, await coordinator.store.get_job(job_id)) is None:
             return error(404, "not_found", f"no job {job_id}")
@@ -243,7 +222,7 @@ async def cancel_job(request: Request) -> Response:
 
 async def retry_job(request: Request) -> Response:
     need(request, "admin")
-    row = await _coordinator(request).retry(_job_id(request))
+    row = await _coordinator(request).retry(request.path_params["job_id"])
     return JSON(job_view(row))
 
 
@@ -258,7 +237,7 @@ async def job_result(request: Request) -> Response:
     if not 0 <= wait <= coordinator.settings.max_result_wait:
         return error(400, "invalid_wait",
                      f"wait must be between 0 and {coordinator.settings.max_result_wait} seconds")
-    job_id = _job_id(request)
+    job_id = request.path_params["job_id"]
     if _visible(request, await coordinator.store.get_job(job_id)) is None:
         return error(404, "not_found", f"no job {job_id}")
     row = await coordinator.wait_for_result(job_id, wait)
@@ -467,8 +446,6 @@ async def http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     message = str(exc.detail)
-    if exc.status_code in (404, 405) and (why := _encoded_slash(request)) is not None:
-        return error(404, "not_found", why)
     if exc.status_code in (404, 405):
         path = printable(request.url.path, 100)
         message = f"no route {request.method} {path}"

@@ -93,6 +93,11 @@ SEGMENTS: list[tuple[str, str]] = [
     ("newline", f"x%0A{FORGED}"),
     ("ANSI escape", "%1B%5B31m"),
     ("dot segments", "..%2F..%2Fetc%2Fpasswd"),
+    # a stored job's id and an encoded slash: decoded before routing, it would name that
+    # job (its result, or a redirect of DELETE to it)
+    ("encoded slash", "keep-available%2Fresult"),
+    ("encoded trailing slash", "keep-available%2F"),
+    ("encoded dot segment", "x%2F..%2Fkeep-available"),
     ("space", "a%20b"),
     ("very long", "a" * 8_000),
     ("percent alone", "%"),

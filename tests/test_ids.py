@@ -26,7 +26,8 @@ REFUSED = [(name, job_id, why) for name, job_id, why in corpus.JOB_IDS if why is
 # What a client may be asked to look up that must reach no job but one of that very id:
 # every refused id, and strings that a URL would resolve to another job.
 LOOKUPS = [job_id for _, job_id, _ in REFUSED if job_id] + [
-    "victim/..", "./victim", "a%2F..%2Fvictim", "victim?x=1", "victim#x", "victim/result"]
+    "victim/..", "./victim", "a%2F..%2Fvictim", "victim?x=1", "victim#x", "victim/result",
+    "victim/", "x/../victim/"]
 
 
 def test_the_rule_names_the_character_and_where_it_is():
