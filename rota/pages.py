@@ -53,6 +53,7 @@ env = jinja2.Environment(
     auto_reload=False,
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=display.visible,  # no direction control in worker or job text is obeyed
 )
 # ``segment``: an id or a name as one segment of a link or a form's action (a job id
 # with a "/" stored by an earlier version must not reach another route, or another job).

@@ -44,6 +44,9 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 Priority = Annotated[int, msgspec.Meta(ge=-MAX_COUNT, le=MAX_COUNT)]
 Percent = Annotated[float, msgspec.Meta(ge=0, le=100)]
+# A worker process's CPU use, in percent of one core: at most 100 for each of 4,096 cores.
+MAX_CPU_PERCENT = 100.0 * 4096
+CpuPercent = Annotated[float, msgspec.Meta(ge=0, le=MAX_CPU_PERCENT)]
 # Longer texts in progress, log lines and alerts are cut to this on the server.
 MAX_TEXT = 8192
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
@@ -120,7 +123,7 @@ class Status(msgspec.Struct, kw_only=True, omit_defaults=True):
     state: WorkerState  # required: a status that omits it must not read as "running"
     active_job_ids: list[JobId] = []
     prefetched_job_ids: list[JobId] = []  # held, not started: renewed like running ones
-    cpu_percent: float | None = None
+    cpu_percent: CpuPercent | None = None
     memory_rss: NonNegative | None = None
     progress: list[Progress] = []
     logs: list[LogLine] = []

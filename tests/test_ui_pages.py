@@ -108,7 +108,7 @@ async def test_workers(busy):
     text = await page(busy["live"], "/ui/workers")
     worker = busy["worker"]
     assert f'data-worker="{worker.worker_id}"' in text and 'data-worker="w-stale"' in text
-    assert '<span class="tag">blue</span>' in text and "<option>eu</option>" in text
+    assert '<span class="tag" title="blue">blue</span>' in text and "<option>eu</option>" in text
     assert "the source database is slow" in text  # its latest alert
     assert "1 spec(s) off the status quo" in text  # the stale one
 
