@@ -128,7 +128,8 @@ class Gate:
                               printable(path), _client(scope),
                               "session cookie" if by_cookie else "token")
                 return 401, "unauthorized", "send a valid token: 'Authorization: Bearer rota_...'"
-        if b"%2f" in scope.get("raw_path", b"").lower() and not path.startswith(UI_JOBS):
+        raw_path = scope.get("raw_path") or b""
+        if (b"%2F" in raw_path or b"%2f" in raw_path) and not path.startswith(UI_JOBS):
             return 404, "not_found", _encoded_slash(path)
         if unsafe and (ui or scope.get("rota.cookie")):
             if not same_origin(headers):
