@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from rota.ids import path_segment
 from rota.specs import JobSpec
 
 
@@ -409,22 +410,22 @@ class Client:
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Cancel the job (a running one through its worker); its view."""
-        return self._call("DELETE", f"/jobs/{job_id}")
+        return self._call("DELETE", f"/jobs/{path_segment(job_id)}")
 
     def retry(self, job_id: str) -> dict[str, Any]:
         """Put a discarded or cancelled job back, with a fresh budget; its view."""
-        return self._call("POST", f"/jobs/{job_id}/retry")
+        return self._call("POST", f"/jobs/{path_segment(job_id)}/retry")
 
     def job(self, job_id: str) -> dict[str, Any]:
         """The job's view, as ``GET /jobs/{id}`` gives it."""
-        return self._call("GET", f"/jobs/{job_id}")
+        return self._call("GET", f"/jobs/{path_segment(job_id)}")
 
     def result(self, job_id: str, *, wait: float = 0) -> dict[str, Any]:
         """One ``GET /jobs/{id}/result?wait=``: ``{id, state, done, result, error}``,
         within ``wait`` seconds (at most the server's max_result_wait). ``wait()`` is
         the loop most callers want."""
-        return self._call("GET", f"/jobs/{job_id}/result", params={"wait": wait},
-                          timeout=wait + 30)
+        return self._call("GET", f"/jobs/{path_segment(job_id)}/result",
+                          params={"wait": wait}, timeout=wait + 30)
 
     def push_specs(self, specs: list[JobSpec], *, dry_run: bool = False) -> dict[str, Any]:
         body = {"specs": [msgspec.to_builtins(s) for s in specs], "dry_run": dry_run}
@@ -434,11 +435,11 @@ class Client:
         return self._call("GET", "/specs")
 
     def retire_spec(self, name: str, *, cancel_waiting: bool = False) -> dict[str, Any]:
-        return self._call("POST", f"/specs/{name}/retire",
+        return self._call("POST", f"/specs/{path_segment(name)}/retire",
                           json={"cancel_waiting": cancel_waiting})
 
     def spec_history(self, name: str) -> dict[str, Any]:
-        return self._call("GET", f"/specs/{name}/history")
+        return self._call("GET", f"/specs/{path_segment(name)}/history")
 
     def workers(self) -> dict[str, Any]:
         return self._call("GET", "/workers")
@@ -447,7 +448,8 @@ class Client:
                every: bool = False) -> dict[str, Any]:
         """Ask one worker (by id), every worker with a label, or all, to change state."""
         if worker_id is not None:
-            return self._call("POST", f"/workers/{worker_id}/state", json={"state": state})
+            return self._call("POST", f"/workers/{path_segment(worker_id)}/state",
+                              json={"state": state})
         body: dict[str, Any] = {"state": state, "all": every}
         if label is not None:
             body["label"] = label
@@ -459,7 +461,7 @@ class Client:
     def pause_queue(self, name: str, *, paused: bool = True) -> dict[str, Any]:
         """Pause a queue (it keeps its jobs and assigns none) or resume it (admin)."""
         action = "pause" if paused else "resume"
-        return self._call("POST", f"/queues/{urllib.parse.quote(name, safe='')}/{action}")
+        return self._call("POST", f"/queues/{path_segment(name)}/{action}")
 
     def list_jobs(self, *, states: tuple[str, ...] | list[str] = (), spec: str | None = None,
                   queue: str | None = None, worker: str | None = None, q: str | None = None,
@@ -502,4 +504,4 @@ class Client:
         return self._call("GET", "/tokens")
 
     def revoke_token(self, id_or_name: str) -> dict[str, Any]:
-        return self._call("DELETE", f"/tokens/{urllib.parse.quote(id_or_name, safe='')}")
+        return self._call("DELETE", f"/tokens/{path_segment(id_or_name)}")

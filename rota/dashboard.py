@@ -6,7 +6,7 @@ How a page is rendered, refreshed, and posted to, and the login, are in rota/pag
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import msgspec
 from starlette.requests import Request
@@ -18,6 +18,7 @@ from rota.api import job_detail, need, worker_views
 from rota.charts import SERIES, throughput_svg
 from rota.coordinator import Coordinator
 from rota.errors import RequestError
+from rota.ids import path_segment
 from rota.listing import FIELDS, JobFilter, filter_params, parse_filter
 from rota.lookup import COUNT_CAP
 from rota.pages import (HERE, STATES, action, coordinator_of, counted_queues, login,
@@ -151,7 +152,7 @@ async def jobs_page(request: Request) -> Response:
             "worker": flt.worker or "", "q": flt.q or ""}
     q = flt.q
     if q and flt == JobFilter(q=q) and await coordinator.store.get_job(q) is not None:
-        return RedirectResponse(f"/ui/jobs/{quote(q)}", status_code=303)  # an id: its page
+        return RedirectResponse(f"/ui/jobs/{path_segment(q)}", status_code=303)  # an id: its page
     cursor = params.get("cursor") or None
     try:
         jobs, after = await coordinator.store.list_jobs(flt, PAGE, cursor)
@@ -299,7 +300,8 @@ routes: list[BaseRoute] = [
     Route("/ui/bulk", action(bulk_run), methods=["POST"]),
     Route("/ui/queues/{queue}/pause", action(pause_queue), methods=["POST"]),
     Route("/ui/queues/{queue}/resume", action(resume_queue), methods=["POST"]),
-    # A job id may hold a slash ("order/17"): the path converter takes it whole.
+    # A job id stored by an earlier version may hold a slash ("order/17"): its links
+    # encode it (%2F), the server decodes it, and the path converter takes the id whole.
     Route("/ui/jobs/{job_id:path}/retry", action(retry_job), methods=["POST"]),
     Route("/ui/jobs/{job_id:path}/cancel", action(cancel_job), methods=["POST"]),
     Route("/ui/jobs/{job_id:path}", job_page, methods=["GET"]),

@@ -4,12 +4,13 @@ Jinja filters (rota/dashboard.py), so the templates stay free of arithmetic."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any
 
 import msgspec
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
 def size(value: int | None) -> str:
@@ -64,6 +65,21 @@ def short(text: str | None, keep: int = 12) -> str:
     if len(text) == 36 and text.count("-") == 4:
         return f"{text[:8]}…{text[-6:]}"
     return text if len(text) <= keep else text[:keep] + "…"
+
+
+# Characters that change the direction of the text around them: the marks, embeddings,
+# overrides and isolates of Unicode's bidirectional algorithm. A worker or a producer could
+# use them to show "exe.png" for "gnp.exe", or to reverse what a page says after them.
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(value: Any) -> Any:
+    """Every value a page shows (the templates' ``finalize``): text with its direction
+    controls written as escapes (U+202E as ``\u202e``, as the CLI prints it), which then
+    reorder nothing; markup the page made itself, and anything not text, as it is."""
+    if type(value) is not str or not _BIDI.search(value):  # Markup is a str subclass: kept
+        return value
+    return _BIDI.sub(lambda match: f"\\u{ord(match.group()):04x}", value)
 
 
 def count(value: int) -> str:

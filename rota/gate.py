@@ -36,6 +36,7 @@ COOKIE = "rota_session"
 # whose requests still pass the Origin checks: a foreign page must not log a browser in.
 UI_OPEN = frozenset({"/ui/login", "/ui/logout"})
 STATIC = "/ui/static/"
+UI_JOBS = "/ui/jobs/"  # a job's page and actions: the id is the rest of the path, "/" or not
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
@@ -127,6 +128,9 @@ class Gate:
                               printable(path), _client(scope),
                               "session cookie" if by_cookie else "token")
                 return 401, "unauthorized", "send a valid token: 'Authorization: Bearer rota_...'"
+        raw_path = scope.get("raw_path") or b""
+        if (b"%2F" in raw_path or b"%2f" in raw_path) and not path.startswith(UI_JOBS):
+            return 404, "not_found", _encoded_slash(path)
         if unsafe and (ui or scope.get("rota.cookie")):
             if not same_origin(headers):
                 self._refused("refused %s %s client=%s: not from this origin", scope["method"],
@@ -138,6 +142,18 @@ class Gate:
         if principal is not None:
             scope["rota.principal"] = principal
         return None
+
+
+def _encoded_slash(path: str) -> str:
+    """Why a path that held an encoded slash (%2F) names nothing. The server decodes a
+    path before it routes it, so "%2F" would split a segment in two: GET /jobs/a%2Fresult
+    would be the result of job "a", and DELETE /jobs/a%2F a redirect to DELETE /jobs/a.
+    No job id, and no name, holds a "/" (rota/ids.py); only the dashboard's job pages
+    take one, for jobs stored by earlier versions (UI_JOBS)."""
+    shown = printable(path, 200)
+    if path.startswith("/jobs/"):
+        return f"no job at {shown}: a job id holds no '/', encoded (%2F) or not"
+    return f"nothing at {shown}: no id or name holds a '/', encoded (%2F) or not"
 
 
 def same_origin(headers: dict[str, str]) -> bool:

@@ -15,6 +15,7 @@ from rota import protocol as p
 from rota.auth import Principal
 from rota.effects import Arm, Effect, Finished, Save, Send, Wake, Withdraw
 from rota.errors import DomainError, Forbidden, Invalid, TooLarge, failure_level
+from rota.ids import MAX_JOB_ID, job_id_problem
 from rota.jobs import EnqueueRequest, new_job
 from rota.logs import log_lines
 from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
@@ -47,6 +48,8 @@ class Intake:
     def build(self, request: EnqueueRequest, principal: Principal, now: Instant
               ) -> Job | DomainError:
         """A new job from an enqueue request, or why it is refused."""
+        if request.id is not None and (problem := job_id_problem(request.id)) is not None:
+            return Invalid("invalid_id", problem)
         spec = self.specs.get(request.spec)
         if request.spec in self.retired:
             return Invalid("spec_retired", f"spec {request.spec!r} was retired at"
@@ -58,11 +61,11 @@ class Intake:
         if not principal.may_use_queue(queue):
             return Forbidden("queue_not_allowed",
                              f"this token may not enqueue into queue {queue!r}")
-        if request.id is not None and len(principal.stored_id(request.id)) > p.MAX_JOB_ID:
-            room = p.MAX_JOB_ID - len(principal.stored_id(""))
-            return Invalid("invalid_request", f"id has {len(request.id)} characters; a"
+        if request.id is not None and len(principal.stored_id(request.id)) > MAX_JOB_ID:
+            room = MAX_JOB_ID - len(principal.stored_id(""))
+            return Invalid("invalid_id", f"id has {len(request.id)} characters; a"
                            f" producer token's ids may have {room} at most (they are kept"
-                           f" as <token id>:<id>, {p.MAX_JOB_ID} characters in all)")
+                           f" as <token id>:<id>, {MAX_JOB_ID} characters in all)")
         try:
             validate_args(spec, request.args)
             job = new_job(request, spec, now.wall)

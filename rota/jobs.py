@@ -8,9 +8,9 @@ from typing import Annotated, Any
 import msgspec
 
 from rota import protocol as p
-from rota.protocol import MAX_COUNT, JobId, Priority
+from rota.protocol import MAX_COUNT, Priority
 from rota.errors import Invalid
-from rota.ids import uuid7
+from rota.ids import JOB_ID_PATTERN, MAX_JOB_ID, uuid7
 from rota.model import Job, shared_limits
 from rota.specs import MAX_VISIBILITY, JobSpec, Name
 
@@ -19,12 +19,16 @@ from rota.specs import MAX_VISIBILITY, JobSpec, Name
 MAX_AHEAD = 366 * 24 * 3600.0
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_AHEAD)]
 Limit = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+# Checked when the job is built (Intake.build, rota/ids.py job_id_problem), not by the
+# decoder, so that a refusal names the character and where it is; the schema says the rule.
+NewJobId = Annotated[str, msgspec.Meta(extra_json_schema={
+    "pattern": JOB_ID_PATTERN, "minLength": 1, "maxLength": MAX_JOB_ID})]
 
 
 class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     spec: str
     args: dict[str, Any] = {}
-    id: JobId | None = None
+    id: NewJobId | None = None
     queue: Name | None = None
     priority: Priority | None = None
     run_at: str | None = None  # RFC 3339; or

@@ -2,7 +2,7 @@
 and the opaque cursor that pages through them. Pure: no I/O, no clock.
 
 A listing is newest first by enqueue order (the row id). Ids are not a usable order: a
-producer may name its jobs ``order/17``. The cursor is the row id of the last job of a
+producer may name its jobs ``order-17``. The cursor is the row id of the last job of a
 page, so a page never repeats or skips a job that was there when the first page was read,
 whatever is enqueued meanwhile.
 """
@@ -19,7 +19,7 @@ from rota.errors import RequestError
 from rota.model import JOB_STATES
 
 FIELDS = ("state", "spec", "queue", "worker", "q")
-# Names as the wire takes them (rota/protocol.py NAME_PATTERN, JOB_ID_PATTERN); q is
+# Names as the wire takes them (rota/protocol.py NAME_PATTERN, JOB_REF_PATTERN); q is
 # free text, bounded so that it cannot make a LIKE pattern of any size.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 MAX_Q = 200

@@ -27,6 +27,7 @@ from rota.api import _read_body, need, queue_views
 from rota.coordinator import Coordinator
 from rota.errors import DomainError, RequestError, StorageError
 from rota.gate import COOKIE
+from rota.ids import path_segment
 
 HERE = Path(__file__).resolve().parent / "ui"
 LIVE = "x-rota-live"  # the poller's header: render the live region only
@@ -52,9 +53,12 @@ env = jinja2.Environment(
     auto_reload=False,
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=display.visible,  # no direction control in worker or job text is obeyed
 )
+# ``segment``: an id or a name as one segment of a link or a form's action (a job id
+# with a "/" stored by an earlier version must not reach another route, or another job).
 env.filters.update(size=display.size, duration=display.duration, pretty=display.pretty,
-                   short=display.short, count=display.count)
+                   short=display.short, count=display.count, segment=path_segment)
 
 
 def coordinator_of(request: Request) -> Coordinator:
@@ -66,8 +70,7 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> Re
     coordinator = coordinator_of(request)
     now = coordinator.clock().wall
     context |= {
-        "page": name, "path": request.url.path,
-        "here": request.url.path + (f"?{request.url.query}" if request.url.query else ""),
+        "page": name, "path": request.url.path, "here": here(request),
         "read_only": coordinator.settings.ui_read_only,
         "auth": coordinator.tokens.required, "now": now,
         "ago": lambda moment: display.ago(moment, now),
@@ -82,6 +85,14 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> Re
     if context["flash"] and not request.headers.get(LIVE):
         response.delete_cookie(FLASH, path="/ui")
     return response
+
+
+def here(request: Request) -> str:
+    """This page's path and query as the browser asked for them: still percent-encoded, so
+    that a form's way back names the same page (decoded, "a%2F..%2Fb" would be "b")."""
+    raw = request.scope.get("raw_path")
+    path = raw.decode("latin-1") if raw else request.url.path
+    return path + (f"?{request.url.query}" if request.url.query else "")
 
 
 def back(request: Request, form: dict[str, str], message: str) -> Response:

@@ -27,6 +27,7 @@ import msgspec
 
 from rota.client import MAX_WAIT, ApiError, Failover, JobHandle, ResultTimeout, outcome, \
     poll_wait, transport_error
+from rota.ids import path_segment
 
 # A batch is cut before its body reaches this (the server refuses bodies over 1 MiB by
 # default); a single job larger than that goes alone and gets its own 413.
@@ -200,7 +201,7 @@ class AsyncClient:
     # -- the rest of the API ------------------------------------------------------------
     async def job(self, job_id: str) -> dict[str, Any]:
         """The job's view, as ``GET /jobs/{id}`` gives it."""
-        return await self._call("GET", f"/jobs/{job_id}")
+        return await self._call("GET", f"/jobs/{path_segment(job_id)}")
 
     async def wait(self, job_id: str, *, timeout: float | None = None) -> Any:
         """The job's result once it completes, long-polling the server (None: no time
@@ -217,16 +218,16 @@ class AsyncClient:
     async def result(self, job_id: str, *, wait: float = 0) -> dict[str, Any]:
         """One ``GET /jobs/{id}/result?wait=``: ``{id, state, done, result, error}``;
         ``wait()`` is the loop most callers want."""
-        return await self._call("GET", f"/jobs/{job_id}/result", params={"wait": wait},
-                                timeout=wait + 30)
+        return await self._call("GET", f"/jobs/{path_segment(job_id)}/result",
+                                params={"wait": wait}, timeout=wait + 30)
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
         """Cancel the job (a running one through its worker); its view."""
-        return await self._call("DELETE", f"/jobs/{job_id}")
+        return await self._call("DELETE", f"/jobs/{path_segment(job_id)}")
 
     async def retry(self, job_id: str) -> dict[str, Any]:
         """Put a discarded or cancelled job back, with a fresh budget; its view."""
-        return await self._call("POST", f"/jobs/{job_id}/retry")
+        return await self._call("POST", f"/jobs/{path_segment(job_id)}/retry")
 
     async def _call(self, method: str, path: str, *, content: bytes | None = None,
                     params: dict[str, Any] | None = None, timeout: float | None = None,

@@ -25,13 +25,15 @@ STATE_RANK: dict[str, int] = {"running": 0, "quiet": 1, "terminate": 2}
 Outcome = Literal["completed", "failed"]
 
 # Names of specs, queues, labels and workers; job ids allow a few more characters, so
-# that producers can use keys like "order/17" or "user@example.com". Neither allows
+# that producers can use keys like "order-17" or "user@example.com". Neither allows
 # spaces or control characters, so none can forge a line in the server's log.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
-JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@/+=-]{0,127}$"
-MAX_JOB_ID = 128  # characters, as JOB_ID_PATTERN says
+# A job id as a frame or a bulk action names one: what a producer may give now
+# (rota/ids.py JOB_ID_PATTERN), or a "/" as well, which earlier versions accepted, so that
+# jobs stored then can still be reported, renewed and cancelled.
+JOB_REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@/+=-]{0,127}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
-JobId = Annotated[str, msgspec.Meta(pattern=JOB_ID_PATTERN)]
+JobId = Annotated[str, msgspec.Meta(pattern=JOB_REF_PATTERN)]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 # Integers Rota stores or compares are bounded (docs/operations.md, Limits): counts,
 # attempts and priorities to 32 bits, which every JSON reader holds exactly (JavaScript's
@@ -42,6 +44,9 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 Priority = Annotated[int, msgspec.Meta(ge=-MAX_COUNT, le=MAX_COUNT)]
 Percent = Annotated[float, msgspec.Meta(ge=0, le=100)]
+# A worker process's CPU use, in percent of one core: at most 100 for each of 4,096 cores.
+MAX_CPU_PERCENT = 100.0 * 4096
+CpuPercent = Annotated[float, msgspec.Meta(ge=0, le=MAX_CPU_PERCENT)]
 # Longer texts in progress, log lines and alerts are cut to this on the server.
 MAX_TEXT = 8192
 Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
@@ -118,7 +123,7 @@ class Status(msgspec.Struct, kw_only=True, omit_defaults=True):
     state: WorkerState  # required: a status that omits it must not read as "running"
     active_job_ids: list[JobId] = []
     prefetched_job_ids: list[JobId] = []  # held, not started: renewed like running ones
-    cpu_percent: float | None = None
+    cpu_percent: CpuPercent | None = None
     memory_rss: NonNegative | None = None
     progress: list[Progress] = []
     logs: list[LogLine] = []

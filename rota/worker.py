@@ -250,7 +250,9 @@ class Worker:
 
     def metrics(self) -> tuple[float, int]:
         # cpu_percent(None) measures since the previous call: no blocking sample here.
-        return self._process.cpu_percent(interval=None), self._process.memory_info().rss
+        # Bounded as the protocol bounds it (a machine of more than 4,096 cores).
+        cpu = min(self._process.cpu_percent(interval=None), p.MAX_CPU_PERCENT)
+        return cpu, self._process.memory_info().rss
 
     def welcomed(self, welcome: p.Welcome) -> None:
         self.welcome = welcome

@@ -93,10 +93,51 @@ SEGMENTS: list[tuple[str, str]] = [
     ("newline", f"x%0A{FORGED}"),
     ("ANSI escape", "%1B%5B31m"),
     ("dot segments", "..%2F..%2Fetc%2Fpasswd"),
+    # a stored job's id and an encoded slash: decoded before routing, it would name that
+    # job (its result, or a redirect of DELETE to it)
+    ("encoded slash", "keep-available%2Fresult"),
+    ("encoded trailing slash", "keep-available%2F"),
+    ("encoded dot segment", "x%2F..%2Fkeep-available"),
     ("space", "a%20b"),
     ("very long", "a" * 8_000),
     ("percent alone", "%"),
     ("bad escape", "%zz"),
+]
+
+# Job ids a producer may give, each with the characters that break URLs, logs or
+# terminals: (name, id, why) where ``why`` is None for an id Rota accepts (it must then be
+# reachable through every route: the API, both SDK clients, the CLI and the dashboard),
+# else what the refusal (422 invalid_id) must name: the character, or the length.
+JOB_IDS: list[tuple[str, str, str | None]] = [
+    ("every punctuation allowed", "a_b.c:d@e+f=g-h", None),
+    ("dots inside", "a..b", None),
+    ("trailing dot", "a.", None),
+    ("plus and equals", "1+1=2", None),
+    ("an e-mail address", "user@example.com", None),
+    ("a URN", "urn:order:17", None),
+    ("named like a bulk route", "retry", None),
+    ("named like a route", "cancel", None),
+    ("named like the batch route", "batch", None),
+    ("128 characters", "a" * 128, None),
+    ("slash", "tenant-7/order-17", "U+002F '/' at character 9"),
+    ("dot segments", "a/../victim", "U+002F '/' at character 2"),
+    ("backslash", "a\\..\\victim", "U+005C '\\\\' at character 2"),
+    ("dot", ".", "starts with U+002E '.'"),
+    ("dot dot", "..", "starts with U+002E '.'"),
+    ("leading dash", "-a", "starts with U+002D '-'"),
+    ("space", "a b", "U+0020 at character 2"),
+    ("tab", "a\tb", "U+0009 at character 2"),
+    ("newline", f"a\nERROR {FORGED}", "U+000A at character 2"),
+    ("NUL", "a\x00b", "U+0000 at character 2"),
+    ("ANSI escape", "a\x1b[31m", "U+001B at character 2"),
+    ("DEL", "a\x7f", "U+007F at character 2"),
+    ("question mark", "a?b", "U+003F '?' at character 2"),
+    ("hash", "a#b", "U+0023 '#' at character 2"),
+    ("percent", "a%2Fb", "U+0025 '%' at character 2"),
+    ("a letter outside ASCII", "café", "U+00E9 'é' at character 4"),
+    ("right-to-left override", "a\u202eb", "U+202E at character 2"),
+    ("129 characters", "a" * 129, "129 characters long"),
+    ("empty", "", "is empty"),
 ]
 
 # Query values for numbers (``wait``), raw in the URL.

@@ -98,6 +98,14 @@ LATER_FRAME_CASES: list[tuple[str, Any, str, int]] = [
     ("an error object without its type", heartbeat(5, "bad", results=[
         {"job_id": "x", "attempt": 1, "outcome": "failed", "error": {"message": "m"}}]),
      "invalid_message", 1007),
+    # A process uses at most 100% of each core: 4,096 cores is the most Rota takes.
+    ("cpu_percent past 4,096 cores", heartbeat(5, "bad", status={
+        "state": "running", "cpu_percent": 409_600.1}), "invalid_message", 1007),
+    ("cpu_percent huge", heartbeat(5, "bad", status={"state": "running", "cpu_percent": 1e300}),
+     "invalid_message", 1007),
+    ("cpu_percent negative", heartbeat(5, "bad", status={"state": "running",
+                                                         "cpu_percent": -1}),
+     "invalid_message", 1007),
 ]
 
 

@@ -14,7 +14,8 @@ from rota.charts import nice_ceiling, throughput_svg
 
 @pytest.mark.parametrize(("value", "text"), [(None, "–"), (0, "0 B"), (1023, "1023 B"),
                                              (1536, "1.5 KiB"), (5 << 20, "5.0 MiB"),
-                                             (3 << 50, "3072.0 TiB")])
+                                             (3 << 50, "3.0 PiB"),
+                                             (2**63 - 1, "8.0 EiB"), (3 << 70, "3072.0 EiB")])
 def test_size(value, text):
     assert display.size(value) == text
 

@@ -8,12 +8,15 @@ passes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import corpus
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 from uirig import CHROMIUM, Rig
@@ -334,3 +337,46 @@ def test_the_pause_button_stops_the_refresh_until_it_is_pressed_again(page: Page
     rig.enqueue("echo")
     page.get_by_role("button", name="Resume updates").click()
     expect(available).to_have_text("2")
+
+
+def test_a_job_id_never_leads_a_link_or_a_form_to_another_job(browser: Browser, tmp_path: Path):
+    """Every id the API accepts, and an id holding "/" and ".." stored by an earlier
+    version (which accepted it): each one's link opens its own page, and its Cancel
+    cancels it, not the job "victim" that a resolved "a/../victim" would name."""
+    awkward = [job_id for _, job_id, why in corpus.JOB_IDS if why is None]
+    rig = Rig(tmp_path)
+    try:
+        if rig.live.settings.database_url:
+            pytest.skip("an earlier version's row is written with sqlite3")
+        rig.spec("parked", queue="nobody")
+        for job_id in ["victim", "legacy", *awkward]:
+            rig.enqueue("parked", id=job_id)
+    finally:
+        rig.close()
+    token = rig.token
+    legacy = "a/../victim"
+    with contextlib.closing(sqlite3.connect(tmp_path / "rota.db")) as db, db:
+        db.execute("UPDATE jobs SET id = ? WHERE id = 'legacy'", (legacy,))
+    rig = Rig(tmp_path, open=True)  # open: no new token; the first one is still live
+    rig.token = token
+    page = open_page(browser, rig)
+    asked: list[str] = []
+    page.on("dialog", lambda dialog: asked.append(dialog.message))
+    try:
+        log_in(page, rig, "/ui/jobs")
+        for job_id in [legacy, *awkward]:
+            page.goto("/ui/jobs?state=available")
+            page.locator(f'tr[data-job="{job_id}"] a').click()
+            expect(page.locator("h1 code")).to_have_text(job_id)
+            page.get_by_role("button", name="Cancel").click()
+            expect(page.get_by_role("status")).to_have_text(f"job {job_id} is cancelled")
+            assert asked[-1] == f"Cancel job {job_id}?"
+            expect(page.locator("#job-state")).to_have_text("cancelled")  # back on its page
+            row = rig.run(rig.coordinator.store.get_job(job_id))
+            assert row["state"] == "cancelled", job_id
+        assert rig.job("victim")["state"] == "available"
+        page.goto("/ui/jobs?state=available")
+        expect(page.locator("tr[data-job]")).to_have_count(1)
+    finally:
+        page.context.close()
+        rig.close()

@@ -108,7 +108,7 @@ async def test_workers(busy):
     text = await page(busy["live"], "/ui/workers")
     worker = busy["worker"]
     assert f'data-worker="{worker.worker_id}"' in text and 'data-worker="w-stale"' in text
-    assert '<span class="tag">blue</span>' in text and "<option>eu</option>" in text
+    assert '<span class="tag" title="blue">blue</span>' in text and "<option>eu</option>" in text
     assert "the source database is slow" in text  # its latest alert
     assert "1 spec(s) off the status quo" in text  # the stale one
 
@@ -224,15 +224,20 @@ async def test_bad_bulk_and_queue_requests_are_precise_4xx(busy, method, path, f
     assert answer.status_code == status and answer.json()["error"]["code"] == code
 
 
-async def test_a_job_whose_id_holds_a_slash_has_its_page(busy):
+async def test_a_job_id_goes_into_links_and_forms_percent_encoded(busy):
+    # (A "/" is refused at enqueue, tests/test_ids.py; one stored by an earlier version
+    # is clicked through in tests/test_ui.py.)
     live = busy["live"]
-    await live.enqueue("audit", id="order/17")
-    text = await page(live, "/ui/jobs/order/17")
-    assert "order/17" in text and 'action="/ui/jobs/order/17/cancel"' in text
-    done = await live.http.post("/ui/jobs/order/17/cancel", headers=SAME,
-                                data={"back": "/ui/jobs/order/17"})
+    await live.enqueue("audit", id="order:17@shop+eu")
+    listed = await page(live, "/ui/jobs?queue=audits")
+    assert 'href="/ui/jobs/order%3A17%40shop%2Beu"' in listed
+    text = await page(live, "/ui/jobs/order%3A17%40shop%2Beu")
+    assert 'action="/ui/jobs/order%3A17%40shop%2Beu/cancel"' in text
+    assert 'name="back" value="/ui/jobs/order%3A17%40shop%2Beu"' in text
+    done = await live.http.post("/ui/jobs/order%3A17%40shop%2Beu/cancel", headers=SAME,
+                                data={"back": "/ui/jobs/order%3A17%40shop%2Beu"})
     assert done.status_code == 303
-    assert "is cancelled" in await page(live, "/ui/jobs/order/17")
+    assert "is cancelled" in await page(live, "/ui/jobs/order:17@shop+eu")
 
 
 async def test_pause_and_resume_a_queue_from_its_page(busy):

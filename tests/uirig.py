@@ -68,10 +68,12 @@ class Rig:
         job: dict[str, Any] = self.api("GET", f"/jobs/{job_id}")
         return job
 
-    def worker(self, handlers: dict[str, Callable[..., Any]], **options: Any) -> Worker:
-        """Start an SDK worker on a loop of its own and wait until it is connected."""
+    def worker(self, handlers: dict[str, Callable[..., Any]], *, cls: type[Worker] = Worker,
+               **options: Any) -> Worker:
+        """Start an SDK worker (of class ``cls``) on a loop of its own and wait until it is
+        connected."""
         options.setdefault("specs_dir", self.tmp / "specs")
-        worker = Worker(url=self.live.ws, handle_signals=False, token=self.token, **options)
+        worker = cls(url=self.live.ws, handle_signals=False, token=self.token, **options)
         for name, handler in handlers.items():
             worker.handler(name)(handler)
         loop = asyncio.new_event_loop()
