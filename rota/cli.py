@@ -307,6 +307,10 @@ def _need_server(command: str) -> None:
               type=click.Choice(["enqueue-before-commit", "enqueue-after-commit",
                                  "reserve-after-commit", "result-after-commit"]),
               help="Test switch: exit abruptly at this point (crash-safety tests).")
+@click.option("--hold-reserve", envvar="ROTA_HOLD_RESERVE", hidden=True, default=0.0,
+              type=click.FloatRange(min=0.0),
+              help="Test switch: seconds each reservation's transaction stays open (stall"
+              " tests).")
 def serve(db: Path | str, log_level: str, log_format: str, insecure: bool,
           allowed_origins: tuple[str, ...], **options: Any) -> None:
     """Run the Rota server: /work for workers, the HTTP API for everyone else, and the
