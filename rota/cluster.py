@@ -211,10 +211,12 @@ class Cluster:
     # -- leases ----------------------------------------------------------------------
     async def _lease_loop(self) -> None:
         while True:
+            # At once first: a start that read a large snapshot may have used much of
+            # the lease it took before, and hands out no work until it renews.
+            await self.renew()
             # A timer, not a synchronisation: a few renewals per lease ride out one slow
             # commit.
             await asyncio.sleep(self.lease / 4)  # noqa: sleep-ok
-            await self.renew()
 
     async def renew(self) -> None:
         """Renew this server's lease and, from a vantage (rota/standing.py), watch the
