@@ -222,9 +222,10 @@ def _need_server(command: str) -> None:
               " reservations.")
 @click.option("--server-lease", envvar="ROTA_SERVER_LEASE", default=10.0, show_default=True,
               show_envvar=True, type=click.FloatRange(min=0.2),
-              help="Seconds a server's lease lasts (renewed 4 times per lease). Servers"
-              " sharing a database recover a dead one's reservations after its lease and"
-              " the reconnect grace.")
+              help="Seconds a server's lease lasts (renewed 4 times per lease, on the"
+              " database's clock). Servers sharing a database recover a dead one's"
+              " reservations after its lease and the reconnect grace; a quarter of it (0.5 s"
+              " at least) bounds how long one stalled in a transaction holds the others.")
 @click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True, show_envvar=True, type=LEVELS)
 @_LOG_FORMAT
 @click.option("--heartbeat-interval", envvar="ROTA_HEARTBEAT_INTERVAL", default=1.0, show_default=True, show_envvar=True,
@@ -312,6 +313,10 @@ def _need_server(command: str) -> None:
               type=click.Choice(["enqueue-before-commit", "enqueue-after-commit",
                                  "reserve-after-commit", "result-after-commit"]),
               help="Test switch: exit abruptly at this point (crash-safety tests).")
+@click.option("--hold-reserve", envvar="ROTA_HOLD_RESERVE", hidden=True, default=0.0,
+              type=click.FloatRange(min=0.0),
+              help="Test switch: seconds each reservation's transaction stays open (stall"
+              " tests).")
 def serve(db: Path | str, log_level: str, log_format: str, insecure: bool,
           allowed_origins: tuple[str, ...], **options: Any) -> None:
     """Run the Rota server: /work for workers, the HTTP API for everyone else, and the

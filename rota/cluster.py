@@ -58,6 +58,10 @@ class Cluster:
         """Once the coordinator started: take in what was heard meanwhile, and watch the
         leases."""
         self._ready = True
+        coordinator = self.coordinator
+        # Its lease was taken as the store loaded, after the coordinator was made.
+        coordinator.apply(coordinator.engine.lease_taken(coordinator.started.mono,
+                                                         coordinator.clock()))
         self._spawn(self._take_in_loop(), "rota-cluster-jobs")
         self._spawn(self._lease_loop(), "rota-cluster-leases")
         if self._pending:
@@ -75,7 +79,7 @@ class Cluster:
         """A clean stop, before the store closes: the lease ends now, so the others
         recover what this server's workers still hold after the grace alone."""
         try:
-            await self.store.let_lease_lapse(time.time())
+            await self.store.let_lease_lapse()
         except Exception as exc:  # the database is gone too: the lease lapses by itself
             log.warning("could not end this server's lease at stop: %s", exc)
 
@@ -207,28 +211,41 @@ class Cluster:
     # -- leases ----------------------------------------------------------------------
     async def _lease_loop(self) -> None:
         while True:
+            # At once first: a start that read a large snapshot may have used much of
+            # the lease it took before, and hands out no work until it renews.
+            await self.renew()
             # A timer, not a synchronisation: a few renewals per lease ride out one slow
             # commit.
             await asyncio.sleep(self.lease / 4)  # noqa: sleep-ok
-            await self.renew()
 
     async def renew(self) -> None:
-        """Renew this server's lease and watch the others'. A lease found lapsed (this
-        server stalled past it and the grace, and another recovered its workers' jobs)
-        is taken again, and with it the jobs its workers still run that nobody gave
-        out again; the rest are cancelled on the workers here."""
-        now = time.time()
+        """Renew this server's lease and, from a vantage (rota/standing.py), watch the
+        others'. A lease found lapsed (this server stalled past it and the grace, and
+        another recovered its workers' jobs) is taken again, and with it the jobs its
+        workers still run that nobody gave out again; the rest are cancelled on the
+        workers here."""
+        coordinator = self.coordinator
+        engine = coordinator.engine
+        started = coordinator.clock().mono
         try:
             held = await self.store.renew_lease(host=socket.gethostname(), pid=os.getpid(),
-                                                url=self.url, now=now, lease=self.lease)
+                                                url=self.url, now=time.time(), lease=self.lease)
+        except Exception as exc:  # the database is unreachable: try again next time
+            engine.lease_failed()
+            log.warning("cluster: lease renewal failed (%.1fs of the lease left): %s",
+                        engine.standing.left(coordinator.clock().mono), exc)
+            return
+        coordinator.apply(engine.lease_renewed(started, coordinator.clock()))
+        try:
             if not held:
                 self._lapsed = True
             if self._lapsed:  # settled once, even if the database failed the first try
                 await self._after_lapse()
                 self._lapsed = False
-            await self._watch(now)
-        except Exception as exc:  # the database is unreachable: try again next time
-            log.warning("cluster: lease renewal failed: %s", exc)
+            await self._watch()
+        except Exception as exc:  # the database went away meanwhile: next time
+            log.warning("cluster: settling a lapse or watching the other servers' leases"
+                        " failed (again at the next renewal): %s", exc)
 
     async def _after_lapse(self) -> None:
         coordinator = self.coordinator
@@ -241,16 +258,20 @@ class Cluster:
                   len(running), len(lost))
         coordinator.apply(coordinator.engine.lapse_settled(lost, coordinator.clock()))
 
-    async def _watch(self, now: float) -> None:
-        """Say which servers missed their lease, and recover those past the grace."""
-        lapsed = await self.store.lapsed_servers(now)  # one read: the lapse, and since when
+    async def _watch(self) -> None:
+        """Say which servers missed their lease, and recover those past the grace; only
+        from a vantage: after a failed renewal or a stall of its own, this server first
+        gives the others a whole lease of the database to renew in."""
+        if not self.coordinator.engine.standing.may_judge(self.coordinator.clock().mono):
+            return  # (the engine said so, at the renewal that broke the vantage)
+        lapsed = await self.store.lapsed_servers()  # on the database's clock
         for server in lapsed.keys() - self._missed:
             log.warning("cluster: server=%s holds no lease (it stopped, or died); its"
                         " workers' jobs come back after %gs unless it returns", server,
                         self.grace)
         self._missed = set(lapsed)
-        for server in [s for s, ended in lapsed.items() if ended < now - self.grace]:
-            seqs = await self.store.recover_server(server, now, now - self.grace)
+        for server in [s for s, ago in lapsed.items() if ago > self.grace]:
+            seqs = await self.store.recover_server(server, time.time(), self.grace)
             self._missed.discard(server)
             if seqs is None:  # another server was first, or it came back
                 continue

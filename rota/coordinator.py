@@ -70,12 +70,12 @@ class Coordinator:
         self.store = Store(settings.db,
                            crash_before_commit=settings.crash_at == "enqueue-before-commit",
                            durability=settings.durability, max_db_size=settings.max_db_size,
-                           database_url=settings.database_url, db_pool=settings.db_pool)
+                           database_url=settings.database_url, db_pool=settings.db_pool,
+                           lease=settings.server_lease, hold_reserve=settings.hold_reserve)
         # Its name among the servers sharing a database (docs/scaling.md): reservations
         # carry it, so that the others know whose workers hold what.
         self.server_id = settings.server_id or f"{socket.gethostname()}:{settings.port}"
         self.store.server_id = self.server_id
-        self.store.lease = settings.server_lease
         self.engine = Engine(settings)
         self.retention = Retention.from_rules(
             {"completed": settings.retain_completed, "discarded": settings.retain_discarded,

@@ -532,7 +532,8 @@ class Writer:
                 _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
                 conn.execute("BEGIN IMMEDIATE")
                 for op, future in batch:
-                    outcomes.append((future, *_run_in_savepoint(conn, op, self._classify)))
+                    outcomes.append((future, *_run_in_savepoint(conn, op, self._classify,
+                                                                 self._alone)))
                 conn.execute("COMMIT")
             except BaseException as exc:  # the whole transaction is gone
                 if conn is not None:
@@ -556,6 +557,12 @@ class Writer:
             break
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._settle, outcomes)
+
+    def _alone(self, exc: BaseException) -> bool:
+        """Whether a storage error fails only the op that met it (rota/pg.py: a lock
+        held past lock_timeout), its savepoint rolled back, rather than the whole
+        transaction (SQLite: never)."""
+        return False
 
     def _again(self, exc: BaseException) -> bool:
         """Whether a failed transaction may simply run again (SQLite: never; its one
@@ -638,13 +645,21 @@ class Checkpointer:
 
 
 def _run_in_savepoint(conn: sqlite3.Connection, op: Op,
-                      classify: Callable[[BaseException], StorageError | None]
+                      classify: Callable[[BaseException], StorageError | None],
+                      alone: Callable[[BaseException], bool] = lambda exc: False
                       ) -> tuple[Any, BaseException | None]:
     conn.execute("SAVEPOINT op")
     try:
         value = op(conn)
     except Exception as exc:
-        if classify(exc) is not None or not conn.in_transaction:
+        failure = classify(exc)
+        if failure is not None and alone(exc) and conn.in_transaction:
+            conn.execute("ROLLBACK TO op")
+            conn.execute("RELEASE op")
+            log.warning("a write failed alone, the rest of its transaction goes on: %s",
+                        failure.message)
+            return None, failure
+        if failure is not None or not conn.in_transaction:
             # The storage failed, not this op: SQLite may have rolled the whole
             # transaction back already (it does on a full disk or an I/O error), and
             # the ops after it would hit the same wall. They all fail alike.

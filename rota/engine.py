@@ -40,6 +40,7 @@ from rota.reservations import Reservations
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.settings import ServerSettings
 from rota.specs import JobSpec
+from rota.standing import Standing
 
 __all__ = ["Engine", "MAX_LOG_LINES", "MAY_RECONNECT"]
 log = logging.getLogger("rota.server")
@@ -78,6 +79,9 @@ class Engine(Intake, Reservations):
         self._recent: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
         # The shell promises a tick at least this often; a longer gap is a stall.
         self.tick_every = max(0.05, min(1.0, settings.heartbeat_timeout / 4))
+        # Its lease among several servers on one database (rota/standing.py): whether it
+        # may hand out work, and judge the others'. Not shared: no lease, no limit.
+        self.standing = Standing(settings.server_lease)
 
     @property
     def connections(self) -> dict[str, Connection]:
@@ -497,6 +501,33 @@ class Engine(Intake, Reservations):
         effects.append(Wake())
         return effects
 
+    # -- this server's lease (several servers on one database) ----------------------
+    def lease_taken(self, started: float, now: Instant) -> list[Effect]:
+        """One of several servers on one database: it took its lease as it started (a
+        renewal begun at monotonic ``started``). From now on it hands out work only while
+        it holds the lease."""
+        self.standing.shared = True
+        return self.lease_renewed(started, now)
+
+    def lease_renewed(self, started: float, now: Instant) -> list[Effect]:
+        """A renewal of this server's lease, begun at monotonic ``started``, committed.
+        If rounds had stopped for want of a lease, they start again."""
+        if self.standing.renewed(started, now.mono):
+            log.warning("cluster: this server's lease renewal failed, came late, or it"
+                        " stalled: it judges no other server's lease for %gs, so that each"
+                        " has a whole lease to renew in first", self.standing.lease)
+        if self.standing.handing_out or not self.standing.may_hand_out(now.mono):
+            return []
+        self.standing.handing_out = True
+        log.warning("cluster: lease renewed (%.1fs left): handing out work again",
+                    self.standing.left(now.mono))
+        return [Wake()]
+
+    def lease_failed(self) -> None:
+        """A renewal of this server's lease failed: the others are not judged until one
+        works again (rota/standing.py)."""
+        self.standing.failed()
+
     # -- timers ----------------------------------------------------------------------
     def next_deadline(self) -> float | None:
         return self.scheduler.next_deadline()
@@ -518,6 +549,7 @@ class Engine(Intake, Reservations):
                 log.warning("server stalled for %.1fs: liveness deadlines extended by it", stall)
                 self.registry.shift(stall, now.mono)
                 self.scheduler.shift(stall)
+                self.standing.stalled()  # and it judges no other server's lease for now
         self._last_tick = now.mono
         effects += self.resume_rounds(now)
         due = self.scheduler.due(now.mono)

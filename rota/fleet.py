@@ -64,51 +64,62 @@ def parse(payload: str) -> tuple[str, list[str]]:
 
 
 # -- leases ----------------------------------------------------------------------------
+# Leases run on the database's clock, read when the statement runs: one clock for every
+# server, whatever their own say, and a renewal that waited (a slow commit, a lock)
+# holds its lease from when it ran, not from when it was asked for. (SQLite's julianday;
+# rota/pg.py turns it into PostgreSQL's clock_timestamp().)
+DB_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+
 def renew(conn: sqlite3.Connection, server_id: str, *, host: str, pid: int, url: str,
           now: float, lease: float, starting: bool) -> bool:
-    """Hold this server's lease until ``now + lease``. False if the others had already
-    declared it gone (its reservations were recovered): it holds none of them now."""
+    """Hold this server's lease for ``lease`` seconds from now, on the database's clock.
+    False if the others had already declared it gone (its reservations were recovered):
+    it holds none of them now. (``now``, this server's wall clock, is when it started.)"""
     if starting:  # a restart under the same id begins a new life
         conn.execute(
             "INSERT INTO servers (id, host, pid, url, started_at, lease_expires_at, stopped_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, NULL) ON CONFLICT(id) DO UPDATE SET host = excluded.host,"
-            " pid = excluded.pid, url = excluded.url, started_at = excluded.started_at,"
+            f" VALUES (?, ?, ?, ?, ?, {DB_NOW} + ?, NULL) ON CONFLICT(id) DO UPDATE SET"
+            " host = excluded.host, pid = excluded.pid, url = excluded.url,"
+            " started_at = excluded.started_at,"
             " lease_expires_at = excluded.lease_expires_at, stopped_at = NULL",
-            (server_id, host, pid, url, now, now + lease))
+            (server_id, host, pid, url, now, lease))
         return True
-    cursor = conn.execute("UPDATE servers SET lease_expires_at = ? WHERE id = ?"
-                          " AND stopped_at IS NULL", (now + lease, server_id))
+    cursor = conn.execute(f"UPDATE servers SET lease_expires_at = {DB_NOW} + ? WHERE id = ?"
+                          " AND stopped_at IS NULL", (lease, server_id))
     if cursor.rowcount == 1:
         return True
     renew(conn, server_id, host=host, pid=pid, url=url, now=now, lease=lease, starting=True)
     return False
 
 
-def let_lapse(conn: sqlite3.Connection, server_id: str, now: float) -> None:
+def let_lapse(conn: sqlite3.Connection, server_id: str) -> None:
     """A clean stop: the lease ends now, so the others recover what this server's
     workers still hold after the reconnect grace, not after a whole lease."""
-    conn.execute("UPDATE servers SET lease_expires_at = ? WHERE id = ? AND stopped_at IS NULL",
-                 (now, server_id))
+    conn.execute(f"UPDATE servers SET lease_expires_at = {DB_NOW} WHERE id = ?"
+                 " AND stopped_at IS NULL", (server_id,))
 
 
-def lapsed(conn: sqlite3.Connection, me: str, before: float) -> dict[str, float]:
-    """Servers whose lease ended before ``before`` and whose reservations nobody has
-    recovered yet, with when their lease ended."""
+def lapsed(conn: sqlite3.Connection, me: str) -> dict[str, float]:
+    """Servers whose lease has ended and whose reservations nobody has recovered yet,
+    with how many seconds ago it ended (on the database's clock)."""
     return {str(r[0]): float(r[1]) for r in conn.execute(
-        "SELECT id, lease_expires_at FROM servers WHERE stopped_at IS NULL"
-        " AND lease_expires_at < ? AND id <> ?", (before, me))}
+        f"SELECT id, {DB_NOW} - lease_expires_at FROM servers WHERE stopped_at IS NULL"
+        f" AND lease_expires_at < {DB_NOW} AND id <> ?", (me,))}
 
 
-def recover(conn: sqlite3.Connection, dead: str, me: str, now: float, before: float
+def recover(conn: sqlite3.Connection, dead: str, me: str, now: float, grace: float
             ) -> list[int] | None:
     """Take a dead server's reservations back: its active jobs wait again, each with an
     error record that says why (a run of it may still finish on a worker that lost its
     server: the attempt fence turns away a result of it once another attempt began).
-    Fenced on the lease, so only one server recovers it, and not one that came back.
+    Fenced on the lease, so only one server recovers it, and not one that came back:
+    its lease must have ended more than ``grace`` seconds ago on the database's clock.
     The row ids that wait again (also sent as a ``rota_jobs`` notice); None if another
-    server recovered it first, or it renewed its lease meanwhile."""
+    server recovered it first, or it renewed its lease meanwhile. (``now``: this
+    server's wall clock, for the records.)"""
     claimed = conn.execute("UPDATE servers SET stopped_at = ? WHERE id = ? AND stopped_at IS NULL"
-                           " AND lease_expires_at < ?", (now, dead, before))
+                           f" AND lease_expires_at < {DB_NOW} - ?", (now, dead, grace))
     if claimed.rowcount != 1:
         return None
     held = conn.execute("SELECT rowid, id, attempt, worker_id FROM jobs WHERE server_id = ?"
@@ -194,10 +205,10 @@ def connected_somewhere(conn: sqlite3.Connection, worker_id: str) -> bool:
                         (worker_id,)).fetchone() is not None
 
 
-def holder(conn: sqlite3.Connection, server_id: str, now: float
-           ) -> tuple[str, int, float] | None:
-    """(host, pid, lease end) of a server that holds ``server_id``'s lease now, if any."""
-    row = conn.execute("SELECT host, pid, lease_expires_at FROM servers WHERE id = ?"
-                       " AND stopped_at IS NULL AND lease_expires_at > ?",
-                       (server_id, now)).fetchone()
+def holder(conn: sqlite3.Connection, server_id: str) -> tuple[str, int, float] | None:
+    """(host, pid, seconds its lease runs on) of a server that holds ``server_id``'s lease
+    now, if any."""
+    row = conn.execute(f"SELECT host, pid, lease_expires_at - {DB_NOW} FROM servers WHERE id = ?"
+                       f" AND stopped_at IS NULL AND lease_expires_at > {DB_NOW}",
+                       (server_id,)).fetchone()
     return None if row is None else (str(row[0]), int(row[1]), float(row[2]))

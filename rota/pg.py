@@ -107,6 +107,14 @@ def _json_append(sql: str) -> str:
                   r"rota_json_append(\1, ?)", sql)
 
 
+def _db_clock(sql: str) -> str:
+    # SQLite's time now, in seconds since the epoch (rota/fleet.py's DB_NOW): the
+    # database's clock when the statement runs (clock_timestamp, not the transaction's
+    # start, now()), which judges every server's lease.
+    return sql.replace("((julianday('now') - 2440587.5) * 86400.0)",
+                       "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)")
+
+
 def _null_test(sql: str) -> str:
     # "? IS NULL": a parameter with nothing around it to give it a type, which PostgreSQL
     # must know to prepare the statement. Any value's text is NULL only if it is.
@@ -241,7 +249,7 @@ def _placeholders(sql: str) -> str:
 
 
 RULES: tuple[Callable[[str], str], ...] = (
-    _begin, _index_hints, _unary_plus, _json_append, _null_test, _instr, _scalar_min_max,
+    _begin, _index_hints, _unary_plus, _json_append, _db_clock, _null_test, _instr, _scalar_min_max,
     _subquery_aliases, _truth, _or_ignore, _or_replace, _placeholders)
 
 
@@ -324,8 +332,9 @@ class Connection:
     as the store's sqlite3 connections are (``isolation_level=None``): transactions are
     the ``BEGIN`` and ``COMMIT`` the writer issues."""
 
-    def __init__(self, raw: psycopg.Connection[Any]) -> None:
+    def __init__(self, raw: psycopg.Connection[Any], bounded: bool = False) -> None:
         self.raw = raw
+        self.bounded = bounded  # its idle time in a transaction is bounded (``connect``)
 
     def execute(self, sql: str, params: Sequence[Any] | None = ()) -> Cursor:
         cursor = self.raw.cursor()
@@ -338,6 +347,13 @@ class Connection:
         cursor = self.raw.cursor()
         if rows:
             cursor.executemany(translate(sql), rows)  # type: ignore[arg-type]
+            if self.bounded and self.in_transaction:
+                # psycopg's executemany pipelines, and ends with a flush request after
+                # its Sync: PostgreSQL, having read it, waits for the next statement
+                # with no idle_in_transaction_session_timeout armed, and a stall here
+                # would hold the rows locked for as long as it lasts. A plain statement
+                # arms it again (one round trip, on the writer only).
+                self.raw.execute("SELECT 1")
         return Cursor(cursor)
 
     @property
@@ -397,9 +413,19 @@ def _params(url: str) -> dict[str, Any]:
     return {key: value for key, value in DEFAULTS.items() if key not in given}
 
 
-def connect(url: str, *, readonly: bool = False, durability: str = "full") -> Connection:
+def connect(url: str, *, readonly: bool = False, durability: str = "full",
+            bound: float | None = None) -> Connection:
+    """``bound``: the most seconds this connection's transactions wait for a lock another
+    holds (``lock_timeout``), and may sit idle inside a transaction before PostgreSQL
+    ends the session (``idle_in_transaction_session_timeout``). Rota's writer never
+    idles in a transaction: one that does belongs to a server that stalled (a SIGSTOP, a
+    starved machine), and its row locks would hold every other server's writer."""
     raw = psycopg.connect(url, autocommit=True, prepare_threshold=0, **_params(url))
     try:
+        if bound is not None:
+            ms = max(1, round(bound * 1000))
+            raw.execute(f"SET lock_timeout = {ms}")
+            raw.execute(f"SET idle_in_transaction_session_timeout = {ms}")
         if readonly:
             raw.execute("SET default_transaction_read_only = on")
         if durability == "process":
@@ -414,7 +440,7 @@ def connect(url: str, *, readonly: bool = False, durability: str = "full") -> Co
     except BaseException:
         raw.close()
         raise
-    return Connection(raw)
+    return Connection(raw, bounded=bound is not None)
 
 
 # -- the server going away --------------------------------------------------------------
@@ -431,10 +457,16 @@ STORAGE_STATES: dict[str, tuple[str, str, int]] = {
     "58": ("storage_io_error", "the PostgreSQL server failed a read or a write", 3),
     "XX001": ("storage_corrupt", "the PostgreSQL database is damaged", 3),
     "XX002": ("storage_corrupt", "the PostgreSQL database is damaged", 3),
+    # This server's session sat inside a transaction past the bound (``connect``): it
+    # stalled, and PostgreSQL ended the session so that its locks held nobody else.
+    "25P03": ("storage_unavailable", "the PostgreSQL server ended this server's session,"
+              " idle inside a transaction past idle_in_transaction_session_timeout (this"
+              " server stalled)", 1),
     "25006": ("storage_read_only", "the PostgreSQL server takes no writes (a standby?)", 3),
     "40001": ("storage_busy", "the PostgreSQL server refused a conflicting write", 1),
     "40P01": ("storage_busy", "the PostgreSQL server broke a deadlock", 1),
-    "55P03": ("storage_busy", "a row or table is locked", 1),
+    "55P03": ("storage_busy", "a row another transaction holds stayed locked past"
+                              " lock_timeout", 1),
 }
 
 
@@ -475,10 +507,14 @@ def used_bytes(conn: Connection) -> int:
 # -- the store's threads ----------------------------------------------------------------
 class Writer(db.Writer):
     """rota/db.py's writer (group commit, a savepoint per op) on a PostgreSQL connection,
-    opened again after the server went away."""
+    opened again after the server went away. ``bound``: see ``connect`` (rota/store.py
+    gives a quarter of the server lease: a server stalled inside a transaction holds the
+    others' writers that long at most, and their leases outlast it)."""
+
+    bound: float | None = None
 
     def _open(self) -> Connection:
-        conn = connect(self._path, durability=self._durability)
+        conn = connect(self._path, durability=self._durability, bound=self.bound)
         if self.max_bytes is not None:
             self.used_bytes = used_bytes(conn)
         return conn
@@ -492,6 +528,12 @@ class Writer(db.Writer):
     def _measure(self, conn: Any) -> int:
         return used_bytes(conn)
 
+    def _alone(self, exc: BaseException) -> bool:
+        # A lock held past lock_timeout (by another server's transaction, or an
+        # operator's) fails the op that waited on it, not its whole transaction: the
+        # savepoint is rolled back, and the rest (a lease renewal among them) commits.
+        return getattr(exc, "sqlstate", None) == LOCKED
+
     def _again(self, exc: BaseException) -> bool:
         # A deadlock (two servers' writers updating the same rows in different orders)
         # or a serialization failure: PostgreSQL rolled the transaction back and asks
@@ -501,6 +543,7 @@ class Writer(db.Writer):
 
 
 AGAIN = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure
+LOCKED = "55P03"  # lock_not_available: lock_timeout ran out
 
 
 class Readers(db.Readers):

@@ -24,6 +24,7 @@ from rota.ready import Claim
 from rota.registry import Registry, short
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
+from rota.standing import Standing
 
 log = logging.getLogger("rota.server")
 # Seconds without a scheduling round after one whose commit failed. Its jobs and the
@@ -42,6 +43,7 @@ class Reservations:
     registry: Registry
     stopping: bool
     observe: Observer
+    standing: Standing
     _ticket: Callable[[str, Any], int]
     _recover: Callable[..., list[Effect]]  # (jobs, ending, message, now, *, death)
     _paused_until = 0.0  # monotonic: no round before it (a failed round's pause)
@@ -53,6 +55,16 @@ class Reservations:
         to close, and wait out a reclaim after the restart instead of simply waiting."""
         if self.stopping or now.mono < self._paused_until:
             return []  # (after a pause, ``resume_rounds`` wakes the dispatch)
+        if not self.standing.may_hand_out(now.mono):
+            # Its lease may lapse before a reservation made now would be used: another
+            # server could then recover the job and give it out a second time. The next
+            # renewal wakes the dispatch (``lease_renewed``).
+            if self.standing.handing_out:
+                self.standing.handing_out = False
+                log.warning("cluster: this server's lease has %.1fs left and is not renewed"
+                            " yet: it hands out no new work until it is",
+                            self.standing.left(now.mono))
+            return []
         plan = self.scheduler.plan(now.mono)
         if not plan:
             return []

@@ -81,6 +81,9 @@ class ServerSettings:
     server_lease: float = 10.0
     # Test switch: exit abruptly at a named point (see docs/reliability.md). Never in production.
     crash_at: str | None = None
+    # Test switch: seconds each reservation's transaction stays open after its UPDATE
+    # (the stall tests catch a server inside a transaction). Never in production.
+    hold_reserve: float = 0.0
 
 
 def loopback(host: str) -> bool:

@@ -39,6 +39,9 @@ from rota.views import job_view
 __all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "job_from_row",
            "create_token", "list_tokens", "revoke_token", "token_view"]  # (Snapshot, job_from_row: rota/rows.py)
 
+MIN_BOUND = 0.5  # seconds: the least lock and idle-in-transaction bound (rota/pg.py)
+
+
 @dataclass(slots=True)
 class SpecChange:
     name: str
@@ -63,6 +66,9 @@ class Store:
     # the notices its writes send (rota/fleet.py).
     server_id: str | None = None
     lease: float = 10.0  # seconds a shared store's server holds its lease (rota/fleet.py)
+    # Test switch: hold each reservation's transaction open this long after its UPDATE,
+    # for the stall tests to catch a server inside a transaction. Never in production.
+    hold_reserve: float = 0.0
     writer: db.Writer = field(init=False)
     readers: db.Readers = field(init=False)
     checkpointer: db.Checkpointer | None = field(init=False)  # SQLite's WAL only
@@ -71,6 +77,11 @@ class Store:
         if self.database_url is not None:
             self.writer = pg.Writer(self.database_url, self.durability, self.health,
                                     self.max_db_size)
+            # A server stalled inside a transaction holds another's writer (and so its
+            # lease renewal) this long at most: well inside the lease (docs/scaling.md).
+            # Not under half a second: a loaded machine's scheduler can pause a healthy
+            # writer between two statements nearly that long.
+            self.writer.bound = max(MIN_BOUND, self.lease / 4)
             self.readers = pg.Readers(self.database_url, self.db_pool, health=self.health)
             self.checkpointer = None
             return
@@ -206,6 +217,8 @@ class Store:
                     for row in claim_rows(conn, worker_id, checksum, now, lease, min_lease,
                                           seqs[start:start + 500], server, token):
                         read[row[0]] = live_job(row)
+            if self.hold_reserve:
+                time.sleep(self.hold_reserve)  # (test switch: the writer's thread)
             # A key known twice (its job came back while a stale key of it was still
             # waiting) is claimed twice in one round: the row is reserved once, so only
             # the first claim gets the job.
@@ -346,18 +359,19 @@ class Store:
                  j.lease_expires_at) for j in jobs]
         return self.writer.submit(lambda conn: fleet.take_back(conn, server, rows))
 
-    def let_lease_lapse(self, now: float) -> asyncio.Future[None]:
+    def let_lease_lapse(self) -> asyncio.Future[None]:
         server = self.server_id or ""
-        return self.writer.submit(lambda conn: fleet.let_lapse(conn, server, now))
+        return self.writer.submit(lambda conn: fleet.let_lapse(conn, server))
 
-    async def lapsed_servers(self, before: float) -> dict[str, float]:
+    async def lapsed_servers(self) -> dict[str, float]:
+        """fleet.lapsed: the others whose lease ended, and how long ago."""
         server = self.server_id or ""
-        return await self.readers.run(lambda conn: fleet.lapsed(conn, server, before))
+        return await self.readers.run(lambda conn: fleet.lapsed(conn, server))
 
-    def recover_server(self, dead: str, now: float, before: float
+    def recover_server(self, dead: str, now: float, grace: float
                        ) -> asyncio.Future[list[int] | None]:
         server = self.server_id or ""
-        return self.writer.submit(lambda conn: fleet.recover(conn, dead, server, now, before))
+        return self.writer.submit(lambda conn: fleet.recover(conn, dead, server, now, grace))
 
     async def waiting_jobs(self, seqs: list[int]) -> list[Job]:
         """The jobs of these row ids that wait, as their rows say now."""
@@ -706,16 +720,16 @@ def server_id_in_use(url: str, server_id: str) -> str | None:
     not count: it takes its own reservations back."""
     conn = _open(url)
     try:
-        held = fleet.holder(conn, server_id, time.time())
+        held = fleet.holder(conn, server_id)
     finally:
         conn.close()
     if held is None:
         return None
-    host, pid, until = held
+    host, pid, left = held
     if host == socket.gethostname() and (pid == os.getpid() or not _alive(pid)):
         return None
     return (f"server id {server_id} is in use by rota serve pid {pid} on {host} (its lease"
-            f" runs {max(0.0, until - time.time()):.1f}s more): give this one another"
+            f" runs {max(0.0, left):.1f}s more): give this one another"
             " --server-id")
 
 

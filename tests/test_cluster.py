@@ -176,6 +176,9 @@ async def worker_on_b(tmp: Path, url: str, **options: Any
     spec = write_spec(tmp / "specs", "echo")
     async with servers(tmp, url, 2, **options) as (a, b):
         await a.push(spec)
+        # B hears of the push by a notice: its worker must find the status quo there.
+        await wait_until(lambda: "echo" in b.coordinator.scheduler.status_quo,
+                         what="B to hear of the push through A")
         worker = await RawWorker.open(b.ws, "wb")
         await worker.register([spec])
         try:

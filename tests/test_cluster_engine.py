@@ -5,6 +5,7 @@ through another server rules here too."""
 
 from __future__ import annotations
 
+import pytest
 from test_engine import (SPEC, FakeClock, assign, clock, connect, engine, enqueue, of,  # noqa: F401
                          sent)
 
@@ -127,3 +128,93 @@ def test_after_a_lapsed_lease_a_job_given_out_again_is_cancelled_on_the_worker_h
     assert [j.id for j in engine.running_here()] == [kept.id]
     # A job that ended here meanwhile (its result came first) is left as it is.
     assert engine.lapse_settled(["no-such-job"], clock()) == [Wake()]
+
+
+# -- this server's lease (rota/standing.py) ----------------------------------------------
+LEASE = 4.0
+
+
+def shared(engine: Engine, clock: FakeClock) -> None:
+    """The engine as one of several servers: its lease taken now, for LEASE seconds."""
+    engine.standing.lease = LEASE
+    engine.lease_taken(clock().mono, clock())
+
+
+def test_a_server_that_cannot_renew_hands_out_no_work_before_its_lease_can_lapse(
+        engine, clock):
+    shared(engine, clock)
+    connect(engine, clock, capacity=1)
+    enqueue(engine, clock, 3)
+    assert len(assign(engine, clock)) == 1  # a lease held: work goes out
+    clock.advance(LEASE / 2)  # renewals failed meanwhile: half the lease is left
+    engine.lease_failed()
+    connect(engine, clock, worker="w2", conn=2, capacity=1)
+    assert of(Reserve, engine.dispatch(clock()))  # more than a quarter left: still
+    clock.advance(LEASE / 4 + 0.01)  # a quarter left, or less: nothing more is reserved
+    connect(engine, clock, worker="w3", conn=3, capacity=1)
+    assert not engine.dispatch(clock())
+    assert not engine.standing.may_hand_out(clock().mono)
+    # The next renewal that works gives it a lease again, and wakes the rounds.
+    started = clock().mono
+    effects = engine.lease_renewed(started, clock.advance(0.5))
+    assert of(Wake, effects)
+    assert of(Reserve, engine.dispatch(clock()))
+
+
+def test_a_renewal_holds_the_lease_from_when_it_began_not_from_when_it_committed(
+        engine, clock):
+    shared(engine, clock)
+    started = clock().mono
+    clock.advance(LEASE * 0.6)  # a renewal that waited (a slow commit, a lock)
+    engine.lease_renewed(started, clock())
+    assert engine.standing.left(clock().mono) == pytest.approx(LEASE * 0.4)
+    assert not engine.standing.may_hand_out(clock.advance(LEASE * 0.2).mono)
+
+
+def test_a_server_on_its_own_database_has_no_lease_to_lose(engine, clock):
+    connect(engine, clock, capacity=1)
+    enqueue(engine, clock, 1)
+    clock.advance(1000)
+    assert len(assign(engine, clock)) == 1
+
+
+def renew_every(engine: Engine, clock: FakeClock, seconds: float, step: float = LEASE / 4
+                ) -> None:
+    """Renew in time (every quarter lease) for ``seconds``."""
+    end = clock().mono + seconds
+    while clock().mono < end:
+        started = clock().mono
+        engine.lease_renewed(started, clock.advance(step))
+
+
+def test_another_servers_lease_is_judged_only_after_a_whole_lease_of_renewals_in_time(
+        engine, clock):
+    shared(engine, clock)
+    assert not engine.standing.may_judge(clock().mono)  # just started
+    renew_every(engine, clock, LEASE)
+    assert engine.standing.may_judge(clock().mono)
+    # The database is away: no vantage while it is, nor for a lease after it came back.
+    engine.lease_failed()
+    assert not engine.standing.may_judge(clock().mono)
+    clock.advance(2 * LEASE)
+    renew_every(engine, clock, LEASE - 0.5)
+    assert not engine.standing.may_judge(clock().mono)
+    renew_every(engine, clock, 1.0)
+    assert engine.standing.may_judge(clock().mono)
+
+
+def test_a_late_renewal_or_a_stall_of_its_own_starts_the_vantage_anew(engine, clock):
+    shared(engine, clock)
+    renew_every(engine, clock, LEASE)
+    assert engine.standing.may_judge(clock().mono)
+    started = clock().mono  # this server was stopped (SIGSTOP) with a renewal in flight
+    engine.lease_renewed(started, clock.advance(3 * LEASE))
+    assert not engine.standing.may_judge(clock().mono)
+    renew_every(engine, clock, LEASE + 1)  # (a whole lease from the first renewal after)
+    assert engine.standing.may_judge(clock().mono)
+    # Its tick came late: it stalled, whatever its renewals say.
+    connect(engine, clock)
+    engine.tick(clock.advance(engine.tick_every + 1.0))
+    assert not engine.standing.may_judge(clock().mono)
+    renew_every(engine, clock, LEASE + 1)  # (a whole lease from the first renewal after)
+    assert engine.standing.may_judge(clock().mono)

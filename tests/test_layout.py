@@ -21,8 +21,9 @@ LAYERS: list[set[str]] = [
     # no rota imports (the dashboard's figures and its chart, as text; the store's tables)
     {"protocol", "model", "db", "dblock"},  # the wire format; the job and its lifecycle;
     # SQLite; one server per SQLite file
-    {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "pg"},  # spec files
-    # and checksums; retry rules; tokens; the ready index; how long finished jobs are kept;
+    {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "pg",
+     "standing"},  # spec files and checksums; retry rules; a server's standing by its lease;
+    # tokens; the ready index; how long finished jobs are kept;
     # what happened (events, counts, metrics as numbers); job filters; PostgreSQL (db's
     # writer and readers on psycopg, SQLite's SQL translated: just above db, which it extends)
     {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
@@ -61,7 +62,7 @@ SDK = {"context", "manual", "worker", "client", "link", "execution", "connection
        "stream", "__init__"}
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx", "psycopg"}
 # The pure core: no I/O, no event loop, no clock.
-PURE = {"inputs", "model", "policy", "ready", "retention", "observe", "listing", "display", "charts", "scheduler", "effects", "registry", "attempts", "intake",
+PURE = {"inputs", "model", "policy", "standing", "ready", "retention", "observe", "listing", "display", "charts", "scheduler", "effects", "registry", "attempts", "intake",
         "reservations", "engine",
         "link"}
 

@@ -15,7 +15,7 @@ from conftest import start_server, stop_server, write_spec
 from helpers import wait_until
 from pgserver import Cluster
 
-from rota import db, pg, schema
+from rota import db, fleet, pg, schema
 from rota.errors import StorageError
 from rota.pg import translate
 
@@ -94,6 +94,11 @@ def test_insert_or_replace_sets_every_column_as_a_new_row_would() -> None:
     assert translate("INSERT OR REPLACE INTO queues (name, paused) VALUES (?, ?)") == (
         "INSERT INTO queues (name, paused) VALUES (%s, %s) ON CONFLICT (name) DO UPDATE"
         " SET paused = excluded.paused, updated_at = DEFAULT")
+
+
+def test_sqlites_time_now_is_the_database_servers_clock_when_the_statement_runs() -> None:
+    assert translate(f"SELECT {fleet.DB_NOW} + ?") == \
+        "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION) + %s"
 
 
 def test_translations_are_cached_per_statement() -> None:
@@ -287,6 +292,76 @@ async def test_a_database_restarted_while_rota_is_idle_costs_no_write_a_failure(
     finally:
         await asyncio.to_thread(writer.stop)
         readers.close()
+
+
+# -- a server stalled inside a transaction (docs/scaling.md) ------------------------------
+async def test_a_write_that_waits_on_a_held_lock_fails_alone_after_the_bound(
+        pg_url: str, conn: pg.Connection) -> None:
+    """Another session holds a row (a server stopped inside its transaction): the op
+    that waits on it fails after ``bound`` with storage_busy, and the rest of its
+    transaction commits; the store is not degraded for it."""
+    conn.execute("INSERT INTO meta VALUES ('held', '1')")
+    conn.execute("BEGIN")
+    conn.execute("UPDATE meta SET value = '2' WHERE key = 'held'")  # and sits there
+    health = db.Health(hold=0.0)
+    writer = pg.Writer(pg_url, health=health)
+    writer.bound = 0.3
+    writer.start(asyncio.get_running_loop())
+    try:
+        began = time.monotonic()
+        blocked = writer.submit(lambda c: c.execute("UPDATE meta SET value = '3'"
+                                                    " WHERE key = 'held'"))
+        beside = writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('new', '1')"))
+        with pytest.raises(StorageError) as busy:
+            await blocked
+        await beside
+        assert busy.value.code == "storage_busy" and "lock_timeout" in str(busy.value)
+        assert time.monotonic() - began < 3.0
+        assert health.degraded is None
+    finally:
+        conn.execute("ROLLBACK")
+        await asyncio.to_thread(writer.stop)
+    assert conn.execute("SELECT value FROM meta WHERE key = 'new'").fetchone()[0] == "1"
+
+
+@pytest.mark.parametrize("last", ["execute", "executemany"])
+def test_a_session_idle_inside_a_transaction_past_the_bound_is_ended_and_its_locks_go(
+        pg_url: str, conn: pg.Connection, last: str) -> None:
+    """Whatever its last statement was: psycopg's executemany (a pipeline) would leave
+    the session with no idle timeout armed, and the connection arms it again."""
+    stalled = pg.connect(pg_url, bound=0.3)
+    stalled.execute("BEGIN")
+    if last == "execute":
+        stalled.execute("INSERT INTO meta VALUES ('stalled', '1')")
+    else:
+        stalled.executemany("INSERT INTO meta VALUES (?, '1')", [("stalled",), ("more",)])
+    time.sleep(1.0)  # noqa: sleep-ok (the stall itself: PostgreSQL's timer ends it)
+    with pytest.raises(psycopg.Error) as ended:
+        stalled.execute("COMMIT")
+    failure = pg.storage_error(ended.value)
+    assert failure is not None and failure.code == "storage_unavailable"
+    assert "idle_in_transaction_session_timeout" in str(failure)
+    assert not stalled.usable  # the writer opens a new connection for its next write
+    stalled.close()
+    conn.execute("INSERT INTO meta VALUES ('stalled', '2')")  # no lock left to wait on
+
+
+@pytest.mark.parametrize("starting", [True, False])
+def test_a_lease_runs_from_the_databases_clock_when_the_renewal_ran(
+        conn: pg.Connection, starting: bool) -> None:
+    """A renewal asked for long ago (the server's ``now`` read before it waited on the
+    writer) still holds a whole lease from when its UPDATE ran."""
+    fleet.renew(conn, "s", host="h", pid=1, url="", now=time.time(), lease=5,
+                starting=True)
+    assert fleet.renew(conn, "s", host="h", pid=1, url="", now=time.time() - 3600, lease=5,
+                       starting=starting)
+    left = conn.execute(f"SELECT lease_expires_at - {fleet.DB_NOW} FROM servers").fetchone()[0]
+    assert 4.0 < left <= 5.0
+    assert fleet.holder(conn, "s")[:2] == ("h", 1)
+    assert fleet.lapsed(conn, "other") == {}
+    fleet.let_lapse(conn, "s")
+    assert fleet.holder(conn, "s") is None
+    assert list(fleet.lapsed(conn, "other")) == ["s"]
 
 
 # -- LISTEN --------------------------------------------------------------------------------
