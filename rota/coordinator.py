@@ -30,6 +30,7 @@ from rota.errors import Conflict, DomainError, Invalid, NotFound, StorageError, 
 from rota.jobs import EnqueueRequest, same_job
 from rota.listing import JobFilter
 from rota.model import TERMINAL_STATES, Instant, Job
+from rota.observe import busiest
 from rota.policy import TokenBucket
 from rota.registry import Connection, held_ids
 from rota.retention import BATCH, PruneTally, Retention, due, next_pass
@@ -674,9 +675,13 @@ class Coordinator:
         return self._pulse
 
     async def oldest_available(self) -> dict[str, float]:
-        """Per queue with available jobs, since when (wall) its oldest one waits."""
+        """Per queue with available jobs, since when (wall) its oldest one waits: for the
+        ``max_series`` queues with the most (producers name queues; each is a probe)."""
+        waiting: dict[str, int] = {}
+        for (queue, _), n in self.scheduler.ready_counts().items():
+            waiting[queue] = waiting.get(queue, 0) + n
         return await self.store.oldest_available_since(
-            sorted({queue for queue, _ in self.scheduler.ready_counts()}))
+            busiest(waiting, self.settings.max_series))
 
     async def stats(self, minutes: int) -> dict[str, Any]:
         """GET /stats: counts per minute over the last ``minutes`` per queue and spec,

@@ -25,7 +25,8 @@ from rota.coordinator import Coordinator
 from rota.errors import RequestError
 from rota.listing import NAME
 from rota.model import JOB_STATES
-from rota.observe import COUNTS, KINDS, Filter, Histogram, Observer, encode, gap
+from rota.observe import (COUNTS, DURATION_BOUNDS, KINDS, WAIT_BOUNDS, Filter, Observer,
+                          encode, fold_queues, gap)
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 CHUNK = 1000  # events taken from the ring per send: a slow client's backlog is bounded
 KEEP_ALIVE = b": keep-alive\n\n"
 WORKER_STATES = ("running", "quiet", "terminate")
+# Which queues a scrape names first: those with jobs still to run.
+UNFINISHED = ("available", "scheduled", "retryable", "active")
 
 
 # -- GET /events --------------------------------------------------------------------------
@@ -193,12 +196,23 @@ def blocked_reason(reason: str) -> str:
     return "checksum_mismatch"
 
 
+# A series as a scrape copies it: (queue, spec, totals, wait, duration), each histogram
+# as (counts, sum). Copied on the loop (at most max_series + 1 of them), formatted off it.
+Row = tuple[str, str, list[int], tuple[list[int], float], tuple[list[int], float]]
+
+
+def copy_series(observer: Observer) -> list[Row]:
+    return [(queue, spec, list(series.totals), (list(series.wait.counts), series.wait.sum),
+             (list(series.duration.counts), series.duration.sum))
+            for queue, spec, series in observer.totals()]
+
+
 class Snapshot:
     """The metrics of one scrape, as a prometheus-client collector (it asks only for
-    ``collect``): the observer's numbers and the gauges read for it."""
+    ``collect``): the observer's numbers as copied, and the gauges read for it."""
 
-    def __init__(self, observer: Observer, gauges: dict[str, Any]) -> None:
-        self.observer, self.gauges = observer, gauges
+    def __init__(self, rows: list[Row], gauges: dict[str, Any]) -> None:
+        self.rows, self.gauges = rows, gauges
 
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -211,12 +225,13 @@ class Snapshot:
                                      " could run to its assignment", labels=labels)
         duration = HistogramMetricFamily("rota_job_duration_seconds", "Seconds from a job's"
                                          " assignment to its result", labels=labels)
-        for queue, spec, series in self.observer.totals():
-            for counter, total in zip(counters, series.totals, strict=True):
+        for queue, spec, totals, waits, durations in self.rows:
+            for counter, total in zip(counters, totals, strict=True):
                 counter.add_metric([queue, spec], total)
-            for family, histogram in ((wait, series.wait), (duration, series.duration)):
-                if any(histogram.counts):
-                    family.add_metric([queue, spec], _buckets(histogram), histogram.sum)
+            for family, bounds, (counts, total) in ((wait, WAIT_BOUNDS, waits),
+                                                    (duration, DURATION_BOUNDS, durations)):
+                if any(counts):
+                    family.add_metric([queue, spec], _buckets(bounds, counts), total)
         yield from counters
         yield wait
         yield duration
@@ -243,9 +258,9 @@ class Snapshot:
         yield blocked
 
 
-def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
+def _buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
     cumulative, out = 0, []
-    for bound, n in zip([*map(repr, histogram.bounds), "+Inf"], histogram.counts, strict=True):
+    for bound, n in zip([*map(repr, bounds), "+Inf"], counts, strict=True):
         cumulative += n
         out.append((bound, cumulative))
     return out
@@ -253,10 +268,12 @@ def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
 
 async def gauges(coordinator: Coordinator) -> dict[str, Any]:
     """The scrape-time gauges: the store's counts per queue and state, and what memory
-    says of the oldest waiting jobs, the workers and the blocked jobs."""
+    says of the oldest waiting jobs, the workers and the blocked jobs. Queues are named
+    one by one up to ``max_series`` (rota/observe.py): producers name them."""
     now = coordinator.clock().wall
     scheduler = coordinator.scheduler
-    counts = await coordinator.store.queue_counts()
+    counts = fold_queues(await coordinator.store.queue_counts(),
+                         coordinator.settings.max_series, UNFINISHED)
     since = await coordinator.oldest_available()
     queues = set(counts) | set(since)
     oldest = {q: (round(max(0.0, now - since[q]), 3) if q in since else 0.0) for q in queues}
@@ -281,5 +298,8 @@ async def metrics(request: Request) -> Response:
     need(request, "metrics")
     coordinator: Coordinator = request.app.state.coordinator
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Snapshot(coordinator.engine.observe, await gauges(coordinator)))
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    measured = await gauges(coordinator)
+    registry.register(Snapshot(copy_series(coordinator.engine.observe), measured))
+    # The text is made on a thread (from copies): the loop goes on serving meanwhile.
+    body = await asyncio.to_thread(generate_latest, registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
