@@ -240,7 +240,19 @@ async def job_result(request: Request) -> Response:
     job_id = request.path_params["job_id"]
     if _visible(request, await coordinator.store.get_job(job_id)) is None:
         return error(404, "not_found", f"no job {job_id}")
-    row = await coordinator.wait_for_result(job_id, wait)
+    if wait > 0:
+        hold = coordinator.hold(principal_of(request.scope))
+        if hold is None:
+            return too_many_waits(coordinator)
+        try:
+            row = await coordinator.wait_for_result(job_id, wait, hold.revoked)
+        finally:
+            coordinator.release(hold)
+        if hold.revoked.done():
+            return error(401, "token_revoked", "the token of this request was revoked while it"
+                         " waited")
+    else:
+        row = await coordinator.wait_for_result(job_id, 0)
     if row is None:
         return error(404, "not_found", f"no job {job_id}")
     view = job_view(row)
@@ -249,6 +261,20 @@ async def job_result(request: Request) -> Response:
     body = {"id": job_id, "state": row["state"], "done": done, "result": view["result"],
             "error": view["errors"][-1] if failed else None}
     return JSON(body, status_code=200 if done else 202)
+
+
+# The scope key of a request's way to drop its connection at once (rota/edge.py sets it:
+# a weak method, called to get the method), for a stream whose client does not read.
+DROP = "rota.drop"
+
+
+def too_many_waits(coordinator: Coordinator) -> Response:
+    """The answer to a token over its share of HTTP requests that stay open."""
+    cap = coordinator.settings.max_waits_per_token
+    response = error(429, "too_many_waits", f"this token has {cap} requests open that wait"
+                     " (GET /events, ?wait=) already: --max-waits-per-token")
+    response.headers["retry-after"] = "1"
+    return response
 
 
 # -- specs ------------------------------------------------------------------------

@@ -262,6 +262,10 @@ def _need_server(command: str) -> None:
               help="Open connections of any kind; new ones get 503 above.")
 @click.option("--max-worker-connections-per-token", envvar="ROTA_MAX_WORKER_CONNECTIONS_PER_TOKEN", default=200,
               show_default=True, show_envvar=True, help="Open /work connections per token (429 above).")
+@click.option("--max-waits-per-token", envvar="ROTA_MAX_WAITS_PER_TOKEN", default=100,
+              show_default=True, show_envvar=True, type=click.IntRange(min=1),
+              help="HTTP requests that stay open (GET /events, result ?wait=) per token at once"
+              " (429 too_many_waits above).")
 @click.option("--rate-limit", envvar="ROTA_RATE_LIMIT", default=20_000.0, show_default=True, show_envvar=True,
               help="Frames a second one /work connection may send on average; above it, it is throttled.")
 @click.option("--rate-burst", envvar="ROTA_RATE_BURST", default=20_000, show_default=True, show_envvar=True,

@@ -46,6 +46,9 @@ class ServerSettings:
     registration_timeout: float = 5.0  # a /work socket must register within this
     max_connections: int = 1000  # open connections of any kind (uvicorn answers 503 above)
     max_worker_connections_per_token: int = 200
+    # HTTP requests that stay open (GET /events streams, GET /jobs/{id}/result?wait=) per
+    # token at once: one client cannot take every connection (429 too_many_waits above).
+    max_waits_per_token: int = 100
     # A /work connection over these is throttled (not read for a while), never refused:
     # frames a second on average and in a burst, and bytes a second likewise. Set far
     # above what a conforming worker sends at the most the server can carry.

@@ -7,6 +7,7 @@ HTTP clients."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -60,6 +61,7 @@ class Probe:
         await self.http.aclose()
 
 
+@pytest.mark.timeout(180)  # 60,000 jobs and a scrape, on a loaded machine
 async def test_sixty_thousand_queue_names_cost_bounded_memory_and_never_hold_healthz(
         served: tuple[httpx.AsyncClient, psutil.Process]):
     """Before: 60,000 queues took the server from 56 to 486 MB for good, /metrics grew to
@@ -88,3 +90,44 @@ async def test_sixty_thousand_queue_names_cost_bounded_memory_and_never_hold_hea
     assert len(metrics.content) < 3 * MiB and len(stats.content) < 3 * MiB
     assert 'queue="(other)"' in metrics.text
     assert probe.answers > 10 and probe.longest < 1.5, probe.longest
+
+
+def stalled_subscriber(port: int) -> socket.socket:
+    """A GET /events client that never reads what it is sent (a small receive buffer)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    return sock
+
+
+async def burst(http: httpx.AsyncClient, jobs: int) -> None:
+    for _ in range(jobs // 1000):
+        answer = await http.post("/jobs/batch", json={"jobs": [
+            {"spec": "s", "args": {"text": "x" * 50}} for _ in range(1000)]})
+        assert answer.status_code == 200, answer.text[:300]
+
+
+async def test_subscribers_that_do_not_read_hold_little_and_nothing_once_gone(
+        served: tuple[httpx.AsyncClient, psutil.Process]):
+    """Before: each held about 0.45 MB (its last chunk of 1,000 events, ~190 KB, and as
+    much in its transport's buffer), and the server's memory stayed grown after they
+    closed."""
+    http, server = served
+    port = http.base_url.port
+    assert port is not None
+    await burst(http, 20_000)  # the server's own working set for a burst, before
+    before = server.memory_info().rss
+    stalled = [stalled_subscriber(port) for _ in range(40)]
+    try:
+        await burst(http, 20_000)  # 60,000 events: far more than any socket takes
+        with_them = server.memory_info().rss
+    finally:
+        for sock in stalled:
+            sock.close()
+    await burst(http, 20_000)  # they are gone: the next burst reuses what they held
+    after = server.memory_info().rss
+    each = (with_them - before) / len(stalled)
+    # Now: its part being sent (at most 16 KiB) and its transport's buffer (64 KiB).
+    assert each < 200 << 10, f"{each / 1024:.0f} KiB a subscriber"
+    assert (after - before) / MiB < 10, f"{(after - before) / MiB:.1f} MiB"
