@@ -702,6 +702,7 @@ class Coordinator:
         self._subscribers -= 1
         if not self._subscribers:  # recording goes back to costing one test
             self.engine.observe.listener = None
+            self.engine.observe.encoded.clear()
 
     def _events_came(self) -> None:
         pulse = self._pulse

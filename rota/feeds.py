@@ -27,12 +27,12 @@ from rota.errors import RequestError
 from rota.listing import NAME
 from rota.model import JOB_STATES
 from rota.observe import (COUNTS, DURATION_BOUNDS, KINDS, WAIT_BOUNDS, Filter, Observer,
-                          encode, fold_queues, gap)
+                          fold_queues, gap)
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-CHUNK = 1000  # events taken from the ring per send: a slow client's backlog is bounded
+CHUNK = 256  # events taken from the ring per send: a slow client's backlog is bounded
 CHUNK_BYTES = 16 << 10  # ... and about this many bytes of them
 KEEP_ALIVE = b": keep-alive\n\n"
 WORKER_STATES = ("running", "quiet", "terminate")
@@ -169,7 +169,7 @@ class EventStream(Response):
         for event_id, event in events:
             self.last_id = event_id
             if only.matches(event):
-                part = encode(event_id, event)
+                part = observer.encoding(event_id, event)
                 parts.append(part)
                 size += len(part)
                 if size >= CHUNK_BYTES:

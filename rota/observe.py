@@ -45,6 +45,7 @@ KINDS = ("enqueue", "assign", "result", "retry", "discard", "cancel", "worker_co
 COUNTS = ("enqueued", "completed", "failed", "retried", "discarded", "cancelled")
 ENQUEUED, COMPLETED, FAILED, RETRIED, DISCARDED, CANCELLED = range(6)
 MINUTES = 60  # the per-minute counts kept
+ENCODED_KEPT = 4096  # events kept encoded for subscribers (about 1 MB at most)
 # The (queue, spec) of what is counted beyond ``max_series``: not a name a producer can
 # give (names are letters, digits and _.:-), so it never mixes with a real queue.
 OTHER = "(other)"
@@ -141,6 +142,10 @@ class Observer:
         # subscribers); None otherwise, so that recording costs one test.
         self.listener: Any = None
         self.latest = 0.0  # the latest wall time recorded: for callers that have none
+        # Events encoded for subscribers, by id: several subscribers at the same place
+        # (as they are in a burst) encode each event once. Bounded; emptied by the
+        # shell when the last subscriber goes.
+        self.encoded: dict[int, bytes] = {}
 
     # -- recording (the hot path) -----------------------------------------------------
     # The batch methods take the engine's own objects (no tuple built per job to call
@@ -307,6 +312,15 @@ class Observer:
     def first_kept(self) -> int:
         """The id of the oldest event still in the ring (``next_id`` if it is empty)."""
         return self.next_id - len(self.ring)
+
+    def encoding(self, event_id: int, event: Event) -> bytes:
+        """``encode(event_id, event)``, made once for every subscriber that reads it."""
+        data = self.encoded.get(event_id)
+        if data is None:
+            data = self.encoded[event_id] = encode(event_id, event)
+            if len(self.encoded) > ENCODED_KEPT:  # the first made is the first to go
+                del self.encoded[next(iter(self.encoded))]
+        return data
 
     def after(self, last_id: int, limit: int) -> tuple[int, list[tuple[int, Event]]]:
         """Events with ids above ``last_id``, oldest first, at most ``limit``; and the

@@ -206,3 +206,17 @@ def test_a_scrape_names_the_busiest_queues_and_sums_the_rest():
     assert sum(per["completed"] for per in folded.values()) == sum(range(50))
     assert fold_queues({"a": {"completed": 1}}, 3, ("available",)) == {"a": {"completed": 1}}
     assert busiest({"a": 1, "b": 3, "c": 3}, 2) == ["b", "c"]
+
+
+def test_events_are_encoded_once_for_every_subscriber_and_the_cache_is_bounded():
+    from rota.observe import ENCODED_KEPT
+
+    obs = Observer(buffer=ENCODED_KEPT * 2, first_id=1)
+    obs.enqueued([job(f"j{i}") for i in range(ENCODED_KEPT + 10)], T0)
+    _, events = obs.after(0, ENCODED_KEPT + 10)
+    first = [obs.encoding(i, e) for i, e in events[:3]]
+    assert first == [encode(i, e) for i, e in events[:3]]
+    assert all(obs.encoding(i, e) is made for (i, e), made in zip(events, first))
+    for i, e in events:
+        obs.encoding(i, e)
+    assert len(obs.encoded) == ENCODED_KEPT and 1 not in obs.encoded
