@@ -83,10 +83,11 @@ async def test_revoking_a_token_ends_its_streams_and_answers_its_waits_401(waits
             await wait_until(lambda: coordinator._subscribers == 2
                              and len(coordinator._waiters.get(job, [])) == 1,
                              what="the stream, the stalled stream and the wait to be open")
-            # Events until the stalled subscriber's socket is full and its stream waits.
-            for _ in range(10):
+            # Events until the stalled subscriber's socket is full (the kernel takes a
+            # few MB) and its stream waits: long queue names make long events.
+            for _ in range(20):
                 answer = await waits.http.post("/jobs/batch", json={"jobs": [
-                    {"spec": "echo"} for _ in range(1000)]})
+                    {"spec": "echo", "queue": "q" * 128} for _ in range(1000)]})
                 assert answer.status_code == 200
             revoke(waits, watcher)
             revoke(waits, producer)
