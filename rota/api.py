@@ -249,8 +249,7 @@ async def job_result(request: Request) -> Response:
         finally:
             coordinator.release(hold)
         if hold.revoked.done():
-            return error(401, "token_revoked", "the token of this request was revoked while it"
-                         " waited")
+            return token_revoked()
     else:
         row = await coordinator.wait_for_result(job_id, 0)
     if row is None:
@@ -266,6 +265,12 @@ async def job_result(request: Request) -> Response:
 # The scope key of a request's way to drop its connection at once (rota/edge.py sets it:
 # a weak method, called to get the method), for a stream whose client does not read.
 DROP = "rota.drop"
+
+
+def token_revoked() -> Response:
+    """The answer to a request that waits whose token was revoked meanwhile."""
+    return error(401, "token_revoked", "the token of this request was revoked while it"
+                 " waited")
 
 
 def too_many_waits(coordinator: Coordinator) -> Response:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from rota.api import DROP, JSON, need, too_many_waits
+from rota.api import DROP, JSON, need, token_revoked, too_many_waits
 from rota.auth import Principal
 from rota.coordinator import Coordinator
 from rota.errors import RequestError
@@ -108,8 +108,11 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         coordinator = self.coordinator
         hold = coordinator.hold(self.principal)
-        if hold is None:
-            await too_many_waits(coordinator)(scope, receive, send)
+        if hold is None or hold.revoked.done():  # (revoked since the request was let in)
+            refusal = too_many_waits(coordinator) if hold is None else token_revoked()
+            await refusal(scope, receive, send)
+            if hold is not None:
+                coordinator.release(hold)
             return
         try:
             await send({"type": "http.response.start", "status": self.status_code,
