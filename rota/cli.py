@@ -299,8 +299,8 @@ def _need_server(command: str) -> None:
               help="Most seconds GET /events stays silent: a keep-alive comment then.")
 @click.option("--max-series", envvar="ROTA_MAX_SERIES", default=1000, show_default=True,
               show_envvar=True, type=click.IntRange(min=1),
-              help="(queue, spec) pairs, and queues, that GET /metrics and GET /stats count one"
-              " by one; the rest are counted under queue \"(other)\".")
+              help="(queue, spec) pairs, and queues, that GET /metrics, GET /stats and the"
+              " dashboard name one by one; the rest are counted under queue \"(other)\".")
 @click.option("--ssl-certfile", envvar="ROTA_SSL_CERTFILE", show_envvar=True,
               type=click.Path(exists=True, dir_okay=False), help="Serve HTTPS/wss with this certificate (PEM).")
 @click.option("--ssl-keyfile", envvar="ROTA_SSL_KEYFILE", show_envvar=True,

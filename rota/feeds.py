@@ -26,8 +26,8 @@ from rota.coordinator import Coordinator
 from rota.errors import RequestError
 from rota.listing import NAME
 from rota.model import JOB_STATES
-from rota.observe import (COUNTS, DURATION_BOUNDS, KINDS, WAIT_BOUNDS, Filter, Observer,
-                          fold_queues, gap)
+from rota.observe import (COUNTS, DURATION_BOUNDS, KINDS, UNFINISHED, WAIT_BOUNDS, Filter,
+                          Observer, fold_queues, gap)
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -36,8 +36,6 @@ CHUNK = 256  # events taken from the ring per send: a slow client's backlog is b
 CHUNK_BYTES = 16 << 10  # ... and about this many bytes of them
 KEEP_ALIVE = b": keep-alive\n\n"
 WORKER_STATES = ("running", "quiet", "terminate")
-# Which queues a scrape names first: those with jobs still to run.
-UNFINISHED = ("available", "scheduled", "retryable", "active")
 
 
 # -- GET /events --------------------------------------------------------------------------

@@ -45,6 +45,8 @@ KINDS = ("enqueue", "assign", "result", "retry", "discard", "cancel", "worker_co
 COUNTS = ("enqueued", "completed", "failed", "retried", "discarded", "cancelled")
 ENQUEUED, COMPLETED, FAILED, RETRIED, DISCARDED, CANCELLED = range(6)
 MINUTES = 60  # the per-minute counts kept
+# Job states still to run: which queues a scrape or a page names first.
+UNFINISHED = ("available", "scheduled", "retryable", "active")
 ENCODED_KEPT = 4096  # events kept encoded for subscribers (about 1 MB at most)
 # The (queue, spec) of what is counted beyond ``max_series``: not a name a producer can
 # give (names are letters, digits and _.:-), so it never mixes with a real queue.

@@ -76,9 +76,9 @@ class ServerSettings:
     # seconds between two things sent to a subscriber (a comment if nothing happened).
     events_buffer: int = 10_000
     events_keepalive: float = 15.0
-    # Producers name queues: GET /metrics and GET /stats track at most this many (queue,
-    # spec) pairs, and queues, one by one; the rest are counted under "(other)"
-    # (rota/observe.py).
+    # Producers name queues: GET /metrics, GET /stats and the dashboard's queues page name
+    # at most this many (queue, spec) pairs, and queues, one by one; the rest are counted
+    # under "(other)" (rota/observe.py).
     max_series: int = 1000
     # Several servers on one PostgreSQL database (docs/scaling.md): this server's name
     # among them (None: "host:port"), and its lease, which it renews a few times per

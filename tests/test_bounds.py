@@ -7,6 +7,7 @@ HTTP clients."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from conftest import start_server, stop_server, write_spec
 from helpers import free_port, spawn_serve
 
 MiB = 1 << 20
@@ -131,3 +133,25 @@ async def test_subscribers_that_do_not_read_hold_little_and_nothing_once_gone(
     # Now: its part being sent (at most 16 KiB) and its transport's buffer (64 KiB).
     assert each < 200 << 10, f"{each / 1024:.0f} KiB a subscriber"
     assert (after - before) / MiB < 10, f"{(after - before) / MiB:.1f} MiB"
+
+
+async def test_the_dashboard_names_at_most_max_series_queues_and_sums_the_rest(
+        tmp_path: Path):
+    """Before: the queues page named every queue ever given (60,000 made a 46 MB page that
+    took the loop for 3 s)."""
+    live = await start_server(tmp_path, max_series=3)
+    try:
+        await live.push(write_spec(tmp_path / "specs", "s"))
+        await live.http.post("/queues/paused-one/pause")
+        jobs = [{"spec": "s", "queue": f"q{n}"} for n in range(10) for _ in range(n)]
+        assert (await live.http.post("/jobs/batch", json={"jobs": jobs})).status_code == 200
+        page = (await live.http.get("/ui/queues")).text
+        named = set(re.findall(r'<tr id="q-([^"]+)"', page))
+        assert named == {"paused-one", "q9", "q8"}  # paused first, then the busiest
+        assert "7 more queues, not shown one by one" in page
+        assert f"{sum(range(8))}</td>" in page  # their 28 available jobs, summed
+        overview = (await live.http.get("/ui")).text
+        # Every job counted in the totals, those of the queues not named too.
+        assert '<span class="figure" data-state="available">45</span>' in overview
+    finally:
+        await stop_server(live)
