@@ -414,8 +414,9 @@ async def direct_workers(request: Request) -> Response:
 
 async def list_queues(request: Request) -> Response:
     need(request, "admin")
-    views, _ = await queue_views(_coordinator(request))
-    return JSON({"queues": views})
+    coordinator = _coordinator(request)
+    views, others = await queue_views(coordinator, limit=coordinator.settings.max_series)
+    return JSON({"queues": views, "others": others})
 
 
 async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]] | None = None,

@@ -268,8 +268,14 @@ class BulkReply(msgspec.Struct):
     truncated: bool  # more matched than the limit
 
 
+class OtherQueues(msgspec.Struct):
+    queues: int  # queues not listed one by one (past --max-series)
+    counts: dict[str, int]  # their jobs per state, summed
+
+
 class Queues(msgspec.Struct):
     queues: list[QueueView]
+    others: OtherQueues | None
 
 
 class StorageState(msgspec.Struct):

@@ -18,6 +18,7 @@ import psutil
 import pytest
 from conftest import start_server, stop_server, write_spec
 from helpers import free_port, spawn_serve
+from test_cli import rota
 
 MiB = 1 << 20
 
@@ -135,10 +136,10 @@ async def test_subscribers_that_do_not_read_hold_little_and_nothing_once_gone(
     assert (after - before) / MiB < 10, f"{(after - before) / MiB:.1f} MiB"
 
 
-async def test_the_dashboard_names_at_most_max_series_queues_and_sums_the_rest(
+async def test_the_dashboard_and_queues_name_at_most_max_series_queues_and_sum_the_rest(
         tmp_path: Path):
     """Before: the queues page named every queue ever given (60,000 made a 46 MB page that
-    took the loop for 3 s)."""
+    took the loop for 3 s), and so did GET /queues (11 MB)."""
     live = await start_server(tmp_path, max_series=3)
     try:
         await live.push(write_spec(tmp_path / "specs", "s"))
@@ -150,6 +151,15 @@ async def test_the_dashboard_names_at_most_max_series_queues_and_sums_the_rest(
         assert named == {"paused-one", "q9", "q8"}  # paused first, then the busiest
         assert "7 more queues, not shown one by one" in page
         assert f"{sum(range(8))}</td>" in page  # their 28 available jobs, summed
+        listed = (await live.http.get("/queues")).json()
+        assert [q["name"] for q in listed["queues"]] == ["paused-one", "q8", "q9"]
+        assert listed["others"] == {"queues": 7, "counts": {
+            "scheduled": 0, "available": 28, "active": 0, "retryable": 0, "completed": 0,
+            "discarded": 0, "cancelled": 0}}
+        code, out, err = await rota("queues", "--url", live.base)
+        assert code == 0, err
+        assert out.splitlines()[-1] == ("and 7 more queues, not listed one by one:"
+                                        " available=28")
         overview = (await live.http.get("/ui")).text
         # Every job counted in the totals, those of the queues not named too.
         assert '<span class="figure" data-state="available">45</span>' in overview
