@@ -27,6 +27,7 @@ from rota.gate import principal_of
 from rota.inputs import BadJson, explain, screen
 from rota.jobs import BatchRequest, EnqueueRequest
 from rota.logs import printable
+from rota.observe import UNFINISHED, busiest
 from rota.policy import TERMINAL_STATES
 from rota.protocol import Name, rfc3339
 from rota.specs import JobSpec, checksum
@@ -249,7 +250,18 @@ async def job_result(request: Request) -> Response:
     found = await _find(request, job_id)
     if found is None:
         return error(404, "not_found", f"no job {job_id}")
-    row = await coordinator.wait_for_result(found["id"], wait)
+    if wait > 0:
+        hold = coordinator.hold(principal_of(request.scope))
+        if hold is None:
+            return too_many_waits(coordinator)
+        try:
+            row = await coordinator.wait_for_result(found["id"], wait, hold.revoked)
+        finally:
+            coordinator.release(hold)
+        if hold.revoked.done():
+            return token_revoked()
+    else:
+        row = await coordinator.wait_for_result(found["id"], 0)
     if row is None:
         return error(404, "not_found", f"no job {job_id}")
     view = job_view(row)
@@ -258,6 +270,26 @@ async def job_result(request: Request) -> Response:
     body = {"id": row["id"], "state": row["state"], "done": done, "result": view["result"],
             "error": view["errors"][-1] if failed else None}
     return JSON(body, status_code=200 if done else 202)
+
+
+# The scope key of a request's way to drop its connection at once (rota/edge.py sets it:
+# a weak method, called to get the method), for a stream whose client does not read.
+DROP = "rota.drop"
+
+
+def token_revoked() -> Response:
+    """The answer to a request that waits whose token was revoked meanwhile."""
+    return error(401, "token_revoked", "the token of this request was revoked while it"
+                 " waited")
+
+
+def too_many_waits(coordinator: Coordinator) -> Response:
+    """The answer to a token over its share of HTTP requests that stay open."""
+    cap = coordinator.settings.max_waits_per_token
+    response = error(429, "too_many_waits", f"this token has {cap} requests open that wait"
+                     " (GET /events, ?wait=) already: --max-waits-per-token")
+    response.headers["retry-after"] = "1"
+    return response
 
 
 # -- specs ------------------------------------------------------------------------
@@ -391,30 +423,50 @@ async def direct_workers(request: Request) -> Response:
 
 async def list_queues(request: Request) -> Response:
     need(request, "admin")
-    return JSON({"queues": await queue_views(_coordinator(request))})
+    coordinator = _coordinator(request)
+    views, others = await queue_views(coordinator, limit=coordinator.settings.max_series)
+    return JSON({"queues": views, "others": others})
 
 
-async def queue_views(coordinator: Coordinator,
-                      counts: dict[str, dict[str, int]] | None = None) -> list[dict[str, Any]]:
+async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]] | None = None,
+                      limit: int | None = None
+                      ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Every queue as GET /queues shows it, by name; the dashboard brings its own
-    ``counts`` (rota/dashboard.py: it does not count a million rows every 2 s)."""
+    ``counts`` (rota/dashboard.py: it does not count a million rows every 2 s). With a
+    ``limit`` (producers name queues: a page of 60,000 took the loop for seconds), the
+    paused ones, those workers serve and the busiest of the rest up to it, and the others
+    as ``{"queues": n, "counts": {...}}`` (None if none is left out)."""
     scheduler = coordinator.scheduler
     if counts is None:
         counts = await coordinator.store.queue_counts()
+    served = {q for w in scheduler.workers.values() for q in w.queues}
+    names = set(counts) | served | scheduler.paused
+    others = None
+    if limit is not None and len(names) > limit:
+        fixed = served | scheduler.paused
+        weights = {q: (sum(counts[q].get(s, 0) for s in UNFINISHED), sum(counts[q].values()))
+                   for q in names - fixed}
+        hidden = names
+        names = fixed | set(busiest(weights, max(0, limit - len(fixed))))
+        hidden = hidden - names
+        summed: dict[str, int] = {}
+        for queue in hidden:
+            for state, n in counts[queue].items():
+                summed[state] = summed.get(state, 0) + n
+        others = {"queues": len(hidden), "counts": summed}
     waiting: dict[str, list[dict[str, Any]]] = {}
     for (queue, spec), n in sorted(scheduler.ready_counts().items()):
-        waiting.setdefault(queue, []).append(
-            {"spec": spec, "available": n, "reason": scheduler.waiting_reason(queue, spec)})
+        if queue in names:
+            waiting.setdefault(queue, []).append(
+                {"spec": spec, "available": n, "reason": scheduler.waiting_reason(queue, spec)})
     oldest = await coordinator.store.oldest_available(coordinator.clock().wall)
-    names = (set(counts) | {q for w in scheduler.workers.values() for q in w.queues}
-             | scheduler.paused)
     return [
         {"name": name, "counts": counts.get(name, {}),
          "workers": sum(1 for w in scheduler.workers.values() if name in w.queues),
          "waiting": waiting.get(name, []), "paused": name in scheduler.paused,
          "oldest_available_age": oldest.get(name)}
         for name in sorted(names)
-    ]
+    ], others
 
 
 async def healthz(request: Request) -> Response:

@@ -268,6 +268,10 @@ def _need_server(command: str) -> None:
               help="Open connections of any kind; new ones get 503 above.")
 @click.option("--max-worker-connections-per-token", envvar="ROTA_MAX_WORKER_CONNECTIONS_PER_TOKEN", default=200,
               show_default=True, show_envvar=True, help="Open /work connections per token (429 above).")
+@click.option("--max-waits-per-token", envvar="ROTA_MAX_WAITS_PER_TOKEN", default=100,
+              show_default=True, show_envvar=True, type=click.IntRange(min=1),
+              help="HTTP requests that stay open (GET /events, result ?wait=) per token at once"
+              " (429 too_many_waits above).")
 @click.option("--rate-limit", envvar="ROTA_RATE_LIMIT", default=20_000.0, show_default=True, show_envvar=True,
               help="Frames a second one /work connection may send on average; above it, it is throttled.")
 @click.option("--rate-burst", envvar="ROTA_RATE_BURST", default=20_000, show_default=True, show_envvar=True,
@@ -299,6 +303,10 @@ def _need_server(command: str) -> None:
 @click.option("--events-keepalive", envvar="ROTA_EVENTS_KEEPALIVE", default=15.0, show_default=True,
               show_envvar=True, type=click.FloatRange(min=0.01),
               help="Most seconds GET /events stays silent: a keep-alive comment then.")
+@click.option("--max-series", envvar="ROTA_MAX_SERIES", default=1000, show_default=True,
+              show_envvar=True, type=click.IntRange(min=1),
+              help="(queue, spec) pairs, and queues, that GET /metrics, GET /stats and the"
+              " dashboard name one by one; the rest are counted under queue \"(other)\".")
 @click.option("--ssl-certfile", envvar="ROTA_SSL_CERTFILE", show_envvar=True,
               type=click.Path(exists=True, dir_okay=False), help="Serve HTTPS/wss with this certificate (PEM).")
 @click.option("--ssl-keyfile", envvar="ROTA_SSL_KEYFILE", show_envvar=True,

@@ -204,9 +204,10 @@ def queues(ctx: click.Context, as_json: bool, url: str) -> None:
     'rota queues pause|resume NAME'."""
     if ctx.invoked_subcommand is not None:
         return
-    rows = api(url, "queues")["queues"]
+    reply = api(url, "queues")
+    rows, others = reply["queues"], reply.get("others")
     if as_json:
-        print_json({"queues": rows})
+        print_json({"queues": rows, "others": others})
         return
     if not rows:
         out("no queues: no job was enqueued and no worker is connected")
@@ -220,6 +221,11 @@ def queues(ctx: click.Context, as_json: bool, url: str) -> None:
         for entry in row["waiting"]:
             if entry["reason"]:
                 out(f"  {entry['spec']}: {entry['available']} waiting: {entry['reason']}")
+    if others:  # past the server's --max-series
+        counts = others["counts"]
+        states = " ".join(f"{state}={counts[state]}" for state in counts if counts[state])
+        out(f"and {others['queues']} more queues, not listed one by one:"
+                   f" {states or 'no jobs'}")
 
 
 def _pause_command(paused: bool) -> click.Command:

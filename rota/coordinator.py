@@ -19,6 +19,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rota import protocol as p
@@ -30,6 +31,7 @@ from rota.errors import Conflict, DomainError, Invalid, NotFound, StorageError, 
 from rota.jobs import EnqueueRequest, same_job
 from rota.listing import JobFilter
 from rota.model import TERMINAL_STATES, Instant, Job
+from rota.observe import busiest
 from rota.policy import TokenBucket
 from rota.registry import Connection, claim_worker_id, held_ids
 from rota.retention import BATCH, PruneTally, Retention, due, next_pass
@@ -58,6 +60,14 @@ class Outbox(Protocol):
     def abort(self, code: str, message: str, close_code: int) -> None: ...
 
 
+@dataclass(eq=False, slots=True)
+class Hold:
+    """An HTTP request that stays open, of one token (Coordinator.hold)."""
+
+    principal: Principal
+    revoked: asyncio.Future[None]
+
+
 def system_clock() -> Instant:
     return Instant(time.monotonic(), time.time())
 
@@ -82,6 +92,8 @@ class Coordinator:
              "cancelled": settings.retain_cancelled}, settings.retain_queues)
         self.tokens = Tokens()
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
+        self.waits: collections.Counter[str | None] = collections.Counter()  # per token id
+        self._holds: set[Hold] = set()
         self._token_rows: list[dict[str, Any]] = []
         self._outboxes: dict[int, Outbox] = {}
         self._conns = 0
@@ -445,6 +457,36 @@ class Coordinator:
         if was_required and not self.tokens.required:
             log.warning("AUTH IS OFF: the last token was revoked")
         self.apply(self.engine.revoked(self.tokens.valid))
+        ended: collections.Counter[str | None] = collections.Counter()
+        for hold in self._holds:
+            if not hold.revoked.done() and not self.tokens.valid(hold.principal):
+                hold.revoked.set_result(None)
+                ended[hold.principal.token_id] += 1
+        for token_id, n in ended.items():
+            log.warning("token revoked token=%s: ending %d HTTP stream(s) and wait(s)",
+                        token_id or "none", n)
+
+    # -- HTTP requests that stay open (GET /events, result waits) ---------------------
+    def hold(self, principal: Principal) -> Hold | None:
+        """Count an HTTP request that stays open against its token's share (None: the
+        token has max_waits_per_token open already); its ``revoked`` resolves if the
+        token is revoked meanwhile. ``release`` it when it ends."""
+        if self.waits[principal.token_id] >= self.settings.max_waits_per_token:
+            return None
+        self.waits[principal.token_id] += 1
+        hold = Hold(principal, asyncio.get_running_loop().create_future())
+        self._holds.add(hold)
+        if not self.tokens.valid(principal):  # revoked since the request was let in
+            hold.revoked.set_result(None)
+        return hold
+
+    def release(self, hold: Hold) -> None:
+        if hold in self._holds:
+            self._holds.remove(hold)
+            token_id = hold.principal.token_id
+            self.waits[token_id] -= 1
+            if self.waits[token_id] <= 0:
+                del self.waits[token_id]
 
     async def create_token(self, scope: str, name: str | None, queues: list[str] | None
                            ) -> tuple[str, dict[str, Any]]:
@@ -586,18 +628,19 @@ class Coordinator:
         assert row is not None
         return row
 
-    async def wait_for_result(self, job_id: str, timeout: float) -> dict[str, Any] | None:
-        """The job's row as soon as it is terminal, or as it stands when ``timeout`` runs out."""
+    async def wait_for_result(self, job_id: str, timeout: float,
+                              revoked: asyncio.Future[None] | None = None
+                              ) -> dict[str, Any] | None:
+        """The job's row as soon as it is terminal, or as it stands when ``timeout`` runs
+        out (or at once when ``revoked`` resolves: the caller's token was revoked)."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(job_id, []).append(waiter)
         try:
             row = await self.store.get_job(job_id)
             if row is None or row["state"] in TERMINAL_STATES or timeout <= 0 or self._stopping:
                 return row
-            try:
-                await asyncio.wait_for(waiter, timeout)
-            except TimeoutError:
-                pass
+            await asyncio.wait([waiter] if revoked is None else [waiter, revoked],
+                               timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             return await self.store.get_job(job_id)
         finally:
             waiters = self._waiters.get(job_id, [])
@@ -667,6 +710,7 @@ class Coordinator:
         self._subscribers -= 1
         if not self._subscribers:  # recording goes back to costing one test
             self.engine.observe.listener = None
+            self.engine.observe.encoded.clear()
 
     def _events_came(self) -> None:
         pulse = self._pulse
@@ -682,9 +726,13 @@ class Coordinator:
         return self._pulse
 
     async def oldest_available(self) -> dict[str, float]:
-        """Per queue with available jobs, since when (wall) its oldest one waits."""
+        """Per queue with available jobs, since when (wall) its oldest one waits: for the
+        ``max_series`` queues with the most (producers name queues; each is a probe)."""
+        waiting: dict[str, int] = {}
+        for (queue, _), n in self.scheduler.ready_counts().items():
+            waiting[queue] = waiting.get(queue, 0) + n
         return await self.store.oldest_available_since(
-            sorted({queue for queue, _ in self.scheduler.ready_counts()}))
+            busiest(waiting, self.settings.max_series))
 
     async def stats(self, minutes: int) -> dict[str, Any]:
         """GET /stats: counts per minute over the last ``minutes`` per queue and spec,

@@ -37,10 +37,10 @@ CHART_MINUTES = 60
 async def overview(request: Request) -> Response:
     need(request, "admin")
     coordinator = coordinator_of(request)
-    queues, note = await counted_queues(request)
+    queues, note, others = await counted_queues(request)
     totals = dict.fromkeys(STATES, 0)
-    for queue in queues:
-        for state, n in queue["counts"].items():
+    for counts in [q["counts"] for q in queues] + [others["counts"] if others else {}]:
+        for state, n in counts.items():
             totals[state] += n
     workers = worker_views(coordinator)
     by_state: dict[str, int] = {}
@@ -81,8 +81,9 @@ def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:
 
 async def queues_page(request: Request) -> Response:
     need(request, "admin")
-    queues, note = await counted_queues(request)
-    return render(request, "queues", queues=queues, states=STATES, counts_note=note)
+    queues, note, others = await counted_queues(request)
+    return render(request, "queues", queues=queues, states=STATES, counts_note=note,
+                  others=others, max_series=coordinator_of(request).settings.max_series)
 
 
 async def specs_page(request: Request) -> Response:

@@ -2,7 +2,8 @@
 
 uvicorn's HTTP and WebSocket protocol classes are Rota's edge to the network. Three
 adjustments, each measured: a request gets a deadline for its headers, and a request the
-parser refuses a JSON 400 like every other error (GuardedHttp); an
+parser refuses a JSON 400 like every other error (GuardedHttp, which also answers
+/healthz above --max-connections, and lets a stream drop its connection); an
 answer's headers leave with its body in one write (Corked); and an idle /work connection
 holds little beyond its socket (LeanWebSocket), since a server may keep 10,000 of them.
 A /work connection also tells its session how much of what it sent the worker has not
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
+from rota.api import DROP
 from rota.sessions import WIRE
 
 log = logging.getLogger("rota.server")
@@ -25,6 +28,9 @@ log = logging.getLogger("rota.server")
 # A request's line and headers together: tokens and names are short, and a browser's
 # cookies stay well under it (nginx's default buffers hold 32 KiB, Node's 16 KiB).
 MAX_HEADER_BYTES = 64 * 1024
+# Answered even when --max-connections are open: a load balancer's probe must not be told
+# the server is down because clients hold every slot.
+ALWAYS_ANSWERED = frozenset({b"/healthz"})
 
 
 class Corked:
@@ -109,7 +115,16 @@ class GuardedHttp(HttpToolsProtocol):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
-        super().on_headers_complete()
+        # (weak: no cycle from the protocol through its scope back to it)
+        self.scope[DROP] = weakref.WeakMethod(self.drop)  # type: ignore[literal-required]
+        limit = self.limit_concurrency
+        if (limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
+                and self.url.split(b"?", 1)[0] in ALWAYS_ANSWERED):
+            self.limit_concurrency = None  # this one request only
+        try:
+            super().on_headers_complete()
+        finally:
+            self.limit_concurrency = limit
         cycle = getattr(self, "cycle", None)
         if cycle is not None and getattr(cycle, "transport", None) is self.transport:
             cycle.transport = Corked(self.transport, self.loop)
@@ -135,6 +150,11 @@ class GuardedHttp(HttpToolsProtocol):
         if self._deadline is not None:
             self._deadline.cancel()
         super().connection_lost(exc)
+
+    def drop(self) -> None:
+        """End the connection now, discarding what is buffered: for a client that does
+        not read, to which even the end of a response would wait behind the rest."""
+        self.transport.abort()
 
     def _arm(self) -> None:
         if self._deadline is None:

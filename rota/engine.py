@@ -68,7 +68,7 @@ class Engine(Intake, Reservations):
         self.registry = Registry()
         self.specs: dict[str, JobSpec] = {}
         self.retired: dict[str, float] = {}  # retired specs (no new jobs) -> when (wall)
-        self.observe = Observer(settings.events_buffer)
+        self.observe = Observer(settings.events_buffer, max_series=settings.max_series)
         self.stopping = False
         self._rand = rand or random.Random().random
         self._tickets = 0

@@ -20,17 +20,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from rota.api import JSON, need
+from rota.api import DROP, JSON, need, token_revoked, too_many_waits
+from rota.auth import Principal
 from rota.coordinator import Coordinator
 from rota.errors import RequestError
 from rota.listing import NAME
 from rota.model import JOB_STATES
-from rota.observe import COUNTS, KINDS, Filter, Histogram, Observer, encode, gap
+from rota.observe import (COUNTS, DURATION_BOUNDS, KINDS, UNFINISHED, WAIT_BOUNDS, Filter,
+                          Observer, fold_queues, gap)
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-CHUNK = 1000  # events taken from the ring per send: a slow client's backlog is bounded
+CHUNK = 256  # events taken from the ring per send: a slow client's backlog is bounded
+CHUNK_BYTES = 16 << 10  # ... and about this many bytes of them
 KEEP_ALIVE = b": keep-alive\n\n"
 WORKER_STATES = ("running", "quiet", "terminate")
 
@@ -82,41 +85,61 @@ def _filter(request: Request) -> Filter:
 
 
 class EventStream(Response):
-    """A text/event-stream that runs until the client goes or the server stops."""
+    """A text/event-stream that runs until the client goes, the server stops or the
+    caller's token is revoked.
+
+    What it holds for a client that does not read is bounded: a part is at most
+    CHUNK_BYTES, and the next is made only once the last one was taken by the transport
+    (uvicorn's send waits while the transport holds more than its high-water mark, 64
+    KiB). Events themselves wait in the observer's ring, shared by every subscriber."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, coordinator: Coordinator, last_id: int, only: Filter) -> None:
+    def __init__(self, coordinator: Coordinator, last_id: int, only: Filter,
+                 principal: Principal) -> None:
         # As StreamingResponse does: no body, so no content-length among the headers.
         self.status_code, self.background = 200, None
         self.init_headers({"cache-control": "no-store", "x-accel-buffering": "no"})
         self.coordinator, self.last_id, self.only = coordinator, last_id, only
+        self.principal = principal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         coordinator = self.coordinator
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        gone = asyncio.ensure_future(_disconnected(receive))
-        coordinator.subscribe()
+        hold = coordinator.hold(self.principal)
+        if hold is None or hold.revoked.done():  # (revoked since the request was let in)
+            refusal = too_many_waits(coordinator) if hold is None else token_revoked()
+            await refusal(scope, receive, send)
+            if hold is not None:
+                coordinator.release(hold)
+            return
         try:
-            await self._stream(send, gone)
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            gone = asyncio.ensure_future(_disconnected(receive))
+            coordinator.subscribe()
+            try:
+                await self._stream(Sender(send, scope, hold.revoked), gone, hold.revoked)
+            finally:
+                coordinator.unsubscribe()
+                gone.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gone
         finally:
-            coordinator.unsubscribe()
-            gone.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await gone
+            coordinator.release(hold)
 
-    async def _stream(self, send: Send, gone: asyncio.Future[None]) -> None:
+    async def _stream(self, sender: Sender, gone: asyncio.Future[None],
+                      revoked: asyncio.Future[None]) -> None:
         coordinator = self.coordinator
         observer = coordinator.engine.observe
         keepalive = coordinator.settings.events_keepalive
         loop = asyncio.get_running_loop()
         quiet_since = loop.time()
-        while not gone.done() and not coordinator.stopping:
+        while not gone.done() and not revoked.done() and not coordinator.stopping:
             before = self.last_id
             chunk = self._take(observer)
             if chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if not await sender.part(chunk):
+                    return
                 quiet_since = loop.time()
                 continue
             if self.last_id != before:
@@ -126,28 +149,59 @@ class EventStream(Response):
                 continue
             left = quiet_since + keepalive - loop.time()
             if left <= 0:
-                await send({"type": "http.response.body", "body": KEEP_ALIVE,
-                            "more_body": True})
+                if not await sender.part(KEEP_ALIVE):
+                    return
                 quiet_since = loop.time()
                 continue
-            await asyncio.wait([coordinator.events_pulse(), gone], timeout=left,
+            await asyncio.wait([coordinator.events_pulse(), gone, revoked], timeout=left,
                                return_when=asyncio.FIRST_COMPLETED)
-        if not gone.done():  # the server stops: end the stream cleanly
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not gone.done():  # the server stops, or the token was revoked: end it cleanly
+            await sender.part(b"", more=False)
 
     def _take(self, observer: Observer) -> bytes:
-        """What this subscriber has not had yet, up to CHUNK events, encoded."""
+        """What this subscriber has not had yet, up to CHUNK events and about
+        CHUNK_BYTES, encoded."""
         missed, events = observer.after(self.last_id, CHUNK)
         parts = []
+        size = 0
         if missed:  # (then events holds the oldest kept)
             parts.append(gap(missed, events[0][0] - 1, observer.latest))
         only = self.only
         for event_id, event in events:
+            self.last_id = event_id
             if only.matches(event):
-                parts.append(encode(event_id, event))
-        if events:
-            self.last_id = events[-1][0]
+                part = observer.encoding(event_id, event)
+                parts.append(part)
+                size += len(part)
+                if size >= CHUNK_BYTES:
+                    break
         return b"".join(parts)
+
+
+class Sender:
+    """A stream's sends, each given up when the stream must end (its token revoked) while
+    the client does not read: the connection is dropped then, or the stream would wait on
+    it for ever."""
+
+    def __init__(self, send: Send, scope: Scope, revoked: asyncio.Future[None]) -> None:
+        self.send, self.scope, self.revoked = send, scope, revoked
+
+    async def part(self, body: bytes, *, more: bool = True) -> bool:
+        """Send a part; False if the connection was dropped instead."""
+        sending = asyncio.ensure_future(self.send({"type": "http.response.body", "body": body,
+                                                   "more_body": more}))
+        if not sending.done():
+            await asyncio.wait([sending, self.revoked], return_when=asyncio.FIRST_COMPLETED)
+        if not sending.done():
+            drop = self.scope.get(DROP)
+            method = drop() if drop is not None else None
+            if method is not None:
+                method()  # the transport is lost: uvicorn's send returns
+            await asyncio.wait([sending])
+            sending.exception()  # (retrieved: a send on a dropped connection may fail)
+            return False
+        sending.result()
+        return True
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -156,14 +210,14 @@ async def _disconnected(receive: Receive) -> None:
 
 
 async def events(request: Request) -> Response:
-    need(request, "admin")
+    principal = need(request, "admin")
     coordinator: Coordinator = request.app.state.coordinator
     only = _filter(request)
     last_id = _last_event_id(request)
     newest = coordinator.engine.observe.next_id - 1
     # No id, or one ahead of this server's (not one it gave): from now on.
     start = newest if last_id is None or last_id > newest else last_id
-    return EventStream(coordinator, start, only)
+    return EventStream(coordinator, start, only, principal)
 
 
 # -- GET /stats -----------------------------------------------------------------------------
@@ -193,12 +247,23 @@ def blocked_reason(reason: str) -> str:
     return "checksum_mismatch"
 
 
+# A series as a scrape copies it: (queue, spec, totals, wait, duration), each histogram
+# as (counts, sum). Copied on the loop (at most max_series + 1 of them), formatted off it.
+Row = tuple[str, str, list[int], tuple[list[int], float], tuple[list[int], float]]
+
+
+def copy_series(observer: Observer) -> list[Row]:
+    return [(queue, spec, list(series.totals), (list(series.wait.counts), series.wait.sum),
+             (list(series.duration.counts), series.duration.sum))
+            for queue, spec, series in observer.totals()]
+
+
 class Snapshot:
     """The metrics of one scrape, as a prometheus-client collector (it asks only for
-    ``collect``): the observer's numbers and the gauges read for it."""
+    ``collect``): the observer's numbers as copied, and the gauges read for it."""
 
-    def __init__(self, observer: Observer, gauges: dict[str, Any]) -> None:
-        self.observer, self.gauges = observer, gauges
+    def __init__(self, rows: list[Row], gauges: dict[str, Any]) -> None:
+        self.rows, self.gauges = rows, gauges
 
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -211,12 +276,13 @@ class Snapshot:
                                      " could run to its assignment", labels=labels)
         duration = HistogramMetricFamily("rota_job_duration_seconds", "Seconds from a job's"
                                          " assignment to its result", labels=labels)
-        for queue, spec, series in self.observer.totals():
-            for counter, total in zip(counters, series.totals, strict=True):
+        for queue, spec, totals, waits, durations in self.rows:
+            for counter, total in zip(counters, totals, strict=True):
                 counter.add_metric([queue, spec], total)
-            for family, histogram in ((wait, series.wait), (duration, series.duration)):
-                if any(histogram.counts):
-                    family.add_metric([queue, spec], _buckets(histogram), histogram.sum)
+            for family, bounds, (counts, total) in ((wait, WAIT_BOUNDS, waits),
+                                                    (duration, DURATION_BOUNDS, durations)):
+                if any(counts):
+                    family.add_metric([queue, spec], _buckets(bounds, counts), total)
         yield from counters
         yield wait
         yield duration
@@ -243,9 +309,9 @@ class Snapshot:
         yield blocked
 
 
-def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
+def _buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
     cumulative, out = 0, []
-    for bound, n in zip([*map(repr, histogram.bounds), "+Inf"], histogram.counts, strict=True):
+    for bound, n in zip([*map(repr, bounds), "+Inf"], counts, strict=True):
         cumulative += n
         out.append((bound, cumulative))
     return out
@@ -253,10 +319,12 @@ def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
 
 async def gauges(coordinator: Coordinator) -> dict[str, Any]:
     """The scrape-time gauges: the store's counts per queue and state, and what memory
-    says of the oldest waiting jobs, the workers and the blocked jobs."""
+    says of the oldest waiting jobs, the workers and the blocked jobs. Queues are named
+    one by one up to ``max_series`` (rota/observe.py): producers name them."""
     now = coordinator.clock().wall
     scheduler = coordinator.scheduler
-    counts = await coordinator.store.queue_counts()
+    counts = fold_queues(await coordinator.store.queue_counts(),
+                         coordinator.settings.max_series, UNFINISHED)
     since = await coordinator.oldest_available()
     queues = set(counts) | set(since)
     oldest = {q: (round(max(0.0, now - since[q]), 3) if q in since else 0.0) for q in queues}
@@ -281,5 +349,8 @@ async def metrics(request: Request) -> Response:
     need(request, "metrics")
     coordinator: Coordinator = request.app.state.coordinator
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Snapshot(coordinator.engine.observe, await gauges(coordinator)))
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    measured = await gauges(coordinator)
+    registry.register(Snapshot(copy_series(coordinator.engine.observe), measured))
+    # The text is made on a thread (from copies): the loop goes on serving meanwhile.
+    body = await asyncio.to_thread(generate_latest, registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

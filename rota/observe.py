@@ -16,6 +16,12 @@ Three things are kept:
   since the start (the Prometheus counters);
 - per (queue, spec), two histograms: queue wait (due to assigned) and run time
   (assigned to result).
+
+Producers name queues, so the (queue, spec) pairs are bounded: at most ``max_series``
+are tracked one by one. A new pair past that takes the place of the pair touched least
+recently if that one has been idle for the whole per-minute window (``MINUTES``; its
+numbers are folded into the ``OTHER`` series, so that every total stays a sum that only
+grows), and is otherwise counted under ``OTHER`` itself.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import heapq
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -38,6 +45,12 @@ KINDS = ("enqueue", "assign", "result", "retry", "discard", "cancel", "worker_co
 COUNTS = ("enqueued", "completed", "failed", "retried", "discarded", "cancelled")
 ENQUEUED, COMPLETED, FAILED, RETRIED, DISCARDED, CANCELLED = range(6)
 MINUTES = 60  # the per-minute counts kept
+# Job states still to run: which queues a scrape or a page names first.
+UNFINISHED = ("available", "scheduled", "retryable", "active")
+ENCODED_KEPT = 4096  # events kept encoded for subscribers (about 1 MB at most)
+# The (queue, spec) of what is counted beyond ``max_series``: not a name a producer can
+# give (names are letters, digits and _.:-), so it never mixes with a real queue.
+OTHER = "(other)"
 # Attempt endings that are the job's (or its worker's) failure; others (released from a
 # prefetch line, a worker's shutdown, a cancel) neither count as failed nor retried.
 FAILURES = frozenset({"failed", "worker_death", "visibility_timeout"})
@@ -74,13 +87,24 @@ class Histogram:
 class Series:
     """One (queue, spec): totals, counts per minute (minute number -> counts), histograms."""
 
-    __slots__ = ("totals", "minutes", "wait", "duration")
+    __slots__ = ("totals", "minutes", "wait", "duration", "touched")
 
     def __init__(self) -> None:
         self.totals = [0] * len(COUNTS)
         self.minutes: dict[int, list[int]] = {}
         self.wait = Histogram(WAIT_BOUNDS)
         self.duration = Histogram(DURATION_BOUNDS)
+        self.touched = 0  # the minute number it was last recorded in
+
+    def fold(self, other: Series) -> None:
+        """Add ``other``'s totals and histograms to these (not its minutes: it is folded
+        only once they are all older than the window kept)."""
+        for i, n in enumerate(other.totals):
+            self.totals[i] += n
+        for mine, theirs in ((self.wait, other.wait), (self.duration, other.duration)):
+            for i, n in enumerate(theirs.counts):
+                mine.counts[i] += n
+            mine.sum += theirs.sum
 
     def row(self, minute: int) -> list[int]:
         """The counts of minute number ``minute`` (wall // 60)."""
@@ -109,23 +133,51 @@ class Filter:
 
 
 class Observer:
-    def __init__(self, buffer: int = 10_000, first_id: int = 1) -> None:
+    def __init__(self, buffer: int = 10_000, first_id: int = 1, max_series: int = 1000) -> None:
         self.ring: collections.deque[Event] = collections.deque(maxlen=max(1, buffer))
         self.next_id = first_id  # the id the next event gets
+        # Least recently touched first (a series touched in a new minute moves to the end).
         self.series: dict[tuple[str, str], Series] = {}
+        self.max_series = max(1, max_series)
+        self.other: Series | None = None  # what is counted beyond max_series
         # Called after events are recorded, while someone listens (the shell wakes its
         # subscribers); None otherwise, so that recording costs one test.
         self.listener: Any = None
         self.latest = 0.0  # the latest wall time recorded: for callers that have none
+        # Events encoded for subscribers, by id: several subscribers at the same place
+        # (as they are in a burst) encode each event once. Bounded; emptied by the
+        # shell when the last subscriber goes.
+        self.encoded: dict[int, bytes] = {}
 
     # -- recording (the hot path) -----------------------------------------------------
     # The batch methods take the engine's own objects (no tuple built per job to call
     # them) and look up a job's (queue, spec) series and minute row only when it differs
     # from the previous job's: a batch is usually all of one spec.
-    def _series(self, queue: str, spec: str) -> Series:
-        series = self.series.get((queue, spec))
+    def _series(self, queue: str, spec: str, minute: int) -> Series:
+        key = (queue, spec)
+        series = self.series.get(key)
         if series is None:
-            series = self.series[(queue, spec)] = Series()
+            return self._new_series(key, minute)
+        if series.touched != minute:  # at most once a minute per series: keep the order
+            series.touched = minute
+            del self.series[key]
+            self.series[key] = series
+        return series
+
+    def _new_series(self, key: tuple[str, str], minute: int) -> Series:
+        """A series for a pair not tracked yet, within ``max_series`` (see the top)."""
+        if len(self.series) >= self.max_series:
+            other = self.other
+            if other is None:
+                other = self.other = Series()
+            other.touched = minute
+            stalest = next(iter(self.series))
+            idle = self.series[stalest]
+            if idle.touched > minute - MINUTES:  # none idle: counted under OTHER
+                return other
+            other.fold(self.series.pop(stalest))
+        series = self.series[key] = Series()
+        series.touched = minute
         return series
 
     def _wake(self, wall: float) -> None:
@@ -155,7 +207,7 @@ class Observer:
                     None, None))
             if job.queue != queue or job.spec != spec:
                 queue, spec = job.queue, job.spec
-                series = self._series(queue, spec)
+                series = self._series(queue, spec, minute)
                 totals, row = series.totals, series.row(minute)
             totals[ENQUEUED] += 1
             row[ENQUEUED] += 1
@@ -167,6 +219,7 @@ class Observer:
         """Jobs sent to ``worker``: each waited from its ``run_at`` (or its enqueue)."""
         append = self.ring.append
         bisect_left = bisect.bisect_left
+        minute = int(wall // 60)
         queue = spec = ""
         wait = Histogram(())
         n = 0
@@ -175,7 +228,7 @@ class Observer:
                     job.attempt, "active", None, None))
             if job.queue != queue or job.spec != spec:
                 queue, spec = job.queue, job.spec
-                wait = self._series(queue, spec).wait
+                wait = self._series(queue, spec, minute).wait
             waited = wall - (job.run_at or job.enqueued_at)
             if waited < 0.0:
                 waited = 0.0
@@ -200,7 +253,7 @@ class Observer:
             job = change.job
             if job.queue != queue or job.spec != spec:
                 queue, spec = job.queue, job.spec
-                series = self._series(queue, spec)
+                series = self._series(queue, spec, minute)
                 row = series.row(minute)
             duration = None
             started = job.reserved_at
@@ -248,9 +301,10 @@ class Observer:
         """A job moved by an operator or a timer: "retry" (a manual retry), "cancel"
         (a waiting job cancelled), "discard" (its time to live ran out)."""
         what = {"retry": RETRIED, "cancel": CANCELLED, "discard": DISCARDED}[kind]
-        series = self._series(queue, spec)
+        minute = int(wall // 60)
+        series = self._series(queue, spec, minute)
         series.totals[what] += 1
-        series.row(int(wall // 60))[what] += 1
+        series.row(minute)[what] += 1
         state = {"retry": "available", "cancel": "cancelled", "discard": "discarded"}[kind]
         self.event(wall, kind, job=job, spec=spec, queue=queue, attempt=attempt, state=state,
                    message=message)
@@ -260,6 +314,15 @@ class Observer:
     def first_kept(self) -> int:
         """The id of the oldest event still in the ring (``next_id`` if it is empty)."""
         return self.next_id - len(self.ring)
+
+    def encoding(self, event_id: int, event: Event) -> bytes:
+        """``encode(event_id, event)``, made once for every subscriber that reads it."""
+        data = self.encoded.get(event_id)
+        if data is None:
+            data = self.encoded[event_id] = encode(event_id, event)
+            if len(self.encoded) > ENCODED_KEPT:  # the first made is the first to go
+                del self.encoded[next(iter(self.encoded))]
+        return data
 
     def after(self, last_id: int, limit: int) -> tuple[int, list[tuple[int, Event]]]:
         """Events with ids above ``last_id``, oldest first, at most ``limit``; and the
@@ -282,7 +345,7 @@ class Observer:
         now = int(wall // 60)
         starts = list(range(now - minutes + 1, now + 1))
         rows = []
-        for (queue, spec), series in sorted(self.series.items()):
+        for queue, spec, series in self.totals():
             picked = [series.minutes.get(m) for m in starts]
             if not any(picked):
                 continue
@@ -293,8 +356,43 @@ class Observer:
         return starts, rows
 
     def totals(self) -> Iterator[tuple[str, str, Series]]:
+        """Every series by (queue, spec), then OTHER's if anything was counted there."""
         for (queue, spec), series in sorted(self.series.items()):
             yield queue, spec, series
+        if self.other is not None:
+            yield OTHER, OTHER, self.other
+
+
+def busiest(weights: Mapping[str, Any], limit: int) -> list[str]:
+    """The ``limit`` names of greatest weight (ties by name), by name: which queues a
+    scrape or a stats page names one by one."""
+    if len(weights) <= limit:
+        return sorted(weights)
+    return sorted(heapq.nsmallest(limit, weights, key=lambda name: (_negated(weights[name]),
+                                                                    name)))
+
+
+def _negated(weight: Any) -> Any:
+    return tuple(-w for w in weight) if isinstance(weight, tuple) else -weight
+
+
+def fold_queues(counts: Mapping[str, Mapping[str, int]], limit: int,
+                unfinished: Iterable[str]) -> dict[str, dict[str, int]]:
+    """Counts per queue and state for at most ``limit`` queues, those with the most
+    jobs in the ``unfinished`` states (then the most jobs), and the rest summed under
+    OTHER."""
+    if len(counts) <= limit:
+        return {queue: dict(per) for queue, per in counts.items()}
+    live = tuple(unfinished)
+    weights = {queue: (sum(per.get(s, 0) for s in live), sum(per.values()))
+               for queue, per in counts.items()}
+    kept = busiest(weights, limit)
+    folded = {queue: dict(counts[queue]) for queue in kept}
+    rest: dict[str, int] = folded.setdefault(OTHER, {})
+    for queue in counts.keys() - set(kept):
+        for state, n in counts[queue].items():
+            rest[state] = rest.get(state, 0) + n
+    return folded
 
 
 class EventData(msgspec.Struct, omit_defaults=True):

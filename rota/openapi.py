@@ -268,8 +268,14 @@ class BulkReply(msgspec.Struct):
     truncated: bool  # more matched than the limit
 
 
+class OtherQueues(msgspec.Struct):
+    queues: int  # queues not listed one by one (past --max-series)
+    counts: dict[str, int]  # their jobs per state, summed
+
+
 class Queues(msgspec.Struct):
     queues: list[QueueView]
+    others: OtherQueues | None
 
 
 class StorageState(msgspec.Struct):
@@ -358,7 +364,8 @@ ROUTES: list[Op] = [
      {200: JobView, 404: ErrorBody, 409: ErrorBody}),
     Op("get", "/jobs/{job_id}/result", api.job_result,
        "A job's result, waiting up to ?wait= seconds", None,
-     {200: ResultReply, 202: ResultReply, 400: ErrorBody, 404: ErrorBody}),
+     {200: ResultReply, 202: ResultReply, 400: ErrorBody, 401: ErrorBody, 404: ErrorBody,
+      429: ErrorBody}),
     Op("get", "/specs", api.list_specs, "The status quo", None, {200: SpecList}),
     Op("put", "/specs", api.push_specs,
        "Push specs (a deploy)", PushRequest, {200: PushReply, **BAD}),
@@ -387,7 +394,7 @@ ROUTES: list[Op] = [
     Op("delete", "/tokens/{token}", api.revoke_token, "Revoke a token by id or name (admin)",
        None, {200: Revoked, 404: ErrorBody}),
     Op("get", "/events", feeds.events, "Server-sent events: what happens, as it happens"
-       " (admin)", None, {200: None, 400: ErrorBody}),
+       " (admin)", None, {200: None, 400: ErrorBody, 429: ErrorBody}),
     Op("get", "/stats", feeds.stats, "Counts per minute over the last hour, and the oldest"
        " available job per queue (admin)", None, {200: Stats, 400: ErrorBody}),
     Op("get", "/metrics", feeds.metrics, "Prometheus metrics (admin or metrics scope)", None,

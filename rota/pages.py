@@ -181,10 +181,12 @@ def finished_counts(request: Request) -> FinishedCounts:
     return counts
 
 
-async def counted_queues(request: Request) -> tuple[list[dict[str, Any]], str | None]:
+async def counted_queues(request: Request
+                         ) -> tuple[list[dict[str, Any]], str | None, dict[str, Any] | None]:
     """The queues as GET /queues shows them, with the jobs in play counted exactly and
-    finished ones from the background count; and a note saying how old that is, if it
-    is not from this moment."""
+    finished ones from the background count, up to --max-series of them (the others
+    summed: ``queue_views``); and a note saying how old that is, if it is not from this
+    moment."""
     coordinator = coordinator_of(request)
     cache = finished_counts(request)
     finished = await cache.get(coordinator)
@@ -200,7 +202,8 @@ async def counted_queues(request: Request) -> tuple[list[dict[str, Any]], str | 
     elif (age := coordinator.clock().wall - cache.wall) >= 1:
         note = (f"Completed, discarded and cancelled jobs as counted {display.duration(age)}"
                 " ago (a large store is counted in the background); the others now.")
-    return await queue_views(coordinator, counts), note
+    views, others = await queue_views(coordinator, counts, coordinator.settings.max_series)
+    return views, note, others
 
 
 # -- login ------------------------------------------------------------------------------

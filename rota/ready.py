@@ -12,6 +12,10 @@ committed, a priority beyond the key's range) are kept whole: a ``Job`` in the
 scheduler's ``jobs`` and a ``(-priority, seq, id)`` entry in a second heap of the same
 bucket. Entries of either heap are dropped lazily, when they reach the top.
 
+Producers name queues, so buckets are not kept for ever: when their number doubles,
+those that hold no job any more are forgotten (``_sweep``), and a queue that gets jobs
+again gets a new one.
+
 ``WorkerSlot`` lives here, below the scheduler, because a ``Claim`` names the worker it
 was made for and the store reads claims.
 """
@@ -31,6 +35,7 @@ FullEntry = tuple[int, int, str]  # (-priority, seq, job id)
 # and the key in its heap, or popped from it since, or claimed before the cancel came;
 # or the job is cancelled and its key still in the heap.
 PENDING, PENDING_POPPED, PENDING_CLAIMED, DEAD = 0, 1, 2, 3
+SWEEP_AT = 1024  # buckets made before the first look for empty ones
 
 
 def key_of(priority: int, seq: int) -> int:
@@ -108,15 +113,34 @@ class Ready:
         # skipped when they reach the top of their heap.
         self._gone: dict[int, int] = {}
         self._claiming: set[int] = set()  # keys popped for claims whose rows are being read
+        self._made = 0  # buckets, over every queue
+        self._sweep_at = SWEEP_AT
 
     def bucket(self, queue: str, spec: str) -> Bucket:
         by_spec = self.buckets.get(queue)
-        if by_spec is None:
-            by_spec = self.buckets[queue] = {}
-        bucket = by_spec.get(spec)
+        bucket = None if by_spec is None else by_spec.get(spec)
         if bucket is None:
+            if self._made >= self._sweep_at:
+                self._sweep()
+            by_spec = self.buckets.setdefault(queue, {})
             bucket = by_spec[spec] = Bucket()
+            self._made += 1
         return bucket
+
+    def _sweep(self) -> None:
+        """Forget the buckets that hold nothing (their dead entries dropped first): a
+        scan of every bucket, made when their number doubled since the last, so its
+        cost per bucket made stays constant. Never called while ``plan`` walks them."""
+        for queue in list(self.buckets):
+            by_spec = self.buckets[queue]
+            for spec in list(by_spec):
+                bucket = by_spec[spec]
+                if self.head(bucket) is None and not bucket.keys and not bucket.count:
+                    del by_spec[spec]
+                    self._made -= 1
+            if not by_spec:
+                del self.buckets[queue]
+        self._sweep_at = max(SWEEP_AT, 2 * self._made)
 
     def push_job(self, job: Job) -> None:
         bucket = self.bucket(job.queue, job.spec)

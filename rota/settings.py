@@ -46,6 +46,9 @@ class ServerSettings:
     registration_timeout: float = 5.0  # a /work socket must register within this
     max_connections: int = 1000  # open connections of any kind (uvicorn answers 503 above)
     max_worker_connections_per_token: int = 200
+    # HTTP requests that stay open (GET /events streams, GET /jobs/{id}/result?wait=) per
+    # token at once: one client cannot take every connection (429 too_many_waits above).
+    max_waits_per_token: int = 100
     # A /work connection over these is throttled (not read for a while), never refused:
     # frames a second on average and in a burst, and bytes a second likewise. Set far
     # above what a conforming worker sends at the most the server can carry.
@@ -73,6 +76,10 @@ class ServerSettings:
     # seconds between two things sent to a subscriber (a comment if nothing happened).
     events_buffer: int = 10_000
     events_keepalive: float = 15.0
+    # Producers name queues: GET /metrics, GET /stats and the dashboard's queues page name
+    # at most this many (queue, spec) pairs, and queues, one by one; the rest are counted
+    # under "(other)" (rota/observe.py).
+    max_series: int = 1000
     # Several servers on one PostgreSQL database (docs/scaling.md): this server's name
     # among them (None: "host:port"), and its lease, which it renews a few times per
     # lease; the others recover its workers' jobs once it lapsed longer than the

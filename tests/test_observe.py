@@ -7,8 +7,8 @@ import json
 import msgspec
 
 from rota.model import Change, Job, shared_limits
-from rota.observe import (COUNTS, DURATION_BOUNDS, MINUTES, WAIT_BOUNDS, Filter, Observer,
-                          encode, gap)
+from rota.observe import (COUNTS, DURATION_BOUNDS, MINUTES, OTHER, WAIT_BOUNDS, Filter,
+                          Observer, busiest, encode, fold_queues, gap)
 
 T0 = 1_800_000_000.0  # a minute boundary (divisible by 60)
 
@@ -164,3 +164,59 @@ def test_a_listener_hears_every_record_and_recording_works_without_one():
     obs.listener = None
     obs.event(T0, "worker_state", worker="w", state="running")
     assert len(heard) == 4 and obs.latest == T0
+
+
+def totals_of(obs: Observer) -> dict[tuple[str, str], int]:
+    return {(queue, spec): series.totals[COUNTS.index("enqueued")]
+            for queue, spec, series in obs.totals()}
+
+
+def test_series_past_the_bound_count_under_other_and_idle_ones_make_room():
+    obs = Observer(max_series=2)
+    obs.enqueued([job("a", queue="q1"), job("b", queue="q2"), job("c", queue="q3")], T0)
+    obs.enqueued([job("d", queue="q4")], T0 + 1)
+    assert totals_of(obs) == {("q1", "s"): 1, ("q2", "s"): 1, (OTHER, OTHER): 2}
+    # q1 busy again a while later; q2 idle for the whole window: q5 takes its place, and
+    # q2's numbers go to OTHER, so that every total only ever grows.
+    obs.enqueued([job("e", queue="q1")], T0 + 60 * (MINUTES - 1))
+    obs.assigned([job("e", queue="q1", attempt=1)], "w", T0 + 60 * MINUTES)
+    obs.enqueued([job("f", queue="q5")], T0 + 60 * MINUTES)
+    assert totals_of(obs) == {("q1", "s"): 2, ("q5", "s"): 1, (OTHER, OTHER): 3}
+    assert sum(totals_of(obs).values()) == 6
+    # No idle one left (q1 and q5 were touched in the window): q6 goes to OTHER.
+    obs.enqueued([job("g", queue="q6")], T0 + 60 * MINUTES + 1)
+    assert totals_of(obs)[OTHER, OTHER] == 4 and len(obs.series) == 2
+    starts, rows = obs.window(1, T0 + 60 * MINUTES + 1)
+    assert {(r["queue"], r["spec"]): r["enqueued"] for r in rows} == {
+        ("q5", "s"): [1], (OTHER, OTHER): [1]}
+
+
+def test_sixty_thousand_queues_keep_a_bounded_number_of_series():
+    obs = Observer(max_series=100)
+    for n in range(60):
+        obs.enqueued([job(f"j{n}-{i}", queue=f"q{n}-{i}") for i in range(1000)], T0 + n)
+    assert len(obs.series) == 100 and obs.other is not None
+    assert sum(totals_of(obs).values()) == 60_000
+
+
+def test_a_scrape_names_the_busiest_queues_and_sums_the_rest():
+    counts = {f"q{i}": {"available": i % 7, "completed": i} for i in range(50)}
+    folded = fold_queues(counts, 3, ("available",))
+    assert sorted(folded) == sorted(["q48", "q41", "q34", OTHER])  # 6 available each
+    assert sum(per["completed"] for per in folded.values()) == sum(range(50))
+    assert fold_queues({"a": {"completed": 1}}, 3, ("available",)) == {"a": {"completed": 1}}
+    assert busiest({"a": 1, "b": 3, "c": 3}, 2) == ["b", "c"]
+
+
+def test_events_are_encoded_once_for_every_subscriber_and_the_cache_is_bounded():
+    from rota.observe import ENCODED_KEPT
+
+    obs = Observer(buffer=ENCODED_KEPT * 2, first_id=1)
+    obs.enqueued([job(f"j{i}") for i in range(ENCODED_KEPT + 10)], T0)
+    _, events = obs.after(0, ENCODED_KEPT + 10)
+    first = [obs.encoding(i, e) for i, e in events[:3]]
+    assert first == [encode(i, e) for i, e in events[:3]]
+    assert all(obs.encoding(i, e) is made for (i, e), made in zip(events, first))
+    for i, e in events:
+        obs.encoding(i, e)
+    assert len(obs.encoded) == ENCODED_KEPT and 1 not in obs.encoded

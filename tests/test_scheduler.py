@@ -640,3 +640,24 @@ def test_keys_claims_and_withdraws_agree_with_a_model_of_the_rows(seed: int) -> 
         assert sched.ready.waiting_seqs() == expected
         assert sched.ready.keys == len(expected)
         assert sum(sched.ready_counts().values()) == len(expected)
+
+
+def test_buckets_of_queues_with_no_job_left_are_forgotten(sched: Scheduler) -> None:
+    """Producers name queues: the ready index does not keep one bucket per name ever
+    given, only those with jobs (and at most twice as many between two sweeps)."""
+    from rota.ready import SWEEP_AT
+
+    sched.add_worker(make_worker("w1", queues=["keep"]))
+    kept = make_job("kept", queue="keep")
+    sched.add(kept)
+    for n in range(20 * SWEEP_AT):  # each in its own queue, and gone (a time to live ran out)
+        job = make_job(f"j{n}", queue=f"q{n}")
+        sched.add(job)
+        sched.finish(job)
+    buckets = sum(len(by_spec) for by_spec in sched.ready.buckets.values())
+    assert buckets <= 2 * SWEEP_AT
+    assert planned_ids(sched.plan(NOW), "w1") == ["kept"]  # a bucket with a job stays
+    late = make_job("late", queue="q5")
+    sched.add(late)  # a queue forgotten gets a new bucket when it has a job again
+    sched.add_worker(make_worker("w2", queues=["q5"]))
+    assert planned_ids(sched.plan(NOW), "w2") == ["late"]
