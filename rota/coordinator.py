@@ -29,7 +29,7 @@ from rota.engine import MAX_LOG_LINES, Engine
 from rota.errors import Conflict, DomainError, Invalid, NotFound, StorageError, failure_level
 from rota.jobs import EnqueueRequest, same_job
 from rota.listing import JobFilter
-from rota.model import TERMINAL_STATES, Instant, Job
+from rota.model import TERMINAL_STATES, Change, Instant, Job
 from rota.policy import TokenBucket
 from rota.registry import Connection, held_ids
 from rota.retention import BATCH, PruneTally, Retention, due, next_pass
@@ -212,7 +212,11 @@ class Coordinator:
                     future = self.store.save(changes)
                     if source is not None and ticket is not None:
                         self._inflight[source] = future
-                    self._write(future, ticket, point)
+                    if ticket is None:  # the engine still hears what the rows refused
+                        self.pending_writes += 1
+                        future.add_done_callback(functools.partial(self._saved, changes))
+                    else:
+                        self._write(future, ticket, point)
                 case Reserve(jobs, wall, ticket, claims, lease, min_lease):
                     self._write(self.store.reserve(jobs, wall, claims, lease, min_lease),
                                 ticket, "reserve-after-commit")
@@ -237,12 +241,17 @@ class Coordinator:
                     self._write(self.store.worker_disconnected(worker_id, connected_at, wall),
                                 None, None)
 
-    async def run(self, effects: Iterable[Effect]) -> None:
+    async def run(self, effects: Iterable[Effect]) -> dict[str, Job | None]:
         """Carry out effects in order, waiting for each plain Save to commit before going
-        on: for a request whose answer, or whose frames, depend on it."""
+        on: for a request whose answer, or whose frames, depend on it. Returns the
+        changes the rows refused (``Store.save``), which the engine has heard of."""
+        refused: dict[str, Job | None] = {}
         for effect in effects:
             if isinstance(effect, Save) and effect.ticket is None:
-                await self.store.save(effect.changes)
+                found = await self.store.save(effect.changes)
+                if found:
+                    refused.update(found)
+                    self.apply(self.engine.refused(effect.changes, found, self.clock()))
             elif isinstance(effect, Withdraw):
                 try:
                     cancelled = await self.store.withdraw(effect.seq, effect.wall)
@@ -252,6 +261,18 @@ class Coordinator:
                 self.apply(self.engine.withdrawn(effect, cancelled))
             else:
                 self.apply([effect])
+        return refused
+
+    def _saved(self, changes: list[Change], future: asyncio.Future[dict[str, Job | None]]
+               ) -> None:
+        """A Save nobody waits on committed: the engine hears what the rows refused."""
+        self.pending_writes -= 1
+        if future.cancelled():
+            return
+        if (error := future.exception()) is not None:
+            log.log(failure_level(error), "a background write failed: %s", error)
+        elif refused := future.result():
+            self.apply(self.engine.refused(changes, refused, self.clock()))
 
     def _write(self, future: asyncio.Future[Any], ticket: int | None, point: str | None) -> None:
         self.pending_writes += 1
@@ -547,7 +568,7 @@ class Coordinator:
                 raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
             await self.run(effects)
             row = await self._row(job_id)
-        return row, outcome == "cancelled"
+        return row, outcome == "cancelled" and row["state"] == "cancelled"
 
     async def retry(self, job_id: str) -> dict[str, Any]:
         """Put a discarded or cancelled job back, with a fresh attempt budget."""
@@ -567,7 +588,10 @@ class Coordinator:
                 raise Conflict("not_retryable", f"job {job_id} is {row['state']}; only"
                                " discarded or cancelled jobs can be retried")
             job = job_from_row(row)
-            await self.run(self.engine.retry(job))
+            if await self.run(self.engine.retry(job)):
+                # The row moved on since it was read (another server retried it first).
+                raise Conflict("not_retryable", f"job {job_id} changed while it was being"
+                               " retried; read it again")
             self.apply(self.engine.retried(job, self.clock()))
         finally:
             self._retrying.discard(job_id)

@@ -230,22 +230,33 @@ class Store:
 
         return self.writer.submit(op)
 
-    def save(self, changes: list[Change]) -> asyncio.Future[None]:
+    def save(self, changes: list[Change]) -> asyncio.Future[dict[str, Job | None]]:
         """Commit job transitions. Values are taken now: the job may change again before
-        the writer runs, and FIFO order then keeps the later write last."""
+        the writer runs, and FIFO order then keeps the later write last.
+
+        Each is fenced by its row (_SAVE): the outcome names the changes the row refused
+        (another attempt, server or direct write moved it on), each with the row as it
+        now waits (None: it does not wait, or is gone), so that the engine turns the
+        result away and holds what the row says instead."""
         rows = [_change_row(c) for c in changes]
         # Jobs that wait again (retried, back from a worker, due): every server may give
-        # them out, so every server hears of them.
-        waiting = [str(c.job.seq) for c in changes if c.job.state in WAITING_STATES] \
-            if self.shared else []
+        # them out, so every server hears of them (of the writes the rows took).
+        keys = [(c.job.id, c.job.seq, c.job.state in WAITING_STATES) for c in changes]
 
         if self.shared:  # and only from the server whose worker holds the job, if any
             rows = [(*row, self.server_id) for row in rows]
 
-        def op(conn: sqlite3.Connection) -> None:
-            conn.executemany(_SAVE_SHARED if self.shared else _SAVE, rows)
-            if waiting:
+        def op(conn: sqlite3.Connection) -> dict[str, Job | None]:
+            counts = db.rowcounts(conn, _SAVE_SHARED if self.shared else _SAVE, rows)
+            refused = [(job_id, seq) for (job_id, seq, _), n in zip(keys, counts) if n == 0]
+            waiting = [str(seq) for (_, seq, waits), n in zip(keys, counts) if waits and n]
+            if waiting and self.shared:
                 fleet.notify(conn, fleet.JOBS, self.server_id or "", waiting)
+            if not refused:
+                return {}
+            found = {job.id: job for job in map(live_job, waiting_rows(
+                conn, [seq for _, seq in refused if seq]))}
+            return {job_id: found.get(job_id) for job_id, _ in refused}
 
         return self.writer.submit(op)
 

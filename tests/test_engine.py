@@ -15,8 +15,9 @@ import pytest
 from rota import protocol as p
 from rota.auth import OPEN
 from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake, Withdraw
-from rota.engine import Engine
+from rota.engine import ROW_REFUSED, Engine
 from rota.jobs import EnqueueRequest
+from rota.observe import COMPLETED
 from rota.model import Instant, InvalidTransition, Job, JobState, Limits
 from rota.reservations import PAUSE_AFTER_FAILED_ROUND
 from rota.settings import ServerSettings
@@ -225,6 +226,67 @@ def test_a_failed_commit_keeps_the_job_and_asks_for_the_result_again(engine, clo
     assert not ack.get("accepted") and "report it again" in ack["rejected"][0]["reason"]
     job = engine.scheduler.jobs[copy["id"]]
     assert job.state == JobState.ACTIVE and job.worker_id == "w1"
+
+
+def test_a_result_its_row_refused_is_rejected_forgotten_and_not_counted(engine, clock, caplog):
+    """The row moved on behind this server (another server ran attempt 2, or it was
+    written directly): the commit's outcome names the result refused, and the ack says
+    rejected; nothing is counted, remembered or logged as completed."""
+    connect(engine, clock)
+    enqueue(engine, clock, 2)
+    first, second = assign(engine, clock)
+    effects = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(first), done(second)]),
+                               clock())
+    [save] = of(Save, effects)
+    with caplog.at_level(logging.INFO, logger="rota.server"):
+        after = engine.committed(save.ticket, None, clock(), {first["id"]: None})
+    [ack] = sent(after)
+    assert ack["accepted"] == [second["id"]]
+    assert ack["rejected"] == [{"job_id": first["id"], "attempt": 1, "reason": ROW_REFUSED}]
+    assert [f.job_ids for f in of(Finished, after)] == [[second["id"]]]
+    assert first["id"] not in engine.scheduler.jobs
+    assert [totals[COMPLETED] for totals in completed_counts(engine).values()] == [1]
+    completed = [r.getMessage() for r in caplog.records if "outcome=completed" in r.getMessage()]
+    assert completed and all(first["id"] not in line for line in completed)
+    assert any("refused by the row job=" + first["id"] in r.getMessage()
+               for r in caplog.records)
+    # A resend of it is no "stored already": it was never stored.
+    [ack] = sent(engine.heartbeat(1, "w1", hb("w1", 2, results=[done(first)]), clock()))
+    assert ack["rejected"][0]["reason"] == "unknown job, or it already finished"
+
+
+def test_a_refused_result_whose_row_waits_again_is_held_as_the_row_reads(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, ttl=3600)
+    [copy] = assign(engine, clock)
+    [save] = of(Save, engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock()))
+    stale = engine.scheduler.jobs[copy["id"]]
+    row = Job(id=copy["id"], spec="echo", queue="default", args=msgspec.Raw(b"{}"),
+              priority=0, enqueued_at=clock.wall, seq=stale.seq, limits=stale.limits,
+              state=JobState.AVAILABLE, attempt=2, expires_at=clock.wall + 3600)
+    engine.committed(save.ticket, None, clock(), {copy["id"]: row})
+    held = engine.scheduler.jobs[copy["id"]]
+    assert held is row and held.state == JobState.AVAILABLE and held.attempt == 2
+    assert [j["attempt"] for j in assign(engine, clock)] == [3]
+
+
+def test_an_ending_its_row_refused_is_not_counted_and_the_copy_is_let_go(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, ttl=3600)
+    [copy] = assign(engine, clock)
+    effects = engine.disconnect(1, "w1", "closed", clock())  # its attempt ends here
+    [save] = of(Save, effects)
+    assert engine.scheduler.jobs[copy["id"]].state != JobState.ACTIVE
+    before = completed_counts(engine)
+    after = engine.committed(save.ticket, None, clock(), {copy["id"]: None})
+    assert not [f for f in of(Finished, after) if f.job_ids]
+    assert completed_counts(engine) == before
+    assert copy["id"] not in engine.scheduler.jobs
+
+
+def completed_counts(engine: Engine) -> dict[tuple[str, str], list[int]]:
+    return {(queue, spec): list(series.totals) for queue, spec, series
+            in engine.observe.totals()}
 
 
 # -- leases and liveness --------------------------------------------------------------
