@@ -160,6 +160,7 @@ class Change:
     finished_at: float | None = None
     undo: tuple[int, int, float | None, float | None] | None = None  # see Engine._undo
     ending: str | None = None  # why an attempt did not complete (rota/policy.py Ending)
+    retry: bool = False  # an operator's retry of a finished job (any server may write it)
 
 
 @dataclass(slots=True)

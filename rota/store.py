@@ -244,7 +244,7 @@ class Store:
         keys = [(c.job.id, c.job.seq, c.job.state in WAITING_STATES) for c in changes]
 
         if self.shared:  # and only from the server whose worker holds the job, if any
-            rows = [(*row, self.server_id) for row in rows]
+            rows = [(*row, self.server_id, int(c.retry)) for row, c in zip(rows, changes)]
 
         def op(conn: sqlite3.Connection) -> dict[str, Job | None]:
             counts = db.rowcounts(conn, _SAVE_SHARED if self.shared else _SAVE, rows)
@@ -610,7 +610,10 @@ _SAVE = (
 # whose copy of the job is stale (another one reserved it since) changes nothing.
 # Servers sharing a database (rota/fleet.py) also fence on the holder: a job another
 # server took over from this one (its worker moved there) is not this one's to change.
-_SAVE_SHARED = _SAVE + " AND (server_id IS NULL OR server_id = ?)"
+# A retry is any server's to write, but only of a row still discarded or cancelled (a
+# finished row keeps its last holder, for the audit).
+_SAVE_SHARED = _SAVE + (" AND (server_id IS NULL OR server_id = ?"
+                        " OR (? = 1 AND state IN ('discarded', 'cancelled')))")
 
 
 def _insert_row(job: Job) -> tuple[Any, ...]:

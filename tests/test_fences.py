@@ -183,3 +183,26 @@ async def test_a_result_the_row_refuses_is_acked_rejected_on_a_live_server(
     [copy] = await worker.jobs(1)
     assert (await worker.complete(copy, result=2))["accepted"] == [second["id"]]
     assert (await live.wait_state(second["id"], "completed"))["result"] == 2
+
+
+async def test_a_retry_is_any_servers_to_write_and_an_ending_only_the_holders(store: Store):
+    """A finished row keeps the server whose worker ran it (for the audit): another
+    server's ending of it is refused, but its retry by an operator there is stored."""
+    [(row, _)] = await store.enqueue([new_job("j")])
+
+    def ran_on_b(conn: object) -> None:
+        conn.execute("UPDATE jobs SET state = 'discarded', attempt = 1, worker_id = 'w9',"  # type: ignore[attr-defined]
+                     " server_id = 'b', finished_at = 3.0 WHERE id = 'j'")
+
+    await store.writer.submit(ran_on_b)
+    ending = reserved_copy(new_job("j"), row["rowid"], "w1", 1)
+    ending.state = JobState.RETRYABLE
+    expected = {"j": None} if store.shared else {}  # one server per SQLite file: no holder
+    assert await store.save([Change(ending)]) == expected
+    if store.shared:
+        assert (await store.get_job("j") or {}).get("state") == "discarded"
+    retry = reserved_copy(new_job("j"), row["rowid"], "w1", 1)
+    retry.state, retry.worker_id, retry.budget_start = JobState.AVAILABLE, None, 1
+    assert await store.save([Change(retry, retry=True)]) == {}
+    stored = await store.get_job("j")
+    assert stored is not None and (stored["state"], stored["server_id"]) == ("available", None)
