@@ -19,6 +19,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Coroutine, Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
 from rota import protocol as p
@@ -29,7 +30,7 @@ from rota.engine import MAX_LOG_LINES, Engine
 from rota.errors import Conflict, DomainError, Invalid, NotFound, StorageError, failure_level
 from rota.jobs import EnqueueRequest, same_job
 from rota.listing import JobFilter
-from rota.model import TERMINAL_STATES, Change, Instant, Job
+from rota.model import TERMINAL_STATES, Change, ClockReading, Instant, Job
 from rota.policy import TokenBucket
 from rota.registry import Connection, held_ids
 from rota.retention import BATCH, PruneTally, Retention, due, next_pass
@@ -41,7 +42,7 @@ from rota.store import Store, job_from_row
 __all__ = ["Coordinator", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
 REREAD_EVERY = 0.1  # seconds: the most often an unknown token makes the server look
-LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention")
+LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 MAX_BULK = 10_000  # jobs one bulk action may touch (its ``limit``)
 SHOWN = 100  # ids and skipped jobs a bulk action's answer lists
@@ -60,6 +61,19 @@ class Outbox(Protocol):
 
 def system_clock() -> Instant:
     return Instant(time.monotonic(), time.time())
+
+
+CLOCK_EVERY = 5.0  # seconds between the clock readings a store keeps for the next start
+
+
+def clock_reading() -> ClockReading:
+    """The wall clock beside the boot clock, and which boot that counts from (a reading
+    of an unknown boot matches no other)."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = f"unknown:{os.getpid()}:{time.monotonic_ns()}"
+    return ClockReading(time.time(), time.clock_gettime(time.CLOCK_BOOTTIME), boot_id)
 
 
 class Coordinator:
@@ -133,7 +147,15 @@ class Coordinator:
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
-        snapshot = await asyncio.to_thread(self.store.load)
+        # One server per SQLite file: its stored moments are its own clock's, checked
+        # against the last run's (docs/reliability.md §7). Servers sharing PostgreSQL
+        # keep their clocks in step instead (docs/scaling.md).
+        kept = not self.store.shared
+        snapshot = await asyncio.to_thread(self.store.load, clock_reading() if kept else None)
+        if snapshot.clock_step:
+            log.warning("wall clock stepped %+.1fs since the last run: the live jobs' stored"
+                        " deadlines are moved by it, so each is as far away as the last run"
+                        " left it", snapshot.clock_step)
         self.store.start(asyncio.get_running_loop())
         try:
             await self._refresh_tokens()
@@ -151,6 +173,8 @@ class Coordinator:
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")
         self.spawn(self._token_loop(), "rota-tokens")
+        if kept:
+            self.spawn(self._clock_loop(), "rota-clock")
         log.info("retention %s", self.retention.describe())
         if self.retention.durations():
             self.spawn(self._retention_loop(), "rota-retention")
@@ -179,6 +203,11 @@ class Coordinator:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for hook in self.on_stop:
             await hook()
+        if not self.store.shared:
+            try:  # the latest reading, for the next start
+                await self.store.note_clock(clock_reading())
+            except Exception as exc:  # noqa: BLE001 (a stop goes on: the last reading stays)
+                log.debug("clock reading not stored at stop: %s", exc)
         await asyncio.to_thread(self.store.close)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -413,6 +442,16 @@ class Coordinator:
                 failed = str(exc)
             else:
                 failed = ""
+
+    async def _clock_loop(self) -> None:
+        """Keep a clock reading in the store every CLOCK_EVERY seconds: the next start
+        tells a step of the wall clock from the time that passed by it."""
+        while True:
+            await asyncio.sleep(CLOCK_EVERY)
+            try:
+                await self.store.note_clock(clock_reading())
+            except StorageError as exc:  # the next reading tries again
+                log.debug("clock reading not stored: %s", exc)
 
     async def _retention_loop(self) -> None:
         """Delete finished jobs past their retention, one batch per writer transaction:

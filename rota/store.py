@@ -27,7 +27,8 @@ from rota import db, fleet, lookup, pg
 from rota.errors import Conflict, StorageError
 from rota.listing import JobFilter, decode_cursor
 from rota.effects import Reserved
-from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
+from rota.model import (JOB_STATES, WAITING_STATES, Change, ClockReading, Job, StatusNote,
+                        wall_step)
 from rota.protocol import rfc3339
 from rota.ready import Claim
 from rota.retention import Cutoff
@@ -94,16 +95,26 @@ class Store:
         return str(self.path) if self.database_url is None else pg.redact(self.database_url)
 
     # -- lifecycle (startup runs in a thread, before the server takes traffic) ----
-    def load(self) -> Snapshot:
+    def load(self, reading: ClockReading | None = None) -> Snapshot:
+        """What a start takes in. ``reading``: the clocks now, checked against the last
+        run's (``_undo_step``) before anything is read."""
         conn = _open(self.path if self.database_url is None else self.database_url)
         try:
             self.writer.used_bytes = (db.used_bytes(conn) if self.database_url is None
                                       else pg.used_bytes(conn))
             if self.shared:
                 self._register(conn)
-            return load(conn, self.server_id if self.shared else None)
+            step = 0.0 if reading is None or self.shared else _undo_step(conn, reading)
+            snapshot = load(conn, self.server_id if self.shared else None)
+            snapshot.clock_step = step
+            return snapshot
         finally:
             conn.close()
+
+    def note_clock(self, reading: ClockReading) -> asyncio.Future[None]:
+        """Keep the clocks' reading for the next start (``_undo_step``)."""
+        value = msgspec.json.encode(tuple(reading)).decode()
+        return self.writer.submit(lambda conn: _keep_reading(conn, value))
 
     def _register(self, conn: sqlite3.Connection) -> None:
         """Hold this server's lease before reading the snapshot: a server recovering
@@ -614,6 +625,42 @@ _SAVE = (
 # finished row keeps its last holder, for the audit).
 _SAVE_SHARED = _SAVE + (" AND (server_id IS NULL OR server_id = ?"
                         " OR (? = 1 AND state IN ('discarded', 'cancelled')))")
+
+
+# A wall-clock step between runs, undone in the live rows' stored moments (deadlines, and
+# the enqueue and reservation times beside them): each deadline is again as far away as
+# the last run left it. Rows with no deadline (plain waiting jobs, finished ones) keep
+# theirs: shown, never judged by.
+_SHIFT = (
+    "UPDATE jobs SET run_at = run_at + ?, expires_at = expires_at + ?,"
+    " lease_expires_at = lease_expires_at + ?, enqueued_at = enqueued_at + ?,"
+    " reserved_at = reserved_at + ?"
+    " WHERE state IN ('scheduled', 'available', 'retryable', 'active')"
+    " AND (run_at IS NOT NULL OR expires_at IS NOT NULL OR lease_expires_at IS NOT NULL)"
+)
+
+
+def _undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
+    """Compare the clocks now with the last run's reading (one server per file: its
+    own); shift the live rows' deadlines by a step found (model.wall_step); keep the
+    reading. The step, 0.0 if none."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'clock'").fetchone()
+    try:
+        last = None if row is None else ClockReading(
+            *msgspec.json.decode(row[0], type=tuple[float, float, str]))
+    except msgspec.DecodeError:
+        last = None  # unreadable: as if there were none
+    step = wall_step(last, reading)
+    conn.execute("BEGIN IMMEDIATE")
+    if step:
+        conn.execute(_SHIFT, (step,) * 5)
+    _keep_reading(conn, msgspec.json.encode(tuple(reading)).decode())
+    conn.execute("COMMIT")
+    return step
+
+
+def _keep_reading(conn: sqlite3.Connection, value: str) -> None:
+    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('clock', ?)", (value,))
 
 
 def _insert_row(job: Job) -> tuple[Any, ...]:

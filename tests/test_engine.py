@@ -18,7 +18,7 @@ from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake
 from rota.engine import ROW_REFUSED, Engine
 from rota.jobs import EnqueueRequest
 from rota.observe import COMPLETED
-from rota.model import Instant, InvalidTransition, Job, JobState, Limits
+from rota.model import ClockReading, Instant, InvalidTransition, Job, JobState, Limits, wall_step
 from rota.reservations import PAUSE_AFTER_FAILED_ROUND
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, RetryPolicy, checksum
@@ -310,6 +310,19 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout(engine, clock):
     effects = run_for(engine, clock, 1.0)
     assert [a.code for a in of(Abort, effects)] == ["heartbeat_timeout"]
     assert "w1" not in engine.connections
+
+
+def test_a_wall_clock_step_between_runs_is_told_from_the_time_that_passed():
+    last = ClockReading(wall=1_800_000_000.0, boot=500.0, boot_id="b1")
+    # Same boot: the boot clock says how long the server was down; the rest is a step.
+    assert wall_step(last, ClockReading(last.wall + 7200 + 60, 560.0, "b1")) == 7200
+    assert wall_step(last, ClockReading(last.wall - 7200 + 60, 560.0, "b1")) == -7200
+    assert wall_step(last, ClockReading(last.wall + 60.4, 560.0, "b1")) == 0.0  # no step
+    # Rebooted: how long it was down is unknown. Ahead is taken as downtime; behind the
+    # last reading is a step back at least that far.
+    assert wall_step(last, ClockReading(last.wall + 7200, 30.0, "b2")) == 0.0
+    assert wall_step(last, ClockReading(last.wall - 7200, 30.0, "b2")) == -7200
+    assert wall_step(None, last) == 0.0  # a first start
 
 
 def test_a_wall_clock_step_either_way_cancels_nothing(engine, clock):

@@ -455,6 +455,61 @@ async def test_a_wall_clock_step_cancels_no_running_job(serve: ServeProcess, tmp
         await ws.close()
 
 
+def faketime_env(tmp_path: Path, offset: str) -> dict[str, str]:
+    """The environment of a ``rota serve`` whose wall clock is real time plus ``offset``
+    (monotonic and boot clocks left real, as under a real NTP step)."""
+    if LIBFAKETIME is None:
+        pytest.fail("libfaketime.so.1 is missing: apt-get install faketime")
+    (tmp_path / "faketime.rc").write_text(f"{offset}\n")
+    return {"LD_PRELOAD": str(LIBFAKETIME),
+            "FAKETIME_TIMESTAMP_FILE": str(tmp_path / "faketime.rc"),
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1", "DONT_FAKE_MONOTONIC": "1"}
+
+
+async def test_a_wall_clock_step_across_a_restart_moves_no_deadline(serve: ServeProcess,
+                                                                    tmp_path: Path):
+    """The server stops; its machine's wall clock steps 2 h ahead (NTP, by hand) before
+    it starts again. A delayed job does not run at once and a job with a time to live is
+    not discarded: each is as far away as the last run left it (issue 20)."""
+    await serve.start(env=faketime_env(tmp_path, "+0"))
+    echo = write_spec(tmp_path / "specs", "echo")
+    await serve.push(echo)
+    await serve.enqueue("echo", id="later", delay=3600)
+    await serve.enqueue("echo", id="short-lived", ttl=3600)
+    before = {job_id: await serve.job(job_id) for job_id in ("later", "short-lived")}
+    serve.signal(signal.SIGTERM)
+    assert serve.proc is not None and await asyncio.wait_for(serve.proc.wait(), 15) == 0
+
+    await serve.start(env=faketime_env(tmp_path, "+2h"))
+
+    def moved() -> list[str]:
+        return [job_id for job_id, job in jobs.items()
+                if job["state"] != before[job_id]["state"]]
+
+    jobs: dict[str, dict[str, Any]] = {}
+
+    async def look() -> list[str]:
+        jobs.update({job_id: await serve.job(job_id) for job_id in before})
+        return moved()
+
+    # The timers look at once at start (and at least once a second): 2 s is plenty.
+    await never(look, within=2.0, what="a job whose deadline the step moved")
+    later = await serve.job("later")
+    # Stored on the new clock now: still about an hour ahead of it.
+    ahead = wall_clock(later["run_at"]) - (time.time() + 7200)
+    assert 3000 < ahead <= 3600, ahead
+    ws = await websockets.connect(serve.ws)
+    try:  # and the job with a time to live is still there to run
+        worker = RawWorker(ws, "w1")
+        await worker.register([echo], concurrency=2)
+        [copy] = await worker.jobs(1)
+        assert copy["id"] == "short-lived"
+        await worker.assert_no_assign(within=0.5)  # "later" waits its hour
+    finally:
+        await ws.close()
+    assert "wall clock stepped +72" in serve.log.read_text()  # +7200 s, give or take
+
+
 # -- 4. a frozen server ----------------------------------------------------------------------
 async def test_a_frozen_server_drops_no_worker_that_kept_beating(serve: ServeProcess,
                                                                  tmp_path: Path):
