@@ -33,7 +33,7 @@ from rota.listing import JobFilter
 from rota.model import TERMINAL_STATES, Change, ClockReading, Instant, Job
 from rota.policy import TokenBucket
 from rota.registry import Connection, held_ids
-from rota.retention import BATCH, PruneTally, Retention, due, next_pass
+from rota.retention import BATCH, Frames, PruneTally, Retention, due, next_pass
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, checksum
@@ -95,6 +95,7 @@ class Coordinator:
             {"completed": settings.retain_completed, "discarded": settings.retain_discarded,
              "cancelled": settings.retain_cancelled}, settings.retain_queues)
         self.tokens = Tokens()
+        self.frames = Frames()  # the wall clock's steps this run, for retention
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
         self._token_rows: list[dict[str, Any]] = []
         self._outboxes: dict[int, Outbox] = {}
@@ -114,6 +115,7 @@ class Coordinator:
         self._no_connections.set()
         self._stopping = False
         self.started = clock()
+        self.frames.look(self.started.wall, self.started.mono)
         # Event ids go on from a clock reading (microseconds since the epoch, as of the
         # start), so that they keep growing across restarts: a client that resumes with an
         # id of the previous run hears of the gap instead of skipping the new events.
@@ -238,6 +240,7 @@ class Coordinator:
                     if (outbox := self._outboxes.get(conn)) is not None:
                         outbox.send(frame)
                 case Save(changes, ticket, point):
+                    self._finishing(changes)
                     future = self.store.save(changes)
                     if source is not None and ticket is not None:
                         self._inflight[source] = future
@@ -277,11 +280,13 @@ class Coordinator:
         refused: dict[str, Job | None] = {}
         for effect in effects:
             if isinstance(effect, Save) and effect.ticket is None:
+                self._finishing(effect.changes)
                 found = await self.store.save(effect.changes)
                 if found:
                     refused.update(found)
                     self.apply(self.engine.refused(effect.changes, found, self.clock()))
             elif isinstance(effect, Withdraw):
+                self._clock_seen([effect.wall])
                 try:
                     cancelled = await self.store.withdraw(effect.seq, effect.wall)
                 except BaseException:
@@ -291,6 +296,21 @@ class Coordinator:
             else:
                 self.apply([effect])
         return refused
+
+    def _finishing(self, changes: list[Change]) -> None:
+        finished = [c.finished_at for c in changes if c.finished_at is not None]
+        if finished:
+            self._clock_seen(finished)
+
+    def _clock_seen(self, finished: Iterable[float] = ()) -> None:
+        """A reading of the clocks for retention (``Frames``), with the moments of jobs
+        about to be stored as finished; a step of the wall clock is logged once."""
+        now = self.clock()
+        step = self.frames.seen(finished, now.wall, now.mono)
+        if step:
+            log.warning("wall clock stepped %+.1fs while running: no deadline moves (they are"
+                        " monotonic); retention judges each finished job by the clock that"
+                        " stored it", step)
 
     def _saved(self, changes: list[Change], future: asyncio.Future[dict[str, Job | None]]
                ) -> None:
@@ -448,6 +468,7 @@ class Coordinator:
         tells a step of the wall clock from the time that passed by it."""
         while True:
             await asyncio.sleep(CLOCK_EVERY)
+            self._clock_seen()
             try:
                 await self.store.note_clock(clock_reading())
             except StorageError as exc:  # the next reading tries again
@@ -460,10 +481,11 @@ class Coordinator:
         wait: float | None = 0.0
         while wait is not None:
             await asyncio.sleep(wait)
+            self._clock_seen()
             now = self.clock()
             try:  # _retrying: rows a manual retry read and is about to write back
-                deleted = await self.store.prune(due(self.retention, now.wall), BATCH,
-                                                 self._retrying)
+                deleted = await self.store.prune(
+                    due(self.retention, now.wall, self.frames, now.mono), BATCH, self._retrying)
             except StorageError:  # the store's health says so; try again later
                 deleted = {}
             if (line := tally.add(deleted, now.mono)) is not None:

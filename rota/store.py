@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 import socket
 import sqlite3
@@ -284,6 +285,8 @@ class Store:
                 if left <= 0:
                     break
                 sql, params = _DUE, [cut.state, cut.before]
+                if cut.spans:  # the wall clock stepped while the server ran
+                    sql, params = _DUE_IN(cut.spans), [cut.state, *_bounds(cut.spans)]
                 if cut.queue is not None:
                     sql, params = sql + " AND queue = ?", [*params, cut.queue]
                 elif cut.others:
@@ -611,6 +614,17 @@ _RESERVE = (
     " AND state IN ('available', 'scheduled', 'retryable')"
 )
 _DUE = "SELECT rowid, id FROM jobs WHERE state = ? AND finished_at < ?"
+
+
+def _DUE_IN(spans: Sequence[tuple[float, float]]) -> str:  # noqa: N802 (a statement)
+    """_DUE for rows finished within any of these [from, to) spans."""
+    terms = [("finished_at < ?" if math.isinf(low) else "(finished_at >= ? AND finished_at < ?)")
+             for low, _ in spans]
+    return "SELECT rowid, id FROM jobs WHERE state = ? AND (" + " OR ".join(terms) + ")"
+
+
+def _bounds(spans: Sequence[tuple[float, float]]) -> list[float]:
+    return [x for low, high in spans for x in ((high,) if math.isinf(low) else (low, high))]
 _SAVE = (
     "UPDATE jobs SET state = ?, worker_id = ?, server_id = CASE WHEN ? THEN NULL ELSE server_id END,"
     " run_at = ?, fails = ?, deaths = ?, budget_start = ?,"

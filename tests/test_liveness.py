@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -395,6 +396,16 @@ async def test_a_job_that_crashes_worker_processes_is_quarantined_after_three(tm
 
 
 # -- 3. a wall-clock step -----------------------------------------------------------------
+async def echo_worker(serve: ServeProcess, tmp_path: Path, concurrency: int = 1) -> RawWorker:
+    """The echo spec pushed, and a raw worker registered for it (the caller closes it)."""
+    echo = write_spec(tmp_path / "specs", "echo")
+    await serve.push(echo)
+    worker = RawWorker(await websockets.connect(serve.ws), "w1")
+    await worker.register([echo], concurrency=concurrency)
+    return worker
+
+
+
 async def test_a_wall_clock_step_cancels_no_running_job(serve: ServeProcess, tmp_path: Path):
     if LIBFAKETIME is None:
         pytest.fail("libfaketime.so.1 is missing: apt-get install faketime")
@@ -410,12 +421,9 @@ async def test_a_wall_clock_step_cancels_no_running_job(serve: ServeProcess, tmp
         "FAKETIME_NO_CACHE": "1",  # read the file at every call: a step takes effect at once
         # monotonic time stays real, as under a real NTP step (both spellings of the switch)
         "FAKETIME_DONT_FAKE_MONOTONIC": "1", "DONT_FAKE_MONOTONIC": "1"})
-    echo = write_spec(tmp_path / "specs", "echo")
-    await serve.push(echo)
-    ws = await websockets.connect(serve.ws)
+    worker = await echo_worker(serve, tmp_path)
+    ws = worker.ws
     try:
-        worker = RawWorker(ws, "w1")
-        await worker.register([echo], concurrency=1)
         await serve.enqueue("echo", {"n": 1}, id="steady", visibility_timeout=2)
         [copy] = await worker.jobs(1)
         assert (copy["attempt"], copy["visibility_timeout"]) == (1, 2.0)
@@ -508,6 +516,39 @@ async def test_a_wall_clock_step_across_a_restart_moves_no_deadline(serve: Serve
     finally:
         await ws.close()
     assert "wall clock stepped +72" in serve.log.read_text()  # +7200 s, give or take
+
+
+async def test_after_a_step_back_retention_is_on_time_and_nothing_shows_ahead(
+        serve: ServeProcess, tmp_path: Path):
+    """The wall clock steps 2 h back while the server runs: a completed job is still
+    deleted once its retention has passed (not 2 h later), and the dashboard shows no
+    past moment as "in 2 h" (issue 20)."""
+    env = faketime_env(tmp_path, "+0")
+    env["FAKETIME_NO_CACHE"] = "1"  # read the file at every call: a step takes effect at once
+    await serve.start("--retain-completed", "4s", env=env)
+    worker = await echo_worker(serve, tmp_path)
+    try:
+        await serve.enqueue("echo", id="done")
+        [copy] = await worker.jobs(1)
+        assert (await worker.complete(copy))["accepted"] == ["done"]
+    finally:
+        await worker.ws.close()
+    waiting = await serve.http.post("/jobs", json={"spec": "echo", "id": "waiting",
+                                                   "queue": "nobody"})
+    assert waiting.status_code == 201, waiting.text
+    (tmp_path / "faketime.new").write_text("-2h\n")
+    os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
+    finished = time.monotonic()
+
+    async def gone() -> bool:
+        return (await serve.http.get("/jobs/done")).status_code == 404
+
+    await wait_until(gone, timeout=20.0, what="the completed job deleted after 4 s")
+    assert time.monotonic() - finished < 20.0
+    page = (await serve.http.get("/ui/jobs/waiting")).text
+    enqueued = re.search(r"<dt>Enqueued</dt><dd[^>]*>([^<]*)</dd>", page)
+    assert enqueued is not None and enqueued[1] == "just now", page[:2000]
+    assert "wall clock stepped -7" in serve.log.read_text()
 
 
 # -- 4. a frozen server ----------------------------------------------------------------------
