@@ -284,6 +284,20 @@ def test_an_ending_its_row_refused_is_not_counted_and_the_copy_is_let_go(engine,
     assert copy["id"] not in engine.scheduler.jobs
 
 
+def test_a_cancel_its_row_refused_leaves_memory_as_the_row_says(engine, clock):
+    """A waiting job held whole is cancelled here, but the row had moved on (another
+    server retried it: attempt 2, waiting): memory holds the row's job, not a cancel."""
+    [job] = enqueue(engine, clock, ttl=3600)
+    outcome, effects = engine.cancel(job.id, clock())
+    [save] = of(Save, effects)
+    assert outcome == "cancelled" and save.ticket is None and job.id not in engine.scheduler.jobs
+    row = Job(id=job.id, spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
+              enqueued_at=clock.wall, seq=job.seq, limits=job.limits,
+              state=JobState.AVAILABLE, attempt=2, expires_at=clock.wall + 3600)
+    assert of(Wake, engine.refused(save.changes, {job.id: row}, clock()))
+    assert engine.scheduler.jobs[job.id] is row
+
+
 def completed_counts(engine: Engine) -> dict[tuple[str, str], list[int]]:
     return {(queue, spec): list(series.totals) for queue, spec, series
             in engine.observe.totals()}
