@@ -38,6 +38,8 @@ from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, read_
 from rota.specs import JobSpec
 from rota.views import job_view
 
+log = logging.getLogger("rota.server")
+
 __all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "job_from_row",
            "create_token", "list_tokens", "revoke_token", "token_view"]  # (Snapshot, job_from_row: rota/rows.py)
 
@@ -286,7 +288,7 @@ class Store:
                     break
                 sql, params = _DUE, [cut.state, cut.before]
                 if cut.spans:  # the wall clock stepped while the server ran
-                    sql, params = _DUE_IN(cut.spans), [cut.state, *_bounds(cut.spans)]
+                    sql, params = _due_in(cut.spans), [cut.state, *_bounds(cut.spans)]
                 if cut.queue is not None:
                     sql, params = sql + " AND queue = ?", [*params, cut.queue]
                 elif cut.others:
@@ -614,17 +616,6 @@ _RESERVE = (
     " AND state IN ('available', 'scheduled', 'retryable')"
 )
 _DUE = "SELECT rowid, id FROM jobs WHERE state = ? AND finished_at < ?"
-
-
-def _DUE_IN(spans: Sequence[tuple[float, float]]) -> str:  # noqa: N802 (a statement)
-    """_DUE for rows finished within any of these [from, to) spans."""
-    terms = [("finished_at < ?" if math.isinf(low) else "(finished_at >= ? AND finished_at < ?)")
-             for low, _ in spans]
-    return "SELECT rowid, id FROM jobs WHERE state = ? AND (" + " OR ".join(terms) + ")"
-
-
-def _bounds(spans: Sequence[tuple[float, float]]) -> list[float]:
-    return [x for low, high in spans for x in ((high,) if math.isinf(low) else (low, high))]
 _SAVE = (
     "UPDATE jobs SET state = ?, worker_id = ?, server_id = CASE WHEN ? THEN NULL ELSE server_id END,"
     " run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
@@ -654,6 +645,17 @@ _SHIFT = (
 )
 
 
+def _due_in(spans: Sequence[tuple[float, float]]) -> str:
+    """_DUE for rows finished within any of these [from, to) spans."""
+    terms = [("finished_at < ?" if math.isinf(low) else "(finished_at >= ? AND finished_at < ?)")
+             for low, _ in spans]
+    return "SELECT rowid, id FROM jobs WHERE state = ? AND (" + " OR ".join(terms) + ")"
+
+
+def _bounds(spans: Sequence[tuple[float, float]]) -> list[float]:
+    return [x for low, high in spans for x in ((high,) if math.isinf(low) else (low, high))]
+
+
 def _undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
     """Compare the clocks now with the last run's reading (one server per file: its
     own); shift the live rows' deadlines by a step found (model.wall_step); keep the
@@ -665,11 +667,17 @@ def _undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
     except msgspec.DecodeError:
         last = None  # unreadable: as if there were none
     step = wall_step(last, reading)
-    conn.execute("BEGIN IMMEDIATE")
-    if step:
-        conn.execute(_SHIFT, (step,) * 5)
-    _keep_reading(conn, msgspec.json.encode(tuple(reading)).decode())
-    conn.execute("COMMIT")
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        if step:
+            conn.execute(_SHIFT, (step,) * 5)
+        _keep_reading(conn, msgspec.json.encode(tuple(reading)).decode())
+        conn.execute("COMMIT")
+    except sqlite3.Error as exc:  # a full or read-only disk: start as before, unshifted
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        log.warning("the clock reading could not be checked at start: %s", exc)
+        return 0.0
     return step
 
 
