@@ -614,12 +614,14 @@ class Coordinator:
             # committed and reported, memory and row agree. Look again.
             await self.store.barrier()
         try:
-            await self.run(effects)
+            refused = await self.run(effects)
         except StorageError:
             if job is not None and was is not None:
                 self.apply(self.engine.cancel_not_stored(job, was))
             raise
         row = await self._row(job_id)
+        if job_id in refused:  # the row moved on behind this server's copy
+            return await self._cancel_moved_on(job_id, row)
         if outcome == "withdrawing":
             if row["state"] == "cancelled":
                 return row, True
@@ -630,6 +632,20 @@ class Coordinator:
             await self.run(effects)
             row = await self._row(job_id)
         return row, outcome == "cancelled" and row["state"] == "cancelled"
+
+    async def _cancel_moved_on(self, job_id: str, row: dict[str, Any]
+                               ) -> tuple[dict[str, Any], bool]:
+        """A cancel the job's row refused: another server reserved or finished the job
+        first (or the row was written directly). The cancel goes where the job runs now,
+        as for any job another server's worker holds; a finished one is not cancellable."""
+        if (self.store.shared and row["state"] == "active"
+                and await self.store.request_cancel(job_id) is not None):
+            return await self._row(job_id), False
+        if row["state"] == "cancelled":
+            return row, True
+        if row["state"] in TERMINAL_STATES:
+            raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
+        return row, False
 
     async def retry(self, job_id: str) -> dict[str, Any]:
         """Put a discarded or cancelled job back, with a fresh attempt budget."""

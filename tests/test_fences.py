@@ -206,3 +206,31 @@ async def test_a_retry_is_any_servers_to_write_and_an_ending_only_the_holders(st
     assert await store.save([Change(retry, retry=True)]) == {}
     stored = await store.get_job("j")
     assert stored is not None and (stored["state"], stored["server_id"]) == ("available", None)
+
+
+async def test_a_cancel_the_row_refuses_is_not_answered_as_done(live: Live, tmp_path: Path,
+                                                                backend: str):
+    """A waiting job this server holds whole is cancelled, but its row moved on behind
+    the server: finished elsewhere, the cancel is refused (409); on PostgreSQL, reserved
+    by another server's worker, the cancel is passed on to that server (202)."""
+    await live.push(write_spec(tmp_path, "echo"))
+    for job_id in ("finished-elsewhere", "running-elsewhere"):
+        await live.enqueue("echo", id=job_id, ttl=3600)  # held whole (a time to live)
+    conn = open_store(tmp_path)
+    try:
+        conn.execute("UPDATE jobs SET state = 'completed', attempt = 1, worker_id = 'w9',"
+                     " finished_at = 1.0 WHERE id = 'finished-elsewhere'")
+        conn.execute("UPDATE jobs SET state = 'active', attempt = 1, worker_id = 'w9',"
+                     " server_id = 'other' WHERE id = 'running-elsewhere'")
+    finally:
+        conn.close()
+    response = await live.http.delete("/jobs/finished-elsewhere")
+    assert response.status_code == 409, response.text
+    assert response.json()["error"]["code"] == "not_cancellable"
+    assert (await live.job("finished-elsewhere"))["state"] == "completed"
+    response = await live.http.delete("/jobs/running-elsewhere")
+    assert response.status_code == 202, response.text
+    row = await live.job("running-elsewhere")
+    assert row["state"] == "active"
+    if backend == "postgres":  # the server that holds it hears the cancel
+        assert row["cancel_requested"] is True
