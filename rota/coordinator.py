@@ -311,6 +311,10 @@ class Coordinator:
             log.warning("wall clock stepped %+.1fs while running: no deadline moves (they are"
                         " monotonic); retention judges each finished job by the clock that"
                         " stored it", step)
+            if not self.store.shared:  # one server's file: its rows follow its clock
+                # after the writes being handed over now (this may run inside apply)
+                asyncio.get_running_loop().call_soon(
+                    lambda: self.apply(self.engine.restamp(self.clock())))
 
     def _saved(self, changes: list[Change], future: asyncio.Future[dict[str, Job | None]]
                ) -> None:

@@ -401,6 +401,25 @@ class Engine(Intake, Reservations):
         self.observe.ended(stored, now.wall, reported=False)
         return effects + [Finished([c.job.id for c in stored if c.job.state in TERMINAL_STATES])]
 
+    def restamp(self, now: Instant) -> list[Effect]:
+        """The wall clock stepped while the server ran: write the waiting jobs' stored
+        deadlines (``run_at``, ``expires_at``) again, from their monotonic ones, on the
+        clock as it reads now, so that a restart reads them as far away as they are.
+        Only waiting jobs: a reserved one's row is written when its attempt ends, and a
+        restart gives it the reclaim grace whatever its row says."""
+        jobs = [job for job in self.scheduler.jobs.values()
+                if job.state in (JobState.SCHEDULED, JobState.RETRYABLE, JobState.AVAILABLE)
+                and (job.due is not None or job.expiry is not None)]
+        for job in jobs:
+            if job.due is not None:
+                job.run_at = now.wall_of(job.due)
+            if job.expiry is not None:
+                job.expires_at = now.wall_of(job.expiry)
+        if jobs:
+            log.info("restamped jobs=%d: their stored deadlines follow the stepped wall clock",
+                     len(jobs))
+        return [Save([Change(job) for job in jobs])] if jobs else []
+
     def refused(self, changes: list[Change], refused: dict[str, Job | None], now: Instant
                 ) -> list[Effect]:
         """A ``Save`` without a ticket (a cancel, a retry, jobs come due) committed, and

@@ -339,6 +339,16 @@ def test_a_wall_clock_step_between_runs_is_told_from_the_time_that_passed():
     assert wall_step(None, last) == 0.0  # a first start
 
 
+def test_after_a_step_the_waiting_jobs_deadlines_are_written_on_the_new_clock(engine, clock):
+    [later] = enqueue(engine, clock, delay=3600)
+    [short] = enqueue(engine, clock, spec="boom", ttl=600)  # (ids go by spec)
+    stored = (later.run_at, short.expires_at)
+    [save] = of(Save, engine.restamp(clock.step(-7200)))
+    assert {c.job.id for c in save.changes} == {later.id, short.id}
+    assert (later.run_at, short.expires_at) == (stored[0] - 7200, stored[1] - 7200)
+    assert later.due is not None and clock.mono + 3599 < later.due <= clock.mono + 3600
+
+
 def test_a_wall_clock_step_either_way_cancels_nothing(engine, clock):
     connect(engine, clock)
     enqueue(engine, clock, visibility_timeout=2.0)
