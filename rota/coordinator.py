@@ -33,7 +33,7 @@ from rota.listing import JobFilter
 from rota.model import TERMINAL_STATES, Change, ClockReading, Instant, Job
 from rota.policy import TokenBucket
 from rota.registry import Connection, held_ids
-from rota.retention import BATCH, Frames, PruneTally, Retention, due, next_pass
+from rota.retention import BATCH, STEP, Frames, PruneTally, Retention, due, next_pass
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, checksum
@@ -205,7 +205,9 @@ class Coordinator:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for hook in self.on_stop:
             await hook()
-        if not self.store.shared:
+        # A step not yet seen (no restamp written) leaves the last reading, on the clock
+        # the rows were written with: the next start then sees the step and undoes it.
+        if not self.store.shared and not self._step_unseen():
             try:  # the latest reading, for the next start
                 await self.store.note_clock(clock_reading())
             except Exception as exc:  # noqa: BLE001 (a stop goes on: the last reading stays)
@@ -302,19 +304,30 @@ class Coordinator:
         if finished:
             self._clock_seen(finished)
 
-    def _clock_seen(self, finished: Iterable[float] = ()) -> None:
+    def _clock_seen(self, finished: Iterable[float] = (), *, now: bool = False) -> None:
         """A reading of the clocks for retention (``Frames``), with the moments of jobs
-        about to be stored as finished; a step of the wall clock is logged once."""
-        now = self.clock()
-        step = self.frames.seen(finished, now.wall, now.mono)
-        if step:
-            log.warning("wall clock stepped %+.1fs while running: no deadline moves (they are"
-                        " monotonic); retention judges each finished job by the clock that"
-                        " stored it", step)
-            if not self.store.shared:  # one server's file: its rows follow its clock
-                # after the writes being handed over now (this may run inside apply)
-                asyncio.get_running_loop().call_soon(
-                    lambda: self.apply(self.engine.restamp(self.clock())))
+        about to be stored as finished; a step of the wall clock is logged once, and the
+        waiting jobs' stored deadlines follow it (``Engine.restamp``): ``now``, or, from
+        inside ``apply``, after the writes being handed over."""
+        reading = self.clock()
+        step = self.frames.seen(finished, reading.wall, reading.mono)
+        if not step:
+            return
+        log.warning("wall clock stepped %+.1fs while running: no deadline moves (they are"
+                    " monotonic); retention judges each finished job by the clock that"
+                    " stored it", step)
+        if self.store.shared:  # servers sharing a database keep their clocks in step
+            return
+        if now:
+            self.apply(self.engine.restamp(reading))
+        else:
+            asyncio.get_running_loop().call_soon(
+                lambda: self.apply(self.engine.restamp(self.clock())))
+
+    def _step_unseen(self) -> bool:
+        """Whether the wall clock stepped since the last look (``Frames``)."""
+        reading = self.clock()
+        return abs(reading.wall - reading.mono - self.frames.frames[-1].offset) > STEP
 
     def _saved(self, changes: list[Change], future: asyncio.Future[dict[str, Job | None]]
                ) -> None:
@@ -472,7 +485,7 @@ class Coordinator:
         tells a step of the wall clock from the time that passed by it."""
         while True:
             await asyncio.sleep(CLOCK_EVERY)
-            self._clock_seen()
+            self._clock_seen(now=True)  # the rows follow a step before the reading is kept
             try:
                 await self.store.note_clock(clock_reading())
             except StorageError as exc:  # the next reading tries again
