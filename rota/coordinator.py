@@ -20,6 +20,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from rota import protocol as p
@@ -30,11 +31,11 @@ from rota.engine import MAX_LOG_LINES, Engine
 from rota.errors import Conflict, DomainError, Invalid, NotFound, StorageError, failure_level
 from rota.jobs import EnqueueRequest, same_job
 from rota.listing import JobFilter
-from rota.model import TERMINAL_STATES, Instant, Job
+from rota.model import TERMINAL_STATES, Change, ClockReading, Instant, Job
 from rota.observe import busiest
 from rota.policy import TokenBucket
 from rota.registry import Connection, claim_worker_id, held_ids
-from rota.retention import BATCH, PruneTally, Retention, due, next_pass
+from rota.retention import BATCH, STEP, Frames, PruneTally, Retention, due, next_pass
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, checksum
@@ -43,7 +44,7 @@ from rota.store import Store, job_from_row
 __all__ = ["Coordinator", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
 REREAD_EVERY = 0.1  # seconds: the most often an unknown token makes the server look
-LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention")
+LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 MAX_BULK = 10_000  # jobs one bulk action may touch (its ``limit``)
 SHOWN = 100  # ids and skipped jobs a bulk action's answer lists
@@ -72,6 +73,19 @@ def system_clock() -> Instant:
     return Instant(time.monotonic(), time.time())
 
 
+CLOCK_EVERY = 5.0  # seconds between the clock readings a store keeps for the next start
+
+
+def clock_reading() -> ClockReading:
+    """The wall clock beside the boot clock, and which boot that counts from (a reading
+    of an unknown boot matches no other)."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = f"unknown:{os.getpid()}:{time.monotonic_ns()}"
+    return ClockReading(time.time(), time.clock_gettime(time.CLOCK_BOOTTIME), boot_id)
+
+
 class Coordinator:
     def __init__(self, settings: ServerSettings,
                  clock: Callable[[], Instant] = system_clock) -> None:
@@ -91,6 +105,7 @@ class Coordinator:
             {"completed": settings.retain_completed, "discarded": settings.retain_discarded,
              "cancelled": settings.retain_cancelled}, settings.retain_queues)
         self.tokens = Tokens()
+        self.frames = Frames()  # the wall clock's steps this run, for retention
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
         self.waits: collections.Counter[str | None] = collections.Counter()  # per token id
         self._holds: set[Hold] = set()
@@ -112,6 +127,7 @@ class Coordinator:
         self._no_connections.set()
         self._stopping = False
         self.started = clock()
+        self.frames.look(self.started.wall, self.started.mono)
         # Event ids go on from a clock reading (microseconds since the epoch, as of the
         # start), so that they keep growing across restarts: a client that resumes with an
         # id of the previous run hears of the gap instead of skipping the new events.
@@ -145,7 +161,15 @@ class Coordinator:
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
-        snapshot = await asyncio.to_thread(self.store.load)
+        # One server per SQLite file: its stored moments are its own clock's, checked
+        # against the last run's (docs/reliability.md §7). Servers sharing PostgreSQL
+        # keep their clocks in step instead (docs/scaling.md).
+        kept = not self.store.shared
+        snapshot = await asyncio.to_thread(self.store.load, clock_reading() if kept else None)
+        if snapshot.clock_step:
+            log.warning("wall clock stepped %+.1fs since the last run: the live jobs' stored"
+                        " deadlines are moved by it, so each is as far away as the last run"
+                        " left it", snapshot.clock_step)
         self.store.start(asyncio.get_running_loop())
         try:
             await self._refresh_tokens()
@@ -163,6 +187,8 @@ class Coordinator:
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")
         self.spawn(self._token_loop(), "rota-tokens")
+        if kept:
+            self.spawn(self._clock_loop(), "rota-clock")
         log.info("retention %s", self.retention.describe())
         if self.retention.durations():
             self.spawn(self._retention_loop(), "rota-retention")
@@ -191,6 +217,13 @@ class Coordinator:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for hook in self.on_stop:
             await hook()
+        # A step not yet seen (no restamp written) leaves the last reading, on the clock
+        # the rows were written with: the next start then sees the step and undoes it.
+        if not self.store.shared and not self._step_unseen():
+            try:  # the latest reading, for the next start
+                await self.store.note_clock(clock_reading())
+            except Exception as exc:  # noqa: BLE001 (a stop goes on: the last reading stays)
+                log.debug("clock reading not stored at stop: %s", exc)
         await asyncio.to_thread(self.store.close)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -221,10 +254,15 @@ class Coordinator:
                     if (outbox := self._outboxes.get(conn)) is not None:
                         outbox.send(frame)
                 case Save(changes, ticket, point):
+                    self._finishing(changes)
                     future = self.store.save(changes)
                     if source is not None and ticket is not None:
                         self._inflight[source] = future
-                    self._write(future, ticket, point)
+                    if ticket is None:  # the engine still hears what the rows refused
+                        self.pending_writes += 1
+                        future.add_done_callback(functools.partial(self._saved, changes))
+                    else:
+                        self._write(future, ticket, point)
                 case Reserve(jobs, wall, ticket, claims, lease, min_lease):
                     self._write(self.store.reserve(jobs, wall, claims, lease, min_lease),
                                 ticket, "reserve-after-commit")
@@ -249,13 +287,20 @@ class Coordinator:
                     self._write(self.store.worker_disconnected(worker_id, connected_at, wall),
                                 None, None)
 
-    async def run(self, effects: Iterable[Effect]) -> None:
+    async def run(self, effects: Iterable[Effect]) -> dict[str, Job | None]:
         """Carry out effects in order, waiting for each plain Save to commit before going
-        on: for a request whose answer, or whose frames, depend on it."""
+        on: for a request whose answer, or whose frames, depend on it. Returns the
+        changes the rows refused (``Store.save``), which the engine has heard of."""
+        refused: dict[str, Job | None] = {}
         for effect in effects:
             if isinstance(effect, Save) and effect.ticket is None:
-                await self.store.save(effect.changes)
+                self._finishing(effect.changes)
+                found = await self.store.save(effect.changes)
+                if found:
+                    refused.update(found)
+                    self.apply(self.engine.refused(effect.changes, found, self.clock()))
             elif isinstance(effect, Withdraw):
+                self._clock_seen([effect.wall])
                 try:
                     cancelled = await self.store.withdraw(effect.seq, effect.wall)
                 except BaseException:
@@ -264,6 +309,48 @@ class Coordinator:
                 self.apply(self.engine.withdrawn(effect, cancelled))
             else:
                 self.apply([effect])
+        return refused
+
+    def _finishing(self, changes: list[Change]) -> None:
+        finished = [c.finished_at for c in changes if c.finished_at is not None]
+        if finished:
+            self._clock_seen(finished)
+
+    def _clock_seen(self, finished: Iterable[float] = (), *, now: bool = False) -> None:
+        """A reading of the clocks for retention (``Frames``), with the moments of jobs
+        about to be stored as finished; a step of the wall clock is logged once, and the
+        waiting jobs' stored deadlines follow it (``Engine.restamp``): ``now``, or, from
+        inside ``apply``, after the writes being handed over."""
+        reading = self.clock()
+        step = self.frames.seen(finished, reading.wall, reading.mono)
+        if not step:
+            return
+        log.warning("wall clock stepped %+.1fs while running: no deadline moves (they are"
+                    " monotonic); retention judges each finished job by the clock that"
+                    " stored it", step)
+        if self.store.shared:  # servers sharing a database keep their clocks in step
+            return
+        if now:
+            self.apply(self.engine.restamp(reading))
+        else:
+            asyncio.get_running_loop().call_soon(
+                lambda: self.apply(self.engine.restamp(self.clock())))
+
+    def _step_unseen(self) -> bool:
+        """Whether the wall clock stepped since the last look (``Frames``)."""
+        reading = self.clock()
+        return abs(reading.wall - reading.mono - self.frames.frames[-1].offset) > STEP
+
+    def _saved(self, changes: list[Change], future: asyncio.Future[dict[str, Job | None]]
+               ) -> None:
+        """A Save nobody waits on committed: the engine hears what the rows refused."""
+        self.pending_writes -= 1
+        if future.cancelled():
+            return
+        if (error := future.exception()) is not None:
+            log.log(failure_level(error), "a background write failed: %s", error)
+        elif refused := future.result():
+            self.apply(self.engine.refused(changes, refused, self.clock()))
 
     def _write(self, future: asyncio.Future[Any], ticket: int | None, point: str | None) -> None:
         self.pending_writes += 1
@@ -410,6 +497,17 @@ class Coordinator:
             else:
                 failed = ""
 
+    async def _clock_loop(self) -> None:
+        """Keep a clock reading in the store every CLOCK_EVERY seconds: the next start
+        tells a step of the wall clock from the time that passed by it."""
+        while True:
+            await asyncio.sleep(CLOCK_EVERY)
+            self._clock_seen(now=True)  # the rows follow a step before the reading is kept
+            try:
+                await self.store.note_clock(clock_reading())
+            except StorageError as exc:  # the next reading tries again
+                log.debug("clock reading not stored: %s", exc)
+
     async def _retention_loop(self) -> None:
         """Delete finished jobs past their retention, one batch per writer transaction:
         each batch is queued behind the writes already waiting, so none waits long."""
@@ -417,10 +515,11 @@ class Coordinator:
         wait: float | None = 0.0
         while wait is not None:
             await asyncio.sleep(wait)
+            self._clock_seen()
             now = self.clock()
             try:  # _retrying: rows a manual retry read and is about to write back
-                deleted = await self.store.prune(due(self.retention, now.wall), BATCH,
-                                                 self._retrying)
+                deleted = await self.store.prune(
+                    due(self.retention, now.wall, self.frames, now.mono), BATCH, self._retrying)
             except StorageError:  # the store's health says so; try again later
                 deleted = {}
             if (line := tally.add(deleted, now.mono)) is not None:
@@ -582,12 +681,14 @@ class Coordinator:
             # committed and reported, memory and row agree. Look again.
             await self.store.barrier()
         try:
-            await self.run(effects)
+            refused = await self.run(effects)
         except StorageError:
             if job is not None and was is not None:
                 self.apply(self.engine.cancel_not_stored(job, was))
             raise
         row = await self._row(job_id)
+        if job_id in refused:  # the row moved on behind this server's copy
+            return await self._cancel_moved_on(job_id, row)
         if outcome == "withdrawing":
             if row["state"] == "cancelled":
                 return row, True
@@ -597,7 +698,21 @@ class Coordinator:
                 raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
             await self.run(effects)
             row = await self._row(job_id)
-        return row, outcome == "cancelled"
+        return row, outcome == "cancelled" and row["state"] == "cancelled"
+
+    async def _cancel_moved_on(self, job_id: str, row: dict[str, Any]
+                               ) -> tuple[dict[str, Any], bool]:
+        """A cancel the job's row refused: another server reserved or finished the job
+        first (or the row was written directly). The cancel goes where the job runs now,
+        as for any job another server's worker holds; a finished one is not cancellable."""
+        if (self.store.shared and row["state"] == "active"
+                and await self.store.request_cancel(job_id) is not None):
+            return await self._row(job_id), False
+        if row["state"] == "cancelled":
+            return row, True
+        if row["state"] in TERMINAL_STATES:
+            raise Conflict("not_cancellable", f"job {job_id} is {row['state']}")
+        return row, False
 
     async def retry(self, job_id: str) -> dict[str, Any]:
         """Put a discarded or cancelled job back, with a fresh attempt budget."""
@@ -617,7 +732,10 @@ class Coordinator:
                 raise Conflict("not_retryable", f"job {job_id} is {row['state']}; only"
                                " discarded or cancelled jobs can be retried")
             job = job_from_row(row)
-            await self.run(self.engine.retry(job))
+            if await self.run(self.engine.retry(job)):
+                # The row moved on since it was read (another server retried it first).
+                raise Conflict("not_retryable", f"job {job_id} changed while it was being"
+                               " retried; read it again")
             self.apply(self.engine.retried(job, self.clock()))
         finally:
             self._retrying.discard(job_id)

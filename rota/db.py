@@ -273,6 +273,17 @@ def used_bytes(conn: sqlite3.Connection) -> int:
     return int(row[0])
 
 
+def rowcounts(conn: Any, sql: str, rows: list[tuple[Any, ...]]) -> list[int]:
+    """Run ``sql`` once per parameter row and say how many rows each run changed: a
+    fenced write (``UPDATE ... WHERE id = ? AND attempt = ?``) learns which rows refused
+    it, which ``executemany``'s one total cannot say. rota/pg.py's connection pipelines
+    the statements; sqlite3 runs them one by one (its statement cache makes that about
+    as fast as executemany)."""
+    if isinstance(conn, sqlite3.Connection):
+        return [conn.execute(sql, row).rowcount for row in rows]
+    return list(conn.rowcounts(sql, rows))
+
+
 @dataclass(frozen=True, slots=True)
 class Degraded:
     code: str

@@ -42,6 +42,16 @@ def duration(seconds: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def since(moment: str | None, now: float) -> str:
+    """A moment that was (an enqueue, a start, a finish) as "12 s ago": never "in …",
+    which the wall clock stepped back after the moment was stored would make it say;
+    such a moment reads "just now"."""
+    if not moment:
+        return "–"
+    delta = now - datetime.fromisoformat(moment).timestamp()
+    return f"{duration(delta)} ago" if delta >= 0 else "just now"
+
+
 def ago(moment: str | None, now: float) -> str:
     """An RFC 3339 moment as "12 s ago" (or "in 5 s") against the Unix time ``now``."""
     if not moment:

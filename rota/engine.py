@@ -57,6 +57,8 @@ MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error", "r
 # for the reconnect grace count when it lapses: their worker did not come back.)
 DEATHS = frozenset({"closed", "heartbeat_timeout"})
 RECENT_RESULTS = 10_000  # accepted results remembered, to ack a resend of one quietly
+# Why a result is rejected whose row refused it at commit (docs/protocol.md §5.1).
+ROW_REFUSED = "the job's row moved on (another attempt or server holds it, or it ended)"
 STALL = 0.1  # seconds a tick may be late before the lateness counts as a server stall
 
 
@@ -400,30 +402,92 @@ class Engine(Intake, Reservations):
 
     # -- commits ---------------------------------------------------------------------
     def committed(self, ticket: int, error: BaseException | None, now: Instant,
-                  read: Reserved | list[Job | None] | None = None) -> list[Effect]:
+                  read: Reserved | list[Job | None] | dict[str, Job | None] | None = None
+                  ) -> list[Effect]:
         """The outcome of a ``Save`` or ``Reserve`` that carried ``ticket``; ``read``: a
         reservation's claimed jobs as their rows read after it (None where a row was no
-        longer available)."""
+        longer available), or a save's changes that their rows refused (by job id, with
+        the row if it now waits: ``Store.save``)."""
         kind, payload = self._pending.pop(ticket)
+        refused = read if isinstance(read, dict) else {}
         if kind == "results":
-            return self._results_committed(ticket, payload, error, now)
+            return self._results_committed(ticket, payload, error, now, refused)
         if kind == "reserve":
             if not isinstance(read, Reserved):
-                read = Reserved(read or [])
+                read = Reserved(read if isinstance(read, list) else [])
             return self._reserve_committed(payload, error, read, now)
         # "finish": attempts ended by the server; wake whoever waits on a final state
         if error is not None:
             log.log(failure_level(error), "storing %d job transition(s) failed: %s",
                     len(payload), error)
             return []
-        self.observe.ended(payload, now.wall, reported=False)
-        return [Finished([c.job.id for c in payload if c.job.state in TERMINAL_STATES])]
+        effects = self._refused(payload, refused, "ending", now)
+        stored = [c for c in payload if c.job.id not in refused]
+        self.observe.ended(stored, now.wall, reported=False)
+        return effects + [Finished([c.job.id for c in stored if c.job.state in TERMINAL_STATES])]
+
+    def restamp(self, now: Instant) -> list[Effect]:
+        """The wall clock stepped while the server ran: write the waiting jobs' stored
+        deadlines (``run_at``, ``expires_at``) again, from their monotonic ones, on the
+        clock as it reads now, so that a restart reads them as far away as they are.
+        Only waiting jobs: a reserved one's row is written when its attempt ends, and a
+        restart gives it the reclaim grace whatever its row says."""
+        jobs = [job for job in self.scheduler.jobs.values()
+                if job.state in (JobState.SCHEDULED, JobState.RETRYABLE, JobState.AVAILABLE)
+                and (job.due is not None or job.expiry is not None)]
+        for job in jobs:
+            if job.due is not None:
+                job.run_at = now.wall_of(job.due)
+            if job.expiry is not None:
+                job.expires_at = now.wall_of(job.expiry)
+        if jobs:
+            log.info("restamped jobs=%d: their stored deadlines follow the stepped wall clock",
+                     len(jobs))
+        return [Save([Change(job) for job in jobs])] if jobs else []
+
+    def refused(self, changes: list[Change], refused: dict[str, Job | None], now: Instant
+                ) -> list[Effect]:
+        """A ``Save`` without a ticket (a cancel, a retry, jobs come due) committed, and
+        its rows refused these changes (``Store.save``): memory follows the rows."""
+        return self._refused(changes, refused, "transition", now)
+
+    def _refused(self, changes: list[Change], refused: dict[str, Job | None], what: str,
+                 now: Instant) -> list[Effect]:
+        """Changes whose rows refused them (the attempt fence, or, with several servers,
+        the holder): the row moved on behind this server's copy (another server ran
+        another attempt or took the job back, or someone wrote the row directly). The
+        copy is stale: it is forgotten, and the row, if it waits, is held as it reads."""
+        gone = [c.job for c in changes if c.job.id in refused]
+        if not gone:
+            return []
+        log_lines(log, logging.WARNING, "refused by the row job=%s spec=%s queue=%s"
+                  " worker=%s attempt=%d: the %s was not stored (its row moved on: another"
+                  " attempt or server holds it, or it ended)",
+                  [(j.id, j.spec, j.queue, j.worker_id, j.attempt, what) for j in gone])
+        for job in gone:
+            # A copy placed again before the commit (recovered: waiting, or reserved in a
+            # round since) stays: that reservation is fenced by the same row and hears
+            # that it lost (_lost_race).
+            if self.scheduler.jobs.get(job.id) is job and job.state != JobState.ACTIVE:
+                self.scheduler.finish(job)
+            row = refused[job.id]
+            if row is not None and row.id not in self.scheduler.jobs:
+                self._hold_as_read(row, now)
+        return [Wake()]
 
     def _results_committed(self, ticket: int, payload: Any, error: BaseException | None,
-                           now: Instant) -> list[Effect]:
+                           now: Instant, refused: dict[str, Job | None]) -> list[Effect]:
         worker_id, conn, seq, desired, changes, again, rejected = payload
         effects: list[Effect] = []
         accepted = list(again)
+        if error is None and refused:
+            # Turned away as a stale attempt is: nothing was stored, and the worker must
+            # not send it again (no other answer would be true).
+            effects += self._refused(changes, refused, "result", now)
+            rejected += [p.ResultRejection(job_id=c.job.id, attempt=c.job.attempt,
+                                           reason=ROW_REFUSED)
+                         for c in changes if c.job.id in refused]
+            changes = [c for c in changes if c.job.id not in refused]
         if error is not None:
             # Nothing was stored: the jobs stay reserved, and the worker hears that it may
             # report them again rather than believing they were recorded.

@@ -185,7 +185,7 @@ class Intake:
         job.move(JobState.AVAILABLE)
         job.run_at = job.due = None
         job.worker_id = None
-        return [Save([Change(job)])]
+        return [Save([Change(job, retry=True)])]
 
     def retried(self, job: Job, now: Instant | None = None) -> list[Effect]:
         """The retry's row is committed: the job waits for a worker again."""

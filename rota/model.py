@@ -35,6 +35,35 @@ class Instant(NamedTuple):
         return self.wall + (deadline - self.mono)
 
 
+class ClockReading(NamedTuple):
+    """The wall clock beside the machine's boot clock (CLOCK_BOOTTIME: seconds since it
+    booted, a suspend included), as a store keeps it from run to run."""
+
+    wall: float
+    boot: float
+    boot_id: str  # which boot ``boot`` counts from
+
+
+STEP_TOLERANCE = 1.0  # seconds of disagreement between the clocks that are no step
+
+
+def wall_step(last: ClockReading | None, now: ClockReading) -> float:
+    """How far the wall clock stepped between the last run's reading and this one,
+    beyond the time that passed (0.0: no step to speak of, or none that can be told).
+
+    On the same boot, the boot clock says exactly how much time passed, so the rest of
+    the wall clock's move is a step, either way. Across a reboot the time between is
+    unknown: a wall clock behind the last reading stepped back at least that far (taken
+    as that far); one ahead may only mean the machine was down, and is taken as that."""
+    if last is None:
+        return 0.0
+    if last.boot_id == now.boot_id:
+        step = (now.wall - last.wall) - (now.boot - last.boot)
+    else:
+        step = min(0.0, now.wall - last.wall)
+    return step if abs(step) > STEP_TOLERANCE else 0.0
+
+
 class JobState(enum.StrEnum):
     SCHEDULED = "scheduled"
     AVAILABLE = "available"
@@ -161,6 +190,7 @@ class Change:
     finished_at: float | None = None
     undo: tuple[int, int, float | None, float | None] | None = None  # see Engine._undo
     ending: str | None = None  # why an attempt did not complete (rota/policy.py Ending)
+    retry: bool = False  # an operator's retry of a finished job (any server may write it)
 
 
 @dataclass(slots=True)

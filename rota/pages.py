@@ -73,7 +73,8 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> Re
         "page": name, "path": request.url.path, "here": here(request),
         "read_only": coordinator.settings.ui_read_only,
         "auth": coordinator.tokens.required, "now": now,
-        "ago": lambda moment: display.ago(moment, now),
+        "ago": lambda moment: display.ago(moment, now),  # a moment that may be ahead
+        "since": lambda moment: display.since(moment, now),  # one that was
         "flash": unquote(request.cookies.get(FLASH, "")),
     }
     template = env.get_template(f"{name}.html")

@@ -356,6 +356,20 @@ class Connection:
                 self.raw.execute("SELECT 1")
         return Cursor(cursor)
 
+    def rowcounts(self, sql: str, seq: Iterable[Sequence[Any]]) -> list[int]:
+        """Run one statement per parameter row, pipelined as ``executemany`` does, and
+        say how many rows each changed (``db.rowcounts``: a fenced write checks each)."""
+        rows = [tuple(p) for p in seq]
+        if not rows:
+            return []
+        cursor = self.raw.cursor()
+        # returning=True keeps each statement's result, so each has its own rowcount.
+        cursor.executemany(translate(sql), rows, returning=True)  # type: ignore[arg-type]
+        counts = [cursor.rowcount]
+        while cursor.nextset():
+            counts.append(cursor.rowcount)
+        return counts
+
     @property
     def in_transaction(self) -> bool:
         return self.raw.info.transaction_status in (TransactionStatus.INTRANS,

@@ -16,7 +16,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["BATCH", "DEFAULTS", "KEPT_STATES", "Cutoff", "PruneTally", "Retention", "due",
+__all__ = ["BATCH", "DEFAULTS", "KEPT_STATES", "Cutoff", "Frame", "Frames", "PruneTally",
+           "Retention", "due",
            "format_duration", "next_pass", "parse_duration", "parse_rule"]
 
 DAY = 86400.0
@@ -115,27 +116,137 @@ class Retention:
 class Cutoff:
     """Rows in ``state`` finished before ``before`` (wall-clock seconds) are due: in
     ``queue`` only, or, when ``queue`` is None, in every queue but ``others`` (which
-    have their own rule for this state)."""
+    have their own rule for this state). ``spans``, if any, say it instead: rows whose
+    ``finished_at`` lies in one of these [from, to) ranges (the wall clock stepped while
+    the server ran: ``Frames``)."""
 
     state: str
     before: float
     queue: str | None = None
     others: tuple[str, ...] = ()
+    spans: tuple[tuple[float, float], ...] = ()
 
 
-def due(retention: Retention, now: float) -> list[Cutoff]:
+# -- the wall clock's steps while the server runs ----------------------------------------
+STEP = 1.0  # seconds the wall clock may move against the monotonic one and be no step
+MAX_FRAMES = 64  # frames kept per run; past that the two oldest merge (keeping rows longer)
+
+
+@dataclass(slots=True)
+class Frame:
+    """A stretch of the run with one wall-clock ``offset`` (wall minus monotonic), and
+    the range of the ``finished_at`` moments written in it (the first frame's reaches
+    back to every row of earlier runs)."""
+
+    offset: float
+    low: float = math.inf
+    high: float = -math.inf
+
+
+@dataclass(slots=True)
+class Frames:
+    """What retention must know of wall-clock steps (a finished job's age is judged by
+    the clock its ``finished_at`` was written with, not the one that reads it now). Pure:
+    the shell passes every ``finished_at`` it writes, with the monotonic clock then."""
+
+    frames: list[Frame] = field(default_factory=list)
+
+    def look(self, wall: float, mono: float) -> float:
+        """A reading of both clocks: the step of the wall clock it reveals (a new frame
+        begins), else 0.0. The first reading (the start) begins the first frame, which
+        claims every row stored before it."""
+        offset = wall - mono
+        if not self.frames:
+            self.frames.append(Frame(offset, -math.inf, wall))
+            return 0.0
+        step = offset - self.frames[-1].offset
+        if abs(step) <= STEP:
+            return 0.0
+        self.frames.append(Frame(offset))
+        if len(self.frames) > MAX_FRAMES:
+            first, second = self.frames[0], self.frames.pop(1)
+            first.offset = min(first.offset, second.offset)
+            first.high = max(first.high, second.high)
+        return step
+
+    def seen(self, finished: Iterable[float], wall: float, mono: float) -> float:
+        """Note ``finished_at`` moments about to be stored, with a reading of both clocks
+        taken after them (a moment read before a step and noted after it is put in the
+        new frame, which only keeps its row longer); the step this reveals, else 0.0."""
+        step = self.look(wall, mono)
+        frame = self.frames[-1]
+        for moment in finished:
+            frame.low, frame.high = min(frame.low, moment), max(frame.high, moment)
+        return step
+
+    def spans(self, seconds: float, mono: float, wall: float) -> tuple[tuple[float, float], ...]:
+        """The ``finished_at`` ranges that are due after ``seconds`` as of (``mono``,
+        ``wall``); () while no step was seen (then ``wall - seconds`` says it all).
+
+        A row written in a frame is due once ``mono - (finished_at - offset)`` reaches
+        ``seconds``. Where the frames' ranges overlap (a step back), which frame wrote
+        a row cannot be told, and it waits for the latest of their cutoffs: kept a
+        little long, never deleted early. A row no frame wrote (another program's) is
+        judged by the clock now."""
+        if len(self.frames) < 2:
+            return ()
+        claims = [(f.low, f.high, mono + f.offset - seconds) for f in self.frames
+                  if f.low <= f.high]
+        now_cut = wall - seconds
+
+        def due_at(at: float) -> bool:
+            return at < min([cut for low, high, cut in claims if low <= at <= high]
+                            or [now_cut])
+
+        edges = sorted({-math.inf, math.inf, now_cut, *(
+            x for claim in claims for x in claim if math.isfinite(x))})
+        pieces: list[tuple[float, float]] = []
+        for start, end in zip(edges, edges[1:]):
+            after = math.nextafter(start, math.inf)
+            if math.isfinite(start) and due_at(start):  # the edge itself (a row's moment)
+                pieces.append((start, after))
+            if due_at(_inside(start, end)):
+                pieces.append((after if math.isfinite(start) else start, end))
+        spans: list[tuple[float, float]] = []
+        for low, high in pieces:
+            if spans and spans[-1][1] >= low:
+                spans[-1] = (spans[-1][0], high)
+            else:
+                spans.append((low, high))
+        return tuple(spans)
+
+
+def _inside(start: float, end: float) -> float:
+    """A point strictly between two edges (one of them may be infinite)."""
+    if math.isinf(start):
+        return end - 1.0
+    if math.isinf(end):
+        return start + 1.0
+    return (start + end) / 2
+
+
+def due(retention: Retention, now: float, frames: Frames | None = None,
+        mono: float = 0.0) -> list[Cutoff]:
     """What is due for deletion at wall-clock ``now``: one cutoff per (state, rule)
-    with a finite retention, in KEPT_STATES order (the shell prunes them in turn)."""
+    with a finite retention, in KEPT_STATES order (the shell prunes them in turn).
+    ``frames`` (with the monotonic ``mono`` of ``now``): the wall clock's steps while
+    the server ran, which each cutoff's spans allow for."""
     cutoffs: list[Cutoff] = []
+
+    def cutoff(state: str, seconds: float, queue: str | None, others: tuple[str, ...] = ()
+               ) -> Cutoff:
+        spans = () if frames is None else frames.spans(seconds, mono, now)
+        return Cutoff(state, now - seconds, queue, others, spans)
+
     for state in KEPT_STATES:
         own = tuple(sorted(q for q, rules in retention.queues.items() if state in rules))
         seconds = retention.default.get(state)
         if seconds is not None:
-            cutoffs.append(Cutoff(state, now - seconds, None, own))
+            cutoffs.append(cutoff(state, seconds, None, own))
         for queue in own:
             seconds = retention.queues[queue][state]
             if seconds is not None:
-                cutoffs.append(Cutoff(state, now - seconds, queue))
+                cutoffs.append(cutoff(state, seconds, queue))
     return cutoffs
 
 

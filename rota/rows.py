@@ -29,6 +29,7 @@ class Snapshot:
     last_seq: int  # the highest row id
     retired: dict[str, float]  # retired specs: when (wall)
     paused: frozenset[str] = frozenset()  # paused queues (POST /queues/{name}/pause)
+    clock_step: float = 0.0  # the wall clock's step since the last run, undone in the rows
 
 
 

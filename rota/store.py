@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 import socket
 import sqlite3
@@ -27,7 +28,8 @@ from rota import db, fleet, lookup, pg
 from rota.errors import Conflict, StorageError
 from rota.listing import JobFilter, decode_cursor
 from rota.effects import Reserved
-from rota.model import JOB_STATES, WAITING_STATES, Change, Job, StatusNote
+from rota.model import (JOB_STATES, WAITING_STATES, Change, ClockReading, Job, StatusNote,
+                        wall_step)
 from rota.protocol import rfc3339
 from rota.ready import Claim
 from rota.retention import Cutoff
@@ -35,6 +37,8 @@ from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, other
                        read_status_quo, take_over_rows, waiting_rows)
 from rota.specs import JobSpec
 from rota.views import job_view
+
+log = logging.getLogger("rota.server")
 
 __all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "job_from_row",
            "create_token", "list_tokens", "revoke_token", "token_view"]  # (Snapshot, job_from_row: rota/rows.py)
@@ -105,16 +109,26 @@ class Store:
         return str(self.path) if self.database_url is None else pg.redact(self.database_url)
 
     # -- lifecycle (startup runs in a thread, before the server takes traffic) ----
-    def load(self) -> Snapshot:
+    def load(self, reading: ClockReading | None = None) -> Snapshot:
+        """What a start takes in. ``reading``: the clocks now, checked against the last
+        run's (``_undo_step``) before anything is read."""
         conn = _open(self.path if self.database_url is None else self.database_url)
         try:
             self.writer.used_bytes = (db.used_bytes(conn) if self.database_url is None
                                       else pg.used_bytes(conn))
             if self.shared:
                 self._register(conn)
-            return load(conn, self.server_id if self.shared else None)
+            step = 0.0 if reading is None or self.shared else _undo_step(conn, reading)
+            snapshot = load(conn, self.server_id if self.shared else None)
+            snapshot.clock_step = step
+            return snapshot
         finally:
             conn.close()
+
+    def note_clock(self, reading: ClockReading) -> asyncio.Future[None]:
+        """Keep the clocks' reading for the next start (``_undo_step``)."""
+        value = msgspec.json.encode(tuple(reading)).decode()
+        return self.writer.submit(lambda conn: _keep_reading(conn, value))
 
     def _register(self, conn: sqlite3.Connection) -> None:
         """Hold this server's lease before reading the snapshot: a server recovering
@@ -243,22 +257,33 @@ class Store:
 
         return self.writer.submit(op)
 
-    def save(self, changes: list[Change]) -> asyncio.Future[None]:
+    def save(self, changes: list[Change]) -> asyncio.Future[dict[str, Job | None]]:
         """Commit job transitions. Values are taken now: the job may change again before
-        the writer runs, and FIFO order then keeps the later write last."""
+        the writer runs, and FIFO order then keeps the later write last.
+
+        Each is fenced by its row (_SAVE): the outcome names the changes the row refused
+        (another attempt, server or direct write moved it on), each with the row as it
+        now waits (None: it does not wait, or is gone), so that the engine turns the
+        result away and holds what the row says instead."""
         rows = [_change_row(c) for c in changes]
         # Jobs that wait again (retried, back from a worker, due): every server may give
-        # them out, so every server hears of them.
-        waiting = [str(c.job.seq) for c in changes if c.job.state in WAITING_STATES] \
-            if self.shared else []
+        # them out, so every server hears of them (of the writes the rows took).
+        keys = [(c.job.id, c.job.seq, c.job.state in WAITING_STATES) for c in changes]
 
         if self.shared:  # and only from the server whose worker holds the job, if any
-            rows = [(*row, self.server_id) for row in rows]
+            rows = [(*row, self.server_id, int(c.retry)) for row, c in zip(rows, changes)]
 
-        def op(conn: sqlite3.Connection) -> None:
-            conn.executemany(_SAVE_SHARED if self.shared else _SAVE, rows)
-            if waiting:
+        def op(conn: sqlite3.Connection) -> dict[str, Job | None]:
+            counts = db.rowcounts(conn, _SAVE_SHARED if self.shared else _SAVE, rows)
+            refused = [(job_id, seq) for (job_id, seq, _), n in zip(keys, counts) if n == 0]
+            waiting = [str(seq) for (_, seq, waits), n in zip(keys, counts) if waits and n]
+            if waiting and self.shared:
                 fleet.notify(conn, fleet.JOBS, self.server_id or "", waiting)
+            if not refused:
+                return {}
+            found = {job.id: job for job in map(live_job, waiting_rows(
+                conn, [seq for _, seq in refused if seq]))}
+            return {job_id: found.get(job_id) for job_id, _ in refused}
 
         return self.writer.submit(op)
 
@@ -275,6 +300,8 @@ class Store:
                 if left <= 0:
                     break
                 sql, params = _DUE, [cut.state, cut.before]
+                if cut.spans:  # the wall clock stepped while the server ran
+                    sql, params = _due_in(cut.spans), [cut.state, *_bounds(cut.spans)]
                 if cut.queue is not None:
                     sql, params = sql + " AND queue = ?", [*params, cut.queue]
                 elif cut.others:
@@ -619,7 +646,63 @@ _SAVE = (
 # whose copy of the job is stale (another one reserved it since) changes nothing.
 # Servers sharing a database (rota/fleet.py) also fence on the holder: a job another
 # server took over from this one (its worker moved there) is not this one's to change.
-_SAVE_SHARED = _SAVE + " AND (server_id IS NULL OR server_id = ?)"
+# A retry is any server's to write, but only of a row still discarded or cancelled (a
+# finished row keeps its last holder, for the audit).
+_SAVE_SHARED = _SAVE + (" AND (server_id IS NULL OR server_id = ?"
+                        " OR (? = 1 AND state IN ('discarded', 'cancelled')))")
+
+
+# A wall-clock step between runs, undone in the live rows' stored moments (deadlines, and
+# the enqueue and reservation times beside them): each deadline is again as far away as
+# the last run left it. Rows with no deadline (plain waiting jobs, finished ones) keep
+# theirs: shown, never judged by.
+_SHIFT = (
+    "UPDATE jobs SET run_at = run_at + ?, expires_at = expires_at + ?,"
+    " lease_expires_at = lease_expires_at + ?, enqueued_at = enqueued_at + ?,"
+    " reserved_at = reserved_at + ?"
+    " WHERE state IN ('scheduled', 'available', 'retryable', 'active')"
+    " AND (run_at IS NOT NULL OR expires_at IS NOT NULL OR lease_expires_at IS NOT NULL)"
+)
+
+
+def _due_in(spans: Sequence[tuple[float, float]]) -> str:
+    """_DUE for rows finished within any of these [from, to) spans."""
+    terms = [("finished_at < ?" if math.isinf(low) else "(finished_at >= ? AND finished_at < ?)")
+             for low, _ in spans]
+    return "SELECT rowid, id FROM jobs WHERE state = ? AND (" + " OR ".join(terms) + ")"
+
+
+def _bounds(spans: Sequence[tuple[float, float]]) -> list[float]:
+    return [x for low, high in spans for x in ((high,) if math.isinf(low) else (low, high))]
+
+
+def _undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
+    """Compare the clocks now with the last run's reading (one server per file: its
+    own); shift the live rows' deadlines by a step found (model.wall_step); keep the
+    reading. The step, 0.0 if none."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'clock'").fetchone()
+    try:
+        last = None if row is None else ClockReading(
+            *msgspec.json.decode(row[0], type=tuple[float, float, str]))
+    except msgspec.DecodeError:
+        last = None  # unreadable: as if there were none
+    step = wall_step(last, reading)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        if step:
+            conn.execute(_SHIFT, (step,) * 5)
+        _keep_reading(conn, msgspec.json.encode(tuple(reading)).decode())
+        conn.execute("COMMIT")
+    except sqlite3.Error as exc:  # a full or read-only disk: start as before, unshifted
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        log.warning("the clock reading could not be checked at start: %s", exc)
+        return 0.0
+    return step
+
+
+def _keep_reading(conn: sqlite3.Connection, value: str) -> None:
+    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('clock', ?)", (value,))
 
 
 def _insert_row(job: Job) -> tuple[Any, ...]:

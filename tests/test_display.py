@@ -33,6 +33,13 @@ def test_ago_and_in():
     assert display.ago(None, 0) == "–"
 
 
+def test_a_moment_that_was_never_reads_as_ahead():
+    """A wall clock stepped back after the moment was stored puts it ahead of now."""
+    assert display.since("2026-01-01T00:00:10.000Z", 1767225620.0) == "10.0 s ago"
+    assert display.since("2026-01-01T02:00:00.000Z", 1767225600.0) == "just now"
+    assert display.since(None, 0) == "–"
+
+
 def test_pretty_takes_stored_json_as_it_is():
     assert display.pretty(msgspec.Raw(b'{"a":[1,2]}')) == '{\n  "a": [\n    1,\n    2\n  ]\n}'
     assert display.pretty("é") == '"é"'

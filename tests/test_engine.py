@@ -15,9 +15,10 @@ import pytest
 from rota import protocol as p
 from rota.auth import OPEN, Principal
 from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake, Withdraw
-from rota.engine import Engine
+from rota.engine import ROW_REFUSED, Engine
 from rota.jobs import EnqueueRequest
-from rota.model import Instant, InvalidTransition, Job, JobState, Limits
+from rota.observe import COMPLETED
+from rota.model import ClockReading, Instant, InvalidTransition, Job, JobState, Limits, wall_step
 from rota.reservations import PAUSE_AFTER_FAILED_ROUND
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, RetryPolicy, checksum
@@ -230,6 +231,81 @@ def test_a_failed_commit_keeps_the_job_and_asks_for_the_result_again(engine, clo
     assert job.state == JobState.ACTIVE and job.worker_id == "w1"
 
 
+def test_a_result_its_row_refused_is_rejected_forgotten_and_not_counted(engine, clock, caplog):
+    """The row moved on behind this server (another server ran attempt 2, or it was
+    written directly): the commit's outcome names the result refused, and the ack says
+    rejected; nothing is counted, remembered or logged as completed."""
+    connect(engine, clock)
+    enqueue(engine, clock, 2)
+    first, second = assign(engine, clock)
+    effects = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(first), done(second)]),
+                               clock())
+    [save] = of(Save, effects)
+    with caplog.at_level(logging.INFO, logger="rota.server"):
+        after = engine.committed(save.ticket, None, clock(), {first["id"]: None})
+    [ack] = sent(after)
+    assert ack["accepted"] == [second["id"]]
+    assert ack["rejected"] == [{"job_id": first["id"], "attempt": 1, "reason": ROW_REFUSED}]
+    assert [f.job_ids for f in of(Finished, after)] == [[second["id"]]]
+    assert first["id"] not in engine.scheduler.jobs
+    assert [totals[COMPLETED] for totals in completed_counts(engine).values()] == [1]
+    completed = [r.getMessage() for r in caplog.records if "outcome=completed" in r.getMessage()]
+    assert completed and all(first["id"] not in line for line in completed)
+    assert any("refused by the row job=" + first["id"] in r.getMessage()
+               for r in caplog.records)
+    # A resend of it is no "stored already": it was never stored.
+    [ack] = sent(engine.heartbeat(1, "w1", hb("w1", 2, results=[done(first)]), clock()))
+    assert ack["rejected"][0]["reason"] == "unknown job, or it already finished"
+
+
+def test_a_refused_result_whose_row_waits_again_is_held_as_the_row_reads(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, ttl=3600)
+    [copy] = assign(engine, clock)
+    [save] = of(Save, engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock()))
+    stale = engine.scheduler.jobs[copy["id"]]
+    row = Job(id=copy["id"], spec="echo", queue="default", args=msgspec.Raw(b"{}"),
+              priority=0, enqueued_at=clock.wall, seq=stale.seq, limits=stale.limits,
+              state=JobState.AVAILABLE, attempt=2, expires_at=clock.wall + 3600)
+    engine.committed(save.ticket, None, clock(), {copy["id"]: row})
+    held = engine.scheduler.jobs[copy["id"]]
+    assert held is row and held.state == JobState.AVAILABLE and held.attempt == 2
+    assert [j["attempt"] for j in assign(engine, clock)] == [3]
+
+
+def test_an_ending_its_row_refused_is_not_counted_and_the_copy_is_let_go(engine, clock):
+    connect(engine, clock)
+    enqueue(engine, clock, ttl=3600)
+    [copy] = assign(engine, clock)
+    effects = engine.disconnect(1, "w1", "closed", clock())  # its attempt ends here
+    [save] = of(Save, effects)
+    assert engine.scheduler.jobs[copy["id"]].state != JobState.ACTIVE
+    before = completed_counts(engine)
+    after = engine.committed(save.ticket, None, clock(), {copy["id"]: None})
+    assert not [f for f in of(Finished, after) if f.job_ids]
+    assert completed_counts(engine) == before
+    assert copy["id"] not in engine.scheduler.jobs
+
+
+def test_a_cancel_its_row_refused_leaves_memory_as_the_row_says(engine, clock):
+    """A waiting job held whole is cancelled here, but the row had moved on (another
+    server retried it: attempt 2, waiting): memory holds the row's job, not a cancel."""
+    [job] = enqueue(engine, clock, ttl=3600)
+    outcome, effects = engine.cancel(job.id, clock())
+    [save] = of(Save, effects)
+    assert outcome == "cancelled" and save.ticket is None and job.id not in engine.scheduler.jobs
+    row = Job(id=job.id, spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
+              enqueued_at=clock.wall, seq=job.seq, limits=job.limits,
+              state=JobState.AVAILABLE, attempt=2, expires_at=clock.wall + 3600)
+    assert of(Wake, engine.refused(save.changes, {job.id: row}, clock()))
+    assert engine.scheduler.jobs[job.id] is row
+
+
+def completed_counts(engine: Engine) -> dict[tuple[str, str], list[int]]:
+    return {(queue, spec): list(series.totals) for queue, spec, series
+            in engine.observe.totals()}
+
+
 # -- leases and liveness --------------------------------------------------------------
 def test_a_lease_lapses_without_heartbeats_and_the_job_goes_back(engine, clock):
     connect(engine, clock)
@@ -251,6 +327,29 @@ def test_a_silent_worker_is_dropped_after_the_heartbeat_timeout(engine, clock):
     effects = run_for(engine, clock, 1.0)
     assert [a.code for a in of(Abort, effects)] == ["heartbeat_timeout"]
     assert "w1" not in engine.connections
+
+
+def test_a_wall_clock_step_between_runs_is_told_from_the_time_that_passed():
+    last = ClockReading(wall=1_800_000_000.0, boot=500.0, boot_id="b1")
+    # Same boot: the boot clock says how long the server was down; the rest is a step.
+    assert wall_step(last, ClockReading(last.wall + 7200 + 60, 560.0, "b1")) == 7200
+    assert wall_step(last, ClockReading(last.wall - 7200 + 60, 560.0, "b1")) == -7200
+    assert wall_step(last, ClockReading(last.wall + 60.4, 560.0, "b1")) == 0.0  # no step
+    # Rebooted: how long it was down is unknown. Ahead is taken as downtime; behind the
+    # last reading is a step back at least that far.
+    assert wall_step(last, ClockReading(last.wall + 7200, 30.0, "b2")) == 0.0
+    assert wall_step(last, ClockReading(last.wall - 7200, 30.0, "b2")) == -7200
+    assert wall_step(None, last) == 0.0  # a first start
+
+
+def test_after_a_step_the_waiting_jobs_deadlines_are_written_on_the_new_clock(engine, clock):
+    [later] = enqueue(engine, clock, delay=3600)
+    [short] = enqueue(engine, clock, spec="boom", ttl=600)  # (ids go by spec)
+    stored = (later.run_at, short.expires_at)
+    [save] = of(Save, engine.restamp(clock.step(-7200)))
+    assert {c.job.id for c in save.changes} == {later.id, short.id}
+    assert (later.run_at, short.expires_at) == (stored[0] - 7200, stored[1] - 7200)
+    assert later.due is not None and clock.mono + 3599 < later.due <= clock.mono + 3600
 
 
 def test_a_wall_clock_step_either_way_cancels_nothing(engine, clock):

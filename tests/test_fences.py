@@ -5,22 +5,26 @@ trip; with several sharing a database they keep each job in one reservation at a
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import store_url
+from conftest import Live, open_store, store_url, write_spec
 
+from rota.engine import ROW_REFUSED
 from rota.model import Change, Job, JobState, shared_limits
 from rota.ready import Claim
 from rota.ready import WorkerSlot
 from rota.store import Store
 
+pytestmark = pytest.mark.both_backends
+
 
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    store = Store(tmp_path / "rota.db", server_id="a")
+    store = Store(tmp_path / "rota.db", server_id="a", database_url=store_url(tmp_path))
     await asyncio.to_thread(store.load)
     store.start(asyncio.get_running_loop())
     yield store
@@ -57,11 +61,11 @@ async def test_a_transition_from_a_stale_attempt_changes_nothing(store: Store):
     await store.reserve([held], 2.0)
     stale = reserved_copy(new_job("j"), row["rowid"], "w0", 0)  # before the reservation
     stale.state = JobState.COMPLETED
-    await store.save([Change(stale, result=b'"old"', finished_at=3.0)])
+    assert await store.save([Change(stale, result=b'"old"', finished_at=3.0)]) == {"j": None}
     stored = await store.get_job("j")
     assert stored is not None and stored["state"] == "active" and stored["result"] is None
     held.state = JobState.COMPLETED
-    await store.save([Change(held, result=b'"new"', finished_at=3.0)])
+    assert await store.save([Change(held, result=b'"new"', finished_at=3.0)]) == {}
     stored = await store.get_job("j")
     assert stored is not None and (stored["state"], stored["result"]) == ("completed", '"new"')
     assert stored["server_id"] == "a"  # kept for the audit: which server's worker ran it
@@ -108,22 +112,10 @@ async def test_after_a_lapsed_lease_the_jobs_still_this_servers_are_kept(store: 
         assert stored is not None and (stored["worker_id"], stored["attempt"]) == ("w9", 2)
 
 
-@pytest.fixture
-async def either_store(tmp_path: Path) -> AsyncIterator[Store]:
-    """The store on the test's backend (both_backends): SQLite, or PostgreSQL."""
-    store = Store(tmp_path / "rota.db", server_id="a", database_url=store_url(tmp_path))
-    await asyncio.to_thread(store.load)
-    store.start(asyncio.get_running_loop())
-    yield store
-    await asyncio.to_thread(store.close)
-
-
-@pytest.mark.both_backends
-async def test_a_worker_id_takes_over_only_its_own_tokens_reservations(either_store: Store):
+async def test_a_worker_id_takes_over_only_its_own_tokens_reservations(store: Store):
     """A job's row keeps the token its worker connected with (a whole job's reservation
     and a claim alike), and a take-over from another server is fenced on it: a worker
     id registered by another token takes nothing (issue 20, item 3)."""
-    store = either_store
     rows = [(await store.enqueue([new_job(name)]))[0][0] for name in ("whole", "claimed")]
     whole = reserved_copy(new_job("whole"), rows[0]["rowid"], "w1", 1)
     whole.worker_token = "tok-a"
@@ -145,3 +137,127 @@ async def test_a_worker_id_takes_over_only_its_own_tokens_reservations(either_st
     assert sorted((j.id, j.worker_token) for j in taken) == [("claimed", "tok-a"),
                                                              ("whole", "tok-a")]
     assert others == set()
+
+
+async def test_a_save_names_each_change_its_row_refused_and_how_the_row_waits(store: Store):
+    """Of one batch, a change whose row moved on (completed elsewhere at attempt 2; made
+    to wait again at attempt 2; deleted) is named, with the row if it waits; the others
+    are stored."""
+    seqs: dict[str, int] = {}
+    for name in ("kept", "done_elsewhere", "waits_again", "deleted"):
+        [(row, _)] = await store.enqueue([new_job(name)])
+        seqs[name] = row["rowid"]
+    held = {name: reserved_copy(new_job(name), seq, "w1", 1) for name, seq in seqs.items()}
+    await store.reserve(list(held.values()), 2.0)
+
+    def behind(conn: object) -> None:
+        run = conn.execute  # type: ignore[attr-defined]
+        run("UPDATE jobs SET state = 'completed', attempt = 2, worker_id = 'w9',"
+            " result = '\"theirs\"' WHERE id = 'done_elsewhere'")
+        run("UPDATE jobs SET state = 'available', attempt = 2, worker_id = NULL,"
+            " server_id = NULL WHERE id = 'waits_again'")
+        run("DELETE FROM jobs WHERE id = 'deleted'")
+
+    await store.writer.submit(behind)
+    for job in held.values():
+        job.state = JobState.COMPLETED
+    refused = await store.save([Change(job, result=b'"mine"', finished_at=3.0)
+                                for job in held.values()])
+    assert sorted(refused) == ["deleted", "done_elsewhere", "waits_again"]
+    assert refused["done_elsewhere"] is None and refused["deleted"] is None
+    again = refused["waits_again"]
+    assert again is not None and (again.state, again.attempt) == (JobState.AVAILABLE, 2)
+    rows = {name: await store.get_job(name) for name in seqs}
+    assert (rows["kept"] or {}).get("result") == '"mine"'
+    assert [(rows["done_elsewhere"] or {}).get(k) for k in ("state", "attempt", "result")] \
+        == ["completed", 2, '"theirs"']
+    assert (rows["waits_again"] or {}).get("state") == "available"
+
+
+async def test_a_result_the_row_refuses_is_acked_rejected_on_a_live_server(
+        live: Live, connect, tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """issue 20 item 2: the row was completed behind this server's back (by another
+    server, or by hand) at attempt 2; the worker's result for attempt 1 arrives. The ack
+    says rejected, the row is unchanged, nothing is logged or counted as completed, and
+    the server keeps serving the worker."""
+    spec = write_spec(tmp_path, "echo")
+    await live.push(spec)
+    worker = await connect()
+    await worker.register([spec], concurrency=2)
+    job = await live.enqueue("echo")
+    [copy] = await worker.jobs(1)
+    assert copy["attempt"] == 1
+    conn = open_store(tmp_path)
+    try:
+        conn.execute("UPDATE jobs SET state = 'completed', attempt = 2, worker_id = 'other',"
+                     " result = '\"theirs\"', finished_at = 1.0 WHERE id = ?", (job["id"],))
+    finally:
+        conn.close()
+    with caplog.at_level(logging.INFO, logger="rota.server"):
+        ack = await worker.complete(copy, result="mine")
+    assert ack.get("accepted", []) == []
+    assert ack["rejected"] == [{"job_id": job["id"], "attempt": 1, "reason": ROW_REFUSED}]
+    row = await live.job(job["id"])
+    assert (row["state"], row["attempt"], row["worker_id"], row["result"]) == \
+        ("completed", 2, "other", "theirs")
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [line for line in lines if "outcome=completed" in line]
+    assert [line for line in lines if f"refused by the row job={job['id']}" in line]
+    series = (await live.http.get("/stats?minutes=5")).json()["series"]
+    assert sum(sum(s["completed"]) for s in series) == 0
+    # The server forgot its stale copy and serves the worker on: the next job completes.
+    second = await live.enqueue("echo")
+    [copy] = await worker.jobs(1)
+    assert (await worker.complete(copy, result=2))["accepted"] == [second["id"]]
+    assert (await live.wait_state(second["id"], "completed"))["result"] == 2
+
+
+async def test_a_retry_is_any_servers_to_write_and_an_ending_only_the_holders(store: Store):
+    """A finished row keeps the server whose worker ran it (for the audit): another
+    server's ending of it is refused, but its retry by an operator there is stored."""
+    [(row, _)] = await store.enqueue([new_job("j")])
+
+    def ran_on_b(conn: object) -> None:
+        conn.execute("UPDATE jobs SET state = 'discarded', attempt = 1, worker_id = 'w9',"  # type: ignore[attr-defined]
+                     " server_id = 'b', finished_at = 3.0 WHERE id = 'j'")
+
+    await store.writer.submit(ran_on_b)
+    ending = reserved_copy(new_job("j"), row["rowid"], "w1", 1)
+    ending.state = JobState.RETRYABLE
+    expected = {"j": None} if store.shared else {}  # one server per SQLite file: no holder
+    assert await store.save([Change(ending)]) == expected
+    if store.shared:
+        assert (await store.get_job("j") or {}).get("state") == "discarded"
+    retry = reserved_copy(new_job("j"), row["rowid"], "w1", 1)
+    retry.state, retry.worker_id, retry.budget_start = JobState.AVAILABLE, None, 1
+    assert await store.save([Change(retry, retry=True)]) == {}
+    stored = await store.get_job("j")
+    assert stored is not None and (stored["state"], stored["server_id"]) == ("available", None)
+
+
+async def test_a_cancel_the_row_refuses_is_not_answered_as_done(live: Live, tmp_path: Path,
+                                                                backend: str):
+    """A waiting job this server holds whole is cancelled, but its row moved on behind
+    the server: finished elsewhere, the cancel is refused (409); on PostgreSQL, reserved
+    by another server's worker, the cancel is passed on to that server (202)."""
+    await live.push(write_spec(tmp_path, "echo"))
+    for job_id in ("finished-elsewhere", "running-elsewhere"):
+        await live.enqueue("echo", id=job_id, ttl=3600)  # held whole (a time to live)
+    conn = open_store(tmp_path)
+    try:
+        conn.execute("UPDATE jobs SET state = 'completed', attempt = 1, worker_id = 'w9',"
+                     " finished_at = 1.0 WHERE id = 'finished-elsewhere'")
+        conn.execute("UPDATE jobs SET state = 'active', attempt = 1, worker_id = 'w9',"
+                     " server_id = 'other' WHERE id = 'running-elsewhere'")
+    finally:
+        conn.close()
+    response = await live.http.delete("/jobs/finished-elsewhere")
+    assert response.status_code == 409, response.text
+    assert response.json()["error"]["code"] == "not_cancellable"
+    assert (await live.job("finished-elsewhere"))["state"] == "completed"
+    response = await live.http.delete("/jobs/running-elsewhere")
+    assert response.status_code == 202, response.text
+    row = await live.job("running-elsewhere")
+    assert row["state"] == "active"
+    if backend == "postgres":  # the server that holds it hears the cancel
+        assert row["cancel_requested"] is True

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -395,6 +396,16 @@ async def test_a_job_that_crashes_worker_processes_is_quarantined_after_three(tm
 
 
 # -- 3. a wall-clock step -----------------------------------------------------------------
+async def echo_worker(serve: ServeProcess, tmp_path: Path, concurrency: int = 1) -> RawWorker:
+    """The echo spec pushed, and a raw worker registered for it (the caller closes it)."""
+    echo = write_spec(tmp_path / "specs", "echo")
+    await serve.push(echo)
+    worker = RawWorker(await websockets.connect(serve.ws), "w1")
+    await worker.register([echo], concurrency=concurrency)
+    return worker
+
+
+
 async def test_a_wall_clock_step_cancels_no_running_job(serve: ServeProcess, tmp_path: Path):
     if LIBFAKETIME is None:
         pytest.fail("libfaketime.so.1 is missing: apt-get install faketime")
@@ -410,12 +421,9 @@ async def test_a_wall_clock_step_cancels_no_running_job(serve: ServeProcess, tmp
         "FAKETIME_NO_CACHE": "1",  # read the file at every call: a step takes effect at once
         # monotonic time stays real, as under a real NTP step (both spellings of the switch)
         "FAKETIME_DONT_FAKE_MONOTONIC": "1", "DONT_FAKE_MONOTONIC": "1"})
-    echo = write_spec(tmp_path / "specs", "echo")
-    await serve.push(echo)
-    ws = await websockets.connect(serve.ws)
+    worker = await echo_worker(serve, tmp_path)
+    ws = worker.ws
     try:
-        worker = RawWorker(ws, "w1")
-        await worker.register([echo], concurrency=1)
         await serve.enqueue("echo", {"n": 1}, id="steady", visibility_timeout=2)
         [copy] = await worker.jobs(1)
         assert (copy["attempt"], copy["visibility_timeout"]) == (1, 2.0)
@@ -453,6 +461,122 @@ async def test_a_wall_clock_step_cancels_no_running_job(serve: ServeProcess, tmp
         assert (job["state"], job["attempt"], job["errors"]) == ("completed", 1, []), job
     finally:
         await ws.close()
+
+
+def faketime_env(tmp_path: Path, offset: str) -> dict[str, str]:
+    """The environment of a ``rota serve`` whose wall clock is real time plus ``offset``
+    (monotonic and boot clocks left real, as under a real NTP step)."""
+    if LIBFAKETIME is None:
+        pytest.fail("libfaketime.so.1 is missing: apt-get install faketime")
+    (tmp_path / "faketime.rc").write_text(f"{offset}\n")
+    return {"LD_PRELOAD": str(LIBFAKETIME),
+            "FAKETIME_TIMESTAMP_FILE": str(tmp_path / "faketime.rc"),
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1", "DONT_FAKE_MONOTONIC": "1"}
+
+
+async def test_a_wall_clock_step_across_a_restart_moves_no_deadline(serve: ServeProcess,
+                                                                    tmp_path: Path):
+    """The server stops; its machine's wall clock steps 2 h ahead (NTP, by hand) before
+    it starts again. A delayed job does not run at once and a job with a time to live is
+    not discarded: each is as far away as the last run left it (issue 20)."""
+    await serve.start(env=faketime_env(tmp_path, "+0"))
+    echo = write_spec(tmp_path / "specs", "echo")
+    await serve.push(echo)
+    await serve.enqueue("echo", id="later", delay=3600)
+    await serve.enqueue("echo", id="short-lived", ttl=3600)
+    before = {job_id: await serve.job(job_id) for job_id in ("later", "short-lived")}
+    serve.signal(signal.SIGTERM)
+    assert serve.proc is not None and await asyncio.wait_for(serve.proc.wait(), 15) == 0
+
+    await serve.start(env=faketime_env(tmp_path, "+2h"))
+
+    def moved() -> list[str]:
+        return [job_id for job_id, job in jobs.items()
+                if job["state"] != before[job_id]["state"]]
+
+    jobs: dict[str, dict[str, Any]] = {}
+
+    async def look() -> list[str]:
+        jobs.update({job_id: await serve.job(job_id) for job_id in before})
+        return moved()
+
+    # The timers look at once at start (and at least once a second): 2 s is plenty.
+    await never(look, within=2.0, what="a job whose deadline the step moved")
+    later = await serve.job("later")
+    # Stored on the new clock now: still about an hour ahead of it.
+    ahead = wall_clock(later["run_at"]) - (time.time() + 7200)
+    assert 3000 < ahead <= 3600, ahead
+    ws = await websockets.connect(serve.ws)
+    try:  # and the job with a time to live is still there to run
+        worker = RawWorker(ws, "w1")
+        await worker.register([echo], concurrency=2)
+        [copy] = await worker.jobs(1)
+        assert copy["id"] == "short-lived"
+        await worker.assert_no_assign(within=0.5)  # "later" waits its hour
+    finally:
+        await ws.close()
+    assert "wall clock stepped +72" in serve.log.read_text()  # +7200 s, give or take
+
+
+@pytest.mark.parametrize("seen", [True, False], ids=["seen", "stopped-before-seen"])
+async def test_a_wall_clock_step_while_running_then_a_restart_moves_no_deadline(
+        serve: ServeProcess, tmp_path: Path, seen: bool):
+    """The wall clock steps 2 h back while the server runs, and the server restarts
+    later: the delayed job's stored run_at was written again on the new clock (or, if
+    the server stopped before it saw the step, the restart sees it), so the restart
+    still finds it an hour away (not three)."""
+    env = faketime_env(tmp_path, "+0")
+    env["FAKETIME_NO_CACHE"] = "1"  # read the file at every call: a step takes effect at once
+    await serve.start(env=env)
+    await serve.push(write_spec(tmp_path / "specs", "echo"))
+    await serve.enqueue("echo", id="later", delay=3600)
+    (tmp_path / "faketime.new").write_text("-2h\n")
+    os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
+    if seen:
+        await wait_until(lambda: "restamped jobs=1" in serve.log.read_text(), timeout=15.0,
+                         what="the server to see the step (it looks every 5 s)")
+    serve.signal(signal.SIGTERM)
+    assert serve.proc is not None and await asyncio.wait_for(serve.proc.wait(), 15) == 0
+    restamped = "restamped jobs=1" in serve.log.read_text()
+    await serve.start(env=env)
+    # Seen while it ran, or, stopped first, at the start (the log is the new run's).
+    assert restamped or "wall clock stepped -72" in serve.log.read_text()
+    later = await serve.job("later")
+    ahead = wall_clock(later["run_at"]) - (time.time() - 7200)
+    assert later["state"] == "scheduled" and 3000 < ahead <= 3600, (later, ahead)
+
+
+async def test_after_a_step_back_retention_is_on_time_and_nothing_shows_ahead(
+        serve: ServeProcess, tmp_path: Path):
+    """The wall clock steps 2 h back while the server runs: a completed job is still
+    deleted once its retention has passed (not 2 h later), and the dashboard shows no
+    past moment as "in 2 h" (issue 20)."""
+    env = faketime_env(tmp_path, "+0")
+    env["FAKETIME_NO_CACHE"] = "1"  # read the file at every call: a step takes effect at once
+    await serve.start("--retain-completed", "4s", env=env)
+    worker = await echo_worker(serve, tmp_path)
+    try:
+        await serve.enqueue("echo", id="done")
+        [copy] = await worker.jobs(1)
+        assert (await worker.complete(copy))["accepted"] == ["done"]
+    finally:
+        await worker.ws.close()
+    waiting = await serve.http.post("/jobs", json={"spec": "echo", "id": "waiting",
+                                                   "queue": "nobody"})
+    assert waiting.status_code == 201, waiting.text
+    (tmp_path / "faketime.new").write_text("-2h\n")
+    os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
+    finished = time.monotonic()
+
+    async def gone() -> bool:
+        return (await serve.http.get("/jobs/done")).status_code == 404
+
+    await wait_until(gone, timeout=20.0, what="the completed job deleted after 4 s")
+    assert time.monotonic() - finished < 20.0
+    page = (await serve.http.get("/ui/jobs/waiting")).text
+    enqueued = re.search(r"<dt>Enqueued</dt><dd[^>]*>([^<]*)</dd>", page)
+    assert enqueued is not None and enqueued[1] == "just now", page[:2000]
+    assert "wall clock stepped -7" in serve.log.read_text()
 
 
 # -- 4. a frozen server ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import sqlite3
 import time
@@ -21,7 +22,7 @@ from conftest import Live, start_server, stop_server, store_url, write_spec
 from helpers import wait_until
 
 from rota.model import Change, Job, shared_limits
-from rota.retention import (DAY, Cutoff, PruneTally, Retention, due, format_duration,
+from rota.retention import (DAY, Cutoff, Frames, PruneTally, Retention, due, format_duration,
                             next_pass, parse_duration, parse_rule)
 from rota.store import Store
 from rota.worker import Worker
@@ -97,6 +98,48 @@ def test_prune_lines_are_rate_limited_and_carry_every_count():
     assert tally.add({}, 30.0) is None
 
 
+def test_without_a_step_the_frames_change_nothing():
+    frames = Frames()
+    frames.look(1000.0, 0.0)
+    frames.seen([1010.0], 1010.5, 10.5)
+    assert frames.spans(5.0, 50.0, 1050.0) == ()
+    assert due(Retention.from_rules({"completed": 5.0}, []), 1050.0, frames, 50.0)[0] == \
+        Cutoff("completed", 1045.0, None, (), ())
+
+
+def test_after_a_step_back_each_job_is_judged_by_the_clock_that_stored_it():
+    """Up at wall 1000 (monotonic 0); jobs finish at 1010 and 1020; the wall clock steps
+    2 h back at monotonic 30; one finishes at monotonic 40 (wall 1040 - 7200)."""
+    frames = Frames()
+    frames.look(1000.0, 0.0)
+    assert frames.seen([1010.0, 1020.0], 1020.0, 20.0) == 0.0
+    assert frames.look(1030.0 - 7200, 30.0) == -7200
+    frames.seen([1040.0 - 7200], 1040.0 - 7200, 40.0)
+
+    def due_at(mono: float, seconds: float, finished: float) -> bool:
+        spans = frames.spans(seconds, mono, mono + 1000.0 - 7200)
+        return any(low <= finished < high for low, high in spans)
+
+    # A minute on, with a 30 s retention: the jobs of before the step are due (the old
+    # clock says 70 s and 60 s ago), the one after it is not (30 s ago: just due at 70).
+    assert due_at(80.0, 30.0, 1010.0) and due_at(80.0, 30.0, 1020.0)
+    assert not due_at(69.0, 30.0, 1040.0 - 7200) and due_at(71.0, 30.0, 1040.0 - 7200)
+    # (the plain cutoff, wall - 30, would have kept the first two for 2 h more)
+    assert not 1010.0 < 80.0 + 1000.0 - 7200 - 30.0
+
+
+def test_after_a_step_forward_nothing_goes_early():
+    frames = Frames()
+    frames.look(1000.0, 0.0)
+    frames.seen([1010.0], 1010.0, 10.0)
+    assert frames.look(1020.0 + 7200, 20.0) == 7200
+    # At monotonic 30 a 60 s retention keeps the job finished at 10 (the plain cutoff,
+    # wall - 60 = 8170, would delete it 2 h early).
+    spans = frames.spans(60.0, 30.0, 1030.0 + 7200)
+    assert not any(low <= 1010.0 < high for low, high in spans)
+    assert any(low <= 1010.0 < high for low, high in frames.spans(60.0, 71.0, 1071.0 + 7200))
+
+
 # -- the deletes, on a real file through the real writer ------------------------------
 
 
@@ -140,6 +183,13 @@ async def test_prune_deletes_what_is_due_oldest_first_with_its_logs(tmp_path: Pa
 
         assert await store.readers.run(left) == (["fail", "mail", "new", "waiting"], ["new"])
         assert await store.get_job("old-0") is None
+        # With spans (the wall clock stepped): only rows finished inside one of them.
+        spanned = [Cutoff("completed", 0.0, None, ("emails",), ((-math.inf, 50.0),
+                                                               (800.0, 950.0)))]
+        await _finish(store, [(_job("early"), "completed", 10.0),
+                              (_job("between"), "completed", 600.0)])
+        assert await store.prune(spanned, 10, keep=set()) == {"completed": 2}
+        assert await store.get_job("between") is not None and await store.get_job("new") is None
     finally:
         await asyncio.to_thread(store.close)
 
