@@ -184,9 +184,9 @@ async def _find(request: Request, job_id: str) -> dict[str, Any] | None:
     principal = need(request, "producer")
     store = _coordinator(request).store
     row = await store.get_job(principal.stored_id(job_id))
-    if row is None and principal.owns_ids:
+    if row is None and (unscoped := principal.unscoped_id(job_id)) is not None:
         # A job enqueued before producers' ids were their own is kept under the id given.
-        row = await store.get_job(job_id)
+        row = await store.get_job(unscoped)
     if row is None or principal.scope == "admin" or row["created_by"] == principal.token_id:
         return row
     return None

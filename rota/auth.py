@@ -61,6 +61,11 @@ class Principal:
         prefix = f"{self.token_id}:"
         return job_id if job_id.startswith(prefix) else prefix + job_id
 
+    def unscoped_id(self, job_id: str) -> str | None:
+        """The id a job this caller names ``job_id`` was kept under before producers'
+        ids were their own (the id as given), where that differs from ``stored_id``."""
+        return job_id if self.stored_id(job_id) != job_id else None
+
 
 OPEN = Principal(token_id=None, name="open", scope="admin")
 

@@ -618,7 +618,13 @@ class Coordinator:
         # the job is new.
         early = [job for request, job in zip(requests, built, strict=True)
                  if request.id is None and not isinstance(job, DomainError)]
-        written = self.store.enqueue(jobs, live=self.scheduler.live()) if jobs else None
+        # A producer's id new under its kept form may name a job this token enqueued
+        # before ids were kept so (rota/auth.py): the store answers with that one.
+        unscoped = [principal.unscoped_id(request.id) if request.id is not None else None
+                    for request, job in zip(requests, built, strict=True)
+                    if not isinstance(job, DomainError)]
+        written = (self.store.enqueue(jobs, live=self.scheduler.live(), unscoped=unscoped)
+                   if jobs else None)
         if early:
             effects = self.engine.enqueued_all([(job, None) for job in early], now)
             self.apply(effects + self.engine.dispatch(now))

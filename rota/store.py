@@ -151,9 +151,15 @@ class Store:
             self.checkpointer.stop()
 
     # -- writes --------------------------------------------------------------------
-    def enqueue(self, jobs: list[Job], *, live: int = 0
+    def enqueue(self, jobs: list[Job], *, live: int = 0,
+                unscoped: Sequence[str | None] = ()
                 ) -> asyncio.Future[list[tuple[dict[str, Any], bool]]]:
         """Insert jobs in one transaction; an existing id gives the stored row and False.
+
+        ``unscoped``, per job: the id a producer's job was kept under before producers'
+        ids were their own (rota/auth.py), or None. A job whose id is new but whose
+        unscoped id names a row its token created is that row, not a new job: a producer
+        sending again across the upgrade gets the job it made (and it runs once).
 
         Under a quota (``max_db_size``) jobs that would not leave room for the ``live``
         ones to finish are refused here, before anything is queued (storage_full), so
@@ -164,13 +170,17 @@ class Store:
             full = self.health.failed(db.quota_full(quota))
             # A producer sending again jobs that were stored (its first answer was lost)
             # is told so, as on any day: no room is needed for them.
-            return asyncio.ensure_future(self._stored_already(jobs, full))
+            return asyncio.ensure_future(self._stored_already(jobs, unscoped, full))
         rows = [_insert_row(job) for job in jobs]
+        olds = list(unscoped) or [None] * len(jobs)
 
         def op(conn: sqlite3.Connection) -> list[tuple[dict[str, Any], bool]]:
             outcomes: list[tuple[dict[str, Any], bool]] = []
             template: dict[str, Any] | None = None
-            for row in rows:
+            for job, row, old in zip(jobs, rows, olds, strict=True):
+                if old is not None and (kept := _made_before(conn, job, old)) is not None:
+                    outcomes.append((kept, False))
+                    continue
                 # RETURNING gives the new row in the same statement; only an id that
                 # exists already needs a second look, to be judged the same job or not.
                 # The first new row of a batch comes back whole; every other differs from
@@ -240,10 +250,19 @@ class Store:
 
         return self.writer.submit(op)
 
-    async def _stored_already(self, jobs: list[Job], full: StorageError
-                              ) -> list[tuple[dict[str, Any], bool]]:
+    async def _stored_already(self, jobs: list[Job], unscoped: Sequence[str | None],
+                              full: StorageError) -> list[tuple[dict[str, Any], bool]]:
         """The stored rows of these jobs if every one of them exists; else ``full``."""
-        rows = await self.readers.run(lambda conn: [_fetch_job(conn, job.id) for job in jobs])
+        olds = list(unscoped) or [None] * len(jobs)
+
+        def read(conn: sqlite3.Connection) -> list[dict[str, Any] | None]:
+            rows = []
+            for job, old in zip(jobs, olds, strict=True):
+                kept = _made_before(conn, job, old) if old is not None else None
+                rows.append(kept or _fetch_job(conn, job.id))
+            return rows
+
+        rows = await self.readers.run(read)
         if any(row is None for row in rows):
             raise full
         return [(row, False) for row in rows if row is not None]
@@ -902,6 +921,17 @@ def _retire(conn: sqlite3.Connection, name: str, now: float) -> tuple[str, float
     conn.execute("INSERT INTO spec_pushes (name, checksum, previous, pushed_at, event)"
                  " VALUES (?, ?, ?, ?, 'retire')", (name, row[0], row[0], now))
     return row[0], now, False
+
+
+def _made_before(conn: sqlite3.Connection, job: Job, unscoped: str) -> dict[str, Any] | None:
+    """The row kept under ``unscoped`` if ``job``'s own id is new and that row was
+    created by the same token (a producer's job from before its ids were kept scoped)."""
+    found = {row["id"]: dict(row) for row in conn.execute(
+        "SELECT rowid, * FROM jobs WHERE id IN (?, ?)", (job.id, unscoped))}
+    old = found.get(unscoped)
+    if job.id in found or old is None or old["created_by"] != job.created_by:
+        return None
+    return old
 
 
 def _fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:

@@ -139,6 +139,29 @@ async def test_a_worker_id_takes_over_only_its_own_tokens_reservations(store: St
     assert others == set()
 
 
+async def test_a_producers_new_kept_id_answers_with_its_job_from_before_the_upgrade(
+        store: Store):
+    """A job a token enqueued before producers' ids were kept as ``<token id>:<id>`` is
+    the one a repeat of its id under the kept form names (issue 20, item 4): no second
+    row. Another token's row under that id is not, and the kept id's own row comes first."""
+    def made(job_id: str, token: str) -> Job:
+        job = new_job(job_id)
+        job.created_by = token
+        return job
+
+    await store.enqueue([made("order-17", "tok-a"), made("order-18", "tok-a")])
+    [(again, new)] = await store.enqueue([made("tok-a:order-17", "tok-a")],
+                                         unscoped=["order-17"])
+    assert (again["id"], new) == ("order-17", False)
+    assert await store.get_job("tok-a:order-17") is None
+    [(theirs, new)] = await store.enqueue([made("tok-b:order-17", "tok-b")],
+                                          unscoped=["order-17"])
+    assert (theirs["id"], new) == ("tok-b:order-17", True)
+    await store.enqueue([made("tok-a:order-18", "tok-a")])  # as a Rota before this fix did
+    [(kept, new)] = await store.enqueue([made("tok-a:order-18", "tok-a")], unscoped=["order-18"])
+    assert (kept["id"], new) == ("tok-a:order-18", False)
+
+
 async def test_a_save_names_each_change_its_row_refused_and_how_the_row_waits(store: Store):
     """Of one batch, a change whose row moved on (completed elsewhere at attempt 2; made
     to wait again at attempt 2; deleted) is named, with the row if it waits; the others

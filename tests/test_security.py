@@ -244,6 +244,41 @@ async def test_a_producer_still_reads_its_jobs_from_before_ids_were_its_own(guar
         assert (await alice.delete("/jobs/legacy")).json()["state"] == "cancelled"
 
 
+async def test_a_producer_sending_again_across_the_upgrade_gets_its_old_job(guarded: Live):
+    """A job enqueued before producers' ids were their own is kept under the id given:
+    the same producer sending that id again gets that job (200 or 409), not a second one
+    under its kept id; another producer's same id is a job of its own."""
+    a, b = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    a_id, b_id = a.split("_")[1], b.split("_")[1]
+    for name in ("order-17", "order-18"):
+        await guarded.enqueue("echo", {"n": 1}, id=name, delay=3600)
+
+    def made_by_a(conn: Any) -> None:  # as a Rota that kept producers' ids as given left it
+        conn.execute("UPDATE jobs SET created_by = ? WHERE id IN ('order-17', 'order-18')",
+                     (a_id,))
+
+    await guarded.coordinator.store.writer.submit(made_by_a)
+    job = {"spec": "echo", "args": {"n": 1}, "delay": 3600}
+    async with (httpx.AsyncClient(base_url=guarded.base, headers=bearer(a)) as alice,
+                httpx.AsyncClient(base_url=guarded.base, headers=bearer(b)) as bob):
+        again = await alice.post("/jobs", json={**job, "id": "order-17"})
+        assert again.status_code == 200, again.text
+        assert again.json()["created"] is False and again.json()["job"]["id"] == "order-17"
+        other = await alice.post("/jobs", json={**job, "args": {"n": 2}, "id": "order-17"})
+        assert other.status_code == 409 and other.json()["error"]["code"] == "id_conflict"
+        batch = await alice.post("/jobs/batch", json={"jobs": [
+            {**job, "id": "order-18"}, {**job, "args": {"n": 2}, "id": "order-18"},
+            {**job, "id": "order-19"}]})
+        results = batch.json()["results"]
+        assert [r["status"] for r in results] == [200, 409, 201]
+        assert results[0]["job"]["id"] == "order-18"
+        assert results[2]["job"]["id"] == f"{a_id}:order-19"
+        theirs = await bob.post("/jobs", json={**job, "id": "order-17"})
+        assert theirs.status_code == 201 and theirs.json()["job"]["id"] == f"{b_id}:order-17"
+    for name in (f"{a_id}:order-17", f"{a_id}:order-18"):  # no second job
+        assert (await guarded.http.get(f"/jobs/{name}")).status_code == 404
+
+
 async def test_tokens_limited_to_queues(guarded: Live, tmp_path: Path):
     await guarded.push(write_spec(tmp_path / "specs", "mail", queue="mail"))
     producer = await make_token(guarded, "producer", queues=["default"])
