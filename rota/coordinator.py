@@ -401,23 +401,28 @@ class Coordinator:
         jobs the worker holds that another server reserved become this server's (their
         rows say so, fenced on the worker and the attempt's state), so the worker goes
         on with them here instead of being told they were lost. Only the jobs a worker
-        of the caller's token holds: a worker id taken by another token takes nothing."""
+        of the caller's token holds, of queues it may serve: a worker id taken by another
+        token takes nothing, and is refused before any row moves."""
         if not self.store.shared:
             return
         named = held_ids(hb.status) if hb.status is not None else []
         held = {*named, *(r.job_id for r in hb.results)} - self.scheduler.jobs.keys()
         if not held:
             return
+        here = self.engine.registry.get(hb.worker_id)  # connected here: its token's id
+        if here is not None:
+            claim_worker_id(hb.worker_id, [here.principal.token_id], principal)
         try:
             jobs, others = await self.store.take_over(hb.worker_id, sorted(held),
-                                                      principal.token_id)
+                                                      principal.token_id, principal.queues)
         except StorageError as exc:  # then as on one server: they come back later
             log.warning("take over jobs=%d worker=%s failed: %s", len(held), hb.worker_id, exc)
             return
-        self.apply(self.engine.taken_over(jobs, hb.worker_id, self.clock()))
         # Jobs it names that another token's worker holds through another server: the
-        # worker id is that token's, as if they were kept here (Registry.admit).
+        # worker id is that token's, as if they were kept here (Registry.admit). The
+        # store moved no row then.
         claim_worker_id(hb.worker_id, others, principal)
+        self.apply(self.engine.taken_over(jobs, hb.worker_id, self.clock()))
 
     async def settled(self, conn: int) -> None:
         """Until the results this connection sent are committed and answered."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,12 +136,17 @@ def waiting_rows(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple[Any, .
 
 
 def take_over_rows(conn: sqlite3.Connection, server_id: str, worker_id: str,
-                   job_ids: list[str], token: str | None = None) -> list[tuple[Any, ...]]:
+                   job_ids: list[str], token: str | None = None,
+                   queues: Collection[str] | None = None) -> list[tuple[Any, ...]]:
     """Make the reservations this worker holds through other servers this server's:
     only rows still active for that worker (a job taken back meanwhile stays where it
     is), and, when it connected with a token (``token``, its id), reserved by a worker
-    of that token (or of none): a worker id is no key to another token's jobs. The rows
-    taken, as live_job reads them."""
+    of that token (or of none): a worker id is no key to another token's jobs; of a
+    token limited to ``queues``, only jobs of those (None: any). So exactly the jobs a
+    reclaim on this server would give it (Registry.may_reclaim). The rows taken, as
+    live_job reads them."""
+    if queues is not None:  # a job's queue never changes: read first, then the fenced move
+        job_ids = _of_queues(conn, job_ids, queues)
     out: list[tuple[Any, ...]] = []
     fence, extra = ("", ()) if token is None else (
         " AND (worker_token IS NULL OR worker_token = ?)", (token,))
@@ -154,6 +160,18 @@ def take_over_rows(conn: sqlite3.Connection, server_id: str, worker_id: str,
         cursor.row_factory = None
         out += [tuple(r) for r in cursor.fetchall()]
     return out
+
+
+def _of_queues(conn: sqlite3.Connection, job_ids: list[str], queues: Collection[str]
+               ) -> list[str]:
+    """Of these jobs, those of one of ``queues``."""
+    found: list[str] = []
+    for start in range(0, len(job_ids), 500):  # SQLite's limit on parameters
+        chunk = job_ids[start:start + 500]
+        found += [r[0] for r in conn.execute(
+            f"SELECT id, queue FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
+            if r[1] in queues]
+    return found
 
 
 def other_tokens(conn: sqlite3.Connection, worker_id: str, job_ids: list[str], token: str

@@ -17,7 +17,7 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -441,17 +441,22 @@ class Store:
         server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.request_cancel(conn, job_id, server))
 
-    def take_over(self, worker_id: str, job_ids: list[str], token: str | None = None
+    def take_over(self, worker_id: str, job_ids: list[str], token: str | None = None,
+                  queues: Collection[str] | None = None
                   ) -> asyncio.Future[tuple[list[Job], set[str]]]:
         """The jobs this worker holds through other servers, made this server's (only
-        those its token's workers hold: ``token``, its id; None: no token, any); and the
-        other tokens whose workers hold any of them under this worker id."""
+        those its token's workers hold, of the queues it may serve: ``token``, its id,
+        None: no token, any; ``queues``, None: any); or, if other tokens' workers hold
+        any of them under this worker id, nothing and those tokens (its registration is
+        then refused, and the jobs stay where their worker runs them)."""
         server = self.server_id or ""
 
         def op(conn: sqlite3.Connection) -> tuple[list[Job], set[str]]:
             others = set() if token is None else other_tokens(conn, worker_id, job_ids, token)
+            if others:
+                return [], others
             return [live_job(r) for r in take_over_rows(conn, server, worker_id, job_ids,
-                                                        token)], others
+                                                        token, queues)], others
 
         return self.writer.submit(op)
 

@@ -517,8 +517,9 @@ async def test_a_second_live_server_under_the_same_id_refuses_to_start(tmp_path:
 async def test_another_tokens_worker_cannot_take_over_a_job_through_another_server(
         tmp_path: Path, pg_url: str):
     """Issue 20, item 3, across servers: a worker of a token limited to acc-low registers
-    on B under the worker id of an acc-high worker running a job on A, naming that job. B
-    takes nothing over and refuses the registration; the job goes on on A."""
+    on B under the worker id of an acc-high worker running jobs on A, naming them. B
+    takes nothing over (not even a job reserved before tokens, which no token holds:
+    the rows still name A) and refuses the registration; the jobs go on on A."""
     async with servers(tmp_path, pg_url, 2) as (a, b):
         admin, _ = await a.coordinator.create_token("admin", "ops", None)
         high, high_row = await a.coordinator.create_token("worker", "high", ["acc-high"])
@@ -532,20 +533,32 @@ async def test_another_tokens_worker_cannot_take_over_a_job_through_another_serv
         await a.push(pay)
         victim = await RawWorker.open(a.ws, "payer",
                                       additional_headers={"Authorization": f"Bearer {high}"})
-        await victim.register([pay], queues=["acc-high"], concurrency=1)
+        await victim.register([pay], queues=["acc-high"], concurrency=2)
         job = await a.enqueue("pay", {"amount": 10})
         [copy] = await victim.jobs(1)
+        older = await a.enqueue("pay", {"amount": 20})
+        [old_copy] = await victim.jobs(1)
+        async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
+            # As a reservation from before tokens left it: held by no token.
+            await conn.execute("UPDATE jobs SET worker_token = NULL WHERE id = %s",
+                               (older["id"],))
 
         thief = await RawWorker.open(b.ws, "payer",
                                      additional_headers={"Authorization": f"Bearer {low}"})
         await thief.beat(registration={"hostname": "test", "os": "linux", "pid": 1,
                                        "sdk": "raw", "queues": ["acc-low"], "concurrency": 1,
                                        "specs": []},
-                         status={"state": "running", "active_job_ids": [job["id"]]},
+                         status={"state": "running",
+                                 "active_job_ids": [job["id"], older["id"]]},
                          results=[completed(copy, "forged")])
         error = await thief.expect("error")
         assert error["code"] == "worker_id_taken"
         assert "payer" not in b.coordinator.connections
-        assert (await victim.complete(copy, "paid"))["accepted"] == [job["id"]]
-        done = await b.job(job["id"])
-        assert (done["state"], done["attempt"], done["result"]) == ("completed", 1, "paid")
+        async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
+            cursor = await conn.execute("SELECT id, server_id FROM jobs ORDER BY id")
+            assert sorted(await cursor.fetchall()) == sorted([(job["id"], "s0"),
+                                                              (older["id"], "s0")])
+        for held, name in ((copy, job["id"]), (old_copy, older["id"])):
+            assert (await victim.complete(held, "paid"))["accepted"] == [name]
+            done = await b.job(name)
+            assert (done["state"], done["attempt"], done["result"]) == ("completed", 1, "paid")

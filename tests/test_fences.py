@@ -139,6 +139,33 @@ async def test_a_worker_id_takes_over_only_its_own_tokens_reservations(store: St
     assert others == set()
 
 
+async def test_a_take_over_refused_moves_nothing_and_takes_only_queues_the_token_serves(
+        store: Store):
+    """A worker id another token's worker holds a named job under takes nothing, not
+    even the jobs no token holds (reserved before tokens); one it may use takes only
+    jobs of the queues its token may serve, as a reclaim on one server (issue 20, item 3)."""
+    names = ("theirs", "tokenless", "mail")
+    for name in names:
+        [(row, _)] = await store.enqueue([new_job(name)])
+        await store.reserve([reserved_copy(new_job(name), row["rowid"], "w1", 1)], 2.0)
+
+    def on_server_b(conn: object) -> None:
+        run = conn.execute  # type: ignore[attr-defined]
+        run("UPDATE jobs SET server_id = 'b', worker_token = NULL")
+        run("UPDATE jobs SET worker_token = 'tok-a' WHERE id = 'theirs'")
+        run("UPDATE jobs SET queue = 'mail' WHERE id = 'mail'")
+
+    async def servers() -> list[str]:
+        return [(await store.get_job(name) or {}).get("server_id") for name in names]
+
+    await store.writer.submit(on_server_b)
+    assert await store.take_over("w1", list(names), "tok-b") == ([], {"tok-a"})
+    assert await servers() == ["b", "b", "b"]
+    taken, others = await store.take_over("w1", ["tokenless", "mail"], "tok-b", {"default"})
+    assert ([job.id for job in taken], others) == (["tokenless"], set())
+    assert await servers() == ["b", "a", "b"]
+
+
 async def test_a_producers_new_kept_id_answers_with_its_job_from_before_the_upgrade(
         store: Store):
     """A job a token enqueued before producers' ids were kept as ``<token id>:<id>`` is
