@@ -665,15 +665,15 @@ _SAVE = (
     " run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
     " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
     " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
-    " WHERE id = ? AND attempt = ?"
+    " WHERE id = ? AND attempt = ? AND (? = 0 OR state IN ('discarded', 'cancelled'))"
 )  # "attempt = ?": the fence. Only a reservation moves a row's attempt on, so a server
-# whose copy of the job is stale (another one reserved it since) changes nothing.
+# whose copy of the job is stale (another one reserved it since) changes nothing. A
+# retry keeps the attempt: it is fenced on the state instead, whatever the holder, so of
+# two retries of one job (two servers, each from its own read) only the first is stored.
 # Servers sharing a database (rota/fleet.py) also fence on the holder: a job another
 # server took over from this one (its worker moved there) is not this one's to change.
-# A retry is any server's to write, but only of a row still discarded or cancelled (a
-# finished row keeps its last holder, for the audit).
-_SAVE_SHARED = _SAVE + (" AND (server_id IS NULL OR server_id = ?"
-                        " OR (? = 1 AND state IN ('discarded', 'cancelled')))")
+# A retry is any server's to write (a finished row keeps its last holder, for the audit).
+_SAVE_SHARED = _SAVE + " AND (server_id IS NULL OR server_id = ? OR ? = 1)"
 
 
 # A wall-clock step between runs, undone in the live rows' stored moments (deadlines, and
@@ -757,7 +757,7 @@ def _change_row(change: Change) -> tuple[Any, ...]:
     return (str(job.state), worker_id, worker_id is None, job.run_at, job.fails, job.deaths,
             job.budget_start,
             int(job.cancel_requested), job.expires_at, change.finished_at,
-            _text(change.result), error, error, job.id, job.attempt)
+            _text(change.result), error, error, job.id, job.attempt, int(change.retry))
 
 
 def _live_tokens(conn: sqlite3.Connection) -> list[dict[str, Any]]:

@@ -278,11 +278,36 @@ async def test_a_retry_is_any_servers_to_write_and_an_ending_only_the_holders(st
     assert await store.save([Change(ending)]) == expected
     if store.shared:
         assert (await store.get_job("j") or {}).get("state") == "discarded"
+    else:  # the ending was stored: the row is discarded again, as a retry needs it
+        await store.writer.submit(ran_on_b)
     retry = reserved_copy(new_job("j"), row["rowid"], "w1", 1)
     retry.state, retry.worker_id, retry.budget_start = JobState.AVAILABLE, None, 1
     assert await store.save([Change(retry, retry=True)]) == {}
     stored = await store.get_job("j")
     assert stored is not None and (stored["state"], stored["server_id"]) == ("available", None)
+
+
+async def test_a_second_retry_of_a_job_made_available_again_is_refused(store: Store):
+    """Two retries of one discarded job, each from its own read of the row (two servers):
+    the first is stored, the second finds the row waiting again and is refused, whoever
+    holds the row (server_id NULL after the first)."""
+    [(row, _)] = await store.enqueue([new_job("j")])
+
+    def discarded(conn: object) -> None:
+        conn.execute("UPDATE jobs SET state = 'discarded', attempt = 1, worker_id = 'w9',"  # type: ignore[attr-defined]
+                     " server_id = NULL, finished_at = 3.0 WHERE id = 'j'")
+
+    await store.writer.submit(discarded)
+    retries = []
+    for _ in range(2):
+        retry = reserved_copy(new_job("j"), row["rowid"], "w1", 1)
+        retry.state, retry.worker_id, retry.budget_start = JobState.AVAILABLE, None, 1
+        retries.append(retry)
+    assert await store.save([Change(retries[0], retry=True)]) == {}
+    refused = await store.save([Change(retries[1], retry=True)])
+    assert list(refused) == ["j"]
+    stored = await store.get_job("j")
+    assert stored is not None and (stored["state"], stored["budget_start"]) == ("available", 1)
 
 
 async def test_a_cancel_the_row_refuses_is_not_answered_as_done(live: Live, tmp_path: Path,
