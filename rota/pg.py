@@ -347,14 +347,17 @@ class Connection:
         cursor = self.raw.cursor()
         if rows:
             cursor.executemany(translate(sql), rows)  # type: ignore[arg-type]
-            if self.bounded and self.in_transaction:
-                # psycopg's executemany pipelines, and ends with a flush request after
-                # its Sync: PostgreSQL, having read it, waits for the next statement
-                # with no idle_in_transaction_session_timeout armed, and a stall here
-                # would hold the rows locked for as long as it lasts. A plain statement
-                # arms it again (one round trip, on the writer only).
-                self.raw.execute("SELECT 1")
+            self._rearm()
         return Cursor(cursor)
+
+    def _rearm(self) -> None:
+        """After a pipelined executemany. psycopg's executemany pipelines, and ends with
+        a flush request after its Sync: PostgreSQL, having read it, waits for the next
+        statement with no idle_in_transaction_session_timeout armed, and a stall then
+        would hold the rows locked for as long as it lasts. A plain statement arms it
+        again (one round trip, on the writer only)."""
+        if self.bounded and self.in_transaction:
+            self.raw.execute("SELECT 1")
 
     def rowcounts(self, sql: str, seq: Iterable[Sequence[Any]]) -> list[int]:
         """Run one statement per parameter row, pipelined as ``executemany`` does, and
@@ -368,6 +371,7 @@ class Connection:
         counts = [cursor.rowcount]
         while cursor.nextset():
             counts.append(cursor.rowcount)
+        self._rearm()
         return counts
 
     @property

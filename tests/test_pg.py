@@ -324,17 +324,21 @@ async def test_a_write_that_waits_on_a_held_lock_fails_alone_after_the_bound(
     assert conn.execute("SELECT value FROM meta WHERE key = 'new'").fetchone()[0] == "1"
 
 
-@pytest.mark.parametrize("last", ["execute", "executemany"])
+@pytest.mark.parametrize("last", ["execute", "executemany", "rowcounts"])
 def test_a_session_idle_inside_a_transaction_past_the_bound_is_ended_and_its_locks_go(
         pg_url: str, conn: pg.Connection, last: str) -> None:
-    """Whatever its last statement was: psycopg's executemany (a pipeline) would leave
-    the session with no idle timeout armed, and the connection arms it again."""
+    """Whatever its last statement was: psycopg's executemany (a pipeline, also behind
+    the row counts Store.save's fenced writes read) would leave the session with no idle
+    timeout armed, and the connection arms it again."""
     stalled = pg.connect(pg_url, bound=0.3)
     stalled.execute("BEGIN")
+    rows = [("stalled",), ("more",)]
     if last == "execute":
         stalled.execute("INSERT INTO meta VALUES ('stalled', '1')")
+    elif last == "executemany":
+        stalled.executemany("INSERT INTO meta VALUES (?, '1')", rows)
     else:
-        stalled.executemany("INSERT INTO meta VALUES (?, '1')", [("stalled",), ("more",)])
+        assert db.rowcounts(stalled, "INSERT INTO meta VALUES (?, '1')", rows) == [1, 1]
     time.sleep(1.0)  # noqa: sleep-ok (the stall itself: PostgreSQL's timer ends it)
     with pytest.raises(psycopg.Error) as ended:
         stalled.execute("COMMIT")
