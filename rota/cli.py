@@ -813,8 +813,12 @@ def tokens() -> None:
 def tokens_create(scope: str, queues: str | None, name: str | None, create_db: bool,
                   db: Path | str, url: str | None) -> None:
     """Create a token and print it. It is shown only this once: the store keeps a hash."""
+    from rota.ids import TOKEN_NAME_PATTERN, TOKEN_NAME_RULE
+    from rota.logs import printable
     from rota.specs import NAME_PATTERN
 
+    if name is not None and not re.match(TOKEN_NAME_PATTERN, name):
+        _fail(f"{printable(name)!r} is not a token name: {TOKEN_NAME_RULE}")
     limited = [q.strip() for q in queues.split(",") if q.strip()] if queues else None
     for queue in limited or []:
         if not re.match(NAME_PATTERN, queue):
