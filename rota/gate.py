@@ -131,7 +131,8 @@ class Gate:
         raw_path = scope.get("raw_path") or b""
         if (b"%2F" in raw_path or b"%2f" in raw_path) and not path.startswith(UI_JOBS):
             return 404, "not_found", _encoded_slash(path)
-        if not ui and path != "/" and (path.endswith("/") or "//" in path):
+        if (scope["type"] == "http" and not ui and path != "/"
+                and (path.endswith("/") or "//" in path)):
             # An empty segment is an empty id or name ("rota jobs cancel $ID" with ID unset):
             # a JSON 404, not the router's redirect to the collection, which a client took
             # for an empty success.
