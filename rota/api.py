@@ -24,6 +24,7 @@ from rota.coordinator import MAX_LOG_LINES, Coordinator
 from rota.errors import (Conflict, DomainError, Forbidden, Invalid, NotFound, RequestError,
                          StorageError, TooLarge)
 from rota.gate import principal_of
+from rota.ids import TOKEN_NAME_PATTERN
 from rota.inputs import BadJson, explain, screen
 from rota.jobs import BatchRequest, EnqueueRequest
 from rota.logs import printable
@@ -36,7 +37,7 @@ from rota.views import job_view
 
 Directive = Literal["quiet", "terminate", "running"]  # running: resume a quiet worker
 # Printable, and short enough for a listing; an id is the other way to name a token.
-TokenName = Annotated[str, msgspec.Meta(pattern=r"^[^\x00-\x1f\x7f]{1,100}$")]
+TokenName = Annotated[str, msgspec.Meta(pattern=TOKEN_NAME_PATTERN)]
 
 log = logging.getLogger("rota.server")
 SECONDS = re.compile(r"[0-9]{1,20}(\.[0-9]{1,20})?([eE][-+]?[0-9]{1,3})?")

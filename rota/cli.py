@@ -393,11 +393,11 @@ def _hold_database(db: Path) -> None:
     (docs/operations.md, One server per database). ``rota tokens`` takes no lock: it
     writes the file beside a running server, through SQLite's own locking."""
     from rota.dblock import hold_database
-    from rota.errors import DatabaseInUse
+    from rota.errors import DatabaseInUse, DatabaseLinked
 
     try:
         click.get_current_context().with_resource(hold_database(db))
-    except DatabaseInUse as exc:
+    except (DatabaseInUse, DatabaseLinked) as exc:
         _fail(exc.message)
     except OSError as exc:
         _fail(f"cannot open the database {db}: {exc.strerror} ({exc.filename})")
@@ -767,6 +767,14 @@ def _token_file(db: Path | str, *, create: bool = False, offer_create: bool = Fa
               " server's API with --url and an admin --token"
               + ("; --create makes a new one, for the first token before any server ran"
                  if offer_create else ""))
+    if isinstance(db, Path):
+        from rota.dblock import refuse_linked
+        from rota.errors import DatabaseLinked
+
+        try:
+            refuse_linked(db)
+        except DatabaseLinked as exc:
+            _fail(exc.message)
     return db
 
 
@@ -805,8 +813,12 @@ def tokens() -> None:
 def tokens_create(scope: str, queues: str | None, name: str | None, create_db: bool,
                   db: Path | str, url: str | None) -> None:
     """Create a token and print it. It is shown only this once: the store keeps a hash."""
+    from rota.ids import TOKEN_NAME_PATTERN, TOKEN_NAME_RULE
+    from rota.logs import printable
     from rota.specs import NAME_PATTERN
 
+    if name is not None and not re.match(TOKEN_NAME_PATTERN, name):
+        _fail(f"{printable(name)!r} is not a token name: {TOKEN_NAME_RULE}")
     limited = [q.strip() for q in queues.split(",") if q.strip()] if queues else None
     for queue in limited or []:
         if not re.match(NAME_PATTERN, queue):

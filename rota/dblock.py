@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from rota.errors import DatabaseInUse
+from rota.errors import DatabaseInUse, DatabaseLinked
 
 # A name that is replaced between our open and our lock (another program's rename) is
 # opened again; more than a few such races in a row is not a race but a fight.
@@ -39,9 +39,24 @@ def hold_database(path: Path) -> Iterator[None]:
     SQLite takes for an empty database), so that the lock has a file to belong to."""
     fd = _open_locked(path)
     try:
+        refuse_linked(path, os.fstat(fd))
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)  # and the descriptor stays open: see the module
+
+
+def refuse_linked(path: Path, file: os.stat_result | None = None) -> None:
+    """Raise ``DatabaseLinked`` if the SQLite file at ``path`` has more than one name.
+    The lock above stops a second server under any name, but ``rota tokens --db`` writes
+    beside a running server through SQLite's own locking, which a second name defeats
+    (its write-ahead log is another file): so neither opens a file with hard links."""
+    if file is None:
+        try:
+            file = os.stat(path)
+        except FileNotFoundError:
+            return
+    if file.st_nlink > 1:
+        raise DatabaseLinked(str(path), file.st_nlink)
 
 
 def _open_locked(path: Path) -> int:

@@ -11,7 +11,8 @@
     ├── FrameError       a /work frame refused: an ``error`` frame, then ``close_code``
     ├── StorageError     the database cannot do its part now (full, read-only, failing):
     │                    503 with ``Retry-After`` on HTTP; a result is rejected on /work
-    └── DatabaseInUse    another server holds the database file: this one must not start
+    ├── DatabaseInUse    another server holds the database file: this one must not start
+    └── DatabaseLinked   the database file has more than one name (hard links)
 """
 
 from __future__ import annotations
@@ -92,6 +93,20 @@ class DatabaseInUse(RotaError):
                          f"{path} is in use by another rota serve ({holder}); stop it first"
                          " or use another --db")
         self.pid = pid
+
+
+class DatabaseLinked(RotaError):
+    """The SQLite database file has other names (hard links). SQLite keeps its write-ahead
+    log beside the name it opened, so two names of one file are two logs: writes through
+    one are not seen through the other, and the file can be damaged. Rota refuses to open
+    such a file rather than split it."""
+
+    def __init__(self, path: str, links: int) -> None:
+        super().__init__("database_linked",
+                         f"{path} has {links} hard links: SQLite keeps a write-ahead log"
+                         " beside each name, so two names of one file split it; remove the"
+                         f" other names (find them with: find / -xdev -samefile {path})")
+        self.links = links
 
 
 def failure_level(error: BaseException | None) -> int:

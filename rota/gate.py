@@ -131,6 +131,12 @@ class Gate:
         raw_path = scope.get("raw_path") or b""
         if (b"%2F" in raw_path or b"%2f" in raw_path) and not path.startswith(UI_JOBS):
             return 404, "not_found", _encoded_slash(path)
+        if (scope["type"] == "http" and not ui and path != "/"
+                and (path.endswith("/") or "//" in path)):
+            # An empty segment is an empty id or name ("rota jobs cancel $ID" with ID unset):
+            # a JSON 404, not the router's redirect to the collection, which a client took
+            # for an empty success.
+            return 404, "not_found", _empty_segment(path)
         if unsafe and (ui or scope.get("rota.cookie")):
             if not same_origin(headers):
                 self._refused("refused %s %s client=%s: not from this origin", scope["method"],
@@ -154,6 +160,13 @@ def _encoded_slash(path: str) -> str:
     if path.startswith("/jobs/"):
         return f"no job at {shown}: a job id holds no '/', encoded (%2F) or not"
     return f"nothing at {shown}: no id or name holds a '/', encoded (%2F) or not"
+
+
+def _empty_segment(path: str) -> str:
+    shown = printable(path, 200)
+    if path.startswith("/jobs/"):
+        return f"no job at {shown}: a job id is never empty"
+    return f"nothing at {shown}: no id or name is empty"
 
 
 def same_origin(headers: dict[str, str]) -> bool:

@@ -26,6 +26,13 @@ def uuid7() -> str:
 # (a "a/../victim" link resolved to the job "victim"). No space or control character, so
 # that no id can forge a line of a log. Jobs stored by earlier versions may hold a "/":
 # JOB_REF_PATTERN (rota/protocol.py) still names them.
+# A token's name: 1-100 characters, none a control (C0, DEL, C1), a text-direction or
+# zero-width mark (a name shown in a list must read as what it is), nor "/", since a
+# name is one segment of DELETE /tokens/{id or name}.
+TOKEN_NAME_PATTERN = (r"^[^\x00-\x1f\x7f-\x9f/\u200b-\u200f\u2028-\u202e\u2060-\u206f"
+                      r"\ufeff]{1,100}$")
+TOKEN_NAME_RULE = ("a token name is 1 to 100 characters, with no '/', control character,"
+                   " text-direction or zero-width mark")
 MAX_JOB_ID = 128
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@+=-]{0,127}$"
 _FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")

@@ -189,8 +189,11 @@ class Session:
         if goodbye:
             await self._close(1000, "goodbye")
         if self._failure is not None:
-            log.warning("protocol error worker=%s code=%s message=%s", self.worker_id,
-                        self._failure.code, printable(self._failure.message))
+            # The token too: a refused registration has no worker id yet, and the token
+            # is what an operator revokes.
+            log.warning("protocol error worker=%s token=%s code=%s message=%s", self.worker_id,
+                        self.principal.token_id, self._failure.code,
+                        printable(self._failure.message))
             await self._close(self._failure.close_code, self._failure.code)
 
     async def _close(self, code: int, reason: str) -> None:

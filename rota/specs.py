@@ -108,7 +108,11 @@ def parse_spec(data: bytes | str, *, source: str = "<spec>") -> JobSpec:
 
 
 def load_spec(path: Path) -> JobSpec:
-    return parse_spec(path.read_bytes(), source=str(path))
+    try:
+        data = path.read_bytes()
+    except OSError as exc:  # a dangling symlink (a copied specs/ folder), no permission
+        raise SpecError(f"{path}: cannot be read: {exc.strerror}") from exc
+    return parse_spec(data, source=str(path))
 
 
 def load_dir(directory: Path | str) -> list[JobSpec]:

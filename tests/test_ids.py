@@ -27,7 +27,7 @@ REFUSED = [(name, job_id, why) for name, job_id, why in corpus.JOB_IDS if why is
 # every refused id, and strings that a URL would resolve to another job.
 LOOKUPS = [job_id for _, job_id, _ in REFUSED if job_id] + [
     "victim/..", "./victim", "a%2F..%2Fvictim", "victim?x=1", "victim#x", "victim/result",
-    "victim/", "x/../victim/"]
+    "victim/", "x/../victim/", ""]  # "": an unset shell variable (a JSON 404, not a redirect)
 
 
 def test_the_rule_names_the_character_and_where_it_is():
@@ -177,7 +177,7 @@ async def test_rota_jobs_show_and_cancel_reach_every_accepted_id_and_no_other_jo
         assert code == 0 and json.loads(out)["id"] == job_id
         code, out, _ = await rota("jobs", "cancel", job_id, "--url", live.base)
         assert (code, out) == (0, f"cancelled {job_id}\n")
-    for job_id in ["a/../victim", "..", ".", "victim/..", "a%2F..%2Fvictim"]:
+    for job_id in ["a/../victim", "..", ".", "victim/..", "a%2F..%2Fvictim", ""]:
         for command in ("show", "cancel"):
             code, _, err = await rota("jobs", command, job_id, "--url", live.base)
             assert code == 1 and "no job" in err, (command, job_id, err)
@@ -185,3 +185,15 @@ async def test_rota_jobs_show_and_cancel_reach_every_accepted_id_and_no_other_jo
                               "--url", live.base)
     assert code == 1 and "U+002F '/' at character 9" in err
     await victim_untouched(live)
+
+
+async def test_an_empty_id_in_a_path_is_a_json_404_not_a_redirect(live: Live):
+    """"/jobs/" once answered a 307 to "/jobs" with an empty body, which the clients took
+    for an empty success and `rota jobs cancel ""` for a job without a state (a KeyError)."""
+    for method, path in [("GET", "/jobs/"), ("DELETE", "/jobs/"), ("POST", "/jobs/"),
+                         ("GET", "/jobs//result"), ("POST", "/jobs//retry"),
+                         ("GET", "/specs/"), ("DELETE", "/tokens/")]:
+        answer = await live.http.request(method, path)
+        assert answer.status_code == 404, (method, path, answer.status_code)
+        assert answer.json()["error"]["code"] == "not_found", (method, path)
+    assert "a job id is never empty" in (await live.http.get("/jobs/")).json()["error"]["message"]

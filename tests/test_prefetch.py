@@ -38,7 +38,8 @@ async def held(live: Live, worker: Worker, running: int, prefetched: int) -> Non
             running, prefetched) and (len(worker.running_jobs),
                                       len(worker.prefetched_jobs)) == (running, prefetched)
 
-    await wait_until(check, what=f"{running} running and {prefetched} prefetched")
+    # Seen through heartbeats: on a machine running two suites at once 5 s ran out once.
+    await wait_until(check, timeout=15, what=f"{running} running and {prefetched} prefetched")
 
 
 async def fill(live: Live, tmp_path: Path, sdk_worker: Callable[..., Awaitable[Worker]],

@@ -297,8 +297,8 @@ async def test_tokens_limited_to_queues(guarded: Live, tmp_path: Path):
     await bystander_still_works(guarded)
 
 
-async def test_a_worker_token_cannot_take_another_tokens_worker_id(guarded: Live,
-                                                                    tmp_path: Path):
+async def test_a_worker_token_cannot_take_another_tokens_worker_id(
+        guarded: Live, tmp_path: Path, caplog: pytest.LogCaptureFixture):
     """Issue 20, item 3: a token limited to acc-low, naming the worker id of an acc-high
     worker, neither supersedes it while it is connected (with its hostname, pid and start
     time copied) nor reclaims and completes its job while it is away."""
@@ -322,6 +322,9 @@ async def test_a_worker_token_cannot_take_another_tokens_worker_id(guarded: Live
         assert await closed_with(thief) == 1008
 
     await refused()  # while the victim is connected: not superseded
+    # The log names the token that tried (what an operator revokes) and the worker id.
+    assert (f"protocol error worker=None token={low.split('_')[1]} code=worker_id_taken"
+            " message=worker payer belongs to another token") in caplog.text
     held = guarded.coordinator.connections["payer"]
     await victim.beat(status=status)
     assert (await victim.expect("ack"))["seq"] == victim.seq - 1  # it goes on as it was

@@ -17,7 +17,7 @@ from test_cli import rota
 from test_crash import free_port
 
 from rota.dblock import hold_database
-from rota.errors import DatabaseInUse
+from rota.errors import DatabaseInUse, DatabaseLinked
 
 
 @pytest.fixture
@@ -59,6 +59,10 @@ async def test_a_second_server_on_the_same_file_refuses_to_start(tmp_path: Path,
         assert (await http.get("/healthz")).status_code == 200  # the first serves on
     finally:
         assert await stop(first) == 0
+    # Stopped, a file with a second name is refused (see below); with one, it starts.
+    code, _, err = await rota("serve", "--port", str(free_port()), "--db", str(db), timeout=20)
+    assert code == 1 and "has 2 hard links" in err and err.count("\n") == 1, err
+    (tmp_path / "elsewhere" / "linked.db").unlink()
     # Stopped (or killed: the kernel drops the lock with its process), a new one starts.
     second = await serve(http, db, tmp_path / "second.log")
     assert await stop(second, signal.SIGKILL) == -signal.SIGKILL
@@ -76,6 +80,11 @@ def test_the_lock_is_the_files_names_its_holder_and_is_released_on_exit(tmp_path
                 pass
             assert refused.value.pid == os.getpid()  # found in /proc/locks by the file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["linked.db", "rota.db"]  # no lock file
+    # Free, a file of two names is still refused: SQLite would keep a log beside each.
+    with pytest.raises(DatabaseLinked) as linked, hold_database(tmp_path / "linked.db"):
+        pass
+    assert linked.value.links == 2
+    db.unlink()
     with hold_database(tmp_path / "linked.db"):
         pass
 
@@ -88,5 +97,27 @@ async def test_tokens_work_beside_a_running_server(tmp_path: Path, http: httpx.A
         assert code == 0 and out.startswith("rota_"), err
         code, out, _ = await rota("tokens", "list", "--db", str(db))
         assert code == 0 and "admin" in out
+    finally:
+        assert await stop(server) == 0
+
+
+async def test_tokens_refuse_a_second_name_of_a_running_servers_file(tmp_path: Path,
+                                                                     http: httpx.AsyncClient):
+    """Through a hard link, SQLite keeps another write-ahead log: a token written there was
+    never seen by the server on the first name (a new-user trial, issue 20). Refused in one
+    line; the server's own name still works."""
+    db = tmp_path / "rota.db"
+    server = await serve(http, db, tmp_path / "server.log")
+    try:
+        os.link(db, tmp_path / "hard.db")
+        for name in (tmp_path / "hard.db", db):
+            code, out, err = await rota("tokens", "create", "--scope", "producer", "--db",
+                                        str(name))
+            assert (code, out) == (1, ""), out
+            assert err.startswith(f"error: {name} has 2 hard links: SQLite keeps"), err
+            assert err.count("\n") == 1
+        (tmp_path / "hard.db").unlink()
+        code, out, err = await rota("tokens", "create", "--scope", "admin", "--db", str(db))
+        assert code == 0 and out.startswith("rota_"), err
     finally:
         assert await stop(server) == 0

@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from conftest import Live
+from test_cli import rota
 
 from rota.specs import (
     JobSpec,
@@ -369,3 +371,18 @@ def test_any_accepts_every_json_value(value: Any) -> None:
 def test_type_mismatch(name: str, value: Any) -> None:
     with pytest.raises(SpecError, match=f"'{name}'"):
         validate_args(TYPED, {**GOOD, name: value})
+
+
+async def test_a_dangling_symlink_in_a_specs_folder_is_one_line_not_a_traceback(
+        live: Live, tmp_path: Path):
+    """The repository's specs/*.toml are relative symlinks: a copied folder leaves them
+    dangling, and `rota specs push` once ended in a FileNotFoundError traceback."""
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    (folder / "x.toml").symlink_to("nowhere.toml")
+    with pytest.raises(SpecError, match=r"x\.toml: cannot be read: No such file"):
+        load_dir(folder)
+    code, out, err = await rota("specs", "push", str(folder), "--url", live.base)
+    assert (code, out) == (1, "")
+    assert "x.toml: cannot be read: No such file or directory" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err

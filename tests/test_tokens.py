@@ -78,3 +78,23 @@ async def test_an_explicit_db_beats_rota_url_and_both_flags_are_refused(live: Li
     assert code == 0 and secret.split("_")[1] in out  # read from the file
     code, _, err = await rota("tokens", "list", "--db", db, "--url", live.base)
     assert code == 1 and "not both" in err
+
+
+async def test_a_token_name_that_could_not_be_revoked_by_name_is_refused(live: Live,
+                                                                       tmp_path: Path):
+    """A name is one segment of DELETE /tokens/{id or name}: "web/prod" was accepted and
+    could then never be revoked by name over the API (a new-user trial, issue 20). Names
+    that would not read as what they are (direction and zero-width marks, C1) go too."""
+    db = tmp_path / "rota.db"
+    for name in ("web/prod", "a\u202eb", "x\x85y", "zero\u200bwidth"):
+        code, out, err = await rota("tokens", "create", "--scope", "producer", "--name", name,
+                                    "--create", "--db", str(db))
+        assert (code, out) == (1, ""), name
+        assert "is not a token name: a token name is 1 to 100 characters" in err, err
+        assert len(err.splitlines()) == 1 and "\u202e" not in err and "\x85" not in err
+        answer = await live.http.post("/tokens", json={"scope": "producer", "name": name})
+        assert answer.status_code == 422, name
+        assert answer.json()["error"]["code"] == "invalid_request"
+    code, out, err = await rota("tokens", "create", "--scope", "admin", "--name", "web prod",
+                                "--create", "--db", str(db))
+    assert code == 0 and out.startswith("rota_"), err
