@@ -130,13 +130,16 @@ class Gate:
                 return 401, "unauthorized", "send a valid token: 'Authorization: Bearer rota_...'"
         raw_path = scope.get("raw_path") or b""
         if (b"%2F" in raw_path or b"%2f" in raw_path) and not path.startswith(UI_JOBS):
-            return 404, "not_found", _encoded_slash(path)
+            return 404, "not_found", _names_nothing(
+                path, "a job id holds no '/', encoded (%2F) or not",
+                "no id or name holds a '/', encoded (%2F) or not")
         if (scope["type"] == "http" and not ui and path != "/"
                 and (path.endswith("/") or "//" in path)):
             # An empty segment is an empty id or name ("rota jobs cancel $ID" with ID unset):
             # a JSON 404, not the router's redirect to the collection, which a client took
             # for an empty success.
-            return 404, "not_found", _empty_segment(path)
+            return 404, "not_found", _names_nothing(path, "a job id is never empty",
+                                                    "no id or name is empty")
         if unsafe and (ui or scope.get("rota.cookie")):
             if not same_origin(headers):
                 self._refused("refused %s %s client=%s: not from this origin", scope["method"],
@@ -150,23 +153,17 @@ class Gate:
         return None
 
 
-def _encoded_slash(path: str) -> str:
-    """Why a path that held an encoded slash (%2F) names nothing. The server decodes a
-    path before it routes it, so "%2F" would split a segment in two: GET /jobs/a%2Fresult
-    would be the result of job "a", and DELETE /jobs/a%2F a redirect to DELETE /jobs/a.
-    No job id, and no name, holds a "/" (rota/ids.py); only the dashboard's job pages
-    take one, for jobs stored by earlier versions (UI_JOBS)."""
+def _names_nothing(path: str, job_rule: str, name_rule: str) -> str:
+    """Why ``path`` names nothing, after the rule it broke (for a job id, or for any id
+    or name). Two such paths: one that held an encoded slash (%2F), since the server
+    decodes a path before it routes it and "%2F" would split a segment in two (GET
+    /jobs/a%2Fresult would be the result of job "a"; no id or name holds a "/", and only
+    the dashboard's job pages take one, for jobs stored by earlier versions: UI_JOBS);
+    and one with an empty segment, which the router would redirect to the collection."""
     shown = printable(path, 200)
     if path.startswith("/jobs/"):
-        return f"no job at {shown}: a job id holds no '/', encoded (%2F) or not"
-    return f"nothing at {shown}: no id or name holds a '/', encoded (%2F) or not"
-
-
-def _empty_segment(path: str) -> str:
-    shown = printable(path, 200)
-    if path.startswith("/jobs/"):
-        return f"no job at {shown}: a job id is never empty"
-    return f"nothing at {shown}: no id or name is empty"
+        return f"no job at {shown}: {job_rule}"
+    return f"nothing at {shown}: {name_rule}"
 
 
 def same_origin(headers: dict[str, str]) -> bool:
