@@ -76,14 +76,19 @@ def system_clock() -> Instant:
 CLOCK_EVERY = 5.0  # seconds between the clock readings a store keeps for the next start
 
 
-def clock_reading() -> ClockReading:
-    """The wall clock beside the boot clock, and which boot that counts from (a reading
-    of an unknown boot matches no other)."""
+@functools.cache
+def _boot_id() -> str:
+    """Which boot the boot clock counts from: read once, since it cannot change while
+    the process lives (an unknown boot matches no other process's reading)."""
     try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        boot_id = f"unknown:{os.getpid()}:{time.monotonic_ns()}"
-    return ClockReading(time.time(), time.clock_gettime(time.CLOCK_BOOTTIME), boot_id)
+        return f"unknown:{os.getpid()}:{time.monotonic_ns()}"
+
+
+def clock_reading() -> ClockReading:
+    """The wall clock beside the boot clock, and which boot that counts from."""
+    return ClockReading(time.time(), time.clock_gettime(time.CLOCK_BOOTTIME), _boot_id())
 
 
 class Coordinator:
