@@ -11,7 +11,6 @@ import asyncio
 import logging
 import re
 from typing import Annotated, Any, Literal
-from urllib.parse import quote
 
 import msgspec
 from starlette.exceptions import HTTPException
@@ -20,7 +19,7 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket
 
 from rota.auth import Principal, Scope
-from rota.coordinator import MAX_LOG_LINES, Coordinator
+from rota.coordinator import Coordinator
 from rota.errors import (Conflict, DomainError, Forbidden, Invalid, NotFound, RequestError,
                          StorageError, TooLarge)
 from rota.gate import principal_of
@@ -183,11 +182,11 @@ async def _find(request: Request, job_id: str) -> dict[str, Any] | None:
     it is kept under (rota/auth.py); to a producer, any other job does not exist, exactly
     as a missing one."""
     principal = need(request, "producer")
-    store = _coordinator(request).store
-    row = await store.get_job(principal.stored_id(job_id))
+    coordinator = _coordinator(request)
+    row = await coordinator.get_job(principal.stored_id(job_id))
     if row is None and (unscoped := principal.unscoped_id(job_id)) is not None:
         # A job enqueued before producers' ids were their own is kept under the id given.
-        row = await store.get_job(unscoped)
+        row = await coordinator.get_job(unscoped)
     if row is None or principal.scope == "admin" or row["created_by"] == principal.token_id:
         return row
     return None
@@ -207,9 +206,9 @@ async def job_detail(coordinator: Coordinator, row: dict[str, Any]) -> dict[str,
     """A job as GET /jobs/{id} shows it: its view, its logs, and why it waits (also the
     dashboard's job page)."""
     view = job_view(row)
-    view["logs"] = await coordinator.store.job_logs(row["id"], MAX_LOG_LINES)
+    view["logs"] = await coordinator.job_logs(row["id"])
     if row["state"] == "available":
-        view["waiting_reason"] = coordinator.scheduler.waiting_reason(row["queue"], row["spec"])
+        view["waiting_reason"] = coordinator.waiting_reason(row["queue"], row["spec"])
     elif row["state"] in ("scheduled", "retryable"):
         view["waiting_reason"] = f"{row['state']} until {view['run_at']}"
     return view
@@ -297,11 +296,11 @@ def too_many_waits(coordinator: Coordinator) -> Response:
 async def list_specs(request: Request) -> Response:
     need(request, "producer")  # a producer needs the argument schemas of what it enqueues
     coordinator = _coordinator(request)
+    retired = coordinator.retired_specs()
     specs = [
         {"name": s.name, "version": s.version, "checksum": checksum(s), "queue": s.queue,
          "description": s.description, "spec": msgspec.to_builtins(s),
-         "retired_at": (rfc3339(coordinator.engine.retired[s.name])
-                        if s.name in coordinator.engine.retired else None)}
+         "retired_at": rfc3339(retired[s.name]) if s.name in retired else None}
         for s in sorted(coordinator.specs.values(), key=lambda s: s.name)
     ]
     return JSON({"specs": specs})
@@ -325,7 +324,7 @@ async def retire_spec(request: Request) -> Response:
 async def spec_history(request: Request) -> Response:
     need(request, "admin")
     name = request.path_params["name"]
-    history = await _coordinator(request).store.spec_history(name)
+    history = await _coordinator(request).spec_history(name)
     if not history:
         return error(404, "not_found", f"spec {name!r} was never pushed")
     return JSON({"name": name, "history": history})
@@ -342,7 +341,7 @@ async def create_token(request: Request) -> Response:
 
 async def list_tokens(request: Request) -> Response:
     need(request, "admin")
-    rows = await _coordinator(request).store.live_tokens()
+    rows = await _coordinator(request).live_tokens()
     return JSON({"tokens": [token_view(row) for row in rows]})
 
 
@@ -364,7 +363,7 @@ def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
     workers = []
     for conn in coordinator.connections.values():
         slot, reg = conn.worker, conn.registration
-        matching = sorted(s for s in slot.specs if coordinator.scheduler.matches(slot, s))
+        matching = coordinator.matching_specs(slot)
         workers.append({
             "id": slot.id, "hostname": reg.hostname, "pid": reg.pid, "os": reg.os,
             "sdk": reg.sdk, "state": slot.state, "queues": slot.queues, "labels": slot.labels,
@@ -382,44 +381,28 @@ def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
     return sorted(workers, key=lambda w: w["id"])
 
 
-STATE_WORDS = {"terminate": "terminating"}  # a worker's state, said in a sentence
-
-
 async def direct_worker(request: Request) -> Response:
-    """Ask one worker to go quiet or terminate (it hears it in its next ack)."""
+    """Ask one worker to go quiet or terminate (it hears it in its next ack); 202 if it
+    is connected to another server on the database, which passes it on."""
     need(request, "admin")
-    coordinator = _coordinator(request)
     payload: StateRequest = await _decode(request, StateRequest)
-    worker_id = request.path_params["worker_id"]
-    conn = coordinator.connections.get(worker_id)
-    if conn is None:
-        if coordinator.store.shared and await coordinator.store.connected_somewhere(worker_id):
-            # Connected to another server on this database: that server passes it on.
-            await coordinator.store.tell_servers(payload.state, f"id={quote(worker_id)}")
-            return JSON({"workers": [worker_id], "state": payload.state, "forwarded": True},
-                        status_code=202)
-        return error(404, "not_found", f"no connected worker {worker_id}")
-    if not coordinator.direct([worker_id], payload.state) and conn.worker.state != payload.state:
-        now = STATE_WORDS.get(conn.worker.state, conn.worker.state)
-        return error(409, "invalid_transition",
-                     f"worker {worker_id} is {now}; it cannot go back to {payload.state}")
-    return JSON({"workers": [worker_id], "state": payload.state})
+    done = await _coordinator(request).direct_workers(
+        payload.state, worker_id=request.path_params["worker_id"])
+    if done.forwarded:
+        return JSON({"workers": done.workers, "state": payload.state, "forwarded": True},
+                    status_code=202)
+    return JSON({"workers": done.workers, "state": payload.state})
 
 
 async def direct_workers(request: Request) -> Response:
     """Ask every worker with a label, or all of them, to go quiet or terminate."""
     need(request, "admin")
-    coordinator = _coordinator(request)
     payload: StateRequest = await _decode(request, StateRequest)
     if (payload.label is None) == (not payload.all):
         return error(422, "invalid_request", "give either label or all: true")
-    chosen = coordinator.select_workers(label=payload.label, every=payload.all)
-    directed = coordinator.direct(chosen, payload.state)
-    shared = coordinator.store.shared
-    if shared:  # the workers of the other servers on this database too
-        target = "all" if payload.all else f"label={quote(payload.label or '')}"
-        await coordinator.store.tell_servers(payload.state, target)
-    return JSON({"workers": directed, "state": payload.state, "forwarded": shared})
+    done = await _coordinator(request).direct_workers(payload.state, label=payload.label,
+                                                      every=payload.all)
+    return JSON({"workers": done.workers, "state": payload.state, "forwarded": done.forwarded})
 
 
 async def list_queues(request: Request) -> Response:
@@ -437,14 +420,14 @@ async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]
     ``limit`` (producers name queues: a page of 60,000 took the loop for seconds), the
     paused ones, those workers serve and the busiest of the rest up to it, and the others
     as ``{"queues": n, "counts": {...}}`` (None if none is left out)."""
-    scheduler = coordinator.scheduler
     if counts is None:
-        counts = await coordinator.store.queue_counts()
-    served = {q for w in scheduler.workers.values() for q in w.queues}
-    names = set(counts) | served | scheduler.paused
+        counts = await coordinator.queue_counts()
+    slots, paused = coordinator.worker_slots(), coordinator.paused_queues()
+    served = coordinator.served_queues()
+    names = set(counts) | served | paused
     others = None
     if limit is not None and len(names) > limit:
-        fixed = served | scheduler.paused
+        fixed = served | paused
         weights = {q: (sum(counts[q].get(s, 0) for s in UNFINISHED), sum(counts[q].values()))
                    for q in names - fixed}
         hidden = names
@@ -456,15 +439,14 @@ async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]
                 summed[state] = summed.get(state, 0) + n
         others = {"queues": len(hidden), "counts": summed}
     waiting: dict[str, list[dict[str, Any]]] = {}
-    for (queue, spec), n in sorted(scheduler.ready_counts().items()):
+    for queue, spec, n, reason in coordinator.waiting():
         if queue in names:
-            waiting.setdefault(queue, []).append(
-                {"spec": spec, "available": n, "reason": scheduler.waiting_reason(queue, spec)})
-    oldest = await coordinator.store.oldest_available(coordinator.clock().wall)
+            waiting.setdefault(queue, []).append({"spec": spec, "available": n, "reason": reason})
+    oldest = await coordinator.oldest_waits()
     return [
         {"name": name, "counts": counts.get(name, {}),
-         "workers": sum(1 for w in scheduler.workers.values() if name in w.queues),
-         "waiting": waiting.get(name, []), "paused": name in scheduler.paused,
+         "workers": sum(1 for w in slots if name in w.queues),
+         "waiting": waiting.get(name, []), "paused": name in paused,
          "oldest_available_age": oldest.get(name)}
         for name in sorted(names)
     ], others
@@ -474,12 +456,12 @@ async def healthz(request: Request) -> Response:
     """200 even while the store is degraded: the server still serves reads and workers,
     and a restart by a liveness probe would not bring the disk back (docs/operations.md)."""
     coordinator = _coordinator(request)
-    degraded = coordinator.store.health.degraded
+    degraded = coordinator.storage_degraded()
     storage = None if degraded is None else {
         "code": degraded.code, "message": degraded.message, "since": rfc3339(degraded.since)}
     return JSON({"status": "ok" if degraded is None else "degraded",
                  "workers": len(coordinator.connections),
-                 "live_jobs": coordinator.scheduler.live(), "specs": len(coordinator.specs),
+                 "live_jobs": coordinator.live_jobs(), "specs": len(coordinator.specs),
                  "uptime": round(coordinator.uptime(), 3), "storage": storage})
 
 

@@ -38,6 +38,8 @@ from rota.registry import Connection, claim_worker_id, held_ids
 from rota.retention import BATCH, STEP, Frames, PruneTally, Retention, due, next_pass
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
+from rota.shell_directives import ShellDirectives
+from rota.shell_reads import ShellReads
 from rota.specs import JobSpec, checksum
 from rota.store import Store, job_from_row
 
@@ -91,7 +93,7 @@ def clock_reading() -> ClockReading:
     return ClockReading(time.time(), time.clock_gettime(time.CLOCK_BOOTTIME), _boot_id())
 
 
-class Coordinator:
+class Coordinator(ShellReads, ShellDirectives):
     def __init__(self, settings: ServerSettings,
                  clock: Callable[[], Instant] = system_clock) -> None:
         self.settings = settings

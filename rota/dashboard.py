@@ -46,12 +46,12 @@ async def overview(request: Request) -> Response:
     by_state: dict[str, int] = {}
     for worker in workers:
         by_state[worker["state"]] = by_state.get(worker["state"], 0) + 1
-    degraded = coordinator.store.health.degraded
+    degraded = coordinator.storage_degraded()
     chart, hour = throughput(await coordinator.stats(CHART_MINUTES))
     return render(request, "overview", totals=totals, chart=chart, hour=hour,
                   counts_note=note, queues=queues, workers=by_state,
                   worker_count=len(workers), blocked=blocked(coordinator),
-                  live_jobs=coordinator.scheduler.live(), specs=len(coordinator.specs),
+                  live_jobs=coordinator.live_jobs(), specs=len(coordinator.specs),
                   storage=None if degraded is None else degraded.message,
                   uptime=coordinator.uptime())
 
@@ -70,13 +70,8 @@ def throughput(stats: dict[str, Any]) -> tuple[str, dict[str, int]]:
 
 def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:
     """Available jobs that no worker will take now, per queue and spec, and why."""
-    scheduler = coordinator.scheduler
-    rows = []
-    for (queue, spec), n in sorted(scheduler.ready_counts().items()):
-        reason = scheduler.waiting_reason(queue, spec)
-        if reason is not None and n:
-            rows.append({"queue": queue, "spec": spec, "jobs": n, "reason": reason})
-    return rows
+    return [row._asdict() for row in coordinator.waiting()
+            if row.reason is not None and row.jobs]
 
 
 async def queues_page(request: Request) -> Response:
@@ -89,22 +84,19 @@ async def queues_page(request: Request) -> Response:
 async def specs_page(request: Request) -> Response:
     need(request, "admin")
     coordinator = coordinator_of(request)
-    scheduler = coordinator.scheduler
     stuck = blocked(coordinator)
-    declared = {w.id: w.specs for w in scheduler.workers.values()}
+    retired_specs = coordinator.retired_specs()
     specs = []
     for name, spec in sorted(coordinator.specs.items()):
-        checksum = scheduler.status_quo.get(name, "")
-        retired = coordinator.engine.retired.get(name)
+        workers = coordinator.spec_workers(name)
+        retired = retired_specs.get(name)
         specs.append({
-            "name": name, "version": spec.version, "checksum": checksum, "queue": spec.queue,
-            "description": spec.description,
+            "name": name, "version": spec.version, "checksum": workers.checksum,
+            "queue": spec.queue, "description": spec.description,
             "retired_at": None if retired is None else rfc3339(retired),
-            "matching": scheduler.matching_workers(name, checksum),
-            "other": [(w, declared[w][name]) for w in
-                      scheduler.mismatched_workers(name, checksum)],
+            "matching": workers.matching, "other": workers.other,
             "blocked": [row for row in stuck if row["spec"] == name],
-            "history": (await coordinator.store.spec_history(name))[::-1],
+            "history": (await coordinator.spec_history(name))[::-1],
         })
     return render(request, "specs", specs=specs)
 
@@ -133,7 +125,6 @@ async def jobs_page(request: Request) -> Response:
     coordinator = coordinator_of(request)
     params = request.query_params
     form = {"states": (), "spec": "", "queue": "", "worker": "", "q": ""}
-    scheduler = coordinator.scheduler
     # Every queue that has live jobs, a worker or a pause, and the one asked for: a queue
     # given only at enqueue must not fall out of the form (the next Filter would widen
     # to every queue, and a bulk action with it).
@@ -141,8 +132,9 @@ async def jobs_page(request: Request) -> Response:
     choices = {"specs": sorted(set(coordinator.specs)
                                | ({params["spec"]} if params.get("spec") else set())),
                "queues": sorted({spec.queue for spec in coordinator.specs.values()}
-                                | {q for w in scheduler.workers.values() for q in w.queues}
-                                | set(scheduler.live_counts()) | scheduler.paused | asked)}
+                                | coordinator.served_queues()
+                                | set(coordinator.live_counts())
+                                | coordinator.paused_queues() | asked)}
     try:
         flt = job_filter(params)
     except RequestError as exc:
@@ -152,16 +144,16 @@ async def jobs_page(request: Request) -> Response:
     form = {"states": flt.states, "spec": flt.spec or "", "queue": flt.queue or "",
             "worker": flt.worker or "", "q": flt.q or ""}
     q = flt.q
-    if q and flt == JobFilter(q=q) and await coordinator.store.get_job(q) is not None:
+    if q and flt == JobFilter(q=q) and await coordinator.get_job(q) is not None:
         return RedirectResponse(f"/ui/jobs/{path_segment(q)}", status_code=303)  # an id: its page
     cursor = params.get("cursor") or None
     try:
-        jobs, after = await coordinator.store.list_jobs(flt, PAGE, cursor)
+        jobs, after = await coordinator.list_jobs(flt, PAGE, cursor)
     except RequestError as exc:  # a cursor edited by hand: said on the page, as a filter is
         return render(request, "jobs", status=400, error=exc.message, flt=None, form=form,
                       jobs=[], total=0, capped=False, after=None, query="", paged=False,
                       states=STATES, **choices)
-    total = await coordinator.store.count_jobs(flt)
+    total = await coordinator.count_jobs(flt)
     return render(request, "jobs", error=None, flt=flt, form=form, jobs=jobs, total=total,
                   capped=total >= COUNT_CAP, after=after, paged=cursor is not None,
                   query=urlencode(filter_params(flt), doseq=True), states=STATES,
@@ -215,7 +207,7 @@ async def job_page(request: Request) -> Response:
     need(request, "admin")
     coordinator = coordinator_of(request)
     job_id = request.path_params["job_id"]
-    row = await coordinator.store.get_job(job_id)
+    row = await coordinator.get_job(job_id)
     if row is None:
         return render(request, "missing", status=404, what=f"job {job_id}" if job_id
                       else "job without an id")
@@ -269,24 +261,23 @@ def _directive(form: dict[str, str]) -> str:
     return state
 
 
+# The same operation as the API's POST /workers/...: refusals (no such worker, no way
+# back from terminate) are the shell's, shown as "refused: ..." by ``action``.
 async def direct_worker(request: Request, form: dict[str, str]) -> str:
-    coordinator = coordinator_of(request)
     state, worker_id = _directive(form), request.path_params["worker_id"]
-    if worker_id not in coordinator.connections:
-        return f"refused: no connected worker {worker_id}"
-    current = coordinator.connections[worker_id].worker.state
-    if not coordinator.direct([worker_id], state) and current != state:
-        return f"refused: worker {worker_id} is {current}; it cannot {VERBS[state]}"
-    return f"worker {worker_id} was told to {VERBS[state]}"
+    done = await coordinator_of(request).direct_workers(state, worker_id=worker_id)
+    where = " (through the server it is connected to)" if done.forwarded else ""
+    return f"worker {worker_id} was told to {VERBS[state]}{where}"
 
 
 async def direct_label(request: Request, form: dict[str, str]) -> str:
-    coordinator = coordinator_of(request)
     state, label = _directive(form), form.get("label", "")
     if not label:
         return "refused: choose a label"
-    chosen = coordinator.direct(coordinator.select_workers(label=label), state)
-    return f"{len(chosen)} worker(s) labelled {label!r} were told to {VERBS[state]}"
+    done = await coordinator_of(request).direct_workers(state, label=label)
+    others = ", and those of the other servers on the database" if done.forwarded else ""
+    return (f"{len(done.workers)} worker(s) labelled {label!r} were told to"
+            f" {VERBS[state]}{others}")
 
 
 routes: list[BaseRoute] = [

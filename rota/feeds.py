@@ -130,7 +130,7 @@ class EventStream(Response):
     async def _stream(self, sender: Sender, gone: asyncio.Future[None],
                       revoked: asyncio.Future[None]) -> None:
         coordinator = self.coordinator
-        observer = coordinator.engine.observe
+        observer = coordinator.observer
         keepalive = coordinator.settings.events_keepalive
         loop = asyncio.get_running_loop()
         quiet_since = loop.time()
@@ -214,7 +214,7 @@ async def events(request: Request) -> Response:
     coordinator: Coordinator = request.app.state.coordinator
     only = _filter(request)
     last_id = _last_event_id(request)
-    newest = coordinator.engine.observe.next_id - 1
+    newest = coordinator.observer.next_id - 1
     # No id, or one ahead of this server's (not one it gave): from now on.
     start = newest if last_id is None or last_id > newest else last_id
     return EventStream(coordinator, start, only, principal)
@@ -322,8 +322,7 @@ async def gauges(coordinator: Coordinator) -> dict[str, Any]:
     says of the oldest waiting jobs, the workers and the blocked jobs. Queues are named
     one by one up to ``max_series`` (rota/observe.py): producers name them."""
     now = coordinator.clock().wall
-    scheduler = coordinator.scheduler
-    counts = fold_queues(await coordinator.store.queue_counts(),
+    counts = fold_queues(await coordinator.queue_counts(),
                          coordinator.settings.max_series, UNFINISHED)
     since = await coordinator.oldest_available()
     queues = set(counts) | set(since)
@@ -333,9 +332,8 @@ async def gauges(coordinator: Coordinator) -> dict[str, Any]:
         state = connection.worker.state
         workers[state] = workers.get(state, 0) + 1
     blocked: dict[tuple[str, str], int] = {}
-    for (queue, spec), n in scheduler.ready_counts().items():
-        reason = scheduler.waiting_reason(queue, spec) if n else None
-        if reason is not None:
+    for _, spec, n, reason in coordinator.waiting():
+        if n and reason is not None:
             key = (spec, blocked_reason(reason))
             blocked[key] = blocked.get(key, 0) + n
     return {"queue_counts": counts, "oldest": oldest, "workers": workers, "blocked": blocked}
@@ -350,7 +348,7 @@ async def metrics(request: Request) -> Response:
     coordinator: Coordinator = request.app.state.coordinator
     registry = CollectorRegistry(auto_describe=False)
     measured = await gauges(coordinator)
-    registry.register(Snapshot(copy_series(coordinator.engine.observe), measured))
+    registry.register(Snapshot(copy_series(coordinator.observer), measured))
     # The text is made on a thread (from copies): the loop goes on serving meanwhile.
     body = await asyncio.to_thread(generate_latest, registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -63,7 +63,7 @@ async def list_jobs(request: Request) -> Response:
             raise RequestError(400, f"invalid_{key}", f"{key} may be given once")
     limit = _limit(query.get("limit"))
     cursor = query.get("cursor") or None
-    jobs, after = await _coordinator(request).store.list_jobs(flt, limit, cursor)
+    jobs, after = await _coordinator(request).list_jobs(flt, limit, cursor)
     return JSON({"jobs": jobs, "next_cursor": after})
 
 

@@ -167,7 +167,7 @@ class FinishedCounts:
 
     async def _count(self, coordinator: Coordinator, began: float, wall: float) -> None:
         try:
-            counts = await coordinator.store.queue_counts(FINISHED)
+            counts = await coordinator.queue_counts(FINISHED)
         except StorageError:
             return  # the store's health logs it once; the last counts stay shown
         self.counts, self.began, self.wall = counts, began, wall
@@ -192,7 +192,7 @@ async def counted_queues(request: Request
     cache = finished_counts(request)
     finished = await cache.get(coordinator)
     counts: dict[str, dict[str, int]] = {}
-    for source in (coordinator.scheduler.live_counts(), finished or {}):
+    for source in (coordinator.live_counts(), finished or {}):
         for queue, per in source.items():
             merged = counts.setdefault(queue, dict.fromkeys(STATES, 0))
             for state, n in per.items():

@@ -21,7 +21,7 @@ import httpx
 import psycopg
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import RawWorker, completed, free_port, spawn_serve, wait_until
+from helpers import RawWorker, completed, free_port, registration, spawn_serve, wait_until
 
 from rota import JobContext, Worker
 
@@ -79,6 +79,17 @@ async def running(*workers: Worker) -> AsyncIterator[None]:
         for worker in workers:
             worker.stop()
         await asyncio.gather(*(asyncio.wait_for(t, 10) for t in tasks), return_exceptions=True)
+
+
+async def end(procs: list[asyncio.subprocess.Process], clients: list[httpx.AsyncClient]
+              ) -> None:
+    """Stop the `rota serve` processes a test started, and close its clients."""
+    for proc in procs:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+    for client in clients:
+        await client.aclose()
 
 
 async def all_in(live: Live, ids: list[str], timeout: float = 20.0) -> None:
@@ -415,12 +426,7 @@ async def test_chaos_three_servers_four_workers_one_killed_and_restarted(
         print(f"chaos: 5000 jobs, {len(twice)} ran twice (each first given out by a server"
               f" that lost its lease: {sorted(lost)}); recovery: {recovered}")
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.terminate()
-                await proc.wait()
-        for client in clients:
-            await client.aclose()
+        await end(procs, clients)
 
 
 async def _completed(http: httpx.AsyncClient) -> int:
@@ -448,6 +454,104 @@ async def test_a_directive_through_one_server_reaches_a_worker_on_another(tmp_pa
                          what="B to terminate its worker")
         missing = await a.http.post("/workers/nobody/state", json={"state": "quiet"})
         assert missing.status_code == 404
+
+
+async def labelled(port: int, worker_id: str, label: str, token: str) -> RawWorker:
+    """A raw worker with ``label``, registered (serving no spec) on the server at ``port``."""
+    worker = await RawWorker.open(f"ws://127.0.0.1:{port}/work", worker_id,
+                                  additional_headers={"Authorization": f"Bearer {token}"})
+    await worker.beat(registration=registration([], labels=[label]), capacity=1)
+    await worker.expect("welcome")
+    await worker.expect("ack")
+    return worker
+
+
+async def told(worker: RawWorker) -> str:
+    """The state the server asks of ``worker`` in the ack to its next heartbeat."""
+    await worker.beat()
+    return str((await worker.expect("ack"))["state"])
+
+
+async def state_on(server: httpx.AsyncClient, worker_id: str, state: str, *,
+                   field: str = "state") -> bool:
+    """Whether the server's GET /workers shows ``worker_id`` in ``state`` (or, with
+    ``field="directive"``, told to go to it)."""
+    views = (await server.get("/workers")).json()["workers"]
+    return any(w["id"] == worker_id and w[field] == state for w in views)
+
+
+async def test_the_dashboards_and_the_apis_directive_by_label_reach_both_servers_workers(
+        tmp_path: Path, pg_url: str):
+    """Issue 21, one operation, one behaviour: two `rota serve` processes on one
+    PostgreSQL, a worker labelled eu on each and one labelled us on A. The dashboard's
+    quiet-by-label form, posted to A with its login cookie, quiets both eu workers (B's
+    through the notice A sends); the API's terminate-by-label through B then terminates
+    both. The us worker is left running."""
+    ports = [free_port() for _ in range(2)]
+    clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{p}", timeout=30) for p in ports]
+    procs: list[asyncio.subprocess.Process] = []
+    workers: list[RawWorker] = []
+    try:
+        for i, port in enumerate(ports):
+            procs.append(await spawn_serve(clients[i], [
+                "--db", pg_url, "--port", str(port), "--server-id", f"s{i}"],
+                tmp_path / f"s{i}.log"))
+        a, b = clients
+        made = await a.post("/tokens", json={"scope": "admin", "name": "ops"})  # the first
+        assert made.status_code == 201, made.text
+        admin = made.json()["token"]
+
+        async def b_knows_it() -> bool:  # B reads the tokens again within a second
+            return (await b.get("/workers")).status_code == 401
+
+        await wait_until(b_knows_it, what="B to know the servers have tokens now")
+        for client in clients:
+            client.headers["Authorization"] = f"Bearer {admin}"
+        workers = [await labelled(ports[0], "a-eu", "eu", admin),
+                   await labelled(ports[0], "a-us", "us", admin),
+                   await labelled(ports[1], "b-eu", "eu", admin)]
+
+        async with httpx.AsyncClient(base_url=str(a.base_url)) as browser:
+            same = {"Sec-Fetch-Site": "same-origin"}
+            login = await browser.post("/ui/login", data={"token": admin, "next": "/ui"},
+                                       headers=same)
+            assert login.status_code == 303 and "rota_session" in browser.cookies
+
+            async def dashboard(path: str, **form: str) -> str:
+                """Post a form of A's dashboard: the message the page shows after it."""
+                posted = await browser.post(path, headers=same,
+                                            data={**form, "back": "/ui/workers"})
+                assert posted.status_code == 303, posted.text
+                return (await browser.get(posted.headers["location"])).text
+
+            shown = await dashboard("/ui/workers/state", label="eu", state="quiet")
+            assert ("1 worker(s) labelled &#39;eu&#39; were told to go quiet, and those of the"
+                    " other servers on the database") in shown
+            await wait_until(lambda: state_on(b, "b-eu", "quiet"), timeout=10,
+                             what="B to quiet its eu worker")
+            assert [await told(w) for w in workers] == ["quiet", "running", "quiet"]
+
+            # B's worker named on A's dashboard: passed on, as through the API, once B's
+            # record of it is committed (before, refused as connected nowhere).
+            async def resumed() -> bool:
+                shown = await dashboard("/ui/workers/b-eu/state", state="running")
+                assert "was told to resume" in shown or "no connected worker b-eu" in shown
+                return "told to resume (through the server it is connected to)" in shown
+
+            await wait_until(resumed, timeout=10, what="A to know b-eu is connected to B")
+            await wait_until(lambda: state_on(b, "b-eu", "running", field="directive"),
+                             timeout=10, what="B to resume its eu worker")
+            assert [await told(w) for w in workers] == ["quiet", "running", "running"]
+
+        through_b = await b.post("/workers/state", json={"state": "terminate", "label": "eu"})
+        assert through_b.json() == {"workers": ["b-eu"], "state": "terminate", "forwarded": True}
+        await wait_until(lambda: state_on(a, "a-eu", "terminate"), timeout=10,
+                         what="A to terminate its eu worker")
+        assert [await told(w) for w in workers] == ["terminate", "running", "terminate"]
+    finally:
+        for worker in workers:
+            await worker.ws.close()
+        await end(procs, clients)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])

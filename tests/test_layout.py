@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"rows", "lookup", "fleet"},  # jobs as rows: a restart's load, claims; an operator's
     # queries; several servers' leases, notices and recovery
     {"store"},  # SQLite
+    {"shell_reads", "shell_directives"},  # what routes read of the shell; directives
     {"coordinator"},  # the async shell
     {"gate", "safety", "cluster"},  # authentication at the door; the net for what nobody
     # expected; one of several servers on one database

@@ -1,0 +1,77 @@
+"""An operator's directive to workers (go quiet, terminate, resume), one behaviour for the
+API (``POST /workers/...``) and the dashboard's forms: the ``Coordinator`` inherits this
+mixin. On a database several servers share (docs/scaling.md), a directive is passed on
+to the servers that hold the workers it names (``Store.tell_servers``; rota/cluster.py
+applies it there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from rota.errors import Conflict, NotFound
+from rota.registry import Connection
+from rota.store import Store
+
+STATE_WORDS = {"terminate": "terminating"}  # a worker's state, said in a sentence
+
+
+@dataclass(frozen=True)
+class Directed:
+    """What a directive did: the workers of this server told (for one worker named, that
+    one, also when it was in that state already), and whether the other servers on the
+    database were told too."""
+
+    workers: list[str]
+    forwarded: bool
+
+
+def target(*, label: str | None, every: bool) -> str:
+    """The workers a directive names, as the notice to the other servers says it."""
+    return "all" if every else f"label={quote(label or '')}"
+
+
+class ShellDirectives:
+    """A mixin of the ``Coordinator``."""
+
+    if TYPE_CHECKING:
+        store: Store
+
+        @property
+        def connections(self) -> dict[str, Connection]: ...
+
+        def direct(self, worker_ids: Iterable[str], state: str) -> list[str]: ...
+
+        def select_workers(self, *, label: str | None = None,
+                           every: bool = False) -> list[str]: ...
+
+    async def direct_workers(self, state: str, *, worker_id: str | None = None,
+                             label: str | None = None, every: bool = False) -> Directed:
+        """Ask the worker ``worker_id``, or every worker with ``label``, or all of them
+        (``every``), to be in ``state``: they hear it in their next ack. NotFound if the
+        named worker is connected to no server; Conflict if it cannot go back to
+        ``state`` (never from terminate)."""
+        if worker_id is not None:
+            return await self._direct_one(worker_id, state)
+        directed = self.direct(self.select_workers(label=label, every=every), state)
+        shared = self.store.shared
+        if shared:  # the workers of the other servers on this database too
+            await self.store.tell_servers(state, target(label=label, every=every))
+        return Directed(directed, forwarded=shared)
+
+    async def _direct_one(self, worker_id: str, state: str) -> Directed:
+        conn = self.connections.get(worker_id)
+        if conn is None:
+            if self.store.shared and await self.store.connected_somewhere(worker_id):
+                # Connected to another server on this database: that server passes it on.
+                await self.store.tell_servers(state, f"id={quote(worker_id)}")
+                return Directed([worker_id], forwarded=True)
+            raise NotFound("not_found", f"no connected worker {worker_id}")
+        if not self.direct([worker_id], state) and conn.worker.state != state:
+            now = STATE_WORDS.get(conn.worker.state, conn.worker.state)
+            raise Conflict("invalid_transition",
+                           f"worker {worker_id} is {now}; it cannot go back to {state}")
+        return Directed([worker_id], forwarded=False)
