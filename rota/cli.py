@@ -24,7 +24,7 @@ from typing import Any
 
 import click
 
-from rota import cli_live, cli_ops, logs
+from rota import cli_live, cli_logging, cli_ops
 from rota.cli_base import TOKEN_OPTION as _TOKEN
 from rota.cli_base import URL_OPTION
 from rota.cli_base import api as _api
@@ -39,12 +39,8 @@ from rota.protocol import MAX_PREFETCH
 from rota.retention import parse_duration, parse_rule
 from rota.specs import SpecError, checksum, load_dir
 
-LEVELS = click.Choice(["debug", "info", "warning", "error"])
-_LOG_FORMAT = click.option(
-    "--log-format", envvar="ROTA_LOG_FORMAT", show_envvar=True, default="text",
-    show_default=True, type=click.Choice(logs.FORMATS),
-    help="text: one readable line a record; json: one JSON object a line (time, level,"
-         " logger, message, and fields such as job, spec, queue, worker, duration_ms).")
+from rota.cli_logging import LEVELS
+from rota.cli_logging import LOG_FORMAT as _LOG_FORMAT
 SERVER_SWITCH_INTERVAL = 0.0005  # seconds: see serve()
 
 
@@ -338,7 +334,7 @@ def serve(db: Path | str, log_level: str, log_format: str, insecure: bool,
     from rota.settings import ServerSettings, loopback
     from rota.store import list_tokens, server_id_in_use
 
-    logs.configure(log_level, log_format)
+    cli_logging.configure(log_level, log_format)
     if isinstance(db, Path):  # (several servers share a PostgreSQL database: no lock)
         _hold_database(db)  # first: a second server must not even migrate the file
     sock = _listen(options["host"], options["port"])  # then: a busy port migrates nothing
@@ -461,7 +457,7 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
     without waiting. A second SIGTERM or SIGINT takes the fast path. SIGTSTP goes quiet
     (no new jobs; the line goes back); SIGCONT resumes.
     """
-    logs.configure(log_level, log_format)
+    cli_logging.configure(log_level, log_format)
     instance = _import_worker(target)
     try:
         instance.url = _split_urls(urls)
@@ -912,7 +908,7 @@ def demo(port: int, db: Path, specs_dir: Path | None, rate: float) -> None:
     """
     from rota.demo import run_demo
 
-    logs.configure("info")
+    cli_logging.configure("info")
     _hold_database(db)
     if specs_dir is None:
         specs_dir = Path(str(importlib.resources.files("rota") / "demo_specs"))

@@ -49,7 +49,8 @@ LAYERS: list[set[str]] = [
     {"connection"},  # the connection thread
     {"worker"},
     {"__init__", "demo"},
-    {"cli_base"},  # what the commands that call a server share
+    {"cli_base", "cli_logging"},  # what the commands that call a server share; how the
+    # server and the worker write their log lines
     {"cli_ops"},  # the operator's commands: jobs list, bulk actions, queues
     {"cli_live"},  # rota watch and rota tail
     {"cli"},
