@@ -1,6 +1,7 @@
 """What every ``rota`` command that talks to a server shares: ``--url`` and ``--token``
 (ROTA_URL, ROTA_TOKEN), an API call whose refusal is one line on stderr and exit 1, and
-JSON on stdout. ``rota.cli``, ``rota.cli_ops`` and ``rota.cli_live`` build on it.
+JSON on stdout, and ``--db`` (a file or a PostgreSQL URL). Every ``rota.cli_*`` module
+builds on it.
 
 And the one way ``rota`` prints: ``out`` (a line), ``out_lines`` (a text of several),
 ``screen`` (``rota watch``'s frame), ``fail`` and ``error`` (a line on stderr) and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -116,3 +118,64 @@ def print_json(data: Any, *, compact: bool = False) -> None:
     text = (json.dumps(data, separators=(",", ":")) if compact
             else json.dumps(data, indent=2, sort_keys=False))
     click.echo(text.replace("\x7f", "\\u007f"))
+
+
+def print_job(data: dict[str, Any]) -> None:
+    """A job (or a result) as JSON on stdout, for scripts, with each error's traceback
+    taken out and written to stderr as it was raised: lines, not one string of \\n,
+    under a line naming its attempt and indented by 4 (the worker's text, which may hold
+    a line that looks like that one)."""
+    errors = [e for e in [*data.get("errors", []), data.get("error")] if isinstance(e, dict)]
+    tracebacks = []
+    for failure in errors:
+        details = failure.get("details")
+        if isinstance(details, dict) and isinstance(details.get("traceback"), str):
+            tracebacks.append((failure, details["traceback"]))
+            details["traceback"] = "(on stderr)"
+    print_json(data)
+    for failure, text in tracebacks:  # the worker's own lines, each escaped
+        out(f"--- attempt {failure.get('attempt', '?')} on {failure.get('worker_id') or '?'}:"
+            f" {failure.get('type')}: {failure.get('message')}", err=True)
+        out_lines(text, indent="    ", err=True)
+
+
+class DatabaseParam(click.ParamType):
+    """--db: an SQLite file (a Path), or a PostgreSQL database's URL (postgresql:// or
+    postgres://, kept as text)."""
+
+    name = "FILE|URL"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Path | str:
+        if isinstance(value, Path):
+            return value
+        text = str(value)
+        if text.startswith(("postgresql://", "postgres://")):
+            return text
+        if "://" in text:  # a server's URL, or a misspelt scheme: not a file name
+            self.fail(f"{text!r} is neither a database file nor a postgresql:// URL (a"
+                      " server's own URL goes in --url)", param, ctx)
+        if text.endswith("/") or Path(text).is_dir():
+            self.fail(f"{text!r} is a directory: give a database file, or a postgresql://"
+                      " URL", param, ctx)
+        return Path(text)
+
+
+DATABASE = DatabaseParam()
+
+# The packages only the server's code needs (rota serve, rota demo, rota tokens on the
+# database file): a worker's or producer's install ('pip install rota') leaves them out.
+SERVER_PACKAGES = frozenset({"starlette", "uvicorn", "sqlite_utils", "psycopg", "httptools",
+                             "prometheus_client"})
+
+
+def need_server(command: str) -> None:
+    """One line saying what to install, rather than an ImportError's traceback."""
+    try:
+        import rota.server  # noqa: F401
+        import rota.store  # noqa: F401
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] not in SERVER_PACKAGES:
+            raise  # not a missing server package: a real bug, shown whole
+        fail(f"'rota {command}' needs the server's packages ({exc.name} is not installed):"
+             " pip install 'rota[server]'")

@@ -1,8 +1,9 @@
 """The operator's commands: find jobs and retry or cancel them in bulk, see queues and
-pause them (``rota.cli_live`` has ``rota watch`` and ``rota tail``).
+pause them, see workers and quiet, resume or terminate them (``rota.cli_live`` has
+``rota watch`` and ``rota tail``).
 
-``rota.cli`` registers them beside its own. Everything here is a client of the admin API
-(docs/protocol.md): ``GET /jobs``, ``POST /jobs/retry|cancel``, ``/queues``.
+``rota.cli`` registers them beside the others. Everything here is a client of the admin
+API (docs/protocol.md): ``GET /jobs``, ``POST /jobs/retry|cancel``, ``/queues``, ``/workers``.
 """
 
 from __future__ import annotations
@@ -243,3 +244,62 @@ def _pause_command(paused: bool) -> click.Command:
 
 queues.add_command(_pause_command(True))
 queues.add_command(_pause_command(False))
+
+
+@click.group()
+def workers() -> None:
+    """See connected workers; quiet, resume or terminate them (rolling deploys)."""
+
+
+def _prefetched(worker: dict[str, Any]) -> str:
+    """' +waiting/prefetch' after the load, for a worker that prefetches."""
+    if not worker.get("prefetch"):
+        return ""
+    return f" +{worker['prefetched']}/{worker['prefetch']}"
+
+
+@workers.command("list")
+@URL_OPTION
+def workers_list(url: str) -> None:
+    """Each worker's state, queues, labels, load, spec matches and last heartbeat age."""
+    rows = api(url, "workers")["workers"]
+    if not rows:
+        out("no workers connected")
+    for w in rows:
+        out(f"{w['id']}  {w['state']:<9} load={w['active']}/{w['concurrency']}"
+             f"{_prefetched(w)}"
+             f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"
+             f"  specs ok={','.join(w['specs_matching']) or '-'}"
+             f" mismatched={','.join(w['specs_mismatching']) or '-'}"
+             f"  host={w['hostname']} pid={w['pid']}{_usage(w)}"
+             f"  beat={w['last_heartbeat_age']:.1f}s ago")
+
+
+def _usage(worker: dict[str, Any]) -> str:
+    if worker["memory_rss"] is None:
+        return ""
+    return f"  cpu={worker['cpu_percent'] or 0:.0f}% rss={worker['memory_rss'] / 2**20:.0f}MiB"
+
+
+def _directive(name: str, state: str) -> Callable[..., None]:
+    def command(worker_id: str | None, label: str | None, every: bool, url: str) -> None:
+        if sum((worker_id is not None, label is not None, every)) != 1:
+            fail("name one worker ID, or --label LABEL, or --all")
+        reply = api(url, "direct", state, worker_id=worker_id, label=label, every=every)
+        for worker in reply["workers"]:
+            out(f"{worker}: {state}")
+        if not reply["workers"]:  # a typo in a label must not pass for success in a deploy
+            fail(f"no connected worker{f' with label {label!r}' if label else ''} to {name}")
+
+    return command
+
+
+for _name, _state, _help in (
+        ("quiet", "quiet", "Stop sending jobs to workers; they finish what they run."),
+        ("resume", "running", "Quiet workers take jobs again."),
+        ("terminate", "terminate", "Workers finish their jobs within their grace period, then exit.")):
+    workers.command(_name, help=_help)(
+        click.argument("worker_id", required=False)(
+            click.option("--label", help="Every worker with this label.")(
+                click.option("--all", "every", is_flag=True, help="Every connected worker.")(
+                    URL_OPTION(_directive(_name, _state))))))

@@ -43,6 +43,7 @@ LAYERS: list[set[str]] = [
     {"openapi", "edge", "dashboard"},  # the route table; uvicorn's protocols as Rota runs
     # them; the dashboard's pages
     {"server"},
+    {"startup"},  # what a server checks and takes before it serves
     # the SDK and the producer client, beside the server
     {"context", "client", "link"},  # a handler's context; the producer client; the core
     {"manual", "execution", "producer", "stream"},  # manual mode; running jobs; the asyncio
@@ -50,9 +51,11 @@ LAYERS: list[set[str]] = [
     {"connection"},  # the connection thread
     {"worker"},
     {"__init__", "demo"},
-    {"cli_base"},  # what the commands that call a server share
-    {"cli_ops"},  # the operator's commands: jobs list, bulk actions, queues
-    {"cli_live"},  # rota watch and rota tail
+    {"cli_base", "cli_logging"},  # what the commands that call a server share; how the
+    # server and the worker write their log lines
+    {"cli_ops", "cli_serve", "cli_worker", "cli_specs", "cli_tokens"},  # the operator's
+    # commands: jobs list, bulk actions, queues, workers; serve; worker and demo; specs; tokens
+    {"cli_live", "cli_jobs"},  # rota watch and rota tail; enqueue, run, jobs show
     {"cli"},
     {"__main__"},
 ]

@@ -1,6 +1,6 @@
-"""The server's log plumbing (rota.logs): lean records, the background handler, and a
-batch of lines logged as one record, which comes out as one line per row, each with the
-usual prefix, in order with the records around it."""
+"""The server's log plumbing (rota/cli_logging.py; rota/logs.py's batches): lean records,
+the background handler, and a batch of lines logged as one record, which comes out as one
+line per row, each with the usual prefix, in order with the records around it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from datetime import datetime
 
 import pytest
 
-from rota.logs import FORMAT, BackgroundHandler, Formatter, JsonFormatter, LeanRecord, Lines, log_lines
+from rota.cli_logging import FORMAT, BackgroundHandler, Formatter, JsonFormatter, LeanRecord
+from rota.logs import Lines, log_lines
 
 
 def _record(factory: type[logging.LogRecord], msg: str, args: object,

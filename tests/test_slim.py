@@ -60,7 +60,8 @@ def slim_packages() -> set[str]:
     """Every non-stdlib package the slim modules import, following rota's own imports."""
     seen: set[str] = set()
     todo = set(SLIM_ROOTS)
-    packages: set[str] = set(imports(PACKAGE / "cli.py", top_level_only=True)[1])
+    packages: set[str] = {package for path in PACKAGE.glob("cli*.py")  # the CLI's modules
+                          for package in imports(path, top_level_only=True)[1]}
     while todo:
         module = todo.pop()
         seen.add(module)
