@@ -17,8 +17,9 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Lowest first. Within a layer no module imports another.
 LAYERS: list[set[str]] = [
-    {"errors", "ids", "inputs", "logs", "settings", "display", "charts", "schema"},  # leaves:
-    # no rota imports (the dashboard's figures and its chart, as text; the store's tables)
+    {"errors", "ids", "inputs", "logs", "settings", "display", "charts", "schema",
+     "openapi_schemas"},  # leaves: no rota imports (the dashboard's figures and its chart,
+    # as text; the store's tables; the HTTP API's answers as Structs)
     {"protocol", "model", "db", "dblock"},  # the wire format; the job and its lifecycle;
     # SQLite; one server per SQLite file
     {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "pg",
@@ -37,9 +38,10 @@ LAYERS: list[set[str]] = [
     {"gate", "safety", "cluster"},  # authentication at the door; the net for what nobody
     # expected; one of several servers on one database
     {"sessions", "api"},  # /work and the HTTP routes
-    {"feeds", "operate", "pages"},  # what an operator watches (/events, /stats, /metrics)
-    # and steers (job listing, bulk actions, queue pause); the dashboard's plumbing
-    {"openapi", "edge", "dashboard"},  # the route table; uvicorn's protocols as Rota runs
+    {"feeds", "operate", "pages", "openapi"},  # what an operator watches (/events, /stats,
+    # /metrics) and steers (job listing, bulk actions, queue pause); the dashboard's
+    # plumbing; the OpenAPI document, made from a route table
+    {"routes", "edge", "dashboard"},  # the route table; uvicorn's protocols as Rota runs
     # them; the dashboard's pages
     {"server"},
     # the SDK and the producer client, beside the server

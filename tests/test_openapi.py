@@ -18,7 +18,7 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from rota.auth import new_token
-from rota.openapi import ROUTES
+from rota.routes import ROUTES
 from rota.store import create_token
 
 EXAMPLES = int(os.environ.get("ROTA_API_EXAMPLES", "15"))
