@@ -1,7 +1,7 @@
 """The store's tables as they are now, described once for both backends.
 
 SQLite builds them step by step with its migrations (rota/db.py, m001..); PostgreSQL's
-DDL is made from this description (rota/pg.py). tests/test_schema.py checks that the
+DDL is made from this description (rota/pg_sql.py). tests/test_schema.py checks that the
 SQLite migrations build exactly what is described here, so a change to one without the
 other fails there. Both backends record the names in ``MIGRATIONS`` as applied, so a
 Rota that finds a name it does not know refuses the database (db.NewerDatabase).

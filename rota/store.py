@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from rota import db, fleet, lookup, pg
+from rota import db, fleet, lookup, pg, pg_connection
 from rota.errors import Conflict, StorageError
 from rota.listing import JobFilter, decode_cursor
 from rota.effects import Reserved
@@ -797,11 +797,11 @@ def _revoke_tokens(conn: sqlite3.Connection, id_or_name: str) -> list[dict[str, 
 
 def _open(target: Path | str) -> Any:
     """A connection to the database, migrated first: the SQLite file at ``target``, or
-    the PostgreSQL database a URL names (a sqlite3-like rota/pg.py connection)."""
+    the PostgreSQL database a URL names (a sqlite3-like rota/pg_connection.py connection)."""
     if pg.is_url(target):
         assert isinstance(target, str)
         pg.migrate(target)
-        return pg.connect(target)
+        return pg_connection.connect(target)
     db.migrate(Path(target))
     return db.connect(Path(target))
 

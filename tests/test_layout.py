@@ -20,14 +20,15 @@ LAYERS: list[set[str]] = [
     {"errors", "ids", "inputs", "logs", "settings", "display", "charts", "schema",
      "openapi_schemas"},  # leaves: no rota imports (the dashboard's figures and its chart,
     # as text; the store's tables; the HTTP API's answers as Structs)
-    {"protocol", "model", "db", "dblock"},  # the wire format; the job and its lifecycle;
-    # SQLite; one server per SQLite file
-    {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "pg",
-     "standing"},  # spec files and checksums; retry rules; a server's standing by its lease;
-    # tokens; the ready index; how long finished jobs are kept;
-    # what happened (events, counts, metrics as numbers); job filters; PostgreSQL (db's
-    # writer and readers on psycopg, SQLite's SQL translated: just above db, which it extends)
-    {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
+    {"protocol", "model", "db", "dblock", "pg_sql"},  # the wire format; the job and its
+    # lifecycle; SQLite; one server per SQLite file; SQLite's SQL as PostgreSQL's
+    {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "standing",
+     "pg_connection"},  # spec files and checksums; retry rules; a server's standing by its
+    # lease; tokens; the ready index; how long finished jobs are kept;
+    # what happened (events, counts, metrics as numbers); job filters; a sqlite3-like
+    # PostgreSQL connection
+    {"jobs", "scheduler", "effects", "views", "pg"},  # building jobs; placing them; effect
+    # types; PostgreSQL (db's writer and readers on pg_connection: above db, which it extends)
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
     {"engine"},  # the pure state machine
