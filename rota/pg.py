@@ -5,14 +5,14 @@ in SQLite's SQL, against a sqlite3 connection. Here they run unchanged on Postgr
 
 - rota/pg_sql.py translates each statement for PostgreSQL, and makes the schema's DDL;
 - rota/pg_connection.py's ``Connection`` acts as sqlite3's does for what the store uses;
-- ``Writer`` and ``Readers`` are rota/db.py's, on these connections: one writer thread,
+- ``Writer`` and ``Readers`` are rota/db_writer.py's and rota/db_readers.py's, on these connections: one writer thread,
   group commit, a savepoint per operation, and a reader pool;
 - ``migrate`` brings a database to this Rota's schema;
 - ``Listener`` hears NOTIFY on an asyncio connection (psycopg's AsyncConnection),
   connecting again if it is lost.
 
 The database server going away is an expected fault: its errors become ``StorageError``
-(``storage_unavailable``), the store is degraded (rota/db.py ``Health``), and each
+(``storage_unavailable``), the store is degraded (rota/db_health.py), and each
 connection is opened again at its next use.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 from psycopg import sql as pgsql
 
-from rota import db, schema
+from rota import db, db_readers, db_writer, schema
 from rota.errors import StorageError
 from rota.pg_connection import Connection, connect, connect_params
 from rota.pg_sql import ddl
@@ -112,8 +112,8 @@ def used_bytes(conn: Connection) -> int:
 
 
 # -- the store's threads ----------------------------------------------------------------
-class Writer(db.Writer):
-    """rota/db.py's writer (group commit, a savepoint per op) on a PostgreSQL connection,
+class Writer(db_writer.Writer):
+    """rota/db_writer.py's writer (group commit, a savepoint per op) on a PostgreSQL connection,
     opened again after the server went away. ``bound``: see ``connect`` (rota/store.py
     gives a quarter of the server lease: a server stalled inside a transaction holds the
     others' writers that long at most, and their leases outlast it)."""
@@ -153,8 +153,8 @@ AGAIN = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failur
 LOCKED = "55P03"  # lock_not_available: lock_timeout ran out
 
 
-class Readers(db.Readers):
-    """rota/db.py's reader pool on read-only PostgreSQL connections (``size`` of them:
+class Readers(db_readers.Readers):
+    """rota/db_readers.py's reader pool on read-only PostgreSQL connections (``size`` of them:
     --db-pool)."""
 
     def _open(self) -> Connection:

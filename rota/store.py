@@ -1,7 +1,7 @@
 """Rota's durable state: jobs, spec versions, the status quo and workers, in one SQLite file
 or a PostgreSQL database (``database_url``; rota/pg.py runs the same operations there).
 
-Every write goes through the single writer thread (``db.Writer``, ``pg.Writer``): a write method
+Every write goes through the single writer thread (``db_writer.Writer``, ``pg.Writer``): a write method
 queues its work at once, in call order, and returns a future that resolves after its
 COMMIT. Reads run on a reader pool. The in-memory scheduler is rebuilt from
 ``load()`` at start (rota/rows.py).
@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from rota import db, fleet, lookup, pg, pg_connection
+from rota import db, db_health, db_migrations, db_readers, db_writer, fleet, lookup, pg, pg_connection
 from rota.errors import Conflict, StorageError
 from rota.listing import JobFilter, decode_cursor
 from rota.effects import Reserved
@@ -60,7 +60,7 @@ class Store:
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
     durability: str = "full"  # db.SYNCHRONOUS: what a commit survives
     max_db_size: int | None = None  # bytes (--max-db-size); None: as much as the disk holds
-    health: db.Health = field(default_factory=db.Health)  # degraded while the disk fails
+    health: db_health.Health = field(default_factory=db_health.Health)  # degraded while the disk fails
     # PostgreSQL (rota/pg.py) instead of the file at ``path``: the database's URL, and how
     # many reader connections (SQLite's reader pool is that size too).
     database_url: str | None = None
@@ -73,9 +73,9 @@ class Store:
     # Test switch: hold each reservation's transaction open this long after its UPDATE,
     # for the stall tests to catch a server inside a transaction. Never in production.
     hold_reserve: float = 0.0
-    writer: db.Writer = field(init=False)
-    readers: db.Readers = field(init=False)
-    checkpointer: db.Checkpointer | None = field(init=False)  # SQLite's WAL only
+    writer: db_writer.Writer = field(init=False)
+    readers: db_readers.Readers = field(init=False)
+    checkpointer: db_writer.Checkpointer | None = field(init=False)  # SQLite's WAL only
 
     def __post_init__(self) -> None:
         if self.database_url is not None:
@@ -89,9 +89,9 @@ class Store:
             self.readers = pg.Readers(self.database_url, self.db_pool, health=self.health)
             self.checkpointer = None
             return
-        self.writer = db.Writer(self.path, self.durability, self.health, self.max_db_size)
-        self.readers = db.Readers(self.path, self.db_pool, health=self.health)
-        self.checkpointer = db.Checkpointer(self.path, health=self.health)
+        self.writer = db_writer.Writer(self.path, self.durability, self.health, self.max_db_size)
+        self.readers = db_readers.Readers(self.path, self.db_pool, health=self.health)
+        self.checkpointer = db_writer.Checkpointer(self.path, health=self.health)
 
     @property
     def backend(self) -> str:
@@ -802,7 +802,7 @@ def _open(target: Path | str) -> Any:
         assert isinstance(target, str)
         pg.migrate(target)
         return pg_connection.connect(target)
-    db.migrate(Path(target))
+    db_migrations.migrate(Path(target))
     return db.connect(Path(target))
 
 

@@ -18,7 +18,7 @@ from helpers import RawWorker as RawWorker  # re-exported: tests import it from 
 from helpers import RawWorkers, wait_until
 from pgserver import Cluster
 
-from rota import db, pg, pg_connection
+from rota import db, db_migrations, pg, pg_connection
 from rota.coordinator import Coordinator
 from rota.server import EmbeddedServer, listen_socket, uvicorn_config
 from rota.settings import ServerSettings
@@ -63,7 +63,7 @@ def open_store(tmp: Path) -> Any:
     if url is not None:
         pg.migrate(url)
         return pg_connection.connect(url)
-    db.migrate(tmp / "rota.db")
+    db_migrations.migrate(tmp / "rota.db")
     return db.connect(tmp / "rota.db")
 
 

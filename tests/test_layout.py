@@ -20,12 +20,14 @@ LAYERS: list[set[str]] = [
     {"errors", "ids", "inputs", "logs", "settings", "display", "charts", "schema",
      "openapi_schemas"},  # leaves: no rota imports (the dashboard's figures and its chart,
     # as text; the store's tables; the HTTP API's answers as Structs)
-    {"protocol", "model", "db", "dblock", "pg_sql"},  # the wire format; the job and its
-    # lifecycle; SQLite; one server per SQLite file; SQLite's SQL as PostgreSQL's
+    {"protocol", "model", "db", "dblock", "db_health", "pg_sql"},  # the wire format; the
+    # job and its lifecycle; SQLite's connection and errors; one server per SQLite file;
+    # the store's health; SQLite's SQL as PostgreSQL's
     {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "standing",
-     "pg_connection"},  # spec files and checksums; retry rules; a server's standing by its
-    # lease; tokens; the ready index; how long finished jobs are kept;
-    # what happened (events, counts, metrics as numbers); job filters; a sqlite3-like
+     "db_migrations", "db_writer", "db_readers", "pg_connection"},  # spec files and
+    # checksums; retry rules; a server's standing by its lease; tokens; the ready index;
+    # how long finished jobs are kept; what happened (events, counts, metrics as numbers);
+    # job filters; SQLite's migrations, writer thread and readers; a sqlite3-like
     # PostgreSQL connection
     {"jobs", "scheduler", "effects", "views", "pg"},  # building jobs; placing them; effect
     # types; PostgreSQL (db's writer and readers on pg_connection: above db, which it extends)

@@ -15,7 +15,7 @@ from conftest import start_server, stop_server, write_spec
 from helpers import wait_until
 from pgserver import Cluster
 
-from rota import db, fleet, pg, pg_connection, schema
+from rota import db, db_health, db_migrations, fleet, pg, pg_connection, schema
 from rota.errors import StorageError
 
 
@@ -121,12 +121,12 @@ def test_a_database_a_newer_rota_migrated_is_refused(pg_url: str, conn: pg_conne
     assert "m999_future" in refused.value.message and "Rota 9.0" in refused.value.message
     assert "secret" not in refused.value.message
     # the same refusal on SQLite
-    db.migrate(tmp_path / "rota.db")
+    db_migrations.migrate(tmp_path / "rota.db")
     with contextlib.closing(db.connect(tmp_path / "rota.db")) as lite:
         lite.execute("INSERT INTO _sqlite_migrations (migration_set, name, applied_at)"
                      " VALUES ('rota', 'm999_future', '')")
     with pytest.raises(db.NewerDatabase, match="m999_future"):
-        db.migrate(tmp_path / "rota.db")
+        db_migrations.migrate(tmp_path / "rota.db")
 
 
 # -- a lost server -----------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_a_server_that_is_down_is_storage_unavailable(pg_cluster: Cluster,
 async def test_the_writer_degrades_while_the_server_is_down_and_recovers(
         pg_cluster: Cluster, pg_url: str) -> None:
     pg.migrate(pg_url)
-    health = db.Health(hold=0.0)
+    health = db_health.Health(hold=0.0)
     writer = pg.Writer(pg_url, health=health)
     readers = pg.Readers(pg_url, 1, health=health)  # one thread: one connection, reused
     writer.start(asyncio.get_running_loop())
@@ -189,7 +189,7 @@ async def test_a_database_restarted_while_rota_is_idle_costs_no_write_a_failure(
     """The connections' server went away and came back while they sat idle: the writer
     and a reader see it before they use them, and open new ones; nothing fails."""
     pg.migrate(pg_url)
-    health = db.Health(hold=0.0)
+    health = db_health.Health(hold=0.0)
     writer = pg.Writer(pg_url, health=health)
     readers = pg.Readers(pg_url, 1, health=health)
     writer.start(asyncio.get_running_loop())
@@ -216,7 +216,7 @@ async def test_a_write_that_waits_on_a_held_lock_fails_alone_after_the_bound(
     conn.execute("INSERT INTO meta VALUES ('held', '1')")
     conn.execute("BEGIN")
     conn.execute("UPDATE meta SET value = '2' WHERE key = 'held'")  # and sits there
-    health = db.Health(hold=0.0)
+    health = db_health.Health(hold=0.0)
     writer = pg.Writer(pg_url, health=health)
     writer.bound = 0.3
     writer.start(asyncio.get_running_loop())
@@ -355,7 +355,7 @@ async def test_a_server_on_postgresql_answers_503_while_it_is_down_and_recovers(
             health = (await live.http.get("/healthz")).json()
             return health["status"] == "ok" and health["storage"] is None
 
-        await wait_until(healthy, timeout=db.RECOVER_AFTER + 20, what="recovery")
+        await wait_until(healthy, timeout=db_health.RECOVER_AFTER + 20, what="recovery")
         acked.append((await live.enqueue("echo"))["id"])
         for job_id in acked:
             assert (await live.job(job_id))["state"] == "available"
