@@ -5,8 +5,9 @@ in SQLite's SQL, against a sqlite3 connection. Here they run unchanged on Postgr
 
 - rota/pg_sql.py translates each statement for PostgreSQL, and makes the schema's DDL;
 - rota/pg_connection.py's ``Connection`` acts as sqlite3's does for what the store uses;
-- ``Writer`` and ``Readers`` are rota/db_writer.py's and rota/db_readers.py's, on these connections: one writer thread,
-  group commit, a savepoint per operation, and a reader pool;
+- ``Writer`` and ``Readers`` are rota/db_writer.py's and rota/db_readers.py's, on these
+  connections: one writer thread, group commit, a savepoint per operation, and a reader
+  pool;
 - ``migrate`` brings a database to this Rota's schema;
 - ``Listener`` hears NOTIFY on an asyncio connection (psycopg's AsyncConnection),
   connecting again if it is lost.

@@ -29,14 +29,16 @@ LAYERS: list[set[str]] = [
     # how long finished jobs are kept; what happened (events, counts, metrics as numbers);
     # job filters; SQLite's migrations, writer thread and readers; a sqlite3-like
     # PostgreSQL connection
-    {"jobs", "scheduler", "effects", "views", "pg"},  # building jobs; placing them; effect
-    # types; PostgreSQL (db's writer and readers on pg_connection: above db, which it extends)
+    {"jobs", "scheduler", "effects", "views", "pg", "fleet"},  # building jobs; placing them;
+    # effect types; PostgreSQL (db's writer and readers on pg_connection: above db, which it
+    # extends); several servers' leases, notices and recovery
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
     {"engine"},  # the pure state machine
-    {"rows", "lookup", "fleet"},  # jobs as rows: a restart's load, claims; an operator's
-    # queries; several servers' leases, notices and recovery
-    {"store"},  # SQLite
+    {"rows", "lookup", "store_writes", "store_views", "store_tokens"},  # jobs as rows: a
+    # restart's load, claims; an operator's queries; the store's writes on a connection;
+    # its reads for the API; tokens, and the CLI's own way into the database
+    {"store"},  # SQLite or PostgreSQL: the writer and readers, and what they run
     {"coordinator"},  # the async shell
     {"gate", "safety", "cluster"},  # authentication at the door; the net for what nobody
     # expected; one of several servers on one database
