@@ -1,7 +1,7 @@
 """PostgreSQL plumbing: the same store as rota/db.py's, on a server several Rotas share.
 
-The store's operations (rota/store.py, rota/rows.py, rota/lookup.py) are written once,
-in SQLite's SQL, against a sqlite3 connection. Here they run unchanged on PostgreSQL:
+The store's operations (rota/store.py, rota/store_writes.py, rota/rows.py, ...) are
+written once, in SQLite's SQL, against a sqlite3 connection. Here they run unchanged on PostgreSQL:
 
 - rota/pg_sql.py translates each statement for PostgreSQL, and makes the schema's DDL;
 - rota/pg_connection.py's ``Connection`` acts as sqlite3's does for what the store uses;

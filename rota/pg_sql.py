@@ -1,7 +1,7 @@
 """PostgreSQL's SQL, made from SQLite's: pure text in, text out.
 
-The store's operations (rota/store.py, rota/rows.py, rota/lookup.py, rota/fleet.py) are
-written once, in SQLite's SQL. ``translate`` rewrites each statement for PostgreSQL
+The store's operations (rota/store_writes.py, rota/rows.py, rota/lookup.py, rota/fleet.py)
+are written once, in SQLite's SQL. ``translate`` rewrites each statement for PostgreSQL
 (``?`` placeholders, SQLite's scalar MAX, INSERT OR IGNORE / OR REPLACE, index hints,
 ...), once per statement text; rota/pg_connection.py runs what it gives. ``ddl`` makes
 the statements that bring a PostgreSQL database to the schema's description

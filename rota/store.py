@@ -237,10 +237,10 @@ class Store:
         """Commit job transitions. Values are taken now: the job may change again before
         the writer runs, and FIFO order then keeps the later write last.
 
-        Each is fenced by its row (``store_writes.SAVE``): the outcome names the changes the row refused
-        (another attempt, server or direct write moved it on), each with the row as it
-        now waits (None: it does not wait, or is gone), so that the engine turns the
-        result away and holds what the row says instead."""
+        Each is fenced by its row (``store_writes.SAVE``): the outcome names the changes
+        the row refused (another attempt, server or direct write moved it on), each with
+        the row as it now waits (None: it does not wait, or is gone), so that the engine
+        turns the result away and holds what the row says instead."""
         rows = [sql.change_row(c) for c in changes]
         # Jobs that wait again (retried, back from a worker, due): every server may give
         # them out, so every server hears of them (of the writes the rows took).
