@@ -155,9 +155,9 @@ def e2e(quick: bool) -> dict[str, Any]:
 
 def _prefill(db_path: Path, kept: int) -> None:
     """``kept`` completed jobs in the store, as a server that has run them leaves it."""
-    from rota import db as rota_db
+    from rota import db_migrations
 
-    rota_db.migrate(db_path)
+    db_migrations.migrate(db_path)
     with contextlib.closing(sqlite3.connect(db_path)) as conn:
         now = time.time() - 3600
         rows = ((f"{tp.KEPT_PREFIX}{n:08d}", tp.SPEC_NAME, "default", "{}", 0, "completed", 1, "w",

@@ -45,7 +45,7 @@ from typing import Any
 
 import httpx
 
-from rota import db as rota_db
+from rota import db as rota_db, db_migrations
 from rota.ids import uuid7
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -58,7 +58,7 @@ NEEDLE = "card-declined-4417"  # in one discarded job's error out of 1,000
 def fill(path: Path, count: int) -> float:
     """``count`` jobs in a fresh, migrated store; seconds it took."""
     started = time.perf_counter()
-    rota_db.migrate(path)
+    db_migrations.migrate(path)
     with contextlib.closing(sqlite3.connect(path)) as conn:
         conn.execute("PRAGMA synchronous = OFF")
         now = time.time() - count / 100  # a hundred jobs a second, ending now

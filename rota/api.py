@@ -31,7 +31,7 @@ from rota.observe import UNFINISHED, busiest
 from rota.policy import TERMINAL_STATES
 from rota.protocol import Name, rfc3339
 from rota.specs import JobSpec, checksum
-from rota.store import token_view
+from rota.store_tokens import token_view
 from rota.views import job_view
 
 Directive = Literal["quiet", "terminate", "running"]  # running: resume a quiet worker

@@ -122,7 +122,7 @@ def tokens_create(scope: str, queues: str | None, name: str | None, create_db: b
     else:
         path = _token_file(db, create=create_db, offer_create=True)
         from rota.auth import new_token
-        from rota.store import create_token
+        from rota.store_tokens import create_token
 
         token_id, secret, hashed = new_token()
         _on_file(create_token, path,
@@ -142,7 +142,7 @@ def tokens_list(db: Path | str, url: str | None) -> None:
         rows = _api(url, "tokens")["tokens"]
     else:
         path = _token_file(db)
-        from rota.store import list_tokens, token_view
+        from rota.store_tokens import list_tokens, token_view
 
         rows = [token_view(row) for row in _on_file(list_tokens, path)]
     if not rows:
@@ -163,7 +163,7 @@ def tokens_revoke(which: str, db: Path | str, url: str | None) -> None:
         _api(url, "revoke_token", which)
     else:
         path = _token_file(db)
-        from rota.store import revoke_token
+        from rota.store_tokens import revoke_token
 
         if not _on_file(revoke_token, path, which):
             _fail(f"no live token with id or name {which!r}")

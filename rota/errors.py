@@ -111,6 +111,6 @@ class DatabaseLinked(RotaError):
 
 def failure_level(error: BaseException | None) -> int:
     """The level to log a failed write at. A StorageError is logged once, when the store
-    becomes degraded (rota/db.py ``Health``): each write it then refuses is DEBUG, or a
-    full disk would write a line per request."""
+    becomes degraded (rota/db_health.py ``Health``): each write it then refuses is DEBUG,
+    or a full disk would write a line per request."""
     return logging.DEBUG if isinstance(error, StorageError) else logging.ERROR

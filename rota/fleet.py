@@ -67,7 +67,7 @@ def parse(payload: str) -> tuple[str, list[str]]:
 # Leases run on the database's clock, read when the statement runs: one clock for every
 # server, whatever their own say, and a renewal that waited (a slow commit, a lock)
 # holds its lease from when it ran, not from when it was asked for. (SQLite's julianday;
-# rota/pg.py turns it into PostgreSQL's clock_timestamp().)
+# rota/pg_sql.py turns it into PostgreSQL's clock_timestamp().)
 DB_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
 

@@ -1,10 +1,11 @@
 """The store's tables as they are now, described once for both backends.
 
-SQLite builds them step by step with its migrations (rota/db.py, m001..); PostgreSQL's
-DDL is made from this description (rota/pg.py). tests/test_schema.py checks that the
-SQLite migrations build exactly what is described here, so a change to one without the
-other fails there. Both backends record the names in ``MIGRATIONS`` as applied, so a
-Rota that finds a name it does not know refuses the database (db.NewerDatabase).
+SQLite builds them step by step with its migrations (rota/db_migrations.py, m001..);
+PostgreSQL's DDL is made from this description (rota/pg_sql.py). tests/test_schema.py
+checks that the SQLite migrations build exactly what is described here, so a change to
+one without the other fails there. Both backends record the names in ``MIGRATIONS`` as
+applied, so a Rota that finds a name it does not know refuses the database
+(db.NewerDatabase).
 
 Types are SQLite's three (what the store writes and reads): TEXT, INTEGER, REAL.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Every migration, in order: the names rota/db.py's functions have.
+# Every migration, in order: the names rota/db_migrations.py's functions have.
 MIGRATIONS = (
     "m001_initial", "m002_lifecycle", "m003_failed_is_discarded", "m004_live_status",
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from rota.db import Degraded
+from rota.db_health import Degraded
 from rota.engine import MAX_LOG_LINES, Engine
 from rota.listing import JobFilter
 from rota.model import JOB_STATES, Instant

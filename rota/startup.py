@@ -57,7 +57,7 @@ def taken(db: Path | None, host: str, port: int) -> Iterator[socket.socket]:
 def started(settings: ServerSettings, *, insecure: bool) -> Iterator[socket.socket]:
     """Every check above, holding the lock and the socket while the block runs: the
     socket to serve on. Raises ``Refused``."""
-    from rota.store import server_id_in_use
+    from rota.store_tokens import server_id_in_use
 
     url = settings.database_url
     with taken(settings.db if url is None else None, settings.host, settings.port) as sock:
@@ -110,7 +110,7 @@ def _opened(db: Path | str) -> list[dict[str, object]]:
     """The live tokens, read after opening the database and applying any migration: the
     first write of a start."""
     from rota.db import NewerDatabase
-    from rota.store import list_tokens
+    from rota.store_tokens import list_tokens
 
     try:
         return _checked(db, lambda: list_tokens(db))

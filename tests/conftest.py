@@ -18,7 +18,7 @@ from helpers import RawWorker as RawWorker  # re-exported: tests import it from 
 from helpers import RawWorkers, wait_until
 from pgserver import Cluster
 
-from rota import db, pg
+from rota import db, db_migrations, pg, pg_connection
 from rota.coordinator import Coordinator
 from rota.server import EmbeddedServer, listen_socket, uvicorn_config
 from rota.settings import ServerSettings
@@ -57,13 +57,13 @@ def store_url(tmp: Path) -> str | None:
 
 def open_store(tmp: Path) -> Any:
     """A migrated connection to the test's store in ``tmp``, on its backend, for the
-    store's own functions (rows.py, lookup.py) called straight: sqlite3's, or rota/pg.py's
-    sqlite3-like one. The caller closes it."""
+    store's own functions (rows.py, lookup.py) called straight: sqlite3's, or
+    rota/pg_connection.py's sqlite3-like one. The caller closes it."""
     url = store_url(tmp)
     if url is not None:
         pg.migrate(url)
-        return pg.connect(url)
-    db.migrate(tmp / "rota.db")
+        return pg_connection.connect(url)
+    db_migrations.migrate(tmp / "rota.db")
     return db.connect(tmp / "rota.db")
 
 

@@ -29,7 +29,7 @@ from conftest import Api, start_server, stop_server, store_url, write_spec
 from helpers import (RawWorker, RawWorkers, clean_env, completed, free_port, registration,
                      spawn_serve, wait_until)
 
-from rota import JobContext, Worker, pg
+from rota import JobContext, Worker, pg_connection
 from rota.specs import JobSpec
 
 pytestmark = pytest.mark.both_backends
@@ -63,7 +63,7 @@ async def echo(ctx):
 def _read_only(db: Path | str) -> Any:
     """A read-only connection to the store: the SQLite file, or a PostgreSQL database."""
     if isinstance(db, str):
-        return pg.connect(db, readonly=True)
+        return pg_connection.connect(db, readonly=True)
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     conn.row_factory = sqlite3.Row
     return conn

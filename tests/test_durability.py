@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from conftest import open_store, store_url
 
-from rota import db, pg
+from rota import db, pg_connection
 from rota.cli import main
 from rota.coordinator import Coordinator
 from rota.settings import ServerSettings
@@ -25,7 +25,7 @@ def test_the_writer_connection_syncs_as_asked(tmp_path: Path, durability: str,
                                               synchronous: int, commit: str) -> None:
     url = store_url(tmp_path)
     if url is not None:  # PostgreSQL: a commit is acknowledged before its flush, or after
-        with contextlib.closing(pg.connect(url, durability=durability)) as conn:
+        with contextlib.closing(pg_connection.connect(url, durability=durability)) as conn:
             assert conn.execute("SHOW synchronous_commit").fetchone()[0] == commit
         return
     conn = db.connect(tmp_path / "r.db", durability=durability)

@@ -17,30 +17,37 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Lowest first. Within a layer no module imports another.
 LAYERS: list[set[str]] = [
-    {"errors", "ids", "inputs", "logs", "settings", "display", "charts", "schema"},  # leaves:
-    # no rota imports (the dashboard's figures and its chart, as text; the store's tables)
-    {"protocol", "model", "db", "dblock"},  # the wire format; the job and its lifecycle;
-    # SQLite; one server per SQLite file
-    {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "pg",
-     "standing"},  # spec files and checksums; retry rules; a server's standing by its lease;
-    # tokens; the ready index; how long finished jobs are kept;
-    # what happened (events, counts, metrics as numbers); job filters; PostgreSQL (db's
-    # writer and readers on psycopg, SQLite's SQL translated: just above db, which it extends)
-    {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
+    {"errors", "ids", "inputs", "logs", "settings", "display", "charts", "schema",
+     "openapi_schemas"},  # leaves: no rota imports (the dashboard's figures and its chart,
+    # as text; the store's tables; the HTTP API's answers as Structs)
+    {"protocol", "model", "db", "dblock", "db_health", "pg_sql"},  # the wire format; the
+    # job and its lifecycle; SQLite's connection and errors; one server per SQLite file;
+    # the store's health; SQLite's SQL as PostgreSQL's
+    {"specs", "policy", "auth", "ready", "retention", "observe", "listing", "standing",
+     "db_migrations", "db_writer", "db_readers", "pg_connection"},  # spec files and
+    # checksums; retry rules; a server's standing by its lease; tokens; the ready index;
+    # how long finished jobs are kept; what happened (events, counts, metrics as numbers);
+    # job filters; SQLite's migrations, writer thread and readers; a sqlite3-like
+    # PostgreSQL connection
+    {"jobs", "scheduler", "effects", "views", "pg", "fleet"},  # building jobs; placing them;
+    # effect types; PostgreSQL (db's writer and readers on pg_connection: above db, which it
+    # extends); several servers' leases, notices and recovery
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
     {"engine"},  # the pure state machine
-    {"rows", "lookup", "fleet"},  # jobs as rows: a restart's load, claims; an operator's
-    # queries; several servers' leases, notices and recovery
-    {"store"},  # SQLite
+    {"rows", "lookup", "store_writes", "store_views", "store_tokens"},  # jobs as rows: a
+    # restart's load, claims; an operator's queries; the store's writes on a connection;
+    # its reads for the API; tokens, and the CLI's own way into the database
+    {"store"},  # SQLite or PostgreSQL: the writer and readers, and what they run
     {"shell_reads", "shell_directives"},  # what routes read of the shell; directives
     {"coordinator"},  # the async shell
     {"gate", "safety", "cluster"},  # authentication at the door; the net for what nobody
     # expected; one of several servers on one database
     {"sessions", "api"},  # /work and the HTTP routes
-    {"feeds", "operate", "pages"},  # what an operator watches (/events, /stats, /metrics)
-    # and steers (job listing, bulk actions, queue pause); the dashboard's plumbing
-    {"openapi", "edge", "dashboard"},  # the route table; uvicorn's protocols as Rota runs
+    {"feeds", "operate", "pages", "openapi"},  # what an operator watches (/events, /stats,
+    # /metrics) and steers (job listing, bulk actions, queue pause); the dashboard's
+    # plumbing; the OpenAPI document, made from a route table
+    {"routes", "edge", "dashboard"},  # the route table; uvicorn's protocols as Rota runs
     # them; the dashboard's pages
     {"server"},
     {"startup"},  # what a server checks and takes before it serves

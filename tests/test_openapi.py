@@ -18,8 +18,8 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from rota.auth import new_token
-from rota.openapi import ROUTES
-from rota.store import create_token
+from rota.routes import ROUTES
+from rota.store_tokens import create_token
 
 EXAMPLES = int(os.environ.get("ROTA_API_EXAMPLES", "15"))
 

@@ -1,4 +1,4 @@
-"""rota/pg.py: SQLite's SQL translated rule by rule, the sqlite3-like connection on a real
+"""rota/pg.py and rota/pg_connection.py: the sqlite3-like connection on a real
 PostgreSQL, its schema and migrations, a lost server as storage_unavailable, LISTEN."""
 
 from __future__ import annotations
@@ -15,107 +15,20 @@ from conftest import start_server, stop_server, write_spec
 from helpers import wait_until
 from pgserver import Cluster
 
-from rota import db, fleet, pg, schema
+from rota import db, db_health, db_migrations, fleet, pg, pg_connection, schema
 from rota.errors import StorageError
-from rota.pg import translate
-
-
-# -- translate(), one rule at a time --------------------------------------------------------
-def test_placeholders_become_psycopg_s_and_a_percent_is_doubled() -> None:
-    assert translate("SELECT 100 % 7 FROM t WHERE a = ? AND b = '?'") == \
-        "SELECT 100 %% 7 FROM t WHERE a = %s AND b = '?'"
-
-
-def test_begin_immediate_is_begin() -> None:
-    assert translate("BEGIN IMMEDIATE") == "BEGIN"
-
-
-def test_index_hints_are_dropped() -> None:
-    assert translate("SELECT id FROM jobs INDEXED BY idx_jobs_state WHERE state = 'x'") == \
-        "SELECT id FROM jobs WHERE state = 'x'"
-
-
-def test_a_unary_plus_before_a_column_is_dropped_and_addition_stays() -> None:
-    assert translate("UPDATE t SET a = ? + b WHERE rowid = ? AND +state = 'a'") == \
-        "UPDATE t SET a = %s + b WHERE rowid = %s AND state = 'a'"
-    assert translate("SELECT (-priority << 40) + rowid FROM jobs WHERE (+spec = ?)") == \
-        "SELECT (-priority << 40) + rowid FROM jobs WHERE (spec = %s)"
-
-
-def test_a_scalar_max_or_min_is_greatest_or_least_and_the_aggregate_stays() -> None:
-    assert translate("SELECT ? + MAX(COALESCE(NULLIF(v, 0), ?), ?), max(rowid), "
-                     "min(a, (b))") == \
-        "SELECT %s + GREATEST(COALESCE(NULLIF(v, 0), %s), %s), max(rowid), LEAST(a, (b))"
-
-
-def test_a_bare_parameter_tested_for_null_gets_a_type() -> None:
-    assert translate("SET a = CASE WHEN ? IS NULL THEN a ELSE ? END, b = ? IS NOT NULL") == \
-        "SET a = CASE WHEN CAST(%s AS TEXT) IS NULL THEN a ELSE %s END," \
-        " b = CAST(%s AS TEXT) IS NOT NULL"
-
-
-def test_instr_is_strpos() -> None:
-    assert translate("SELECT 1 WHERE instr(lower(errors), lower(?)) > 0") == \
-        "SELECT 1 WHERE strpos(lower(errors), lower(%s)) > 0"
-
-
-def test_json_insert_at_the_end_is_rota_json_append() -> None:
-    assert translate("UPDATE jobs SET errors = json_insert(errors, '$[#]', json(?))") == \
-        "UPDATE jobs SET errors = rota_json_append(errors, %s)"
-
-
-def test_a_subquery_in_from_gets_a_name_unless_it_has_one() -> None:
-    assert translate("SELECT count(*) FROM (SELECT 1 FROM jobs LIMIT ?)") == \
-        "SELECT count(*) FROM (SELECT 1 FROM jobs LIMIT %s) AS _sub1"
-    assert translate("SELECT a FROM (SELECT a FROM t) WHERE a > 1") == \
-        "SELECT a FROM (SELECT a FROM t) AS _sub1 WHERE a > 1"
-    assert translate("SELECT x.a FROM (SELECT a FROM t) x") == \
-        "SELECT x.a FROM (SELECT a FROM t) x"
-
-
-def test_a_number_as_a_condition_is_compared_with_zero() -> None:
-    assert translate("SELECT name FROM queues WHERE paused") == \
-        "SELECT name FROM queues WHERE (paused <> 0)"
-    assert translate("SELECT 1 FROM jobs WHERE 1 AND rowid < ? ORDER BY rowid") == \
-        "SELECT 1 FROM jobs WHERE (1 <> 0) AND rowid < %s ORDER BY rowid"
-    # comparisons and NULL tests are left alone
-    assert translate("SELECT 1 WHERE a = 1 AND b IS NOT NULL AND NOT (c = 2)") == \
-        "SELECT 1 WHERE a = 1 AND b IS NOT NULL AND NOT (c = 2)"
-
-
-def test_insert_or_ignore_does_nothing_on_conflict() -> None:
-    assert translate("INSERT OR IGNORE INTO t (a) VALUES (?)") == \
-        "INSERT INTO t (a) VALUES (%s) ON CONFLICT DO NOTHING"
-    assert translate("INSERT OR IGNORE INTO t (a) VALUES (?) RETURNING a") == \
-        "INSERT INTO t (a) VALUES (%s) ON CONFLICT DO NOTHING RETURNING a"
-
-
-def test_insert_or_replace_sets_every_column_as_a_new_row_would() -> None:
-    assert translate("INSERT OR REPLACE INTO queues (name, paused) VALUES (?, ?)") == (
-        "INSERT INTO queues (name, paused) VALUES (%s, %s) ON CONFLICT (name) DO UPDATE"
-        " SET paused = excluded.paused, updated_at = DEFAULT")
-
-
-def test_sqlites_time_now_is_the_database_servers_clock_when_the_statement_runs() -> None:
-    assert translate(f"SELECT {fleet.DB_NOW} + ?") == \
-        "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION) + %s"
-
-
-def test_translations_are_cached_per_statement() -> None:
-    text = "SELECT ? AS cached_once"
-    assert translate(text) is translate(text)
 
 
 # -- the adapter on a real PostgreSQL ----------------------------------------------------
 @pytest.fixture
-def conn(pg_url: str) -> Iterator[pg.Connection]:
+def conn(pg_url: str) -> Iterator[pg_connection.Connection]:
     pg.migrate(pg_url)
-    connection = pg.connect(pg_url)
+    connection = pg_connection.connect(pg_url)
     yield connection
     connection.close()
 
 
-def test_rows_read_as_sqlite3_rows(conn: pg.Connection) -> None:
+def test_rows_read_as_sqlite3_rows(conn: pg_connection.Connection) -> None:
     conn.execute("INSERT INTO queues (name, paused, updated_at) VALUES (?, ?, ?)",
                  ("q", 1, 1.5))
     row = conn.execute("SELECT name, paused, updated_at FROM queues").fetchone()
@@ -133,7 +46,7 @@ def test_rows_read_as_sqlite3_rows(conn: pg.Connection) -> None:
     assert conn.execute("SELECT 1 FROM queues WHERE name = ?", ("none",)).fetchone() is None
 
 
-def test_transactions_and_savepoints_as_the_writer_uses_them(conn: pg.Connection) -> None:
+def test_transactions_and_savepoints_as_the_writer_uses_them(conn: pg_connection.Connection) -> None:
     assert not conn.in_transaction
     conn.execute("BEGIN IMMEDIATE")
     assert conn.in_transaction
@@ -150,7 +63,7 @@ def test_transactions_and_savepoints_as_the_writer_uses_them(conn: pg.Connection
         ["b", "migrated_by"]
 
 
-def test_the_jobs_rowid_is_a_column_and_returning_gives_it(conn: pg.Connection) -> None:
+def test_the_jobs_rowid_is_a_column_and_returning_gives_it(conn: pg_connection.Connection) -> None:
     insert = ("INSERT INTO jobs (id, spec, queue, args, priority, state, enqueued_at)"
               " VALUES (?, 's', 'q', '{}', 0, 'available', ?) ON CONFLICT(id) DO NOTHING")
     first = conn.execute(insert + " RETURNING rowid, *", ("a", 1.0)).fetchone()
@@ -171,7 +84,7 @@ def test_the_jobs_rowid_is_a_column_and_returning_gives_it(conn: pg.Connection) 
     assert [k for (k,) in keys] == [first["rowid"], second[0]]
 
 
-def test_text_sorts_as_bytes_as_in_sqlite(conn: pg.Connection) -> None:
+def test_text_sorts_as_bytes_as_in_sqlite(conn: pg_connection.Connection) -> None:
     conn.executemany("INSERT INTO meta (key, value) VALUES (?, '')",
                      [("a",), ("B",), ("a\x7f",), ("ab",)])
     keys = [r[0] for r in conn.execute("SELECT key FROM meta WHERE key >= ? AND key < ?"
@@ -180,7 +93,7 @@ def test_text_sorts_as_bytes_as_in_sqlite(conn: pg.Connection) -> None:
 
 
 # -- the schema --------------------------------------------------------------------------
-def test_the_database_has_the_described_tables_and_indexes(conn: pg.Connection) -> None:
+def test_the_database_has_the_described_tables_and_indexes(conn: pg_connection.Connection) -> None:
     for table in schema.TABLES:
         columns = [r[0] for r in conn.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_name = ?"
@@ -193,13 +106,13 @@ def test_the_database_has_the_described_tables_and_indexes(conn: pg.Connection) 
     assert applied == list(schema.MIGRATIONS)  # the names SQLite records
 
 
-def test_migrate_again_changes_nothing(pg_url: str, conn: pg.Connection) -> None:
+def test_migrate_again_changes_nothing(pg_url: str, conn: pg_connection.Connection) -> None:
     conn.execute("INSERT INTO meta (key, value) VALUES ('kept', 'yes')")
     pg.migrate(pg_url)
     assert conn.execute("SELECT value FROM meta WHERE key = 'kept'").fetchone()[0] == "yes"
 
 
-def test_a_database_a_newer_rota_migrated_is_refused(pg_url: str, conn: pg.Connection,
+def test_a_database_a_newer_rota_migrated_is_refused(pg_url: str, conn: pg_connection.Connection,
                                                      tmp_path: Path) -> None:
     conn.execute(f"INSERT INTO {pg.MIGRATIONS_TABLE} (name) VALUES ('m999_future')")
     conn.execute("UPDATE meta SET value = '9.0' WHERE key = 'migrated_by'")
@@ -208,17 +121,17 @@ def test_a_database_a_newer_rota_migrated_is_refused(pg_url: str, conn: pg.Conne
     assert "m999_future" in refused.value.message and "Rota 9.0" in refused.value.message
     assert "secret" not in refused.value.message
     # the same refusal on SQLite
-    db.migrate(tmp_path / "rota.db")
+    db_migrations.migrate(tmp_path / "rota.db")
     with contextlib.closing(db.connect(tmp_path / "rota.db")) as lite:
         lite.execute("INSERT INTO _sqlite_migrations (migration_set, name, applied_at)"
                      " VALUES ('rota', 'm999_future', '')")
     with pytest.raises(db.NewerDatabase, match="m999_future"):
-        db.migrate(tmp_path / "rota.db")
+        db_migrations.migrate(tmp_path / "rota.db")
 
 
 # -- a lost server -----------------------------------------------------------------------
 def test_a_server_that_is_down_is_storage_unavailable(pg_cluster: Cluster,
-                                                      conn: pg.Connection) -> None:
+                                                      conn: pg_connection.Connection) -> None:
     pg_cluster.stop()
     try:
         with pytest.raises(psycopg.Error) as lost:
@@ -226,13 +139,13 @@ def test_a_server_that_is_down_is_storage_unavailable(pg_cluster: Cluster,
         error = pg.storage_error(lost.value)
         assert error is not None and error.code == "storage_unavailable"
         with pytest.raises(psycopg.OperationalError) as refused:
-            pg.connect(pg_cluster.url())
+            pg_connection.connect(pg_cluster.url())
         error = pg.storage_error(refused.value)
         assert error is not None and error.code == "storage_unavailable"
         assert not conn.usable
     finally:
         pg_cluster.start()
-    other = pg.connect(pg_cluster.url())
+    other = pg_connection.connect(pg_cluster.url())
     with pytest.raises(psycopg.errors.UndefinedTable) as bug:
         other.execute("SELECT * FROM nowhere")
     other.close()
@@ -242,7 +155,7 @@ def test_a_server_that_is_down_is_storage_unavailable(pg_cluster: Cluster,
 async def test_the_writer_degrades_while_the_server_is_down_and_recovers(
         pg_cluster: Cluster, pg_url: str) -> None:
     pg.migrate(pg_url)
-    health = db.Health(hold=0.0)
+    health = db_health.Health(hold=0.0)
     writer = pg.Writer(pg_url, health=health)
     readers = pg.Readers(pg_url, 1, health=health)  # one thread: one connection, reused
     writer.start(asyncio.get_running_loop())
@@ -276,7 +189,7 @@ async def test_a_database_restarted_while_rota_is_idle_costs_no_write_a_failure(
     """The connections' server went away and came back while they sat idle: the writer
     and a reader see it before they use them, and open new ones; nothing fails."""
     pg.migrate(pg_url)
-    health = db.Health(hold=0.0)
+    health = db_health.Health(hold=0.0)
     writer = pg.Writer(pg_url, health=health)
     readers = pg.Readers(pg_url, 1, health=health)
     writer.start(asyncio.get_running_loop())
@@ -296,14 +209,14 @@ async def test_a_database_restarted_while_rota_is_idle_costs_no_write_a_failure(
 
 # -- a server stalled inside a transaction (docs/scaling.md) ------------------------------
 async def test_a_write_that_waits_on_a_held_lock_fails_alone_after_the_bound(
-        pg_url: str, conn: pg.Connection) -> None:
+        pg_url: str, conn: pg_connection.Connection) -> None:
     """Another session holds a row (a server stopped inside its transaction): the op
     that waits on it fails after ``bound`` with storage_busy, and the rest of its
     transaction commits; the store is not degraded for it."""
     conn.execute("INSERT INTO meta VALUES ('held', '1')")
     conn.execute("BEGIN")
     conn.execute("UPDATE meta SET value = '2' WHERE key = 'held'")  # and sits there
-    health = db.Health(hold=0.0)
+    health = db_health.Health(hold=0.0)
     writer = pg.Writer(pg_url, health=health)
     writer.bound = 0.3
     writer.start(asyncio.get_running_loop())
@@ -326,11 +239,11 @@ async def test_a_write_that_waits_on_a_held_lock_fails_alone_after_the_bound(
 
 @pytest.mark.parametrize("last", ["execute", "executemany", "rowcounts"])
 def test_a_session_idle_inside_a_transaction_past_the_bound_is_ended_and_its_locks_go(
-        pg_url: str, conn: pg.Connection, last: str) -> None:
+        pg_url: str, conn: pg_connection.Connection, last: str) -> None:
     """Whatever its last statement was: psycopg's executemany (a pipeline, also behind
     the row counts Store.save's fenced writes read) would leave the session with no idle
     timeout armed, and the connection arms it again."""
-    stalled = pg.connect(pg_url, bound=0.3)
+    stalled = pg_connection.connect(pg_url, bound=0.3)
     stalled.execute("BEGIN")
     rows = [("stalled",), ("more",)]
     if last == "execute":
@@ -352,7 +265,7 @@ def test_a_session_idle_inside_a_transaction_past_the_bound_is_ended_and_its_loc
 
 @pytest.mark.parametrize("starting", [True, False])
 def test_a_lease_runs_from_the_databases_clock_when_the_renewal_ran(
-        conn: pg.Connection, starting: bool) -> None:
+        conn: pg_connection.Connection, starting: bool) -> None:
     """A renewal asked for long ago (the server's ``now`` read before it waited on the
     writer) still holds a whole lease from when its UPDATE ran."""
     fleet.renew(conn, "s", host="h", pid=1, url="", now=time.time(), lease=5,
@@ -382,7 +295,7 @@ async def test_the_listener_hears_notify_and_listens_again_after_a_restart(
                            lambda channel, payload: heard.append((channel, payload)),
                            on_connect=connected, retry=0.1)
     listener.start()
-    notify = pg.connect(pg_url)
+    notify = pg_connection.connect(pg_url)
     try:
         await wait_until(listener.listening.is_set, what="LISTEN")
         notify.execute("SELECT pg_notify(?, ?)", ("rota_jobs", "one"))
@@ -396,7 +309,7 @@ async def test_the_listener_hears_notify_and_listens_again_after_a_restart(
             await asyncio.to_thread(pg_cluster.start)
         await wait_until(listener.listening.is_set, timeout=10, what="LISTEN again")
         assert connects == 2
-        again = pg.connect(pg_url)
+        again = pg_connection.connect(pg_url)
         again.execute("SELECT pg_notify(?, ?)", ("rota_jobs", "three"))
         again.close()
         await wait_until(lambda: heard[-1:] == [("rota_jobs", "three")], what="after restart")
@@ -442,7 +355,7 @@ async def test_a_server_on_postgresql_answers_503_while_it_is_down_and_recovers(
             health = (await live.http.get("/healthz")).json()
             return health["status"] == "ok" and health["storage"] is None
 
-        await wait_until(healthy, timeout=db.RECOVER_AFTER + 20, what="recovery")
+        await wait_until(healthy, timeout=db_health.RECOVER_AFTER + 20, what="recovery")
         acked.append((await live.enqueue("echo"))["id"])
         for job_id in acked:
             assert (await live.job(job_id))["state"] == "available"

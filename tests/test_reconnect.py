@@ -19,7 +19,7 @@ import websockets
 from conftest import Live, Proxy, start_server, stop_server, write_spec
 from helpers import RawWorker, registration, wait_until
 
-from rota import JobContext, Worker, pg
+from rota import JobContext, Worker, pg_connection
 from rota.specs import JobSpec
 
 pytestmark = pytest.mark.both_backends
@@ -301,7 +301,7 @@ async def test_a_slow_commit_is_not_taken_for_a_dead_server(live: Live, tmp_path
             blocker: Any = sqlite3.connect(live.settings.db, isolation_level=None)
             blocker.execute("BEGIN IMMEDIATE")  # the server's writer now waits on this lock
         else:
-            blocker = pg.connect(live.settings.database_url)
+            blocker = pg_connection.connect(live.settings.database_url)
             blocker.execute("BEGIN")
             blocker.execute("LOCK TABLE jobs IN SHARE MODE")  # writes wait, reads do not
         try:

@@ -7,7 +7,7 @@ import re
 import sqlite3
 from pathlib import Path
 
-from rota import db, schema
+from rota import db_migrations, schema
 from rota.schema import Column, Index, Table
 
 TYPES = {"TEXT": "TEXT", "INTEGER": "INTEGER", "REAL": "REAL"}
@@ -39,7 +39,7 @@ def sqlite_schema(path: Path) -> tuple[list[Table], list[Index]]:
 
 
 def test_sqlite_migrations_build_the_description(tmp_path: Path) -> None:
-    db.migrate(tmp_path / "rota.db")
+    db_migrations.migrate(tmp_path / "rota.db")
     tables, indexes = sqlite_schema(tmp_path / "rota.db")
     assert sorted(tables, key=lambda t: t.name) == sorted(schema.TABLES, key=lambda t: t.name)
     assert sorted(indexes, key=lambda i: i.name) == sorted(schema.INDEXES,
@@ -47,5 +47,5 @@ def test_sqlite_migrations_build_the_description(tmp_path: Path) -> None:
 
 
 def test_the_migration_names_are_the_description_s() -> None:
-    assert db._known_migrations() == frozenset(schema.MIGRATIONS)
-    assert [m.name for m in db.migrations._migrations] == list(schema.MIGRATIONS)
+    assert db_migrations._known_migrations() == frozenset(schema.MIGRATIONS)
+    assert [m.name for m in db_migrations.migrations._migrations] == list(schema.MIGRATIONS)

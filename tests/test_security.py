@@ -30,7 +30,7 @@ from rota.client import ApiError, Client
 from rota.auth import new_token
 from rota.cli import main
 from rota.producer import AsyncClient
-from rota.store import create_token
+from rota.store_tokens import create_token
 
 
 async def make_token(live: Live, scope: str, queues: list[str] | None = None) -> str:

@@ -25,7 +25,7 @@ from conftest import start_server, stop_server, write_spec
 from helpers import RawWorkers, spawn_serve, wait_until
 from test_crash import free_port, read_jobs
 
-from rota import JobContext, Worker, db
+from rota import JobContext, Worker, db, db_health, db_migrations
 from rota.errors import StorageError
 
 
@@ -80,7 +80,7 @@ def test_sqlite_errors_that_blame_the_storage_become_storage_errors(
         return
     assert isinstance(error, StorageError)
     assert (error.code, error.__cause__) == (code, exc)
-    assert name in error.message and 1 <= error.retry_after < db.RECOVER_AFTER
+    assert name in error.message and 1 <= error.retry_after < db_health.RECOVER_AFTER
 
 
 def test_extended_codes_map_by_their_primary_code():
@@ -99,18 +99,18 @@ def test_extended_codes_map_by_their_primary_code():
 def test_health_logs_once_per_episode_and_recovers_after_a_quiet_hold(
         caplog: pytest.LogCaptureFixture):
     now = [100.0]
-    health = db.Health(clock=lambda: now[0], wall=lambda: 1_000 + now[0], hold=5.0)
+    health = db_health.Health(clock=lambda: now[0], wall=lambda: 1_000 + now[0], hold=5.0)
     full = StorageError("storage_full", "the disk is full", 3)
     with caplog.at_level(logging.DEBUG, "rota.server"):
         health.succeeded()  # healthy: nothing to say
         for _ in range(3):
             assert health.failed(full) is full
             now[0] += 1
-        assert health.degraded == db.Degraded("storage_full", "the disk is full", 1_100.0)
+        assert health.degraded == db_health.Degraded("storage_full", "the disk is full", 1_100.0)
         health.succeeded()  # 1 s after the last failure: too soon to trust
         assert health.degraded is not None
         health.failed(StorageError("storage_io_error", "EIO", 3))  # the cause changes
-        assert health.degraded == db.Degraded("storage_io_error", "EIO", 1_100.0)
+        assert health.degraded == db_health.Degraded("storage_io_error", "EIO", 1_100.0)
         now[0] += 5
         health.succeeded()
     assert health.degraded is None
@@ -202,7 +202,7 @@ async def test_io_errors_answer_503_then_the_server_recovers_by_itself(tmp_path:
             health = (await http.get("/healthz")).json()
             return health["status"] == "ok" and health["storage"] is None
 
-        await wait_until(healthy, timeout=db.RECOVER_AFTER + 20, what="recovery")
+        await wait_until(healthy, timeout=db_health.RECOVER_AFTER + 20, what="recovery")
         assert (await enqueue_batch()).status_code == 200
     finally:
         await http.aclose()
@@ -406,7 +406,7 @@ async def test_serve_refuses_a_database_written_by_a_newer_rota(tmp_path: Path):
     from test_cli import rota
 
     path = tmp_path / "rota.db"
-    db.migrate(path)
+    db_migrations.migrate(path)
     with contextlib.closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("INSERT INTO _sqlite_migrations (migration_set, name, applied_at)"
                      " VALUES ('rota', 'm999_from_the_future', '2027-01-01')")

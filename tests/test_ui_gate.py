@@ -16,7 +16,7 @@ from conftest import Live, start_server, stop_server, write_spec
 from helpers import free_port, spawn_serve
 
 from rota.auth import new_token
-from rota.store import create_token
+from rota.store_tokens import create_token
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
 
