@@ -17,8 +17,6 @@
 
 from __future__ import annotations
 
-import logging
-
 
 class RotaError(Exception):
     """Something Rota refuses, with a machine-readable ``code`` and a sentence."""
@@ -113,4 +111,6 @@ def failure_level(error: BaseException | None) -> int:
     """The level to log a failed write at. A StorageError is logged once, when the store
     becomes degraded (rota/db.py ``Health``): each write it then refuses is DEBUG, or a
     full disk would write a line per request."""
+    import logging  # here: the bottom loads no logging (and with it no threading) on import
+
     return logging.DEBUG if isinstance(error, StorageError) else logging.ERROR
