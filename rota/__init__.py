@@ -10,9 +10,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rota.client import ApiError, Client, Job, JobError, JobHandle, ResultTimeout
-    from rota.context import JobContext, JobFailed
-    from rota.errors import RotaError
+    from rota.client import Client, Job, JobHandle
+    from rota.context import JobContext
+    from rota.errors import ApiError, JobError, JobFailed, ResultTimeout, RotaError
     from rota.producer import AsyncClient, AsyncJob
     from rota.specs import JobSpec, checksum
     from rota.worker import Worker
@@ -23,9 +23,9 @@ __version__ = "0.1.0"
 # `import rota.model` runs this file first, and the server's pure core must not pay for the
 # worker's websockets, psutil and asyncio, nor a producer for httpx.
 _HOMES = {
-    "ApiError": "client", "Client": "client", "Job": "client", "JobError": "client",
-    "JobHandle": "client", "ResultTimeout": "client",
-    "JobContext": "context", "JobFailed": "context",
+    "Client": "client", "Job": "client", "JobHandle": "client",
+    "JobContext": "context",
+    "ApiError": "errors", "JobError": "errors", "JobFailed": "errors", "ResultTimeout": "errors",
     "RotaError": "errors",
     "AsyncClient": "producer", "AsyncJob": "producer",
     "JobSpec": "specs", "checksum": "specs",
