@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rota.model import Change, Job, StatusNote
+from rota.model import Change, JobRecord, StatusNote
 from rota.ready import Claim
 
 
@@ -31,7 +31,7 @@ class Reserve:
     claim reserves its row only if it is still available, and reads it back: the
     outcome carries the jobs read (``Engine.committed``)."""
 
-    jobs: list[Job]
+    jobs: list[JobRecord]
     wall: float
     ticket: int
     claims: list[Claim] = field(default_factory=list)
@@ -45,7 +45,7 @@ class Reserved:
     no longer available), and the whole jobs whose rows had moved on meanwhile (another
     server reserved, cancelled or finished them first), which this server must let go."""
 
-    read: list[Job | None] = field(default_factory=list)
+    read: list[JobRecord | None] = field(default_factory=list)
     lost: frozenset[str] = frozenset()
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from rota.model import Change, Job
+from rota.model import Change, JobRecord
 from rota.protocol import rfc3339
 
 KINDS = ("enqueue", "assign", "result", "retry", "discard", "cancel", "worker_connect",
@@ -195,7 +195,7 @@ class Observer:
         self.next_id += 1
         self._wake(wall)
 
-    def enqueued(self, jobs: Iterable[Job], wall: float) -> None:
+    def enqueued(self, jobs: Iterable[JobRecord], wall: float) -> None:
         """New jobs, taken in."""
         append = self.ring.append
         minute = int(wall // 60)
@@ -215,7 +215,7 @@ class Observer:
         self.next_id += n
         self._wake(wall)
 
-    def assigned(self, jobs: Iterable[Job], worker: str, wall: float) -> None:
+    def assigned(self, jobs: Iterable[JobRecord], worker: str, wall: float) -> None:
         """Jobs sent to ``worker``: each waited from its ``run_at`` (or its enqueue)."""
         append = self.ring.append
         bisect_left = bisect.bisect_left

@@ -28,7 +28,7 @@ from rota import db, fleet, lookup, pg
 from rota.errors import Conflict, StorageError
 from rota.listing import JobFilter, decode_cursor
 from rota.effects import Reserved
-from rota.model import (JOB_STATES, WAITING_STATES, Change, ClockReading, Job, StatusNote,
+from rota.model import (JOB_STATES, WAITING_STATES, Change, ClockReading, JobRecord, StatusNote,
                         wall_step)
 from rota.protocol import rfc3339
 from rota.ready import Claim
@@ -40,7 +40,7 @@ from rota.views import job_view
 
 log = logging.getLogger("rota.server")
 
-__all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "job_from_row",
+__all__ = ["Store", "Snapshot", "SpecChange", "Change", "JobRecord", "StatusNote", "job_from_row",
            "create_token", "list_tokens", "revoke_token", "token_view"]  # (Snapshot, job_from_row: rota/rows.py)
 
 MIN_BOUND = 0.5  # seconds: the least lock and idle-in-transaction bound (rota/pg.py)
@@ -151,7 +151,7 @@ class Store:
             self.checkpointer.stop()
 
     # -- writes --------------------------------------------------------------------
-    def enqueue(self, jobs: list[Job], *, live: int = 0,
+    def enqueue(self, jobs: list[JobRecord], *, live: int = 0,
                 unscoped: Sequence[str | None] = ()
                 ) -> asyncio.Future[list[tuple[dict[str, Any], bool]]]:
         """Insert jobs in one transaction; an existing id gives the stored row and False.
@@ -210,7 +210,7 @@ class Store:
 
         return self.writer.submit(op)
 
-    def reserve(self, jobs: list[Job], now: float, claims: Sequence[Claim] = (),
+    def reserve(self, jobs: list[JobRecord], now: float, claims: Sequence[Claim] = (),
                 lease: float = 1800.0, min_lease: float = 0.0) -> asyncio.Future[Reserved]:
         """Reserve whole jobs as they are in memory, and claimed ones if their rows are
         still available, reading those back (in claim order; None: not available).
@@ -235,7 +235,7 @@ class Store:
             lost: frozenset[str] = frozenset()
             if rows and cursor.rowcount != len(rows):  # rare: find which rows moved on
                 lost = frozenset(_moved_on(conn, jobs))
-            read: dict[int, Job] = {}
+            read: dict[int, JobRecord] = {}
             for (worker_id, token, checksum), seqs in groups.items():
                 for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
                     for row in claim_rows(conn, worker_id, checksum, now, lease, min_lease,
@@ -250,7 +250,7 @@ class Store:
 
         return self.writer.submit(op)
 
-    async def _stored_already(self, jobs: list[Job], unscoped: Sequence[str | None],
+    async def _stored_already(self, jobs: list[JobRecord], unscoped: Sequence[str | None],
                               full: StorageError) -> list[tuple[dict[str, Any], bool]]:
         """The stored rows of these jobs if every one of them exists; else ``full``."""
         olds = list(unscoped) or [None] * len(jobs)
@@ -276,7 +276,7 @@ class Store:
 
         return self.writer.submit(op)
 
-    def save(self, changes: list[Change]) -> asyncio.Future[dict[str, Job | None]]:
+    def save(self, changes: list[Change]) -> asyncio.Future[dict[str, JobRecord | None]]:
         """Commit job transitions. Values are taken now: the job may change again before
         the writer runs, and FIFO order then keeps the later write last.
 
@@ -292,7 +292,7 @@ class Store:
         if self.shared:  # and only from the server whose worker holds the job, if any
             rows = [(*row, self.server_id, int(c.retry)) for row, c in zip(rows, changes)]
 
-        def op(conn: sqlite3.Connection) -> dict[str, Job | None]:
+        def op(conn: sqlite3.Connection) -> dict[str, JobRecord | None]:
             counts = db.rowcounts(conn, _SAVE_SHARED if self.shared else _SAVE, rows)
             refused = [(job_id, seq) for (job_id, seq, _), n in zip(keys, counts) if n == 0]
             waiting = [str(seq) for (_, seq, waits), n in zip(keys, counts) if waits and n]
@@ -398,7 +398,7 @@ class Store:
         return self.writer.submit(lambda conn: fleet.renew(
             conn, server, host=host, pid=pid, url=url, now=now, lease=lease, starting=starting))
 
-    def take_back(self, jobs: list[Job]) -> asyncio.Future[list[str]]:
+    def take_back(self, jobs: list[JobRecord]) -> asyncio.Future[list[str]]:
         """fleet.take_back, for jobs this server's workers run (``Engine.running_here``)."""
         server = self.server_id or ""
         rows = [(j.id, j.attempt, j.worker_id or "", j.worker_token, j.reserved_at,
@@ -419,7 +419,7 @@ class Store:
         server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.recover(conn, dead, server, now, grace))
 
-    async def waiting_jobs(self, seqs: list[int]) -> list[Job]:
+    async def waiting_jobs(self, seqs: list[int]) -> list[JobRecord]:
         """The jobs of these row ids that wait, as their rows say now."""
         rows = await self.readers.run(lambda conn: waiting_rows(conn, seqs))
         return [live_job(row) for row in rows]
@@ -443,7 +443,7 @@ class Store:
 
     def take_over(self, worker_id: str, job_ids: list[str], token: str | None = None,
                   queues: Collection[str] | None = None
-                  ) -> asyncio.Future[tuple[list[Job], set[str]]]:
+                  ) -> asyncio.Future[tuple[list[JobRecord], set[str]]]:
         """The jobs this worker holds through other servers, made this server's (only
         those its token's workers hold, of the queues it may serve: ``token``, its id,
         None: no token, any; ``queues``, None: any); or, if other tokens' workers hold
@@ -451,7 +451,7 @@ class Store:
         then refused, and the jobs stay where their worker runs them)."""
         server = self.server_id or ""
 
-        def op(conn: sqlite3.Connection) -> tuple[list[Job], set[str]]:
+        def op(conn: sqlite3.Connection) -> tuple[list[JobRecord], set[str]]:
             others = set() if token is None else other_tokens(conn, worker_id, job_ids, token)
             if others:
                 return [], others
@@ -729,7 +729,7 @@ def _keep_reading(conn: sqlite3.Connection, value: str) -> None:
     conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('clock', ?)", (value,))
 
 
-def _insert_row(job: Job) -> tuple[Any, ...]:
+def _insert_row(job: JobRecord) -> tuple[Any, ...]:
     lim = job.limits
     return (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority, str(job.state),
             job.visibility_timeout, job.enqueued_at, job.run_at, job.expires_at,
@@ -737,7 +737,7 @@ def _insert_row(job: Job) -> tuple[Any, ...]:
             int(job.capture_logs), job.created_by, lim.max_worker_deaths)
 
 
-def _moved_on(conn: sqlite3.Connection, jobs: list[Job]) -> list[str]:
+def _moved_on(conn: sqlite3.Connection, jobs: list[JobRecord]) -> list[str]:
     """Of jobs just reserved, those whose rows another reservation did not come from
     here (the row's attempt, worker or state differs from what was written)."""
     lost = []
@@ -928,7 +928,7 @@ def _retire(conn: sqlite3.Connection, name: str, now: float) -> tuple[str, float
     return row[0], now, False
 
 
-def _made_before(conn: sqlite3.Connection, job: Job, unscoped: str) -> dict[str, Any] | None:
+def _made_before(conn: sqlite3.Connection, job: JobRecord, unscoped: str) -> dict[str, Any] | None:
     """The row kept under ``unscoped`` if ``job``'s own id is new and that row was
     created by the same token (a producer's job from before its ids were kept scoped)."""
     found = {row["id"]: dict(row) for row in conn.execute(

@@ -6,7 +6,7 @@ import json
 
 import msgspec
 
-from rota.model import Change, Job, shared_limits
+from rota.model import Change, JobRecord, shared_limits
 from rota.observe import (COUNTS, DURATION_BOUNDS, MINUTES, OTHER, WAIT_BOUNDS, Filter,
                           Observer, busiest, encode, fold_queues, gap)
 
@@ -26,8 +26,8 @@ def error_record(message: str) -> bytes:
 
 def job(job_id: str, spec: str = "s", queue: str = "q", *, state: str = "available",
         attempt: int = 0, reserved_at: float | None = None, enqueued_at: float = T0,
-        run_at: float | None = None, worker: str | None = None) -> Job:
-    return Job(id=job_id, spec=spec, queue=queue, args=msgspec.Raw(b"{}"), priority=0,
+        run_at: float | None = None, worker: str | None = None) -> JobRecord:
+    return JobRecord(id=job_id, spec=spec, queue=queue, args=msgspec.Raw(b"{}"), priority=0,
                enqueued_at=enqueued_at, seq=1, limits=shared_limits(3, None, 1.0, 60.0, 3),
                state=state, attempt=attempt, reserved_at=reserved_at, run_at=run_at,
                checksum="c1", worker_id=worker)
