@@ -286,8 +286,9 @@ class Coordinator:
                         outbox.abort(code, message, close_code)
                 case Note(notes):
                     self._write(self.store.note_status(notes), None, None)
-                case WorkerSeen(row):
-                    self._write(self.store.worker_connected(row), None, None)
+                case WorkerSeen(worker_id, registration, connected_at):
+                    self._write(self.store.worker_connected(worker_id, registration,
+                                                            connected_at), None, None)
                 case WorkerGone(worker_id, connected_at, wall):
                     self._write(self.store.worker_disconnected(worker_id, connected_at, wall),
                                 None, None)

@@ -10,9 +10,9 @@ depends on a commit that has not happened: such a frame comes out of ``committed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from rota.model import Change, JobRecord, StatusNote
+from rota.protocol import Registration
 from rota.ready import Claim
 
 
@@ -71,9 +71,12 @@ class Note:
 
 @dataclass(slots=True)
 class WorkerSeen:
-    """Record a worker's registration (for operators; no job depends on it)."""
+    """Record a worker's registration (for operators; no job depends on it). The store
+    makes its row (rota/rows.py ``worker_row``): the engine knows no table."""
 
-    row: dict[str, Any]
+    worker_id: str
+    registration: Registration
+    connected_at: float  # wall
 
 
 @dataclass(slots=True)

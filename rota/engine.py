@@ -21,8 +21,6 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import msgspec
-
 from rota import protocol as p
 from rota.attempts import MAX_LOG_LINES, end_attempt, held_by, result_problem, settle, status_notes
 from rota.auth import Principal
@@ -167,12 +165,7 @@ class Engine(Intake, Reservations):
         connection = ConnectedWorker(conn, slot, reg, now.wall, now.mono, principal)
         self.registry.add(connection)
         self.registry.log_registration(connection, verdict, now.mono)
-        effects.append(WorkerSeen({
-            "id": hb.worker_id, "hostname": reg.hostname, "pid": reg.pid,
-            "queues": msgspec.json.encode(reg.queues).decode(),
-            "labels": msgspec.json.encode(reg.labels).decode(),
-            "concurrency": reg.concurrency, "specs": msgspec.json.encode(reg.specs).decode(),
-            "connected_at": now.wall, "disconnected_at": None}))
+        effects.append(WorkerSeen(hb.worker_id, reg, now.wall))
         self.observe.event(now.wall, "worker_connect", worker=slot.id, state=slot.state,
                            message=f"host {printable(reg.hostname)} pid {reg.pid}")
         effects.append(Send(conn, p.encode(p.Welcome(

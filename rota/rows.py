@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from rota.model import JobRecord, JobState, shared_limits
+from rota.protocol import Registration
 from rota.ready import PRIORITY_LIMIT, SEQ_BITS
 from rota.specs import JobSpec, spec_from_builtins
 
@@ -210,6 +211,15 @@ def live_job(r: tuple[Any, ...]) -> JobRecord:
                      created_by=None if created_by is None else intern(created_by),
                      reserved_at=reserved_at,
                      worker_token=None if worker_token is None else intern(worker_token))
+
+
+def worker_row(worker_id: str, reg: Registration, connected_at: float) -> dict[str, Any]:
+    """A registration as its ``workers`` row (what operators see of the workers that came)."""
+    return {"id": worker_id, "hostname": reg.hostname, "pid": reg.pid,
+            "queues": msgspec.json.encode(reg.queues).decode(),
+            "labels": msgspec.json.encode(reg.labels).decode(),
+            "concurrency": reg.concurrency, "specs": msgspec.json.encode(reg.specs).decode(),
+            "connected_at": connected_at, "disconnected_at": None}
 
 
 def job_from_row(r: sqlite3.Row | dict[str, Any]) -> JobRecord:

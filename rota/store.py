@@ -30,11 +30,11 @@ from rota.listing import JobFilter, decode_cursor
 from rota.effects import Reserved
 from rota.model import (JOB_STATES, WAITING_STATES, Change, ClockReading, JobRecord, StatusNote,
                         wall_step)
-from rota.protocol import rfc3339
+from rota.protocol import Registration, rfc3339
 from rota.ready import Claim
 from rota.retention import Cutoff
 from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, other_tokens,
-                       read_status_quo, take_over_rows, waiting_rows)
+                       read_status_quo, take_over_rows, waiting_rows, worker_row)
 from rota.specs import JobSpec
 from rota.views import job_view
 
@@ -374,7 +374,10 @@ class Store:
         except _DryRun as dry:  # the savepoint rolled everything back
             return dry.changes
 
-    def worker_connected(self, row: dict[str, Any]) -> asyncio.Future[None]:
+    def worker_connected(self, worker_id: str, registration: Registration,
+                         connected_at: float) -> asyncio.Future[None]:
+        row = worker_row(worker_id, registration, connected_at)
+
         def op(conn: sqlite3.Connection) -> None:
             cols = ", ".join(row)
             marks = ", ".join("?" for _ in row)
