@@ -22,7 +22,10 @@
     ├── JobError         the producer clients: the job ended without a result
     ├── ResultTimeout    the producer clients: no result within the timeout; also a
     │                    TimeoutError
-    └── JobFailed        raised by a worker's handler: the job failed (``ctx.fail``)
+    ├── JobFailed        raised by a worker's handler: the job failed (``ctx.fail``)
+    ├── ResultTooLarge   the worker: a handler's result too large to send; the job fails
+    │                    with it, not retried (rota/execution.py)
+    └── ResultTooDeep    the worker: a handler's result nested too deep to send, likewise
 
 Outside the tree, on purpose: ``rota.inputs.BadJson`` (a ValueError), which never reaches
 a user: rota/inputs.py is a leaf beside this module, and each door that decodes turns it

@@ -169,3 +169,29 @@ def test_every_public_name_is_exported_and_found_on_first_use():
     assert set(rota.__all__) <= set(dir(rota))
     with pytest.raises(AttributeError):
         rota.Nothing  # noqa: B018
+
+
+# Exceptions outside the RotaError tree, and why: a leaf's, turned into a refusal at each
+# door (rota/errors.py says so); the demo's handlers' own failure, an example.
+OUTSIDE_THE_TREE = {"inputs.BadJson", "demo.TemporaryFailure"}
+
+
+def test_every_exception_a_user_can_catch_is_a_rota_error_mapped_in_errors_py():
+    import importlib
+
+    from rota import errors
+
+    found = set()
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.stem == "__main__":  # (it runs the command line)
+            continue
+        module = importlib.import_module(f"rota.{path.stem}")
+        for name, value in vars(module).items():
+            if (isinstance(value, type) and issubclass(value, BaseException)
+                    and value.__module__ == module.__name__ and not name.startswith("_")):
+                found.add(f"{path.stem}.{name}")
+                if f"{path.stem}.{name}" not in OUTSIDE_THE_TREE:
+                    assert issubclass(value, errors.RotaError), f"{path.stem}.{name}"
+                    assert re.search(rf"\b{name}\b", errors.__doc__ or ""), \
+                        f"{name} is not in rota/errors.py's map"
+    assert OUTSIDE_THE_TREE <= found  # (an exception that left needs no excuse)
