@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from rota import api, feeds, operate
 from rota.api import PushRequest, RetireRequest, StateRequest, TokenRequest
+from rota.gate import OPEN_PATHS  # one list of what needs no token, the gate's
 from rota.jobs import BatchRequest, EnqueueRequest
 from rota.operate import BulkRequest
 
@@ -401,7 +402,6 @@ ROUTES: list[Op] = [
        {200: None}),
     Op("get", "/healthz", api.healthz, "Health (no token needed)", None, {200: Health}),
 ]
-OPEN_PATHS = {"/healthz"}
 STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry",
                 "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues",
                 "/tokens", "/tokens/{token}", "/specs/{name}/retire", "/stats", "/metrics",
