@@ -87,7 +87,7 @@ def _filter(request: Request) -> Filter:
                   queue=params.get("queue") or None, worker=params.get("worker") or None)
 
 
-class EventStream(Response):
+class EventsResponse(Response):
     """A text/event-stream that runs until the client goes, the server stops or the
     caller's token is revoked.
 
@@ -254,7 +254,7 @@ async def events(request: Request) -> Response:
     newest = coordinator.engine.observe.next_id - 1
     # No id, or one ahead of this server's (not one it gave): from now on.
     start = newest if last_id is None or last_id > newest else last_id
-    return EventStream(coordinator, start, only, principal)
+    return EventsResponse(coordinator, start, only, principal)
 
 
 # -- GET /stats -----------------------------------------------------------------------------
@@ -295,7 +295,7 @@ def copy_series(observer: Observer) -> list[Row]:
             for queue, spec, series in observer.totals()]
 
 
-class Snapshot:
+class ScrapeCollector:
     """The metrics of one scrape, as a prometheus-client collector (it asks only for
     ``collect``): the observer's numbers as copied, and the gauges read for it."""
 
@@ -387,7 +387,7 @@ async def metrics(request: Request) -> Response:
     coordinator: Coordinator = request.app.state.coordinator
     registry = CollectorRegistry(auto_describe=False)
     measured = await gauges(coordinator)
-    registry.register(Snapshot(copy_series(coordinator.engine.observe), measured))
+    registry.register(ScrapeCollector(copy_series(coordinator.engine.observe), measured))
     # The text is made on a thread (from copies): the loop goes on serving meanwhile.
     body = await asyncio.to_thread(generate_latest, registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
