@@ -21,7 +21,7 @@ from rota.auth import OPEN
 from rota.effects import Reserve, Send
 from rota.engine import Engine
 from rota.jobs import EnqueueRequest
-from rota.model import Instant, Job, JobState
+from rota.model import Instant, JobRecord, JobState
 from rota.observe import Observer
 from rota.settings import ServerSettings
 from rota.specs import checksum, parse_spec
@@ -51,14 +51,14 @@ def drive(jobs: int, observer: Observer) -> float:
                         status=p.Status(state="running", active_job_ids=[]))
     engine.register(1, first, OPEN, now)
     engine.heartbeat(1, "w", first, now)
-    rows: dict[int, Job] = {}
+    rows: dict[int, JobRecord] = {}
     seq = 0
     started = time.process_time()
     for start in range(0, jobs, 1000):
         batch = []
         for i in range(start, min(jobs, start + 1000)):
             job = engine.build(EnqueueRequest(spec="noop", id=f"j{i}"), OPEN, now)
-            assert isinstance(job, Job)
+            assert isinstance(job, JobRecord)
             rows[len(rows) + 1] = job
             batch.append((job, len(rows)))
         engine.enqueued_all(batch, now)

@@ -6,27 +6,42 @@ Producers enqueue with ``Client`` (synchronous) or ``AsyncClient`` (asyncio); wo
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from rota.client import ApiError, Client, Job, JobError, JobHandle, ResultTimeout
-from rota.context import JobContext, JobFailed
-from rota.specs import JobSpec, checksum
-from rota.worker import Worker
-
 if TYPE_CHECKING:
+    from rota.client import Client, Job, JobHandle
+    from rota.context import JobContext
+    from rota.errors import ApiError, JobError, JobFailed, ResultTimeout, RotaError
     from rota.producer import AsyncClient, AsyncJob
+    from rota.specs import JobSpec, checksum
+    from rota.worker import Worker
 
 __version__ = "0.1.0"
-__all__ = ["ApiError", "AsyncClient", "AsyncJob", "Client", "Job", "JobContext", "JobError",
-           "JobFailed", "JobHandle", "JobSpec", "ResultTimeout", "Worker", "__version__",
-           "checksum"]
+
+# Each public name and the module that defines it. They are imported on first use (PEP 562):
+# `import rota.model` runs this file first, and the server's pure core must not pay for the
+# worker's websockets, psutil and asyncio, nor a producer for httpx.
+_HOMES = {
+    "Client": "client", "Job": "client", "JobHandle": "client",
+    "JobContext": "context",
+    "ApiError": "errors", "JobError": "errors", "JobFailed": "errors", "ResultTimeout": "errors",
+    "RotaError": "errors",
+    "AsyncClient": "producer", "AsyncJob": "producer",
+    "JobSpec": "specs", "checksum": "specs",
+    "Worker": "worker",
+}
+__all__ = sorted([*_HOMES, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
-    # The asyncio client is imported on first use: it brings httpx, 80 ms of imports that
-    # every `rota` command and every worker process would otherwise pay for nothing.
-    if name in ("AsyncClient", "AsyncJob"):
-        from rota import producer
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'rota' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"rota.{home}"), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
 
-        return getattr(producer, name)
-    raise AttributeError(f"module 'rota' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -13,9 +13,9 @@ import msgspec
 
 from rota import protocol as p
 from rota.jobs import error_record
-from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState, StatusNote
+from rota.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState, StatusNote
 from rota.policy import Ending, after_attempt
-from rota.registry import ALERT_LINES, Connection, short
+from rota.registry import ALERT_LINES, ConnectedWorker, short
 
 log = logging.getLogger("rota.server")
 # Error types a worker may report that say the attempt ended for an outside reason, not
@@ -28,7 +28,8 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
           "error": logging.ERROR, "critical": logging.CRITICAL}
 
 
-def held_by(jobs: dict[str, Job], connection: Connection, job_id: str) -> Job | None:
+def held_by(jobs: dict[str, JobRecord], connection: ConnectedWorker, job_id: str
+            ) -> JobRecord | None:
     """The job, if this connection's worker holds it now."""
     job = jobs.get(job_id)
     if (job is None or job.worker_id != connection.worker.id
@@ -37,7 +38,7 @@ def held_by(jobs: dict[str, Job], connection: Connection, job_id: str) -> Job | 
     return job
 
 
-def result_problem(jobs: dict[str, Job], worker_id: str, result: p.Result) -> str | None:
+def result_problem(jobs: dict[str, JobRecord], worker_id: str, result: p.Result) -> str | None:
     """Why a result cannot be accepted from this worker; None if it can."""
     job = jobs.get(result.job_id)
     if job is None or job.state in TERMINAL_STATES:  # (or its result is being stored)
@@ -49,7 +50,7 @@ def result_problem(jobs: dict[str, Job], worker_id: str, result: p.Result) -> st
     return None
 
 
-def settle(job: Job, result: p.Result, now: Instant, *, max_result_bytes: int,
+def settle(job: JobRecord, result: p.Result, now: Instant, *, max_result_bytes: int,
            rand: Callable[[], float]) -> Change:
     """Decide an accepted result's outcome; the job stays put in the scheduler until
     the change is committed."""
@@ -69,7 +70,7 @@ def settle(job: Job, result: p.Result, now: Instant, *, max_result_bytes: int,
     return end_attempt(job, OUTSIDE_ENDINGS.get(error.type, "failed"), error, now, rand)
 
 
-def end_attempt(job: Job, ending: Ending, error: p.ErrorInfo, now: Instant,
+def end_attempt(job: JobRecord, ending: Ending, error: p.ErrorInfo, now: Instant,
                 rand: Callable[[], float], *, death: bool = True) -> Change:
     """Apply the retry policy to an attempt that did not complete. A ``worker_death``
     counts toward the job's poison tally when ``death`` says its worker really died;
@@ -106,7 +107,7 @@ def end_attempt(job: Job, ending: Ending, error: p.ErrorInfo, now: Instant,
     return Change(job, error=record, finished_at=now.wall if terminal else None, ending=ending)
 
 
-def status_notes(jobs: dict[str, Job], connection: Connection, status: p.Status,
+def status_notes(jobs: dict[str, JobRecord], connection: ConnectedWorker, status: p.Status,
                  now: Instant) -> list[StatusNote]:
     """Progress and captured lines of jobs this worker holds, to store; alerts are
     logged and kept on the connection for GET /workers."""

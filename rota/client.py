@@ -20,47 +20,9 @@ from typing import Any
 
 import msgspec
 
+from rota.errors import ApiError, JobError, ResultTimeout  # defined there, public here too
 from rota.ids import path_segment
 from rota.specs import JobSpec
-
-
-class ApiError(Exception):
-    """The server refused a request, or could not be reached. ``status`` is the HTTP
-    status (None when no answer came), ``code`` the server's error code or one of the
-    client's own: ``unreachable``, ``no_answer``, ``client_closed``, ``client_error``."""
-
-    def __init__(self, status: int | None, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.status = status
-        self.code = code
-        self.message = message
-
-
-class JobError(Exception):
-    """The job ended without a result: ``state`` is ``discarded`` (its attempts ran out,
-    or an error said not to retry) or ``cancelled``. ``error_type`` and ``error_message``
-    are the last error a worker reported (None for a job cancelled before it failed);
-    ``error`` is that error whole, with its ``details`` (the traceback, say)."""
-
-    def __init__(self, job_id: str, state: str, error: dict[str, Any] | None) -> None:
-        self.job_id = job_id
-        self.state = state
-        self.error = error
-        self.error_type: str | None = error.get("type") if error else None
-        self.error_message: str | None = error.get("message") if error else None
-        why = f": {self.error_type}: {self.error_message}" if error else ""
-        super().__init__(f"job {job_id} was {state}{why}")
-
-
-class ResultTimeout(TimeoutError):
-    """The job had not finished within the timeout given to ``result()``; it goes on, and
-    ``result()`` may be called again. ``state`` is the state it was last seen in."""
-
-    def __init__(self, job_id: str, state: str, timeout: float) -> None:
-        super().__init__(f"job {job_id} has not finished after {timeout:g}s (it is {state})")
-        self.job_id = job_id
-        self.state = state
-        self.timeout = timeout
 
 
 # The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so

@@ -88,7 +88,9 @@ class Host(Protocol):
     def terminate(self) -> None: ...
 
 
-class Connection:
+class ConnectionThread:
+    """The worker's connection to its server, on a thread and an event loop of its own."""
+
     def __init__(self, worker: Host, link: Link) -> None:
         self.worker = worker
         self.link = link

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rota import protocol as p
+from rota.errors import JobFailed  # defined there, public here too
 
 log = logging.getLogger("rota.worker")
 MAX_HELD_LINES = 1000  # log lines held for the server (while away, too); the oldest go first
@@ -24,15 +25,6 @@ STATUS_BYTES_PER_BEAT = 192 * 1024  # what status may add to a frame (the server
 ENTRY_OVERHEAD = 128  # bytes an entry adds around its message once encoded, at most
 MAX_HELD_ALERTS = 100
 LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-class JobFailed(Exception):
-    """A failure reported by ``ctx.fail(message)``, or raised by a handler that has no
-    exception of its own to raise; ``retryable=False`` ends the job without retries."""
-
-    def __init__(self, message: str, *, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
 
 
 @dataclass(slots=True)

@@ -31,10 +31,10 @@ from rota.engine import MAX_LOG_LINES, Engine
 from rota.errors import Conflict, DomainError, Invalid, NotFound, StorageError, failure_level
 from rota.jobs import EnqueueRequest, same_job
 from rota.listing import JobFilter
-from rota.model import TERMINAL_STATES, Change, ClockReading, Instant, Job
+from rota.model import TERMINAL_STATES, Change, ClockReading, Instant, JobRecord
 from rota.observe import busiest
 from rota.policy import TokenBucket
-from rota.registry import Connection, claim_worker_id, held_ids
+from rota.registry import ConnectedWorker, claim_worker_id, held_ids
 from rota.retention import BATCH, STEP, Frames, PruneTally, Retention, due, next_pass
 from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
@@ -152,7 +152,7 @@ class Coordinator(ShellReads, ShellDirectives):
         return self.engine.scheduler
 
     @property
-    def connections(self) -> dict[str, Connection]:
+    def connections(self) -> dict[str, ConnectedWorker]:
         return self.engine.connections
 
     @property
@@ -288,17 +288,18 @@ class Coordinator(ShellReads, ShellDirectives):
                         outbox.abort(code, message, close_code)
                 case Note(notes):
                     self._write(self.store.note_status(notes), None, None)
-                case WorkerSeen(row):
-                    self._write(self.store.worker_connected(row), None, None)
+                case WorkerSeen(worker_id, registration, connected_at):
+                    self._write(self.store.worker_connected(worker_id, registration,
+                                                            connected_at), None, None)
                 case WorkerGone(worker_id, connected_at, wall):
                     self._write(self.store.worker_disconnected(worker_id, connected_at, wall),
                                 None, None)
 
-    async def run(self, effects: Iterable[Effect]) -> dict[str, Job | None]:
+    async def run(self, effects: Iterable[Effect]) -> dict[str, JobRecord | None]:
         """Carry out effects in order, waiting for each plain Save to commit before going
         on: for a request whose answer, or whose frames, depend on it. Returns the
         changes the rows refused (``Store.save``), which the engine has heard of."""
-        refused: dict[str, Job | None] = {}
+        refused: dict[str, JobRecord | None] = {}
         for effect in effects:
             if isinstance(effect, Save) and effect.ticket is None:
                 self._finishing(effect.changes)
@@ -348,7 +349,7 @@ class Coordinator(ShellReads, ShellDirectives):
         reading = self.clock()
         return abs(reading.wall - reading.mono - self.frames.frames[-1].offset) > STEP
 
-    def _saved(self, changes: list[Change], future: asyncio.Future[dict[str, Job | None]]
+    def _saved(self, changes: list[Change], future: asyncio.Future[dict[str, JobRecord | None]]
                ) -> None:
         """A Save nobody waits on committed: the engine hears what the rows refused."""
         self.pending_writes -= 1
@@ -648,7 +649,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.crash_point("enqueue-after-commit")
         outcomes: list[tuple[dict[str, Any], bool] | DomainError] = []
         admitted = {id(job) for job in early}
-        taken_in: list[tuple[Job, int | None]] = []  # new rows with producers' ids
+        taken_in: list[tuple[JobRecord, int | None]] = []  # new rows with producers' ids
         for request, job in zip(requests, built, strict=True):
             if isinstance(job, DomainError):
                 outcomes.append(job)

@@ -10,9 +10,9 @@ depends on a commit that has not happened: such a frame comes out of ``committed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from rota.model import Change, Job, StatusNote
+from rota.model import Change, JobRecord, StatusNote
+from rota.protocol import Registration
 from rota.ready import Claim
 
 
@@ -31,7 +31,7 @@ class Reserve:
     claim reserves its row only if it is still available, and reads it back: the
     outcome carries the jobs read (``Engine.committed``)."""
 
-    jobs: list[Job]
+    jobs: list[JobRecord]
     wall: float
     ticket: int
     claims: list[Claim] = field(default_factory=list)
@@ -45,7 +45,7 @@ class Reserved:
     no longer available), and the whole jobs whose rows had moved on meanwhile (another
     server reserved, cancelled or finished them first), which this server must let go."""
 
-    read: list[Job | None] = field(default_factory=list)
+    read: list[JobRecord | None] = field(default_factory=list)
     lost: frozenset[str] = frozenset()
 
 
@@ -71,9 +71,12 @@ class Note:
 
 @dataclass(slots=True)
 class WorkerSeen:
-    """Record a worker's registration (for operators; no job depends on it)."""
+    """Record a worker's registration (for operators; no job depends on it). The store
+    makes its row (rota/rows.py ``worker_row``): the engine knows no table."""
 
-    row: dict[str, Any]
+    worker_id: str
+    registration: Registration
+    connected_at: float  # wall
 
 
 @dataclass(slots=True)

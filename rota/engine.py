@@ -21,8 +21,6 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import msgspec
-
 from rota import protocol as p
 from rota.attempts import MAX_LOG_LINES, end_attempt, held_by, result_problem, settle, status_notes
 from rota.auth import Principal
@@ -32,10 +30,10 @@ from rota.errors import RotaError, failure_level
 from rota.intake import Intake
 from rota.jobs import error_record
 from rota.logs import log_lines, printable
-from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
+from rota.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.observe import Observer
 from rota.policy import Ending
-from rota.registry import Connection, Registry, held_ids, judge_specs, may_reclaim, short
+from rota.registry import ConnectedWorker, Registry, held_ids, judge_specs, may_reclaim, short
 from rota.reservations import Reservations
 from rota.scheduler import Scheduler, WorkerSlot
 from rota.settings import ServerSettings
@@ -86,11 +84,11 @@ class Engine(Intake, Reservations):
         self.standing = Standing(settings.server_lease)
 
     @property
-    def connections(self) -> dict[str, Connection]:
+    def connections(self) -> dict[str, ConnectedWorker]:
         return self.registry.connections
 
     # -- start -------------------------------------------------------------------------
-    def load(self, specs: dict[str, JobSpec], checksums: dict[str, str], jobs: list[Job],
+    def load(self, specs: dict[str, JobSpec], checksums: dict[str, str], jobs: list[JobRecord],
              now: Instant, waiting: dict[tuple[str, str], list[int]] | None = None,
              last_seq: int = 0, retired: dict[str, float] | None = None,
              paused: Iterable[str] = ()) -> list[Effect]:
@@ -164,15 +162,10 @@ class Engine(Intake, Reservations):
                           specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels),
                           prefetch=reg.prefetch, token=principal.token_id)
         self.scheduler.add_worker(slot)
-        connection = Connection(conn, slot, reg, now.wall, now.mono, principal)
+        connection = ConnectedWorker(conn, slot, reg, now.wall, now.mono, principal)
         self.registry.add(connection)
         self.registry.log_registration(connection, verdict, now.mono)
-        effects.append(WorkerSeen({
-            "id": hb.worker_id, "hostname": reg.hostname, "pid": reg.pid,
-            "queues": msgspec.json.encode(reg.queues).decode(),
-            "labels": msgspec.json.encode(reg.labels).decode(),
-            "concurrency": reg.concurrency, "specs": msgspec.json.encode(reg.specs).decode(),
-            "connected_at": now.wall, "disconnected_at": None}))
+        effects.append(WorkerSeen(hb.worker_id, reg, now.wall))
         self.observe.event(now.wall, "worker_connect", worker=slot.id, state=slot.state,
                            message=f"host {printable(reg.hostname)} pid {reg.pid}")
         effects.append(Send(conn, p.encode(p.Welcome(
@@ -294,21 +287,21 @@ class Engine(Intake, Reservations):
             effects.append(Wake())
         return effects
 
-    def _flush_acks(self, connection: Connection) -> list[Effect]:
+    def _flush_acks(self, connection: ConnectedWorker) -> list[Effect]:
         sends: list[Effect] = []
         while connection.acks and connection.acks[0][1] is not None:
             sends.append(Send(connection.conn, connection.acks.pop(0)[1]))
         return sends
 
-    def _reclaim(self, connection: Connection, hb: p.Heartbeat, now: Instant) -> list[Effect]:
+    def _reclaim(self, connection: ConnectedWorker, hb: p.Heartbeat, now: Instant) -> list[Effect]:
         named = held_ids(hb.status) if hb.status is not None else []
         worker = connection.worker
         # Only what its token may take (Registry.admit refused it if another token's
         # jobs were kept under this worker id; this holds for any that came since): a job
         # of a queue its token may not serve (reserved by a worker without a token, before
         # auth was on) stays kept, and lapses.
-        allowed: list[Job] = []
-        refused: list[Job] = []
+        allowed: list[JobRecord] = []
+        refused: list[JobRecord] = []
         for job_id in [*named, *(r.job_id for r in hb.results)]:
             job = self.scheduler.jobs.get(job_id)
             if job is None or not job.orphaned or job.worker_id != worker.id:
@@ -333,7 +326,7 @@ class Engine(Intake, Reservations):
                     p.Cancel(job_ids=[job.id], reason="cancelled"))))
         return effects
 
-    def _stop_lost_runs(self, connection: Connection, named: list[str]) -> list[Effect]:
+    def _stop_lost_runs(self, connection: ConnectedWorker, named: list[str]) -> list[Effect]:
         """The first status after a (re)connect: jobs the worker says it runs but no longer
         holds (recovered while it was away, maybe running elsewhere) are wasted work at
         best and a duplicate side effect at worst: tell it to stop them."""
@@ -382,7 +375,7 @@ class Engine(Intake, Reservations):
             worker.active.discard(job.id)
         return again, accepted, rejected, changes
 
-    def _place(self, job: Job) -> list[Effect]:
+    def _place(self, job: JobRecord) -> list[Effect]:
         """Put a job where its (committed) state says it belongs."""
         if job.state in TERMINAL_STATES:
             self.scheduler.finish(job)
@@ -402,8 +395,8 @@ class Engine(Intake, Reservations):
 
     # -- commits ---------------------------------------------------------------------
     def committed(self, ticket: int, error: BaseException | None, now: Instant,
-                  read: Reserved | list[Job | None] | dict[str, Job | None] | None = None
-                  ) -> list[Effect]:
+                  read: Reserved | list[JobRecord | None] | dict[str, JobRecord | None]
+                  | None = None) -> list[Effect]:
         """The outcome of a ``Save`` or ``Reserve`` that carried ``ticket``; ``read``: a
         reservation's claimed jobs as their rows read after it (None where a row was no
         longer available), or a save's changes that their rows refused (by job id, with
@@ -445,13 +438,13 @@ class Engine(Intake, Reservations):
                      len(jobs))
         return [Save([Change(job) for job in jobs])] if jobs else []
 
-    def refused(self, changes: list[Change], refused: dict[str, Job | None], now: Instant
+    def refused(self, changes: list[Change], refused: dict[str, JobRecord | None], now: Instant
                 ) -> list[Effect]:
         """A ``Save`` without a ticket (a cancel, a retry, jobs come due) committed, and
         its rows refused these changes (``Store.save``): memory follows the rows."""
         return self._refused(changes, refused, "transition", now)
 
-    def _refused(self, changes: list[Change], refused: dict[str, Job | None], what: str,
+    def _refused(self, changes: list[Change], refused: dict[str, JobRecord | None], what: str,
                  now: Instant) -> list[Effect]:
         """Changes whose rows refused them (the attempt fence, or, with several servers,
         the holder): the row moved on behind this server's copy (another server ran
@@ -476,7 +469,7 @@ class Engine(Intake, Reservations):
         return [Wake()]
 
     def _results_committed(self, ticket: int, payload: Any, error: BaseException | None,
-                           now: Instant, refused: dict[str, Job | None]) -> list[Effect]:
+                           now: Instant, refused: dict[str, JobRecord | None]) -> list[Effect]:
         worker_id, conn, seq, desired, changes, again, rejected = payload
         effects: list[Effect] = []
         accepted = list(again)
@@ -545,7 +538,7 @@ class Engine(Intake, Reservations):
         if len(self._recent) > RECENT_RESULTS:
             self._recent.popitem(last=False)
 
-    def _recover(self, jobs: Iterable[Job], ending: Ending, message: str, now: Instant, *,
+    def _recover(self, jobs: Iterable[JobRecord], ending: Ending, message: str, now: Instant, *,
                  death: bool = True) -> list[Effect]:
         """Attempts that ended without a result: retry or discard them, record why.
         ``death``: a worker_death that counts toward the job's poison tally."""
@@ -639,14 +632,14 @@ class Engine(Intake, Reservations):
                                    f" sent and not read for {after:g}s", connection, now)
         return effects
 
-    def _abort(self, code: str, message: str, connection: Connection, now: Instant
+    def _abort(self, code: str, message: str, connection: ConnectedWorker, now: Instant
                ) -> list[Effect]:
         """The server ends a connection: an ``error`` frame, then what its disconnect
         decides for its jobs (by ``code``, see MAY_RECONNECT)."""
         return [Abort(connection.conn, code, message, p.CLOSE_POLICY),
                 *self.disconnect(connection.conn, connection.worker.id, code, now)]
 
-    def _lease_lapsed(self, job: Job, now: Instant) -> list[Effect]:
+    def _lease_lapsed(self, job: JobRecord, now: Instant) -> list[Effect]:
         holder = job.worker_id or ""
         if job.orphaned:
             self.scheduler.unorphan(job)
@@ -661,7 +654,7 @@ class Engine(Intake, Reservations):
         return effects + self._recover([job], "visibility_timeout",
                                        f"no result or heartbeat for {lease:g}s", now)
 
-    def _expire(self, jobs: list[Job], now: Instant) -> list[Effect]:
+    def _expire(self, jobs: list[JobRecord], now: Instant) -> list[Effect]:
         changes = []
         for job in jobs:
             job.move(JobState.DISCARDED)

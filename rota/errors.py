@@ -1,4 +1,4 @@
-"""Rota's errors, in one place.
+"""Rota's errors, in one place: every exception a user of Rota can catch is a RotaError.
 
     RotaError            code + message, what the other side is told
     ├── DomainError      the core refuses an operation; the API layer picks the HTTP status
@@ -12,12 +12,29 @@
     ├── StorageError     the database cannot do its part now (full, read-only, failing):
     │                    503 with ``Retry-After`` on HTTP; a result is rejected on /work
     ├── DatabaseInUse    another server holds the database file: this one must not start
-    └── DatabaseLinked   the database file has more than one name (hard links)
-"""
+    ├── DatabaseLinked   the database file has more than one name (hard links)
+    ├── NewerDatabase    the database was migrated by a newer Rota (rota/db.py)
+    ├── Refused          `rota serve` cannot start; the message says why (rota/startup.py)
+    ├── InvalidTransition a job asked for a move its lifecycle forbids: a bug (rota/model.py)
+    ├── SpecError        a spec file or a job's arguments do not fit (rota/specs.py); also
+    │                    a ValueError
+    ├── ApiError         the producer clients: the server refused a request, or could not
+    │                    be reached (``from rota import ApiError``)
+    ├── JobError         the producer clients: the job ended without a result
+    ├── ResultTimeout    the producer clients: no result within the timeout; also a
+    │                    TimeoutError
+    ├── JobFailed        raised by a worker's handler: the job failed (``ctx.fail``)
+    ├── ResultTooLarge   the worker: a handler's result too large to send; the job fails
+    │                    with it, not retried (rota/execution.py)
+    └── ResultTooDeep    the worker: a handler's result nested too deep to send, likewise
 
+Outside the tree, on purpose: ``rota.inputs.BadJson`` (a ValueError), which never reaches
+a user: rota/inputs.py is a leaf beside this module, and each door that decodes turns it
+into its own refusal (a ``RequestError`` or a ``FrameError``).
+"""
 from __future__ import annotations
 
-import logging
+from typing import Any
 
 
 class RotaError(Exception):
@@ -109,8 +126,59 @@ class DatabaseLinked(RotaError):
         self.links = links
 
 
+class ApiError(RotaError):
+    """The server refused a request, or could not be reached. ``status`` is the HTTP
+    status (None when no answer came), ``code`` the server's error code or one of the
+    client's own: ``unreachable``, ``no_answer``, ``client_closed``, ``client_error``."""
+
+    def __init__(self, status: int | None, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.args = (f"{code}: {message}",)  # its text names the code too
+        self.status = status
+
+
+class JobError(RotaError):
+    """The job ended without a result: ``state`` is ``discarded`` (its attempts ran out,
+    or an error said not to retry) or ``cancelled``, and ``code`` is ``job_<state>``.
+    ``error_type`` and ``error_message`` are the last error a worker reported (None for a
+    job cancelled before it failed); ``error`` is that error whole, with its ``details``
+    (the traceback, say)."""
+
+    def __init__(self, job_id: str, state: str, error: dict[str, Any] | None) -> None:
+        self.job_id = job_id
+        self.state = state
+        self.error = error
+        self.error_type: str | None = error.get("type") if error else None
+        self.error_message: str | None = error.get("message") if error else None
+        why = f": {self.error_type}: {self.error_message}" if error else ""
+        super().__init__(f"job_{state}", f"job {job_id} was {state}{why}")
+
+
+class ResultTimeout(RotaError, TimeoutError):
+    """The job had not finished within the timeout given to ``result()``; it goes on, and
+    ``result()`` may be called again. ``state`` is the state it was last seen in."""
+
+    def __init__(self, job_id: str, state: str, timeout: float) -> None:
+        super().__init__("result_timeout",
+                         f"job {job_id} has not finished after {timeout:g}s (it is {state})")
+        self.job_id = job_id
+        self.state = state
+        self.timeout = timeout
+
+
+class JobFailed(RotaError):
+    """A failure reported by ``ctx.fail(message)``, or raised by a handler that has no
+    exception of its own to raise; ``retryable=False`` ends the job without retries."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__("job_failed", message)
+        self.retryable = retryable
+
+
 def failure_level(error: BaseException | None) -> int:
     """The level to log a failed write at. A StorageError is logged once, when the store
     becomes degraded (rota/db_health.py ``Health``): each write it then refuses is DEBUG,
     or a full disk would write a line per request."""
+    import logging  # here: the bottom loads no logging (and with it no threading) on import
+
     return logging.DEBUG if isinstance(error, StorageError) else logging.ERROR

@@ -35,6 +35,7 @@ import msgspec
 
 from rota import protocol as p
 from rota.context import JobContext, StatusBuffer
+from rota.errors import RotaError
 from rota.inputs import MAX_DEPTH, too_deep
 from rota.link import RESULT_BYTES_PER_BEAT, SMOOTHING, prefetch_line
 
@@ -369,19 +370,25 @@ class Runner:
 RESULT_DEPTH = MAX_DEPTH - 3
 
 
-class ResultTooLarge(Exception):
+class ResultTooLarge(RotaError):
     """A result too large to send: running the job again would not make it smaller."""
 
     retryable = False
     error_type = "result_too_large"  # the name the server gives the same failure
 
+    def __init__(self, message: str) -> None:
+        super().__init__(self.error_type, message)
 
-class ResultTooDeep(Exception):
+
+class ResultTooDeep(RotaError):
     """A result nested deeper than a frame may carry (protocol §7, ``too_deep``): sent,
     it would end the connection, and be sent again on the next one."""
 
     retryable = False
     error_type = "result_too_deep"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.error_type, message)
 
 
 def released(copy: p.JobCopy, why: str) -> p.Result:

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -26,8 +27,9 @@ from rota.coordinator import Coordinator
 from rota.errors import RequestError
 from rota.listing import NAME
 from rota.model import JOB_STATES
-from rota.observe import (COUNTS, DURATION_BOUNDS, KINDS, UNFINISHED, WAIT_BOUNDS, Filter,
-                          Observer, fold_queues, gap)
+from rota.observe import (COUNTS, DURATION_BOUNDS, KINDS, UNFINISHED, WAIT_BOUNDS, Event,
+                          Filter, Observer, event_data, fold_queues)
+from rota.protocol import rfc3339
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 CHUNK = 256  # events taken from the ring per send: a slow client's backlog is bounded
 CHUNK_BYTES = 16 << 10  # ... and about this many bytes of them
 KEEP_ALIVE = b": keep-alive\n\n"
+ENCODED_KEPT = 4096  # events kept encoded for subscribers (about 1 MB at most)
 WORKER_STATES = ("running", "quiet", "terminate")
 
 
@@ -84,7 +87,7 @@ def _filter(request: Request) -> Filter:
                   queue=params.get("queue") or None, worker=params.get("worker") or None)
 
 
-class EventStream(Response):
+class EventsResponse(Response):
     """A text/event-stream that runs until the client goes, the server stops or the
     caller's token is revoked.
 
@@ -170,12 +173,46 @@ class EventStream(Response):
         for event_id, event in events:
             self.last_id = event_id
             if only.matches(event):
-                part = observer.encoding(event_id, event)
+                part = encoding(observer, event_id, event)
                 parts.append(part)
                 size += len(part)
                 if size >= CHUNK_BYTES:
                     break
         return b"".join(parts)
+
+
+# -- the wire format of GET /events --------------------------------------------------
+_json = msgspec.json.Encoder()
+
+
+def frame(event_id: int, kind: str, data: bytes) -> bytes:
+    """One server-sent event: its id (a client resumes with it as Last-Event-ID), its kind
+    and its data, a JSON object."""
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (event_id, kind.encode(), data)
+
+
+def encode(event_id: int, event: Event) -> bytes:
+    """A recorded event as a server-sent event. Only here, for a subscriber that reads
+    it, does an event cost its encoding."""
+    return frame(event_id, event[1], _json.encode(event_data(event)))
+
+
+def encoding(observer: Observer, event_id: int, event: Event) -> bytes:
+    """``encode(event_id, event)``, made once for every subscriber that reads it, and
+    kept for the others in ``observer.encoded`` (at most ENCODED_KEPT)."""
+    data = observer.encoded.get(event_id)
+    if data is None:
+        data = observer.encoded[event_id] = encode(event_id, event)
+        if len(observer.encoded) > ENCODED_KEPT:  # the first made is the first to go
+            del observer.encoded[next(iter(observer.encoded))]
+    return data
+
+
+def gap(missed_from: int, missed_to: int, wall: float) -> bytes:
+    """What a subscriber that fell behind the ring gets before the events it can have."""
+    return frame(missed_to, "gap", _json.encode({"at": rfc3339(wall), "kind": "gap",
+                                                "missed_from": missed_from,
+                                                "missed_to": missed_to}))
 
 
 class Sender:
@@ -217,7 +254,7 @@ async def events(request: Request) -> Response:
     newest = coordinator.observer.next_id - 1
     # No id, or one ahead of this server's (not one it gave): from now on.
     start = newest if last_id is None or last_id > newest else last_id
-    return EventStream(coordinator, start, only, principal)
+    return EventsResponse(coordinator, start, only, principal)
 
 
 # -- GET /stats -----------------------------------------------------------------------------
@@ -258,7 +295,7 @@ def copy_series(observer: Observer) -> list[Row]:
             for queue, spec, series in observer.totals()]
 
 
-class Snapshot:
+class ScrapeCollector:
     """The metrics of one scrape, as a prometheus-client collector (it asks only for
     ``collect``): the observer's numbers as copied, and the gauges read for it."""
 
@@ -348,7 +385,7 @@ async def metrics(request: Request) -> Response:
     coordinator: Coordinator = request.app.state.coordinator
     registry = CollectorRegistry(auto_describe=False)
     measured = await gauges(coordinator)
-    registry.register(Snapshot(copy_series(coordinator.observer), measured))
+    registry.register(ScrapeCollector(copy_series(coordinator.observer), measured))
     # The text is made on a thread (from copies): the loop goes on serving meanwhile.
     body = await asyncio.to_thread(generate_latest, registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -18,7 +18,7 @@ from rota.errors import DomainError, Forbidden, Invalid, TooLarge, failure_level
 from rota.ids import MAX_JOB_ID, job_id_problem
 from rota.jobs import EnqueueRequest, new_job
 from rota.logs import log_lines
-from rota.model import TERMINAL_STATES, Change, Instant, Job, JobState
+from rota.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.observe import Observer
 from rota.registry import Registry, short
 from rota.scheduler import Scheduler
@@ -46,7 +46,7 @@ class Intake:
     observe: Observer
 
     def build(self, request: EnqueueRequest, principal: Principal, now: Instant
-              ) -> Job | DomainError:
+              ) -> JobRecord | DomainError:
         """A new job from an enqueue request, or why it is refused."""
         if request.id is not None and (problem := job_id_problem(request.id)) is not None:
             return Invalid("invalid_id", problem)
@@ -81,7 +81,7 @@ class Intake:
         job.created_by = principal.token_id
         return job
 
-    def enqueued(self, job: Job, seq: int | None, now: Instant) -> list[Effect]:
+    def enqueued(self, job: JobRecord, seq: int | None, now: Instant) -> list[Effect]:
         """Take in a new job: once its row is committed (``seq``: its row id), or, when
         the server made its id (no row can have it), at once, with its write queued
         (``seq`` None: the next in order). Then a reservation of it follows its row
@@ -89,7 +89,7 @@ class Intake:
         saves a whole commit between enqueue and assignment."""
         return self.enqueued_all([(job, seq)], now)
 
-    def enqueued_all(self, jobs: list[tuple[Job, int | None]], now: Instant) -> list[Effect]:
+    def enqueued_all(self, jobs: list[tuple[JobRecord, int | None]], now: Instant) -> list[Effect]:
         """``enqueued`` for each (job, seq) of a batch, in order, logged in one record."""
         effects: list[Effect] = []
         for job, seq in jobs:
@@ -104,11 +104,11 @@ class Intake:
         self.observe.enqueued([job for job, _ in jobs], now.wall)
         return effects + [Wake()]
 
-    def stored(self, job: Job, seq: int) -> None:
+    def stored(self, job: JobRecord, seq: int) -> None:
         """The row of a job taken in early (``enqueued`` with no ``seq``) committed."""
         self.scheduler.stored(job, seq)
 
-    def not_stored(self, jobs: list[Job], error: BaseException) -> list[Effect]:
+    def not_stored(self, jobs: list[JobRecord], error: BaseException) -> list[Effect]:
         """Jobs taken in before their rows committed, whose commit failed: forget them.
         The producer hears the error; the job never existed."""
         for job in jobs:
@@ -140,7 +140,7 @@ class Intake:
                              attempt=job.attempt)
         return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id])]
 
-    def cancel_not_stored(self, job: Job, was: tuple[str, bool]) -> list[Effect]:
+    def cancel_not_stored(self, job: JobRecord, was: tuple[str, bool]) -> list[Effect]:
         """A cancel whose write failed, so the caller heard 503: the job goes on as it was
         (``was``: its state and cancel request before), rather than staying cancelled in
         memory while its row says otherwise."""
@@ -176,7 +176,7 @@ class Intake:
                              withdraw.queue)
         return [Finished([withdraw.job_id])]
 
-    def retry(self, job: Job) -> list[Effect]:
+    def retry(self, job: JobRecord) -> list[Effect]:
         """Put a discarded or cancelled job (loaded from its row) back, with a fresh
         attempt budget: the row first. Only once it is committed (``retried``) do
         workers see the job, so a write the disk refuses leaves nothing behind."""
@@ -187,7 +187,7 @@ class Intake:
         job.worker_id = None
         return [Save([Change(job, retry=True)])]
 
-    def retried(self, job: Job, now: Instant | None = None) -> list[Effect]:
+    def retried(self, job: JobRecord, now: Instant | None = None) -> list[Effect]:
         """The retry's row is committed: the job waits for a worker again."""
         self.scheduler.add(job)
         log.info("retry job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
@@ -197,7 +197,7 @@ class Intake:
         return [Wake()]
 
     # -- what other servers on the same database did (docs/scaling.md) ------------------
-    def taken_in(self, jobs: list[Job], now: Instant) -> list[Effect]:
+    def taken_in(self, jobs: list[JobRecord], now: Instant) -> list[Effect]:
         """Jobs another server made wait (new, retried, back from a worker, due), as
         their rows read now. Every server may give them out and the row decides who does
         (fenced reservations), so each takes them in. A copy held here gives way to the
@@ -214,7 +214,7 @@ class Intake:
             effects += [Arm(t) for t in (job.due, job.expiry) if t is not None]
         return effects + [Wake()] if jobs else effects
 
-    def taken_over(self, jobs: list[Job], worker_id: str, now: Instant) -> list[Effect]:
+    def taken_over(self, jobs: list[JobRecord], worker_id: str, now: Instant) -> list[Effect]:
         """Jobs a worker held through another server, whose rows name this server now
         (``Coordinator.take_over``): kept for the worker as after a restart, so the
         registration that follows reclaims them and their results are taken."""
@@ -228,7 +228,7 @@ class Intake:
                                                           j.attempt) for j in jobs])
         return []
 
-    def running_here(self) -> list[Job]:
+    def running_here(self) -> list[JobRecord]:
         """The jobs this server's workers run, as it holds them: after its lease lapsed,
         the ones it asks to take back (``lapse_settled``)."""
         return [job for job in self.scheduler.jobs.values()
@@ -257,7 +257,7 @@ class Intake:
             self.scheduler.let_go(job)
         return effects + [Wake()] if lost else []
 
-    def _hold_as_read(self, job: Job, now: Instant) -> None:
+    def _hold_as_read(self, job: JobRecord, now: Instant) -> None:
         """Hold ``job`` as its row was just read, in place of any copy held until now."""
         known = self.scheduler.jobs.get(job.id)
         if known is not None:

@@ -11,7 +11,7 @@ from rota import protocol as p
 from rota.protocol import MAX_COUNT, Priority
 from rota.errors import Invalid
 from rota.ids import JOB_ID_PATTERN, MAX_JOB_ID, uuid7
-from rota.model import Job, shared_limits
+from rota.model import JobRecord, shared_limits
 from rota.specs import MAX_VISIBILITY, JobSpec, Name
 
 # The longest wait Rota schedules: a delay, a run_at, a time to live. Past it a request
@@ -44,14 +44,14 @@ class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     jobs: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1, max_length=10_000)]
 
 
-def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> Job:
+def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> JobRecord:
     run_at = _run_at(request, now)
     retry = spec.retry
     limits = shared_limits(request.max_attempts or retry.max_attempts,
                            request.max_fails or retry.max_fails, retry.backoff_base,
                            retry.backoff_max, retry.max_worker_deaths)
     start = run_at if run_at is not None else now
-    return Job(
+    return JobRecord(
         id=request.id or uuid7(), spec=spec.name, queue=request.queue or spec.queue,
         args=msgspec.Raw(msgspec.json.encode(request.args)),
         priority=spec.priority if request.priority is None else request.priority,
@@ -82,7 +82,7 @@ def _run_at(request: EnqueueRequest, now: float) -> float | None:
     return when if when > now else None  # a moment past, however long ago, means now
 
 
-def same_job(row: dict[str, Any], job: Job, args: dict[str, Any]) -> bool:
+def same_job(row: dict[str, Any], job: JobRecord, args: dict[str, Any]) -> bool:
     """An enqueue repeated with the same id must describe the same job."""
     return (row["spec"] == job.spec and row["queue"] == job.queue
             and row["priority"] == job.priority and msgspec.json.decode(row["args"]) == args)

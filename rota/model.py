@@ -126,7 +126,7 @@ def shared_limits(max_attempts: int, max_fails: int | None, backoff_base: float,
 
 
 @dataclass(slots=True)
-class Job:
+class JobRecord:
     """A live (not yet terminal) job as the server holds it in memory."""
 
     id: str
@@ -184,7 +184,7 @@ class Job:
 class Change:
     """A job's new state (already set on ``job``), with what to append or store."""
 
-    job: Job
+    job: JobRecord
     error: bytes | None = None
     result: bytes | None = None
     finished_at: float | None = None

@@ -4,8 +4,9 @@ Pure: the engine (and the shell, for what only it sees) records each fact here w
 wall time it was given; nothing reads a clock or does I/O. Recording is on the hot path
 (three records per job at ~15,000 jobs a second), so a record is a plain tuple appended
 to a bounded deque and a few integer increments: no JSON, no prometheus-client call. An
-event becomes JSON only when it is sent to a subscriber (``encode``), and the numbers
-become Prometheus metrics only at scrape time (rota/feeds.py).
+event becomes what it says (``event_data``) only when it is sent to a subscriber, and
+rota/feeds.py puts it on the wire as a server-sent event; the numbers become Prometheus
+metrics only at scrape time, there too.
 
 Three things are kept:
 
@@ -37,7 +38,7 @@ from typing import Any
 
 import msgspec
 
-from rota.model import Change, Job
+from rota.model import Change, JobRecord
 from rota.protocol import rfc3339
 
 KINDS = ("enqueue", "assign", "result", "retry", "discard", "cancel", "worker_connect",
@@ -47,7 +48,6 @@ ENQUEUED, COMPLETED, FAILED, RETRIED, DISCARDED, CANCELLED = range(6)
 MINUTES = 60  # the per-minute counts kept
 # Job states still to run: which queues a scrape or a page names first.
 UNFINISHED = ("available", "scheduled", "retryable", "active")
-ENCODED_KEPT = 4096  # events kept encoded for subscribers (about 1 MB at most)
 # The (queue, spec) of what is counted beyond ``max_series``: not a name a producer can
 # give (names are letters, digits and _.:-), so it never mixes with a real queue.
 OTHER = "(other)"
@@ -144,9 +144,9 @@ class Observer:
         # subscribers); None otherwise, so that recording costs one test.
         self.listener: Any = None
         self.latest = 0.0  # the latest wall time recorded: for callers that have none
-        # Events encoded for subscribers, by id: several subscribers at the same place
-        # (as they are in a burst) encode each event once. Bounded; emptied by the
-        # shell when the last subscriber goes.
+        # Events as subscribers receive them, by id, made and bounded by rota/feeds.py
+        # (``encoding``): several subscribers at the same place (as they are in a burst)
+        # encode each event once. Emptied by the shell when the last subscriber goes.
         self.encoded: dict[int, bytes] = {}
 
     # -- recording (the hot path) -----------------------------------------------------
@@ -195,7 +195,7 @@ class Observer:
         self.next_id += 1
         self._wake(wall)
 
-    def enqueued(self, jobs: Iterable[Job], wall: float) -> None:
+    def enqueued(self, jobs: Iterable[JobRecord], wall: float) -> None:
         """New jobs, taken in."""
         append = self.ring.append
         minute = int(wall // 60)
@@ -215,7 +215,7 @@ class Observer:
         self.next_id += n
         self._wake(wall)
 
-    def assigned(self, jobs: Iterable[Job], worker: str, wall: float) -> None:
+    def assigned(self, jobs: Iterable[JobRecord], worker: str, wall: float) -> None:
         """Jobs sent to ``worker``: each waited from its ``run_at`` (or its enqueue)."""
         append = self.ring.append
         bisect_left = bisect.bisect_left
@@ -315,15 +315,6 @@ class Observer:
         """The id of the oldest event still in the ring (``next_id`` if it is empty)."""
         return self.next_id - len(self.ring)
 
-    def encoding(self, event_id: int, event: Event) -> bytes:
-        """``encode(event_id, event)``, made once for every subscriber that reads it."""
-        data = self.encoded.get(event_id)
-        if data is None:
-            data = self.encoded[event_id] = encode(event_id, event)
-            if len(self.encoded) > ENCODED_KEPT:  # the first made is the first to go
-                del self.encoded[next(iter(self.encoded))]
-        return data
-
     def after(self, last_id: int, limit: int) -> tuple[int, list[tuple[int, Event]]]:
         """Events with ids above ``last_id``, oldest first, at most ``limit``; and the
         first id that was wanted but is no longer kept (0: none was missed)."""
@@ -415,12 +406,12 @@ class EventData(msgspec.Struct, omit_defaults=True):
 
 # The events of a batch share their time: its text is made once (rfc3339 is ~1 us).
 _at = functools.lru_cache(maxsize=256)(rfc3339)
-_json = msgspec.json.Encoder()
 
 
-def encode(event_id: int, event: Event) -> bytes:
-    """One event as a server-sent event: its id, kind and a JSON object. Only here,
-    for a subscriber that reads it, does an event cost its encoding."""
+def event_data(event: Event) -> EventData:
+    """What an event says to an operator: only what applies, an error record reduced to
+    its message, an alert's level apart. Made only for a subscriber that reads the event
+    (rota/feeds.py puts it on the wire)."""
     wall, kind, job, spec, checksum, queue, worker, attempt, state, duration, message = event
     level = None
     if message is not None:
@@ -431,17 +422,5 @@ def encode(event_id: int, event: Event) -> bytes:
                 message = None
         elif isinstance(message, tuple):  # an alert's (level, text)
             level, message = message
-    data = EventData(_at(wall), kind, job, spec, checksum, queue, worker, attempt, state,
+    return EventData(_at(wall), kind, job, spec, checksum, queue, worker, attempt, state,
                      None if duration is None else round(duration * 1000, 3), level, message)
-    return b"id: %d\nevent: %s\ndata: %s\n\n" % (event_id, kind.encode(), _json.encode(data))
-
-
-def gap(missed_from: int, missed_to: int, wall: float) -> bytes:
-    """What a subscriber that fell behind the ring gets before the events it can have."""
-    return frame(missed_to, "gap", {"at": rfc3339(wall), "kind": "gap",
-                                    "missed_from": missed_from, "missed_to": missed_to})
-
-
-def frame(event_id: int, kind: str, data: Mapping[str, Any]) -> bytes:
-    return b"id: %d\nevent: %s\ndata: %s\n\n" % (event_id, kind.encode(),
-                                                 msgspec.json.encode(data))

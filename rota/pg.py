@@ -4,7 +4,7 @@ The store's operations (rota/store.py, rota/store_writes.py, rota/rows.py, ...) 
 written once, in SQLite's SQL, against a sqlite3 connection. Here they run unchanged on PostgreSQL:
 
 - rota/pg_sql.py translates each statement for PostgreSQL, and makes the schema's DDL;
-- rota/pg_connection.py's ``Connection`` acts as sqlite3's does for what the store uses;
+- rota/pg_connection.py's ``TranslatingConnection`` acts as sqlite3's does for what the store uses;
 - ``Writer`` and ``Readers`` are rota/db_writer.py's and rota/db_readers.py's, on these
   connections: one writer thread, group commit, a savepoint per operation, and a reader
   pool;
@@ -31,7 +31,7 @@ from psycopg import sql as pgsql
 
 from rota import db, db_readers, db_writer, schema
 from rota.errors import StorageError
-from rota.pg_connection import Connection, connect, connect_params
+from rota.pg_connection import TranslatingConnection, connect, connect_params
 from rota.pg_sql import ddl
 
 log = logging.getLogger("rota.server")
@@ -106,7 +106,7 @@ def storage_error(exc: BaseException) -> StorageError | None:
     return error
 
 
-def used_bytes(conn: Connection) -> int:
+def used_bytes(conn: TranslatingConnection) -> int:
     """What the database takes on the server's disk (a --max-db-size quota is kept by
     refusing new jobs, as on SQLite; PostgreSQL has no hard limit of its own)."""
     return int(conn.execute("SELECT pg_database_size(current_database())").fetchone()[0])
@@ -121,7 +121,7 @@ class Writer(db_writer.Writer):
 
     bound: float | None = None
 
-    def _open(self) -> Connection:
+    def _open(self) -> TranslatingConnection:
         conn = connect(self._path, durability=self._durability, bound=self.bound)
         if self.max_bytes is not None:
             self.used_bytes = used_bytes(conn)
@@ -158,7 +158,7 @@ class Readers(db_readers.Readers):
     """rota/db_readers.py's reader pool on read-only PostgreSQL connections (``size`` of them:
     --db-pool)."""
 
-    def _open(self) -> Connection:
+    def _open(self) -> TranslatingConnection:
         return connect(self._path, readonly=True)
 
     def _usable(self, conn: Any) -> bool:

@@ -1,6 +1,6 @@
 """A PostgreSQL connection that acts as sqlite3's does, for what the store uses.
 
-``Connection``/``Cursor``/``Row`` act as sqlite3's do (``execute``, ``executemany``,
+``TranslatingConnection``/``Cursor``/``Row`` act as sqlite3's do (``execute``, ``executemany``,
 ``in_transaction``, rows read by index or name, ``cursor.row_factory = None`` for plain
 tuples), and run SQLite's SQL, each statement translated (rota/pg_sql.py).
 
@@ -108,7 +108,7 @@ class Cursor:
         return iter(self.fetchall())
 
 
-class Connection:
+class TranslatingConnection:
     """A psycopg connection that runs SQLite's SQL (``translate``), in autocommit mode
     as the store's sqlite3 connections are (``isolation_level=None``): transactions are
     the ``BEGIN`` and ``COMMIT`` the writer issues."""
@@ -176,7 +176,7 @@ class Connection:
     def close(self) -> None:
         self.raw.close()
 
-    def __enter__(self) -> Connection:
+    def __enter__(self) -> TranslatingConnection:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
@@ -213,7 +213,7 @@ def connect_params(url: str) -> dict[str, Any]:
 
 
 def connect(url: str, *, readonly: bool = False, durability: str = "full",
-            bound: float | None = None) -> Connection:
+            bound: float | None = None) -> TranslatingConnection:
     """``bound``: the most seconds this connection's transactions wait for a lock another
     holds (``lock_timeout``), and may sit idle inside a transaction before PostgreSQL
     ends the session (``idle_in_transaction_session_timeout``). Rota's writer never
@@ -239,5 +239,5 @@ def connect(url: str, *, readonly: bool = False, durability: str = "full",
     except BaseException:
         raw.close()
         raise
-    return Connection(raw, bounded=bound is not None)
+    return TranslatingConnection(raw, bounded=bound is not None)
 

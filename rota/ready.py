@@ -4,11 +4,11 @@ A server may hold a million waiting jobs, and placement reads only a job's queue
 priority and enqueue order. So a plain available job (no time to live, its row
 committed) is kept as one int, its *key*: ``(-priority << SEQ_BITS) + seq``, in a heap
 per (queue, spec), where ``seq`` is its row id. Ints order as (-priority, seq) tuples
-would, and a key costs ~40 bytes where a ``Job`` costs ~600. Everything else about the
+would, and a key costs ~40 bytes where a ``JobRecord`` costs ~600. Everything else about the
 job stays in its row: the store reads it when it reserves the job (a ``Claim``).
 
 Jobs that need more than a key while they wait (a time to live, a row not yet
-committed, a priority beyond the key's range) are kept whole: a ``Job`` in the
+committed, a priority beyond the key's range) are kept whole: a ``JobRecord`` in the
 scheduler's ``jobs`` and a ``(-priority, seq, id)`` entry in a second heap of the same
 bucket. Entries of either heap are dropped lazily, when they reach the top.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from rota.model import Job
+from rota.model import JobRecord
 
 SEQ_BITS = 48  # row ids stay far below 2**48; a key of priority |p| < 2**14 is a 2-digit int
 SEQ_MASK = (1 << SEQ_BITS) - 1
@@ -105,7 +105,7 @@ class Bucket:
 
 
 class Ready:
-    def __init__(self, jobs: dict[str, Job]) -> None:
+    def __init__(self, jobs: dict[str, JobRecord]) -> None:
         self.jobs = jobs  # the scheduler's whole jobs, to judge ``full`` entries by
         self.buckets: dict[str, dict[str, Bucket]] = {}  # queue -> spec -> bucket
         self.keys = 0  # compact jobs waiting, over every bucket
@@ -142,7 +142,7 @@ class Ready:
                 del self.buckets[queue]
         self._sweep_at = max(SWEEP_AT, 2 * self._made)
 
-    def push_job(self, job: Job) -> None:
+    def push_job(self, job: JobRecord) -> None:
         bucket = self.bucket(job.queue, job.spec)
         heapq.heappush(bucket.full, (-job.priority, job.seq, job.id))
         if len(bucket.full) >= bucket.compact_at:
@@ -182,8 +182,8 @@ class Ready:
             return min(best, full[0][:2]) if full else best
         return full[0][:2] if full else None
 
-    def pop(self, bucket: Bucket) -> Job | tuple[int, int]:
-        """Take the best job (``head`` said there is one): a whole Job, or (priority, seq)."""
+    def pop(self, bucket: Bucket) -> JobRecord | tuple[int, int]:
+        """Take the best job (``head`` said there is one): a whole JobRecord, or (priority, seq)."""
         full, keys = bucket.full, bucket.keys
         if keys and (not full or (keys[0] >> SEQ_BITS, keys[0] & SEQ_MASK) < full[0][:2]):
             bucket.count -= 1

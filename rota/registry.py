@@ -38,7 +38,9 @@ NAMED_REJECTIONS = 3  # rejected specs a registration line names; it counts the 
 
 
 @dataclass(slots=True)
-class Connection:
+class ConnectedWorker:
+    """A worker connected to this server: one /work socket and what it said about itself."""
+
     conn: int  # the shell's number for this socket
     worker: WorkerSlot
     registration: p.Registration
@@ -94,10 +96,10 @@ class LineBudget:
 
 class Registry:
     def __init__(self) -> None:
-        self.connections: dict[str, Connection] = {}
+        self.connections: dict[str, ConnectedWorker] = {}
         self._lines: dict[str | None, LineBudget] = {}  # by token id; None: no tokens
 
-    def log_registration(self, connection: Connection, verdict: p.SpecVerdict,
+    def log_registration(self, connection: ConnectedWorker, verdict: p.SpecVerdict,
                          now: float) -> None:
         """One line for a registration, with its rejected specs counted and the first few
         named; WARNING when any was rejected. Within the token's budget only (the rest
@@ -127,7 +129,7 @@ class Registry:
                 ",".join(reg.queues), reg.concurrency, reg.prefetch, len(verdict.accepted),
                 len(verdict.rejected), f" rejected={','.join(rejected)}" if rejected else "")
 
-    def get(self, worker_id: str, conn: int | None = None) -> Connection | None:
+    def get(self, worker_id: str, conn: int | None = None) -> ConnectedWorker | None:
         """The worker's connection (only if it is ``conn``, when that is given)."""
         found = self.connections.get(worker_id)
         if found is None or (conn is not None and found.conn != conn):
@@ -135,7 +137,7 @@ class Registry:
         return found
 
     def admit(self, worker_id: str, reg: p.Registration, principal: Principal,
-              kept: Iterable[str | None] = ()) -> Connection | None:
+              kept: Iterable[str | None] = ()) -> ConnectedWorker | None:
         """Check a registration. Raise FrameError if it is refused; return the connection
         it replaces (a half-open one of the same process), if any. ``kept``: the token
         ids of the workers that held the jobs kept for this worker id while it is away.
@@ -167,20 +169,20 @@ class Registry:
                              p.CLOSE_POLICY)
         return old
 
-    def add(self, connection: Connection) -> None:
+    def add(self, connection: ConnectedWorker) -> None:
         self.connections[connection.worker.id] = connection
 
-    def remove(self, worker_id: str, conn: int | None = None) -> Connection | None:
+    def remove(self, worker_id: str, conn: int | None = None) -> ConnectedWorker | None:
         found = self.get(worker_id, conn)
         if found is not None:
             del self.connections[worker_id]
         return found
 
-    def silent(self, now: float, timeout: float) -> list[Connection]:
+    def silent(self, now: float, timeout: float) -> list[ConnectedWorker]:
         """Connections the server has heard nothing from for longer than ``timeout``."""
         return [c for c in self.connections.values() if now - c.last_seen > timeout]
 
-    def backed_up(self, now: float, limit: float) -> list[Connection]:
+    def backed_up(self, now: float, limit: float) -> list[ConnectedWorker]:
         """Connections whose outbox has been over its limit for longer than ``limit``."""
         return [c for c in self.connections.values()
                 if c.over_since is not None and now - c.over_since > limit]
@@ -230,7 +232,7 @@ class Registry:
             return sorted(self.connections)
         return sorted(w for w, c in self.connections.items() if label in c.worker.labels)
 
-    def report(self, connection: Connection, status: p.Status) -> None:
+    def report(self, connection: ConnectedWorker, status: p.Status) -> None:
         """Take in what a status says of the worker itself."""
         if connection.directive == "running":  # a resume: done when it runs (or ends)
             if status.state != "quiet":

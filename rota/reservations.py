@@ -18,7 +18,7 @@ from rota import protocol as p
 from rota.effects import Arm, Effect, Reserve, Reserved, Send, Wake
 from rota.errors import failure_level
 from rota.logs import log_lines
-from rota.model import Instant, Job, JobState
+from rota.model import Instant, JobRecord, JobState
 from rota.observe import Observer
 from rota.ready import Claim
 from rota.registry import Registry, short
@@ -68,7 +68,7 @@ class Reservations:
         plan = self.scheduler.plan(now.mono)
         if not plan:
             return []
-        jobs = [job for batch in plan.values() for job in batch if isinstance(job, Job)]
+        jobs = [job for batch in plan.values() for job in batch if isinstance(job, JobRecord)]
         claims = [claim for batch in plan.values() for claim in batch
                   if isinstance(claim, Claim)]
         for job in jobs:
@@ -98,7 +98,7 @@ class Reservations:
         for job in jobs:
             if job.id in outcome.lost:
                 effects += self._lost_race(job)
-        got: dict[int, Job] = {}  # claim's seq -> the job its worker holds now
+        got: dict[int, JobRecord] = {}  # claim's seq -> the job its worker holds now
         for claim, job in zip(claims, read, strict=True):
             if job is not None:
                 job.clocks(at)  # its lease, from the lease_expires_at the store wrote
@@ -150,7 +150,7 @@ class Reservations:
         self._paused_until = 0.0
         return [Wake()]
 
-    def _lost_race(self, job: Job) -> list[Effect]:
+    def _lost_race(self, job: JobRecord) -> list[Effect]:
         """A whole job whose row had moved on when its reservation was written: another
         server reserved, cancelled or finished it first (each server holds the jobs that
         wait; the row decides). This copy is stale: forget it, and the worker has the
@@ -161,7 +161,7 @@ class Reservations:
         self.scheduler.let_go(job)
         return [Wake()]
 
-    def _lost_claim(self, job: Job, now: Instant) -> list[Effect]:
+    def _lost_claim(self, job: JobRecord, now: Instant) -> list[Effect]:
         """A claimed job reserved for a worker that left before the row was read: what
         its disconnect would have done with it (it was never sent, so it is no death)."""
         if self.stopping:

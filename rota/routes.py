@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from rota import api, feeds, operate
 from rota.api import PushRequest, RetireRequest, StateRequest, TokenRequest
+from rota.gate import OPEN_PATHS  # one list of what needs no token: the gate's
 from rota.jobs import BatchRequest, EnqueueRequest
 from rota.openapi import Op, document
 from rota.openapi_schemas import (BatchReply, BulkReply, Directed, Enqueued, ErrorBody, Health,
@@ -83,9 +84,6 @@ ROUTES: list[Op] = [
        {200: None}),
     Op("get", "/healthz", api.healthz, "Health (no token needed)", None, {200: Health}),
 ]
-# The paths whose answers need no token (the document says so; rota/gate.py lets them,
-# and /openapi.json, through).
-TOKENLESS_PATHS = {"/healthz"}
 STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry",
                 "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues",
                 "/tokens", "/tokens/{token}", "/specs/{name}/retire", "/stats", "/metrics",
@@ -94,7 +92,7 @@ STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry"
 
 @functools.cache
 def _encoded() -> bytes:
-    return msgspec.json.encode(document(ROUTES, stored=STORED_PATHS, tokenless=TOKENLESS_PATHS))
+    return msgspec.json.encode(document(ROUTES, stored=STORED_PATHS, tokenless=OPEN_PATHS))
 
 
 async def openapi_json(request: Request) -> Response:

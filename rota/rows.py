@@ -16,7 +16,8 @@ from typing import Any
 
 import msgspec
 
-from rota.model import Job, JobState, shared_limits
+from rota.model import JobRecord, JobState, shared_limits
+from rota.protocol import Registration
 from rota.ready import PRIORITY_LIMIT, SEQ_BITS
 from rota.specs import JobSpec, spec_from_builtins
 
@@ -25,7 +26,7 @@ from rota.specs import JobSpec, spec_from_builtins
 class Snapshot:
     status_quo: dict[str, JobSpec]
     checksums: dict[str, str]
-    jobs: list[Job]  # live jobs kept whole
+    jobs: list[JobRecord]  # live jobs kept whole
     waiting: dict[tuple[str, str], list[int]]  # (queue, spec) -> keys of plain available jobs
     last_seq: int  # the highest row id
     retired: dict[str, float]  # retired specs: when (wall)
@@ -188,7 +189,7 @@ def other_tokens(conn: sqlite3.Connection, worker_id: str, job_ids: list[str], t
     return found
 
 
-def live_job(r: tuple[Any, ...]) -> Job:
+def live_job(r: tuple[Any, ...]) -> JobRecord:
     """job_from_row for a restart: positional, and the names that repeat from row to row
     (spec, queue, state, worker, checksum, token) shared rather than held once per job."""
     (seq, job_id, spec, queue, args, priority, enqueued_at, max_attempts, max_fails,
@@ -198,29 +199,39 @@ def live_job(r: tuple[Any, ...]) -> Job:
     intern = sys.intern
     limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
                            backoff_max or 3600.0, max_deaths or 3)
-    return Job(id=job_id, spec=intern(spec), queue=intern(queue),
-               args=msgspec.Raw(args.encode()), priority=priority, enqueued_at=enqueued_at,
-               seq=seq, limits=limits, visibility_timeout=visibility_timeout,
-               state=JobState(state), attempt=attempt,
-               worker_id=None if worker_id is None else intern(worker_id),
-               checksum=None if checksum is None else intern(checksum), run_at=run_at,
-               expires_at=expires_at, lease_expires_at=lease_expires_at, fails=fails,
-               deaths=deaths, budget_start=budget_start,
-               cancel_requested=bool(cancel_requested), capture_logs=bool(capture_logs),
-               created_by=None if created_by is None else intern(created_by),
-               reserved_at=reserved_at,
-               worker_token=None if worker_token is None else intern(worker_token))
+    return JobRecord(id=job_id, spec=intern(spec), queue=intern(queue),
+                     args=msgspec.Raw(args.encode()), priority=priority, enqueued_at=enqueued_at,
+                     seq=seq, limits=limits, visibility_timeout=visibility_timeout,
+                     state=JobState(state), attempt=attempt,
+                     worker_id=None if worker_id is None else intern(worker_id),
+                     checksum=None if checksum is None else intern(checksum), run_at=run_at,
+                     expires_at=expires_at, lease_expires_at=lease_expires_at, fails=fails,
+                     deaths=deaths, budget_start=budget_start,
+                     cancel_requested=bool(cancel_requested), capture_logs=bool(capture_logs),
+                     created_by=None if created_by is None else intern(created_by),
+                     reserved_at=reserved_at,
+                     worker_token=None if worker_token is None else intern(worker_token))
 
 
-def job_from_row(r: sqlite3.Row | dict[str, Any]) -> Job:
+def worker_row(worker_id: str, reg: Registration, connected_at: float) -> dict[str, Any]:
+    """A registration as its ``workers`` row (what operators see of the workers that came)."""
+    return {"id": worker_id, "hostname": reg.hostname, "pid": reg.pid,
+            "queues": msgspec.json.encode(reg.queues).decode(),
+            "labels": msgspec.json.encode(reg.labels).decode(),
+            "concurrency": reg.concurrency, "specs": msgspec.json.encode(reg.specs).decode(),
+            "connected_at": connected_at, "disconnected_at": None}
+
+
+def job_from_row(r: sqlite3.Row | dict[str, Any]) -> JobRecord:
     limits = shared_limits(r["max_attempts"] or 25, r["max_fails"], r["backoff_base"] or 1.0,
                            r["backoff_max"] or 3600.0, r["max_worker_deaths"] or 3)
-    return Job(id=r["id"], spec=r["spec"], queue=r["queue"], args=msgspec.Raw(r["args"].encode()),
-               priority=r["priority"], enqueued_at=r["enqueued_at"], seq=r["rowid"],
-               limits=limits, visibility_timeout=r["visibility_timeout"], state=r["state"],
-               attempt=r["attempt"], worker_id=r["worker_id"], checksum=r["checksum"],
-               run_at=r["run_at"], expires_at=r["expires_at"],
-               lease_expires_at=r["lease_expires_at"], fails=r["fails"], deaths=r["deaths"],
-               budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
-               capture_logs=bool(r["capture_logs"]), created_by=r["created_by"],
-               reserved_at=r["reserved_at"])
+    return JobRecord(id=r["id"], spec=r["spec"], queue=r["queue"],
+                     args=msgspec.Raw(r["args"].encode()),
+                     priority=r["priority"], enqueued_at=r["enqueued_at"], seq=r["rowid"],
+                     limits=limits, visibility_timeout=r["visibility_timeout"], state=r["state"],
+                     attempt=r["attempt"], worker_id=r["worker_id"], checksum=r["checksum"],
+                     run_at=r["run_at"], expires_at=r["expires_at"],
+                     lease_expires_at=r["lease_expires_at"], fails=r["fails"], deaths=r["deaths"],
+                     budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
+                     capture_logs=bool(r["capture_logs"]), created_by=r["created_by"],
+                     reserved_at=r["reserved_at"])

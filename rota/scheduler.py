@@ -9,8 +9,8 @@ work spreads, and only for specs the worker declared with the status-quo checksu
 It marks the chosen jobs reserved in memory; the server commits that before it
 sends any ``assign`` frame.
 
-Every time here is a monotonic deadline (``Job.due``, ``Job.expiry``, ``Job.lease``):
-the caller says what time it is, on that clock.
+Every time here is a monotonic deadline (``JobRecord.due``, ``JobRecord.expiry``,
+``JobRecord.lease``): the caller says what time it is, on that clock.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import heapq
 import itertools
 from collections.abc import Iterable
 
-from rota.model import Job, JobState
+from rota.model import JobRecord, JobState
 from rota.ready import PRIORITY_LIMIT, Claim, Ready, WorkerSlot
 
 __all__ = ["Claim", "Scheduler", "WorkerSlot"]
@@ -41,7 +41,7 @@ class Scheduler:
         # answers claims: the engine's scheduler does; a bare one keeps every job whole.
         self.compact = compact
         self.status_quo: dict[str, str] = {}  # spec name -> checksum
-        self.jobs: dict[str, Job] = {}  # every live job kept whole, whatever its state
+        self.jobs: dict[str, JobRecord] = {}  # every live job kept whole, whatever its state
         self.workers: dict[str, WorkerSlot] = {}
         self.paused: set[str] = set()  # queues that keep their jobs and assign none
         self.ready = Ready(self.jobs)
@@ -62,7 +62,7 @@ class Scheduler:
         return self.orphans > 0
 
     # -- jobs --------------------------------------------------------------------------
-    def track(self, job: Job) -> None:
+    def track(self, job: JobRecord) -> None:
         """Take in a live job in whatever state it is (new, loaded, or changed)."""
         self.jobs[job.id] = job
         self.last_seq = max(self.last_seq, job.seq)
@@ -84,7 +84,7 @@ class Scheduler:
         """Live jobs, whole or compact (or being claimed)."""
         return len(self.jobs) + self.ready.keys + self.claims
 
-    def add(self, job: Job) -> None:
+    def add(self, job: JobRecord) -> None:
         """Make a job available to workers now: as a key only if it may be, else whole."""
         self._detach(job)
         job.move(JobState.AVAILABLE)
@@ -99,7 +99,7 @@ class Scheduler:
         self.jobs[job.id] = job
         self.ready.push_job(job)
 
-    def stored(self, job: Job, seq: int) -> None:
+    def stored(self, job: JobRecord, seq: int) -> None:
         """The row of a job taken in early committed as row ``seq``: from now on it may
         be kept as a key."""
         self.unstored.discard(job.id)
@@ -107,7 +107,7 @@ class Scheduler:
         if self.jobs.get(job.id) is job and job.state == "available":
             self.add(job)
 
-    def claimed(self, claim: Claim, job: Job | None) -> bool:
+    def claimed(self, claim: Claim, job: JobRecord | None) -> bool:
         """The store's answer to a claim: the reserved job as its row now reads (None: it
         was no longer available). True if the claiming worker is still here to run it."""
         worker = claim.worker
@@ -131,14 +131,14 @@ class Scheduler:
         self.claims -= 1
         self.ready.unclaim(claim.queue, claim.spec, claim.priority, claim.seq)
 
-    def defer(self, job: Job, due: float) -> None:
+    def defer(self, job: JobRecord, due: float) -> None:
         """Make a job wait until ``due`` (its state says scheduled or retryable)."""
         self._detach(job)
         job.worker_id = None
         job.due = due
         self._push(self._due, due, job.id)
 
-    def unreserve(self, job: Job) -> None:
+    def unreserve(self, job: JobRecord) -> None:
         """The reservation of a whole job failed: the job is available again, as it
         was, and its worker has the slot back, as for a claim."""
         worker = self.workers.get(job.worker_id or "")
@@ -147,7 +147,7 @@ class Scheduler:
         job.attempt -= 1
         self.release(job)
 
-    def let_go(self, job: Job) -> None:
+    def let_go(self, job: JobRecord) -> None:
         """Forget a job whose reservation lost to another server's: the worker it was
         meant for has the slot back."""
         worker = self.workers.get(job.worker_id or "")
@@ -159,23 +159,23 @@ class Scheduler:
         self.unstored.discard(job.id)
         job.worker_id = None  # so the round that reserved it sends no assign of it
 
-    def release(self, job: Job) -> None:
+    def release(self, job: JobRecord) -> None:
         """Take a job back from its worker and make it available again."""
         self.unorphan(job)
         self.add(job)
 
-    def hold(self, job: Job, until: float) -> None:
+    def hold(self, job: JobRecord, until: float) -> None:
         """Keep an active job reserved until ``until`` (its lease, started again)."""
         job.lease = until
         self._push(self._leases, until, job.id)
 
-    def finish(self, job: Job) -> None:
+    def finish(self, job: JobRecord) -> None:
         """The job reached a terminal state (committed): forget it."""
         self.unorphan(job)
         self._detach(job)
         self.jobs.pop(job.id, None)
 
-    def drop(self, job: Job) -> None:
+    def drop(self, job: JobRecord) -> None:
         """Forget a job that was taken in before its row was written, and whose write
         failed: it never existed. Marked so that a reservation of it, failing in the same
         transaction, does not put it back."""
@@ -188,7 +188,7 @@ class Scheduler:
                     worker.capacity += 1
         job.state = "discarded"  # not a move: the job was never stored
 
-    def _detach(self, job: Job) -> None:
+    def _detach(self, job: JobRecord) -> None:
         worker = self.workers.get(job.worker_id or "")
         if worker is not None:
             worker.active.discard(job.id)
@@ -213,7 +213,7 @@ class Scheduler:
         heapq.heapify(heap)
         self._compact_at[id(heap)] = 2 * len(heap) + COMPACT_SLACK
 
-    def _deadline(self, heap: list[TimerEntry], job: Job) -> float | None:
+    def _deadline(self, heap: list[TimerEntry], job: JobRecord) -> float | None:
         """The deadline this heap still has to watch for ``job``, or None."""
         if heap is self._leases:
             return (job.lease or 0.0) if job.state == "active" else None
@@ -228,7 +228,7 @@ class Scheduler:
         jobs, not by how many ever passed through."""
         return len(self._due) + len(self._leases) + len(self._ttls)
 
-    def due(self, now: float) -> list[Job]:
+    def due(self, now: float) -> list[JobRecord]:
         """Scheduled and retryable jobs whose time has come, made available."""
         ready = [job for job in _pop_until(self._due, now, self.jobs)
                  if job.state in ("scheduled", "retryable") and (job.due or 0.0) <= now]
@@ -236,9 +236,9 @@ class Scheduler:
             self.add(job)
         return ready
 
-    def expired_leases(self, now: float) -> list[Job]:
+    def expired_leases(self, now: float) -> list[JobRecord]:
         """Active jobs whose reservation lapsed (a renewed lease goes back on the heap)."""
-        expired: dict[str, Job] = {}  # a job may have several entries: judge it once
+        expired: dict[str, JobRecord] = {}  # a job may have several entries: judge it once
         for job in _pop_until(self._leases, now, self.jobs):
             if job.state != "active" or job.id in expired:
                 continue
@@ -248,7 +248,7 @@ class Scheduler:
                 expired[job.id] = job
         return list(expired.values())
 
-    def expired_ttls(self, now: float) -> list[Job]:
+    def expired_ttls(self, now: float) -> list[JobRecord]:
         """Waiting jobs whose time to live ran out (active ones are judged when they end)."""
         return [job for job in _pop_until(self._ttls, now, self.jobs)
                 if job.state in ("scheduled", "available", "retryable")
@@ -273,7 +273,7 @@ class Scheduler:
             if job.state == "active" and job.lease is not None:
                 job.lease += delta  # the heap is checked lazily: the entry is re-pushed
 
-    def orphan(self, job: Job, until: float) -> None:
+    def orphan(self, job: JobRecord, until: float) -> None:
         """Keep an active job reserved for its absent worker until ``until``: the worker may
         reconnect and reclaim it (``adopt``); otherwise its lease lapses then."""
         if not job.orphaned:
@@ -283,7 +283,7 @@ class Scheduler:
         job.lease = until
         self._push(self._leases, until, job.id)
 
-    def adopt(self, worker: WorkerSlot, job_ids: Iterable[str], now: float) -> list[Job]:
+    def adopt(self, worker: WorkerSlot, job_ids: Iterable[str], now: float) -> list[JobRecord]:
         """Give a reconnecting worker back the reservations it held before a restart or
         before its connection was lost."""
         adopted = []
@@ -297,7 +297,7 @@ class Scheduler:
             adopted.append(job)
         return adopted
 
-    def unorphan(self, job: Job) -> None:
+    def unorphan(self, job: JobRecord) -> None:
         """The job is no longer kept for its absent worker (reclaimed, or taken back)."""
         if not job.orphaned:
             return
@@ -309,7 +309,7 @@ class Scheduler:
             if not kept:
                 del self._kept[job.worker_id or ""]
 
-    def kept_for(self, worker_id: str) -> list[Job]:
+    def kept_for(self, worker_id: str) -> list[JobRecord]:
         """The jobs kept for an absent worker to reclaim. (An id whose job moved on by
         another way than ``unorphan``, e.g. finished by another server, is dropped here.)"""
         ids = self._kept.get(worker_id)
@@ -323,7 +323,7 @@ class Scheduler:
                 del self._kept[worker_id]
         return kept
 
-    def lease_for(self, job: Job) -> float:
+    def lease_for(self, job: JobRecord) -> float:
         # Never shorter than ``min_lease``: heartbeats renew leases, so one that ends
         # before the next beat lapses while its job runs well (a visibility_timeout of
         # 1e-9 had a job handed out 22 times to the worker that was running it).
@@ -333,7 +333,7 @@ class Scheduler:
     def add_worker(self, worker: WorkerSlot) -> None:
         self.workers[worker.id] = worker
 
-    def remove_worker(self, worker_id: str, reported: Iterable[str] = ()) -> list[Job]:
+    def remove_worker(self, worker_id: str, reported: Iterable[str] = ()) -> list[JobRecord]:
         """Forget a worker; return the jobs it held, for the caller to recover.
 
         Both the server's reservations and the worker's last reported ``active_job_ids``
@@ -352,7 +352,7 @@ class Scheduler:
         return expected is not None and worker.specs.get(spec) == expected
 
     # -- planning --------------------------------------------------------------------
-    def plan(self, now: float) -> dict[str, list[Job | Claim]]:
+    def plan(self, now: float) -> dict[str, list[JobRecord | Claim]]:
         """Reserve in memory as many ready jobs as running workers can take now."""
         start = next(self._rotation)
         # Filtered before anything else: an enqueue runs a round too, and a fleet of
@@ -362,7 +362,7 @@ class Scheduler:
             candidates.sort(key=lambda w: w.id)
             shift = start % len(candidates)
             candidates = candidates[shift:] + candidates[:shift]
-        plan: dict[str, list[Job | Claim]] = {}
+        plan: dict[str, list[JobRecord | Claim]] = {}
         while candidates:
             next_round = []
             for worker in candidates:
@@ -375,7 +375,7 @@ class Scheduler:
             candidates = next_round
         return plan
 
-    def _reserve(self, job: Job, worker: WorkerSlot, now: float) -> None:
+    def _reserve(self, job: JobRecord, worker: WorkerSlot, now: float) -> None:
         job.move(JobState.ACTIVE)
         job.worker_id = worker.id
         job.worker_token = worker.token
@@ -386,7 +386,7 @@ class Scheduler:
         worker.active.add(job.id)
         worker.capacity -= 1
 
-    def _pop_best(self, worker: WorkerSlot, now: float) -> Job | Claim | None:
+    def _pop_best(self, worker: WorkerSlot, now: float) -> JobRecord | Claim | None:
         """Reserve, in memory, the best job this worker may run (following its queues)."""
         for queue in worker.queues:
             by_spec = self.ready.buckets.get(queue)
@@ -402,7 +402,7 @@ class Scheduler:
             if best is None:
                 continue
             taken = self.ready.pop(best)
-            if isinstance(taken, Job):
+            if isinstance(taken, JobRecord):
                 self._reserve(taken, worker, now)
                 return taken
             worker.claims += 1
@@ -462,7 +462,7 @@ class Scheduler:
         return sorted(w.id for w in self.workers.values() if w.specs.get(spec) == checksum)
 
 
-def _pop_until(heap: list[TimerEntry], now: float, jobs: dict[str, Job]) -> list[Job]:
+def _pop_until(heap: list[TimerEntry], now: float, jobs: dict[str, JobRecord]) -> list[JobRecord]:
     """Pop every entry due by ``now``; the caller checks each job is still in that state."""
     popped = []
     while heap and heap[0][0] <= now:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from rota.errors import Conflict, NotFound
-from rota.registry import Connection
+from rota.registry import ConnectedWorker
 from rota.store import Store
 
 STATE_WORDS = {"terminate": "terminating"}  # a worker's state, said in a sentence
@@ -41,7 +41,7 @@ class ShellDirectives:
         store: Store
 
         @property
-        def connections(self) -> dict[str, Connection]: ...
+        def connections(self) -> dict[str, ConnectedWorker]: ...
 
         def direct(self, worker_ids: Iterable[str], state: str) -> list[str]: ...
 

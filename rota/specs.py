@@ -13,14 +13,19 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rota.errors import RotaError
 from rota.protocol import NAME_PATTERN as NAME_PATTERN  # one pattern for every name
 from rota.protocol import MAX_COUNT, Name, Priority
 MAX_VISIBILITY = 7 * 24 * 3600.0  # a week; longer leases should extend by heartbeat instead
 ArgType = Literal["string", "integer", "number", "boolean", "object", "array", "any"]
 
 
-class SpecError(ValueError):
-    """A spec file or a job's arguments do not fit what the spec says."""
+class SpecError(RotaError, ValueError):
+    """A spec file or a job's arguments do not fit what the spec says. (A ValueError too,
+    as it was before it joined the tree.)"""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("invalid_spec", message)
 
 
 Description = Annotated[str, msgspec.Meta(max_length=10_000)]

@@ -28,11 +28,12 @@ from rota import (db, db_health, db_readers, db_writer, fleet, lookup, pg, store
 from rota.errors import StorageError
 from rota.listing import JobFilter, decode_cursor
 from rota.effects import Reserved
-from rota.model import JOB_STATES, WAITING_STATES, Change, ClockReading, Job, StatusNote
+from rota.model import JOB_STATES, WAITING_STATES, Change, ClockReading, JobRecord, StatusNote
+from rota.protocol import Registration
 from rota.ready import Claim
 from rota.retention import Cutoff
 from rota.rows import (Snapshot, claim_rows, job_from_row, live_job, load, other_tokens,
-                       read_status_quo, take_over_rows, waiting_rows)
+                       read_status_quo, take_over_rows, waiting_rows, worker_row)
 from rota.specs import JobSpec
 from rota.store_tokens import (create_token, insert_token, live_tokens, open_database,
                                revoke_token, revoke_tokens)
@@ -40,7 +41,7 @@ from rota.store_writes import SpecChange
 from rota.views import job_view
 
 # Snapshot, job_from_row: rota/rows.py; SpecChange: rota/store_writes.py.
-__all__ = ["Store", "Snapshot", "SpecChange", "Change", "Job", "StatusNote", "job_from_row"]
+__all__ = ["Store", "Snapshot", "SpecChange", "Change", "JobRecord", "StatusNote", "job_from_row"]
 
 MIN_BOUND = 0.5  # seconds: the least lock and idle-in-transaction bound (rota/pg.py)
 
@@ -143,7 +144,7 @@ class Store:
             self.checkpointer.stop()
 
     # -- writes --------------------------------------------------------------------
-    def enqueue(self, jobs: list[Job], *, live: int = 0,
+    def enqueue(self, jobs: list[JobRecord], *, live: int = 0,
                 unscoped: Sequence[str | None] = ()
                 ) -> asyncio.Future[list[tuple[dict[str, Any], bool]]]:
         """Insert jobs in one transaction; an existing id gives the stored row and False.
@@ -177,7 +178,7 @@ class Store:
 
         return self.writer.submit(op)
 
-    def reserve(self, jobs: list[Job], now: float, claims: Sequence[Claim] = (),
+    def reserve(self, jobs: list[JobRecord], now: float, claims: Sequence[Claim] = (),
                 lease: float = 1800.0, min_lease: float = 0.0) -> asyncio.Future[Reserved]:
         """Reserve whole jobs as they are in memory, and claimed ones if their rows are
         still available, reading those back (in claim order; None: not available).
@@ -202,7 +203,7 @@ class Store:
             lost: frozenset[str] = frozenset()
             if rows and cursor.rowcount != len(rows):  # rare: find which rows moved on
                 lost = frozenset(sql.moved_on(conn, jobs))
-            read: dict[int, Job] = {}
+            read: dict[int, JobRecord] = {}
             for (worker_id, token, checksum), seqs in groups.items():
                 for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
                     for row in claim_rows(conn, worker_id, checksum, now, lease, min_lease,
@@ -217,7 +218,7 @@ class Store:
 
         return self.writer.submit(op)
 
-    async def _stored_already(self, jobs: list[Job], unscoped: Sequence[str | None],
+    async def _stored_already(self, jobs: list[JobRecord], unscoped: Sequence[str | None],
                               full: StorageError) -> list[tuple[dict[str, Any], bool]]:
         """The stored rows of these jobs if every one of them exists; else ``full``."""
         olds = list(unscoped) or [None] * len(jobs)
@@ -230,7 +231,7 @@ class Store:
         """Cancel row ``seq`` if it is still available; whether it was."""
         return self.writer.submit(lambda conn: sql.withdraw(conn, seq, now))
 
-    def save(self, changes: list[Change]) -> asyncio.Future[dict[str, Job | None]]:
+    def save(self, changes: list[Change]) -> asyncio.Future[dict[str, JobRecord | None]]:
         """Commit job transitions. Values are taken now: the job may change again before
         the writer runs, and FIFO order then keeps the later write last.
 
@@ -246,7 +247,7 @@ class Store:
         if self.shared:  # and only from the server whose worker holds the job, if any
             rows = [(*row, self.server_id, int(c.retry)) for row, c in zip(rows, changes)]
 
-        def op(conn: sqlite3.Connection) -> dict[str, Job | None]:
+        def op(conn: sqlite3.Connection) -> dict[str, JobRecord | None]:
             counts = db.rowcounts(conn, sql.SAVE_SHARED if self.shared else sql.SAVE, rows)
             refused = [(job_id, seq) for (job_id, seq, _), n in zip(keys, counts) if n == 0]
             waiting = [str(seq) for (_, seq, waits), n in zip(keys, counts) if waits and n]
@@ -294,7 +295,9 @@ class Store:
         except sql.DryRun as dry:  # the savepoint rolled everything back
             return dry.changes
 
-    def worker_connected(self, row: dict[str, Any]) -> asyncio.Future[None]:
+    def worker_connected(self, worker_id: str, registration: Registration,
+                         connected_at: float) -> asyncio.Future[None]:
+        row = worker_row(worker_id, registration, connected_at)
         return self.writer.submit(lambda conn: sql.worker_connected(conn, row))
 
     def worker_disconnected(self, worker_id: str, connected_at: float, now: float
@@ -310,7 +313,7 @@ class Store:
         return self.writer.submit(lambda conn: fleet.renew(
             conn, server, host=host, pid=pid, url=url, now=now, lease=lease, starting=starting))
 
-    def take_back(self, jobs: list[Job]) -> asyncio.Future[list[str]]:
+    def take_back(self, jobs: list[JobRecord]) -> asyncio.Future[list[str]]:
         """fleet.take_back, for jobs this server's workers run (``Engine.running_here``)."""
         server = self.server_id or ""
         rows = [(j.id, j.attempt, j.worker_id or "", j.worker_token, j.reserved_at,
@@ -331,7 +334,7 @@ class Store:
         server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.recover(conn, dead, server, now, grace))
 
-    async def waiting_jobs(self, seqs: list[int]) -> list[Job]:
+    async def waiting_jobs(self, seqs: list[int]) -> list[JobRecord]:
         """The jobs of these row ids that wait, as their rows say now."""
         rows = await self.readers.run(lambda conn: waiting_rows(conn, seqs))
         return [live_job(row) for row in rows]
@@ -355,7 +358,7 @@ class Store:
 
     def take_over(self, worker_id: str, job_ids: list[str], token: str | None = None,
                   queues: Collection[str] | None = None
-                  ) -> asyncio.Future[tuple[list[Job], set[str]]]:
+                  ) -> asyncio.Future[tuple[list[JobRecord], set[str]]]:
         """The jobs this worker holds through other servers, made this server's (only
         those its token's workers hold, of the queues it may serve: ``token``, its id,
         None: no token, any; ``queues``, None: any); or, if other tokens' workers hold
@@ -363,7 +366,7 @@ class Store:
         then refused, and the jobs stay where their worker runs them)."""
         server = self.server_id or ""
 
-        def op(conn: sqlite3.Connection) -> tuple[list[Job], set[str]]:
+        def op(conn: sqlite3.Connection) -> tuple[list[JobRecord], set[str]]:
             others = set() if token is None else other_tokens(conn, worker_id, job_ids, token)
             if others:
                 return [], others

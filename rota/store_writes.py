@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from rota.model import WAITING_STATES, Change, ClockReading, Job, StatusNote, wall_step
+from rota.model import WAITING_STATES, Change, ClockReading, JobRecord, StatusNote, wall_step
 from rota.retention import Cutoff
 from rota.specs import JobSpec
 
@@ -44,7 +44,7 @@ _INSERT = (
 _RETURNING_ROW = " RETURNING rowid, *"
 
 
-def insert_jobs(conn: sqlite3.Connection, jobs: list[Job], rows: list[tuple[Any, ...]],
+def insert_jobs(conn: sqlite3.Connection, jobs: list[JobRecord], rows: list[tuple[Any, ...]],
                 olds: Sequence[str | None]) -> list[tuple[dict[str, Any], bool]]:
     """Insert jobs (``Store.enqueue``; ``rows``: their ``insert_row``s, taken when the
     write was queued): each one's row, and whether it is new (False: the id existed
@@ -78,7 +78,7 @@ def insert_jobs(conn: sqlite3.Connection, jobs: list[Job], rows: list[tuple[Any,
     return outcomes
 
 
-def stored_rows(conn: sqlite3.Connection, jobs: list[Job], olds: Sequence[str | None]
+def stored_rows(conn: sqlite3.Connection, jobs: list[JobRecord], olds: Sequence[str | None]
                 ) -> list[dict[str, Any] | None]:
     """The rows these jobs are stored as already (None: one that is not)."""
     rows = []
@@ -88,7 +88,7 @@ def stored_rows(conn: sqlite3.Connection, jobs: list[Job], olds: Sequence[str | 
     return rows
 
 
-def _made_before(conn: sqlite3.Connection, job: Job, unscoped: str) -> dict[str, Any] | None:
+def _made_before(conn: sqlite3.Connection, job: JobRecord, unscoped: str) -> dict[str, Any] | None:
     """The row kept under ``unscoped`` if ``job``'s own id is new and that row was
     created by the same token (a producer's job from before its ids were kept scoped)."""
     found = {row["id"]: dict(row) for row in conn.execute(
@@ -104,7 +104,7 @@ def fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:
     return dict(row) if row else None
 
 
-def insert_row(job: Job) -> tuple[Any, ...]:
+def insert_row(job: JobRecord) -> tuple[Any, ...]:
     lim = job.limits
     return (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority, str(job.state),
             job.visibility_timeout, job.enqueued_at, job.run_at, job.expires_at,
@@ -135,7 +135,7 @@ SAVE = (
 SAVE_SHARED = SAVE + " AND (server_id IS NULL OR server_id = ? OR ? = 1)"
 
 
-def moved_on(conn: sqlite3.Connection, jobs: list[Job]) -> list[str]:
+def moved_on(conn: sqlite3.Connection, jobs: list[JobRecord]) -> list[str]:
     """Of jobs just reserved, those whose rows another reservation did not come from
     here (the row's attempt, worker or state differs from what was written)."""
     lost = []

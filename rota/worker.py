@@ -44,7 +44,7 @@ import websockets
 
 from rota import protocol as p
 from rota.client import ws_url
-from rota.connection import Connection
+from rota.connection import ConnectionThread
 from rota.context import JobContext, StatusBuffer, check_level
 from rota.execution import Handler, ResultTooLarge, Runner
 from rota.ids import uuid7
@@ -136,7 +136,7 @@ class Worker:
                              max_abandoned=self.max_abandoned_threads, on_wedged=self._wedged,
                              prefetch=default_prefetch(concurrency) if prefetch is None
                              else prefetch)
-        self._connection: Connection | None = None
+        self._connection: ConnectionThread | None = None
         self._outgoing: list[p.Result | None] = []  # run ends not yet handed over
         self._flush_due = False
         self._task: asyncio.Task[Any] | None = None
@@ -390,7 +390,7 @@ class Worker:
         self._load_specs()
         self._task = asyncio.current_task()
         signals = _Signals.join(self)
-        self._connection = Connection(self, self.link)
+        self._connection = ConnectionThread(self, self.link)
         try:
             await self._connection.start()
         except asyncio.CancelledError:

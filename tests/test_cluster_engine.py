@@ -13,14 +13,14 @@ from rota.effects import Reserve, Reserved, Wake
 from rota.engine import Engine
 from rota.jobs import EnqueueRequest
 from rota.auth import OPEN
-from rota.model import Job, JobState
+from rota.model import JobRecord, JobState
 from rota.specs import JobSpec, checksum
 
 
-def row_of(engine: Engine, clock: FakeClock, job_id: str, seq: int, **options: object) -> Job:
+def row_of(engine: Engine, clock: FakeClock, job_id: str, seq: int, **options: object) -> JobRecord:
     """A job as another server's enqueue stored it: its row, read back here."""
     built = engine.build(EnqueueRequest(spec="echo", id=job_id, **options), OPEN, clock())
-    assert isinstance(built, Job)
+    assert isinstance(built, JobRecord)
     built.seq = seq
     return built
 
@@ -88,7 +88,7 @@ def test_a_status_quo_pushed_through_another_server_gates_this_servers_workers(e
 def test_a_retirement_through_another_server_refuses_new_jobs_here(engine, clock):
     engine.status_quo_read({"echo": SPEC}, {"echo": checksum(SPEC)}, {"echo": 1.0}, clock())
     refused = engine.build(EnqueueRequest(spec="echo"), OPEN, clock())
-    assert not isinstance(refused, Job) and refused.code == "spec_retired"
+    assert not isinstance(refused, JobRecord) and refused.code == "spec_retired"
 
 
 def test_a_job_whose_key_is_known_twice_is_assigned_once(engine, clock):

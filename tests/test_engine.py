@@ -18,7 +18,8 @@ from rota.effects import Abort, Arm, Effect, Finished, Reserve, Save, Send, Wake
 from rota.engine import ROW_REFUSED, Engine
 from rota.jobs import EnqueueRequest
 from rota.observe import COMPLETED
-from rota.model import ClockReading, Instant, InvalidTransition, Job, JobState, Limits, wall_step
+from rota.model import ClockReading, Instant, InvalidTransition, JobRecord, JobState, Limits, \
+    wall_step
 from rota.reservations import PAUSE_AFTER_FAILED_ROUND
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, RetryPolicy, checksum
@@ -95,28 +96,28 @@ def connect(engine: Engine, clock: FakeClock, worker: str = "w1", conn: int = 1,
 
 # The rows a test's jobs would have, by row id: the engine keeps a plain waiting job as a
 # key only, and a reservation's outcome carries the rows its claims read (see ``read``).
-ROWS: weakref.WeakKeyDictionary[Engine, dict[int, Job]] = weakref.WeakKeyDictionary()
+ROWS: weakref.WeakKeyDictionary[Engine, dict[int, JobRecord]] = weakref.WeakKeyDictionary()
 
 
 def enqueue(engine: Engine, clock: FakeClock, n: int = 1, spec: str = "echo",
-            **options: Any) -> list[Job]:
+            **options: Any) -> list[JobRecord]:
     jobs = []
     rows = ROWS.setdefault(engine, {})
     for i in range(n):
         built = engine.build(EnqueueRequest(spec=spec, id=f"{spec}-{i}", **options), OPEN,
                              clock())
-        assert isinstance(built, Job)
+        assert isinstance(built, JobRecord)
         rows[len(rows) + 1] = built
         engine.enqueued(built, len(rows), clock())
         jobs.append(built)
     return jobs
 
 
-def read(engine: Engine, reserve: Reserve) -> list[Job | None]:
+def read(engine: Engine, reserve: Reserve) -> list[JobRecord | None]:
     """What the store reads back for the reservation's claims, as its UPDATE leaves them:
     None where the row is no longer available."""
     rows = ROWS.get(engine, {})
-    out: list[Job | None] = []
+    out: list[JobRecord | None] = []
     for claim in reserve.claims:
         job = rows.get(claim.seq)
         if job is None or job.state != JobState.AVAILABLE:
@@ -131,7 +132,7 @@ def read(engine: Engine, reserve: Reserve) -> list[Job | None]:
     return out
 
 
-def job_of(engine: Engine, job_id: str) -> Job:
+def job_of(engine: Engine, job_id: str) -> JobRecord:
     """The job, held whole by the engine or, if it waits as a key only, as its row."""
     held = engine.scheduler.jobs.get(job_id)
     return held or next(j for j in ROWS[engine].values() if j.id == job_id)
@@ -264,7 +265,7 @@ def test_a_refused_result_whose_row_waits_again_is_held_as_the_row_reads(engine,
     [copy] = assign(engine, clock)
     [save] = of(Save, engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock()))
     stale = engine.scheduler.jobs[copy["id"]]
-    row = Job(id=copy["id"], spec="echo", queue="default", args=msgspec.Raw(b"{}"),
+    row = JobRecord(id=copy["id"], spec="echo", queue="default", args=msgspec.Raw(b"{}"),
               priority=0, enqueued_at=clock.wall, seq=stale.seq, limits=stale.limits,
               state=JobState.AVAILABLE, attempt=2, expires_at=clock.wall + 3600)
     engine.committed(save.ticket, None, clock(), {copy["id"]: row})
@@ -294,7 +295,7 @@ def test_a_cancel_its_row_refused_leaves_memory_as_the_row_says(engine, clock):
     outcome, effects = engine.cancel(job.id, clock())
     [save] = of(Save, effects)
     assert outcome == "cancelled" and save.ticket is None and job.id not in engine.scheduler.jobs
-    row = Job(id=job.id, spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
+    row = JobRecord(id=job.id, spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
               enqueued_at=clock.wall, seq=job.seq, limits=job.limits,
               state=JobState.AVAILABLE, attempt=2, expires_at=clock.wall + 3600)
     assert of(Wake, engine.refused(save.changes, {job.id: row}, clock()))
@@ -457,7 +458,7 @@ def test_a_lost_connection_keeps_jobs_for_the_grace_and_the_worker_reclaims_them
 
 def test_after_a_restart_a_job_not_reclaimed_in_time_ends_as_worker_death(clock):
     engine = Engine(ServerSettings(heartbeat_timeout=5.0), rand=lambda: 0.0)
-    job = Job(id="j1", spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
+    job = JobRecord(id="j1", spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
               enqueued_at=clock.wall - 60, seq=1, state="active", attempt=1, worker_id="w1",
               checksum=checksum(SPEC), lease_expires_at=clock.wall + 1000,
               limits=Limits(max_attempts=5, max_fails=None, backoff_base=1, backoff_max=1))
@@ -534,9 +535,9 @@ def test_a_live_worker_is_superseded_only_by_its_own_token(engine, clock):
     assert [(a.conn, a.code) for a in of(Abort, effects)] == [(1, "superseded")]
 
 
-def kept_job(clock: FakeClock, job_id: str, queue: str, token: str | None) -> Job:
+def kept_job(clock: FakeClock, job_id: str, queue: str, token: str | None) -> JobRecord:
     """An active job of w1's as a restart loads it from its row."""
-    return Job(id=job_id, spec="echo", queue=queue, args=msgspec.Raw(b"{}"), priority=0,
+    return JobRecord(id=job_id, spec="echo", queue=queue, args=msgspec.Raw(b"{}"), priority=0,
                enqueued_at=clock.wall - 60, seq=1, state="active", attempt=1, worker_id="w1",
                worker_token=token, checksum=checksum(SPEC), lease_expires_at=clock.wall + 1000,
                limits=Limits(max_attempts=5, max_fails=None, backoff_base=1, backoff_max=1))
@@ -666,7 +667,7 @@ def test_deaths_count_only_in_a_row(engine, clock):
 
 # -- the model ---------------------------------------------------------------------------
 def test_job_transitions_are_guarded():
-    job = Job(id="j", spec="s", queue="q", args=msgspec.Raw(b"{}"), priority=0, enqueued_at=0,
+    job = JobRecord(id="j", spec="s", queue="q", args=msgspec.Raw(b"{}"), priority=0, enqueued_at=0,
               seq=1, limits=Limits(max_attempts=1, max_fails=None, backoff_base=1, backoff_max=1))
     job.move(JobState.ACTIVE)
     job.move(JobState.COMPLETED)
@@ -779,9 +780,9 @@ def test_a_failed_reservation_gives_the_worker_its_slots_back_after_a_pause(
 
 
 # -- early admission: a job with a server-made id is placed before its row commits ----
-def early(engine: Engine, clock: FakeClock) -> tuple[Job, list[Effect]]:
+def early(engine: Engine, clock: FakeClock) -> tuple[JobRecord, list[Effect]]:
     built = engine.build(EnqueueRequest(spec="echo"), OPEN, clock())
-    assert isinstance(built, Job)
+    assert isinstance(built, JobRecord)
     return built, engine.enqueued(built, None, clock()) + engine.dispatch(clock())
 
 

@@ -17,9 +17,51 @@ from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, wait_until
 from test_cli import rota
 from test_security import bearer, make_token
+from test_observe import T0, ended, error_record, job
 from test_storage import QUOTA, batch
 
 from rota import JobContext, Worker
+from rota.feeds import ENCODED_KEPT, encode, encoding, gap
+from rota.observe import Observer
+
+
+# -- the wire format, without a server ------------------------------------------------
+def parse(frame: bytes) -> tuple[int, str, dict[str, Any]]:
+    lines = frame.decode().split("\n")
+    assert frame.endswith(b"\n\n")
+    fields = dict(line.split(": ", 1) for line in lines if line)
+    return int(fields["id"]), fields["event"], json.loads(fields["data"])
+
+
+def test_an_event_goes_out_as_a_server_sent_event_with_its_id_and_kind():
+    obs = Observer(first_id=7)
+    obs.ended([ended("retryable", "failed", job_id="f", attempt=2, reserved_at=T0 + 1,
+                     error=error_record("it broke"))], T0 + 1.5, worker="w", reported=True)
+    obs.event(T0, "alert", job=None, worker="w", message=("warning", "disk low"))
+    (i1, result), _, (i3, alert) = obs.after(6, 10)[1]
+    event_id, kind, data = parse(encode(i1, result))
+    assert (event_id, kind, data["kind"], data["message"]) == (7, "result", "result", "it broke")
+    assert parse(encode(i3, alert)) == (9, "alert", {
+        "at": "2027-01-15T08:00:00.000Z", "kind": "alert", "worker": "w",
+        "level": "warning", "message": "disk low"})
+
+
+def test_a_gap_names_the_ids_missed_and_has_the_last_one_s_id():
+    assert parse(gap(3, 7, T0)) == (7, "gap", {"at": "2027-01-15T08:00:00.000Z",
+                                               "kind": "gap", "missed_from": 3,
+                                               "missed_to": 7})
+
+
+def test_events_are_encoded_once_for_every_subscriber_and_the_cache_is_bounded():
+    obs = Observer(buffer=ENCODED_KEPT * 2, first_id=1)
+    obs.enqueued([job(f"j{i}") for i in range(ENCODED_KEPT + 10)], T0)
+    _, events = obs.after(0, ENCODED_KEPT + 10)
+    first = [encoding(obs, i, e) for i, e in events[:3]]
+    assert first == [encode(i, e) for i, e in events[:3]]
+    assert all(encoding(obs, i, e) is made for (i, e), made in zip(events, first))
+    for i, e in events:
+        encoding(obs, i, e)
+    assert len(obs.encoded) == ENCODED_KEPT and 1 not in obs.encoded
 
 
 @pytest.fixture

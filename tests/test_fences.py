@@ -14,7 +14,7 @@ import pytest
 from conftest import Live, open_store, store_url, write_spec
 
 from rota.engine import ROW_REFUSED
-from rota.model import Change, Job, JobState, shared_limits
+from rota.model import Change, JobRecord, JobState, shared_limits
 from rota.ready import Claim
 from rota.ready import WorkerSlot
 from rota.store import Store
@@ -31,12 +31,12 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
     await asyncio.to_thread(store.close)
 
 
-def new_job(job_id: str) -> Job:
-    return Job(id=job_id, spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
+def new_job(job_id: str) -> JobRecord:
+    return JobRecord(id=job_id, spec="echo", queue="default", args=msgspec.Raw(b"{}"), priority=0,
                enqueued_at=1.0, seq=0, limits=shared_limits(25, None, 1.0, 3600.0, 3))
 
 
-def reserved_copy(job: Job, seq: int, worker: str, attempt: int) -> Job:
+def reserved_copy(job: JobRecord, seq: int, worker: str, attempt: int) -> JobRecord:
     copy = new_job(job.id)
     copy.seq, copy.state, copy.worker_id, copy.attempt = seq, JobState.ACTIVE, worker, attempt
     copy.checksum, copy.lease_expires_at = "c", 100.0
@@ -171,7 +171,7 @@ async def test_a_producers_new_kept_id_answers_with_its_job_from_before_the_upgr
     """A job a token enqueued before producers' ids were kept as ``<token id>:<id>`` is
     the one a repeat of its id under the kept form names (issue 20, item 4): no second
     row. Another token's row under that id is not, and the kept id's own row comes first."""
-    def made(job_id: str, token: str) -> Job:
+    def made(job_id: str, token: str) -> JobRecord:
         job = new_job(job_id)
         job.created_by = token
         return job

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rota"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
@@ -131,3 +135,76 @@ def test_docs_architecture_shows_these_layers():
         if str(rank) in documented:
             assert documented[str(rank)] == layer, f"layer {rank} in docs/architecture.md"
     assert set().union(*documented.values()) == set(RANK)
+
+
+# What importing the pure core, or `import rota` alone, must not load: I/O libraries, event
+# loops, the worker's and the server's packages.
+IO_LIBRARIES = {"websockets", "psutil", "asyncio", "ssl", "socket", "selectors", "subprocess",
+                "concurrent", "httpx", "http", "starlette", "uvicorn", "sqlite3", "sqlite_utils",
+                "psycopg", "jinja2", "prometheus_client", "threading"}
+
+
+def test_importing_the_core_loads_no_io_library():
+    # One interpreter per module, started together: each must load only what it needs.
+    runs = {module: subprocess.Popen(
+        [sys.executable, "-c", f"import sys, rota.{module}\n"
+         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"],
+        stdout=subprocess.PIPE, text=True) for module in sorted(PURE)}
+    for module, run in runs.items():
+        out, _ = run.communicate(timeout=60)
+        assert run.returncode == 0, module
+        loaded = set(out.split())
+        # The core logs through the standard `logging`, which itself imports threading
+        # (for its locks); no core module imports threading itself (the AST test above).
+        excused = {"threading"} if "logging" in loaded else set()
+        assert not (loaded & IO_LIBRARIES) - excused, \
+            f"import rota.{module} loads {sorted((loaded & IO_LIBRARIES) - excused)}"
+
+
+def test_import_rota_alone_loads_nothing_of_rota_yet():
+    # `rota` exports lazily (PEP 562): `import rota` runs only rota/__init__.py.
+    code = ("import sys, rota\n"
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('rota.'))))")
+    packages, submodules = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                          text=True, check=True).stdout.split("\n")[:2]
+    assert not set(packages.split()) & (IO_LIBRARIES | {"msgspec", "logging"})
+    assert submodules == "", f"import rota loads {submodules}"
+
+
+def test_every_public_name_is_exported_and_found_on_first_use():
+    import rota
+
+    for name in rota.__all__:
+        assert getattr(rota, name) is not None, name
+    assert set(rota.__all__) <= set(dir(rota))
+    with pytest.raises(AttributeError):
+        rota.Nothing  # noqa: B018
+
+
+# Exceptions outside the RotaError tree, and why: a leaf's, turned into a refusal at each
+# door (rota/errors.py says so); the demo's handlers' own failure, an example.
+# Exceptions no user sees: BadJson is turned into each door's own refusal; the demo's is
+# its example of a failing handler; DryRun unwinds a spec push's savepoint in the store.
+OUTSIDE_THE_TREE = {"inputs.BadJson", "demo.TemporaryFailure", "store_writes.DryRun"}
+
+
+def test_every_exception_a_user_can_catch_is_a_rota_error_mapped_in_errors_py():
+    import importlib
+
+    from rota import errors
+
+    found = set()
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.stem == "__main__":  # (it runs the command line)
+            continue
+        module = importlib.import_module(f"rota.{path.stem}")
+        for name, value in vars(module).items():
+            if (isinstance(value, type) and issubclass(value, BaseException)
+                    and value.__module__ == module.__name__ and not name.startswith("_")):
+                found.add(f"{path.stem}.{name}")
+                if f"{path.stem}.{name}" not in OUTSIDE_THE_TREE:
+                    assert issubclass(value, errors.RotaError), f"{path.stem}.{name}"
+                    assert re.search(rf"\b{name}\b", errors.__doc__ or ""), \
+                        f"{name} is not in rota/errors.py's map"
+    assert OUTSIDE_THE_TREE <= found  # (an exception that left needs no excuse)

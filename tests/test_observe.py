@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
 
-from rota.model import Change, Job, shared_limits
-from rota.observe import (COUNTS, DURATION_BOUNDS, MINUTES, OTHER, WAIT_BOUNDS, Filter,
-                          Observer, busiest, encode, fold_queues, gap)
+from rota.model import Change, JobRecord, shared_limits
+from rota.observe import (COUNTS, DURATION_BOUNDS, MINUTES, OTHER, WAIT_BOUNDS, Event, Filter,
+                          Observer, busiest, event_data, fold_queues)
 
 T0 = 1_800_000_000.0  # a minute boundary (divisible by 60)
 
 
-def parse(frame: bytes) -> tuple[int, str, dict]:
-    lines = frame.decode().split("\n")
-    assert frame.endswith(b"\n\n")
-    fields = dict(line.split(": ", 1) for line in lines if line)
-    return int(fields["id"]), fields["event"], json.loads(fields["data"])
+def said(event: Event) -> dict[str, Any]:
+    """What an event says, as its subscriber decodes it (rota/feeds.py puts it on the wire)."""
+    return json.loads(msgspec.json.encode(event_data(event)))
 
 
 def error_record(message: str) -> bytes:
@@ -26,8 +25,8 @@ def error_record(message: str) -> bytes:
 
 def job(job_id: str, spec: str = "s", queue: str = "q", *, state: str = "available",
         attempt: int = 0, reserved_at: float | None = None, enqueued_at: float = T0,
-        run_at: float | None = None, worker: str | None = None) -> Job:
-    return Job(id=job_id, spec=spec, queue=queue, args=msgspec.Raw(b"{}"), priority=0,
+        run_at: float | None = None, worker: str | None = None) -> JobRecord:
+    return JobRecord(id=job_id, spec=spec, queue=queue, args=msgspec.Raw(b"{}"), priority=0,
                enqueued_at=enqueued_at, seq=1, limits=shared_limits(3, None, 1.0, 60.0, 3),
                state=state, attempt=attempt, reserved_at=reserved_at, run_at=run_at,
                checksum="c1", worker_id=worker)
@@ -58,10 +57,6 @@ def test_a_reader_behind_the_ring_hears_what_it_missed():
     missed, events = obs.after(2, 100)
     assert missed == 3  # ids 3..7 are gone
     assert [i for i, _ in events] == [8, 9, 10]
-    event_id, kind, data = parse(gap(missed, events[0][0] - 1, T0))
-    assert (event_id, kind) == (7, "gap")
-    assert data == {"at": "2027-01-15T08:00:00.000Z", "kind": "gap", "missed_from": 3,
-                    "missed_to": 7}
 
 
 def test_counts_per_minute_keep_the_last_hour_only():
@@ -113,24 +108,23 @@ def test_how_attempts_end_count_and_show():
     assert abs(series.wait.sum - 0.003) < 1e-6
 
 
-def test_events_encode_only_what_applies():
+def test_an_event_says_only_what_applies():
     obs = Observer(first_id=7)
     obs.ended([ended("retryable", "failed", job_id="f", attempt=2, reserved_at=T0 + 1,
                      error=error_record("it broke"))], T0 + 1.5, worker="w", reported=True)
     obs.event(T0, "alert", job=None, worker="w", message=("warning", "disk low"))
     obs.event(T0, "worker_disconnect", worker="w", message="closed")
-    (i1, result), (i2, retry), (i3, alert), (i4, bye) = obs.after(6, 10)[1]
-    assert parse(encode(i1, result)) == (7, "result", {
+    (i1, result), (_, retry), (i3, alert), (_, bye) = obs.after(6, 10)[1]
+    assert (i1, i3) == (7, 9)
+    assert said(result) == {
         "at": "2027-01-15T08:00:01.500Z", "kind": "result", "job": "f", "spec": "s",
         "queue": "q", "worker": "w", "attempt": 2, "state": "retryable",
-        "duration_ms": 500.0, "message": "it broke"})
-    assert parse(encode(i2, retry))[2]["message"] == "it broke"
-    assert parse(encode(i3, alert)) == (9, "alert", {
-        "at": "2027-01-15T08:00:00.000Z", "kind": "alert", "worker": "w",
-        "level": "warning", "message": "disk low"})
-    assert parse(encode(i4, bye))[2] == {"at": "2027-01-15T08:00:00.000Z",
-                                         "kind": "worker_disconnect", "worker": "w",
-                                         "message": "closed"}
+        "duration_ms": 500.0, "message": "it broke"}
+    assert said(retry)["message"] == "it broke"
+    assert said(alert) == {"at": "2027-01-15T08:00:00.000Z", "kind": "alert", "worker": "w",
+                           "level": "warning", "message": "disk low"}
+    assert said(bye) == {"at": "2027-01-15T08:00:00.000Z", "kind": "worker_disconnect",
+                         "worker": "w", "message": "closed"}
     obs.assigned([job("late", run_at=T0 + 100)], "w", T0 + 50)  # ran before its run_at
     assert obs.series["q", "s"].wait.counts[0] == 1  # counted as no wait, not negative
 
@@ -206,17 +200,3 @@ def test_a_scrape_names_the_busiest_queues_and_sums_the_rest():
     assert sum(per["completed"] for per in folded.values()) == sum(range(50))
     assert fold_queues({"a": {"completed": 1}}, 3, ("available",)) == {"a": {"completed": 1}}
     assert busiest({"a": 1, "b": 3, "c": 3}, 2) == ["b", "c"]
-
-
-def test_events_are_encoded_once_for_every_subscriber_and_the_cache_is_bounded():
-    from rota.observe import ENCODED_KEPT
-
-    obs = Observer(buffer=ENCODED_KEPT * 2, first_id=1)
-    obs.enqueued([job(f"j{i}") for i in range(ENCODED_KEPT + 10)], T0)
-    _, events = obs.after(0, ENCODED_KEPT + 10)
-    first = [obs.encoding(i, e) for i, e in events[:3]]
-    assert first == [encode(i, e) for i, e in events[:3]]
-    assert all(obs.encoding(i, e) is made for (i, e), made in zip(events, first))
-    for i, e in events:
-        obs.encoding(i, e)
-    assert len(obs.encoded) == ENCODED_KEPT and 1 not in obs.encoded

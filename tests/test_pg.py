@@ -21,14 +21,14 @@ from rota.errors import StorageError
 
 # -- the adapter on a real PostgreSQL ----------------------------------------------------
 @pytest.fixture
-def conn(pg_url: str) -> Iterator[pg_connection.Connection]:
+def conn(pg_url: str) -> Iterator[pg_connection.TranslatingConnection]:
     pg.migrate(pg_url)
     connection = pg_connection.connect(pg_url)
     yield connection
     connection.close()
 
 
-def test_rows_read_as_sqlite3_rows(conn: pg_connection.Connection) -> None:
+def test_rows_read_as_sqlite3_rows(conn: pg_connection.TranslatingConnection) -> None:
     conn.execute("INSERT INTO queues (name, paused, updated_at) VALUES (?, ?, ?)",
                  ("q", 1, 1.5))
     row = conn.execute("SELECT name, paused, updated_at FROM queues").fetchone()
@@ -46,7 +46,7 @@ def test_rows_read_as_sqlite3_rows(conn: pg_connection.Connection) -> None:
     assert conn.execute("SELECT 1 FROM queues WHERE name = ?", ("none",)).fetchone() is None
 
 
-def test_transactions_and_savepoints_as_the_writer_uses_them(conn: pg_connection.Connection) -> None:
+def test_transactions_and_savepoints_as_the_writer_uses_them(conn: pg_connection.TranslatingConnection) -> None:
     assert not conn.in_transaction
     conn.execute("BEGIN IMMEDIATE")
     assert conn.in_transaction
@@ -63,7 +63,7 @@ def test_transactions_and_savepoints_as_the_writer_uses_them(conn: pg_connection
         ["b", "migrated_by"]
 
 
-def test_the_jobs_rowid_is_a_column_and_returning_gives_it(conn: pg_connection.Connection) -> None:
+def test_the_jobs_rowid_is_a_column_and_returning_gives_it(conn: pg_connection.TranslatingConnection) -> None:
     insert = ("INSERT INTO jobs (id, spec, queue, args, priority, state, enqueued_at)"
               " VALUES (?, 's', 'q', '{}', 0, 'available', ?) ON CONFLICT(id) DO NOTHING")
     first = conn.execute(insert + " RETURNING rowid, *", ("a", 1.0)).fetchone()
@@ -84,7 +84,7 @@ def test_the_jobs_rowid_is_a_column_and_returning_gives_it(conn: pg_connection.C
     assert [k for (k,) in keys] == [first["rowid"], second[0]]
 
 
-def test_text_sorts_as_bytes_as_in_sqlite(conn: pg_connection.Connection) -> None:
+def test_text_sorts_as_bytes_as_in_sqlite(conn: pg_connection.TranslatingConnection) -> None:
     conn.executemany("INSERT INTO meta (key, value) VALUES (?, '')",
                      [("a",), ("B",), ("a\x7f",), ("ab",)])
     keys = [r[0] for r in conn.execute("SELECT key FROM meta WHERE key >= ? AND key < ?"
@@ -93,7 +93,7 @@ def test_text_sorts_as_bytes_as_in_sqlite(conn: pg_connection.Connection) -> Non
 
 
 # -- the schema --------------------------------------------------------------------------
-def test_the_database_has_the_described_tables_and_indexes(conn: pg_connection.Connection) -> None:
+def test_the_database_has_the_described_tables_and_indexes(conn: pg_connection.TranslatingConnection) -> None:
     for table in schema.TABLES:
         columns = [r[0] for r in conn.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_name = ?"
@@ -106,13 +106,13 @@ def test_the_database_has_the_described_tables_and_indexes(conn: pg_connection.C
     assert applied == list(schema.MIGRATIONS)  # the names SQLite records
 
 
-def test_migrate_again_changes_nothing(pg_url: str, conn: pg_connection.Connection) -> None:
+def test_migrate_again_changes_nothing(pg_url: str, conn: pg_connection.TranslatingConnection) -> None:
     conn.execute("INSERT INTO meta (key, value) VALUES ('kept', 'yes')")
     pg.migrate(pg_url)
     assert conn.execute("SELECT value FROM meta WHERE key = 'kept'").fetchone()[0] == "yes"
 
 
-def test_a_database_a_newer_rota_migrated_is_refused(pg_url: str, conn: pg_connection.Connection,
+def test_a_database_a_newer_rota_migrated_is_refused(pg_url: str, conn: pg_connection.TranslatingConnection,
                                                      tmp_path: Path) -> None:
     conn.execute(f"INSERT INTO {pg.MIGRATIONS_TABLE} (name) VALUES ('m999_future')")
     conn.execute("UPDATE meta SET value = '9.0' WHERE key = 'migrated_by'")
@@ -131,7 +131,7 @@ def test_a_database_a_newer_rota_migrated_is_refused(pg_url: str, conn: pg_conne
 
 # -- a lost server -----------------------------------------------------------------------
 def test_a_server_that_is_down_is_storage_unavailable(pg_cluster: Cluster,
-                                                      conn: pg_connection.Connection) -> None:
+                                                      conn: pg_connection.TranslatingConnection) -> None:
     pg_cluster.stop()
     try:
         with pytest.raises(psycopg.Error) as lost:
@@ -209,7 +209,7 @@ async def test_a_database_restarted_while_rota_is_idle_costs_no_write_a_failure(
 
 # -- a server stalled inside a transaction (docs/scaling.md) ------------------------------
 async def test_a_write_that_waits_on_a_held_lock_fails_alone_after_the_bound(
-        pg_url: str, conn: pg_connection.Connection) -> None:
+        pg_url: str, conn: pg_connection.TranslatingConnection) -> None:
     """Another session holds a row (a server stopped inside its transaction): the op
     that waits on it fails after ``bound`` with storage_busy, and the rest of its
     transaction commits; the store is not degraded for it."""
@@ -239,7 +239,7 @@ async def test_a_write_that_waits_on_a_held_lock_fails_alone_after_the_bound(
 
 @pytest.mark.parametrize("last", ["execute", "executemany", "rowcounts"])
 def test_a_session_idle_inside_a_transaction_past_the_bound_is_ended_and_its_locks_go(
-        pg_url: str, conn: pg_connection.Connection, last: str) -> None:
+        pg_url: str, conn: pg_connection.TranslatingConnection, last: str) -> None:
     """Whatever its last statement was: psycopg's executemany (a pipeline, also behind
     the row counts Store.save's fenced writes read) would leave the session with no idle
     timeout armed, and the connection arms it again."""
@@ -265,7 +265,7 @@ def test_a_session_idle_inside_a_transaction_past_the_bound_is_ended_and_its_loc
 
 @pytest.mark.parametrize("starting", [True, False])
 def test_a_lease_runs_from_the_databases_clock_when_the_renewal_ran(
-        conn: pg_connection.Connection, starting: bool) -> None:
+        conn: pg_connection.TranslatingConnection, starting: bool) -> None:
     """A renewal asked for long ago (the server's ``now`` read before it waited on the
     writer) still holds a whole lease from when its UPDATE ran."""
     fleet.renew(conn, "s", host="h", pid=1, url="", now=time.time(), lease=5,

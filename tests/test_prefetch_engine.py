@@ -15,7 +15,7 @@ from rota import protocol as p
 from rota.auth import OPEN
 from rota.effects import Effect, Save
 from rota.engine import Engine
-from rota.model import Job, JobState
+from rota.model import JobRecord, JobState
 from rota.scheduler import WorkerSlot
 from rota.specs import JobSpec, checksum
 
@@ -45,7 +45,7 @@ def join(engine: Engine, clock: FakeClock, *, prefetch: int, concurrency: int = 
     engine.heartbeat(conn, worker, first, clock())
 
 
-def job_of(engine: Engine, job_id: str) -> Job:
+def job_of(engine: Engine, job_id: str) -> JobRecord:
     """The job, whether the scheduler holds it whole or only as a key (rota/ready.py):
     the test store keeps every job it was given (test_engine.ROWS)."""
     return next(job for job in ROWS[engine].values() if job.id == job_id)

@@ -21,7 +21,7 @@ import pytest
 from conftest import Live, start_server, stop_server, store_url, write_spec
 from helpers import wait_until
 
-from rota.model import Change, Job, shared_limits
+from rota.model import Change, JobRecord, shared_limits
 from rota.retention import (DAY, Cutoff, Frames, PruneTally, Retention, due, format_duration,
                             next_pass, parse_duration, parse_rule)
 from rota.store import Store
@@ -143,12 +143,12 @@ def test_after_a_step_forward_nothing_goes_early():
 # -- the deletes, on a real file through the real writer ------------------------------
 
 
-def _job(job_id: str, queue: str = "default") -> Job:
-    return Job(id=job_id, spec="echo", queue=queue, args=msgspec.Raw(b"{}"), priority=0,
+def _job(job_id: str, queue: str = "default") -> JobRecord:
+    return JobRecord(id=job_id, spec="echo", queue=queue, args=msgspec.Raw(b"{}"), priority=0,
                enqueued_at=0.0, seq=0, limits=shared_limits(3, None, 1.0, 60.0, 3))
 
 
-async def _finish(store: Store, jobs: list[tuple[Job, str, float]]) -> None:
+async def _finish(store: Store, jobs: list[tuple[JobRecord, str, float]]) -> None:
     await store.enqueue([job for job, _, _ in jobs])
     for job, state, at in jobs:
         job.state = state  # type: ignore[assignment]

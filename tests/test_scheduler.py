@@ -11,7 +11,7 @@ import pytest
 
 from rota.policy import Limits
 from rota.scheduler import Claim, Scheduler, WorkerSlot
-from rota.store import Job
+from rota.store import JobRecord
 
 CA = "sha256:" + "a" * 64
 CB = "sha256:" + "b" * 64
@@ -23,9 +23,9 @@ LIMITS = Limits(max_attempts=3, max_fails=None, backoff_base=1.0, backoff_max=60
 
 
 def make_job(job_id: str, spec: str = "a", queue: str = "default", priority: int = 0,
-             seq: int | None = None) -> Job:
+             seq: int | None = None) -> JobRecord:
     seq = next(_seq) if seq is None else seq
-    return Job(id=job_id, spec=spec, queue=queue, args=msgspec.Raw(b"{}"), priority=priority,
+    return JobRecord(id=job_id, spec=spec, queue=queue, args=msgspec.Raw(b"{}"), priority=priority,
                enqueued_at=1_700_000_000.0 + seq, seq=seq, limits=LIMITS)
 
 
@@ -44,11 +44,11 @@ def sched() -> Scheduler:
     return scheduler
 
 
-def ids(jobs: list[Job]) -> list[str]:
+def ids(jobs: list[JobRecord]) -> list[str]:
     return [job.id for job in jobs]
 
 
-def planned_ids(plan: dict[str, list[Job]], worker_id: str) -> list[str]:
+def planned_ids(plan: dict[str, list[JobRecord]], worker_id: str) -> list[str]:
     return ids(plan.get(worker_id, []))
 
 

@@ -3,11 +3,14 @@ exactly it, and PostgreSQL's DDL is made from it."""
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 from pathlib import Path
 
 from rota import db_migrations, schema
+from rota import protocol as p
+from rota.rows import worker_row
 from rota.schema import Column, Index, Table
 
 TYPES = {"TEXT": "TEXT", "INTEGER": "INTEGER", "REAL": "REAL"}

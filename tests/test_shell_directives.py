@@ -12,7 +12,7 @@ import pytest
 from rota import protocol as p
 from rota.errors import Conflict, NotFound
 from rota.ready import WorkerSlot
-from rota.registry import Connection, Registry
+from rota.registry import ConnectedWorker, Registry
 from rota.shell_directives import ShellDirectives
 
 
@@ -42,10 +42,10 @@ class Shell(ShellDirectives):
             reg = p.Registration(hostname="h", os="linux", pid=1, sdk="t", queues=["q"],
                                  concurrency=1, specs=[], labels=labels)
             slot = WorkerSlot(worker_id, ["q"], 1, {}, labels)
-            self.registry.connections[worker_id] = Connection(n, slot, reg, 0.0, 0.0)
+            self.registry.connections[worker_id] = ConnectedWorker(n, slot, reg, 0.0, 0.0)
 
     @property
-    def connections(self) -> dict[str, Connection]:
+    def connections(self) -> dict[str, ConnectedWorker]:
         return self.registry.connections
 
     def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
