@@ -26,13 +26,16 @@ LAYERS: list[set[str]] = [
     # tokens; the ready index; how long finished jobs are kept;
     # what happened (events, counts, metrics as numbers); job filters; PostgreSQL (db's
     # writer and readers on psycopg, SQLite's SQL translated: just above db, which it extends)
-    {"jobs", "scheduler", "effects", "views"},  # building jobs; placing them; effect types
+    {"jobs", "scheduler", "effects", "views", "verdicts"},  # building jobs; placing them;
+    # effect types; the rules of an operator's actions (cancel, retry, bulk, directives)
     {"registry"},  # connected workers
     {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
     {"engine"},  # the pure state machine
     {"rows", "lookup", "fleet"},  # jobs as rows: a restart's load, claims; an operator's
     # queries; several servers' leases, notices and recovery
     {"store"},  # SQLite
+    {"admission", "steering", "tokenwatch", "upkeep", "watching"},  # the shell's parts:
+    # what comes in, what operators steer, tokens, what callers wait on, clocks and retention
     {"coordinator"},  # the async shell
     {"gate", "safety", "cluster"},  # authentication at the door; the net for what nobody
     # expected; one of several servers on one database
@@ -63,7 +66,7 @@ SDK = {"context", "manual", "worker", "client", "link", "execution", "connection
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx", "psycopg"}
 # The pure core: no I/O, no event loop, no clock.
 PURE = {"inputs", "model", "policy", "standing", "ready", "retention", "observe", "listing", "display", "charts", "scheduler", "effects", "registry", "attempts", "intake",
-        "reservations", "engine",
+        "reservations", "engine", "verdicts",
         "link"}
 
 
