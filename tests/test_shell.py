@@ -252,3 +252,10 @@ async def test_revoking_a_token_ends_its_holds_and_closes_its_workers(
     assert outbox.aborted  # its worker is closed
     shell.release(hold)
     assert not shell.waits
+
+
+def test_the_shell_stays_thin() -> None:
+    """The coordinator owns lifecycle, effects, sockets and loops; rules live in the core
+    and the rest in the parts it owns (issue 21: at most 400 lines)."""
+    source = Path(__file__).resolve().parent.parent / "rota" / "coordinator.py"
+    assert len(source.read_text().splitlines()) <= 400
