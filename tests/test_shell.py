@@ -19,11 +19,13 @@ import pytest
 
 from rota import protocol as p
 from rota.coordinator import Coordinator
+from rota.auth import new_token
 from rota.errors import Conflict
 from rota.jobs import EnqueueRequest
 from rota.model import Instant
 from rota.settings import ServerSettings
 from rota.specs import JobSpec, checksum
+from rota.store import create_token as store_token
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.sqlite_only("the shell over one SQLite file; the store contract"
@@ -259,3 +261,43 @@ def test_the_shell_stays_thin() -> None:
     and the rest in the parts it owns (issue 21: at most 400 lines)."""
     source = Path(__file__).resolve().parent.parent / "rota" / "coordinator.py"
     assert len(source.read_text().splitlines()) <= 400
+
+
+async def test_a_token_the_cli_created_is_read_on_demand_at_most_every_tenth_of_a_second(
+        shell: Coordinator, clock: FakeClock, tmp_path: Path) -> None:
+    await shell.create_token("admin", "ops", None)  # auth on: unknown tokens are looked up
+    for task in [t for t in shell._tasks if t.get_name() == "rota-tokens"]:
+        task.cancel()  # only the reads this test asks for (the loop looks on real time)
+
+    async def from_the_cli(name: str) -> str:
+        token_id, secret, hashed = new_token()
+        await asyncio.to_thread(store_token, tmp_path / "rota.db", name=name, scope="worker",
+                                queues=None, token_id=token_id, hashed=hashed)
+        return secret
+
+    first = await from_the_cli("one")
+    assert shell.tokens.unknown(f"Bearer {first}")
+    clock.advance(1.0)
+    await shell.reread_tokens()
+    assert shell.tokens.authenticate(f"Bearer {first}") is not None
+    second = await from_the_cli("two")
+    clock.advance(0.05)  # within REREAD_EVERY of the last read: not read again yet
+    await shell.reread_tokens()
+    assert shell.tokens.unknown(f"Bearer {second}")
+    clock.advance(0.1)
+    await shell.reread_tokens()
+    assert shell.tokens.authenticate(f"Bearer {second}") is not None
+
+
+async def test_a_paused_queue_gets_no_assignment_until_it_is_resumed(
+        shell: Coordinator, outbox: FakeOutbox) -> None:
+    worker = Worker(shell, outbox)
+    worker.beat()
+    await worker.acked(0)
+    assert await shell.pause_queue("default", True) == {"queue": "default", "paused": True}
+    await enqueue(shell, "job-1")
+    worker.beat()
+    await worker.acked(1)  # a round ran on this heartbeat's capacity: nothing went out
+    assert not outbox.of("assign") and shell.scheduler.paused == {"default"}
+    await shell.pause_queue("default", False)
+    assert (await assigned(worker, "job-1"))["job-1"] == "active"
