@@ -48,6 +48,12 @@ class Cluster:
         self._ready = False  # the coordinator has started: notices may become events
         self._lapsed = False  # this server's lease was found lapsed, not yet settled
 
+    @classmethod
+    def of(cls, coordinator: Coordinator, database_url: str, *, url: str = "") -> Cluster:
+        """The cluster shell of ``coordinator``, handed the store and the engine it owns."""
+        return cls(coordinator, database_url, store=coordinator.store,
+                   engine=coordinator.engine, url=url)
+
     async def listen(self) -> None:
         """Before the coordinator reads its snapshot: a job another server makes wait
         from now on is heard (and taken in once ``start`` runs), so none falls between

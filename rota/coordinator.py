@@ -110,9 +110,8 @@ class Coordinator:
         self.pause_queue = steering.pause_queue
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
-        self.oldest_available = watching.oldest_available
+        self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse
         self.subscribe, self.unsubscribe = watching.subscribe, watching.unsubscribe
-        self.events_pulse = watching.events_pulse
         tokens = self.tokenwatch
         self.hold, self.release, self.reread_tokens = tokens.hold, tokens.release, tokens.reread
         self.create_token, self.revoke_token = tokens.create, tokens.revoke
@@ -176,11 +175,8 @@ class Coordinator:
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")
         self.spawn(self.tokenwatch.loop(), "rota-tokens")
-        if kept:
-            self.spawn(self.upkeep.clock_loop(), "rota-clock")
-        log.info("retention %s", self.upkeep.retention.describe())
-        if self.upkeep.retention.durations():
-            self.spawn(self.upkeep.retention_loop(), "rota-retention")
+        for loop, name in self.upkeep.loops(readings=kept):
+            self.spawn(loop, name)
 
     def begin_shutdown(self) -> None:
         self.engine.begin_shutdown()

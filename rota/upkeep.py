@@ -4,7 +4,7 @@ deletion of finished jobs past their retention (which judges each job by the clo
 stored it).
 
 The Coordinator owns one ``Upkeep`` and hands it the store, the engine, its clock and
-its way of applying effects; it runs the two loops (``clock_loop``, ``retention_loop``).
+its way of applying effects; it runs the loops ``loops`` names.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
+from typing import Any
 
 from rota.effects import Effect
 from rota.engine import Engine
@@ -63,6 +64,15 @@ class Upkeep:
         self.frames = Frames()  # the wall clock's steps this run, for retention
         now = clock()
         self.frames.look(now.wall, now.mono)
+
+    def loops(self, *, readings: bool) -> list[tuple[Coroutine[Any, Any, None], str]]:
+        """The loops to run, named: clock readings (``readings``: the store keeps them,
+        one server per SQLite file) and retention (unless every rule keeps jobs forever)."""
+        loops = [(self.clock_loop(), "rota-clock")] if readings else []
+        log.info("retention %s", self.retention.describe())
+        if self.retention.durations():
+            loops.append((self.retention_loop(), "rota-retention"))
+        return loops
 
     def seen(self, finished: Iterable[float] = (), *, now: bool = False) -> None:
         """A reading of the clocks for retention (``Frames``), with the moments of jobs
