@@ -15,22 +15,26 @@ import logging
 import os
 import socket
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from rota import fleet
 from rota.coordinator import Coordinator
+from rota.engine import Engine
 from rota.pg import Listener
+from rota.store import Store
+from rota.verdicts import parse_target
 
 log = logging.getLogger("rota.server")
 T = TypeVar("T")
 
 
 class Cluster:
-    def __init__(self, coordinator: Coordinator, database_url: str, *, url: str = "") -> None:
-        self.coordinator = coordinator
-        self.store = coordinator.store
+    def __init__(self, coordinator: Coordinator, database_url: str, *, store: Store,
+                 engine: Engine, url: str = "") -> None:
+        self.coordinator = coordinator  # the shell: its clock, and it applies effects
+        self.store = store
+        self.engine = engine
         self.me = coordinator.server_id
         self.lease = coordinator.settings.server_lease
         self.grace = coordinator.settings.reconnect_grace
@@ -43,6 +47,12 @@ class Cluster:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False  # the coordinator has started: notices may become events
         self._lapsed = False  # this server's lease was found lapsed, not yet settled
+
+    @classmethod
+    def of(cls, coordinator: Coordinator, database_url: str, *, url: str = "") -> Cluster:
+        """The cluster shell of ``coordinator``, handed the store and the engine it owns."""
+        return cls(coordinator, database_url, store=coordinator.store,
+                   engine=coordinator.engine, url=url)
 
     async def listen(self) -> None:
         """Before the coordinator reads its snapshot: a job another server makes wait
@@ -60,8 +70,7 @@ class Cluster:
         self._ready = True
         coordinator = self.coordinator
         # Its lease was taken as the store loaded, after the coordinator was made.
-        coordinator.apply(coordinator.engine.lease_taken(coordinator.started.mono,
-                                                         coordinator.clock()))
+        coordinator.apply(self.engine.lease_taken(coordinator.started.mono, coordinator.clock()))
         self._spawn(self._take_in_loop(), "rota-cluster-jobs")
         self._spawn(self._lease_loop(), "rota-cluster-leases")
         if self._pending:
@@ -118,22 +127,22 @@ class Cluster:
         elif channel == fleet.QUEUES:
             self._spawn(self._read_paused(), "rota-cluster-queues")
         elif channel == fleet.WORKERS and len(words) == 2:
-            self._direct(origin, words[0], urllib.parse.unquote(words[1]))
+            self._direct(origin, words[0], words[1])
         elif channel == fleet.CANCEL and len(words) == 2 and words[0] == self.me:
             self._pass_cancel(words[1], f"server={origin}")
 
     def _pass_cancel(self, job_id: str, source: str) -> None:
         """A cancel another server stored for a job this server's worker runs."""
-        outcome, effects = self.coordinator.engine.cancel(job_id, self.coordinator.clock())
+        outcome, effects = self.engine.cancel(job_id, self.coordinator.clock())
         log.info("cancel job=%s from %s: %s", job_id, source, outcome)
         self.coordinator.apply(effects)
 
     def _direct(self, origin: str, state: str, target: str) -> None:
         """An operator's directive given through another server, for the workers here."""
         coordinator = self.coordinator
-        kind, _, name = target.partition("=")
+        kind, name = parse_target(target)
         if kind == "id":
-            chosen = [name] if name in coordinator.connections else []
+            chosen = [name] if name in self.engine.connections else []
         else:
             chosen = coordinator.select_workers(label=name if kind == "label" else None,
                                                 every=kind == "all")
@@ -150,7 +159,7 @@ class Cluster:
             jobs = await self._persist(lambda: self.store.waiting_jobs(seqs),
                                        f"read {len(seqs)} job(s) another server made wait")
             coordinator = self.coordinator
-            coordinator.apply(coordinator.engine.taken_in(jobs, coordinator.clock()))
+            coordinator.apply(self.engine.taken_in(jobs, coordinator.clock()))
 
     async def _catch_up(self) -> None:
         """What missed notices would have said: the status quo and the paused queues as
@@ -161,13 +170,13 @@ class Cluster:
         await self._read_paused()
         seqs = await self._persist(self.store.waiting_seqs, "read which jobs wait")
         coordinator = self.coordinator
-        held = coordinator.scheduler.held_seqs()
+        held = self.engine.scheduler.held_seqs()
         missed = [seq for seq in seqs if seq not in held]
         cancels = await self._persist(self.store.cancels_requested,
                                       "read the cancels asked for")
         passed = 0
         for job_id in cancels:
-            job = coordinator.scheduler.jobs.get(job_id)
+            job = self.engine.scheduler.jobs.get(job_id)
             if job is not None and not job.cancel_requested:
                 self._pass_cancel(job_id, "another server, heard late")
                 passed += 1
@@ -181,16 +190,16 @@ class Cluster:
         specs, checksums, retired = await self._persist(self.store.status_quo,
                                                         "read the status quo")
         coordinator = self.coordinator
-        coordinator.apply(coordinator.engine.status_quo_read(specs, checksums, retired,
-                                                             coordinator.clock()))
+        coordinator.apply(self.engine.status_quo_read(specs, checksums, retired,
+                                                      coordinator.clock()))
 
     async def _read_paused(self) -> None:
         paused = await self._persist(self.store.paused_queues, "read the paused queues")
         coordinator = self.coordinator
-        held = set(coordinator.scheduler.paused)
+        held = set(self.engine.scheduler.paused)
         for queue in paused ^ held:
-            coordinator.apply(coordinator.engine.pause_queue(queue, queue in paused,
-                                                             coordinator.clock()))
+            coordinator.apply(self.engine.pause_queue(queue, queue in paused,
+                                                      coordinator.clock()))
 
     async def _persist(self, read: Callable[[], Awaitable[T]], what: str) -> T:
         """``read()``, again until it works: what another server did must take effect
@@ -224,8 +233,7 @@ class Cluster:
         another recovered its workers' jobs) is taken again, and with it the jobs its
         workers still run that nobody gave out again; the rest are cancelled on the
         workers here."""
-        coordinator = self.coordinator
-        engine = coordinator.engine
+        coordinator, engine = self.coordinator, self.engine
         started = coordinator.clock().mono
         try:
             held = await self.store.renew_lease(host=socket.gethostname(), pid=os.getpid(),
@@ -249,20 +257,20 @@ class Cluster:
 
     async def _after_lapse(self) -> None:
         coordinator = self.coordinator
-        running = coordinator.engine.running_here()
+        running = self.engine.running_here()
         taken = set(await self.store.take_back(running)) if running else set()
         lost = [job.id for job in running if job.id not in taken]
         log.error("cluster: this server's lease had lapsed and another server recovered the"
                   " jobs its workers held; it holds a new lease, took back %d of their %d"
                   " running job(s), and cancels the %d given out again", len(taken),
                   len(running), len(lost))
-        coordinator.apply(coordinator.engine.lapse_settled(lost, coordinator.clock()))
+        coordinator.apply(self.engine.lapse_settled(lost, coordinator.clock()))
 
     async def _watch(self) -> None:
         """Say which servers missed their lease, and recover those past the grace; only
         from a vantage: after a failed renewal or a stall of its own, this server first
         gives the others a whole lease of the database to renew in."""
-        if not self.coordinator.engine.standing.may_judge(self.coordinator.clock().mono):
+        if not self.engine.standing.may_judge(self.coordinator.clock().mono):
             return  # (the engine said so, at the renewal that broke the vantage)
         lapsed = await self.store.lapsed_servers()  # on the database's clock
         for server in lapsed.keys() - self._missed:
@@ -280,4 +288,4 @@ class Cluster:
             if seqs:
                 jobs = await self.store.waiting_jobs(seqs)
                 coordinator = self.coordinator
-                coordinator.apply(coordinator.engine.taken_in(jobs, coordinator.clock()))
+                coordinator.apply(self.engine.taken_in(jobs, coordinator.clock()))

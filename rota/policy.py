@@ -12,7 +12,7 @@ from typing import Literal
 from rota.model import JOB_STATES, TERMINAL_STATES, WAITING_STATES, Limits
 
 __all__ = ["JOB_STATES", "TERMINAL_STATES", "WAITING_STATES", "Limits", "Ending", "Decision",
-           "backoff", "after_attempt", "TokenBucket"]
+           "backoff", "after_attempt", "TokenBucket", "RateLimits"]
 
 # How an attempt ended. Only "failed" (the handler reported an error) counts toward
 # max_fails; every attempt counts toward max_attempts, except one "released" (its worker
@@ -102,3 +102,21 @@ class TokenBucket:
         level = self._refill(now) - cost
         self.level = level
         return 0.0 if level >= 0.0 else -level / self.rate
+
+
+class RateLimits:
+    """Each worker's rate-limit buckets (frames, bytes), the same on every connection it
+    opens, for at most ``keep`` workers: the least recently used go first."""
+
+    def __init__(self, frames: tuple[float, int], data: tuple[float, int], keep: int) -> None:
+        self.frames, self.data, self.keep = frames, data, keep
+        self._buckets: dict[str, tuple[TokenBucket, TokenBucket]] = {}  # by worker id
+
+    def of(self, worker_id: str) -> tuple[TokenBucket, TokenBucket]:
+        buckets = self._buckets.pop(worker_id, None)
+        if buckets is None:
+            buckets = (TokenBucket(*self.frames), TokenBucket(*self.data))
+        self._buckets[worker_id] = buckets  # the most recently used, last
+        if len(self._buckets) > self.keep:
+            self._buckets.pop(next(iter(self._buckets)))
+        return buckets

@@ -4,7 +4,7 @@ A finished job (completed, discarded or cancelled) is deleted, with its captured
 lines, once it has been finished longer than its state's retention: by default 7 days
 completed, 30 days discarded, 7 days cancelled. ``rota serve`` sets the defaults
 (``--retain-completed`` …) and overrides them per queue (``--retain
-queue=emails:completed=1d``). The shell (rota/coordinator.py) asks ``due`` for the
+queue=emails:completed=1d``). The shell (rota/upkeep.py) asks ``due`` for the
 cutoffs of now, deletes at most ``BATCH`` rows per writer transaction, and asks
 ``next_pass`` when to look again; ``PruneTally`` decides when a log line is due.
 """

@@ -36,8 +36,8 @@ def create_app(settings: ServerSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         cluster = None
         if settings.database_url is not None:  # possibly one of several servers on it
-            cluster = Cluster(coordinator, settings.database_url,
-                              url=f"{settings.host}:{settings.port}")
+            cluster = Cluster.of(coordinator, settings.database_url,
+                                 url=f"{settings.host}:{settings.port}")
             coordinator.on_stop.append(cluster.let_go)
             app.state.cluster = cluster  # for tests and tools that look inside
             await cluster.listen()

@@ -114,7 +114,7 @@ async def open_stream(live: Live, client: httpx.AsyncClient, query: str = "",
     assert response.status_code == 200, await response.aread()
     assert response.headers["content-type"].startswith("text/event-stream")
     # Subscribed once the server counts it: events recorded from then on reach it.
-    await wait_until(lambda: live.coordinator._subscribers > 0, what="the subscription")
+    await wait_until(lambda: live.coordinator.watching.subscribers > 0, what="the subscription")
     return Stream(response), manager
 
 
@@ -146,7 +146,7 @@ async def test_a_job_streams_as_events_and_a_keep_alive_fills_silence(watched: L
             assert gone[0]["event"] == "worker_disconnect" and gone[0]["data"]["worker"] == "w1"
         finally:
             await manager.__aexit__(None, None, None)
-    await wait_until(lambda: watched.coordinator._subscribers == 0, what="unsubscribed")
+    await wait_until(lambda: watched.coordinator.watching.subscribers == 0, what="unsubscribed")
     assert watched.coordinator.engine.observe.listener is None
 
 
@@ -364,7 +364,7 @@ async def test_a_client_that_does_not_read_holds_nothing_and_gets_a_gap(tmp_path
         sock.setblocking(False)
         await loop.sock_connect(sock, ("127.0.0.1", live.port))
         await loop.sock_sendall(sock, b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        await wait_until(lambda: live.coordinator._subscribers == 1, what="the subscription")
+        await wait_until(lambda: live.coordinator.watching.subscribers == 1, what="the subscription")
         # Far more than the socket buffers hold: the stream's send waits, nothing else.
         for _ in range(6):
             response = await live.http.post("/jobs/batch", json={"jobs": [
@@ -380,7 +380,7 @@ async def test_a_client_that_does_not_read_holds_nothing_and_gets_a_gap(tmp_path
         data = json.loads(gap.split(b"data: ", 1)[1])
         assert data["kind"] == "gap" and data["missed_to"] >= data["missed_from"]
         sock.close()
-        await wait_until(lambda: live.coordinator._subscribers == 0, what="unsubscribed")
+        await wait_until(lambda: live.coordinator.watching.subscribers == 0, what="unsubscribed")
     finally:
         await stop_server(live)
 

@@ -33,7 +33,7 @@ LAYERS: list[set[str]] = [
     # how long finished jobs are kept; what happened (events, counts, metrics as numbers);
     # job filters; SQLite's migrations, writer thread and readers; a sqlite3-like
     # PostgreSQL connection
-    {"jobs", "scheduler", "effects", "views", "pg", "fleet"},  # building jobs; placing them;
+    {"jobs", "scheduler", "effects", "views", "pg", "fleet", "verdicts"},  # building jobs; placing them;
     # effect types; PostgreSQL (db's writer and readers on pg_connection: above db, which it
     # extends); several servers' leases, notices and recovery
     {"registry"},  # connected workers
@@ -43,6 +43,9 @@ LAYERS: list[set[str]] = [
     # restart's load, claims; an operator's queries; the store's writes on a connection;
     # its reads for the API; tokens, and the CLI's own way into the database
     {"store"},  # SQLite or PostgreSQL: the writer and readers, and what they run
+    {"admission", "steering", "tokenwatch", "upkeep", "watching"},  # the shell's parts:
+    # enqueue and take-over; cancel, retry, bulk, retire; tokens; clock and retention loops;
+    # result waits and /events subscribers
     {"shell_reads", "shell_directives"},  # what routes read of the shell; directives
     {"coordinator"},  # the async shell
     {"gate", "safety", "cluster"},  # authentication at the door; the net for what nobody
@@ -78,7 +81,7 @@ SDK = {"context", "manual", "worker", "client", "link", "execution", "connection
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx", "psycopg"}
 # The pure core: no I/O, no event loop, no clock.
 PURE = {"inputs", "model", "policy", "standing", "ready", "retention", "observe", "listing", "display", "charts", "scheduler", "effects", "registry", "attempts", "intake",
-        "reservations", "engine",
+        "reservations", "engine", "verdicts",
         "link"}
 
 

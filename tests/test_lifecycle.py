@@ -271,7 +271,7 @@ async def test_result_wait_returns_on_any_terminal_state(live: Live, tmp_path: P
     await live.push(write_spec(tmp_path, "nobody", queue="none"))
     job = await live.enqueue("nobody")
     poll = asyncio.create_task(live.http.get(f"/jobs/{job['id']}/result", params={"wait": 10}))
-    await wait_until(lambda: job["id"] in live.coordinator._waiters, what="the waiter")
+    await wait_until(lambda: job["id"] in live.coordinator.watching.waiters, what="the waiter")
     await live.http.delete(f"/jobs/{job['id']}")
     reply = await asyncio.wait_for(poll, 5)
     assert reply.status_code == 200 and reply.json()["state"] == "cancelled"

@@ -349,7 +349,7 @@ async def test_a_long_poll_does_not_hold_a_graceful_stop(tmp_path: Path):
         job = await live.enqueue("echo", delay=3600)
         poll = asyncio.create_task(live.http.get(f"/jobs/{job['id']}/result?wait=60",
                                                  timeout=90))
-        await wait_until(lambda: job["id"] in live.coordinator._waiters, what="the long poll")
+        await wait_until(lambda: job["id"] in live.coordinator.watching.waiters, what="the long poll")
         started = asyncio.get_running_loop().time()
         live.server.request_exit()
         answer = await asyncio.wait_for(poll, 10)

@@ -21,7 +21,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rota"
 PAST = {"store", "scheduler", "engine"}
 # The shell: the Coordinator, the mixins it inherits, and the cluster shell, which
 # applies other servers' notices to the engine.
-SHELL = {"coordinator", "shell_reads", "shell_directives", "cluster"}
+SHELL = {"coordinator", "shell_reads", "shell_directives", "cluster", "admission", "steering",
+         "tokenwatch", "upkeep", "watching"}
 ENGINE = {"engine", "intake", "reservations"}  # the engine and its parts (mixins)
 
 

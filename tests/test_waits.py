@@ -80,8 +80,8 @@ async def test_revoking_a_token_ends_its_streams_and_answers_its_waits_401(waits
         stalled = stalled_subscriber(waits, watcher)
         try:
             coordinator = waits.coordinator
-            await wait_until(lambda: coordinator._subscribers == 2
-                             and len(coordinator._waiters.get(job, [])) == 1,
+            await wait_until(lambda: coordinator.watching.subscribers == 2
+                             and len(coordinator.watching.waiters.get(job, [])) == 1,
                              what="the stream, the stalled stream and the wait to be open")
             # Events until the stalled subscriber's socket is full (the kernel takes a
             # few MB) and its stream waits: long queue names make long events.
@@ -97,9 +97,9 @@ async def test_revoking_a_token_ends_its_streams_and_answers_its_waits_401(waits
             assert answer.status_code == 401, answer.text
             assert answer.json()["error"]["code"] == "token_revoked"
             # The subscriber that does not read was dropped: nothing of it is held.
-            await wait_until(lambda: coordinator._subscribers == 0, timeout=10,
+            await wait_until(lambda: coordinator.watching.subscribers == 0, timeout=10,
                              what="every stream of the revoked token to end")
-            assert not coordinator._waiters and not coordinator.waits
+            assert not coordinator.watching.waiters and not coordinator.waits
             # And the tokens are refused from now on.
             again = await http.get(f"/jobs/{job}/result?wait=1", headers=bearer(producer))
             assert again.status_code == 401
@@ -122,7 +122,7 @@ async def test_one_token_cannot_take_every_connection_with_result_waits(
         polls = [asyncio.create_task(client.get(f"/jobs/{job}/result?wait=300",
                                                 headers=bearer(hog)))
                  for client in clients[:4]]
-        await wait_until(lambda: len(waits.coordinator._waiters.get(job, [])) == 4,
+        await wait_until(lambda: len(waits.coordinator.watching.waiters.get(job, [])) == 4,
                          what="the hog's four waits")
         # The fifth is over its share: refused at once, precisely.
         over = await clients[4].get(f"/jobs/{job}/result?wait=300", headers=bearer(hog))
