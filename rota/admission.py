@@ -18,7 +18,7 @@ from rota.effects import Effect
 from rota.engine import Engine
 from rota.errors import Conflict, DomainError, StorageError
 from rota.jobs import EnqueueRequest, same_job
-from rota.model import Instant, Job
+from rota.model import Instant, JobRecord
 from rota.registry import claim_worker_id, held_ids
 from rota.store import Store
 
@@ -94,7 +94,7 @@ class Admission:
         self.crash_point("enqueue-after-commit")
         outcomes: list[tuple[dict[str, Any], bool] | DomainError] = []
         admitted = {id(job) for job in early}
-        taken_in: list[tuple[Job, int | None]] = []  # new rows with producers' ids
+        taken_in: list[tuple[JobRecord, int | None]] = []  # new rows with producers' ids
         for request, job in zip(requests, built, strict=True):
             if isinstance(job, DomainError):
                 outcomes.append(job)

@@ -10,13 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-from urllib.parse import quote
 
-from rota.errors import Conflict, NotFound
 from rota.registry import ConnectedWorker
 from rota.store import Store
-
-STATE_WORDS = {"terminate": "terminating"}  # a worker's state, said in a sentence
+from rota.verdicts import directive_refusal, directive_target
 
 
 @dataclass(frozen=True)
@@ -27,11 +24,6 @@ class Directed:
 
     workers: list[str]
     forwarded: bool
-
-
-def target(*, label: str | None, every: bool) -> str:
-    """The workers a directive names, as the notice to the other servers says it."""
-    return "all" if every else f"label={quote(label or '')}"
 
 
 class ShellDirectives:
@@ -59,7 +51,8 @@ class ShellDirectives:
         directed = self.direct(self.select_workers(label=label, every=every), state)
         shared = self.store.shared
         if shared:  # the workers of the other servers on this database too
-            await self.store.tell_servers(state, target(label=label, every=every))
+            await self.store.tell_servers(
+                state, directive_target(label=None if every else label or ""))
         return Directed(directed, forwarded=shared)
 
     async def _direct_one(self, worker_id: str, state: str) -> Directed:
@@ -67,11 +60,11 @@ class ShellDirectives:
         if conn is None:
             if self.store.shared and await self.store.connected_somewhere(worker_id):
                 # Connected to another server on this database: that server passes it on.
-                await self.store.tell_servers(state, f"id={quote(worker_id)}")
+                await self.store.tell_servers(state, directive_target(worker_id=worker_id))
                 return Directed([worker_id], forwarded=True)
-            raise NotFound("not_found", f"no connected worker {worker_id}")
-        if not self.direct([worker_id], state) and conn.worker.state != state:
-            now = STATE_WORDS.get(conn.worker.state, conn.worker.state)
-            raise Conflict("invalid_transition",
-                           f"worker {worker_id} is {now}; it cannot go back to {state}")
+        current = None if conn is None else conn.worker.state
+        directed = conn is not None and bool(self.direct([worker_id], state))
+        refusal = directive_refusal(worker_id, state, current, directed)
+        if refusal is not None:
+            raise refusal
         return Directed([worker_id], forwarded=False)

@@ -18,12 +18,12 @@ from rota.effects import Effect
 from rota.engine import Engine
 from rota.errors import Conflict, NotFound, StorageError
 from rota.listing import JobFilter
-from rota.model import Instant, Job
+from rota.model import Instant, JobRecord
 from rota.specs import JobSpec, checksum
 from rota.store import Store, job_from_row
 
 BULK_CHUNK = 200  # jobs a bulk action handles at once: their writes share commits
-Run = Callable[[Iterable[Effect]], Coroutine[Any, Any, dict[str, Job | None]]]
+Run = Callable[[Iterable[Effect]], Coroutine[Any, Any, dict[str, JobRecord | None]]]
 
 
 class Steering:
