@@ -26,7 +26,12 @@ import pytest
 import websockets
 from websockets.sync.client import ClientConnection as SyncConnection
 
+from click.testing import CliRunner
+
+from rota.auth import new_token
+from rota.cli import main
 from rota.specs import JobSpec, checksum
+from rota.store_tokens import create_token
 
 
 async def wait_until(predicate: Callable[[], Any], *, timeout: float = 5.0,
@@ -269,3 +274,46 @@ async def raw_http(port: int, request: bytes) -> tuple[int, bytes]:
         return int(head.split(b" ")[1]), body
     finally:
         writer.close()
+
+
+# -- shared by several test files ----------------------------------------------------
+
+async def rota(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+               timeout: float = 30) -> tuple[int, str, str]:
+    """Run the rota command: client commands in-process (click's runner, on a thread so
+    that the server in this event loop keeps serving), anything that is a process of its
+    own (serve, worker, or a cwd of its own) as a real subprocess."""
+    if args[0] not in ("serve", "worker") and cwd is None:
+        result = await asyncio.wait_for(
+            asyncio.to_thread(CliRunner().invoke, main, list(args), env=env), timeout)
+        return result.exit_code, result.stdout, result.stderr
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rota", *args, cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def closed_with(worker: RawWorker) -> int:
+    """Read to the end of the connection and return the server's close code."""
+    with pytest.raises(websockets.ConnectionClosed) as closed:
+        while True:
+            await worker.recv(timeout=5)
+    assert closed.value.rcvd is not None
+    return closed.value.rcvd.code
+
+
+async def make_token(live: Any, scope: str, queues: list[str] | None = None) -> str:
+    """Create a token in the server's file and wait until the server has read it."""
+    token_id, secret, hashed = new_token()
+    create_token(live.settings.db, name=f"{scope}-{token_id}", scope=scope, queues=queues,
+                 token_id=token_id, hashed=hashed)
+    await wait_until(lambda: live.coordinator.tokens.valid_id(token_id),
+                     what="the server to read the new token")
+    return secret
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}

@@ -11,18 +11,9 @@ from typing import Any
 import pytest
 import websockets
 from conftest import Live, write_spec
-from helpers import RawWorker, heartbeat, registration
+from helpers import RawWorker, closed_with, heartbeat, registration
 
 REGISTRATION = registration()
-
-
-async def closed_with(worker: RawWorker) -> int:
-    """Read to the end of the connection and return the server's close code."""
-    with pytest.raises(websockets.ConnectionClosed) as closed:
-        while True:
-            await worker.recv(timeout=5)
-    assert closed.value.rcvd is not None
-    return closed.value.rcvd.code
 
 
 @pytest.fixture

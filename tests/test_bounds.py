@@ -18,7 +18,7 @@ import psutil
 import pytest
 from conftest import start_server, stop_server, write_spec
 from helpers import free_port, spawn_serve
-from test_cli import rota
+from helpers import rota
 
 MiB = 1 << 20
 

@@ -13,31 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, Live, write_spec
-from helpers import RawWorker, wait_until
+from conftest import Live, write_spec
+from helpers import RawWorker, rota, wait_until
 
 from click.testing import CliRunner
 
 from rota.cli import main
 from rota.specs import checksum
-
-
-async def rota(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-               timeout: float = 30) -> tuple[int, str, str]:
-    """Run the rota command: client commands in-process (click's runner, on a thread so
-    that the server in this event loop keeps serving), anything that is a process of its
-    own (serve, worker, or a cwd of its own) as a real subprocess."""
-    if args[0] not in ("serve", "worker") and cwd is None:
-        result = await asyncio.wait_for(
-            asyncio.to_thread(CliRunner().invoke, main, list(args), env=env), timeout)
-        return result.exit_code, result.stdout, result.stderr
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rota", *args, cwd=cwd,
-        env={**os.environ, **(env or {})},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def test_specs_push_dry_run_then_push_then_change(live: Live, connect, tmp_path: Path):

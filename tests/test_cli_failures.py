@@ -10,7 +10,7 @@ import pytest
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import free_port
 from pgserver import Cluster
-from test_cli import rota
+from helpers import rota
 from test_security import make_token
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import Live, Proxy, start_server, stop_server, write_spec
 from helpers import RawWorker, clean_env, wait_until
-from test_cli import rota
+from helpers import rota
 
 from rota import JobContext, Worker
 from rota.specs import JobSpec

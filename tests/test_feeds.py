@@ -15,8 +15,8 @@ import httpx
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, wait_until
-from test_cli import rota
-from test_security import bearer, make_token
+from helpers import rota
+from helpers import bearer, make_token
 from test_observe import T0, ended, error_record, job
 from test_storage import QUOTA, batch
 

@@ -27,7 +27,7 @@ import pytest
 import websockets
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import raw_http, wait_until
-from test_security import bearer, make_token
+from helpers import bearer, make_token
 
 from rota import JobContext, Worker
 from rota.specs import checksum

@@ -16,7 +16,7 @@ from typing import Any
 import corpus
 import pytest
 from conftest import Live, write_spec
-from test_cli import rota
+from helpers import rota
 
 from rota import ApiError, AsyncClient, Client, JobContext, Worker
 from rota.ids import job_id_problem, path_segment

@@ -34,7 +34,7 @@ import pytest
 import websockets
 from conftest import Api, Live, RawWorker, start_server, stop_server, wait_until, write_spec
 from helpers import clean_env, spawn_serve
-from test_crash import free_port
+from helpers import free_port
 
 TERMINAL = {"completed", "discarded", "cancelled"}
 # A spec whose jobs are quarantined after two worker deaths in a row.

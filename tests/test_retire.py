@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import RawWorker, start_server, stop_server, write_spec
-from test_cli import rota
+from helpers import rota
 
 pytestmark = pytest.mark.both_backends
 

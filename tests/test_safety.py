@@ -12,7 +12,7 @@ import pytest
 import websockets
 from conftest import Live, write_spec
 from helpers import wait_until
-from test_bad_input import closed_with
+from helpers import closed_with
 
 
 class Injected(RuntimeError):

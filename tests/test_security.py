@@ -21,9 +21,8 @@ import trustme
 import websockets
 from click.testing import CliRunner
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import RawWorker, completed, heartbeat, raw_http, registration, wait_until
-from test_bad_input import closed_with
-from test_cli import rota
+from helpers import (RawWorker, bearer, closed_with, completed, heartbeat, make_token, raw_http,
+                     registration, rota, wait_until)
 
 from rota import JobContext, Worker
 from rota.client import ApiError, Client
@@ -31,20 +30,6 @@ from rota.auth import new_token
 from rota.cli import main
 from rota.producer import AsyncClient
 from rota.store_tokens import create_token
-
-
-async def make_token(live: Live, scope: str, queues: list[str] | None = None) -> str:
-    """Create a token in the server's file and wait until the server has read it."""
-    token_id, secret, hashed = new_token()
-    create_token(live.settings.db, name=f"{scope}-{token_id}", scope=scope, queues=queues,
-                 token_id=token_id, hashed=hashed)
-    await wait_until(lambda: live.coordinator.tokens.valid_id(token_id),
-                     what="the server to read the new token")
-    return secret
-
-
-def bearer(secret: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret}"}
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import spawn_serve
-from test_cli import rota
-from test_crash import free_port
+from helpers import rota
+from helpers import free_port
 
 from rota.dblock import hold_database
 from rota.errors import DatabaseInUse, DatabaseLinked

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 from conftest import Live
-from test_cli import rota
+from helpers import rota
 
 from rota.specs import (
     JobSpec,

@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 import pytest
 from conftest import Live, wait_until, write_spec
-from test_bad_input import closed_with
-from test_cli import rota
+from helpers import closed_with
+from helpers import rota
 
 from rota import JobContext, Worker
 from rota import protocol as p

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from conftest import start_server, stop_server, write_spec
 from helpers import RawWorkers, spawn_serve, wait_until
-from test_crash import free_port, read_jobs
+from helpers import free_port, read_jobs
 
 from rota import JobContext, Worker, db, db_health, db_migrations
 from rota.errors import StorageError
@@ -390,7 +390,7 @@ async def test_a_cancel_or_retry_the_disk_refuses_leaves_the_job_as_it_was(
 
 
 async def test_serve_on_a_file_it_cannot_use_says_so_in_one_line(tmp_path: Path):
-    from test_cli import rota
+    from helpers import rota
 
     damaged = tmp_path / "notes.db"
     damaged.write_bytes(b"these are not the pages you are looking for" * 100)
@@ -403,7 +403,7 @@ async def test_serve_on_a_file_it_cannot_use_says_so_in_one_line(tmp_path: Path)
 
 
 async def test_serve_refuses_a_database_written_by_a_newer_rota(tmp_path: Path):
-    from test_cli import rota
+    from helpers import rota
 
     path = tmp_path / "rota.db"
     db_migrations.migrate(path)

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Live
-from test_cli import rota
-from test_security import bearer, make_token
+from helpers import rota
+from helpers import bearer, make_token
 
 
 @pytest.mark.parametrize("command", [["create", "--scope", "admin"], ["list"],

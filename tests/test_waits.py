@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import wait_until
-from test_security import bearer, make_token
+from helpers import bearer, make_token
 
 from rota.cli import main
 

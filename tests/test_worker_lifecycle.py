@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Live, wait_until, write_spec
-from test_cli import rota
+from helpers import rota
 
 from rota import JobContext, Worker
 
