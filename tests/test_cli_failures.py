@@ -11,7 +11,7 @@ from conftest import Live, start_server, stop_server, write_spec
 from helpers import free_port
 from pgserver import Cluster
 from helpers import rota
-from test_security import make_token
+from helpers import make_token
 
 
 def one_line(code: int, err: str, what: str) -> str:

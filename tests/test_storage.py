@@ -23,7 +23,8 @@ import httpx
 import pytest
 from conftest import start_server, stop_server, write_spec
 from helpers import RawWorkers, spawn_serve, wait_until
-from helpers import free_port, read_jobs
+from helpers import free_port
+from test_crash import read_jobs
 
 from rota import JobContext, Worker, db, db_health, db_migrations
 from rota.errors import StorageError
