@@ -7,6 +7,11 @@ of effects (rota/effects.py). It never awaits, never touches a socket or the dis
 never reads a clock, so every decision is tested by feeding it events
 (tests/test_engine.py).
 
+``Engine`` holds the state and inherits its parts, each a mixin of one concern: what
+producers ask (rota/intake.py), scheduling rounds (rota/reservations.py), what workers
+tell it (rota/heartbeats.py) and its clock (rota/timers.py). Here: the start, the
+commits' outcomes, and attempts that ended without a result.
+
 Deadlines (leases, grace periods, heartbeat silence, timers) are monotonic; wall time
 is only what gets stored and shown. When the engine sees that it was not called for
 longer than the shell promised (``tick_every``), the server itself stalled: it pushes
@@ -22,45 +27,31 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rota import protocol as p
-from rota.attempts import MAX_LOG_LINES, end_attempt, held_by, result_problem, settle, status_notes
-from rota.auth import Principal
-from rota.effects import (Abort, Arm, Effect, Finished, Note, Reserved, Save, Send, Wake, WorkerGone,
-                          WorkerSeen)
+from rota.attempts import MAX_LOG_LINES, end_attempt
+from rota.effects import Arm, Effect, Finished, Reserved, Save, Wake
 from rota.errors import RotaError, failure_level
+from rota.heartbeats import MAY_RECONNECT, Heartbeats
 from rota.intake import Intake
-from rota.jobs import error_record
-from rota.logs import log_lines, printable
+from rota.logs import log_lines
 from rota.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.observe import Observer
 from rota.policy import Ending
-from rota.registry import ConnectedWorker, Registry, held_ids, judge_specs, may_reclaim, short
+from rota.registry import ConnectedWorker, Registry, short
 from rota.reservations import Reservations
-from rota.scheduler import Scheduler, WorkerSlot
+from rota.scheduler import Scheduler
 from rota.settings import ServerSettings
 from rota.specs import JobSpec
 from rota.standing import Standing
+from rota.timers import Timers
 
 __all__ = ["Engine", "MAX_LOG_LINES", "MAY_RECONNECT"]
 log = logging.getLogger("rota.server")
-# Disconnects the worker did not choose and may recover from: its jobs stay reserved for
-# reconnect_grace, so that a worker whose network blinked (or that the server closed
-# for its own reasons: a flood, a backlog it did not read) takes them back on reconnect.
-# After any other (it closed, said goodbye, went silent, broke the protocol) they go back
-# at once.
-MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error", "rate_limited",
-                           "slow_consumer"})
-# Ends of a connection that count toward a job's poison tally (max_worker_deaths) when
-# its jobs go back at once: the worker process closed without a goodbye or went silent.
-# A goodbye, a protocol error or a revoked token says nothing about the job. (Jobs kept
-# for the reconnect grace count when it lapses: their worker did not come back.)
-DEATHS = frozenset({"closed", "heartbeat_timeout"})
 RECENT_RESULTS = 10_000  # accepted results remembered, to ack a resend of one quietly
 # Why a result is rejected whose row refused it at commit (docs/protocol.md §5.1).
 ROW_REFUSED = "the job's row moved on (another attempt or server holds it, or it ended)"
-STALL = 0.1  # seconds a tick may be late before the lateness counts as a server stall
 
 
-class Engine(Intake, Reservations):
+class Engine(Intake, Reservations, Heartbeats, Timers):
     def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
         self.settings = settings
         self.scheduler = Scheduler(settings.visibility_timeout, compact=True,
@@ -143,238 +134,6 @@ class Engine(Intake, Reservations):
         self._pending[self._tickets] = (kind, payload)
         return self._tickets
 
-    # -- workers ---------------------------------------------------------------------
-    def register(self, conn: int, hb: p.Heartbeat, principal: Principal, now: Instant
-                 ) -> list[Effect]:
-        """A registration (the first heartbeat of a connection; the caller then feeds the
-        same heartbeat to ``heartbeat``). Raises FrameError if it is refused."""
-        reg = hb.registration
-        assert reg is not None
-        effects: list[Effect] = []
-        kept = {job.worker_token for job in self.scheduler.kept_for(hb.worker_id)}
-        old = self.registry.admit(hb.worker_id, reg, principal, kept)
-        if old is not None:
-            effects.append(Abort(old.conn, "superseded", "the worker reconnected on a new"
-                                 " connection", p.CLOSE_POLICY))
-            effects += self.disconnect(old.conn, hb.worker_id, "superseded", now)
-        verdict = judge_specs(self.scheduler.status_quo, reg.specs)
-        slot = WorkerSlot(id=hb.worker_id, queues=list(reg.queues), concurrency=reg.concurrency,
-                          specs={s.name: s.checksum for s in reg.specs}, labels=list(reg.labels),
-                          prefetch=reg.prefetch, token=principal.token_id)
-        self.scheduler.add_worker(slot)
-        connection = ConnectedWorker(conn, slot, reg, now.wall, now.mono, principal)
-        self.registry.add(connection)
-        self.registry.log_registration(connection, verdict, now.mono)
-        effects.append(WorkerSeen(hb.worker_id, reg, now.wall))
-        self.observe.event(now.wall, "worker_connect", worker=slot.id, state=slot.state,
-                           message=f"host {printable(reg.hostname)} pid {reg.pid}")
-        effects.append(Send(conn, p.encode(p.Welcome(
-            worker_id=slot.id, server_time=p.rfc3339(now.wall),
-            heartbeat_interval=self.settings.heartbeat_interval,
-            heartbeat_timeout=self.settings.heartbeat_timeout,
-            visibility_timeout=self.settings.visibility_timeout, specs=verdict))))
-        return effects
-
-    def disconnect(self, conn: int, worker_id: str, reason: str, now: Instant) -> list[Effect]:
-        """Connection ``conn`` of the worker ended: forget it (not a newer connection of
-        the same worker) and decide what becomes of its jobs."""
-        connection = self.registry.remove(worker_id, conn)
-        if connection is None:
-            return []
-        held = self.scheduler.remove_worker(worker_id, connection.reported)
-        effects: list[Effect] = [WorkerGone(worker_id, connection.connected_at, now.wall)]
-        self.observe.event(now.wall, "worker_disconnect", worker=worker_id, message=reason)
-        quiet = not (connection.logged or held)  # its registration was not logged either
-        if self.stopping:
-            if not quiet:
-                log.info("disconnect worker=%s reason=%s jobs_kept_for_reclaim=%d", worker_id,
-                         reason, len(held))
-        elif reason not in MAY_RECONNECT or not held:
-            if not quiet:
-                log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason,
-                         len(held))
-            effects += self._recover(held, "worker_death", f"worker {worker_id} is gone"
-                                     f" ({reason})", now, death=reason in DEATHS)
-        else:
-            grace = self.settings.reconnect_grace
-            for job in held:
-                self.scheduler.orphan(job, now.mono + grace)
-            effects.append(Arm(now.mono + grace))
-            log.warning("disconnect worker=%s reason=%s jobs_held_for_reconnect=%d grace=%gs",
-                        worker_id, reason, len(held), grace)
-        return effects
-
-    def outbox(self, conn: int, worker_id: str, full: bool, over: bool, now: Instant
-               ) -> list[Effect]:
-        """What the shell saw of connection ``conn``'s outbox (what it sent that the worker
-        has not read): ``full``, above the high-water mark, and ``over``, above the limit.
-
-        A full outbox gets no new jobs, since each would only wait in the server's memory;
-        when it drains, a round runs for the jobs that waited meanwhile. One over the
-        limit is closed by ``tick`` if it stays there ``outbox_close_after`` seconds."""
-        connection = self.registry.get(worker_id, conn)
-        if connection is None:
-            return []
-        worker = connection.worker
-        effects: list[Effect] = []
-        if full != worker.blocked:
-            worker.blocked = full
-            log.info("outbox %s worker=%s", "full: no new jobs until it reads" if full
-                     else "drained", worker_id)
-            if not full and worker.free() > 0:
-                effects.append(Wake())
-        if not over:
-            connection.over_since = None
-        elif connection.over_since is None:
-            connection.over_since = now.mono
-            log.warning("outbox over %d bytes worker=%s: closed if it stays over for %gs",
-                        self.settings.outbox_limit, worker_id, self.settings.outbox_close_after)
-        return effects
-
-    def revoked(self, valid: Callable[[Principal], bool]) -> list[Effect]:
-        """The live tokens changed: close connections whose token is no longer valid."""
-        effects: list[Effect] = []
-        for connection in list(self.connections.values()):
-            if not valid(connection.principal):
-                log.warning("token revoked worker=%s token=%s: closing its connection",
-                            connection.worker.id, connection.principal.token_id or "none")
-                effects.append(Abort(connection.conn, "token_revoked", "the token this worker"
-                                     " connected with is no longer valid", p.CLOSE_POLICY))
-        return effects
-
-    # -- heartbeats and results -------------------------------------------------------
-    def heartbeat(self, conn: int, worker_id: str, hb: p.Heartbeat, now: Instant
-                  ) -> list[Effect]:
-        """Apply a heartbeat. Its ack goes out now, or, if it carries results, once they
-        are committed (``committed``); acks leave in the order of their heartbeats."""
-        connection = self.registry.get(worker_id, conn)
-        if connection is None:
-            return []
-        connection.last_seen = now.mono
-        connection.frames += 1
-        worker = connection.worker
-        effects: list[Effect] = []
-        # Jobs it held before a restart or a lost connection, still running or finished:
-        # it reclaims them by naming them, in whichever heartbeat it does so.
-        if self.scheduler.has_orphans:
-            effects += self._reclaim(connection, hb, now)
-        if hb.status is not None:
-            if not connection.checked:
-                effects += self._stop_lost_runs(connection, held_ids(hb.status))
-            self.registry.report(connection, hb.status)
-            # A job waiting in the worker's line is vouched for as much as a running one.
-            self.scheduler.renew(worker, connection.reported, now.mono)
-            if hb.status.progress or hb.status.logs or hb.status.alerts:
-                notes = status_notes(self.scheduler.jobs, connection, hb.status, now)
-                effects += [Note(notes)] if notes else []
-                for alert in hb.status.alerts:
-                    self.observe.event(now.wall, "alert", job=alert.job_id, worker=worker.id,
-                                       message=(alert.level, p.cut_text(alert.message)))
-        if hb.capacity is not None:
-            worker.capacity = hb.capacity
-        again, _, rejected, changes = self._take_results(worker, hb.results, now)
-        desired = connection.directive or worker.state
-        if not changes:
-            if worker.free() > 0:
-                effects.append(Wake())
-            connection.acks.append([None, self._ack(hb.seq, desired, again, rejected, now)])
-            return effects + self._flush_acks(connection)
-        ticket = self._ticket("results", (worker_id, conn, hb.seq, desired, changes, again,
-                                          rejected))
-        connection.acks.append([ticket, None])
-        effects.append(Save(changes, ticket, crash_point="result-after-commit"))
-        if worker.free() > 0:
-            effects.append(Wake())
-        return effects
-
-    def _flush_acks(self, connection: ConnectedWorker) -> list[Effect]:
-        sends: list[Effect] = []
-        while connection.acks and connection.acks[0][1] is not None:
-            sends.append(Send(connection.conn, connection.acks.pop(0)[1]))
-        return sends
-
-    def _reclaim(self, connection: ConnectedWorker, hb: p.Heartbeat, now: Instant) -> list[Effect]:
-        named = held_ids(hb.status) if hb.status is not None else []
-        worker = connection.worker
-        # Only what its token may take (Registry.admit refused it if another token's
-        # jobs were kept under this worker id; this holds for any that came since): a job
-        # of a queue its token may not serve (reserved by a worker without a token, before
-        # auth was on) stays kept, and lapses.
-        allowed: list[JobRecord] = []
-        refused: list[JobRecord] = []
-        for job_id in [*named, *(r.job_id for r in hb.results)]:
-            job = self.scheduler.jobs.get(job_id)
-            if job is None or not job.orphaned or job.worker_id != worker.id:
-                continue
-            if may_reclaim(job.worker_token, job.queue, connection.principal):
-                allowed.append(job)
-            elif connection.refused is None or job.id not in connection.refused:
-                connection.refused = connection.refused or set()
-                connection.refused.add(job.id)  # logged once, not at every heartbeat
-                refused.append(job)
-        log_lines(log, logging.WARNING, "reclaim refused job=%s queue=%s worker=%s token=%s:"
-                  " not its token's job or queue", [(j.id, j.queue, worker.id,
-                                                    connection.principal.token_id)
-                                                   for j in refused])
-        adopted = self.scheduler.adopt(worker, [j.id for j in allowed], now.mono)
-        effects: list[Effect] = []
-        for job in adopted:
-            log.info("reclaim job=%s spec=%s@%s queue=%s worker=%s attempt=%d", job.id, job.spec,
-                     short(job.checksum), job.queue, worker.id, job.attempt)
-            if job.cancel_requested:  # asked for while its worker was away
-                effects.append(Send(connection.conn, p.encode(
-                    p.Cancel(job_ids=[job.id], reason="cancelled"))))
-        return effects
-
-    def _stop_lost_runs(self, connection: ConnectedWorker, named: list[str]) -> list[Effect]:
-        """The first status after a (re)connect: jobs the worker says it runs but no longer
-        holds (recovered while it was away, maybe running elsewhere) are wasted work at
-        best and a duplicate side effect at worst: tell it to stop them."""
-        connection.checked = True
-        lost = [job_id for job_id in named if held_by(self.scheduler.jobs, connection, job_id) is None]
-        if not lost:
-            return []
-        log.warning("reservation lost worker=%s jobs=%s: recovered while it was away",
-                    connection.worker.id, ",".join(lost))
-        return [Send(connection.conn, p.encode(p.Cancel(job_ids=lost, reason="reservation_lost")))]
-
-    def _take_results(self, worker: WorkerSlot, results: list[p.Result], now: Instant
-                      ) -> tuple[list[str], list[str], list[p.ResultRejection], list[Change]]:
-        """(results stored before and sent again, results to store, rejections, changes)."""
-        again: list[str] = []
-        accepted: list[str] = []
-        rejected: list[p.ResultRejection] = []
-        changes: list[Change] = []
-        seen: set[tuple[str, int]] = set()
-        for result in results:
-            if (result.job_id, result.attempt) in seen:
-                reason: str | None = ("this heartbeat already carries a result for this"
-                                      " attempt of this job")
-            else:
-                seen.add((result.job_id, result.attempt))
-                reason = result_problem(self.scheduler.jobs, worker.id, result)
-                if reason is not None and self._recent.get(result.job_id) == (
-                        worker.id, result.attempt):
-                    again.append(result.job_id)  # stored already; its ack was lost
-                    continue
-            if reason is not None:
-                rejected.append(p.ResultRejection(job_id=result.job_id, attempt=result.attempt,
-                                                  reason=reason))
-                log.warning("result rejected job=%s worker=%s attempt=%d reason=%s",
-                            result.job_id, worker.id, result.attempt, reason)
-                continue
-            job = self.scheduler.jobs[result.job_id]
-            # What settling changes, put back if the commit fails.
-            undo = (job.fails, job.deaths, job.budget_start, job.run_at, job.due)
-            accepted.append(job.id)
-            changes.append(settle(job, result, now, rand=self._rand,
-                                  max_result_bytes=self.settings.max_result_bytes))
-            changes[-1].undo = undo
-            # The worker no longer runs it, whatever becomes of the commit: its slot is
-            # free now, so the next reservation can share this result's commit.
-            worker.active.discard(job.id)
-        return again, accepted, rejected, changes
-
     def _place(self, job: JobRecord) -> list[Effect]:
         """Put a job where its (committed) state says it belongs."""
         if job.state in TERMINAL_STATES:
@@ -386,12 +145,6 @@ class Engine(Intake, Reservations):
         due = job.due if job.due is not None else 0.0  # scheduled or retryable
         self.scheduler.defer(job, due)
         return [Arm(due)]
-
-    def _ack(self, seq: int, state: str, accepted: list[str],
-             rejected: list[p.ResultRejection], now: Instant) -> str:
-        return p.encode(p.Ack(seq=seq, state=state,  # type: ignore[arg-type]
-                              server_time=p.rfc3339(now.wall),
-                              accepted=accepted, rejected=rejected))
 
     # -- commits ---------------------------------------------------------------------
     def committed(self, ticket: int, error: BaseException | None, now: Instant,
@@ -557,111 +310,3 @@ class Engine(Intake, Reservations):
         effects.insert(0, Save(changes, self._ticket("finish", changes)))
         effects.append(Wake())
         return effects
-
-    # -- this server's lease (several servers on one database) ----------------------
-    def lease_taken(self, started: float, now: Instant) -> list[Effect]:
-        """One of several servers on one database: it took its lease as it started (a
-        renewal begun at monotonic ``started``). From now on it hands out work only while
-        it holds the lease."""
-        self.standing.shared = True
-        return self.lease_renewed(started, now)
-
-    def lease_renewed(self, started: float, now: Instant) -> list[Effect]:
-        """A renewal of this server's lease, begun at monotonic ``started``, committed.
-        If rounds had stopped for want of a lease, they start again."""
-        if self.standing.renewed(started, now.mono):
-            log.warning("cluster: this server's lease renewal failed, came late, or it"
-                        " stalled: it judges no other server's lease for %gs, so that each"
-                        " has a whole lease to renew in first", self.standing.lease)
-        if self.standing.handing_out or not self.standing.may_hand_out(now.mono):
-            return []
-        self.standing.handing_out = True
-        log.warning("cluster: lease renewed (%.1fs left): handing out work again",
-                    self.standing.left(now.mono))
-        return [Wake()]
-
-    def lease_failed(self) -> None:
-        """A renewal of this server's lease failed: the others are not judged until one
-        works again (rota/standing.py)."""
-        self.standing.failed()
-
-    # -- timers ----------------------------------------------------------------------
-    def next_deadline(self) -> float | None:
-        return self.scheduler.next_deadline()
-
-    def tick(self, now: Instant) -> list[Effect]:
-        """Fire whatever is due: timers, lapsed leases, expired jobs, silent workers.
-        Nothing once a shutdown began: the jobs held stay reserved as they are, and the
-        restart judges every deadline again from the rows (a reclaim grace that ran out
-        during the stop would otherwise take back jobs the restart keeps for their
-        workers)."""
-        if self.stopping:
-            return []
-        effects: list[Effect] = []
-        if self._last_tick is not None:
-            stall = now.mono - self._last_tick - self.tick_every
-            if stall > STALL:
-                # The server did not run for that long: nobody's heartbeat could be read
-                # and no lease could be renewed. Judge only time it was listening.
-                log.warning("server stalled for %.1fs: liveness deadlines extended by it", stall)
-                self.registry.shift(stall, now.mono)
-                self.scheduler.shift(stall)
-                self.standing.stalled()  # and it judges no other server's lease for now
-        self._last_tick = now.mono
-        effects += self.resume_rounds(now)
-        due = self.scheduler.due(now.mono)
-        if due:
-            effects += [Save([Change(job) for job in due]), Wake()]
-        for job in self.scheduler.expired_leases(now.mono):
-            effects += self._lease_lapsed(job, now)
-        expired = self.scheduler.expired_ttls(now.mono)
-        if expired:
-            effects += self._expire(expired, now)
-        timeout = self.settings.heartbeat_timeout
-        for connection in self.registry.silent(now.mono, timeout):
-            log.warning("heartbeat timeout worker=%s silent_for=%.1fs", connection.worker.id,
-                        now.mono - connection.last_seen)
-            effects += self._abort("heartbeat_timeout", f"no heartbeat for {timeout}s",
-                                   connection, now)
-        after = self.settings.outbox_close_after
-        for connection in self.registry.backed_up(now.mono, after):
-            log.warning("slow consumer worker=%s: outbox over %d bytes for %.1fs",
-                        connection.worker.id, self.settings.outbox_limit,
-                        now.mono - (connection.over_since or now.mono))
-            effects += self._abort("slow_consumer", f"over {self.settings.outbox_limit} bytes"
-                                   f" sent and not read for {after:g}s", connection, now)
-        return effects
-
-    def _abort(self, code: str, message: str, connection: ConnectedWorker, now: Instant
-               ) -> list[Effect]:
-        """The server ends a connection: an ``error`` frame, then what its disconnect
-        decides for its jobs (by ``code``, see MAY_RECONNECT)."""
-        return [Abort(connection.conn, code, message, p.CLOSE_POLICY),
-                *self.disconnect(connection.conn, connection.worker.id, code, now)]
-
-    def _lease_lapsed(self, job: JobRecord, now: Instant) -> list[Effect]:
-        holder = job.worker_id or ""
-        if job.orphaned:
-            self.scheduler.unorphan(job)
-            return self._recover([job], "worker_death",
-                                 f"worker {holder} did not reconnect in time", now)
-        effects: list[Effect] = []
-        connection = self.registry.get(holder)
-        if connection is not None:  # stop the stale run, so it does not race the retry
-            effects.append(Send(connection.conn, p.encode(
-                p.Cancel(job_ids=[job.id], reason="visibility_timeout"))))
-        lease = self.scheduler.lease_for(job)
-        return effects + self._recover([job], "visibility_timeout",
-                                       f"no result or heartbeat for {lease:g}s", now)
-
-    def _expire(self, jobs: list[JobRecord], now: Instant) -> list[Effect]:
-        changes = []
-        for job in jobs:
-            job.move(JobState.DISCARDED)
-            record = error_record(p.ErrorInfo(type="expired", message="its time to live ran out",
-                                              retryable=False),
-                                  attempt=job.attempt, worker_id=None, now=now.wall)
-            changes.append(Change(job, error=record, finished_at=now.wall))
-            self.scheduler.finish(job)
-            log.info("expired job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
-        return [Save(changes, self._ticket("finish", changes))]

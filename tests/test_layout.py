@@ -37,7 +37,9 @@ LAYERS: list[set[str]] = [
     # effect types; PostgreSQL (db's writer and readers on pg_connection: above db, which it
     # extends); several servers' leases, notices and recovery
     {"registry"},  # connected workers
-    {"attempts", "intake", "reservations"},  # how attempts end; what producers ask; rounds
+    {"attempts", "intake", "reservations", "timers"},  # how attempts end; what producers
+    # ask; rounds; the engine's timers, stalls and its server's lease
+    {"heartbeats"},  # what workers tell the engine: registrations, heartbeats, disconnects
     {"engine"},  # the pure state machine
     {"rows", "lookup", "store_writes", "store_views", "store_tokens"},  # jobs as rows: a
     # restart's load, claims; an operator's queries; the store's writes on a connection;
@@ -81,7 +83,7 @@ SDK = {"context", "manual", "worker", "client", "link", "execution", "connection
 SERVER_ONLY = {"starlette", "uvicorn", "sqlite_utils", "sqlite3", "httpx", "psycopg"}
 # The pure core: no I/O, no event loop, no clock.
 PURE = {"inputs", "model", "policy", "standing", "ready", "retention", "observe", "listing", "display", "charts", "scheduler", "effects", "registry", "attempts", "intake",
-        "reservations", "engine", "verdicts",
+        "reservations", "heartbeats", "timers", "engine", "verdicts",
         "link"}
 
 

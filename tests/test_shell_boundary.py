@@ -23,7 +23,7 @@ PAST = {"store", "scheduler", "engine"}
 # applies other servers' notices to the engine.
 SHELL = {"coordinator", "shell_reads", "shell_directives", "cluster", "admission", "steering",
          "tokenwatch", "upkeep", "watching"}
-ENGINE = {"engine", "intake", "reservations"}  # the engine and its parts (mixins)
+ENGINE = {"engine", "intake", "reservations", "heartbeats", "timers"}  # the engine and its parts (mixins)
 
 
 def reaches(source: str, module: str = "") -> list[str]:
