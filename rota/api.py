@@ -1,32 +1,26 @@
 """The HTTP API (JSON): enqueue and inspect jobs, push and list specs, see workers and queues.
 
-Every error has the body ``{"error": {"code": ..., "message": ...}}``: a 4xx for what the
-client can fix, 503 with ``Retry-After`` while the disk refuses writes (``storage_*``),
-and 500 ``internal`` (with an incident id, from rota/safety.py) for a bug.
+What the routes share (answers, errors and their statuses, the body, the scope check) is in
+rota/api_base.py; the route table that serves them is rota/routes.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import re
 from typing import Annotated, Any, Literal
 
 import msgspec
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
-from starlette.websockets import WebSocket
 
-from rota.auth import Principal, Scope
+from rota.api_base import (JSON, coordinator_of, decode_as, decode_body, error, need, read_body,
+                           status_of, token_revoked, too_many_waits)
+from rota.auth import Scope
 from rota.coordinator import Coordinator
-from rota.errors import (Conflict, DomainError, Forbidden, Invalid, NotFound, RequestError,
-                         StorageError, TooLarge)
+from rota.errors import DomainError, Invalid
 from rota.gate import principal_of
 from rota.ids import TOKEN_NAME_PATTERN
-from rota.inputs import BadJson, explain, screen
 from rota.jobs import BatchRequest, EnqueueRequest
-from rota.logs import printable
 from rota.observe import UNFINISHED, busiest
 from rota.policy import TERMINAL_STATES
 from rota.protocol import Name, rfc3339
@@ -38,7 +32,6 @@ Directive = Literal["quiet", "terminate", "running"]  # running: resume a quiet 
 # Printable, and short enough for a listing; an id is the other way to name a token.
 TokenName = Annotated[str, msgspec.Meta(pattern=TOKEN_NAME_PATTERN)]
 
-log = logging.getLogger("rota.server")
 SECONDS = re.compile(r"[0-9]{1,20}(\.[0-9]{1,20})?([eE][-+]?[0-9]{1,3})?")
 
 
@@ -63,89 +56,11 @@ class TokenRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     queues: Annotated[list[Name], msgspec.Meta(min_length=1)] | None = None  # None: any
 
 
-class JSON(Response):
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return msgspec.json.encode(content)
-
-
-def error(status: int, code: str, message: str) -> JSON:
-    return JSON({"error": {"code": code, "message": message}}, status_code=status)
-
-
-# The core's refusals, as HTTP statuses: decided here, at the edge, not in the engine.
-STATUS: dict[type[DomainError], int] = {NotFound: 404, Conflict: 409, Invalid: 422,
-                                        Forbidden: 403, TooLarge: 413, DomainError: 422}
-
-
-def status_of(exc: RequestError | DomainError) -> int:
-    if isinstance(exc, RequestError):
-        return exc.status
-    return STATUS.get(type(exc), 422)
-
-
-def _coordinator(request: Request) -> Coordinator:
-    return request.app.state.coordinator
-
-
-def need(request: Request, *scopes: Scope) -> Principal:
-    """The caller, if its token's scope allows this route; else 403."""
-    principal = principal_of(request.scope)
-    if not principal.may(*scopes):
-        raise RequestError(403, "forbidden", f"a {principal.scope} token may not"
-                           f" {request.method} {request.url.path}")
-    return principal
-
-
-async def _read_body(request: Request) -> bytes:
-    """The body, refused with 413 as soon as it passes the limit: never buffered whole."""
-    limit = _coordinator(request).settings.max_body_bytes
-    too_large = RequestError(413, "body_too_large",
-                             f"the request body is over {limit} bytes (max_body_bytes)")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    # A body sent a byte a minute would hold its connection for ever: it has a deadline.
-    timeout = _coordinator(request).settings.body_timeout
-    try:
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-    except TimeoutError:
-        raise RequestError(408, "body_timeout", f"the request body did not arrive within"
-                           f" {timeout:g}s (body_timeout)") from None
-    return b"".join(chunks)
-
-
-async def _decode(request: Request, kind: type[Any]) -> Any:
-    return decode_as(await _read_body(request), kind)
-
-
-def decode_as(body: bytes, kind: type[Any]) -> Any:
-    """A JSON body as ``kind``: 422 if it does not fit, 400 if it is not JSON Rota takes
-    (malformed, too deep, not UTF-8), each with a message that says which."""
-    try:
-        return msgspec.json.decode(screen(body), type=kind)
-    except msgspec.ValidationError as exc:
-        raise RequestError(422, "invalid_request", str(exc)) from None
-    except BadJson as exc:
-        raise RequestError(400, exc.code, exc.message) from None
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        bad = explain(body, exc)
-        raise RequestError(400, bad.code, bad.message) from None
-
-
 # -- jobs -------------------------------------------------------------------------
 async def enqueue(request: Request) -> Response:
     principal = need(request, "producer")
-    payload = await _decode(request, EnqueueRequest)
-    [outcome] = await _coordinator(request).enqueue([payload], principal)
+    payload = await decode_body(request, EnqueueRequest)
+    [outcome] = await coordinator_of(request).enqueue([payload], principal)
     if isinstance(outcome, DomainError):
         raise outcome
     row, created = outcome
@@ -155,7 +70,7 @@ async def enqueue(request: Request) -> Response:
 async def enqueue_batch(request: Request) -> Response:
     """Many jobs, one transaction; each gets its own status, and a bad one spoils no other."""
     principal = need(request, "producer")
-    batch: BatchRequest = await _decode(request, BatchRequest)
+    batch: BatchRequest = await decode_body(request, BatchRequest)
     parsed: list[EnqueueRequest | DomainError] = []
     for raw in batch.jobs:
         try:  # already screened and decoded once, as part of the batch: it is JSON
@@ -163,7 +78,7 @@ async def enqueue_batch(request: Request) -> Response:
         except msgspec.ValidationError as exc:
             parsed.append(Invalid("invalid_request", str(exc)))
     valid = [item for item in parsed if isinstance(item, EnqueueRequest)]
-    outcomes = iter(await _coordinator(request).enqueue(valid, principal) if valid else [])
+    outcomes = iter(await coordinator_of(request).enqueue(valid, principal) if valid else [])
     results = []
     for index, item in enumerate(parsed):
         outcome = item if isinstance(item, DomainError) else next(outcomes)
@@ -182,7 +97,7 @@ async def _find(request: Request, job_id: str) -> dict[str, Any] | None:
     it is kept under (rota/auth.py); to a producer, any other job does not exist, exactly
     as a missing one."""
     principal = need(request, "producer")
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     row = await coordinator.get_job(principal.stored_id(job_id))
     if row is None and (unscoped := principal.unscoped_id(job_id)) is not None:
         # A job enqueued before producers' ids were their own is kept under the id given.
@@ -193,7 +108,7 @@ async def _find(request: Request, job_id: str) -> dict[str, Any] | None:
 
 
 async def show_job(request: Request) -> Response:
-    coordinator, job_id = _coordinator(request), request.path_params["job_id"]
+    coordinator, job_id = coordinator_of(request), request.path_params["job_id"]
     row = await _find(request, job_id)
     if row is None:
         hint = (f" (the bulk action is POST /jobs/{job_id})" if job_id in ("retry", "cancel")
@@ -219,7 +134,7 @@ async def cancel_job(request: Request) -> Response:
     # token's job does not exist for it, as in GET. Retry stays admin-only: it
     # overrides the spec's retry limits, an operator's call.
     principal = need(request, "producer")
-    coordinator, job_id = _coordinator(request), request.path_params["job_id"]
+    coordinator, job_id = coordinator_of(request), request.path_params["job_id"]
     if principal.scope != "admin":  # (an admin's cancel needs no extra read)
         row = await _find(request, job_id)
         if row is None:
@@ -231,12 +146,12 @@ async def cancel_job(request: Request) -> Response:
 
 async def retry_job(request: Request) -> Response:
     need(request, "admin")
-    row = await _coordinator(request).retry(request.path_params["job_id"])
+    row = await coordinator_of(request).retry(request.path_params["job_id"])
     return JSON(job_view(row))
 
 
 async def job_result(request: Request) -> Response:
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     text = request.query_params.get("wait", "0")
     # A number as JSON writes one (and str(float)): float() would also take "1_0", "nan",
     # "inf" and " 1 ".
@@ -272,30 +187,10 @@ async def job_result(request: Request) -> Response:
     return JSON(body, status_code=200 if done else 202)
 
 
-# The scope key of a request's way to drop its connection at once (rota/edge.py sets it:
-# a weak method, called to get the method), for a stream whose client does not read.
-DROP = "rota.drop"
-
-
-def token_revoked() -> Response:
-    """The answer to a request that waits whose token was revoked meanwhile."""
-    return error(401, "token_revoked", "the token of this request was revoked while it"
-                 " waited")
-
-
-def too_many_waits(coordinator: Coordinator) -> Response:
-    """The answer to a token over its share of HTTP requests that stay open."""
-    cap = coordinator.settings.max_waits_per_token
-    response = error(429, "too_many_waits", f"this token has {cap} requests open that wait"
-                     " (GET /events, ?wait=) already: --max-waits-per-token")
-    response.headers["retry-after"] = "1"
-    return response
-
-
 # -- specs ------------------------------------------------------------------------
 async def list_specs(request: Request) -> Response:
     need(request, "producer")  # a producer needs the argument schemas of what it enqueues
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     retired = coordinator.retired_specs()
     specs = [
         {"name": s.name, "version": s.version, "checksum": checksum(s), "queue": s.queue,
@@ -308,23 +203,23 @@ async def list_specs(request: Request) -> Response:
 
 async def push_specs(request: Request) -> Response:
     need(request, "admin")
-    payload: PushRequest = await _decode(request, PushRequest)
-    report = await _coordinator(request).push_specs(payload.specs, dry_run=payload.dry_run)
+    payload: PushRequest = await decode_body(request, PushRequest)
+    report = await coordinator_of(request).push_specs(payload.specs, dry_run=payload.dry_run)
     return JSON({"dry_run": payload.dry_run, "specs": report})
 
 
 async def retire_spec(request: Request) -> Response:
     need(request, "admin")
-    body = await _read_body(request)
+    body = await read_body(request)
     payload = decode_as(body, RetireRequest) if body.strip() else RetireRequest()
-    return JSON(await _coordinator(request).retire_spec(
+    return JSON(await coordinator_of(request).retire_spec(
         request.path_params["name"], cancel_waiting=payload.cancel_waiting))
 
 
 async def spec_history(request: Request) -> Response:
     need(request, "admin")
     name = request.path_params["name"]
-    history = await _coordinator(request).spec_history(name)
+    history = await coordinator_of(request).spec_history(name)
     if not history:
         return error(404, "not_found", f"spec {name!r} was never pushed")
     return JSON({"name": name, "history": history})
@@ -333,28 +228,28 @@ async def spec_history(request: Request) -> Response:
 # -- tokens (admin only; ``rota tokens --url``) ------------------------------------------
 async def create_token(request: Request) -> Response:
     need(request, "admin")
-    payload: TokenRequest = await _decode(request, TokenRequest)
-    secret, row = await _coordinator(request).create_token(payload.scope, payload.name,
+    payload: TokenRequest = await decode_body(request, TokenRequest)
+    secret, row = await coordinator_of(request).create_token(payload.scope, payload.name,
                                                            payload.queues)
     return JSON({"token": secret, **token_view(row)}, status_code=201)
 
 
 async def list_tokens(request: Request) -> Response:
     need(request, "admin")
-    rows = await _coordinator(request).live_tokens()
+    rows = await coordinator_of(request).live_tokens()
     return JSON({"tokens": [token_view(row) for row in rows]})
 
 
 async def revoke_token(request: Request) -> Response:
     need(request, "admin")
-    rows = await _coordinator(request).revoke_token(request.path_params["token"])
+    rows = await coordinator_of(request).revoke_token(request.path_params["token"])
     return JSON({"revoked": [token_view(row) for row in rows]})
 
 
 # -- workers, queues, health ---------------------------------------------------------
 async def list_workers(request: Request) -> Response:
     need(request, "admin")
-    return JSON({"workers": worker_views(_coordinator(request))})
+    return JSON({"workers": worker_views(coordinator_of(request))})
 
 
 def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
@@ -385,8 +280,8 @@ async def direct_worker(request: Request) -> Response:
     """Ask one worker to go quiet or terminate (it hears it in its next ack); 202 if it
     is connected to another server on the database, which passes it on."""
     need(request, "admin")
-    payload: StateRequest = await _decode(request, StateRequest)
-    done = await _coordinator(request).direct_workers(
+    payload: StateRequest = await decode_body(request, StateRequest)
+    done = await coordinator_of(request).direct_workers(
         payload.state, worker_id=request.path_params["worker_id"])
     if done.forwarded:
         return JSON({"workers": done.workers, "state": payload.state, "forwarded": True},
@@ -397,17 +292,17 @@ async def direct_worker(request: Request) -> Response:
 async def direct_workers(request: Request) -> Response:
     """Ask every worker with a label, or all of them, to go quiet or terminate."""
     need(request, "admin")
-    payload: StateRequest = await _decode(request, StateRequest)
+    payload: StateRequest = await decode_body(request, StateRequest)
     if (payload.label is None) == (not payload.all):
         return error(422, "invalid_request", "give either label or all: true")
-    done = await _coordinator(request).direct_workers(payload.state, label=payload.label,
+    done = await coordinator_of(request).direct_workers(payload.state, label=payload.label,
                                                       every=payload.all)
     return JSON({"workers": done.workers, "state": payload.state, "forwarded": done.forwarded})
 
 
 async def list_queues(request: Request) -> Response:
     need(request, "admin")
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     views, others = await queue_views(coordinator, limit=coordinator.settings.max_series)
     return JSON({"queues": views, "others": others})
 
@@ -455,7 +350,7 @@ async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]
 async def healthz(request: Request) -> Response:
     """200 even while the store is degraded: the server still serves reads and workers,
     and a restart by a liveness probe would not bring the disk back (docs/operations.md)."""
-    coordinator = _coordinator(request)
+    coordinator = coordinator_of(request)
     degraded = coordinator.storage_degraded()
     storage = None if degraded is None else {
         "code": degraded.code, "message": degraded.message, "since": rfc3339(degraded.since)}
@@ -463,59 +358,3 @@ async def healthz(request: Request) -> Response:
                  "workers": len(coordinator.connections),
                  "live_jobs": coordinator.live_jobs(), "specs": len(coordinator.specs),
                  "uptime": round(coordinator.uptime(), 3), "storage": storage})
-
-
-# A body that stopped arriving: the connection ends with the answer. (The rest of a body
-# refused as too large is read and dropped by uvicorn, and the connection goes on.)
-CLOSE_AFTER = frozenset({"body_timeout"})
-
-
-async def request_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestError | DomainError)
-    response = error(status_of(exc), exc.code, exc.message)
-    if exc.code in CLOSE_AFTER:
-        response.headers["connection"] = "close"
-    return response
-
-
-async def storage_unavailable(request: Request, exc: Exception) -> Response:
-    # Logged once by the store's health when it became degraded, not once per request.
-    assert isinstance(exc, StorageError)
-    response = error(503, exc.code, exc.message)
-    response.headers["Retry-After"] = str(exc.retry_after)
-    return response
-
-
-async def http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    message = str(exc.detail)
-    if exc.status_code in (404, 405):
-        path = printable(request.url.path, 100)
-        message = f"no route {request.method} {path}"
-        if path.rstrip("/") == "/work":
-            message += ": /work is the workers' WebSocket endpoint (ws:// or wss://)"
-        elif exc.status_code == 404:
-            message += ": the routes are in /openapi.json"
-    return error(exc.status_code, code, message)
-
-
-async def no_such_socket(websocket: WebSocket) -> None:
-    """A WebSocket handshake for any path but /work: refused with a JSON 404."""
-    path = printable(websocket.url.path, 100)
-    await websocket.send_denial_response(error(
-        404, "not_found", f"no WebSocket endpoint at {path}: workers connect to /work"))
-
-
-async def client_gone(request: Request, exc: Exception) -> Response:
-    # The client closed its connection before its body arrived: nothing was done, nobody
-    # is left to answer, and a traceback per such request is a log line anyone could
-    # repeat at will. The answer is dropped by uvicorn.
-    log.debug("%s %s: the client went away before its body arrived", request.method,
-              printable(request.url.path))
-    return error(400, "client_disconnected", "the client closed the connection mid-request")
-
-
-exception_handlers = {RequestError: request_error, DomainError: request_error,
-                      StorageError: storage_unavailable, HTTPException: http_error,
-                      ClientDisconnect: client_gone}

@@ -14,15 +14,16 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from rota.api import job_detail, need, worker_views
+from rota.api import job_detail, worker_views
+from rota.api_base import coordinator_of, need
 from rota.charts import SERIES, throughput_svg
 from rota.coordinator import Coordinator
 from rota.errors import RequestError
 from rota.ids import path_segment
 from rota.listing import FIELDS, JobFilter, filter_params, parse_filter
 from rota.lookup import COUNT_CAP
-from rota.pages import (HERE, STATES, action, coordinator_of, counted_queues, login,
-                        login_form, logout, render)
+from rota.pages import (HERE, STATES, action, counted_queues, login, login_form, logout,
+                        render)
 from rota.policy import TERMINAL_STATES
 from rota.protocol import Name, rfc3339
 

@@ -20,7 +20,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from rota.api import DROP
+from rota.api_base import DROP
 from rota.sessions import WIRE
 
 log = logging.getLogger("rota.server")

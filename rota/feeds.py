@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from rota.api import DROP, JSON, need, token_revoked, too_many_waits
+from rota.api_base import DROP, JSON, need, token_revoked, too_many_waits
 from rota.auth import Principal
 from rota.coordinator import Coordinator
 from rota.errors import RequestError

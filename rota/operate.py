@@ -13,7 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rota.api import JSON, _coordinator, _read_body, decode_as, need
+from rota.api_base import JSON, coordinator_of, decode_as, need, read_body
 from rota.coordinator import MAX_BULK
 from rota.errors import RequestError
 from rota.listing import FIELDS, JobFilter, parse_filter
@@ -63,7 +63,7 @@ async def list_jobs(request: Request) -> Response:
             raise RequestError(400, f"invalid_{key}", f"{key} may be given once")
     limit = _limit(query.get("limit"))
     cursor = query.get("cursor") or None
-    jobs, after = await _coordinator(request).list_jobs(flt, limit, cursor)
+    jobs, after = await coordinator_of(request).list_jobs(flt, limit, cursor)
     return JSON({"jobs": jobs, "next_cursor": after})
 
 
@@ -85,12 +85,12 @@ def _filter(raw: BulkFilter) -> JobFilter:
 
 async def _bulk(request: Request, action: str) -> Response:
     need(request, "admin")
-    body: BulkRequest = decode_as(await _read_body(request), BulkRequest)
+    body: BulkRequest = decode_as(await read_body(request), BulkRequest)
     if (body.ids is None) == (body.filter is None):
         raise RequestError(422, "invalid_request", "give either ids or filter, not both"
                            if body.ids is not None else "give either ids or filter")
     flt = _filter(body.filter) if body.filter is not None else None
-    return JSON(await _coordinator(request).bulk(action, ids=body.ids, flt=flt,
+    return JSON(await coordinator_of(request).bulk(action, ids=body.ids, flt=flt,
                                                  dry_run=body.dry_run,
                                                  limit=body.limit or len(body.ids or ())
                                                  or DEFAULT_BULK))
@@ -116,10 +116,10 @@ def _queue(request: Request) -> str:
 
 async def pause_queue(request: Request) -> Response:
     need(request, "admin")
-    return JSON(await _coordinator(request).pause_queue(_queue(request), True))
+    return JSON(await coordinator_of(request).pause_queue(_queue(request), True))
 
 
 async def resume_queue(request: Request) -> Response:
     need(request, "admin")
-    return JSON(await _coordinator(request).pause_queue(_queue(request), False))
+    return JSON(await coordinator_of(request).pause_queue(_queue(request), False))
 

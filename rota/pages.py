@@ -23,7 +23,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from rota import display
-from rota.api import _read_body, need, queue_views
+from rota.api import queue_views
+from rota.api_base import coordinator_of, need, read_body
 from rota.coordinator import Coordinator
 from rota.errors import DomainError, RequestError, StorageError
 from rota.gate import COOKIE
@@ -59,10 +60,6 @@ env = jinja2.Environment(
 # with a "/" stored by an earlier version must not reach another route, or another job).
 env.filters.update(size=display.size, duration=display.duration, pretty=display.pretty,
                    short=display.short, count=display.count, segment=path_segment)
-
-
-def coordinator_of(request: Request) -> Coordinator:
-    return request.app.state.coordinator
 
 
 def render(request: Request, name: str, status: int = 200, **context: Any) -> Response:
@@ -108,7 +105,7 @@ def back(request: Request, form: dict[str, str], message: str) -> Response:
 
 async def read_form(request: Request) -> dict[str, str]:
     """An urlencoded form, within the body limit; a field given twice keeps its last."""
-    body = await _read_body(request)
+    body = await read_body(request)
     try:
         fields = parse_qs(body.decode(), keep_blank_values=True, max_num_fields=100)
     except (UnicodeDecodeError, ValueError):

@@ -14,7 +14,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import WebSocketRoute
 
-from rota import api, dashboard, routes
+from rota import api_base, dashboard, routes
 from rota.cluster import Cluster
 from rota.coordinator import Coordinator
 from rota.edge import GuardedHttp, LeanWebSocket
@@ -58,8 +58,8 @@ def create_app(settings: ServerSettings) -> Starlette:
 
     app = Starlette(
         routes=[*routes.routes, *dashboard.routes, WebSocketRoute("/work", work_endpoint),
-                WebSocketRoute("/{path:path}", api.no_such_socket)],
-        exception_handlers=api.exception_handlers,  # type: ignore[arg-type]
+                WebSocketRoute("/{path:path}", api_base.no_such_socket)],
+        exception_handlers=api_base.exception_handlers,  # type: ignore[arg-type]
         # The net outermost: whatever escapes the routes or the gate still gets an answer.
         middleware=[Middleware(SafetyNet), Middleware(Gate, coordinator=coordinator)],
         lifespan=lifespan,

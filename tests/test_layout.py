@@ -52,7 +52,8 @@ LAYERS: list[set[str]] = [
     {"coordinator"},  # the async shell
     {"gate", "safety", "cluster"},  # authentication at the door; the net for what nobody
     # expected; one of several servers on one database
-    {"sessions", "api"},  # /work and the HTTP routes
+    {"sessions", "api_base"},  # /work; what the HTTP routes share (answers, errors, bodies)
+    {"api"},  # the HTTP routes
     {"feeds", "operate", "pages", "openapi"},  # what an operator watches (/events, /stats,
     # /metrics) and steers (job listing, bulk actions, queue pause); the dashboard's
     # plumbing; the OpenAPI document, made from a route table
