@@ -28,7 +28,8 @@ from rota.retention import (DAY, Cutoff, Frames, PruneTally, Retention, due, for
 from rota.store import Store
 from rota.worker import Worker
 
-pytestmark = pytest.mark.both_backends
+# The decisions are pure; the prune runs on both backends; the stream through a server
+# runs on SQLite (its file's size is the point).
 
 # -- the decisions, with a fake clock -------------------------------------------------
 
@@ -156,6 +157,7 @@ async def _finish(store: Store, jobs: list[tuple[Job, str, float]]) -> None:
     await store.save([Change(job, finished_at=at) for job, _, at in jobs])
 
 
+@pytest.mark.both_backends
 async def test_prune_deletes_what_is_due_oldest_first_with_its_logs(tmp_path: Path):
     store = Store(tmp_path / "rota.db", database_url=store_url(tmp_path))
     await asyncio.to_thread(store.load)
@@ -227,14 +229,13 @@ def _rows(path: Path) -> int:
 # 100,000 jobs: well under a minute alone, but a loaded CI machine may take longer.
 @pytest.mark.soak
 @pytest.mark.timeout(180)
-@pytest.mark.sqlite_only("the SQLite file's size levels off (PostgreSQL's autovacuum reuses"
-                         " space on its own schedule)")
+# On SQLite: its file's size levels off (PostgreSQL's autovacuum reuses space on its own
+# schedule).
 async def test_a_stream_of_jobs_levels_the_file_off(tmp_path: Path,
                                                     caplog: pytest.LogCaptureFixture):
     await _stream_through_retention(tmp_path, caplog, JOBS, levels_off=True)
 
 
-@pytest.mark.sqlite_only("the same stream as the soak run, on SQLite")
 async def test_a_short_stream_of_jobs_is_pruned_as_it_goes(tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture):
     """The soak run at 1/20 of its size: every job is pruned and the prune lines are
