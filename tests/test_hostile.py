@@ -299,13 +299,15 @@ async def test_every_header_rota_reads(watched: Watch):
 
 
 # -- /work -----------------------------------------------------------------------------
-async def outcome(ws: websockets.ClientConnection, seq: int) -> tuple[str, Any]:
-    """How the server took a frame: ("ack", ack) or ("closed", (error frame, close code))."""
+async def outcome(ws: websockets.ClientConnection, seq: int | None) -> tuple[str, Any]:
+    """How the server took a frame: ("ack", ack) or ("closed", (error frame, close code)).
+    ``seq``: the ack's, or None for the next ack (the frame under test may carry any seq,
+    and its ack echoes it: waiting for another one waited for the heartbeat timeout)."""
     error = None
     try:
         while True:
             frame = json.loads(await asyncio.wait_for(ws.recv(), 10))
-            if frame["type"] == "ack" and frame["seq"] == seq:
+            if frame["type"] == "ack" and (seq is None or frame["seq"] == seq):
                 return "ack", frame
             if frame["type"] == "error":
                 error = frame
@@ -338,7 +340,7 @@ async def send_pair(watched: Watch, frame: bytes, second: bytes | None) -> tuple
             assert first[0] == "ack", first
             frame = second
         await ws.send(frame, text=True)
-        result = await outcome(ws, 1 if second is not None else 0)
+        result = await outcome(ws, None)  # only the frame under test is acked from here
         watched.pairs += 1
         return result
 
