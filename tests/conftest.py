@@ -5,7 +5,11 @@ raw protocol clients and SDK workers. The raw clients, the protocol message buil
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
+import shutil
 import ssl
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -138,6 +142,18 @@ class Live(Api):
         return self.server.config.loaded_app.app.state.coordinator  # type: ignore[union-attr]
 
 
+@functools.cache
+def _migrated_sqlite() -> Path:
+    """A SQLite file with Rota's schema, migrated once per test process (as
+    pgserver.Cluster keeps a migrated template): a copy costs a server's start less than
+    migrating a new file (about 5 ms against 80 ms here)."""
+    path = Path(tempfile.mkdtemp(prefix="rota-template-")) / "rota.db"
+    atexit.register(shutil.rmtree, path.parent, True)
+    db.migrate(path)  # closed: its WAL checkpointed into the file, which is whole alone
+    assert not path.with_name("rota.db-wal").exists()
+    return path
+
+
 async def start_server(tmp: Path, **overrides: Any) -> Live:
     sock = listen_socket(port=overrides.pop("port", 0))  # a restart may reuse its port
     port = sock.getsockname()[1]
@@ -145,6 +161,10 @@ async def start_server(tmp: Path, **overrides: Any) -> Live:
                                "heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
     if _server_database is not None:
         options["database_url"] = _server_database(tmp)
+    elif "db" not in overrides and "database_url" not in overrides:
+        if not (tmp / "rota.db").exists():  # a new store; a restart finds its own
+            tmp.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(_migrated_sqlite(), tmp / "rota.db")
     options.update(overrides)
     settings = ServerSettings(**options)
     server = EmbeddedServer(uvicorn_config(settings, log_level="info"))
