@@ -27,7 +27,7 @@ import pytest
 import websockets
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import raw_http, wait_until
-from test_security import bearer, make_token
+from test_security import bearer, make_tokens
 
 from rota import JobContext, Worker
 from rota.specs import checksum
@@ -163,8 +163,8 @@ async def watched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> AsyncIter
     specs = tmp_path / "specs"
     for name in ("echo", "parked", "hostile"):
         await live.push(write_spec(specs, name))
-    live.admin = await make_token(live, "admin")  # type: ignore[attr-defined]
-    live.worker_token = await make_token(live, "worker")  # type: ignore[attr-defined]
+    live.admin, live.worker_token = await make_tokens(  # type: ignore[attr-defined]
+        live, ("admin", None), ("worker", None))
     live.http.headers.update(bearer(live.admin))  # type: ignore[attr-defined]
     bystander = Worker(url=live.ws, specs_dir=specs, heartbeat_interval=0.1,
                        token=live.worker_token)  # type: ignore[attr-defined]

@@ -35,12 +35,23 @@ from rota.store import create_token
 
 async def make_token(live: Live, scope: str, queues: list[str] | None = None) -> str:
     """Create a token in the server's file and wait until the server has read it."""
-    token_id, secret, hashed = new_token()
-    create_token(live.settings.db, name=f"{scope}-{token_id}", scope=scope, queues=queues,
-                 token_id=token_id, hashed=hashed)
-    await wait_until(lambda: live.coordinator.tokens.valid_id(token_id),
-                     what="the server to read the new token")
+    [secret] = await make_tokens(live, (scope, queues))
     return secret
+
+
+async def make_tokens(live: Live, *wanted: tuple[str, list[str] | None]) -> list[str]:
+    """Create tokens (scope, queues) in the server's file, then wait until the server has
+    read them all: one wait for its token loop (a heartbeat interval), not one each."""
+    made = []
+    for scope, queues in wanted:
+        token_id, secret, hashed = new_token()
+        create_token(live.settings.db, name=f"{scope}-{token_id}", scope=scope, queues=queues,
+                     token_id=token_id, hashed=hashed)
+        made.append((token_id, secret))
+    await wait_until(lambda: all(live.coordinator.tokens.valid_id(token_id)
+                                 for token_id, _ in made),
+                     what="the server to read the new tokens")
+    return [secret for _, secret in made]
 
 
 def bearer(secret: str) -> dict[str, str]:
@@ -55,11 +66,11 @@ async def guarded(tmp_path: Path):
                               rate_burst=20, max_worker_connections_per_token=3,
                               max_args_bytes=1024, max_result_bytes=2048, max_body_bytes=4096,
                               header_timeout=0.5, body_timeout=0.5)
-    admin = await make_token(live, "admin")
+    admin, worker_token = await make_tokens(live, ("admin", None), ("worker", None))
     live.http.headers.update(bearer(admin))
     await live.push(write_spec(tmp_path / "specs", "echo"))
     bystander = Worker(url=live.ws, specs_dir=tmp_path / "specs", heartbeat_interval=0.1,
-                       token=await make_token(live, "worker"))
+                       token=worker_token)
 
     @bystander.handler("echo")
     async def echo(ctx: JobContext) -> Any:
