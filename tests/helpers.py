@@ -307,13 +307,23 @@ async def closed_with(worker: RawWorker) -> int:
 
 async def make_token(live: Any, scope: str, queues: list[str] | None = None) -> str:
     """Create a token in the server's file and wait until the server has read it."""
-    token_id, secret, hashed = new_token()
-    create_token(live.settings.db, name=f"{scope}-{token_id}", scope=scope, queues=queues,
-                 token_id=token_id, hashed=hashed)
-    await wait_until(lambda: live.coordinator.tokens.valid_id(token_id),
-                     what="the server to read the new token")
+    [secret] = await make_tokens(live, (scope, queues))
     return secret
 
+
+async def make_tokens(live: Any, *wanted: tuple[str, list[str] | None]) -> list[str]:
+    """Create tokens (scope, queues) in the server's file, then wait until the server has
+    read them all: one wait for its token loop (a heartbeat interval), not one each."""
+    made = []
+    for scope, queues in wanted:
+        token_id, secret, hashed = new_token()
+        create_token(live.settings.db, name=f"{scope}-{token_id}", scope=scope, queues=queues,
+                     token_id=token_id, hashed=hashed)
+        made.append((token_id, secret))
+    await wait_until(lambda: all(live.coordinator.tokens.valid_id(token_id)
+                                 for token_id, _ in made),
+                     what="the server to read the new tokens")
+    return [secret for _, secret in made]
 
 def bearer(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}

@@ -1,5 +1,5 @@
 """A throwaway PostgreSQL for the suite, from the machine's own binaries (Debian's
-``postgresql`` package: /usr/lib/postgresql/<version>/bin; .ci/run installs it).
+``postgresql`` package: /usr/lib/postgresql/<version>/bin; scripts/test installs it).
 
 One cluster per test process (each xdist worker starts its own, on a free port, in a
 temporary directory), tuned for speed: nothing a test writes needs to survive the
@@ -34,7 +34,7 @@ def find_bin() -> Path:
                    key=lambda p: int(Path(p).parent.parent.name))
     if not found:
         raise RuntimeError("no PostgreSQL binaries in /usr/lib/postgresql/*/bin: install"
-                           " Debian's postgresql package (.ci/run does: apt-get install"
+                           " Debian's postgresql package (scripts/test does: apt-get install"
                            " postgresql)")
     return Path(found[-1]).parent
 

@@ -13,7 +13,9 @@ import pytest
 from conftest import Live, RawWorker, open_store, start_server, stop_server, write_spec
 from helpers import completed, wait_until
 
-pytestmark = pytest.mark.both_backends
+# The server's scenarios run on SQLite; what they rely on the store for runs on both
+# backends in tests/test_store_contract.py, and the store's claim below (rota/rows.py,
+# called straight) on both here.
 
 
 async def test_a_restart_keeps_every_job_in_priority_order(tmp_path: Path):
@@ -143,6 +145,7 @@ async def test_a_cancel_racing_the_reservation_of_its_key_reaches_the_worker(
     assert cancel["job_ids"] == [copy["id"]] == [job["id"]]
 
 
+@pytest.mark.both_backends
 def test_the_store_reserves_a_claimed_row_only_while_it_is_available(tmp_path: Path):
     """The store's side, straight on the database: a withdrawn row cannot be claimed."""
     from rota.rows import claim_rows

@@ -1,8 +1,8 @@
 """Crash safety with real processes.
 
-``rota serve`` runs as a subprocess on a SQLite file and is made to die abruptly: at
+``rota serve`` runs as a subprocess on the test's store and is made to die abruptly: at
 each commit boundary (the hidden ``--crash-at`` switch, which calls ``os._exit(86)``)
-and with kill -9 while workers are busy. Each test restarts it on the same file and
+and with kill -9 while workers are busy. Each test restarts it on the same store and
 port and checks what survived. Workers die too: a ``rota worker`` killed or frozen
 mid-job hands its job over, and a worker whose job was taken back has its late result
 refused. Figures (jobs in flight, reruns, recovery times) are printed: see them with
@@ -32,7 +32,11 @@ from helpers import (RawWorker, RawWorkers, clean_env, completed, free_port, reg
 from rota import JobContext, Worker, pg_connection
 from rota.specs import JobSpec
 
-pytestmark = pytest.mark.both_backends
+# Crashes at a commit boundary and kill -9 run on both backends (how each keeps a commit
+# whole, and takes the connections of a killed process back, is the backend's own); the
+# rest, about workers, on SQLite (the restart under them is kill -9's, on both). What a restart finds in the store is the store's
+# contract (tests/test_store_contract.py, on both).
+BOTH = pytest.mark.both_backends
 
 HEARTBEAT_TIMEOUT = 1.0
 CRASH_EXIT = 86  # what os._exit() returns at a --crash-at point
@@ -334,6 +338,7 @@ CRASH_POINTS = {
 }
 
 
+@BOTH
 @pytest.mark.parametrize("point", list(CRASH_POINTS))
 async def test_crash_point_then_restart(server: ServerProcess, tmp_path: Path, point: str):
     echo = write_spec(tmp_path / "specs", "echo")
@@ -350,7 +355,10 @@ TOTAL = 300
 BATCH = 50
 
 
-@pytest.mark.parametrize("with_worker", [False, True], ids=["server", "server+worker"])
+# On PostgreSQL once, with a worker killed too: what the server alone checks it checks.
+@pytest.mark.parametrize(("backend", "with_worker"), [
+    ("sqlite", False), ("sqlite", True), ("postgres", True)],
+    ids=["sqlite-server", "sqlite-server+worker", "postgres-server+worker"], indirect=["backend"])
 async def test_kill_9_server_under_load_loses_no_job(server: ServerProcess,
                                                      worker_procs: WorkerProcesses,
                                                      tmp_path: Path, with_worker: bool):

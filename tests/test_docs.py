@@ -43,6 +43,21 @@ def test_every_error_code_the_server_sends_is_documented():
 
 def test_readme_gives_the_two_quick_start_commands_and_ci_runs_the_second():
     readme = (ROOT / "README.md").read_text()
-    commands = re.findall(r"```sh\n(python3 -m venv .*)\n```", readme)
+    quick = readme[readme.index("## Quick start"):readme.index("## Walkthrough")]
+    commands = re.findall(r"```sh\n(.*)\n```", quick)
     assert len(commands) == 2 and commands[0].endswith("rota demo")
-    assert commands[1] in (ROOT / ".ci" / "run").read_text()
+    assert commands[1] == "scripts/test"
+    ci = (ROOT / ".ci" / "run").read_text()
+    # CI runs the same command: for the oldest Python, the newest, and the soak runs.
+    runs = re.findall(r"^.*\bscripts/test\b.*$", ci, re.M)
+    assert len([line for line in runs if not line.lstrip().startswith("#")]) == 3, runs
+    assert any(line.endswith("scripts/test -m soak") for line in runs)
+
+
+def test_the_test_command_installs_what_the_suite_needs():
+    """scripts/test checks for each Debian package the suite uses, and runs pytest."""
+    script = (ROOT / "scripts" / "test").read_text()
+    for package in ("faketime", "chromium", "postgresql", "redis-server"):
+        assert f"missing+=({package})" in script, package
+    assert "apt-get install" in script and 'sudo="sudo"' in script
+    assert script.rstrip().endswith('-m pytest "$@"')

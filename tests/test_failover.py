@@ -22,7 +22,8 @@ import httpx
 import pytest
 from conftest import Api, Live, start_server, stop_server, write_spec
 from helpers import free_port, spawn_serve, wait_until
-from test_cli import WORKER_MODULE, rota
+from helpers import rota
+from test_cli import WORKER_MODULE
 from test_cli_failures import one_line
 
 from rota import AsyncClient, Client, JobContext, Worker

@@ -15,8 +15,7 @@ import httpx
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, wait_until
-from helpers import rota
-from helpers import bearer, make_token
+from helpers import bearer, make_tokens, rota
 from test_observe import T0, ended, error_record, job
 from test_storage import QUOTA, batch
 
@@ -225,9 +224,8 @@ async def test_bad_event_requests_are_refused(live: Live, query: str, headers: d
 
 
 async def test_scopes(live: Live):
-    admin = await make_token(live, "admin")
-    scraper = await make_token(live, "metrics")
-    producer = await make_token(live, "producer")
+    admin, scraper, producer = await make_tokens(live, ("admin", None), ("metrics", None),
+                                                 ("producer", None))
     assert (await live.http.get("/metrics")).status_code == 401
     assert (await live.http.get("/stats")).status_code == 401
     for path in ("/events", "/stats"):

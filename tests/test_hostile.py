@@ -27,7 +27,7 @@ import pytest
 import websockets
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import raw_http, wait_until
-from helpers import bearer, make_token
+from helpers import bearer, make_tokens
 
 from rota import JobContext, Worker
 from rota.specs import checksum
@@ -163,8 +163,8 @@ async def watched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> AsyncIter
     specs = tmp_path / "specs"
     for name in ("echo", "parked", "hostile"):
         await live.push(write_spec(specs, name))
-    live.admin = await make_token(live, "admin")  # type: ignore[attr-defined]
-    live.worker_token = await make_token(live, "worker")  # type: ignore[attr-defined]
+    live.admin, live.worker_token = await make_tokens(  # type: ignore[attr-defined]
+        live, ("admin", None), ("worker", None))
     live.http.headers.update(bearer(live.admin))  # type: ignore[attr-defined]
     bystander = Worker(url=live.ws, specs_dir=specs, heartbeat_interval=0.1,
                        token=live.worker_token)  # type: ignore[attr-defined]
@@ -299,13 +299,15 @@ async def test_every_header_rota_reads(watched: Watch):
 
 
 # -- /work -----------------------------------------------------------------------------
-async def outcome(ws: websockets.ClientConnection, seq: int) -> tuple[str, Any]:
-    """How the server took a frame: ("ack", ack) or ("closed", (error frame, close code))."""
+async def outcome(ws: websockets.ClientConnection, seq: int | None) -> tuple[str, Any]:
+    """How the server took a frame: ("ack", ack) or ("closed", (error frame, close code)).
+    ``seq``: the ack's, or None for the next ack (the frame under test may carry any seq,
+    and its ack echoes it: waiting for another one waited for the heartbeat timeout)."""
     error = None
     try:
         while True:
             frame = json.loads(await asyncio.wait_for(ws.recv(), 10))
-            if frame["type"] == "ack" and frame["seq"] == seq:
+            if frame["type"] == "ack" and (seq is None or frame["seq"] == seq):
                 return "ack", frame
             if frame["type"] == "error":
                 error = frame
@@ -338,7 +340,7 @@ async def send_pair(watched: Watch, frame: bytes, second: bytes | None) -> tuple
             assert first[0] == "ack", first
             frame = second
         await ws.send(frame, text=True)
-        result = await outcome(ws, 1 if second is not None else 0)
+        result = await outcome(ws, None)  # only the frame under test is acked from here
         watched.pairs += 1
         return result
 

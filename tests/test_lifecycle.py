@@ -7,13 +7,13 @@ import asyncio
 import time
 from pathlib import Path
 
-import pytest
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, wait_until
 
 from rota import JobContext, Worker
 
-pytestmark = pytest.mark.both_backends
+# The server's scenarios run on SQLite; what they rely on the store for runs on both
+# backends in tests/test_store_contract.py.
 
 FAST_RETRY = "[retry]\nmax_attempts = 3\nbackoff_base = 0.05\nbackoff_max = 0.1\n"
 

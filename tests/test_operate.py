@@ -17,7 +17,9 @@ from rota import JobContext, Worker, lookup
 from rota.errors import RequestError
 from rota.listing import JobFilter, decode_cursor, encode_cursor, filter_params, parse_filter
 
-pytestmark = pytest.mark.both_backends
+# The server's scenarios run on SQLite; what they rely on the store for runs on both
+# backends in tests/test_store_contract.py, and the store's own queries below
+# (rota/lookup.py, called straight) on both here.
 
 
 async def _fail(live: Live, worker: Any, message: str) -> dict[str, Any]:
@@ -198,6 +200,7 @@ def _store_with(tmp_path: Path, errors: list[str]) -> Any:
     return conn
 
 
+@pytest.mark.both_backends
 def test_an_error_search_is_bounded_and_pages_on_to_every_match(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(lookup, "MAX_SCAN", 10)
     errors = ["Needle in row" if n % 7 == 0 else "hay" for n in range(45)]
@@ -234,6 +237,7 @@ def test_filters_and_cursors_parse_strictly():
         assert refused.value.code == "invalid_cursor"
 
 
+@pytest.mark.both_backends
 def test_a_spec_among_available_jobs_is_found_across_queues_and_pages(tmp_path: Path,
                                                                       monkeypatch):
     monkeypatch.setattr(lookup, "MAX_SCAN", 4)
@@ -288,6 +292,7 @@ async def test_a_bulk_action_counts_what_matches_past_the_search_bound(live: Liv
     assert {s["reason"] for s in answer["skipped"]} == {"no such job"}
 
 
+@pytest.mark.both_backends
 def test_the_oldest_available_age_skips_a_queue_emptied_between_its_two_reads(
         tmp_path: Path, monkeypatch):
     """GET /queues lists the queues with available jobs, then reads each one's oldest: on

@@ -22,7 +22,8 @@ from helpers import RawWorker, registration, wait_until
 from rota import JobContext, Worker, pg_connection
 from rota.specs import JobSpec
 
-pytestmark = pytest.mark.both_backends
+# The server's scenarios run on SQLite; what they rely on the store for runs on both
+# backends in tests/test_store_contract.py.
 
 STARTED = "2026-11-23T09:00:00.000Z"
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from conftest import RawWorker, start_server, stop_server, write_spec
 from helpers import rota
 
-pytestmark = pytest.mark.both_backends
+# The server's scenarios run on SQLite; what they rely on the store for runs on both
+# backends in tests/test_store_contract.py.
 
 
 async def test_a_retired_spec_takes_no_new_jobs_and_its_waiting_jobs_still_run(

@@ -52,3 +52,16 @@ def test_sqlite_migrations_build_the_description(tmp_path: Path) -> None:
 def test_the_migration_names_are_the_description_s() -> None:
     assert db_migrations._known_migrations() == frozenset(schema.MIGRATIONS)
     assert [m.name for m in db_migrations.migrations._migrations] == list(schema.MIGRATIONS)
+
+
+def test_a_registration_becomes_a_row_of_the_workers_table() -> None:
+    # The engine says a worker came (WorkerSeen, plain values); the store makes the row.
+    reg = p.Registration(hostname="h1", os="linux", pid=42, sdk="rota/0", queues=["q1", "q2"],
+                         concurrency=3, specs=[p.SpecRef(name="echo", checksum="sha256:ab")],
+                         labels=["gpu"])
+    row = worker_row("w1", reg, 1700000000.5)
+    assert list(row) == [c.name for c in schema.table("workers").columns]
+    assert (row["id"], row["hostname"], row["pid"], row["concurrency"]) == ("w1", "h1", 42, 3)
+    assert json.loads(row["queues"]) == ["q1", "q2"] and json.loads(row["labels"]) == ["gpu"]
+    assert json.loads(row["specs"]) == [{"name": "echo", "checksum": "sha256:ab"}]
+    assert (row["connected_at"], row["disconnected_at"]) == (1700000000.5, None)

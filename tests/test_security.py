@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import (RawWorker, bearer, closed_with, completed, heartbeat, make_token, raw_http,
                      registration, rota, wait_until)
+from helpers import make_tokens
 
 from rota import JobContext, Worker
 from rota.client import ApiError, Client
@@ -40,11 +41,11 @@ async def guarded(tmp_path: Path):
                               rate_burst=20, max_worker_connections_per_token=3,
                               max_args_bytes=1024, max_result_bytes=2048, max_body_bytes=4096,
                               header_timeout=0.5, body_timeout=0.5)
-    admin = await make_token(live, "admin")
+    admin, worker_token = await make_tokens(live, ("admin", None), ("worker", None))
     live.http.headers.update(bearer(admin))
     await live.push(write_spec(tmp_path / "specs", "echo"))
     bystander = Worker(url=live.ws, specs_dir=tmp_path / "specs", heartbeat_interval=0.1,
-                       token=await make_token(live, "worker"))
+                       token=worker_token)
 
     @bystander.handler("echo")
     async def echo(ctx: JobContext) -> Any:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, wait_until
 
 from rota.specs import checksum
 
-pytestmark = pytest.mark.both_backends
+# The server's scenarios run on SQLite; what they rely on the store for runs on both
+# backends in tests/test_store_contract.py.
 
 
 async def test_registration_gets_welcome_with_spec_verdicts(live: Live, connect, tmp_path: Path):
@@ -302,7 +302,6 @@ async def test_held_headers_keep_answers_whole_and_in_order(live: Live):
         writer.close()
 
 
-@pytest.mark.sqlite_only("no store: the transport alone")
 async def test_corked_transport_holds_headers_only_until_the_turn_ends():
     from rota.edge import Corked
 
@@ -364,7 +363,6 @@ async def test_a_long_poll_does_not_hold_a_graceful_stop(tmp_path: Path):
             await live.http.aclose()
 
 
-@pytest.mark.sqlite_only("no store: asyncio's primitives alone")
 async def test_lean_queue_and_event_behave_as_asyncio_s():
     from rota.edge import LeanEvent, LeanQueue
 

@@ -2,7 +2,10 @@
 server stopped (SIGSTOP) inside a transaction, and the database itself away, each under
 a stream of jobs with handlers that record every run. A stalled server costs the others
 a bounded wait, a healthy server's lease never lapses, and no job runs twice on a worker
-whose server stayed healthy."""
+whose server stayed healthy.
+
+Both runs last several leases of real time by design (the stall and the outage are the
+test): they are soak runs (-m soak, run by .ci/run after the main suite)."""
 
 from __future__ import annotations
 
@@ -96,6 +99,7 @@ async def admin_of(url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         yield admin
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(180)
 async def test_a_server_stopped_inside_a_transaction_costs_the_others_a_bounded_wait(
         tmp_path, pg_url: str, caplog: pytest.LogCaptureFixture):
@@ -178,6 +182,7 @@ async def test_a_server_stopped_inside_a_transaction_costs_the_others_a_bounded_
     assert {w for _, _, w in runs.runs} == {"wa", "wb"}
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(180)
 async def test_a_database_away_for_twice_the_lease_makes_no_server_recover_another(
         tmp_path, pg_cluster: Cluster, pg_url: str, caplog: pytest.LogCaptureFixture):

@@ -21,7 +21,8 @@ from rota import protocol as p
 from rota.context import MAX_HELD_LINES, MAX_LINES_PER_BEAT, STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.link import RESULT_BYTES_PER_BEAT, Link
 
-pytestmark = pytest.mark.both_backends
+# The server's scenarios run on SQLite; what they rely on the store for runs on both
+# backends in tests/test_store_contract.py.
 
 
 def chatty(tmp_path: Path, release: asyncio.Event, **options: Any) -> Worker:

@@ -35,7 +35,7 @@ REFRESH_MS = 250  # the pages refresh every 2 s; here faster, so the tests wait 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     if not Path(CHROMIUM).exists():
-        pytest.fail(f"no {CHROMIUM}: apt-get install chromium (.ci/run does)")
+        pytest.fail(f"no {CHROMIUM}: apt-get install chromium (scripts/test does)")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM)
         yield browser

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import wait_until
-from helpers import bearer, make_token
+from helpers import bearer, make_token, make_tokens
 
 from rota.cli import main
 
@@ -62,8 +62,7 @@ async def enqueue(live: Live, secret: str) -> str:
 
 
 async def test_revoking_a_token_ends_its_streams_and_answers_its_waits_401(waits: Live):
-    watcher = await make_token(waits, "admin")
-    producer = await make_token(waits, "producer")
+    watcher, producer = await make_tokens(waits, ("admin", None), ("producer", None))
     job = await enqueue(waits, producer)
     async with httpx.AsyncClient(base_url=waits.base, timeout=30) as http:
         stream_lines: list[str] = []
@@ -114,8 +113,7 @@ async def test_revoking_a_token_ends_its_streams_and_answers_its_waits_401(waits
 
 async def test_one_token_cannot_take_every_connection_with_result_waits(
         waits: Live):
-    hog = await make_token(waits, "producer")
-    other = await make_token(waits, "producer")
+    hog, other = await make_tokens(waits, ("producer", None), ("producer", None))
     job = await enqueue(waits, hog)
     clients = [httpx.AsyncClient(base_url=waits.base, timeout=30) for _ in range(5)]
     try:

@@ -19,7 +19,7 @@ from conftest import ThreadedServer, write_spec
 from rota.specs import JobSpec
 from rota.worker import Worker
 
-CHROMIUM = "/usr/bin/chromium"  # Debian's package; .ci/run installs it when missing
+CHROMIUM = "/usr/bin/chromium"  # Debian's package; scripts/test installs it when missing
 
 
 class Rig:
