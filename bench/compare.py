@@ -46,7 +46,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput as tp  # noqa: E402  (bench/ is not a package)
 
-from rota.client import Client  # noqa: E402
+from rota.client.client import Client  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 STAMP_WORKER = '''"""Written by bench/compare.py: its handler returns the moment it started."""
@@ -155,7 +155,7 @@ def e2e(quick: bool) -> dict[str, Any]:
 
 def _prefill(db_path: Path, kept: int) -> None:
     """``kept`` completed jobs in the store, as a server that has run them leaves it."""
-    from rota import db_migrations
+    from rota.store import migrations as db_migrations
 
     db_migrations.migrate(db_path)
     with contextlib.closing(sqlite3.connect(db_path)) as conn:
@@ -265,7 +265,7 @@ def producers(quick: bool) -> dict[str, Any]:
     them, as in the e2e run), then 100 concurrent callers of one AsyncClient (no worker:
     only the enqueue path). Every enqueue is acknowledged after its commit."""
     try:
-        from rota.producer import AsyncClient
+        from rota.client.producer import AsyncClient
     except ImportError:  # an older checkout (--label before): only the sync client
         AsyncClient = None  # noqa: N806
 

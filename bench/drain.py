@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput as tp  # noqa: E402  (bench/ is not a package)
 
 from rota import JobContext, Worker  # noqa: E402
-from rota.client import Client  # noqa: E402
-from rota.specs import load_dir  # noqa: E402
+from rota.client.client import Client  # noqa: E402
+from rota.base.specs import load_dir  # noqa: E402
 
 
 def cpu(proc: psutil.Process) -> float:

@@ -40,7 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = '''
 import asyncio, collections, json, os, random, signal, sys
-from rota.worker import Worker
+from rota.worker.worker import Worker
 
 WORK = float(sys.argv[5]) / 1000  # each job sleeps a uniform [0, WORK] seconds
 
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--output", help="JSON file (default bench/results/heartbeats-<rate>.json)")
     args = parser.parse_args()
 
-    from rota.client import Client  # noqa: E402 (the producer; this checkout's)
+    from rota.client.client import Client  # noqa: E402 (the producer; this checkout's)
 
     tmp = Path(tempfile.mkdtemp(prefix="rota-hb-"))
     specs = tmp / "specs"

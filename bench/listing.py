@@ -45,8 +45,8 @@ from typing import Any
 
 import httpx
 
-from rota import db as rota_db, db_migrations
-from rota.ids import uuid7
+from rota.store import sqlite as rota_db, migrations as db_migrations
+from rota.base.ids import uuid7
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SPECS = [f"spec{n}" for n in range(10)]

@@ -16,15 +16,15 @@ import statistics
 import time
 from typing import Any
 
-from rota import protocol as p
-from rota.auth import OPEN
-from rota.effects import Reserve, Send
-from rota.engine import Engine
-from rota.jobs import EnqueueRequest
-from rota.model import Instant, JobRecord, JobState
-from rota.observe import Observer
-from rota.settings import ServerSettings
-from rota.specs import checksum, parse_spec
+from rota.base import protocol as p
+from rota.core.auth import OPEN
+from rota.core.effects import Reserve, Send
+from rota.core.engine import Engine
+from rota.core.jobs import EnqueueRequest
+from rota.core.model import Instant, JobRecord, JobState
+from rota.core.observe import Observer
+from rota.core.settings import ServerSettings
+from rota.base.specs import checksum, parse_spec
 
 SPEC = parse_spec('name = "noop"\nversion = "1"\nqueue = "default"\n')
 

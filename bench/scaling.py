@@ -65,8 +65,8 @@ import throughput as tp  # noqa: E402  (bench/ is not a package)
 from compare import reference as huey  # noqa: E402  (None where huey or redis is missing)
 from pgserver import Cluster  # noqa: E402  (neither is tests/)
 
-from rota.client import Client  # noqa: E402
-from rota.specs import load_dir  # noqa: E402
+from rota.client.client import Client  # noqa: E402
+from rota.base.specs import load_dir  # noqa: E402
 
 RESULTS_DIR = ROOT / "bench" / "results"
 POLL = 0.02  # seconds between polls of the database: the resolution of the death figures

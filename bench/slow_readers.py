@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from helpers import silent_worker, spawn_serve, stop_silent  # noqa: E402
 
-from rota.specs import parse_spec  # noqa: E402
+from rota.base.specs import parse_spec  # noqa: E402
 
 SPEC = 'name = "big"\nversion = "1"\nqueue = "default"\n'
 

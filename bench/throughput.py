@@ -57,8 +57,8 @@ from typing import Any, TextIO
 import httpx
 import msgspec
 
-from rota.client import Client
-from rota.specs import load_dir
+from rota.client.client import Client
+from rota.base.specs import load_dir
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SPEC_NAME = "noop"

@@ -10,26 +10,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rota.client import Client, Job, JobHandle
-    from rota.context import JobContext
-    from rota.errors import ApiError, JobError, JobFailed, ResultTimeout, RotaError
-    from rota.producer import AsyncClient, AsyncJob
-    from rota.specs import JobSpec, checksum
-    from rota.worker import Worker
+    from rota.client.client import Client, Job, JobHandle
+    from rota.worker.context import JobContext
+    from rota.base.errors import ApiError, JobError, JobFailed, ResultTimeout, RotaError
+    from rota.client.producer import AsyncClient, AsyncJob
+    from rota.base.specs import JobSpec, checksum
+    from rota.worker.worker import Worker
 
 __version__ = "0.1.0"
 
 # Each public name and the module that defines it. They are imported on first use (PEP 562):
-# `import rota.model` runs this file first, and the server's pure core must not pay for the
+# `import rota.core.model` runs this file first, and the server's pure core must not pay for the
 # worker's websockets, psutil and asyncio, nor a producer for httpx.
 _HOMES = {
-    "Client": "client", "Job": "client", "JobHandle": "client",
-    "JobContext": "context",
-    "ApiError": "errors", "JobError": "errors", "JobFailed": "errors", "ResultTimeout": "errors",
-    "RotaError": "errors",
-    "AsyncClient": "producer", "AsyncJob": "producer",
-    "JobSpec": "specs", "checksum": "specs",
-    "Worker": "worker",
+    "Client": "client.client", "Job": "client.client", "JobHandle": "client.client",
+    "JobContext": "worker.context",
+    "ApiError": "base.errors", "JobError": "base.errors", "JobFailed": "base.errors",
+    "ResultTimeout": "base.errors", "RotaError": "base.errors",
+    "AsyncClient": "client.producer", "AsyncJob": "client.producer",
+    "JobSpec": "base.specs", "checksum": "base.specs",
+    "Worker": "worker.worker",
 }
 __all__ = sorted([*_HOMES, "__version__"])
 

@@ -1,3 +1,3 @@
-from rota.cli import main
+from rota.cli.app import main
 
 main()

@@ -5,6 +5,7 @@ raw protocol clients and SDK workers. The raw clients, the protocol message buil
 from __future__ import annotations
 
 import asyncio
+import sys
 import atexit
 import functools
 import shutil
@@ -19,16 +20,21 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+# The tests live in folders by kind (README.md there); a few import a helper of another
+# test file (test_engine's fake clock, say), so every folder is on the path, as tests/ is.
+KINDS = ("house", "unit", "store", "server", "system", "ui")
+sys.path[:0] = [str(Path(__file__).resolve().parent / kind) for kind in KINDS]
+
 from helpers import RawWorker as RawWorker  # re-exported: tests import it from here
 from helpers import RawWorkers, wait_until
 from pgserver import Cluster
 
-from rota import db, db_migrations, pg, pg_connection
-from rota.coordinator import Coordinator
-from rota.server import EmbeddedServer, listen_socket, uvicorn_config
-from rota.settings import ServerSettings
-from rota.specs import JobSpec, parse_spec
-from rota.worker import Worker
+from rota.store import sqlite as db, migrations as db_migrations, pg, pg_connection
+from rota.server.coordinator import Coordinator
+from rota.server.app import EmbeddedServer, listen_socket, uvicorn_config
+from rota.core.settings import ServerSettings
+from rota.base.specs import JobSpec, parse_spec
+from rota.worker.worker import Worker
 
 REPO = Path(__file__).resolve().parent.parent
 BACKENDS = ("sqlite", "postgres")
@@ -67,7 +73,7 @@ def store_url(tmp: Path) -> str | None:
 def open_store(tmp: Path) -> Any:
     """A migrated connection to the test's store in ``tmp``, on its backend, for the
     store's own functions (rows.py, lookup.py) called straight: sqlite3's, or
-    rota/pg_connection.py's sqlite3-like one. The caller closes it."""
+    rota/store/pg_connection.py's sqlite3-like one. The caller closes it."""
     url = store_url(tmp)
     if url is not None:
         pg.migrate(url)

@@ -1,6 +1,6 @@
 """The hostile corpus, as data: JSON values, whole bodies, path segments, query values
-and header values that have broken JSON services before. tests/test_hostile.py sends
-each to every place Rota reads input; tests/test_fuzz.py draws from the same extremes.
+and header values that have broken JSON services before. tests/server/test_hostile.py sends
+each to every place Rota reads input; tests/unit/test_fuzz.py draws from the same extremes.
 
 A value is (name, raw JSON bytes, refused): ``refused`` says that no field anywhere may
 take it (it is not JSON Rota accepts at all); the others are JSON, and each field decides

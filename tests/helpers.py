@@ -28,10 +28,10 @@ from websockets.sync.client import ClientConnection as SyncConnection
 
 from click.testing import CliRunner
 
-from rota.auth import new_token
-from rota.cli import main
-from rota.specs import JobSpec, checksum
-from rota.store_tokens import create_token
+from rota.core.auth import new_token
+from rota.cli.app import main
+from rota.base.specs import JobSpec, checksum
+from rota.store.tokens import create_token
 
 
 async def wait_until(predicate: Callable[[], Any], *, timeout: float = 5.0,

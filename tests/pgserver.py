@@ -119,7 +119,7 @@ class Cluster:
 
     def _template(self) -> str:
         if not self._migrated:
-            from rota import pg  # (the suite's own store code: migrated as Rota does it)
+            from rota.store import pg  # (the suite's own store code: migrated as Rota does it)
 
             with psycopg.connect(self.url(), autocommit=True) as conn:
                 conn.execute('CREATE DATABASE "rota_template"')

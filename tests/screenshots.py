@@ -25,7 +25,7 @@ from typing import Any
 from playwright.sync_api import sync_playwright
 from uirig import CHROMIUM, Rig
 
-from rota.worker import JobContext
+from rota.worker.worker import JobContext
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
 VIEWPORT = {"width": 1280, "height": 820}

@@ -1,6 +1,6 @@
 """A real server and real SDK workers for driving the dashboard from a synchronous
 browser (Playwright's sync API): the server runs on an event loop in a thread of its own
-(``ThreadedServer``), each worker on another. Used by tests/test_ui.py and
+(``ThreadedServer``), each worker on another. Used by tests/ui/test_ui.py and
 tests/screenshots.py.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 from conftest import ThreadedServer, write_spec
 
-from rota.specs import JobSpec
-from rota.worker import Worker
+from rota.base.specs import JobSpec
+from rota.worker.worker import Worker
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package; scripts/test installs it when missing
 

@@ -1,0 +1,72 @@
+"""The ``rota`` command: serve, run workers, push specs during deploys, enqueue, inspect.
+
+The environment is read by the commands and nowhere else: every ``rota serve`` option has
+a ``ROTA_<OPTION>`` variable, and commands that talk to a server read ``ROTA_URL``. This
+module builds the group; each group of commands is a module of its own:
+
+    cli_serve   serve (its options made from rota/core/settings.py's ServerSettings)
+    cli_worker  worker, demo
+    cli_specs   specs push|list|history|retire|checksum
+    cli_jobs    enqueue, run, jobs show
+    cli_ops     jobs list|retry|cancel, queues, workers
+    cli_live    watch, tail
+    cli_tokens  tokens create|list|revoke
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from rota.cli import jobs as cli_jobs, live as cli_live, ops as cli_ops, serve as cli_serve, specs as cli_specs, tokens as cli_tokens, worker as cli_worker
+from rota.cli.base import error as _error
+from rota.cli.base import need_server
+from rota.cli.base import out as _out
+from rota.cli.base import out_lines as _out_lines
+
+# Commands that run the server's code (or open its database): a worker's or producer's
+# install ('pip install rota') lacks the packages they need, and says so in one line.
+# (`rota tokens` needs them only on the file: over the API, with --url, it is a client.)
+SERVER_COMMANDS = frozenset({"serve", "demo"})
+
+
+class OneLineErrors(click.Group):
+    """click, but a mistake on the command line is one line, like every other expected
+    failure of ``rota``: "error: <what is wrong> (see 'rota x --help')", exit 2."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `rota`, `rota specs`: help
+            _out_lines(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            sys.exit(0)
+        except click.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+            _error(f"{exc.format_message()}{hint}")
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            _error(exc.format_message())
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            _out("aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="rota")
+@click.pass_context
+def main(ctx: click.Context) -> None:
+    """Rota: a job coordinator. Workers hold one WebSocket; the server pushes them jobs."""
+    if ctx.invoked_subcommand in SERVER_COMMANDS:
+        need_server(ctx.invoked_subcommand)
+
+
+for _command in (cli_serve.serve, cli_worker.worker, cli_worker.demo, cli_specs.specs,
+                 cli_jobs.enqueue, cli_jobs.run, cli_jobs.jobs, cli_ops.queues, cli_ops.workers,
+                 cli_live.watch, cli_live.tail, cli_tokens.tokens):
+    main.add_command(_command)

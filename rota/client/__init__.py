@@ -1,0 +1,2 @@
+"""The producer clients: synchronous, asyncio, and the event stream's reader.
+"""

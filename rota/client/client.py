@@ -1,0 +1,463 @@
+"""A small synchronous HTTP client for the Rota API, used by the CLI and by producers,
+and the job handles and errors both producer clients share (``rota.client.producer`` has the
+asyncio one).
+
+It speaks HTTP/1.1 over one kept-alive connection with the standard library's
+http.client. A general-purpose client (httpx) cost 0.3 ms more per call here on an idle
+loopback, as much as the server's commit: for a producer that enqueues one job at a
+time, the client was a third of the round trip (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import ssl
+import time
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from rota.base.errors import ApiError, JobError, ResultTimeout  # defined there, public here too
+from rota.base.ids import path_segment
+from rota.base.specs import JobSpec
+
+
+# The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so
+# a longer result() timeout is waited out in polls of at most this. A server started with
+# a lower max_result_wait (ServerSettings) needs a client made with max_wait at most that.
+MAX_WAIT = 300.0
+
+
+def poll_wait(deadline: float | None, max_wait: float) -> float:
+    """Seconds the next long poll may wait: to the deadline (None: none), at most max_wait.
+    Rounded to milliseconds, so that the query holds a plain number."""
+    if deadline is None:
+        return max_wait
+    return round(max(0.0, min(max_wait, deadline - time.monotonic())), 3)
+
+
+def outcome(reply: dict[str, Any]) -> Any:
+    """The result in a finished job's ``GET /jobs/{id}/result`` answer, or its JobError."""
+    if reply["state"] != "completed":
+        raise JobError(reply["id"], reply["state"], reply.get("error"))
+    return reply["result"]
+
+
+class JobHandle:
+    """What ``enqueue`` returns: the job as the server stored it. ``id``, ``state`` and
+    ``spec`` are the common fields; ``view`` is the whole job view of ``GET /jobs/{id}``
+    (queue, priority, run_at, ...), as of the enqueue (or the last ``refresh()``).
+    ``created`` is False when a job with this id existed already (the same job, sent
+    again). ``handle["job"]`` and ``handle["created"]`` still read as the dict
+    ``{"job": view, "created": bool}`` that ``enqueue`` used to return."""
+
+    __slots__ = ("created", "view")
+
+    def __init__(self, view: dict[str, Any], created: bool) -> None:
+        self.view = view
+        self.created = created
+
+    @property
+    def id(self) -> str:
+        job_id: str = self.view["id"]
+        return job_id
+
+    @property
+    def state(self) -> str:
+        state: str = self.view["state"]
+        return state
+
+    @property
+    def spec(self) -> str:
+        spec: str = self.view["spec"]
+        return spec
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "job":
+            return self.view
+        if key == "created":
+            return self.created
+        raise KeyError(key)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} {self.spec} {self.state}>"
+
+
+class Job(JobHandle):
+    """A job enqueued with ``Client``: ``job.result(timeout=10)`` waits for its result."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: Client, view: dict[str, Any], created: bool) -> None:
+        super().__init__(view, created)
+        self._client = client
+
+    def result(self, timeout: float | None = None) -> Any:
+        """As ``Client.wait``: the job's result once it completes."""
+        return self._client.wait(self.id, timeout=timeout)
+
+    def refresh(self) -> Job:
+        """Read the job again (its state, attempt, progress, ...); returns itself."""
+        self.view = self._client.job(self.id)
+        return self
+
+
+def transport_error(url: str, exc: BaseException, *, connected: bool) -> ApiError:
+    """What a failed request means to its caller, in words it can act on. Before the
+    connection is made nothing was sent ("unreachable"); after it, the server may have
+    carried the request out and only its answer was lost ("no_answer"): an enqueue may be
+    stored, and repeating it with the same job id is the safe way to find out."""
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return ApiError(None, "untrusted_certificate", f"Rota at {url} has a certificate this"
+                        f" client does not trust ({exc.verify_message}): for a private CA or a"
+                        " self-signed certificate, set SSL_CERT_FILE to its PEM file")
+    if not connected:
+        return ApiError(None, "unreachable", f"cannot reach Rota at {url}: {detail}; is the"
+                        " server running? (set --url or ROTA_URL)")
+    what = "timed out" if isinstance(exc, TimeoutError) else detail
+    return ApiError(None, "no_answer", f"no answer from Rota at {url} ({what}): the request"
+                    " may have been carried out; repeat it with the same job id to be sure")
+
+
+def refusal(status: int, answer: Any, content: bytes) -> ApiError:
+    """The ApiError of an HTTP error answer: the server's JSON error, or the text."""
+    err = answer.get("error", {}) if isinstance(answer, dict) else {}
+    err = err if isinstance(err, dict) else {}
+    text = content.decode(errors="replace").strip() or f"HTTP {status}"
+    return ApiError(status, err.get("code", "http_error"), err.get("message", text))
+
+
+
+
+class Failover:
+    """The base URLs of servers that share one database, for a producer client, and the
+    one its requests go to. A connection error (and only that: an HTTP error answer is
+    the database's word, the same on every server) moves it to the next URL, for this
+    request when that is safe (``again``) and for the ones after it."""
+
+    def __init__(self, url: str | Sequence[str]) -> None:
+        given = [url] if isinstance(url, str) else list(url)
+        if not given:
+            raise ApiError(None, "bad_url", "no server URL given (give the server's base URL,"
+                           " such as http://127.0.0.1:8000)")
+        self.urls = list(dict.fromkeys(u.rstrip("/") for u in given))
+        self.index = 0
+
+    @property
+    def url(self) -> str:
+        return self.urls[self.index]
+
+    @property
+    def where(self) -> str:
+        """The servers, as an error names them."""
+        return self.url if len(self.urls) == 1 else "any of " + ", ".join(self.urls)
+
+    def round(self) -> list[int]:
+        """Each server once, from the one in use now."""
+        return [(self.index + step) % len(self.urls) for step in range(len(self.urls))]
+
+    def failed(self, index: int) -> None:
+        # Only if no other request has moved on already: two requests that fail at once
+        # on one dead server must not skip the next one.
+        if index == self.index:
+            self.index = (index + 1) % len(self.urls)
+
+    def gave_up(self, last: ApiError, exc: BaseException) -> ApiError:
+        """The error of a request that every server failed, ``last`` the last one's."""
+        return transport_error(self.where, exc, connected=last.code != "unreachable")
+
+    @staticmethod
+    def again(method: str, error: ApiError) -> bool:
+        """Whether a request that failed so may go to the next server: if it never
+        reached the first, or if it means the same thing twice. Any other may have been
+        carried out (an enqueue with no id would be stored twice): its caller decides."""
+        return error.code == "unreachable" or (error.code == "no_answer" and method in IDEMPOTENT)
+
+
+# A kept-alive connection idle longer than this is not reused: the server closes idle
+# ones after 5 s, and a request sent as it does so would be lost in the race.
+IDLE_REUSE = 2.0
+IDEMPOTENT = frozenset({"GET", "PUT", "DELETE", "HEAD"})
+
+
+class _Transport:
+    """One HTTP/1.1 connection to the server, opened on demand and kept alive."""
+
+    def __init__(self, url: str, *, timeout: float, headers: dict[str, str]) -> None:
+        self.url = url
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ApiError(None, "bad_url", f"not an http(s) URL: {url!r} (give the server's"
+                           " base URL, such as http://127.0.0.1:8000)")
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.https else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.timeout = timeout
+        self.headers = {"Accept": "application/json", **headers}
+        self._conn: http.client.HTTPConnection | None = None
+        self._used_at = 0.0
+        self.connected = False  # the last request got as far as a connection
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def request(self, method: str, path: str, *, body: bytes | None = None,
+                params: dict[str, Any] | None = None, timeout: float | None = None
+                ) -> tuple[int, bytes]:
+        target = self.prefix + path
+        if params:
+            target += "?" + urllib.parse.urlencode(params)
+        headers = dict(self.headers)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if self._conn is not None and time.monotonic() - self._used_at > IDLE_REUSE:
+            self.close()
+        reused = self._conn is not None
+        try:
+            return self._send(method, target, body, headers, timeout)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            self.close()
+            # A kept-alive connection the server had just closed: nothing was read, and a
+            # request that means the same thing twice may go again on a new connection.
+            if not (reused and method in IDEMPOTENT):
+                raise
+            return self._send(method, target, body, headers, timeout)
+
+    def _send(self, method: str, target: str, body: bytes | None, headers: dict[str, str],
+              timeout: float | None) -> tuple[int, bytes]:
+        self.connected = False
+        conn = self._connection()
+        self.connected = True  # from here on, the server may act on what it is sent
+        conn.timeout = timeout or self.timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(conn.timeout)
+        try:
+            conn.request(method, target, body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+        except BaseException:
+            self.close()
+            raise
+        if response.will_close:
+            self.close()
+        self._used_at = time.monotonic()
+        return response.status, data
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self.https:
+                self._conn = http.client.HTTPSConnection(
+                    self.host, self.port, timeout=self.timeout,
+                    context=ssl.create_default_context())
+            else:
+                self._conn = http.client.HTTPConnection(self.host, self.port,
+                                                        timeout=self.timeout)
+            self._conn.connect()
+            assert self._conn.sock is not None
+            # Small requests and answers: never wait for a delayed ACK (Nagle).
+            self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._conn
+
+
+class Client:
+    """A synchronous client for the Rota API, for producers (a web app's request handlers,
+    scripts) and the CLI. It keeps one HTTP/1.1 connection alive; it is not thread-safe,
+    so give each thread its own (they are cheap). ``token``: a bearer token (a producer
+    token is enough to enqueue and read its own jobs); ``timeout``: seconds for a request
+    to be answered; ``max_wait``: the longest single long poll (the server's
+    ``max_result_wait``). Failed requests raise ``ApiError``. ``url`` may be a list: the
+    base URLs of servers that share one database, used in turn (``Failover``).
+
+        with Client("http://127.0.0.1:8000", token=token) as client:
+            job = client.enqueue("send_email", {"to": "ada@example.com"})
+            print(job.id, job.state, job.result(timeout=30))
+    """
+
+    def __init__(self, url: str | Sequence[str] = "http://127.0.0.1:8000", *,
+                 token: str | None = None, timeout: float = 30.0,
+                 max_wait: float = MAX_WAIT) -> None:
+        self.servers = Failover(url)
+        self.max_wait = max_wait
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # One connection per server, every URL checked now (bad_url before any request).
+        self._transports = [_Transport(u, timeout=timeout, headers=headers)
+                            for u in self.servers.urls]
+
+    @property
+    def url(self) -> str:
+        """The base URL of the server requests go to now."""
+        return self.servers.url
+
+    def close(self) -> None:
+        for transport in self._transports:
+            transport.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, *, json: Any = None,
+              params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        body = None if json is None else msgspec.json.encode(json)
+        status, content = self._request(method, path, body, params, timeout)
+        try:
+            answer = msgspec.json.decode(content) if content else {}
+        except msgspec.DecodeError:
+            answer = None  # not JSON: a proxy's page, or uvicorn's own 503
+        if status >= 400:
+            raise refusal(status, answer, content)
+        if answer is None:
+            raise ApiError(status, "http_error", f"not a JSON answer: {content[:200]!r}")
+        return answer
+
+    def _request(self, method: str, path: str, body: bytes | None,
+                 params: dict[str, Any] | None, timeout: float | None) -> tuple[int, bytes]:
+        """One request, on the next server too when the one in use cannot be reached."""
+        failure: tuple[ApiError, BaseException] | None = None
+        for index in self.servers.round():
+            transport = self._transports[index]
+            try:
+                return transport.request(method, path, body=body, params=params,
+                                         timeout=timeout)
+            except (OSError, http.client.HTTPException) as exc:
+                error = transport_error(transport.url, exc, connected=transport.connected)
+                self.servers.failed(index)
+                if not self.servers.again(method, error):
+                    raise error from exc
+                failure = (error, exc)
+        assert failure is not None  # (a round has one server at least)
+        raise self.servers.gave_up(*failure) from failure[1]
+
+    def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any) -> Job:
+        """Enqueue a job of ``spec`` with ``args``; returned once it is committed.
+        Options: id (the same id again is the same job, so a retried enqueue is safe),
+        queue, priority, run_at, delay, ttl, visibility_timeout, max_attempts, max_fails
+        (None means the spec's default), capture_logs."""
+        body: dict[str, Any] = {"spec": spec, "args": args or {}}
+        body.update({key: value for key, value in options.items() if value is not None})
+        answer = self._call("POST", "/jobs", json=body)
+        return Job(self, answer["job"], answer["created"])
+
+    def wait(self, job_id: str, *, timeout: float | None = None) -> Any:
+        """The job's result once it completes, long-polling the server (None: no time
+        limit). Raises ``JobError`` if it ended discarded or cancelled, ``ResultTimeout``
+        if it has not finished within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            reply = self.result(job_id, wait=poll_wait(deadline, self.max_wait))
+            if reply["done"]:
+                return outcome(reply)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ResultTimeout(job_id, reply["state"], timeout or 0.0)
+
+    def enqueue_batch(self, jobs: list[dict[str, Any]]) -> dict[str, Any]:
+        """One ``POST /jobs/batch`` (one transaction): ``{"results": [...]}``, a status
+        and a job or an error for each, in order."""
+        return self._call("POST", "/jobs/batch", json={"jobs": jobs})
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel the job (a running one through its worker); its view."""
+        return self._call("DELETE", f"/jobs/{path_segment(job_id)}")
+
+    def retry(self, job_id: str) -> dict[str, Any]:
+        """Put a discarded or cancelled job back, with a fresh budget; its view."""
+        return self._call("POST", f"/jobs/{path_segment(job_id)}/retry")
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        """The job's view, as ``GET /jobs/{id}`` gives it."""
+        return self._call("GET", f"/jobs/{path_segment(job_id)}")
+
+    def result(self, job_id: str, *, wait: float = 0) -> dict[str, Any]:
+        """One ``GET /jobs/{id}/result?wait=``: ``{id, state, done, result, error}``,
+        within ``wait`` seconds (at most the server's max_result_wait). ``wait()`` is
+        the loop most callers want."""
+        return self._call("GET", f"/jobs/{path_segment(job_id)}/result",
+                          params={"wait": wait}, timeout=wait + 30)
+
+    def push_specs(self, specs: list[JobSpec], *, dry_run: bool = False) -> dict[str, Any]:
+        body = {"specs": [msgspec.to_builtins(s) for s in specs], "dry_run": dry_run}
+        return self._call("PUT", "/specs", json=body)
+
+    def specs(self) -> dict[str, Any]:
+        return self._call("GET", "/specs")
+
+    def retire_spec(self, name: str, *, cancel_waiting: bool = False) -> dict[str, Any]:
+        return self._call("POST", f"/specs/{path_segment(name)}/retire",
+                          json={"cancel_waiting": cancel_waiting})
+
+    def spec_history(self, name: str) -> dict[str, Any]:
+        return self._call("GET", f"/specs/{path_segment(name)}/history")
+
+    def workers(self) -> dict[str, Any]:
+        return self._call("GET", "/workers")
+
+    def direct(self, state: str, *, worker_id: str | None = None, label: str | None = None,
+               every: bool = False) -> dict[str, Any]:
+        """Ask one worker (by id), every worker with a label, or all, to change state."""
+        if worker_id is not None:
+            return self._call("POST", f"/workers/{path_segment(worker_id)}/state",
+                              json={"state": state})
+        body: dict[str, Any] = {"state": state, "all": every}
+        if label is not None:
+            body["label"] = label
+        return self._call("POST", "/workers/state", json=body)
+
+    def queues(self) -> dict[str, Any]:
+        return self._call("GET", "/queues")
+
+    def pause_queue(self, name: str, *, paused: bool = True) -> dict[str, Any]:
+        """Pause a queue (it keeps its jobs and assigns none) or resume it (admin)."""
+        action = "pause" if paused else "resume"
+        return self._call("POST", f"/queues/{path_segment(name)}/{action}")
+
+    def list_jobs(self, *, states: tuple[str, ...] | list[str] = (), spec: str | None = None,
+                  queue: str | None = None, worker: str | None = None, q: str | None = None,
+                  limit: int = 50, cursor: str | None = None) -> dict[str, Any]:
+        """One page of ``GET /jobs`` (admin), newest first: ``{"jobs": [...],
+        "next_cursor"}``; pass ``next_cursor`` back as ``cursor`` for the next page."""
+        params = {"state": ",".join(states), "spec": spec, "queue": queue, "worker": worker,
+                  "q": q, "limit": limit, "cursor": cursor}
+        return self._call("GET", "/jobs", params={k: v for k, v in params.items() if v})
+
+    def bulk(self, action: str, *, ids: list[str] | None = None,
+             filter: dict[str, Any] | None = None, dry_run: bool = False,
+             limit: int | None = None) -> dict[str, Any]:
+        """``POST /jobs/retry`` or ``/jobs/cancel`` (admin) of these ids or of the jobs
+        that match ``filter`` (``state`` a list, ``spec``, ``queue``, ``worker``, ``q``),
+        at most ``limit`` (the server's default cap when None): how many matched and
+        were touched, the first ids, and why others were skipped."""
+        body: dict[str, Any] = {"dry_run": dry_run}
+        if ids is not None:
+            body["ids"] = ids
+        if filter is not None:
+            body["filter"] = filter
+        if limit is not None:
+            body["limit"] = limit
+        return self._call("POST", f"/jobs/{action}", json=body)
+
+    def stats(self, minutes: int = 60) -> dict[str, Any]:
+        """``GET /stats`` (admin): per-minute counts per queue and spec, and the age of
+        each queue's oldest available job."""
+        return self._call("GET", "/stats", params={"minutes": minutes})
+
+    def create_token(self, scope: str, *, name: str | None = None,
+                     queues: list[str] | None = None) -> dict[str, Any]:
+        """A new token (admin): ``token`` in the answer is its secret, shown this once."""
+        body: dict[str, Any] = {"scope": scope, "name": name, "queues": queues}
+        return self._call("POST", "/tokens",
+                          json={key: value for key, value in body.items() if value is not None})
+
+    def tokens(self) -> dict[str, Any]:
+        return self._call("GET", "/tokens")
+
+    def revoke_token(self, id_or_name: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/tokens/{path_segment(id_or_name)}")

@@ -1,0 +1,97 @@
+"""How the dashboard writes numbers, times and JSON for people: pure functions, used as
+Jinja filters (rota/server/dashboard.py), so the templates stay free of arithmetic."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def size(value: int | None) -> str:
+    """Bytes as a short figure: 1536 -> "1.5 KiB"."""
+    if value is None:
+        return "–"
+    amount = float(value)
+    for unit in _UNITS:
+        if amount < 1024 or unit == _UNITS[-1]:
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    raise AssertionError("unreachable")
+
+
+def duration(seconds: float | None) -> str:
+    """Seconds as the two largest units: 0.25 -> "250 ms", 3725 -> "1 h 2 min"."""
+    if seconds is None:
+        return "–"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = int(seconds)
+    for unit, span, smaller, small_span in (("d", 86400, "h", 3600), ("h", 3600, "min", 60),
+                                            ("min", 60, "s", 1)):
+        if whole >= span:
+            rest = (whole % span) // small_span
+            return f"{whole // span} {unit}" + (f" {rest} {smaller}" if rest else "")
+    raise AssertionError("unreachable")
+
+
+def since(moment: str | None, now: float) -> str:
+    """A moment that was (an enqueue, a start, a finish) as "12 s ago": never "in …",
+    which the wall clock stepped back after the moment was stored would make it say;
+    such a moment reads "just now"."""
+    if not moment:
+        return "–"
+    delta = now - datetime.fromisoformat(moment).timestamp()
+    return f"{duration(delta)} ago" if delta >= 0 else "just now"
+
+
+def ago(moment: str | None, now: float) -> str:
+    """An RFC 3339 moment as "12 s ago" (or "in 5 s") against the Unix time ``now``."""
+    if not moment:
+        return "–"
+    delta = now - datetime.fromisoformat(moment).timestamp()
+    return f"{duration(delta)} ago" if delta >= 0 else f"in {duration(-delta)}"
+
+
+def pretty(value: Any) -> str:
+    """Any JSON value (stored JSON kept raw included), indented for a <pre>."""
+    if isinstance(value, msgspec.Raw):
+        value = msgspec.json.decode(value)
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=False)
+
+
+def short(text: str | None, keep: int = 12) -> str:
+    """A long id or checksum cut for a table cell (the full one goes in a title). A
+    UUID keeps both ends: UUIDv7s made in the same second share their first digits."""
+    if text is None:
+        return "–"
+    if len(text) == 36 and text.count("-") == 4:
+        return f"{text[:8]}…{text[-6:]}"
+    return text if len(text) <= keep else text[:keep] + "…"
+
+
+# Characters that change the direction of the text around them: the marks, embeddings,
+# overrides and isolates of Unicode's bidirectional algorithm. A worker or a producer could
+# use them to show "exe.png" for "gnp.exe", or to reverse what a page says after them.
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(value: Any) -> Any:
+    """Every value a page shows (the templates' ``finalize``): text with its direction
+    controls written as escapes (U+202E as ``\u202e``, as the CLI prints it), which then
+    reorder nothing; markup the page made itself, and anything not text, as it is."""
+    if type(value) is not str or not _BIDI.search(value):  # Markup is a str subclass: kept
+        return value
+    return _BIDI.sub(lambda match: f"\\u{ord(match.group()):04x}", value)
+
+
+def count(value: int) -> str:
+    """An integer with thin separators: 1234567 -> "1,234,567"."""
+    return f"{value:,}"

@@ -1,0 +1,96 @@
+"""Jobs from enqueue requests: options, defaults from the spec, and the records kept."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any
+
+import msgspec
+
+from rota.base import protocol as p
+from rota.base.protocol import MAX_COUNT, Priority
+from rota.base.errors import Invalid
+from rota.base.ids import JOB_ID_PATTERN, MAX_JOB_ID, uuid7
+from rota.core.model import JobRecord, shared_limits
+from rota.base.specs import MAX_VISIBILITY, JobSpec, Name
+
+# The longest wait Rota schedules: a delay, a run_at, a time to live. Past it a request
+# is refused rather than kept for years (or, as an overflowing date, never shown).
+MAX_AHEAD = 366 * 24 * 3600.0
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_AHEAD)]
+Limit = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+# Checked when the job is built (Intake.build, rota/base/ids.py job_id_problem), not by the
+# decoder, so that a refusal names the character and where it is; the schema says the rule.
+NewJobId = Annotated[str, msgspec.Meta(extra_json_schema={
+    "pattern": JOB_ID_PATTERN, "minLength": 1, "maxLength": MAX_JOB_ID})]
+
+
+class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    spec: str
+    args: dict[str, Any] = {}
+    id: NewJobId | None = None
+    queue: Name | None = None
+    priority: Priority | None = None
+    run_at: str | None = None  # RFC 3339; or
+    delay: Seconds | None = None  # seconds from now
+    ttl: Annotated[float, msgspec.Meta(gt=0, le=MAX_AHEAD)] | None = None  # seconds it may live
+    visibility_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_VISIBILITY)] | None = None
+    max_attempts: Limit | None = None
+    max_fails: Limit | None = None
+    capture_logs: bool = False  # keep the lines the handler logs with ctx.log()
+
+
+class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    jobs: Annotated[list[msgspec.Raw], msgspec.Meta(min_length=1, max_length=10_000)]
+
+
+def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> JobRecord:
+    run_at = _run_at(request, now)
+    retry = spec.retry
+    limits = shared_limits(request.max_attempts or retry.max_attempts,
+                           request.max_fails or retry.max_fails, retry.backoff_base,
+                           retry.backoff_max, retry.max_worker_deaths)
+    start = run_at if run_at is not None else now
+    return JobRecord(
+        id=request.id or uuid7(), spec=spec.name, queue=request.queue or spec.queue,
+        args=msgspec.Raw(msgspec.json.encode(request.args)),
+        priority=spec.priority if request.priority is None else request.priority,
+        enqueued_at=now, seq=0, limits=limits,
+        visibility_timeout=request.visibility_timeout or spec.visibility_timeout,
+        state="scheduled" if run_at is not None else "available", run_at=run_at,
+        expires_at=start + request.ttl if request.ttl is not None else None,
+        capture_logs=request.capture_logs,
+    )
+
+
+def _run_at(request: EnqueueRequest, now: float) -> float | None:
+    if request.run_at is not None and request.delay is not None:
+        raise Invalid("invalid_request", "give run_at or delay, not both")
+    if request.delay:
+        return now + request.delay
+    if request.run_at is None:
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(request.run_at)
+    except ValueError as exc:
+        raise Invalid("invalid_run_at", f"run_at is not RFC 3339: {exc}") from exc
+    if moment.tzinfo is None:
+        raise Invalid("invalid_run_at", "run_at needs a UTC offset, e.g. 'Z'")
+    when = moment.timestamp()
+    if when > now + MAX_AHEAD:
+        raise Invalid("invalid_run_at", f"run_at is more than {MAX_AHEAD / 86400:g} days ahead")
+    return when if when > now else None  # a moment past, however long ago, means now
+
+
+def same_job(row: dict[str, Any], job: JobRecord, args: dict[str, Any]) -> bool:
+    """An enqueue repeated with the same id must describe the same job."""
+    return (row["spec"] == job.spec and row["queue"] == job.queue
+            and row["priority"] == job.priority and msgspec.json.decode(row["args"]) == args)
+
+
+def error_record(error: p.ErrorInfo, *, attempt: int, worker_id: str | None, now: float) -> bytes:
+    return msgspec.json.encode({
+        "type": error.type, "message": error.message, "retryable": error.retryable,
+        "details": error.details, "attempt": attempt, "worker_id": worker_id,
+        "at": p.rfc3339(now),
+    })

@@ -1,0 +1,124 @@
+"""Which jobs an operator asked for: the filter of ``GET /jobs`` and the bulk actions,
+and the opaque cursor that pages through them. Pure: no I/O, no clock.
+
+A listing is newest first by enqueue order (the row id). Ids are not a usable order: a
+producer may name its jobs ``order-17``. The cursor is the row id of the last job of a
+page, so a page never repeats or skips a job that was there when the first page was read,
+whatever is enqueued meanwhile.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from rota.base.errors import RequestError
+from rota.core.model import JOB_STATES
+
+FIELDS = ("state", "spec", "queue", "worker", "q")
+# Names as the wire takes them (rota/base/protocol.py NAME_PATTERN, JOB_REF_PATTERN); q is
+# free text, bounded so that it cannot make a LIKE pattern of any size.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+MAX_Q = 200
+_CURSOR = re.compile(r"c[0-9]{1,19}")
+
+
+@dataclass(frozen=True, slots=True)
+class JobFilter:
+    """Jobs that match every field given (None or empty: any)."""
+
+    states: tuple[str, ...] = ()
+    spec: str | None = None
+    queue: str | None = None
+    worker: str | None = None
+    q: str | None = None  # an id prefix, or text found in the job's errors
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(400, "invalid_filter", message)
+
+
+def _values(params: Mapping[str, str | list[str]], key: str) -> list[str]:
+    raw = params.get(key)
+    if raw is None:
+        return []
+    return [raw] if isinstance(raw, str) else list(raw)
+
+
+def _one(params: Mapping[str, str | list[str]], key: str) -> str | None:
+    values = _values(params, key)
+    if len(values) > 1:
+        raise _invalid(f"{key} may be given once")
+    if not values or values[0] == "":
+        return None
+    return values[0]
+
+
+def parse_filter(params: Mapping[str, str | list[str]]) -> JobFilter:
+    """A filter from query parameters or a JSON body's ``filter``: ``state`` repeated or
+    comma-separated; every other field once. Raises RequestError (400 invalid_filter)."""
+    states: list[str] = []
+    for value in _values(params, "state"):
+        for state in value.split(","):
+            state = state.strip()
+            if state not in JOB_STATES:
+                raise _invalid(f"unknown state {state[:40]!r}: one of {', '.join(JOB_STATES)}")
+            if state not in states:
+                states.append(state)
+    names = {}
+    for key in ("spec", "queue", "worker"):
+        value = _one(params, key)
+        if value is not None and not NAME.fullmatch(value):
+            raise _invalid(f"{key} is not a name (letters, digits and _.:- up to 128)")
+        names[key] = value
+    q = _one(params, "q")
+    if q is not None:
+        q = q.strip()
+        if len(q) > MAX_Q or any(ord(c) < 32 or ord(c) == 127 for c in q):
+            raise _invalid(f"q must be printable text of at most {MAX_Q} characters")
+    return JobFilter(tuple(states), names["spec"], names["queue"], names["worker"], q or None)
+
+
+def filter_params(flt: JobFilter) -> dict[str, str | list[str]]:
+    """The filter as query parameters again (what a UI link or the CLI sends)."""
+    params: dict[str, str | list[str]] = {}
+    if flt.states:
+        params["state"] = list(flt.states)
+    for key, value in (("spec", flt.spec), ("queue", flt.queue), ("worker", flt.worker),
+                       ("q", flt.q)):
+        if value is not None:
+            params[key] = value
+    return params
+
+
+def encode_cursor(rowid: int) -> str:
+    """The cursor after the job with row id ``rowid``: opaque to clients."""
+    return base64.urlsafe_b64encode(f"c{rowid}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> int:
+    """The row id a cursor stands for; RequestError (400 invalid_cursor) if it is not one
+    this server made."""
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        text = ""
+    if len(cursor) > 40 or not _CURSOR.fullmatch(text) or int(text[1:]) > 2**63 - 1:
+        raise RequestError(400, "invalid_cursor", "cursor is not one this server gave")
+    return int(text[1:])
+
+
+def merge_newest(pages: Sequence[Sequence[tuple[int, dict]]], limit: int
+                 ) -> list[tuple[int, dict]]:
+    """The ``limit`` newest of several pages, each already newest first, with no job twice
+    (one query per state, merged: see Store.list_jobs)."""
+    seen: set[int] = set()
+    merged = []
+    for rowid, row in sorted((item for page in pages for item in page), key=lambda i: -i[0]):
+        if rowid not in seen:
+            seen.add(rowid)
+            merged.append((rowid, row))
+    return merged[:limit]

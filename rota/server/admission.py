@@ -1,0 +1,120 @@
+"""What comes in to be held: the jobs producers enqueue, and, on a database several
+servers share, the jobs a registering worker holds that another server reserved.
+
+The engine decides (``Engine.build``, ``enqueued_all``, ``taken_over``); this writes the
+rows and applies what the engine returns. The Coordinator owns one and hands it the
+store, the engine, its clock, its way of applying effects and its crash switch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rota.base import protocol as p
+from rota.core.auth import OPEN, Principal
+from rota.core.effects import Effect
+from rota.core.engine import Engine
+from rota.base.errors import Conflict, DomainError, StorageError
+from rota.core.jobs import EnqueueRequest, same_job
+from rota.core.model import Instant, JobRecord
+from rota.core.registry import claim_worker_id, held_ids
+from rota.store.store import Store
+
+log = logging.getLogger("rota.server")
+
+
+class Admission:
+    def __init__(self, store: Store, engine: Engine, clock: Callable[[], Instant],
+                 apply: Callable[[Iterable[Effect]], None],
+                 crash_point: Callable[[str], None]) -> None:
+        self.store = store
+        self.engine = engine
+        self.clock = clock
+        self.apply = apply
+        self.crash_point = crash_point  # the --crash-at test switch
+
+    async def take_over(self, hb: p.Heartbeat, principal: Principal = OPEN) -> None:
+        """Before a registration is handled: on a database several servers share, the
+        jobs the worker holds that another server reserved become this server's (their
+        rows say so, fenced on the worker and the attempt's state), so the worker goes
+        on with them here instead of being told they were lost. Only the jobs a worker
+        of the caller's token holds, of queues it may serve: a worker id taken by another
+        token takes nothing, and is refused before any row moves."""
+        if not self.store.shared:
+            return
+        named = held_ids(hb.status) if hb.status is not None else []
+        held = {*named, *(r.job_id for r in hb.results)} - self.engine.scheduler.jobs.keys()
+        if not held:
+            return
+        here = self.engine.registry.get(hb.worker_id)  # connected here: its token's id
+        if here is not None:
+            claim_worker_id(hb.worker_id, [here.principal.token_id], principal)
+        try:
+            jobs, others = await self.store.take_over(hb.worker_id, sorted(held),
+                                                      principal.token_id, principal.queues)
+        except StorageError as exc:  # then as on one server: they come back later
+            log.warning("take over jobs=%d worker=%s failed: %s", len(held), hb.worker_id, exc)
+            return
+        # Jobs it names that another token's worker holds through another server: the
+        # worker id is that token's, as if they were kept here (Registry.admit). The
+        # store moved no row then.
+        claim_worker_id(hb.worker_id, others, principal)
+        self.apply(self.engine.taken_over(jobs, hb.worker_id, self.clock()))
+
+
+    async def enqueue(self, requests: list[EnqueueRequest], principal: Principal = OPEN
+                      ) -> list[tuple[dict[str, Any], bool] | DomainError]:
+        """Store jobs in one transaction; per request the row and whether it is new, or why not."""
+        now = self.clock()
+        built = [self.engine.build(request, principal, now) for request in requests]
+        jobs = [job for job in built if not isinstance(job, DomainError)]
+        # A job whose id the server made cannot collide with a stored row: it is taken
+        # in at once, and a scheduling round now queues its reservation right behind its
+        # row (see Intake.enqueued). A producer's id waits for the commit to say whether
+        # the job is new.
+        early = [job for request, job in zip(requests, built, strict=True)
+                 if request.id is None and not isinstance(job, DomainError)]
+        # A producer's id new under its kept form may name a job this token enqueued
+        # before ids were kept so (rota/core/auth.py): the store answers with that one.
+        unscoped = [principal.unscoped_id(request.id) if request.id is not None else None
+                    for request, job in zip(requests, built, strict=True)
+                    if not isinstance(job, DomainError)]
+        written = (self.store.enqueue(jobs, live=self.engine.scheduler.live(), unscoped=unscoped)
+                   if jobs else None)
+        if early:
+            effects = self.engine.enqueued_all([(job, None) for job in early], now)
+            self.apply(effects + self.engine.dispatch(now))
+        try:
+            stored = iter(await written if written is not None else [])
+        except Exception as exc:
+            self.apply(self.engine.not_stored(early, exc))
+            raise
+        self.crash_point("enqueue-after-commit")
+        outcomes: list[tuple[dict[str, Any], bool] | DomainError] = []
+        admitted = {id(job) for job in early}
+        taken_in: list[tuple[JobRecord, int | None]] = []  # new rows with producers' ids
+        for request, job in zip(requests, built, strict=True):
+            if isinstance(job, DomainError):
+                outcomes.append(job)
+                continue
+            row, created = next(stored)
+            if id(job) in admitted:
+                self.engine.stored(job, row["rowid"])
+                outcomes.append((row, created))
+                continue
+            if not created:
+                # A producer's ids are its own: a row under one that it did not make (an
+                # admin chose that id) is not shown to it either.
+                theirs = principal.owns_ids and row["created_by"] != principal.token_id
+                if theirs or not same_job(row, job, request.args):
+                    outcomes.append(Conflict("id_conflict", f"job {request.id} exists with a"
+                                             " different spec, queue, priority or args"))
+                    continue
+            else:
+                taken_in.append((job, row["rowid"]))
+            outcomes.append((row, created))
+        if taken_in:
+            self.apply(self.engine.enqueued_all(taken_in, now))
+        return outcomes

@@ -1,0 +1,360 @@
+"""The HTTP API (JSON): enqueue and inspect jobs, push and list specs, see workers and queues.
+
+What the routes share (answers, errors and their statuses, the body, the scope check) is in
+rota/server/api_base.py; the route table that serves them is rota/server/routes.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rota.server.api_base import (JSON, coordinator_of, decode_as, decode_body, error, need, read_body,
+                           status_of, token_revoked, too_many_waits)
+from rota.core.auth import Scope
+from rota.server.coordinator import Coordinator
+from rota.base.errors import DomainError, Invalid
+from rota.server.gate import principal_of
+from rota.base.ids import TOKEN_NAME_PATTERN
+from rota.core.jobs import BatchRequest, EnqueueRequest
+from rota.core.observe import UNFINISHED, busiest
+from rota.core.policy import TERMINAL_STATES
+from rota.base.protocol import Name, rfc3339
+from rota.base.specs import JobSpec, checksum
+from rota.store.tokens import token_view
+from rota.store.views import job_view
+
+Directive = Literal["quiet", "terminate", "running"]  # running: resume a quiet worker
+# Printable, and short enough for a listing; an id is the other way to name a token.
+TokenName = Annotated[str, msgspec.Meta(pattern=TOKEN_NAME_PATTERN)]
+
+SECONDS = re.compile(r"[0-9]{1,20}(\.[0-9]{1,20})?([eE][-+]?[0-9]{1,3})?")
+
+
+class StateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    state: Directive
+    label: Name | None = None  # POST /workers/state: every worker with this label, or
+    all: bool = False  # every connected worker
+
+
+class RetireRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    cancel_waiting: bool = False  # cancel the spec's waiting jobs too
+
+
+class PushRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    specs: list[JobSpec]
+    dry_run: bool = False
+
+
+class TokenRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    scope: Scope
+    name: TokenName | None = None  # default: scope and id, as ``rota tokens create``
+    queues: Annotated[list[Name], msgspec.Meta(min_length=1)] | None = None  # None: any
+
+
+# -- jobs -------------------------------------------------------------------------
+async def enqueue(request: Request) -> Response:
+    principal = need(request, "producer")
+    payload = await decode_body(request, EnqueueRequest)
+    [outcome] = await coordinator_of(request).enqueue([payload], principal)
+    if isinstance(outcome, DomainError):
+        raise outcome
+    row, created = outcome
+    return JSON({"job": job_view(row), "created": created}, status_code=201 if created else 200)
+
+
+async def enqueue_batch(request: Request) -> Response:
+    """Many jobs, one transaction; each gets its own status, and a bad one spoils no other."""
+    principal = need(request, "producer")
+    batch: BatchRequest = await decode_body(request, BatchRequest)
+    parsed: list[EnqueueRequest | DomainError] = []
+    for raw in batch.jobs:
+        try:  # already screened and decoded once, as part of the batch: it is JSON
+            parsed.append(msgspec.json.decode(raw, type=EnqueueRequest))
+        except msgspec.ValidationError as exc:
+            parsed.append(Invalid("invalid_request", str(exc)))
+    valid = [item for item in parsed if isinstance(item, EnqueueRequest)]
+    outcomes = iter(await coordinator_of(request).enqueue(valid, principal) if valid else [])
+    results = []
+    for index, item in enumerate(parsed):
+        outcome = item if isinstance(item, DomainError) else next(outcomes)
+        if isinstance(outcome, DomainError):
+            results.append({"index": index, "status": status_of(outcome),
+                            "error": {"code": outcome.code, "message": outcome.message}})
+        else:
+            row, created = outcome
+            results.append({"index": index, "status": 201 if created else 200,
+                            "created": created, "job": job_view(row)})
+    return JSON({"results": results})
+
+
+async def _find(request: Request, job_id: str) -> dict[str, Any] | None:
+    """The job the caller names ``job_id``: a producer's own, found under the id
+    it is kept under (rota/core/auth.py); to a producer, any other job does not exist, exactly
+    as a missing one."""
+    principal = need(request, "producer")
+    coordinator = coordinator_of(request)
+    row = await coordinator.get_job(principal.stored_id(job_id))
+    if row is None and (unscoped := principal.unscoped_id(job_id)) is not None:
+        # A job enqueued before producers' ids were their own is kept under the id given.
+        row = await coordinator.get_job(unscoped)
+    if row is None or principal.scope == "admin" or row["created_by"] == principal.token_id:
+        return row
+    return None
+
+
+async def show_job(request: Request) -> Response:
+    coordinator, job_id = coordinator_of(request), request.path_params["job_id"]
+    row = await _find(request, job_id)
+    if row is None:
+        hint = (f" (the bulk action is POST /jobs/{job_id})" if job_id in ("retry", "cancel")
+                else "")
+        return error(404, "not_found", f"no job {job_id}{hint}")
+    return JSON(await job_detail(coordinator, row))
+
+
+async def job_detail(coordinator: Coordinator, row: dict[str, Any]) -> dict[str, Any]:
+    """A job as GET /jobs/{id} shows it: its view, its logs, and why it waits (also the
+    dashboard's job page)."""
+    view = job_view(row)
+    view["logs"] = await coordinator.job_logs(row["id"])
+    if row["state"] == "available":
+        view["waiting_reason"] = coordinator.waiting_reason(row["queue"], row["spec"])
+    elif row["state"] in ("scheduled", "retryable"):
+        view["waiting_reason"] = f"{row['state']} until {view['run_at']}"
+    return view
+
+
+async def cancel_job(request: Request) -> Response:
+    # A producer may take back what it enqueued (it could as well not have); another
+    # token's job does not exist for it, as in GET. Retry stays admin-only: it
+    # overrides the spec's retry limits, an operator's call.
+    principal = need(request, "producer")
+    coordinator, job_id = coordinator_of(request), request.path_params["job_id"]
+    if principal.scope != "admin":  # (an admin's cancel needs no extra read)
+        row = await _find(request, job_id)
+        if row is None:
+            return error(404, "not_found", f"no job {job_id}")
+        job_id = row["id"]
+    row, done = await coordinator.cancel(job_id)
+    return JSON(job_view(row), status_code=200 if done else 202)
+
+
+async def retry_job(request: Request) -> Response:
+    need(request, "admin")
+    row = await coordinator_of(request).retry(request.path_params["job_id"])
+    return JSON(job_view(row))
+
+
+async def job_result(request: Request) -> Response:
+    coordinator = coordinator_of(request)
+    text = request.query_params.get("wait", "0")
+    # A number as JSON writes one (and str(float)): float() would also take "1_0", "nan",
+    # "inf" and " 1 ".
+    if not SECONDS.fullmatch(text):
+        return error(400, "invalid_wait", "wait must be a number of seconds")
+    wait = float(text)
+    if not 0 <= wait <= coordinator.settings.max_result_wait:
+        return error(400, "invalid_wait",
+                     f"wait must be between 0 and {coordinator.settings.max_result_wait} seconds")
+    job_id = request.path_params["job_id"]
+    found = await _find(request, job_id)
+    if found is None:
+        return error(404, "not_found", f"no job {job_id}")
+    if wait > 0:
+        hold = coordinator.hold(principal_of(request.scope))
+        if hold is None:
+            return too_many_waits(coordinator)
+        try:
+            row = await coordinator.wait_for_result(found["id"], wait, hold.revoked)
+        finally:
+            coordinator.release(hold)
+        if hold.revoked.done():
+            return token_revoked()
+    else:
+        row = await coordinator.wait_for_result(found["id"], 0)
+    if row is None:
+        return error(404, "not_found", f"no job {job_id}")
+    view = job_view(row)
+    done = row["state"] in TERMINAL_STATES
+    failed = row["state"] in ("discarded", "cancelled") and view["errors"]
+    body = {"id": row["id"], "state": row["state"], "done": done, "result": view["result"],
+            "error": view["errors"][-1] if failed else None}
+    return JSON(body, status_code=200 if done else 202)
+
+
+# -- specs ------------------------------------------------------------------------
+async def list_specs(request: Request) -> Response:
+    need(request, "producer")  # a producer needs the argument schemas of what it enqueues
+    coordinator = coordinator_of(request)
+    retired = coordinator.retired_specs()
+    specs = [
+        {"name": s.name, "version": s.version, "checksum": checksum(s), "queue": s.queue,
+         "description": s.description, "spec": msgspec.to_builtins(s),
+         "retired_at": rfc3339(retired[s.name]) if s.name in retired else None}
+        for s in sorted(coordinator.specs.values(), key=lambda s: s.name)
+    ]
+    return JSON({"specs": specs})
+
+
+async def push_specs(request: Request) -> Response:
+    need(request, "admin")
+    payload: PushRequest = await decode_body(request, PushRequest)
+    report = await coordinator_of(request).push_specs(payload.specs, dry_run=payload.dry_run)
+    return JSON({"dry_run": payload.dry_run, "specs": report})
+
+
+async def retire_spec(request: Request) -> Response:
+    need(request, "admin")
+    body = await read_body(request)
+    payload = decode_as(body, RetireRequest) if body.strip() else RetireRequest()
+    return JSON(await coordinator_of(request).retire_spec(
+        request.path_params["name"], cancel_waiting=payload.cancel_waiting))
+
+
+async def spec_history(request: Request) -> Response:
+    need(request, "admin")
+    name = request.path_params["name"]
+    history = await coordinator_of(request).spec_history(name)
+    if not history:
+        return error(404, "not_found", f"spec {name!r} was never pushed")
+    return JSON({"name": name, "history": history})
+
+
+# -- tokens (admin only; ``rota tokens --url``) ------------------------------------------
+async def create_token(request: Request) -> Response:
+    need(request, "admin")
+    payload: TokenRequest = await decode_body(request, TokenRequest)
+    secret, row = await coordinator_of(request).create_token(payload.scope, payload.name,
+                                                           payload.queues)
+    return JSON({"token": secret, **token_view(row)}, status_code=201)
+
+
+async def list_tokens(request: Request) -> Response:
+    need(request, "admin")
+    rows = await coordinator_of(request).live_tokens()
+    return JSON({"tokens": [token_view(row) for row in rows]})
+
+
+async def revoke_token(request: Request) -> Response:
+    need(request, "admin")
+    rows = await coordinator_of(request).revoke_token(request.path_params["token"])
+    return JSON({"revoked": [token_view(row) for row in rows]})
+
+
+# -- workers, queues, health ---------------------------------------------------------
+async def list_workers(request: Request) -> Response:
+    need(request, "admin")
+    return JSON({"workers": worker_views(coordinator_of(request))})
+
+
+def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
+    """The connected workers as GET /workers shows them (and the dashboard), by id."""
+    now = coordinator.clock().mono
+    workers = []
+    for conn in coordinator.connections.values():
+        slot, reg = conn.worker, conn.registration
+        matching = coordinator.matching_specs(slot)
+        workers.append({
+            "id": slot.id, "hostname": reg.hostname, "pid": reg.pid, "os": reg.os,
+            "sdk": reg.sdk, "state": slot.state, "queues": slot.queues, "labels": slot.labels,
+            "concurrency": slot.concurrency, "prefetch": slot.prefetch,
+            "active": slot.running(), "prefetched": len(slot.active) - slot.running(),
+            "capacity": slot.capacity, "specs_matching": matching,
+            "specs_mismatching": sorted(set(slot.specs) - set(matching)),
+            "directive": conn.directive,
+            "cpu_percent": conn.cpu_percent, "memory_rss": conn.memory_rss,
+            "alerts": list(conn.alerts),
+            "connected_at": rfc3339(conn.connected_at),
+            "last_heartbeat_age": round(now - conn.last_seen, 3),
+            "heartbeats": conn.frames,
+        })
+    return sorted(workers, key=lambda w: w["id"])
+
+
+async def direct_worker(request: Request) -> Response:
+    """Ask one worker to go quiet or terminate (it hears it in its next ack); 202 if it
+    is connected to another server on the database, which passes it on."""
+    need(request, "admin")
+    payload: StateRequest = await decode_body(request, StateRequest)
+    done = await coordinator_of(request).direct_workers(
+        payload.state, worker_id=request.path_params["worker_id"])
+    if done.forwarded:
+        return JSON({"workers": done.workers, "state": payload.state, "forwarded": True},
+                    status_code=202)
+    return JSON({"workers": done.workers, "state": payload.state})
+
+
+async def direct_workers(request: Request) -> Response:
+    """Ask every worker with a label, or all of them, to go quiet or terminate."""
+    need(request, "admin")
+    payload: StateRequest = await decode_body(request, StateRequest)
+    if (payload.label is None) == (not payload.all):
+        return error(422, "invalid_request", "give either label or all: true")
+    done = await coordinator_of(request).direct_workers(payload.state, label=payload.label,
+                                                      every=payload.all)
+    return JSON({"workers": done.workers, "state": payload.state, "forwarded": done.forwarded})
+
+
+async def list_queues(request: Request) -> Response:
+    need(request, "admin")
+    coordinator = coordinator_of(request)
+    views, others = await queue_views(coordinator, limit=coordinator.settings.max_series)
+    return JSON({"queues": views, "others": others})
+
+
+async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]] | None = None,
+                      limit: int | None = None
+                      ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Every queue as GET /queues shows it, by name; the dashboard brings its own
+    ``counts`` (rota/server/dashboard.py: it does not count a million rows every 2 s). With a
+    ``limit`` (producers name queues: a page of 60,000 took the loop for seconds), the
+    paused ones, those workers serve and the busiest of the rest up to it, and the others
+    as ``{"queues": n, "counts": {...}}`` (None if none is left out)."""
+    if counts is None:
+        counts = await coordinator.queue_counts()
+    slots, paused = coordinator.worker_slots(), coordinator.paused_queues()
+    served = coordinator.served_queues()
+    names = set(counts) | served | paused
+    others = None
+    if limit is not None and len(names) > limit:
+        fixed = served | paused
+        weights = {q: (sum(counts[q].get(s, 0) for s in UNFINISHED), sum(counts[q].values()))
+                   for q in names - fixed}
+        hidden = names
+        names = fixed | set(busiest(weights, max(0, limit - len(fixed))))
+        hidden = hidden - names
+        summed: dict[str, int] = {}
+        for queue in hidden:
+            for state, n in counts[queue].items():
+                summed[state] = summed.get(state, 0) + n
+        others = {"queues": len(hidden), "counts": summed}
+    waiting: dict[str, list[dict[str, Any]]] = {}
+    for queue, spec, n, reason in coordinator.waiting():
+        if queue in names:
+            waiting.setdefault(queue, []).append({"spec": spec, "available": n, "reason": reason})
+    oldest = await coordinator.oldest_waits()
+    return [
+        {"name": name, "counts": counts.get(name, {}),
+         "workers": sum(1 for w in slots if name in w.queues),
+         "waiting": waiting.get(name, []), "paused": name in paused,
+         "oldest_available_age": oldest.get(name)}
+        for name in sorted(names)
+    ], others
+
+
+async def healthz(request: Request) -> Response:
+    """200 even while the store is degraded: the server still serves reads and workers,
+    and a restart by a liveness probe would not bring the disk back (docs/operations.md)."""
+    coordinator = coordinator_of(request)
+    degraded = coordinator.storage_degraded()
+    storage = None if degraded is None else {
+        "code": degraded.code, "message": degraded.message, "since": rfc3339(degraded.since)}
+    return JSON({"status": "ok" if degraded is None else "degraded",
+                 "workers": len(coordinator.connections),
+                 "live_jobs": coordinator.live_jobs(), "specs": len(coordinator.specs),
+                 "uptime": round(coordinator.uptime(), 3), "storage": storage})

@@ -1,0 +1,185 @@
+"""What every HTTP route shares: JSON answers, the error body and the mapping of the
+core's refusals and of Starlette's to statuses, the body read within its limit and deadline
+and decoded, and the check of the caller's scope (rota/server/api.py's routes, and rota/server/operate.py's,
+rota/server/feeds.py's and the dashboard's).
+
+Every error has the body ``{"error": {"code": ..., "message": ...}}``: a 4xx for what the
+client can fix, 503 with ``Retry-After`` while the disk refuses writes (``storage_*``),
+and 500 ``internal`` (with an incident id, from rota/server/safety.py) for a bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.websockets import WebSocket
+
+from rota.core.auth import Principal, Scope
+from rota.server.coordinator import Coordinator
+from rota.base.errors import (Conflict, DomainError, Forbidden, Invalid, NotFound, RequestError,
+                         StorageError, TooLarge)
+from rota.server.gate import principal_of
+from rota.base.inputs import BadJson, explain, screen
+from rota.base.logs import printable
+
+log = logging.getLogger("rota.server")
+
+
+class JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
+
+
+def error(status: int, code: str, message: str) -> JSON:
+    return JSON({"error": {"code": code, "message": message}}, status_code=status)
+
+
+# The core's refusals, as HTTP statuses: decided here, at the edge, not in the engine.
+STATUS: dict[type[DomainError], int] = {NotFound: 404, Conflict: 409, Invalid: 422,
+                                        Forbidden: 403, TooLarge: 413, DomainError: 422}
+
+
+def status_of(exc: RequestError | DomainError) -> int:
+    if isinstance(exc, RequestError):
+        return exc.status
+    return STATUS.get(type(exc), 422)
+
+
+def coordinator_of(request: Request) -> Coordinator:
+    return request.app.state.coordinator
+
+
+def need(request: Request, *scopes: Scope) -> Principal:
+    """The caller, if its token's scope allows this route; else 403."""
+    principal = principal_of(request.scope)
+    if not principal.may(*scopes):
+        raise RequestError(403, "forbidden", f"a {principal.scope} token may not"
+                           f" {request.method} {request.url.path}")
+    return principal
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused with 413 as soon as it passes the limit: never buffered whole."""
+    limit = coordinator_of(request).settings.max_body_bytes
+    too_large = RequestError(413, "body_too_large",
+                             f"the request body is over {limit} bytes (max_body_bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    # A body sent a byte a minute would hold its connection for ever: it has a deadline.
+    timeout = coordinator_of(request).settings.body_timeout
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(408, "body_timeout", f"the request body did not arrive within"
+                           f" {timeout:g}s (body_timeout)") from None
+    return b"".join(chunks)
+
+
+async def decode_body(request: Request, kind: type[Any]) -> Any:
+    return decode_as(await read_body(request), kind)
+
+
+def decode_as(body: bytes, kind: type[Any]) -> Any:
+    """A JSON body as ``kind``: 422 if it does not fit, 400 if it is not JSON Rota takes
+    (malformed, too deep, not UTF-8), each with a message that says which."""
+    try:
+        return msgspec.json.decode(screen(body), type=kind)
+    except msgspec.ValidationError as exc:
+        raise RequestError(422, "invalid_request", str(exc)) from None
+    except BadJson as exc:
+        raise RequestError(400, exc.code, exc.message) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        bad = explain(body, exc)
+        raise RequestError(400, bad.code, bad.message) from None
+
+
+# The scope key of a request's way to drop its connection at once (rota/server/edge.py sets it:
+# a weak method, called to get the method), for a stream whose client does not read.
+DROP = "rota.drop"
+
+
+def token_revoked() -> Response:
+    """The answer to a request that waits whose token was revoked meanwhile."""
+    return error(401, "token_revoked", "the token of this request was revoked while it"
+                 " waited")
+
+
+def too_many_waits(coordinator: Coordinator) -> Response:
+    """The answer to a token over its share of HTTP requests that stay open."""
+    cap = coordinator.settings.max_waits_per_token
+    response = error(429, "too_many_waits", f"this token has {cap} requests open that wait"
+                     " (GET /events, ?wait=) already: --max-waits-per-token")
+    response.headers["retry-after"] = "1"
+    return response
+
+
+# A body that stopped arriving: the connection ends with the answer. (The rest of a body
+# refused as too large is read and dropped by uvicorn, and the connection goes on.)
+CLOSE_AFTER = frozenset({"body_timeout"})
+
+
+async def request_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError | DomainError)
+    response = error(status_of(exc), exc.code, exc.message)
+    if exc.code in CLOSE_AFTER:
+        response.headers["connection"] = "close"
+    return response
+
+
+async def storage_unavailable(request: Request, exc: Exception) -> Response:
+    # Logged once by the store's health when it became degraded, not once per request.
+    assert isinstance(exc, StorageError)
+    response = error(503, exc.code, exc.message)
+    response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):
+        path = printable(request.url.path, 100)
+        message = f"no route {request.method} {path}"
+        if path.rstrip("/") == "/work":
+            message += ": /work is the workers' WebSocket endpoint (ws:// or wss://)"
+        elif exc.status_code == 404:
+            message += ": the routes are in /openapi.json"
+    return error(exc.status_code, code, message)
+
+
+async def no_such_socket(websocket: WebSocket) -> None:
+    """A WebSocket handshake for any path but /work: refused with a JSON 404."""
+    path = printable(websocket.url.path, 100)
+    await websocket.send_denial_response(error(
+        404, "not_found", f"no WebSocket endpoint at {path}: workers connect to /work"))
+
+
+async def client_gone(request: Request, exc: Exception) -> Response:
+    # The client closed its connection before its body arrived: nothing was done, nobody
+    # is left to answer, and a traceback per such request is a log line anyone could
+    # repeat at will. The answer is dropped by uvicorn.
+    log.debug("%s %s: the client went away before its body arrived", request.method,
+              printable(request.url.path))
+    return error(400, "client_disconnected", "the client closed the connection mid-request")
+
+
+exception_handlers = {RequestError: request_error, DomainError: request_error,
+                      StorageError: storage_unavailable, HTTPException: http_error,
+                      ClientDisconnect: client_gone}

@@ -1,0 +1,177 @@
+"""The Rota server: a Starlette app with /work and the HTTP API, served by uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.routing import WebSocketRoute
+
+from rota.server import api_base, dashboard, routes
+from rota.server.cluster import Cluster
+from rota.server.coordinator import Coordinator
+from rota.server.edge import GuardedHttp, LeanWebSocket
+from rota.server.gate import Gate
+from rota.server.safety import SafetyNet
+from rota.server.sessions import work_endpoint
+from rota.core.settings import ServerSettings
+
+log = logging.getLogger("rota.server")
+
+# A worker frame larger than this is refused (close 1009) before it is decoded.
+MAX_FRAME = 1 << 20
+
+
+def create_app(settings: ServerSettings) -> Starlette:
+    coordinator = Coordinator(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        cluster = None
+        if settings.database_url is not None:  # possibly one of several servers on it
+            cluster = Cluster.of(coordinator, settings.database_url,
+                                 url=f"{settings.host}:{settings.port}")
+            coordinator.on_stop.append(cluster.let_go)
+            app.state.cluster = cluster  # for tests and tools that look inside
+            await cluster.listen()
+        try:
+            await coordinator.start()
+        except BaseException:  # (no coordinator.stop() follows a failed start)
+            if cluster is not None:
+                await cluster.stop()
+            raise
+        if cluster is not None:
+            cluster.start()
+        try:
+            yield
+        finally:
+            if cluster is not None:
+                await cluster.stop()
+            await coordinator.stop()
+
+    app = Starlette(
+        routes=[*routes.routes, *dashboard.routes, WebSocketRoute("/work", work_endpoint),
+                WebSocketRoute("/{path:path}", api_base.no_such_socket)],
+        exception_handlers=api_base.exception_handlers,  # type: ignore[arg-type]
+        # The net outermost: whatever escapes the routes or the gate still gets an answer.
+        middleware=[Middleware(SafetyNet), Middleware(Gate, coordinator=coordinator)],
+        lifespan=lifespan,
+    )
+    app.state.coordinator = coordinator
+    return app
+
+
+def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvicorn.Config:
+    http = type("RotaHttp", (GuardedHttp,), {"header_timeout": settings.header_timeout})
+    return uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,  # the CLI configures logging; uvicorn's access log stays quiet
+        # uvicorn's own lines (connection open/closed) repeat what Rota logs better
+        log_level="debug" if log_level == "debug" else "warning",
+        access_log=False,
+        http=http,
+        # websockets' sans-I/O protocol, lighter per idle connection
+        ws=type("RotaWebSocket", (LeanWebSocket,),
+                {"outbox_high_water": settings.outbox_high_water}),
+        ws_max_size=MAX_FRAME,
+        ws_per_message_deflate=False,
+        ws_ping_interval=None,  # the heartbeat, not ping/pong, proves a worker alive
+        lifespan="on",
+        limit_concurrency=settings.max_connections,  # above it, new connections get 503
+        timeout_keep_alive=5,  # idle HTTP keep-alive connections are closed after this
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
+    )
+
+
+def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A bound, listening TCP socket to hand to uvicorn (port 0 picks a free one).
+
+    asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto is IPPROTO_TCP; a
+    plain socket.socket() has proto 0, and then every second small frame in a row waits
+    ~40 ms for a delayed ACK. Naming the protocol keeps pushes in the millisecond range.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        # Listening at once claims the port: with SO_REUSEADDR, another socket may bind a
+        # port that is bound but not listening yet, listen first, and leave this one
+        # failing later with EADDRINUSE (seen when the kernel handed port 0's pick to two
+        # programs at once). uvicorn's own listen() only sets the backlog again.
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the program hosting it, and
+    stops as soon as it is asked to (``request_exit``) rather than at its next tick."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._exit = asyncio.Event()
+
+    def request_exit(self, *, force: bool = False) -> None:
+        self.should_exit = True
+        self.force_exit = self.force_exit or force
+        self._exit.set()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def main_loop(self) -> None:
+        # uvicorn's loop polls should_exit every 0.1 s; wake at once when asked instead.
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            try:
+                await asyncio.wait_for(self._exit.wait(), timeout=0.1)
+            except TimeoutError:
+                pass
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn closes WebSockets before the lifespan ends: tell Rota first, so that
+        # those closes are not taken for dead workers.
+        coordinator = getattr(getattr(self.config.app, "state", None), "coordinator", None)
+        if coordinator is not None:
+            coordinator.begin_shutdown()
+        await super().shutdown(sockets)
+
+
+async def serve(settings: ServerSettings, *, log_level: str = "info",
+                sock: socket.socket | None = None) -> None:
+    """Serve until SIGINT or SIGTERM (graceful: connections close, writes commit); a
+    second signal stops at once."""
+    server = EmbeddedServer(uvicorn_config(settings, log_level=log_level))
+
+    def on_signal() -> None:
+        server.request_exit(force=server.should_exit)  # a second signal forces
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    if hasattr(signal, "SIGXFSZ"):
+        # A write past the file-size limit (ulimit -f) would kill the process; ignored,
+        # it fails with EFBIG, which SQLite reports as an I/O error: the store is
+        # degraded and recovers when the limit is raised (docs/operations.md).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    scheme = "https" if settings.ssl_certfile else "http"
+    log.info("serving on %s://%s:%d (workers connect to /work; the dashboard is at /ui%s)",
+             scheme, settings.host, settings.port,
+             ", read-only" if settings.ui_read_only else "")
+    await server.serve(sockets=[sock or listen_socket(settings.host, settings.port)])

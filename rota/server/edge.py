@@ -1,0 +1,335 @@
+"""uvicorn's protocols as Rota runs them: what they do per connection and per answer.
+
+uvicorn's HTTP and WebSocket protocol classes are Rota's edge to the network. Three
+adjustments, each measured: a request gets a deadline for its headers, and a request the
+parser refuses a JSON 400 like every other error (GuardedHttp, which also answers
+/healthz above --max-connections, and lets a stream drop its connection); an
+answer's headers leave with its body in one write (Corked); and an idle /work connection
+holds little beyond its socket (LeanWebSocket), since a server may keep 10,000 of them.
+A /work connection also tells its session how much of what it sent the worker has not
+read (LeanWebSocket's wire methods), so that one which stops reading stops getting jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+from rota.server.api_base import DROP
+from rota.server.sessions import WIRE
+
+log = logging.getLogger("rota.server")
+
+# A request's line and headers together: tokens and names are short, and a browser's
+# cookies stay well under it (nginx's default buffers hold 32 KiB, Node's 16 KiB).
+MAX_HEADER_BYTES = 64 * 1024
+# Answered even when --max-connections are open: a load balancer's probe must not be told
+# the server is down because clients hold every slot.
+ALWAYS_ANSWERED = frozenset({b"/healthz"})
+
+
+class Corked:
+    """A response's transport that sends its headers with the first part of its body.
+
+    uvicorn writes a response's status line and headers, then its body, as two writes:
+    two system calls and two TCP segments, and a client that reads the headers first is
+    woken twice. Here the headers wait for the body when it follows in the same turn of
+    the loop, as it does for every response Rota makes; a response whose body comes
+    later (a stream) gets its headers at the end of the turn all the same."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is None:
+            self._held = data
+            self._loop.call_soon(self.flush)
+            return
+        held, self._held = self._held, None
+        self._transport.write(held + data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> object:  # anything else uvicorn may ask of it
+        return getattr(self._transport, name)
+
+
+class GuardedHttp(HttpToolsProtocol):
+    """uvicorn waits as long as a client likes for a request's headers (and cuts only idle
+    keep-alive connections): a slow sender could hold connections open for ever. This
+    gives every request ``header_timeout`` seconds from its first byte, or from the
+    connection's start, to finish its headers."""
+
+    header_timeout = 10.0
+    _deadline: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+    _headers_too_large = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        self._arm()
+
+    # uvicorn's parser keeps a request's URL and headers however long they grow: 20 MB of
+    # headers cost 17 MiB on one connection. Past MAX_HEADER_BYTES the request is refused.
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        super().on_header(name, value)
+
+    def _count(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._headers_too_large = True
+            # An exception in a callback stops the parser; uvicorn then answers with
+            # send_400_response, which says 431 instead.
+            raise ValueError("request headers too large")
+
+    def on_headers_complete(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        # (weak: no cycle from the protocol through its scope back to it)
+        self.scope[DROP] = weakref.WeakMethod(self.drop)  # type: ignore[literal-required]
+        limit = self.limit_concurrency
+        if (limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
+                and self.url.split(b"?", 1)[0] in ALWAYS_ANSWERED):
+            self.limit_concurrency = None  # this one request only
+        try:
+            super().on_headers_complete()
+        finally:
+            self.limit_concurrency = limit
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and getattr(cycle, "transport", None) is self.transport:
+            cycle.transport = Corked(self.transport, self.loop)
+
+    def send_400_response(self, msg: str) -> None:
+        # A request the HTTP parser refuses (a control character in a header, a bad
+        # Content-Length) is answered before Rota sees it; in JSON, as every other error.
+        if self._headers_too_large:
+            status = b"431 Request Header Fields Too Large"
+            body = (b'{"error":{"code":"headers_too_large","message":"the request line and'
+                    b' headers are over %d bytes"}}' % MAX_HEADER_BYTES)
+        else:
+            status = b"400 Bad Request"
+            body = (b'{"error":{"code":"bad_http_request","message":"the request is not valid'
+                    b' HTTP/1.1 (' + msg.encode("ascii", "replace").replace(b'"', b"'")
+                    + b')"}}')
+        self.transport.write(b"".join([
+            b"HTTP/1.1 ", status, b"\r\ncontent-type: application/json\r\n",
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body]))
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def drop(self) -> None:
+        """End the connection now, discarding what is buffered: for a client that does
+        not read, to which even the end of a response would wait behind the rest."""
+        self.transport.abort()
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.header_timeout, self._too_slow)
+
+    def _too_slow(self) -> None:
+        log.warning("closing a connection from %s: no request headers within %gs",
+                    _peer(self.client), self.header_timeout)
+        self.transport.close()
+
+
+class LeanQueue:
+    """What uvicorn's WebSocket protocol uses of an asyncio.Queue (put_nowait, get, empty,
+    qsize), without its four deques: 3 KiB less for every open connection."""
+
+    __slots__ = ("_items", "_getters")
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._getters: list[asyncio.Future[None]] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        if self._getters:
+            for getter in self._getters:
+                if not getter.done():
+                    getter.set_result(None)
+                    return
+
+    async def get(self) -> Any:
+        while not self._items:
+            if self._getters is None:
+                self._getters = []
+            await _wait_in(self._getters)
+        return self._items.pop(0)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
+class LeanEvent:
+    """An asyncio.Event whose waiters' list exists only while someone waits."""
+
+    __slots__ = ("_value", "_waiters")
+
+    def __init__(self) -> None:
+        self._value = False
+        self._waiters: list[asyncio.Future[None]] | None = None
+
+    def is_set(self) -> bool:
+        return self._value
+
+    def set(self) -> None:
+        if self._value:
+            return
+        self._value = True
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._value = False
+
+    async def wait(self) -> bool:
+        if self._value:
+            return True
+        if self._waiters is None:
+            self._waiters = []
+        await _wait_in(self._waiters)
+        return True
+
+
+async def _wait_in(waiters: list[asyncio.Future[None]]) -> None:
+    """Wait on a new future kept in ``waiters`` until someone sets it; gone from the list
+    however the wait ends (a setter may have dropped the whole list already)."""
+    waiter = asyncio.get_running_loop().create_future()
+    waiters.append(waiter)
+    try:
+        await waiter
+    finally:
+        if waiter in waiters:
+            waiters.remove(waiter)
+
+
+class LeanWebSocket(WebSocketsSansIOProtocol):
+    """websockets' sans-I/O protocol under uvicorn, lighter per idle connection: lean
+    queue and event, and the handshake's request and response (their headers, ~3 KiB)
+    let go once the connection is accepted. Frames, limits and closes are uvicorn's.
+
+    Its transport pauses writing at ``outbox_high_water`` bytes, not asyncio's 64 KiB:
+    uvicorn's send then waits, which is how the session learns that the worker does not
+    read, at no cost to a send that does not wait."""
+
+    outbox_high_water = 1 << 20  # set from the server's settings (rota/server/app.py)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.queue = LeanQueue()  # type: ignore[assignment]
+        self.writable = LeanEvent()  # type: ignore[assignment]
+        self.writable.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.transport.set_write_buffer_limits(high=self.outbox_high_water)  # low: a quarter
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # none if the handshake was refused
+        if scope is not None:
+            scope["extensions"][WIRE] = self  # type: ignore[index]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        scope = getattr(self, "scope", None)
+        if scope is not None:  # no cycle left for the garbage collector to find
+            scope["extensions"].pop(WIRE, None)  # type: ignore[union-attr]
+
+    def send_receive_event_to_app(self) -> None:
+        """A whole message arrived: hand it to the app. Written here for one case: a text
+        message that is not UTF-8 ends the connection with 1007, as in uvicorn, but with
+        one WARNING line instead of an ERROR and a traceback that any client could make
+        the server write at will."""
+        if self.curr_msg_data_type != "text":
+            super().send_receive_event_to_app()
+            return
+        data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+        self.frames = []
+        if self.close_sent:
+            return  # closing: the message is dropped, the reads go on until the reply
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as exc:
+            log.warning("closing a /work connection from %s: a text frame that is not"
+                        " UTF-8 (byte %d); close 1007", _peer(self.client), exc.start)
+            self.conn.send_close(1007)
+            self.handle_parser_exception()
+            return
+        self.queue.put_nowait({"type": "websocket.receive", "text": text})
+        if not self.read_paused:  # the app reads one message at a time
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    # -- the wire, as the session sees it -------------------------------------------
+    def buffered(self) -> int:
+        """Bytes written and not yet taken by the kernel."""
+        return self.transport.get_write_buffer_size()
+
+    def backed_up(self) -> bool:
+        """Over the high-water mark, and not yet back under the low one: a send waits."""
+        return not self.writable.is_set()
+
+    async def drained(self) -> None:
+        await self.writable.wait()
+
+    def drop(self) -> None:
+        """End the connection now, discarding what is buffered: for a peer that does not
+        read, to which even a close frame would wait behind the rest for ever."""
+        self.transport.abort()
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if (message["type"] == "websocket.http.response.body" and self.close_sent
+                and not self.handshake_complete):
+            # A handshake refused with an HTTP answer (401, 403, 429, 500) is answered:
+            # uvicorn does not mark it so, and logged an ERROR ("returned without
+            # completing handshake") for each refusal, a line anyone could repeat.
+            self.handshake_complete = True
+        if self.handshake_complete and getattr(self, "request", None) is not None:
+            self.request = None  # type: ignore[assignment]
+            self.response = None  # type: ignore[assignment]
+
+
+def _peer(client: tuple[str, int] | None) -> str:
+    return "%s:%d" % client if client else "-"

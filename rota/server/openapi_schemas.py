@@ -1,0 +1,298 @@
+"""The HTTP API's answers as msgspec Structs: the schemas of the OpenAPI document
+(rota/server/openapi.py). Their fields mirror what the routes send, and a schemathesis run
+(tests/server/test_openapi.py) checks that no answer breaks them. (Request bodies are the
+routes' own decoders' types: rota/server/api.py, rota/core/jobs.py, rota/server/operate.py.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+JobState = Literal["scheduled", "available", "active", "retryable", "completed", "discarded",
+                   "cancelled"]
+
+
+class Problem(msgspec.Struct):
+    code: str
+    message: str
+    id: str | None = None  # a 500's incident id, which the server's log names
+
+
+class ErrorBody(msgspec.Struct):
+    error: Problem
+
+
+class Progress(msgspec.Struct):
+    percent: float
+    message: str | None
+    at: str
+
+
+class LogEntry(msgspec.Struct):
+    at: str
+    attempt: int
+    kind: Literal["log", "alert"]
+    level: str
+    message: str
+
+
+class JobView(msgspec.Struct, kw_only=True):
+    id: str
+    spec: str
+    queue: str
+    state: JobState
+    priority: int
+    attempt: int
+    args: Any
+    worker_id: str | None
+    checksum: str | None
+    visibility_timeout: float | None
+    enqueued_at: str | None
+    reserved_at: str | None
+    finished_at: str | None
+    result: Any
+    errors: list[Any]
+    run_at: str | None
+    expires_at: str | None
+    fails: int
+    deaths: int  # attempts in a row whose worker died (see max_worker_deaths)
+    max_attempts: int | None
+    max_fails: int | None
+    cancel_requested: bool
+    capture_logs: bool
+    progress: Progress | None
+
+
+class JobDetail(JobView, kw_only=True):
+    logs: list[LogEntry]
+    waiting_reason: str | None = None
+
+
+class Enqueued(msgspec.Struct):
+    job: JobView
+    created: bool
+
+
+class BatchItem(msgspec.Struct, kw_only=True):
+    index: int
+    status: int
+    created: bool | None = None
+    job: JobView | None = None
+    error: Problem | None = None
+
+
+class BatchReply(msgspec.Struct):
+    results: list[BatchItem]
+
+
+class ResultReply(msgspec.Struct):
+    id: str
+    state: JobState
+    done: bool
+    result: Any
+    error: Any
+
+
+class SpecEntry(msgspec.Struct):
+    name: str
+    version: str
+    checksum: str
+    queue: str
+    description: str
+    spec: Any
+    retired_at: str | None  # when it was retired (POST /specs/{name}/retire), else null
+
+
+class SpecList(msgspec.Struct):
+    specs: list[SpecEntry]
+
+
+class SpecChange(msgspec.Struct):
+    name: str
+    change: Literal["new", "changed", "unchanged", "restored"]
+    checksum: str
+    previous: str | None
+    mismatched_workers: int
+    matching_workers: int
+
+
+class PushReply(msgspec.Struct):
+    dry_run: bool
+    specs: list[SpecChange]
+
+
+class Push(msgspec.Struct):
+    checksum: str
+    previous: str | None
+    version: str
+    pushed_at: str
+    event: Literal["push", "retire"]
+
+
+class SpecJobs(msgspec.Struct):
+    scheduled: int
+    available: int
+    retryable: int
+    active: int
+
+
+class Retired(msgspec.Struct):
+    name: str
+    checksum: str
+    retired_at: str
+    already_retired: bool
+    jobs: SpecJobs  # the spec's unfinished jobs, after any cancel
+    cancelled: int
+    matching_workers: int
+
+
+class History(msgspec.Struct):
+    name: str
+    history: list[Push]
+
+
+class TokenView(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    scope: Literal["worker", "producer", "admin", "metrics"]
+    queues: list[str] | None  # None: any queue
+    created_at: str
+
+
+class NewToken(TokenView, kw_only=True):
+    token: str  # the secret, rota_<id>_<secret>: shown this once, never stored
+
+
+class TokenList(msgspec.Struct):
+    tokens: list[TokenView]
+
+
+class Revoked(msgspec.Struct):
+    revoked: list[TokenView]
+
+
+class WorkerAlert(msgspec.Struct):
+    at: str
+    level: str
+    job_id: str | None
+    message: str
+
+
+class WorkerView(msgspec.Struct, kw_only=True):
+    id: str
+    hostname: str
+    pid: int
+    os: str
+    sdk: str
+    state: Literal["running", "quiet", "terminate"]
+    queues: list[str]
+    labels: list[str]
+    concurrency: int
+    prefetch: int  # jobs it may hold beyond concurrency, waiting to start
+    active: int  # held jobs that count as running: at most concurrency
+    prefetched: int  # held jobs beyond concurrency: waiting in the worker's line
+    capacity: int
+    specs_matching: list[str]
+    specs_mismatching: list[str]
+    directive: str | None
+    cpu_percent: float | None
+    memory_rss: int | None
+    alerts: list[WorkerAlert]
+    connected_at: str
+    last_heartbeat_age: float
+    heartbeats: int  # frames read from this connection
+
+
+class Workers(msgspec.Struct):
+    workers: list[WorkerView]
+
+
+class Directed(msgspec.Struct):
+    workers: list[str]
+    state: str
+    forwarded: bool = False  # also passed on to the other servers sharing the database
+
+
+class Waiting(msgspec.Struct):
+    spec: str
+    available: int
+    reason: str | None
+
+
+class QueueView(msgspec.Struct):
+    name: str
+    counts: dict[str, int]
+    workers: int
+    waiting: list[Waiting]
+    paused: bool  # POST /queues/{queue}/pause: it keeps its jobs and assigns none
+    oldest_available_age: float | None  # seconds its longest-waiting available job waited
+
+
+class QueuePaused(msgspec.Struct):
+    queue: str
+    paused: bool
+
+
+class JobList(msgspec.Struct):
+    jobs: list[JobView]
+    next_cursor: str | None  # GET /jobs?cursor= for the next page; null: the last page
+
+
+class Skipped(msgspec.Struct):
+    id: str
+    reason: str
+
+
+class BulkReply(msgspec.Struct):
+    action: Literal["retry", "cancel"]
+    dry_run: bool
+    matched: int  # jobs that matched (a count stops at 100,000)
+    touched: int  # retried or cancelled (in a dry run: would be)
+    ids: list[str]  # the first 100 touched
+    skipped: list[Skipped]  # the first 100 that matched and were not touched, and why
+    truncated: bool  # more matched than the limit
+
+
+class OtherQueues(msgspec.Struct):
+    queues: int  # queues not listed one by one (past --max-series)
+    counts: dict[str, int]  # their jobs per state, summed
+
+
+class Queues(msgspec.Struct):
+    queues: list[QueueView]
+    others: OtherQueues | None
+
+
+class StorageState(msgspec.Struct):
+    code: str
+    message: str
+    since: str
+
+
+class Health(msgspec.Struct):
+    status: str  # "ok", or "degraded" while the store cannot write (storage says why)
+    workers: int
+    live_jobs: int
+    specs: int
+    uptime: float
+    storage: StorageState | None = None
+
+
+class StatsSeries(msgspec.Struct):
+    queue: str
+    spec: str
+    enqueued: list[int]  # one count per minute, as minute_starts
+    completed: list[int]
+    failed: list[int]
+    discarded: list[int]
+    retried: list[int]
+    cancelled: list[int]
+
+
+class Stats(msgspec.Struct):
+    now: str
+    minute_starts: list[str]  # the minutes counted, oldest first; the last is under way
+    series: list[StatsSeries]
+    oldest_available: dict[str, float | None]  # per queue: seconds, null if none waits

@@ -1,0 +1,138 @@
+"""What the routes, the dashboard and the feeds read of the shell: jobs, queues, specs,
+workers, tokens and the store's health, asked of the ``Coordinator`` (which inherits
+this mixin) and never of its store, scheduler or engine (tests/house/test_shell_boundary.py).
+
+The views' shapes (JSON, HTML) stay with the routes; here are only the facts they are
+made of, so that a change in how the shell keeps them touches one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from rota.store.health import Degraded
+from rota.core.engine import MAX_LOG_LINES, Engine
+from rota.core.listing import JobFilter
+from rota.core.model import JOB_STATES, Instant
+from rota.core.observe import Observer
+from rota.core.ready import WorkerSlot
+from rota.store.store import Store
+
+
+class Waiting(NamedTuple):
+    """Available jobs of one queue and spec, and why no worker takes them now (None:
+    one will)."""
+
+    queue: str
+    spec: str
+    jobs: int
+    reason: str | None
+
+
+class SpecWorkers(NamedTuple):
+    """Who serves a spec: its checksum in the status quo ("" if none), the workers that
+    declare that checksum, and the others with the checksum each declares."""
+
+    checksum: str
+    matching: list[str]
+    other: list[tuple[str, str]]
+
+
+class ShellReads:
+    """A mixin of the ``Coordinator``: reads, no effects."""
+
+    if TYPE_CHECKING:
+        store: Store
+        engine: Engine
+        clock: Callable[[], Instant]
+
+    # -- jobs ----------------------------------------------------------------------
+    async def get_job(self, job_id: str) -> dict[str, Any] | None:
+        """The job's row, or None."""
+        return await self.store.get_job(job_id)
+
+    async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None
+                        ) -> tuple[list[dict[str, Any]], str | None]:
+        """A page of the jobs ``flt`` matches, newest first, and the next page's cursor."""
+        return await self.store.list_jobs(flt, limit, cursor)
+
+    async def count_jobs(self, flt: JobFilter) -> int:
+        return await self.store.count_jobs(flt)
+
+    async def job_logs(self, job_id: str, limit: int = MAX_LOG_LINES) -> list[dict[str, Any]]:
+        return await self.store.job_logs(job_id, limit)
+
+    def waiting_reason(self, queue: str, spec: str) -> str | None:
+        """Why an available job of this queue and spec is not taken now (None: it will be)."""
+        return self.engine.scheduler.waiting_reason(queue, spec)
+
+    # -- queues ----------------------------------------------------------------------
+    async def queue_counts(self, states: Sequence[str] = JOB_STATES
+                           ) -> dict[str, dict[str, int]]:
+        """Stored jobs per queue and state, counted (a scan: not on every refresh)."""
+        return await self.store.queue_counts(states)
+
+    async def oldest_waits(self) -> dict[str, float | None]:
+        """Per queue, how long its longest-waiting available job has waited (seconds)."""
+        return await self.store.oldest_available(self.clock().wall)
+
+    def live_jobs(self) -> int:
+        """Jobs held in memory: those not finished."""
+        return self.engine.scheduler.live()
+
+    def live_counts(self) -> dict[str, dict[str, int]]:
+        """Jobs per queue in the states held in memory, counted there (no row read)."""
+        return self.engine.scheduler.live_counts()
+
+    def waiting(self) -> list[Waiting]:
+        """The available jobs per queue and spec, by queue and spec, with their reason."""
+        scheduler = self.engine.scheduler
+        return [Waiting(queue, spec, n, scheduler.waiting_reason(queue, spec))
+                for (queue, spec), n in sorted(scheduler.ready_counts().items())]
+
+    def paused_queues(self) -> frozenset[str]:
+        return frozenset(self.engine.scheduler.paused)
+
+    def worker_slots(self) -> list[WorkerSlot]:
+        """What the scheduler knows of each connected worker (its queues, specs, state)."""
+        return list(self.engine.scheduler.workers.values())
+
+    def served_queues(self) -> set[str]:
+        """The queues some connected worker serves."""
+        return {q for w in self.engine.scheduler.workers.values() for q in w.queues}
+
+    # -- specs and workers -------------------------------------------------------------
+    def matching_specs(self, worker: WorkerSlot) -> list[str]:
+        """The specs ``worker`` declares with the status quo's checksum, by name."""
+        scheduler = self.engine.scheduler
+        return sorted(s for s in worker.specs if scheduler.matches(worker, s))
+
+    def spec_workers(self, name: str) -> SpecWorkers:
+        scheduler = self.engine.scheduler
+        checksum = scheduler.status_quo.get(name, "")
+        declared = {w.id: w.specs for w in scheduler.workers.values()}
+        return SpecWorkers(checksum, scheduler.matching_workers(name, checksum),
+                           [(w, declared[w][name])
+                            for w in scheduler.mismatched_workers(name, checksum)])
+
+    def retired_specs(self) -> dict[str, float]:
+        """Retired specs (they take no new jobs) and when each was retired (wall)."""
+        return dict(self.engine.retired)
+
+    async def spec_history(self, name: str) -> list[dict[str, Any]]:
+        """The spec's pushes, oldest first ([] if it was never pushed)."""
+        return await self.store.spec_history(name)
+
+    # -- tokens, health, events ----------------------------------------------------
+    async def live_tokens(self) -> list[dict[str, Any]]:
+        return await self.store.live_tokens()
+
+    def storage_degraded(self) -> Degraded | None:
+        """Why the store cannot write now, since when; None while it can."""
+        return self.store.health.degraded
+
+    @property
+    def observer(self) -> Observer:
+        """What happened: the events' ring (GET /events) and the counts (GET /metrics)."""
+        return self.engine.observe

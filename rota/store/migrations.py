@@ -1,0 +1,203 @@
+"""SQLite's schema, built step by step: one migration per change, in order
+(rota/store/schema.py describes the result; tests/store/test_schema.py checks that they agree).
+A file a newer Rota migrated is refused (``db.NewerDatabase``).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import sqlite_utils
+
+from rota.store.sqlite import NewerDatabase, _version, connect
+
+migrations = sqlite_utils.Migrations("rota")
+
+
+@migrations()
+def m001_initial(db: sqlite_utils.Database) -> None:
+    db["jobs"].create(
+        {
+            "id": str,
+            "spec": str,
+            "queue": str,
+            "args": str,
+            "priority": int,
+            "state": str,
+            "attempt": int,
+            "worker_id": str,
+            "checksum": str,
+            "visibility_timeout": float,
+            "enqueued_at": float,
+            "reserved_at": float,
+            "finished_at": float,
+            "result": str,
+            "errors": str,
+        },
+        pk="id",
+        not_null={"spec", "queue", "args", "priority", "state", "attempt", "enqueued_at"},
+        defaults={"attempt": 0, "errors": "[]"},
+    )
+    db["jobs"].create_index(["state", "queue"])
+    db["spec_versions"].create(
+        {"name": str, "checksum": str, "version": str, "body": str, "first_pushed_at": float},
+        pk=("name", "checksum"),
+    )
+    db["status_quo"].create({"name": str, "checksum": str, "updated_at": float}, pk="name")
+    db["spec_pushes"].create(
+        {"id": int, "name": str, "checksum": str, "previous": str, "pushed_at": float}, pk="id"
+    )
+    db["spec_pushes"].create_index(["name"])
+    db["workers"].create(
+        {
+            "id": str,
+            "hostname": str,
+            "pid": int,
+            "queues": str,
+            "labels": str,
+            "concurrency": int,
+            "specs": str,
+            "connected_at": float,
+            "disconnected_at": float,
+        },
+        pk="id",
+    )
+
+
+@migrations()
+def m002_lifecycle(db: sqlite_utils.Database) -> None:
+    jobs = db["jobs"]
+    for name, kind in (("run_at", float), ("lease_expires_at", float), ("expires_at", float),
+                       ("max_attempts", int), ("max_fails", int), ("backoff_base", float),
+                       ("backoff_max", float)):
+        jobs.add_column(name, kind)
+    for name in ("fails", "budget_start", "cancel_requested"):
+        jobs.add_column(name, int, not_null_default=0)
+
+
+@migrations()
+def m003_failed_is_discarded(db: sqlite_utils.Database) -> None:
+    # Before retries existed a failed job was final; "discarded" is that state now.
+    db.execute("UPDATE jobs SET state = 'discarded' WHERE state = 'failed'")
+
+
+@migrations()
+def m004_live_status(db: sqlite_utils.Database) -> None:
+    jobs = db["jobs"]
+    jobs.add_column("capture_logs", int, not_null_default=0)
+    for name, kind in (("progress_percent", float), ("progress_message", str),
+                       ("progress_at", float)):
+        jobs.add_column(name, kind)
+    # Log lines (when the job asked for capture_logs) and alerts, one row each.
+    db["job_logs"].create({"id": int, "job_id": str, "attempt": int, "at": float, "kind": str,
+                           "level": str, "message": str}, pk="id")
+    db["job_logs"].create_index(["job_id", "id"])
+
+
+@migrations()
+def m005_tokens(db: sqlite_utils.Database) -> None:
+    # Only a hash of each token's secret is kept (rota/core/auth.py).
+    db["tokens"].create({"id": str, "name": str, "scope": str, "queues": str, "hash": str,
+                         "created_at": float, "revoked_at": float}, pk="id")
+    db["jobs"].add_column("created_by", str)  # the token that enqueued it
+
+
+@migrations()
+def m006_poison(db: sqlite_utils.Database) -> None:
+    # Attempts in a row that ended in worker_death, and how many make a job poison.
+    db["jobs"].add_column("deaths", int, not_null_default=0)
+    db["jobs"].add_column("max_worker_deaths", int)
+
+
+@migrations()
+def m007_storage_probe(db: sqlite_utils.Database) -> None:
+    # One row the writer rewrites while the store is degraded, to see whether writes
+    # work again when no other write comes (Writer._probe).
+    db["storage_probe"].create({"id": int, "at": float}, pk="id")
+
+
+@migrations()
+def m008_retention(db: sqlite_utils.Database) -> None:
+    # Finished jobs are pruned oldest first by state (rota/core/retention.py): an index on
+    # (state, finished_at) finds a batch without scanning the table.
+    db["jobs"].create_index(["state", "finished_at"])
+
+
+@migrations()
+def m009_retired_specs(db: sqlite_utils.Database) -> None:
+    # A retired spec keeps its status quo (waiting jobs still run on matching workers)
+    # but takes no new jobs; its history records the retirement ("retire").
+    db["status_quo"].add_column("retired_at", float)
+    db["spec_pushes"].add_column("event", str, not_null_default="push")
+
+
+@migrations()
+def m010_meta(db: sqlite_utils.Database) -> None:
+    # Which Rota last migrated the file: an older one refusing it can name both versions.
+    db["meta"].create({"key": str, "value": str}, pk="key")
+
+
+@migrations()
+def m011_operator(db: sqlite_utils.Database) -> None:
+    # Paused queues (POST /queues/{name}/pause): a restart keeps them paused.
+    db["queues"].create({"name": str, "paused": int, "updated_at": float}, pk="name")
+    # GET /jobs, newest first, with 1,000,000 jobs (rota/store/lookup.py): one walk per state
+    # in row id order (every index ends with the row id); (state, queue) is m001's.
+    # Partial: every job is inserted available and reserved active, so leaving those
+    # two states out spares an enqueue and a reservation every write to them
+    # (bench/listing.py --index-cost, docs/performance.md).
+    cold = "state NOT IN ('available', 'active')"
+    db.execute(f"CREATE INDEX idx_jobs_state ON jobs (state) WHERE {cold}")
+    db.execute(f"CREATE INDEX idx_jobs_state_spec ON jobs (state, spec) WHERE {cold}")
+    db.execute("CREATE INDEX idx_jobs_state_worker ON jobs (state, worker_id)"
+               f" WHERE {cold} AND worker_id IS NOT NULL")
+
+
+@migrations()
+def m012_servers(db: sqlite_utils.Database) -> None:
+    # Several Rota servers on one PostgreSQL (docs/scaling.md): the server whose worker
+    # holds a job's reservation, and each server's lease. SQLite has one server, but the
+    # schema is one description (rota/store/schema.py) for both stores.
+    db["jobs"].add_column("server_id", str)
+    db["servers"].create({"id": str, "host": str, "pid": int, "url": str, "started_at": float,
+                          "lease_expires_at": float, "stopped_at": float}, pk="id")
+
+
+@migrations()
+def m013_worker_token(db: sqlite_utils.Database) -> None:
+    # The id of the token the holding worker connected with: only a worker with that
+    # token may reclaim the job, after a lost connection, a restart, or on another server
+    # (docs/protocol.md, §2). NULL: reserved by a worker without a token.
+    db["jobs"].add_column("worker_token", str)
+
+
+
+def migrate(path: Path) -> None:
+    conn = connect(path)
+    try:
+        database = sqlite_utils.Database(conn)
+        known = _known_migrations()
+        unknown = [m.name for m in migrations.applied(database) if m.name not in known]
+        if unknown:  # its schema may mean what this Rota cannot read, or would undo
+            by = database.execute("SELECT value FROM meta WHERE key = 'migrated_by'"
+                                  ).fetchone() if database["meta"].exists() else None
+            raise NewerDatabase(path, unknown, _version(), by[0] if by else None)
+        if migrations.pending(database):
+            migrations.apply(database)
+            with conn:
+                conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES"
+                             " ('migrated_by', ?)", (_version(),))
+    finally:
+        conn.close()
+
+
+@functools.cache
+def _known_migrations() -> frozenset[str]:
+    """Every migration this Rota has: what an empty database would still need."""
+    empty = sqlite_utils.Database(memory=True)
+    try:
+        return frozenset(m.name for m in migrations.pending(empty))
+    finally:
+        empty.close()
+

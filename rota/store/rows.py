@@ -1,0 +1,237 @@
+"""Jobs as their rows: what a restart loads and what a claim reads back.
+
+The store's reading side, kept apart from its writes: a live job rebuilt from its row
+(``live_job``), a restart's snapshot (whole rows for the jobs held whole, keys made by
+SQLite for plain available ones: rota/core/ready.py) and the claim, which reserves rows
+only while they are still available and returns them.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from rota.core.model import JobRecord, JobState, shared_limits
+from rota.base.protocol import Registration
+from rota.core.ready import PRIORITY_LIMIT, SEQ_BITS
+from rota.base.specs import JobSpec, spec_from_builtins
+
+
+@dataclass(slots=True)
+class Snapshot:
+    status_quo: dict[str, JobSpec]
+    checksums: dict[str, str]
+    jobs: list[JobRecord]  # live jobs kept whole
+    waiting: dict[tuple[str, str], list[int]]  # (queue, spec) -> keys of plain available jobs
+    last_seq: int  # the highest row id
+    retired: dict[str, float]  # retired specs: when (wall)
+    paused: frozenset[str] = frozenset()  # paused queues (POST /queues/{name}/pause)
+    clock_step: float = 0.0  # the wall clock's step since the last run, undone in the rows
+
+
+
+def load(conn: sqlite3.Connection, server_id: str | None = None) -> Snapshot:
+    """What a start takes in. ``server_id``: one of several servers on one database
+    (docs/scaling.md), which takes in only the reservations its own workers held; the
+    others' belong to them, or to whoever recovers them."""
+    status_quo, checksums, retired = read_status_quo(conn)
+    mine = "" if server_id is None else " AND server_id = ?"
+    live = conn.execute(
+        f"SELECT {', '.join(_LIVE)} FROM jobs WHERE state IN ('scheduled', 'retryable')"
+        f" OR (state = 'active'{mine}) OR (state = 'available' AND NOT ({_PLAIN}))"
+        " ORDER BY rowid", () if server_id is None else (server_id,)
+    )
+    live.row_factory = None  # plain tuples
+    jobs = [live_job(r) for r in live]
+    paused = frozenset(r[0] for r in conn.execute("SELECT name FROM queues WHERE paused = 1"))
+    return Snapshot(status_quo, checksums, jobs, _waiting(conn),
+                    conn.execute("SELECT max(rowid) FROM jobs").fetchone()[0] or 0, retired,
+                    paused)
+
+
+def read_status_quo(conn: sqlite3.Connection
+                    ) -> tuple[dict[str, JobSpec], dict[str, str], dict[str, float]]:
+    """Each spec's status quo: (specs, checksums, retired specs and when) by name."""
+    status_quo: dict[str, JobSpec] = {}
+    checksums: dict[str, str] = {}
+    retired: dict[str, float] = {}
+    for row in conn.execute(
+        "SELECT q.name, q.checksum, q.retired_at, v.body FROM status_quo q"
+        " JOIN spec_versions v ON v.name = q.name AND v.checksum = q.checksum"
+    ):
+        status_quo[row["name"]] = spec_from_builtins(msgspec.json.decode(row["body"]))
+        checksums[row["name"]] = row["checksum"]
+        if row["retired_at"] is not None:
+            retired[row["name"]] = row["retired_at"]
+    return status_quo, checksums, retired
+
+
+# A plain available job: kept as a key only (rota/core/ready.py). Anything else is kept whole.
+_PLAIN = f"expires_at IS NULL AND priority > -{PRIORITY_LIMIT} AND priority < {PRIORITY_LIMIT}"
+
+
+def _waiting(conn: sqlite3.Connection) -> dict[tuple[str, str], list[int]]:
+    """The keys of the plain available jobs, by (queue, spec): one int per job, made by
+    SQLite, so a restart builds no object per waiting job but the int itself."""
+    waiting: dict[tuple[str, str], list[int]] = {}
+    pairs = conn.execute("SELECT DISTINCT queue, spec FROM jobs WHERE state = 'available'")
+    for queue, spec in pairs.fetchall():
+        keys = conn.execute(
+            f"SELECT (-priority << {SEQ_BITS}) + rowid FROM jobs WHERE state = 'available'"
+            f" AND queue = ? AND spec = ? AND {_PLAIN}", (queue, spec))
+        keys.row_factory = None
+        found = [key for (key,) in keys]
+        if found:
+            waiting[(sys.intern(queue), sys.intern(spec))] = found
+    return waiting
+
+
+# The columns a live job is rebuilt from at a restart, in live_job's order.
+_LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max_attempts",
+         "max_fails", "backoff_base", "backoff_max", "max_worker_deaths", "visibility_timeout",
+         "state", "attempt", "worker_id", "checksum", "run_at", "expires_at",
+         "lease_expires_at", "fails", "deaths", "budget_start", "cancel_requested",
+         "capture_logs", "created_by", "reserved_at", "worker_token")
+
+
+# Claims: rows reserved only if they are still available, and read back whole.
+_CLAIM = (
+    "UPDATE jobs SET state = 'active', attempt = attempt + 1, worker_id = ?, worker_token = ?,"
+    " checksum = ?, server_id = ?, reserved_at = ?,"
+    " lease_expires_at = ? + MAX(COALESCE(NULLIF(visibility_timeout, 0), ?), ?)"
+    " WHERE rowid IN ({}) AND +state = 'available' RETURNING " + ", ".join(_LIVE)
+)  # "+state": look the rows up by rowid, never by the (state, queue) index (a scan of
+# every available job: 150 µs a job at 20,000 waiting instead of a few)
+
+
+def claim_rows(conn: sqlite3.Connection, worker_id: str, checksum: str, now: float,
+               lease: float, min_lease: float, seqs: list[int], server_id: str | None = None,
+               token: str | None = None) -> list[tuple[Any, ...]]:
+    """Reserve these rows for a worker (``token``: the id of the token it connected
+    with) where they are still available; the rows reserved, as live_job reads them (in
+    no particular order)."""
+    cursor = conn.execute(_CLAIM.format(", ".join("?" * len(seqs))),
+                          (worker_id, token, checksum, server_id, now, now, lease, min_lease,
+                           *seqs))
+    cursor.row_factory = None
+    return cursor.fetchall()
+
+
+def waiting_rows(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple[Any, ...]]:
+    """The rows of these ids that wait (as live_job reads them): jobs another server
+    made wait (rota/store/fleet.py)."""
+    out: list[tuple[Any, ...]] = []
+    for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
+        chunk = seqs[start:start + 500]
+        cursor = conn.execute(f"SELECT {', '.join(_LIVE)} FROM jobs WHERE rowid IN"
+                              f" ({', '.join('?' * len(chunk))})"
+                              " AND state IN ('available', 'scheduled', 'retryable')", chunk)
+        cursor.row_factory = None
+        out += [tuple(r) for r in cursor.fetchall()]
+    return out
+
+
+def take_over_rows(conn: sqlite3.Connection, server_id: str, worker_id: str,
+                   job_ids: list[str], token: str | None = None,
+                   queues: Collection[str] | None = None) -> list[tuple[Any, ...]]:
+    """Make the reservations this worker holds through other servers this server's:
+    only rows still active for that worker (a job taken back meanwhile stays where it
+    is), and, when it connected with a token (``token``, its id), reserved by a worker
+    of that token (or of none): a worker id is no key to another token's jobs; of a
+    token limited to ``queues``, only jobs of those (None: any). So exactly the jobs a
+    reclaim on this server would give it (Registry.may_reclaim). The rows taken, as
+    live_job reads them."""
+    if queues is not None:  # a job's queue never changes: read first, then the fenced move
+        job_ids = _of_queues(conn, job_ids, queues)
+    out: list[tuple[Any, ...]] = []
+    fence, extra = ("", ()) if token is None else (
+        " AND (worker_token IS NULL OR worker_token = ?)", (token,))
+    for start in range(0, len(job_ids), 500):  # SQLite's limit on parameters
+        chunk = job_ids[start:start + 500]
+        cursor = conn.execute(
+            f"UPDATE jobs SET server_id = ? WHERE id IN ({', '.join('?' * len(chunk))})"
+            " AND worker_id = ? AND state = 'active' AND (server_id IS NULL OR server_id <> ?)"
+            + fence + " RETURNING " + ", ".join(_LIVE),
+            (server_id, *chunk, worker_id, server_id, *extra))
+        cursor.row_factory = None
+        out += [tuple(r) for r in cursor.fetchall()]
+    return out
+
+
+def _of_queues(conn: sqlite3.Connection, job_ids: list[str], queues: Collection[str]
+               ) -> list[str]:
+    """Of these jobs, those of one of ``queues``."""
+    found: list[str] = []
+    for start in range(0, len(job_ids), 500):  # SQLite's limit on parameters
+        chunk = job_ids[start:start + 500]
+        found += [r[0] for r in conn.execute(
+            f"SELECT id, queue FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
+            if r[1] in queues]
+    return found
+
+
+def other_tokens(conn: sqlite3.Connection, worker_id: str, job_ids: list[str], token: str
+                 ) -> set[str]:
+    """The tokens (ids) other than ``token`` whose workers hold, under this worker id,
+    any of these jobs (a worker id another token's worker is using)."""
+    found: set[str] = set()
+    for start in range(0, len(job_ids), 500):  # SQLite's limit on parameters
+        chunk = job_ids[start:start + 500]
+        found.update(r[0] for r in conn.execute(
+            f"SELECT DISTINCT worker_token FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})"
+            " AND worker_id = ? AND state = 'active' AND worker_token IS NOT NULL"
+            " AND worker_token <> ?", (*chunk, worker_id, token)))
+    return found
+
+
+def live_job(r: tuple[Any, ...]) -> JobRecord:
+    """job_from_row for a restart: positional, and the names that repeat from row to row
+    (spec, queue, state, worker, checksum, token) shared rather than held once per job."""
+    (seq, job_id, spec, queue, args, priority, enqueued_at, max_attempts, max_fails,
+     backoff_base, backoff_max, max_deaths, visibility_timeout, state, attempt, worker_id,
+     checksum, run_at, expires_at, lease_expires_at, fails, deaths, budget_start,
+     cancel_requested, capture_logs, created_by, reserved_at, worker_token) = r
+    intern = sys.intern
+    limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
+                           backoff_max or 3600.0, max_deaths or 3)
+    return JobRecord(id=job_id, spec=intern(spec), queue=intern(queue),
+                     args=msgspec.Raw(args.encode()), priority=priority, enqueued_at=enqueued_at,
+                     seq=seq, limits=limits, visibility_timeout=visibility_timeout,
+                     state=JobState(state), attempt=attempt,
+                     worker_id=None if worker_id is None else intern(worker_id),
+                     checksum=None if checksum is None else intern(checksum), run_at=run_at,
+                     expires_at=expires_at, lease_expires_at=lease_expires_at, fails=fails,
+                     deaths=deaths, budget_start=budget_start,
+                     cancel_requested=bool(cancel_requested), capture_logs=bool(capture_logs),
+                     created_by=None if created_by is None else intern(created_by),
+                     reserved_at=reserved_at,
+                     worker_token=None if worker_token is None else intern(worker_token))
+
+
+def worker_row(worker_id: str, reg: Registration, connected_at: float) -> dict[str, Any]:
+    """A registration as its ``workers`` row (what operators see of the workers that came)."""
+    return {"id": worker_id, "hostname": reg.hostname, "pid": reg.pid,
+            "queues": msgspec.json.encode(reg.queues).decode(),
+            "labels": msgspec.json.encode(reg.labels).decode(),
+            "concurrency": reg.concurrency, "specs": msgspec.json.encode(reg.specs).decode(),
+            "connected_at": connected_at, "disconnected_at": None}
+
+
+def job_from_row(r: sqlite3.Row | dict[str, Any]) -> JobRecord:
+    limits = shared_limits(r["max_attempts"] or 25, r["max_fails"], r["backoff_base"] or 1.0,
+                           r["backoff_max"] or 3600.0, r["max_worker_deaths"] or 3)
+    return JobRecord(id=r["id"], spec=r["spec"], queue=r["queue"],
+                     args=msgspec.Raw(r["args"].encode()),
+                     priority=r["priority"], enqueued_at=r["enqueued_at"], seq=r["rowid"],
+                     limits=limits, visibility_timeout=r["visibility_timeout"], state=r["state"],
+                     attempt=r["attempt"], worker_id=r["worker_id"], checksum=r["checksum"],
+                     run_at=r["run_at"], expires_at=r["expires_at"],
+                     lease_expires_at=r["lease_expires_at"], fails=r["fails"], deaths=r["deaths"],
+                     budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
+                     capture_logs=bool(r["capture_logs"]), created_by=r["created_by"],
+                     reserved_at=r["reserved_at"])

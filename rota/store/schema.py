@@ -1,0 +1,117 @@
+"""The store's tables as they are now, described once for both backends.
+
+SQLite builds them step by step with its migrations (rota/store/migrations.py, m001..);
+PostgreSQL's DDL is made from this description (rota/store/pg_sql.py). tests/store/test_schema.py
+checks that the SQLite migrations build exactly what is described here, so a change to
+one without the other fails there. Both backends record the names in ``MIGRATIONS`` as
+applied, so a Rota that finds a name it does not know refuses the database
+(db.NewerDatabase).
+
+Types are SQLite's three (what the store writes and reads): TEXT, INTEGER, REAL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Every migration, in order: the names rota/store/migrations.py's functions have.
+MIGRATIONS = (
+    "m001_initial", "m002_lifecycle", "m003_failed_is_discarded", "m004_live_status",
+    "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
+    "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    name: str
+    type: str  # "TEXT" | "INTEGER" | "REAL"
+    not_null: bool = False
+    default: str | None = None  # an SQL literal
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    name: str
+    columns: tuple[Column, ...]
+    pk: tuple[str, ...]
+    # SQL that names ``rowid`` (the jobs table's insertion order) must work on both: in
+    # SQLite it is the hidden row id, in PostgreSQL a real identity column of this name.
+    rowid: bool = False
+
+    def column(self, name: str) -> Column:
+        return next(c for c in self.columns if c.name == name)
+
+
+@dataclass(frozen=True, slots=True)
+class Index:
+    name: str
+    table: str
+    columns: tuple[str, ...]
+    where: str | None = None  # a partial index's condition, as SQL both engines read
+
+
+def _cols(spec: str) -> tuple[Column, ...]:
+    """Columns from ``"name TYPE [NOT NULL] [=default], ..."``: a table reads as a line."""
+    out = []
+    for part in spec.split(","):
+        words = part.split()
+        name, kind, rest = words[0], words[1], words[2:]
+        default = next((w[1:] for w in rest if w.startswith("=")), None)
+        out.append(Column(name, kind, not_null="NOT" in rest, default=default))
+    return tuple(out)
+
+
+# Cold states only: every job is inserted available and reserved active, so the indexes
+# of m011 leave those two out and cost an enqueue or a reservation nothing.
+COLD = "state NOT IN ('available', 'active')"
+
+TABLES: tuple[Table, ...] = (
+    Table("jobs", _cols(
+        "id TEXT, spec TEXT NOT NULL, queue TEXT NOT NULL, args TEXT NOT NULL,"
+        " priority INTEGER NOT NULL, state TEXT NOT NULL, attempt INTEGER NOT NULL =0,"
+        " worker_id TEXT, checksum TEXT, visibility_timeout REAL, enqueued_at REAL NOT NULL,"
+        " reserved_at REAL, finished_at REAL, result TEXT, errors TEXT ='[]',"
+        " run_at REAL, lease_expires_at REAL, expires_at REAL, max_attempts INTEGER,"
+        " max_fails INTEGER, backoff_base REAL, backoff_max REAL,"
+        " fails INTEGER NOT NULL =0, budget_start INTEGER NOT NULL =0,"
+        " cancel_requested INTEGER NOT NULL =0, capture_logs INTEGER NOT NULL =0,"
+        " progress_percent REAL, progress_message TEXT, progress_at REAL, created_by TEXT,"
+        " deaths INTEGER NOT NULL =0, max_worker_deaths INTEGER, server_id TEXT,"
+        " worker_token TEXT"),
+        pk=("id",), rowid=True),
+    Table("spec_versions", _cols("name TEXT, checksum TEXT, version TEXT, body TEXT,"
+                                 " first_pushed_at REAL"), pk=("name", "checksum")),
+    Table("status_quo", _cols("name TEXT, checksum TEXT, updated_at REAL, retired_at REAL"),
+          pk=("name",)),
+    Table("spec_pushes", _cols("id INTEGER, name TEXT, checksum TEXT, previous TEXT,"
+                               " pushed_at REAL, event TEXT NOT NULL ='push'"), pk=("id",)),
+    Table("workers", _cols("id TEXT, hostname TEXT, pid INTEGER, queues TEXT, labels TEXT,"
+                           " concurrency INTEGER, specs TEXT, connected_at REAL,"
+                           " disconnected_at REAL"), pk=("id",)),
+    Table("job_logs", _cols("id INTEGER, job_id TEXT, attempt INTEGER, at REAL, kind TEXT,"
+                            " level TEXT, message TEXT"), pk=("id",)),
+    Table("tokens", _cols("id TEXT, name TEXT, scope TEXT, queues TEXT, hash TEXT,"
+                          " created_at REAL, revoked_at REAL"), pk=("id",)),
+    Table("storage_probe", _cols("id INTEGER, at REAL"), pk=("id",)),
+    Table("meta", _cols("key TEXT, value TEXT"), pk=("key",)),
+    Table("queues", _cols("name TEXT, paused INTEGER, updated_at REAL"), pk=("name",)),
+    # One row per Rota server sharing the database (m012), with its lease.
+    Table("servers", _cols("id TEXT, host TEXT, pid INTEGER, url TEXT, started_at REAL,"
+                           " lease_expires_at REAL, stopped_at REAL"), pk=("id",)),
+)
+
+INDEXES: tuple[Index, ...] = (
+    Index("idx_jobs_state_queue", "jobs", ("state", "queue")),
+    Index("idx_spec_pushes_name", "spec_pushes", ("name",)),
+    Index("idx_job_logs_job_id_id", "job_logs", ("job_id", "id")),
+    Index("idx_jobs_state_finished_at", "jobs", ("state", "finished_at")),
+    Index("idx_jobs_state", "jobs", ("state",), COLD),
+    Index("idx_jobs_state_spec", "jobs", ("state", "spec"), COLD),
+    Index("idx_jobs_state_worker", "jobs", ("state", "worker_id"),
+          f"{COLD} AND worker_id IS NOT NULL"),
+)
+
+
+def table(name: str) -> Table:
+    return next(t for t in TABLES if t.name == name)

@@ -1,0 +1,494 @@
+"""Rota's durable state: jobs, spec versions, the status quo and workers, in one SQLite file
+or a PostgreSQL database (``database_url``; rota/store/pg.py runs the same operations there).
+
+Every write goes through the single writer thread (``db_writer.Writer``, ``pg.Writer``): a
+write method queues its work (rota/store/writes.py) at once, in call order, and returns a
+future that resolves after its COMMIT. Reads run on a reader pool (the API's:
+rota/store/reads.py). The in-memory scheduler is rebuilt from ``load()`` at start
+(rota/store/rows.py). Tokens: rota/store/tokens.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Collection, Container, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rota.store import sqlite as db, health as db_health, readers as db_readers, writer as db_writer, fleet, lookup, pg, reads as store_views, writes as sql
+from rota.base.errors import StorageError
+from rota.core.listing import JobFilter, decode_cursor
+from rota.core.effects import Reserved
+from rota.core.model import JOB_STATES, WAITING_STATES, Change, ClockReading, JobRecord, StatusNote
+from rota.base.protocol import Registration
+from rota.core.ready import Claim
+from rota.core.retention import Cutoff
+from rota.store.rows import (Snapshot, claim_rows, job_from_row, live_job, load, other_tokens,
+                       read_status_quo, take_over_rows, waiting_rows, worker_row)
+from rota.base.specs import JobSpec
+from rota.store.tokens import (create_token, insert_token, live_tokens, open_database,
+                               revoke_token, revoke_tokens)
+from rota.store.writes import SpecChange
+from rota.store.views import job_view
+
+# Snapshot, job_from_row: rota/store/rows.py; SpecChange: rota/store/writes.py.
+__all__ = ["Store", "Snapshot", "SpecChange", "Change", "JobRecord", "StatusNote", "job_from_row"]
+
+MIN_BOUND = 0.5  # seconds: the least lock and idle-in-transaction bound (rota/store/pg.py)
+
+
+@dataclass(slots=True)
+class Store:
+    path: Path
+    crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
+    durability: str = "full"  # db.SYNCHRONOUS: what a commit survives
+    max_db_size: int | None = None  # bytes (--max-db-size); None: as much as the disk holds
+    # degraded while the disk fails
+    health: db_health.Health = field(default_factory=db_health.Health)
+    # PostgreSQL (rota/store/pg.py) instead of the file at ``path``: the database's URL, and how
+    # many reader connections (SQLite's reader pool is that size too).
+    database_url: str | None = None
+    db_pool: int = 2
+    # The server this store writes for: its reservations carry the id. ``shared``: one of
+    # several servers on this database (PostgreSQL), which hear of each other's work by
+    # the notices its writes send (rota/store/fleet.py).
+    server_id: str | None = None
+    lease: float = 10.0  # seconds a shared store's server holds its lease (rota/store/fleet.py)
+    # Test switch: hold each reservation's transaction open this long after its UPDATE,
+    # for the stall tests to catch a server inside a transaction. Never in production.
+    hold_reserve: float = 0.0
+    writer: db_writer.Writer = field(init=False)
+    readers: db_readers.Readers = field(init=False)
+    checkpointer: db_writer.Checkpointer | None = field(init=False)  # SQLite's WAL only
+
+    def __post_init__(self) -> None:
+        if self.database_url is not None:
+            self.writer = pg.Writer(self.database_url, self.durability, self.health,
+                                    self.max_db_size)
+            # A server stalled inside a transaction holds another's writer (and so its
+            # lease renewal) this long at most: well inside the lease (docs/scaling.md).
+            # Not under half a second: a loaded machine's scheduler can pause a healthy
+            # writer between two statements nearly that long.
+            self.writer.bound = max(MIN_BOUND, self.lease / 4)
+            self.readers = pg.Readers(self.database_url, self.db_pool, health=self.health)
+            self.checkpointer = None
+            return
+        self.writer = db_writer.Writer(self.path, self.durability, self.health, self.max_db_size)
+        self.readers = db_readers.Readers(self.path, self.db_pool, health=self.health)
+        self.checkpointer = db_writer.Checkpointer(self.path, health=self.health)
+
+    @property
+    def backend(self) -> str:
+        return "sqlite" if self.database_url is None else "postgres"
+
+    @property
+    def shared(self) -> bool:
+        """One of several servers that may share this database: PostgreSQL. (A SQLite
+        file has one server, which its lock ensures.)"""
+        return self.database_url is not None
+
+    @property
+    def where(self) -> str:
+        """The database, as logs say it (a URL without its password)."""
+        return str(self.path) if self.database_url is None else pg.redact(self.database_url)
+
+    # -- lifecycle (startup runs in a thread, before the server takes traffic) ----
+    def load(self, reading: ClockReading | None = None) -> Snapshot:
+        """What a start takes in. ``reading``: the clocks now, checked against the last
+        run's (``store_writes.undo_step``) before anything is read."""
+        conn = open_database(self.path if self.database_url is None else self.database_url)
+        try:
+            self.writer.used_bytes = (db.used_bytes(conn) if self.database_url is None
+                                      else pg.used_bytes(conn))
+            if self.shared:
+                self._register(conn)
+            step = 0.0 if reading is None or self.shared else sql.undo_step(conn, reading)
+            snapshot = load(conn, self.server_id if self.shared else None)
+            snapshot.clock_step = step
+            return snapshot
+        finally:
+            conn.close()
+
+    def note_clock(self, reading: ClockReading) -> asyncio.Future[None]:
+        """Keep the clocks' reading for the next start (``store_writes.undo_step``)."""
+        value = msgspec.json.encode(tuple(reading)).decode()
+        return self.writer.submit(lambda conn: sql.keep_reading(conn, value))
+
+    def _register(self, conn: sqlite3.Connection) -> None:
+        """Hold this server's lease before reading the snapshot: a server recovering
+        this one's reservations now either commits first (and the snapshot holds none
+        of them) or finds the lease renewed and recovers nothing."""
+        conn.execute("BEGIN IMMEDIATE")
+        fleet.renew(conn, self.server_id or "", host=socket.gethostname(), pid=os.getpid(),
+                    url="", now=time.time(), lease=self.lease, starting=True)
+        conn.execute("COMMIT")
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.writer.start(loop)
+        if self.checkpointer is not None:
+            self.checkpointer.start()
+
+    def close(self) -> None:
+        self.writer.stop()
+        self.readers.close()
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
+
+    # -- writes --------------------------------------------------------------------
+    def enqueue(self, jobs: list[JobRecord], *, live: int = 0,
+                unscoped: Sequence[str | None] = ()
+                ) -> asyncio.Future[list[tuple[dict[str, Any], bool]]]:
+        """Insert jobs in one transaction; an existing id gives the stored row and False.
+
+        ``unscoped``, per job: the id a producer's job was kept under before producers'
+        ids were their own (rota/core/auth.py), or None. A job whose id is new but whose
+        unscoped id names a row its token created is that row, not a new job: a producer
+        sending again across the upgrade gets the job it made (and it runs once).
+
+        Under a quota (``max_db_size``) jobs that would not leave room for the ``live``
+        ones to finish are refused here, before anything is queued (storage_full), so
+        that no reservation or result ever shares a commit with them and fails too."""
+        quota = self.max_db_size
+        if quota is not None and not db.has_room(quota, self.writer.used_bytes, live,
+                                                 [len(job.args) for job in jobs]):
+            full = self.health.failed(db.quota_full(quota))
+            # A producer sending again jobs that were stored (its first answer was lost)
+            # is told so, as on any day: no room is needed for them.
+            return asyncio.ensure_future(self._stored_already(jobs, unscoped, full))
+        rows = [sql.insert_row(job) for job in jobs]  # taken now: the jobs may change
+        olds = list(unscoped) or [None] * len(jobs)
+
+        def op(conn: sqlite3.Connection) -> list[tuple[dict[str, Any], bool]]:
+            outcomes = sql.insert_jobs(conn, jobs, rows, olds)
+            if self.shared:
+                fleet.notify(conn, fleet.JOBS, self.server_id or "",
+                             [str(row["rowid"]) for row, new in outcomes if new])
+            if self.crash_before_commit:
+                sql.crash("enqueue-before-commit")
+            return outcomes
+
+        return self.writer.submit(op)
+
+    def reserve(self, jobs: list[JobRecord], now: float, claims: Sequence[Claim] = (),
+                lease: float = 1800.0, min_lease: float = 0.0) -> asyncio.Future[Reserved]:
+        """Reserve whole jobs as they are in memory, and claimed ones if their rows are
+        still available, reading those back (in claim order; None: not available).
+
+        Both are fenced by the row: a whole job is reserved only if its row still waits
+        at the attempt memory holds, so a server whose copy went stale (another server
+        reserved, cancelled or finished the job first) reserves nothing and hears which
+        jobs it lost."""
+        server = self.server_id
+        rows = [(j.attempt, j.worker_id, j.worker_token, j.checksum, server, now,
+                 j.lease_expires_at, j.id, j.attempt - 1) for j in jobs]
+        # One statement per (worker, checksum): a round's claims for a worker are one
+        # UPDATE ... WHERE rowid IN (...), not one per job.
+        groups: dict[tuple[str, str | None, str], list[int]] = {}
+        order: list[int] = []
+        for c in claims:
+            groups.setdefault((c.worker.id, c.worker.token, c.checksum), []).append(c.seq)
+            order.append(c.seq)
+
+        def op(conn: sqlite3.Connection) -> Reserved:
+            cursor = conn.executemany(sql.RESERVE, rows)
+            lost: frozenset[str] = frozenset()
+            if rows and cursor.rowcount != len(rows):  # rare: find which rows moved on
+                lost = frozenset(sql.moved_on(conn, jobs))
+            read: dict[int, JobRecord] = {}
+            for (worker_id, token, checksum), seqs in groups.items():
+                for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
+                    for row in claim_rows(conn, worker_id, checksum, now, lease, min_lease,
+                                          seqs[start:start + 500], server, token):
+                        read[row[0]] = live_job(row)
+            if self.hold_reserve:
+                time.sleep(self.hold_reserve)  # (test switch: the writer's thread)
+            # A key known twice (its job came back while a stale key of it was still
+            # waiting) is claimed twice in one round: the row is reserved once, so only
+            # the first claim gets the job.
+            return Reserved([read.pop(seq, None) for seq in order], lost)
+
+        return self.writer.submit(op)
+
+    async def _stored_already(self, jobs: list[JobRecord], unscoped: Sequence[str | None],
+                              full: StorageError) -> list[tuple[dict[str, Any], bool]]:
+        """The stored rows of these jobs if every one of them exists; else ``full``."""
+        olds = list(unscoped) or [None] * len(jobs)
+        rows = await self.readers.run(lambda conn: sql.stored_rows(conn, jobs, olds))
+        if any(row is None for row in rows):
+            raise full
+        return [(row, False) for row in rows if row is not None]
+
+    def withdraw(self, seq: int, now: float) -> asyncio.Future[bool]:
+        """Cancel row ``seq`` if it is still available; whether it was."""
+        return self.writer.submit(lambda conn: sql.withdraw(conn, seq, now))
+
+    def save(self, changes: list[Change]) -> asyncio.Future[dict[str, JobRecord | None]]:
+        """Commit job transitions. Values are taken now: the job may change again before
+        the writer runs, and FIFO order then keeps the later write last.
+
+        Each is fenced by its row (``store_writes.SAVE``): the outcome names the changes
+        the row refused (another attempt, server or direct write moved it on), each with
+        the row as it now waits (None: it does not wait, or is gone), so that the engine
+        turns the result away and holds what the row says instead."""
+        rows = [sql.change_row(c) for c in changes]
+        # Jobs that wait again (retried, back from a worker, due): every server may give
+        # them out, so every server hears of them (of the writes the rows took).
+        keys = [(c.job.id, c.job.seq, c.job.state in WAITING_STATES) for c in changes]
+
+        if self.shared:  # and only from the server whose worker holds the job, if any
+            rows = [(*row, self.server_id, int(c.retry)) for row, c in zip(rows, changes)]
+
+        def op(conn: sqlite3.Connection) -> dict[str, JobRecord | None]:
+            counts = db.rowcounts(conn, sql.SAVE_SHARED if self.shared else sql.SAVE, rows)
+            refused = [(job_id, seq) for (job_id, seq, _), n in zip(keys, counts) if n == 0]
+            waiting = [str(seq) for (_, seq, waits), n in zip(keys, counts) if waits and n]
+            if waiting and self.shared:
+                fleet.notify(conn, fleet.JOBS, self.server_id or "", waiting)
+            if not refused:
+                return {}
+            found = {job.id: job for job in map(live_job, waiting_rows(
+                conn, [seq for _, seq in refused if seq]))}
+            return {job_id: found.get(job_id) for job_id, _ in refused}
+
+        return self.writer.submit(op)
+
+    def prune(self, cutoffs: Sequence[Cutoff], limit: int, keep: Container[str]
+              ) -> asyncio.Future[dict[str, int]]:
+        """Delete at most ``limit`` finished jobs that are due (rota/core/retention.py), oldest
+        first, with their log lines; deleted rows by state. Ids in ``keep`` (a manual
+        retry that read the row and has not written it yet) are left for the next pass;
+        the writer thread only asks it ``in``."""
+        return self.writer.submit(lambda conn: sql.prune(conn, cutoffs, limit, keep))
+
+    def barrier(self) -> asyncio.Future[None]:
+        """Done once every write queued before it is committed and its outcome reported
+        (the writer reports in order)."""
+        return self.writer.submit(lambda conn: None)
+
+    def note_status(self, notes: list[StatusNote]) -> asyncio.Future[None]:
+        """Store progress (the latest wins) and captured log lines and alerts."""
+        progress, lines = sql.status_rows(notes)  # taken now
+        return self.writer.submit(lambda conn: sql.note_status(conn, progress, lines))
+
+    async def push_specs(self, specs: list[tuple[JobSpec, str]], *, dry_run: bool) -> list[SpecChange]:
+        now = time.time()
+
+        def op(conn: sqlite3.Connection) -> list[SpecChange]:
+            changes = [sql.push_one(conn, spec, checksum, now) for spec, checksum in specs]
+            if dry_run:
+                raise sql.DryRun(changes)
+            if self.shared and any(c.change != "unchanged" for c in changes):
+                fleet.notify(conn, fleet.SPECS, self.server_id or "")
+            return changes
+
+        try:
+            return await self.writer.submit(op)
+        except sql.DryRun as dry:  # the savepoint rolled everything back
+            return dry.changes
+
+    def worker_connected(self, worker_id: str, registration: Registration,
+                         connected_at: float) -> asyncio.Future[None]:
+        row = worker_row(worker_id, registration, connected_at)
+        return self.writer.submit(lambda conn: sql.worker_connected(conn, row))
+
+    def worker_disconnected(self, worker_id: str, connected_at: float, now: float
+                            ) -> asyncio.Future[None]:
+        """Mark that connection ended (not a newer one of the same worker, if it came)."""
+        return self.writer.submit(
+            lambda conn: sql.worker_disconnected(conn, worker_id, connected_at, now))
+
+    # -- several servers (rota/store/fleet.py) ---------------------------------------------
+    def renew_lease(self, *, host: str, pid: int, url: str, now: float, lease: float,
+                    starting: bool = False) -> asyncio.Future[bool]:
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.renew(
+            conn, server, host=host, pid=pid, url=url, now=now, lease=lease, starting=starting))
+
+    def take_back(self, jobs: list[JobRecord]) -> asyncio.Future[list[str]]:
+        """fleet.take_back, for jobs this server's workers run (``Engine.running_here``)."""
+        server = self.server_id or ""
+        rows = [(j.id, j.attempt, j.worker_id or "", j.worker_token, j.reserved_at,
+                 j.lease_expires_at) for j in jobs]
+        return self.writer.submit(lambda conn: fleet.take_back(conn, server, rows))
+
+    def let_lease_lapse(self) -> asyncio.Future[None]:
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.let_lapse(conn, server))
+
+    async def lapsed_servers(self) -> dict[str, float]:
+        """fleet.lapsed: the others whose lease ended, and how long ago."""
+        server = self.server_id or ""
+        return await self.readers.run(lambda conn: fleet.lapsed(conn, server))
+
+    def recover_server(self, dead: str, now: float, grace: float
+                       ) -> asyncio.Future[list[int] | None]:
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.recover(conn, dead, server, now, grace))
+
+    async def waiting_jobs(self, seqs: list[int]) -> list[JobRecord]:
+        """The jobs of these row ids that wait, as their rows say now."""
+        rows = await self.readers.run(lambda conn: waiting_rows(conn, seqs))
+        return [live_job(row) for row in rows]
+
+    async def status_quo(self) -> tuple[dict[str, JobSpec], dict[str, str], dict[str, float]]:
+        return await self.readers.run(read_status_quo)
+
+    async def paused_queues(self) -> frozenset[str]:
+        return await self.readers.run(fleet.paused_queues)
+
+    async def waiting_seqs(self) -> list[int]:
+        return await self.readers.run(fleet.waiting_seqs)
+
+    async def cancels_requested(self) -> list[str]:
+        server = self.server_id or ""
+        return await self.readers.run(lambda conn: fleet.cancels_requested(conn, server))
+
+    def request_cancel(self, job_id: str) -> asyncio.Future[str | None]:
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.request_cancel(conn, job_id, server))
+
+    def take_over(self, worker_id: str, job_ids: list[str], token: str | None = None,
+                  queues: Collection[str] | None = None
+                  ) -> asyncio.Future[tuple[list[JobRecord], set[str]]]:
+        """The jobs this worker holds through other servers, made this server's (only
+        those its token's workers hold, of the queues it may serve: ``token``, its id,
+        None: no token, any; ``queues``, None: any); or, if other tokens' workers hold
+        any of them under this worker id, nothing and those tokens (its registration is
+        then refused, and the jobs stay where their worker runs them)."""
+        server = self.server_id or ""
+
+        def op(conn: sqlite3.Connection) -> tuple[list[JobRecord], set[str]]:
+            others = set() if token is None else other_tokens(conn, worker_id, job_ids, token)
+            if others:
+                return [], others
+            return [live_job(r) for r in take_over_rows(conn, server, worker_id, job_ids,
+                                                        token, queues)], others
+
+        return self.writer.submit(op)
+
+    def tell_servers(self, state: str, target: str) -> asyncio.Future[None]:
+        """Pass an operator's directive on to the other servers' workers (rota/store/fleet.py)."""
+        server = self.server_id or ""
+        return self.writer.submit(lambda conn: fleet.notify(conn, fleet.WORKERS, server,
+                                                            [state, target]))
+
+    async def connected_somewhere(self, worker_id: str) -> bool:
+        return await self.readers.run(lambda conn: fleet.connected_somewhere(conn, worker_id))
+
+    # -- reads ---------------------------------------------------------------------
+    async def get_job(self, job_id: str) -> dict[str, Any] | None:
+        return await self.readers.run(lambda conn: sql.fetch_job(conn, job_id))
+
+    def get_job_in_order(self, job_id: str) -> asyncio.Future[dict[str, Any] | None]:
+        """The job's row as the writer sees it, in order with the writes: a row a later
+        write (a prune) would change is read before it changes."""
+        return self.writer.submit(lambda conn: sql.fetch_job(conn, job_id))
+
+    async def live_tokens(self) -> list[dict[str, Any]]:
+        return await self.readers.run(live_tokens)
+
+    async def create_token(self, *, name: str, scope: str, queues: list[str] | None,
+                           token_id: str, hashed: str) -> dict[str, Any]:
+        """Store a new token (the API's); its row, or Conflict if the name is taken."""
+        return await self.writer.submit(functools.partial(
+            insert_token, name=name, scope=scope, queues=queues, token_id=token_id,
+            hashed=hashed))
+
+    async def revoke_token(self, id_or_name: str) -> list[dict[str, Any]]:
+        """Revoke the live tokens with this id or name; their rows."""
+        return await self.writer.submit(lambda conn: revoke_tokens(conn, id_or_name))
+
+    async def job_logs(self, job_id: str, limit: int) -> list[dict[str, Any]]:
+        """The job's last ``limit`` log lines and alerts, oldest first."""
+        return await self.readers.run(lambda conn: store_views.job_logs(conn, job_id, limit))
+
+    async def queue_counts(self, states: Sequence[str] = JOB_STATES
+                           ) -> dict[str, dict[str, int]]:
+        """store_views.queue_counts: jobs per queue and state."""
+        return await self.readers.run(lambda conn: store_views.queue_counts(conn, states))
+
+    async def oldest_available_since(self, queues: Iterable[str]) -> dict[str, float]:
+        """store_views.oldest_available_since: per queue, when its first job could run."""
+        names = list(queues)  # (read here, on the loop: the thread gets a copy)
+        return await self.readers.run(
+            lambda conn: store_views.oldest_available_since(conn, names))
+
+    # -- what an operator looks for (rota/store/lookup.py) --------------------------------
+    async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None
+                        ) -> tuple[list[dict[str, Any]], str | None]:
+        """A page of matching jobs, newest first, as the API shows them, and the cursor
+        of the next page (None: this is the last). RequestError on a bad cursor."""
+        before = decode_cursor(cursor) if cursor is not None else None
+        found, after = await self.readers.run(
+            lambda conn: lookup.page(conn, flt, limit, before))
+        return [job_view(row) for _, row in found], after
+
+    async def match_jobs(self, flt: JobFilter, limit: int, pages: int = 20
+                         ) -> tuple[list[tuple[str, str]], bool]:
+        """(id, state) of up to ``limit + 1`` matching jobs, newest first (one more than
+        ``limit`` says more match), and whether a bounded search (q) stopped after
+        ``pages`` scans with rows left unexamined."""
+        def read(conn: sqlite3.Connection) -> tuple[list[tuple[str, str]], bool]:
+            found: list[tuple[str, str]] = []
+            before = None
+            for _ in range(pages):
+                rows, cursor = lookup.page(conn, flt, limit + 1 - len(found), before,
+                                           "id, state")
+                found += [(row["id"], row["state"]) for _, row in rows]
+                if cursor is None or len(found) > limit:
+                    return found[:limit + 1], False
+                before = decode_cursor(cursor)
+            return found, True
+
+        return await self.readers.run(read)
+
+    async def count_jobs(self, flt: JobFilter) -> int:
+        """Matching jobs, counted up to lookup.COUNT_CAP (100,000)."""
+        return await self.readers.run(lambda conn: lookup.count(conn, flt))
+
+    async def state_counts(self) -> dict[str, int]:
+        return await self.readers.run(lookup.state_counts)
+
+    async def oldest_available(self, now: float) -> dict[str, float | None]:
+        """Per queue, seconds its longest-waiting available job has waited."""
+        return await self.readers.run(lambda conn: lookup.oldest_available(conn, now))
+
+    async def job_states(self, ids: list[str]) -> dict[str, str]:
+        """The state of each of these jobs that exists."""
+        return await self.readers.run(lambda conn: store_views.job_states(conn, ids))
+
+    def set_paused(self, queue: str, paused: bool, now: float) -> asyncio.Future[None]:
+        def op(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT INTO queues (name, paused, updated_at) VALUES (?, ?, ?)"
+                         " ON CONFLICT(name) DO UPDATE SET paused = excluded.paused,"
+                         " updated_at = excluded.updated_at", (queue, int(paused), now))
+            if self.shared:
+                fleet.notify(conn, fleet.QUEUES, self.server_id or "", [queue])
+
+        return self.writer.submit(op)
+
+    def retire_spec(self, name: str, now: float
+                    ) -> asyncio.Future[tuple[str, float, bool] | None]:
+        """Mark spec ``name`` retired (rota/core/intake.py refuses its new jobs)."""
+        def op(conn: sqlite3.Connection) -> tuple[str, float, bool] | None:
+            retired = sql.retire(conn, name, now)
+            if self.shared and retired is not None:
+                fleet.notify(conn, fleet.SPECS, self.server_id or "")
+            return retired
+
+        return self.writer.submit(op)
+
+    async def spec_jobs(self, name: str) -> tuple[dict[str, int], list[str]]:
+        """Unfinished jobs of spec ``name``: counts by state, and the ids of waiting ones."""
+        return await self.readers.run(lambda conn: store_views.spec_jobs(conn, name))
+
+    async def spec_history(self, name: str) -> list[dict[str, Any]]:
+        return await self.readers.run(lambda conn: store_views.spec_history(conn, name))

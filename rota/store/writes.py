@@ -1,0 +1,345 @@
+"""What the store's writes run on the writer's connection: their SQL, and the parts of
+them that are functions of a connection and their arguments (rota/store/store.py queues them
+on the writer thread, in call order). SQLite's SQL; rota/store/pg_sql.py translates it for
+PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sqlite3
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from rota.core.model import WAITING_STATES, Change, ClockReading, JobRecord, StatusNote, wall_step
+from rota.core.retention import Cutoff
+from rota.base.specs import JobSpec
+
+log = logging.getLogger("rota.server")
+
+
+@dataclass(slots=True)
+class SpecChange:
+    name: str
+    checksum: str
+    previous: str | None
+    change: str  # "new" | "changed" | "unchanged"
+
+
+# -- enqueue -----------------------------------------------------------------------------
+# The columns insert_row gives, in order (attempt is always 0).
+_INSERTED = ("id", "spec", "queue", "args", "priority", "state", "visibility_timeout",
+             "enqueued_at", "run_at", "expires_at", "max_attempts", "max_fails", "backoff_base",
+             "backoff_max", "capture_logs", "created_by", "max_worker_deaths")
+_INSERT = (
+    f"INSERT INTO jobs ({', '.join(_INSERTED[:6])}, attempt, {', '.join(_INSERTED[6:])})"
+    f" VALUES ({', '.join('?' * 6)}, 0, {', '.join('?' * (len(_INSERTED) - 6))})"
+    " ON CONFLICT(id) DO NOTHING"
+)
+_RETURNING_ROW = " RETURNING rowid, *"
+
+
+def insert_jobs(conn: sqlite3.Connection, jobs: list[JobRecord], rows: list[tuple[Any, ...]],
+                olds: Sequence[str | None]) -> list[tuple[dict[str, Any], bool]]:
+    """Insert jobs (``Store.enqueue``; ``rows``: their ``insert_row``s, taken when the
+    write was queued): each one's row, and whether it is new (False: the id existed
+    already, or ``olds`` names the row its token made before ids were scoped)."""
+    outcomes: list[tuple[dict[str, Any], bool]] = []
+    template: dict[str, Any] | None = None
+    for job, row, old in zip(jobs, rows, olds, strict=True):
+        if old is not None and (kept := _made_before(conn, job, old)) is not None:
+            outcomes.append((kept, False))
+            continue
+        # RETURNING gives the new row in the same statement; only an id that
+        # exists already needs a second look, to be judged the same job or not.
+        # The first new row of a batch comes back whole; every other differs from
+        # it only in what was inserted, so it is made from that (a third of the
+        # cost of reading each back).
+        if template is None:
+            inserted = conn.execute(_INSERT + _RETURNING_ROW, row).fetchone()
+            if inserted is not None:
+                template = dict(inserted)
+                outcomes.append((dict(template), True))
+                continue
+        else:
+            inserted = conn.execute(_INSERT + " RETURNING rowid", row).fetchone()
+            if inserted is not None:
+                made = dict(template)
+                made.update(zip(_INSERTED, row))
+                made["rowid"] = inserted[0]
+                outcomes.append((made, True))
+                continue
+        outcomes.append((fetch_job(conn, row[0]), False))
+    return outcomes
+
+
+def stored_rows(conn: sqlite3.Connection, jobs: list[JobRecord], olds: Sequence[str | None]
+                ) -> list[dict[str, Any] | None]:
+    """The rows these jobs are stored as already (None: one that is not)."""
+    rows = []
+    for job, old in zip(jobs, olds, strict=True):
+        kept = _made_before(conn, job, old) if old is not None else None
+        rows.append(kept or fetch_job(conn, job.id))
+    return rows
+
+
+def _made_before(conn: sqlite3.Connection, job: JobRecord, unscoped: str) -> dict[str, Any] | None:
+    """The row kept under ``unscoped`` if ``job``'s own id is new and that row was
+    created by the same token (a producer's job from before its ids were kept scoped)."""
+    found = {row["id"]: dict(row) for row in conn.execute(
+        "SELECT rowid, * FROM jobs WHERE id IN (?, ?)", (job.id, unscoped))}
+    old = found.get(unscoped)
+    if job.id in found or old is None or old["created_by"] != job.created_by:
+        return None
+    return old
+
+
+def fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:
+    row = conn.execute("SELECT rowid, * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    return dict(row) if row else None
+
+
+def insert_row(job: JobRecord) -> tuple[Any, ...]:
+    lim = job.limits
+    return (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority, str(job.state),
+            job.visibility_timeout, job.enqueued_at, job.run_at, job.expires_at,
+            lim.max_attempts, lim.max_fails, lim.backoff_base, lim.backoff_max,
+            int(job.capture_logs), job.created_by, lim.max_worker_deaths)
+
+
+# -- reservations and transitions --------------------------------------------------------
+RESERVE = (
+    "UPDATE jobs SET state = 'active', attempt = ?, worker_id = ?, worker_token = ?,"
+    " checksum = ?, server_id = ?, reserved_at = ?, lease_expires_at = ?"
+    " WHERE id = ? AND attempt = ?"
+    " AND state IN ('available', 'scheduled', 'retryable')"
+)
+SAVE = (
+    "UPDATE jobs SET state = ?, worker_id = ?, server_id = CASE WHEN ? THEN NULL ELSE server_id END,"
+    " run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
+    " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
+    " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
+    " WHERE id = ? AND attempt = ? AND (? = 0 OR state IN ('discarded', 'cancelled'))"
+)  # "attempt = ?": the fence. Only a reservation moves a row's attempt on, so a server
+# whose copy of the job is stale (another one reserved it since) changes nothing. A
+# retry keeps the attempt: it is fenced on the state instead, whatever the holder, so of
+# two retries of one job (two servers, each from its own read) only the first is stored.
+# Servers sharing a database (rota/store/fleet.py) also fence on the holder: a job another
+# server took over from this one (its worker moved there) is not this one's to change.
+# A retry is any server's to write (a finished row keeps its last holder, for the audit).
+SAVE_SHARED = SAVE + " AND (server_id IS NULL OR server_id = ? OR ? = 1)"
+
+
+def moved_on(conn: sqlite3.Connection, jobs: list[JobRecord]) -> list[str]:
+    """Of jobs just reserved, those whose rows another reservation did not come from
+    here (the row's attempt, worker or state differs from what was written)."""
+    lost = []
+    for job in jobs:
+        row = conn.execute("SELECT attempt, worker_id, state FROM jobs WHERE id = ?",
+                           (job.id,)).fetchone()
+        if row is None or tuple(row) != (job.attempt, job.worker_id, "active"):
+            lost.append(job.id)
+    return lost
+
+
+def change_row(change: Change) -> tuple[Any, ...]:
+    job = change.job
+    error = _text(change.error)
+    # A waiting job belongs to no worker; a finished one keeps who ran it, for audit.
+    worker_id = None if job.state in WAITING_STATES else job.worker_id
+    return (str(job.state), worker_id, worker_id is None, job.run_at, job.fails, job.deaths,
+            job.budget_start,
+            int(job.cancel_requested), job.expires_at, change.finished_at,
+            _text(change.result), error, error, job.id, job.attempt, int(change.retry))
+
+
+def withdraw(conn: sqlite3.Connection, seq: int, now: float) -> bool:
+    """Cancel row ``seq`` if it is still available; whether it was."""
+    return conn.execute("UPDATE jobs SET state = 'cancelled', finished_at = ?"
+                        " WHERE rowid = ? AND +state = 'available'",
+                        (now, seq)).rowcount == 1
+
+
+def status_rows(notes: list[StatusNote]
+                ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """What ``note_status`` writes of these notes: progress, and log lines and alerts."""
+    return ([(n.progress[0], n.progress[1], n.at, n.job_id) for n in notes if n.progress],
+            [(n.job_id, n.attempt, n.at, *n.line) for n in notes if n.line])
+
+
+def note_status(conn: sqlite3.Connection, progress: list[tuple[Any, ...]],
+                lines: list[tuple[Any, ...]]) -> None:
+    """Store progress (the latest wins) and captured log lines and alerts."""
+    conn.executemany("UPDATE jobs SET progress_percent = ?, progress_message = ?,"
+                     " progress_at = ? WHERE id = ?", progress)
+    conn.executemany("INSERT INTO job_logs (job_id, attempt, at, kind, level, message)"
+                     " VALUES (?, ?, ?, ?, ?, ?)", lines)
+
+
+def worker_connected(conn: sqlite3.Connection, row: dict[str, Any]) -> None:
+    cols = ", ".join(row)
+    marks = ", ".join("?" for _ in row)
+    conn.execute(f"INSERT OR REPLACE INTO workers ({cols}) VALUES ({marks})", list(row.values()))
+
+
+def worker_disconnected(conn: sqlite3.Connection, worker_id: str, connected_at: float,
+                        now: float) -> None:
+    """Mark that connection ended (not a newer one of the same worker, if it came)."""
+    conn.execute("UPDATE workers SET disconnected_at = ? WHERE id = ? AND connected_at = ?",
+                 (now, worker_id, connected_at))
+
+
+# -- retention ---------------------------------------------------------------------------
+_DUE = "SELECT rowid, id FROM jobs WHERE state = ? AND finished_at < ?"
+
+
+def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
+          keep: Container[str]) -> dict[str, int]:
+    """Delete at most ``limit`` finished jobs that are due (``Store.prune``); deleted rows
+    by state."""
+    deleted: dict[str, int] = {}
+    left = limit
+    for cut in cutoffs:
+        if left <= 0:
+            break
+        sql, params = _DUE, [cut.state, cut.before]
+        if cut.spans:  # the wall clock stepped while the server ran
+            sql, params = _due_in(cut.spans), [cut.state, *_bounds(cut.spans)]
+        if cut.queue is not None:
+            sql, params = sql + " AND queue = ?", [*params, cut.queue]
+        elif cut.others:
+            sql += f" AND queue NOT IN ({', '.join('?' * len(cut.others))})"
+            params += cut.others
+        rows = [(rowid, job_id) for rowid, job_id in
+                conn.execute(sql + " ORDER BY finished_at LIMIT ?", [*params, left])
+                if job_id not in keep]
+        if rows:
+            conn.executemany("DELETE FROM job_logs WHERE job_id = ?",
+                             [(job_id,) for _, job_id in rows])
+            conn.executemany("DELETE FROM jobs WHERE rowid = ?",
+                             [(rowid,) for rowid, _ in rows])
+            deleted[cut.state] = deleted.get(cut.state, 0) + len(rows)
+            left -= len(rows)
+    return deleted
+
+
+def _due_in(spans: Sequence[tuple[float, float]]) -> str:
+    """_DUE for rows finished within any of these [from, to) spans."""
+    terms = [("finished_at < ?" if math.isinf(low) else "(finished_at >= ? AND finished_at < ?)")
+             for low, _ in spans]
+    return "SELECT rowid, id FROM jobs WHERE state = ? AND (" + " OR ".join(terms) + ")"
+
+
+def _bounds(spans: Sequence[tuple[float, float]]) -> list[float]:
+    return [x for low, high in spans for x in ((high,) if math.isinf(low) else (low, high))]
+
+
+# -- the clocks across a restart ---------------------------------------------------------
+# A wall-clock step between runs, undone in the live rows' stored moments (deadlines, and
+# the enqueue and reservation times beside them): each deadline is again as far away as
+# the last run left it. Rows with no deadline (plain waiting jobs, finished ones) keep
+# theirs: shown, never judged by.
+_SHIFT = (
+    "UPDATE jobs SET run_at = run_at + ?, expires_at = expires_at + ?,"
+    " lease_expires_at = lease_expires_at + ?, enqueued_at = enqueued_at + ?,"
+    " reserved_at = reserved_at + ?"
+    " WHERE state IN ('scheduled', 'available', 'retryable', 'active')"
+    " AND (run_at IS NOT NULL OR expires_at IS NOT NULL OR lease_expires_at IS NOT NULL)"
+)
+
+
+def undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
+    """Compare the clocks now with the last run's reading (one server per file: its
+    own); shift the live rows' deadlines by a step found (model.wall_step); keep the
+    reading. The step, 0.0 if none."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'clock'").fetchone()
+    try:
+        last = None if row is None else ClockReading(
+            *msgspec.json.decode(row[0], type=tuple[float, float, str]))
+    except msgspec.DecodeError:
+        last = None  # unreadable: as if there were none
+    step = wall_step(last, reading)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        if step:
+            conn.execute(_SHIFT, (step,) * 5)
+        keep_reading(conn, msgspec.json.encode(tuple(reading)).decode())
+        conn.execute("COMMIT")
+    except sqlite3.Error as exc:  # a full or read-only disk: start as before, unshifted
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        log.warning("the clock reading could not be checked at start: %s", exc)
+        return 0.0
+    return step
+
+
+def keep_reading(conn: sqlite3.Connection, value: str) -> None:
+    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('clock', ?)", (value,))
+
+
+# -- specs -------------------------------------------------------------------------------
+class DryRun(Exception):
+    """Raised to roll a dry run's savepoint back, carrying what it would have changed."""
+
+    def __init__(self, changes: list[SpecChange]) -> None:
+        super().__init__("dry run")
+        self.changes = changes
+
+
+def push_one(conn: sqlite3.Connection, spec: JobSpec, checksum: str, now: float) -> SpecChange:
+    row = conn.execute("SELECT checksum, retired_at FROM status_quo WHERE name = ?",
+                       (spec.name,)).fetchone()
+    previous = row[0] if row else None
+    retired = row is not None and row[1] is not None
+    if previous == checksum and not retired:
+        return SpecChange(spec.name, checksum, previous, "unchanged")
+    conn.execute(
+        "INSERT OR IGNORE INTO spec_versions (name, checksum, version, body, first_pushed_at)"
+        " VALUES (?, ?, ?, ?, ?)",
+        (spec.name, checksum, spec.version, msgspec.json.encode(spec).decode(), now),
+    )
+    conn.execute(
+        "INSERT INTO status_quo (name, checksum, updated_at) VALUES (?, ?, ?)"
+        " ON CONFLICT(name) DO UPDATE SET checksum = excluded.checksum,"
+        " updated_at = excluded.updated_at, retired_at = NULL",
+        (spec.name, checksum, now),
+    )
+    conn.execute(
+        "INSERT INTO spec_pushes (name, checksum, previous, pushed_at) VALUES (?, ?, ?, ?)",
+        (spec.name, checksum, previous, now),
+    )
+    # Pushing a retired spec again brings it back: "restored" when it is the same version.
+    change = ("new" if previous is None else "restored" if previous == checksum
+              else "changed")
+    return SpecChange(spec.name, checksum, previous, change)
+
+
+def retire(conn: sqlite3.Connection, name: str, now: float) -> tuple[str, float, bool] | None:
+    """Retire spec ``name``: (its checksum, when it was retired, whether it was already);
+    None if it has no status quo."""
+    row = conn.execute("SELECT checksum, retired_at FROM status_quo WHERE name = ?",
+                       (name,)).fetchone()
+    if row is None:
+        return None
+    if row[1] is not None:
+        return row[0], row[1], True
+    conn.execute("UPDATE status_quo SET retired_at = ? WHERE name = ?", (now, name))
+    conn.execute("INSERT INTO spec_pushes (name, checksum, previous, pushed_at, event)"
+                 " VALUES (?, ?, ?, ?, 'retire')", (name, row[0], row[0], now))
+    return row[0], now, False
+
+
+def crash(point: str) -> None:
+    """Die at once, as a power cut or kill -9 would (crash-point tests only)."""
+    log.critical("crash point %s: exiting now", point)
+    os._exit(86)
+
+
+def _text(data: bytes | None) -> str | None:
+    return data.decode() if data is not None else None
+

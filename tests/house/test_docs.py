@@ -1,0 +1,63 @@
+"""docs/protocol.md is the contract: it must name every message, field and error code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgspec
+
+from rota.base import protocol
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = (ROOT / "docs" / "protocol.md").read_text()
+MESSAGE_TYPES = [protocol.Heartbeat, protocol.Welcome, protocol.Ack, protocol.Assign,
+                 protocol.Cancel, protocol.Error]
+SECTIONS = [protocol.Registration, protocol.Status, protocol.Result, protocol.ErrorInfo,
+            protocol.SpecRef, protocol.SpecVerdict, protocol.SpecRejection,
+            protocol.ResultRejection, protocol.JobCopy, protocol.Progress, protocol.LogLine,
+            protocol.Alert]
+
+
+def test_every_message_type_and_field_is_documented():
+    for struct in MESSAGE_TYPES + SECTIONS:
+        info = msgspec.structs.fields(struct)
+        for field in info:
+            named = f"`{field.name}`" in DOC or f'"{field.name}"' in DOC
+            assert named, f"{struct.__name__}.{field.name} is not in the doc"
+    for struct in MESSAGE_TYPES:
+        tag = struct.__struct_config__.tag
+        assert f"`{tag}`" in DOC, f"message type {tag} is not in the doc"
+
+
+def test_every_error_code_the_server_sends_is_documented():
+    sources = "".join(p.read_text() for p in (ROOT / "rota").rglob("*.py"))
+    codes = set(re.findall(r'FrameError\(\s*"([a-z_]+)"', sources))
+    codes |= set(re.findall(r'abort\(\s*"([a-z_]+)"', sources))
+    codes |= set(re.findall(r'BadJson\(\s*"([a-z_]+)"', sources))
+    codes |= set(re.findall(r'Abort\([^,]+,\s*"([a-z_]+)"', sources))
+    assert {"malformed_json", "heartbeat_timeout", "worker_id_in_use"} <= codes
+    for code in codes:
+        assert f"`{code}`" in DOC, f"error code {code} is not in docs/protocol.md"
+
+
+def test_readme_gives_the_two_quick_start_commands_and_ci_runs_the_second():
+    readme = (ROOT / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):readme.index("## Walkthrough")]
+    commands = re.findall(r"```sh\n(.*)\n```", quick)
+    assert len(commands) == 2 and commands[0].endswith("rota demo")
+    assert commands[1] == "scripts/test"
+    ci = (ROOT / ".ci" / "run").read_text()
+    # CI runs the same command: for the oldest Python, the newest, and the soak runs.
+    runs = re.findall(r"^.*\bscripts/test\b.*$", ci, re.M)
+    assert len([line for line in runs if not line.lstrip().startswith("#")]) == 3, runs
+    assert any(line.endswith("scripts/test -m soak") for line in runs)
+
+
+def test_the_test_command_installs_what_the_suite_needs():
+    """scripts/test checks for each Debian package the suite uses, and runs pytest."""
+    script = (ROOT / "scripts" / "test").read_text()
+    for package in ("faketime", "chromium", "postgresql", "redis-server"):
+        assert f"missing+=({package})" in script, package
+    assert "apt-get install" in script and 'sudo="sudo"' in script
+    assert script.rstrip().endswith('-m pytest "$@"')

@@ -1,0 +1,152 @@
+"""The dashboard with the longest texts each field allows, in Chromium at desktop width:
+a 255-character hostname, OS and SDK, 128-character names (spec, queue, labels, worker,
+job id), 8,192-character messages, progress, logs, alerts, args, results, errors and a
+spec description, all unbroken. No page may scroll sideways, and each worker's buttons
+stay on screen. A right-to-left override (U+202E) in worker or job text is shown, not
+obeyed: it reorders nothing around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, Page, expect
+from test_ui import REFRESH_MS, browser, log_in  # noqa: F401 (browser: a fixture)
+from uirig import Rig
+
+from rota.base import protocol as p
+from rota.worker.worker import JobContext, Worker
+
+pytestmark = pytest.mark.xdist_group("browser")
+WIDTH = 1280
+LONG = 8192  # the longest message, progress, log line or alert the server keeps (MAX_TEXT)
+SPEC = "s" * 128
+QUEUE = "q" * 128
+RLO = "\u202e"
+# Text after an override: a page that obeys it shows "live" as "evil", and reverses
+# whatever follows it on the same line too.
+SPOOF = f"{RLO}live"
+
+
+class LongWorker(Worker):
+    """An SDK worker that describes itself with the longest texts a registration allows."""
+
+    def registration(self) -> p.Registration:
+        registration = super().registration()
+        registration.hostname = "h" * 254 + RLO
+        registration.os = "o" * 255
+        registration.sdk = "k" * 255
+        return registration
+
+    def metrics(self) -> tuple[float, int]:
+        return 409_600.0, 2**62  # 4,096 cores, all busy, and 4 EiB of memory
+
+
+def long_jobs(rig: Rig) -> dict[str, str]:
+    description = "d" * 9_000
+    rig.spec(SPEC, queue=QUEUE, version="v" * 64,
+             extra=f'description = "{description}"\n[retry]\nmax_attempts = 1\n')
+
+    def handler(ctx: JobContext) -> Any:
+        ctx.progress(50, "p" * (LONG - len(SPOOF)) + SPOOF)
+        ctx.log("l" * (LONG - len(SPOOF)) + SPOOF)
+        ctx.alert("a" * (LONG - len(SPOOF)) + SPOOF)
+        if ctx.args.get("fail"):
+            # An exception type named with the override: the jobs list shows "type: message"
+            raise type(f"Spoof{RLO}Error", (ValueError,), {})("e" * LONG + SPOOF)
+        return {"r" * 100: "r" * LONG + SPOOF}
+
+    labels = [c * 128 for c in "abcdef"]
+    queues = [QUEUE, *(c * 128 for c in "tuvwx")]
+    rig.worker({SPEC: handler}, labels=labels, queues=queues, worker_id="w" * 128,
+               cls=LongWorker)
+    ids = {"done": "i" * 127 + "1", "failed": "i" * 127 + "2"}
+    rig.enqueue(SPEC, {"x" * 100: "x" * LONG + SPOOF}, id=ids["done"], capture_logs=True)
+    rig.enqueue(SPEC, {"fail": True}, id=ids["failed"], capture_logs=True)
+    for state, job_id in (("completed", ids["done"]), ("discarded", ids["failed"])):
+        rig.wait(lambda job_id=job_id, state=state: rig.job(job_id)["state"] == state, state)
+    return ids
+
+
+@pytest.fixture
+def long_rig(tmp_path: Path) -> Iterator[tuple[Rig, dict[str, str]]]:
+    rig = Rig(tmp_path)
+    try:
+        yield rig, long_jobs(rig)
+    finally:
+        rig.close()
+
+
+def wide(page: Page) -> dict[str, int]:
+    return page.evaluate("""() => ({scroll: document.documentElement.scrollWidth,
+                                    inner: window.innerWidth})""")
+
+
+def test_no_page_scrolls_sideways_and_every_button_is_on_screen(
+        browser: Browser, long_rig: tuple[Rig, dict[str, str]]):
+    rig, ids = long_rig
+    context = browser.new_context(base_url=rig.base, viewport={"width": WIDTH, "height": 900})
+    context.add_init_script(f"window.ROTA_REFRESH_MS = {REFRESH_MS}")
+    page = context.new_page()
+    try:
+        log_in(page, rig)
+        pages = ["/ui", "/ui/queues", "/ui/specs", "/ui/workers", "/ui/jobs",
+                 f"/ui/jobs?queue={QUEUE}&state=discarded", f"/ui/jobs/{ids['done']}",
+                 f"/ui/jobs/{ids['failed']}", f"/ui/bulk?action=retry&queue={QUEUE}",
+                 "/ui/jobs/" + "m" * 128, "/ui/jobs?worker=" + "w" * 300]
+        too_wide = {}
+        for path in pages:
+            page.goto(path)
+            page.locator("#live").wait_for(state="attached")
+            width = wide(page)
+            if width["scroll"] > width["inner"]:
+                too_wide[path if len(path) < 50 else f"{path[:30]}…{path[-4:]}"] = width["scroll"]
+        assert not too_wide, "; ".join(f"{k}: {v}px" for k, v in too_wide.items())
+        page.goto("/ui/workers")
+        expect(page.locator("table.workers button")).to_have_count(2)  # Quiet, Terminate
+        # Read at once: the live region is swapped several times a second.
+        boxes = page.evaluate("""() => [...document.querySelectorAll('table.workers button')]
+                                 .map(b => b.getBoundingClientRect())
+                                 .map(r => ({left: r.left, right: r.right}))""")
+        assert len(boxes) == 2 and all(0 <= b["left"] and b["right"] <= WIDTH for b in boxes), boxes
+    finally:
+        context.close()
+
+
+def test_a_right_to_left_override_is_shown_and_reorders_nothing(
+        browser: Browser, long_rig: tuple[Rig, dict[str, str]]):
+    rig, ids = long_rig
+    context = browser.new_context(base_url=rig.base, viewport={"width": WIDTH, "height": 900})
+    page = context.new_page()
+    try:
+        log_in(page, rig)
+        for path in ("/ui/workers", f"/ui/jobs/{ids['done']}", f"/ui/jobs/{ids['failed']}",
+                     f"/ui/jobs?queue={QUEUE}"):
+            page.goto(path)
+            page.locator("#live").wait_for(state="attached")
+            text = page.evaluate("document.body.innerText")
+            assert RLO not in text, path  # the control itself is never obeyed
+            assert "\\u202e" in text, path  # but shown, as the CLI shows it
+        page.goto(f"/ui/jobs/{ids['done']}")
+        line = page.locator("p.progress-line")
+        expect(line.locator("bdi")).to_contain_text("\\u202elive")
+        # The age, after the message, stays after its last line.
+        last, age = page.evaluate("""() => {
+            const rects = [...document.querySelector('p.progress-line bdi').getClientRects()];
+            const age = document.querySelector('p.progress-line span.muted');
+            return [rects[rects.length - 1], age.getClientRects()[0]]
+                .map(r => ({left: r.left, right: r.right, top: r.top}));
+        }""")
+        assert age["top"] > last["top"] + 1 or last["right"] <= age["left"] + 1, (last, age)
+        page.goto(f"/ui/jobs?queue={QUEUE}&state=discarded")
+        expect(page.locator("td.error-text bdi").first).to_have_text("Spoof\\u202eError")
+        # The message starts after the type: on its line, or on a line below it.
+        kind, text = page.evaluate("""() => [...document.querySelectorAll('td.error-text bdi')]
+                                      .map(b => b.getClientRects()[0])
+                                      .map(r => ({left: r.left, right: r.right, top: r.top}))""")
+        assert text["top"] > kind["top"] + 1 or kind["right"] <= text["left"] + 1, (kind, text)
+    finally:
+        context.close()
