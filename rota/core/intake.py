@@ -327,6 +327,6 @@ def unknown_spec(name: str, known: dict[str, JobSpec]) -> str:
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
     names = sorted(known)
     listed = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-    return (f"spec {name!r} has no status quo" + (f"; did you mean {close[0]}?" if close else "")
+    return (f"spec {name!r} has no status quo" + (f"; did you mean {close[0]}?" if close else ".")
             + (f" Known specs: {listed}." if names else " No spec has been pushed yet.")
             + " Push a spec with 'rota specs push' first.")

@@ -23,6 +23,7 @@ from rota.core.registry import claim_worker_id, held_ids
 from rota.store.store import Store
 
 log = logging.getLogger("rota.server")
+REREAD_EVERY = 0.1  # seconds: the most often an unknown spec makes the server read the status quo
 
 
 class Admission:
@@ -34,6 +35,7 @@ class Admission:
         self.clock = clock
         self.apply = apply
         self.crash_point = crash_point  # the --crash-at test switch
+        self._read_at = float("-inf")  # when the status quo was last read for an enqueue
 
     async def take_over(self, hb: p.Heartbeat, principal: Principal = OPEN) -> None:
         """Before a registration is handled: on a database several servers share, the
@@ -69,6 +71,9 @@ class Admission:
         """Store jobs in one transaction; per request the row and whether it is new, or why not."""
         now = self.clock()
         built = [self.engine.build(request, principal, now) for request in requests]
+        if self._unknown_spec(built) and await self._read_status_quo(now):
+            now = self.clock()  # a spec pushed through another server a moment ago
+            built = [self.engine.build(request, principal, now) for request in requests]
         jobs = [job for job in built if not isinstance(job, DomainError)]
         # A job whose id the server made cannot collide with a stored row: it is taken
         # in at once, and a scheduling round now queues its reservation right behind its
@@ -118,3 +123,21 @@ class Admission:
         if taken_in:
             self.apply(self.engine.enqueued_all(taken_in, now))
         return outcomes
+
+    def _unknown_spec(self, built: list[JobRecord | DomainError]) -> bool:
+        return any(isinstance(job, DomainError) and job.code == "unknown_spec" for job in built)
+
+    async def _read_status_quo(self, now: Instant) -> bool:
+        """On a database several servers share, a spec pushed through another server
+        reaches this one by a notice, a moment later: an enqueue that names a spec this
+        server does not know yet reads the status quo first (at most every REREAD_EVERY
+        seconds, so unknown names cost no read each). Whether it read."""
+        if not self.store.shared or now.mono - self._read_at < REREAD_EVERY:
+            return False
+        self._read_at = now.mono
+        try:
+            specs, checksums, retired = await self.store.status_quo()
+        except StorageError:
+            return False  # the refusal stands; the notice still comes
+        self.apply(self.engine.status_quo_read(specs, checksums, retired, self.clock()))
+        return True

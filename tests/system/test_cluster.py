@@ -119,6 +119,22 @@ async def test_two_servers_and_a_worker_on_each_assign_every_job_once(tmp_path: 
         assert {w for _, _, w in runs.runs} == {"wa", "wb"}
 
 
+async def test_an_enqueue_through_another_server_right_after_a_push_finds_the_spec(
+        tmp_path: Path, pg_url: str):
+    """A deploy pushes through A and producers enqueue through B at once: B reads the
+    status quo when it does not know the spec yet, instead of waiting for the notice."""
+    spec = write_spec(tmp_path / "specs", "echo")
+    async with servers(tmp_path, pg_url, 2) as (a, b):
+        cluster = b.server.config.loaded_app.app.state.cluster  # type: ignore[union-attr]
+        cluster._ready = False  # B hears no spec notice: as if it had not come yet
+        await a.push(spec)
+        job = await b.enqueue("echo", {"n": 1})
+        assert job["spec"] == "echo"
+        refused = await b.http.post("/jobs", json={"spec": "ecko"})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["code"] == "unknown_spec" and "echo" in refused.text
+
+
 async def test_an_enqueue_on_one_server_reaches_an_idle_worker_on_another(tmp_path: Path,
                                                                            pg_url: str):
     specs = tmp_path / "specs"
