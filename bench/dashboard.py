@@ -7,7 +7,7 @@ every page fetched in turn, sequentially, and timed from request to last byte.
     .venv/bin/python bench/dashboard.py --jobs 100000 --rounds 5
 
 Prints p50/p95/max per page, and its first render (the server's first look at the
-finished jobs' counts never waits for them: rota/pages.py), and writes
+finished jobs' counts never waits for them: rota/server/pages.py), and writes
 bench/results/dashboard.json. The goal: every page under 300 ms with 1,000,000 jobs.
 """
 

@@ -1,4 +1,4 @@
-"""What recording for the operator (rota/observe.py) costs the engine per job.
+"""What recording for the operator (rota/core/observe.py) costs the engine per job.
 
 The engine alone, in this process, no I/O: jobs enqueued in batches, scheduling rounds
 committed, results reported and committed, as the shell would drive it. Each round is
@@ -30,7 +30,7 @@ SPEC = parse_spec('name = "noop"\nversion = "1"\nqueue = "default"\n')
 
 
 class Silent(Observer):
-    """Records nothing: the engine as it was before rota/observe.py."""
+    """Records nothing: the engine as it was before rota/core/observe.py."""
 
     def event(self, *args: Any, **kwargs: Any) -> None: ...
     def enqueued(self, *args: Any, **kwargs: Any) -> None: ...

@@ -413,7 +413,7 @@ def summarise_profile(path: Path) -> dict[str, Any]:
         bucket = threads.setdefault(name, {})
         bucket[kind] = bucket.get(kind, 0) + int(count)
         if "writer" in name:
-            ops = [f.split(" (")[0] for f in frames if "rota/store.py" in f or "rota/rows.py" in f]
+            ops = [f.split(" (")[0] for f in frames if "rota/store/store.py" in f or "rota/store/rows.py" in f]
             key = f"{kind}: {ops[-1] if ops else '-'}"
             writer[key] = writer.get(key, 0) + int(count)
 

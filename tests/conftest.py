@@ -45,6 +45,16 @@ LOOPBACK_TLS = ssl.create_default_context()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller: xdist's workers would run
+        # nothing for a path that names no file, silently (pytest-xdist #109), and the
+        # test files moved into folders by kind: say so instead
+        here = config.invocation_params.dir
+        for arg in config.args:
+            path = arg.split("::")[0]
+            if not arg.startswith("-") and not (here / path).exists():
+                raise pytest.UsageError(f"no such test file or folder: {path} (the tests"
+                                        " are in tests/unit, store, server, system, ui and"
+                                        " house: tests/README.md)")
     config.addinivalue_line("markers", "both_backends: run each test on SQLite and on"
                             " PostgreSQL (the backend fixture; servers started by the test"
                             " use it)")

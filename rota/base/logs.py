@@ -1,7 +1,8 @@
 """Log lines, as the library writes them: pure, no threads, no I/O.
 
-Library modules only call ``logging.getLogger(__name__)``; how lines are formatted and
-written (a thread of their own, text or JSON) is the command line's (rota/cli/logsetup.py).
+Library modules log through the documented names, ``logging.getLogger("rota.server")``
+and ``("rota.worker")`` (not ``__name__``: a module's place is not a name users filter on);
+how lines are formatted and written (a thread of their own, text or JSON) is the command line's (rota/cli/logsetup.py).
 
 A hot path that logs one line per job of a batch (each job of an ``assign``, each result
 of a heartbeat) logs one record whose message is ``Lines``: the caller pays for one

@@ -4,13 +4,13 @@ The environment is read by the commands and nowhere else: every ``rota serve`` o
 a ``ROTA_<OPTION>`` variable, and commands that talk to a server read ``ROTA_URL``. This
 module builds the group; each group of commands is a module of its own:
 
-    cli_serve   serve (its options made from rota/core/settings.py's ServerSettings)
-    cli_worker  worker, demo
-    cli_specs   specs push|list|history|retire|checksum
-    cli_jobs    enqueue, run, jobs show
-    cli_ops     jobs list|retry|cancel, queues, workers
-    cli_live    watch, tail
-    cli_tokens  tokens create|list|revoke
+    serve    serve (its options made from rota/core/settings.py's ServerSettings)
+    worker   worker, demo
+    specs    specs push|list|history|retire|checksum
+    jobs     enqueue, run, jobs show
+    ops      jobs list|retry|cancel, queues, workers
+    live     watch, tail
+    tokens   tokens create|list|revoke
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from rota.cli import jobs as cli_jobs, live as cli_live, ops as cli_ops, serve as cli_serve, specs as cli_specs, tokens as cli_tokens, worker as cli_worker
+from rota.cli import jobs, live, ops, serve, specs, tokens, worker
 from rota.cli.base import error as _error
 from rota.cli.base import need_server
 from rota.cli.base import out as _out
@@ -66,7 +66,7 @@ def main(ctx: click.Context) -> None:
         need_server(ctx.invoked_subcommand)
 
 
-for _command in (cli_serve.serve, cli_worker.worker, cli_worker.demo, cli_specs.specs,
-                 cli_jobs.enqueue, cli_jobs.run, cli_jobs.jobs, cli_ops.queues, cli_ops.workers,
-                 cli_live.watch, cli_live.tail, cli_tokens.tokens):
+for _command in (serve.serve, worker.worker, worker.demo, specs.specs,
+                 jobs.enqueue, jobs.run, jobs.jobs, ops.queues, ops.workers,
+                 live.watch, live.tail, tokens.tokens):
     main.add_command(_command)

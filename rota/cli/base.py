@@ -1,6 +1,6 @@
 """What every ``rota`` command that talks to a server shares: ``--url`` and ``--token``
 (ROTA_URL, ROTA_TOKEN), an API call whose refusal is one line on stderr and exit 1, and
-JSON on stdout, and ``--db`` (a file or a PostgreSQL URL). Every ``rota.cli_*`` module
+JSON on stdout, and ``--db`` (a file or a PostgreSQL URL). Every module of rota/cli/
 builds on it.
 
 And the one way ``rota`` prints: ``out`` (a line), ``out_lines`` (a text of several),

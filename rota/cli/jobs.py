@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from rota.cli import ops as cli_ops
+from rota.cli import ops
 from rota.cli.base import URL_OPTION
 from rota.cli.base import api as _api
 from rota.cli.base import fail as _fail
@@ -104,5 +104,5 @@ def jobs_show(job_id: str, url: str) -> None:
     _print_job(_api(url, "job", job_id))
 
 
-for _command in cli_ops.JOB_COMMANDS:  # list, and retry and cancel of one job or many
+for _command in ops.JOB_COMMANDS:  # list, and retry and cancel of one job or many
     jobs.add_command(_command)

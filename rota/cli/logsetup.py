@@ -1,5 +1,6 @@
-"""Logging for the command line: how lines are formatted and written. Library modules only
-call logging.getLogger(__name__), and rota/base/logs.py (pure) gives them ``Lines`` and ``printable``.
+"""Logging for the command line: how lines are formatted and written. Library modules log
+through ``logging.getLogger("rota.server")`` or ``("rota.worker")``, and rota/base/logs.py
+(pure) gives them ``Lines`` and ``printable``.
 
 The server logs a line per enqueue, assignment and result, so at full speed it writes
 thousands of lines a second. Done the usual way, each line costs its caller a stack walk

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from rota.cli import logsetup as cli_logging
+from rota.cli import logsetup
 from rota.cli.base import DATABASE
 from rota.cli.base import fail as _fail
 from rota.cli.logsetup import LEVELS
@@ -135,7 +135,7 @@ def serve(db: Path | str, log_level: str, log_format: str, insecure: bool,
     from rota.server import startup
     from rota.server.app import serve as run_server
 
-    cli_logging.configure(log_level, log_format)
+    logsetup.configure(log_level, log_format)
     where = {"db": db} if isinstance(db, Path) else {"database_url": db}
     settings = ServerSettings(**where, **options)
     try:  # (the lock and the socket are held until the command ends)

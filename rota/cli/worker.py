@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from rota.cli import logsetup as cli_logging
+from rota.cli import logsetup
 from rota.cli.base import TOKEN_OPTION as _TOKEN
 from rota.cli.base import fail as _fail
 from rota.cli.base import servers as _servers
@@ -72,7 +72,7 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
     without waiting. A second SIGTERM or SIGINT takes the fast path. SIGTSTP goes quiet
     (no new jobs; the line goes back); SIGCONT resumes.
     """
-    cli_logging.configure(log_level, log_format)
+    logsetup.configure(log_level, log_format)
     instance = _import_worker(target)
     try:
         instance.url = _split_urls(urls)
@@ -138,7 +138,7 @@ def demo(port: int, db: Path, specs_dir: Path | None, rate: float) -> None:
     from rota.server import startup
     from rota.cli.demo import run_demo
 
-    cli_logging.configure("info")
+    logsetup.configure("info")
     try:  # (the lock and the socket are held until the command ends)
         sock = click.get_current_context().with_resource(startup.taken(db, "127.0.0.1", port))
     except startup.Refused as exc:

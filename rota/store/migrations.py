@@ -1,6 +1,6 @@
 """SQLite's schema, built step by step: one migration per change, in order
 (rota/store/schema.py describes the result; tests/store/test_schema.py checks that they agree).
-A file a newer Rota migrated is refused (``db.NewerDatabase``).
+A file a newer Rota migrated is refused (``sqlite.NewerDatabase``).
 """
 
 from __future__ import annotations

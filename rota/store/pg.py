@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 from psycopg import sql as pgsql
 
-from rota.store import sqlite as db, readers as db_readers, writer as db_writer, schema
+from rota.store import readers, schema, sqlite, writer
 from rota.base.errors import StorageError
 from rota.store.pg_connection import TranslatingConnection, connect, connect_params
 from rota.store.pg_sql import ddl
@@ -113,7 +113,7 @@ def used_bytes(conn: TranslatingConnection) -> int:
 
 
 # -- the store's threads ----------------------------------------------------------------
-class Writer(db_writer.Writer):
+class Writer(writer.Writer):
     """rota/store/writer.py's writer (group commit, a savepoint per op) on a PostgreSQL connection,
     opened again after the server went away. ``bound``: see ``connect`` (rota/store/store.py
     gives a quarter of the server lease: a server stalled inside a transaction holds the
@@ -154,7 +154,7 @@ AGAIN = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failur
 LOCKED = "55P03"  # lock_not_available: lock_timeout ran out
 
 
-class Readers(db_readers.Readers):
+class Readers(readers.Readers):
     """rota/store/readers.py's reader pool on read-only PostgreSQL connections (``size`` of them:
     --db-pool)."""
 
@@ -172,7 +172,7 @@ class Readers(db_readers.Readers):
 
 def migrate(url: str) -> None:
     """Bring the database to this Rota's schema, recording the same migration names as
-    SQLite's; refuse one a newer Rota migrated (db.NewerDatabase). Several servers
+    SQLite's; refuse one a newer Rota migrated (sqlite.NewerDatabase). Several servers
     starting at once take turns (an advisory lock)."""
     conn = connect(url)
     try:
@@ -187,7 +187,7 @@ def migrate(url: str) -> None:
             if conn.execute("SELECT to_regclass('meta')").fetchone()[0] is not None:
                 by = conn.execute("SELECT value FROM meta WHERE key = 'migrated_by'"
                                   ).fetchone()
-            raise db.NewerDatabase(redact(url), unknown, db._version(), by[0] if by else None)
+            raise sqlite.NewerDatabase(redact(url), unknown, sqlite._version(), by[0] if by else None)
         pending = [name for name in schema.MIGRATIONS if name not in applied]
         if pending:
             for statement in ddl():  # PostgreSQL's own SQL: not translated
@@ -196,7 +196,7 @@ def migrate(url: str) -> None:
             conn.executemany(f"INSERT INTO {MIGRATIONS_TABLE} (name, applied_at) VALUES (?, ?)",
                              [(name, now) for name in pending])
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('migrated_by', ?)",
-                         (db._version(),))
+                         (sqlite._version(),))
         conn.execute("COMMIT")
     finally:
         conn.close()  # (a refusal's open transaction ends with it)

@@ -142,7 +142,7 @@ class TranslatingConnection:
 
     def rowcounts(self, sql: str, seq: Iterable[Sequence[Any]]) -> list[int]:
         """Run one statement per parameter row, pipelined as ``executemany`` does, and
-        say how many rows each changed (``db.rowcounts``: a fenced write checks each)."""
+        say how many rows each changed (``sqlite.rowcounts``: a fenced write checks each)."""
         rows = [tuple(p) for p in seq]
         if not rows:
             return []

@@ -5,7 +5,7 @@ PostgreSQL's DDL is made from this description (rota/store/pg_sql.py). tests/sto
 checks that the SQLite migrations build exactly what is described here, so a change to
 one without the other fails there. Both backends record the names in ``MIGRATIONS`` as
 applied, so a Rota that finds a name it does not know refuses the database
-(db.NewerDatabase).
+(sqlite.NewerDatabase).
 
 Types are SQLite's three (what the store writes and reads): TEXT, INTEGER, REAL.
 """

@@ -1,7 +1,7 @@
 """Rota's durable state: jobs, spec versions, the status quo and workers, in one SQLite file
 or a PostgreSQL database (``database_url``; rota/store/pg.py runs the same operations there).
 
-Every write goes through the single writer thread (``db_writer.Writer``, ``pg.Writer``): a
+Every write goes through the single writer thread (rota/store/writer.py's ``Writer``, ``pg.Writer``): a
 write method queues its work (rota/store/writes.py) at once, in call order, and returns a
 future that resolves after its COMMIT. Reads run on a reader pool (the API's:
 rota/store/reads.py). The in-memory scheduler is rebuilt from ``load()`` at start
@@ -23,7 +23,11 @@ from typing import Any
 
 import msgspec
 
-from rota.store import sqlite as db, health as db_health, readers as db_readers, writer as db_writer, fleet, lookup, pg, reads as store_views, writes as sql
+from rota.store import fleet, lookup, pg, reads, sqlite
+from rota.store import writes as sql  # the writes' SQL and their functions of a connection
+from rota.store.health import Health
+from rota.store.readers import Readers
+from rota.store.writer import Checkpointer, Writer
 from rota.base.errors import StorageError
 from rota.core.listing import JobFilter, decode_cursor
 from rota.core.effects import Reserved
@@ -34,8 +38,7 @@ from rota.core.retention import Cutoff
 from rota.store.rows import (Snapshot, claim_rows, job_from_row, live_job, load, other_tokens,
                        read_status_quo, take_over_rows, waiting_rows, worker_row)
 from rota.base.specs import JobSpec
-from rota.store.tokens import (create_token, insert_token, live_tokens, open_database,
-                               revoke_token, revoke_tokens)
+from rota.store.tokens import insert_token, live_tokens, open_database, revoke_tokens
 from rota.store.writes import SpecChange
 from rota.store.views import job_view
 
@@ -49,10 +52,10 @@ MIN_BOUND = 0.5  # seconds: the least lock and idle-in-transaction bound (rota/s
 class Store:
     path: Path
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
-    durability: str = "full"  # db.SYNCHRONOUS: what a commit survives
+    durability: str = "full"  # sqlite.SYNCHRONOUS: what a commit survives
     max_db_size: int | None = None  # bytes (--max-db-size); None: as much as the disk holds
     # degraded while the disk fails
-    health: db_health.Health = field(default_factory=db_health.Health)
+    health: Health = field(default_factory=Health)
     # PostgreSQL (rota/store/pg.py) instead of the file at ``path``: the database's URL, and how
     # many reader connections (SQLite's reader pool is that size too).
     database_url: str | None = None
@@ -65,9 +68,9 @@ class Store:
     # Test switch: hold each reservation's transaction open this long after its UPDATE,
     # for the stall tests to catch a server inside a transaction. Never in production.
     hold_reserve: float = 0.0
-    writer: db_writer.Writer = field(init=False)
-    readers: db_readers.Readers = field(init=False)
-    checkpointer: db_writer.Checkpointer | None = field(init=False)  # SQLite's WAL only
+    writer: Writer = field(init=False)
+    readers: Readers = field(init=False)
+    checkpointer: Checkpointer | None = field(init=False)  # SQLite's WAL only
 
     def __post_init__(self) -> None:
         if self.database_url is not None:
@@ -81,9 +84,9 @@ class Store:
             self.readers = pg.Readers(self.database_url, self.db_pool, health=self.health)
             self.checkpointer = None
             return
-        self.writer = db_writer.Writer(self.path, self.durability, self.health, self.max_db_size)
-        self.readers = db_readers.Readers(self.path, self.db_pool, health=self.health)
-        self.checkpointer = db_writer.Checkpointer(self.path, health=self.health)
+        self.writer = Writer(self.path, self.durability, self.health, self.max_db_size)
+        self.readers = Readers(self.path, self.db_pool, health=self.health)
+        self.checkpointer = Checkpointer(self.path, health=self.health)
 
     @property
     def backend(self) -> str:
@@ -103,10 +106,10 @@ class Store:
     # -- lifecycle (startup runs in a thread, before the server takes traffic) ----
     def load(self, reading: ClockReading | None = None) -> Snapshot:
         """What a start takes in. ``reading``: the clocks now, checked against the last
-        run's (``store_writes.undo_step``) before anything is read."""
+        run's (``writes.undo_step``) before anything is read."""
         conn = open_database(self.path if self.database_url is None else self.database_url)
         try:
-            self.writer.used_bytes = (db.used_bytes(conn) if self.database_url is None
+            self.writer.used_bytes = (sqlite.used_bytes(conn) if self.database_url is None
                                       else pg.used_bytes(conn))
             if self.shared:
                 self._register(conn)
@@ -118,7 +121,7 @@ class Store:
             conn.close()
 
     def note_clock(self, reading: ClockReading) -> asyncio.Future[None]:
-        """Keep the clocks' reading for the next start (``store_writes.undo_step``)."""
+        """Keep the clocks' reading for the next start (``writes.undo_step``)."""
         value = msgspec.json.encode(tuple(reading)).decode()
         return self.writer.submit(lambda conn: sql.keep_reading(conn, value))
 
@@ -157,9 +160,9 @@ class Store:
         ones to finish are refused here, before anything is queued (storage_full), so
         that no reservation or result ever shares a commit with them and fails too."""
         quota = self.max_db_size
-        if quota is not None and not db.has_room(quota, self.writer.used_bytes, live,
+        if quota is not None and not sqlite.has_room(quota, self.writer.used_bytes, live,
                                                  [len(job.args) for job in jobs]):
-            full = self.health.failed(db.quota_full(quota))
+            full = self.health.failed(sqlite.quota_full(quota))
             # A producer sending again jobs that were stored (its first answer was lost)
             # is told so, as on any day: no room is needed for them.
             return asyncio.ensure_future(self._stored_already(jobs, unscoped, full))
@@ -234,7 +237,7 @@ class Store:
         """Commit job transitions. Values are taken now: the job may change again before
         the writer runs, and FIFO order then keeps the later write last.
 
-        Each is fenced by its row (``store_writes.SAVE``): the outcome names the changes
+        Each is fenced by its row (``writes.SAVE``): the outcome names the changes
         the row refused (another attempt, server or direct write moved it on), each with
         the row as it now waits (None: it does not wait, or is gone), so that the engine
         turns the result away and holds what the row says instead."""
@@ -247,7 +250,7 @@ class Store:
             rows = [(*row, self.server_id, int(c.retry)) for row, c in zip(rows, changes)]
 
         def op(conn: sqlite3.Connection) -> dict[str, JobRecord | None]:
-            counts = db.rowcounts(conn, sql.SAVE_SHARED if self.shared else sql.SAVE, rows)
+            counts = sqlite.rowcounts(conn, sql.SAVE_SHARED if self.shared else sql.SAVE, rows)
             refused = [(job_id, seq) for (job_id, seq, _), n in zip(keys, counts) if n == 0]
             waiting = [str(seq) for (_, seq, waits), n in zip(keys, counts) if waits and n]
             if waiting and self.shared:
@@ -408,18 +411,18 @@ class Store:
 
     async def job_logs(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         """The job's last ``limit`` log lines and alerts, oldest first."""
-        return await self.readers.run(lambda conn: store_views.job_logs(conn, job_id, limit))
+        return await self.readers.run(lambda conn: reads.job_logs(conn, job_id, limit))
 
     async def queue_counts(self, states: Sequence[str] = JOB_STATES
                            ) -> dict[str, dict[str, int]]:
-        """store_views.queue_counts: jobs per queue and state."""
-        return await self.readers.run(lambda conn: store_views.queue_counts(conn, states))
+        """reads.queue_counts: jobs per queue and state."""
+        return await self.readers.run(lambda conn: reads.queue_counts(conn, states))
 
     async def oldest_available_since(self, queues: Iterable[str]) -> dict[str, float]:
-        """store_views.oldest_available_since: per queue, when its first job could run."""
+        """reads.oldest_available_since: per queue, when its first job could run."""
         names = list(queues)  # (read here, on the loop: the thread gets a copy)
         return await self.readers.run(
-            lambda conn: store_views.oldest_available_since(conn, names))
+            lambda conn: reads.oldest_available_since(conn, names))
 
     # -- what an operator looks for (rota/store/lookup.py) --------------------------------
     async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None
@@ -463,7 +466,7 @@ class Store:
 
     async def job_states(self, ids: list[str]) -> dict[str, str]:
         """The state of each of these jobs that exists."""
-        return await self.readers.run(lambda conn: store_views.job_states(conn, ids))
+        return await self.readers.run(lambda conn: reads.job_states(conn, ids))
 
     def set_paused(self, queue: str, paused: bool, now: float) -> asyncio.Future[None]:
         def op(conn: sqlite3.Connection) -> None:
@@ -488,7 +491,7 @@ class Store:
 
     async def spec_jobs(self, name: str) -> tuple[dict[str, int], list[str]]:
         """Unfinished jobs of spec ``name``: counts by state, and the ids of waiting ones."""
-        return await self.readers.run(lambda conn: store_views.spec_jobs(conn, name))
+        return await self.readers.run(lambda conn: reads.spec_jobs(conn, name))
 
     async def spec_history(self, name: str) -> list[dict[str, Any]]:
-        return await self.readers.run(lambda conn: store_views.spec_history(conn, name))
+        return await self.readers.run(lambda conn: reads.spec_history(conn, name))

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from rota.store import sqlite as db, migrations as db_migrations, fleet, pg, pg_connection
+from rota.store import fleet, migrations, pg, pg_connection, sqlite
 from rota.base.errors import Conflict
 from rota.base.protocol import rfc3339
 
@@ -65,8 +65,8 @@ def open_database(target: Path | str) -> Any:
         assert isinstance(target, str)
         pg.migrate(target)
         return pg_connection.connect(target)
-    db_migrations.migrate(Path(target))
-    return db.connect(Path(target))
+    migrations.migrate(Path(target))
+    return sqlite.connect(Path(target))
 
 
 # -- tokens, from the CLI: straight to the database, so the first token needs no server --

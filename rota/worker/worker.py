@@ -328,7 +328,7 @@ class Worker:
     def listen(self, *specs: str) -> Listener:
         """Manual mode: ``async with worker.listen("spec", ...) as jobs: async for job in
         jobs: ... job.complete(result)`` or ``job.fail(error)``. Runs the worker for as
-        long as the block lasts; see rota.manual."""
+        long as the block lasts; see rota.worker.manual."""
         return Listener(self, specs)
 
     def alert(self, message: str, level: str = "warning") -> None:

@@ -83,6 +83,14 @@ def test_every_module_is_in_a_package():
     assert {package_of(m) for m in modules() if "." in m} == PACKAGES
 
 
+def test_imports_are_absolute():
+    # A relative import (``from ..client import x``) would slip past the rule below.
+    for module, path in modules().items():
+        relative = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ImportFrom) and node.level]
+        assert not relative, f"rota/{module.replace('.', '/')}.py: relative import, line {relative}"
+
+
 def test_packages_import_only_what_is_below_or_beside_them():
     for module, path in modules().items():
         inner, _ = imports_of(path)
