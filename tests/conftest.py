@@ -42,6 +42,14 @@ BACKENDS = ("sqlite", "postgres")
 # each client it makes, loading the CA bundle: 50 ms a client here, a few hundred times a
 # run. One context, made once, serves them all.
 LOOPBACK_TLS = ssl.create_default_context()
+# httpcore finds out which async library runs each request by importing sniffio, which is
+# not installed (anyio 4 does without it): every request of every client searched
+# sys.path for it again, about half the CPU of a loopback request here. A failed import
+# that is remembered costs nothing, and httpcore then takes asyncio, as it did.
+try:
+    import sniffio  # noqa: F401
+except ImportError:
+    sys.modules["sniffio"] = None  # type: ignore[assignment]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,7 +21,12 @@ from rota.core.auth import new_token
 from rota.server.routes import ROUTES
 from rota.store.tokens import create_token
 
-EXAMPLES = int(os.environ.get("ROTA_API_EXAMPLES", "15"))
+# Examples per operation and mode: a few in the default run, which still reaches every
+# operation both ways; the soak run (pytest -m soak) draws as many as ever, or
+# ROTA_API_EXAMPLES.
+SIZES = [pytest.param(5, id="quick"),
+         pytest.param(int(os.environ.get("ROTA_API_EXAMPLES", "15")), id="soak",
+                      marks=pytest.mark.soak)]
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +78,16 @@ def cases() -> list[tuple[str, GenerationMode]]:
 
 # Driven by hand rather than through schemathesis' pytest plugin: one test per operation
 # and generation mode, each a bounded hypothesis run against the live server.
+@pytest.mark.parametrize("examples", SIZES)
 @pytest.mark.parametrize(("label", "mode"), cases(),
                          ids=[f"{label}-{mode.value}" for label, mode in cases()])
 def test_api_conforms_to_its_document(server: ThreadedServer, api_schema: Any, label: str,
-                                      mode: GenerationMode):
+                                      mode: GenerationMode, examples: int):
     [operation] = [result.ok() for result in api_schema.get_all_operations()
                    if result.ok().label == label]
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+    @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     def check(case: Any) -> None:
         # Not positive_data_acceptance: the document gives shapes, and the routes rightly

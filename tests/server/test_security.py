@@ -90,7 +90,7 @@ async def test_http_needs_a_valid_token(guarded: Live):
 
 
 async def test_a_producer_enqueues_and_sees_only_its_own_jobs(guarded: Live):
-    mine, other = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    mine, other = await make_tokens(guarded, ("producer", None), ("producer", None))
     async with httpx.AsyncClient(base_url=guarded.base, headers=bearer(mine)) as producer:
         made = await producer.post("/jobs", json={"spec": "echo", "args": {"x": 1}})
         assert made.status_code == 201
@@ -108,7 +108,7 @@ async def test_a_producer_enqueues_and_sees_only_its_own_jobs(guarded: Live):
 
 
 async def test_a_producer_reads_specs_and_cancels_its_own_jobs_only(guarded: Live):
-    mine, other = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    mine, other = await make_tokens(guarded, ("producer", None), ("producer", None))
     async with (httpx.AsyncClient(base_url=guarded.base, headers=bearer(mine)) as producer,
                 httpx.AsyncClient(base_url=guarded.base, headers=bearer(other)) as stranger):
         specs = (await producer.get("/specs")).json()["specs"]  # the argument schemas
@@ -134,7 +134,7 @@ async def test_producers_job_ids_are_their_own(guarded: Live):
     """Issue 20, item 4: a producer re-enqueueing another's id, with the same body or
     another, gets a job of its own and learns nothing of the other's; reading it is a 404
     exactly as for a missing id; and an id used first by one does not block the other."""
-    a, b = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    a, b = await make_tokens(guarded, ("producer", None), ("producer", None))
     a_id, b_id = a.split("_")[1], b.split("_")[1]
     async with (httpx.AsyncClient(base_url=guarded.base, headers=bearer(a)) as alice,
                 httpx.AsyncClient(base_url=guarded.base, headers=bearer(b)) as bob):
@@ -216,7 +216,7 @@ async def test_the_sdk_names_a_producers_jobs_by_either_id(guarded: Live):
 
 
 async def test_a_producer_still_reads_its_jobs_from_before_ids_were_its_own(guarded: Live):
-    a, b = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    a, b = await make_tokens(guarded, ("producer", None), ("producer", None))
     await guarded.enqueue("echo", {"n": 1}, id="legacy", delay=3600)
 
     def made_by_a(conn: Any) -> None:  # as a Rota that kept producers' ids as given left it
@@ -234,7 +234,7 @@ async def test_a_producer_sending_again_across_the_upgrade_gets_its_old_job(guar
     """A job enqueued before producers' ids were their own is kept under the id given:
     the same producer sending that id again gets that job (200 or 409), not a second one
     under its kept id; another producer's same id is a job of its own."""
-    a, b = await make_token(guarded, "producer"), await make_token(guarded, "producer")
+    a, b = await make_tokens(guarded, ("producer", None), ("producer", None))
     a_id, b_id = a.split("_")[1], b.split("_")[1]
     for name in ("order-17", "order-18"):
         await guarded.enqueue("echo", {"n": 1}, id=name, delay=3600)
@@ -290,8 +290,7 @@ async def test_a_worker_token_cannot_take_another_tokens_worker_id(
     time copied) nor reclaims and completes its job while it is away."""
     pay = write_spec(tmp_path / "specs", "pay", queue="acc-high")
     await guarded.push(pay)
-    high = await make_token(guarded, "worker", queues=["acc-high"])
-    low = await make_token(guarded, "worker", queues=["acc-low"])
+    high, low = await make_tokens(guarded, ("worker", ["acc-high"]), ("worker", ["acc-low"]))
     started = "2026-11-23T09:00:00.000Z"
     victim = await raw_worker(guarded, high, "payer")
     await victim.register([pay], queues=["acc-high"], concurrency=1, started_at=started)

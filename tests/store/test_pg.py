@@ -252,7 +252,12 @@ def test_a_session_idle_inside_a_transaction_past_the_bound_is_ended_and_its_loc
         stalled.executemany("INSERT INTO meta VALUES (?, '1')", rows)
     else:
         assert db.rowcounts(stalled, "INSERT INTO meta VALUES (?, '1')", rows) == [1, 1]
-    time.sleep(1.0)  # noqa: sleep-ok (the stall itself: PostgreSQL's timer ends it)
+    # The stall itself, until PostgreSQL's timer ends the session (its backend leaves).
+    pid = stalled.raw.info.backend_pid
+    deadline = time.monotonic() + 10
+    while conn.raw.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+        assert time.monotonic() < deadline, "the stalled session was not ended"
+        time.sleep(0.05)  # noqa: sleep-ok (a poll step bounded by the deadline)
     with pytest.raises(psycopg.Error) as ended:
         stalled.execute("COMMIT")
     failure = pg.storage_error(ended.value)

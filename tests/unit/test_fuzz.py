@@ -1,6 +1,7 @@
 """Fuzzing the frame decoder: whatever bytes arrive, decoding gives a Heartbeat or a
 FrameError with a documented code and close code, never another exception. Bounded in
-examples so it runs in CI; ROTA_FUZZ_EXAMPLES widens it."""
+examples: 40 a property in the default run, 150 in the soak run (pytest -m soak), or
+ROTA_FUZZ_EXAMPLES there."""
 
 from __future__ import annotations
 
@@ -9,18 +10,26 @@ import os
 from typing import Any
 
 import corpus
-
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rota.base import protocol as p
 
-EXAMPLES = int(os.environ.get("ROTA_FUZZ_EXAMPLES", "150"))
+# Each property runs twice over: a few examples by default, today's full count in the soak.
+SIZES = [pytest.param(40, id="quick"),
+         pytest.param(int(os.environ.get("ROTA_FUZZ_EXAMPLES", "150")), id="soak",
+                      marks=pytest.mark.soak)]
 CODES = {"malformed_json": p.CLOSE_INVALID_PAYLOAD, "invalid_message": p.CLOSE_INVALID_PAYLOAD,
          "unknown_type": p.CLOSE_UNSUPPORTED, "too_deep": p.CLOSE_INVALID_PAYLOAD,
          "invalid_utf8": p.CLOSE_INVALID_PAYLOAD, "invalid_unicode": p.CLOSE_INVALID_PAYLOAD}
-FUZZ = settings(max_examples=EXAMPLES, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow])
+
+
+def fuzz(examples: int, *strategies: st.SearchStrategy[Any]) -> Any:
+    """Decorate a property: hypothesis runs it on ``examples`` draws of ``strategies``."""
+    return lambda prop: settings(max_examples=examples, deadline=None,
+                                 suppress_health_check=[HealthCheck.too_slow])(
+        given(*strategies)(prop))
 
 # The corpus's extremes (tests/corpus.py) are drawn too, not only what hypothesis makes up:
 # integers at and past 32 and 64 bits, huge and tiny doubles, hostile text.
@@ -60,28 +69,19 @@ def decode(frame: str | bytes) -> None:
         p.encode(message)  # what was accepted can be written back out
 
 
-@FUZZ
-@given(st.binary(max_size=300))
-def test_any_bytes(frame: bytes) -> None:
-    decode(frame)
+# Frames of every kind: any bytes, any text, any JSON, and heartbeat-shaped objects.
+FRAMES = {"bytes": st.binary(max_size=300), "text": st.text(max_size=300),
+          "json": json_values.map(json.dumps), "heartbeat_shaped": shaped.map(json.dumps)}
 
 
-@FUZZ
-@given(st.text(max_size=300))
-def test_any_text(frame: str) -> None:
-    decode(frame)
+@pytest.mark.parametrize("examples", SIZES)
+@pytest.mark.parametrize("kind", FRAMES)
+def test_any_frame(kind: str, examples: int) -> None:
+    @fuzz(examples, FRAMES[kind])
+    def prop(frame: str | bytes) -> None:
+        decode(frame)
 
-
-@FUZZ
-@given(json_values)
-def test_any_json(value: Any) -> None:
-    decode(json.dumps(value))
-
-
-@FUZZ
-@given(shaped)
-def test_heartbeat_shaped_objects(value: dict[str, Any]) -> None:
-    decode(json.dumps(value))
+    prop()
 
 
 # The small fragments (the big ones, depth and length, have tests of their own); drawn by
@@ -89,34 +89,40 @@ def test_heartbeat_shaped_objects(value: dict[str, Any]) -> None:
 FRAGMENTS = [value for value in corpus.VALUES if len(value[1]) <= 200]
 
 
-@FUZZ
-@given(shaped, st.integers(0, len(FRAGMENTS) - 1))
-def test_heartbeat_shaped_objects_carrying_corpus_fragments(value: dict[str, Any],
-                                                            index: int) -> None:
-    """Raw JSON no encoder writes (NaN, 1e309, lone surrogates, invalid UTF-8) put
-    wherever the strategy left a mark."""
-    fragment = FRAGMENTS[index]
-    text = json.dumps(value).encode().replace(json.dumps(MARK).encode(), fragment[1])
-    decode(text)
-    if fragment[2] and text != json.dumps(value).encode():
-        try:  # a fragment no field may take spoils whatever frame carries it
-            p.decode_heartbeat(text)
-        except p.FrameError:
-            pass
+@pytest.mark.parametrize("examples", SIZES)
+def test_heartbeat_shaped_objects_carrying_corpus_fragments(examples: int) -> None:
+    @fuzz(examples, shaped, st.integers(0, len(FRAGMENTS) - 1))
+    def prop(value: dict[str, Any], index: int) -> None:
+        """Raw JSON no encoder writes (NaN, 1e309, lone surrogates, invalid UTF-8) put
+        wherever the strategy left a mark."""
+        fragment = FRAGMENTS[index]
+        text = json.dumps(value).encode().replace(json.dumps(MARK).encode(), fragment[1])
+        decode(text)
+        if fragment[2] and text != json.dumps(value).encode():
+            try:  # a fragment no field may take spoils whatever frame carries it
+                p.decode_heartbeat(text)
+            except p.FrameError:
+                pass
+            else:
+                raise AssertionError(f"{fragment[0]} accepted in {text[:200]!r}")
+
+    prop()
+
+
+@pytest.mark.parametrize("examples", SIZES)
+def test_any_depth_of_result(examples: int) -> None:
+    @fuzz(examples, st.integers(0, 3000), st.sampled_from(["[", '{"a":']))
+    def prop(depth: int, opener: str) -> None:
+        closer = "]" if opener == "[" else "}"
+        result = opener * depth + "1" + closer * depth
+        frame = ('{"type": "heartbeat", "seq": 1, "worker_id": "w", "results": [{"job_id": "j",'
+                 f' "attempt": 1, "outcome": "completed", "result": {result}}}]}}')
+        try:
+            p.decode_heartbeat(frame)
+        except p.FrameError as exc:
+            assert exc.code == "too_deep" and depth + 3 > 64, (depth, exc.code)
         else:
-            raise AssertionError(f"{fragment[0]} accepted in {text[:200]!r}")
+            assert depth + 3 <= 64
 
 
-@FUZZ
-@given(st.integers(0, 3000), st.sampled_from(["[", '{"a":']))
-def test_any_depth_of_result(depth: int, opener: str) -> None:
-    closer = "]" if opener == "[" else "}"
-    result = opener * depth + "1" + closer * depth
-    frame = ('{"type": "heartbeat", "seq": 1, "worker_id": "w", "results": [{"job_id": "j",'
-             f' "attempt": 1, "outcome": "completed", "result": {result}}}]}}')
-    try:
-        p.decode_heartbeat(frame)
-    except p.FrameError as exc:
-        assert exc.code == "too_deep" and depth + 3 > 64, (depth, exc.code)
-    else:
-        assert depth + 3 <= 64
+    prop()
