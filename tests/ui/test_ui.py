@@ -1,8 +1,8 @@
 """The dashboard in a real browser: Debian's chromium driven by Playwright, against a real
-server with real SDK workers. One browser for the module (all the browser tests); a
-fresh server, and a fresh browser context (no cookies), per test. Every wait is
-Playwright's ``expect``, which polls the page until the condition holds or its deadline
-passes.
+server with real SDK workers. One browser and one browser context for the module (all the
+browser tests); a fresh server, and a fresh page with no cookies and nothing stored for its
+server, per test. Every wait is Playwright's ``expect``, which polls the page until the
+condition holds or its deadline passes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import corpus
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 from uirig import CHROMIUM, Rig
 
 from rota.worker.worker import JobContext
@@ -42,6 +42,17 @@ def browser() -> Iterator[Browser]:
         browser.close()
 
 
+# One context for the module's pages: a context of its own per test costs a renderer and
+# a cold first page load, about 0.4 s of chromium's CPU a test (measured). fresh_page
+# gives each test what a new context would: no cookies, nothing stored for its origin.
+@pytest.fixture(scope="module")
+def shared(browser: Browser) -> Iterator[BrowserContext]:
+    context = browser.new_context()
+    context.add_init_script(f"window.ROTA_REFRESH_MS = {REFRESH_MS}")
+    yield context
+    context.close()
+
+
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
     rig = Rig(tmp_path)
@@ -49,23 +60,37 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     rig.close()
 
 
-def open_page(browser: Browser, rig: Rig) -> Page:
-    context = browser.new_context(base_url=rig.base)
-    context.add_init_script(f"window.ROTA_REFRESH_MS = {REFRESH_MS}")
+def fresh_page(context: BrowserContext, rig: Rig) -> Page:
+    """A new page of ``context`` (the shared one) with no cookie, and nothing stored for
+    ``rig``'s origin: its server may have the port, so the origin, of an earlier test's,
+    whose page may have stored the paused refresh. Its URLs are absolute
+    (``rig.base + path``): the shared context has no base URL."""
+    context.clear_cookies()
     page = context.new_page()
+    cdp = context.new_cdp_session(page)
+    cdp.send("Storage.clearDataForOrigin", {"origin": rig.base, "storageTypes": "all"})
+    cdp.detach()
     page.on("dialog", lambda dialog: dialog.accept())  # data-confirm: the operator agrees
     return page
 
 
+def open_page(browser: Browser, rig: Rig) -> Page:
+    """A page in a context of its own: a second browser, with cookies of its own."""
+    context = browser.new_context(base_url=rig.base)
+    context.add_init_script(f"window.ROTA_REFRESH_MS = {REFRESH_MS}")
+    return context.new_page()
+
+
 @pytest.fixture
-def page(browser: Browser, rig: Rig) -> Iterator[Page]:
-    page = open_page(browser, rig)
+def page(shared: BrowserContext, rig: Rig) -> Iterator[Page]:
+    page = fresh_page(shared, rig)
     yield page
-    page.context.close()
+    page.close()
 
 
 def log_in(page: Page, rig: Rig, path: str = "/ui") -> None:
-    page.goto(path)
+    """Log in through the form, on the way to ``path``."""
+    page.goto(rig.base + path)
     expect(page).to_have_url(re.compile(r"/ui/login\?next="))
     assert rig.token is not None
     page.fill("#token", rig.token)
@@ -73,8 +98,19 @@ def log_in(page: Page, rig: Rig, path: str = "/ui") -> None:
     expect(page).to_have_url(re.compile(re.escape(path) + "$"))
 
 
+def enter(page: Page, rig: Rig, path: str = "/ui") -> None:
+    """Open ``path`` logged in, with the cookie the login form sets (as
+    test_log_in_with_an_admin_token_and_out_again proves it does): for the tests the
+    form is not about, two page loads fewer."""
+    assert rig.token is not None
+    page.context.add_cookies([{"name": "rota_session", "value": rig.token, "url": rig.base,
+                               "httpOnly": True, "sameSite": "Strict"}])
+    page.goto(rig.base + path)
+    expect(page).to_have_url(re.compile(re.escape(path) + "$"))
+
+
 def test_log_in_with_an_admin_token_and_out_again(page: Page, rig: Rig):
-    page.goto("/ui/workers")
+    page.goto(rig.base + "/ui/workers")
     expect(page).to_have_url(re.compile(r"/ui/login\?next=%2Fui%2Fworkers$"))
     page.fill("#token", "rota_000000000000_" + "x" * 43)
     page.get_by_role("button", name="Log in").click()
@@ -95,7 +131,7 @@ def test_log_in_with_an_admin_token_and_out_again(page: Page, rig: Rig):
     page.get_by_role("button", name="Log out").click()
     expect(page).to_have_url(re.compile(r"/ui/login$"))
     assert page.context.cookies() == []
-    page.goto("/ui")
+    page.goto(rig.base + "/ui")
     expect(page).to_have_url(re.compile(r"/ui/login\?next="))
 
 
@@ -110,13 +146,13 @@ def gated(started: threading.Event, release: threading.Event):
 
 def test_watch_a_job_appear_and_finish(page: Page, rig: Rig):
     rig.spec("slow")
-    log_in(page, rig)
+    enter(page, rig)
     available = page.locator('.figure[data-state="available"]')
     expect(available).to_have_text("0")
     job_id = rig.enqueue("slow", {"n": 7})
     expect(available).to_have_text("1", timeout=WAIT)  # the overview refreshed by itself
 
-    page.goto("/ui/jobs")
+    page.goto(rig.base + "/ui/jobs")
     expect(page.locator("tr[data-job]")).to_have_count(1)
     second = rig.enqueue("slow", {"n": 8})
     expect(page.locator(f'tr[data-job="{second}"]')).to_be_visible(timeout=WAIT)  # appears
@@ -131,7 +167,7 @@ def test_watch_a_job_appear_and_finish(page: Page, rig: Rig):
     release.set()
     expect(state).to_have_text("completed", timeout=WAIT)
     expect(page.locator("#result")).to_contain_text('"echo": 7')
-    page.goto("/ui")  # the chart's hour: both enqueued, both completed
+    page.goto(rig.base + "/ui")  # the chart's hour: both enqueued, both completed
     expect(page.locator(".legend .key.enqueued strong")).to_have_text("2")
     expect(page.locator(".legend .key.completed strong")).to_have_text("2", timeout=WAIT)
     expect(page.locator("svg.chart polyline.completed")).to_have_count(1)
@@ -150,7 +186,7 @@ def test_retry_a_discarded_job_from_its_page(page: Page, rig: Rig):
     rig.worker({"flaky": flaky})
     job_id = rig.enqueue("flaky")
     rig.wait(lambda: len(calls) == 1, "the first attempt")
-    log_in(page, rig, f"/ui/jobs/{job_id}")
+    enter(page, rig, f"/ui/jobs/{job_id}")
     state = page.locator("#job-state")
     expect(state).to_have_text("discarded", timeout=WAIT)
     # The attempt, its error and a traceback people can read (lines, not a JSON string).
@@ -174,7 +210,7 @@ def test_quiet_a_worker_and_it_gets_no_more_jobs(page: Page, rig: Rig):
         return "ok"
 
     first = rig.worker({"echo": echo}, labels=["blue"])
-    log_in(page, rig, "/ui/workers")
+    enter(page, rig, "/ui/workers")
     row = page.locator(f'tr[data-worker="{first.worker_id}"]')
     expect(row.locator("[data-state]")).to_have_text("running")
     row.get_by_role("button", name="Quiet").click()
@@ -184,14 +220,14 @@ def test_quiet_a_worker_and_it_gets_no_more_jobs(page: Page, rig: Rig):
     expect(row.get_by_role("button", name="Resume")).to_be_visible()
 
     job_id = rig.enqueue("echo")
-    page.goto(f"/ui/jobs/{job_id}")
+    page.goto(rig.base + f"/ui/jobs/{job_id}")
     expect(page.get_by_text("all 1 capable worker(s) are full or not running")).to_be_visible()
     second = rig.worker({"echo": echo})
     expect(page.locator("#job-state")).to_have_text("completed", timeout=WAIT)
     assert rig.job(job_id)["worker_id"] == second.worker_id  # the quiet one took nothing
     assert done == [second.worker_id]
 
-    page.goto("/ui/workers")  # and back to work
+    page.goto(rig.base + "/ui/workers")  # and back to work
     row.get_by_role("button", name="Resume").click()
     expect(page.get_by_role("status")).to_contain_text("was told to resume")
     expect(row.locator("[data-state]")).to_have_text("running", timeout=WAIT)
@@ -204,15 +240,15 @@ def test_pause_a_queue_and_resume_it(page: Page, rig: Rig):
         return "ok"
 
     rig.worker({"echo": echo})
-    log_in(page, rig, "/ui/queues")
+    enter(page, rig, "/ui/queues")
     row = page.locator("#q-default")
     row.get_by_role("button", name="Pause").click()
     expect(page.get_by_role("status")).to_contain_text("queue default is paused")
     expect(row.locator(".pill")).to_have_text("paused")
     job_id = rig.enqueue("echo")
-    page.goto(f"/ui/jobs/{job_id}")
+    page.goto(rig.base + f"/ui/jobs/{job_id}")
     expect(page.get_by_text("Waiting: queue paused")).to_be_visible(timeout=WAIT)
-    page.goto("/ui/queues")
+    page.goto(rig.base + "/ui/queues")
     row.get_by_role("button", name="Resume").click()
     expect(page.get_by_role("status")).to_contain_text("queue default is resumed")
     rig.wait(lambda: rig.job(job_id)["state"] == "completed", "the job to run")
@@ -229,7 +265,7 @@ def test_filter_the_jobs_and_retry_what_matches_after_a_count(page: Page, rig: R
     rig.worker({"flaky": flaky})
     ids = [rig.enqueue("flaky", {"n": n}) for n in range(3)]
     rig.wait(lambda: all(rig.job(i)["state"] == "discarded" for i in ids), "3 discarded")
-    log_in(page, rig, "/ui/jobs")
+    enter(page, rig, "/ui/jobs")
     page.get_by_label("discarded").check()
     page.get_by_role("button", name="Filter").click()
     expect(page).to_have_url(re.compile(r"/ui/jobs\?state=discarded"))
@@ -255,7 +291,7 @@ def test_an_action_from_another_site_or_without_the_cookie_is_refused(
     rig.worker({"boom": boom})
     job_id = rig.enqueue("boom")
     rig.wait(lambda: rig.job(job_id)["state"] == "discarded", "the job discarded")
-    log_in(page, rig)
+    enter(page, rig)
 
     # A page on another site posts the retry form: the browser (logged in here) is
     # refused, and the job is still discarded.
@@ -287,7 +323,7 @@ def test_an_action_from_another_site_or_without_the_cookie_is_refused(
     assert rig.job(job_id)["state"] == "discarded"
 
 
-def test_read_only_hides_and_refuses_every_action(browser: Browser, tmp_path: Path):
+def test_read_only_hides_and_refuses_every_action(shared: BrowserContext, tmp_path: Path):
     rig = Rig(tmp_path, ui_read_only=True)
     try:
         rig.spec("boom", extra="[retry]\nmax_attempts = 1\n")
@@ -298,12 +334,12 @@ def test_read_only_hides_and_refuses_every_action(browser: Browser, tmp_path: Pa
         rig.worker({"boom": boom}, labels=["blue"])
         job_id = rig.enqueue("boom")
         rig.wait(lambda: rig.job(job_id)["state"] == "discarded", "the job discarded")
-        page = open_page(browser, rig)
+        page = fresh_page(shared, rig)
         log_in(page, rig, f"/ui/jobs/{job_id}")  # logging in is not an action
         expect(page.locator(".badge")).to_have_text("read-only")
         expect(page.locator("#job-state")).to_have_text("discarded")
         assert page.get_by_role("button", name="Retry").count() == 0
-        page.goto("/ui/workers")
+        page.goto(rig.base + "/ui/workers")
         expect(page.locator("tr[data-worker]")).to_have_count(1)
         assert page.locator("table.workers button, form[action='/ui/workers/state']").count() == 0
 
@@ -313,14 +349,14 @@ def test_read_only_hides_and_refuses_every_action(browser: Browser, tmp_path: Pa
                                    url)
             assert answer == [403, "read_only"], url
         assert rig.job(job_id)["state"] == "discarded"
-        page.context.close()
+        page.close()
     finally:
         rig.close()
 
 
 def test_the_pause_button_stops_the_refresh_until_it_is_pressed_again(page: Page, rig: Rig):
     rig.spec("echo")
-    log_in(page, rig)
+    enter(page, rig)
     available = page.locator('.figure[data-state="available"]')
     polls: list[str] = []
     page.on("request", lambda r: polls.append(r.url) if r.headers.get("x-rota-live") else None)
@@ -339,7 +375,8 @@ def test_the_pause_button_stops_the_refresh_until_it_is_pressed_again(page: Page
     expect(available).to_have_text("2")
 
 
-def test_a_job_id_never_leads_a_link_or_a_form_to_another_job(browser: Browser, tmp_path: Path):
+def test_a_job_id_never_leads_a_link_or_a_form_to_another_job(shared: BrowserContext,
+                                                              tmp_path: Path):
     """Every id the API accepts, and an id holding "/" and ".." stored by an earlier
     version (which accepted it): each one's link opens its own page, and its Cancel
     cancels it, not the job "victim" that a resolved "a/../victim" would name."""
@@ -359,14 +396,17 @@ def test_a_job_id_never_leads_a_link_or_a_form_to_another_job(browser: Browser, 
         db.execute("UPDATE jobs SET id = ? WHERE id = 'legacy'", (legacy,))
     rig = Rig(tmp_path, open=True)  # open: no new token; the first one is still live
     rig.token = token
-    page = open_page(browser, rig)
+    page = fresh_page(shared, rig)
     asked: list[str] = []
     page.on("dialog", lambda dialog: asked.append(dialog.message))
     try:
-        log_in(page, rig, "/ui/jobs")
-        for job_id in [legacy, *awkward]:
-            page.goto("/ui/jobs?state=available")
-            page.locator(f'tr[data-job="{job_id}"] a').click()
+        enter(page, rig, "/ui/jobs?state=available")
+        # Where each row's link leads, as the browser resolves it: a click goes there. One
+        # list load for all the links, not one a job.
+        links = {job_id: page.locator(f'tr[data-job="{job_id}"] a').evaluate("a => a.href")
+                 for job_id in [legacy, *awkward]}
+        for job_id, link in links.items():
+            page.goto(link)
             expect(page.locator("h1 code")).to_have_text(job_id)
             page.get_by_role("button", name="Cancel").click()
             expect(page.get_by_role("status")).to_have_text(f"job {job_id} is cancelled")
@@ -375,8 +415,8 @@ def test_a_job_id_never_leads_a_link_or_a_form_to_another_job(browser: Browser, 
             row = rig.run(rig.coordinator.store.get_job(job_id))
             assert row["state"] == "cancelled", job_id
         assert rig.job("victim")["state"] == "available"
-        page.goto("/ui/jobs?state=available")
+        page.goto(rig.base + "/ui/jobs?state=available")
         expect(page.locator("tr[data-job]")).to_have_count(1)
     finally:
-        page.context.close()
+        page.close()
         rig.close()

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 import websockets
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import free_port, spawn_serve
@@ -29,9 +30,15 @@ async def admin_server(tmp_path: Path, **settings: Any) -> tuple[Live, str]:
     return live, secret
 
 
-@pytest.fixture
-async def guarded(tmp_path: Path) -> AsyncIterator[tuple[Live, str]]:
-    live, secret = await admin_server(tmp_path)
+# One guarded server for the module (and so one event loop for its tests): each test that
+# changes something changes only what it made itself (its own job, a token of its own),
+# so none depends on which ran before it.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def guarded(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Live, str]]:
+    live, secret = await admin_server(tmp_path_factory.mktemp("guarded"))
     yield live, secret
     await stop_server(live)
 
@@ -67,7 +74,8 @@ async def test_login_sets_an_httponly_strict_cookie_and_goes_where_it_was_sent(g
 async def test_login_refuses_what_is_not_an_admin_token(guarded, token, why):
     live, _ = guarded
     if token == "producer":
-        token, _ = await live.coordinator.create_token("producer", "app", None)
+        # Token names are unique, and the server is the module's: a name of its own.
+        token, _ = await live.coordinator.create_token("producer", "app-login", None)
     async with browser(live) as client:
         answer = await client.post("/ui/login", data={"token": token}, headers=SAME)
         assert answer.status_code == 401 and why in answer.text
@@ -85,7 +93,7 @@ async def test_login_only_ever_goes_back_to_a_dashboard_page(guarded, target):
 
 async def test_a_producer_token_in_the_cookie_is_no_credential(guarded):
     live, _ = guarded
-    producer, _ = await live.coordinator.create_token("producer", "app", None)
+    producer, _ = await live.coordinator.create_token("producer", "app-cookie", None)
     async with browser(live, producer) as client:
         answer = await client.get("/workers")
         assert answer.status_code == 401 and answer.json()["error"]["code"] == "unauthorized"

@@ -6,11 +6,13 @@ tests/ui/test_ui.py clicks through them in a browser."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import silent_worker, stop_silent, wait_until
 
@@ -19,8 +21,8 @@ from rota.worker.worker import JobContext, Worker
 SAME = {"Sec-Fetch-Site": "same-origin"}
 
 
-@pytest.fixture
-async def busy(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+@contextlib.asynccontextmanager
+async def busy_server(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
     live = await start_server(tmp_path)
     specs = tmp_path / "specs"
     await live.push(write_spec(specs, "report", version="1", queue="reports"))
@@ -63,6 +65,24 @@ async def busy(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
         worker.stop()
         await asyncio.wait_for(task, 10)
         await stop_server(live)
+
+
+# One busy server for the module (so one event loop for its tests), for the tests that
+# only read it; a test that changes it (quiets its worker, cancels or adds jobs, pauses a
+# queue) gets one of its own (own_busy), so that no test depends on which ran before it.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def busy(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[str, Any]]:
+    async with busy_server(tmp_path_factory.mktemp("busy")) as server:
+        yield server
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def own_busy(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+    async with busy_server(tmp_path) as server:
+        yield server
 
 
 async def page(live: Live, path: str) -> str:
@@ -140,8 +160,8 @@ async def test_finding_a_job_by_its_id(busy):
     assert answer.status_code == 303 and answer.headers["location"] == f"/ui/jobs/{busy['done']}"
 
 
-async def test_quiet_then_terminate_by_label(busy):
-    live, worker = busy["live"], busy["worker"]
+async def test_quiet_then_terminate_by_label(own_busy):
+    live, worker = own_busy["live"], own_busy["worker"]
     answer = await live.http.post("/ui/workers/state", headers=SAME,
                                   data={"label": "eu", "state": "quiet", "back": "/ui/workers"})
     assert answer.status_code == 303
@@ -191,8 +211,8 @@ async def test_a_bad_filter_says_why_on_the_page(busy, path, status, text):
     assert answer.headers["content-type"].startswith("text/html")  # a page, not JSON
 
 
-async def test_a_bulk_action_is_counted_before_it_is_done(busy):
-    live = busy["live"]
+async def test_a_bulk_action_is_counted_before_it_is_done(own_busy):
+    live = own_busy["live"]
     text = await page(live, "/ui/bulk?action=cancel&queue=audits")
     assert 'id="bulk-count">This will cancel <strong>1</strong> job(s).' in text
     nothing = await page(live, "/ui/bulk?action=retry&queue=audits")
@@ -201,7 +221,7 @@ async def test_a_bulk_action_is_counted_before_it_is_done(busy):
         "action": "cancel", "queue": "audits", "limit": "1", "back": "/ui/jobs?queue=audits"})
     assert done.status_code == 303 and done.headers["location"] == "/ui/jobs?queue=audits"
     assert "1 job(s) cancelled" in await page(live, done.headers["location"])
-    assert (await live.job(busy["waiting"]))["state"] == "cancelled"
+    assert (await live.job(own_busy["waiting"]))["state"] == "cancelled"
 
 
 @pytest.mark.parametrize(("method", "path", "form", "status", "code"), [
@@ -224,10 +244,10 @@ async def test_bad_bulk_and_queue_requests_are_precise_4xx(busy, method, path, f
     assert answer.status_code == status and answer.json()["error"]["code"] == code
 
 
-async def test_a_job_id_goes_into_links_and_forms_percent_encoded(busy):
+async def test_a_job_id_goes_into_links_and_forms_percent_encoded(own_busy):
     # (A "/" is refused at enqueue, tests/server/test_ids.py; one stored by an earlier version
     # is clicked through in tests/ui/test_ui.py.)
-    live = busy["live"]
+    live = own_busy["live"]
     await live.enqueue("audit", id="order:17@shop+eu")
     listed = await page(live, "/ui/jobs?queue=audits")
     assert 'href="/ui/jobs/order%3A17%40shop%2Beu"' in listed
@@ -240,8 +260,8 @@ async def test_a_job_id_goes_into_links_and_forms_percent_encoded(busy):
     assert "is cancelled" in await page(live, "/ui/jobs/order:17@shop+eu")
 
 
-async def test_pause_and_resume_a_queue_from_its_page(busy):
-    live = busy["live"]
+async def test_pause_and_resume_a_queue_from_its_page(own_busy):
+    live = own_busy["live"]
     paused = await live.http.post("/ui/queues/audits/pause", headers=SAME,
                                   data={"back": "/ui/queues"})
     assert paused.status_code == 303
@@ -252,10 +272,10 @@ async def test_pause_and_resume_a_queue_from_its_page(busy):
     assert live.coordinator.scheduler.paused == set()
 
 
-async def test_pages_render_while_a_delayed_job_waits(busy):
+async def test_pages_render_while_a_delayed_job_waits(own_busy):
     """A job enqueued with a delay is held in memory as scheduled: the counts taken from
     memory (overview, queues) must take it as it was built, not only as a restart loads it."""
-    live = busy["live"]
+    live = own_busy["live"]
     job = await live.enqueue("audit", {"who": "later"}, delay=3600)
     assert job["state"] == "scheduled"
     for path in ("/ui", "/ui/queues"):
@@ -264,10 +284,10 @@ async def test_pages_render_while_a_delayed_job_waits(busy):
     assert 'data-state="scheduled"' in text or "scheduled" in text
 
 
-async def test_a_queue_given_only_at_enqueue_stays_selected_in_the_filter(busy):
+async def test_a_queue_given_only_at_enqueue_stays_selected_in_the_filter(own_busy):
     """No spec names queue 'parked' and no worker serves it: the form must still offer it
     and keep it chosen, or the next Filter (and a bulk action) would take every queue."""
-    live = busy["live"]
+    live = own_busy["live"]
     await live.enqueue("audit", {"who": "x"}, queue="parked")
     text = await page(live, "/ui/jobs?queue=parked")
     assert "<option selected>parked</option>" in text

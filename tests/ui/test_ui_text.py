@@ -9,12 +9,11 @@ obeyed: it reorders nothing around it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, Page, expect
-from test_ui import REFRESH_MS, browser, log_in  # noqa: F401 (browser: a fixture)
+from playwright.sync_api import BrowserContext, Page, expect
+from test_ui import browser, enter, fresh_page, shared  # noqa: F401 (browser, shared: fixtures)
 from uirig import Rig
 
 from rota.base import protocol as p
@@ -71,9 +70,10 @@ def long_jobs(rig: Rig) -> dict[str, str]:
     return ids
 
 
-@pytest.fixture
-def long_rig(tmp_path: Path) -> Iterator[tuple[Rig, dict[str, str]]]:
-    rig = Rig(tmp_path)
+# One server for the module: both tests only read what long_jobs put there.
+@pytest.fixture(scope="module")
+def long_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Rig, dict[str, str]]]:
+    rig = Rig(tmp_path_factory.mktemp("long"))
     try:
         yield rig, long_jobs(rig)
     finally:
@@ -85,27 +85,31 @@ def wide(page: Page) -> dict[str, int]:
                                     inner: window.innerWidth})""")
 
 
+def desktop(shared: BrowserContext, rig: Rig) -> Page:
+    page = fresh_page(shared, rig)
+    page.set_viewport_size({"width": WIDTH, "height": 900})
+    enter(page, rig)
+    return page
+
+
 def test_no_page_scrolls_sideways_and_every_button_is_on_screen(
-        browser: Browser, long_rig: tuple[Rig, dict[str, str]]):
+        shared: BrowserContext, long_rig: tuple[Rig, dict[str, str]]):
     rig, ids = long_rig
-    context = browser.new_context(base_url=rig.base, viewport={"width": WIDTH, "height": 900})
-    context.add_init_script(f"window.ROTA_REFRESH_MS = {REFRESH_MS}")
-    page = context.new_page()
+    page = desktop(shared, rig)
     try:
-        log_in(page, rig)
         pages = ["/ui", "/ui/queues", "/ui/specs", "/ui/workers", "/ui/jobs",
                  f"/ui/jobs?queue={QUEUE}&state=discarded", f"/ui/jobs/{ids['done']}",
                  f"/ui/jobs/{ids['failed']}", f"/ui/bulk?action=retry&queue={QUEUE}",
                  "/ui/jobs/" + "m" * 128, "/ui/jobs?worker=" + "w" * 300]
         too_wide = {}
         for path in pages:
-            page.goto(path)
+            page.goto(rig.base + path)
             page.locator("#live").wait_for(state="attached")
             width = wide(page)
             if width["scroll"] > width["inner"]:
                 too_wide[path if len(path) < 50 else f"{path[:30]}…{path[-4:]}"] = width["scroll"]
         assert not too_wide, "; ".join(f"{k}: {v}px" for k, v in too_wide.items())
-        page.goto("/ui/workers")
+        page.goto(rig.base + "/ui/workers")
         expect(page.locator("table.workers button")).to_have_count(2)  # Quiet, Terminate
         # Read at once: the live region is swapped several times a second.
         boxes = page.evaluate("""() => [...document.querySelectorAll('table.workers button')]
@@ -113,24 +117,22 @@ def test_no_page_scrolls_sideways_and_every_button_is_on_screen(
                                  .map(r => ({left: r.left, right: r.right}))""")
         assert len(boxes) == 2 and all(0 <= b["left"] and b["right"] <= WIDTH for b in boxes), boxes
     finally:
-        context.close()
+        page.close()
 
 
 def test_a_right_to_left_override_is_shown_and_reorders_nothing(
-        browser: Browser, long_rig: tuple[Rig, dict[str, str]]):
+        shared: BrowserContext, long_rig: tuple[Rig, dict[str, str]]):
     rig, ids = long_rig
-    context = browser.new_context(base_url=rig.base, viewport={"width": WIDTH, "height": 900})
-    page = context.new_page()
+    page = desktop(shared, rig)
     try:
-        log_in(page, rig)
         for path in ("/ui/workers", f"/ui/jobs/{ids['done']}", f"/ui/jobs/{ids['failed']}",
                      f"/ui/jobs?queue={QUEUE}"):
-            page.goto(path)
+            page.goto(rig.base + path)
             page.locator("#live").wait_for(state="attached")
             text = page.evaluate("document.body.innerText")
             assert RLO not in text, path  # the control itself is never obeyed
             assert "\\u202e" in text, path  # but shown, as the CLI shows it
-        page.goto(f"/ui/jobs/{ids['done']}")
+        page.goto(rig.base + f"/ui/jobs/{ids['done']}")
         line = page.locator("p.progress-line")
         expect(line.locator("bdi")).to_contain_text("\\u202elive")
         # The age, after the message, stays after its last line.
@@ -141,7 +143,7 @@ def test_a_right_to_left_override_is_shown_and_reorders_nothing(
                 .map(r => ({left: r.left, right: r.right, top: r.top}));
         }""")
         assert age["top"] > last["top"] + 1 or last["right"] <= age["left"] + 1, (last, age)
-        page.goto(f"/ui/jobs?queue={QUEUE}&state=discarded")
+        page.goto(rig.base + f"/ui/jobs?queue={QUEUE}&state=discarded")
         expect(page.locator("td.error-text bdi").first).to_have_text("Spoof\\u202eError")
         # The message starts after the type: on its line, or on a line below it.
         kind, text = page.evaluate("""() => [...document.querySelectorAll('td.error-text bdi')]
@@ -149,4 +151,4 @@ def test_a_right_to_left_override_is_shown_and_reorders_nothing(
                                       .map(r => ({left: r.left, right: r.right, top: r.top}))""")
         assert text["top"] > kind["top"] + 1 or kind["right"] <= text["left"] + 1, (kind, text)
     finally:
-        context.close()
+        page.close()
