@@ -352,8 +352,9 @@ async def test_crash_point_then_restart(server: ServerProcess, tmp_path: Path, p
 
 
 # -- 2. kill -9 the server under load ---------------------------------------------------
-TOTAL = 300
-BATCH = 50
+# Enough that the kill finds jobs queued, running and completing on 2 x 8 slots.
+TOTAL = 150
+BATCH = 25
 
 
 # On PostgreSQL once, with a worker killed too: what the server alone checks it checks.
