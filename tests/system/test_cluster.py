@@ -496,15 +496,15 @@ async def test_the_dashboards_and_the_apis_directive_by_label_reach_both_servers
     workers: list[RawWorker] = []
     try:
         for i, port in enumerate(ports):
-            procs.append(await spawn_serve(clients[i], [
-                "--db", pg_url, "--port", str(port), "--server-id", f"s{i}"],
-                tmp_path / f"s{i}.log"))
+            procs.append(await spawn_serve(clients[i], [  # tokens read again every 0.2 s
+                "--db", pg_url, "--port", str(port), "--server-id", f"s{i}",
+                "--heartbeat-interval", "0.2"], tmp_path / f"s{i}.log"))
         a, b = clients
         made = await a.post("/tokens", json={"scope": "admin", "name": "ops"})  # the first
         assert made.status_code == 201, made.text
         admin = made.json()["token"]
 
-        async def b_knows_it() -> bool:  # B reads the tokens again within a second
+        async def b_knows_it() -> bool:  # B reads the tokens again within 0.2 s
             return (await b.get("/workers")).status_code == 401
 
         await wait_until(b_knows_it, what="B to know the servers have tokens now")
