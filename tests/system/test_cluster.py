@@ -110,7 +110,7 @@ async def test_two_servers_and_a_worker_on_each_assign_every_job_once(tmp_path: 
         async with running(runs.worker(specs, a.ws, "wa", concurrency=4),
                            runs.worker(specs, b.ws, "wb", concurrency=4)):
             ids = []
-            for n in range(200):
+            for n in range(100):
                 via = a if n % 2 else b
                 ids.append((await via.enqueue("echo", {"n": n}))["id"])
             await all_in(a, ids)
@@ -358,11 +358,11 @@ async def test_a_killed_servers_jobs_come_back_after_its_lease_and_the_grace(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("total", [500, pytest.param(5000, marks=pytest.mark.soak)])
+@pytest.mark.parametrize("total", [300, pytest.param(5000, marks=pytest.mark.soak)])
 async def test_chaos_three_servers_four_workers_one_killed_and_restarted(
         tmp_path: Path, pg_url: str, total: int):
     """3 servers (subprocesses), 4 SDK workers spread over them, each given every URL,
-    5,000 jobs (a soak run; 500 in the default run); one server is killed with -9 mid-run
+    5,000 jobs (a soak run; 300 in the default run); one server is killed with -9 mid-run
     and restarted. Every job ends
     completed and none is lost; a job that ran twice is counted, and each is explained:
     its first run was on a worker that lost its server."""
