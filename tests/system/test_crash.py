@@ -28,8 +28,8 @@ import httpx
 import pytest
 import websockets
 from conftest import Api, Live, start_server, stop_server, store_url, write_spec
-from helpers import (RawWorker, RawWorkers, clean_env, completed, free_port, registration,
-                     spawn_serve, wait_until)
+from helpers import (PROCESS_POLL, RawWorker, RawWorkers, clean_env, completed, free_port,
+                     registration, spawn_serve, wait_until)
 
 from rota import JobContext, Worker
 from rota.store import pg_connection
@@ -181,7 +181,8 @@ class ServerProcess(Api):
         async def find() -> str | None:
             return next((w["id"] for w in await self.workers() if w["pid"] == pid), None)
 
-        return await wait_until(find, timeout=15, what=f"worker pid {pid} to connect")
+        return await wait_until(find, timeout=15, what=f"worker pid {pid} to connect",
+                                step=PROCESS_POLL)
 
 
 class WorkerProcesses:

@@ -33,7 +33,7 @@ import httpx
 import pytest
 import websockets
 from conftest import Api, Live, RawWorker, start_server, stop_server, wait_until, write_spec
-from helpers import clean_env, spawn_serve
+from helpers import PROCESS_POLL, clean_env, spawn_serve
 from helpers import free_port
 
 TERMINAL = {"completed", "discarded", "cancelled"}
@@ -367,7 +367,8 @@ async def test_a_job_that_crashes_worker_processes_is_quarantined_after_three(tm
             workers = (await live.http.get("/workers")).json()["workers"]
             return {w["pid"] for w in workers} == {p.pid for p in procs}
 
-        await wait_until(all_registered, timeout=15, what="4 worker processes to register")
+        await wait_until(all_registered, timeout=15, what="4 worker processes to register",
+                         step=PROCESS_POLL)
         await live.enqueue("crashy", {}, id="poison")
 
         def dead() -> list[asyncio.subprocess.Process]:

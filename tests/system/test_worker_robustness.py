@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Live, start_server, stop_server, wait_until, write_spec
+from helpers import PROCESS_POLL
 
 WORKER = """
 import asyncio, os, sys, threading, time
@@ -73,7 +74,8 @@ class Fleet:
             workers = (await self.live.http.get("/workers")).json()["workers"]
             return any(w["id"] == worker_id for w in workers)
 
-        await wait_until(registered, timeout=15, what=f"{worker_id} to register")
+        await wait_until(registered, timeout=15, what=f"{worker_id} to register",
+                         step=PROCESS_POLL)
         return proc
 
     def run_counts(self) -> collections.Counter[str]:
