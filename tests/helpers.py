@@ -34,10 +34,10 @@ from rota.base.specs import JobSpec, checksum
 from rota.store.tokens import create_token
 
 
-# How often to ask a server whether a process it waits for (a server starting, a worker
-# registering) is there yet: a process takes a second or so, and each question costs the
-# server and the test a request's CPU.
-PROCESS_POLL = 0.05
+# How often to ask a question that costs a request or a query (a server starting, a worker
+# registering, jobs counted in the store) about something that takes a second or more:
+# each question costs the server (or PostgreSQL) and the test CPU.
+COSTLY_POLL = 0.05
 
 
 async def wait_until(predicate: Callable[[], Any], *, timeout: float = 5.0,
@@ -89,7 +89,7 @@ async def spawn_serve(http: httpx.AsyncClient, args: list[str], log: Path,
             return False
 
     await wait_until(healthy, timeout=15, what="rota serve to answer /healthz",
-                     step=PROCESS_POLL)
+                     step=COSTLY_POLL)
     return proc
 
 

@@ -21,7 +21,8 @@ import httpx
 import psycopg
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import RawWorker, completed, free_port, registration, spawn_serve, wait_until
+from helpers import (COSTLY_POLL, RawWorker, completed, free_port, registration, spawn_serve,
+                     wait_until)
 
 from rota import JobContext, Worker
 
@@ -97,7 +98,8 @@ async def all_in(live: Live, ids: list[str], timeout: float = 20.0) -> None:
     async def done() -> bool:
         return await _completed(live.http) >= len(ids)
 
-    await wait_until(done, timeout=timeout, what=f"{len(ids)} jobs completed")
+    await wait_until(done, timeout=timeout, what=f"{len(ids)} jobs completed",
+                     step=COSTLY_POLL)
 
 
 async def test_two_servers_and_a_worker_on_each_assign_every_job_once(tmp_path: Path,
@@ -406,7 +408,8 @@ async def test_chaos_three_servers_four_workers_one_killed_and_restarted(
             async def finished() -> bool:
                 return await _completed(clients[0]) >= total
 
-            await wait_until(finished, timeout=90, what=f"{total} jobs completed")
+            await wait_until(finished, timeout=90, what=f"{total} jobs completed",
+                             step=COSTLY_POLL)
         twice = {job: n for job, n in runs.per_job().items() if n > 1}
         assert set(runs.per_job()) == set(ids), "a job never ran"
         # Each job that ran twice was first given out by a server that lost its lease: the

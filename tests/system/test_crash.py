@@ -28,7 +28,7 @@ import httpx
 import pytest
 import websockets
 from conftest import Api, Live, start_server, stop_server, store_url, write_spec
-from helpers import (PROCESS_POLL, RawWorker, RawWorkers, clean_env, completed, free_port,
+from helpers import (COSTLY_POLL, RawWorker, RawWorkers, clean_env, completed, free_port,
                      registration, spawn_serve, wait_until)
 
 from rota import JobContext, Worker
@@ -182,7 +182,7 @@ class ServerProcess(Api):
             return next((w["id"] for w in await self.workers() if w["pid"] == pid), None)
 
         return await wait_until(find, timeout=15, what=f"worker pid {pid} to connect",
-                                step=PROCESS_POLL)
+                                step=COSTLY_POLL)
 
 
 class WorkerProcesses:
@@ -403,7 +403,7 @@ async def test_kill_9_server_under_load_loses_no_job(server: ServerProcess,
         assert reply.status_code == 200, reply.text
         assert {item["status"] for item in reply.json()["results"]} == {201}
     await wait_until(lambda: count_states(server.db)["completed"] >= TOTAL // 3, timeout=20,
-                     what="a third of the jobs to complete")
+                     what="a third of the jobs to complete", step=COSTLY_POLL)
     await server.kill()
     killed_at = time.monotonic()
     dead_id = None
@@ -425,7 +425,7 @@ async def test_kill_9_server_under_load_loses_no_job(server: ServerProcess,
     caplog.set_level(logging.INFO, logger="rota")  # the reclaims, counted below
     await server.restart_here()  # same db, same port; the workers reconnect by themselves
     await wait_until(lambda: sum(n for s, n in count_states(server.db).items() if s in TERMINAL)
-                     == TOTAL, timeout=30, what="every job to be terminal")
+                     == TOTAL, timeout=30, what="every job to be terminal", step=COSTLY_POLL)
     done_at = time.monotonic()
 
     rows = read_jobs(server.db)

@@ -33,7 +33,7 @@ import httpx
 import pytest
 import websockets
 from conftest import Api, Live, RawWorker, start_server, stop_server, wait_until, write_spec
-from helpers import PROCESS_POLL, clean_env, spawn_serve
+from helpers import COSTLY_POLL, clean_env, spawn_serve
 from helpers import free_port
 
 TERMINAL = {"completed", "discarded", "cancelled"}
@@ -66,9 +66,10 @@ def wall_clock(stamp: str) -> float:
 
 
 async def never(predicate: Callable[[], Any], *, within: float, what: str) -> None:
-    """A bounded negative check: ``predicate`` stays false for ``within`` seconds."""
+    """A bounded negative check: ``predicate`` stays false for ``within`` seconds. (What
+    it looks for, a job run or moved, stays once it happens: a coarse poll misses none.)"""
     try:
-        value = await wait_until(predicate, timeout=within, what=what)
+        value = await wait_until(predicate, timeout=within, what=what, step=COSTLY_POLL)
     except AssertionError:
         return
     raise AssertionError(f"{what}: {value!r}")
@@ -368,7 +369,7 @@ async def test_a_job_that_crashes_worker_processes_is_quarantined_after_three(tm
             return {w["pid"] for w in workers} == {p.pid for p in procs}
 
         await wait_until(all_registered, timeout=15, what="4 worker processes to register",
-                         step=PROCESS_POLL)
+                         step=COSTLY_POLL)
         await live.enqueue("crashy", {}, id="poison")
 
         def dead() -> list[asyncio.subprocess.Process]:
@@ -576,7 +577,8 @@ async def test_after_a_step_back_retention_is_on_time_and_nothing_shows_ahead(
         return (await serve.http.get("/jobs/done")).status_code == 404
 
     assert not await gone(), "deleted before the step: the test proves nothing"
-    await wait_until(gone, timeout=20.0, what="the completed job deleted after 2 s")
+    await wait_until(gone, timeout=20.0, what="the completed job deleted after 2 s",
+                     step=COSTLY_POLL)
     assert time.monotonic() - finished < 20.0
     page = (await serve.http.get("/ui/jobs/waiting")).text
     enqueued = re.search(r"<dt>Enqueued</dt><dd[^>]*>([^<]*)</dd>", page)

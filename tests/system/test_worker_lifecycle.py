@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Live, wait_until, write_spec
-from helpers import PROCESS_POLL, rota
+from helpers import COSTLY_POLL, rota
 
 from rota import JobContext, Worker
 
@@ -54,7 +54,7 @@ async def start_worker_process(live: Live, tmp_path: Path, *, grace: float = 25.
         return next((w["id"] for w in workers if w["pid"] == proc.pid), None)
 
     return proc, await wait_until(registered, timeout=15, what="the worker process to register",
-                                  step=PROCESS_POLL)
+                                  step=COSTLY_POLL)
 
 
 async def worker_state(live: Live, worker_id: str) -> str | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Live, start_server, stop_server, wait_until, write_spec
-from helpers import PROCESS_POLL
+from helpers import COSTLY_POLL
 
 WORKER = """
 import asyncio, os, sys, threading, time
@@ -75,7 +75,7 @@ class Fleet:
             return any(w["id"] == worker_id for w in workers)
 
         await wait_until(registered, timeout=15, what=f"{worker_id} to register",
-                         step=PROCESS_POLL)
+                         step=COSTLY_POLL)
         return proc
 
     def run_counts(self) -> collections.Counter[str]:
