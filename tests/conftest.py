@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import atexit
+import os
 import functools
 import shutil
 import ssl
@@ -24,6 +25,13 @@ import pytest
 # test file (test_engine's fake clock, say), so every folder is on the path, as tests/ is.
 KINDS = ("house", "unit", "store", "server", "system", "ui")
 sys.path[:0] = [str(Path(__file__).resolve().parent / kind) for kind in KINDS]
+# The tests start a hundred or so Python processes (rota serve, workers, xdist's own). With
+# PYTHONDONTWRITEBYTECODE set, as in some sandboxes, each would compile all of rota again
+# (about 0.13 s of CPU a process): they keep their bytecode in a cache of their own
+# instead, outside the tree, which is then left as clean as the variable meant.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    os.environ.setdefault("PYTHONPYCACHEPREFIX",
+                          str(Path(tempfile.gettempdir()) / f"rota-tests-pycache-{os.getuid()}"))
 
 from helpers import RawWorker as RawWorker  # re-exported: tests import it from here
 from helpers import RawWorkers, wait_until

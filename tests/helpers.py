@@ -34,9 +34,16 @@ from rota.base.specs import JobSpec, checksum
 from rota.store.tokens import create_token
 
 
+# How often to ask a question that costs a request or a query (a server starting, a worker
+# registering, jobs counted in the store) about something that takes a second or more:
+# each question costs the server (or PostgreSQL) and the test CPU.
+COSTLY_POLL = 0.05
+
+
 async def wait_until(predicate: Callable[[], Any], *, timeout: float = 5.0,
-                     what: str = "condition") -> Any:
-    """Poll ``predicate`` (sync or async) until it returns something truthy."""
+                     what: str = "condition", step: float = 0.01) -> Any:
+    """Poll ``predicate`` (sync or async) every ``step`` seconds until it returns
+    something truthy."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -46,7 +53,7 @@ async def wait_until(predicate: Callable[[], Any], *, timeout: float = 5.0,
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)  # noqa: sleep-ok (a poll step bounded by the deadline)
+        await asyncio.sleep(step)  # noqa: sleep-ok (a poll step bounded by the deadline)
 
 
 # -- messages ----------------------------------------------------------------------------
@@ -81,7 +88,8 @@ async def spawn_serve(http: httpx.AsyncClient, args: list[str], log: Path,
         except httpx.TransportError:
             return False
 
-    await wait_until(healthy, timeout=15, what="rota serve to answer /healthz")
+    await wait_until(healthy, timeout=15, what="rota serve to answer /healthz",
+                     step=COSTLY_POLL)
     return proc
 
 

@@ -33,7 +33,7 @@ import httpx
 import pytest
 import websockets
 from conftest import Api, Live, RawWorker, start_server, stop_server, wait_until, write_spec
-from helpers import clean_env, spawn_serve
+from helpers import COSTLY_POLL, clean_env, spawn_serve
 from helpers import free_port
 
 TERMINAL = {"completed", "discarded", "cancelled"}
@@ -66,9 +66,10 @@ def wall_clock(stamp: str) -> float:
 
 
 async def never(predicate: Callable[[], Any], *, within: float, what: str) -> None:
-    """A bounded negative check: ``predicate`` stays false for ``within`` seconds."""
+    """A bounded negative check: ``predicate`` stays false for ``within`` seconds. (What
+    it looks for, a job run or moved, stays once it happens: a coarse poll misses none.)"""
     try:
-        value = await wait_until(predicate, timeout=within, what=what)
+        value = await wait_until(predicate, timeout=within, what=what, step=COSTLY_POLL)
     except AssertionError:
         return
     raise AssertionError(f"{what}: {value!r}")
@@ -367,7 +368,8 @@ async def test_a_job_that_crashes_worker_processes_is_quarantined_after_three(tm
             workers = (await live.http.get("/workers")).json()["workers"]
             return {w["pid"] for w in workers} == {p.pid for p in procs}
 
-        await wait_until(all_registered, timeout=15, what="4 worker processes to register")
+        await wait_until(all_registered, timeout=15, what="4 worker processes to register",
+                         step=COSTLY_POLL)
         await live.enqueue("crashy", {}, id="poison")
 
         def dead() -> list[asyncio.subprocess.Process]:
@@ -527,14 +529,16 @@ async def test_a_wall_clock_step_while_running_then_a_restart_moves_no_deadline(
     still finds it an hour away (not three)."""
     env = faketime_env(tmp_path, "+0")
     env["FAKETIME_NO_CACHE"] = "1"  # read the file at every call: a step takes effect at once
-    await serve.start(env=env)
+    # The server looks at the clocks every 5 s, and at each retention pass: a short
+    # retention (nothing here finishes to be pruned) has it see the step within 0.25 s.
+    await serve.start(*(["--retain-completed", "1s"] if seen else []), env=env)
     await serve.push(write_spec(tmp_path / "specs", "echo"))
     await serve.enqueue("echo", id="later", delay=3600)
     (tmp_path / "faketime.new").write_text("-2h\n")
     os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
     if seen:
         await wait_until(lambda: "restamped jobs=1" in serve.log.read_text(), timeout=15.0,
-                         what="the server to see the step (it looks every 5 s)")
+                         what="the server to see the step")
     serve.signal(signal.SIGTERM)
     assert serve.proc is not None and await asyncio.wait_for(serve.proc.wait(), 15) == 0
     restamped = "restamped jobs=1" in serve.log.read_text()
@@ -553,25 +557,28 @@ async def test_after_a_step_back_retention_is_on_time_and_nothing_shows_ahead(
     past moment as "in 2 h" (issue 20)."""
     env = faketime_env(tmp_path, "+0")
     env["FAKETIME_NO_CACHE"] = "1"  # read the file at every call: a step takes effect at once
-    await serve.start("--retain-completed", "4s", env=env)
+    await serve.start("--retain-completed", "2s", env=env)
     worker = await echo_worker(serve, tmp_path)
     try:
+        waiting = await serve.http.post("/jobs", json={"spec": "echo", "id": "waiting",
+                                                       "queue": "nobody"})
+        assert waiting.status_code == 201, waiting.text
         await serve.enqueue("echo", id="done")
         [copy] = await worker.jobs(1)
         assert (await worker.complete(copy))["accepted"] == ["done"]
+        # The step comes at once, well within the retention: the job is still there.
+        (tmp_path / "faketime.new").write_text("-2h\n")
+        os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
+        finished = time.monotonic()
     finally:
         await worker.ws.close()
-    waiting = await serve.http.post("/jobs", json={"spec": "echo", "id": "waiting",
-                                                   "queue": "nobody"})
-    assert waiting.status_code == 201, waiting.text
-    (tmp_path / "faketime.new").write_text("-2h\n")
-    os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
-    finished = time.monotonic()
 
     async def gone() -> bool:
         return (await serve.http.get("/jobs/done")).status_code == 404
 
-    await wait_until(gone, timeout=20.0, what="the completed job deleted after 4 s")
+    assert not await gone(), "deleted before the step: the test proves nothing"
+    await wait_until(gone, timeout=20.0, what="the completed job deleted after 2 s",
+                     step=COSTLY_POLL)
     assert time.monotonic() - finished < 20.0
     page = (await serve.http.get("/ui/jobs/waiting")).text
     enqueued = re.search(r"<dt>Enqueued</dt><dd[^>]*>([^<]*)</dd>", page)

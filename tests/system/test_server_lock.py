@@ -48,10 +48,11 @@ async def test_a_second_server_on_the_same_file_refuses_to_start(tmp_path: Path,
         (tmp_path / "alias.db").symlink_to(db)
         (tmp_path / "elsewhere").mkdir()
         os.link(db, tmp_path / "elsewhere" / "linked.db")
-        for name in (str(db), str(tmp_path / "alias.db"), str(tmp_path / "elsewhere" / "linked.db"),
-                     f"{tmp_path}/elsewhere/../rota.db"):
-            code, out, err = await rota("serve", "--port", str(free_port()), "--db", name,
-                                        timeout=20)
+        names = [str(db), str(tmp_path / "alias.db"), str(tmp_path / "elsewhere" / "linked.db"),
+                 f"{tmp_path}/elsewhere/../rota.db"]
+        tried = await asyncio.gather(*(rota("serve", "--port", str(free_port()), "--db", name,
+                                            timeout=20) for name in names))  # all at once
+        for name, (code, out, err) in zip(names, tried, strict=True):
             assert code == 1, err
             assert err.strip() == (f"error: {name} is in use by another rota serve"
                                    f" (pid {first.pid}); stop it first or use another --db")

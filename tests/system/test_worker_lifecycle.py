@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Live, wait_until, write_spec
-from helpers import rota
+from helpers import COSTLY_POLL, rota
 
 from rota import JobContext, Worker
 
@@ -53,7 +53,8 @@ async def start_worker_process(live: Live, tmp_path: Path, *, grace: float = 25.
         workers = (await live.http.get("/workers")).json()["workers"]
         return next((w["id"] for w in workers if w["pid"] == proc.pid), None)
 
-    return proc, await wait_until(registered, timeout=15, what="the worker process to register")
+    return proc, await wait_until(registered, timeout=15, what="the worker process to register",
+                                  step=COSTLY_POLL)
 
 
 async def worker_state(live: Live, worker_id: str) -> str | None:
