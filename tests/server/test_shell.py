@@ -25,7 +25,7 @@ from rota.core.jobs import EnqueueRequest
 from rota.core.model import Instant
 from rota.core.settings import ServerSettings
 from rota.base.specs import JobSpec, checksum
-from rota.store.store import create_token as store_token
+from rota.store.tokens import create_token as store_token
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.sqlite_only("the shell over one SQLite file; the store contract"

@@ -11,7 +11,7 @@ import pytest
 
 from rota.core.policy import Limits
 from rota.core.scheduler import Claim, Scheduler, WorkerSlot
-from rota.store.store import JobRecord
+from rota.core.model import JobRecord
 
 CA = "sha256:" + "a" * 64
 CB = "sha256:" + "b" * 64
