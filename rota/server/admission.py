@@ -8,6 +8,7 @@ store, the engine, its clock, its way of applying effects and its crash switch.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,7 +36,9 @@ class Admission:
         self.clock = clock
         self.apply = apply
         self.crash_point = crash_point  # the --crash-at test switch
-        self._read_at = float("-inf")  # when the status quo was last read for an enqueue
+        self._read_at = float("-inf")  # when the last read of the status quo for an enqueue began
+        self._read_done = float("-inf")  # and when it was applied
+        self._reading: asyncio.Future[None] | None = None  # that read, while it runs
 
     async def take_over(self, hb: p.Heartbeat, principal: Principal = OPEN) -> None:
         """Before a registration is handled: on a database several servers share, the
@@ -130,14 +133,28 @@ class Admission:
     async def _read_status_quo(self, now: Instant) -> bool:
         """On a database several servers share, a spec pushed through another server
         reaches this one by a notice, a moment later: an enqueue that names a spec this
-        server does not know yet reads the status quo first (at most every REREAD_EVERY
-        seconds, so unknown names cost no read each). Whether it read."""
-        if not self.store.shared or now.mono - self._read_at < REREAD_EVERY:
+        server does not know yet reads the status quo first. Enqueues that arrive while a
+        read runs wait for it; a new read starts at most every REREAD_EVERY seconds, so
+        names that are unknown everywhere cost no read each. Whether the status quo was
+        read since ``now`` (then the enqueue builds its jobs again)."""
+        if not self.store.shared:
             return False
-        self._read_at = now.mono
+        if self._reading is None and now.mono - self._read_at >= REREAD_EVERY:
+            self._read_at = now.mono
+            self._reading = asyncio.ensure_future(self._read())
+            self._reading.add_done_callback(self._read_ended)
+        if self._reading is not None:
+            await asyncio.shield(self._reading)
+        return self._read_done >= now.mono
+
+    async def _read(self) -> None:
         try:
             specs, checksums, retired = await self.store.status_quo()
         except StorageError:
-            return False  # the refusal stands; the notice still comes
-        self.apply(self.engine.status_quo_read(specs, checksums, retired, self.clock()))
-        return True
+            return  # the refusal stands; the notice still comes
+        reading = self.clock()
+        self.apply(self.engine.status_quo_read(specs, checksums, retired, reading))
+        self._read_done = reading.mono
+
+    def _read_ended(self, future: asyncio.Future[None]) -> None:
+        self._reading = None
