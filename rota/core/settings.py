@@ -199,6 +199,11 @@ class ServerSettings:
     hold_reserve: float = option(
         0.0, hidden=True, minimum=0.0,
         help="Test switch: seconds each reservation's transaction stays open (stall tests).")
+    # Test switch: seconds without a storage failure before a good write means the store
+    # recovered (None: rota/store/health.py's RECOVER_AFTER). Never in production.
+    recover_after: float | None = option(
+        None, hidden=True, minimum=0.1,
+        help="Test switch: seconds without a storage failure before recovery (storage tests).")
 
 
 def loopback(host: str) -> bool:

@@ -38,6 +38,7 @@ from rota.server.shell_directives import ShellDirectives
 from rota.server.shell_reads import ShellReads
 from rota.base.specs import JobSpec
 from rota.server.steering import Steering
+from rota.store.health import Health
 from rota.store.store import Store
 from rota.server.tokenwatch import TokenWatch
 from rota.server.upkeep import Upkeep, clock_reading, system_clock
@@ -67,9 +68,9 @@ class Coordinator(ShellReads, ShellDirectives):
                            crash_before_commit=settings.crash_at == "enqueue-before-commit",
                            durability=settings.durability, max_db_size=settings.max_db_size,
                            database_url=settings.database_url, db_pool=settings.db_pool,
-                           lease=settings.server_lease, hold_reserve=settings.hold_reserve)
-        # Its name among the servers sharing a database (docs/scaling.md): reservations
-        # carry it, so that the others know whose workers hold what.
+                           lease=settings.server_lease, hold_reserve=settings.hold_reserve,
+                           health=Health(hold=settings.recover_after))
+        # Its name on a shared database (docs/scaling.md): reservations carry it.
         self.server_id = settings.server_id or f"{socket.gethostname()}:{settings.port}"
         self.store.server_id = self.server_id
         self.engine = engine = Engine(settings)

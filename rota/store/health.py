@@ -37,10 +37,10 @@ class Health:
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, hold: float = RECOVER_AFTER) -> None:
+                 wall: Callable[[], float] = time.time, hold: float | None = None) -> None:
         self._clock = clock
         self._wall = wall
-        self._hold = hold
+        self._hold = RECOVER_AFTER if hold is None else hold
         self._lock = threading.Lock()
         self.degraded: Degraded | None = None
         self._last_failure = 0.0

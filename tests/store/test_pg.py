@@ -337,7 +337,7 @@ async def test_a_server_on_postgresql_answers_503_while_it_is_down_and_recovers(
     storage_unavailable with Retry-After, /healthz says degraded, reads of what is cached
     fail the same way; once it is back, Rota recovers by itself, and every job it
     acknowledged is there."""
-    live = await start_server(tmp_path, database_url=pg_url)
+    live = await start_server(tmp_path, database_url=pg_url, recover_after=2.0)  # (not 5 s)
     acked: list[str] = []
     try:
         await live.push(write_spec(tmp_path / "specs", "echo"))

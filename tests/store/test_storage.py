@@ -136,7 +136,8 @@ async def test_io_errors_answer_503_then_the_server_recovers_by_itself(tmp_path:
     path = tmp_path / "rota.db"
     log = tmp_path / "server.log"
     http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
-    proc = await spawn_serve(http, ["--port", str(port), "--db", str(path),
+    # --recover-after 2: the quiet hold before recovery, 5 s by default, is not under test
+    proc = await spawn_serve(http, ["--port", str(port), "--db", str(path), "--recover-after", "2",
                                     "--log-level", "warning"], log)
     acked: set[str] = set()
     refused: list[httpx.Response] = []
