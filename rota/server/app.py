@@ -15,7 +15,6 @@ from starlette.middleware import Middleware
 from starlette.routing import WebSocketRoute
 
 from rota.server import api_base, dashboard, routes
-from rota.server.cluster import Cluster
 from rota.server.coordinator import Coordinator
 from rota.server.edge import GuardedHttp, LeanWebSocket
 from rota.server.gate import Gate
@@ -36,6 +35,8 @@ def create_app(settings: ServerSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         cluster = None
         if settings.database_url is not None:  # possibly one of several servers on it
+            from rota.server.cluster import Cluster  # psycopg: only on PostgreSQL
+
             cluster = Cluster.of(coordinator, settings.database_url,
                                  url=f"{settings.host}:{settings.port}")
             coordinator.on_stop.append(cluster.let_go)

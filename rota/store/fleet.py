@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterable
-from typing import Any
 
 import msgspec
 

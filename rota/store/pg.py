@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,24 +30,14 @@ from psycopg import sql as pgsql
 
 from rota.store import readers, schema, sqlite, writer
 from rota.base.errors import StorageError
+from rota.store.urls import redact
 from rota.store.pg_connection import TranslatingConnection, connect, connect_params
 from rota.store.pg_sql import ddl
 
 log = logging.getLogger("rota.server")
 
-SCHEMES = ("postgresql://", "postgres://")
 MIGRATIONS_TABLE = "rota_migrations"
 MIGRATE_LOCK = 0x726F7461  # pg_advisory_xact_lock key ("rota"): one migrator at a time
-
-
-def is_url(text: str | object) -> bool:
-    """Whether a --db value names a PostgreSQL database rather than an SQLite file."""
-    return isinstance(text, str) and text.startswith(SCHEMES)
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
 # -- the server going away --------------------------------------------------------------

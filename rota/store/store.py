@@ -23,7 +23,8 @@ from typing import Any
 
 import msgspec
 
-from rota.store import fleet, lookup, pg, reads, sqlite
+from rota.store import fleet, lookup, reads, sqlite
+from rota.store.urls import redact
 from rota.store import writes as sql  # the writes' SQL and their functions of a connection
 from rota.store.health import Health
 from rota.store.readers import Readers
@@ -74,6 +75,8 @@ class Store:
 
     def __post_init__(self) -> None:
         if self.database_url is not None:
+            from rota.store import pg  # here: psycopg costs a SQLite server's start 50 ms
+
             self.writer = pg.Writer(self.database_url, self.durability, self.health,
                                     self.max_db_size)
             # A server stalled inside a transaction holds another's writer (and so its
@@ -101,7 +104,7 @@ class Store:
     @property
     def where(self) -> str:
         """The database, as logs say it (a URL without its password)."""
-        return str(self.path) if self.database_url is None else pg.redact(self.database_url)
+        return str(self.path) if self.database_url is None else redact(self.database_url)
 
     # -- lifecycle (startup runs in a thread, before the server takes traffic) ----
     def load(self, reading: ClockReading | None = None) -> Snapshot:
@@ -109,8 +112,7 @@ class Store:
         run's (``writes.undo_step``) before anything is read."""
         conn = open_database(self.path if self.database_url is None else self.database_url)
         try:
-            self.writer.used_bytes = (sqlite.used_bytes(conn) if self.database_url is None
-                                      else pg.used_bytes(conn))
+            self.writer.used_bytes = self.writer._measure(conn)  # its backend's measure
             if self.shared:
                 self._register(conn)
             step = 0.0 if reading is None or self.shared else sql.undo_step(conn, reading)

@@ -17,7 +17,8 @@ from typing import Any
 
 import msgspec
 
-from rota.store import fleet, migrations, pg, pg_connection, sqlite
+from rota.store import fleet, migrations, sqlite
+from rota.store.urls import is_url
 from rota.base.errors import Conflict
 from rota.base.protocol import rfc3339
 
@@ -61,7 +62,9 @@ def open_database(target: Path | str) -> Any:
     """A connection to the database, migrated first: the SQLite file at ``target``, or
     the PostgreSQL database a URL names (a sqlite3-like rota/store/pg_connection.py connection).
     The CLI's way in, and the store's at start (``Store.load``)."""
-    if pg.is_url(target):
+    if is_url(target):
+        from rota.store import pg, pg_connection  # psycopg: only for PostgreSQL
+
         assert isinstance(target, str)
         pg.migrate(target)
         return pg_connection.connect(target)

@@ -15,7 +15,7 @@ from conftest import start_server, stop_server, write_spec
 from helpers import wait_until
 from pgserver import Cluster
 
-from rota.store import sqlite as db, health as db_health, migrations as db_migrations, fleet, pg, pg_connection, schema
+from rota.store import sqlite as db, health as db_health, migrations as db_migrations, fleet, pg, pg_connection, schema, urls
 from rota.base.errors import StorageError
 
 
@@ -324,10 +324,10 @@ async def test_the_listener_hears_notify_and_listens_again_after_a_restart(
 
 
 def test_a_url_is_told_from_a_file() -> None:
-    assert pg.is_url("postgresql://u@h/db") and pg.is_url("postgres://h/db")
-    assert not pg.is_url("rota.db") and not pg.is_url(Path("postgresql:/x"))
-    assert pg.redact("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
-    assert pg.redact("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert urls.is_url("postgresql://u@h/db") and urls.is_url("postgres://h/db")
+    assert not urls.is_url("rota.db") and not urls.is_url(Path("postgresql:/x"))
+    assert urls.redact("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
+    assert urls.redact("postgresql://u@h/db") == "postgresql://u@h/db"
     assert time.time() > 0
 
 
