@@ -122,7 +122,7 @@ class Writer(writer.Writer):
     def _classify(self, exc: BaseException) -> StorageError | None:
         return storage_error(exc)
 
-    def _measure(self, conn: Any) -> int:
+    def measure(self, conn: Any) -> int:
         return used_bytes(conn)
 
     def _alone(self, exc: BaseException) -> bool:

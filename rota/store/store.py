@@ -112,7 +112,7 @@ class Store:
         run's (``writes.undo_step``) before anything is read."""
         conn = open_database(self.path if self.database_url is None else self.database_url)
         try:
-            self.writer.used_bytes = self.writer._measure(conn)  # its backend's measure
+            self.writer.used_bytes = self.writer.measure(conn)
             if self.shared:
                 self._register(conn)
             step = 0.0 if reading is None or self.shared else sql.undo_step(conn, reading)

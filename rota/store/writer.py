@@ -103,7 +103,8 @@ class Writer:
     def _classify(self, exc: BaseException) -> StorageError | None:
         return storage_error(exc)
 
-    def _measure(self, conn: Any) -> int:
+    def measure(self, conn: Any) -> int:
+        """The bytes the database takes, by this backend's measure (pg.Writer: its own)."""
         return used_bytes(conn)
 
     def _connection(self) -> Any:
@@ -187,7 +188,7 @@ class Writer:
             else:
                 self.health.succeeded()
                 if self.max_bytes is not None:
-                    self.used_bytes = self._measure(conn)
+                    self.used_bytes = self.measure(conn)
             break
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._settle, outcomes)
