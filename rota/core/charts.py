@@ -3,7 +3,10 @@ library, and it refreshes with the rest of the page. Pure: numbers in, markup ou
 
 from __future__ import annotations
 
+from datetime import datetime
 from html import escape
+
+from rota.base.protocol import rfc3339
 
 WIDTH, HEIGHT = 1000, 220
 LEFT, RIGHT, TOP, BOTTOM = 44, 12, 12, 26  # room for the axis labels
@@ -21,9 +24,21 @@ def nice_ceiling(value: int) -> int:
         top *= 10
 
 
-def throughput_svg(minute_labels: list[str], series: dict[str, list[int]]) -> str:
+def start_index(minute_starts: list[str], started_at: str | None) -> int | None:
+    """Which of ``minute_starts`` (GET /stats's RFC 3339 minutes) the server started in
+    (``started_at``), if any: where the chart and ``rota watch`` mark its start."""
+    if not started_at:
+        return None
+    minute = rfc3339(datetime.fromisoformat(started_at).timestamp() // 60 * 60)
+    return minute_starts.index(minute) if minute in minute_starts else None
+
+
+def throughput_svg(minute_labels: list[str], series: dict[str, list[int]],
+                   marker: tuple[int, str] | None = None) -> str:
     """A line per series over the minutes given (oldest first), with a hover title per
-    minute giving every figure. ``minute_labels`` name each minute ("10:42")."""
+    minute giving every figure. ``minute_labels`` name each minute ("10:42"). ``marker``:
+    a dashed vertical line at that minute, with its text (the server's start: the counts
+    before it are the last run's, kept in the store)."""
     minutes = len(minute_labels)
     peak = nice_ceiling(max((max(values, default=0) for values in series.values()), default=0))
     inner_w, inner_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
@@ -52,6 +67,15 @@ def throughput_svg(minute_labels: list[str], series: dict[str, list[int]]) -> st
     if minutes:
         parts.append(f'<text class="axis" x="{x(minutes - 1):.1f}" y="{HEIGHT - 8}"'
                      f' text-anchor="end">now</text>')
+    if marker is not None and 0 <= marker[0] < minutes:
+        mx = x(marker[0])
+        right = marker[0] > minutes * 3 / 4  # its text on the side with room
+        parts.append(f'<line class="marker" x1="{mx:.1f}" x2="{mx:.1f}" y1="{TOP}"'
+                     f' y2="{TOP + inner_h}" stroke="#8a8f98" stroke-width="1.5"'
+                     ' stroke-dasharray="5 4"/>')
+        parts.append(f'<text class="axis marker" x="{mx + (-5 if right else 5):.1f}"'
+                     f' y="{TOP + 12}" text-anchor="{"end" if right else "start"}">'
+                     f'{escape(marker[1])}</text>')
     for name in SERIES:
         values = series.get(name)
         if not values:

@@ -148,6 +148,10 @@ class Observer:
         # (``encoding``): several subscribers at the same place (as they are in a burst)
         # encode each event once. Emptied by the shell when the last subscriber goes.
         self.encoded: dict[int, bytes] = {}
+        # The per-minute counts as last written to the store (``unsaved``, ``saved``): the
+        # minute of that write, and each (queue, spec)'s counts of it and of any later one.
+        self.kept_minute = 0
+        self.kept: dict[tuple[str, str, int], list[int]] = {}
 
     # -- recording (the hot path) -----------------------------------------------------
     # The batch methods take the engine's own objects (no tuple built per job to call
@@ -308,6 +312,53 @@ class Observer:
         state = {"retry": "available", "cancel": "cancelled", "discard": "discarded"}[kind]
         self.event(wall, kind, job=job, spec=spec, queue=queue, attempt=attempt, state=state,
                    message=message)
+
+    # -- kept in the store: the shell writes them, a restart loads them back -----------------
+    def restore(self, rows: Iterable[tuple[Any, ...]], wall: float) -> None:
+        """Counts an earlier run kept, oldest first, as (minute, queue, spec, *counts in
+        COUNTS' order): those of the window are taken in (the totals since the start are
+        not: they are this run's), and are not written again."""
+        now = int(wall // 60)
+        kept: dict[tuple[str, str, int], list[int]] = {}
+        for minute, queue, spec, *counts in rows:
+            if now - MINUTES < minute <= now:
+                if queue == OTHER:
+                    series = self.other = self.other or Series()
+                else:
+                    series = self._series(queue, spec, minute)
+                row = series.row(minute)
+                for i, n in enumerate(counts[:len(COUNTS)]):
+                    row[i] += n
+                if minute == now:  # still counting: only what comes next is to write
+                    kept[queue, spec, minute] = list(counts[:len(COUNTS)])
+        self.saved((now, kept))
+
+    def unsaved(self, wall: float) -> tuple[list[tuple[Any, ...]], Any]:
+        """What was counted since the last write ``saved`` was told of, as rows to add to
+        the store's ((minute, queue, spec, *counts)), and the mark to give ``saved`` once
+        they are written. Minutes before the last write's are whole and written."""
+        now = int(wall // 60)
+        since = self.kept_minute
+        rows: list[tuple[Any, ...]] = []
+        kept: dict[tuple[str, str, int], list[int]] = {}
+        for queue, spec, series in self.totals():
+            if series.touched < since and series is not self.other:
+                continue
+            for minute in reversed(series.minutes):  # newest first: the few that matter
+                if minute < since:
+                    break
+                counts = series.minutes[minute]
+                before = self.kept.get((queue, spec, minute))
+                delta = counts if before is None else [a - b for a, b in zip(counts, before)]
+                if any(delta):
+                    rows.append((minute, queue, spec, *delta))
+                if minute >= now:  # still counting (or ahead of a wall clock set back)
+                    kept[queue, spec, minute] = list(counts)
+        return rows, (now, kept)
+
+    def saved(self, mark: Any) -> None:
+        """The rows ``unsaved`` gave with ``mark`` are in the store."""
+        self.kept_minute, self.kept = mark
 
     # -- reading ------------------------------------------------------------------------
     @property

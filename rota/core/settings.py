@@ -204,6 +204,11 @@ class ServerSettings:
     recover_after: float | None = option(
         None, hidden=True, minimum=0.1,
         help="Test switch: seconds without a storage failure before recovery (storage tests).")
+    # Test switch: seconds between writes of the per-minute counts (rota/server/watching.py);
+    # a kill -9 loses what was counted since the last. Never changed in production.
+    counts_every: float = option(
+        15.0, hidden=True, minimum=0.05,
+        help="Test switch: seconds between writes of the per-minute counts (restart tests).")
 
 
 def loopback(host: str) -> bool:

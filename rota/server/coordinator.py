@@ -47,7 +47,7 @@ from rota.server.watching import Watching
 
 __all__ = ["Coordinator", "MAX_BULK", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
-LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock")
+LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 
 
@@ -178,7 +178,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")
         self.spawn(self.tokenwatch.loop(), "rota-tokens")
-        for loop, name in self.upkeep.loops(readings=kept):
+        for loop, name in self.upkeep.loops(readings=kept, counts=snapshot.throughput):
             self.spawn(loop, name)
 
     def begin_shutdown(self) -> None:
@@ -202,8 +202,7 @@ class Coordinator(ShellReads, ShellDirectives):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for hook in self.on_stop:
             await hook()
-        if not self.store.shared:  # the latest clock reading, for the next start
-            await self.upkeep.keep_reading()
+        await self.upkeep.at_stop(reading=not self.store.shared)  # for the next start
         await asyncio.to_thread(self.store.close)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

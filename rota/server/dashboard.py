@@ -16,7 +16,7 @@ from starlette.staticfiles import StaticFiles
 
 from rota.server.api import job_detail, worker_views
 from rota.server.api_base import coordinator_of, need
-from rota.core.charts import SERIES, throughput_svg
+from rota.core.charts import SERIES, start_index, throughput_svg
 from rota.server.coordinator import Coordinator
 from rota.base.errors import RequestError
 from rota.base.ids import path_segment
@@ -66,7 +66,10 @@ def throughput(stats: dict[str, Any]) -> tuple[str, dict[str, int]]:
             for i, n in enumerate(row[name]):
                 totals[name][i] += n
     labels = [start[11:16] for start in stats["minute_starts"]]  # HH:MM, UTC
-    return throughput_svg(labels, totals), {name: sum(v) for name, v in totals.items()}
+    start = start_index(stats["minute_starts"], stats.get("started_at"))  # if within
+    marker = None if start is None else (start, f"server started {stats['started_at'][11:16]}")
+    return (throughput_svg(labels, totals, marker),
+            {name: sum(v) for name, v in totals.items()})
 
 
 def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:

@@ -293,6 +293,7 @@ class StatsSeries(msgspec.Struct):
 
 class Stats(msgspec.Struct):
     now: str
+    started_at: str  # when this server started: the counts before it are the last run's
     minute_starts: list[str]  # the minutes counted, oldest first; the last is under way
     series: list[StatsSeries]
     oldest_available: dict[str, float | None]  # per queue: seconds, null if none waits

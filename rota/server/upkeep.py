@@ -1,7 +1,7 @@
 """The shell's housekeeping on the clocks: readings of the wall and boot clocks kept in
-the store for the next start, the wall clock's steps while the server runs, and the
+the store for the next start, the wall clock's steps while the server runs, the
 deletion of finished jobs past their retention (which judges each job by the clock that
-stored it).
+stored it), and the per-minute counts (rota/core/observe.py) kept for the next start.
 
 The Coordinator owns one ``Upkeep`` and hands it the store, the engine, its clock and
 its way of applying effects; it runs the loops ``loops`` names.
@@ -22,6 +22,7 @@ from rota.core.effects import Effect
 from rota.core.engine import Engine
 from rota.base.errors import StorageError
 from rota.core.model import ClockReading, Instant
+from rota.core.observe import MINUTES
 from rota.core.retention import BATCH, STEP, Frames, PruneTally, Retention, due, next_pass
 from rota.core.settings import ServerSettings
 from rota.store.store import Store
@@ -58,6 +59,7 @@ class Upkeep:
         self.clock = clock
         self.apply = apply
         self.retrying = retrying  # rows a manual retry read and is about to write back
+        self.counts_every = settings.counts_every
         self.retention = Retention.from_rules(
             {"completed": settings.retain_completed, "discarded": settings.retain_discarded,
              "cancelled": settings.retain_cancelled}, settings.retain_queues)
@@ -65,10 +67,15 @@ class Upkeep:
         now = clock()
         self.frames.look(now.wall, now.mono)
 
-    def loops(self, *, readings: bool) -> list[tuple[Coroutine[Any, Any, None], str]]:
+    def loops(self, *, readings: bool, counts: Iterable[tuple[Any, ...]] = ()
+              ) -> list[tuple[Coroutine[Any, Any, None], str]]:
         """The loops to run, named: clock readings (``readings``: the store keeps them,
-        one server per SQLite file) and retention (unless every rule keeps jobs forever)."""
-        loops = [(self.clock_loop(), "rota-clock")] if readings else []
+        one server per SQLite file), the per-minute counts (``counts``: those the last run
+        kept, taken in first) and retention (unless every rule keeps jobs forever)."""
+        self.engine.observe.restore(counts, self.clock().wall)
+        loops = [(self.counts_loop(), "rota-counts")]
+        if readings:
+            loops.append((self.clock_loop(), "rota-clock"))
         log.info("retention %s", self.retention.describe())
         if self.retention.durations():
             loops.append((self.retention_loop(), "rota-retention"))
@@ -93,6 +100,36 @@ class Upkeep:
         else:
             asyncio.get_running_loop().call_soon(
                 lambda: self.apply(self.engine.restamp(self.clock())))
+
+    async def at_stop(self, *, reading: bool) -> None:
+        """What the next start reads: the counts since the last write, and (``reading``)
+        the clocks' reading. A store that fails loses them, and the stop goes on."""
+        try:
+            await asyncio.wait_for(self.keep_counts(), 2.0)
+        except Exception as exc:  # noqa: BLE001 (those counts are lost)
+            log.warning("per-minute counts not stored at stop: %s", exc)
+        if reading:
+            await self.keep_reading()
+
+    async def keep_counts(self) -> None:
+        """Add what was counted since the last write to the store's rows: a row per
+        (queue, spec) and minute that changed, nothing per job; the minutes before the
+        window (the hour shown) are deleted."""
+        now = self.clock()
+        rows, mark = self.engine.observe.unsaved(now.wall)
+        if rows:
+            await self.store.keep_throughput(rows, int(now.wall // 60) - MINUTES + 1)
+        self.engine.observe.saved(mark)
+
+    async def counts_loop(self) -> None:
+        """``keep_counts`` every ``counts_every`` seconds (15): a kill -9 loses at most
+        what was counted since the last."""
+        while True:
+            await asyncio.sleep(self.counts_every)
+            try:
+                await self.keep_counts()
+            except StorageError as exc:  # the store's health says so; the next write adds them
+                log.debug("per-minute counts not stored: %s", exc)
 
     async def keep_reading(self) -> None:
         """At a stop: the latest reading, for the next start. A step not yet seen (no

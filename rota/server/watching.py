@@ -25,6 +25,7 @@ class Watching:
         self.store = store
         self.engine = engine
         self.clock = clock
+        self.started = clock().wall  # a restart's mark on the chart and in rota watch
         self.max_series = max_series
         self.waiters: dict[str, list[asyncio.Future[None]]] = {}  # by job id
         self.subscribers = 0  # GET /events streams
@@ -123,7 +124,7 @@ class Watching:
         oldest = await self.oldest_available()
         queues = set(oldest) | {row["queue"] for row in series} | {
             q for w in self.engine.scheduler.workers.values() for q in w.queues}
-        return {"now": p.rfc3339(now.wall),
+        return {"now": p.rfc3339(now.wall), "started_at": p.rfc3339(self.started),
                 "minute_starts": [p.rfc3339(m * 60.0) for m in starts],
                 "series": [{k: row[k] for k in ("queue", "spec", "enqueued", "completed",
                                                  "failed", "discarded", "retried",

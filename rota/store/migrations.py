@@ -172,6 +172,18 @@ def m013_worker_token(db: sqlite_utils.Database) -> None:
     db["jobs"].add_column("worker_token", str)
 
 
+@migrations()
+def m014_throughput(db: sqlite_utils.Database) -> None:
+    # The per-minute counts of the throughput chart, kept for the next start: each server
+    # adds what it counted since it last wrote (rota/store/writes.py, keep_throughput);
+    # minutes past the hour shown are deleted as it writes.
+    columns: dict[str, type] = {"minute": int, "server": str, "queue": str, "spec": str}
+    columns |= dict.fromkeys(("enqueued", "completed", "failed", "retried", "discarded",
+                              "cancelled"), int)
+    db["throughput"].create(columns, pk=("minute", "server", "queue", "spec"),
+                            not_null=set(columns) - {"minute", "server", "queue", "spec"},
+                            defaults=dict.fromkeys(list(columns)[4:], 0))
+
 
 def migrate(path: Path) -> None:
     conn = connect(path)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import sqlite3
 import sys
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
+from rota.core.observe import COUNTS
 from rota.core.model import JobRecord, JobState, shared_limits
 from rota.base.protocol import Registration
 from rota.core.ready import PRIORITY_LIMIT, SEQ_BITS
@@ -32,7 +33,8 @@ class Snapshot:
     retired: dict[str, float]  # retired specs: when (wall)
     paused: frozenset[str] = frozenset()  # paused queues (POST /queues/{name}/pause)
     clock_step: float = 0.0  # the wall clock's step since the last run, undone in the rows
-
+    # The per-minute counts kept (writes.keep_throughput): (minute, queue, spec, *counts).
+    throughput: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 def load(conn: sqlite3.Connection, server_id: str | None = None) -> Snapshot:
@@ -51,7 +53,20 @@ def load(conn: sqlite3.Connection, server_id: str | None = None) -> Snapshot:
     paused = frozenset(r[0] for r in conn.execute("SELECT name FROM queues WHERE paused = 1"))
     return Snapshot(status_quo, checksums, jobs, _waiting(conn),
                     conn.execute("SELECT max(rowid) FROM jobs").fetchone()[0] or 0, retired,
-                    paused)
+                    paused, throughput=throughput(conn, server_id))
+
+
+def throughput(conn: sqlite3.Connection, server_id: str | None = None) -> list[tuple[Any, ...]]:
+    """The per-minute counts kept, oldest first: ``server_id``'s own on a database several
+    servers share (each counts what it saw, as its /stats says), else every row (a SQLite
+    file's servers were one at a time, whatever port named them)."""
+    sums = ", ".join(f"sum({c})" for c in COUNTS)
+    mine = "" if server_id is None else " WHERE server = ?"
+    cursor = conn.execute(f"SELECT minute, queue, spec, {sums} FROM throughput{mine}"
+                          " GROUP BY minute, queue, spec ORDER BY minute",
+                          () if server_id is None else (server_id,))
+    cursor.row_factory = None  # plain tuples
+    return [(row[0], row[1], row[2], *map(int, row[3:])) for row in cursor]  # (PG: numeric)
 
 
 def read_status_quo(conn: sqlite3.Connection

@@ -19,6 +19,7 @@ MIGRATIONS = (
     "m001_initial", "m002_lifecycle", "m003_failed_is_discarded", "m004_live_status",
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
+    "m014_throughput",
 )
 
 
@@ -99,6 +100,13 @@ TABLES: tuple[Table, ...] = (
     # One row per Rota server sharing the database (m012), with its lease.
     Table("servers", _cols("id TEXT, host TEXT, pid INTEGER, url TEXT, started_at REAL,"
                            " lease_expires_at REAL, stopped_at REAL"), pk=("id",)),
+    # The jobs counted per minute, per server and (queue, spec) (m014): a restart loads
+    # its own back, so the throughput chart and "the last hour" survive it.
+    Table("throughput", _cols(
+        "minute INTEGER, server TEXT, queue TEXT, spec TEXT, enqueued INTEGER NOT NULL =0,"
+        " completed INTEGER NOT NULL =0, failed INTEGER NOT NULL =0,"
+        " retried INTEGER NOT NULL =0, discarded INTEGER NOT NULL =0,"
+        " cancelled INTEGER NOT NULL =0"), pk=("minute", "server", "queue", "spec")),
 )
 
 INDEXES: tuple[Index, ...] = (

@@ -127,6 +127,11 @@ class Store:
         value = msgspec.json.encode(tuple(reading)).decode()
         return self.writer.submit(lambda conn: sql.keep_reading(conn, value))
 
+    def keep_throughput(self, rows: list[tuple[Any, ...]], oldest: int) -> asyncio.Future[None]:
+        """Add the per-minute counts to this server's, drop minutes before ``oldest``."""
+        return self.writer.submit(
+            lambda conn: sql.keep_throughput(conn, self.server_id or "", rows, oldest))
+
     def _register(self, conn: sqlite3.Connection) -> None:
         """Hold this server's lease before reading the snapshot: a server recovering
         this one's reservations now either commits first (and the snapshot holds none
@@ -313,9 +318,8 @@ class Store:
     # -- several servers (rota/store/fleet.py) ---------------------------------------------
     def renew_lease(self, *, host: str, pid: int, url: str, now: float, lease: float,
                     starting: bool = False) -> asyncio.Future[bool]:
-        server = self.server_id or ""
         return self.writer.submit(lambda conn: fleet.renew(
-            conn, server, host=host, pid=pid, url=url, now=now, lease=lease, starting=starting))
+            conn, self.server_id or "", host=host, pid=pid, url=url, now=now, lease=lease, starting=starting))
 
     def take_back(self, jobs: list[JobRecord]) -> asyncio.Future[list[str]]:
         """fleet.take_back, for jobs this server's workers run (``Engine.running_here``)."""
@@ -325,18 +329,15 @@ class Store:
         return self.writer.submit(lambda conn: fleet.take_back(conn, server, rows))
 
     def let_lease_lapse(self) -> asyncio.Future[None]:
-        server = self.server_id or ""
-        return self.writer.submit(lambda conn: fleet.let_lapse(conn, server))
+        return self.writer.submit(lambda conn: fleet.let_lapse(conn, self.server_id or ""))
 
     async def lapsed_servers(self) -> dict[str, float]:
         """fleet.lapsed: the others whose lease ended, and how long ago."""
-        server = self.server_id or ""
-        return await self.readers.run(lambda conn: fleet.lapsed(conn, server))
+        return await self.readers.run(lambda conn: fleet.lapsed(conn, self.server_id or ""))
 
     def recover_server(self, dead: str, now: float, grace: float
                        ) -> asyncio.Future[list[int] | None]:
-        server = self.server_id or ""
-        return self.writer.submit(lambda conn: fleet.recover(conn, dead, server, now, grace))
+        return self.writer.submit(lambda conn: fleet.recover(conn, dead, self.server_id or "", now, grace))
 
     async def waiting_jobs(self, seqs: list[int]) -> list[JobRecord]:
         """The jobs of these row ids that wait, as their rows say now."""

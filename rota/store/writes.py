@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from rota.core.observe import COUNTS
 from rota.core.model import WAITING_STATES, Change, ClockReading, JobRecord, StatusNote, wall_step
 from rota.core.retention import Cutoff
 from rota.base.specs import JobSpec
@@ -280,6 +281,23 @@ def undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
 
 def keep_reading(conn: sqlite3.Connection, value: str) -> None:
     conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('clock', ?)", (value,))
+
+
+# -- the per-minute counts (rota/core/observe.py) -----------------------------------------
+# Each write adds what the server counted since its last one to the minute's row (several
+# writes make one minute when it was written in its course); the table is the hour shown.
+_KEEP_COUNTS = (
+    f"INSERT INTO throughput (minute, server, queue, spec, {', '.join(COUNTS)})"
+    f" VALUES (?, ?, ?, ?{', ?' * len(COUNTS)}) ON CONFLICT (minute, server, queue, spec)"
+    f" DO UPDATE SET {', '.join(f'{c} = throughput.{c} + excluded.{c}' for c in COUNTS)}")
+
+
+def keep_throughput(conn: sqlite3.Connection, server: str,
+                    rows: Sequence[tuple[Any, ...]], oldest: int) -> None:
+    """Add ``rows`` ((minute, queue, spec, *counts in COUNTS' order)) to ``server``'s,
+    and delete every minute before ``oldest``."""
+    conn.executemany(_KEEP_COUNTS, [(row[0], server, *row[1:]) for row in rows])
+    conn.execute("DELETE FROM throughput WHERE minute < ?", (oldest,))
 
 
 # -- specs -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -280,6 +281,41 @@ async def test_specs_their_status_quo_a_retired_spec_and_paused_queues_survive_a
     assert snapshot.status_quo["echo"].version == "2"
     assert snapshot.retired == {"old": 20.0}
     assert snapshot.paused == {"q1"}
+
+
+async def other_server_keeps(tmp_path: Path, row: tuple[Any, ...]) -> None:
+    """Server "b" on the test's database adds ``row`` to its per-minute counts."""
+    other = Store(tmp_path / "rota.db", server_id="b", database_url=store_url(tmp_path))
+    other.start(asyncio.get_running_loop())
+    try:
+        await other.keep_throughput([row], 50)
+    finally:
+        await asyncio.to_thread(other.close)
+
+
+async def test_the_per_minute_counts_add_up_per_server_and_the_hour_is_kept(
+        open_store: Opener, tmp_path: Path):
+    store, snapshot = await open_store()
+    assert snapshot.throughput == []
+    await store.keep_throughput([(100, "default", "echo", 5, 4, 1, 0, 0, 0)], 50)
+    await store.keep_throughput([(100, "default", "echo", 2, 3, 0, 0, 0, 0),  # adds up
+                                 (101, "mail", "send", 1, 0, 0, 0, 1, 0)], 50)
+    # Another server on the database (PostgreSQL) keeps its own rows beside them.
+    await other_server_keeps(tmp_path, (100, "default", "echo", 10, 0, 0, 0, 0, 0))
+    await store.keep_throughput([(160, "default", "echo", 1, 0, 0, 0, 0, 0)], 101)  # 100: gone
+
+    _, snapshot = await open_store()
+    assert snapshot.throughput == [(101, "mail", "send", 1, 0, 0, 0, 1, 0),
+                                   (160, "default", "echo", 1, 0, 0, 0, 0, 0)]
+    store, _ = await open_store()
+    await store.keep_throughput([(120, "default", "echo", 0, 2, 0, 0, 0, 0)], 50)
+    await other_server_keeps(tmp_path, (120, "default", "echo", 7, 0, 0, 0, 0, 0))
+    _, snapshot = await open_store()
+    # Each server of a shared database loads its own (its /stats counts what it saw, as
+    # docs/scaling.md says); a SQLite file's one server at a time, whatever its name, all.
+    mine = (120, "default", "echo", 0, 2, 0, 0, 0, 0)
+    both = (120, "default", "echo", 7, 2, 0, 0, 0, 0)
+    assert snapshot.throughput[1] == (mine if store_url(tmp_path) else both)
 
 
 async def test_listing_pages_newest_first_and_counts_by_filter(open_store: Opener):

@@ -116,7 +116,7 @@ class ServerProcess(Api):
         self.spawned_at = 0.0  # monotonic, the last start
         self.ready_at = 0.0
 
-    async def start(self, crash_at: str | None = None) -> None:
+    async def start(self, crash_at: str | None = None, extra: tuple[str, ...] = ()) -> None:
         assert self.proc is None or self.proc.returncode is not None, "already running"
         await self.http.aclose()  # a fresh pool: no connection to a dead process is reused
         self.http = httpx.AsyncClient(base_url=self.base, timeout=10)
@@ -128,6 +128,7 @@ class ServerProcess(Api):
                 "--log-level", "info"]
         if crash_at is not None:
             args += ["--crash-at", crash_at]
+        args += extra
         self.spawned_at = time.monotonic()
         self.proc = await spawn_serve(self.http, args, log)
         self.ready_at = time.monotonic()

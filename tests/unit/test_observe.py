@@ -200,3 +200,35 @@ def test_a_scrape_names_the_busiest_queues_and_sums_the_rest():
     assert sum(per["completed"] for per in folded.values()) == sum(range(50))
     assert fold_queues({"a": {"completed": 1}}, 3, ("available",)) == {"a": {"completed": 1}}
     assert busiest({"a": 1, "b": 3, "c": 3}, 2) == ["b", "c"]
+
+
+def test_the_counts_kept_in_the_store_are_each_written_once_and_restored():
+    # What the shell writes every few seconds (rota/server/watching.py): the increments
+    # since the last write, per minute and (queue, spec); none per job.
+    obs = Observer()
+    obs.enqueued([job("a"), job("b")], T0 + 1)
+    rows, mark = obs.unsaved(T0 + 2)
+    assert rows == [(T0 // 60, "q", "s", 2, 0, 0, 0, 0, 0)]
+    assert obs.unsaved(T0 + 2)[0] == rows  # not written yet: asked again, the same
+    obs.saved(mark)
+    assert obs.unsaved(T0 + 3)[0] == []
+    obs.enqueued([job("c")], T0 + 30)  # the same minute: only its increment
+    obs.ended([ended("completed", "completed")], T0 + 61, reported=True)  # and the next minute
+    rows, mark = obs.unsaved(T0 + 62)
+    assert sorted(rows) == [(T0 // 60, "q", "s", 1, 0, 0, 0, 0, 0),
+                            (T0 // 60 + 1, "q", "s", 0, 1, 0, 0, 0, 0)]
+    obs.saved(mark)
+    assert obs.unsaved(T0 + 200)[0] == []
+    # A restart takes in what was kept within the hour, and writes none of it again.
+    kept = [(T0 // 60 - MINUTES, "q", "s", 9, 0, 0, 0, 0, 0),  # past the hour: left out
+            (T0 // 60, "q", "s", 3, 0, 0, 0, 0, 0), (T0 // 60 + 1, "q", "s", 0, 1, 0, 0, 0, 0),
+            (T0 // 60 + 1, OTHER, OTHER, 0, 0, 1, 0, 0, 0)]
+    again = Observer()
+    again.restore(kept, T0 + 70)
+    starts, series = again.window(3, T0 + 70)
+    assert [(r["queue"], r["enqueued"], r["completed"], r["failed"]) for r in series] == [
+        ("q", [0, 3, 0], [0, 0, 1], [0, 0, 0]), (OTHER, [0, 0, 0], [0, 0, 0], [0, 0, 1])]
+    assert again.unsaved(T0 + 80)[0] == []
+    again.enqueued([job("d")], T0 + 90)  # the minute it started in goes on from the kept
+    assert again.unsaved(T0 + 95)[0] == [(T0 // 60 + 1, "q", "s", 1, 0, 0, 0, 0, 0)]
+    assert all(n == 0 for _, _, series in again.totals() for n in series.totals[1:])
