@@ -16,6 +16,7 @@ import click
 from rota.cli.base import URL_OPTION, fail, out, print_json, say, screen, servers, token
 from rota.cli.ops import WAITING_STATES, split
 from rota.client.client import ApiError, Client
+from rota.core.charts import start_index
 from rota.core.display import duration
 from rota.base.logs import printable
 from rota.client.stream import EventStream
@@ -56,45 +57,91 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
                 counts[i] += n
     return {"at": stats["now"], "queues": shaped_queues, "workers": shaped_workers,
             "blocked": blocked,
-            "throughput": {"minute_starts": stats["minute_starts"], **per_minute}}
+            "throughput": {"minute_starts": stats["minute_starts"],
+                       "started_at": stats.get("started_at"), **per_minute}}
 
 
 def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[str]:
-    """The screen of ``rota watch``, as lines no wider than ``width``."""
-    lines = [f"rota watch  {url}  {view['at']}  (every {interval:g}s; Ctrl-C stops)", ""]
-    lines.append(f"{'QUEUE':<20} {'STATE':<8} {'WAITING':>8} {'ACTIVE':>7} {'OLDEST':>10}"
-                 f" {'WORKERS':>8}")
-    for q in view["queues"]:
-        lines.append(f"{q['name']:<20} {'paused' if q['paused'] else 'running':<8}"
-                     f" {q['waiting']:>8} {q['active']:>7}"
-                     f" {duration(q['oldest_available_age']):>10}"
-                     f" {q['workers']:>8}")
-    if not view["queues"]:
-        lines.append("(no queues yet)")
-    lines += ["", f"{'WORKER':<36} {'STATE':<10} {'LOAD':>9} {'BEAT':>9}  HOST"]
-    for w in view["workers"]:
-        load = f"{w['active']}/{w['concurrency']}" + (
-            f"+{w['prefetched']}" if w["prefetched"] else "")
-        lines.append(f"{w['id']:<36} {w['state']:<10} {load:>9}"
-                     f" {duration(w['last_heartbeat_age']):>9}  {w['hostname']}")
-    if not view["workers"]:
-        lines.append("(no workers connected)")
+    """The screen of ``rota watch``, as lines no wider than ``width``: its tables' columns
+    two spaces apart, each as wide as its widest cell, the last one cut to fit."""
+    at = view["at"]
+    lines = [f"rota watch  {url}  {at[11:19]} UTC  (every {interval:g}s; Ctrl-C stops)"]
+    if view.get("stale"):
+        lines.append(f"STALE: {view['stale']}")
+    lines.append("")
+    lines += table(("QUEUE", "STATE", "WAITING", "ACTIVE", "OLDEST", "WORKERS"), [
+        (q["name"], "paused" if q["paused"] else "running", f"{q['waiting']:,}",
+         f"{q['active']:,}", duration(q["oldest_available_age"]), f"{q['workers']}")
+        for q in view["queues"]], width, first=True) or ["(no queues yet)"]
+    lines.append("")
+    lines += table(("WORKER", "STATE", "LOAD", "BEAT", "HOST"), [
+        (w["id"], w["state"], f"{w['active']}/{w['concurrency']}"
+         + (f"+{w['prefetched']}" if w["prefetched"] else ""),
+         duration(w["last_heartbeat_age"]), w["hostname"]) for w in view["workers"]],
+        width) or ["(no workers connected)"]
     lines += ["", "BLOCKED"]
     for b in view["blocked"]:
         lines.append(f"{b['queue']}/{b['spec']}: {b['available']} waiting: {b['reason']}")
     if not view["blocked"]:
         lines.append("(nothing blocked)")
-    # As many minutes as the terminal has room for beside the figures (the whole hour
-    # at 110 columns).
-    shown = max(10, min(len(view["throughput"]["minute_starts"]), width - 50))
-    lines += ["", f"THROUGHPUT  jobs a minute, the last {shown} minutes (the last so far)"]
-    for kind in ("enqueued", "completed", "failed", "discarded"):
-        counts = view["throughput"][kind]
-        last = counts[-2] if len(counts) > 1 else (counts[-1] if counts else 0)
-        lines.append(f"{kind:<10} {_spark(counts[-shown:])}  last minute {last}"
-                     f" ({last / 60:.1f}/s), in the hour {sum(counts)}")
+    lines += ["", *throughput_lines(view["throughput"], width)]
     # printable: a worker's hostname is its own text, and must not drive the terminal
     return [printable(line, max(20, width - 1)) for line in lines]
+
+
+FIGURES = ("THIS MIN", "PREV MIN", "HOUR")  # the minute under way, the last whole one
+
+
+def throughput_lines(throughput: dict[str, Any], width: int) -> list[str]:
+    """Jobs a minute as sparklines, as many minutes as fit beside the figures (the whole
+    hour at 102 columns), each line with the minute under way so far (a burst shows at
+    once), the last whole minute and the hour; and where the server started, if shown."""
+    starts = throughput["minute_starts"]
+    shown = max(10, min(len(starts), width - 1 - 11 - 10 * len(FIGURES)))
+    lines = [f"THROUGHPUT  jobs a minute, the last {shown} minutes (THIS MIN: so far)",
+             " " * (11 + shown) + "".join(f"  {name:>8}" for name in FIGURES)]
+    for kind in ("enqueued", "completed", "failed", "discarded"):
+        counts = throughput[kind]
+        figures = (counts[-1] if counts else 0, counts[-2] if len(counts) > 1 else 0,
+                   sum(counts))
+        lines.append(f"{kind:<10} {_spark(counts[-shown:]).ljust(shown)}"
+                     + "".join(f"  {n:>8,}" for n in figures))
+    start = start_index(starts[-shown:], throughput.get("started_at"))
+    if start is not None:  # counts before it are the last run's, kept in the store
+        text = f"server started {throughput['started_at'][11:16]}"
+        column = 11 + start
+        lines.append(" " * column + f"↑ {text}" if column + len(text) + 2 < width
+                     else " " * (column - len(text) - 1) + f"{text} ↑")
+    return lines
+
+
+def table(header: tuple[str, ...], rows: list[tuple[str, ...]], width: int, *,
+          first: bool = False) -> list[str]:
+    """``rows`` under ``header`` (none: no lines), in columns two spaces apart, numbers
+    (every column but the first and the state) to the right. To fit ``width``, the last
+    column is cut, or the first (``first``: the last holds figures)."""
+    rows = [tuple(printable(cell, UNCUT_CELL) for cell in row) for row in rows]
+    if not rows:
+        return []
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    over = sum(widths) + 2 * (len(widths) - 1) - (width - 1)
+    cut = 0 if first else len(widths) - 1
+    if over > 0:
+        widths[cut] = max(len(header[cut]), widths[cut] - over)
+    left = {0, 1} | (set() if first else {len(widths) - 1})
+
+    def line(cells: tuple[str, ...]) -> str:
+        out = []
+        for i, (cell, w) in enumerate(zip(cells, widths, strict=True)):
+            if len(cell) > w:
+                cell = cell[:w - 1] + "…"
+            out.append(cell.ljust(w) if i in left else cell.rjust(w))
+        return "  ".join(out).rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+UNCUT_CELL = 500  # a cell's characters before the table cuts it to the width
 
 
 def _spark(counts: list[int]) -> str:
@@ -135,7 +182,7 @@ def watch(interval: float, as_json: bool, url: str) -> None:
             try:
                 view = snapshot(client)
             except ApiError as exc:  # a restart, a blip: say so and keep looking
-                view = {**view, "at": f"{view['at']}  (stale: {say(url, exc)})"}
+                view = {**view, "stale": say(url, exc)}
     except KeyboardInterrupt:
         pass
     finally:

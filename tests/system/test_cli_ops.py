@@ -6,11 +6,16 @@ resume, ``rota workers resume``, ``rota watch`` (a snapshot, and frames redrawn)
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import pty
+import re
 import signal
+import struct
 import sys
+import termios
+import time
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +206,60 @@ async def test_watch_redraws_until_interrupted(live: Live, connect, tmp_path: Pa
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@QUIET_WORKERS
+async def test_watch_fits_80_columns_and_counts_a_burst_at_once(live: Live, connect,
+                                                                tmp_path: Path):
+    await setup(live, connect, tmp_path)
+    long_queue = "thumbnails-for-the-whole-summer-sale-of-2026"  # wider than its column
+    response = await live.http.post("/jobs/batch", json={"jobs": [
+        {"spec": "resize", "queue": long_queue, "args": {"n": n}} for n in range(200)]})
+    assert response.status_code in (200, 201), response.text
+    burst = time.gmtime()
+    terminal, screen = pty.openpty()  # rota watch on an 80-column terminal
+    fcntl.ioctl(screen, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 80, 0, 0))
+    env = {k: v for k, v in clean_env().items() if k not in ("COLUMNS", "LINES")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rota", "watch", "--interval", "0.2", "--url", live.base,
+        env=env, stdout=screen, stderr=asyncio.subprocess.PIPE)
+    os.close(screen)
+    os.set_blocking(terminal, False)
+    shown = b""
+
+    def two_frames() -> bool:
+        nonlocal shown
+        try:
+            shown += os.read(terminal, 65536)
+        except BlockingIOError:
+            pass
+        return shown.count(b"\x1b[H\x1b[J") >= 2  # each frame homes and clears first
+
+    try:
+        await wait_until(two_frames, timeout=10, what="two frames of rota watch")
+    finally:
+        proc.kill()
+        await proc.wait()
+        os.close(terminal)
+    lines = shown.split(b"\x1b[H\x1b[J")[1].decode().splitlines()
+    assert lines[0].startswith("rota watch  ")
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    columns = {line.split()[0]: re.split(r" {2,}", line) for line in lines if line.strip()}
+    assert columns["QUEUE"] == ["QUEUE", "STATE", "WAITING", "ACTIVE", "OLDEST", "WORKERS"]
+    [cut] = [row for name, row in columns.items() if name.startswith("thumbnails-")
+             and "/" not in name]  # (not its line under BLOCKED)
+    assert cut[0].endswith("…") and cut[1:3] == ["running", "200"], cut
+    assert columns["WORKER"] == ["WORKER", "STATE", "LOAD", "BEAT", "HOST"]
+    assert len(columns["w-ops"]) == 5 and columns["w-ops"][1] == "running"
+    # The burst shows at once: the minute under way so far (THIS MIN), beside the last
+    # whole one (PREV MIN) and the hour; unless the minute turned before the look.
+    assert any(line.split() == ["THIS", "MIN", "PREV", "MIN", "HOUR"] for line in lines)
+    this, previous, in_hour = columns["enqueued"][-3:]
+    turned = lines[0].split()[3][:5] != time.strftime("%H:%M", burst)
+    assert (this, previous, in_hour) == (("0", "200") if turned else ("200", "0")) + ("200",)
+    # This server's start, within the minutes shown, marked under them.
+    assert any(re.fullmatch(r" +(↑ server started \d\d:\d\d|server started \d\d:\d\d ↑)", line)
+               for line in lines), "\n".join(lines)
 
 
 class Tail:
