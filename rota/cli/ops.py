@@ -185,7 +185,7 @@ def _cancel_one(job_id: str, url: str) -> None:
 
 jobs_retry = _bulk_command("retry", _retry_one, """Put discarded or cancelled jobs back in
     their queue with a fresh attempt budget: one job ID, several, or every job a filter
-    matches (rota jobs retry --state discarded --spec resize). --dry-run says which.""")
+    matches (rota jobs retry --state discarded --spec resize_image). --dry-run says which.""")
 jobs_cancel = _bulk_command("cancel", _cancel_one, """Cancel jobs: one job ID, several, or
     every job a filter matches (rota jobs cancel --state available --queue emails). A
     waiting job is cancelled at once; a running one is stopped on its worker.""")

@@ -150,8 +150,8 @@ async def jobs_page(request: Request) -> Response:
     cursor = params.get("cursor") or None
     try:
         jobs, after = await coordinator.list_jobs(flt, PAGE, cursor)
-    except RequestError as exc:  # a cursor edited by hand: said on the page, as a filter is
-        return render(request, "jobs", status=400, error=exc.message, flt=None, form=form,
+    except RequestError as exc:  # a cursor edited by hand, an unknown spec or queue: said
+        return render(request, "jobs", status=exc.status, error=exc.message, flt=None, form=form,
                       jobs=[], total=0, capped=False, after=None, query="", paged=False,
                       states=STATES, **choices)
     total = await coordinator.count_jobs(flt)

@@ -94,6 +94,11 @@ async def test_bulk_retry_and_cancel_by_filter_and_by_ids(live: Live, connect, t
     code, out, _ = await rota("jobs", "retry", "--state", "discarded", "--spec", "echo",
                               "--url", live.base)
     assert code == 0 and out.splitlines()[0].startswith("2 matched; retried: 2")
+    # A known spec that matches nothing: 0 is then true, and said as such (a misspelt
+    # one is refused: tests/system/test_cli_failures.py).
+    code, out, _ = await rota("jobs", "retry", "--state", "discarded", "--spec", "echo",
+                              "--url", live.base)
+    assert code == 0 and out.splitlines()[0].startswith("0 matched; retried: 0")
     for copy in await worker.jobs(2):  # they run again, with a fresh budget
         assert copy["id"] in ("bad-1", "bad-2")
 
