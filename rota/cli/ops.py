@@ -172,7 +172,8 @@ def _report(reply: dict[str, Any], done: str, verb: str) -> None:
 
 def _retry_one(job_id: str, url: str) -> None:
     job = api(url, "retry", job_id)
-    out(f"{job_id} is {job['state']} again (attempts so far: {job['attempt']})")
+    out(f"{job_id} is {job['state']} again, with a fresh budget of {job['max_attempts']}"
+        f" attempt(s) ({job['attempt']} so far in all)")
 
 
 def _cancel_one(job_id: str, url: str) -> None:

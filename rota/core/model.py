@@ -165,6 +165,13 @@ class JobRecord:
             raise InvalidTransition(self.id, self.state, to)
         self.state = to
 
+    def budget(self) -> str:
+        """For a log line after ``attempt=``: nothing while every attempt counts against
+        max_attempts; else `` budget=3/3``, those that do (a manual retry starts afresh)."""
+        if not self.budget_start:
+            return ""
+        return f" budget={self.attempt - self.budget_start}/{self.limits.max_attempts}"
+
     def took_ms(self, until: float) -> int | None:
         """Milliseconds from its attempt's assignment to ``until`` (wall), for the log;
         None if the assignment is not known."""

@@ -16,6 +16,7 @@ from starlette.staticfiles import StaticFiles
 
 from rota.server.api import job_detail, worker_views
 from rota.server.api_base import coordinator_of, need
+from rota.core import display
 from rota.core.charts import SERIES, throughput_svg
 from rota.server.coordinator import Coordinator
 from rota.base.errors import RequestError
@@ -218,6 +219,8 @@ async def job_page(request: Request) -> Response:
         trace = details.pop("traceback", None) if isinstance(details, dict) else None
         error["traceback"] = trace if isinstance(trace, str) else None
     return render(request, "job", job=job, terminal=job["state"] in TERMINAL_STATES,
+                  attempts=display.attempts(job["attempt"], job["attempts_used"],
+                                            job["max_attempts"]),
                   retryable=job["state"] in ("discarded", "cancelled"))
 
 

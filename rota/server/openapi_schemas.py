@@ -45,6 +45,7 @@ class JobView(msgspec.Struct, kw_only=True):
     state: JobState
     priority: int
     attempt: int
+    attempts_used: int  # those max_attempts counts: since enqueue or the last manual retry
     args: Any
     worker_id: str | None
     checksum: str | None
