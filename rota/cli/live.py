@@ -14,7 +14,8 @@ from typing import Any
 import click
 
 from rota.cli.base import URL_OPTION, fail, out, print_json, say, screen, servers, token
-from rota.cli.ops import WAITING_STATES, split
+from rota.cli.ops import split
+from rota.core.model import waiting_and_later
 from rota.client.client import ApiError, Client
 from rota.core.display import duration
 from rota.base.logs import printable
@@ -35,13 +36,15 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
     oldest = stats.get("oldest_available") or {}
     shaped_queues = [{
         "name": row["name"], "paused": bool(row.get("paused")),
-        "waiting": sum(row["counts"].get(s, 0) for s in WAITING_STATES),
+        # due (available) apart from not yet due (scheduled, retryable)
+        **dict(zip(("waiting", "later"), waiting_and_later(row["counts"]), strict=True)),
         "active": row["counts"].get("active", 0), "counts": row["counts"],
         "oldest_available_age": row.get("oldest_available_age", oldest.get(row["name"])),
         "workers": row["workers"]} for row in queue_rows]
     blocked = [{"queue": row["name"], "spec": entry["spec"], "available": entry["available"],
                 "reason": entry["reason"]}
-               for row in queue_rows for entry in row["waiting"] if entry["reason"]]
+               for row in queue_rows for entry in row["waiting"]
+               if entry["reason"] and entry.get("blocked", True)]  # not a busy backlog
     shaped_workers = [{
         "id": w["id"], "state": w["state"], "active": w["active"],
         "concurrency": w["concurrency"], "prefetched": w["prefetched"],
@@ -62,11 +65,11 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
 def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[str]:
     """The screen of ``rota watch``, as lines no wider than ``width``."""
     lines = [f"rota watch  {url}  {view['at']}  (every {interval:g}s; Ctrl-C stops)", ""]
-    lines.append(f"{'QUEUE':<20} {'STATE':<8} {'WAITING':>8} {'ACTIVE':>7} {'OLDEST':>10}"
-                 f" {'WORKERS':>8}")
+    lines.append(f"{'QUEUE':<20} {'STATE':<8} {'WAITING':>8} {'LATER':>6} {'ACTIVE':>7}"
+                 f" {'OLDEST':>10} {'WORKERS':>8}")
     for q in view["queues"]:
         lines.append(f"{q['name']:<20} {'paused' if q['paused'] else 'running':<8}"
-                     f" {q['waiting']:>8} {q['active']:>7}"
+                     f" {q['waiting']:>8} {q['later']:>6} {q['active']:>7}"
                      f" {duration(q['oldest_available_age']):>10}"
                      f" {q['workers']:>8}")
     if not view["queues"]:

@@ -71,9 +71,9 @@ def throughput(stats: dict[str, Any]) -> tuple[str, dict[str, int]]:
 
 
 def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:
-    """Available jobs that no worker will take now, per queue and spec, and why."""
-    return [row._asdict() for row in coordinator.waiting()
-            if row.reason is not None and row.jobs]
+    """Available jobs that no worker will take as things stand, per queue and spec, and
+    why: not a backlog behind busy workers, which is no incident (Wait.blocked)."""
+    return [row._asdict() for row in coordinator.waiting() if row.blocked]
 
 
 async def queues_page(request: Request) -> Response:

@@ -220,6 +220,7 @@ class Waiting(msgspec.Struct):
     spec: str
     available: int
     reason: str | None
+    blocked: bool  # no worker will take them as things stand; false for a backlog
 
 
 class QueueView(msgspec.Struct):

@@ -16,18 +16,24 @@ from rota.core.engine import MAX_LOG_LINES, Engine
 from rota.core.listing import JobFilter, unknown_name
 from rota.core.model import JOB_STATES, Instant
 from rota.core.observe import Observer
-from rota.core.ready import WorkerSlot
+from rota.core.ready import Wait, WorkerSlot
 from rota.store.store import Store
 
 
 class Waiting(NamedTuple):
     """Available jobs of one queue and spec, and why no worker takes them now (None:
-    one will)."""
+    one will); ``wait`` says whether that blocks them (rota/core/ready.py Wait)."""
 
     queue: str
     spec: str
     jobs: int
     reason: str | None
+    wait: Wait | None = None
+
+    @property
+    def blocked(self) -> bool:
+        """No worker will take them as things stand (not a backlog: Wait.blocked)."""
+        return self.wait is not None and self.wait.blocked and self.jobs > 0
 
 
 class SpecWorkers(NamedTuple):
@@ -112,8 +118,9 @@ class ShellReads:
     def waiting(self) -> list[Waiting]:
         """The available jobs per queue and spec, by queue and spec, with their reason."""
         scheduler = self.engine.scheduler
-        return [Waiting(queue, spec, n, scheduler.waiting_reason(queue, spec))
-                for (queue, spec), n in sorted(scheduler.ready_counts().items())]
+        return [Waiting(queue, spec, n, None if wait is None else wait.reason, wait)
+                for (queue, spec), n in sorted(scheduler.ready_counts().items())
+                for wait in [scheduler.wait(queue, spec)]]
 
     def paused_queues(self) -> frozenset[str]:
         return frozenset(self.engine.scheduler.paused)
