@@ -198,6 +198,8 @@ def test_retry_a_discarded_job_from_its_page(page: Page, rig: Rig):
     page.get_by_role("button", name="Retry").click()
     expect(page.get_by_role("status")).to_contain_text(f"job {job_id} will run again")
     expect(state).to_have_text("completed", timeout=WAIT)
+    # Its fresh budget's attempt, and all of them (not "2 of 1": issue 22).
+    expect(page.locator("dl.facts").first).to_contain_text("1 of 1 (2 in all)", timeout=WAIT)
     assert rig.job(job_id)["result"] == "fine"
 
 
