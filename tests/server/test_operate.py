@@ -121,9 +121,10 @@ async def test_an_unknown_spec_or_queue_in_a_filter_is_refused_with_the_likely_n
     look done (issue 22): 422, with the name meant. A known name with no job is no error."""
     await live.push(write_spec(tmp_path, "resize_image", queue="media"))
     await live.enqueue("resize_image", id="only-at-enqueue", queue="adhoc")
-    for params, code, says in [({"spec": "resize"}, "unknown_spec", "did you mean resize_image?"),
-                               ({"queue": "meida"}, "unknown_queue", "did you mean media?"),
-                               ({"queue": "nowhere"}, "unknown_queue", "Known queues: adhoc, media.")]:
+    for params, code, says in [
+            ({"spec": "resize"}, "unknown_spec", "did you mean resize_image?"),
+            ({"queue": "meida"}, "unknown_queue", "did you mean media?"),
+            ({"queue": "nowhere"}, "unknown_queue", "Known queues: adhoc, media.")]:
         answers = [await live.http.get("/jobs", params=params)]
         for action in ("retry", "cancel"):
             answers.append(await live.http.post(f"/jobs/{action}", json={"filter": params}))
