@@ -14,7 +14,8 @@ from typing import Any
 import click
 
 from rota.cli.base import URL_OPTION, fail, out, print_json, say, screen, servers, token
-from rota.cli.ops import WAITING_STATES, split
+from rota.cli.ops import split
+from rota.core.model import waiting_and_later
 from rota.client.client import ApiError, Client
 from rota.core.charts import start_index
 from rota.core.display import duration
@@ -36,13 +37,15 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
     oldest = stats.get("oldest_available") or {}
     shaped_queues = [{
         "name": row["name"], "paused": bool(row.get("paused")),
-        "waiting": sum(row["counts"].get(s, 0) for s in WAITING_STATES),
+        # due (available) apart from not yet due (scheduled, retryable)
+        **dict(zip(("waiting", "later"), waiting_and_later(row["counts"]), strict=True)),
         "active": row["counts"].get("active", 0), "counts": row["counts"],
         "oldest_available_age": row.get("oldest_available_age", oldest.get(row["name"])),
         "workers": row["workers"]} for row in queue_rows]
     blocked = [{"queue": row["name"], "spec": entry["spec"], "available": entry["available"],
                 "reason": entry["reason"]}
-               for row in queue_rows for entry in row["waiting"] if entry["reason"]]
+               for row in queue_rows for entry in row["waiting"]
+               if entry["reason"] and entry.get("blocked", True)]  # not a busy backlog
     shaped_workers = [{
         "id": w["id"], "state": w["state"], "active": w["active"],
         "concurrency": w["concurrency"], "prefetched": w["prefetched"],
@@ -69,9 +72,10 @@ def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[
     if view.get("stale"):
         lines.append(f"STALE: {view['stale']}")
     lines.append("")
-    lines += table(("QUEUE", "STATE", "WAITING", "ACTIVE", "OLDEST", "WORKERS"), [
+    lines += table(("QUEUE", "STATE", "WAITING", "LATER", "ACTIVE", "OLDEST", "WORKERS"), [
         (q["name"], "paused" if q["paused"] else "running", f"{q['waiting']:,}",
-         f"{q['active']:,}", duration(q["oldest_available_age"]), f"{q['workers']}")
+         f"{q['later']:,}", f"{q['active']:,}", duration(q["oldest_available_age"]),
+         f"{q['workers']}")
         for q in view["queues"]], width, first=True) or ["(no queues yet)"]
     lines.append("")
     lines += table(("WORKER", "STATE", "LOAD", "BEAT", "HOST"), [

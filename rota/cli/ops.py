@@ -17,6 +17,7 @@ import click
 from rota.cli.base import URL_OPTION, api, fail, out, print_json, say, servers, token
 from rota.client.client import ApiError, Client
 from rota.core.display import duration
+from rota.core.model import waiting_and_later
 from rota.base.logs import printable
 
 PAGE = 500  # jobs a page when --all follows the cursor (the server's most)
@@ -172,7 +173,8 @@ def _report(reply: dict[str, Any], done: str, verb: str) -> None:
 
 def _retry_one(job_id: str, url: str) -> None:
     job = api(url, "retry", job_id)
-    out(f"{job_id} is {job['state']} again (attempts so far: {job['attempt']})")
+    out(f"{job_id} is {job['state']} again, with a fresh budget of {job['max_attempts']}"
+        f" attempt(s) ({job['attempt']} so far in all)")
 
 
 def _cancel_one(job_id: str, url: str) -> None:
@@ -185,7 +187,7 @@ def _cancel_one(job_id: str, url: str) -> None:
 
 jobs_retry = _bulk_command("retry", _retry_one, """Put discarded or cancelled jobs back in
     their queue with a fresh attempt budget: one job ID, several, or every job a filter
-    matches (rota jobs retry --state discarded --spec resize). --dry-run says which.""")
+    matches (rota jobs retry --state discarded --spec resize_image). --dry-run says which.""")
 jobs_cancel = _bulk_command("cancel", _cancel_one, """Cancel jobs: one job ID, several, or
     every job a filter matches (rota jobs cancel --state available --queue emails). A
     waiting job is cancelled at once; a running one is stopped on its worker.""")
@@ -193,9 +195,6 @@ JOB_COMMANDS = (jobs_list, jobs_retry, jobs_cancel)
 
 
 # -- queues ----------------------------------------------------------------------------------
-WAITING_STATES = ("available", "scheduled", "retryable")
-
-
 @click.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the queues as JSON.")
 @URL_OPTION
@@ -215,8 +214,9 @@ def queues(ctx: click.Context, as_json: bool, url: str) -> None:
     for row in rows:
         counts = row["counts"]
         states = " ".join(f"{state}={counts[state]}" for state in counts if counts[state])
+        waiting, later = waiting_and_later(counts)
         out(f"{row['name']:<16} {'paused ' if row.get('paused') else 'running'}"
-            f"  waiting={sum(counts.get(s, 0) for s in WAITING_STATES)}"
+            f"  waiting={waiting}  later={later}"
             f"  oldest={duration(row.get('oldest_available_age'))}"
             f"  workers={row['workers']}  {states or 'no jobs'}")
         for entry in row["waiting"]:

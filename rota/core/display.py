@@ -92,6 +92,14 @@ def visible(value: Any) -> Any:
     return _BIDI.sub(lambda match: f"\\u{ord(match.group()):04x}", value)
 
 
+def attempts(attempt: int, used: int, max_attempts: int | None) -> str:
+    """A job's attempts: those its budget counts (since enqueue or the last manual retry,
+    less any given back unstarted), of how many, and all of them when the two differ:
+    "3 of 3 (9 in all)" after two retries, where "9 of 3" would look like a broken limit."""
+    counted = f"{used} of {max_attempts}" if max_attempts else str(used)
+    return counted if used == attempt else f"{counted} ({attempt} in all)"
+
+
 def count(value: int) -> str:
     """An integer with thin separators: 1234567 -> "1,234,567"."""
     return f"{value:,}"

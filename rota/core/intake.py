@@ -7,7 +7,6 @@ returns and answers the request after.
 
 from __future__ import annotations
 
-import difflib
 import logging
 from typing import Any, NamedTuple
 
@@ -17,6 +16,7 @@ from rota.core.effects import Arm, Effect, Finished, Save, Send, Wake, Withdraw
 from rota.base.errors import DomainError, Forbidden, Invalid, TooLarge, failure_level
 from rota.base.ids import MAX_JOB_ID, job_id_problem
 from rota.core.jobs import EnqueueRequest, new_job
+from rota.core.listing import did_you_mean, listed
 from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
@@ -324,9 +324,7 @@ class Intake:
 
 def unknown_spec(name: str, known: dict[str, JobSpec]) -> str:
     """Why a spec name is refused: a likely misspelling named, and what is known."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
-    names = sorted(known)
-    listed = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-    return (f"spec {name!r} has no status quo" + (f"; did you mean {close[0]}?" if close else ".")
-            + (f" Known specs: {listed}." if names else " No spec has been pushed yet.")
+    guess = did_you_mean(name, known)
+    return (f"spec {name!r} has no status quo" + (f"; did you mean {guess}?" if guess else ".")
+            + (f" Known specs: {listed(known)}." if known else " No spec has been pushed yet.")
             + " Push a spec with 'rota specs push' first.")

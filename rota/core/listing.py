@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import difflib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rota.base.errors import RequestError
@@ -92,6 +93,50 @@ def filter_params(flt: JobFilter) -> dict[str, str | list[str]]:
         if value is not None:
             params[key] = value
     return params
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str | None:
+    """The known name ``name`` is most likely a slip for: the same but for case, one close
+    by spelling, or one that holds it or that it holds (``resize`` for ``resize_image``:
+    too short a match for spelling alone). None if none is."""
+    by_lower = {k.lower(): k for k in known}
+    typed = name.lower()
+    if typed in by_lower:
+        return by_lower[typed]
+    close = difflib.get_close_matches(typed, list(by_lower), n=1, cutoff=0.7)
+    if close:
+        return by_lower[close[0]]
+    parts = [k for k in by_lower if min(len(k), len(typed)) >= 3 and (typed in k or k in typed)]
+    return by_lower[min(parts, key=lambda k: (abs(len(k) - len(typed)), k))] if parts else None
+
+
+def listed(names: Iterable[str], most: int = 20) -> str:
+    """Names for a message: sorted, the first ``most`` of them, and how many more."""
+    names = sorted(names)
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most
+                                      else "")
+
+
+# What an unknown name in a filter is not, said in its refusal.
+UNKNOWN = {"spec": "never pushed, so no job has it",
+           "queue": "no job is in it, and no spec, worker, pause or retention rule names it"}
+
+
+def unknown_name(flt: JobFilter, specs: Collection[str], queues: Collection[str]
+                 ) -> RequestError | None:
+    """The refusal of a filter that names a spec or a queue nothing knows (422
+    ``unknown_spec``, ``unknown_queue``), with the likely name; None if it names none.
+    A misspelt name would match nothing, and a bulk action that touched nothing would
+    look done (issue 22). A known name that matches no job is no error: 0 is then true.
+    ``specs`` and ``queues``: every name known, the shell's to find."""
+    for kind, name, known in (("spec", flt.spec, specs), ("queue", flt.queue, queues)):
+        if name is None or name in known:
+            continue
+        guess = did_you_mean(name, known)
+        return RequestError(422, f"unknown_{kind}", f"{kind} {name!r} is unknown ({UNKNOWN[kind]})"
+                            + (f"; did you mean {guess}?" if guess else ".")
+                            + (f" Known {kind}s: {listed(known)}." if known else ""))
+    return None
 
 
 def encode_cursor(rowid: int) -> str:

@@ -77,6 +77,16 @@ class JobState(enum.StrEnum):
 JOB_STATES = tuple(state.value for state in JobState)
 WAITING_STATES = frozenset({JobState.SCHEDULED, JobState.AVAILABLE, JobState.RETRYABLE})
 TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.DISCARDED, JobState.CANCELLED})
+LATER_STATES = ("scheduled", "retryable")  # waiting, but not due yet
+
+
+def waiting_and_later(counts: dict[str, int]) -> tuple[int, int]:
+    """A queue's jobs by state as two counts: those that wait for a worker now (due:
+    ``available``) and those not due yet (``scheduled``, or ``retryable`` until their
+    backoff ends). One count of both called a job scheduled an hour out "waiting"."""
+    return counts.get("available", 0), sum(counts.get(state, 0) for state in LATER_STATES)
+
+
 S = JobState
 # Every move a job may make. Staying put is always allowed (a job re-placed where it is).
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
@@ -164,6 +174,13 @@ class JobRecord:
         if to != self.state and to not in TRANSITIONS[JobState(self.state)]:
             raise InvalidTransition(self.id, self.state, to)
         self.state = to
+
+    def budget(self) -> str:
+        """For a log line after ``attempt=``: nothing while every attempt counts against
+        max_attempts; else `` budget=3/3``, those that do (a manual retry starts afresh)."""
+        if not self.budget_start:
+            return ""
+        return f" budget={self.attempt - self.budget_start}/{self.limits.max_attempts}"
 
     def took_ms(self, until: float) -> int | None:
         """Milliseconds from its attempt's assignment to ``until`` (wall), for the log;

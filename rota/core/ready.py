@@ -17,13 +17,16 @@ those that hold no job any more are forgotten (``_sweep``), and a queue that get
 again gets a new one.
 
 ``WorkerSlot`` lives here, below the scheduler, because a ``Claim`` names the worker it
-was made for and the store reads claims.
+was made for and the store reads claims; and with it ``why_waiting``, what the connected
+workers say of jobs that wait.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from rota.core.model import JobRecord
 
@@ -256,3 +259,53 @@ class Ready:
         return {key & SEQ_MASK for by_spec in self.buckets.values()
                 for bucket in by_spec.values() for key in bucket.keys
                 if self._gone.get(key & SEQ_MASK) not in (PENDING, DEAD)}
+
+
+BUSY = "workers_busy"  # a backlog: capable workers run, all of them full
+
+
+class Wait(NamedTuple):
+    """Why available jobs of one queue and spec wait: ``kind``, a word (queue_paused,
+    no_worker, no_status_quo, checksum_mismatch, not_implemented, workers_stopped: the
+    ``reason`` label of GET /metrics' rota_jobs_blocked; or workers_busy, a backlog),
+    and ``reason``, a sentence."""
+
+    kind: str
+    reason: str
+
+    @property
+    def blocked(self) -> bool:
+        """Nothing will take these jobs as things stand: no capable worker runs (none
+        serves the queue, none declares the status-quo checksum, the capable ones are
+        quiet or terminating) or the queue is paused, an operator's to look at. Jobs
+        behind busy workers are only a backlog: they run as the workers free up."""
+        return self.kind != BUSY
+
+
+def why_waiting(workers: Iterable[WorkerSlot], paused: Collection[str],
+                status_quo: Mapping[str, str], queue: str, spec: str) -> Wait | None:
+    """Why available jobs of (queue, spec) are not running; None if they will be."""
+    if queue in paused:
+        return Wait("queue_paused", "queue paused")
+    serving = [w for w in workers if queue in w.queues]
+    if not serving:
+        return Wait("no_worker", f"no connected worker serves queue {queue!r}")
+    expected = status_quo.get(spec)
+    if expected is None:
+        return Wait("no_status_quo", f"spec {spec!r} has no status quo")
+    capable = [w for w in serving if w.specs.get(spec) == expected]
+    if not capable:
+        other = sum(1 for w in serving if spec in w.specs)
+        if other:
+            return Wait("checksum_mismatch", f"{other} worker(s) serve the queue but declare"
+                        f" another checksum for spec {spec!r} (status quo {expected[:19]})")
+        return Wait("not_implemented", f"{len(serving)} worker(s) serve the queue but none"
+                    f" implements spec {spec!r}")
+    running = [w for w in capable if w.state == "running"]
+    if not running:
+        return Wait("workers_stopped", f"all {len(capable)} capable worker(s) are quiet or"
+                    " terminating: none takes jobs")
+    if not any(w.free() > 0 for w in running):
+        unread = " or not reading what they are sent" if any(w.blocked for w in running) else ""
+        return Wait(BUSY, f"all {len(running)} running capable worker(s) are full{unread}")
+    return None

@@ -122,8 +122,9 @@ class Reservations:
             copies: list[p.JobCopy] = []
             size = 0
             log_lines(log, logging.INFO, "assign job=%s spec=%s@%s queue=%s worker=%s"
-                      " attempt=%d", [(job.id, job.spec, short(job.checksum), job.queue,
-                                       worker_id, job.attempt) for job in live])
+                      " attempt=%d%s", [(job.id, job.spec, short(job.checksum), job.queue,
+                                         worker_id, job.attempt, job.budget())
+                                        for job in live])
             for job in live:
                 job.reserved_at = now.wall
             self.observe.assigned(live, worker_id, now.wall)

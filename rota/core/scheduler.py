@@ -20,9 +20,9 @@ import itertools
 from collections.abc import Iterable
 
 from rota.core.model import JobRecord, JobState
-from rota.core.ready import PRIORITY_LIMIT, Claim, Ready, WorkerSlot
+from rota.core.ready import PRIORITY_LIMIT, Claim, Ready, Wait, WorkerSlot, why_waiting
 
-__all__ = ["Claim", "Scheduler", "WorkerSlot"]
+__all__ = ["Claim", "Scheduler", "Wait", "WorkerSlot"]
 
 TimerEntry = tuple[float, str]  # (when, job id); checked against the job when popped
 # A timer heap is rebuilt from its live entries when it holds this many more entries than
@@ -414,21 +414,13 @@ class Scheduler:
     # -- explaining ------------------------------------------------------------------
     def waiting_reason(self, queue: str, spec: str) -> str | None:
         """Why available jobs of (queue, spec) are not running; None if they will be."""
-        if queue in self.paused:
-            return "queue paused"
-        serving = [w for w in self.workers.values() if queue in w.queues]
-        if not serving:
-            return f"no connected worker serves queue {queue!r}"
-        expected = self.status_quo.get(spec)
-        if expected is None:
-            return f"spec {spec!r} has no status quo"
-        capable = [w for w in serving if w.specs.get(spec) == expected]
-        if not capable:
-            return _mismatch_reason(serving, spec, expected)
-        if not any(w.state == "running" and w.free() > 0 for w in capable):
-            unread = " or not reading what they are sent" if any(w.blocked for w in capable) else ""
-            return f"all {len(capable)} capable worker(s) are full or not running{unread}"
-        return None
+        wait = self.wait(queue, spec)
+        return None if wait is None else wait.reason
+
+    def wait(self, queue: str, spec: str) -> Wait | None:
+        """Why available jobs of (queue, spec) are not running, and whether that blocks
+        them or only holds them in a backlog (ready.why_waiting); None if they will run."""
+        return why_waiting(self.workers.values(), self.paused, self.status_quo, queue, spec)
 
     def ready_counts(self) -> dict[tuple[str, str], int]:
         counts = self.ready.counts()
@@ -470,14 +462,3 @@ def _pop_until(heap: list[TimerEntry], now: float, jobs: dict[str, JobRecord]) -
         if job is not None:
             popped.append(job)
     return popped
-
-
-def _mismatch_reason(serving: Iterable[WorkerSlot], spec: str, expected: str) -> str:
-    serving = list(serving)
-    other = sum(1 for w in serving if spec in w.specs)
-    if other:
-        return (
-            f"{other} worker(s) serve the queue but declare another checksum for spec"
-            f" {spec!r} (status quo {expected[:19]})"
-        )
-    return f"{len(serving)} worker(s) serve the queue but none implements spec {spec!r}"

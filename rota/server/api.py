@@ -334,9 +334,11 @@ async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]
                 summed[state] = summed.get(state, 0) + n
         others = {"queues": len(hidden), "counts": summed}
     waiting: dict[str, list[dict[str, Any]]] = {}
-    for queue, spec, n, reason in coordinator.waiting():
-        if queue in names:
-            waiting.setdefault(queue, []).append({"spec": spec, "available": n, "reason": reason})
+    for row in coordinator.waiting():
+        if row.queue in names:
+            waiting.setdefault(row.queue, []).append({"spec": row.spec, "available": row.jobs,
+                                                      "reason": row.reason,
+                                                      "blocked": row.blocked})
     oldest = await coordinator.oldest_waits()
     return [
         {"name": name, "counts": counts.get(name, {}),

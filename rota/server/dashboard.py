@@ -16,6 +16,7 @@ from starlette.staticfiles import StaticFiles
 
 from rota.server.api import job_detail, worker_views
 from rota.server.api_base import coordinator_of, need
+from rota.core import display
 from rota.core.charts import SERIES, start_index, throughput_svg
 from rota.server.coordinator import Coordinator
 from rota.base.errors import RequestError
@@ -73,9 +74,9 @@ def throughput(stats: dict[str, Any]) -> tuple[str, dict[str, int]]:
 
 
 def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:
-    """Available jobs that no worker will take now, per queue and spec, and why."""
-    return [row._asdict() for row in coordinator.waiting()
-            if row.reason is not None and row.jobs]
+    """Available jobs that no worker will take as things stand, per queue and spec, and
+    why: not a backlog behind busy workers, which is no incident (Wait.blocked)."""
+    return [row._asdict() for row in coordinator.waiting() if row.blocked]
 
 
 async def queues_page(request: Request) -> Response:
@@ -153,8 +154,8 @@ async def jobs_page(request: Request) -> Response:
     cursor = params.get("cursor") or None
     try:
         jobs, after = await coordinator.list_jobs(flt, PAGE, cursor)
-    except RequestError as exc:  # a cursor edited by hand: said on the page, as a filter is
-        return render(request, "jobs", status=400, error=exc.message, flt=None, form=form,
+    except RequestError as exc:  # a cursor edited by hand, an unknown spec or queue: said
+        return render(request, "jobs", status=exc.status, error=exc.message, flt=None, form=form,
                       jobs=[], total=0, capped=False, after=None, query="", paged=False,
                       states=STATES, **choices)
     total = await coordinator.count_jobs(flt)
@@ -221,6 +222,8 @@ async def job_page(request: Request) -> Response:
         trace = details.pop("traceback", None) if isinstance(details, dict) else None
         error["traceback"] = trace if isinstance(trace, str) else None
     return render(request, "job", job=job, terminal=job["state"] in TERMINAL_STATES,
+                  attempts=display.attempts(job["attempt"], job["attempts_used"],
+                                            job["max_attempts"]),
                   retryable=job["state"] in ("discarded", "cancelled"))
 
 

@@ -268,22 +268,6 @@ async def stats(request: Request) -> Response:
 
 
 # -- GET /metrics -------------------------------------------------------------------------
-def blocked_reason(reason: str) -> str:
-    """A waiting reason (Scheduler.waiting_reason, free text with names and counts) as a
-    label value of a few fixed words, so the label's values stay few."""
-    if reason.startswith("no connected worker"):
-        return "no_worker"
-    if reason.endswith("has no status quo"):
-        return "no_status_quo"
-    if "paused" in reason:
-        return "queue_paused"
-    if "none implements" in reason:
-        return "not_implemented"
-    if reason.startswith("all "):
-        return "workers_busy"
-    return "checksum_mismatch"
-
-
 # A series as a scrape copies it: (queue, spec, totals, wait, duration), each histogram
 # as (counts, sum). Copied on the loop (at most max_series + 1 of them), formatted off it.
 Row = tuple[str, str, list[int], tuple[list[int], float], tuple[list[int], float]]
@@ -369,10 +353,10 @@ async def gauges(coordinator: Coordinator) -> dict[str, Any]:
         state = connection.worker.state
         workers[state] = workers.get(state, 0) + 1
     blocked: dict[tuple[str, str], int] = {}
-    for _, spec, n, reason in coordinator.waiting():
-        if n and reason is not None:
-            key = (spec, blocked_reason(reason))
-            blocked[key] = blocked.get(key, 0) + n
+    for row in coordinator.waiting():
+        if row.blocked and row.wait is not None:  # a backlog behind busy workers is not
+            key = (row.spec, row.wait.kind)
+            blocked[key] = blocked.get(key, 0) + row.jobs
     return {"queue_counts": counts, "oldest": oldest, "workers": workers, "blocked": blocked}
 
 

@@ -45,6 +45,7 @@ class JobView(msgspec.Struct, kw_only=True):
     state: JobState
     priority: int
     attempt: int
+    attempts_used: int  # those max_attempts counts: since enqueue or the last manual retry
     args: Any
     worker_id: str | None
     checksum: str | None
@@ -219,6 +220,7 @@ class Waiting(msgspec.Struct):
     spec: str
     available: int
     reason: str | None
+    blocked: bool  # no worker will take them as things stand; false for a backlog
 
 
 class QueueView(msgspec.Struct):

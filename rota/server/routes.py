@@ -29,7 +29,7 @@ ROUTES: list[Op] = [
     Op("post", "/jobs", api.enqueue, "Enqueue a job", EnqueueRequest,
      {201: Enqueued, 200: Enqueued, 409: ErrorBody, **BAD}),
     Op("get", "/jobs", operate.list_jobs, "Find jobs, newest first, a page at a time (admin)",
-       None, {200: JobList, 400: ErrorBody}),
+       None, {200: JobList, 400: ErrorBody, 422: ErrorBody}),  # 422: an unknown spec, queue
     Op("post", "/jobs/retry", operate.bulk_retry,
        "Retry discarded and cancelled jobs, by ids or filter (admin)", BulkRequest,
        {200: BulkReply, **BAD}),

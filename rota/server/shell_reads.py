@@ -13,21 +13,27 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rota.store.health import Degraded
 from rota.core.engine import MAX_LOG_LINES, Engine
-from rota.core.listing import JobFilter
+from rota.core.listing import JobFilter, unknown_name
 from rota.core.model import JOB_STATES, Instant
 from rota.core.observe import Observer
-from rota.core.ready import WorkerSlot
+from rota.core.ready import Wait, WorkerSlot
 from rota.store.store import Store
 
 
 class Waiting(NamedTuple):
     """Available jobs of one queue and spec, and why no worker takes them now (None:
-    one will)."""
+    one will); ``wait`` says whether that blocks them (rota/core/ready.py Wait)."""
 
     queue: str
     spec: str
     jobs: int
     reason: str | None
+    wait: Wait | None = None
+
+    @property
+    def blocked(self) -> bool:
+        """No worker will take them as things stand (not a backlog: Wait.blocked)."""
+        return self.wait is not None and self.wait.blocked and self.jobs > 0
 
 
 class SpecWorkers(NamedTuple):
@@ -37,6 +43,28 @@ class SpecWorkers(NamedTuple):
     checksum: str
     matching: list[str]
     other: list[tuple[str, str]]
+
+
+async def refuse_unknown(store: Store, engine: Engine, flt: JobFilter) -> None:
+    """Raise listing.unknown_name's refusal if ``flt`` names a spec or queue nothing
+    knows. What memory holds is asked first; the store only for a name it lacks."""
+    specs: set[str] | dict[str, Any] = engine.specs
+    if flt.spec is not None and flt.spec not in specs and store.shared:
+        specs = set(specs) | set((await store.status_quo())[0])  # pushed through another server
+    queues: set[str] = set()
+    if flt.queue is not None:
+        scheduler = engine.scheduler
+        queues = ({s.queue for s in engine.specs.values()} | scheduler.paused
+                  | {q for w in scheduler.workers.values() for q in w.queues}
+                  | {q for q, _, _ in engine.settings.retain_queues})
+        if flt.queue not in queues:
+            held, _ = await store.list_jobs(JobFilter(queue=flt.queue), 1, None)
+            # A queue named only at enqueue: its jobs make it known (and those held in
+            # memory, the likely names).
+            queues |= ({flt.queue} if held else set(scheduler.live_counts()))
+    refusal = unknown_name(flt, specs, queues)
+    if refusal is not None:
+        raise refusal
 
 
 class ShellReads:
@@ -54,7 +82,9 @@ class ShellReads:
 
     async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None
                         ) -> tuple[list[dict[str, Any]], str | None]:
-        """A page of the jobs ``flt`` matches, newest first, and the next page's cursor."""
+        """A page of the jobs ``flt`` matches, newest first, and the next page's cursor.
+        RequestError (422) if it names a spec or queue nothing knows."""
+        await refuse_unknown(self.store, self.engine, flt)
         return await self.store.list_jobs(flt, limit, cursor)
 
     async def count_jobs(self, flt: JobFilter) -> int:
@@ -88,8 +118,9 @@ class ShellReads:
     def waiting(self) -> list[Waiting]:
         """The available jobs per queue and spec, by queue and spec, with their reason."""
         scheduler = self.engine.scheduler
-        return [Waiting(queue, spec, n, scheduler.waiting_reason(queue, spec))
-                for (queue, spec), n in sorted(scheduler.ready_counts().items())]
+        return [Waiting(queue, spec, n, None if wait is None else wait.reason, wait)
+                for (queue, spec), n in sorted(scheduler.ready_counts().items())
+                for wait in [scheduler.wait(queue, spec)]]
 
     def paused_queues(self) -> frozenset[str]:
         return frozenset(self.engine.scheduler.paused)

@@ -21,6 +21,7 @@ from rota.core.listing import JobFilter
 from rota.core.model import Instant, JobRecord
 from rota.base.specs import JobSpec, checksum
 from rota.store.store import Store, job_from_row
+from rota.server.shell_reads import refuse_unknown
 
 BULK_CHUNK = 200  # jobs a bulk action handles at once: their writes share commits
 Run = Callable[[Iterable[Effect]], Coroutine[Any, Any, dict[str, JobRecord | None]]]
@@ -135,6 +136,7 @@ class Steering:
             found = [(job_id, states.get(job_id)) for job_id in chosen]
         else:
             assert flt is not None
+            await refuse_unknown(self.store, self.engine, flt)
             rows, stopped = await self.store.match_jobs(flt, limit)
             found = rows[:limit]
             matched = len(found)

@@ -22,6 +22,8 @@ def job_view(row: dict[str, Any]) -> dict[str, Any]:
         "state": row["state"],
         "priority": row["priority"],
         "attempt": row["attempt"],
+        # Those max_attempts counts: since enqueue or the last manual retry (issue 22).
+        "attempts_used": row["attempt"] - row["budget_start"],
         # Stored JSON goes out as it is (Raw): decoding it only to encode it again cost
         # a batch enqueue's answer a fifth of its time.
         "args": msgspec.Raw(row["args"]),

@@ -250,6 +250,13 @@ async def test_every_path_segment_and_query_value(watched: Watch):
         answer = await live.http.get(f"/jobs/keep-completed/result?wait={value}")
         assert_http(answer, False, f"?wait={value} ({name})")
         watched.pairs += 1
+    for name, field, value, code in corpus.FILTER_NAMES:  # no bulk action may touch a job
+        for answer in [await live.http.get("/jobs", params={field: value}),
+                       *[await live.http.post(f"/jobs/{action}", json={"filter": {field: value}})
+                         for action in ("retry", "cancel")]]:
+            assert_http(answer, True, f"{answer.request.url.path} {field}={value} ({name})")
+            assert (answer.status_code, answer.json()["error"]["code"]) == (422, code), name
+            watched.pairs += 1
 
 
 async def test_every_header_rota_reads(watched: Watch):

@@ -4,9 +4,11 @@ manual retry, batches and idempotent enqueue."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
+import pytest
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import RawWorker, wait_until
 
@@ -222,22 +224,32 @@ async def test_cancel_waiting_and_running_jobs_then_retry(live: Live, sdk_worker
     assert (await live.http.delete("/jobs/nope")).status_code == 404
 
 
-async def test_manual_retry_gives_a_discarded_job_a_fresh_budget(live: Live, connect,
-                                                                 tmp_path: Path):
+async def test_manual_retry_gives_a_discarded_job_a_fresh_budget(
+        live: Live, connect, tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.INFO, "rota.server")
     spec = write_spec(tmp_path, "once", extra="[retry]\nmax_attempts = 1\n")
     await live.push(spec)
     worker = await connect()
     await worker.register([spec], concurrency=1)
     job = await live.enqueue("once")
+    for _ in range(2):  # discarded, and retried by hand, twice
+        [copy] = await worker.jobs(1)
+        await fail(worker, copy)
+        await live.wait_state(job["id"], "discarded")
+        retried = (await live.http.post(f"/jobs/{job['id']}/retry")).json()
+        assert (retried["attempt"], retried["attempts_used"]) == (copy["attempt"], 0)
     [copy] = await worker.jobs(1)
-    await fail(worker, copy)
-    await live.wait_state(job["id"], "discarded")
-    await live.http.post(f"/jobs/{job['id']}/retry")
-    [copy] = await worker.jobs(1)
-    assert copy["attempt"] == 2
+    assert copy["attempt"] == 3
+    # The attempts the budget counts, and all of them: "1 of 1 (3 in all)", not "3 of 1".
+    assert ((view := await live.job(job["id"]))["attempt"], view["attempts_used"]) == (3, 1)
+    page = (await live.http.get(f"/ui/jobs/{job['id']}")).text
+    assert "<dd>1 of 1 (3 in all) · 0 failed" in page
+    assert f"assign job={job['id']} " in caplog.text
+    assert [line.endswith("attempt=3 budget=1/1") for line in caplog.text.splitlines()
+            if f"assign job={job['id']} " in line] == [False, False, True]
     await worker.complete(copy, result="second time lucky")
     done = await live.wait_state(job["id"], "completed")
-    assert done["result"] == "second time lucky" and len(done["errors"]) == 1
+    assert done["result"] == "second time lucky" and len(done["errors"]) == 2
 
 
 async def test_batch_enqueue_reports_each_job(live: Live, tmp_path: Path):

@@ -16,7 +16,8 @@ from helpers import RawWorkers
 from rota import JobContext, Worker
 from rota.store import lookup
 from rota.base.errors import RequestError
-from rota.core.listing import JobFilter, decode_cursor, encode_cursor, filter_params, parse_filter
+from rota.core.listing import (JobFilter, decode_cursor, did_you_mean, encode_cursor,
+                               filter_params, parse_filter, unknown_name)
 
 # The server's scenarios run on SQLite; what they rely on the store for runs on both
 # backends in tests/store/test_store_contract.py, and the store's own queries below
@@ -112,6 +113,42 @@ async def test_bulk_retry_and_cancel_by_filter_and_ids(live: Live, connect, tmp_
     assert {(await live.job(j["id"]))["state"] for j in jobs[:2]} == {"available"}
     again = (await live.http.post("/jobs/retry", json={"ids": [jobs[0]["id"]]})).json()
     assert again["touched"] == 0 and again["skipped"][0]["reason"] == "job is available"
+
+
+async def test_an_unknown_spec_or_queue_in_a_filter_is_refused_with_the_likely_name(
+        live: Live, tmp_path: Path):
+    """A misspelt name would match nothing, and a bulk action that touched nothing would
+    look done (issue 22): 422, with the name meant. A known name with no job is no error."""
+    await live.push(write_spec(tmp_path, "resize_image", queue="media"))
+    await live.enqueue("resize_image", id="only-at-enqueue", queue="adhoc")
+    for params, code, says in [
+            ({"spec": "resize"}, "unknown_spec", "did you mean resize_image?"),
+            ({"queue": "meida"}, "unknown_queue", "did you mean media?"),
+            ({"queue": "nowhere"}, "unknown_queue", "Known queues: adhoc, media.")]:
+        answers = [await live.http.get("/jobs", params=params)]
+        for action in ("retry", "cancel"):
+            answers.append(await live.http.post(f"/jobs/{action}", json={"filter": params}))
+        for answer in answers:
+            error = answer.json()["error"]
+            assert (answer.status_code, error["code"]) == (422, code), params
+            assert says in error["message"], error
+    assert (await live.job("only-at-enqueue"))["state"] == "available"  # nothing touched
+    # Known, though no job matches: a queue named only at enqueue, a spec with no discards.
+    assert len((await _list(live, queue="adhoc"))["jobs"]) == 1
+    retried = await live.http.post("/jobs/retry", json={"filter": {"spec": "resize_image",
+                                                                   "state": "discarded"}})
+    assert retried.status_code == 200 and retried.json()["matched"] == 0
+
+
+def test_the_likely_name_of_a_slip():
+    known = ["resize_image", "send_email", "echo", "emails"]
+    assert [did_you_mean(typed, known) for typed in ("resize", "ecoh", "ECHO", "emial",
+                                                     "image", "xy", "zzz")] == \
+        ["resize_image", "echo", "echo", "emails", "resize_image", None, None]
+    assert unknown_name(JobFilter(spec="echo", queue="emails"), known, known) is None
+    assert unknown_name(JobFilter(states=("discarded",)), [], []) is None
+    refusal = unknown_name(JobFilter(spec="echo", queue="mails"), known, ["emails"])
+    assert refusal is not None and (refusal.status, refusal.code) == (422, "unknown_queue")
 
 
 async def test_bulk_actions_refuse_bad_bodies_precisely(live: Live):

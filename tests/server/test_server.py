@@ -270,9 +270,17 @@ async def test_queues_endpoint_explains_waiting_work(live: Live, connect, tmp_pa
     await worker.register([echo], concurrency=1, capacity=0)
     queues = {q["name"]: q for q in (await live.http.get("/queues")).json()["queues"]}
     assert queues["media"]["waiting"][0]["reason"] == "no connected worker serves queue 'media'"
+    assert queues["media"]["waiting"][0]["blocked"] is True
     assert queues["default"]["workers"] == 1
-    assert "full or not running" in queues["default"]["waiting"][0]["reason"]
+    # A backlog behind a busy worker: said, but no incident (issue 22).
+    busy = queues["default"]["waiting"][0]
+    assert "1 running capable worker(s) are full" in busy["reason"] and busy["blocked"] is False
     assert queues["default"]["counts"]["available"] == 1
+    blocked = (await live.http.get("/ui")).text.split("<h2>Blocked</h2>")[1]
+    assert "no connected worker serves queue" in blocked and "are full" not in blocked
+    metrics = (await live.http.get("/metrics")).text
+    assert 'rota_jobs_blocked{reason="no_worker",spec="resize"} 1.0' in metrics
+    assert "workers_busy" not in metrics
     await worker.beat(capacity=1)
     await worker.jobs(1)
     await wait_until(lambda: live.coordinator.scheduler.ready_counts().get(("default", "echo")) is None)

@@ -45,6 +45,10 @@ ON_A_SERVER = [
     (["jobs", "cancel", "--dry-run"], "name the jobs to cancel"),
     (["jobs", "cancel", "a", "--state", "discarded"], "not both"),
     (["jobs", "retry", "--spec", "bad name"], "invalid_filter"),
+    # a misspelt name matches nothing: said, not "0 matched" (issue 22)
+    (["jobs", "retry", "--state", "discarded", "--spec", "ech"], "did you mean echo?"),
+    (["jobs", "cancel", "--queue", "defualt", "--yes"], "did you mean default?"),
+    (["jobs", "list", "--spec", "nope"], "spec 'nope' is unknown"),
     (["jobs", "cancel", "--queue", ""], "--queue is empty (an unset variable?)"),
     (["jobs", "cancel", "--state", "", "--spec", "echo"], "--state is empty"),
     (["jobs", "list", "--q", ""], "--q is empty"),

@@ -99,6 +99,11 @@ async def test_bulk_retry_and_cancel_by_filter_and_by_ids(live: Live, connect, t
     code, out, _ = await rota("jobs", "retry", "--state", "discarded", "--spec", "echo",
                               "--url", live.base)
     assert code == 0 and out.splitlines()[0].startswith("2 matched; retried: 2")
+    # A known spec that matches nothing: 0 is then true, and said as such (a misspelt
+    # one is refused: tests/system/test_cli_failures.py).
+    code, out, _ = await rota("jobs", "retry", "--state", "discarded", "--spec", "echo",
+                              "--url", live.base)
+    assert code == 0 and out.splitlines()[0].startswith("0 matched; retried: 0")
     for copy in await worker.jobs(2):  # they run again, with a fresh budget
         assert copy["id"] in ("bad-1", "bad-2")
 
@@ -126,7 +131,7 @@ async def test_queues_pause_and_resume(live: Live, connect, tmp_path: Path):
     await worker.assert_no_assign()
     code, out, _ = await rota("queues", "--url", live.base)
     line = next(line for line in out.splitlines() if line.startswith("default"))
-    assert "paused" in line and "waiting=1" in line
+    assert "paused" in line and "waiting=1  later=0" in line
     assert "echo: 1 waiting: " in out and "paused" in out.split("echo: 1 waiting: ")[1]
     code, out, _ = await rota("queues", "--json", "--url", live.base)
     shown = {q["name"]: q for q in json.loads(out)["queues"]}
@@ -168,11 +173,13 @@ async def test_watch_prints_one_snapshot_as_json(live: Live, connect, tmp_path: 
     await live.enqueue("echo", id="done-1")
     [copy] = await worker.jobs(1)
     await worker.complete(copy, result=1)
+    await live.enqueue("echo", id="later-1", delay=3600)  # not due: not "waiting"
     code, out, err = await rota("watch", "--json", "--url", live.base)
     assert code == 0, err
     view = json.loads(out)
     queues = {q["name"]: q for q in view["queues"]}
     assert queues["media"]["waiting"] == 1 and queues["media"]["paused"] is False
+    assert (queues["default"]["waiting"], queues["default"]["later"]) == (0, 1)
     assert queues["media"]["oldest_available_age"] >= 0
     assert queues["default"]["counts"]["completed"] == 1
     assert {w["id"]: w["state"] for w in view["workers"]} == {"w-ops": "running",
@@ -181,7 +188,7 @@ async def test_watch_prints_one_snapshot_as_json(live: Live, connect, tmp_path: 
     assert (blocked["queue"], blocked["spec"], blocked["available"]) == ("media", "resize", 1)
     assert "checksum" in blocked["reason"]
     throughput = view["throughput"]
-    assert sum(throughput["completed"]) == 1 and sum(throughput["enqueued"]) == 2
+    assert sum(throughput["completed"]) == 1 and sum(throughput["enqueued"]) == 3
     assert len(throughput["completed"]) == len(throughput["minute_starts"])
 
 
@@ -245,7 +252,7 @@ async def test_watch_fits_80_columns_and_counts_a_burst_at_once(live: Live, conn
     assert lines[0].startswith("rota watch  ")
     assert max(len(line) for line in lines) <= 80, "\n".join(lines)
     columns = {line.split()[0]: re.split(r" {2,}", line) for line in lines if line.strip()}
-    assert columns["QUEUE"] == ["QUEUE", "STATE", "WAITING", "ACTIVE", "OLDEST", "WORKERS"]
+    assert columns["QUEUE"] == ["QUEUE", "STATE", "WAITING", "LATER", "ACTIVE", "OLDEST", "WORKERS"]
     [cut] = [row for name, row in columns.items() if name.startswith("thumbnails-")
              and "/" not in name]  # (not its line under BLOCKED)
     assert cut[0].endswith("…") and cut[1:3] == ["running", "200"], cut

@@ -198,6 +198,8 @@ def test_retry_a_discarded_job_from_its_page(page: Page, rig: Rig):
     page.get_by_role("button", name="Retry").click()
     expect(page.get_by_role("status")).to_contain_text(f"job {job_id} will run again")
     expect(state).to_have_text("completed", timeout=WAIT)
+    # Its fresh budget's attempt, and all of them (not "2 of 1": issue 22).
+    expect(page.locator("dl.facts").first).to_contain_text("1 of 1 (2 in all)", timeout=WAIT)
     assert rig.job(job_id)["result"] == "fine"
 
 
@@ -221,7 +223,7 @@ def test_quiet_a_worker_and_it_gets_no_more_jobs(page: Page, rig: Rig):
 
     job_id = rig.enqueue("echo")
     page.goto(rig.base + f"/ui/jobs/{job_id}")
-    expect(page.get_by_text("all 1 capable worker(s) are full or not running")).to_be_visible()
+    expect(page.get_by_text("all 1 capable worker(s) are quiet or terminating")).to_be_visible()
     second = rig.worker({"echo": echo})
     expect(page.locator("#job-state")).to_have_text("completed", timeout=WAIT)
     assert rig.job(job_id)["worker_id"] == second.worker_id  # the quiet one took nothing

@@ -203,6 +203,9 @@ async def test_the_jobs_list_filters_and_pages(busy):
     ("/ui/jobs?state=bogus", 400, "unknown state &#39;bogus&#39;"),
     ("/ui/jobs?spec=a%20b", 400, "spec is not a name"),
     ("/ui/jobs?cursor=garbage", 400, "cursor is not one this server gave"),
+    # a misspelt name would match nothing, and look like an empty list (issue 22)
+    ("/ui/jobs?state=discarded&spec=reprot", 422, "spec &#39;reprot&#39; is unknown"),
+    ("/ui/jobs?queue=emial", 422, "did you mean emails?"),
     ("/ui/jobs/", 404, "There is no job without an id"),
 ])
 async def test_a_bad_filter_says_why_on_the_page(busy, path, status, text):
@@ -291,5 +294,7 @@ async def test_a_queue_given_only_at_enqueue_stays_selected_in_the_filter(own_bu
     await live.enqueue("audit", {"who": "x"}, queue="parked")
     text = await page(live, "/ui/jobs?queue=parked")
     assert "<option selected>parked</option>" in text
-    text = await page(live, "/ui/jobs?queue=nowhere")  # asked for, though nothing is there
-    assert "<option selected>nowhere</option>" in text
+    # asked for, though nothing is there: said so, and still chosen
+    answer = await live.http.get("/ui/jobs?queue=nowhere")
+    assert answer.status_code == 422 and "queue &#39;nowhere&#39; is unknown" in answer.text
+    assert "<option selected>nowhere</option>" in answer.text

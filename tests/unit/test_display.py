@@ -75,3 +75,9 @@ def test_the_chart_is_svg_with_a_line_per_series_and_a_title_per_minute():
 def test_an_empty_chart_still_draws():
     root = ET.fromstring(throughput_svg([], {}))
     assert root.tag.endswith("svg")
+
+
+def test_attempts_within_the_budget_and_in_all():
+    assert display.attempts(2, 2, 3) == "2 of 3"
+    assert display.attempts(9, 3, 3) == "3 of 3 (9 in all)"  # after two manual retries
+    assert display.attempts(0, 0, None) == "0"

@@ -388,6 +388,22 @@ def test_waiting_reasons_are_distinct(sched: Scheduler) -> None:
     assert "checksum" in reasons["checksum"]  # type: ignore[operator]
     assert "none implements" in reasons["no_spec"]  # type: ignore[operator]
     assert "full" in reasons["full"]  # type: ignore[operator]
+    # Blocked: nothing will take the jobs as things stand. A backlog behind a busy worker
+    # is not (issue 22: the Overview listed it as an incident).
+    busy = sched.wait("default", "a")
+    assert busy is not None and (busy.kind, busy.blocked) == ("workers_busy", False)
+    sched.workers["full"].state = "quiet"
+    stopped = sched.wait("default", "a")
+    assert stopped is not None and (stopped.kind, stopped.blocked) == ("workers_stopped", True)
+    sched.paused.add("default")
+    paused = sched.wait("default", "a")
+    assert paused is not None and (paused.kind, paused.blocked) == ("queue_paused", True)
+    sched.paused.clear()
+    sched.remove_worker("full")
+    sched.add_worker(make_worker("other-sum", specs={"a": OLD}))
+    assert {w.kind: w.blocked for w in [sched.wait("default", "a"), sched.wait("x", "a")]
+            if w is not None} == {"checksum_mismatch": True, "no_worker": True}
+    sched.remove_worker("other-sum")
 
     sched.add_worker(make_worker("roomy", specs={"a": CA}, concurrency=2))
     assert sched.waiting_reason("default", "a") is None
@@ -416,8 +432,8 @@ def test_waiting_reason_no_worker_for_queue_even_if_others_connected(sched: Sche
 
 def test_waiting_reason_capable_but_not_running(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", state="quiet"))
-    reason = sched.waiting_reason("default", "a")
-    assert reason is not None and "not running" in reason
+    wait = sched.wait("default", "a")
+    assert wait is not None and "quiet or terminating" in wait.reason and wait.blocked
     sched.workers["w1"].state = "running"
     assert sched.waiting_reason("default", "a") is None
 
