@@ -29,6 +29,7 @@ from rota.worker.worker import JobContext
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
 VIEWPORT = {"width": 1280, "height": 820}
+PHONE = {"width": 390, "height": 844}
 
 
 class SmtpRefused(ConnectionRefusedError):
@@ -138,6 +139,16 @@ def shoot(rig: Rig, ids: dict[str, str]) -> list[Path]:
             page.evaluate("document.activeElement.blur()")
             # The whole page, but a long list only as far as the window shows it.
             page.screenshot(path=OUT / f"{name}.png", full_page=name != "jobs")
+            written.append(OUT / f"{name}.png")
+            page.locator("#poll").click()
+        # And a phone's width (390 px): the header in two rows, wide tables scrolling in
+        # their own box.
+        page.set_viewport_size(PHONE)
+        for name, path in (("overview-phone", "/ui"), ("jobs-phone", "/ui/jobs?state=discarded")):
+            page.goto(path)
+            page.locator("#poll").click()
+            page.evaluate("document.activeElement.blur()")
+            page.screenshot(path=OUT / f"{name}.png", full_page=name == "overview-phone")
             written.append(OUT / f"{name}.png")
             page.locator("#poll").click()
         browser.close()

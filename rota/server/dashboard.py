@@ -20,7 +20,7 @@ from rota.core.charts import SERIES, throughput_svg
 from rota.server.coordinator import Coordinator
 from rota.base.errors import RequestError
 from rota.base.ids import path_segment
-from rota.core.listing import FIELDS, JobFilter, filter_params, parse_filter
+from rota.core.listing import FIELDS, NAME, JobFilter, filter_params, parse_filter
 from rota.store.lookup import COUNT_CAP
 from rota.server.pages import (HERE, STATES, action, counted_queues, login, login_form, logout,
                         render)
@@ -105,9 +105,13 @@ async def specs_page(request: Request) -> Response:
 async def workers_page(request: Request) -> Response:
     need(request, "admin")
     workers = worker_views(coordinator_of(request))
-    labels = sorted({label for worker in workers for label in worker["labels"]})
-    return render(request, "workers", workers=workers, labels=labels, directives=DIRECTIVES,
-                  verbs=VERBS, actions_for=actions_for)
+    # The label chosen last (the by-label form comes back with it), kept chosen even when
+    # no worker has it any more: never silently another label, such as a new fleet's.
+    chosen = request.query_params.get("label", "")
+    labels = sorted({label for worker in workers for label in worker["labels"]}
+                    | ({chosen} if NAME.fullmatch(chosen) else set()))
+    return render(request, "workers", workers=workers, labels=labels, chosen=chosen,
+                  directives=DIRECTIVES, verbs=VERBS, actions_for=actions_for)
 
 
 def actions_for(state: str) -> tuple[str, ...]:
@@ -276,6 +280,7 @@ async def direct_label(request: Request, form: dict[str, str]) -> str:
     if not label:
         return "refused: choose a label"
     done = await coordinator_of(request).direct_workers(state, label=label)
+    form["back"] = f"/ui/workers?{urlencode({'label': label})}"  # the form keeps its label
     others = ", and those of the other servers on the database" if done.forwarded else ""
     return (f"{len(done.workers)} worker(s) labelled {label!r} were told to"
             f" {VERBS[state]}{others}")

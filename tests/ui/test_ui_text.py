@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import BrowserContext, Page, expect
 from test_ui import browser, enter, fresh_page, shared  # noqa: F401 (browser, shared: fixtures)
-from uirig import Rig
+from uirig import Rig, filled
 
 from rota.base import protocol as p
 from rota.worker.worker import JobContext, Worker
@@ -73,11 +73,8 @@ def long_jobs(rig: Rig) -> dict[str, str]:
 # One server for the module: both tests only read what long_jobs put there.
 @pytest.fixture(scope="module")
 def long_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Rig, dict[str, str]]]:
-    rig = Rig(tmp_path_factory.mktemp("long"))
-    try:
-        yield rig, long_jobs(rig)
-    finally:
-        rig.close()
+    with filled(tmp_path_factory.mktemp("long"), long_jobs) as rig_ids:
+        yield rig_ids
 
 
 def wide(page: Page) -> dict[str, int]:
