@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import pytest_asyncio
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import silent_worker, stop_silent, wait_until
 
+from rota.server import dashboard
 from rota.worker.worker import JobContext, Worker
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
@@ -197,6 +200,33 @@ async def test_the_jobs_list_filters_and_pages(busy):
     completed = await page(live, "/ui/jobs?state=completed")
     assert "Retry all" not in completed and "Cancel all" not in completed
     assert "Cancel all" not in text and "Retry all" in text  # (state=discarded, above)
+
+
+async def test_the_jobs_list_pages_older_newer_and_first(busy, monkeypatch):
+    monkeypatch.setattr(dashboard, "PAGE", 1)  # a page a job: the busy server's 3 are 3 pages
+    live = busy["live"]
+
+    async def visit(path: str) -> tuple[str, dict[str, str]]:
+        text = await page(live, path)
+        pager = text[text.index('<nav class="pager"'):]
+        pager = pager[:pager.index("</nav>")]
+        links = {rel: html.unescape(href) for href, rel
+                 in re.findall(r'<a href="([^"]*)" rel="(\w+)"', pager)}
+        return re.findall(r'<tr data-job="([^"]+)"', text)[0], links
+
+    newest, links = await visit("/ui/jobs")
+    assert newest == busy["waiting"] and set(links) == {"next"}  # no First, no Newer
+    second, links2 = await visit(links["next"])
+    assert second == busy["failed"] and set(links2) == {"first", "prev", "next"}
+    third, links3 = await visit(links2["next"])
+    assert third == busy["done"] and set(links3) == {"first", "prev"}  # the oldest
+    assert (await visit(links3["prev"]))[0] == busy["failed"]  # Newer: the page before
+    assert (await visit(links3["first"]))[0] == busy["waiting"]
+    # A filter rides along: with it, only the two finished jobs, newest first.
+    done_first, filtered = await visit("/ui/jobs?state=completed&state=discarded")
+    older, back = await visit(filtered["next"])
+    assert (done_first, older) == (busy["failed"], busy["done"])
+    assert "state=completed&state=discarded" in back["prev"]
 
 
 @pytest.mark.parametrize(("path", "status", "text"), [
