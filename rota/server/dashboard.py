@@ -213,8 +213,11 @@ async def bulk_page(request: Request) -> Response:
     # The jobs the dry run looked at (the newest, up to the cap), and those of them left
     # alone (the preview lists only the first 100 skipped).
     examined = BULK_LIMIT if preview["truncated"] else preview["matched"]
+    # How many match: counted exactly past the cap of one action, up to the store's cap
+    # of a count; "at least" only at that cap, or when a bounded search (q) stopped short.
+    at_least = preview["truncated"] and not BULK_LIMIT < preview["matched"] < COUNT_CAP
     return render(request, "bulk", action=action, preview=preview, query=query,
-                  examined=examined, left=examined - preview["touched"],
+                  examined=examined, left=examined - preview["touched"], at_least=at_least,
                   fields={key: ",".join(v) if isinstance(v, list) else v
                           for key, v in filter_params(flt).items()})
 

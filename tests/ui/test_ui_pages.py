@@ -254,6 +254,12 @@ async def test_a_bulk_action_is_counted_before_it_is_done(own_busy):
     assert (await live.job(own_busy["waiting"]))["state"] == "cancelled"
 
 
+async def test_a_bulk_count_past_one_action_is_exact(busy, monkeypatch):
+    monkeypatch.setattr(dashboard, "BULK_LIMIT", 1)  # 2 finished jobs: more than one action takes
+    text = await page(busy["live"], "/ui/bulk?action=retry&state=completed&state=discarded")
+    assert "<li>2 job(s) match" in text and "one action takes the newest 1 of them" in text
+
+
 @pytest.mark.parametrize(("method", "path", "form", "status", "code"), [
     ("get", "/ui/bulk?action=delete&state=discarded", None, 400, "invalid_request"),
     ("get", "/ui/bulk?action=retry", None, 400, "invalid_filter"),
