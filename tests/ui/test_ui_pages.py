@@ -184,6 +184,37 @@ async def test_an_empty_server_renders_every_page(tmp_path):
         await stop_server(live)
 
 
+async def test_a_cancelled_attempt_is_listed_as_cancelled_not_failed(tmp_path):
+    live = await start_server(tmp_path)
+    await live.push(write_spec(tmp_path / "specs", "slow"))
+    worker = Worker(url=live.ws, specs_dir=tmp_path / "specs", handle_signals=False)
+    started = asyncio.Event()
+
+    @worker.handler("slow")
+    async def slow(ctx: JobContext) -> None:
+        started.set()
+        await asyncio.sleep(60)  # noqa: sleep-ok (work that the cancel stops)
+
+    task = asyncio.create_task(worker.run())
+    try:
+        job = await live.enqueue("slow")
+        await asyncio.wait_for(started.wait(), 10)
+        assert (await live.http.delete(f"/jobs/{job['id']}")).status_code < 300
+        await live.wait_state(job["id"], "cancelled")
+        text = await wait_until(lambda: _attempt_listed(live, job["id"]), what="the attempt")
+        assert "Attempts cancelled (1)" in text and "Attempts that failed" not in text
+        assert '<span class="pill cancelled">cancelled</span>' in text
+    finally:
+        worker.stop_now()
+        await asyncio.wait_for(task, 10)
+        await stop_server(live)
+
+
+async def _attempt_listed(live: Live, job_id: str) -> str | None:
+    text = await page(live, f"/ui/jobs/{job_id}")
+    return text if '<article class="attempt">' in text else None
+
+
 async def test_the_jobs_list_filters_and_pages(busy):
     live = busy["live"]
     text = await page(live, "/ui/jobs?state=discarded")
