@@ -127,10 +127,11 @@ def test_a_page_whose_server_stops_dims_its_content_under_a_banner(
     stopped = False
     page = fresh_page(shared, rig)
     try:
-        rig.spec("mail")
-        enter(page, rig, "/ui/workers")
+        enter(page, rig, "/ui/jobs?state=bogus")  # a 400 page: the server answers, no banner
         banner, live = page.locator("#stale"), page.locator("#live")
+        expect(page.locator("#poll-state")).to_have_text("error 400")
         expect(banner).to_be_hidden()
+        page.goto(rig.base + "/ui/workers")
         # A server that does not answer for a while, then does again.
         page.route("**/ui/workers", lambda route: route.abort())
         expect(banner).to_be_visible()

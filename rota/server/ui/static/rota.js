@@ -67,7 +67,10 @@
       .then(function (response) {
         // Sent to the login form (the session ended): show it.
         if (response.redirected || response.status === 401) { location.reload(); return; }
-        if (!response.ok) { stale("server answered " + response.status); return; }
+        // 5xx: the server (or a proxy before it) cannot answer now. A 4xx page (a bad
+        // filter, a job not found) is the answer itself: the server is there.
+        if (response.status >= 500) { stale("server answered " + response.status); return; }
+        if (!response.ok) { fresh(); show("error " + response.status); return; }
         return response.text().then(function (html) {
           if (pressed) return;  // pressed while this was fetched: the next refresh shows it
           if (html !== live.dataset.last) {
