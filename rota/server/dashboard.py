@@ -107,14 +107,16 @@ async def specs_page(request: Request) -> Response:
 
 async def workers_page(request: Request) -> Response:
     need(request, "admin")
-    workers = worker_views(coordinator_of(request))
+    coordinator = coordinator_of(request)
+    workers = worker_views(coordinator)
     # The label chosen last (the by-label form comes back with it), kept chosen even when
     # no worker has it any more: never silently another label, such as a new fleet's.
     chosen = request.query_params.get("label", "")
     labels = sorted({label for worker in workers for label in worker["labels"]}
                     | ({chosen} if NAME.fullmatch(chosen) else set()))
     return render(request, "workers", workers=workers, labels=labels, chosen=chosen,
-                  directives=DIRECTIVES, verbs=VERBS, actions_for=actions_for)
+                  shared=coordinator.shares_database(), directives=DIRECTIVES, verbs=VERBS,
+                  actions_for=actions_for)
 
 
 def actions_for(state: str) -> tuple[str, ...]:

@@ -127,9 +127,12 @@
     document.querySelectorAll("#live td[data-labels]").forEach(function (td) {
       if (JSON.parse(td.dataset.labels).indexOf(label) >= 0) n += 1;
     });
-    return "Tell the " + n + " worker" + (n === 1 ? "" : "s") + " labelled \u201c" + label +
-      "\u201d to " + verb + "?" + (state.value === "terminate" ?
-      " They finish their running jobs and exit." : "");
+    var whom = "the " + n + " worker" + (n === 1 ? "" : "s") + " labelled \u201c" + label + "\u201d";
+    if (form.hasAttribute("data-shared")) {
+      whom += " here (and those with it on the other servers of this database)";
+    }
+    var after = state.value === "terminate" ? " They finish their running jobs and exit." : "";
+    return "Tell " + whom + " to " + verb + "?" + after;
   }
 
   document.addEventListener("submit", function (event) {
