@@ -1,4 +1,5 @@
-"""Screenshots of every dashboard page, for README.md: a demo server with specs, workers
+"""Screenshots of every dashboard page at a desktop's width (1280 px), and of the overview
+and the jobs list at a phone's (390 px), for README.md: a demo server with specs, workers
 and a few minutes of jobs (some failing, one running with progress and logs, a queue no
 worker serves, a worker on an old spec version), photographed with the same chromium the
 browser tests drive.
