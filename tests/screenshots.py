@@ -1,4 +1,5 @@
-"""Screenshots of every dashboard page, for README.md: a demo server with specs, workers
+"""Screenshots of every dashboard page at a desktop's width (1280 px), and of the overview
+and the jobs list at a phone's (390 px), for README.md: a demo server with specs, workers
 and a few minutes of jobs (some failing, one running with progress and logs, a queue no
 worker serves, a worker on an old spec version), photographed with the same chromium the
 browser tests drive.
@@ -29,6 +30,7 @@ from rota.worker.worker import JobContext
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
 VIEWPORT = {"width": 1280, "height": 820}
+PHONE = {"width": 390, "height": 844}
 
 
 class SmtpRefused(ConnectionRefusedError):
@@ -138,6 +140,16 @@ def shoot(rig: Rig, ids: dict[str, str]) -> list[Path]:
             page.evaluate("document.activeElement.blur()")
             # The whole page, but a long list only as far as the window shows it.
             page.screenshot(path=OUT / f"{name}.png", full_page=name != "jobs")
+            written.append(OUT / f"{name}.png")
+            page.locator("#poll").click()
+        # And a phone's width (390 px): the header in two rows, wide tables scrolling in
+        # their own box.
+        page.set_viewport_size(PHONE)
+        for name, path in (("overview-phone", "/ui"), ("jobs-phone", "/ui/jobs?state=discarded")):
+            page.goto(path)
+            page.locator("#poll").click()
+            page.evaluate("document.activeElement.blur()")
+            page.screenshot(path=OUT / f"{name}.png", full_page=name == "overview-phone")
             written.append(OUT / f"{name}.png")
             page.locator("#poll").click()
         browser.close()

@@ -7,9 +7,10 @@ tests/screenshots.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,13 @@ class Rig:
             loop.close()
         self.server.close()
 
+
+
+@contextlib.contextmanager
+def filled(tmp: Path, fill: Callable[[Rig], Any]) -> Iterator[tuple[Rig, Any]]:
+    """A rig and what ``fill`` put on it (ids worth a page): a module's shared server."""
+    rig = Rig(tmp)
+    try:
+        yield rig, fill(rig)
+    finally:
+        rig.close()

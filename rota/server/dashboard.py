@@ -5,6 +5,7 @@ How a page is rendered, refreshed, and posted to, and the login, are in rota/ser
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from urllib.parse import urlencode
 
@@ -21,7 +22,8 @@ from rota.core.charts import SERIES, start_index, throughput_svg
 from rota.server.coordinator import Coordinator
 from rota.base.errors import RequestError
 from rota.base.ids import path_segment
-from rota.core.listing import FIELDS, JobFilter, filter_params, parse_filter
+from rota.core.listing import (FIELDS, NAME, JobFilter, decode_cursor, filter_params,
+                                parse_filter)
 from rota.store.lookup import COUNT_CAP
 from rota.server.pages import (HERE, STATES, action, counted_queues, login, login_form, logout,
                         render)
@@ -31,6 +33,7 @@ from rota.base.protocol import Name, rfc3339
 DIRECTIVES = ("quiet", "running", "terminate")  # running: resume a quiet worker
 VERBS = {"quiet": "go quiet", "running": "resume", "terminate": "terminate"}
 PAGE = 50  # jobs a page of the list shows
+TRAIL = 100  # pages back a Newer link can retrace (then it goes to the first)
 BULK_LIMIT = 1000  # jobs one bulk action from the dashboard touches at most
 CHART_MINUTES = 60
 
@@ -108,10 +111,16 @@ async def specs_page(request: Request) -> Response:
 
 async def workers_page(request: Request) -> Response:
     need(request, "admin")
-    workers = worker_views(coordinator_of(request))
-    labels = sorted({label for worker in workers for label in worker["labels"]})
-    return render(request, "workers", workers=workers, labels=labels, directives=DIRECTIVES,
-                  verbs=VERBS, actions_for=actions_for)
+    coordinator = coordinator_of(request)
+    workers = worker_views(coordinator)
+    # The label chosen last (the by-label form comes back with it), kept chosen even when
+    # no worker has it any more: never silently another label, such as a new fleet's.
+    chosen = request.query_params.get("label", "")
+    labels = sorted({label for worker in workers for label in worker["labels"]}
+                    | ({chosen} if NAME.fullmatch(chosen) else set()))
+    return render(request, "workers", workers=workers, labels=labels, chosen=chosen,
+                  shared=coordinator.shares_database(), directives=DIRECTIVES, verbs=VERBS,
+                  actions_for=actions_for)
 
 
 def actions_for(state: str) -> tuple[str, ...]:
@@ -144,8 +153,8 @@ async def jobs_page(request: Request) -> Response:
         flt = job_filter(params)
     except RequestError as exc:
         return render(request, "jobs", status=400, error=exc.message, flt=None, form=form,
-                      jobs=[], total=0, capped=False, after=None, query="", paged=False,
-                      states=STATES, **choices)
+                      jobs=[], total=0, capped=False, query="", pager={}, states=STATES,
+                      **choices)
     form = {"states": flt.states, "spec": flt.spec or "", "queue": flt.queue or "",
             "worker": flt.worker or "", "q": flt.q or ""}
     q = flt.q
@@ -156,13 +165,41 @@ async def jobs_page(request: Request) -> Response:
         jobs, after = await coordinator.list_jobs(flt, PAGE, cursor)
     except RequestError as exc:  # a cursor edited by hand, an unknown spec or queue: said
         return render(request, "jobs", status=exc.status, error=exc.message, flt=None, form=form,
-                      jobs=[], total=0, capped=False, after=None, query="", paged=False,
-                      states=STATES, **choices)
+                      jobs=[], total=0, capped=False, query="", pager={}, states=STATES,
+                      **choices)
     total = await coordinator.count_jobs(flt)
+    query = urlencode(filter_params(flt), doseq=True)
     return render(request, "jobs", error=None, flt=flt, form=form, jobs=jobs, total=total,
-                  capped=total >= COUNT_CAP, after=after, paged=cursor is not None,
-                  query=urlencode(filter_params(flt), doseq=True), states=STATES,
-                  **choices)
+                  capped=total >= COUNT_CAP, query=query, states=STATES,
+                  pager=pager(query, cursor, after, params.get("trail", "")), **choices)
+
+
+def pager(query: str, cursor: str | None, after: str | None, trail_text: str
+          ) -> dict[str, str]:
+    """The jobs list's First, Newer and Older links. Each page is a keyset cursor; going
+    older, a link carries the cursors of the pages it came through (``trail``), so that
+    Newer goes back to the very page seen before, whatever was enqueued since."""
+    trail = []
+    for text in trail_text.split(".")[-TRAIL:]:
+        with contextlib.suppress(RequestError):  # not a cursor (edited by hand): left out
+            decode_cursor(text)
+            trail.append(text)
+
+    def link(at: str | None, through: list[str]) -> str:
+        parts = [query] if query else []
+        if at:
+            parts.append(urlencode({"cursor": at}))
+        if through:
+            parts.append(urlencode({"trail": ".".join(through)}))
+        return "/ui/jobs" + ("?" + "&".join(parts) if parts else "")
+
+    links = {}
+    if cursor is not None:
+        links["first"] = link(None, [])
+        links["newer"] = link(trail[-1], trail[:-1]) if trail else links["first"]
+    if after is not None:
+        links["older"] = link(after, [*trail, cursor] if cursor else [])
+    return links
 
 
 async def bulk_page(request: Request) -> Response:
@@ -182,8 +219,11 @@ async def bulk_page(request: Request) -> Response:
     # The jobs the dry run looked at (the newest, up to the cap), and those of them left
     # alone (the preview lists only the first 100 skipped).
     examined = BULK_LIMIT if preview["truncated"] else preview["matched"]
+    # How many match: counted exactly past the cap of one action, up to the store's cap
+    # of a count; "at least" only at that cap, or when a bounded search (q) stopped short.
+    at_least = preview["truncated"] and not BULK_LIMIT < preview["matched"] < COUNT_CAP
     return render(request, "bulk", action=action, preview=preview, query=query,
-                  examined=examined, left=examined - preview["touched"],
+                  examined=examined, left=examined - preview["touched"], at_least=at_least,
                   fields={key: ",".join(v) if isinstance(v, list) else v
                           for key, v in filter_params(flt).items()})
 
@@ -282,6 +322,7 @@ async def direct_label(request: Request, form: dict[str, str]) -> str:
     if not label:
         return "refused: choose a label"
     done = await coordinator_of(request).direct_workers(state, label=label)
+    form["back"] = f"/ui/workers?{urlencode({'label': label})}"  # the form keeps its label
     others = ", and those of the other servers on the database" if done.forwarded else ""
     return (f"{len(done.workers)} worker(s) labelled {label!r} were told to"
             f" {VERBS[state]}{others}")

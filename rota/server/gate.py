@@ -51,7 +51,7 @@ class Gate:
         self._lines = TokenBucket(REFUSALS_LOGGED, 10)
         self._unlogged = 0
 
-    def _refused(self, fmt: str, *args: Any) -> None:
+    def _refused(self, fmt: str, *args: Any, level: int = logging.WARNING) -> None:
         if not self._lines.take(time.monotonic()):
             self._unlogged += 1
             return
@@ -59,7 +59,7 @@ class Gate:
             fmt += " (and %d more refusals not logged)"
             args = (*args, self._unlogged)
             self._unlogged = 0
-        log.warning(fmt, *args)
+        log.log(level, fmt, *args)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
@@ -124,9 +124,19 @@ class Gate:
             principal = self.coordinator.tokens.authenticate(headers.get("authorization"))
             by_cookie = scope.get("rota.cookie", False)
             if principal is None or (by_cookie and principal.scope != "admin"):
-                self._refused("refused %s %s client=%s: no valid %s", scope["type"],
-                              printable(path), _client(scope),
-                              "session cookie" if by_cookie else "token")
+                if _ui_page(scope, headers) and (by_cookie or "authorization" not in headers):
+                    # A browser without a session is sent to the login form: every first
+                    # visit does that, no warning. A cookie that stopped working (its
+                    # token revoked) is worth an INFO line.
+                    self._refused("sent %s %s to the login form client=%s%s", scope["method"],
+                                  printable(path), _client(scope),
+                                  ": its session cookie is not a valid admin token"
+                                  if by_cookie else "",
+                                  level=logging.INFO if by_cookie else logging.DEBUG)
+                else:
+                    self._refused("refused %s %s client=%s: no valid %s", scope["type"],
+                                  printable(path), _client(scope),
+                                  "session cookie" if by_cookie else "token")
                 return 401, "unauthorized", "send a valid token: 'Authorization: Bearer rota_...'"
         raw_path = scope.get("raw_path") or b""
         if (b"%2F" in raw_path or b"%2f" in raw_path) and not path.startswith(UI_JOBS):

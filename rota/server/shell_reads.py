@@ -159,6 +159,11 @@ class ShellReads:
     async def live_tokens(self) -> list[dict[str, Any]]:
         return await self.store.live_tokens()
 
+    def shares_database(self) -> bool:
+        """Whether other servers share this one's database (PostgreSQL): a directive by
+        label reaches their workers too."""
+        return self.store.shared
+
     def storage_degraded(self) -> Degraded | None:
         """Why the store cannot write now, since when; None while it can."""
         return self.store.health.degraded

@@ -235,6 +235,32 @@ def test_quiet_a_worker_and_it_gets_no_more_jobs(page: Page, rig: Rig):
     expect(row.locator("[data-state]")).to_have_text("running", timeout=WAIT)
 
 
+def test_by_label_says_what_to_whom_and_keeps_its_label(page: Page, rig: Rig):
+    rig.spec("echo")
+
+    async def echo(ctx: JobContext) -> str:
+        return "ok"
+
+    rig.worker({"echo": echo}, labels=["blue", "eu"])
+    rig.worker({"echo": echo}, labels=["eu"])
+    enter(page, rig, "/ui/workers")
+    expect(page.locator("tr[data-worker]")).to_have_count(2)
+    form = page.locator('form[action="/ui/workers/state"]')
+    label = form.locator('select[name="label"]')
+    label.select_option("eu")  # not the first label: "blue"
+    form.locator('select[name="state"]').select_option("quiet")
+    asked: list[str] = []
+    page.on("dialog", lambda dialog: asked.append(dialog.message))  # (fresh_page accepts)
+    form.get_by_role("button", name="Send").click()
+    expect(page.get_by_role("status")).to_contain_text(
+        "2 worker(s) labelled 'eu' were told to go quiet")
+    assert asked == ["Tell the 2 workers labelled \u201ceu\u201d to go quiet?"]
+    expect(label).to_have_value("eu")  # after the form's answer
+    label.select_option("blue")
+    page.reload()
+    expect(label).to_have_value("blue")  # and after a reload
+
+
 def test_pause_a_queue_and_resume_it(page: Page, rig: Rig):
     rig.spec("echo")
 

@@ -5,6 +5,7 @@ request may change, ``--ui-read-only``, and the pages' answers to bad input.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,19 @@ async def test_without_a_credential_pages_send_to_login_and_the_api_says_401(gua
         assert posted.status_code == 303
         assert posted.headers["location"] == "/ui/login?next=%2Fui"
         assert (await client.get("/ui/static/rota.css")).status_code == 200  # the login's look
+
+
+async def test_a_first_visit_sent_to_login_logs_no_warning(guarded, caplog):
+    live, _ = guarded
+    caplog.set_level(logging.DEBUG, "rota.server")
+    async with browser(live) as client:
+        assert (await client.get("/ui")).status_code == 303
+    async with browser(live, "rota_000000000000_" + "x" * 43) as client:  # a stale session
+        assert (await client.get("/ui/workers")).status_code == 303
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if "login form" in r.getMessage()]
+    assert [level for level, _ in lines] == [logging.DEBUG, logging.INFO], lines
+    assert "its session cookie is not a valid admin token" in lines[1][1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 @pytest.mark.parametrize(("headers", "code"), [

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import pytest_asyncio
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import silent_worker, stop_silent, wait_until
 
+from rota.server import dashboard
 from rota.worker.worker import JobContext, Worker
 
 SAME = {"Sec-Fetch-Site": "same-origin"}
@@ -181,6 +184,37 @@ async def test_an_empty_server_renders_every_page(tmp_path):
         await stop_server(live)
 
 
+async def test_a_cancelled_attempt_is_listed_as_cancelled_not_failed(tmp_path):
+    live = await start_server(tmp_path)
+    await live.push(write_spec(tmp_path / "specs", "slow"))
+    worker = Worker(url=live.ws, specs_dir=tmp_path / "specs", handle_signals=False)
+    started = asyncio.Event()
+
+    @worker.handler("slow")
+    async def slow(ctx: JobContext) -> None:
+        started.set()
+        await asyncio.sleep(60)  # noqa: sleep-ok (work that the cancel stops)
+
+    task = asyncio.create_task(worker.run())
+    try:
+        job = await live.enqueue("slow")
+        await asyncio.wait_for(started.wait(), 10)
+        assert (await live.http.delete(f"/jobs/{job['id']}")).status_code < 300
+        await live.wait_state(job["id"], "cancelled")
+        text = await wait_until(lambda: _attempt_listed(live, job["id"]), what="the attempt")
+        assert "Attempts cancelled (1)" in text and "Attempts that failed" not in text
+        assert '<span class="pill cancelled">cancelled</span>' in text
+    finally:
+        worker.stop_now()
+        await asyncio.wait_for(task, 10)
+        await stop_server(live)
+
+
+async def _attempt_listed(live: Live, job_id: str) -> str | None:
+    text = await page(live, f"/ui/jobs/{job_id}")
+    return text if '<article class="attempt">' in text else None
+
+
 async def test_the_jobs_list_filters_and_pages(busy):
     live = busy["live"]
     text = await page(live, "/ui/jobs?state=discarded")
@@ -197,6 +231,33 @@ async def test_the_jobs_list_filters_and_pages(busy):
     completed = await page(live, "/ui/jobs?state=completed")
     assert "Retry all" not in completed and "Cancel all" not in completed
     assert "Cancel all" not in text and "Retry all" in text  # (state=discarded, above)
+
+
+async def test_the_jobs_list_pages_older_newer_and_first(busy, monkeypatch):
+    monkeypatch.setattr(dashboard, "PAGE", 1)  # a page a job: the busy server's 3 are 3 pages
+    live = busy["live"]
+
+    async def visit(path: str) -> tuple[str, dict[str, str]]:
+        text = await page(live, path)
+        pager = text[text.index('<nav class="pager"'):]
+        pager = pager[:pager.index("</nav>")]
+        links = {rel: html.unescape(href) for href, rel
+                 in re.findall(r'<a href="([^"]*)" rel="(\w+)"', pager)}
+        return re.findall(r'<tr data-job="([^"]+)"', text)[0], links
+
+    newest, links = await visit("/ui/jobs")
+    assert newest == busy["waiting"] and set(links) == {"next"}  # no First, no Newer
+    second, links2 = await visit(links["next"])
+    assert second == busy["failed"] and set(links2) == {"first", "prev", "next"}
+    third, links3 = await visit(links2["next"])
+    assert third == busy["done"] and set(links3) == {"first", "prev"}  # the oldest
+    assert (await visit(links3["prev"]))[0] == busy["failed"]  # Newer: the page before
+    assert (await visit(links3["first"]))[0] == busy["waiting"]
+    # A filter rides along: with it, only the two finished jobs, newest first.
+    done_first, filtered = await visit("/ui/jobs?state=completed&state=discarded")
+    older, back = await visit(filtered["next"])
+    assert (done_first, older) == (busy["failed"], busy["done"])
+    assert "state=completed&state=discarded" in back["prev"]
 
 
 @pytest.mark.parametrize(("path", "status", "text"), [
@@ -225,6 +286,12 @@ async def test_a_bulk_action_is_counted_before_it_is_done(own_busy):
     assert done.status_code == 303 and done.headers["location"] == "/ui/jobs?queue=audits"
     assert "1 job(s) cancelled" in await page(live, done.headers["location"])
     assert (await live.job(own_busy["waiting"]))["state"] == "cancelled"
+
+
+async def test_a_bulk_count_past_one_action_is_exact(busy, monkeypatch):
+    monkeypatch.setattr(dashboard, "BULK_LIMIT", 1)  # 2 finished jobs: more than one action takes
+    text = await page(busy["live"], "/ui/bulk?action=retry&state=completed&state=discarded")
+    assert "<li>2 job(s) match" in text and "one action takes the newest 1 of them" in text
 
 
 @pytest.mark.parametrize(("method", "path", "form", "status", "code"), [

@@ -1,9 +1,10 @@
-"""The dashboard with the longest texts each field allows, in Chromium at desktop width:
-a 255-character hostname, OS and SDK, 128-character names (spec, queue, labels, worker,
-job id), 8,192-character messages, progress, logs, alerts, args, results, errors and a
-spec description, all unbroken. No page may scroll sideways, and each worker's buttons
-stay on screen. A right-to-left override (U+202E) in worker or job text is shown, not
-obeyed: it reorders nothing around it.
+"""The dashboard with the longest texts each field allows, in Chromium at desktop width
+(and at a phone's, for the widest tables): a 255-character hostname, OS and SDK,
+128-character names (spec, queue, labels, worker, job id), 8,192-character messages,
+progress, logs, alerts, args, results, errors and a spec description, all unbroken. No
+page may scroll sideways, and each worker's buttons stay on screen. A right-to-left
+override (U+202E) in worker or job text is shown, not obeyed: it reorders nothing around
+it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import BrowserContext, Page, expect
 from test_ui import browser, enter, fresh_page, shared  # noqa: F401 (browser, shared: fixtures)
-from uirig import Rig
+from uirig import Rig, filled
 
 from rota.base import protocol as p
 from rota.worker.worker import JobContext, Worker
@@ -73,11 +74,8 @@ def long_jobs(rig: Rig) -> dict[str, str]:
 # One server for the module: both tests only read what long_jobs put there.
 @pytest.fixture(scope="module")
 def long_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Rig, dict[str, str]]]:
-    rig = Rig(tmp_path_factory.mktemp("long"))
-    try:
-        yield rig, long_jobs(rig)
-    finally:
-        rig.close()
+    with filled(tmp_path_factory.mktemp("long"), long_jobs) as rig_ids:
+        yield rig_ids
 
 
 def wide(page: Page) -> dict[str, int]:
@@ -116,6 +114,15 @@ def test_no_page_scrolls_sideways_and_every_button_is_on_screen(
                                  .map(b => b.getBoundingClientRect())
                                  .map(r => ({left: r.left, right: r.right}))""")
         assert len(boxes) == 2 and all(0 <= b["left"] and b["right"] <= WIDTH for b in boxes), boxes
+        # At a phone's width the widest tables scroll in their box, the page never does;
+        # a 255-character hostname breaks within its column rather than widen it for ever.
+        page.set_viewport_size({"width": 390, "height": 800})
+        for path in ("/ui/workers", f"/ui/jobs?queue={QUEUE}&state=discarded"):
+            page.goto(rig.base + path)
+            page.locator("#live").wait_for(state="attached")
+            assert wide(page)["scroll"] <= 390, path
+            inner = page.evaluate("document.querySelector('#live .scroll').scrollWidth")
+            assert inner < 2500, (path, inner)
     finally:
         page.close()
 

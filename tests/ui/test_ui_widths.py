@@ -1,0 +1,153 @@
+"""The dashboard at a phone's width (390 px) and a desktop's (1280 px), in Chromium, on one
+server with a little of everything (workers, a finished, a failed and a blocked job):
+no page scrolls sideways, and the header's links are on screen and readable (a contrast
+of at least 4.5:1, WCAG AA, against what is behind them). Also what a page shows while
+its server does not answer: its content dimmed under a banner that says how old it is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import BrowserContext, Page, expect
+from test_ui import browser, enter, fresh_page, shared  # noqa: F401 (browser, shared: fixtures)
+from uirig import Rig, filled
+
+from rota.worker.worker import JobContext
+
+pytestmark = pytest.mark.xdist_group("browser")
+
+# The relative luminance of a CSS colour and the contrast of two, as WCAG 2 defines them;
+# a link's background is the first opaque one among it and its ancestors.
+HEADER = """() => {
+  const rgb = c => c.match(/[\\d.]+/g).map(Number);
+  const lum = ([r, g, b]) => [r, g, b].map(v => v / 255)
+      .map(v => v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4)
+      .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+  const behind = el => {
+    for (; el; el = el.parentElement) {
+      const c = rgb(getComputedStyle(el).backgroundColor);
+      if (c.length < 4 || c[3] > 0) return c;
+    }
+    return [255, 255, 255];
+  };
+  return [...document.querySelectorAll('header.top a, header.top button')].map(el => {
+    const r = el.getBoundingClientRect();
+    const [a, b] = [lum(rgb(getComputedStyle(el).color)), lum(behind(el))];
+    return {text: el.textContent.trim(), left: r.left, right: r.right, top: r.top,
+            bottom: r.bottom, contrast: (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05)};
+  });
+}"""
+
+
+def fill(rig: Rig) -> dict[str, str]:
+    rig.spec("mail", queue="emails", extra="[retry]\nmax_attempts = 1\n")
+    rig.spec("export_monthly_customer_report", queue="reports_without_any_worker")
+
+    def mail(ctx: JobContext) -> str:
+        if ctx.args.get("fail"):
+            raise ConnectionRefusedError("smtp.example.com:587 refused the connection")
+        return "sent"
+
+    rig.worker({"mail": mail}, labels=["web", "eu-west"], queues=["emails"])
+    ids = {"done": rig.enqueue("mail", {"to": "a@example.com"}, capture_logs=True),
+           "failed": rig.enqueue("mail", {"fail": True})}
+    for key, state in (("done", "completed"), ("failed", "discarded")):
+        rig.wait(lambda job_id=ids[key], state=state: rig.job(job_id)["state"] == state, state)
+    rig.enqueue("export_monthly_customer_report", {"customer": "ACME"})  # blocked
+    return ids
+
+
+@pytest.fixture(scope="module")
+def some(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Rig, dict[str, str]]]:
+    with filled(tmp_path_factory.mktemp("widths"), fill) as rig_ids:
+        yield rig_ids
+
+
+def check_pages(page: Page, rig: Rig, ids: dict[str, str], width: int) -> dict[str, Any]:
+    """Every page at ``width``: what is wrong with each, by path."""
+    page.set_viewport_size({"width": width, "height": 800})
+    page.goto(rig.base + "/ui/login")
+    wrong = {"/ui/login": faults(page, width)}
+    enter(page, rig)
+    for path in ("/ui", "/ui/queues", "/ui/specs", "/ui/workers", "/ui/jobs",
+                 "/ui/jobs?state=discarded", f"/ui/jobs/{ids['done']}",
+                 f"/ui/jobs/{ids['failed']}", "/ui/bulk?action=retry&state=discarded"):
+        page.goto(rig.base + path)
+        page.locator("#live").wait_for(state="attached")
+        wrong[path] = faults(page, width)
+    return {path: why for path, why in wrong.items() if why}
+
+
+def faults(page: Page, width: int) -> list[str]:
+    found = []
+    scroll, client = page.evaluate("""() => [document.documentElement.scrollWidth,
+                                             document.documentElement.clientWidth]""")
+    if scroll > client:
+        found.append(f"scrolls sideways: {scroll} px in {client}")
+    links = page.evaluate(HEADER)
+    assert links, "no link in the header"
+    for link in links:
+        if link["left"] < 0 or link["right"] > width or link["top"] < 0:
+            found.append(f"{link['text']!r} off screen ({link['left']:.0f}-{link['right']:.0f})")
+        if link["contrast"] < 4.5:
+            found.append(f"{link['text']!r} contrast {link['contrast']:.2f}")
+    return found
+
+
+@pytest.mark.parametrize("width", [390, 1280])
+def test_every_page_fits_the_width_and_its_header_reads(
+        shared: BrowserContext, some: tuple[Rig, dict[str, str]], width: int):
+    rig, ids = some
+    page = fresh_page(shared, rig)
+    try:
+        assert check_pages(page, rig, ids, width) == {}
+        if width == 390:  # the overview's cards wrap, and the chart's text stays legible
+            page.goto(rig.base + "/ui")
+            cards = page.evaluate("""() => [...document.querySelectorAll('.card')]
+                                     .map(c => c.getBoundingClientRect().top)""")
+            assert len(set(cards)) > 1, cards
+            sizes = page.evaluate("""() => [...document.querySelectorAll('svg.chart text')]
+                                     .map(t => t.getBoundingClientRect().height)""")
+            assert sizes and min(sizes) >= 9, sizes  # pixels on screen, not in the viewBox
+            # The Blocked table scrolls in its own box, its reason not one word a line.
+            why = page.locator(".blocked td").last.bounding_box()
+            assert why is not None and why["width"] >= 200, why
+    finally:
+        page.close()
+
+
+def test_a_page_whose_server_stops_dims_its_content_under_a_banner(
+        shared: BrowserContext, tmp_path: Path):
+    rig = Rig(tmp_path)
+    stopped = False
+    page = fresh_page(shared, rig)
+    try:
+        enter(page, rig, "/ui/jobs?state=bogus")  # a 400 page: the server answers, no banner
+        banner, live = page.locator("#stale"), page.locator("#live")
+        expect(page.locator("#poll-state")).to_have_text("error 400")
+        expect(banner).to_be_hidden()
+        page.goto(rig.base + "/ui/workers")
+        # A server that does not answer for a while, then does again.
+        page.route("**/ui/workers", lambda route: route.abort())
+        expect(banner).to_be_visible()
+        expect(banner).to_contain_text(re.compile(r"server unreachable — showing data from"
+                                                  r" \d+ s ago"))
+        expect(live).to_have_class(re.compile(r"\bstale\b"))
+        assert float(live.evaluate("el => getComputedStyle(el).opacity")) < 0.7
+        page.unroute("**/ui/workers")
+        expect(banner).to_be_hidden()
+        expect(live).not_to_have_class(re.compile(r"\bstale\b"))
+        rig.close()  # and one that stopped
+        stopped = True
+        expect(banner).to_be_visible()
+        expect(live).to_have_class(re.compile(r"\bstale\b"))
+        expect(banner).to_contain_text(re.compile(r"showing data from [1-9]\d* s ago"))
+    finally:
+        page.close()
+        if not stopped:
+            rig.close()
