@@ -15,12 +15,14 @@ import collections
 import enum
 import math
 import random
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from rota.base import protocol as p
+from rota.base.ids import ws_url
 
 # The server takes frames up to 1 MiB: results and status share this, and the rest of a
 # heartbeat (ids, metrics, registration) fits in what is left.
@@ -297,3 +299,29 @@ def result_size(result: p.Result) -> int:
 def ids_size(ids: list[str]) -> int:
     """What a list of job ids takes of a frame as JSON, near enough."""
     return sum(len(job_id) + 3 for job_id in ids)
+
+
+def work_urls(value: str | Sequence[str]) -> list[str]:
+    """One server URL or several, each a base URL (http://host:port, as the CLI takes it)
+    or a /work endpoint (ws://host:port/work), as the /work URLs to connect to. All are
+    checked now: a typo in the third URL must not wait for two servers to fail first."""
+    given = [value] if isinstance(value, str) else list(value)
+    if not given:
+        raise ValueError("url must name at least one server")
+    for url in given:
+        if not _is_server_url(url):
+            raise ValueError(f"url must be the server's base URL (http://host:port) or its /work"
+                             f" endpoint (ws://host:port/work), not {url!r}")
+    # Two spellings of one server (its base URL and its /work URL) are one stop, not two.
+    return list(dict.fromkeys(ws_url(url) for url in given))
+
+
+def _is_server_url(url: object) -> bool:
+    if not isinstance(url, str) or not url.startswith(("ws://", "wss://", "http://", "https://")):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (read for its check: a port that is not a number raises)
+    except ValueError:  # a malformed host ("[::1") or port
+        return False
+    return bool(parts.hostname)
