@@ -222,8 +222,8 @@ class Runner:
     def _ended(self, run: Run, task: asyncio.Task[p.Result]) -> None:
         copy = run.copy
         result: p.Result | None = None
+        took = time.monotonic() - run.began
         if not task.cancelled():
-            took = time.monotonic() - run.began
             average = self.run_time
             self.run_time = took if average is None else average + SMOOTHING * (took - average)
             error = task.exception()  # (_call turns what a handler raises into a result)
@@ -237,6 +237,7 @@ class Runner:
                                                 f" the worker: {run.cancel_reason}"))
         # (cancelled by nobody's reason: the worker itself is going down; the server
         # recovers the job)
+        _log_end(copy, result, took, run.cancel_reason)
         if task.cancelled():
             self._abandon(run)
         # Handed over before the slot is freed: whoever sees the slot free and nothing
@@ -389,6 +390,21 @@ class ResultTooDeep(RotaError):
 
     def __init__(self, message: str) -> None:
         super().__init__(self.error_type, message)
+
+
+def _log_end(copy: p.JobCopy, result: p.Result | None, took: float, reason: str | None) -> None:
+    """One DEBUG line for every run, however it ended, with its duration (a failure has
+    its INFO line too, with the error's message)."""
+    ms = round(took * 1000)
+    if result is not None and result.error is None:
+        log.debug("job ended job=%s spec=%s queue=%s attempt=%d outcome=%s duration_ms=%d",
+                  copy.id, copy.spec, copy.queue, copy.attempt, result.outcome, ms)
+        return
+    # (no result: its reservation was lost, or the worker is going down unreported)
+    outcome, error = ("failed", result.error.type) if result is not None and result.error \
+        else ("unreported", reason or "worker_stopping")
+    log.debug("job ended job=%s spec=%s queue=%s attempt=%d outcome=%s error=%s duration_ms=%d",
+              copy.id, copy.spec, copy.queue, copy.attempt, outcome, error, ms)
 
 
 def released(copy: p.JobCopy, why: str) -> p.Result:

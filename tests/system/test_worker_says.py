@@ -1,0 +1,44 @@
+"""What a worker tells the person running it: a line for each job (examples/manual.py
+shows them), a failure's traceback that starts at the handler, and where it looked for
+its specs when they are not there."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+from conftest import Live
+from helpers import clean_env, reap, wait_until
+
+from rota import JobContext, Worker
+from rota.base.specs import load_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def test_the_manual_example_logs_a_line_for_each_job(live: Live, tmp_path: Path):
+    """examples/manual.py's comment says its log shows each job: it showed none that
+    succeeded. Ctrl-C then lets it finish and exit 0."""
+    for folder in ("specs", "examples"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    await live.push(*load_dir(tmp_path / "specs"))
+    log = tmp_path / "manual.log"
+    with open(log, "w") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "examples/manual.py", cwd=tmp_path,
+            env={**clean_env(), "ROTA_URL": live.base}, stdout=asyncio.subprocess.DEVNULL,
+            stderr=err)
+    try:
+        job = await live.enqueue("resize_image", {"url": "https://example.com/a.png",
+                                                  "width": 64})
+        await live.wait_state(job["id"], "completed", timeout=15)
+        line = f"job ended job={job['id']} spec=resize_image queue=media attempt=1" \
+            " outcome=completed duration_ms="
+        await wait_until(lambda: line in log.read_text(), timeout=10, what="the job's line")
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        await reap(proc)
