@@ -24,11 +24,13 @@ import collections
 import inspect
 import logging
 import math
+import os
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import msgspec
@@ -414,8 +416,22 @@ def released(copy: p.JobCopy, why: str) -> p.Result:
 
 
 def error_info(exc: BaseException) -> p.ErrorInfo:
+    lines = traceback.format_exception(type(exc), exc, _from_handler(exc.__traceback__))
     return p.ErrorInfo(
         type=getattr(exc, "error_type", type(exc).__name__), message=p.cut_text(str(exc)),
         retryable=bool(getattr(exc, "retryable", True)),
-        details={"traceback": "".join(traceback.format_exception(exc))[-4000:]},
+        details={"traceback": "".join(lines)[-4000:]},
     )
+
+
+SDK_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep  # rota/worker/
+
+
+def _from_handler(tb: TracebackType | None) -> TracebackType | None:
+    """A handler's traceback from its first frame that is not the SDK's: the frames that
+    called it (three for a plain function: the run, its thread, the call) say nothing
+    to whoever reads it. One raised by the SDK itself is kept whole."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename.startswith(SDK_FILES):
+        first = first.tb_next
+    return first or tb

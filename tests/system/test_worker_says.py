@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from conftest import Live
+from conftest import Live, write_spec
 from helpers import clean_env, reap, wait_until
 
 from rota import JobContext, Worker
@@ -42,3 +42,26 @@ async def test_the_manual_example_logs_a_line_for_each_job(live: Live, tmp_path:
         assert await asyncio.wait_for(proc.wait(), 15) == 0
     finally:
         await reap(proc)
+
+
+async def test_a_failures_traceback_starts_at_the_handler(live: Live, sdk_worker,
+                                                          tmp_path: Path):
+    """It started with the SDK's own frames: three of them for a plain function."""
+    await live.push(write_spec(tmp_path, "plain"), write_spec(tmp_path, "coro"))
+    worker = Worker(specs_dir=tmp_path, heartbeat_interval=0.1)
+
+    @worker.handler("plain")
+    def plain(ctx: JobContext) -> None:
+        raise ValueError("no such image")
+
+    @worker.handler("coro")
+    async def coro(ctx: JobContext) -> None:
+        raise ValueError("no such image")
+
+    await sdk_worker(worker)
+    for spec in ("plain", "coro"):
+        job = await live.enqueue(spec, max_attempts=1)
+        [error] = (await live.wait_state(job["id"], "discarded"))["errors"]
+        first_frame = error["details"]["traceback"].splitlines()[1]
+        assert first_frame.startswith(f'  File "{__file__}"') and first_frame.endswith(spec), \
+            error["details"]["traceback"]
