@@ -87,6 +87,11 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
                                                                queues.split(",") if q.strip()])
     except ValueError as exc:
         _fail(str(exc))
+    if not instance.specs_dir.is_dir():  # (the worker module is loaded: no import cost)
+        from rota.worker.worker import missing_specs_dir
+
+        _fail(missing_specs_dir(instance.specs_dir, "point it elsewhere with --specs-dir or"
+                                " ROTA_SPECS_DIR"))
     try:
         asyncio.run(_run_worker(instance))
     except SpecError as exc:

@@ -212,6 +212,9 @@ class Worker:
     def _load_specs(self) -> None:
         if not self.handlers:
             raise SpecError("the worker has no handlers; register one with @worker.handler(name)")
+        if not self.specs_dir.is_dir():  # (the usual cause: started from another folder)
+            raise SpecError(missing_specs_dir(self.specs_dir, "give Worker(specs_dir=...) a"
+                                              " full path"))
         found = {spec.name: spec for spec in load_dir(self.specs_dir)}
         missing = sorted(set(self.handlers) - set(found))
         if missing:
@@ -435,6 +438,15 @@ def _check_prefetch(value: object) -> None:
     if type(value) is not int or not 0 <= value <= p.MAX_PREFETCH:
         raise ValueError(f"prefetch must be a whole number from 0 to {p.MAX_PREFETCH}, not"
                          f" {value!r} (None: {PREFETCH_PER_SLOT} x concurrency)")
+
+
+def missing_specs_dir(folder: Path, elsewhere: str) -> str:
+    """The error for a specs folder that is not there: where the worker looked, and why."""
+    if folder.is_absolute():
+        return f"{folder}: not a directory"
+    return (f"{folder}: not a directory: the worker looked for {folder.absolute()} (a relative"
+            f" path is taken from the current folder); run it from the folder that holds"
+            f" {folder}, or {elsewhere}")
 
 
 def default_prefetch(concurrency: int) -> int:

@@ -10,11 +10,12 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import Live, write_spec
-from helpers import clean_env, reap, wait_until
+from helpers import clean_env, reap, rota, wait_until
 
 from rota import JobContext, Worker
-from rota.base.specs import load_dir
+from rota.base.specs import SpecError, load_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,3 +66,24 @@ async def test_a_failures_traceback_starts_at_the_handler(live: Live, sdk_worker
         first_frame = error["details"]["traceback"].splitlines()[1]
         assert first_frame.startswith(f'  File "{__file__}"') and first_frame.endswith(spec), \
             error["details"]["traceback"]
+
+
+async def test_a_worker_started_in_another_folder_says_where_it_looked(tmp_path: Path,
+                                                                     monkeypatch):
+    """It said only "specs: not a directory"."""
+    (tmp_path / "app.py").write_text(
+        "from rota import Worker\nworker = Worker()\nworker.handler('echo')(print)\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code, _, err = await rota("worker", "app:worker", cwd=elsewhere,
+                              env={"PYTHONPATH": str(tmp_path), "ROTA_SPECS_DIR": ""})
+    assert (code, err) == (1, f"error: specs: not a directory: the worker looked for"
+                              f" {elsewhere / 'specs'} (a relative path is taken from the current"
+                              " folder); run it from the folder that holds specs, or point it"
+                              " elsewhere with --specs-dir or ROTA_SPECS_DIR\n")
+    monkeypatch.chdir(elsewhere)  # a script of one's own: the advice is the SDK's
+    worker = Worker()
+    worker.handler("echo")(print)
+    with pytest.raises(SpecError, match=r"looked for .*elsewhere/specs .* or give"
+                       r" Worker\(specs_dir=...\) a full path$"):
+        await worker.run()
