@@ -16,7 +16,7 @@ import enum
 import math
 import random
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -45,6 +45,22 @@ def prefetch_line(prefetch: int, concurrency: int, run_time: float | None,
         return 0
     wanted = 2 * concurrency * round_trip / max(run_time, 1e-6)
     return min(prefetch, math.ceil(wanted))
+
+
+def line_pace(run_times: Mapping[str, float], held: Iterable[str]) -> float | None:
+    """The run time that sizes the line: the slowest average among the specs of the jobs
+    held now (running or waiting), each spec timed on its own, since one spec's quick runs
+    say nothing of another's. None (no line) when nothing is held, or when a held job's
+    spec has no run timed yet: a worker asks for its free slots first and grows its line
+    as runs are timed, so that the first jobs of a spec (of 2 s each, after quick ones)
+    do not fill a line sized for other work."""
+    pace: float | None = None
+    for spec in held:
+        took = run_times.get(spec)
+        if took is None:
+            return None
+        pace = took if pace is None else max(pace, took)
+    return pace
 
 
 class LinkState(enum.Enum):
