@@ -26,5 +26,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)  # the worker's lines: connected, each job, ...
+    logging.basicConfig(level=logging.INFO)  # the worker's lines: connected, state, ...
+    logging.getLogger("rota.worker").setLevel(logging.DEBUG)  # and a line for each job
     asyncio.run(main())

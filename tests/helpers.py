@@ -62,6 +62,13 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("ROTA_")}
 
 
+async def reap(proc: asyncio.subprocess.Process) -> None:
+    """A test's subprocess, killed if it still runs (the test failed before it ended)."""
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
 def free_port() -> int:
     """A port nothing listens on now, for a server a test starts as a process."""
     sock = socket.socket()

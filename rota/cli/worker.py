@@ -68,9 +68,10 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
 
     Signals: SIGTERM takes no new jobs, gives back the jobs waiting in its prefetch line,
     lets running ones finish within the worker's grace period (cancelling the rest, which
-    go back to the queue at once), deregisters and exits 0. SIGINT (Ctrl-C) does the same
-    without waiting. A second SIGTERM or SIGINT takes the fast path. SIGTSTP goes quiet
-    (no new jobs; the line goes back); SIGCONT resumes.
+    go back to the queue at once), deregisters and exits 0. SIGINT (Ctrl-C) does the same,
+    and says so. A second SIGTERM or SIGINT takes the fast path: running jobs are cancelled
+    and go back to the queue at once. SIGTSTP goes quiet (no new jobs; the line goes
+    back); SIGCONT resumes.
     """
     logsetup.configure(log_level, log_format)
     instance = _import_worker(target)
@@ -86,6 +87,11 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
                                                                queues.split(",") if q.strip()])
     except ValueError as exc:
         _fail(str(exc))
+    if not instance.specs_dir.is_dir():  # (the worker module is loaded: no import cost)
+        from rota.worker.worker import missing_specs_dir
+
+        _fail(missing_specs_dir(instance.specs_dir, "point it elsewhere with --specs-dir or"
+                                " ROTA_SPECS_DIR"))
     try:
         asyncio.run(_run_worker(instance))
     except SpecError as exc:

@@ -24,11 +24,13 @@ import collections
 import inspect
 import logging
 import math
+import os
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import msgspec
@@ -37,7 +39,7 @@ from rota.base import protocol as p
 from rota.worker.context import JobContext, StatusBuffer
 from rota.base.errors import RotaError
 from rota.base.inputs import MAX_DEPTH, too_deep
-from rota.worker.link import RESULT_BYTES_PER_BEAT, SMOOTHING, prefetch_line
+from rota.worker.link import RESULT_BYTES_PER_BEAT, SMOOTHING, line_pace, prefetch_line
 
 log = logging.getLogger("rota.worker")
 # The most work a worker's line holds, in seconds of its runs at their present pace: the
@@ -69,7 +71,10 @@ class Runner:
         # blocked loop is not renewed for ever, and the server's lease takes it back.
         self.waiting: collections.deque[tuple[p.JobCopy, float]] = collections.deque()
         self.holding = True  # False while quiet or stopping: no job waits, it goes back
-        self.run_time: float | None = None  # runs that ended on their own, averaged (s)
+        # Per spec: its runs that ended on their own, averaged (s); and its jobs held here
+        # (running or waiting), whose slowest spec sizes the line (link.line_pace).
+        self.run_times: dict[str, float] = {}
+        self.held: collections.Counter[str] = collections.Counter()
         self.status = status
         self.report = report  # a run's result (None: a slot came free with nothing to say)
         self.max_abandoned = max_abandoned
@@ -85,15 +90,20 @@ class Runner:
         line should be for runs this long and this server round trip)."""
         if state != "running":
             return 0
-        line = min(prefetch_line(self.prefetch, self.concurrency, self.run_time, round_trip),
-                   self._keep())
+        pace = self.pace()
+        line = min(prefetch_line(self.prefetch, self.concurrency, pace, round_trip),
+                   self._keep(pace))
         return max(0, self.concurrency + line - len(self.running) - len(self.waiting))
 
-    def _keep(self) -> int:
+    def pace(self) -> float | None:
+        """How long the runs of the jobs held now take (None: not known)."""
+        return line_pace(self.run_times, list(self.held))  # (a copy: read off the loop)
+
+    def _keep(self, pace: float | None) -> int:
         """The longest line LINE_SECONDS of work makes at the runs' present pace."""
-        if self.run_time is None:
+        if pace is None:
             return 0
-        return max(1, math.ceil(LINE_SECONDS * self.concurrency / max(self.run_time, 1e-6)))
+        return max(1, math.ceil(LINE_SECONDS * self.concurrency / max(pace, 1e-6)))
 
     def prefetched(self, now: float | None = None) -> list[str]:
         """The jobs waiting in line, not started (a copy: the line moves on its loop);
@@ -110,11 +120,29 @@ class Runner:
         it back, when this worker no longer holds jobs)."""
         if copy.id in self.running:  # a new attempt of a job it runs: start it over
             self.start(copy)
+        elif self._untimed_waits(copy):  # sent for a line sized for other specs' runs
+            log.info("released job=%s: no run of spec=%s is timed here yet", copy.id, copy.spec)
+            self.report(released(copy, f"no run of {copy.spec} is timed here yet"))
         elif self.holding or len(self.running) < self.concurrency:
+            self.held[copy.spec] += 1
             self.waiting.append((copy, time.monotonic() + copy.visibility_timeout))
             self._next()  # in line behind whatever waits already
         else:
             self.report(released(copy, "the worker is not taking jobs"))
+
+    def _untimed_waits(self, copy: p.JobCopy) -> bool:
+        """Whether a job of a spec none of whose runs has been timed here would wait
+        behind ``concurrency`` such jobs: each counts as LINE_SECONDS of work."""
+        return (copy.spec not in self.run_times and self.holding
+                and len(self.running) + len(self.waiting) >= self.concurrency
+                and sum(c.spec not in self.run_times for c, _ in self.waiting)
+                >= math.ceil(LINE_SECONDS * self.concurrency))
+
+    def _let_go(self, copy: p.JobCopy) -> None:
+        """A held job left: it ended, or went back unstarted."""
+        self.held[copy.spec] -= 1
+        if self.held[copy.spec] <= 0:
+            del self.held[copy.spec]
 
     def release_waiting(self, why: str) -> None:
         """Give every waiting job back to the server, unstarted; hold none from now on
@@ -122,6 +150,7 @@ class Runner:
         self.holding = False
         while self.waiting:
             copy, _ = self.waiting.popleft()
+            self._let_go(copy)
             log.info("released job=%s: %s", copy.id, why)
             self.report(released(copy, why))
 
@@ -168,6 +197,7 @@ class Runner:
             return
         self.waiting.remove(entry)
         copy = entry[0]
+        self._let_go(copy)
         log.info("dropped waiting job=%s reason=%s", job_id, reason)
         if reason == "reservation_lost":  # no longer ours to report
             self.report(None)
@@ -194,6 +224,8 @@ class Runner:
     def stop_all(self) -> None:
         """The worker is failing: nobody to report to; the server recovers the jobs."""
         self.holding = False
+        for copy, _ in self.waiting:
+            self._let_go(copy)
         self.waiting.clear()  # (before the cancels: an ended run starts the next in line)
         for run in list(self.running.values()):
             if run.task is not None:
@@ -222,10 +254,11 @@ class Runner:
     def _ended(self, run: Run, task: asyncio.Task[p.Result]) -> None:
         copy = run.copy
         result: p.Result | None = None
+        took = time.monotonic() - run.began
         if not task.cancelled():
-            took = time.monotonic() - run.began
-            average = self.run_time
-            self.run_time = took if average is None else average + SMOOTHING * (took - average)
+            average = self.run_times.get(copy.spec)
+            self.run_times[copy.spec] = took if average is None else \
+                average + SMOOTHING * (took - average)
             error = task.exception()  # (_call turns what a handler raises into a result)
             result = task.result() if error is None else p.Result(
                 job_id=copy.id, attempt=copy.attempt, outcome="failed", error=error_info(error))
@@ -237,6 +270,7 @@ class Runner:
                                                 f" the worker: {run.cancel_reason}"))
         # (cancelled by nobody's reason: the worker itself is going down; the server
         # recovers the job)
+        _log_end(copy, result, took, run.cancel_reason)
         if task.cancelled():
             self._abandon(run)
         # Handed over before the slot is freed: whoever sees the slot free and nothing
@@ -252,9 +286,10 @@ class Runner:
         worker, and an urgent job behind it, until it drained by running (seen: 56 jobs
         of a second each, held for 29 s while a second worker sat idle). The newest go
         back; the oldest keep their turn."""
-        if self.run_time is None or len(self.waiting) <= 1:
+        pace = self.pace()
+        if pace is None or len(self.waiting) <= 1:
             return
-        keep = self._keep()
+        keep = self._keep(pace)
         # Some slack before anything goes back: one slow run among quick ones must not
         # send jobs back and forth (each release is a lease and a record).
         if len(self.waiting) <= 2 * keep + self.concurrency:
@@ -262,14 +297,16 @@ class Runner:
         given = 0
         while len(self.waiting) > keep:
             copy, _ = self.waiting.pop()
+            self._let_go(copy)
             self.report(released(copy, "the line held more than this worker's runs need"))
             given += 1
         log.info("released %d waiting job(s): runs take %.3fs now, the line keeps %d",
-                 given, self.run_time, keep)
+                 given, pace, keep)
 
     def _forget(self, run: Run) -> None:
         if self.running.get(run.copy.id) is run:  # a newer attempt may have its slot
             del self.running[run.copy.id]
+            self._let_go(run.copy)
         if self.waiting:
             self._next()
 
@@ -391,6 +428,21 @@ class ResultTooDeep(RotaError):
         super().__init__(self.error_type, message)
 
 
+def _log_end(copy: p.JobCopy, result: p.Result | None, took: float, reason: str | None) -> None:
+    """One DEBUG line for every run, however it ended, with its duration (a failure has
+    its INFO line too, with the error's message)."""
+    ms = round(took * 1000)
+    if result is not None and result.error is None:
+        log.debug("job ended job=%s spec=%s queue=%s attempt=%d outcome=%s duration_ms=%d",
+                  copy.id, copy.spec, copy.queue, copy.attempt, result.outcome, ms)
+        return
+    # (no result: its reservation was lost, or the worker is going down unreported)
+    outcome, error = ("failed", result.error.type) if result is not None and result.error \
+        else ("unreported", reason or "worker_stopping")
+    log.debug("job ended job=%s spec=%s queue=%s attempt=%d outcome=%s error=%s duration_ms=%d",
+              copy.id, copy.spec, copy.queue, copy.attempt, outcome, error, ms)
+
+
 def released(copy: p.JobCopy, why: str) -> p.Result:
     """The result that gives a job back unstarted: not a failure, and no attempt used."""
     return p.Result(job_id=copy.id, attempt=copy.attempt, outcome="failed",
@@ -398,8 +450,22 @@ def released(copy: p.JobCopy, why: str) -> p.Result:
 
 
 def error_info(exc: BaseException) -> p.ErrorInfo:
+    lines = traceback.format_exception(type(exc), exc, _from_handler(exc.__traceback__))
     return p.ErrorInfo(
         type=getattr(exc, "error_type", type(exc).__name__), message=p.cut_text(str(exc)),
         retryable=bool(getattr(exc, "retryable", True)),
-        details={"traceback": "".join(traceback.format_exception(exc))[-4000:]},
+        details={"traceback": "".join(lines)[-4000:]},
     )
+
+
+SDK_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep  # rota/worker/
+
+
+def _from_handler(tb: TracebackType | None) -> TracebackType | None:
+    """A handler's traceback from its first frame that is not the SDK's: the frames that
+    called it (three for a plain function: the run, its thread, the call) say nothing
+    to whoever reads it. One raised by the SDK itself is kept whole."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename.startswith(SDK_FILES):
+        first = first.tb_next
+    return first or tb

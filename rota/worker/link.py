@@ -15,12 +15,14 @@ import collections
 import enum
 import math
 import random
-from collections.abc import Callable, Sequence
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from rota.base import protocol as p
+from rota.base.ids import ws_url
 
 # The server takes frames up to 1 MiB: results and status share this, and the rest of a
 # heartbeat (ids, metrics, registration) fits in what is left.
@@ -43,6 +45,22 @@ def prefetch_line(prefetch: int, concurrency: int, run_time: float | None,
         return 0
     wanted = 2 * concurrency * round_trip / max(run_time, 1e-6)
     return min(prefetch, math.ceil(wanted))
+
+
+def line_pace(run_times: Mapping[str, float], held: Iterable[str]) -> float | None:
+    """The run time that sizes the line: the slowest average among the specs of the jobs
+    held now (running or waiting), each spec timed on its own, since one spec's quick runs
+    say nothing of another's. None (no line) when nothing is held, or when a held job's
+    spec has no run timed yet: a worker asks for its free slots first and grows its line
+    as runs are timed, so that the first jobs of a spec (of 2 s each, after quick ones)
+    do not fill a line sized for other work."""
+    pace: float | None = None
+    for spec in held:
+        took = run_times.get(spec)
+        if took is None:
+            return None
+        pace = took if pace is None else max(pace, took)
+    return pace
 
 
 class LinkState(enum.Enum):
@@ -297,3 +315,29 @@ def result_size(result: p.Result) -> int:
 def ids_size(ids: list[str]) -> int:
     """What a list of job ids takes of a frame as JSON, near enough."""
     return sum(len(job_id) + 3 for job_id in ids)
+
+
+def work_urls(value: str | Sequence[str]) -> list[str]:
+    """One server URL or several, each a base URL (http://host:port, as the CLI takes it)
+    or a /work endpoint (ws://host:port/work), as the /work URLs to connect to. All are
+    checked now: a typo in the third URL must not wait for two servers to fail first."""
+    given = [value] if isinstance(value, str) else list(value)
+    if not given:
+        raise ValueError("url must name at least one server")
+    for url in given:
+        if not _is_server_url(url):
+            raise ValueError(f"url must be the server's base URL (http://host:port) or its /work"
+                             f" endpoint (ws://host:port/work), not {url!r}")
+    # Two spellings of one server (its base URL and its /work URL) are one stop, not two.
+    return list(dict.fromkeys(ws_url(url) for url in given))
+
+
+def _is_server_url(url: object) -> bool:
+    if not isinstance(url, str) or not url.startswith(("ws://", "wss://", "http://", "https://")):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (read for its check: a port that is not a number raises)
+    except ValueError:  # a malformed host ("[::1") or port
+        return False
+    return bool(parts.hostname)

@@ -33,7 +33,6 @@ import signal
 import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from ssl import SSLContext
@@ -46,8 +45,8 @@ from rota.base import protocol as p
 from rota.worker.connection import ConnectionThread
 from rota.worker.context import JobContext, StatusBuffer, check_level
 from rota.worker.execution import Handler, ResultTooLarge, Runner
-from rota.base.ids import ws_url, uuid7
-from rota.worker.link import RESULT_BYTES_PER_BEAT, Link, Servers
+from rota.base.ids import uuid7
+from rota.worker.link import RESULT_BYTES_PER_BEAT, Link, Servers, work_urls
 from rota.worker.manual import Listener
 from rota.base.specs import JobSpec, SpecError, checksum, load_dir
 
@@ -56,11 +55,9 @@ log = logging.getLogger("rota.worker")
 SDK = "rota-python/0.1.0"
 EXIT_WEDGED = 75  # run() ended because abandoned threads held too many slots (EX_TEMPFAIL)
 # The default prefetch ceiling, per slot. Only very short jobs fill it: the deeper the
-# line, the more results share a heartbeat and a commit, and the more a worker runs
-# while the server is busy with something else; but the larger each round, the longer
-# other requests wait behind it (docs/performance.md measures 4, 16, 32 and 64 both
-# ways). Jobs of a millisecond or more hold far less (the line covers two round trips
-# of runs), long ones one waiting job.
+# line, the more results share a heartbeat and a commit; but the larger each round, the
+# longer other requests wait behind it (docs/performance.md measures 4, 16, 32 and 64).
+# Jobs of a millisecond or more hold far less (two round trips of runs), long ones one.
 PREFETCH_PER_SLOT = 32
 
 
@@ -112,9 +109,8 @@ class Worker:
         self._defaults = (prefetch is None, max_abandoned_threads is None)  # see configure
         self.exit_code = 0  # what `rota worker` exits with after run() returns
         self.terminate_by: float | None = None  # monotonic; then running jobs are cancelled
-        self._fast = False  # SIGINT: cancel at once, do not wait for acks
+        self._fast = False  # a second signal: cancel at once, do not wait for acks
         self._abandon = False  # a third SIGINT: stop reporting, return from run() now
-        self._interrupts = 0
         self._queues = list(queues) if queues else None
         self._interval = heartbeat_interval  # None: take the server's from its welcome
         self.handlers: dict[str, Handler] = {}
@@ -216,6 +212,9 @@ class Worker:
     def _load_specs(self) -> None:
         if not self.handlers:
             raise SpecError("the worker has no handlers; register one with @worker.handler(name)")
+        if not self.specs_dir.is_dir():  # (the usual cause: started from another folder)
+            raise SpecError(missing_specs_dir(self.specs_dir, "give Worker(specs_dir=...) a"
+                                              " full path"))
         found = {spec.name: spec for spec in load_dir(self.specs_dir)}
         missing = sorted(set(self.handlers) - set(found))
         if missing:
@@ -313,7 +312,7 @@ class Worker:
     stop = terminate
 
     def stop_now(self) -> None:
-        """The fast path (SIGINT, or a second signal): cancel running jobs at once, report
+        """The fast path (a second SIGTERM or Ctrl-C): cancel running jobs at once, report
         them best-effort, deregister and leave."""
         self._fast = True
         self.terminate()
@@ -404,26 +403,33 @@ class Worker:
                 signals.leave(self)
 
     def on_signal(self, sig: signal.Signals) -> None:
-        """What a signal does to this worker. SIGTERM: no new jobs, running ones get
-        ``grace_period``, then deregister and return. SIGINT: the same without waiting.
-        A second SIGTERM or SIGINT takes the fast path; a third SIGINT gives up
-        reporting. SIGTSTP: quiet; SIGCONT: resume."""
+        """What a signal does to this worker. SIGTERM and a first SIGINT (Ctrl-C): no new
+        jobs, running ones get ``grace_period``, then deregister and return. A second
+        SIGTERM or SIGINT takes the fast path (running jobs cancelled and given back); a
+        third SIGINT gives up reporting. SIGTSTP: quiet; SIGCONT: resume."""
         log.info("signal %s worker=%s", sig.name, self.worker_id)
-        if sig == signal.SIGTERM:
-            if self.stopping:
-                self.stop_now()
-            else:
+        if sig in (signal.SIGTERM, signal.SIGINT):
+            if not self.stopping:
                 self.terminate()
-        elif sig == signal.SIGINT:
-            self._interrupts += 1
-            if self._interrupts >= 3 and self._task is not None:  # a third: leave now
+                if sig == signal.SIGINT:
+                    self._say_finishing()
+            elif not self._fast:
+                self.stop_now()
+            elif sig == signal.SIGINT and self._task is not None:  # a third: leave now
                 self._abandon = True
                 self._task.cancel()
-            self.stop_now()
         elif sig == signal.SIGTSTP:
             self.quiet()
         elif sig == signal.SIGCONT:
             self.resume()
+
+    def _say_finishing(self) -> None:
+        # A warning, not info: the one line the person who pressed Ctrl-C must see,
+        # whatever the log level (with no logging set up, Python shows warnings).
+        running = len(self.runner.running)
+        doing = f"finishing {running} running job(s) (grace {self.grace_period:g}s), taking" \
+            " no new ones; Ctrl-C again to stop now" if running else "no job running, stopping"
+        log.warning("Ctrl-C: %s worker=%s", doing, self.worker_id)
 
 
 def _check_prefetch(value: object) -> None:
@@ -434,30 +440,13 @@ def _check_prefetch(value: object) -> None:
                          f" {value!r} (None: {PREFETCH_PER_SLOT} x concurrency)")
 
 
-def work_urls(value: str | Sequence[str]) -> list[str]:
-    """One server URL or several, each a base URL (http://host:port, as the CLI takes it)
-    or a /work endpoint (ws://host:port/work), as the /work URLs to connect to. All are
-    checked now: a typo in the third URL must not wait for two servers to fail first."""
-    given = [value] if isinstance(value, str) else list(value)
-    if not given:
-        raise ValueError("url must name at least one server")
-    for url in given:
-        if not _is_server_url(url):
-            raise ValueError(f"url must be the server's base URL (http://host:port) or its /work"
-                             f" endpoint (ws://host:port/work), not {url!r}")
-    # Two spellings of one server (its base URL and its /work URL) are one stop, not two.
-    return list(dict.fromkeys(ws_url(url) for url in given))
-
-
-def _is_server_url(url: object) -> bool:
-    if not isinstance(url, str) or not url.startswith(("ws://", "wss://", "http://", "https://")):
-        return False
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 (read for its check: a port that is not a number raises)
-    except ValueError:  # a malformed host ("[::1") or port
-        return False
-    return bool(parts.hostname)
+def missing_specs_dir(folder: Path, elsewhere: str) -> str:
+    """The error for a specs folder that is not there: where the worker looked, and why."""
+    if folder.is_absolute():
+        return f"{folder}: not a directory"
+    return (f"{folder}: not a directory: the worker looked for {folder.absolute()} (a relative"
+            f" path is taken from the current folder); run it from the folder that holds"
+            f" {folder}, or {elsewhere}")
 
 
 def default_prefetch(concurrency: int) -> int:

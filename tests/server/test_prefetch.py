@@ -145,3 +145,39 @@ async def test_a_lost_connection_keeps_the_line_and_the_worker_reclaims_it(
         await reconnected(worker, proxy, 2)
         await held(live, worker, running=2, prefetched=3)  # reclaimed, running and waiting
         await each_ran_once_after(live, gate, jobs, released=[])
+
+
+async def test_the_first_jobs_of_a_spec_new_to_a_worker_fill_no_line(live: Live,
+                                                                      tmp_path: Path, sdk_worker):
+    """The trial: after quick jobs of one spec, the first 2 s jobs of another filled the
+    line (32 for a worker of concurrency 1), for runs whose length nobody knew yet."""
+    await live.push(write_spec(tmp_path, "quick"), write_spec(tmp_path, "slow"))
+    gate = asyncio.Event()
+    worker = Worker(specs_dir=tmp_path, concurrency=1, heartbeat_interval=0.1)
+    worker.handler("quick")(lambda ctx: None)
+
+    @worker.handler("slow")
+    async def slow(ctx: Any) -> None:
+        await gate.wait()
+
+    await sdk_worker(worker)
+    for _ in range(2):
+        await live.wait_state((await live.enqueue("quick"))["id"], "completed")
+    jobs = [await live.enqueue("slow") for _ in range(8)]
+    await live.wait_state(jobs[0]["id"], "active")
+
+    async def shown() -> dict[str, Any]:
+        return next(w for w in (await live.http.get("/workers")).json()["workers"]
+                    if w["id"] == worker.worker_id)
+
+    beats = (await shown())["heartbeats"]
+
+    async def beaten() -> bool:
+        return (await shown())["heartbeats"] >= beats + 3
+
+    await wait_until(beaten, what="three more heartbeats")  # while the slow job runs
+    now = await shown()
+    assert (now["active"], now["prefetched"]) == (1, 0)
+    gate.set()
+    for job in jobs:
+        await live.wait_state(job["id"], "completed", timeout=10)

@@ -26,6 +26,7 @@ worker = Worker(specs_dir="specs", concurrency=2, labels=["proc"], heartbeat_int
 
 @worker.handler("work")
 async def work(ctx):
+    open(f"run-{ctx.id}-{ctx.attempt}", "w").close()  # the test sees the run start
     await asyncio.sleep(ctx.args.get("seconds", 0))  # noqa: sleep-ok (the job's own work)
     return {"slept": ctx.args.get("seconds", 0), "pid": os.getpid()}
 
@@ -248,25 +249,55 @@ async def test_sigtstp_quiets_and_sigcont_resumes(live: Live, procs, tmp_path: P
     assert await worker_state(live, worker_id) == "running"
 
 
-@pytest.mark.parametrize("launch", LAUNCHES)
-async def test_sigint_is_the_fast_path(live: Live, procs, tmp_path: Path, launch: str):
-    await live.push(write_spec(tmp_path / "specs", "work"))
-    proc, _ = await start_worker_process(live, tmp_path, launch=launch)  # grace 25 s
-    procs.append(proc)
-    long = await live.enqueue("work", {"seconds": 30})
-    await live.wait_state(long["id"], "active")
-    signalled = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+async def exits(proc: asyncio.subprocess.Process, tmp_path: Path, timeout: float) -> None:
     try:
-        await asyncio.wait_for(proc.wait(), 10)
+        await asyncio.wait_for(proc.wait(), timeout)
     except TimeoutError:
         raise AssertionError((tmp_path / "worker.log").read_text()[-3000:]) from None
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+async def test_ctrl_c_lets_the_running_job_finish_and_says_so(live: Live, procs, tmp_path: Path,
+                                                              launch: str):
+    """README, step 3: Ctrl-C does what SIGTERM does. It cancelled the running job before
+    (it ran again later, on another worker)."""
+    await live.push(write_spec(tmp_path / "specs", "work"))
+    proc, _ = await start_worker_process(live, tmp_path, launch=launch)
+    procs.append(proc)
+    job = await live.enqueue("work", {"seconds": 1.0})
+    await wait_until(lambda: (tmp_path / f"run-{job['id']}-1").exists(), timeout=15,
+                     what="the run to start")
+    proc.send_signal(signal.SIGINT)
+    await exits(proc, tmp_path, 15)
+    assert proc.returncode == 0
+    done = await live.wait_state(job["id"], "completed")
+    assert (done["attempt"], done["errors"]) == (1, [])
+    assert not (tmp_path / f"run-{job['id']}-2").exists()
+    said = (tmp_path / "worker.log").read_text()
+    assert "Ctrl-C: finishing 1 running job(s) (grace 25s), taking no new ones; Ctrl-C again" \
+        " to stop now" in said
+
+
+async def test_a_second_ctrl_c_stops_at_once(live: Live, procs, tmp_path: Path):
+    """(A script's worker.run(): `rota worker` runs the same, tested just above.)"""
+    await live.push(write_spec(tmp_path / "specs", "work"))
+    proc, _ = await start_worker_process(live, tmp_path, launch="script")  # grace 25 s
+    procs.append(proc)
+    long = await live.enqueue("work", {"seconds": 30})
+    await wait_until(lambda: (tmp_path / f"run-{long['id']}-1").exists(), timeout=15,
+                     what="the run to start")
+    proc.send_signal(signal.SIGINT)
+    await wait_until(lambda: "Ctrl-C again" in (tmp_path / "worker.log").read_text(),
+                     timeout=10, what="the first Ctrl-C to be heard")
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    await exits(proc, tmp_path, 10)
     took = time.monotonic() - signalled
     assert took < 3
     back = await live.wait_state(long["id"], "available")
     assert [e["type"] for e in back["errors"]] == ["shutdown"]
-    print(f"\n[shutdown] SIGINT with a 30 s job (grace 25 s): exit after {took * 1000:.0f} ms,"
-          " the job requeued")
+    print(f"\n[shutdown] a second Ctrl-C with a 30 s job (grace 25 s): exit after"
+          f" {took * 1000:.0f} ms, the job requeued")
 
 
 STUBBORN = """

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rota.base import protocol as p
-from rota.worker.link import SMOOTHING, Link, LinkState, Servers, ids_size, prefetch_line
+from rota.worker.link import (SMOOTHING, Link, LinkState, Servers, ids_size, line_pace,
+                             prefetch_line)
 
 WELCOME = p.Welcome(worker_id="w", server_time="2026-01-01T00:00:00Z", heartbeat_interval=1.0,
                     heartbeat_timeout=8.0, visibility_timeout=60.0,
@@ -188,6 +189,17 @@ def test_the_line_covers_a_round_trip_of_runs_and_no_more_than_prefetch():
     # Long jobs: one waiting job at most, so that an idle worker gets the others.
     assert prefetch_line(30, 10, 60.0, 0.002) == 1
     assert prefetch_line(0, 10, 0.0001, 0.002) == 0  # prefetch 0: as before prefetch
+
+
+def test_the_line_is_sized_by_the_slowest_timed_spec_held_and_only_once_all_are_timed():
+    """The first 2 s jobs after quick ones took a line of 32: one spec's quick runs
+    sized the line for another's."""
+    timed = {"echo": 0.0001, "resize": 2.0}
+    assert line_pace(timed, []) is None  # nothing held (idle): the free slots first
+    assert line_pace(timed, ["echo", "echo"]) == 0.0001
+    assert line_pace(timed, ["echo", "resize"]) == 2.0  # the slowest held sizes it
+    assert line_pace(timed, ["echo", "import"]) is None  # a spec never timed here: no line
+    assert prefetch_line(32, 1, line_pace(timed, ["echo", "import"]), 0.002) == 0
 
 
 def test_the_round_trip_is_timed_on_acks_of_heartbeats_with_results():

@@ -15,8 +15,9 @@ from rota.worker.context import StatusBuffer
 from rota.worker.execution import Runner
 
 
-def copy(job_id: str, attempt: int = 1, visibility_timeout: float = 60.0) -> p.JobCopy:
-    return p.JobCopy(id=job_id, spec="slow", checksum="c", queue="default", args={},
+def copy(job_id: str, attempt: int = 1, visibility_timeout: float = 60.0,
+         spec: str = "slow") -> p.JobCopy:
+    return p.JobCopy(id=job_id, spec=spec, checksum="c", queue="default", args={},
                      attempt=attempt, priority=0, visibility_timeout=visibility_timeout,
                      enqueued_at="2026-11-25T00:00:00.000Z")
 
@@ -28,10 +29,11 @@ class Line:
         self.gates: dict[str, asyncio.Event] = {}
         self.started: list[str] = []
         self.results: list[p.Result | None] = []
-        self.runner = Runner(worker_id="w", handlers={"slow": self.slow}, concurrency=2,
+        self.runner = Runner(worker_id="w", handlers={"slow": self.slow, "new": self.slow},
+                             concurrency=2,
                              status=StatusBuffer(wake=lambda: None), report=self.results.append,
                              max_abandoned=4, on_wedged=lambda: None, prefetch=prefetch)
-        self.runner.run_time = 0.0001  # short runs seen: the whole prefetch is wanted
+        self.runner.run_times["slow"] = 0.0001  # short runs seen: the whole prefetch is wanted
 
     def capacity(self, state: str = "running") -> int:
         return self.runner.capacity(state, round_trip=0.002)
@@ -64,7 +66,7 @@ async def test_jobs_beyond_concurrency_wait_in_order_and_start_as_slots_free():
     assert line.runner.prefetched() == ["d"] and len(line.runner.running) == 2
     # The line's size follows the measured run time: pinned, so that a loaded machine
     # (b took long) does not shrink it under the assertion.
-    line.runner.run_time = 0.0001  # as Line starts it
+    line.runner.run_times["slow"] = 0.0001  # as Line starts it
     assert line.capacity() == 1  # one slot of the line is free
     for job_id in "acd":
         line.finish(job_id)
@@ -74,14 +76,14 @@ async def test_jobs_beyond_concurrency_wait_in_order_and_start_as_slots_free():
 
 async def test_the_line_is_asked_for_only_once_runs_are_known_to_be_short():
     line = Line()
-    line.runner.run_time = None  # nothing ended yet
+    line.runner.run_times.clear()  # nothing ended yet
     assert line.capacity() == 2  # the free slots only
     line.take("a", "b")
     line.finish("a")
     await wait_until(lambda: len(line.results) == 1, what="a to end")
-    assert line.runner.run_time is not None and line.runner.run_time < 1.0
+    assert line.runner.run_times["slow"] < 1.0
     assert line.capacity() == 1 + 2  # a's slot, and the whole line
-    line.runner.run_time = 3600.0  # jobs of an hour: one waits, no more
+    line.runner.run_times["slow"] = 3600.0  # jobs of an hour: one waits, no more
     assert line.capacity() == 1 + 1
     line.finish("b")
 
@@ -163,7 +165,7 @@ async def test_a_line_filled_while_runs_were_quick_is_trimmed_when_they_slow_dow
     line.take(*[f"j{i}" for i in range(12)])
     await wait_until(lambda: line.started == ["j0", "j1"], what="two runs")
     assert len(line.runner.prefetched()) == 10  # past 2 x keep + concurrency = 4 below
-    line.runner.run_time = 4.0 * LINE_SECONDS  # as if runs had become slow
+    line.runner.run_times["slow"] = 4.0 * LINE_SECONDS  # as if runs had become slow
     line.finish("j0")
     await wait_until(lambda: "j2" in line.started, what="the next run")
     # keep = ceil(LINE_SECONDS * 2 / run_time) = 1 (the average moved little toward j0's
@@ -172,3 +174,21 @@ async def test_a_line_filled_while_runs_were_quick_is_trimmed_when_they_slow_dow
     released = [job_id for job_id, kind in line.errors() if kind == "released"]
     assert sorted(released) == sorted(f"j{i}" for i in range(3, 12))
     assert line.capacity() == 1  # it asks again only for a line of one
+
+
+async def test_the_first_jobs_of_a_spec_never_timed_do_not_fill_a_line_sized_for_others():
+    """A line sized for quick runs of one spec took 32 jobs of 2 s of another: of a spec
+    none of whose runs has been timed, one job per slot waits; the others go back at once."""
+    line = Line(prefetch=32)
+    line.take("a", "b")  # quick jobs (of "slow", timed at 0.1 ms) in both slots
+    assert line.capacity() == 32
+    for n in range(32):
+        line.runner.take(copy(f"n{n}", spec="new"))
+    assert line.runner.prefetched() == ["n0", "n1"]
+    assert sorted(job_id for job_id, kind in line.errors() if kind == "released") == sorted(
+        f"n{n}" for n in range(2, 32))
+    assert line.capacity() == 0  # no line while a job of unknown length is held
+    for job_id in ("a", "b", "n0", "n1"):
+        line.finish(job_id)
+    await wait_until(lambda: len(line.results) == 34, what="the four runs")
+    assert line.runner.run_times.keys() == {"slow", "new"} and not line.runner.held
