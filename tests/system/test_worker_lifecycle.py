@@ -113,7 +113,7 @@ async def test_server_directs_quiet_then_terminate(live: Live, sdk_worker, tmp_p
     assert reply.status_code == 200 and reply.json()["workers"] == [worker.worker_id]
     await wait_until(lambda: worker.state == "quiet", what="the worker to go quiet")
     waiting = await live.enqueue("work")
-    assert "full or not running" in (await live.job(waiting["id"]))["waiting_reason"]
+    assert "quiet or terminating" in (await live.job(waiting["id"]))["waiting_reason"]
     assert (await live.wait_state(running["id"], "completed"))["attempt"] == 1
 
     back = await live.http.post(f"/workers/{worker.worker_id}/state", json={"state": "terminate"})
@@ -242,7 +242,7 @@ async def test_sigtstp_quiets_and_sigcont_resumes(live: Live, procs, tmp_path: P
 
     await wait_until(is_quiet, what="quiet after SIGTSTP")
     job = await live.enqueue("work")
-    assert "full or not running" in (await live.job(job["id"]))["waiting_reason"]
+    assert "quiet or terminating" in (await live.job(job["id"]))["waiting_reason"]
     proc.send_signal(signal.SIGCONT)
     done = await live.wait_state(job["id"], "completed")
     assert done["result"]["pid"] == proc.pid
