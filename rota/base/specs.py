@@ -108,16 +108,27 @@ def checksum(spec: JobSpec) -> str:
 def parse_spec(data: bytes | str, *, source: str = "<spec>") -> JobSpec:
     try:
         return msgspec.toml.decode(data, type=JobSpec)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise SpecError(f"{source}: {exc}") from exc
 
 
 def load_spec(path: Path) -> JobSpec:
+    """A spec file, or a SpecError of one line: a file that cannot be read (a dangling
+    symlink, no permission, a directory) or is not UTF-8 is a mistake like any other."""
     try:
         data = path.read_bytes()
-    except OSError as exc:  # a dangling symlink (a copied specs/ folder), no permission
-        raise SpecError(f"{path}: cannot be read: {exc.strerror}") from exc
-    return parse_spec(data, source=str(path))
+    except OSError as exc:
+        if path.is_symlink() and not path.exists():  # a folder of links copied elsewhere
+            raise SpecError(f"{path}: cannot be read: it is a symlink to {path.readlink()},"
+                            " which does not exist (copy the files, not the links:"
+                            " cp -L)") from exc
+        raise SpecError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib's own error is a traceback
+        raise SpecError(f"{path}: not UTF-8 text (byte {exc.start} is"
+                        f" {data[exc.start]:#04x}): save it as UTF-8") from exc
+    return parse_spec(text, source=str(path))
 
 
 def load_dir(directory: Path | str) -> list[JobSpec]:
