@@ -91,8 +91,10 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
     except SpecError as exc:
         _fail(str(exc))
     except PermissionError as exc:  # the handshake was refused: no token, or the wrong one
-        _fail(f"{exc}: set ROTA_TOKEN (or --token) to a worker token ('rota tokens create"
-              " --scope worker')")
+        _fail(f"{exc}: " + ("check ROTA_TOKEN (or --token): it must be a live worker token"
+                            " of this server ('rota tokens list' shows them)" if instance.token
+                            else "set ROTA_TOKEN (or --token) to a worker token ('rota tokens"
+                            " create --scope worker')"))
     if instance.exit_code:
         sys.exit(instance.exit_code)
 

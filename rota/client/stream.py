@@ -23,7 +23,8 @@ from typing import Any
 
 import msgspec
 
-from rota.client.client import ApiError, refusal, transport_error
+from rota.client.client import ApiError
+from rota.client.failures import refusal, transport_error
 
 SILENCE = 45.0  # seconds without a byte (three keep-alives missed): the connection is dead
 BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)  # seconds before each reconnection in a row
@@ -85,7 +86,7 @@ class EventStream:
                 if self._closed:
                     return
                 connected = self._conn is not None and self._conn.sock is not None
-                error = transport_error(self.url, exc, connected=connected)
+                error = transport_error(self.url, exc, connected=connected, method="GET")
                 if not self._opened:  # never reached: a wrong URL, not a blip
                     raise error from exc
                 why = error.message
@@ -127,7 +128,8 @@ class EventStream:
             except msgspec.DecodeError:
                 answer = None
             self._closed = True
-            raise refusal(response.status, answer, content)
+            raise refusal(response.status, answer, content, token=bool(self._token),
+                          url=self.url)
         if self._conn.sock is not None:
             self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return response

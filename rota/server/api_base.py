@@ -62,8 +62,14 @@ def need(request: Request, *scopes: Scope) -> Principal:
     principal = principal_of(request.scope)
     if not principal.may(*scopes):
         raise RequestError(403, "forbidden", f"a {principal.scope} token may not"
-                           f" {request.method} {request.url.path}")
+                           f" {request.method} {request.url.path}: {takes(scopes)}")
     return principal
+
+
+def takes(scopes: tuple[Scope, ...]) -> str:
+    """The tokens a route takes, in words: "it takes a producer or admin token"."""
+    names = " or ".join(dict.fromkeys((*scopes, "admin")))
+    return f"it takes {'an' if names[0] in 'aeiou' else 'a'} {names} token"
 
 
 async def read_body(request: Request) -> bytes:

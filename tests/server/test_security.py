@@ -646,6 +646,11 @@ async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path):
 
         said = await asyncio.to_thread(untrusting)  # Rota's own client says what to do
         assert said.code == "untrusted_certificate" and "SSL_CERT_FILE" in said.message
+        plain = f"http://127.0.0.1:{live.settings.port}"  # (it hangs up on a plain request)
+        for command in (["jobs", "show", "x"], ["enqueue", "echo"]):
+            code, _, err = await rota(*command, "--url", plain)
+            assert (code, err) == (1, f"error: Rota at {plain} answers only TLS: is it https?"
+                                      f" (use {https}) (https_expected)\n"), command
     finally:
         await stop_server(live)
 
