@@ -200,11 +200,21 @@ def assert_http(answer: httpx.Response, refused: bool, what: str) -> None:
         assert answer.headers.get("content-type", "").startswith("application/json"), what
         error = answer.json()["error"]
         assert isinstance(error["code"], str) and isinstance(error["message"], str), what
+        assert_plain(error["message"], what)
     elif refused and answer.request.url.path == "/jobs/batch":
         # The batch's own shape was fine; the value sat in one request: that one is refused.
         assert all(400 <= r["status"] < 500 for r in answer.json()["results"]), what
+        for result in answer.json()["results"]:
+            assert_plain(result["error"]["message"], what)
     else:
         assert not refused, f"{what}: accepted ({status}) {answer.text[:300]}"
+
+
+def assert_plain(message: str, what: str) -> None:
+    """An error in Rota's words, naming the field: never msgspec's own ("Expected `float`
+    >= 0.0 - at `$.delay`")."""
+    assert "Expected `" not in message and "- at `$" not in message \
+        and "field `" not in message, f"{what}: {message}"
 
 
 HTTP_PLACES = [(method, route, index, path)

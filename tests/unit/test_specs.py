@@ -370,7 +370,7 @@ def test_any_accepts_every_json_value(value: Any) -> None:
     ("maybe", 3),  # an optional arg, when present, is still type-checked
 ])
 def test_type_mismatch(name: str, value: Any) -> None:
-    with pytest.raises(SpecError, match=f"'{name}'"):
+    with pytest.raises(SpecError, match=rf"^args\.{name} must be (a|an|true) .*, got (a|an|null)"):
         validate_args(TYPED, {**GOOD, name: value})
 
 
@@ -431,3 +431,17 @@ async def test_an_unreadable_spec_file_is_one_line_from_push_and_worker(
         code, out, err = await rota("worker", "w:worker", "--url", live.base, cwd=tmp_path)
         errors = [line for line in err.splitlines() if "error" in line or "Traceback" in line]
         assert code == 1 and errors == [f"error: specs/x.toml: {UNREADABLE[kind]}"], err
+
+
+def test_a_spec_files_mistake_is_said_in_plain_words() -> None:
+    """msgspec's own wording (Expected `int` >= 1 - at `$.retry.max_attempts`) is not
+    shown: the field is named, and what it takes is said."""
+    for text, says in (
+            ('[retry]\nmax_attempts = 0\n', "retry.max_attempts must be an integer >= 1"),
+            ('queu = "x"\n', "queu is not a field Rota knows (known: name, version,"
+             " description, queue, priority, visibility_timeout, retry, args)"),
+            ('[args.w]\ntype = "int"\n', "args[...].type must be one of any, array, boolean,"
+             " integer, number, object, string, not 'int'")):
+        with pytest.raises(SpecError) as refused:
+            parse_spec('name = "a"\nversion = "1"\n' + text, source="a.toml")
+        assert str(refused.value) == f"a.toml: {says}"
