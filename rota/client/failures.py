@@ -4,12 +4,11 @@ flags in, rota/cli/base.py)."""
 
 from __future__ import annotations
 
-import socket
 import ssl
-import urllib.parse
 from typing import Any
 
 from rota.base.errors import ApiError
+from rota.base.tls import speaks_tls
 
 READS = frozenset({"GET", "HEAD"})
 
@@ -43,25 +42,6 @@ def transport_error(url: str, exc: BaseException, *, connected: bool, method: st
 
 # The library's advice (a program passes url=); the CLI says its flag instead.
 URL_HINT = "(is the url given its address?)"
-
-
-def speaks_tls(url: str, timeout: float = 3.0) -> bool:
-    """Whether the server at an http:// URL completes a TLS handshake, and so wanted
-    https://: a TLS server hangs up on a plain request, and the client saw only that.
-    Asked only after a request failed so; nothing is sent but the handshake, and no
-    certificate is trusted or checked (the question is only which protocol it speaks)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        return False
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    try:
-        with socket.create_connection((parts.hostname, parts.port or 80), timeout) as sock:
-            with context.wrap_socket(sock, server_hostname=parts.hostname):
-                return True
-    except (OSError, ValueError):
-        return False
 
 
 # What an answer that is no JSON error looks like when the URL is not the API's base:

@@ -64,6 +64,7 @@ class EventStream:
         self._conn: http.client.HTTPConnection | None = None
         self._closed = False
         self._opened = False  # a stream was open once: failures from now on are retried
+        self._connected = False  # the last attempt got as far as a connection
 
     def close(self) -> None:
         self._closed = True
@@ -85,7 +86,7 @@ class EventStream:
             except (OSError, http.client.HTTPException) as exc:
                 if self._closed:
                     return
-                connected = self._conn is not None and self._conn.sock is not None
+                connected = self._connected
                 error = transport_error(self.url, exc, connected=connected, method="GET")
                 if not self._opened:  # never reached: a wrong URL, not a blip
                     raise error from exc
@@ -105,6 +106,7 @@ class EventStream:
 
     def _open(self) -> http.client.HTTPResponse:
         parts = self._parts
+        self._connected = False  # (a failure before this is "unreachable", after it not)
         if parts.scheme == "https":
             self._conn = http.client.HTTPSConnection(
                 parts.hostname or "", parts.port or 443, timeout=self.silence,
@@ -117,6 +119,8 @@ class EventStream:
             headers["Authorization"] = f"Bearer {self._token}"
         if self.last_event_id is not None:
             headers["Last-Event-ID"] = str(self.last_event_id)
+        self._conn.connect()
+        self._connected = True
         self._conn.request("GET", self._target, headers=headers)
         response = self._conn.getresponse()
         if response.status >= 500 and self._opened:  # a server restarting: try again
