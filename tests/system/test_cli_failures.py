@@ -15,6 +15,7 @@ from helpers import rota
 from helpers import make_token
 
 from rota.client.client import ApiError, Client
+from rota.client.producer import AsyncClient
 
 
 def one_line(code: int, err: str, what: str) -> str:
@@ -28,6 +29,7 @@ def one_line(code: int, err: str, what: str) -> str:
 # (command, what the line must say); run against a server with auth off, spec "echo" pushed
 ON_A_SERVER = [
     (["enqueue", "ecoh"], "did you mean echo?"),
+    (["enqueue", "nope"], "spec 'nope' has no status quo. Known specs: echo. Push a spec"),
     (["enqueue", "echo", "--args", "{oops"], "--args is not valid JSON"),
     (["enqueue", "echo", "--args", "[1]"], "must be a JSON object"),
     (["enqueue", "echo", "--priority", "99999999999"], "invalid_request"),
@@ -131,6 +133,10 @@ async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
         assert "(401 unauthorized: the token given is not valid here: revoked, mistyped, or" \
             " made by a server on another database): check ROTA_TOKEN (or --token)" in line, line
         await asyncio.to_thread(_library_words, live.base, unknown)
+        async with AsyncClient(live.base, token=unknown) as client:
+            with pytest.raises(ApiError) as refused:
+                await client.job("x")
+        assert refused.value.message.startswith("the server refused the token given")
     finally:
         await stop_server(live)
 
