@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 from conftest import Live
-from helpers import rota
+from helpers import free_port, rota
 
 from rota.base.specs import (
     JobSpec,
@@ -431,6 +431,9 @@ async def test_an_unreadable_spec_file_is_one_line_from_push_and_worker(
         code, out, err = await rota("worker", "w:worker", "--url", live.base, cwd=tmp_path)
         errors = [line for line in err.splitlines() if "error" in line or "Traceback" in line]
         assert code == 1 and errors == [f"error: specs/x.toml: {UNREADABLE[kind]}"], err
+    code, _, err = await rota("demo", "--specs", str(folder), "--port", str(free_port()),
+                              "--db", str(tmp_path / "demo.db"))
+    assert (code, err) == (1, f"error: {folder / 'x.toml'}: {UNREADABLE['not UTF-8']}\n")
 
 
 def test_a_spec_files_mistake_is_said_in_plain_words() -> None:
