@@ -171,6 +171,8 @@ AUTHORIZATIONS: list[tuple[str, bytes]] = [
     ("latin-1 bytes", b"Bearer rota_\xe9\xff"),
     ("control character", b"Bearer rota_\x07\x1b[31m"),
     ("two spaces", b"Bearer  rota_x_y"),
+    ("well formed, of no server", b"Bearer rota_0123456789ab_" + b"x" * 43),
+    ("lower-case scheme", b"bearer rota_0123456789ab_" + b"x" * 43),
 ]
 
 # Values for the Origin header of a /work handshake.

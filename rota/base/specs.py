@@ -16,6 +16,7 @@ import msgspec
 from rota.base.errors import RotaError
 from rota.base.protocol import NAME_PATTERN as NAME_PATTERN  # one pattern for every name
 from rota.base.protocol import MAX_COUNT, Name, Priority
+from rota.base.wording import GOT, KINDS, VERSION_PATTERN, kind_of, plainly
 MAX_VISIBILITY = 7 * 24 * 3600.0  # a week; longer leases should extend by heartbeat instead
 ArgType = Literal["string", "integer", "number", "boolean", "object", "array", "any"]
 
@@ -52,9 +53,7 @@ class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_worker_deaths: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 
-# A version is shown beside the spec's name (history, CLI): short, and no whitespace or
-# control characters ("1", "2026-11-25.2", "v1.4.0+build.7").
-Version = Annotated[str, msgspec.Meta(pattern=r"^[^\s\x00-\x1f\x7f]{1,64}$")]
+Version = Annotated[str, msgspec.Meta(pattern=VERSION_PATTERN)]
 
 
 class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -108,16 +107,29 @@ def checksum(spec: JobSpec) -> str:
 def parse_spec(data: bytes | str, *, source: str = "<spec>") -> JobSpec:
     try:
         return msgspec.toml.decode(data, type=JobSpec)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except msgspec.ValidationError as exc:
+        raise SpecError(f"{source}: {plainly(str(exc), JobSpec)}") from exc
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise SpecError(f"{source}: {exc}") from exc
 
 
 def load_spec(path: Path) -> JobSpec:
+    """A spec file, or a SpecError of one line: a file that cannot be read (a dangling
+    symlink, no permission, a directory) or is not UTF-8 is a mistake like any other."""
     try:
         data = path.read_bytes()
-    except OSError as exc:  # a dangling symlink (a copied specs/ folder), no permission
-        raise SpecError(f"{path}: cannot be read: {exc.strerror}") from exc
-    return parse_spec(data, source=str(path))
+    except OSError as exc:
+        if path.is_symlink() and not path.exists():  # a folder of links copied elsewhere
+            raise SpecError(f"{path}: cannot be read: it is a symlink to {path.readlink()},"
+                            " which does not exist (copy the files, not the links:"
+                            " cp -L)") from exc
+        raise SpecError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib's own error is a traceback
+        raise SpecError(f"{path}: not UTF-8 text (byte {exc.start} is"
+                        f" {data[exc.start]:#04x}): save it as UTF-8") from exc
+    return parse_spec(text, source=str(path))
 
 
 def load_dir(directory: Path | str) -> list[JobSpec]:
@@ -141,9 +153,12 @@ def spec_from_builtins(data: Any) -> JobSpec:
     try:
         return msgspec.convert(data, type=JobSpec)
     except msgspec.ValidationError as exc:
-        raise SpecError(str(exc)) from exc
+        raise SpecError(plainly(str(exc), JobSpec)) from exc
 
 
+# An argument's type (ArgType) as the JSON kind msgspec names it (rota/base/wording.py).
+_KIND = {"string": "str", "integer": "int", "number": "float", "boolean": "bool",
+         "object": "object", "array": "array"}
 _PYTHON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
     "integer": (int,),
@@ -176,5 +191,5 @@ def _check_type(spec: str, name: str, expected: str, value: Any) -> None:
     # bool is an int in Python, but not an integer or number in JSON
     is_bool = isinstance(value, bool)
     if (is_bool and bool not in allowed) or not isinstance(value, allowed):
-        got = type(value).__name__
-        raise SpecError(f"spec {spec!r} argument {name!r} must be {expected}, got {got}")
+        raise SpecError(f"args.{name} must be {KINDS[_KIND[expected]]}, got"
+                        f" {GOT[kind_of(value)]} (spec {spec!r})")

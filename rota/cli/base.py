@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import click
 
 from rota.client.client import ApiError, Client
+from rota.client.failures import URL_HINT
 from rota.base.logs import printable
 
 UNCUT = sys.maxsize  # the CLI escapes text but never cuts it (the log does)
@@ -102,9 +103,19 @@ def api(url: str, action: str, *args: Any, **kwargs: Any) -> Any:
 def say(url: str, exc: ApiError) -> str:
     """An API error as one line a person can act on from the command line."""
     base = "--url is the server's base URL, such as http://127.0.0.1:8000 (not /work)"
+    if exc.code == "unauthorized" and token():
+        return ("the server refused the token given (--token or ROTA_TOKEN): it may have"
+                " been revoked, be mistyped, or have been made by a server on another database"
+                " ('rota tokens list' shows the live ones)")
     if exc.code == "unauthorized":
         return ("the server wants a token: set ROTA_TOKEN or pass --token (one from 'rota"
                 " tokens create', of a scope that may do this)")
+    if exc.code == "forbidden":  # the server's words name the scopes the route takes
+        return f"{exc.message}: pass one with --token or ROTA_TOKEN (forbidden)"
+    if exc.code == "unreachable":
+        return exc.message.replace(URL_HINT, "(set --url or ROTA_URL)")
+    if exc.code == "not_the_api":
+        return f"{exc.message.partition(': use ')[0]}: {base}"  # (its advice, for --url)
     if exc.code == "bad_url":
         return f"{url!r} is not a server URL: {base}"
     if exc.code == "not_found" and exc.message.startswith("no route "):

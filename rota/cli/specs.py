@@ -47,7 +47,10 @@ def specs_push(directory: Path, url: str, dry_run: bool) -> None:
 @URL_OPTION
 def specs_list(url: str) -> None:
     """List the status-quo specs with their versions and checksums."""
-    for spec in _api(url, "specs")["specs"]:
+    listed = _api(url, "specs")["specs"]
+    if not listed:  # (on stderr: stdout stays the list, empty, for a script)
+        _out("no specs registered; push some with `rota specs push DIR`", err=True)
+    for spec in listed:
         retired = f"  retired {spec['retired_at']}" if spec.get("retired_at") else ""
         _out(f"{spec['name']:<24} {spec['version']:<10} {spec['checksum'][:19]}"
              f"  queue={spec['queue']}{retired}")

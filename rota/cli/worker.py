@@ -21,7 +21,7 @@ from rota.cli.base import token as _token
 from rota.cli.logsetup import LEVELS
 from rota.cli.logsetup import LOG_FORMAT as _LOG_FORMAT
 from rota.base.protocol import MAX_PREFETCH
-from rota.base.specs import SpecError
+from rota.base.specs import SpecError, load_dir
 
 
 # A worker's --url, unlike the other commands', takes several servers (servers that
@@ -97,8 +97,10 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
     except SpecError as exc:
         _fail(str(exc))
     except PermissionError as exc:  # the handshake was refused: no token, or the wrong one
-        _fail(f"{exc}: set ROTA_TOKEN (or --token) to a worker token ('rota tokens create"
-              " --scope worker')")
+        _fail(f"{exc}: " + ("check ROTA_TOKEN (or --token): it must be a live worker token"
+                            " of this server ('rota tokens list' shows them)" if instance.token
+                            else "set ROTA_TOKEN (or --token) to a worker token ('rota tokens"
+                            " create --scope worker')"))
     if instance.exit_code:
         sys.exit(instance.exit_code)
 
@@ -151,4 +153,8 @@ def demo(port: int, db: Path, specs_dir: Path | None, rate: float) -> None:
         _fail(exc.message)
     if specs_dir is None:
         specs_dir = Path(str(importlib.resources.files("rota") / "demo_specs"))
+    try:  # a bad spec file is one line, before the server starts
+        load_dir(specs_dir)
+    except SpecError as exc:
+        _fail(str(exc))
     asyncio.run(run_demo(port=port, db=db, specs_dir=specs_dir, rate=rate, sock=sock))

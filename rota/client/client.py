@@ -23,6 +23,7 @@ import msgspec
 from rota.base.errors import ApiError, JobError, ResultTimeout  # defined there, public here too
 from rota.base.ids import path_segment
 from rota.base.specs import JobSpec
+from rota.client.failures import not_the_api, refusal, transport_error
 
 
 # The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so
@@ -105,34 +106,6 @@ class Job(JobHandle):
         return self
 
 
-def transport_error(url: str, exc: BaseException, *, connected: bool) -> ApiError:
-    """What a failed request means to its caller, in words it can act on. Before the
-    connection is made nothing was sent ("unreachable"); after it, the server may have
-    carried the request out and only its answer was lost ("no_answer"): an enqueue may be
-    stored, and repeating it with the same job id is the safe way to find out."""
-    detail = str(exc) or type(exc).__name__
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return ApiError(None, "untrusted_certificate", f"Rota at {url} has a certificate this"
-                        f" client does not trust ({exc.verify_message}): for a private CA or a"
-                        " self-signed certificate, set SSL_CERT_FILE to its PEM file")
-    if not connected:
-        return ApiError(None, "unreachable", f"cannot reach Rota at {url}: {detail}; is the"
-                        " server running? (set --url or ROTA_URL)")
-    what = "timed out" if isinstance(exc, TimeoutError) else detail
-    return ApiError(None, "no_answer", f"no answer from Rota at {url} ({what}): the request"
-                    " may have been carried out; repeat it with the same job id to be sure")
-
-
-def refusal(status: int, answer: Any, content: bytes) -> ApiError:
-    """The ApiError of an HTTP error answer: the server's JSON error, or the text."""
-    err = answer.get("error", {}) if isinstance(answer, dict) else {}
-    err = err if isinstance(err, dict) else {}
-    text = content.decode(errors="replace").strip() or f"HTTP {status}"
-    return ApiError(status, err.get("code", "http_error"), err.get("message", text))
-
-
-
-
 class Failover:
     """The base URLs of servers that share one database, for a producer client, and the
     one its requests go to. A connection error (and only that: an HTTP error answer is
@@ -166,9 +139,10 @@ class Failover:
         if index == self.index:
             self.index = (index + 1) % len(self.urls)
 
-    def gave_up(self, last: ApiError, exc: BaseException) -> ApiError:
+    def gave_up(self, last: ApiError, exc: BaseException, method: str) -> ApiError:
         """The error of a request that every server failed, ``last`` the last one's."""
-        return transport_error(self.where, exc, connected=last.code != "unreachable")
+        return transport_error(self.where, exc, connected=last.code != "unreachable",
+                               method=method, probe=False)
 
     @staticmethod
     def again(method: str, error: ApiError) -> bool:
@@ -199,6 +173,7 @@ class _Transport:
         self.prefix = parts.path.rstrip("/")
         self.timeout = timeout
         self.headers = {"Accept": "application/json", **headers}
+        self.token = "Authorization" in headers
         self._conn: http.client.HTTPConnection | None = None
         self._used_at = 0.0
         self.connected = False  # the last request got as far as a connection
@@ -313,10 +288,12 @@ class Client:
             answer = msgspec.json.decode(content) if content else {}
         except msgspec.DecodeError:
             answer = None  # not JSON: a proxy's page, or uvicorn's own 503
-        if status >= 400:
-            raise refusal(status, answer, content)
+        if status >= 300:
+            raise refusal(status, answer, content, token=self._transports[0].token,
+                          url=self.url)
         if answer is None:
-            raise ApiError(status, "http_error", f"not a JSON answer: {content[:200]!r}")
+            raise (not_the_api(self.url, status, content)
+                   or ApiError(status, "http_error", f"not a JSON answer: {content[:200]!r}"))
         return answer
 
     def _request(self, method: str, path: str, body: bytes | None,
@@ -329,13 +306,14 @@ class Client:
                 return transport.request(method, path, body=body, params=params,
                                          timeout=timeout)
             except (OSError, http.client.HTTPException) as exc:
-                error = transport_error(transport.url, exc, connected=transport.connected)
+                error = transport_error(transport.url, exc, connected=transport.connected,
+                                        method=method)
                 self.servers.failed(index)
                 if not self.servers.again(method, error):
                     raise error from exc
                 failure = (error, exc)
         assert failure is not None  # (a round has one server at least)
-        raise self.servers.gave_up(*failure) from failure[1]
+        raise self.servers.gave_up(*failure, method) from failure[1]
 
     def enqueue(self, spec: str, args: dict[str, Any] | None = None, **options: Any) -> Job:
         """Enqueue a job of ``spec`` with ``args``; returned once it is committed.

@@ -26,7 +26,8 @@ import httpx
 import msgspec
 
 from rota.client.client import MAX_WAIT, ApiError, Failover, JobHandle, ResultTimeout, outcome, \
-    poll_wait, transport_error
+    poll_wait
+from rota.client.failures import not_the_api, refusal, transport_error
 from rota.base.ids import path_segment
 
 # A batch is cut before its body reaches this (the server refuses bodies over 1 MiB by
@@ -87,6 +88,7 @@ class AsyncClient:
         self.max_in_flight = max_in_flight
         self.max_wait = max_wait
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._token = bool(token)
         self._https = [httpx.AsyncClient(base_url=base, timeout=timeout, headers=headers,
                                          limits=httpx.Limits(max_connections=max_in_flight + 4))
                        for base in self.servers.urls]  # a pool per server
@@ -241,14 +243,12 @@ class AsyncClient:
             body = msgspec.json.decode(response.content) if response.content else {}
         except msgspec.DecodeError:
             body = None
-        if response.status_code >= 400:
-            error = body.get("error", {}) if isinstance(body, dict) else {}
-            error = error if isinstance(error, dict) else {}
-            raise ApiError(response.status_code, error.get("code", "http_error"),
-                           error.get("message", response.text or f"HTTP {response.status_code}"))
+        status, url = response.status_code, self.url
+        if status >= 300:
+            raise refusal(status, body, response.content, token=self._token, url=url)
         if body is None:
-            raise ApiError(response.status_code, "http_error",
-                           f"not a JSON answer: {response.content[:200]!r}")
+            raise (not_the_api(url, status, response.content) or ApiError(
+                status, "http_error", f"not a JSON answer: {response.content[:200]!r}"))
         return body
 
 
@@ -266,13 +266,15 @@ class AsyncClient:
                 connected = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout
                                            | httpx.UnsupportedProtocol)
                 cause = TimeoutError(str(exc)) if isinstance(exc, httpx.TimeoutException) else exc
-                error = transport_error(self.servers.urls[index], cause, connected=connected)
+                # (the probe for a TLS server blocks: off the loop)
+                error = await asyncio.to_thread(transport_error, self.servers.urls[index],
+                                                cause, connected=connected, method=method)
                 self.servers.failed(index)
                 if not self.servers.again(method, error):
                     raise error from exc
                 failure = (error, cause, exc)
         assert failure is not None  # (a round has one server at least)
-        raise self.servers.gave_up(failure[0], failure[1]) from failure[2]
+        raise self.servers.gave_up(failure[0], failure[1], method) from failure[2]
 
 
 def _settle(waiting: _Waiting, value: dict[str, Any]) -> None:

@@ -23,7 +23,8 @@ from typing import Any
 
 import msgspec
 
-from rota.client.client import ApiError, refusal, transport_error
+from rota.client.client import ApiError
+from rota.client.failures import refusal, transport_error
 
 SILENCE = 45.0  # seconds without a byte (three keep-alives missed): the connection is dead
 BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)  # seconds before each reconnection in a row
@@ -63,6 +64,7 @@ class EventStream:
         self._conn: http.client.HTTPConnection | None = None
         self._closed = False
         self._opened = False  # a stream was open once: failures from now on are retried
+        self._connected = False  # the last attempt got as far as a connection
 
     def close(self) -> None:
         self._closed = True
@@ -84,8 +86,8 @@ class EventStream:
             except (OSError, http.client.HTTPException) as exc:
                 if self._closed:
                     return
-                connected = self._conn is not None and self._conn.sock is not None
-                error = transport_error(self.url, exc, connected=connected)
+                connected = self._connected
+                error = transport_error(self.url, exc, connected=connected, method="GET")
                 if not self._opened:  # never reached: a wrong URL, not a blip
                     raise error from exc
                 why = error.message
@@ -104,6 +106,7 @@ class EventStream:
 
     def _open(self) -> http.client.HTTPResponse:
         parts = self._parts
+        self._connected = False  # (a failure before this is "unreachable", after it not)
         if parts.scheme == "https":
             self._conn = http.client.HTTPSConnection(
                 parts.hostname or "", parts.port or 443, timeout=self.silence,
@@ -116,6 +119,8 @@ class EventStream:
             headers["Authorization"] = f"Bearer {self._token}"
         if self.last_event_id is not None:
             headers["Last-Event-ID"] = str(self.last_event_id)
+        self._conn.connect()
+        self._connected = True
         self._conn.request("GET", self._target, headers=headers)
         response = self._conn.getresponse()
         if response.status >= 500 and self._opened:  # a server restarting: try again
@@ -127,7 +132,8 @@ class EventStream:
             except msgspec.DecodeError:
                 answer = None
             self._closed = True
-            raise refusal(response.status, answer, content)
+            raise refusal(response.status, answer, content, token=bool(self._token),
+                          url=self.url)
         if self._conn.sock is not None:
             self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return response

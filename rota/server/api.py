@@ -25,6 +25,7 @@ from rota.core.observe import UNFINISHED, busiest
 from rota.core.policy import TERMINAL_STATES
 from rota.base.protocol import Name, rfc3339
 from rota.base.specs import JobSpec, checksum
+from rota.base.wording import plainly
 from rota.store.tokens import token_view
 from rota.store.views import job_view
 
@@ -76,7 +77,7 @@ async def enqueue_batch(request: Request) -> Response:
         try:  # already screened and decoded once, as part of the batch: it is JSON
             parsed.append(msgspec.json.decode(raw, type=EnqueueRequest))
         except msgspec.ValidationError as exc:
-            parsed.append(Invalid("invalid_request", str(exc)))
+            parsed.append(Invalid("invalid_request", plainly(str(exc), EnqueueRequest)))
     valid = [item for item in parsed if isinstance(item, EnqueueRequest)]
     outcomes = iter(await coordinator_of(request).enqueue(valid, principal) if valid else [])
     results = []

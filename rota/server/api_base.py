@@ -26,6 +26,7 @@ from rota.base.errors import (Conflict, DomainError, Forbidden, Invalid, NotFoun
                          StorageError, TooLarge)
 from rota.server.gate import principal_of
 from rota.base.inputs import BadJson, explain, screen
+from rota.base.wording import plainly
 from rota.base.logs import printable
 
 log = logging.getLogger("rota.server")
@@ -62,8 +63,14 @@ def need(request: Request, *scopes: Scope) -> Principal:
     principal = principal_of(request.scope)
     if not principal.may(*scopes):
         raise RequestError(403, "forbidden", f"a {principal.scope} token may not"
-                           f" {request.method} {request.url.path}")
+                           f" {request.method} {request.url.path}: {takes(scopes)}")
     return principal
+
+
+def takes(scopes: tuple[Scope, ...]) -> str:
+    """The tokens a route takes, in words: "it takes a producer or admin token"."""
+    names = " or ".join(dict.fromkeys((*scopes, "admin")))
+    return f"it takes {'an' if names[0] in 'aeiou' else 'a'} {names} token"
 
 
 async def read_body(request: Request) -> bytes:
@@ -101,7 +108,7 @@ def decode_as(body: bytes, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(screen(body), type=kind)
     except msgspec.ValidationError as exc:
-        raise RequestError(422, "invalid_request", str(exc)) from None
+        raise RequestError(422, "invalid_request", plainly(str(exc), kind)) from None
     except BadJson as exc:
         raise RequestError(400, exc.code, exc.message) from None
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:

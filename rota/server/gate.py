@@ -137,7 +137,7 @@ class Gate:
                     self._refused("refused %s %s client=%s: no valid %s", scope["type"],
                                   printable(path), _client(scope),
                                   "session cookie" if by_cookie else "token")
-                return 401, "unauthorized", "send a valid token: 'Authorization: Bearer rota_...'"
+                return 401, "unauthorized", unauthorized(headers.get("authorization"))
         raw_path = scope.get("raw_path") or b""
         if (b"%2F" in raw_path or b"%2f" in raw_path) and not path.startswith(UI_JOBS):
             return 404, "not_found", _names_nothing(
@@ -161,6 +161,16 @@ class Gate:
         if principal is not None:
             scope["rota.principal"] = principal
         return None
+
+
+def unauthorized(authorization: str | None) -> str:
+    """Why a request is refused 401: no token, or the one given is none of this server's
+    (a caller told to send a token when it sent one looks for the wrong mistake)."""
+    if authorization is None or not authorization.startswith("Bearer ") \
+            or not authorization[len("Bearer "):].strip():
+        return "send a token: 'Authorization: Bearer rota_...'"
+    return ("the token given is not valid here: revoked, mistyped, or made by a server on"
+            " another database")
 
 
 def _names_nothing(path: str, job_rule: str, name_rule: str) -> str:

@@ -17,7 +17,8 @@ from rota.server.api_base import JSON, coordinator_of, decode_as, need, read_bod
 from rota.server.coordinator import MAX_BULK
 from rota.base.errors import RequestError
 from rota.core.listing import FIELDS, JobFilter, parse_filter
-from rota.base.protocol import NAME_PATTERN, JobId, Name
+from rota.base.protocol import JobId, Name
+from rota.base.wording import NAME_RULE
 
 DEFAULT_LIMIT = 50
 DEFAULT_BULK = 1000  # a filter's matches touched by one call unless limit says
@@ -111,7 +112,7 @@ def _queue(request: Request) -> str:
     try:
         return msgspec.convert(name, Name)
     except msgspec.ValidationError:
-        raise RequestError(400, "invalid_queue", f"a queue name matches {NAME_PATTERN}") from None
+        raise RequestError(400, "invalid_queue", f"a queue name is {NAME_RULE}") from None
 
 
 async def pause_queue(request: Request) -> Response:

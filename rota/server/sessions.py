@@ -346,7 +346,7 @@ async def work_endpoint(websocket: WebSocket) -> None:
     principal = principal_of(websocket.scope)
     if not principal.may("worker"):
         await deny(websocket, 403, "forbidden", f"a {principal.scope} token may not connect"
-                   " to /work")
+                   " to /work: it takes a worker or admin token")
         return
     sockets = coordinator.sockets
     cap = coordinator.settings.max_worker_connections_per_token

@@ -33,6 +33,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.frames import CloseCode
 
 from rota.base import protocol as p
+from rota.base.tls import speaks_tls
 from rota.worker.context import STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.worker.execution import Handler, Runner
 from rota.worker.link import FRAME_BUDGET, Link, Servers, ids_size
@@ -235,6 +236,9 @@ class ConnectionThread:
                 why = self._farewell or str(exc) or type(exc).__name__
                 if isinstance(exc, websockets.ConnectionClosed) and exc.rcvd is not None:
                     why = self._farewell or _closed_by_server(exc.rcvd.code, exc.rcvd.reason)
+                if isinstance(exc, websockets.InvalidMessage) and await asyncio.to_thread(
+                        speaks_tls, url):  # hung up on: a TLS server's plain port
+                    why += "; is it wss://? It answers only TLS: give its https:// URL"
             self.link.lost()
             self._post(worker.connected.clear)
             if worker.stopping and not worker.runner.running and not self._starting:

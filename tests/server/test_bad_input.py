@@ -152,23 +152,58 @@ async def test_a_second_connection_with_a_live_worker_id_is_refused(
 # -- HTTP -------------------------------------------------------------------------------
 async def test_enqueue_errors_are_precise(live: Live, tmp_path: Path):
     await live.push(write_spec(tmp_path, "typed", extra='[args.n]\ntype = "integer"\n'))
-    cases = [
-        (b'{"spec": "typed",', 400, "malformed_json"),
-        (b'{"spec": 5}', 422, "invalid_request"),
-        (b'{"spec": "typed", "args": [1]}', 422, "invalid_request"),
-        (b'{"spec": "typed", "args": {"n": 1}, "colour": "red"}', 422, "invalid_request"),
-        (b'{"spec": "nope"}', 422, "unknown_spec"),
-        (b'{"spec": "typed", "args": {"n": "one"}}', 422, "invalid_args"),
-        (b'{"spec": "typed", "args": {}}', 422, "invalid_args"),
-        (b'{"spec": "typed", "args": {"n": 1, "m": 2}}', 422, "invalid_args"),
+    name_rule = "1 to 128 letters, digits and '_.:-', starting with a letter or digit"
+    cases = [  # each message in plain words, naming the field (never msgspec's own)
+        (b'{"spec": "typed",', 400, "malformed_json", ""),
+        (b'{"spec": 5}', 422, "invalid_request", "spec must be a string, got an integer"),
+        (b'[{"spec": "typed"}]', 422, "invalid_request",
+         "the body must be an object, got an array"),
+        (b'{"args": {}}', 422, "invalid_request", "spec is required"),
+        (b'{"spec": "typed", "args": [1]}', 422, "invalid_request",
+         "args must be an object, got an array"),
+        (b'{"spec": "typed", "args": {"n": 1}, "colour": "red"}', 422, "invalid_request",
+         "colour is not a field Rota knows (known: spec, args, id, queue, priority, run_at,"
+         " delay, ttl, visibility_timeout, max_attempts, max_fails, capture_logs)"),
+        (b'{"spec": "typed", "delay": -1}', 422, "invalid_request", "delay must be a number >= 0"),
+        (b'{"spec": "typed", "ttl": 0}', 422, "invalid_request", "ttl must be a number > 0"),
+        (b'{"spec": "typed", "priority": "3"}', 422, "invalid_request",
+         "priority must be an integer, got a string"),
+        (b'{"spec": "typed", "priority": 99999999999}', 422, "invalid_request",
+         "priority must be an integer <= 2147483647"),
+        (b'{"spec": "typed", "capture_logs": 1}', 422, "invalid_request",
+         "capture_logs must be true or false, got an integer"),
+        (b'{"spec": "nope"}', 422, "unknown_spec", ""),
+        (b'{"spec": "typed", "args": {"n": "one"}}', 422, "invalid_args",
+         "args.n must be an integer, got a string (spec 'typed')"),
+        (b'{"spec": "typed", "args": {"n": true}}', 422, "invalid_args",
+         "args.n must be an integer, got a boolean (spec 'typed')"),
+        (b'{"spec": "typed", "args": {}}', 422, "invalid_args", ""),
+        (b'{"spec": "typed", "args": {"n": 1, "m": 2}}', 422, "invalid_args", ""),
         (b'{"spec": "typed", "args": {"n": 1}, "queue": "no spaces please"}', 422,
-         "invalid_request"),
+         "invalid_request", f"queue must be a name of {name_rule}"),
     ]
-    for body, status, code in cases:
+    for body, status, code, says in cases:
         response = await live.http.post("/jobs", content=body)
         assert response.status_code == status, (body, response.text)
         assert response.json()["error"]["code"] == code, body
-        assert response.json()["error"]["message"]
+        message = response.json()["error"]["message"]
+        assert message == says or (not says and message and "`" not in message), body
+    batch = await live.http.post("/jobs/batch",
+                                 content=b'{"jobs": [{"spec": "typed", "delay": -1}]}')
+    assert batch.json()["results"][0]["error"]["message"] == "delay must be a number >= 0"
+    for body, says in ((b'{"specs": [{"name": "a", "version": "1", "retry": {"max_attempts": 0}}]}',
+                        "specs[0].retry.max_attempts must be an integer >= 1"),
+                       (b'{"specs": [{"name": "a", "version": "1 2"}]}', "specs[0].version must"
+                        " be a version of 1 to 64 characters, with no space or control character"),
+                       (b'{"specs": [{"name": "a", "version": "1",'
+                        b' "args": {"w": {"type": "int"}}}]}',
+                        "specs[0].args[...].type must be one of any, array, boolean, integer,"
+                        " number, object, string, not 'int'")):
+        pushed = await live.http.put("/specs", content=body)
+        assert (pushed.status_code, pushed.json()["error"]["message"]) == (422, says), body
+    token = await live.http.post("/tokens", json={"scope": "root"})
+    assert token.json()["error"]["message"] == \
+        "scope must be one of admin, metrics, producer, worker, not 'root'"
     counts = (await live.http.get("/queues")).json()["queues"]
     assert counts == []  # nothing was stored
 

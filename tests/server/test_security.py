@@ -611,7 +611,7 @@ async def test_a_slow_body_is_cut_off_with_408(guarded: Live):
 
 
 # -- TLS -------------------------------------------------------------------------------------
-async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path):
+async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path, caplog):
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")
     cert_file, key_file, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
@@ -646,6 +646,18 @@ async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path):
 
         said = await asyncio.to_thread(untrusting)  # Rota's own client says what to do
         assert said.code == "untrusted_certificate" and "SSL_CERT_FILE" in said.message
+        plain = f"http://127.0.0.1:{live.settings.port}"  # (it hangs up on a plain request)
+        for command in (["jobs", "show", "x"], ["enqueue", "echo"], ["tail"]):
+            code, _, err = await rota(*command, "--url", plain)
+            assert (code, err) == (1, f"error: Rota at {plain} answers only TLS: is it https?"
+                                      f" (use {https}) (https_expected)\n"), command
+        lost = Worker(url=plain, specs_dir=tmp_path / "specs", heartbeat_interval=0.1)
+        lost.handler("echo")(lambda ctx: None)
+        task = asyncio.create_task(lost.run())
+        await wait_until(lambda: "is it wss://? It answers only TLS" in caplog.text,
+                         what="the worker's hint")
+        lost.stop()
+        await asyncio.wait_for(task, 10)
     finally:
         await stop_server(live)
 

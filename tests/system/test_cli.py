@@ -26,6 +26,8 @@ async def test_specs_push_dry_run_then_push_then_change(live: Live, connect, tmp
     specs = tmp_path / "specs"
     echo_v1 = write_spec(specs, "echo", version="1")
     write_spec(specs, "resize", queue="media")
+    assert await rota("specs", "list", "--url", live.base) == (  # none yet: said, not silence
+        0, "", "no specs registered; push some with `rota specs push DIR`\n")
     code, out, _ = await rota("specs", "push", str(specs), "--dry-run", "--url", live.base)
     assert code == 0
     assert out.splitlines()[0].startswith("new       echo")

@@ -14,6 +14,9 @@ from pgserver import Cluster
 from helpers import rota
 from helpers import make_token
 
+from rota.client.client import ApiError, Client
+from rota.client.producer import AsyncClient
+
 
 def one_line(code: int, err: str, what: str) -> str:
     assert code != 0, what
@@ -26,10 +29,12 @@ def one_line(code: int, err: str, what: str) -> str:
 # (command, what the line must say); run against a server with auth off, spec "echo" pushed
 ON_A_SERVER = [
     (["enqueue", "ecoh"], "did you mean echo?"),
+    (["enqueue", "nope"], "spec 'nope' has no status quo. Known specs: echo. Push a spec"),
     (["enqueue", "echo", "--args", "{oops"], "--args is not valid JSON"),
     (["enqueue", "echo", "--args", "[1]"], "must be a JSON object"),
     (["enqueue", "echo", "--priority", "99999999999"], "invalid_request"),
     (["enqueue", "echo", "--run-at", "9999-01-01T00:00:00Z"], "days ahead"),
+    (["enqueue", "echo", "--delay", "-1"], "error: delay must be a number >= 0 (invalid_request)"),
     (["run", "ecoh"], "did you mean echo?"),
     (["jobs", "show", "missing"], "no job missing"),
     (["jobs", "cancel", "missing"], "no job missing"),
@@ -87,8 +92,24 @@ async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
         admin = await make_token(live, "admin")  # auth is on from here
         code, _, err = await rota("specs", "list", "--url", live.base)
         assert "set ROTA_TOKEN or pass --token" in one_line(code, err, "no token")
-        code, _, err = await rota("specs", "list", "--url", live.base, "--token", "rota_x_y")
-        assert "set ROTA_TOKEN or pass --token" in one_line(code, err, "a wrong token")
+        unknown = "rota_0123456789ab_" + "x" * 43  # well formed, of no server
+        for wrong in ("rota_x_y", unknown):  # mistyped, or revoked, or another server's
+            code, _, err = await rota("specs", "list", "--url", live.base, "--token", wrong)
+            line = one_line(code, err, "a wrong token")
+            assert "refused the token given (--token or ROTA_TOKEN): it may have been revoked" \
+                in line and "wants a token" not in line, line
+        worker_token = await make_token(live, "worker")
+        code, _, err = await rota("enqueue", "echo", "--url", live.base, "--token", worker_token)
+        assert one_line(code, err, "a worker token to enqueue") == (
+            "error: a worker token may not POST /jobs: it takes a producer or admin token: pass"
+            " one with --token or ROTA_TOKEN (forbidden)")
+        for page in ("/ui", "/ui/"):  # the dashboard's address given for the API's: a page,
+            for token, what in ((admin, "a web page"), ("", "a redirect (HTTP 303)")):  # a login
+                code, _, err = await rota("specs", "list", "--url", live.base + page,
+                                          "--token", token)
+                assert one_line(code, err, "the dashboard's URL") == (
+                    f"error: {live.base}/ui answers with {what}, not Rota's API: --url is the"
+                    " server's base URL, such as http://127.0.0.1:8000 (not /work)")
         code, _, err = await rota("specs", "list", "--url", live.ws, "--token", admin)
         assert "base URL" in one_line(code, err, "the ws:// URL")
         code, _, err = await rota("specs", "list", "--url", live.base + "/work", "--token", admin)
@@ -110,8 +131,52 @@ async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
         code, _, err = await rota("worker", "w:worker", "--url", live.base, cwd=tmp_path)
         line = one_line(code, _errors_only(err), "a worker with no token")
         assert "401" in line and "set ROTA_TOKEN (or --token) to a worker token" in line
+        code, _, err = await rota("worker", "w:worker", "--url", live.base, "--token", unknown,
+                                  cwd=tmp_path)
+        line = one_line(code, _errors_only(err), "a worker with a wrong token")
+        assert "(401 unauthorized: the token given is not valid here: revoked, mistyped, or" \
+            " made by a server on another database): check ROTA_TOKEN (or --token)" in line, line
+        await asyncio.to_thread(_library_words, live.base, unknown)
+        async with AsyncClient(live.base, token=unknown) as client:
+            with pytest.raises(ApiError) as refused:
+                await client.job("x")
+        assert refused.value.message.startswith("the server refused the token given")
     finally:
         await stop_server(live)
+
+
+async def test_a_read_that_gets_no_answer_is_simply_asked_again():
+    """A server that hangs up after the request: an enqueue may be stored (repeat it with
+    its id), a read changed nothing and has no such advice."""
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)  # the request (or a TLS probe): hang up
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        code, _, err = await rota("jobs", "show", "x", "--url", url)
+        assert one_line(code, err, "a read") == (
+            f"error: no answer from Rota at {url} (Remote end closed connection without"
+            " response); a read changes nothing: ask again once the server answers (no_answer)")
+        code, _, err = await rota("enqueue", "echo", "--url", url)
+        assert "may have been carried out; repeat it with the same job id" in one_line(
+            code, err, "an enqueue")
+    finally:
+        server.close()
+
+
+def _library_words(base: str, wrong: str) -> None:
+    """The library says what a program does (token=, url=), not the CLI's flags."""
+    for token, says in ((None, "the server wants a token: pass token="),
+                        (wrong, "the server refused the token given: it may have been revoked")):
+        with Client(base, token=token) as client, pytest.raises(ApiError) as refused:
+            client.specs()
+        assert refused.value.status == 401 and refused.value.message.startswith(says)
+    with Client(f"http://127.0.0.1:{free_port()}") as client, pytest.raises(ApiError) as down:
+        client.specs()
+    assert down.value.code == "unreachable" and "--url" not in down.value.message
+    assert down.value.message.endswith("is the server running? (is the url given its address?)")
 
 
 def _errors_only(err: str) -> str:

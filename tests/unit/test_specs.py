@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 from conftest import Live
-from helpers import rota
+from helpers import free_port, rota
 
 from rota.base.specs import (
     JobSpec,
@@ -369,20 +370,81 @@ def test_any_accepts_every_json_value(value: Any) -> None:
     ("maybe", 3),  # an optional arg, when present, is still type-checked
 ])
 def test_type_mismatch(name: str, value: Any) -> None:
-    with pytest.raises(SpecError, match=f"'{name}'"):
+    with pytest.raises(SpecError, match=rf"^args\.{name} must be (a|an|true) .*, got (a|an|null)"):
         validate_args(TYPED, {**GOOD, name: value})
 
 
-async def test_a_dangling_symlink_in_a_specs_folder_is_one_line_not_a_traceback(
+def test_the_repositorys_specs_are_real_files_the_same_as_the_packages():
+    """Users copy specs/ (README); links there were left dangling by the copy. The
+    package's rota/demo_specs (what `rota demo` runs) is the same set of files."""
+    shipped = Path(__file__).resolve().parents[2] / "rota" / "demo_specs"
+    names = sorted(p.name for p in SHIPPED_SPECS.glob("*.toml"))
+    assert names == sorted(p.name for p in shipped.glob("*.toml")) and names
+    for name in names:
+        assert not (SHIPPED_SPECS / name).is_symlink(), name
+        assert (SHIPPED_SPECS / name).read_bytes() == (shipped / name).read_bytes(), name
+
+
+def _unreadable(folder: Path, kind: str) -> None:
+    if kind == "dangling symlink":
+        (folder / "x.toml").symlink_to("../rota/demo_specs/x.toml")
+    elif kind == "directory":
+        (folder / "x.toml").mkdir()
+    elif kind == "not UTF-8":
+        (folder / "x.toml").write_bytes(b'name = "caf\xe9"\nversion = "1"\n')
+    else:
+        (folder / "x.toml").write_text('name = "x"\nversion = "1"\n')
+        (folder / "x.toml").chmod(0)
+
+
+UNREADABLE = {"dangling symlink": "cannot be read: it is a symlink to ../rota/demo_specs/x.toml,"
+              " which does not exist (copy the files, not the links: cp -L)",
+              "directory": "cannot be read: Is a directory",
+              "not UTF-8": "not UTF-8 text (byte 11 is 0xe9): save it as UTF-8",
+              "no permission": "cannot be read: Permission denied"}
+
+
+@pytest.mark.parametrize("kind", list(UNREADABLE))
+def test_an_unreadable_spec_file_is_one_spec_error(tmp_path: Path, kind: str):
+    if kind == "no permission" and os.geteuid() == 0:
+        pytest.skip("root reads any file")
+    _unreadable(tmp_path, kind)
+    with pytest.raises(SpecError) as refused:
+        load_dir(tmp_path)
+    assert str(refused.value) == f"{tmp_path / 'x.toml'}: {UNREADABLE[kind]}"
+
+
+async def test_an_unreadable_spec_file_is_one_line_from_push_and_worker(
         live: Live, tmp_path: Path):
-    """The repository's specs/*.toml are relative symlinks: a copied folder leaves them
-    dangling, and `rota specs push` once ended in a FileNotFoundError traceback."""
+    """`rota specs push` once ended in a traceback for a copied folder of dangling links
+    (then for a file not in UTF-8); `rota worker` loads its folder the same way."""
     folder = tmp_path / "specs"
     folder.mkdir()
-    (folder / "x.toml").symlink_to("nowhere.toml")
-    with pytest.raises(SpecError, match=r"x\.toml: cannot be read: No such file"):
-        load_dir(folder)
-    code, out, err = await rota("specs", "push", str(folder), "--url", live.base)
-    assert (code, out) == (1, "")
-    assert "x.toml: cannot be read: No such file or directory" in err, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    (tmp_path / "w.py").write_text("from rota import Worker\nworker = Worker(specs_dir='specs')"
+                                   "\nworker.handler('x')(lambda ctx: None)\n")
+    for kind in ("dangling symlink", "not UTF-8"):
+        for old in folder.iterdir():
+            old.unlink()
+        _unreadable(folder, kind)
+        code, out, err = await rota("specs", "push", str(folder), "--url", live.base)
+        assert (code, out, err) == (1, "", f"error: {folder / 'x.toml'}: {UNREADABLE[kind]}\n")
+        code, out, err = await rota("worker", "w:worker", "--url", live.base, cwd=tmp_path)
+        errors = [line for line in err.splitlines() if "error" in line or "Traceback" in line]
+        assert code == 1 and errors == [f"error: specs/x.toml: {UNREADABLE[kind]}"], err
+    code, _, err = await rota("demo", "--specs", str(folder), "--port", str(free_port()),
+                              "--db", str(tmp_path / "demo.db"))
+    assert (code, err) == (1, f"error: {folder / 'x.toml'}: {UNREADABLE['not UTF-8']}\n")
+
+
+def test_a_spec_files_mistake_is_said_in_plain_words() -> None:
+    """msgspec's own wording (Expected `int` >= 1 - at `$.retry.max_attempts`) is not
+    shown: the field is named, and what it takes is said."""
+    for text, says in (
+            ('[retry]\nmax_attempts = 0\n', "retry.max_attempts must be an integer >= 1"),
+            ('queu = "x"\n', "queu is not a field Rota knows (known: name, version,"
+             " description, queue, priority, visibility_timeout, retry, args)"),
+            ('[args.w]\ntype = "int"\n', "args[...].type must be one of any, array, boolean,"
+             " integer, number, object, string, not 'int'")):
+        with pytest.raises(SpecError) as refused:
+            parse_spec('name = "a"\nversion = "1"\n' + text, source="a.toml")
+        assert str(refused.value) == f"a.toml: {says}"

@@ -1,0 +1,128 @@
+"""msgspec's validation errors in plain words that name the field ("delay must be a number
+>= 0"), for the 4xx answers of the API and for spec files; and JSON's kinds of value."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+from msgspec import inspect as mi
+
+from rota.base.ids import JOB_ID_PATTERN, TOKEN_NAME_PATTERN
+from rota.base.protocol import JOB_REF_PATTERN, NAME_PATTERN
+
+# JSON's kinds, as msgspec names them in "Expected `int`, got `str`", in words.
+KINDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+         "null": "null", "object": "an object", "array": "an array"}
+GOT = {**KINDS, "bool": "a boolean"}  # what was sent: "got a boolean", not "got true or false"
+
+
+def kind_of(value: Any) -> str:
+    """The JSON kind of a decoded value, as msgspec names it (bool before int: a bool is
+    an int in Python, not in JSON)."""
+    for python, kind in ((bool, "bool"), (str, "str"), (int, "int"), (float, "float"),
+                         (dict, "object"), (list, "array")):
+        if isinstance(value, python):
+            return kind
+    return "null"
+
+# A version is shown beside the spec's name (history, CLI): short, and no whitespace or
+# control characters ("1", "2026-11-25.2", "v1.4.0+build.7"). (rota/base/specs.py's.)
+VERSION_PATTERN = r"^[^\s\x00-\x1f\x7f]{1,64}$"
+
+# The patterns Rota's names and ids follow, as a person would put them; msgspec quotes
+# a pattern as Python writes it (repr), so that is how each is looked up.
+NAME_RULE = "1 to 128 letters, digits and '_.:-', starting with a letter or digit"
+PATTERNS = {repr(pattern)[1:-1]: words for pattern, words in {
+    NAME_PATTERN: f"a name of {NAME_RULE}",
+    JOB_ID_PATTERN: f"a job id of {NAME_RULE.replace(':-', ':@+=-')}",
+    JOB_REF_PATTERN: f"a job id of {NAME_RULE.replace(':-', ':@/+=-')}",
+    TOKEN_NAME_PATTERN: "a name of 1 to 100 characters, with no '/' and no control or"
+                        " invisible character",
+    VERSION_PATTERN: "a version of 1 to 64 characters, with no space or control character",
+}.items()}
+
+_AT = re.compile(r"(?P<text>.*?)(?: - at `(?P<path>[^`]*)`)?", re.DOTALL)
+_STEPS = re.compile(r"\.([^.\[]+)|\[([^\]]*)\]")
+
+
+def plainly(message: str, kind: Any = None) -> str:
+    """A msgspec ValidationError's text in plain words; ``kind``, the type decoded, lets
+    an unknown field or value name the ones allowed. Wording it does not know is kept."""
+    said = _AT.fullmatch(message)
+    assert said is not None  # (the pattern matches any text)
+    text, path = said["text"], said["path"] or "$"
+    field = path[2:] if path.startswith("$.") else path[1:]
+    name = field or "the body"
+    if m := re.fullmatch(r"Expected `([^`]*)`, got `([^`]*)`", text):
+        return f"{name} must be {_kind(m[1])}, got {GOT.get(m[2], m[2])}"
+    if m := re.fullmatch(r"Expected `([^`]*)` (>=|>|<=|<) (\S+)", text):
+        bound = m[3][:-2] if m[3].endswith(".0") else m[3]
+        return f"{name} must be {_kind(m[1])} {m[2]} {bound}"
+    if m := re.fullmatch(r"Expected `([^`]*)` of length (>=|<=) (\d+)", text):
+        unit = "character" if m[1] == "str" else "item"
+        most = "at least" if m[2] == ">=" else "at most"
+        return f"{name} must be {_kind(m[1])} of {most} {m[3]} {unit}{'' if m[3] == '1' else 's'}"
+    if m := re.fullmatch(r"Expected `str` matching regex '(.*)'", text, re.DOTALL):
+        return f"{name} must be {PATTERNS.get(m[1], f'a string matching {m[1]}')}"
+    if text == "Number out of range":
+        return (f"{name} holds a number out of range: an integer must fit in 64 bits, and"
+                " a number be finite")
+    if m := re.fullmatch(r"Object missing required field `([^`]*)`", text):
+        return f"{_within(field, m[1])} is required"
+    if m := re.fullmatch(r"Object contains unknown field `([^`]*)`", text):
+        target = _resolve(kind, path)
+        known = [f.encode_name for f in target.fields] if isinstance(target, mi.StructType) else []
+        return (f"{_within(field, m[1])} is not a field Rota knows"
+                + (f" (known: {', '.join(known)})" if known else ""))
+    if m := re.fullmatch(r"Invalid enum value (.*)", text, re.DOTALL):
+        target = _resolve(kind, path)
+        allowed = [str(v) for v in target.values] if isinstance(target, mi.LiteralType) else []
+        if allowed:
+            return f"{name} must be one of {', '.join(allowed)}, not {m[1]}"
+        return f"{name} cannot be {m[1]}"
+    return message
+
+
+def _kind(names: str) -> str:
+    """"int | null" as "an integer": null is what an optional field is when left out."""
+    kinds = [KINDS.get(n, n) for n in names.split(" | ") if n != "null"] or ["null"]
+    return " or ".join(kinds)
+
+
+def _within(field: str, key: str) -> str:
+    return f"{field}.{key}" if field else key
+
+
+def _resolve(kind: Any, path: str) -> mi.Type | None:
+    """The type at ``path`` ("$.specs[0].retry") within ``kind``, or None."""
+    if kind is None:
+        return None
+    info: mi.Type | None = _bare(mi.type_info(kind))
+    for key, index in _STEPS.findall(path[1:]):
+        if key and isinstance(info, mi.StructType):
+            info = next((f.type for f in info.fields if f.encode_name == key), None)
+        elif index and isinstance(info, mi.ListType | mi.SetType | mi.VarTupleType):
+            info = info.item_type
+        elif index and isinstance(info, mi.DictType):
+            info = info.value_type
+        else:
+            return None
+        info = _bare(info)
+    return info
+
+
+def _bare(info: mi.Type | None) -> mi.Type | None:
+    """The type without its constraints, and without None if it is optional."""
+    while True:
+        if isinstance(info, mi.Metadata):
+            info = info.type
+        elif isinstance(info, mi.UnionType):
+            rest = [t for t in info.types if not isinstance(t, mi.NoneType)]
+            if len(rest) != 1:
+                return info
+            info = rest[0]
+        else:
+            return info
+
