@@ -1,5 +1,6 @@
 """Running assigned jobs, on the handlers' event loop: async handlers as tasks, plain
-functions each on a thread of its own.
+functions each on a thread of its own, and handlers isolated in a process in a child
+(rota/worker/isolation.py, which can really stop them).
 
 At most ``concurrency`` jobs run at once. Up to ``prefetch`` more wait in a line, in the
 order they were assigned, and the next one starts the moment a run ends, on this loop,
@@ -13,7 +14,8 @@ its thread is *abandoned*: it runs on, but it is no longer the slot's. Every run
 plain function starts on a new thread, so a slot given back is one the worker can
 really use: a job it accepts starts at once, however many threads hang. Each abandoned
 thread is alerted and counted; at ``max_abandoned`` of them the worker drains and exits
-(``EXIT_WEDGED``), for its supervisor to restart it. No exception from a handler,
+(``EXIT_WEDGED``), for its supervisor to restart it. A run in a child process is never
+abandoned: its child is stopped. No exception from a handler,
 ``SystemExit`` and ``KeyboardInterrupt`` included, escapes its run: it fails that job.
 """
 
@@ -35,6 +37,7 @@ import msgspec
 
 from rota.base import protocol as p
 from rota.worker.context import JobContext, StatusBuffer
+from rota.worker.isolation import Children
 from rota.base.errors import RotaError
 from rota.base.inputs import MAX_DEPTH, too_deep
 from rota.worker.link import RESULT_BYTES_PER_BEAT, SMOOTHING, prefetch_line
@@ -59,7 +62,8 @@ class Run:
 class Runner:
     def __init__(self, *, worker_id: str, handlers: dict[str, Handler], concurrency: int,
                  status: StatusBuffer, report: Callable[[p.Result | None], None],
-                 max_abandoned: int, on_wedged: Callable[[], None], prefetch: int = 0) -> None:
+                 max_abandoned: int, on_wedged: Callable[[], None], prefetch: int = 0,
+                 isolation: str = "thread") -> None:
         self.worker_id = worker_id
         self.handlers = handlers
         self.concurrency = concurrency
@@ -78,6 +82,7 @@ class Runner:
         self.abandoned: set[threading.Thread] = set()
         self._wedged = False  # told the worker to drain and exit already
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.children = Children(isolation)  # handlers that run in child processes
 
     # -- what the connection reads (from its own thread) ----------------------------------
     def capacity(self, state: str, round_trip: float = 0.0) -> int:
@@ -198,6 +203,7 @@ class Runner:
         for run in list(self.running.values()):
             if run.task is not None:
                 run.task.cancel()
+        self.children.close()
 
     async def _execute(self, run: Run) -> p.Result:
         copy = run.copy
@@ -216,7 +222,8 @@ class Runner:
                          args=copy.args, priority=copy.priority, checksum=copy.checksum,
                          enqueued_at=copy.enqueued_at, worker_id=self.worker_id,
                          visibility_timeout=copy.visibility_timeout,
-                         capture_logs=copy.capture_logs, _extend=extend, _status=self.status)
+                         capture_logs=copy.capture_logs, _extend=extend, _status=self.status,
+                         _stopped=lambda: run.cancel_reason is not None)
         return await self._call(ctx, run)
 
     def _ended(self, run: Run, task: asyncio.Task[p.Result]) -> None:
@@ -278,7 +285,9 @@ class Runner:
         try:
             if handler is None:
                 raise LookupError(f"this worker has no handler for spec {ctx.spec!r}")
-            if inspect.iscoroutinefunction(handler):
+            if ctx.spec in self.children:  # stopped for real when its run is given up
+                value = await self.children.run(handler, ctx)
+            elif inspect.iscoroutinefunction(handler):
                 value = await handler(ctx)
             else:
                 value = await self._in_thread(handler, ctx, run)
@@ -398,8 +407,10 @@ def released(copy: p.JobCopy, why: str) -> p.Result:
 
 
 def error_info(exc: BaseException) -> p.ErrorInfo:
+    # (a handler's exception from its child process carries the child's traceback)
+    remote = getattr(exc, "remote_traceback", None)
     return p.ErrorInfo(
         type=getattr(exc, "error_type", type(exc).__name__), message=p.cut_text(str(exc)),
         retryable=bool(getattr(exc, "retryable", True)),
-        details={"traceback": "".join(traceback.format_exception(exc))[-4000:]},
+        details={"traceback": (remote or "".join(traceback.format_exception(exc)))[-4000:]},
     )
