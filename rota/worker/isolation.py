@@ -43,6 +43,7 @@ from rota.worker.context import JobContext, check_level
 
 log = logging.getLogger("rota.worker")
 MODES = ("thread", "process")
+CHILD_NAME = "rota-child"
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for a child whose run is given up
 Handler = Callable[[JobContext], Any]
 # The JobContext fields a child gets; the rest (callbacks) it makes itself.
@@ -145,7 +146,13 @@ class Children:
             self.handlers.pop(spec, None)
 
     def check(self) -> None:
-        """At start: every isolated handler can be found by name, as its children will."""
+        """At start: every isolated handler can be found by name, as its children will;
+        and this is not a child importing a script that starts its worker unguarded."""
+        process = sys.modules.get("multiprocessing")
+        if process is not None and process.current_process().name == CHILD_NAME:
+            raise SpecError("a worker was started in a child process, by a script that a"
+                            " child imports to find its handler: start the worker under"
+                            " `if __name__ == \"__main__\":`")
         for spec, fn in self.handlers.items():
             try:
                 pickle.dumps(fn)
@@ -157,19 +164,25 @@ class Children:
     async def run(self, handler: Handler, ctx: JobContext) -> msgspec.Raw:
         """Run ``handler`` for ``ctx`` in a child: its JSON-encoded result, or what it raised
         (a _RemoteError), or ChildDied. Cancelled, it stops the child before it ends."""
-        child = self.idle.pop() if self.idle else await self._start()
+        job = pickle.dumps((handler, {name: getattr(ctx, name) for name in FIELDS},
+                            logging.getLogger().getEffectiveLevel()))
+        while True:
+            child = self.idle.pop() if self.idle else await self._start()
+            child.ctx, child.outcome = ctx, asyncio.get_running_loop().create_future()
+            try:
+                child.conn.send_bytes(job)
+                break
+            except OSError:  # it died idle, and its exit is not read yet: take another
+                if child.fresh:
+                    break  # (it never read a job: its exit says why, below)
+                child.ctx = child.outcome = None
         ctx.heartbeat()  # its lease runs from now: a child's start is not the handler's time
-        loop = asyncio.get_running_loop()
-        child.ctx, child.outcome = ctx, loop.create_future()
+        child.fresh = False
         try:
-            child.conn.send((handler, {name: getattr(ctx, name) for name in FIELDS},
-                             logging.getLogger().getEffectiveLevel()))
             return await child.outcome
         except asyncio.CancelledError:
             await self.stop(child)
             raise
-        except OSError:  # it died idle, before it could read the job (its exit says why)
-            return await child.outcome
         finally:
             child.ctx = child.outcome = None
             if not child.stopping and not child.gone.done():
@@ -184,8 +197,8 @@ class Children:
         if method == "forkserver":  # what every child needs, imported once, in the server
             context.set_forkserver_preload(["rota.worker.isolation"])
         ours, theirs = context.Pipe()
-        process = context.Process(target=serve, args=(theirs, method == "forkserver"),
-                                  name="rota-child", daemon=True)
+        process = context.Process(target=serve, args=(theirs,),
+                                  name=CHILD_NAME, daemon=True)
         # Off the loop: the first start also starts the fork server (a Python start).
         await asyncio.to_thread(process.start)
         theirs.close()  # the child's end: once it exits, ours reads EOF
@@ -232,6 +245,7 @@ class Child:
         self.ctx: JobContext | None = None
         self.outcome: asyncio.Future[msgspec.Raw] | None = None
         self.stopping = False
+        self.fresh = True  # it has not been given a job yet
         self.gone: asyncio.Future[int | None] = loop.create_future()
         self._fd = conn.fileno()
         self._sentinel = process.sentinel
@@ -302,7 +316,8 @@ def died(code: int | None, pid: int | None) -> str:
             how += " (out of memory?)"
     else:
         how = f"exited with code {code}"
-    return f"the child process (pid {pid}) running the job {how} before it answered"
+    return (f"the child process (pid {pid}) running the job {how} before it answered (the"
+            " worker's stderr may say why)")
 
 
 # -- in the child -------------------------------------------------------------------------
@@ -368,23 +383,27 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Stopped("the worker stopped this run")
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this child if the fork server that started it exits, which it does
-    when the worker does, so a worker killed with -9 leaves no job running behind it."""
-    try:
-        import ctypes
+def _die_with_worker() -> None:
+    """Kill this child the moment its worker is gone (killed with -9, say), so that no job
+    runs on behind a worker that can no longer report it, or stop it."""
+    import multiprocessing.connection
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])  # readable: the worker is gone
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="rota-watch-worker", daemon=True).start()
 
 
-def serve(conn: Any, forked: bool) -> None:
+def serve(conn: Any) -> None:
     """A child's life: take a job, run it, answer; until the pipe closes or it is stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the worker's to handle
     signal.signal(signal.SIGTERM, _on_sigterm)
-    if forked and sys.platform.startswith("linux"):
-        _die_with_parent()
+    _die_with_worker()
     lock = threading.Lock()  # a handler's own threads may report too
 
     def send(message: tuple[Any, ...]) -> None:
@@ -395,15 +414,18 @@ def serve(conn: Any, forked: bool) -> None:
     root.handlers[:] = [PipeHandler(send)]
     try:
         while True:
-            handler, fields, level = conn.recv()
-            root.setLevel(level)
-            send(run_one(handler, ChildContext(**fields, _send=send)))
+            send(run_one(conn.recv_bytes(), send, root))
     except (_Stopped, EOFError, OSError):
         return  # stopped by the worker, or the worker has gone
 
 
-def run_one(handler: Handler, ctx: ChildContext) -> tuple[Any, ...]:
+def run_one(job: bytes, send: Callable[[tuple[Any, ...]], None],
+            root: logging.Logger) -> tuple[Any, ...]:
     try:
+        # (unpickling imports the handler's module: what fails there fails this job)
+        handler, fields, level = pickle.loads(job)
+        root.setLevel(level)
+        ctx = ChildContext(**fields, _send=send)
         if inspect.iscoroutinefunction(handler):
             value = asyncio.run(handler(ctx))
         else:
