@@ -287,7 +287,9 @@ class Child:
         kind = message[0]
         if kind == "record":  # a line the handler logged: the worker's logging writes it
             record = logging.makeLogRecord(message[1])
-            logging.getLogger(record.name).handle(record)
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):  # (as the worker's logging is set)
+                logger.handle(record)
             return
         ctx, outcome = self.ctx, self.outcome
         if ctx is None or outcome is None or outcome.done():

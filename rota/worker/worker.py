@@ -8,15 +8,15 @@
 
     asyncio.run(worker.run())
 
-Async handlers run as tasks on the loop that called ``run()``, plain functions each on
-a thread of their own (rota/worker/execution.py), or with ``isolation="process"`` in a
-child process (rota/worker/isolation.py). The connection to the server runs on a thread
-and loop of its own (rota/worker/connection.py), so no handler can silence it; its
-protocol decisions are a sans-I/O core (rota/worker/link.py). Each handler's spec is read
-from ``specs_dir`` and declared with its checksum, so the server sends this worker only
-jobs whose spec matches the status quo. Given several server URLs (servers that share one
-database), the worker moves to the next one whenever its connection fails or is lost. Only
-``protocol``, ``specs``, ``ids`` and the SDK's own modules are imported.
+Async handlers run as tasks on the loop that called ``run()``, plain functions each on a
+thread of their own (rota/worker/execution.py), or with ``isolation="process"`` in a child
+process (rota/worker/isolation.py). The connection to the server runs on a thread and loop
+of its own (rota/worker/connection.py), so no handler can silence it; its protocol
+decisions are a sans-I/O core (rota/worker/link.py). Each handler's spec is read from
+``specs_dir`` and declared with its checksum, so the server sends this worker only jobs
+whose spec matches the status quo. Given several server URLs (servers sharing a database),
+it moves to the next one whenever its connection fails or is lost. Only ``protocol``,
+``specs``, ``ids`` and the SDK's own modules are imported: no server dependency.
 
 Lifecycle: running -> quiet -> terminate, never back from terminate (SIGCONT or
 ``resume()`` takes a quiet worker back to running).
@@ -55,11 +55,12 @@ __all__ = ["Worker", "JobContext", "ResultTooLarge", "RESULT_BYTES_PER_BEAT", "E
 log = logging.getLogger("rota.worker")
 SDK = "rota-python/0.1.0"
 EXIT_WEDGED = 75  # run() ended because abandoned threads held too many slots (EX_TEMPFAIL)
-# The default prefetch ceiling, per slot. Only very short jobs fill it: the deeper the line,
-# the more results share a heartbeat and a commit, and the more a worker runs while the
-# server is busy with something else; but the larger each round, the longer other requests
-# wait behind it (docs/performance.md measures 4, 16, 32 and 64 both ways). Jobs of a
-# millisecond or more hold far less (the line covers two round trips of runs), long ones one.
+# The default prefetch ceiling, per slot. Only very short jobs fill it: the deeper the
+# line, the more results share a heartbeat and a commit, and the more a worker runs
+# while the server is busy with something else; but the larger each round, the longer
+# other requests wait behind it (docs/performance.md measures 4, 16, 32 and 64 both
+# ways). Jobs of a millisecond or more hold far less (the line covers two round trips
+# of runs), long ones one waiting job.
 PREFETCH_PER_SLOT = 32
 
 
@@ -190,8 +191,7 @@ class Worker:
             self.specs_dir = Path(specs_dir)
 
     def handler(self, spec: str, isolation: str | None = None) -> Callable[[Handler], Handler]:
-        """Decorator: ``fn`` runs the jobs of ``spec`` (a spec file in ``specs_dir``); with
-        ``isolation="process"`` in a child process (None: the Worker's ``isolation``)."""
+        """Decorator: ``fn`` runs ``spec``'s jobs; ``isolation``: the Worker's, or one's own."""
 
         def register(fn: Handler) -> Handler:
             if spec in self.handlers:

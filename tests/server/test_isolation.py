@@ -187,3 +187,6 @@ def test_a_handler_a_child_cannot_import_is_refused_when_registered_or_at_start(
         globals()["own_handler"] = worker.handlers["own"]
     with pytest.raises(ValueError, match="isolation must be 'thread' or 'process', not 'fork'"):
         Worker(specs_dir=tmp_path, isolation="fork")
+    worker.listen("by_hand")  # manual mode: its jobs go to the caller, in the worker
+    assert "by_hand" in worker.handlers and "by_hand" not in worker.runner.children
+    worker.runner.children.check()
