@@ -167,7 +167,7 @@ class Children:
         job = pickle.dumps((handler, {name: getattr(ctx, name) for name in FIELDS},
                             logging.getLogger().getEffectiveLevel()))
         while True:
-            child = self.idle.pop() if self.idle else await self._start()
+            child = self.idle.pop() if self.idle else await self._started(ctx)
             child.ctx, child.outcome = ctx, asyncio.get_running_loop().create_future()
             try:
                 child.conn.send_bytes(job)
@@ -187,6 +187,25 @@ class Children:
             child.ctx = child.outcome = None
             if not child.stopping and not child.gone.done():
                 self.idle.append(child)
+
+    async def _started(self, ctx: JobContext) -> Child:
+        """A new child, for ``ctx``'s job. Its start is the worker's time, not the handler's:
+        the job's lease is renewed meanwhile (a fork server's first start may take longer
+        than a short lease). A run given up meanwhile leaves the child idle, for the next."""
+        start = asyncio.ensure_future(self._start())
+        try:
+            while True:
+                done, _ = await asyncio.wait({start}, timeout=ctx.visibility_timeout / 4)
+                if done:
+                    return start.result()
+                ctx.heartbeat()
+        except asyncio.CancelledError:
+            start.add_done_callback(self._keep)
+            raise
+
+    def _keep(self, start: asyncio.Future[Child]) -> None:
+        if not start.cancelled() and start.exception() is None and not start.result().gone.done():
+            self.idle.append(start.result())
 
     async def _start(self) -> Child:
         import multiprocessing  # only for workers that isolate a handler

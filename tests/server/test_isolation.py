@@ -190,3 +190,21 @@ def test_a_handler_a_child_cannot_import_is_refused_when_registered_or_at_start(
     worker.listen("by_hand")  # manual mode: its jobs go to the caller, in the worker
     assert "by_hand" in worker.handlers and "by_hand" not in worker.runner.children
     worker.runner.children.check()
+
+
+async def test_a_slow_child_start_does_not_spend_the_jobs_lease(live: Live, sdk_worker,
+                                                               tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    await push(live, tmp_path)
+    worker = fleet(tmp_path, "process")
+    start = worker.runner.children._start
+
+    async def slow_start():  # a fork server's first start on a loaded machine
+        await asyncio.sleep(0.8)  # noqa: sleep-ok (the slow start under test)
+        return await start()
+
+    monkeypatch.setattr(worker.runner.children, "_start", slow_start)
+    await sdk_worker(worker)
+    job = await live.enqueue("report", {"n": 5}, visibility_timeout=0.3)
+    done = await live.wait_state(job["id"], "completed", timeout=10)
+    assert done["errors"] == [] and done["attempt"] == 1
