@@ -17,9 +17,10 @@ log = logging.getLogger("tests.isolated")
 
 
 def report(ctx: JobContext) -> dict[str, Any]:
-    """Progress, a captured line, a line of its own logging, and a result."""
+    """Progress, a captured line, an alert, a line of its own logging, and a result."""
     ctx.progress(50, "half way")
     ctx.log("working", "warning")
+    ctx.alert("disk almost full", "error")
     log.warning("logged with logging by job %s", ctx.id)
     return {"pid": os.getpid(), "args": ctx.args}
 

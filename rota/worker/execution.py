@@ -1,6 +1,6 @@
 """Running assigned jobs, on the handlers' event loop: async handlers as tasks, plain
-functions each on a thread of its own, and handlers isolated in a process in a child
-(rota/worker/isolation.py, which can really stop them).
+functions each on a thread of its own, handlers registered with ``isolation="process"`` in
+child processes (rota/worker/isolation.py, which can really stop them).
 
 At most ``concurrency`` jobs run at once. Up to ``prefetch`` more wait in a line, in the
 order they were assigned, and the next one starts the moment a run ends, on this loop,

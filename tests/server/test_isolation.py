@@ -67,7 +67,8 @@ async def test_results_status_logs_and_failures_flow_back_from_either(
     assert done["result"]["args"] == {"n": 1}
     assert (done["result"]["pid"] != os.getpid()) is (isolation == "process")
     assert (done["progress"]["percent"], done["progress"]["message"]) == (50, "half way")
-    assert [(line["level"], line["message"]) for line in done["logs"]] == [("warning", "working")]
+    assert sorted((line["kind"], line["level"], line["message"]) for line in done["logs"]) == [
+        ("alert", "error", "disk almost full"), ("log", "warning", "working")]
     assert f"logged with logging by job {reported['id']}" in caplog.text
     assert f"job={reported['id']} working" in caplog.text  # the worker's own line for ctx.log
 
