@@ -37,7 +37,7 @@ import msgspec
 
 from rota.base import protocol as p
 from rota.worker.context import JobContext, StatusBuffer
-from rota.worker.isolation import Children
+from rota.worker.isolation import Children, child_traceback
 from rota.base.errors import RotaError
 from rota.base.inputs import MAX_DEPTH, too_deep
 from rota.worker.link import RESULT_BYTES_PER_BEAT, SMOOTHING, prefetch_line
@@ -306,13 +306,13 @@ class Runner:
             log.info("job failed job=%s spec=%s attempt=%d error=%s: %s", ctx.id, ctx.spec,
                      ctx.attempt, type(exc).__name__, exc)
             return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="failed",
-                            error=error_info(exc))
+                            error=child_traceback(error_info(exc), exc))
         except BaseException as exc:  # noqa: BLE001 (SystemExit, KeyboardInterrupt, ...)
             # A handler cannot stop its worker: only signals and the server do that.
             # Its job fails, for good, since running it again would do the same.
             log.warning("job failed job=%s spec=%s attempt=%d: the handler raised %s; the"
                         " worker runs on", ctx.id, ctx.spec, ctx.attempt, type(exc).__name__)
-            info = error_info(exc)
+            info = child_traceback(error_info(exc), exc)
             info.retryable = False
             info.message = (f"the handler raised {type(exc).__name__}({exc}); a handler"
                             " cannot stop its worker")
@@ -407,10 +407,8 @@ def released(copy: p.JobCopy, why: str) -> p.Result:
 
 
 def error_info(exc: BaseException) -> p.ErrorInfo:
-    # (a handler's exception from its child process carries the child's traceback)
-    remote = getattr(exc, "remote_traceback", None)
     return p.ErrorInfo(
         type=getattr(exc, "error_type", type(exc).__name__), message=p.cut_text(str(exc)),
         retryable=bool(getattr(exc, "retryable", True)),
-        details={"traceback": (remote or "".join(traceback.format_exception(exc)))[-4000:]},
+        details={"traceback": "".join(traceback.format_exception(exc))[-4000:]},
     )

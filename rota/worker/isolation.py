@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from rota.base import protocol as p
 from rota.base.errors import RotaError
 from rota.base.specs import SpecError
 from rota.worker.context import JobContext, check_level
@@ -121,6 +122,15 @@ def remote_error(info: dict[str, Any]) -> BaseException:
     error.retryable = info["retryable"]  # type: ignore[attr-defined]
     error.remote_traceback = info["traceback"]  # type: ignore[attr-defined]
     return error
+
+
+def child_traceback(info: p.ErrorInfo, exc: BaseException) -> p.ErrorInfo:
+    """``info`` with the traceback from the child, for what a handler raised there (the
+    worker's own frames would say only where the pipe was read)."""
+    text = getattr(exc, "remote_traceback", None)
+    if text is not None:
+        info.details = {**(info.details or {}), "traceback": text[-4000:]}
+    return info
 
 
 class Children:
