@@ -17,7 +17,8 @@ progress, log lines, alerts) and what it logs with ``logging`` go to the worker 
 pipe, as they would from a thread; its result is encoded to JSON in the child, and an
 exception comes back with its type, message, ``retryable`` and the child's traceback. A
 child that dies (killed by the OS, ``os._exit``) fails its job with ``child_died``, which
-is retried as any failure; the worker runs on.
+is retried as any failure; the worker runs on. A child heeds only its worker's SIGTERM
+and dies with its worker.
 """
 
 from __future__ import annotations
@@ -226,12 +227,15 @@ class Children:
         if method == "forkserver":  # what every child needs, imported once, in the server
             context.set_forkserver_preload(["rota.worker.isolation"])
         ours, theirs = context.Pipe()
-        process = context.Process(target=serve, args=(theirs,),
+        told, tell = context.Pipe(duplex=False)  # "the worker stops you": see serve()
+        process = context.Process(target=serve, args=(theirs, told),
                                   name=CHILD_NAME, daemon=True)
         # Off the loop: the first start also starts the fork server (a Python start).
         await asyncio.to_thread(process.start)
         theirs.close()  # the child's end: once it exits, ours reads EOF
+        told.close()
         child = Child(process, ours, asyncio.get_running_loop(), self._gone)
+        child.tell = tell
         self.live.add(child)
         log.debug("started child pid=%s method=%s", process.pid, method)
         return child
@@ -240,6 +244,10 @@ class Children:
         """SIGTERM now, SIGKILL after ``grace`` (on the loop's clock, so even if whoever
         waits for it is cancelled again), and wait until the child is gone."""
         child.stopping = True
+        try:
+            child.tell.send_bytes(b"stop")  # a SIGTERM it heeds, unlike one sent to a group
+        except OSError:
+            pass  # gone already
         child.signal(signal.SIGTERM)
         loop = asyncio.get_running_loop()
         loop.call_later(self.grace, child.signal, signal.SIGKILL)
@@ -274,6 +282,7 @@ class Child:
         self.ctx: JobContext | None = None
         self.outcome: asyncio.Future[msgspec.Raw] | None = None
         self.stopping = False
+        self.tell: Any = None  # the pipe that says a SIGTERM is the worker's
         self.fresh = True  # it has not been given a job yet
         self.gone: asyncio.Future[int | None] = loop.create_future()
         self._fd = conn.fileno()
@@ -292,6 +301,8 @@ class Child:
         self.stopping = True
         self.loop.remove_reader(self._fd)
         self.conn.close()
+        if self.tell is not None:
+            self.tell.close()
 
     def _read(self) -> None:
         try:
@@ -408,10 +419,17 @@ class PipeHandler(logging.Handler):
             self.handleError(record)
 
 
+_told: Any = None  # the pipe on which the worker says that it stops this child
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    """Stop, if the worker says so. A SIGTERM sent to the whole group or cgroup (systemd's
+    default KillMode) reaches the children too: they leave it to the worker, which lets
+    running jobs finish within its grace period, then stops them."""
     global _stopping
-    _stopping = True
-    raise _Stopped("the worker stopped this run")
+    if _told is not None and _told.poll():
+        _stopping = True
+        raise _Stopped("the worker stopped this run")
 
 
 def _die_with_worker() -> None:
@@ -430,9 +448,13 @@ def _die_with_worker() -> None:
     threading.Thread(target=watch, name="rota-watch-worker", daemon=True).start()
 
 
-def serve(conn: Any) -> None:
+def serve(conn: Any, told: Any) -> None:
     """A child's life: take a job, run it, answer; until the pipe closes or it is stopped."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the worker's to handle
+    global _told
+    _told = told
+    if hasattr(os, "setsid"):  # out of the terminal's group: Ctrl-C and Ctrl-Z are the worker's
+        os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _die_with_worker()
     lock = threading.Lock()  # a handler's own threads may report too

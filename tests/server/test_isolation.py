@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from pathlib import Path
 
 import isolated
@@ -102,6 +103,18 @@ async def test_a_cancelled_process_job_is_stopped_before_its_side_effect(
     again = await live.enqueue("report", {"n": 3})  # a new child runs the next job
     done = await live.wait_state(again["id"], "completed", timeout=10)
     assert done["result"]["pid"] != pid
+
+
+async def test_a_sigterm_from_outside_leaves_a_child_to_its_worker(live: Live, sdk_worker,
+                                                                   tmp_path: Path):
+    """systemd's default KillMode sends SIGTERM to every process of the service: the
+    worker decides (it lets running jobs finish within its grace period)."""
+    await push(live, tmp_path)
+    await sdk_worker(fleet(tmp_path, "process"))
+    args = {"pid": str(tmp_path / "pid"), "effect": str(tmp_path / "charged"), "wait": 0.5}
+    job = await live.enqueue("charge", args)
+    os.kill(await started(tmp_path / "pid"), signal.SIGTERM)
+    assert (await live.wait_state(job["id"], "completed", timeout=10))["result"] == "charged"
 
 
 async def test_a_lapsed_lease_kills_a_child_that_ignores_sigterm(
