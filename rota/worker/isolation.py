@@ -98,11 +98,8 @@ class _RemoteError(Exception):
 
 
 class _RemoteExit(BaseException):
-    """A SystemExit, KeyboardInterrupt (or other BaseException) from a handler in its child."""
-
-    error_type: str
-    retryable: bool
-    remote_traceback: str
+    """A SystemExit, KeyboardInterrupt (or other BaseException) from a handler in its child,
+    carried as a _RemoteError is."""
 
 
 _classes: dict[tuple[str, str, bool], type[BaseException]] = {}
