@@ -28,7 +28,9 @@
     ├── JobFailed        raised by a worker's handler: the job failed (``ctx.fail``)
     ├── ResultTooLarge   the worker: a handler's result too large to send; the job fails
     │                    with it, not retried (rota/worker/execution.py)
-    └── ResultTooDeep    the worker: a handler's result nested too deep to send, likewise
+    ├── ResultTooDeep    the worker: a handler's result nested too deep to send, likewise
+    └── ChildDied        the worker: the child process running an isolated handler died;
+                         the job fails with it, retried (rota/worker/isolation.py)
 
 """
 from __future__ import annotations

@@ -45,6 +45,7 @@ class JobContext:
     _extend: Callable[[], None] = field(repr=False, default=lambda: None)
     _status: StatusBuffer | None = field(repr=False, default=None)
     _outcome: asyncio.Future[Any] | None = field(repr=False, default=None)  # manual mode
+    _stopped: Callable[[], bool] = field(repr=False, default=lambda: False)  # handler mode
 
     def heartbeat(self) -> Awaitable[None]:
         """Say the job is alive: its lease starts again from now. Call it more often than
@@ -74,13 +75,15 @@ class JobContext:
         if self._status is not None:
             self._status.alert(message, level, self.id)
 
-    # -- manual mode (worker.listen()): the caller reports the outcome -----------------
     @property
     def cancelled(self) -> bool:
         """True once the worker stopped this job (a ``cancel`` from the server, a lapsed
-        lease, a shutdown past its grace): stop working on it; its outcome is reported."""
-        return self._outcome is not None and self._outcome.cancelled()
+        lease, a shutdown past its grace): stop working on it; its outcome is reported.
+        A plain function on a thread cannot be interrupted: it should look at this between
+        steps of a long job (an async handler is cancelled at its next ``await``)."""
+        return self._stopped() or (self._outcome is not None and self._outcome.cancelled())
 
+    # -- manual mode (worker.listen()): the caller reports the outcome -----------------
     def complete(self, result: Any = None) -> bool:
         """Manual mode: the job succeeded with ``result`` (any JSON value). Returns False
         if the job had been stopped meanwhile (then nothing is reported for it again)."""

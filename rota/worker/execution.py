@@ -1,5 +1,6 @@
 """Running assigned jobs, on the handlers' event loop: async handlers as tasks, plain
-functions each on a thread of its own.
+functions each on a thread of its own, handlers registered with ``isolation="process"`` in
+child processes (rota/worker/isolation.py, which can really stop them).
 
 At most ``concurrency`` jobs run at once. Up to ``prefetch`` more wait in a line, in the
 order they were assigned, and the next one starts the moment a run ends, on this loop,
@@ -13,7 +14,8 @@ its thread is *abandoned*: it runs on, but it is no longer the slot's. Every run
 plain function starts on a new thread, so a slot given back is one the worker can
 really use: a job it accepts starts at once, however many threads hang. Each abandoned
 thread is alerted and counted; at ``max_abandoned`` of them the worker drains and exits
-(``EXIT_WEDGED``), for its supervisor to restart it. No exception from a handler,
+(``EXIT_WEDGED``), for its supervisor to restart it. A run in a child process is never
+abandoned: its child is stopped. No exception from a handler,
 ``SystemExit`` and ``KeyboardInterrupt`` included, escapes its run: it fails that job.
 """
 
@@ -37,6 +39,7 @@ import msgspec
 
 from rota.base import protocol as p
 from rota.worker.context import JobContext, StatusBuffer
+from rota.worker.isolation import Children, child_traceback
 from rota.base.errors import RotaError
 from rota.base.inputs import MAX_DEPTH, too_deep
 from rota.worker.link import RESULT_BYTES_PER_BEAT, SMOOTHING, line_pace, prefetch_line
@@ -61,7 +64,8 @@ class Run:
 class Runner:
     def __init__(self, *, worker_id: str, handlers: dict[str, Handler], concurrency: int,
                  status: StatusBuffer, report: Callable[[p.Result | None], None],
-                 max_abandoned: int, on_wedged: Callable[[], None], prefetch: int = 0) -> None:
+                 max_abandoned: int, on_wedged: Callable[[], None], prefetch: int = 0,
+                 isolation: str = "thread") -> None:
         self.worker_id = worker_id
         self.handlers = handlers
         self.concurrency = concurrency
@@ -83,6 +87,7 @@ class Runner:
         self.abandoned: set[threading.Thread] = set()
         self._wedged = False  # told the worker to drain and exit already
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.children = Children(isolation)  # handlers that run in child processes
 
     # -- what the connection reads (from its own thread) ----------------------------------
     def capacity(self, state: str, round_trip: float = 0.0) -> int:
@@ -230,6 +235,7 @@ class Runner:
         for run in list(self.running.values()):
             if run.task is not None:
                 run.task.cancel()
+        self.children.close()
 
     async def _execute(self, run: Run) -> p.Result:
         copy = run.copy
@@ -248,7 +254,8 @@ class Runner:
                          args=copy.args, priority=copy.priority, checksum=copy.checksum,
                          enqueued_at=copy.enqueued_at, worker_id=self.worker_id,
                          visibility_timeout=copy.visibility_timeout,
-                         capture_logs=copy.capture_logs, _extend=extend, _status=self.status)
+                         capture_logs=copy.capture_logs, _extend=extend, _status=self.status,
+                         _stopped=lambda: run.cancel_reason is not None)
         return await self._call(ctx, run)
 
     def _ended(self, run: Run, task: asyncio.Task[p.Result]) -> None:
@@ -315,7 +322,9 @@ class Runner:
         try:
             if handler is None:
                 raise LookupError(f"this worker has no handler for spec {ctx.spec!r}")
-            if inspect.iscoroutinefunction(handler):
+            if ctx.spec in self.children:  # stopped for real when its run is given up
+                value = await self.children.run(handler, ctx)
+            elif inspect.iscoroutinefunction(handler):
                 value = await handler(ctx)
             else:
                 value = await self._in_thread(handler, ctx, run)
@@ -334,13 +343,13 @@ class Runner:
             log.info("job failed job=%s spec=%s attempt=%d error=%s: %s", ctx.id, ctx.spec,
                      ctx.attempt, type(exc).__name__, exc)
             return p.Result(job_id=ctx.id, attempt=ctx.attempt, outcome="failed",
-                            error=error_info(exc))
+                            error=child_traceback(error_info(exc), exc))
         except BaseException as exc:  # noqa: BLE001 (SystemExit, KeyboardInterrupt, ...)
             # A handler cannot stop its worker: only signals and the server do that.
             # Its job fails, for good, since running it again would do the same.
             log.warning("job failed job=%s spec=%s attempt=%d: the handler raised %s; the"
                         " worker runs on", ctx.id, ctx.spec, ctx.attempt, type(exc).__name__)
-            info = error_info(exc)
+            info = child_traceback(error_info(exc), exc)
             info.retryable = False
             info.message = (f"the handler raised {type(exc).__name__}({exc}); a handler"
                             " cannot stop its worker")

@@ -25,7 +25,8 @@ from rota.worker.context import JobContext
 class Runnable(Protocol):
     """What the listener needs of a Worker."""
 
-    def handler(self, spec: str) -> Callable[[Callable[[JobContext], Any]], Any]: ...
+    def handler(self, spec: str, isolation: str | None = None
+                ) -> Callable[[Callable[[JobContext], Any]], Any]: ...
 
     def run(self) -> Coroutine[Any, Any, None]: ...
 
@@ -43,7 +44,8 @@ class Listener:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         for spec in specs:
-            worker.handler(spec)(self._hand_over)
+            # (in the worker's process, whatever its isolation: the caller's code takes it)
+            worker.handler(spec, isolation="thread")(self._hand_over)
 
     async def _hand_over(self, ctx: JobContext) -> Any:
         ctx._outcome = asyncio.get_running_loop().create_future()

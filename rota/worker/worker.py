@@ -8,15 +8,15 @@
 
     asyncio.run(worker.run())
 
-Async handlers run as tasks on the loop that called ``run()``, plain functions each on
-a thread of their own (rota/worker/execution.py). The connection to the server runs on a
-thread and loop of its own (rota/worker/connection.py), so no handler can silence it; its
-protocol decisions are a sans-I/O core (rota/worker/link.py). Each handler's spec is read
-from ``specs_dir`` and declared with its checksum, so the server sends this worker only
-jobs whose spec matches the status quo. Given several server URLs (servers that share one
-database), the worker moves to the next one whenever its connection fails or is lost.
-Only ``protocol``, ``specs``, ``ids`` and the
-SDK's own modules are imported: a worker needs none of the server's dependencies.
+Async handlers run as tasks on the loop that called ``run()``, plain functions each on a
+thread of their own (rota/worker/execution.py), or with ``isolation="process"`` in a child
+process (rota/worker/isolation.py). The connection to the server runs on a thread and loop
+of its own (rota/worker/connection.py), so no handler can silence it; its protocol
+decisions are a sans-I/O core (rota/worker/link.py). Each handler's spec is read from
+``specs_dir`` and declared with its checksum, so the server sends this worker only jobs
+whose spec matches the status quo. Given several server URLs (servers sharing a database),
+it moves to the next one whenever its connection fails or is lost. Only ``protocol``,
+``specs``, ``ids`` and the SDK's own modules are imported: no server dependency.
 
 Lifecycle: running -> quiet -> terminate, never back from terminate (SIGCONT or
 ``resume()`` takes a quiet worker back to running).
@@ -81,6 +81,7 @@ class Worker:
         ssl: SSLContext | None = None,
         handle_signals: bool = True,
         max_abandoned_threads: int | None = None,
+        isolation: str = "thread",
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -104,7 +105,7 @@ class Worker:
         self.handle_signals = handle_signals
         # Threads of plain-function runs given up while still running (a hung call) are
         # abandoned and replaced; this many of them and the worker drains and exits
-        # (EXIT_WEDGED) for its supervisor to restart it.
+        # (EXIT_WEDGED) for its supervisor to restart it. (isolation="process": never.)
         self.max_abandoned_threads = max_abandoned_threads or 2 * concurrency
         self._defaults = (prefetch is None, max_abandoned_threads is None)  # see configure
         self.exit_code = 0  # what `rota worker` exits with after run() returns
@@ -130,7 +131,7 @@ class Worker:
                              concurrency=concurrency, status=self.status, report=self._report,
                              max_abandoned=self.max_abandoned_threads, on_wedged=self._wedged,
                              prefetch=default_prefetch(concurrency) if prefetch is None
-                             else prefetch)
+                             else prefetch, isolation=isolation)
         self._connection: ConnectionThread | None = None
         self._outgoing: list[p.Result | None] = []  # run ends not yet handed over
         self._flush_due = False
@@ -141,8 +142,7 @@ class Worker:
     # -- configuration ----------------------------------------------------------------
     @property
     def url(self) -> str:
-        """The /work URL in use, or being tried, now (``server_url``). Set it to one
-        server's URL or to a list of them, before run()."""
+        """The /work URL in use or being tried now; set one server's URL or a list, before run()."""
         return self.servers.current
 
     @url.setter
@@ -186,12 +186,13 @@ class Worker:
         if specs_dir is not None:
             self.specs_dir = Path(specs_dir)
 
-    def handler(self, spec: str) -> Callable[[Handler], Handler]:
-        """Decorator: ``fn`` runs the jobs of ``spec`` (a spec file in ``specs_dir``)."""
+    def handler(self, spec: str, isolation: str | None = None) -> Callable[[Handler], Handler]:
+        """Decorator: ``fn`` runs ``spec``'s jobs; ``isolation``: the Worker's, or one's own."""
 
         def register(fn: Handler) -> Handler:
             if spec in self.handlers:
                 raise ValueError(f"spec {spec!r} already has a handler")
+            self.runner.children.register(spec, fn, isolation)
             self.handlers[spec] = fn
             return fn
 
@@ -386,6 +387,7 @@ class Worker:
         """Connect, run what is assigned, reconnect when the connection is lost, until
         terminated (by a signal, the server, or ``terminate()``)."""
         self._load_specs()
+        self.runner.children.check()  # a handler a child cannot import: said now, not mid-job
         self._task = asyncio.current_task()
         signals = _Signals.join(self)
         self._connection = ConnectionThread(self, self.link)

@@ -196,3 +196,50 @@ async def test_under_load_every_job_runs_exactly_once(live: Live, fleet: Fleet, 
     logs = "".join(fleet.log(f"w{n}") for n in range(workers))
     assert "result rejected" not in logs and "rate_limited" not in logs
     assert "connection to" not in logs  # never lost its connection
+
+
+ISOLATED = """
+import os, time
+from pathlib import Path
+from rota import Worker
+
+worker = Worker(specs_dir="specs", isolation="process")
+
+@worker.handler("charge")
+def charge(ctx):
+    Path("pid").write_text(str(os.getpid()))
+    time.sleep(ctx.args["wait"])
+    Path("charged").write_text("charged")
+"""
+
+
+def dead(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (a container's init may never do it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def test_a_worker_killed_with_9_leaves_no_isolated_job_running(live: Live,
+                                                                      tmp_path: Path):
+    await live.push(write_spec(tmp_path / "specs", "charge"))
+    (tmp_path / "isoworker.py").write_text(ISOLATED)
+    with open(tmp_path / "worker.log", "w") as log:  # (`rota worker`: a module, by name)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rota", "worker", "isoworker:worker", "--url", live.base,
+            cwd=tmp_path, stdout=asyncio.subprocess.DEVNULL, stderr=log)
+    try:
+        await live.enqueue("charge", {"wait": 2})
+        pid_file = tmp_path / "pid"
+        await wait_until(lambda: pid_file.exists() and pid_file.read_text(), timeout=15,
+                         what="the job to start in its child", step=COSTLY_POLL)
+        pid = int(pid_file.read_text())
+        proc.kill()
+        await proc.wait()
+        await wait_until(lambda: dead(pid), timeout=5, what="the child to die with its worker")
+        assert not (tmp_path / "charged").exists()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
