@@ -128,6 +128,7 @@ async def burst(http: httpx.AsyncClient, jobs: int) -> None:
         assert answer.status_code == 200, answer.text[:300]
 
 
+@pytest.mark.soak  # seconds of unread streams: run by .ci/run
 async def test_subscribers_that_do_not_read_hold_little_and_nothing_once_gone(
         served: tuple[httpx.AsyncClient, psutil.Process]):
     """Before: each held about 0.45 MB (its last chunk of 1,000 events, ~190 KB, and as

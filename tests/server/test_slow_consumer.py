@@ -136,6 +136,7 @@ async def test_a_worker_that_never_reads_again_is_dropped_with_what_it_left_unre
         await stop_silent(silent, beating)
 
 
+@pytest.mark.soak  # ten silent peers; one is the quick case above
 async def test_ten_workers_that_stop_reading_cost_the_server_little_memory(tmp_path: Path,
                                                                            spec: JobSpec):
     """Before the outbox limits, one such worker took a server from 47 to 283 MiB with 500

@@ -380,7 +380,7 @@ BATCH = 50
 
 # On PostgreSQL once, with a worker killed too: what the server alone checks it checks.
 @pytest.mark.parametrize(("backend", "with_worker"), [
-    ("sqlite", False), ("sqlite", True), ("postgres", True)],
+    ("sqlite", False), pytest.param("sqlite", True, marks=pytest.mark.soak), ("postgres", True)],
     ids=["sqlite-server", "sqlite-server+worker", "postgres-server+worker"], indirect=["backend"])
 async def test_kill_9_server_under_load_loses_no_job(server: ServerProcess,
                                                      worker_procs: WorkerProcesses,

@@ -476,6 +476,7 @@ def faketime_env(tmp_path: Path, offset: str) -> dict[str, str]:
             "FAKETIME_DONT_FAKE_MONOTONIC": "1", "DONT_FAKE_MONOTONIC": "1"}
 
 
+@pytest.mark.soak  # a restart under faketime; the quick step case stays
 async def test_a_wall_clock_step_across_a_restart_moves_no_deadline(serve: ServeProcess,
                                                                     tmp_path: Path):
     """The server stops; its machine's wall clock steps 2 h ahead (NTP, by hand) before
@@ -520,6 +521,7 @@ async def test_a_wall_clock_step_across_a_restart_moves_no_deadline(serve: Serve
     assert "wall clock stepped +72" in serve.log.read_text()  # +7200 s, give or take
 
 
+@pytest.mark.soak  # restarts under faketime
 @pytest.mark.parametrize("seen", [True, False], ids=["seen", "stopped-before-seen"])
 async def test_a_wall_clock_step_while_running_then_a_restart_moves_no_deadline(
         serve: ServeProcess, tmp_path: Path, seen: bool):
@@ -550,6 +552,7 @@ async def test_a_wall_clock_step_while_running_then_a_restart_moves_no_deadline(
     assert later["state"] == "scheduled" and 3000 < ahead <= 3600, (later, ahead)
 
 
+@pytest.mark.soak  # a step back under faketime
 async def test_after_a_step_back_retention_is_on_time_and_nothing_shows_ahead(
         serve: ServeProcess, tmp_path: Path):
     """The wall clock steps 2 h back while the server runs: a completed job is still

@@ -403,6 +403,7 @@ def test_the_pause_button_stops_the_refresh_until_it_is_pressed_again(page: Page
     expect(available).to_have_text("2")
 
 
+@pytest.mark.soak  # every hostile id through every page: long
 def test_a_job_id_never_leads_a_link_or_a_form_to_another_job(shared: BrowserContext,
                                                               tmp_path: Path):
     """Every id the API accepts, and an id holding "/" and ".." stored by an earlier

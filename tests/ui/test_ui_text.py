@@ -20,7 +20,7 @@ from uirig import Rig, filled
 from rota.base import protocol as p
 from rota.worker.worker import JobContext, Worker
 
-pytestmark = pytest.mark.xdist_group("browser")
+pytestmark = pytest.mark.xdist_group("browser-b")
 WIDTH = 1280
 LONG = 8192  # the longest message, progress, log line or alert the server keeps (MAX_TEXT)
 SPEC = "s" * 128

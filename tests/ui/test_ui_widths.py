@@ -19,7 +19,7 @@ from uirig import Rig, filled
 
 from rota.worker.worker import JobContext
 
-pytestmark = pytest.mark.xdist_group("browser")
+pytestmark = pytest.mark.xdist_group("browser-b")  # a second browser, beside test_ui.py's
 
 # The relative luminance of a CSS colour and the contrast of two, as WCAG 2 defines them;
 # a link's background is the first opaque one among it and its ancestors.
