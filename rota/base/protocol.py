@@ -22,6 +22,9 @@ from rota.base.inputs import BadJson, explain, screen
 WorkerState = Literal["running", "quiet", "terminate"]
 # Lifecycle order: a worker only moves forward, except quiet -> running on SIGCONT.
 STATE_RANK: dict[str, int] = {"running": 0, "quiet": 1, "terminate": 2}
+# A state in a sentence ("the worker is ..."): "terminate" is the directive's verb.
+STATE_SAID: dict[str, str] = {"running": "running", "quiet": "quiet",
+                              "terminate": "terminating"}
 Outcome = Literal["completed", "failed"]
 
 # Names of specs, queues, labels and workers; job ids allow a few more characters, so

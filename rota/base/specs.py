@@ -108,7 +108,8 @@ def parse_spec(data: bytes | str, *, source: str = "<spec>") -> JobSpec:
     try:
         return msgspec.toml.decode(data, type=JobSpec)
     except msgspec.ValidationError as exc:
-        raise SpecError(f"{source}: {plainly(str(exc), JobSpec)}") from exc
+        said = plainly(str(exc), JobSpec, lambda: msgspec.toml.decode(data))
+        raise SpecError(f"{source}: {said}") from exc
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise SpecError(f"{source}: {exc}") from exc
 
@@ -153,7 +154,7 @@ def spec_from_builtins(data: Any) -> JobSpec:
     try:
         return msgspec.convert(data, type=JobSpec)
     except msgspec.ValidationError as exc:
-        raise SpecError(plainly(str(exc), JobSpec)) from exc
+        raise SpecError(plainly(str(exc), JobSpec, lambda: data)) from exc
 
 
 # An argument's type (ArgType) as the JSON kind msgspec names it (rota/base/wording.py).

@@ -1,9 +1,13 @@
 """msgspec's validation errors in plain words that name the field ("delay must be a number
->= 0"), for the 4xx answers of the API and for spec files; and JSON's kinds of value."""
+>= 0", "args.w.type must be one of ..."), for the 4xx answers of the API and for spec files;
+and JSON's kinds of value."""
 
 from __future__ import annotations
 
 import re
+import types
+import typing
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -47,13 +51,25 @@ _AT = re.compile(r"(?P<text>.*?)(?: - at `(?P<path>[^`]*)`)?", re.DOTALL)
 _STEPS = re.compile(r"\.([^.\[]+)|\[([^\]]*)\]")
 
 
-def plainly(message: str, kind: Any = None) -> str:
+Untyped = Callable[[], Any]  # what was decoded, read again without a type (on an error only)
+
+
+def plainly(message: str, kind: Any = None, data: Untyped | None = None) -> str:
     """A msgspec ValidationError's text in plain words; ``kind``, the type decoded, lets
-    an unknown field or value name the ones allowed. Wording it does not know is kept."""
+    an unknown field or value name the ones allowed, and ``data``, what was decoded
+    (untyped), the key of a mapping where msgspec says only ``[...]`` ("args.w.type", not
+    "args[...].type"). Wording it does not know is kept."""
+    if m := _IN_KEY.fullmatch(message):  # a mapping's key is wrong, not its value
+        key = _failing_key(kind, data, _steps(m["path"]), m["text"], of_key=True)
+        within = m["path"][2:] if m["path"].startswith("$.") else (m["path"][1:] or "the body")
+        rule = plainly(f"{m['text']} - at `$.key`")[len("key "):]
+        return f"{within}: the key {key!r} {rule}" if key is not None \
+            else f"{within}: a key {rule}"
     said = _AT.fullmatch(message)
     assert said is not None  # (the pattern matches any text)
     text, path = said["text"], said["path"] or "$"
-    field = path[2:] if path.startswith("$.") else path[1:]
+    field = _named(text, kind, data, path)
+    field = field[2:] if field.startswith("$.") else field[1:]
     name = field or "the body"
     if m := re.fullmatch(r"Expected `([^`]*)`, got `([^`]*)`", text):
         return f"{name} must be {_kind(m[1])}, got {GOT.get(m[2], m[2])}"
@@ -83,6 +99,105 @@ def plainly(message: str, kind: Any = None) -> str:
             return f"{name} must be one of {', '.join(allowed)}, not {m[1]}"
         return f"{name} cannot be {m[1]}"
     return message
+
+
+_IN_KEY = re.compile(r"(?P<text>.*) - at `key` in `(?P<path>[^`]*)`", re.DOTALL)
+Step = tuple[str, int | None]  # a key, or an index into a list ("", 0)
+
+
+def _steps(path: str) -> list[Step] | None:
+    """"$.specs[0].args" as steps, or None where it holds a ``[...]``."""
+    steps: list[Step] = []
+    for key, index in _STEPS.findall(path[1:]):
+        if index == "...":
+            return None
+        steps.append((key, None) if key else ("", int(index)))
+    return steps
+
+
+def _named(text: str, kind: Any, data: Untyped | None, path: str) -> str:
+    """``path`` with each ``[...]`` (a mapping's key, which msgspec does not say) made
+    ``.key``: the key whose value fails as the whole did; kept where none is found."""
+    if "[...]" not in path:
+        return path
+    shown, steps = "$", list[Step]()
+    for step in _STEPS.finditer(path, 1):
+        key, index = step.groups()
+        if index == "...":  # its value alone fails with the same words, from there on
+            rest = path[step.end():]
+            key = _failing_key(kind, data, steps, f"{text} - at `${rest}`" if rest else text)
+            if key is None:
+                return path
+            index = ""
+        if index:
+            shown += f"[{index}]"
+            steps.append(("", int(index)))
+        else:
+            shown += f".{key}"
+            steps.append((key, None))
+    return shown
+
+
+def _failing_key(kind: Any, data: Untyped | None, steps: list[Step] | None, said: str,
+                 of_key: bool = False) -> str | None:
+    """The key of the mapping at ``steps`` in ``data`` (decoded as ``kind``) whose value
+    (or key, ``of_key``) alone fails to decode with the message ``said``: a decode per
+    entry, on an error's path only."""
+    if kind is None or data is None or steps is None:
+        return None
+    try:
+        mapping, mapping_type = _at(data(), steps), _type_at(kind, steps)
+    except Exception:  # noqa: BLE001 (no better words, but never a worse error)
+        return None
+    if not isinstance(mapping, dict) or typing.get_origin(mapping_type) is not dict:
+        return None
+    key_type, value_type = typing.get_args(mapping_type)
+    for key, value in mapping.items():
+        try:
+            msgspec.convert(key, key_type) if of_key else msgspec.convert(value, value_type)
+        except msgspec.ValidationError as exc:
+            if str(exc) == said:
+                return str(key)
+        except Exception:  # noqa: BLE001 (a type convert cannot build, such as Raw)
+            return None
+    return None
+
+
+def _at(data: Any, steps: list[Step]) -> Any:
+    for key, index in steps:
+        data = data[key] if index is None else data[index]
+    return data
+
+
+def _type_at(kind: Any, steps: list[Step]) -> Any:
+    """The Python type at ``steps`` within ``kind`` (bare: see ``_plain``); LookupError
+    where there is none."""
+    here = _plain(kind)
+    for key, index in steps:
+        if index is None and isinstance(here, type) and issubclass(here, msgspec.Struct):
+            here = next(f.type for f in msgspec.structs.fields(here) if f.encode_name == key)
+        elif index is None and typing.get_origin(here) is dict:
+            here = typing.get_args(here)[1]
+        elif index is not None and typing.get_origin(here) in (list, tuple, set, frozenset):
+            here = typing.get_args(here)[0]
+        else:
+            raise LookupError(key or index)
+        here = _plain(here)
+    return here
+
+
+def _plain(kind: Any) -> Any:
+    """``kind`` without its constraints (Annotated), and without None if it is optional."""
+    while True:
+        if typing.get_origin(kind) is typing.Annotated:
+            kind = typing.get_args(kind)[0]
+        elif typing.get_origin(kind) in (typing.Union, types.UnionType):
+            rest = [t for t in typing.get_args(kind) if t is not type(None)]
+            if len(rest) != 1:
+                return kind
+            kind = rest[0]
+        else:
+            return kind
 
 
 def _kind(names: str) -> str:

@@ -286,6 +286,14 @@ class BackgroundHandler(logging.Handler):
 FORMATS = ("text", "json")
 
 
+# The libraries whose DEBUG lines are theirs, not Rota's: every frame of a worker's
+# WebSocket (two heartbeats a second when idle), every HTTP request, the event loop's and
+# the process pool's chatter. ``debug`` keeps them at INFO, so that Rota's own lines (a
+# worker's "job ended" per job) stand out; ``trace`` lets them through as well.
+LIBRARIES = ("websockets", "httpx", "httpcore", "asyncio", "uvicorn", "multiprocessing",
+             "psycopg")
+
+
 def configure(level: str = "info", fmt: str = "text") -> None:
     # What a record would otherwise gather and the format never shows; these switches
     # are the ones the logging documentation names for this.
@@ -296,14 +304,22 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     logging.setLogRecordFactory(LeanRecord)
     handler = BackgroundHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else Formatter(FORMAT))
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    # uvicorn's per-connection chatter says nothing Rota's own lines don't.
-    logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, logging.getLogger().level))
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    trace = level == "trace"
+    logging.basicConfig(level="DEBUG" if trace else level.upper(), handlers=[handler],
+                        force=True)
+    root = logging.getLogger().level
+    for name in LIBRARIES:
+        logging.getLogger(name).setLevel(logging.NOTSET if trace else max(logging.INFO, root))
+    if not trace:
+        # uvicorn's per-connection chatter says nothing Rota's own lines don't, nor does
+        # httpx's line per request (at INFO).
+        logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, root))
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, root))
 
 
 # The options of the commands that log (rota serve, rota worker).
-LEVELS = click.Choice(["debug", "info", "warning", "error"])
+# (trace: debug, and the libraries' own debug lines too; see LIBRARIES)
+LEVELS = click.Choice(["trace", "debug", "info", "warning", "error"])
 LOG_FORMAT = click.option(
     "--log-format", envvar="ROTA_LOG_FORMAT", show_envvar=True, default="text",
     show_default=True, type=click.Choice(FORMATS),

@@ -120,7 +120,9 @@ def _settings_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.command()
 @_settings_options
 @click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True,
-              show_envvar=True, type=LEVELS)
+              show_envvar=True, type=LEVELS,
+              help="The least severe lines the server logs (trace: debug, and the libraries'"
+              " own debug lines too, such as uvicorn's per connection).")
 @_LOG_FORMAT
 @click.option("--insecure", is_flag=True, envvar="ROTA_INSECURE", show_envvar=True,
               help="Allow a non-loopback --host with no tokens (anyone may take jobs).")

@@ -3,6 +3,7 @@ and print checksums (which needs no server)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import click
@@ -34,8 +35,9 @@ def specs_push(directory: Path, url: str, dry_run: bool) -> None:
     except SpecError as exc:
         _fail(str(exc))
     report = _api(url, "push_specs", loaded, dry_run=dry_run)
+    wide = _widest(item["name"] for item in report["specs"])
     for item in report["specs"]:
-        line = f"{item['change']:<9} {item['name']}  {item['checksum'][:19]}"
+        line = f"{item['change']:<9} {item['name']:<{wide}}  {item['checksum'][:19]}"
         if item["change"] == "changed":
             line += f"  (was {item['previous'][:19]}; {item['mismatched_workers']} connected worker(s) no longer match)"
         _out(line)
@@ -50,9 +52,10 @@ def specs_list(url: str) -> None:
     listed = _api(url, "specs")["specs"]
     if not listed:  # (on stderr: stdout stays the list, empty, for a script)
         _out("no specs registered; push some with `rota specs push DIR`", err=True)
+    wide = _widest(spec["name"] for spec in listed)
     for spec in listed:
         retired = f"  retired {spec['retired_at']}" if spec.get("retired_at") else ""
-        _out(f"{spec['name']:<24} {spec['version']:<10} {spec['checksum'][:19]}"
+        _out(f"{spec['name']:<{wide}}  {spec['version']:<10} {spec['checksum'][:19]}"
              f"  queue={spec['queue']}{retired}")
 
 
@@ -98,7 +101,15 @@ def specs_retire(name: str, url: str, cancel_waiting: bool) -> None:
 def specs_checksum(directory: Path) -> None:
     """Print the checksum of every spec in DIRECTORY (no server needed)."""
     try:
-        for spec in load_dir(directory):
-            _out(f"{spec.name:<24} {checksum(spec)}")
+        loaded = load_dir(directory)
     except SpecError as exc:
         _fail(str(exc))
+    wide = _widest(spec.name for spec in loaded)
+    for spec in loaded:
+        _out(f"{spec.name:<{wide}}  {checksum(spec)}")
+
+
+def _widest(names: Iterable[str]) -> int:
+    """The width of a column of names: the longest (names run to 128 characters, so a
+    fixed width would either waste the line or break the columns)."""
+    return max(map(len, names), default=0)

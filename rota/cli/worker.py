@@ -43,7 +43,9 @@ def _split_urls(values: tuple[str, ...]) -> list[str]:
 @_WORKER_URLS
 @_TOKEN
 @click.option("--log-level", envvar="ROTA_LOG_LEVEL", default="info", show_default=True,
-              show_envvar=True, type=LEVELS, help="The least severe lines the worker logs.")
+              show_envvar=True, type=LEVELS,
+              help="The least severe lines the worker logs (trace: debug, and the libraries'"
+              " own debug lines too, such as each WebSocket frame).")
 @_LOG_FORMAT
 @click.option("--concurrency", envvar="ROTA_CONCURRENCY", show_envvar=True,
               type=click.IntRange(1, 2**31 - 1), default=None,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from rota.base.errors import Conflict, DomainError, Invalid, NotFound
 from rota.core.model import TERMINAL_STATES
-from rota.base.protocol import rfc3339
+from rota.base.protocol import STATE_SAID, rfc3339
 
 Row = Mapping[str, Any]
 MAX_BULK = 10_000  # jobs one bulk action may touch (its ``limit``)
@@ -211,7 +211,6 @@ def directive_refusal(worker_id: str, state: str, current: str | None, directed:
     if current is None:
         return NotFound("not_found", f"no connected worker {worker_id}")
     if not directed and current != state:
-        said = "terminating" if current == "terminate" else current
-        return Conflict("invalid_transition",
-                        f"worker {worker_id} is {said}; it cannot go back to {state}")
+        return Conflict("invalid_transition", f"worker {worker_id} is"
+                        f" {STATE_SAID.get(current, current)}; it cannot go back to {state}")
     return None

@@ -108,7 +108,8 @@ def decode_as(body: bytes, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(screen(body), type=kind)
     except msgspec.ValidationError as exc:
-        raise RequestError(422, "invalid_request", plainly(str(exc), kind)) from None
+        said = plainly(str(exc), kind, lambda: msgspec.json.decode(body))
+        raise RequestError(422, "invalid_request", said) from None
     except BadJson as exc:
         raise RequestError(400, exc.code, exc.message) from None
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:

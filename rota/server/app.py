@@ -77,7 +77,8 @@ def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvic
         port=settings.port,
         log_config=None,  # the CLI configures logging; uvicorn's access log stays quiet
         # uvicorn's own lines (connection open/closed) repeat what Rota logs better
-        log_level="debug" if log_level == "debug" else "warning",
+        # (at Rota's debug too: only --log-level trace lets them through)
+        log_level="trace" if log_level == "trace" else "warning",
         access_log=False,
         http=http,
         # websockets' sans-I/O protocol, lighter per idle connection

@@ -394,16 +394,17 @@ class Runner:
         message = (f"job {run.copy.id} ({run.copy.spec}) was given up ({run.cancel_reason}) but"
                    f" its thread still runs: abandoned thread {len(self.abandoned)}"
                    f" (the worker restarts at {self.max_abandoned}); its slot runs new jobs on"
-                   " new threads")
-        log.warning("abandoned thread job=%s spec=%s reason=%s abandoned=%d", run.copy.id,
-                    run.copy.spec, run.cancel_reason, len(self.abandoned))
+                   f" new threads; {WAY_OUT}")
+        # (the way out as an argument: a literal key="value" would be a JSON line's field)
+        log.warning("abandoned thread job=%s spec=%s reason=%s abandoned=%d: %s", run.copy.id,
+                    run.copy.spec, run.cancel_reason, len(self.abandoned), WAY_OUT)
         self.status.alert(message, "warning", run.copy.id)
         if len(self.abandoned) >= self.max_abandoned and not self._wedged:
             self._wedged = True
             log.error("%d abandoned threads (max_abandoned_threads): draining, then exiting"
-                      " with code 75 for a restart", len(self.abandoned))
+                      " with code 75 for a restart; %s", len(self.abandoned), WAY_OUT)
             self.status.alert(f"{len(self.abandoned)} abandoned threads: the worker drains"
-                              " and exits to be restarted", "error", None)
+                              f" and exits to be restarted; {WAY_OUT}", "error", None)
             self.on_wedged()
 
     def _thread_ended(self, thread: threading.Thread) -> None:
@@ -411,6 +412,10 @@ class Runner:
             self.abandoned.discard(thread)
             log.info("an abandoned thread returned: %d left", len(self.abandoned))
 
+
+# What an abandoned thread's lines say to do (a plain function cannot be stopped).
+WAY_OUT = ('use isolation="process" for handlers that must stop on a cancel,'
+           " or check ctx.cancelled")
 
 # A heartbeat's object, its results and the result's own object come first (protocol §7).
 RESULT_DEPTH = MAX_DEPTH - 3

@@ -344,7 +344,7 @@ class Worker:
         if state == "running":
             self.runner.holding = True
         else:  # jobs that would wait here go back now, for another worker to run
-            self.runner.release_waiting(f"the worker is {state}")
+            self.runner.release_waiting(f"the worker is {p.STATE_SAID[state]}")
         self._wake_urgently()  # tell the server at once
 
     def _wake_urgently(self) -> None:

@@ -197,7 +197,7 @@ async def test_enqueue_errors_are_precise(live: Live, tmp_path: Path):
                         " be a version of 1 to 64 characters, with no space or control character"),
                        (b'{"specs": [{"name": "a", "version": "1",'
                         b' "args": {"w": {"type": "int"}}}]}',
-                        "specs[0].args[...].type must be one of any, array, boolean, integer,"
+                        "specs[0].args.w.type must be one of any, array, boolean, integer,"
                         " number, object, string, not 'int'")):
         pushed = await live.http.put("/specs", content=body)
         assert (pushed.status_code, pushed.json()["error"]["message"]) == (422, says), body

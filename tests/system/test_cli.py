@@ -36,6 +36,8 @@ async def test_specs_push_dry_run_then_push_then_change(live: Live, connect, tmp
 
     code, out, _ = await rota("specs", "push", str(specs), env={"ROTA_URL": live.base})
     assert code == 0 and out.count("new ") == 2
+    # The checksums line up under the widest name ("echo" was two columns short of it).
+    assert {line.index("sha256:") for line in out.splitlines()} == {len("new       resize  ")}
     old_worker = await connect("old")
     await old_worker.register([echo_v1])
 
@@ -49,6 +51,7 @@ async def test_specs_push_dry_run_then_push_then_change(live: Live, connect, tmp
 
     code, out, _ = await rota("specs", "list", "--url", live.base)
     assert code == 0 and "echo" in out and "resize" in out and "queue=media" in out
+    assert out.splitlines()[0].startswith("echo    2 ")
     code, out, _ = await rota("specs", "history", "echo", "--url", live.base)
     assert code == 0
     versions = [line.split()[1] for line in out.splitlines()]

@@ -85,7 +85,8 @@ async def test_worker_logs_json_lines(tmp_path: Path):
             await http.put("/specs", json={"specs": [{"name": "echo", "version": "1"}]})
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "rota", "worker", "demo_worker:worker", "--url",
-                f"http://127.0.0.1:{port}", "--log-format", "json", cwd=tmp_path,
+                f"http://127.0.0.1:{port}", "--log-format", "json", "--log-level", "debug",
+                cwd=tmp_path,
                 env=clean_env(), stderr=asyncio.subprocess.PIPE)
 
             async def connected() -> bool:
@@ -103,5 +104,9 @@ async def test_worker_logs_json_lines(tmp_path: Path):
     assert hello["logger"] == "rota.worker" and hello["queues"] == "default"
     assert the(lines, "deregistered")["worker"] == hello["worker"]
     assert not any(line["level"] in ("ERROR", "CRITICAL") for line in lines)
+    # Rota's debug is Rota's: no line of each WebSocket frame (two a second when idle),
+    # which buried a job's "job ended" line.
+    assert {line["logger"] for line in lines} == {"rota.worker"}, \
+        sorted({line["logger"] for line in lines})
     # The server, left at the default, still writes text.
     assert not log.read_text().lstrip().startswith("{")

@@ -14,6 +14,10 @@ import pytest
 from conftest import Live, start_server, stop_server, wait_until, write_spec
 from helpers import COSTLY_POLL
 
+# (spelt out, not imported: the sentence itself is under test)
+WAY_OUT = ('use isolation="process" for handlers that must stop on a cancel,'
+           " or check ctx.cancelled")
+
 WORKER = """
 import asyncio, os, sys, threading, time
 from rota import Worker
@@ -147,7 +151,8 @@ async def test_hung_threads_are_abandoned_and_quick_jobs_still_run(live: Live, f
         assert (await live.wait_state(job["id"], "completed", timeout=5))["attempt"] == 1
     view = await worker_view(live, "w1")
     assert view is not None
-    assert sum("abandoned" in a["message"] for a in view["alerts"]) == 3
+    abandoned = [a["message"] for a in view["alerts"] if "abandoned" in a["message"]]
+    assert len(abandoned) == 3 and all(m.endswith(WAY_OUT) for m in abandoned), abandoned
     assert fleet.procs[0].returncode is None
 
 
@@ -156,7 +161,9 @@ async def test_past_max_abandoned_threads_the_worker_drains_and_exits(live: Live
     for _ in range(2):
         await live.enqueue("hang", visibility_timeout=0.5, max_attempts=1)
     assert await asyncio.wait_for(proc.wait(), 15) == 75  # for its supervisor to restart
-    assert "abandoned threads" in fleet.log("w1")
+    # Each line says the way out, the exit's too (it named none).
+    assert fleet.log("w1").count(f"with code 75 for a restart; {WAY_OUT}") == 1
+    assert fleet.log("w1").count(f"abandoned=2: {WAY_OUT}") == 1
 
     async def gone() -> bool:
         return await worker_view(live, "w1") is None

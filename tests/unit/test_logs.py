@@ -205,3 +205,21 @@ def test_a_batch_is_formatted_from_a_copy_leaving_the_shared_record_alone():
     assert stream.getvalue() == "job=a\njob=b\n"
     assert all(isinstance(msg, Lines) for msg in seen) and len(seen) == 2
     assert batch.args == ()
+
+
+def test_debug_is_rotas_own_and_trace_lets_the_libraries_through():
+    """``--log-level debug`` wrote two lines a second of a worker's WebSocket frames;
+    ``trace`` is the way to see them (in a process of its own: configure is global)."""
+    import subprocess
+
+    probe = ("import logging; from rota.cli import logsetup\n"
+             "for level in ('debug', 'trace'):\n"
+             "    logsetup.configure(level)\n"
+             "    print(level, *(logging.getLogger(name).getEffectiveLevel() for name in\n"
+             "          ('rota.worker', 'myapp', 'websockets.client', 'httpcore', 'asyncio',\n"
+             "           'uvicorn.protocols', 'multiprocessing')))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    debug, info = logging.DEBUG, logging.INFO
+    assert out[0].split() == ["debug", *map(str, [debug, debug, info, info, info, info, info])]
+    assert out[1].split() == ["trace", *map(str, [debug] * 7)]

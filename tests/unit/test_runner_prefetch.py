@@ -5,6 +5,7 @@ capacity counts them; quiet, shutdown and cancels give waiting jobs back unstart
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from helpers import wait_until
 from rota.base import protocol as p
 from rota.worker.context import StatusBuffer
 from rota.worker.execution import Runner
+from rota.worker.worker import Worker
 
 
 def copy(job_id: str, attempt: int = 1, visibility_timeout: float = 60.0,
@@ -94,7 +96,7 @@ async def test_without_prefetch_capacity_is_concurrency_less_running():
     assert line.capacity() == 1 and line.capacity("quiet") == 0
 
 
-@pytest.mark.parametrize("why", ["the worker is quiet", "the worker is terminate"])
+@pytest.mark.parametrize("why", ["the worker is quiet", "the worker is terminating"])
 async def test_quiet_or_stop_releases_what_waits_and_holds_nothing_more(why):
     line = Line()
     line.take("a", "b", "c", "d")
@@ -112,6 +114,19 @@ async def test_quiet_or_stop_releases_what_waits_and_holds_nothing_more(why):
     assert line.runner.prefetched() == ["g"]
     for job_id in "bfg":
         line.finish(job_id)
+
+
+@pytest.mark.parametrize("state, said", [("quiet", "quiet"), ("terminate", "terminating")])
+async def test_a_state_change_says_why_it_releases_in_words(state, said, tmp_path, caplog):
+    """SIGTERM logged "released job=c: the worker is terminate"."""
+    worker, line = Worker(specs_dir=tmp_path), Line()
+    worker.runner = line.runner
+    line.take("a", "b", "c")
+    with caplog.at_level(logging.INFO, logger="rota.worker"):
+        worker._set_state(state)
+    assert f"released job=c: the worker is {said}" in caplog.messages
+    assert line.results[-1].error.message == f"given back unstarted: the worker is {said}"
+    line.finish("a"), line.finish("b")
 
 
 async def test_a_cancel_drops_a_waiting_job_and_reports_it_without_running_it():

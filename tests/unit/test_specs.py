@@ -443,8 +443,15 @@ def test_a_spec_files_mistake_is_said_in_plain_words() -> None:
             ('[retry]\nmax_attempts = 0\n', "retry.max_attempts must be an integer >= 1"),
             ('queu = "x"\n', "queu is not a field Rota knows (known: name, version,"
              " description, queue, priority, visibility_timeout, retry, args)"),
-            ('[args.w]\ntype = "int"\n', "args[...].type must be one of any, array, boolean,"
-             " integer, number, object, string, not 'int'")):
+            ('[args.w]\ntype = "int"\n', "args.w.type must be one of any, array, boolean,"
+             " integer, number, object, string, not 'int'"),
+            # The argument is named: it said "args[...].type", whichever it was.
+            ('[args.a]\n[args.b]\ntype = "strin"\n[args.c]\n', "args.b.type must be one of"
+             " any, array, boolean, integer, number, object, string, not 'strin'"),
+            ('[args.a]\n[args.b]\nkind = "string"\n', "args.b.kind is not a field Rota knows"
+             " (known: type, description, required)"),
+            ('[args]\nok = {}\n"two words" = {}\n', "args: the key 'two words' must be a name"
+             " of 1 to 128 letters, digits and '_.:-', starting with a letter or digit")):
         with pytest.raises(SpecError) as refused:
             parse_spec('name = "a"\nversion = "1"\n' + text, source="a.toml")
         assert str(refused.value) == f"a.toml: {says}"
