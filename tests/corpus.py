@@ -160,6 +160,13 @@ FILTER_NAMES: list[tuple[str, str, str, str]] = [
     ("a queue nobody named", "queue", "nowhere", "unknown_queue"),
 ]
 
+# Queue names a pause, a resume or an enqueue gives that are slips for the known queue
+# default: each would make a queue anew while the one meant runs on, or leave a job
+# waiting forever; each is refused (422 unknown_queue, issue 22).
+QUEUE_SLIPS: list[tuple[str, str]] = [
+    ("misspelt", "defualt"), ("wrong case", "Default"), ("a letter short", "defaul"),
+]
+
 # Values for the Authorization header, as bytes on the wire.
 AUTHORIZATIONS: list[tuple[str, bytes]] = [
     ("empty", b""),

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rota.store.health import Degraded
 from rota.core.engine import MAX_LOG_LINES, Engine
-from rota.core.listing import JobFilter, unknown_name
+from rota.core.listing import JobFilter, new_queue_problem, unknown_name
 from rota.core.model import JOB_STATES, Instant
 from rota.core.observe import Observer
 from rota.core.ready import Wait, WorkerSlot
@@ -45,6 +45,28 @@ class SpecWorkers(NamedTuple):
     other: list[tuple[str, str]]
 
 
+def _named_queues(engine: Engine) -> set[str]:
+    """The queues named by the specs, the pauses, the connected workers and the
+    retention rules (no job is looked at)."""
+    scheduler = engine.scheduler
+    return ({s.queue for s in engine.specs.values()} | scheduler.paused
+            | {q for w in scheduler.workers.values() for q in w.queues}
+            | {q for q, _, _ in engine.settings.retain_queues})
+
+
+def queues_in_memory(engine: Engine) -> set[str]:
+    """The queues the engine knows of without a read: those named, and those of the
+    jobs it holds."""
+    return _named_queues(engine) | set(engine.scheduler.live_counts())
+
+
+async def _holds_jobs(store: Store, queue: str) -> bool:
+    """Whether a stored job is in ``queue`` (a queue named only at enqueue is known by
+    its jobs, finished ones too)."""
+    held, _ = await store.list_jobs(JobFilter(queue=queue), 1, None)
+    return bool(held)
+
+
 async def refuse_unknown(store: Store, engine: Engine, flt: JobFilter) -> None:
     """Raise listing.unknown_name's refusal if ``flt`` names a spec or queue nothing
     knows. What memory holds is asked first; the store only for a name it lacks."""
@@ -53,18 +75,26 @@ async def refuse_unknown(store: Store, engine: Engine, flt: JobFilter) -> None:
         specs = set(specs) | set((await store.status_quo())[0])  # pushed through another server
     queues: set[str] = set()
     if flt.queue is not None:
-        scheduler = engine.scheduler
-        queues = ({s.queue for s in engine.specs.values()} | scheduler.paused
-                  | {q for w in scheduler.workers.values() for q in w.queues}
-                  | {q for q, _, _ in engine.settings.retain_queues})
-        if flt.queue not in queues:
-            held, _ = await store.list_jobs(JobFilter(queue=flt.queue), 1, None)
-            # A queue named only at enqueue: its jobs make it known (and those held in
-            # memory, the likely names).
-            queues |= ({flt.queue} if held else set(scheduler.live_counts()))
+        queues = queues_in_memory(engine)
+        if flt.queue not in queues and await _holds_jobs(store, flt.queue):
+            queues.add(flt.queue)
     refusal = unknown_name(flt, specs, queues)
     if refusal is not None:
         raise refusal
+
+
+async def new_queue_problem_of(store: Store, engine: Engine, name: str, *,
+                               resuming: bool = False) -> str | None:
+    """listing.new_queue_problem for a queue a pause, a resume or an enqueue names,
+    with every queue known: memory first, the store only for a name refused there."""
+    if name in _named_queues(engine):
+        return None  # the usual case, before any job is counted
+    known = queues_in_memory(engine)
+    if new_queue_problem(name, known, resuming=resuming) is None:
+        return None
+    if await _holds_jobs(store, name) or (store.shared and name in await store.paused_queues()):
+        return None  # known after all: by its stored jobs, or paused through another server
+    return new_queue_problem(name, known, resuming=resuming)
 
 
 class ShellReads:

@@ -140,6 +140,12 @@ async def test_queues_pause_and_resume(live: Live, connect, tmp_path: Path):
     assert (code, out.strip()) == (0, "default: running")
     [copy] = await worker.jobs(1)
     assert copy["id"] == job["id"]
+    # A slip for a known queue would pause nothing, or leave a job waiting forever.
+    for argv in (["queues", "pause", "defualt"], ["queues", "resume", "defualt"],
+                 ["enqueue", "echo", "--queue", "defualt"]):
+        code, out, err = await rota(*argv, "--url", live.base)
+        assert (code, out) == (1, "") and "did you mean default?" in err, argv
+        assert "(unknown_queue)" in err and "Traceback" not in err
 
 
 @QUIET_WORKERS
