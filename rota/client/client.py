@@ -23,7 +23,7 @@ import msgspec
 from rota.base.errors import ApiError, JobError, ResultTimeout  # defined there, public here too
 from rota.base.ids import path_segment
 from rota.base.specs import JobSpec
-from rota.client.failures import not_the_api, refusal, transport_error
+from rota.client.failures import dashboard_url, not_the_api, refusal, transport_error
 
 
 # The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so
@@ -118,6 +118,9 @@ class Failover:
             raise ApiError(None, "bad_url", "no server URL given (give the server's base URL,"
                            " such as http://127.0.0.1:8000)")
         self.urls = list(dict.fromkeys(u.rstrip("/") for u in given))
+        for u in self.urls:
+            if (error := dashboard_url(u)) is not None:
+                raise error
         self.index = 0
 
     @property

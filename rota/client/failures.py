@@ -8,6 +8,7 @@ import ssl
 from typing import Any
 
 from rota.base.errors import ApiError
+from rota.base.ids import dashboard_base
 from rota.base.tls import speaks_tls
 
 READS = frozenset({"GET", "HEAD"})
@@ -59,6 +60,17 @@ def not_the_api(url: str, status: int, content: bytes) -> ApiError | None:
         return None
     return ApiError(status, "not_the_api", f"{url} answers {what}, not Rota's API:"
                     " use the server's base URL, such as http://127.0.0.1:8000")
+
+
+def dashboard_url(url: str) -> ApiError | None:
+    """The not_the_api error of a base URL whose path is the dashboard's (``/ui`` or
+    under it), or None. Every request through it would miss the API: a read gets a
+    page, a write is refused as a browser's cross-site request (issue 22). So it is said
+    before anything is sent, with the base URL to give instead."""
+    if (base := dashboard_base(url)) is None:
+        return None
+    return ApiError(None, "not_the_api", f"{url} is the dashboard's address, not Rota's API:"
+                    f" use the server's base URL, {base}")
 
 
 def refusal(status: int, answer: Any, content: bytes, *, token: bool | None = None,
