@@ -21,6 +21,7 @@ from rota.base.errors import DomainError, Invalid
 from rota.server.gate import principal_of
 from rota.base.ids import TOKEN_NAME_PATTERN
 from rota.core.jobs import BatchRequest, EnqueueRequest
+from rota.core.listing import did_you_mean
 from rota.core.observe import UNFINISHED, busiest
 from rota.core.policy import TERMINAL_STATES
 from rota.base.protocol import Name, rfc3339
@@ -220,9 +221,12 @@ async def retire_spec(request: Request) -> Response:
 async def spec_history(request: Request) -> Response:
     need(request, "admin")
     name = request.path_params["name"]
-    history = await coordinator_of(request).spec_history(name)
+    coordinator = coordinator_of(request)
+    history = await coordinator.spec_history(name)
     if not history:
-        return error(404, "not_found", f"spec {name!r} was never pushed")
+        guess = did_you_mean(name, coordinator.specs)
+        return error(404, "not_found", f"spec {name!r} was never pushed"
+                     + (f"; did you mean {guess}?" if guess else ""))
     return JSON({"name": name, "history": history})
 
 

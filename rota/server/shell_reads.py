@@ -117,6 +117,10 @@ class ShellReads:
         await refuse_unknown(self.store, self.engine, flt)
         return await self.store.list_jobs(flt, limit, cursor)
 
+    async def check_names(self, flt: JobFilter) -> None:
+        """RequestError (422) if ``flt`` names a spec or queue nothing knows."""
+        await refuse_unknown(self.store, self.engine, flt)
+
     async def count_jobs(self, flt: JobFilter) -> int:
         return await self.store.count_jobs(flt)
 

@@ -262,6 +262,7 @@ async def test_every_path_segment_and_query_value(watched: Watch):
         watched.pairs += 1
     for name, field, value, code in corpus.FILTER_NAMES:  # no bulk action may touch a job
         for answer in [await live.http.get("/jobs", params={field: value}),
+                       await live.http.get("/events", params={field: value}),  # (or follow none)
                        *[await live.http.post(f"/jobs/{action}", json={"filter": {field: value}})
                          for action in ("retry", "cancel")]]:
             assert_http(answer, True, f"{answer.request.url.path} {field}={value} ({name})")

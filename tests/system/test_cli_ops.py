@@ -313,6 +313,12 @@ async def opened(tail: Tail, says: str = "following the events of") -> None:
 @QUIET_WORKERS
 async def test_tail_prints_a_line_an_event_and_ndjson(live: Live, connect, tmp_path: Path):
     _, worker = await setup(live, connect, tmp_path)
+    # A misspelt name would follow nothing, silently (issue 22): refused, with the likely one.
+    for argv, says in ((["tail", "--queue", "defualt"], "did you mean default? Known queues:"),
+                       (["tail", "--spec", "ecoh"], "did you mean echo? Known specs:"),
+                       (["specs", "history", "ecoh"], "never pushed; did you mean echo?")):
+        code, out, err = await rota(*argv, "--url", live.base, timeout=10)
+        assert (code, out) == (1, "") and says in err, (argv, err)
     tail = await Tail.start(live.base, "--event", "enqueue,result", "--spec", "echo", "--json")
     text = await Tail.start(live.base, "--queue", "default", "--event", "result")
     try:
