@@ -13,11 +13,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rota.store.health import Degraded
 from rota.core.engine import MAX_LOG_LINES, Engine
+from rota.core.auth import kept_ids
 from rota.core.listing import JobFilter, new_queue_problem, unknown_name
 from rota.core.model import JOB_STATES, Instant
 from rota.core.observe import Observer
 from rota.core.ready import Wait, WorkerSlot
 from rota.store.store import Store
+
+
+MAX_TOKENS_ASKED = 100  # producer tokens whose kept ids a 404 looks for
 
 
 class Waiting(NamedTuple):
@@ -109,6 +113,13 @@ class ShellReads:
     async def get_job(self, job_id: str) -> dict[str, Any] | None:
         """The job's row, or None."""
         return await self.store.get_job(job_id)
+
+    async def kept_as(self, job_id: str) -> list[str]:
+        """The jobs live producer tokens named ``job_id``, by the ids they are kept under
+        (rota/core/auth.py kept_ids): a point read per producer token, for a 404."""
+        tokens = [t["id"] for t in await self.store.live_tokens() if t["scope"] == "producer"]
+        return sorted([kept for kept in kept_ids(job_id, tokens[:MAX_TOKENS_ASKED])
+                       if await self.store.get_job(kept) is not None])
 
     async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None
                         ) -> tuple[list[dict[str, Any]], str | None]:
