@@ -88,7 +88,8 @@ def refusal(status: int, answer: Any, content: bytes, *, token: bool | None = No
     return ApiError(status, code, message)
 
 
-TOKEN_WANTED = "the server wants a token: pass token= (one from 'rota tokens create')"
+TOKEN_WANTED = ("the server wants a token: pass token= or set ROTA_TOKEN (one from 'rota tokens"
+                " create')")
 TOKEN_REFUSED = ("the server refused the token given: it may have been revoked, be mistyped,"
                  " or have been made by a server on another database ('rota tokens list' shows"
                  " the live ones)")
