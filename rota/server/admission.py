@@ -22,7 +22,7 @@ from rota.core.jobs import EnqueueRequest, same_job
 from rota.core.model import Instant, JobRecord
 from rota.core.registry import claim_worker_id, held_ids
 from rota.store.store import Store
-from rota.server.shell_reads import new_queue_problem_of
+from rota.server.shell_reads import new_queue_problems
 
 log = logging.getLogger("rota.server")
 REREAD_EVERY = 0.1  # seconds: the most often an unknown spec makes the server read the status quo
@@ -134,14 +134,13 @@ class Admission:
                               ) -> list[JobRecord | DomainError]:
         """The jobs built, but those whose queue, given at enqueue, is a slip for a
         known one refused (listing.new_queue_problem): such a job would wait forever."""
-        problems: dict[str, str | None] = {}
-        for request in requests:
-            if request.queue is not None and request.queue not in problems:
-                problems[request.queue] = await new_queue_problem_of(
-                    self.store, self.engine, request.queue)
-        return [Invalid("unknown_queue", problem)
-                if not isinstance(job, DomainError) and request.queue is not None
-                and (problem := problems[request.queue]) is not None else job
+        problems = await new_queue_problems(
+            self.store, self.engine, {r.queue for r in requests if r.queue is not None})
+        if not problems:
+            return built
+        return [Invalid("unknown_queue", problems[request.queue])
+                if request.queue is not None and request.queue in problems
+                and not isinstance(job, DomainError) else job
                 for request, job in zip(requests, built, strict=True)]
 
     def _unknown_spec(self, built: list[JobRecord | DomainError]) -> bool:

@@ -8,7 +8,7 @@ made of, so that a change in how the shell keeps them touches one place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rota.store.health import Degraded
@@ -87,18 +87,24 @@ async def refuse_unknown(store: Store, engine: Engine, flt: JobFilter) -> None:
         raise refusal
 
 
-async def new_queue_problem_of(store: Store, engine: Engine, name: str, *,
-                               resuming: bool = False) -> str | None:
-    """listing.new_queue_problem for a queue a pause, a resume or an enqueue names,
-    with every queue known: memory first, the store only for a name refused there."""
-    if name in _named_queues(engine):
-        return None  # the usual case, before any job is counted
-    known = queues_in_memory(engine)
-    if new_queue_problem(name, known, resuming=resuming) is None:
-        return None
-    if await _holds_jobs(store, name) or (store.shared and name in await store.paused_queues()):
-        return None  # known after all: by its stored jobs, or paused through another server
-    return new_queue_problem(name, known, resuming=resuming)
+async def new_queue_problems(store: Store, engine: Engine, names: Iterable[str], *,
+                             resuming: bool = False) -> dict[str, str]:
+    """listing.new_queue_problem for each queue a pause, a resume or an enqueue names
+    (the refused ones only), with every queue known: memory first, counted once, and
+    the store only for a name refused there."""
+    problems: dict[str, str] = {}
+    names = set(names)
+    if not names:
+        return problems
+    known: set[str] | None = None
+    for name in names - _named_queues(engine):  # the usual case: named, no job counted
+        known = queues_in_memory(engine) if known is None else known
+        problem = new_queue_problem(name, known, resuming=resuming)
+        if problem is None or await _holds_jobs(store, name) or (
+                store.shared and name in await store.paused_queues()):
+            continue  # known after all: by its stored jobs, or paused through another server
+        problems[name] = problem
+    return problems
 
 
 class ShellReads:
