@@ -106,11 +106,12 @@ async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
         # The dashboard's address given for the API's, to a read or a write (which the
         # dashboard would refuse as a browser's cross-site request): said before sending.
         for page, argv in (("/ui", ["specs", "list"]), ("/ui/", ["enqueue", "echo"]),
-                           ("/ui/", ["run", "echo"]), ("/ui", ["jobs", "cancel", "j1"])):
+                           ("/ui/", ["run", "echo"]), ("/ui", ["jobs", "cancel", "j1"]),
+                           ("/ui/jobs", ["tail"])):
             code, _, err = await rota(*argv, "--url", live.base + page, "--token", admin)
             assert one_line(code, err, f"the dashboard's URL to {argv}") == (
-                f"error: {live.base}/ui is the dashboard's address, not Rota's API: --url is the"
-                f" server's base URL, {live.base}")
+                f"error: {live.base}{page.rstrip('/')} is the dashboard's address, not Rota's"
+                f" API: --url is the server's base URL, {live.base}")
         code, _, err = await rota("specs", "list", "--url", live.ws, "--token", admin)
         assert "base URL" in one_line(code, err, "the ws:// URL")
         code, _, err = await rota("specs", "list", "--url", live.base + "/work", "--token", admin)
