@@ -356,7 +356,8 @@ class Client:
         """Enqueue a job of ``spec`` with ``args``; returned once it is committed.
         Options: id (the same id again is the same job, so a retried enqueue is safe),
         queue, priority, run_at, delay, ttl, visibility_timeout, max_attempts, max_fails
-        (None means the spec's default), capture_logs."""
+        (None means the spec's default), capture_logs, new_queue (queue is meant
+        new, even spelt like a known one)."""
         body: dict[str, Any] = {"spec": spec, "args": args or {}}
         body.update({key: value for key, value in options.items() if value is not None})
         answer = self._call("POST", "/jobs", json=body)

@@ -25,6 +25,7 @@ from rota.store.store import Store
 from rota.server.shell_reads import new_queue_problems
 
 log = logging.getLogger("rota.server")
+NEW_QUEUE = "; to make it anyway, give \"new_queue\": true ('rota enqueue --new-queue')"
 REREAD_EVERY = 0.1  # seconds: the most often an unknown spec makes the server read the status quo
 
 
@@ -133,15 +134,16 @@ class Admission:
                               built: list[JobRecord | DomainError]
                               ) -> list[JobRecord | DomainError]:
         """The jobs built, but those whose queue, given at enqueue, is a slip for a
-        known one refused (listing.new_queue_problem): such a job would wait forever."""
-        problems = await new_queue_problems(
-            self.store, self.engine, {r.queue for r in requests if r.queue is not None})
+        known one refused (listing.new_queue_problem): such a job would wait forever.
+        A request that says its queue is new (``new_queue``) is taken at its word."""
+        asked = [r.queue if not r.new_queue else None for r in requests]
+        problems = await new_queue_problems(self.store, self.engine,
+                                            {q for q in asked if q is not None})
         if not problems:
             return built
-        return [Invalid("unknown_queue", problems[request.queue])
-                if request.queue is not None and request.queue in problems
-                and not isinstance(job, DomainError) else job
-                for request, job in zip(requests, built, strict=True)]
+        return [Invalid("unknown_queue", problems[queue] + NEW_QUEUE)
+                if queue is not None and queue in problems and not isinstance(job, DomainError)
+                else job for queue, job in zip(asked, built, strict=True)]
 
     def _unknown_spec(self, built: list[JobRecord | DomainError]) -> bool:
         return any(isinstance(job, DomainError) and job.code == "unknown_spec" for job in built)

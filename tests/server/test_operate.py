@@ -151,6 +151,9 @@ async def test_an_unknown_spec_or_queue_in_a_filter_is_refused_with_the_likely_n
     assert (await live.http.post("/queues/media/resume")).status_code == 200  # not paused: fine
     assert (await live.http.post("/jobs", json={"spec": "resize_image", "queue": "thumbnails"})
             ).status_code == 201
+    meant = await live.http.post("/jobs", json={"spec": "resize_image", "queue": "Adhoc",
+                                                "new_queue": True})
+    assert meant.status_code == 201 and meant.json()["job"]["queue"] == "Adhoc"
     assert (await live.http.post("/queues/meida/pause")).status_code == 422  # still a slip
     assert (await live.http.get("/jobs", params={"queue": "meida"})).status_code == 422
 

@@ -146,6 +146,9 @@ async def test_queues_pause_and_resume(live: Live, connect, tmp_path: Path):
         code, out, err = await rota(*argv, "--url", live.base)
         assert (code, out) == (1, "") and "did you mean default?" in err, argv
         assert "(unknown_queue)" in err and "Traceback" not in err
+    code, out, _ = await rota("enqueue", "echo", "--queue", "defualt", "--new-queue",
+                              "--url", live.base)  # meant new: taken at its word
+    assert code == 0 and json.loads(out)["queue"] == "defualt"
 
 
 @QUIET_WORKERS
