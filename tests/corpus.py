@@ -148,16 +148,23 @@ NUMBERS_IN_QUERY: list[tuple[str, str]] = [
     ("tiny", "1e-320"), ("two values", "1&wait=2"),
 ]
 
-# Names in a job filter (GET /jobs, POST /jobs/retry|cancel) that are well formed but name
-# nothing the server knows, against a server with specs echo, parked and hostile in queue
-# default: (name, field, value, code). Each would match no job, so a bulk action would
-# look done; each is refused instead (issue 22).
+# Names in a job filter (GET /jobs, POST /jobs/retry|cancel, GET /events) that are well
+# formed but name nothing the server knows, against a server with specs echo, parked and
+# hostile in queue default: (name, field, value, code). Each would match no job, so a bulk
+# action would look done (or a stream follow nothing); each is refused instead (issue 22).
 FILTER_NAMES: list[tuple[str, str, str, str]] = [
     ("misspelt spec", "spec", "ecoh", "unknown_spec"),
     ("a spec's name cut short", "spec", "park", "unknown_spec"),
     ("a spec in the wrong case", "spec", "Echo", "unknown_spec"),
     ("misspelt queue", "queue", "defualt", "unknown_queue"),
     ("a queue nobody named", "queue", "nowhere", "unknown_queue"),
+]
+
+# Queue names a pause, a resume or an enqueue gives that are slips for the known queue
+# default: each would make a queue anew while the one meant runs on, or leave a job
+# waiting forever; each is refused (422 unknown_queue, issue 22).
+QUEUE_SLIPS: list[tuple[str, str]] = [
+    ("misspelt", "defualt"), ("wrong case", "Default"), ("a letter short", "defaul"),
 ]
 
 # Values for the Authorization header, as bytes on the wire.

@@ -72,6 +72,17 @@ def path_segment(value: str) -> str:
     quoted = urllib.parse.quote(value, safe="")
     return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
 
+def dashboard_base(url: str) -> str | None:
+    """The server's base URL if ``url`` is its dashboard's (``/ui`` or under it: not the
+    API, nor /work), else None."""
+    parts = urllib.parse.urlsplit(url)
+    segments = parts.path.split("/")
+    if "ui" not in segments:
+        return None
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc,
+                                    "/".join(segments[:segments.index("ui")]), "", ""))
+
+
 def ws_url(url: str) -> str:
     """The /work endpoint for a server base URL (http -> ws, https -> wss)."""
     base = url.rstrip("/")

@@ -114,8 +114,9 @@ def say(url: str, exc: ApiError) -> str:
         return f"{exc.message}: pass one with --token or ROTA_TOKEN (forbidden)"
     if exc.code == "unreachable":
         return exc.message.replace(URL_HINT, "(set --url or ROTA_URL)")
-    if exc.code == "not_the_api":
-        return f"{exc.message.partition(': use ')[0]}: {base}"  # (its advice, for --url)
+    if exc.code == "not_the_api":  # its advice, for --url: the base URL itself if it knows it
+        head, _, advice = exc.message.partition(": use ")
+        return f"{head}: " + (base if "such as" in advice else f"--url is {advice}")
     if exc.code == "bad_url":
         return f"{url!r} is not a server URL: {base}"
     if exc.code == "not_found" and exc.message.startswith("no route "):

@@ -29,6 +29,8 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      help="Job arguments as a JSON object."),
         click.option("--id", "job_id", help="Job id; enqueuing the same id again returns the existing job."),
         click.option("--queue", help="Queue (default: the spec's)."),
+        click.option("--new-queue", is_flag=True, default=None,
+                     help="--queue is a new queue, even if spelt like a known one."),
         click.option("--priority", type=int, help="Priority, higher first (default: the spec's)."),
         click.option("--delay", type=float, help="Run no sooner than this many seconds from now."),
         click.option("--run-at", help="Run no sooner than this RFC 3339 time."),

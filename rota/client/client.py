@@ -11,6 +11,7 @@ time, the client was a third of the round trip (docs/performance.md).
 from __future__ import annotations
 
 import http.client
+import os
 import socket
 import ssl
 import time
@@ -23,7 +24,7 @@ import msgspec
 from rota.base.errors import ApiError, JobError, ResultTimeout  # defined there, public here too
 from rota.base.ids import path_segment
 from rota.base.specs import JobSpec
-from rota.client.failures import not_the_api, refusal, transport_error
+from rota.client.failures import dashboard_url, not_the_api, refusal, transport_error
 
 
 # The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so
@@ -106,18 +107,51 @@ class Job(JobHandle):
         return self
 
 
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def given_urls(url: object) -> list[str]:
+    """The base URLs a client is given: ``url``, one or a list; None for ROTA_URL's (one,
+    or several separated by commas, as the CLI reads it), else DEFAULT_URL (an unset
+    ``os.environ.get("ROTA_URL")`` passed on means the default too). TypeError for a
+    value of another type, named."""
+    if url is None:
+        env = os.environ.get("ROTA_URL", "")
+        return [part.strip() for part in env.split(",") if part.strip()] or [DEFAULT_URL]
+    if isinstance(url, str):
+        return [url]
+    if isinstance(url, Sequence) and all(isinstance(u, str) for u in url):
+        return list(url)
+    raise TypeError(f"url must be a server's base URL (a str), a list of them, or None (then"
+                    f" ROTA_URL, else {DEFAULT_URL}), not {type(url).__name__}")
+
+
+def given_token(token: object) -> str | None:
+    """The bearer token a client sends: ``token``; None for ROTA_TOKEN's, as the CLI
+    reads it ("" for none at all). TypeError for a value of another type, named."""
+    if token is None:
+        return os.environ.get("ROTA_TOKEN") or None
+    if isinstance(token, str):
+        return token or None
+    raise TypeError(f"token must be a str, or None (then ROTA_TOKEN), not"
+                    f" {type(token).__name__}")
+
+
 class Failover:
     """The base URLs of servers that share one database, for a producer client, and the
     one its requests go to. A connection error (and only that: an HTTP error answer is
     the database's word, the same on every server) moves it to the next URL, for this
     request when that is safe (``again``) and for the ones after it."""
 
-    def __init__(self, url: str | Sequence[str]) -> None:
-        given = [url] if isinstance(url, str) else list(url)
+    def __init__(self, url: str | Sequence[str] | None) -> None:
+        given = given_urls(url)
         if not given:
             raise ApiError(None, "bad_url", "no server URL given (give the server's base URL,"
                            " such as http://127.0.0.1:8000)")
         self.urls = list(dict.fromkeys(u.rstrip("/") for u in given))
+        for u in self.urls:
+            if (error := dashboard_url(u)) is not None:
+                raise error
         self.index = 0
 
     @property
@@ -248,18 +282,21 @@ class Client:
     token is enough to enqueue and read its own jobs); ``timeout``: seconds for a request
     to be answered; ``max_wait``: the longest single long poll (the server's
     ``max_result_wait``). Failed requests raise ``ApiError``. ``url`` may be a list: the
-    base URLs of servers that share one database, used in turn (``Failover``).
+    base URLs of servers that share one database, used in turn (``Failover``). Left out
+    (or None), ``url`` is ROTA_URL's, else http://127.0.0.1:8000, and ``token`` is
+    ROTA_TOKEN's, as for the CLI.
 
         with Client("http://127.0.0.1:8000", token=token) as client:
             job = client.enqueue("send_email", {"to": "ada@example.com"})
             print(job.id, job.state, job.result(timeout=30))
     """
 
-    def __init__(self, url: str | Sequence[str] = "http://127.0.0.1:8000", *,
+    def __init__(self, url: str | Sequence[str] | None = None, *,
                  token: str | None = None, timeout: float = 30.0,
                  max_wait: float = MAX_WAIT) -> None:
         self.servers = Failover(url)
         self.max_wait = max_wait
+        token = given_token(token)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # One connection per server, every URL checked now (bad_url before any request).
         self._transports = [_Transport(u, timeout=timeout, headers=headers)
@@ -319,7 +356,8 @@ class Client:
         """Enqueue a job of ``spec`` with ``args``; returned once it is committed.
         Options: id (the same id again is the same job, so a retried enqueue is safe),
         queue, priority, run_at, delay, ttl, visibility_timeout, max_attempts, max_fails
-        (None means the spec's default), capture_logs."""
+        (None means the spec's default), capture_logs, new_queue (queue is meant
+        new, even spelt like a known one)."""
         body: dict[str, Any] = {"spec": spec, "args": args or {}}
         body.update({key: value for key, value in options.items() if value is not None})
         answer = self._call("POST", "/jobs", json=body)

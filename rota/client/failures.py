@@ -8,6 +8,7 @@ import ssl
 from typing import Any
 
 from rota.base.errors import ApiError
+from rota.base.ids import dashboard_base
 from rota.base.tls import speaks_tls
 
 READS = frozenset({"GET", "HEAD"})
@@ -61,6 +62,17 @@ def not_the_api(url: str, status: int, content: bytes) -> ApiError | None:
                     " use the server's base URL, such as http://127.0.0.1:8000")
 
 
+def dashboard_url(url: str) -> ApiError | None:
+    """The not_the_api error of a base URL whose path is the dashboard's (``/ui`` or
+    under it), or None. Every request through it would miss the API: a read gets a
+    page, a write is refused as a browser's cross-site request (issue 22). So it is said
+    before anything is sent, with the base URL to give instead."""
+    if (base := dashboard_base(url)) is None:
+        return None
+    return ApiError(None, "not_the_api", f"{url} is the dashboard's address, not Rota's API:"
+                    f" use the server's base URL, {base}")
+
+
 def refusal(status: int, answer: Any, content: bytes, *, token: bool | None = None,
             url: str = "the server") -> ApiError:
     """The ApiError of an HTTP error answer: the server's JSON error, or the text.
@@ -76,7 +88,8 @@ def refusal(status: int, answer: Any, content: bytes, *, token: bool | None = No
     return ApiError(status, code, message)
 
 
-TOKEN_WANTED = "the server wants a token: pass token= (one from 'rota tokens create')"
+TOKEN_WANTED = ("the server wants a token: pass token= or set ROTA_TOKEN (one from 'rota tokens"
+                " create')")
 TOKEN_REFUSED = ("the server refused the token given: it may have been revoked, be mistyped,"
                  " or have been made by a server on another database ('rota tokens list' shows"
                  " the live ones)")

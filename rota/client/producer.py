@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from rota.client.client import MAX_WAIT, ApiError, Failover, JobHandle, ResultTimeout, outcome, \
-    poll_wait
+from rota.client.client import MAX_WAIT, ApiError, Failover, JobHandle, ResultTimeout, \
+    given_token, outcome, poll_wait
 from rota.client.failures import not_the_api, refusal, transport_error
 from rota.base.ids import path_segment
 
@@ -69,14 +69,15 @@ class AsyncClient:
     per batch request; ``max_in_flight``: enqueue requests at once; ``max_wait``: the
     longest single long poll (the server's ``max_result_wait``). Failed requests raise
     ``ApiError``. ``url`` may be a list: the base URLs of servers that share one
-    database, used in turn, as ``Client`` does (``rota.client.client.Failover``).
+    database, used in turn, as ``Client`` does (``rota.client.client.Failover``); left
+    out, ``url`` and ``token`` are ROTA_URL's and ROTA_TOKEN's, as for ``Client``.
 
         async with AsyncClient("http://127.0.0.1:8000", token=token) as client:
             job = await client.enqueue("send_email", {"to": "ada@example.com"})
             print(job.id, job.state, await job.result(timeout=30))
     """
 
-    def __init__(self, url: str | Sequence[str] = "http://127.0.0.1:8000", *,
+    def __init__(self, url: str | Sequence[str] | None = None, *,
                  token: str | None = None, timeout: float = 30.0, max_batch: int = 1000,
                  max_in_flight: int = 1, max_wait: float = MAX_WAIT) -> None:
         if not 1 <= max_batch <= 10_000:
@@ -84,6 +85,7 @@ class AsyncClient:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self.servers = Failover(url)
+        token = given_token(token)
         self.max_batch = max_batch
         self.max_in_flight = max_in_flight
         self.max_wait = max_wait

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from rota.client.client import ApiError
-from rota.client.failures import refusal, transport_error
+from rota.client.failures import dashboard_url, refusal, transport_error
 
 SILENCE = 45.0  # seconds without a byte (three keep-alives missed): the connection is dead
 BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)  # seconds before each reconnection in a row
@@ -52,6 +52,8 @@ class EventStream:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ApiError(None, "bad_url", f"not an http(s) URL: {url!r} (give the server's"
                            " base URL, such as http://127.0.0.1:8000)")
+        if (error := dashboard_url(url)) is not None:
+            raise error
         self.url = url.rstrip("/")
         self._parts = parts
         self._target = parts.path + "/events" + (

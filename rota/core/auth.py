@@ -70,6 +70,21 @@ class Principal:
 OPEN = Principal(token_id=None, name="open", scope="admin")
 
 
+def kept_ids(job_id: str, producer_tokens: Iterable[str]) -> list[str]:
+    """The ids a job that producer tokens named ``job_id`` would be kept under, one per
+    token (Principal.stored_id): where an admin's id that names no job may be."""
+    return [f"{token_id}:{job_id}" for token_id in producer_tokens
+            if not job_id.startswith(f"{token_id}:")]
+
+
+def kept_hint(found: list[str]) -> str:
+    """What a 404 for an id adds when producers' jobs are kept under it, prefixed."""
+    if not found:
+        return ""
+    return ("; producer ids are stored under their token's prefix: did you mean"
+            f" {' or '.join(found)}?")
+
+
 def new_token() -> tuple[str, str, str]:
     """A fresh token: (id, the full secret token to hand out once, the hash to store)."""
     token_id = secrets.token_hex(6)

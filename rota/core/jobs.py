@@ -38,6 +38,7 @@ class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_attempts: Limit | None = None
     max_fails: Limit | None = None
     capture_logs: bool = False  # keep the lines the handler logs with ctx.log()
+    new_queue: bool = False  # ``queue`` is meant new, even spelt like a known one
 
 
 class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

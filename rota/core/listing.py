@@ -110,6 +110,61 @@ def did_you_mean(name: str, known: Iterable[str]) -> str | None:
     return by_lower[min(parts, key=lambda k: (abs(len(k) - len(typed)), k))] if parts else None
 
 
+def _edits(a: str, b: str) -> int:
+    """How many letters put in, taken out, changed or swapped with a neighbour make
+    ``a`` into ``b`` (optimal string alignment distance)."""
+    before: list[int] | None = None
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        new = [i] + [0] * len(b)
+        for j, y in enumerate(b, 1):
+            new[j] = min(row[j] + 1, new[j - 1] + 1, row[j - 1] + (x != y))
+            if before is not None and i > 1 and j > 1 and x == b[j - 2] and a[i - 2] == y:
+                new[j] = min(new[j], before[j - 2] + 1)
+        before, row = row, new
+    return row[-1]
+
+
+def slip_for(name: str, known: Iterable[str]) -> str | None:
+    """The known name a new ``name`` is a slip of the keyboard for: the same but for
+    case, or at most one edit away (two for names of six letters or more, none under
+    four). Names that differ only in their digits are a series (``shard1``, ``shard2``),
+    not a slip; nor is a name that holds another (``emails_bulk`` beside ``emails``)."""
+    typed = name.lower()
+    best: tuple[int, str] | None = None
+    for other in known:
+        lower = other.lower()
+        longest = max(len(lower), len(typed))
+        allowed = 0 if longest < 4 else 1 if longest < 6 else 2
+        if lower != typed and re.sub(r"[0-9]", "", lower) == re.sub(r"[0-9]", "", typed):
+            continue
+        if abs(len(lower) - len(typed)) <= allowed and (n := _edits(typed, lower)) <= allowed:
+            best = min(best or (n, other), (n, other))
+    return None if best is None else best[1]
+
+
+def new_queue_problem(name: str, known: Collection[str], *, resuming: bool = False
+                      ) -> str | None:
+    """Why a queue name that would make something new (a pause, a job's queue) is
+    refused, or None to take it. A name nothing knows is a new queue, legitimately,
+    unless it is spelt like a known one: then it is a slip, and the real queue would
+    go on running, or the job wait forever (issue 22). Only spelling counts here, not a
+    name that holds another (``emails_bulk`` beside ``emails`` is a fair new queue).
+    ``resuming``: the name would resume a queue, and one nothing knows was never
+    paused, whatever it is close to. ``known``: every queue known, paused ones too."""
+    if name in known:
+        return None
+    if resuming:
+        guess = did_you_mean(name, known)
+        return (f"queue {name!r} was not paused: no queue of that name is known"
+                + (f"; did you mean {guess}?" if guess else "."))
+    guess = slip_for(name, known)
+    if guess is None:
+        return None
+    return (f"queue {name!r} is unknown; did you mean {guess}? (a queue new to this server"
+            " is taken when it is not this close to a known one)")
+
+
 def listed(names: Iterable[str], most: int = 20) -> str:
     """Names for a message: sorted, the first ``most`` of them, and how many more."""
     names = sorted(names)

@@ -17,13 +17,15 @@ from rota.base import protocol as p
 from rota.core.auth import OPEN, Principal
 from rota.core.effects import Effect
 from rota.core.engine import Engine
-from rota.base.errors import Conflict, DomainError, StorageError
+from rota.base.errors import Conflict, DomainError, Invalid, StorageError
 from rota.core.jobs import EnqueueRequest, same_job
 from rota.core.model import Instant, JobRecord
 from rota.core.registry import claim_worker_id, held_ids
 from rota.store.store import Store
+from rota.server.shell_reads import new_queue_problems
 
 log = logging.getLogger("rota.server")
+NEW_QUEUE = "; to make it anyway, give \"new_queue\": true ('rota enqueue --new-queue')"
 REREAD_EVERY = 0.1  # seconds: the most often an unknown spec makes the server read the status quo
 
 
@@ -77,6 +79,7 @@ class Admission:
         if self._unknown_spec(built) and await self._read_status_quo(now):
             now = self.clock()  # a spec pushed through another server a moment ago
             built = [self.engine.build(request, principal, now) for request in requests]
+        built = await self._slipped_queues(requests, built)
         jobs = [job for job in built if not isinstance(job, DomainError)]
         # A job whose id the server made cannot collide with a stored row: it is taken
         # in at once, and a scheduling round now queues its reservation right behind its
@@ -126,6 +129,21 @@ class Admission:
         if taken_in:
             self.apply(self.engine.enqueued_all(taken_in, now))
         return outcomes
+
+    async def _slipped_queues(self, requests: list[EnqueueRequest],
+                              built: list[JobRecord | DomainError]
+                              ) -> list[JobRecord | DomainError]:
+        """The jobs built, but those whose queue, given at enqueue, is a slip for a
+        known one refused (listing.new_queue_problem): such a job would wait forever.
+        A request that says its queue is new (``new_queue``) is taken at its word."""
+        asked = [r.queue if not r.new_queue else None for r in requests]
+        problems = await new_queue_problems(self.store, self.engine,
+                                            {q for q in asked if q is not None})
+        if not problems:
+            return built
+        return [Invalid("unknown_queue", problems[queue] + NEW_QUEUE)
+                if queue is not None and queue in problems and not isinstance(job, DomainError)
+                else job for queue, job in zip(asked, built, strict=True)]
 
     def _unknown_spec(self, built: list[JobRecord | DomainError]) -> bool:
         return any(isinstance(job, DomainError) and job.code == "unknown_spec" for job in built)

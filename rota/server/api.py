@@ -15,12 +15,13 @@ from starlette.responses import Response
 
 from rota.server.api_base import (JSON, coordinator_of, decode_as, decode_body, error, need, read_body,
                            status_of, token_revoked, too_many_waits)
-from rota.core.auth import Scope
+from rota.core.auth import Scope, kept_hint
 from rota.server.coordinator import Coordinator
-from rota.base.errors import DomainError, Invalid
+from rota.base.errors import DomainError, Invalid, NotFound
 from rota.server.gate import principal_of
 from rota.base.ids import TOKEN_NAME_PATTERN
 from rota.core.jobs import BatchRequest, EnqueueRequest
+from rota.core.listing import did_you_mean
 from rota.core.observe import UNFINISHED, busiest
 from rota.core.policy import TERMINAL_STATES
 from rota.base.protocol import Name, rfc3339
@@ -108,13 +109,20 @@ async def _find(request: Request, job_id: str) -> dict[str, Any] | None:
     return None
 
 
+async def _no_job(request: Request, job_id: str, hint: str = "") -> Response:
+    """The 404 for an id that names no job. To an admin, who names jobs by the ids they
+    are kept under, it names a producer's job given that id (kept as <token id>:<id>)."""
+    found = (await coordinator_of(request).kept_as(job_id)
+             if principal_of(request.scope).scope == "admin" else [])
+    return error(404, "not_found", f"no job {job_id}{hint}{kept_hint(found)}")
+
+
 async def show_job(request: Request) -> Response:
     coordinator, job_id = coordinator_of(request), request.path_params["job_id"]
     row = await _find(request, job_id)
     if row is None:
-        hint = (f" (the bulk action is POST /jobs/{job_id})" if job_id in ("retry", "cancel")
-                else "")
-        return error(404, "not_found", f"no job {job_id}{hint}")
+        return await _no_job(request, job_id, f" (the bulk action is POST /jobs/{job_id})"
+                             if job_id in ("retry", "cancel") else "")
     return JSON(await job_detail(coordinator, row))
 
 
@@ -141,13 +149,24 @@ async def cancel_job(request: Request) -> Response:
         if row is None:
             return error(404, "not_found", f"no job {job_id}")
         job_id = row["id"]
-    row, done = await coordinator.cancel(job_id)
+    try:
+        row, done = await coordinator.cancel(job_id)
+    except NotFound as exc:
+        if exc.message != f"no job {job_id}":
+            raise
+        return await _no_job(request, job_id)
     return JSON(job_view(row), status_code=200 if done else 202)
 
 
 async def retry_job(request: Request) -> Response:
     need(request, "admin")
-    row = await coordinator_of(request).retry(request.path_params["job_id"])
+    job_id = request.path_params["job_id"]
+    try:
+        row = await coordinator_of(request).retry(job_id)
+    except NotFound as exc:
+        if exc.message != f"no job {job_id}":  # (its spec's, say)
+            raise
+        return await _no_job(request, job_id)
     return JSON(job_view(row))
 
 
@@ -165,7 +184,7 @@ async def job_result(request: Request) -> Response:
     job_id = request.path_params["job_id"]
     found = await _find(request, job_id)
     if found is None:
-        return error(404, "not_found", f"no job {job_id}")
+        return await _no_job(request, job_id)
     if wait > 0:
         hold = coordinator.hold(principal_of(request.scope))
         if hold is None:
@@ -220,9 +239,12 @@ async def retire_spec(request: Request) -> Response:
 async def spec_history(request: Request) -> Response:
     need(request, "admin")
     name = request.path_params["name"]
-    history = await coordinator_of(request).spec_history(name)
+    coordinator = coordinator_of(request)
+    history = await coordinator.spec_history(name)
     if not history:
-        return error(404, "not_found", f"spec {name!r} was never pushed")
+        guess = did_you_mean(name, coordinator.specs)
+        return error(404, "not_found", f"spec {name!r} was never pushed"
+                     + (f"; did you mean {guess}?" if guess else ""))
     return JSON({"name": name, "history": history})
 
 

@@ -25,7 +25,7 @@ from rota.server.api_base import DROP, JSON, need, token_revoked, too_many_waits
 from rota.core.auth import Principal
 from rota.server.coordinator import Coordinator
 from rota.base.errors import RequestError
-from rota.core.listing import NAME
+from rota.core.listing import NAME, JobFilter
 from rota.core.model import JOB_STATES
 from rota.core.observe import (COUNTS, DURATION_BOUNDS, KINDS, UNFINISHED, WAIT_BOUNDS, Event,
                           Filter, Observer, event_data, fold_queues)
@@ -250,6 +250,8 @@ async def events(request: Request) -> Response:
     principal = need(request, "admin")
     coordinator: Coordinator = request.app.state.coordinator
     only = _filter(request)
+    # A misspelt name would follow nothing, silently: refused as GET /jobs refuses it.
+    await coordinator.check_names(JobFilter(spec=only.spec, queue=only.queue))
     last_id = _last_event_id(request)
     newest = coordinator.observer.next_id - 1
     # No id, or one ahead of this server's (not one it gave): from now on.

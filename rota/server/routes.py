@@ -67,9 +67,10 @@ ROUTES: list[Op] = [
        "Per-queue counts and why jobs wait", None, {200: Queues}),
     Op("post", "/queues/{queue}/pause", operate.pause_queue,
        "Pause a queue: it keeps its jobs and assigns none (admin)", None,
-       {200: QueuePaused, 400: ErrorBody}),
+       {200: QueuePaused, 400: ErrorBody, 422: ErrorBody}),
     Op("post", "/queues/{queue}/resume", operate.resume_queue,
-       "Resume a paused queue (admin)", None, {200: QueuePaused, 400: ErrorBody}),
+       "Resume a paused queue (admin)", None, {200: QueuePaused, 400: ErrorBody,
+                                              422: ErrorBody}),
     Op("post", "/tokens", api.create_token, "Create a token (admin)", TokenRequest,
        {201: NewToken, 409: ErrorBody, **BAD}),
     Op("get", "/tokens", api.list_tokens, "The live tokens, never their secrets (admin)", None,
@@ -77,7 +78,7 @@ ROUTES: list[Op] = [
     Op("delete", "/tokens/{token}", api.revoke_token, "Revoke a token by id or name (admin)",
        None, {200: Revoked, 404: ErrorBody}),
     Op("get", "/events", feeds.events, "Server-sent events: what happens, as it happens"
-       " (admin)", None, {200: None, 400: ErrorBody, 429: ErrorBody}),
+       " (admin)", None, {200: None, 400: ErrorBody, 422: ErrorBody, 429: ErrorBody}),
     Op("get", "/stats", feeds.stats, "Counts per minute over the last hour, and the oldest"
        " available job per queue (admin)", None, {200: Stats, 400: ErrorBody}),
     Op("get", "/metrics", feeds.metrics, "Prometheus metrics (admin or metrics scope)", None,

@@ -8,16 +8,20 @@ made of, so that a change in how the shell keeps them touches one place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rota.store.health import Degraded
 from rota.core.engine import MAX_LOG_LINES, Engine
-from rota.core.listing import JobFilter, unknown_name
+from rota.core.auth import kept_ids
+from rota.core.listing import JobFilter, new_queue_problem, unknown_name
 from rota.core.model import JOB_STATES, Instant
 from rota.core.observe import Observer
 from rota.core.ready import Wait, WorkerSlot
 from rota.store.store import Store
+
+
+MAX_TOKENS_ASKED = 100  # producer tokens whose kept ids a 404 looks for
 
 
 class Waiting(NamedTuple):
@@ -45,6 +49,28 @@ class SpecWorkers(NamedTuple):
     other: list[tuple[str, str]]
 
 
+def _named_queues(engine: Engine) -> set[str]:
+    """The queues named by the specs, the pauses, the connected workers and the
+    retention rules (no job is looked at)."""
+    scheduler = engine.scheduler
+    return ({s.queue for s in engine.specs.values()} | scheduler.paused
+            | {q for w in scheduler.workers.values() for q in w.queues}
+            | {q for q, _, _ in engine.settings.retain_queues})
+
+
+def queues_in_memory(engine: Engine) -> set[str]:
+    """The queues the engine knows of without a read: those named, and those of the
+    jobs it holds."""
+    return _named_queues(engine) | set(engine.scheduler.live_counts())
+
+
+async def _holds_jobs(store: Store, queue: str) -> bool:
+    """Whether a stored job is in ``queue`` (a queue named only at enqueue is known by
+    its jobs, finished ones too)."""
+    held, _ = await store.list_jobs(JobFilter(queue=queue), 1, None)
+    return bool(held)
+
+
 async def refuse_unknown(store: Store, engine: Engine, flt: JobFilter) -> None:
     """Raise listing.unknown_name's refusal if ``flt`` names a spec or queue nothing
     knows. What memory holds is asked first; the store only for a name it lacks."""
@@ -53,18 +79,32 @@ async def refuse_unknown(store: Store, engine: Engine, flt: JobFilter) -> None:
         specs = set(specs) | set((await store.status_quo())[0])  # pushed through another server
     queues: set[str] = set()
     if flt.queue is not None:
-        scheduler = engine.scheduler
-        queues = ({s.queue for s in engine.specs.values()} | scheduler.paused
-                  | {q for w in scheduler.workers.values() for q in w.queues}
-                  | {q for q, _, _ in engine.settings.retain_queues})
-        if flt.queue not in queues:
-            held, _ = await store.list_jobs(JobFilter(queue=flt.queue), 1, None)
-            # A queue named only at enqueue: its jobs make it known (and those held in
-            # memory, the likely names).
-            queues |= ({flt.queue} if held else set(scheduler.live_counts()))
+        queues = queues_in_memory(engine)
+        if flt.queue not in queues and await _holds_jobs(store, flt.queue):
+            queues.add(flt.queue)
     refusal = unknown_name(flt, specs, queues)
     if refusal is not None:
         raise refusal
+
+
+async def new_queue_problems(store: Store, engine: Engine, names: Iterable[str], *,
+                             resuming: bool = False) -> dict[str, str]:
+    """listing.new_queue_problem for each queue a pause, a resume or an enqueue names
+    (the refused ones only), with every queue known: memory first, counted once, and
+    the store only for a name refused there."""
+    problems: dict[str, str] = {}
+    names = set(names)
+    if not names:
+        return problems
+    known: set[str] | None = None
+    for name in names - _named_queues(engine):  # the usual case: named, no job counted
+        known = queues_in_memory(engine) if known is None else known
+        problem = new_queue_problem(name, known, resuming=resuming)
+        if problem is None or await _holds_jobs(store, name) or (
+                store.shared and name in await store.paused_queues()):
+            continue  # known after all: by its stored jobs, or paused through another server
+        problems[name] = problem
+    return problems
 
 
 class ShellReads:
@@ -80,12 +120,23 @@ class ShellReads:
         """The job's row, or None."""
         return await self.store.get_job(job_id)
 
+    async def kept_as(self, job_id: str) -> list[str]:
+        """The jobs live producer tokens named ``job_id``, by the ids they are kept under
+        (rota/core/auth.py kept_ids): a point read per producer token, for a 404."""
+        tokens = [t["id"] for t in await self.store.live_tokens() if t["scope"] == "producer"]
+        return sorted([kept for kept in kept_ids(job_id, tokens[:MAX_TOKENS_ASKED])
+                       if await self.store.get_job(kept) is not None])
+
     async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None
                         ) -> tuple[list[dict[str, Any]], str | None]:
         """A page of the jobs ``flt`` matches, newest first, and the next page's cursor.
         RequestError (422) if it names a spec or queue nothing knows."""
         await refuse_unknown(self.store, self.engine, flt)
         return await self.store.list_jobs(flt, limit, cursor)
+
+    async def check_names(self, flt: JobFilter) -> None:
+        """RequestError (422) if ``flt`` names a spec or queue nothing knows."""
+        await refuse_unknown(self.store, self.engine, flt)
 
     async def count_jobs(self, flt: JobFilter) -> int:
         return await self.store.count_jobs(flt)

@@ -16,12 +16,12 @@ from typing import Any
 from rota.core import verdicts as v
 from rota.core.effects import Effect
 from rota.core.engine import Engine
-from rota.base.errors import Conflict, NotFound, StorageError
+from rota.base.errors import Conflict, Invalid, NotFound, StorageError
 from rota.core.listing import JobFilter
 from rota.core.model import Instant, JobRecord
 from rota.base.specs import JobSpec, checksum
 from rota.store.store import Store, job_from_row
-from rota.server.shell_reads import refuse_unknown
+from rota.server.shell_reads import new_queue_problems, refuse_unknown
 
 BULK_CHUNK = 200  # jobs a bulk action handles at once: their writes share commits
 Run = Callable[[Iterable[Effect]], Coroutine[Any, Any, dict[str, JobRecord | None]]]
@@ -204,6 +204,9 @@ class Steering:
     async def pause_queue(self, name: str, paused: bool) -> dict[str, Any]:
         """Pause or resume a queue: stored first, so a restart keeps it; then no round
         assigns its jobs (or, resumed, the next round does)."""
+        problems = await new_queue_problems(self.store, self.engine, [name], resuming=not paused)
+        if name in problems:  # a slip: the queue meant would go on (issue 22)
+            raise Invalid("unknown_queue", problems[name])
         now = self.clock()
         await self.store.set_paused(name, paused, now.wall)
         self.apply(self.engine.pause_queue(name, paused, now))

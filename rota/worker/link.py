@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from rota.base import protocol as p
-from rota.base.ids import ws_url
+from rota.base.ids import dashboard_base, ws_url
 
 # The server takes frames up to 1 MiB: results and status share this, and the rest of a
 # heartbeat (ids, metrics, registration) fits in what is left.
@@ -328,6 +328,9 @@ def work_urls(value: str | Sequence[str]) -> list[str]:
         if not _is_server_url(url):
             raise ValueError(f"url must be the server's base URL (http://host:port) or its /work"
                              f" endpoint (ws://host:port/work), not {url!r}")
+        if (base := dashboard_base(url)) is not None:  # it would answer 404, forever
+            raise ValueError(f"url {url!r} is the dashboard's address, not the server's: give"
+                             f" its base URL, {base}")
     # Two spellings of one server (its base URL and its /work URL) are one stop, not two.
     return list(dict.fromkeys(ws_url(url) for url in given))
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import Live, RawWorker, start_server, stop_server, write_spec
 from helpers import wait_until
 
-from rota import AsyncClient, AsyncJob, Client, Job, JobContext, JobError, ResultTimeout, Worker
+from rota import ApiError, AsyncClient, AsyncJob, Client, Job, JobContext, JobError, ResultTimeout, Worker
 
 
 async def serve_jobs(live: Live, sdk_worker: Callable[[Worker], Awaitable[Worker]],
@@ -159,3 +159,33 @@ def test_handles_keep_the_old_answers_shape_for_code_that_reads_it():
     with pytest.raises(KeyError):
         job["id"]
     assert repr(job) == "<Job j1 add available>"
+
+
+async def test_a_client_given_no_url_or_token_reads_rota_url_and_rota_token(
+        live: Live, monkeypatch: pytest.MonkeyPatch):
+    """As the CLI does (issue 22): ``Client(os.environ.get("ROTA_URL"))`` with it unset is
+    the default, not a TypeError; a value of the wrong type is named."""
+    monkeypatch.delenv("ROTA_URL", raising=False)
+    monkeypatch.delenv("ROTA_TOKEN", raising=False)
+    assert Client(None).url == Client().url == "http://127.0.0.1:8000"
+    monkeypatch.setenv("ROTA_URL", f" {live.base}/ ,http://127.0.0.1:9")
+    monkeypatch.setenv("ROTA_TOKEN", "rota_0123456789ab_" + "x" * 43)
+
+    def read() -> Any:  # blocking calls: on a thread, off the server's event loop
+        with Client() as client:
+            assert client.servers.urls == [live.base, "http://127.0.0.1:9"]
+            assert client._transports[0].headers["Authorization"].endswith("x" * 43)
+            return client.specs()  # (an open server minds no token)
+
+    assert await asyncio.to_thread(read) == {"specs": []}
+    async with AsyncClient(None) as client:
+        with pytest.raises(ApiError) as missing:  # (it reached the server)
+            await client.job("nope")
+        assert client.url == live.base and missing.value.code == "not_found"
+        assert client._token  # ROTA_TOKEN's
+    assert not Client(token="")._transports[0].token  # "": no token, whatever ROTA_TOKEN says
+    for bad, named in (({"url": 8000}, "url must be"), ({"url": [None]}, "url must be"),
+                       ({"token": 17}, "token must be")):
+        for make in (Client, AsyncClient):
+            with pytest.raises(TypeError, match=named):
+                make(**bad)

@@ -262,10 +262,19 @@ async def test_every_path_segment_and_query_value(watched: Watch):
         watched.pairs += 1
     for name, field, value, code in corpus.FILTER_NAMES:  # no bulk action may touch a job
         for answer in [await live.http.get("/jobs", params={field: value}),
+                       await live.http.get("/events", params={field: value}),  # (or follow none)
                        *[await live.http.post(f"/jobs/{action}", json={"filter": {field: value}})
                          for action in ("retry", "cancel")]]:
             assert_http(answer, True, f"{answer.request.url.path} {field}={value} ({name})")
             assert (answer.status_code, answer.json()["error"]["code"]) == (422, code), name
+            watched.pairs += 1
+    for name, value in corpus.QUEUE_SLIPS:
+        for answer in [await live.http.post(f"/queues/{value}/pause"),
+                       await live.http.post(f"/queues/{value}/resume"),
+                       await live.http.post("/jobs", json={"spec": "echo", "queue": value})]:
+            assert_http(answer, True, f"{answer.request.url.path} queue={value} ({name})")
+            assert (answer.status_code, answer.json()["error"]["code"]) == (422,
+                                                                         "unknown_queue"), name
             watched.pairs += 1
 
 

@@ -17,7 +17,7 @@ from rota import JobContext, Worker
 from rota.store import lookup
 from rota.base.errors import RequestError
 from rota.core.listing import (JobFilter, decode_cursor, did_you_mean, encode_cursor,
-                               filter_params, parse_filter, unknown_name)
+                               filter_params, new_queue_problem, parse_filter, unknown_name)
 
 # The server's scenarios run on SQLite; what they rely on the store for runs on both
 # backends in tests/store/test_store_contract.py, and the store's own queries below
@@ -138,6 +138,24 @@ async def test_an_unknown_spec_or_queue_in_a_filter_is_refused_with_the_likely_n
     retried = await live.http.post("/jobs/retry", json={"filter": {"spec": "resize_image",
                                                                    "state": "discarded"}})
     assert retried.status_code == 200 and retried.json()["matched"] == 0
+    # What would make a queue anew: a slip for a known one is refused, or the queue meant
+    # would run on and the job wait forever; a name close to none is a new queue.
+    for path, body, says in [
+            ("/queues/meida/pause", None, "is unknown; did you mean media?"),
+            ("/queues/meida/resume", None, "was not paused: no queue of that name is known;"
+                                            " did you mean media?"),
+            ("/jobs", {"spec": "resize_image", "queue": "Adhoc"}, "did you mean adhoc?")]:
+        answer = await live.http.post(path, json=body)
+        assert (answer.status_code, answer.json()["error"]["code"]) == (422, "unknown_queue")
+        assert says in answer.json()["error"]["message"], path
+    assert (await live.http.post("/queues/media/resume")).status_code == 200  # not paused: fine
+    assert (await live.http.post("/jobs", json={"spec": "resize_image", "queue": "thumbnails"})
+            ).status_code == 201
+    meant = await live.http.post("/jobs", json={"spec": "resize_image", "queue": "Adhoc",
+                                                "new_queue": True})
+    assert meant.status_code == 201 and meant.json()["job"]["queue"] == "Adhoc"
+    assert (await live.http.post("/queues/meida/pause")).status_code == 422  # still a slip
+    assert (await live.http.get("/jobs", params={"queue": "meida"})).status_code == 422
 
 
 def test_the_likely_name_of_a_slip():
@@ -149,6 +167,12 @@ def test_the_likely_name_of_a_slip():
     assert unknown_name(JobFilter(states=("discarded",)), [], []) is None
     refusal = unknown_name(JobFilter(spec="echo", queue="mails"), known, ["emails"])
     assert refusal is not None and (refusal.status, refusal.code) == (422, "unknown_queue")
+    # A new queue's name: refused only when spelt like a known one.
+    assert [new_queue_problem(typed, ["emails"]) is None
+            for typed in ("emails", "emial", "Emails", "emails_bulk", "emails2")] == \
+        [True, False, False, True, True]
+    assert new_queue_problem("emails", ["emails"], resuming=True) is None
+    assert "was not paused" in (new_queue_problem("reports", ["emails"], resuming=True) or "")
 
 
 async def test_bulk_actions_refuse_bad_bodies_precisely(live: Live):

@@ -187,7 +187,18 @@ async def test_producers_job_ids_are_their_own(guarded: Live):
         assert too_long.status_code == 422 and f"{room} at most" in too_long.text
     # The admin sees every job, under the ids they are kept under.
     assert (await guarded.job(f"{b_id}:order-17"))["args"] == {"card": "4111"}
-    assert (await guarded.http.get("/jobs/order-17")).status_code == 404
+    # The id a producer gave names no job to an admin: the 404 names the kept ones (issue 22).
+    def hint(job_id: str) -> str:
+        return (f"no job {job_id}; producer ids are stored under their token's prefix: did you"
+                f" mean {' or '.join(sorted(f'{t}:{job_id}' for t in (a_id, b_id)))}?")
+    for method, path in (("GET", "/jobs/order-17"), ("GET", "/jobs/order-17/result"),
+                         ("DELETE", "/jobs/order-17"), ("POST", "/jobs/order-17/retry")):
+        missed = await guarded.http.request(method, path)
+        assert (missed.status_code, missed.json()["error"]["message"]) == (404, hint("order-17"))
+    admin = guarded.http.headers["Authorization"].split(" ")[1]
+    code, _, err = await rota("jobs", "show", "order-18", "--url", guarded.base, "--token", admin)
+    assert (code, err) == (1, f"error: {hint('order-18')} (not_found)\n")
+    assert "did you mean" not in (await guarded.http.get("/jobs/order-77")).text
     await bystander_still_works(guarded)
 
 

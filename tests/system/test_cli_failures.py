@@ -103,13 +103,15 @@ async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
         assert one_line(code, err, "a worker token to enqueue") == (
             "error: a worker token may not POST /jobs: it takes a producer or admin token: pass"
             " one with --token or ROTA_TOKEN (forbidden)")
-        for page in ("/ui", "/ui/"):  # the dashboard's address given for the API's: a page,
-            for token, what in ((admin, "a web page"), ("", "a redirect (HTTP 303)")):  # a login
-                code, _, err = await rota("specs", "list", "--url", live.base + page,
-                                          "--token", token)
-                assert one_line(code, err, "the dashboard's URL") == (
-                    f"error: {live.base}/ui answers with {what}, not Rota's API: --url is the"
-                    " server's base URL, such as http://127.0.0.1:8000 (not /work)")
+        # The dashboard's address given for the API's, to a read or a write (which the
+        # dashboard would refuse as a browser's cross-site request): said before sending.
+        for page, argv in (("/ui", ["specs", "list"]), ("/ui/", ["enqueue", "echo"]),
+                           ("/ui/", ["run", "echo"]), ("/ui", ["jobs", "cancel", "j1"]),
+                           ("/ui/jobs", ["tail"])):
+            code, _, err = await rota(*argv, "--url", live.base + page, "--token", admin)
+            assert one_line(code, err, f"the dashboard's URL to {argv}") == (
+                f"error: {live.base}{page.rstrip('/')} is the dashboard's address, not Rota's"
+                f" API: --url is the server's base URL, {live.base}")
         code, _, err = await rota("specs", "list", "--url", live.ws, "--token", admin)
         assert "base URL" in one_line(code, err, "the ws:// URL")
         code, _, err = await rota("specs", "list", "--url", live.base + "/work", "--token", admin)
@@ -128,6 +130,10 @@ async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
         write_spec(tmp_path, "echo")
         (tmp_path / "w.py").write_text("from rota import Worker\nworker = Worker(specs_dir='.')\n"
                                        "worker.handler('echo')(lambda ctx: ctx.args)\n")
+        code, _, err = await rota("worker", "w:worker", "--url", live.base + "/ui/",
+                                  "--token", admin, cwd=tmp_path)
+        assert f"dashboard's address, not the server's: give its base URL, {live.base}" in \
+            one_line(code, _errors_only(err), "a worker given the dashboard's URL")
         code, _, err = await rota("worker", "w:worker", "--url", live.base, cwd=tmp_path)
         line = one_line(code, _errors_only(err), "a worker with no token")
         assert "401" in line and "set ROTA_TOKEN (or --token) to a worker token" in line
@@ -177,6 +183,11 @@ def _library_words(base: str, wrong: str) -> None:
         client.specs()
     assert down.value.code == "unreachable" and "--url" not in down.value.message
     assert down.value.message.endswith("is the server running? (is the url given its address?)")
+    for url in (base + "/ui", [base + "/ui/jobs"]):  # every request, a write too
+        with pytest.raises(ApiError) as page:
+            Client(url).enqueue("echo", {})
+        assert page.value.code == "not_the_api" and page.value.message.endswith(
+            f"not Rota's API: use the server's base URL, {base}")
 
 
 def _errors_only(err: str) -> str:

@@ -140,6 +140,15 @@ async def test_queues_pause_and_resume(live: Live, connect, tmp_path: Path):
     assert (code, out.strip()) == (0, "default: running")
     [copy] = await worker.jobs(1)
     assert copy["id"] == job["id"]
+    # A slip for a known queue would pause nothing, or leave a job waiting forever.
+    for argv in (["queues", "pause", "defualt"], ["queues", "resume", "defualt"],
+                 ["enqueue", "echo", "--queue", "defualt"]):
+        code, out, err = await rota(*argv, "--url", live.base)
+        assert (code, out) == (1, "") and "did you mean default?" in err, argv
+        assert "(unknown_queue)" in err and "Traceback" not in err
+    code, out, _ = await rota("enqueue", "echo", "--queue", "defualt", "--new-queue",
+                              "--url", live.base)  # meant new: taken at its word
+    assert code == 0 and json.loads(out)["queue"] == "defualt"
 
 
 @QUIET_WORKERS
@@ -307,6 +316,12 @@ async def opened(tail: Tail, says: str = "following the events of") -> None:
 @QUIET_WORKERS
 async def test_tail_prints_a_line_an_event_and_ndjson(live: Live, connect, tmp_path: Path):
     _, worker = await setup(live, connect, tmp_path)
+    # A misspelt name would follow nothing, silently (issue 22): refused, with the likely one.
+    for argv, says in ((["tail", "--queue", "defualt"], "did you mean default? Known queues:"),
+                       (["tail", "--spec", "ecoh"], "did you mean echo? Known specs:"),
+                       (["specs", "history", "ecoh"], "never pushed; did you mean echo?")):
+        code, out, err = await rota(*argv, "--url", live.base, timeout=10)
+        assert (code, out) == (1, "") and says in err, (argv, err)
     tail = await Tail.start(live.base, "--event", "enqueue,result", "--spec", "echo", "--json")
     text = await Tail.start(live.base, "--queue", "default", "--event", "result")
     try:
