@@ -3,8 +3,8 @@ server with a little of everything (workers, a finished, a failed and a blocked 
 no page scrolls sideways, the header's links are on screen and readable (a contrast
 of at least 4.5:1, WCAG AA, against what is behind them), and no name (a spec, queue or
 host) in a table breaks over two lines. At the phone's width the tables read without
-scrolling their box: the Workers' state, the Blocked reason whole (broken only between
-words), and jobs rows of even height. Also what a page shows while its server does not
+scrolling their box: the Workers' state and load, the Blocked reason and a job's log
+line whole (broken only between words), and jobs rows of even height. Also what a page shows while its server does not
 answer: its content dimmed under a banner that says how old it is.
 """
 
