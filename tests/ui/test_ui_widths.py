@@ -1,8 +1,11 @@
 """The dashboard at a phone's width (390 px) and a desktop's (1280 px), in Chromium, on one
 server with a little of everything (workers, a finished, a failed and a blocked job):
-no page scrolls sideways, and the header's links are on screen and readable (a contrast
-of at least 4.5:1, WCAG AA, against what is behind them). Also what a page shows while
-its server does not answer: its content dimmed under a banner that says how old it is.
+no page scrolls sideways, the header's links are on screen and readable (a contrast
+of at least 4.5:1, WCAG AA, against what is behind them), and no name (a spec, queue or
+host) in a table breaks over two lines. At the phone's width the tables read without
+scrolling their box: the Workers' state and load, the Blocked reason and a job's log
+line whole (broken only between words), and jobs rows of even height. Also what a page shows while its server does not
+answer: its content dimmed under a banner that says how old it is.
 """
 
 from __future__ import annotations
@@ -43,6 +46,55 @@ HEADER = """() => {
   });
 }"""
 
+# The cells of the columns that hold a name (a spec, a queue, a host) whose text takes
+# more than one line: the tops of its pieces of text lie a line (8 px or more) apart.
+NAMES = """() => {
+  const broken = [];
+  for (const table of document.querySelectorAll('#live table')) {
+    const heads = [...table.querySelectorAll('thead th')]
+        .map(th => th.textContent.trim().toLowerCase());
+    for (const row of table.querySelectorAll('tbody tr')) {
+      if (row.cells.length !== heads.length) continue;  // a row under a row (colspan)
+      heads.forEach((head, i) => {
+        if (!['spec', 'queue', 'host'].includes(head)) return;
+        const tops = [];
+        const walk = document.createTreeWalker(row.cells[i], NodeFilter.SHOW_TEXT);
+        for (let node; (node = walk.nextNode());) {
+          if (!node.textContent.trim()) continue;
+          const range = document.createRange();
+          range.selectNodeContents(node);
+          for (const rect of range.getClientRects()) {
+            if (rect.width > 0) tops.push(rect.top);
+          }
+        }
+        if (Math.max(...tops) - Math.min(...tops) >= 8) broken.push(`${head} ${row.cells[i].textContent.trim()}`);
+      });
+    }
+  }
+  return broken;
+}"""
+
+# The width of the last element that matches a selector, and its words that are split:
+# over two lines, or cut by the edge of the box that scrolls them (what shows without
+# scrolling). In one call: the live region is swapped several times a second.
+SPLIT = """css => {
+  const el = [...document.querySelectorAll(css)].pop();
+  const box = el.closest('.scroll').getBoundingClientRect();
+  const split = [];
+  const walk = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+  for (let node; (node = walk.nextNode());) {
+    for (const word of node.textContent.matchAll(/\\S+/g)) {
+      const range = document.createRange();
+      range.setStart(node, word.index);
+      range.setEnd(node, word.index + word[0].length);
+      const rects = [...range.getClientRects()].filter(r => r.width > 0);
+      if (rects.length !== 1 || rects[0].left < box.left || rects[0].right > box.right)
+        split.push(word[0]);
+    }
+  }
+  return {width: el.getBoundingClientRect().width, split};
+}"""
+
 
 def fill(rig: Rig) -> dict[str, str]:
     rig.spec("mail", queue="emails", extra="[retry]\nmax_attempts = 1\n")
@@ -51,6 +103,7 @@ def fill(rig: Rig) -> dict[str, str]:
     def mail(ctx: JobContext) -> str:
         if ctx.args.get("fail"):
             raise ConnectionRefusedError("smtp.example.com:587 refused the connection")
+        ctx.log(f"sending the welcome mail to {ctx.args['to']} through smtp.example.com:587")
         return "sent"
 
     rig.worker({"mail": mail}, labels=["web", "eu-west"], queues=["emails"])
@@ -58,6 +111,7 @@ def fill(rig: Rig) -> dict[str, str]:
            "failed": rig.enqueue("mail", {"fail": True})}
     for key, state in (("done", "completed"), ("failed", "discarded")):
         rig.wait(lambda job_id=ids[key], state=state: rig.job(job_id)["state"] == state, state)
+    rig.wait(lambda: rig.job(ids["done"])["logs"], "the mail job's log line")
     rig.enqueue("export_monthly_customer_report", {"customer": "ACME"})  # blocked
     return ids
 
@@ -96,6 +150,7 @@ def faults(page: Page, width: int) -> list[str]:
             found.append(f"{link['text']!r} off screen ({link['left']:.0f}-{link['right']:.0f})")
         if link["contrast"] < 4.5:
             found.append(f"{link['text']!r} contrast {link['contrast']:.2f}")
+    found += [f"broken name: {cell}" for cell in page.evaluate(NAMES)]
     return found
 
 
@@ -114,9 +169,27 @@ def test_every_page_fits_the_width_and_its_header_reads(
             sizes = page.evaluate("""() => [...document.querySelectorAll('svg.chart text')]
                                      .map(t => t.getBoundingClientRect().height)""")
             assert sizes and min(sizes) >= 9, sizes  # pixels on screen, not in the viewBox
-            # The Blocked table scrolls in its own box, its reason not one word a line.
-            why = page.locator(".blocked td").last.bounding_box()
-            assert why is not None and why["width"] >= 200, why
+            # The Blocked reason, and a job's log line, on a line of their own as wide as
+            # the box: not one word a line, every word whole and on screen.
+            for path, css in (("/ui", ".blocked td"), (f"/ui/jobs/{ids['done']}", ".logs td")):
+                page.goto(rig.base + path)
+                text = page.evaluate(SPLIT, css)
+                assert text["width"] >= 250 and text["split"] == [], (path, text)
+            # The workers' state and load without scrolling their box (at its start).
+            page.goto(rig.base + "/ui/workers")
+            offscreen = page.evaluate("""() => {
+                const table = document.querySelector('table.workers');
+                const edge = table.closest('.scroll').getBoundingClientRect().right;
+                return [...table.querySelectorAll('th')]
+                    .filter(th => th.getBoundingClientRect().right > edge)
+                    .map(th => th.textContent.trim().toLowerCase());
+            }""")
+            assert "state" not in offscreen and "running" not in offscreen, offscreen
+            # Rows of jobs of an even height: a failed one's error no taller than a line.
+            page.goto(rig.base + "/ui/jobs")
+            heights = page.evaluate("""() => [...document.querySelectorAll('table.jobs tbody tr')]
+                                       .map(tr => tr.getBoundingClientRect().height)""")
+            assert len(heights) >= 3 and max(heights) <= 1.2 * min(heights), heights
     finally:
         page.close()
 
