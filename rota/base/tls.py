@@ -8,12 +8,14 @@ import ssl
 import urllib.parse
 
 
-def speaks_tls(url: str, timeout: float = 3.0) -> bool:
+def speaks_tls(url: str, timeout: float = 1.0) -> bool:
     """Whether the server at an http:// (or ws://) URL completes a TLS handshake, and so
     wanted https:// (wss://): a TLS server hangs up on a plain request, and the client saw
     only that.
     Asked only after a request failed so; nothing is sent but the handshake, and no
-    certificate is trusted or checked (the question is only which protocol it speaks)."""
+    certificate is trusted or checked (the question is only which protocol it speaks).
+    A TLS server answers a ClientHello at once; a plain one that waits for a request line
+    would hold the error back for the whole ``timeout``, so it is short."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "ws") or not parts.hostname:
         return False
