@@ -98,6 +98,15 @@ class Runner:
         pace = self.pace()
         line = min(prefetch_line(self.prefetch, self.concurrency, pace, round_trip),
                    self._keep(pace))
+        if pace is None and not self.held and self.run_times:
+            # Idle: nothing held says what comes next. A worker that drained its line
+            # must not fall back to a round trip per batch of free slots (quick jobs
+            # drain it between two assignments), yet the next jobs may be of a spec
+            # new to it: a line sized for the slowest spec timed here, of at most one
+            # job per slot, which the first jobs held then grow or shrink.
+            idle = max(self.run_times.values())
+            line = min(prefetch_line(self.prefetch, self.concurrency, idle, round_trip),
+                       self._keep(idle))
         return max(0, self.concurrency + line - len(self.running) - len(self.waiting))
 
     def pace(self) -> float | None:

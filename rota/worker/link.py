@@ -50,10 +50,10 @@ def prefetch_line(prefetch: int, concurrency: int, run_time: float | None,
 def line_pace(run_times: Mapping[str, float], held: Iterable[str]) -> float | None:
     """The run time that sizes the line: the slowest average among the specs of the jobs
     held now (running or waiting), each spec timed on its own, since one spec's quick runs
-    say nothing of another's. None (no line) when nothing is held, or when a held job's
-    spec has no run timed yet: a worker asks for its free slots first and grows its line
-    as runs are timed, so that the first jobs of a spec (of 2 s each, after quick ones)
-    do not fill a line sized for other work."""
+    say nothing of another's. None (no line) when nothing is held (the Runner then sizes
+    an idle worker's line itself), or when a held job's spec has no run timed yet, so
+    that the first jobs of a spec (of 2 s each, after quick ones) do not fill a line
+    sized for other work."""
     pace: float | None = None
     for spec in held:
         took = run_times.get(spec)

@@ -177,7 +177,9 @@ async def test_the_first_jobs_of_a_spec_new_to_a_worker_fill_no_line(live: Live,
 
     await wait_until(beaten, what="three more heartbeats")  # while the slow job runs
     now = await shown()
-    assert (now["active"], now["prefetched"]) == (1, 0)
-    gate.set()
+    gate.set()  # (before judging: a failed check must not leave the worker stuck)
+    # One job per slot of a spec new to it may wait (README: about a second of work
+    # each); the rest stay on the server for any idle worker.
+    assert now["active"] == 1 and now["prefetched"] <= 1, now
     for job in jobs:
         await live.wait_state(job["id"], "completed", timeout=10)

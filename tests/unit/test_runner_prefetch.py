@@ -207,3 +207,16 @@ async def test_the_first_jobs_of_a_spec_never_timed_do_not_fill_a_line_sized_for
         line.finish(job_id)
     await wait_until(lambda: len(line.results) == 34, what="the four runs")
     assert line.runner.run_times.keys() == {"slow", "new"} and not line.runner.held
+
+
+async def test_an_idle_worker_asks_for_a_line_sized_by_the_slowest_spec_it_timed():
+    """Quick jobs drain a line between two assignments: asking then for the free slots
+    alone cost a round trip per batch (the no-op benchmark halved). Idle, the slowest
+    spec timed here sizes the line."""
+    line = Line(prefetch=8)
+    assert not line.runner.held
+    assert line.capacity() == 2 + 8  # only quick runs timed: the whole line
+    line.runner.run_times["new"] = 3600.0  # one spec of an hour timed too: one waits
+    assert line.capacity() == 2 + 1
+    line.runner.run_times.clear()  # nothing timed yet: the free slots only
+    assert line.capacity() == 2
