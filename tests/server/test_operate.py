@@ -377,3 +377,11 @@ def test_the_oldest_available_age_skips_a_queue_emptied_between_its_two_reads(
     monkeypatch.setattr(lookup, "queues", then_taken)
     assert lookup.oldest_available(conn, 100.0) == {"q2": 80.0}
     conn.close()
+
+
+def test_past_two_hundred_known_queues_a_new_name_is_not_checked_for_a_slip():
+    """Queues made per tenant: a slip check would walk them all on every enqueue."""
+    from rota.core.listing import SLIP_CHECK_MOST, new_queue_problem
+    few = {f"tenant-{n}" for n in range(SLIP_CHECK_MOST)}
+    assert new_queue_problem("tenent-1", {"tenant-1"}) is not None  # a slip, when few
+    assert new_queue_problem("tenent-1", few | {"tenant-x"}) is None  # many: taken as new
