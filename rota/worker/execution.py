@@ -395,9 +395,14 @@ class Runner:
         thread.start()
         return await done
 
-    def _abandon(self, run: Run) -> None:
+    def _abandon(self, run: Run, now: bool = False) -> None:
+        """A run given up whose thread runs on: abandoned THREAD_GRACE later, unless it
+        returned (as a handler that checks ``ctx.cancelled`` does: the advice below)."""
         thread = run.thread
-        if thread is None or not thread.is_alive():
+        if thread is None or not thread.is_alive() or thread in self.abandoned:
+            return
+        if not now:
+            asyncio.get_running_loop().call_later(THREAD_GRACE, self._abandon, run, True)
             return
         self.abandoned.add(thread)
         message = (f"job {run.copy.id} ({run.copy.spec}) was given up ({run.cancel_reason}) but"
@@ -422,6 +427,7 @@ class Runner:
             log.info("an abandoned thread returned: %d left", len(self.abandoned))
 
 
+THREAD_GRACE = 1.0  # s a given-up run's thread has to return before it counts as abandoned
 # What an abandoned thread's lines say to do (a plain function cannot be stopped).
 WAY_OUT = ('use isolation="process" for handlers that must stop on a cancel,'
            " or check ctx.cancelled")

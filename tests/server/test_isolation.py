@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import isolated
@@ -20,6 +21,7 @@ from helpers import wait_until
 
 from rota import JobContext, Worker
 from rota.base.specs import SpecError
+from rota.worker.execution import THREAD_GRACE
 
 SPECS = ("report", "boom", "leave", "grind", "charge", "stubborn", "crash", "polite")
 
@@ -163,15 +165,24 @@ async def test_a_shutdown_past_its_grace_stops_a_process_job(live: Live, sdk_wor
 async def test_a_plain_function_sees_ctx_cancelled_and_stops(live: Live, sdk_worker,
                                                             tmp_path: Path):
     await push(live, tmp_path)
-    await sdk_worker(fleet(tmp_path, "thread"))
+    worker = await sdk_worker(fleet(tmp_path, "thread"))
     args = {"pid": str(tmp_path / "pid"), "effect": str(tmp_path / "effect")}
     job = await live.enqueue("polite", args)
     await started(tmp_path / "pid")
     assert (await live.http.delete(f"/jobs/{job['id']}")).status_code == 202
     await live.wait_state(job["id"], "cancelled")
+    given_up = time.monotonic()
     effect = tmp_path / "effect"
     await wait_until(effect.exists, timeout=10, what="the handler to end")
     assert effect.read_text() == "stopped"
+    # It did what the abandoned-thread warning advises: past the grace, no thread of it
+    # is counted as abandoned and no alert says so (the trial saw both).
+    await wait_until(lambda: time.monotonic() > given_up + THREAD_GRACE + 0.2,
+                     what="the grace to pass")
+    assert not worker.runner.abandoned
+    [shown] = [w for w in (await live.http.get("/workers")).json()["workers"]
+               if w["id"] == worker.worker_id]
+    assert not [a for a in shown["alerts"] if "abandoned" in a["message"]], shown["alerts"]
 
 
 def own_handler(ctx: JobContext) -> None:

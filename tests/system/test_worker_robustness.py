@@ -149,9 +149,17 @@ async def test_hung_threads_are_abandoned_and_quick_jobs_still_run(live: Live, f
     quick = [await live.enqueue("quick") for _ in range(10)]
     for job in quick:  # the hung threads hold no slot any more
         assert (await live.wait_state(job["id"], "completed", timeout=5))["attempt"] == 1
-    view = await worker_view(live, "w1")
-    assert view is not None
-    abandoned = [a["message"] for a in view["alerts"] if "abandoned" in a["message"]]
+
+    async def alerted() -> list[str]:  # (each a second after its run was given up)
+        view = await worker_view(live, "w1")
+        assert view is not None
+        return [a["message"] for a in view["alerts"] if "abandoned" in a["message"]]
+
+    async def three() -> bool:
+        return len(await alerted()) >= 3
+
+    await wait_until(three, what="three abandoned-thread alerts")
+    abandoned = await alerted()
     assert len(abandoned) == 3 and all(m.endswith(WAY_OUT) for m in abandoned), abandoned
     assert fleet.procs[0].returncode is None
 
