@@ -100,6 +100,17 @@ def attempts(attempt: int, used: int, max_attempts: int | None) -> str:
     return counted if used == attempt else f"{counted} ({attempt} in all)"
 
 
+def failures(fails: int, failed: int, retried: bool) -> str:
+    """A job's failures: those its max_fails counts (since enqueue or the last manual
+    retry, the job's own errors only), and all the attempts that ended in an error when the
+    two differ, so "2 failed" beside "Attempts that failed (6)" reads as no contradiction."""
+    if fails == failed:
+        return f"{fails} failed"
+    if retried:
+        return f"{fails} failed since the last retry, {failed} in all"
+    return f"{fails} failed, {failed} in all with timeouts and worker deaths"
+
+
 def count(value: int) -> str:
     """An integer with thin separators: 1234567 -> "1,234,567"."""
     return f"{value:,}"

@@ -264,6 +264,9 @@ async def job_page(request: Request) -> Response:
     return render(request, "job", job=job, terminal=job["state"] in TERMINAL_STATES,
                   attempts=display.attempts(job["attempt"], job["attempts_used"],
                                             job["max_attempts"]),
+                  failures=display.failures(
+                      job["fails"], sum(e.get("type") != "cancelled" for e in job["errors"]),
+                      retried=job["attempt"] != job["attempts_used"]),
                   retryable=job["state"] in ("discarded", "cancelled"))
 
 

@@ -211,6 +211,10 @@ async def test_cancel_waiting_and_running_jobs_then_retry(live: Live, sdk_worker
     assert response.status_code == 202 and response.json()["cancel_requested"] is True
     cancelled = await live.wait_state(running["id"], "cancelled")
     assert cancelled["errors"][-1]["type"] == "cancelled"
+    # Once the job ended, its page says the cancel is done, not still "requested".
+    page = (await live.http.get(f"/ui/jobs/{running['id']}")).text
+    assert cancelled["cancel_requested"] and "<dt>Cancel</dt><dd>done at " in page, page
+    assert ">requested<" not in page
 
     # The worker serves q2 too (it has a handler for "nobody"), so the retried job may be
     # reserved, even finished, before the answer's row is read: any of those says it is back.
@@ -243,7 +247,7 @@ async def test_manual_retry_gives_a_discarded_job_a_fresh_budget(
     # The attempts the budget counts, and all of them: "1 of 1 (3 in all)", not "3 of 1".
     assert ((view := await live.job(job["id"]))["attempt"], view["attempts_used"]) == (3, 1)
     page = (await live.http.get(f"/ui/jobs/{job['id']}")).text
-    assert "<dd>1 of 1 (3 in all) · 0 failed" in page
+    assert "<dd>1 of 1 (3 in all) · 0 failed since the last retry, 2 in all" in page
     assert f"assign job={job['id']} " in caplog.text
     assert [line.endswith("attempt=3 budget=1/1") for line in caplog.text.splitlines()
             if f"assign job={job['id']} " in line] == [False, False, True]

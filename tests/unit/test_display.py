@@ -81,3 +81,11 @@ def test_attempts_within_the_budget_and_in_all():
     assert display.attempts(2, 2, 3) == "2 of 3"
     assert display.attempts(9, 3, 3) == "3 of 3 (9 in all)"  # after two manual retries
     assert display.attempts(0, 0, None) == "0"
+
+
+def test_failures_say_which_count_when_the_budget_count_differs():
+    assert display.failures(2, 2, retried=False) == "2 failed"
+    # max_fails counts since the last retry; the page lists every failed attempt (issue 22)
+    assert display.failures(2, 6, retried=True) == "2 failed since the last retry, 6 in all"
+    assert display.failures(1, 3, retried=False) == \
+        "1 failed, 3 in all with timeouts and worker deaths"
