@@ -3,8 +3,8 @@ server with a little of everything (workers, a finished, a failed and a blocked 
 no page scrolls sideways, the header's links are on screen and readable (a contrast
 of at least 4.5:1, WCAG AA, against what is behind them), and no name (a spec, queue or
 host) in a table breaks over two lines. At the phone's width the tables read without
-scrolling their box: the Workers' state and load, the Blocked reason and a job's log
-line whole (broken only between words), and jobs rows of even height. Also what a page shows while its server does not
+scrolling their box: the Workers' state and load, the Blocked reason, a queue's waiting
+reason and a job's log line whole (broken only between words), and jobs rows of even height. Also what a page shows while its server does not
 answer: its content dimmed under a banner that says how old it is.
 """
 
@@ -169,9 +169,11 @@ def test_every_page_fits_the_width_and_its_header_reads(
             sizes = page.evaluate("""() => [...document.querySelectorAll('svg.chart text')]
                                      .map(t => t.getBoundingClientRect().height)""")
             assert sizes and min(sizes) >= 9, sizes  # pixels on screen, not in the viewBox
-            # The Blocked reason, and a job's log line, on a line of their own as wide as
-            # the box: not one word a line, every word whole and on screen.
-            for path, css in (("/ui", ".blocked td"), (f"/ui/jobs/{ids['done']}", ".logs td")):
+            # The Blocked reason, a queue's waiting reason and a job's log line, on a line
+            # of their own as wide as the box: not one word a line, every word whole and
+            # on screen (the queues' table scrolls 860 px wide: not its reason).
+            for path, css in (("/ui", ".blocked td"), ("/ui/queues", "ul.waiting .warn"),
+                              (f"/ui/jobs/{ids['done']}", ".logs td")):
                 page.goto(rig.base + path)
                 text = page.evaluate(SPLIT, css)
                 assert text["width"] >= 250 and text["split"] == [], (path, text)
