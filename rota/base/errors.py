@@ -130,8 +130,8 @@ class DatabaseLinked(RotaError):
 class ApiError(RotaError):
     """The server refused a request, or could not be reached. ``status`` is the HTTP
     status (None when no answer came), ``code`` the server's error code or one of the
-    client's own: ``unreachable``, ``no_answer``, ``https_expected``, ``not_the_api``,
-    ``client_closed``, ``client_error``."""
+    client's own: ``unreachable``, ``no_answer``, ``https_expected``, ``http_expected``,
+    ``not_the_api``, ``client_closed``, ``client_error``."""
 
     def __init__(self, status: int | None, code: str, message: str) -> None:
         super().__init__(code, message)
