@@ -159,16 +159,54 @@ def _bulk_command(action: str, single: Callable[[str, str], None], summary: str
 
 def _report(reply: dict[str, Any], done: str, verb: str) -> None:
     dry = reply["dry_run"]
+    groups = skip_groups(reply["skipped"], reply["action"])
+    if not reply["touched"] and groups:  # a state it cannot act on: no run to report
+        n = reply["matched"]
+        who = "the 1 job matched was" if n == 1 else f"all {n} jobs matched were"
+        more = " (and more past --limit)" if reply["truncated"] else ""
+        why = "; ".join((f"{len(ids)} " if len(groups) > 1 else "") + said + examples(ids, ": ")
+                        for said, ids in groups)
+        fail(f"nothing {'would be ' if dry else ''}{done}: {who} skipped{more}, as {why}")
     out(f"{reply['matched']} matched; {'would be ' if dry else ''}{done}:"
         f" {reply['touched']}" + ("  (dry run: nothing was changed)" if dry else ""))
     for job_id in reply["ids"]:
         out(f"{'would ' + verb if dry else done} {job_id}")
     if reply["touched"] > len(reply["ids"]):
         out(f"... and {reply['touched'] - len(reply['ids'])} more")
-    for skipped in reply["skipped"]:
-        out(f"skipped {skipped['id']}: {skipped['reason']}")
+    for said, ids in groups:
+        out(f"skipped {ids[0]}: {said}" if len(ids) == 1
+            else f"skipped {len(ids)}: {said}{examples(ids, '')}")
     if reply["truncated"]:
         out(f"more jobs match than --limit: run it again to {verb} the rest", err=True)
+
+
+# Why a bulk action passes over a job in a state, beside the server's "job is <state>".
+SKIP_WHY = {("cancel", state): "a finished job cannot be cancelled"
+            for state in ("completed", "discarded", "cancelled")} | {
+    ("retry", state): "only a discarded or cancelled job is retried"
+    for state in ("scheduled", "available", "retryable", "active", "completed")}
+EXAMPLES = 3  # ids shown for a reason that many jobs share
+
+
+def skip_groups(skipped: list[dict[str, str]], action: str) -> list[tuple[str, list[str]]]:
+    """A bulk answer's skipped jobs by reason, most first: (the reason, with why the
+    action passes over that state, and their ids); the answer lists the first 100."""
+    by_reason: dict[str, list[str]] = {}
+    for skip in skipped:
+        by_reason.setdefault(skip["reason"], []).append(skip["id"])
+    groups = []
+    for reason, ids in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+        why = SKIP_WHY.get((action, reason.removeprefix("job is ")))
+        groups.append((f"{reason} ({why})" if why and reason.startswith("job is ") else reason,
+                       ids))
+    return groups
+
+
+def examples(ids: list[str], one: str) -> str:
+    """A few of many ids (", e.g. a, b, c, ..."), or the one after ``one``."""
+    if len(ids) == 1:
+        return one + ids[0] if one else ""
+    return ", e.g. " + ", ".join(ids[:EXAMPLES]) + (", ..." if len(ids) > EXAMPLES else "")
 
 
 def _retry_one(job_id: str, url: str) -> None:
