@@ -153,6 +153,9 @@ class JobError(RotaError):
         self.error_type: str | None = error.get("type") if error else None
         self.error_message: str | None = error.get("message") if error else None
         why = f": {self.error_type}: {self.error_message}" if error else ""
+        if state == "cancelled" and self.error_type == "cancelled":  # the cancel's own stop
+            how = (self.error_message or "").removesuffix(": cancelled")
+            why = f" ({how})" if how else ""
         super().__init__(f"job_{state}", f"job {job_id} was {state}{why}")
 
 
