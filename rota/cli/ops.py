@@ -19,6 +19,7 @@ from rota.client.client import ApiError, Client
 from rota.core.display import duration
 from rota.core.model import waiting_and_later
 from rota.base.logs import printable
+from rota.base.protocol import STATE_SAID
 
 PAGE = 500  # jobs a page when --all follows the cursor (the server's most)
 
@@ -304,7 +305,7 @@ def workers_list(url: str) -> None:
     if not rows:
         out("no workers connected")
     for w in rows:
-        out(f"{w['id']}  {w['state']:<9} load={w['active']}/{w['concurrency']}"
+        out(f"{w['id']}  {STATE_SAID.get(w['state'], w['state']):<11} load={w['active']}/{w['concurrency']}"
              f"{_prefetched(w)}"
              f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"
              f"  specs ok={','.join(w['specs_matching']) or '-'}"
