@@ -211,9 +211,18 @@ def examples(ids: list[str], one: str) -> str:
 
 
 def _retry_one(job_id: str, url: str) -> None:
-    job = api(url, "retry", job_id)
-    out(f"{job_id} is {job['state']} again, with a fresh budget of {job['max_attempts']}"
-        f" attempt(s) ({job['attempt']} so far in all)")
+    out(retried(job_id, api(url, "retry", job_id)))
+
+
+def retried(job_id: str, job: dict[str, Any]) -> str:
+    """What a retry did. The answer is the row read after it: a free worker may have taken
+    the job (and failed it) by then, which is said as such, not as what the retry did."""
+    budget = (f"a fresh budget of {job['max_attempts']} attempt(s) ({job['attempt']} so far"
+              " in all)")
+    if job["state"] == "available":
+        return f"{job_id} is available again, with {budget}"
+    return (f"{job_id} was put back with {budget}; a worker took it at once: it is"
+            f" {job['state']} now")
 
 
 def _cancel_one(job_id: str, url: str) -> None:

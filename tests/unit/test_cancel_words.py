@@ -1,4 +1,5 @@
-"""How a cancelled run is said: the client's JobError and the worker's DEBUG line (issue 22)."""
+"""How a cancelled run and a retry are said: the client's JobError, the worker's DEBUG line
+and rota jobs retry (issue 22)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from rota.base import protocol as p
 from rota.base.errors import JobError
+from rota.cli.ops import retried
 from rota.worker.execution import _log_end
 
 
@@ -33,3 +35,14 @@ def test_the_workers_line_for_a_cancelled_run_says_cancelled(caplog, error: str,
     with caplog.at_level(logging.DEBUG, logger="rota.worker"):
         _log_end(copy, result, 0.01, "cancelled" if error == "cancelled" else None)
     assert "job ended job=j1 spec=s queue=q attempt=1 " + said in caplog.text
+
+
+def test_a_retry_says_what_it_did_even_when_a_worker_took_the_job_at_once():
+    """Two retries of a failing job once read "retryable again", then "available again":
+    the first answer was read after a worker had taken the job and failed it."""
+    job = {"state": "available", "max_attempts": 3, "attempt": 4}
+    assert retried("boom", job) == \
+        "boom is available again, with a fresh budget of 3 attempt(s) (4 so far in all)"
+    assert retried("boom", job | {"state": "retryable"}) == (
+        "boom was put back with a fresh budget of 3 attempt(s) (4 so far in all); a worker"
+        " took it at once: it is retryable now")
