@@ -130,8 +130,8 @@ class DatabaseLinked(RotaError):
 class ApiError(RotaError):
     """The server refused a request, or could not be reached. ``status`` is the HTTP
     status (None when no answer came), ``code`` the server's error code or one of the
-    client's own: ``unreachable``, ``no_answer``, ``https_expected``, ``not_the_api``,
-    ``client_closed``, ``client_error``."""
+    client's own: ``unreachable``, ``no_answer``, ``https_expected``, ``http_expected``,
+    ``not_the_api``, ``client_closed``, ``client_error``."""
 
     def __init__(self, status: int | None, code: str, message: str) -> None:
         super().__init__(code, message)
@@ -153,6 +153,9 @@ class JobError(RotaError):
         self.error_type: str | None = error.get("type") if error else None
         self.error_message: str | None = error.get("message") if error else None
         why = f": {self.error_type}: {self.error_message}" if error else ""
+        if state == "cancelled" and self.error_type == "cancelled":  # the cancel's own stop
+            how = (self.error_message or "").removesuffix(": cancelled")
+            why = f" ({how})" if how else ""
         super().__init__(f"job_{state}", f"job {job_id} was {state}{why}")
 
 

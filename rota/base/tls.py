@@ -1,5 +1,6 @@
 """Whether a server speaks TLS: asked after a plain (http://, ws://) request was hung up
-on, so that the error can say "is it https?" rather than that no answer came."""
+on, so that the error can say "is it https?" rather than that no answer came; and the
+mirror, whether a TLS handshake failed because the server answered in plain text."""
 
 from __future__ import annotations
 
@@ -28,3 +29,28 @@ def speaks_tls(url: str, timeout: float = 1.0) -> bool:
                 return True
     except (OSError, ValueError):
         return False
+
+
+# OpenSSL's reasons for a handshake answered by a plain-text server ("HTTP/1.1 400 ...").
+PLAIN_REASONS = frozenset({"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG",
+                           "RECORD_LAYER_FAILURE", "UNKNOWN_PROTOCOL"})
+
+
+def plain_answer(url: str, exc: BaseException | None) -> bool:
+    """Whether a failed https:// (wss://) request met a server that speaks no TLS: its
+    handshake got plain text back, and so wanted http:// (ws://). ``exc`` is looked
+    through its causes, as a library (httpx, websockets) wraps the ssl error."""
+    if urllib.parse.urlsplit(url).scheme not in ("https", "wss"):
+        return False
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ssl.SSLError) and not isinstance(exc, ssl.SSLCertVerificationError):
+            return exc.reason in PLAIN_REASONS
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def plain_url(url: str) -> str:
+    """The http:// (ws://) URL of an https:// (wss://) one."""
+    return url[:url.index("s://")] + url[url.index("s://") + 1:]

@@ -20,6 +20,7 @@ from rota.client.client import ApiError, Client
 from rota.core.charts import start_index
 from rota.core.display import duration
 from rota.base.logs import printable
+from rota.base.protocol import STATE_SAID
 from rota.client.stream import EventStream
 
 # -- watch -----------------------------------------------------------------------------------
@@ -79,7 +80,7 @@ def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[
         for q in view["queues"]], width, first=True) or ["(no queues yet)"]
     lines.append("")
     lines += table(("WORKER", "STATE", "LOAD", "BEAT", "HOST"), [
-        (w["id"], w["state"], f"{w['active']}/{w['concurrency']}"
+        (w["id"], STATE_SAID.get(w["state"], w["state"]), f"{w['active']}/{w['concurrency']}"
          + (f"+{w['prefetched']}" if w["prefetched"] else ""),
          duration(w["last_heartbeat_age"]), w["hostname"]) for w in view["workers"]],
         width) or ["(no workers connected)"]

@@ -19,6 +19,7 @@ from rota.client.client import ApiError, Client
 from rota.core.display import duration
 from rota.core.model import waiting_and_later
 from rota.base.logs import printable
+from rota.base.protocol import STATE_SAID
 
 PAGE = 500  # jobs a page when --all follows the cursor (the server's most)
 
@@ -159,22 +160,69 @@ def _bulk_command(action: str, single: Callable[[str, str], None], summary: str
 
 def _report(reply: dict[str, Any], done: str, verb: str) -> None:
     dry = reply["dry_run"]
+    groups = skip_groups(reply["skipped"], reply["action"])
+    if not reply["touched"] and groups:  # a state it cannot act on: no run to report
+        n = reply["matched"]
+        who = "the 1 job matched was" if n == 1 else f"all {n} jobs matched were"
+        more = " (and more past --limit)" if reply["truncated"] else ""
+        why = "; ".join((f"{len(ids)} " if len(groups) > 1 else "") + said + examples(ids, ": ")
+                        for said, ids in groups)
+        fail(f"nothing {'would be ' if dry else ''}{done}: {who} skipped{more}, as {why}")
     out(f"{reply['matched']} matched; {'would be ' if dry else ''}{done}:"
         f" {reply['touched']}" + ("  (dry run: nothing was changed)" if dry else ""))
     for job_id in reply["ids"]:
         out(f"{'would ' + verb if dry else done} {job_id}")
     if reply["touched"] > len(reply["ids"]):
         out(f"... and {reply['touched'] - len(reply['ids'])} more")
-    for skipped in reply["skipped"]:
-        out(f"skipped {skipped['id']}: {skipped['reason']}")
+    for said, ids in groups:
+        out(f"skipped {ids[0]}: {said}" if len(ids) == 1
+            else f"skipped {len(ids)}: {said}{examples(ids, '')}")
     if reply["truncated"]:
         out(f"more jobs match than --limit: run it again to {verb} the rest", err=True)
 
 
+# Why a bulk action passes over a job in a state, beside the server's "job is <state>".
+SKIP_WHY = {("cancel", state): "a finished job cannot be cancelled"
+            for state in ("completed", "discarded", "cancelled")} | {
+    ("retry", state): "only a discarded or cancelled job is retried"
+    for state in ("scheduled", "available", "retryable", "active", "completed")}
+EXAMPLES = 3  # ids shown for a reason that many jobs share
+
+
+def skip_groups(skipped: list[dict[str, str]], action: str) -> list[tuple[str, list[str]]]:
+    """A bulk answer's skipped jobs by reason, most first: (the reason, with why the
+    action passes over that state, and their ids); the answer lists the first 100."""
+    by_reason: dict[str, list[str]] = {}
+    for skip in skipped:
+        by_reason.setdefault(skip["reason"], []).append(skip["id"])
+    groups = []
+    for reason, ids in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+        why = SKIP_WHY.get((action, reason.removeprefix("job is ")))
+        groups.append((f"{reason} ({why})" if why and reason.startswith("job is ") else reason,
+                       ids))
+    return groups
+
+
+def examples(ids: list[str], one: str) -> str:
+    """A few of many ids (", e.g. a, b, c, ..."), or the one after ``one``."""
+    if len(ids) == 1:
+        return one + ids[0] if one else ""
+    return ", e.g. " + ", ".join(ids[:EXAMPLES]) + (", ..." if len(ids) > EXAMPLES else "")
+
+
 def _retry_one(job_id: str, url: str) -> None:
-    job = api(url, "retry", job_id)
-    out(f"{job_id} is {job['state']} again, with a fresh budget of {job['max_attempts']}"
-        f" attempt(s) ({job['attempt']} so far in all)")
+    out(retried(job_id, api(url, "retry", job_id)))
+
+
+def retried(job_id: str, job: dict[str, Any]) -> str:
+    """What a retry did. The answer is the row read after it: a free worker may have taken
+    the job (and failed it) by then, which is said as such, not as what the retry did."""
+    budget = (f"a fresh budget of {job['max_attempts']} attempt(s) ({job['attempt']} so far"
+              " in all)")
+    if job["state"] == "available":
+        return f"{job_id} is available again, with {budget}"
+    return (f"{job_id} was put back with {budget}; a worker took it at once: it is"
+            f" {job['state']} now")
 
 
 def _cancel_one(job_id: str, url: str) -> None:
@@ -266,7 +314,7 @@ def workers_list(url: str) -> None:
     if not rows:
         out("no workers connected")
     for w in rows:
-        out(f"{w['id']}  {w['state']:<9} load={w['active']}/{w['concurrency']}"
+        out(f"{w['id']}  {STATE_SAID.get(w['state'], w['state']):<11} load={w['active']}/{w['concurrency']}"
              f"{_prefetched(w)}"
              f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"
              f"  specs ok={','.join(w['specs_matching']) or '-'}"

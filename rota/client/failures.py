@@ -9,7 +9,7 @@ from typing import Any
 
 from rota.base.errors import ApiError
 from rota.base.ids import dashboard_base
-from rota.base.tls import speaks_tls
+from rota.base.tls import plain_answer, plain_url, speaks_tls
 
 READS = frozenset({"GET", "HEAD"})
 
@@ -21,12 +21,16 @@ def transport_error(url: str, exc: BaseException, *, connected: bool, method: st
     carried the request out and only its answer was lost ("no_answer"): an enqueue may be
     stored, and repeating it with the same job id is the safe way to find out. A read
     changes nothing, and is simply asked again. An http:// URL whose server hung up
-    without a word may be a TLS server's (``probe``: ask it for a TLS handshake)."""
+    without a word may be a TLS server's (``probe``: ask it for a TLS handshake); an
+    https:// URL whose handshake got plain text back is a plain server's."""
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, ssl.SSLCertVerificationError):
         return ApiError(None, "untrusted_certificate", f"Rota at {url} has a certificate this"
                         f" client does not trust ({exc.verify_message}): for a private CA or a"
                         " self-signed certificate, set SSL_CERT_FILE to its PEM file")
+    if plain_answer(url, exc):
+        return ApiError(None, "http_expected", f"Rota at {url} does not speak TLS: is it"
+                        f" http://? (use {plain_url(url)})")
     if not connected:
         return ApiError(None, "unreachable", f"cannot reach Rota at {url}: {detail}; is the"
                         f" server running? {URL_HINT}")

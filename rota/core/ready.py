@@ -303,9 +303,12 @@ def why_waiting(workers: Iterable[WorkerSlot], paused: Collection[str],
                     f" implements spec {spec!r}")
     running = [w for w in capable if w.state == "running"]
     if not running:
-        return Wait("workers_stopped", f"all {len(capable)} capable worker(s) are quiet or"
-                    " terminating: none takes jobs")
+        said = "the 1 capable worker is" if len(capable) == 1 else \
+            f"all {len(capable)} capable workers are"
+        return Wait("workers_stopped", f"{said} quiet or terminating: none takes jobs")
     if not any(w.free() > 0 for w in running):
         unread = " or not reading what they are sent" if any(w.blocked for w in running) else ""
-        return Wait(BUSY, f"all {len(running)} running capable worker(s) are full{unread}")
+        said = "the 1 running capable worker is" if len(running) == 1 else \
+            f"all {len(running)} running capable workers are"
+        return Wait(BUSY, f"{said} full{unread}")
     return None

@@ -111,8 +111,11 @@ def may_retry(job_id: str, row: Row | None, *, live: bool) -> DomainError | None
     if row is None:
         return NotFound("not_found", f"no job {job_id}")
     if row["state"] not in ("discarded", "cancelled") or live:
-        return Conflict("not_retryable", f"job {job_id} is {row['state']}; only discarded or"
-                        " cancelled jobs can be retried")
+        # A second retry of one job finds it waiting: said so, not as a bare state
+        waiting = " already, waiting to run" if row["state"] in (
+            "available", "scheduled", "retryable") else ""
+        return Conflict("not_retryable", f"job {job_id} is {row['state']}{waiting}; only"
+                        " discarded or cancelled jobs can be retried")
     return None
 
 

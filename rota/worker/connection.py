@@ -33,7 +33,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.frames import CloseCode
 
 from rota.base import protocol as p
-from rota.base.tls import speaks_tls
+from rota.base.tls import plain_answer, plain_url, speaks_tls
 from rota.worker.context import STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.worker.execution import Handler, Runner
 from rota.worker.link import FRAME_BUDGET, Link, Servers, ids_size
@@ -239,6 +239,8 @@ class ConnectionThread:
                 if isinstance(exc, websockets.InvalidMessage) and await asyncio.to_thread(
                         speaks_tls, url):  # hung up on: a TLS server's plain port
                     why += "; is it wss://? It answers only TLS: give its https:// URL"
+                elif plain_answer(url, exc):  # its handshake got plain text back
+                    why += f"; is it ws://? It does not speak TLS: give {plain_url(url)}"
             self.link.lost()
             self._post(worker.connected.clear)
             if worker.stopping and not worker.runner.running and not self._starting:

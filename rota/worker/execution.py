@@ -460,16 +460,14 @@ class ResultTooDeep(RotaError):
 def _log_end(copy: p.JobCopy, result: p.Result | None, took: float, reason: str | None) -> None:
     """One DEBUG line for every run, however it ended, with its duration (a failure has
     its INFO line too, with the error's message)."""
-    ms = round(took * 1000)
     if result is not None and result.error is None:
-        log.debug("job ended job=%s spec=%s queue=%s attempt=%d outcome=%s duration_ms=%d",
-                  copy.id, copy.spec, copy.queue, copy.attempt, result.outcome, ms)
-        return
-    # (no result: its reservation was lost, or the worker is going down unreported)
-    outcome, error = ("failed", result.error.type) if result is not None and result.error \
-        else ("unreported", reason or "worker_stopping")
-    log.debug("job ended job=%s spec=%s queue=%s attempt=%d outcome=%s error=%s duration_ms=%d",
-              copy.id, copy.spec, copy.queue, copy.attempt, outcome, error, ms)
+        said = f"outcome={result.outcome}"
+    else:  # (no result: its reservation was lost, or the worker is going down unreported)
+        outcome, error = ("failed", result.error.type) if result is not None and \
+            result.error else ("unreported", reason or "worker_stopping")
+        said = "outcome=cancelled" if error == "cancelled" else f"outcome={outcome} error={error}"
+    log.debug("job ended job=%s spec=%s queue=%s attempt=%d %s duration_ms=%d",
+              copy.id, copy.spec, copy.queue, copy.attempt, said, round(took * 1000))
 
 
 def released(copy: p.JobCopy, why: str) -> p.Result:

@@ -236,9 +236,10 @@ class Worker:
     def connect(self) -> websockets.connect:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         # close_timeout: leaving never waits long on a server that does not answer a close
+        # ssl=None would be refused for a wss:// URL: left out, it is the system's trust
+        tls = {} if self.ssl is None else {"ssl": self.ssl}
         return websockets.connect(self.server_url, max_size=None, compression=None, ping_interval=None,
-                                  close_timeout=2.0,
-                                  additional_headers=headers, ssl=self.ssl)
+                                  close_timeout=2.0, additional_headers=headers, **tls)
 
     def registration(self) -> p.Registration:
         return p.Registration(

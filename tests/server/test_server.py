@@ -274,7 +274,7 @@ async def test_queues_endpoint_explains_waiting_work(live: Live, connect, tmp_pa
     assert queues["default"]["workers"] == 1
     # A backlog behind a busy worker: said, but no incident (issue 22).
     busy = queues["default"]["waiting"][0]
-    assert "1 running capable worker(s) are full" in busy["reason"] and busy["blocked"] is False
+    assert "the 1 running capable worker is full" in busy["reason"] and busy["blocked"] is False
     assert queues["default"]["counts"]["available"] == 1
     blocked = (await live.http.get("/ui")).text.split("<h2>Blocked</h2>")[1]
     assert "no connected worker serves queue" in blocked and "are full" not in blocked

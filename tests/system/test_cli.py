@@ -247,6 +247,9 @@ async def test_jobs_cancel_and_retry(live: Live, tmp_path: Path):
     assert code == 1 and "is cancelled" in err
     code, out, _ = await rota("jobs", "retry", "c1", "--url", live.base)
     assert code == 0 and "c1 is available again" in out
+    code, _, err = await rota("jobs", "retry", "c1", "--url", live.base)  # twice (issue 22)
+    assert (code, err) == (1, "error: job c1 is available already, waiting to run; only"
+                              " discarded or cancelled jobs can be retried (not_retryable)\n")
     assert (await live.job("c1"))["state"] == "available"
 
 

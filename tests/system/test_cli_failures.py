@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import free_port
+from helpers import free_port, wait_until
 from pgserver import Cluster
 from helpers import rota
 from helpers import make_token
 
 from rota.client.client import ApiError, Client
 from rota.client.producer import AsyncClient
+from rota import Worker
 
 
 def one_line(code: int, err: str, what: str) -> str:
@@ -86,7 +87,7 @@ async def test_a_failed_command_says_why_in_one_line(live: Live, tmp_path: Path)
     assert not wrong, "\n".join(wrong)
 
 
-async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
+async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path, caplog):
     live = await start_server(tmp_path)
     try:
         admin = await make_token(live, "admin")  # auth is on from here
@@ -142,6 +143,23 @@ async def test_wrong_urls_and_tokens_say_what_to_set(tmp_path: Path):
         line = one_line(code, _errors_only(err), "a worker with a wrong token")
         assert "(401 unauthorized: the token given is not valid here: revoked, mistyped, or" \
             " made by a server on another database): check ROTA_TOKEN (or --token)" in line, line
+        tls = "https" + live.base[len("http"):]  # https:// for this plain server (issue 22)
+        for command in (["queues"], ["enqueue", "echo"], ["tail"]):
+            code, _, err = await rota(*command, "--url", tls)
+            assert one_line(code, err, f"{command} over TLS") == (
+                f"error: Rota at {tls} does not speak TLS: is it http://? (use {live.base})"
+                " (http_expected)"), command
+        async with AsyncClient(tls) as client:
+            with pytest.raises(ApiError) as plain:
+                await client.job("x")
+        assert plain.value.code == "http_expected", plain.value
+        lost = Worker(url="wss" + live.ws[len("ws"):], specs_dir=tmp_path, heartbeat_interval=0.1)
+        lost.handler("echo")(lambda ctx: None)
+        task = asyncio.create_task(lost.run())
+        await wait_until(lambda: f"is it ws://? It does not speak TLS: give {live.ws}"
+                         in caplog.text, what="the worker's hint")
+        lost.stop()
+        await asyncio.wait_for(task, 10)
         await asyncio.to_thread(_library_words, live.base, unknown)
         async with AsyncClient(live.base, token=unknown) as client:
             with pytest.raises(ApiError) as refused:
@@ -183,6 +201,9 @@ def _library_words(base: str, wrong: str) -> None:
         client.specs()
     assert down.value.code == "unreachable" and "--url" not in down.value.message
     assert down.value.message.endswith("is the server running? (is the url given its address?)")
+    with Client("https" + base[len("http"):]) as client, pytest.raises(ApiError) as plain:
+        client.specs()
+    assert plain.value.code == "http_expected" and plain.value.message.endswith(f"(use {base})")
     for url in (base + "/ui", [base + "/ui/jobs"]):  # every request, a write too
         with pytest.raises(ApiError) as page:
             Client(url).enqueue("echo", {})

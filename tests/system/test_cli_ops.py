@@ -109,9 +109,10 @@ async def test_bulk_retry_and_cancel_by_filter_and_by_ids(live: Live, connect, t
 
     for n in range(3):
         await live.enqueue("resize", id=f"img-{n}")
-    code, out, _ = await rota("jobs", "cancel", "img-0", "img-1", "missing", "--url", live.base)
+    code, out, _ = await rota("jobs", "cancel", "img-0", "img-1", "missing", "gone",
+                              "--url", live.base)
     assert code == 0 and "cancelled img-0" in out and "cancelled img-1" in out
-    assert "skipped missing" in out
+    assert "skipped 2: no such job, e.g. missing, gone" in out.splitlines()  # grouped (issue 22)
     code, out, _ = await rota("jobs", "cancel", "--queue", "media", "--json", "--url", live.base)
     reply = json.loads(out)
     assert (reply["action"], reply["touched"], reply["ids"]) == ("cancel", 1, ["img-2"])
@@ -119,6 +120,22 @@ async def test_bulk_retry_and_cancel_by_filter_and_by_ids(live: Live, connect, t
     code, out, _ = await rota("jobs", "retry", "--state", "cancelled", "--limit", "1",
                               "--url", live.base)
     assert code == 0 and "retried: 1" in out and reply["truncated"] is False
+    # A state the action cannot take: no run of "skipped" lines, one line and exit 1.
+    code, out, err = await rota("jobs", "cancel", "--state", "cancelled", "--yes",
+                                "--url", live.base)
+    assert (code, out) == (1, "") and _one(err).startswith(
+        "error: nothing cancelled: all 2 jobs matched were skipped, as job is cancelled (a"
+        " finished job cannot be cancelled), e.g. img-"), err
+    code, out, err = await rota("jobs", "retry", "--state", "available", "--spec", "resize",
+                                "--yes", "--url", live.base)
+    assert (code, out) == (1, "") and _one(err).startswith(
+        "error: nothing retried: the 1 job matched was skipped, as job is available (only a"
+        " discarded or cancelled job is retried): img-"), err
+
+
+def _one(err: str) -> str:
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err.rstrip("\n")
 
 
 @QUIET_WORKERS

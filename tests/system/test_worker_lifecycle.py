@@ -141,6 +141,8 @@ async def test_directive_errors(live: Live, connect, tmp_path: Path):
     assert back.status_code == 409 and back.json()["error"]["code"] == "invalid_transition"
     await raw.beat(status={"state": "running", "active_job_ids": []})
     assert (await raw.expect("ack"))["state"] == "terminate"  # said until the worker gets there
+    code, out, _ = await rota("workers", "list", "--url", live.base)  # said as a state
+    assert code == 0 and out.startswith("raw  terminating load="), out
 
 
 async def test_cli_quiets_by_label_and_terminates_all(live: Live, sdk_worker, tmp_path: Path):

@@ -223,7 +223,7 @@ def test_quiet_a_worker_and_it_gets_no_more_jobs(page: Page, rig: Rig):
 
     job_id = rig.enqueue("echo")
     page.goto(rig.base + f"/ui/jobs/{job_id}")
-    expect(page.get_by_text("all 1 capable worker(s) are quiet or terminating")).to_be_visible()
+    expect(page.get_by_text("the 1 capable worker is quiet or terminating")).to_be_visible()
     second = rig.worker({"echo": echo})
     expect(page.locator("#job-state")).to_have_text("completed", timeout=WAIT)
     assert rig.job(job_id)["worker_id"] == second.worker_id  # the quiet one took nothing

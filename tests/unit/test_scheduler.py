@@ -433,7 +433,12 @@ def test_waiting_reason_no_worker_for_queue_even_if_others_connected(sched: Sche
 def test_waiting_reason_capable_but_not_running(sched: Scheduler) -> None:
     sched.add_worker(make_worker("w1", state="quiet"))
     wait = sched.wait("default", "a")
-    assert wait is not None and "quiet or terminating" in wait.reason and wait.blocked
+    assert wait is not None and wait.blocked and wait.reason == (
+        "the 1 capable worker is quiet or terminating: none takes jobs")  # (not "worker(s)")
+    sched.add_worker(make_worker("w2", state="terminate"))
+    assert sched.waiting_reason("default", "a") == (
+        "all 2 capable workers are quiet or terminating: none takes jobs")
+    sched.remove_worker("w2")
     sched.workers["w1"].state = "running"
     assert sched.waiting_reason("default", "a") is None
 
