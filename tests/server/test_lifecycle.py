@@ -241,7 +241,10 @@ async def test_manual_retry_gives_a_discarded_job_a_fresh_budget(
         await fail(worker, copy)
         await live.wait_state(job["id"], "discarded")
         retried = (await live.http.post(f"/jobs/{job['id']}/retry")).json()
-        assert (retried["attempt"], retried["attempts_used"]) == (copy["attempt"], 0)
+        # A fresh budget: nothing used of it, or (the idle worker was quicker than the
+        # answer's read) the one attempt it has just been assigned.
+        assert (retried["attempt"] - copy["attempt"], retried["attempts_used"]) in (
+            (0, 0), (1, 1)), retried
     [copy] = await worker.jobs(1)
     assert copy["attempt"] == 3
     # The attempts the budget counts, and all of them: "1 of 1 (3 in all)", not "3 of 1".
