@@ -3,6 +3,7 @@
     RotaError            code + message, what the other side is told
     ├── DomainError      the core refuses an operation; the API layer picks the HTTP status
     │   ├── NotFound     no such job, spec or worker
+    │   │   └── NoSuchJob    the job named does not exist (a 404 may then hint at its kept id)
     │   ├── Conflict     it exists, but its state does not allow this
     │   ├── Invalid      the request does not make sense (bad option, unknown spec)
     │   ├── Forbidden    the caller's token does not allow it
@@ -53,6 +54,13 @@ class DomainError(RotaError):
 
 class NotFound(DomainError):
     """No such thing."""
+
+
+class NoSuchJob(NotFound):
+    """The job named does not exist (not its spec, not a worker)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__("not_found", f"no job {job_id}")
 
 
 class Conflict(DomainError):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rota.base.errors import Conflict, DomainError, Invalid, NotFound
+from rota.base.errors import Conflict, DomainError, Invalid, NoSuchJob, NotFound
 from rota.core.model import TERMINAL_STATES
 from rota.base.protocol import STATE_SAID, rfc3339
 
@@ -56,7 +56,7 @@ def cancel_unheld(job_id: str, row: Row | None, *, shared: bool, last_look: bool
     """A cancel of a job this server's engine does not hold live, by its row.
     ``owner_declined``: asked already, no other server held it (the row moved on)."""
     if row is None:
-        return Verdict("refuse", error=NotFound("not_found", f"no job {job_id}"))
+        return Verdict("refuse", error=NoSuchJob(job_id))
     state = row["state"]
     if state == "available":  # kept as a key only: its row decides
         return Verdict("cancel_waiting")
@@ -109,7 +109,7 @@ def retry_busy(job_id: str) -> Conflict:
 def may_retry(job_id: str, row: Row | None, *, live: bool) -> DomainError | None:
     """Whether a job may be put back, with a fresh attempt budget (None: yes)."""
     if row is None:
-        return NotFound("not_found", f"no job {job_id}")
+        return NoSuchJob(job_id)
     if row["state"] not in ("discarded", "cancelled") or live:
         # A second retry of one job finds it waiting: said so, not as a bare state
         waiting = " already, waiting to run" if row["state"] in (

@@ -17,7 +17,7 @@ from rota.server.api_base import (JSON, coordinator_of, decode_as, decode_body, 
                            status_of, token_revoked, too_many_waits)
 from rota.core.auth import Scope, kept_hint
 from rota.server.coordinator import Coordinator
-from rota.base.errors import DomainError, Invalid, NotFound
+from rota.base.errors import DomainError, Invalid, NoSuchJob
 from rota.server.gate import principal_of
 from rota.base.ids import TOKEN_NAME_PATTERN
 from rota.core.jobs import BatchRequest, EnqueueRequest
@@ -151,9 +151,7 @@ async def cancel_job(request: Request) -> Response:
         job_id = row["id"]
     try:
         row, done = await coordinator.cancel(job_id)
-    except NotFound as exc:
-        if exc.message != f"no job {job_id}":
-            raise
+    except NoSuchJob:
         return await _no_job(request, job_id)
     return JSON(job_view(row), status_code=200 if done else 202)
 
@@ -163,9 +161,7 @@ async def retry_job(request: Request) -> Response:
     job_id = request.path_params["job_id"]
     try:
         row = await coordinator_of(request).retry(job_id)
-    except NotFound as exc:
-        if exc.message != f"no job {job_id}":  # (its spec's, say)
-            raise
+    except NoSuchJob:
         return await _no_job(request, job_id)
     return JSON(job_view(row))
 

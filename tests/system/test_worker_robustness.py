@@ -223,7 +223,7 @@ worker = Worker(specs_dir="specs", isolation="process")
 @worker.handler("charge")
 def charge(ctx):
     Path("pid").write_text(str(os.getpid()))
-    time.sleep(ctx.args["wait"])
+    time.sleep(ctx.args["wait"])  # noqa: sleep-ok (the work a kill -9 interrupts)
     Path("charged").write_text("charged")
 """
 
