@@ -96,17 +96,14 @@ class Runner:
         if state != "running":
             return 0
         pace = self.pace()
-        line = min(prefetch_line(self.prefetch, self.concurrency, pace, round_trip),
-                   self._keep(pace))
         if pace is None and not self.held and self.run_times:
             # Idle: nothing held says what comes next. A worker that drained its line
             # must not fall back to a round trip per batch of free slots (quick jobs
-            # drain it between two assignments), yet the next jobs may be of a spec
-            # new to it: a line sized for the slowest spec timed here, of at most one
-            # job per slot, which the first jobs held then grow or shrink.
-            idle = max(self.run_times.values())
-            line = min(prefetch_line(self.prefetch, self.concurrency, idle, round_trip),
-                       self._keep(idle))
+            # drain it between two assignments): the slowest spec timed here sizes the
+            # line, which the first jobs held then grow or shrink.
+            pace = max(self.run_times.values())
+        line = min(prefetch_line(self.prefetch, self.concurrency, pace, round_trip),
+                   self._keep(pace))
         return max(0, self.concurrency + line - len(self.running) - len(self.waiting))
 
     def pace(self) -> float | None:
@@ -460,6 +457,8 @@ class ResultTooDeep(RotaError):
 def _log_end(copy: p.JobCopy, result: p.Result | None, took: float, reason: str | None) -> None:
     """One DEBUG line for every run, however it ended, with its duration (a failure has
     its INFO line too, with the error's message)."""
+    if not log.isEnabledFor(logging.DEBUG):  # per job: nothing built for a line not kept
+        return
     if result is not None and result.error is None:
         said = f"outcome={result.outcome}"
     else:  # (no result: its reservation was lost, or the worker is going down unreported)
