@@ -10,7 +10,9 @@ depends on a commit that has not happened: such a frame comes out of ``committed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from rota.core.limits import Rate
 from rota.core.model import Change, JobRecord, StatusNote
 from rota.base.protocol import Registration
 from rota.core.ready import Claim
@@ -25,6 +27,19 @@ class Save:
     crash_point: str | None = None  # test switch: the --crash-at name after this commit
 
 
+class Guard(NamedTuple):
+    """A limit a reserved job counts against, for the store to check in the reservation's
+    transaction (PostgreSQL: under an advisory lock per name and key, so that several
+    servers stay within it): ``name`` is ``queue:emails`` or ``spec:send_email``, ``key``
+    the job's concurrency key for a per-key limit (None: the scope's own), then the
+    running jobs allowed and the rate of starts allowed (None: not limited that way)."""
+
+    name: str
+    key: str | None
+    concurrency: int | None
+    rate: Rate | None
+
+
 @dataclass(slots=True)
 class Reserve:
     """Commit these reservations; the assigns that depend on them follow the ticket. A
@@ -37,6 +52,10 @@ class Reserve:
     claims: list[Claim] = field(default_factory=list)
     lease: float = 1800.0  # seconds, for a claimed job whose row sets no visibility_timeout
     min_lease: float = 0.0  # and the shortest, whatever the row sets (Scheduler.lease_for)
+    # The limits each job or claim counts against: job id (whole jobs) or claim seq
+    # (claims) -> its guards; absent: none. The store refuses those that would exceed one
+    # (``Reserved.refused``) and records a start for each guard with a rate.
+    guards: dict[str | int, tuple[Guard, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -47,6 +66,9 @@ class Reserved:
 
     read: list[JobRecord | None] = field(default_factory=list)
     lost: frozenset[str] = frozenset()
+    # Jobs the store's guard turned away (a limit held by another server's reservations):
+    # their rows stay available; job ids (whole jobs) and claim seqs (claims).
+    refused: frozenset[str | int] = frozenset()
 
 
 @dataclass(slots=True)

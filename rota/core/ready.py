@@ -95,6 +95,8 @@ class Claim:
     priority: int
     worker: WorkerSlot
     checksum: str
+    concurrency_key: str | None = None
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
