@@ -57,6 +57,12 @@ class Reserve:
     # (``Reserved.refused``) and records a start for each guard with a rate.
     guards: dict[str | int, tuple[Guard, ...]] = field(default_factory=dict)
 
+    def starts(self, refused: frozenset[str | int] = frozenset()) -> list[tuple[str, str | None]]:
+        """The rate starts this reservation makes, at ``wall``, one per guard with a rate
+        of each job not refused: (limit name, key), for the store to record."""
+        return [(guard.name, guard.key) for ident, guards in self.guards.items()
+                if ident not in refused for guard in guards if guard.rate is not None]
+
 
 @dataclass(slots=True)
 class Reserved:
@@ -82,6 +88,8 @@ class Withdraw:
     spec: str
     priority: int
     wall: float
+    concurrency_key: str | None = None  # which bucket its key waits in (rota/core/ready.py)
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

@@ -23,8 +23,10 @@ from __future__ import annotations
 import collections
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+import msgspec
 
 from rota.base import protocol as p
 from rota.core.attempts import MAX_LOG_LINES, end_attempt
@@ -32,6 +34,7 @@ from rota.core.effects import Arm, Effect, Finished, Reserved, Save, Wake
 from rota.base.errors import RotaError, failure_level
 from rota.core.heartbeats import MAY_RECONNECT, Heartbeats
 from rota.core.intake import Intake
+from rota.core.limits import LimitRule, LimitUse, Scope, limit_name
 from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
@@ -80,19 +83,21 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
 
     # -- start -------------------------------------------------------------------------
     def load(self, specs: dict[str, JobSpec], checksums: dict[str, str], jobs: list[JobRecord],
-             now: Instant, waiting: dict[tuple[str, str], list[int]] | None = None,
+             now: Instant, waiting: Mapping[tuple[Any, ...], list[int]] | None = None,
              last_seq: int = 0, retired: dict[str, float] | None = None,
              paused: Iterable[str] = ()) -> list[Effect]:
         """Take in what the store holds: whole jobs, and the keys of plain available ones
-        by (queue, spec) (rota/core/ready.py). Active jobs wait heartbeat_timeout for their
-        workers to reconnect and reclaim them."""
+        by (queue, spec), or by (queue, spec, concurrency key, labels) (rota/core/ready.py).
+        Active jobs wait heartbeat_timeout for their workers to reconnect and reclaim
+        them (and count against the limits meanwhile)."""
         self.specs = dict(specs)
         self.retired = dict(retired or {})
         self.scheduler.paused = set(paused)
         self.scheduler.status_quo = dict(checksums)
         self.scheduler.last_seq = max(self.scheduler.last_seq, last_seq)
-        for (queue, spec), keys in (waiting or {}).items():
-            self.scheduler.ready.load(queue, spec, keys)
+        for group, keys in (waiting or {}).items():
+            queue, spec, key, labels = (*group, None, ())[:4] if len(group) == 2 else group
+            self.scheduler.ready.load(queue, spec, keys, key, tuple(labels))
         grace = now.mono + self.settings.heartbeat_timeout
         orphans = 0
         for job in jobs:
@@ -106,6 +111,24 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
                         orphans, self.settings.heartbeat_timeout)
         self._last_tick = now.mono
         return [Wake()]
+
+    def set_limits(self, rules: Mapping[Scope, LimitRule], now: Instant,
+                   starts: Mapping[tuple[str, str | None], list[float]] | None = None
+                   ) -> list[Effect]:
+        """The whole table of limits in force (spec files' rules overlaid by runtime
+        ones), at a start and whenever it changes; ``starts``: the rates' recent starts
+        as stored (wall times by limit name and key), read back at a start so that a
+        restart does not reset a window."""
+        self.scheduler.set_limits(rules, now, starts)
+        if rules:
+            log.info("limits in force: %s", ", ".join(
+                f"{limit_name(scope)}={msgspec.json.encode(rule).decode()}"
+                for scope, rule in sorted(rules.items())))
+        return [Wake()]
+
+    def limit_use(self, now: Instant) -> list[LimitUse]:
+        """Every limit in force with its current use (rota/core/flow.py)."""
+        return self.scheduler.limit_use(now.mono)
 
     def pause_queue(self, queue: str, paused: bool, now: Instant) -> list[Effect]:
         """Pause a queue (its jobs stay, none is assigned) or resume it (its jobs go to

@@ -20,6 +20,7 @@ from rota.core.listing import did_you_mean, listed
 from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
+from rota.core.ready import row_labels
 from rota.core.registry import Registry, short
 from rota.core.scheduler import Scheduler
 from rota.core.settings import ServerSettings
@@ -159,15 +160,17 @@ class Intake:
         the row if it is still available: it may be in a reservation written before."""
         if row["id"] in self.scheduler.jobs:  # reserved while its row was read
             return self.cancel(row["id"], now)
-        self.scheduler.ready.withdraw(row["queue"], row["spec"], row["rowid"])
+        key, labels = row.get("concurrency_key"), row_labels(row.get("labels"))
+        self.scheduler.ready.withdraw(row["queue"], row["spec"], row["rowid"], key, labels)
         return "withdrawing", [Withdraw(row["id"], row["rowid"], row["queue"], row["spec"],
-                                        row["priority"], now.wall)]
+                                        row["priority"], now.wall, key, labels)]
 
     def withdrawn(self, withdraw: Withdraw, cancelled: bool) -> list[Effect]:
         """The outcome of a ``Withdraw``: ``cancelled``, or the job was reserved (or had
         finished) first and goes on as it was."""
         self.scheduler.ready.withdrawn(withdraw.queue, withdraw.spec, withdraw.priority,
-                                       withdraw.seq, cancelled)
+                                       withdraw.seq, cancelled, withdraw.concurrency_key,
+                                       withdraw.labels)
         if not cancelled:
             return [Wake()]
         log.info("cancelled job=%s spec=%s queue=%s", withdraw.job_id, withdraw.spec,

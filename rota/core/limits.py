@@ -168,3 +168,161 @@ class Window:
         """Starts within the last ``period``."""
         edge = now - self.rate.period
         return sum(1 for at in self.starts if at > edge)
+
+
+Counter = tuple[str, str, str | None]  # (scope kind, scope name, concurrency key or None)
+Check = tuple[Counter, int | None, Rate | None]  # a counter, its concurrency and its rate
+NEVER = float("inf")  # blocked until a release, not a time
+WINDOWS_PRUNE_AT = 4096  # windows kept before those of idle keys are dropped
+
+
+class LimitUse(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One limit and its current use, for the surfaces: the scope's own (``key`` None) or
+    one concurrency key's within it."""
+
+    name: str  # queue:emails, spec:send_email
+    key: str | None = None
+    concurrency: int | None = None  # the limit of running jobs
+    running: int = 0  # reserved jobs counted against it now
+    rate: str | None = None  # "100/min"
+    starts: int = 0  # starts in the rate's last period
+    next_start: float | None = None  # seconds until a start is allowed (None: now)
+
+
+class Limiter:
+    """The limits in force and their use: reserved jobs per counter, recent starts per
+    rated counter, and what a refused reservation holds off. Pure: the caller says what
+    time it is (monotonic) and which job (by id, or a claim's seq) starts or ends."""
+
+    def __init__(self) -> None:
+        self.rules: dict[Scope, LimitRule] = {}
+        self.use: dict[Counter, int] = {}
+        self.windows: dict[Counter, Window] = {}
+        # job id / claim seq -> (queue, spec, key, the counters it holds)
+        self.held: dict[str | int, tuple[str, str, str | None, tuple[Counter, ...]]] = {}
+        self.off: dict[Counter, float] = {}  # held off until then: a store guard refused
+        self._prune_at = WINDOWS_PRUNE_AT
+        self._now_hint = 0.0  # the latest time a start was taken at (for pruning)
+
+    def scope_checks(self, kind: str, name: str) -> Check | None:
+        rule = self.rules.get((kind, name))
+        if rule is None or (rule.concurrency is None and rule.rate is None):
+            return None
+        return (kind, name, None), rule.concurrency, rule.rate
+
+    def key_checks(self, queue: str, spec: str, key: str | None) -> list[Check]:
+        checks: list[Check] = []
+        if key is None:
+            return checks
+        for kind, name in (("queue", queue), ("spec", spec)):
+            rule = self.rules.get((kind, name))
+            if rule is not None and (rule.key_concurrency is not None
+                                     or rule.key_rate is not None):
+                checks.append(((kind, name, key), rule.key_concurrency, rule.key_rate))
+        return checks
+
+    def checks(self, queue: str, spec: str, key: str | None) -> list[Check]:
+        """Every limit a job of (queue, spec, key) counts against."""
+        scoped = [check for check in (self.scope_checks("queue", queue),
+                                      self.scope_checks("spec", spec)) if check is not None]
+        return scoped + self.key_checks(queue, spec, key)
+
+    def blocked(self, checks: list[Check], now: float) -> tuple[Counter, float] | None:
+        """The first limit that allows no start now, and until when (NEVER: until a
+        release); None if all allow one."""
+        for check in checks:
+            until = self.until(check, now)
+            if until > now:
+                return check[0], until
+        return None
+
+    def until(self, check: Check, now: float) -> float:
+        counter, concurrency, rate = check
+        off = self.off.get(counter)
+        if off is not None:
+            if off > now:
+                return off
+            del self.off[counter]
+        if concurrency is not None and self.use.get(counter, 0) >= concurrency:
+            return NEVER
+        if rate is not None:
+            return self.window(counter, rate).next_start(now)
+        return now
+
+    def window(self, counter: Counter, rate: Rate) -> Window:
+        window = self.windows.get(counter)
+        if window is None or window.rate != rate:
+            if len(self.windows) >= self._prune_at:
+                self._prune()
+            window = self.windows[counter] = Window(rate, window.starts if window else ())
+        return window
+
+    def _prune(self) -> None:
+        """Forget windows with no start left in their period (their keys went quiet): a
+        scan made when their number doubled, so its cost per window stays constant."""
+        last = {counter: window.starts[-1] for counter, window in self.windows.items()
+                if window.starts}
+        for counter, window in list(self.windows.items()):
+            if counter not in last or last[counter] + window.rate.period < self._now_hint:
+                del self.windows[counter]
+        self._prune_at = max(WINDOWS_PRUNE_AT, 2 * len(self.windows))
+
+    def take(self, ident: str | int, queue: str, spec: str, key: str | None, now: float) -> None:
+        """A job of (queue, spec, key) is reserved (started) now: it counts."""
+        checks = self.checks(queue, spec, key)
+        self._now_hint = max(self._now_hint, now)
+        for counter, _, rate in checks:
+            self.use[counter] = self.use.get(counter, 0) + 1
+            if rate is not None:
+                self.window(counter, rate).start(now)
+        self.held[ident] = (queue, spec, key, tuple(check[0] for check in checks))
+
+    def hold(self, ident: str | int, queue: str, spec: str, key: str | None) -> None:
+        """A job reserved already (loaded active at a restart, or when limits are set)
+        counts against the limits, with no start."""
+        counters = tuple(check[0] for check in self.checks(queue, spec, key))
+        for counter in counters:
+            self.use[counter] = self.use.get(counter, 0) + 1
+        self.held[ident] = (queue, spec, key, counters)
+
+    def moved(self, seq: int, job_id: str) -> None:
+        """A claim's row was read: its job holds what the claim held."""
+        held = self.held.pop(seq, None)
+        if held is not None:
+            self.held[job_id] = held
+
+    def release(self, ident: str | int) -> tuple[Counter, ...]:
+        """The job left ``active`` (or its reservation failed): the counters it held,
+        each one freer now (and no longer held off)."""
+        held = self.held.pop(ident, None)
+        if held is None:
+            return ()
+        counters = held[3]
+        for counter in counters:
+            left = self.use[counter] - 1
+            if left:
+                self.use[counter] = left
+            else:
+                del self.use[counter]
+            self.off.pop(counter, None)
+        return counters
+
+    def reset(self, rules: dict[Scope, LimitRule]) -> None:
+        """New rules: every held job counts again under them."""
+        self.rules = dict(rules)
+        self.off.clear()
+        held, self.held, self.use = self.held, {}, {}
+        for ident, (queue, spec, key, _) in held.items():
+            self.hold(ident, queue, spec, key)
+
+    def load_starts(self, starts: dict[tuple[str, str | None], list[float]]) -> None:
+        """Recent starts read back from the store (monotonic times), by limit name and key."""
+        for (name, key), times in starts.items():
+            kind, _, scope = name.partition(":")
+            rule = self.rules.get((kind, scope))
+            rate = None if rule is None else (rule.rate if key is None else rule.key_rate)
+            if rate is None:
+                continue
+            counter = (kind, scope, key)
+            old = self.windows.get(counter)
+            self.windows[counter] = Window(rate, [*(old.starts if old else ()), *times])

@@ -12,6 +12,12 @@ committed, a priority beyond the key's range) are kept whole: a ``JobRecord`` in
 scheduler's ``jobs`` and a ``(-priority, seq, id)`` entry in a second heap of the same
 bucket. Entries of either heap are dropped lazily, when they reach the top.
 
+Jobs with a concurrency key or required labels wait in buckets of their own, one per
+(queue, spec, key, labels), grouped per (queue, spec) in ``Lanes``: a rotation of the
+buckets that may have jobs ready (the plain bucket, the jobs with neither, is one of
+them), so that keys take turns (rota/core/flow.py decides; a bucket at its limit leaves
+the rotation until a release or a timer brings it back).
+
 Producers name queues, so buckets are not kept for ever: when their number doubles,
 those that hold no job any more are forgotten (``_sweep``), and a queue that gets jobs
 again gets a new one.
@@ -24,6 +30,8 @@ workers say of jobs that wait.
 from __future__ import annotations
 
 import heapq
+import json
+from collections import deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -39,6 +47,23 @@ FullEntry = tuple[int, int, str]  # (-priority, seq, job id)
 # or the job is cancelled and its key still in the heap.
 PENDING, PENDING_POPPED, PENDING_CLAIMED, DEAD = 0, 1, 2, 3
 SWEEP_AT = 1024  # buckets made before the first look for empty ones
+
+
+SubId = tuple[str | None, tuple[str, ...]]  # (concurrency key, labels) within a (queue, spec)
+PLAIN: SubId = (None, ())
+
+
+def row_labels(value: object) -> tuple[str, ...]:
+    """A job's labels as a row may hold them (a JSON list as text, a list, or nothing):
+    sorted, without duplicates, as ``JobRecord.labels`` keeps them."""
+    if not value:
+        return ()
+    if isinstance(value, (bytes, str)):
+        text = value.decode() if isinstance(value, bytes) else value
+        items = json.loads(text) if text.lstrip().startswith("[") else text.split(",")
+    else:
+        items = list(value)  # type: ignore[call-overload]
+    return tuple(sorted({str(item).strip() for item in items if str(item).strip()}))
 
 
 def key_of(priority: int, seq: int) -> int:
@@ -109,10 +134,42 @@ class Bucket:
     compact_at: int = 64  # rebuild ``full`` when it grows to this (stale entries pile up)
 
 
+@dataclass(slots=True)
+class Lanes:
+    """The keyed and labelled buckets of one (queue, spec), and the order they take turns
+    in: ``turn`` holds those that may have a job ready and are not parked (PLAIN, the
+    plain bucket, stays in it for good); a bucket found empty leaves it, a push brings it
+    back."""
+
+    subs: dict[SubId, Bucket] = field(default_factory=dict)
+    turn: deque[SubId] = field(default_factory=lambda: deque([PLAIN]))
+    queued: set[SubId] = field(default_factory=lambda: {PLAIN})  # those in ``turn``
+    parked: set[SubId] = field(default_factory=set)  # out of turn until flow brings them back
+
+    def enter(self, sub: SubId) -> None:
+        if sub not in self.queued and sub not in self.parked:
+            self.queued.add(sub)
+            self.turn.append(sub)
+
+    def leave(self, park: bool) -> SubId:
+        """Take the front of the rotation out of it (``park``: until flow unparks it)."""
+        sub = self.turn.popleft()
+        self.queued.discard(sub)
+        if park:
+            self.parked.add(sub)
+        return sub
+
+    def unpark(self, sub: SubId) -> None:
+        if sub in self.parked:
+            self.parked.discard(sub)
+            self.enter(sub)
+
+
 class Ready:
     def __init__(self, jobs: dict[str, JobRecord]) -> None:
         self.jobs = jobs  # the scheduler's whole jobs, to judge ``full`` entries by
         self.buckets: dict[str, dict[str, Bucket]] = {}  # queue -> spec -> bucket
+        self.lanes: dict[str, dict[str, Lanes]] = {}  # queue -> spec -> keyed/labelled buckets
         self.keys = 0  # compact jobs waiting, over every bucket
         # seq -> PENDING... / DEAD: keys of cancelled (or being cancelled) compact jobs,
         # skipped when they reach the top of their heap.
@@ -121,7 +178,10 @@ class Ready:
         self._made = 0  # buckets, over every queue
         self._sweep_at = SWEEP_AT
 
-    def bucket(self, queue: str, spec: str) -> Bucket:
+    def bucket(self, queue: str, spec: str, key: str | None = None,
+               labels: tuple[str, ...] = ()) -> Bucket:
+        if key is not None or labels:
+            return self.sub_bucket(queue, spec, (key, labels))
         by_spec = self.buckets.get(queue)
         bucket = None if by_spec is None else by_spec.get(spec)
         if bucket is None:
@@ -131,6 +191,26 @@ class Ready:
             bucket = by_spec[spec] = Bucket()
             self._made += 1
         return bucket
+
+    def sub_bucket(self, queue: str, spec: str, sub: SubId) -> Bucket:
+        """The bucket of a concurrency key and labels, in the rotation from now on."""
+        lanes = self.lanes_of(queue, spec)
+        bucket = lanes.subs.get(sub)
+        if bucket is None:
+            if self._made >= self._sweep_at:
+                self._sweep()
+                lanes = self.lanes_of(queue, spec)
+            bucket = lanes.subs[sub] = Bucket()
+            self._made += 1
+        lanes.enter(sub)
+        return bucket
+
+    def lanes_of(self, queue: str, spec: str) -> Lanes:
+        by_spec = self.lanes.setdefault(queue, {})
+        lanes = by_spec.get(spec)
+        if lanes is None:
+            lanes = by_spec[spec] = Lanes()
+        return lanes
 
     def _sweep(self) -> None:
         """Forget the buckets that hold nothing (their dead entries dropped first): a
@@ -145,10 +225,24 @@ class Ready:
                     self._made -= 1
             if not by_spec:
                 del self.buckets[queue]
+        for queue in list(self.lanes):
+            lanes_of = self.lanes[queue]
+            for spec in list(lanes_of):
+                lanes = lanes_of[spec]
+                for sub in list(lanes.subs):
+                    bucket = lanes.subs[sub]
+                    if self.head(bucket) is None and not bucket.keys and not bucket.count:
+                        del lanes.subs[sub]  # (still in ``turn``: dropped when it comes up)
+                        lanes.parked.discard(sub)
+                        self._made -= 1
+                if not lanes.subs:
+                    del lanes_of[spec]
+            if not lanes_of:
+                del self.lanes[queue]
         self._sweep_at = max(SWEEP_AT, 2 * self._made)
 
     def push_job(self, job: JobRecord) -> None:
-        bucket = self.bucket(job.queue, job.spec)
+        bucket = self.bucket(job.queue, job.spec, job.concurrency_key, job.labels)
         heapq.heappush(bucket.full, (-job.priority, job.seq, job.id))
         if len(bucket.full) >= bucket.compact_at:
             live = {entry[2]: entry for entry in bucket.full if self._live(entry)}
@@ -156,15 +250,17 @@ class Ready:
             heapq.heapify(bucket.full)
             bucket.compact_at = 2 * len(bucket.full) + 64
 
-    def push_key(self, queue: str, spec: str, priority: int, seq: int) -> None:
-        bucket = self.bucket(queue, spec)
+    def push_key(self, queue: str, spec: str, priority: int, seq: int, key: str | None = None,
+                 labels: tuple[str, ...] = ()) -> None:
+        bucket = self.bucket(queue, spec, key, labels)
         heapq.heappush(bucket.keys, key_of(priority, seq))
         bucket.count += 1
         self.keys += 1
 
-    def load(self, queue: str, spec: str, keys: list[int]) -> None:
+    def load(self, queue: str, spec: str, keys: list[int], key: str | None = None,
+             labels: tuple[str, ...] = ()) -> None:
         """Take in the keys of a restart at once: one heapify, not a push per job."""
-        bucket = self.bucket(queue, spec)
+        bucket = self.bucket(queue, spec, key, labels)
         bucket.keys.extend(keys)
         heapq.heapify(bucket.keys)
         bucket.count += len(keys)
@@ -202,15 +298,16 @@ class Ready:
         """The claim of this key is decided (its row reserved, or gone)."""
         self._claiming.discard(seq)
 
-    def unclaim(self, queue: str, spec: str, priority: int, seq: int) -> None:
+    def unclaim(self, queue: str, spec: str, priority: int, seq: int, key: str | None = None,
+                labels: tuple[str, ...] = ()) -> None:
         """The reservation of a claimed key failed: the key goes back as it was, unless
         a cancel came meanwhile (then it waits in its heap for that cancel's outcome)."""
         self._claiming.discard(seq)
         if self._gone.get(seq) == PENDING_CLAIMED:
-            heapq.heappush(self.bucket(queue, spec).keys, key_of(priority, seq))
+            heapq.heappush(self.bucket(queue, spec, key, labels).keys, key_of(priority, seq))
             self._gone[seq] = PENDING
             return
-        self.push_key(queue, spec, priority, seq)
+        self.push_key(queue, spec, priority, seq, key, labels)
 
     def _skip(self, seq: int) -> None:
         # (A key pushed again after its first was popped or claimed is a live key: the
@@ -221,17 +318,19 @@ class Ready:
             del self._gone[seq]
 
     # -- cancels of compact jobs: the row decides, in the writer's order --------------
-    def withdraw(self, queue: str, spec: str, seq: int) -> None:
+    def withdraw(self, queue: str, spec: str, seq: int, key: str | None = None,
+                 labels: tuple[str, ...] = ()) -> None:
         """Skip this key from now on: its cancel is being written. (If the job finished
         while its row was read, the count is one short until ``withdrawn``.)"""
         if seq in self._claiming:  # the reservation is written first: it will win
             self._gone[seq] = PENDING_CLAIMED
             return
         self._gone[seq] = PENDING
-        self.bucket(queue, spec).count -= 1
+        self.bucket(queue, spec, key, labels).count -= 1
         self.keys -= 1
 
-    def withdrawn(self, queue: str, spec: str, priority: int, seq: int, cancelled: bool) -> None:
+    def withdrawn(self, queue: str, spec: str, priority: int, seq: int, cancelled: bool,
+                  key: str | None = None, labels: tuple[str, ...] = ()) -> None:
         """The cancel's write is done: ``cancelled`` if the row was still available."""
         state = self._gone.pop(seq, PENDING)
         if state == PENDING_CLAIMED:  # reserved by the claim written before: not cancelled
@@ -241,7 +340,7 @@ class Ready:
                 self._gone[seq] = DEAD
             return
         # Not cancelled (the write failed, or the job finished first): as it was.
-        bucket = self.bucket(queue, spec)
+        bucket = self.bucket(queue, spec, key, labels)
         if state == PENDING_POPPED:
             heapq.heappush(bucket.keys, key_of(priority, seq))
         bucket.count += 1
@@ -249,8 +348,21 @@ class Ready:
 
     # -- reading -------------------------------------------------------------------
     def counts(self) -> dict[tuple[str, str], int]:
-        return {(queue, spec): bucket.count for queue, by_spec in self.buckets.items()
-                for spec, bucket in by_spec.items() if bucket.count}
+        counts = {(queue, spec): bucket.count for queue, by_spec in self.buckets.items()
+                  for spec, bucket in by_spec.items() if bucket.count}
+        for queue, lanes_of in self.lanes.items():
+            for spec, lanes in lanes_of.items():
+                n = sum(bucket.count for bucket in lanes.subs.values())
+                if n:
+                    counts[(queue, spec)] = counts.get((queue, spec), 0) + n
+        return counts
+
+    def all_buckets(self) -> Iterable[Bucket]:
+        for by_spec in self.buckets.values():
+            yield from by_spec.values()
+        for lanes_of in self.lanes.values():
+            for lanes in lanes_of.values():
+                yield from lanes.subs.values()
 
     def held_seqs(self) -> set[int]:
         """The row ids of the compact jobs held: waiting, or popped for a claim being read."""
@@ -258,19 +370,22 @@ class Ready:
 
     def waiting_seqs(self) -> set[int]:
         """The row ids of the compact jobs waiting (a full scan: for checks, not for hot paths)."""
-        return {key & SEQ_MASK for by_spec in self.buckets.values()
-                for bucket in by_spec.values() for key in bucket.keys
+        return {key & SEQ_MASK for bucket in self.all_buckets() for key in bucket.keys
                 if self._gone.get(key & SEQ_MASK) not in (PENDING, DEAD)}
 
 
 BUSY = "workers_busy"  # a backlog: capable workers run, all of them full
+# Also backlogs: the jobs run as a limit frees up (rota/core/flow.py); not "blocked".
+CONCURRENCY_LIMIT, RATE_LIMIT, NO_LABEL = "concurrency_limit", "rate_limit", "no_label"
+BACKLOG = frozenset({BUSY, CONCURRENCY_LIMIT, RATE_LIMIT})
 
 
 class Wait(NamedTuple):
     """Why available jobs of one queue and spec wait: ``kind``, a word (queue_paused,
     no_worker, no_status_quo, checksum_mismatch, not_implemented, workers_stopped: the
-    ``reason`` label of GET /metrics' rota_jobs_blocked; or workers_busy, a backlog),
-    and ``reason``, a sentence."""
+    ``reason`` label of GET /metrics' rota_jobs_blocked; no_label, for a job that needs
+    worker labels; or a backlog: workers_busy, concurrency_limit, rate_limit), and
+    ``reason``, a sentence."""
 
     kind: str
     reason: str
@@ -280,8 +395,9 @@ class Wait(NamedTuple):
         """Nothing will take these jobs as things stand: no capable worker runs (none
         serves the queue, none declares the status-quo checksum, the capable ones are
         quiet or terminating) or the queue is paused, an operator's to look at. Jobs
-        behind busy workers are only a backlog: they run as the workers free up."""
-        return self.kind != BUSY
+        behind busy workers or a limit are only a backlog: they run as the workers or
+        the limit free up."""
+        return self.kind not in BACKLOG
 
 
 def why_waiting(workers: Iterable[WorkerSlot], paused: Collection[str],

@@ -66,17 +66,25 @@ class Reservations:
                             self.standing.left(now.mono))
             return []
         plan = self.scheduler.plan(now.mono)
+        # A limit parked jobs until a time: the timer must fire then (rota/core/flow.py).
+        deadline = self.scheduler.flow_deadline()
+        armed: list[Effect] = [] if deadline is None else [Arm(deadline)]
         if not plan:
-            return []
+            return armed
         jobs = [job for batch in plan.values() for job in batch if isinstance(job, JobRecord)]
         claims = [claim for batch in plan.values() for claim in batch
                   if isinstance(claim, Claim)]
         for job in jobs:
             job.lease_expires_at = now.wall_of(job.lease or now.mono)
         ticket = self._ticket("reserve", (plan, jobs, claims, now))
-        effects: list[Effect] = [Reserve(jobs, now.wall, ticket, claims,
-                                         self.scheduler.visibility_timeout,
-                                         self.scheduler.min_lease)]
+        reserve = Reserve(jobs, now.wall, ticket, claims, self.scheduler.visibility_timeout,
+                          self.scheduler.min_lease)
+        if self.scheduler.limiter.held:  # the limits each counts against, for the store
+            for ident in [*(job.id for job in jobs), *(claim.seq for claim in claims)]:
+                guards = self.scheduler.guards(ident)
+                if guards:
+                    reserve.guards[ident] = guards
+        effects: list[Effect] = [reserve, *armed]
         # A claimed job's lease is known once its row is read: armed then.
         return effects + ([Arm(min(j.lease or 0.0 for j in jobs))] if jobs else [])
 
@@ -95,11 +103,15 @@ class Reservations:
             self._paused_until = now.mono + PAUSE_AFTER_FAILED_ROUND
             return []
         effects: list[Effect] = []
+        if outcome.refused:
+            effects += self._refused_by_guard(jobs, claims, outcome.refused, now)
         for job in jobs:
             if job.id in outcome.lost:
                 effects += self._lost_race(job)
         got: dict[int, JobRecord] = {}  # claim's seq -> the job its worker holds now
         for claim, job in zip(claims, read, strict=True):
+            if claim.seq in outcome.refused:
+                continue  # back in its bucket already
             if job is not None:
                 job.clocks(at)  # its lease, from the lease_expires_at the store wrote
             if self.scheduler.claimed(claim, job):
@@ -143,6 +155,24 @@ class Reservations:
                     enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs))
             effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
         return effects
+
+    def _refused_by_guard(self, jobs: list[JobRecord], claims: list[Claim],
+                          refused: frozenset[str | int], now: Instant) -> list[Effect]:
+        """Jobs the store's guard turned away: a limit they count against is full with
+        other servers' reservations. They wait again, as they were (no attempt used),
+        and their limits are held off until a release or a short while."""
+        taken: list[JobRecord | Claim] = [j for j in jobs if j.id in refused and j.state
+                                          == JobState.ACTIVE]
+        taken += [c for c in claims if c.seq in refused]
+        if not taken:
+            return []
+        log_lines(log, logging.INFO, "limit held elsewhere %s spec=%s queue=%s key=%s worker=%s:"
+                  " not reserved, it waits", [
+                      (f"job={t.id}" if isinstance(t, JobRecord) else f"row={t.seq}", t.spec,
+                       t.queue, t.concurrency_key, t.worker_id if isinstance(t, JobRecord)
+                       else t.worker.id) for t in taken])
+        until = max(self.scheduler.refuse(t, now.mono) for t in taken)
+        return [Arm(until)]
 
     def resume_rounds(self, now: Instant) -> list[Effect]:
         """From ``tick``: a scheduling round once a failed round's pause is over."""

@@ -19,6 +19,7 @@ import heapq
 import itertools
 from collections.abc import Iterable
 
+from rota.core.flow import Flow
 from rota.core.model import JobRecord, JobState
 from rota.core.ready import PRIORITY_LIMIT, Claim, Ready, Wait, WorkerSlot, why_waiting
 
@@ -32,7 +33,7 @@ TimerEntry = tuple[float, str]  # (when, job id); checked against the job when p
 COMPACT_SLACK = 4096
 
 
-class Scheduler:
+class Scheduler(Flow):
     def __init__(self, visibility_timeout: float = 1800.0, *, compact: bool = False,
                  min_lease: float = 0.0) -> None:
         self.visibility_timeout = visibility_timeout  # when neither job nor spec sets one
@@ -56,6 +57,7 @@ class Scheduler:
         # worker id -> ids of the jobs kept for it while it is away (``kept_for``)
         self._kept: dict[str, set[str]] = {}
         self.last_seq = 0  # the highest enqueue order taken in: new jobs come after it
+        self._init_flow()  # limits, key turns and labels (rota/core/flow.py)
 
     @property
     def has_orphans(self) -> bool:
@@ -74,6 +76,8 @@ class Scheduler:
             self._push(self._due, job.due or 0.0, job.id)
         elif job.state == "active":
             self._push(self._leases, job.lease or 0.0, job.id)
+            if self.limiter.rules and job.id not in self.limiter.held:  # it counts
+                self.limiter.hold(job.id, job.queue, job.spec, job.concurrency_key)
 
     def held_seqs(self) -> set[int]:
         """The row ids of every live job held here, whole or compact (a full scan: for a
@@ -94,7 +98,8 @@ class Scheduler:
                 and -PRIORITY_LIMIT < job.priority < PRIORITY_LIMIT):
             if self.jobs.get(job.id) is job:
                 del self.jobs[job.id]
-            self.ready.push_key(job.queue, job.spec, job.priority, job.seq)
+            self.ready.push_key(job.queue, job.spec, job.priority, job.seq, job.concurrency_key,
+                                job.labels)
             return
         self.jobs[job.id] = job
         self.ready.push_job(job)
@@ -116,7 +121,11 @@ class Scheduler:
         self.ready.claimed(claim.seq)
         if job is None:
             worker.capacity += 1  # the slot was never used
+            if self.limiter.held:
+                self._released(claim.seq)
             return False
+        if self.limiter.held:
+            self.limiter.moved(claim.seq, job.id)
         self.track(job)
         if self.workers.get(worker.id) is not worker:
             return False
@@ -129,7 +138,10 @@ class Scheduler:
         claim.worker.claims -= 1
         claim.worker.capacity += 1
         self.claims -= 1
-        self.ready.unclaim(claim.queue, claim.spec, claim.priority, claim.seq)
+        self.ready.unclaim(claim.queue, claim.spec, claim.priority, claim.seq,
+                           claim.concurrency_key, claim.labels)
+        if self.limiter.held:
+            self._released(claim.seq)
 
     def defer(self, job: JobRecord, due: float) -> None:
         """Make a job wait until ``due`` (its state says scheduled or retryable)."""
@@ -154,6 +166,8 @@ class Scheduler:
         if worker is not None:
             worker.active.discard(job.id)
             worker.capacity += 1
+        if self.limiter.held:
+            self._released(job.id)
         if self.jobs.get(job.id) is job:
             del self.jobs[job.id]
         self.unstored.discard(job.id)
@@ -192,6 +206,8 @@ class Scheduler:
         worker = self.workers.get(job.worker_id or "")
         if worker is not None:
             worker.active.discard(job.id)
+        if self.limiter.held:  # it leaves active: the limits it counted against free up
+            self._released(job.id)
 
     # -- timers (pure: the caller says what time it is) --------------------------------
     def _push(self, heap: list[TimerEntry], when: float, job_id: str) -> None:
@@ -255,7 +271,8 @@ class Scheduler:
                 and job.expiry is not None and job.expiry <= now]
 
     def next_deadline(self) -> float | None:
-        heads = [heap[0][0] for heap in (self._due, self._leases, self._ttls) if heap]
+        heads = [heap[0][0] for heap in (self._due, self._leases, self._ttls, self._flow_timers)
+                 if heap]
         return min(heads) if heads else None
 
     def renew(self, worker: WorkerSlot, job_ids: Iterable[str], now: float) -> None:
@@ -332,6 +349,8 @@ class Scheduler:
     # -- workers -------------------------------------------------------------------
     def add_worker(self, worker: WorkerSlot) -> None:
         self.workers[worker.id] = worker
+        if worker.labels:
+            self.workers_changed()
 
     def remove_worker(self, worker_id: str, reported: Iterable[str] = ()) -> list[JobRecord]:
         """Forget a worker; return the jobs it held, for the caller to recover.
@@ -363,10 +382,12 @@ class Scheduler:
             shift = start % len(candidates)
             candidates = candidates[shift:] + candidates[:shift]
         plan: dict[str, list[JobRecord | Claim]] = {}
+        # Limits, key turns or labels in play: the limited path (rota/core/flow.py).
+        pop = self._pop_limited if self.limited else self._pop_best
         while candidates:
             next_round = []
             for worker in candidates:
-                job = self._pop_best(worker, now)
+                job = pop(worker, now)
                 if job is None:
                     continue
                 plan.setdefault(worker.id, []).append(job)
@@ -417,10 +438,14 @@ class Scheduler:
         wait = self.wait(queue, spec)
         return None if wait is None else wait.reason
 
-    def wait(self, queue: str, spec: str) -> Wait | None:
+    def wait(self, queue: str, spec: str, now: float | None = None) -> Wait | None:
         """Why available jobs of (queue, spec) are not running, and whether that blocks
-        them or only holds them in a backlog (ready.why_waiting); None if they will run."""
-        return why_waiting(self.workers.values(), self.paused, self.status_quo, queue, spec)
+        them or only holds them in a backlog (ready.why_waiting); None if they will run.
+        ``now`` (monotonic): also a queue's or spec's own limit that holds them."""
+        wait = why_waiting(self.workers.values(), self.paused, self.status_quo, queue, spec)
+        if now is not None and (wait is None or not wait.blocked):
+            return self.scope_wait(queue, spec, now) or wait
+        return wait
 
     def ready_counts(self) -> dict[tuple[str, str], int]:
         counts = self.ready.counts()

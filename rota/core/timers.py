@@ -90,6 +90,8 @@ class Timers:
                 self.standing.stalled()  # and it judges no other server's lease for now
         self._last_tick = now.mono
         effects += self.resume_rounds(now)
+        if self.scheduler.unpark_due(now.mono):  # a limit allows starts again
+            effects.append(Wake())
         due = self.scheduler.due(now.mono)
         if due:
             effects += [Save([Change(job) for job in due]), Wake()]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from rota.base.errors import Invalid
 from rota.core.limits import LimitRule, Rate, Window, check_rule, parse_rate
+from rota.core.model import Instant, JobRecord, Limits
+from rota.core.scheduler import Claim, Scheduler, WorkerSlot
 
 
 @pytest.mark.parametrize("text, rate", [
@@ -52,3 +55,39 @@ def test_window_slides_and_bursts_then_spaces() -> None:
         starts.append(now)
     assert starts == [0.0, 0.0, 1.0, 2.0, 3.0]  # two back to back, then 1 s apart
     assert Window(Rate(10, 10.0, burst=2), starts).next_start(3.0) == 4.0  # replayed
+
+
+def test_a_round_costs_what_it_assigns_not_what_waits() -> None:
+    """1,000,000 waiting over 10,000 keys, 3 per key: a round that assigns N looks at
+    O(N) buckets, however many wait (parked keys are out of the rotation)."""
+    checksum = "sha256:" + "a" * 64
+    sched = Scheduler(compact=True)
+    sched.status_quo = {"a": checksum}
+    sched.set_limits({("spec", "a"): LimitRule(key_concurrency=3)}, Instant(0.0, 0.0))
+    for k in range(10_000):
+        base = k * 100 + 1
+        sched.ready.load("default", "a", list(range(base, base + 100)), f"k{k}")
+    assert sched.ready.keys == 1_000_000
+    worker = WorkerSlot("w1", ["default"], concurrency=40_000, specs={"a": checksum},
+                        capacity=40_000)
+    sched.add_worker(worker)
+    plan = sched.plan(1.0)["w1"]
+    assert len(plan) == 30_000  # 3 per key
+    assert sched.visits <= 30_000 + 10_000 + 10  # each key: its 3 turns, then parked once
+    # Ten jobs of ten keys end: the next round assigns ten, looking at a few buckets.
+    for claim in plan[:10]:
+        assert isinstance(claim, Claim)
+        job = JobRecord(id=f"j{claim.seq}", spec="a", queue="default", args=msgspec.Raw(b"{}"),
+                        priority=0, enqueued_at=0.0, seq=claim.seq, state="active",
+                        worker_id="w1", concurrency_key=claim.concurrency_key,
+                        limits=Limits(3, None, 1.0, 60.0))
+        sched.claimed(claim, job)
+        sched.finish(job)
+    worker.capacity = 10_000
+    before = sched.visits
+    again = sched.plan(2.0)["w1"]
+    assert sorted(c.concurrency_key for c in again) == sorted(c.concurrency_key for c in plan[:10])
+    assert sched.visits - before <= 3 * len(again) + 10
+    before = sched.visits
+    assert sched.plan(3.0) == {}  # all at their limit: nothing looked at
+    assert sched.visits - before <= 2

@@ -1,0 +1,334 @@
+"""The scheduler's limited path: limits, rates, key turns and labels, decided per round. Pure.
+
+A part of the scheduler (``Scheduler`` inherits it). Taken only while limits are set or
+jobs wait with a concurrency key or labels (``limited``); otherwise ``plan`` runs the
+plain path as before, at its cost.
+
+Within a (queue, spec), the buckets of each concurrency key and label set take turns
+(``Lanes.turn``, rota/core/ready.py): each pick serves the bucket at the front and sends
+it to the back, so a key with 100,000 jobs waiting and one with 5 alternate. Priority
+then enqueue order still order the jobs within a bucket; across the specs of a queue,
+the best job at the front of each spec's rotation is taken, as on the plain path.
+
+A bucket whose key is at a limit leaves the rotation (it is *parked* on that limit's
+counter) and comes back when a job of the counter leaves ``active`` (``_released``) or
+at its next allowed start (a timer: ``flow_deadline``, ``unpark_due``), so a round costs
+what it assigns, not what waits. A scope's own limit (a queue's or a spec's) is checked
+once per visit of it, in O(1). docs/flow-control.md says what is decided and why.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rota.core.effects import Guard
+from rota.core.limits import NEVER, Check, Counter, Limiter, LimitRule, LimitUse, Scope, limit_name
+from rota.core.model import Instant, JobRecord
+from rota.core.ready import (CONCURRENCY_LIMIT, NO_LABEL, PLAIN, RATE_LIMIT, Bucket, Claim,
+                             Lanes, Ready, SubId, Wait, WorkerSlot, why_waiting)
+
+LABELS: Counter = ("labels", "", None)  # buckets no connected worker has the labels for
+REFUSED_BACKOFF = 0.5  # seconds a limit a store guard refused is held off (or a release)
+Found = tuple[SubId, Bucket, tuple[int, int]]
+
+
+class Flow:
+    ready: Ready
+    workers: dict[str, WorkerSlot]
+    paused: set[str]
+    status_quo: dict[str, str]
+    jobs: dict[str, JobRecord]
+    claims: int
+    matches: Callable[[WorkerSlot, str], bool]
+    unreserve: Callable[[JobRecord], None]
+    unclaim: Callable[[Claim], None]
+    _reserve: Callable[[JobRecord, WorkerSlot, float], None]
+
+    def _init_flow(self) -> None:
+        self.limiter = Limiter()
+        self._parked: dict[Counter, list[tuple[str, str, SubId]]] = {}
+        self._flow_timers: list[tuple[float, Counter]] = []
+        self._armed: dict[Counter, float] = {}
+        self.visits = 0  # buckets looked at on the limited path (the cost the tests count)
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.limiter.rules) or bool(self.ready.lanes)
+
+    # -- picking -----------------------------------------------------------------------
+    def _pop_limited(self, worker: WorkerSlot, now: float) -> JobRecord | Claim | None:
+        """Reserve, in memory, the best job this worker may run within every limit."""
+        ready, limiter = self.ready, self.limiter
+        for queue in worker.queues:
+            plain = ready.buckets.get(queue) or {}
+            lanes_of = ready.lanes.get(queue) or {}
+            if (not plain and not lanes_of) or queue in self.paused \
+                    or not self._scope_open("queue", queue, now):
+                continue
+            best: tuple[tuple[int, int], str, SubId, Bucket, Lanes | None] | None = None
+            for spec in itertools.chain(lanes_of, (s for s in plain if s not in lanes_of)):
+                if not self.matches(worker, spec) or not self._scope_open("spec", spec, now):
+                    continue
+                lanes = lanes_of.get(spec)
+                if lanes is None:
+                    found: Found | None = None
+                    head = ready.head(plain[spec])
+                    if head is not None:
+                        found = (PLAIN, plain[spec], head)
+                else:
+                    found = self._front(queue, spec, lanes, plain.get(spec), worker, now)
+                if found is not None and (best is None or found[2] < best[0]):
+                    best = (found[2], spec, found[0], found[1], lanes)
+            if best is None:
+                continue
+            _, spec, sub, bucket, lanes = best
+            if lanes is not None:
+                lanes.turn.rotate(-1)  # it had its turn: to the back of the rotation
+            taken = ready.pop(bucket)
+            key, labels = sub
+            if isinstance(taken, JobRecord):
+                self._reserve(taken, worker, now)
+                ident: str | int = taken.id
+                picked: JobRecord | Claim = taken
+            else:
+                worker.claims += 1
+                worker.capacity -= 1
+                self.claims += 1
+                ident = taken[1]
+                picked = Claim(taken[1], queue, spec, taken[0], worker, self.status_quo[spec],
+                               key, labels)
+            if limiter.rules:
+                limiter.take(ident, queue, spec, key, now)
+            return picked
+        return None
+
+    def _front(self, queue: str, spec: str, lanes: Lanes, plain: Bucket | None,
+               worker: WorkerSlot, now: float) -> Found | None:
+        """Turn the rotation until its front has a job this worker may take now within
+        the key's limits; parks, on the way, the buckets at a limit or with labels no
+        connected worker has, and drops those found empty. None: nothing for it."""
+        turn = lanes.turn
+        for _ in range(len(turn)):
+            sub = turn[0]
+            self.visits += 1
+            bucket = plain if sub == PLAIN else lanes.subs.get(sub)
+            head = None if bucket is None else self.ready.head(bucket)
+            if head is None or bucket is None:
+                if sub == PLAIN:
+                    turn.rotate(-1)
+                else:
+                    lanes.leave(park=False)  # a push brings it back
+                continue
+            key, labels = sub
+            if labels and not all(label in worker.labels for label in labels):
+                if not any(all(label in w.labels for label in labels)
+                           for w in self.workers.values()):
+                    self._park(LABELS, NEVER, queue, spec, lanes)
+                else:
+                    turn.rotate(-1)  # another worker may take it
+                continue
+            blocked = self.limiter.blocked(self.limiter.key_checks(queue, spec, key), now)
+            if blocked is not None:
+                self._park(blocked[0], blocked[1], queue, spec, lanes)
+                continue
+            return sub, bucket, head
+        return None
+
+    def _scope_open(self, kind: str, name: str, now: float) -> bool:
+        """Whether a queue's or a spec's own limit allows a start now (a timer armed for
+        when it will, if it is a rate)."""
+        if not self.limiter.rules:
+            return True
+        check = self.limiter.scope_checks(kind, name)
+        if check is None:
+            return True
+        until = self.limiter.until(check, now)
+        if until <= now:
+            return True
+        self._arm(check[0], until)
+        return False
+
+    # -- parking -----------------------------------------------------------------------
+    def _park(self, counter: Counter, until: float, queue: str, spec: str, lanes: Lanes) -> None:
+        """Take the front bucket out of the rotation until ``counter`` frees up (a
+        release) or ``until`` (a timer, unless NEVER)."""
+        sub = lanes.leave(park=True)
+        self._parked.setdefault(counter, []).append((queue, spec, sub))
+        self._arm(counter, until)
+
+    def _arm(self, counter: Counter, until: float) -> None:
+        if until != NEVER and self._armed.get(counter) != until:
+            self._armed[counter] = until
+            heapq.heappush(self._flow_timers, (until, counter))
+
+    def _unpark(self, counter: Counter) -> bool:
+        """Bring back every bucket parked on ``counter``; True if there were any."""
+        parked = self._parked.pop(counter, None)
+        if not parked:
+            return False
+        for queue, spec, sub in parked:
+            lanes = self.ready.lanes.get(queue, {}).get(spec)
+            if lanes is not None:
+                lanes.unpark(sub)
+        return True
+
+    def unpark_due(self, now: float) -> bool:
+        """Fire the limit timers due by ``now``: True if a round may now assign more."""
+        fired = False
+        timers = self._flow_timers
+        while timers and timers[0][0] <= now:
+            when, counter = heapq.heappop(timers)
+            if self._armed.get(counter) == when:
+                del self._armed[counter]
+                self._unpark(counter)
+                fired = True
+        return fired
+
+    def flow_deadline(self) -> float | None:
+        return self._flow_timers[0][0] if self._flow_timers else None
+
+    def _released(self, ident: str | int) -> None:
+        """A job (or a claim) left ``active``: what it held is freer, its parked buckets
+        come back."""
+        for counter in self.limiter.release(ident):
+            self._unpark(counter)
+
+    def workers_changed(self) -> None:
+        """A worker came: buckets parked for labels nobody had may find one now."""
+        if LABELS in self._parked:
+            self._unpark(LABELS)
+
+    # -- limits set, refused, reported ---------------------------------------------------
+    def set_limits(self, rules: Mapping[Scope, LimitRule], now: Instant,
+                   starts: Mapping[tuple[str, str | None], list[float]] | None = None) -> None:
+        """The whole table of limits in force (replacing the last), and, at a start, the
+        starts stored for the rates (wall times, by limit name and key)."""
+        limiter = self.limiter
+        limiter.reset(dict(rules))
+        if rules:
+            for job in self.jobs.values():
+                if job.state == "active" and job.id not in limiter.held:
+                    limiter.hold(job.id, job.queue, job.spec, job.concurrency_key)
+        if starts:
+            limiter.load_starts({name: [now.deadline(at) for at in times]
+                                 for name, times in starts.items()})
+        for counter in list(self._parked):
+            self._unpark(counter)
+        self._flow_timers.clear()
+        self._armed.clear()
+
+    def guards(self, ident: str | int) -> tuple[Guard, ...]:
+        """The limits a reserved job or claim counts against, for the store's guard."""
+        held = self.limiter.held.get(ident)
+        if held is None:
+            return ()
+        guards = []
+        for kind, name, key in held[3]:
+            rule = self.limiter.rules.get((kind, name))
+            if rule is None:
+                continue
+            concurrency, rate = ((rule.concurrency, rule.rate) if key is None
+                                 else (rule.key_concurrency, rule.key_rate))
+            guards.append(Guard(limit_name((kind, name)), key, concurrency, rate))
+        return tuple(guards)
+
+    def refuse(self, taken: JobRecord | Claim, now: float) -> float:
+        """A store guard refused this reservation: another server's reservations hold
+        the limit. The job is available again, its worker has the slot back, and the
+        limits it counted against are held off until a release or a short while (the
+        deadline, returned)."""
+        ident = taken.id if isinstance(taken, JobRecord) else taken.seq
+        held = self.limiter.held.get(ident)
+        if isinstance(taken, JobRecord):
+            self.unreserve(taken)
+        else:
+            self.unclaim(taken)
+        until = now + REFUSED_BACKOFF
+        for counter in held[3] if held else ():
+            self.limiter.off[counter] = until
+            self._arm(counter, until)
+        return until
+
+    def limit_use(self, now: float) -> list[LimitUse]:
+        """Every limit in force with its use: the scope's own, then each key in use."""
+        limiter = self.limiter
+        keyed: dict[Scope, set[str]] = {}
+        for counter in itertools.chain(limiter.use, limiter.windows):
+            if counter[2] is not None:
+                keyed.setdefault(counter[:2], set()).add(counter[2])  # type: ignore[arg-type]
+        uses = []
+        for scope, rule in sorted(limiter.rules.items()):
+            check = limiter.scope_checks(*scope)
+            if check is not None:
+                uses.append(self._use(check, now))
+            if rule.key_concurrency is not None or rule.key_rate is not None:
+                for key in sorted(keyed.get(scope, ())):
+                    use = self._use(((*scope, key), rule.key_concurrency, rule.key_rate), now)
+                    if use.running or use.starts:
+                        uses.append(use)
+        return uses
+
+    def _use(self, check: Check, now: float) -> LimitUse:
+        (kind, name, key), concurrency, rate = check
+        window = None if rate is None else self.limiter.windows.get((kind, name, key))
+        wait = self.limiter.until(check, now) - now if rate is not None else 0.0
+        return LimitUse(name=limit_name((kind, name)), key=key, concurrency=concurrency,
+                        running=self.limiter.use.get((kind, name, key), 0),
+                        rate=None if rate is None else rate.text(),
+                        starts=0 if window is None else window.in_window(now),
+                        next_start=round(wait, 3) if 0 < wait < NEVER else None)
+
+    # -- explaining --------------------------------------------------------------------
+    def job_wait(self, job: Any, now: Instant | float) -> Wait | None:
+        """Why this waiting job (anything with queue, spec, and optionally
+        concurrency_key and labels) is not running; None if it will be."""
+        mono = now.mono if isinstance(now, Instant) else now
+        queue, spec = job.queue, job.spec
+        wait = why_waiting(self.workers.values(), self.paused, self.status_quo, queue, spec)
+        if wait is not None and wait.blocked:
+            return wait
+        labels = tuple(getattr(job, "labels", ()) or ())
+        if labels:
+            expected = self.status_quo.get(spec)
+            capable = [w for w in self.workers.values()
+                       if queue in w.queues and w.specs.get(spec) == expected]
+            for label in labels:
+                if not any(label in w.labels for w in capable):
+                    return Wait(NO_LABEL, f"no connected worker has label {label}")
+            if not any(all(label in w.labels for label in labels) for w in capable):
+                return Wait(NO_LABEL, "no connected worker has all the labels "
+                            + ", ".join(labels))
+        limited = self._limit_wait(self.limiter.checks(queue, spec,
+                                                       getattr(job, "concurrency_key", None)), mono)
+        return limited or wait
+
+    def _limit_wait(self, checks: list[Check], now: float) -> Wait | None:
+        for check in checks:
+            until = self.limiter.until(check, now)
+            if until <= now:
+                continue
+            (kind, name, key), concurrency, rate = check
+            scope = f"{kind} {name}" + ("" if key is None else f" key {key}")
+            running = self.limiter.use.get(check[0], 0)
+            if self.limiter.off.get(check[0], now) > now:
+                return Wait(CONCURRENCY_LIMIT, f"limit {limit_name((kind, name))}"
+                            + ("" if key is None else f" key {key}") + " is held by another"
+                            f" server: next try in {until - now:.1f} s")
+            if until == NEVER:
+                return Wait(CONCURRENCY_LIMIT, f"concurrency limit {concurrency} for {scope}:"
+                            f" {running} running")
+            said = f"key {key}" if key is not None else f"{kind} {name}"
+            return Wait(RATE_LIMIT, f"rate limit {rate.text() if rate else '?'} for {said}:"
+                        f" next start in {max(0.1, until - now):.1f} s")
+        return None
+
+    def scope_wait(self, queue: str, spec: str, now: float) -> Wait | None:
+        """A queue's or a spec's own limit that holds its jobs now, if any."""
+        if not self.limiter.rules:
+            return None
+        checks = [check for check in (self.limiter.scope_checks("queue", queue),
+                                      self.limiter.scope_checks("spec", spec)) if check]
+        return self._limit_wait(checks, now)

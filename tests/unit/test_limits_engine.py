@@ -1,0 +1,213 @@
+"""Flow control decided by the engine on a fake clock (rota/core/flow.py): concurrency
+limits reached and released, a rate window, keys taking turns, a label miss, a store
+guard's refusal, a restart's active jobs counting, and what a round costs."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import msgspec
+import pytest
+from test_engine import ROWS, FakeClock, assign, clock, commit, connect, done, engine, hb, of  # noqa: F401
+from test_engine import SEQ, SPEC, read
+
+from rota.base import protocol as p
+from rota.base.specs import checksum
+from rota.core.auth import OPEN
+from rota.core.effects import Arm, Guard, Reserve, Reserved, Wake
+from rota.core.engine import Engine
+from rota.core.jobs import EnqueueRequest
+from rota.core.limits import LimitRule, LimitUse, Rate
+from rota.core.model import JobRecord
+from rota.core.settings import ServerSettings
+
+SPEC_LIMIT = ("spec", "echo")
+
+
+def put(engine: Engine, clock: FakeClock, key: str | None, n: int = 1,
+        labels: tuple[str, ...] = (), prefix: str = "") -> list[JobRecord]:
+    """``n`` jobs of spec echo with this concurrency key and labels, their rows written."""
+    rows = ROWS.setdefault(engine, {})
+    jobs = []
+    for _ in range(n):
+        job = engine.build(EnqueueRequest(spec="echo", id=f"{prefix}{key}-{len(rows)}"), OPEN,
+                           clock())
+        assert isinstance(job, JobRecord)
+        job.concurrency_key, job.labels = key, labels
+        rows[len(rows) + 1] = job
+        engine.enqueued(job, len(rows), clock())
+        jobs.append(job)
+    return jobs
+
+
+def keys_of(assigned: list[dict[str, Any]]) -> list[str]:
+    return [job["id"].rsplit("-", 1)[0] for job in assigned]
+
+
+def finish(engine: Engine, clock: FakeClock, jobs: list[dict[str, Any]], worker: str = "w1",
+           conn: int = 1) -> None:
+    engine.heartbeat(conn, worker, hb(worker, next(SEQ), results=[done(j) for j in jobs],
+                                      capacity=len(jobs)), clock())
+    # (the results' commit)
+    ticket = max(engine._pending)
+    engine.committed(ticket, None, clock(), {})
+
+
+def test_a_key_limit_is_reached_and_released(engine, clock):
+    engine.set_limits({SPEC_LIMIT: LimitRule(key_concurrency=2)}, clock())
+    put(engine, clock, "acme", 5)
+    connect(engine, clock, capacity=8)
+    first = assign(engine, clock)
+    assert keys_of(first) == ["acme", "acme"]  # 2 at once, though 8 slots are free
+    wait = engine.scheduler.job_wait(engine.scheduler.jobs.get("x") or _waiting("acme"), clock())
+    assert wait is not None and wait.kind == "concurrency_limit" and not wait.blocked
+    assert wait.reason == "concurrency limit 2 for spec echo key acme: 2 running"
+    assert engine.dispatch(clock()) == []  # parked: nothing to plan
+    finish(engine, clock, first[:1])
+    assert keys_of(assign(engine, clock)) == ["acme"]  # one left active: one more
+    use = engine.limit_use(clock())
+    assert use == [LimitUse(name="spec:echo", key="acme", concurrency=2, running=2)]
+
+
+def _waiting(key: str | None, labels: tuple[str, ...] = ()) -> Any:
+    return collections.namedtuple("W", "queue spec concurrency_key labels")(
+        "default", "echo", key, labels)
+
+
+def test_a_spec_limit_holds_every_key_and_the_queue_view_says_so(engine, clock):
+    engine.set_limits({SPEC_LIMIT: LimitRule(concurrency=3)}, clock())
+    put(engine, clock, "a", 3)
+    put(engine, clock, "b", 3)
+    connect(engine, clock, capacity=8)
+    assert len(assign(engine, clock)) == 3
+    wait = engine.scheduler.wait("default", "echo", clock().mono)
+    assert wait is not None and wait.reason == "concurrency limit 3 for spec echo: 3 running"
+    assert engine.dispatch(clock()) == []
+
+
+def test_keys_take_turns_whatever_their_backlog(engine, clock):
+    put(engine, clock, "big", 50)
+    put(engine, clock, "small", 3)
+    put(engine, clock, None, 2)  # jobs with no key are one more group in the rotation
+    connect(engine, clock, capacity=4)
+    first = assign(engine, clock)
+    assert keys_of(first) == ["None", "big", "small", "None"]  # in turn, not by backlog
+    finish(engine, clock, first)
+    assert keys_of(assign(engine, clock)) == ["big", "small", "big", "small"]
+
+
+def test_priority_orders_jobs_within_a_key(engine, clock):
+    rows = ROWS.setdefault(engine, {})
+    for priority in (1, 5, 3):
+        job = engine.build(EnqueueRequest(spec="echo", id=f"p{priority}", priority=priority),
+                           OPEN, clock())
+        assert isinstance(job, JobRecord)
+        job.concurrency_key = "k"
+        rows[len(rows) + 1] = job
+        engine.enqueued(job, len(rows), clock())
+    connect(engine, clock, capacity=1)
+    assert [j["id"] for j in assign(engine, clock)] == ["p5"]
+
+
+def test_a_rate_window_slides_and_its_wait_says_when(engine, clock):
+    engine.set_limits({SPEC_LIMIT: LimitRule(key_rate=Rate(2, 10.0))}, clock())
+    put(engine, clock, "acme", 4)
+    connect(engine, clock, capacity=8)
+    effects = engine.dispatch(clock())
+    [reserve] = of(Reserve, effects)
+    assert [a.deadline for a in of(Arm, effects)][:1] == [clock().mono + 10.0]  # when it opens
+    assert reserve.starts() == [("spec:echo", "acme")] * 2
+    assert set(reserve.guards.values()) == {(Guard("spec:echo", "acme", None, Rate(2, 10.0)),)}
+    first = [job for frame in commit_sent(engine, reserve, clock) for job in frame]
+    finish(engine, clock, first)  # finished: the rate, not the concurrency, holds them
+    clock.advance(9.6)
+    wait = engine.scheduler.job_wait(_waiting("acme"), clock())
+    assert wait is not None and wait.kind == "rate_limit"
+    assert wait.reason == "rate limit 2/10s for key acme: next start in 0.4 s"
+    assert engine.tick(clock()) == [] or not of(Wake, engine.tick(clock()))
+    clock.advance(0.5)
+    assert of(Wake, engine.tick(clock()))  # the timer brings the key back
+    assert keys_of(assign(engine, clock)) == ["acme", "acme"]
+
+
+def commit_sent(engine: Engine, reserve: Reserve, clock: FakeClock) -> list[list[dict[str, Any]]]:
+    import json
+    frames = [json.loads(e.frame) for e in commit(engine, reserve, clock) if hasattr(e, "frame")]
+    return [f["jobs"] for f in frames if f["type"] == "assign"]
+
+
+def test_a_job_needing_a_label_waits_for_a_worker_that_has_it(engine, clock):
+    put(engine, clock, None, 1, labels=("gpu",))
+    put(engine, clock, None, 1, prefix="plain")
+    connect(engine, clock, capacity=4)  # no labels
+    assert keys_of(assign(engine, clock)) == ["plainNone"]
+    wait = engine.scheduler.job_wait(_waiting(None, ("gpu",)), clock())
+    assert wait is not None and wait.kind == "no_label" and wait.blocked
+    assert wait.reason == "no connected worker has label gpu"
+    assert engine.dispatch(clock()) == []
+    first = hb("w2", 0, register=True, capacity=2)
+    assert first.registration is not None
+    first.registration.labels = ["gpu", "region:eu"]
+    engine.register(2, first, OPEN, clock())
+    engine.heartbeat(2, "w2", first, clock())
+    effects = engine.dispatch(clock())
+    [reserve] = of(Reserve, effects)
+    assert [c.worker.id for c in reserve.claims] == ["w2"]
+    assert engine.scheduler.job_wait(_waiting(None, ("gpu",)), clock()) is None
+
+
+def test_a_refusal_by_the_store_guard_puts_the_job_back_and_holds_the_key_off(engine, clock):
+    engine.set_limits({SPEC_LIMIT: LimitRule(key_concurrency=2)}, clock())
+    put(engine, clock, "acme", 3)
+    connect(engine, clock, capacity=8)
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    refused = reserve.claims[1].seq  # another server holds acme's second slot
+    rows = read(engine, reserve)
+    ROWS[engine][refused].state = "available"  # the store left it as it was
+    rows[1] = None
+    effects = engine.committed(reserve.ticket, None, clock(),
+                               Reserved(rows, refused=frozenset({refused})))
+    assert len([e for e in effects if hasattr(e, "frame")]) == 1  # one assign, one job
+    assert of(Arm, effects)
+    assert engine.scheduler.workers["w1"].free() == 3  # the slot is back
+    assert engine.scheduler.ready.keys == 2  # back in its bucket
+    wait = engine.scheduler.job_wait(_waiting("acme"), clock())
+    assert wait is not None and "held by another server" in wait.reason
+    assert engine.dispatch(clock()) == [] or not of(Reserve, engine.dispatch(clock()))
+    clock.advance(0.6)
+    assert of(Wake, engine.tick(clock()))
+    [again] = of(Reserve, engine.dispatch(clock()))
+    assert len(again.claims) == 1  # acme has one running here: one more
+
+
+def test_jobs_active_at_a_restart_count_against_their_limit(clock):
+    engine = Engine(ServerSettings(heartbeat_timeout=5.0), rand=lambda: 0.0)
+    kept = [JobRecord(id=f"k{i}", spec="echo", queue="default", args=msgspec.Raw(b"{}"),
+                      priority=0, enqueued_at=clock.wall - 60, seq=i, state="active", attempt=1,
+                      worker_id="gone", checksum=checksum(SPEC), concurrency_key="acme",
+                      lease_expires_at=clock.wall + 1000, limits=_limits())
+            for i in (1, 2)]
+    engine.load({"echo": SPEC}, {"echo": checksum(SPEC)}, kept, clock(),
+                waiting={("default", "echo", "acme", ()): [10, 11], ("default", "echo"): [12]})
+    engine.set_limits({SPEC_LIMIT: LimitRule(key_concurrency=2, rate=Rate(5, 60.0))}, clock(),
+                      starts={("spec:echo", None): [clock.wall - 30.0] * 4})
+    connect(engine, clock, capacity=8)
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    # acme's two slots are the orphans'; the spec's rate had 4 of 5 starts in the last minute
+    assert [c.concurrency_key for c in reserve.claims] == [None]
+    wait = engine.scheduler.job_wait(_waiting("acme"), clock())
+    assert wait is not None and wait.reason.startswith("rate limit 5/min for spec echo")
+
+
+def _limits() -> Any:
+    from rota.core.model import Limits
+    return Limits(max_attempts=5, max_fails=None, backoff_base=1, backoff_max=1)
+
+
+def test_no_limits_and_no_keys_keep_the_plain_path(engine, clock):
+    put(engine, clock, None, 3)
+    connect(engine, clock, capacity=8)
+    assert not engine.scheduler.limited
+    assert len(assign(engine, clock)) == 3
+    assert engine.scheduler.visits == 0
