@@ -211,3 +211,27 @@ def test_no_limits_and_no_keys_keep_the_plain_path(engine, clock):
     assert not engine.scheduler.limited
     assert len(assign(engine, clock)) == 3
     assert engine.scheduler.visits == 0
+
+
+def test_a_queue_limit_and_a_new_table_that_lifts_it(engine, clock):
+    engine.set_limits({("queue", "default"): LimitRule(concurrency=1)}, clock())
+    put(engine, clock, "a", 2)
+    put(engine, clock, "b", 2)
+    connect(engine, clock, capacity=4)
+    assert len(assign(engine, clock)) == 1
+    assert engine.scheduler.wait("default", "echo", clock().mono).kind == "concurrency_limit"
+    assert engine.dispatch(clock()) == []
+    engine.set_limits({}, clock())  # cleared: the plain rule of "as many as fit" again
+    assert sorted(keys_of(assign(engine, clock))) == ["a", "b", "b"]
+
+
+def test_a_keyed_job_waiting_as_a_key_is_cancelled_from_its_own_bucket(engine, clock):
+    [job] = put(engine, clock, "acme", 1, labels=("gpu",))
+    assert engine.scheduler.ready.counts() == {("default", "echo"): 1}
+    row = {"id": job.id, "rowid": job.seq, "queue": "default", "spec": "echo", "priority": 0,
+           "concurrency_key": "acme", "labels": '["gpu"]'}
+    outcome, effects = engine.cancel_waiting(row, clock())
+    assert outcome == "withdrawing" and engine.scheduler.ready.counts() == {}
+    [withdraw] = [e for e in effects if type(e).__name__ == "Withdraw"]
+    engine.withdrawn(withdraw, False)  # the row was reserved first: it waits on
+    assert engine.scheduler.ready.counts() == {("default", "echo"): 1}
