@@ -176,9 +176,10 @@ class ShellReads:
     def waiting(self) -> list[Waiting]:
         """The available jobs per queue and spec, by queue and spec, with their reason."""
         scheduler = self.engine.scheduler
+        now = self.clock().mono  # (a queue's or spec's own limit may hold them)
         return [Waiting(queue, spec, n, None if wait is None else wait.reason, wait)
                 for (queue, spec), n in sorted(scheduler.ready_counts().items())
-                for wait in [scheduler.wait(queue, spec)]]
+                for wait in [scheduler.wait(queue, spec, now)]]
 
     def paused_queues(self) -> frozenset[str]:
         return frozenset(self.engine.scheduler.paused)

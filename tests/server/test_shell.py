@@ -22,6 +22,7 @@ from rota.server.coordinator import Coordinator
 from rota.core.auth import new_token
 from rota.base.errors import Conflict
 from rota.core.jobs import EnqueueRequest
+from rota.core.limits import LimitRule
 from rota.core.model import Instant
 from rota.core.settings import ServerSettings
 from rota.base.specs import JobSpec, checksum
@@ -301,3 +302,19 @@ async def test_a_paused_queue_gets_no_assignment_until_it_is_resumed(
     assert not outbox.of("assign") and shell.scheduler.paused == {"default"}
     await shell.pause_queue("default", False)
     assert (await assigned(worker, "job-1"))["job-1"] == "active"
+
+
+async def test_a_spec_at_its_concurrency_limit_gets_one_job_and_the_queues_view_says_why(
+        shell: Coordinator, outbox: FakeOutbox, clock: FakeClock) -> None:
+    shell.apply(shell.engine.set_limits({("spec", "echo"): LimitRule(concurrency=1)}, clock()))
+    await enqueue(shell, "job-1")
+    await enqueue(shell, "job-2")
+    worker = Worker(shell, outbox)
+    worker.beat()  # two free slots
+    await worker.acked(0)
+    await wait_until(lambda: outbox.of("assign"), what="an assign")
+    [(frame, _)] = outbox.of("assign")
+    assert len(frame["jobs"]) == 1
+    [row] = shell.waiting()
+    assert (row.jobs, row.reason) == (1, "concurrency limit 1 for spec echo: 1 running")
+    assert row.wait is not None and not row.wait.blocked  # a backlog, not an alert
