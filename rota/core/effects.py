@@ -67,8 +67,9 @@ class Reserve:
 @dataclass(slots=True)
 class Reserved:
     """A ``Reserve``'s outcome: each claim's job as its row read after the claim (None:
-    no longer available), and the whole jobs whose rows had moved on meanwhile (another
-    server reserved, cancelled or finished them first), which this server must let go."""
+    no longer available, or refused), one per claim in order; the whole jobs whose rows
+    had moved on meanwhile (another server reserved, cancelled or finished them first),
+    which this server must let go; and the jobs a guard refused (``refused``)."""
 
     read: list[JobRecord | None] = field(default_factory=list)
     lost: frozenset[str] = frozenset()

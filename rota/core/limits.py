@@ -174,6 +174,7 @@ Counter = tuple[str, str, str | None]  # (scope kind, scope name, concurrency ke
 Check = tuple[Counter, int | None, Rate | None]  # a counter, its concurrency and its rate
 NEVER = float("inf")  # blocked until a release, not a time
 WINDOWS_PRUNE_AT = 4096  # windows kept before those of idle keys are dropped
+CHECKS_KEPT = 65536  # (queue, spec, key) whose checks are remembered, at most
 
 
 class LimitUse(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -203,6 +204,8 @@ class Limiter:
         self.off: dict[Counter, float] = {}  # held off until then: a store guard refused
         self._prune_at = WINDOWS_PRUNE_AT
         self._now_hint = 0.0  # the latest time a start was taken at (for pruning)
+        # (queue, spec, key) -> its checks under the rules in force: asked per job picked
+        self._checks: dict[tuple[str, str, str | None], list[Check]] = {}
 
     def scope_checks(self, kind: str, name: str) -> Check | None:
         rule = self.rules.get((kind, name))
@@ -223,9 +226,15 @@ class Limiter:
 
     def checks(self, queue: str, spec: str, key: str | None) -> list[Check]:
         """Every limit a job of (queue, spec, key) counts against."""
-        scoped = [check for check in (self.scope_checks("queue", queue),
-                                      self.scope_checks("spec", spec)) if check is not None]
-        return scoped + self.key_checks(queue, spec, key)
+        checks = self._checks.get((queue, spec, key))
+        if checks is None:
+            if len(self._checks) >= CHECKS_KEPT:
+                self._checks.clear()
+            checks = self._checks[(queue, spec, key)] = [
+                check for check in (self.scope_checks("queue", queue),
+                                    self.scope_checks("spec", spec)) if check is not None
+            ] + self.key_checks(queue, spec, key)
+        return checks
 
     def blocked(self, checks: list[Check], now: float) -> tuple[Counter, float] | None:
         """The first limit that allows no start now, and until when (NEVER: until a
@@ -270,12 +279,14 @@ class Limiter:
     def take(self, ident: str | int, queue: str, spec: str, key: str | None, now: float) -> None:
         """A job of (queue, spec, key) is reserved (started) now: it counts."""
         checks = self.checks(queue, spec, key)
-        self._now_hint = max(self._now_hint, now)
+        if now > self._now_hint:
+            self._now_hint = now
+        use = self.use
         for counter, _, rate in checks:
-            self.use[counter] = self.use.get(counter, 0) + 1
+            use[counter] = use.get(counter, 0) + 1
             if rate is not None:
                 self.window(counter, rate).start(now)
-        self.held[ident] = (queue, spec, key, tuple(check[0] for check in checks))
+        self.held[ident] = (queue, spec, key, tuple([check[0] for check in checks]))
 
     def hold(self, ident: str | int, queue: str, spec: str, key: str | None) -> None:
         """A job reserved already (loaded active at a restart, or when limits are set)
@@ -310,13 +321,16 @@ class Limiter:
     def reset(self, rules: dict[Scope, LimitRule]) -> None:
         """New rules: every held job counts again under them."""
         self.rules = dict(rules)
+        self._checks.clear()
         self.off.clear()
         held, self.held, self.use = self.held, {}, {}
         for ident, (queue, spec, key, _) in held.items():
             self.hold(ident, queue, spec, key)
 
     def load_starts(self, starts: dict[tuple[str, str | None], list[float]]) -> None:
-        """Recent starts read back from the store (monotonic times), by limit name and key."""
+        """Recent starts read back from the store (monotonic times), by limit name and key,
+        merged with those known: a start known already (to the millisecond) is not
+        counted twice, so the stored starts may be given again with every new table."""
         for (name, key), times in starts.items():
             kind, _, scope = name.partition(":")
             rule = self.rules.get((kind, scope))
@@ -325,4 +339,7 @@ class Limiter:
                 continue
             counter = (kind, scope, key)
             old = self.windows.get(counter)
-            self.windows[counter] = Window(rate, [*(old.starts if old else ()), *times])
+            # A multiset union: the starts of one round share their moment.
+            known = collections.Counter(round(at, 3) for at in (old.starts if old else ()))
+            given = collections.Counter(round(at, 3) for at in times)
+            self.windows[counter] = Window(rate, (known | given).elements())

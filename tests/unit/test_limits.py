@@ -91,3 +91,13 @@ def test_a_round_costs_what_it_assigns_not_what_waits() -> None:
     before = sched.visits
     assert sched.plan(3.0) == {}  # all at their limit: nothing looked at
     assert sched.visits - before <= 2
+
+
+def test_stored_starts_given_again_are_not_counted_twice() -> None:
+    sched = Scheduler(compact=True)
+    rule = {("spec", "a"): LimitRule(rate=Rate(3, 60.0))}
+    stored = {("spec:a", None): [100.0, 101.0]}
+    sched.set_limits(rule, Instant(200.0, 200.0), starts=stored)
+    sched.set_limits(rule, Instant(200.0, 200.0), starts=stored)  # another change: the same rows
+    window = sched.limiter.windows[("spec", "a", None)]
+    assert list(window.starts) == [100.0, 101.0] and window.allows(200.0)
