@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
 from rota.base.errors import Invalid
 from rota.core.limits import LimitRule, Rate, Window, check_rule, parse_rate
-from rota.core.model import Instant, JobRecord, Limits
+from rota.core.model import Instant, JobRecord, JobState, Limits
 from rota.core.scheduler import Claim, Scheduler, WorkerSlot
 
 
@@ -101,3 +103,62 @@ def test_stored_starts_given_again_are_not_counted_twice() -> None:
     sched.set_limits(rule, Instant(200.0, 200.0), starts=stored)  # another change: the same rows
     window = sched.limiter.windows[("spec", "a", None)]
     assert list(window.starts) == [100.0, 101.0] and window.allows(200.0)
+
+
+def test_random_rounds_never_exceed_a_limit_and_run_every_job() -> None:
+    """Jobs of 7 keys (and none) in two queues, workers coming and going, jobs ending in
+    any order: at every moment no key, spec or queue holds more than its limit, and in
+    the end every job ran."""
+    rng = random.Random(23)
+    checksum = "sha256:" + "a" * 64
+    sched = Scheduler()
+    sched.status_quo = {"a": checksum, "b": checksum}
+    rules = {("spec", "a"): LimitRule(concurrency=5, key_concurrency=2),
+             ("queue", "q2"): LimitRule(concurrency=3, key_concurrency=1),
+             ("spec", "b"): LimitRule(key_rate=Rate(4, 10.0))}
+    sched.set_limits(rules, Instant(0.0, 0.0))
+    jobs = []
+    for n in range(300):
+        job = JobRecord(id=f"j{n}", spec=rng.choice("ab"), queue=rng.choice(["q1", "q2"]),
+                        args=msgspec.Raw(b"{}"), priority=rng.randint(0, 2), enqueued_at=0.0,
+                        seq=n + 1, limits=Limits(3, None, 1.0, 60.0),
+                        concurrency_key=rng.choice([None, *"klmnopq"]))
+        sched.track(job)
+        jobs.append(job)
+    workers = [WorkerSlot(f"w{i}", ["q1", "q2"], concurrency=4, specs={"a": checksum,
+                                                                      "b": checksum})
+               for i in range(3)]
+    for worker in workers:
+        sched.add_worker(worker)
+    done: set[str] = set()
+    starts: dict[str | None, list[float]] = {}
+    now = 0.0
+    while len(done) < len(jobs) and now < 2000:
+        now += 0.5
+        sched.unpark_due(now)
+        for worker in workers:
+            worker.capacity = worker.concurrency
+        for batch in sched.plan(now).values():
+            for job in batch:
+                assert isinstance(job, JobRecord)
+                if job.spec == "b" and job.concurrency_key is not None:
+                    starts.setdefault(job.concurrency_key, []).append(now)
+        active = [job for job in jobs if job.state == "active"]
+        per: dict[tuple[str, str | None], int] = {}
+        for job in active:
+            for scope in (("spec", job.spec), ("queue", job.queue)):
+                per[(scope[1], None)] = per.get((scope[1], None), 0) + 1
+                if job.concurrency_key:
+                    per[(scope[1], job.concurrency_key)] = per.get(
+                        (scope[1], job.concurrency_key), 0) + 1
+        assert per.get(("a", None), 0) <= 5 and per.get(("q2", None), 0) <= 3
+        assert all(n <= 2 for (name, key), n in per.items() if name == "a" and key)
+        assert all(n <= 1 for (name, key), n in per.items() if name == "q2" and key)
+        for job in active:
+            if rng.random() < 0.3:
+                job.move(JobState.COMPLETED)
+                sched.finish(job)
+                done.add(job.id)
+    assert len(done) == len(jobs)
+    for times in starts.values():  # at most 4 starts of a key of spec b in any 10 s
+        assert all(later - earlier >= 10.0 for earlier, later in zip(times, times[4:]))
