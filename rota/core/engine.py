@@ -32,6 +32,7 @@ from rota.core.effects import Arm, Effect, Finished, Reserved, Save, Wake
 from rota.base.errors import RotaError, failure_level
 from rota.core.heartbeats import MAY_RECONNECT, Heartbeats
 from rota.core.intake import Intake
+from rota.core.lines import Lines
 from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
@@ -51,7 +52,7 @@ RECENT_RESULTS = 10_000  # accepted results remembered, to ack a resend of one q
 ROW_REFUSED = "the job's row moved on (another attempt or server holds it, or it ended)"
 
 
-class Engine(Intake, Reservations, Heartbeats, Timers):
+class Engine(Intake, Reservations, Heartbeats, Timers, Lines):
     def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
         self.settings = settings
         self.scheduler = Scheduler(settings.visibility_timeout, compact=True,
@@ -73,6 +74,8 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
         # Its lease among several servers on one database (rota/core/standing.py): whether it
         # may hand out work, and judge the others'. Not shared: no lease, no limit.
         self.standing = Standing(settings.server_lease)
+        self._lines: dict[str, dict[str, None]] = {}  # prefetch lines (rota/core/lines.py)
+        self._taking: dict[str, str] = {}
 
     @property
     def connections(self) -> dict[str, ConnectedWorker]:
@@ -99,6 +102,7 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
             job.clocks(now)
             self.scheduler.track(job)
             if job.state == JobState.ACTIVE:
+                job.started = True  # start reports are kept in memory: counted as started
                 self.scheduler.orphan(job, grace)
                 orphans += 1
         if orphans:

@@ -46,6 +46,8 @@ class Reservations:
     standing: Standing
     _ticket: Callable[[str, Any], int]
     _recover: Callable[..., list[Effect]]  # (jobs, ending, message, now, *, death)
+    _assigned: Callable[..., None]  # (connection, jobs): Lines
+    _take_backs: Callable[[Instant], list[Effect]]  # (Lines)
     _paused_until = 0.0  # monotonic: no round before it (a failed round's pause)
 
     def dispatch(self, now: Instant) -> list[Effect]:
@@ -66,17 +68,20 @@ class Reservations:
                             self.standing.left(now.mono))
             return []
         plan = self.scheduler.plan(now.mono)
+        # Workers the round left with free slots have nothing ready they may run: jobs
+        # waiting in other workers' lines may come back for them (rota/core/lines.py).
+        taken = self._take_backs(now)
         if not plan:
-            return []
+            return taken
         jobs = [job for batch in plan.values() for job in batch if isinstance(job, JobRecord)]
         claims = [claim for batch in plan.values() for claim in batch
                   if isinstance(claim, Claim)]
         for job in jobs:
             job.lease_expires_at = now.wall_of(job.lease or now.mono)
         ticket = self._ticket("reserve", (plan, jobs, claims, now))
-        effects: list[Effect] = [Reserve(jobs, now.wall, ticket, claims,
-                                         self.scheduler.visibility_timeout,
-                                         self.scheduler.min_lease)]
+        effects: list[Effect] = [*taken, Reserve(jobs, now.wall, ticket, claims,
+                                                 self.scheduler.visibility_timeout,
+                                                 self.scheduler.min_lease)]
         # A claimed job's lease is known once its row is read: armed then.
         return effects + ([Arm(min(j.lease or 0.0 for j in jobs))] if jobs else [])
 
@@ -127,6 +132,7 @@ class Reservations:
                                         for job in live])
             for job in live:
                 job.reserved_at = now.wall
+            self._assigned(connection, live)
             self.observe.assigned(live, worker_id, now.wall)
             for job in live:
                 # Frames of about ASSIGN_BYTES at most: a round for a worker with a long
