@@ -136,8 +136,9 @@ class Lines:
     def _given_back(self, connection: ConnectedWorker, job_ids: list[str], now: Instant
                     ) -> list[Effect]:
         """Jobs a worker removed from its line unstarted: available again, no attempt
-        used. Its wish for jobs is lowered by as many, so that the round they go out in
-        gives them to the idle worker, not straight back to it."""
+        used. It gets no new job until its next heartbeat says what it wants (its line
+        was longer than the fleet needs): the round they go out in gives them to the
+        idle worker, not straight back to its line."""
         worker = connection.worker
         line = self._lines.get(worker.id, {})
         back: list[JobRecord] = []
@@ -154,7 +155,7 @@ class Lines:
             back.append(job)
         if not back:
             return []
-        worker.capacity = max(0, worker.capacity - len(back))
+        worker.capacity = 0
         log.info("taken back jobs=%s worker=%s: given back unstarted, for an idle worker",
                  ",".join(job.id for job in back), worker.id)
         return self._recover(back, "released", f"taken back unstarted from worker"

@@ -6,6 +6,8 @@ worker then runs each of them exactly once (docs/protocol.md §3.5)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -183,3 +185,46 @@ async def test_the_first_jobs_of_a_spec_new_to_a_worker_fill_no_line(live: Live,
     assert now["active"] == 1 and now["prefetched"] <= 1, now
     for job in jobs:
         await live.wait_state(job["id"], "completed", timeout=10)
+
+
+async def test_a_quick_job_behind_a_long_one_starts_on_a_worker_that_becomes_idle(
+        live: Live, tmp_path: Path, sdk_worker):
+    """The trial (issue 23): a quick job prefetched behind a 12 s job waited the whole
+    12 s while a second worker sat idle. Now the server knows it has not started, takes
+    it back from the line when the second worker registers, and that one runs it: within
+    a second, at no attempt's cost, and exactly once."""
+    await live.push(write_spec(tmp_path, "work"))
+    release = asyncio.Event()
+    starts: dict[str, list[tuple[str, float]]] = {}
+
+    def build(concurrency: int, prefetch: int | None) -> Worker:
+        worker = Worker(specs_dir=tmp_path, concurrency=concurrency, prefetch=prefetch)
+
+        @worker.handler("work")
+        async def work(ctx: Any) -> None:
+            starts.setdefault(ctx.id, []).append((worker.worker_id, time.monotonic()))
+            if ctx.args.get("block"):  # the long job: 5 s at most, ended by the test
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(release.wait(), 5.0)
+
+        return worker
+
+    busy = await sdk_worker(build(concurrency=1, prefetch=4))
+    for _ in range(2):  # timed runs: short, so the worker holds a line
+        await live.wait_state((await live.enqueue("work"))["id"], "completed")
+    await live.enqueue("work", {"block": True}, id="long")
+    await live.wait_state("long", "active")
+    await live.enqueue("work", id="quick")
+    await held(live, busy, running=1, prefetched=1)  # the server knows it has not started
+    try:
+        idle = build(concurrency=1, prefetch=None)
+        await sdk_worker(idle)
+        registered = time.monotonic()
+        done = await live.wait_state("quick", "completed", timeout=5.0)
+    finally:
+        release.set()
+    [(where, started)] = starts["quick"]
+    assert where == idle.worker_id and started - registered < 1.0, started - registered
+    assert done["attempt"] == 2 and done["attempts_used"] == 1, done
+    assert [e["type"] for e in done["errors"]] == ["released"] and done["deaths"] == 0
+    assert (await live.wait_state("long", "completed"))["attempt"] == 1
