@@ -211,6 +211,18 @@ class Lines:
                                           if job_id not in self._taking]))
         return lines
 
+    def prefetched(self) -> dict[str, int]:
+        """Per queue, the active jobs waiting unstarted in their workers' lines (those of
+        workers that report starts: every other held job counts as running)."""
+        counts: dict[str, int] = {}
+        for holder_id, line in self._lines.items():
+            for job_id in line:
+                job = self.scheduler.jobs.get(job_id)
+                if (job is not None and not job.started and job.state == JobState.ACTIVE
+                        and job.worker_id == holder_id):
+                    counts[job.queue] = counts.get(job.queue, 0) + 1
+        return counts
+
     def _prune_taking(self) -> None:
         """Forget asks whose job left its holder (ended, recovered, or started)."""
         for job_id, holder in list(self._taking.items()):

@@ -17,6 +17,8 @@ from helpers import wait_until
 from test_reconnect import Tally, behind_proxy, reconnected
 
 from rota import Worker
+from rota.cli.live import render, snapshot
+from rota.client.client import Client
 
 
 class Gate(Tally):
@@ -216,6 +218,7 @@ async def test_a_quick_job_behind_a_long_one_starts_on_a_worker_that_becomes_idl
     await live.wait_state("long", "active")
     await live.enqueue("work", id="quick")
     await held(live, busy, running=1, prefetched=1)  # the server knows it has not started
+    await shows_it_prefetched(live, busy)
     try:
         idle = build(concurrency=1, prefetch=None)
         await sdk_worker(idle)
@@ -228,3 +231,22 @@ async def test_a_quick_job_behind_a_long_one_starts_on_a_worker_that_becomes_idl
     assert done["attempt"] == 2 and done["attempts_used"] == 1, done
     assert [e["type"] for e in done["errors"]] == ["released"] and done["deaths"] == 0
     assert (await live.wait_state("long", "completed"))["attempt"] == 1
+
+
+async def shows_it_prefetched(live: Live, busy: Worker) -> None:
+    """The API, the dashboard and ``rota watch`` tell the job waiting in the line from
+    the one running (before: both "active", and the dashboard said "Started")."""
+    listed = (await live.http.get("/jobs", params={"state": "active"})).json()["jobs"]
+    assert {j["id"]: j["started"] for j in listed} == {"long": True, "quick": False}
+    assert (await live.http.get("/jobs/quick")).json()["started"] is False
+    [queue] = (await live.http.get("/queues")).json()["queues"]
+    assert (queue["counts"]["active"], queue["prefetched"]) == (2, 1)
+    page = (await live.http.get("/ui/jobs/quick")).text
+    assert "data-run>prefetched<" in page and "not started" in page
+    assert "data-run>running<" in (await live.http.get("/ui/jobs/long")).text
+    with Client(live.base) as client:
+        screen = render(await asyncio.to_thread(snapshot, client), live.base, 1.0, 100)
+    [row] = [line.split() for line in screen if line.startswith("default ")]
+    assert row[4:6] == ["1", "1"], screen  # RUNNING, PREFETCHED
+    [load] = [line for line in screen if line.startswith(busy.worker_id)]
+    assert "1/1 +1 prefetched" in load, screen
