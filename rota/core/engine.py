@@ -281,6 +281,7 @@ class Engine(Intake, Reservations, Heartbeats, Timers, Lines):
         job = change.job
         job.state = JobState.ACTIVE  # undone, not a move: the move never happened
         job.fails, job.deaths, job.budget_start, job.run_at, job.due = change.undo  # type: ignore[misc]
+        job.started = change.ending != "released"  # a run that reported a result started
         holder = self.scheduler.workers.get(worker_id)
         if holder is not None and self.registry.get(worker_id, conn) is not None:
             holder.active.add(job.id)

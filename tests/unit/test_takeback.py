@@ -25,7 +25,8 @@ SPEC = JobSpec(name="echo", version="1")
 def beat(worker: str, seq: int, *, register: bool = False, reports: bool = True,
          concurrency: int = 1, prefetch: int = 1, active: list[str] | None = None,
          prefetched: list[str] | None = None, started: list[str] | None = None,
-         given_back: list[str] | None = None, capacity: int | None = None) -> p.Heartbeat:
+         given_back: list[str] | None = None, capacity: int | None = None,
+         results: list[p.Result] | None = None) -> p.Heartbeat:
     registration = p.Registration(
         hostname="h", os="linux", pid=7, sdk="test", queues=["default"],
         concurrency=concurrency, specs=[p.SpecRef(SPEC.name, checksum(SPEC))],
@@ -34,7 +35,7 @@ def beat(worker: str, seq: int, *, register: bool = False, reports: bool = True,
                       prefetched_job_ids=prefetched or [], started=started or [],
                       given_back=given_back or [])
     return p.Heartbeat(seq=seq, worker_id=worker, registration=registration, status=status,
-                       capacity=capacity)
+                       capacity=capacity, results=results or [])
 
 
 def join(engine: Engine, clock: FakeClock, worker: str, conn: int, *, capacity: int,
@@ -166,3 +167,14 @@ def test_split_started_counts_the_oldest_waiting_jobs_as_many_as_free_slots():
     held = [job(3), job(1, started=True), job(2), job(4)]
     started, unstarted = split_started(held, concurrency=2, line=["j1", "j2", "j3", "j4"])
     assert [j.id for j in started] == ["j1", "j2"] and [j.id for j in unstarted] == ["j3", "j4"]
+
+
+def test_a_run_whose_result_could_not_be_stored_still_counts_as_started(engine, clock):
+    running, _ = busy_line(engine, clock)
+    failed = p.Result(job_id=running["id"], attempt=1, outcome="failed",
+                      error=p.ErrorInfo(type="ValueError", message="no"))
+    effects = engine.heartbeat(1, "w1", beat("w1", 2, results=[failed]), clock())
+    [save] = of(Save, effects)
+    engine.committed(save.ticket, OSError("disk full"), clock())  # reserved by w1 again
+    job = job_of(engine, running["id"])
+    assert job.state == JobState.ACTIVE and job.started
