@@ -114,10 +114,13 @@ class Lines:
             for job in jobs:
                 job.started = True  # it never says: counted as started, as ever
             return
-        line = self._lines.setdefault(connection.worker.id, {})
+        worker = connection.worker
+        line = self._lines.setdefault(worker.id, {})
         for job in jobs:
             job.started = False
             line[job.id] = None
+        if len(line) > 2 * (worker.concurrency + worker.prefetch) + 16:
+            self._prune(worker.id, line)  # jobs that left unstarted (released, cancelled)
 
     def _starts(self, connection: ConnectedWorker, status: p.Status) -> None:
         """The jobs a worker says it started (or runs): out of its line."""
@@ -192,24 +195,28 @@ class Lines:
         lines: list[tuple[str, list[JobRecord]]] = []
         for holder_id in list(self._lines):
             holder = self.scheduler.workers.get(holder_id)
-            line = self._lines[holder_id]
             if holder is None:
                 del self._lines[holder_id]
                 continue
-            for job_id in list(line):
-                job = self.scheduler.jobs.get(job_id)
-                if (job is None or job.started or job.state != JobState.ACTIVE
-                        or job.worker_id != holder_id or job.orphaned):
-                    del line[job_id]
-            if not line:
-                del self._lines[holder_id]
-                continue
             beyond = len(holder.active) - holder.concurrency
-            if beyond > 0:
-                newest = list(reversed(line))[:beyond]
-                lines.append((holder_id, [self.scheduler.jobs[job_id] for job_id in newest
-                                          if job_id not in self._taking]))
+            if beyond <= 0:  # (checked first: a round costs no walk of a line that runs)
+                continue
+            line = self._prune(holder_id, self._lines[holder_id])
+            newest = list(reversed(line))[:beyond]
+            lines.append((holder_id, [self.scheduler.jobs[job_id] for job_id in newest
+                                      if job_id not in self._taking]))
         return lines
+
+    def _prune(self, holder_id: str, line: dict[str, None]) -> dict[str, None]:
+        """Drop from a line the jobs no longer waiting in it (started, ended, gone)."""
+        for job_id in list(line):
+            job = self.scheduler.jobs.get(job_id)
+            if (job is None or job.started or job.state != JobState.ACTIVE
+                    or job.worker_id != holder_id or job.orphaned):
+                del line[job_id]
+        if not line:
+            self._lines.pop(holder_id, None)
+        return line
 
     def prefetched(self) -> dict[str, int]:
         """Per queue, the active jobs waiting unstarted in their workers' lines (those of
