@@ -9,8 +9,9 @@ never reads a clock, so every decision is tested by feeding it events
 
 ``Engine`` holds the state and inherits its parts, each a mixin of one concern: what
 producers ask (rota/core/intake.py), scheduling rounds (rota/core/reservations.py), what workers
-tell it (rota/core/heartbeats.py) and its clock (rota/core/timers.py). Here: the start, the
-commits' outcomes, and attempts that ended without a result.
+tell it (rota/core/heartbeats.py), its clock (rota/core/timers.py) and the workers' prefetch
+lines (rota/core/lines.py: started jobs, take-back). Here: the start, the commits'
+outcomes, and attempts that ended without a result.
 
 Deadlines (leases, grace periods, heartbeat silence, timers) are monotonic; wall time
 is only what gets stored and shown. When the engine sees that it was not called for
