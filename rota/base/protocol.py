@@ -2,7 +2,7 @@
 
 Workers send exactly one message type, ``heartbeat``; its optional sections carry
 registration, status, results and capacity. The server sends ``welcome``, ``ack``,
-``assign``, ``cancel`` and ``error``. docs/protocol.md is the contract this module
+``assign``, ``cancel``, ``take_back`` and ``error``. docs/protocol.md is the contract this module
 implements: change the two together. Evolve by adding fields with defaults and new
 message types; peers skip what they do not know.
 """
@@ -58,6 +58,9 @@ Positive = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 MAX_PREFETCH = 1_000
 # Alerts in one status: the server keeps the latest 20 per worker, and logs a few a second.
 MAX_ALERTS = 100
+# Jobs started since the last heartbeat, named in one status: a worker that starts more
+# between two heartbeats names the rest in the next one.
+MAX_STARTED = 10_000
 
 
 # -- close codes (RFC 6455 section 7.4.1) ---------------------------------------
@@ -101,6 +104,9 @@ class Registration(msgspec.Struct, kw_only=True):
     # Jobs the worker may hold beyond concurrency, waiting in its own line (§3.5). 0, the
     # default, keeps an older worker to what it can run at once.
     prefetch: Annotated[int, msgspec.Meta(ge=0, le=MAX_PREFETCH)] = 0
+    # It names the jobs it starts (``status.started``) and answers ``take_back`` (§3.5).
+    # False, the default: an older worker, every job it holds counts as started.
+    reports_starts: bool = False
 
 
 class Progress(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -131,6 +137,10 @@ class Status(msgspec.Struct, kw_only=True, omit_defaults=True):
     progress: list[Progress] = []
     logs: list[LogLine] = []
     alerts: Annotated[list[Alert], msgspec.Meta(max_length=MAX_ALERTS)] = []
+    # Jobs started since the last heartbeat (a worker that registered reports_starts).
+    started: Annotated[list[JobId], msgspec.Meta(max_length=MAX_STARTED)] = []
+    # Jobs a ``take_back`` named that it removed from its line, unstarted.
+    given_back: Annotated[list[JobId], msgspec.Meta(max_length=MAX_PREFETCH)] = []
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -218,12 +228,19 @@ class Cancel(_Tagged, tag="cancel"):
     reason: str
 
 
+class TakeBack(_Tagged, tag="take_back"):
+    """Give these jobs back if they still wait in the line, unstarted (``given_back``):
+    another worker is idle. Sent only to a worker that registered ``reports_starts``."""
+
+    job_ids: list[str]
+
+
 class Error(_Tagged, tag="error"):
     code: str
     message: str
 
 
-ServerMessage = Welcome | Ack | Assign | Cancel | Error
+ServerMessage = Welcome | Ack | Assign | Cancel | TakeBack | Error
 
 
 # -- codecs: built once, reused for every frame ----------------------------------

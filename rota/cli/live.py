@@ -40,7 +40,9 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
         "name": row["name"], "paused": bool(row.get("paused")),
         # due (available) apart from not yet due (scheduled, retryable)
         **dict(zip(("waiting", "later"), waiting_and_later(row["counts"]), strict=True)),
-        "active": row["counts"].get("active", 0), "counts": row["counts"],
+        # active jobs, running apart from prefetched (waiting in a worker's line)
+        "active": row["counts"].get("active", 0), "prefetched": row.get("prefetched", 0),
+        "counts": row["counts"],
         "oldest_available_age": row.get("oldest_available_age", oldest.get(row["name"])),
         "workers": row["workers"]} for row in queue_rows]
     blocked = [{"queue": row["name"], "spec": entry["spec"], "available": entry["available"],
@@ -73,15 +75,16 @@ def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[
     if view.get("stale"):
         lines.append(f"STALE: {view['stale']}")
     lines.append("")
-    lines += table(("QUEUE", "STATE", "WAITING", "LATER", "ACTIVE", "OLDEST", "WORKERS"), [
+    lines += table(("QUEUE", "STATE", "WAITING", "LATER", "RUNNING", "PREFETCHED", "OLDEST",
+                    "WORKERS"), [
         (q["name"], "paused" if q["paused"] else "running", f"{q['waiting']:,}",
-         f"{q['later']:,}", f"{q['active']:,}", duration(q["oldest_available_age"]),
-         f"{q['workers']}")
+         f"{q['later']:,}", f"{q['active'] - q['prefetched']:,}", f"{q['prefetched']:,}",
+         duration(q["oldest_available_age"]), f"{q['workers']}")
         for q in view["queues"]], width, first=True) or ["(no queues yet)"]
     lines.append("")
     lines += table(("WORKER", "STATE", "LOAD", "BEAT", "HOST"), [
         (w["id"], STATE_SAID.get(w["state"], w["state"]), f"{w['active']}/{w['concurrency']}"
-         + (f"+{w['prefetched']}" if w["prefetched"] else ""),
+         + (f" +{w['prefetched']} prefetched" if w["prefetched"] else ""),
          duration(w["last_heartbeat_age"]), w["hostname"]) for w in view["workers"]],
         width) or ["(no workers connected)"]
     lines += ["", "BLOCKED"]

@@ -75,6 +75,7 @@ def end_attempt(job: JobRecord, ending: Ending, error: p.ErrorInfo, now: Instant
     """Apply the retry policy to an attempt that did not complete. A ``worker_death``
     counts toward the job's poison tally when ``death`` says its worker really died;
     any other ending sets the tally back to 0."""
+    job.started = False  # (the next attempt starts unstarted)
     if ending == "failed":
         job.fails += 1
     if ending == "released":

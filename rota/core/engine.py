@@ -9,8 +9,9 @@ never reads a clock, so every decision is tested by feeding it events
 
 ``Engine`` holds the state and inherits its parts, each a mixin of one concern: what
 producers ask (rota/core/intake.py), scheduling rounds (rota/core/reservations.py), what workers
-tell it (rota/core/heartbeats.py) and its clock (rota/core/timers.py). Here: the start, the
-commits' outcomes, and attempts that ended without a result.
+tell it (rota/core/heartbeats.py), its clock (rota/core/timers.py) and the workers' prefetch
+lines (rota/core/lines.py: started jobs, take-back). Here: the start, the commits'
+outcomes, and attempts that ended without a result.
 
 Deadlines (leases, grace periods, heartbeat silence, timers) are monotonic; wall time
 is only what gets stored and shown. When the engine sees that it was not called for
@@ -35,6 +36,7 @@ from rota.base.errors import RotaError, failure_level
 from rota.core.heartbeats import MAY_RECONNECT, Heartbeats
 from rota.core.intake import Intake
 from rota.core.limits import LimitRule, LimitUse, Scope, limit_name
+from rota.core.lines import Lines
 from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
@@ -54,7 +56,7 @@ RECENT_RESULTS = 10_000  # accepted results remembered, to ack a resend of one q
 ROW_REFUSED = "the job's row moved on (another attempt or server holds it, or it ended)"
 
 
-class Engine(Intake, Reservations, Heartbeats, Timers):
+class Engine(Intake, Reservations, Heartbeats, Timers, Lines):
     def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
         self.settings = settings
         self.scheduler = Scheduler(settings.visibility_timeout, compact=True,
@@ -76,6 +78,8 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
         # Its lease among several servers on one database (rota/core/standing.py): whether it
         # may hand out work, and judge the others'. Not shared: no lease, no limit.
         self.standing = Standing(settings.server_lease)
+        self._lines: dict[str, dict[str, None]] = {}  # prefetch lines (rota/core/lines.py)
+        self._taking: dict[str, str] = {}
 
     @property
     def connections(self) -> dict[str, ConnectedWorker]:
@@ -104,6 +108,7 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
             job.clocks(now)
             self.scheduler.track(job)
             if job.state == JobState.ACTIVE:
+                job.started = True  # start reports are kept in memory: counted as started
                 self.scheduler.orphan(job, grace)
                 orphans += 1
         if orphans:
@@ -300,6 +305,7 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
         job = change.job
         job.state = JobState.ACTIVE  # undone, not a move: the move never happened
         job.fails, job.deaths, job.budget_start, job.run_at, job.due = change.undo  # type: ignore[misc]
+        job.started = change.ending != "released"  # a run that reported a result started
         holder = self.scheduler.workers.get(worker_id)
         if holder is not None and self.registry.get(worker_id, conn) is not None:
             holder.active.add(job.id)

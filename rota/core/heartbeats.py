@@ -51,6 +51,10 @@ class Heartbeats:
     _recent: collections.OrderedDict[str, tuple[str, int]]
     _ticket: Callable[[str, Any], int]
     _recover: Callable[..., list[Effect]]  # (jobs, ending, message, now, *, death)
+    # (Lines, rota/core/lines.py)
+    _at_death: Callable[..., tuple[list[JobRecord], list[JobRecord]]]
+    _starts: Callable[[ConnectedWorker, p.Status], None]
+    _given_back: Callable[[ConnectedWorker, list[str], Instant], list[Effect]]
 
     # -- workers ---------------------------------------------------------------------
     def register(self, conn: int, hb: p.Heartbeat, principal: Principal, now: Instant
@@ -91,6 +95,7 @@ class Heartbeats:
         if connection is None:
             return []
         held = self.scheduler.remove_worker(worker_id, connection.reported)
+        started, unstarted = self._at_death(connection.worker, worker_id, held)
         effects: list[Effect] = [WorkerGone(worker_id, connection.connected_at, now.wall)]
         self.observe.event(now.wall, "worker_disconnect", worker=worker_id, message=reason)
         quiet = not (connection.logged or held)  # its registration was not logged either
@@ -102,8 +107,12 @@ class Heartbeats:
             if not quiet:
                 log.info("disconnect worker=%s reason=%s jobs_recovered=%d", worker_id, reason,
                          len(held))
-            effects += self._recover(held, "worker_death", f"worker {worker_id} is gone"
+            # Only a job that started can be blamed for its worker's end; one still
+            # waiting in its line goes back unused (rota/core/lines.py).
+            effects += self._recover(started, "worker_death", f"worker {worker_id} is gone"
                                      f" ({reason})", now, death=reason in DEATHS)
+            effects += self._recover(unstarted, "released", f"worker {worker_id} is gone"
+                                     f" ({reason}) before it started the job", now, death=False)
         else:
             grace = self.settings.reconnect_grace
             for job in held:
@@ -171,6 +180,7 @@ class Heartbeats:
             if not connection.checked:
                 effects += self._stop_lost_runs(connection, held_ids(hb.status))
             self.registry.report(connection, hb.status)
+            self._starts(connection, hb.status)
             # A job waiting in the worker's line is vouched for as much as a running one.
             self.scheduler.renew(worker, connection.reported, now.mono)
             if hb.status.progress or hb.status.logs or hb.status.alerts:
@@ -181,6 +191,8 @@ class Heartbeats:
                                        message=(alert.level, p.cut_text(alert.message)))
         if hb.capacity is not None:
             worker.capacity = hb.capacity
+        if hb.status is not None and hb.status.given_back:  # (lowers the capacity just set)
+            effects += self._given_back(connection, hb.status.given_back, now)
         again, _, rejected, changes = self._take_results(worker, hb.results, now)
         desired = connection.directive or worker.state
         if not changes:

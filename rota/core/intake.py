@@ -224,6 +224,7 @@ class Intake:
         grace = now.mono + self.settings.heartbeat_timeout
         for job in jobs:
             self._hold_as_read(job, now)
+            job.started = True  # its start reports went to the other server: as at a restart
             self.scheduler.orphan(job, grace)
         if jobs:
             log_lines(log, logging.INFO, "take over job=%s spec=%s queue=%s worker=%s"

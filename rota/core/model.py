@@ -165,6 +165,7 @@ class JobRecord:
     budget_start: int = 0  # attempts before a manual retry do not count against limits
     cancel_requested: bool = False
     orphaned: bool = False  # its worker is away (restart, lost connection): kept to reclaim
+    started: bool = False  # its worker said this attempt started (memory: rota/core/lines.py)
     capture_logs: bool = False  # the producer asked for the job's log lines
     created_by: str | None = None  # the id of the token that enqueued it
     log_lines: int = 0  # captured lines taken (this server run)

@@ -46,6 +46,8 @@ class Reservations:
     standing: Standing
     _ticket: Callable[[str, Any], int]
     _recover: Callable[..., list[Effect]]  # (jobs, ending, message, now, *, death)
+    _assigned: Callable[..., None]  # (connection, jobs): Lines
+    _take_backs: Callable[[Instant], list[Effect]]  # (Lines)
     _paused_until = 0.0  # monotonic: no round before it (a failed round's pause)
 
     def dispatch(self, now: Instant) -> list[Effect]:
@@ -69,8 +71,11 @@ class Reservations:
         # A limit parked jobs until a time: the timer must fire then (rota/core/flow.py).
         deadline = self.scheduler.flow_deadline()
         armed: list[Effect] = [] if deadline is None else [Arm(deadline)]
+        # Workers the round left with free slots have nothing ready they may run: jobs
+        # waiting in other workers' lines may come back for them (rota/core/lines.py).
+        taken = self._take_backs(now)
         if not plan:
-            return armed
+            return taken + armed
         jobs = [job for batch in plan.values() for job in batch if isinstance(job, JobRecord)]
         claims = [claim for batch in plan.values() for claim in batch
                   if isinstance(claim, Claim)]
@@ -84,7 +89,7 @@ class Reservations:
                 guards = self.scheduler.guards(ident)
                 if guards:
                     reserve.guards[ident] = guards
-        effects: list[Effect] = [reserve, *armed]
+        effects: list[Effect] = [*taken, reserve, *armed]
         # A claimed job's lease is known once its row is read: armed then.
         return effects + ([Arm(min(j.lease or 0.0 for j in jobs))] if jobs else [])
 
@@ -139,6 +144,7 @@ class Reservations:
                                         for job in live])
             for job in live:
                 job.reserved_at = now.wall
+            self._assigned(connection, live)
             self.observe.assigned(live, worker_id, now.wall)
             for job in live:
                 # Frames of about ASSIGN_BYTES at most: a round for a worker with a long

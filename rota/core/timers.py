@@ -126,6 +126,9 @@ class Timers:
         holder = job.worker_id or ""
         if job.orphaned:
             self.scheduler.unorphan(job)
+            if not job.started:  # still in its line: no death of its doing, no attempt used
+                return self._recover([job], "released", f"worker {holder} did not reconnect"
+                                     " in time, and had not started the job", now, death=False)
             return self._recover([job], "worker_death",
                                  f"worker {holder} did not reconnect in time", now)
         effects: list[Effect] = []

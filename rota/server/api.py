@@ -130,6 +130,7 @@ async def job_detail(coordinator: Coordinator, row: dict[str, Any]) -> dict[str,
     """A job as GET /jobs/{id} shows it: its view, its logs, and why it waits (also the
     dashboard's job page)."""
     view = job_view(row)
+    view["started"] = coordinator.job_started(row["id"], row["state"])
     view["logs"] = await coordinator.job_logs(row["id"])
     if row["state"] == "available":
         view["waiting_reason"] = coordinator.waiting_reason(row["queue"], row["spec"])
@@ -278,11 +279,12 @@ def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
     for conn in coordinator.connections.values():
         slot, reg = conn.worker, conn.registration
         matching = coordinator.matching_specs(slot)
+        running, prefetched = coordinator.line_counts(conn)
         workers.append({
             "id": slot.id, "hostname": reg.hostname, "pid": reg.pid, "os": reg.os,
             "sdk": reg.sdk, "state": slot.state, "queues": slot.queues, "labels": slot.labels,
             "concurrency": slot.concurrency, "prefetch": slot.prefetch,
-            "active": slot.running(), "prefetched": len(slot.active) - slot.running(),
+            "active": running, "prefetched": prefetched,
             "capacity": slot.capacity, "specs_matching": matching,
             "specs_mismatching": sorted(set(slot.specs) - set(matching)),
             "directive": conn.directive,
@@ -359,8 +361,11 @@ async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]
                                                       "reason": row.reason,
                                                       "blocked": row.blocked})
     oldest = await coordinator.oldest_waits()
+    prefetched = coordinator.prefetched()
     return [
         {"name": name, "counts": counts.get(name, {}),
+         # of counts["active"]: those waiting unstarted in their workers' lines
+         "prefetched": prefetched.get(name, 0),
          "workers": sum(1 for w in slots if name in w.queues),
          "waiting": waiting.get(name, []), "paused": name in paused,
          "oldest_available_age": oldest.get(name)}

@@ -64,6 +64,8 @@ class JobView(msgspec.Struct, kw_only=True):
     cancel_requested: bool
     capture_logs: bool
     progress: Progress | None
+    # active: whether its worker started it (false: prefetched, waiting in its line); else null
+    started: bool | None = None
 
 
 class JobDetail(JobView, kw_only=True):
@@ -192,8 +194,8 @@ class WorkerView(msgspec.Struct, kw_only=True):
     labels: list[str]
     concurrency: int
     prefetch: int  # jobs it may hold beyond concurrency, waiting to start
-    active: int  # held jobs that count as running: at most concurrency
-    prefetched: int  # held jobs beyond concurrency: waiting in the worker's line
+    active: int  # held jobs it started (one that does not report starts: min(held, concurrency))
+    prefetched: int  # held jobs not started: waiting in the worker's line
     capacity: int
     specs_matching: list[str]
     specs_mismatching: list[str]
@@ -230,6 +232,7 @@ class QueueView(msgspec.Struct):
     waiting: list[Waiting]
     paused: bool  # POST /queues/{queue}/pause: it keeps its jobs and assigns none
     oldest_available_age: float | None  # seconds its longest-waiting available job waited
+    prefetched: int = 0  # of its active jobs, those waiting unstarted in workers' lines
 
 
 class QueuePaused(msgspec.Struct):

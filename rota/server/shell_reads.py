@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from rota.store.health import Degraded
 from rota.core.engine import MAX_LOG_LINES, Engine
 from rota.core.auth import kept_ids
+from rota.core.lines import line_counts
 from rota.core.listing import JobFilter, new_queue_problem, unknown_name
 from rota.core.model import JOB_STATES, Instant
 from rota.core.observe import Observer
 from rota.core.ready import Wait, WorkerSlot
+from rota.core.registry import ConnectedWorker
 from rota.store.store import Store
 
 
@@ -139,7 +141,27 @@ class ShellReads:
         """A page of the jobs ``flt`` matches, newest first, and the next page's cursor.
         RequestError (422) if it names a spec or queue nothing knows."""
         await refuse_unknown(self.store, self.engine, flt)
-        return await self.store.list_jobs(flt, limit, cursor)
+        jobs, after = await self.store.list_jobs(flt, limit, cursor)
+        for view in jobs:
+            view["started"] = self.job_started(view["id"], view["state"])
+        return jobs, after
+
+    def job_started(self, job_id: str, state: str) -> bool | None:
+        """Whether an active job's worker has started it (False: prefetched, waiting in
+        its worker's line); None in any other state. A job this server does not hold
+        (another server's worker has it) counts as started, as after a restart."""
+        if state != "active":
+            return None
+        job = self.engine.scheduler.jobs.get(job_id)
+        return True if job is None or job.state != "active" else job.started
+
+    def line_counts(self, connection: ConnectedWorker) -> tuple[int, int]:
+        """(running, prefetched) of a connected worker's held jobs."""
+        return line_counts(connection, self.engine.scheduler.jobs)
+
+    def prefetched(self) -> dict[str, int]:
+        """Per queue, the active jobs not started yet (waiting in a worker's line)."""
+        return self.engine.prefetched()
 
     async def check_names(self, flt: JobFilter) -> None:
         """RequestError (422) if ``flt`` names a spec or queue nothing knows."""

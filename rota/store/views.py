@@ -42,6 +42,10 @@ def job_view(row: dict[str, Any]) -> dict[str, Any]:
         "max_attempts": row["max_attempts"],
         "max_fails": row["max_fails"],
         "cancel_requested": bool(row["cancel_requested"]),
+        # Whether an active job's worker started it (False: it waits in its worker's line,
+        # prefetched); null in any other state. The row does not know: the server that
+        # holds the job says (rota/core/lines.py), and an active row counts as started.
+        "started": row.get("started", True) if row["state"] == "active" else None,
         "capture_logs": bool(row["capture_logs"]),
         "progress": None if row["progress_at"] is None else {
             "percent": row["progress_percent"], "message": row["progress_message"],

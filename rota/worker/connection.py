@@ -36,7 +36,7 @@ from rota.base import protocol as p
 from rota.base.tls import plain_answer, plain_url, speaks_tls
 from rota.worker.context import STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.worker.execution import Handler, Runner
-from rota.worker.link import FRAME_BUDGET, Link, Servers, ids_size
+from rota.worker.link import FRAME_BUDGET, Link, Servers, drain, ids_size, refusal
 
 log = logging.getLogger("rota.worker")
 METRICS_EVERY = 5.0  # seconds between CPU/RAM figures in heartbeats
@@ -225,7 +225,7 @@ class ConnectionThread:
                 status = exc.response.status_code
                 if status in (401, 403):  # retrying would not change the server's mind
                     raise PermissionError(f"{url} refused this worker ({status}"
-                                          f" {_refusal(exc.response.body)})") from exc
+                                          f" {refusal(exc.response.body)})") from exc
                 if not worker.reconnect:
                     raise
                 why = f"HTTP {status}"
@@ -349,8 +349,11 @@ class ConnectionThread:
         status = p.Status(state=worker.state)
         active, waiting = worker.runner.vouched(now), worker.runner.prefetched(now)
         status.prefetched_job_ids = waiting
+        # Starts since the last beat, and jobs given back from the line (take_back).
+        status.started = drain(worker.runner.starts, p.MAX_STARTED)
+        status.given_back = drain(worker.runner.given, p.MAX_PREFETCH)
         # The ids take their share of the frame first: a deep line's can be 100 KiB.
-        reserve = ids_size(active) + ids_size(waiting)
+        reserve = sum(map(ids_size, (active, waiting, status.started, status.given_back)))
         worker.status.fill(status, min(STATUS_BYTES_PER_BEAT, FRAME_BUDGET - reserve
                                        - link.results_size(reserve)))
         if registration or now - self._metrics_at >= METRICS_EVERY:
@@ -381,6 +384,8 @@ class ConnectionThread:
                 case p.Cancel(job_ids=job_ids, reason=reason):
                     for job_id in job_ids:
                         self._post(worker.runner.cancel, job_id, reason)
+                case p.TakeBack(job_ids=job_ids):
+                    self._post(self._take_back, job_ids)
                 case p.Welcome():
                     self.link.on_welcome(message)
                     worker.welcomed(message)
@@ -396,6 +401,11 @@ class ConnectionThread:
                 self.worker.runner.take(copy)
         finally:
             self._taken += len(jobs)
+
+    def _take_back(self, job_ids: list[str]) -> None:
+        """On the handlers' loop: out of the line, and said at once (a worker is idle)."""
+        self.worker.runner.take_back(job_ids)
+        self.wake(urgent=True)
 
     @property
     def _starting(self) -> int:
@@ -483,12 +493,3 @@ def _closed_by_server(code: int | None, reason: str | None) -> str:
     if code in (CloseCode.GOING_AWAY, CloseCode.SERVICE_RESTART):
         return f"the server is stopping: close code {said}"
     return f"closed by the server: close code {said}"
-
-
-def _refusal(body: bytes) -> str:
-    """A refused handshake's JSON error as "code: message" (or its text, if not JSON)."""
-    try:
-        error = msgspec.json.decode(body)["error"]
-        return f"{error['code']}: {error['message']}"
-    except (msgspec.DecodeError, KeyError, TypeError):
-        return body.decode(errors="replace")[:200]

@@ -1,6 +1,7 @@
 """What a job handler works with: ``JobContext`` (identity, arguments, lease, live
 status, and in manual mode its outcome) and the buffer that carries its status to the
-next heartbeat. Imports only ``protocol``: a worker needs none of the server.
+next heartbeat; and the errors that fail a job whose result cannot be sent. Imports only
+``rota.base``: a worker needs none of the server.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rota.base import protocol as p
-from rota.base.errors import JobFailed  # defined there, public here too
+from rota.base.errors import JobFailed, RotaError  # JobFailed: public here too
+from rota.base.inputs import MAX_DEPTH
 
 log = logging.getLogger("rota.worker")
 MAX_HELD_LINES = 1000  # log lines held for the server (while away, too); the oldest go first
@@ -184,3 +186,28 @@ class _Done:
 
 
 _DONE = _Done()
+
+
+# A heartbeat's object, its results and the result's own object come first (protocol §7).
+RESULT_DEPTH = MAX_DEPTH - 3
+
+
+class ResultTooLarge(RotaError):
+    """A result too large to send: running the job again would not make it smaller."""
+
+    retryable = False
+    error_type = "result_too_large"  # the name the server gives the same failure
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.error_type, message)
+
+
+class ResultTooDeep(RotaError):
+    """A result nested deeper than a frame may carry (protocol §7, ``too_deep``): sent,
+    it would end the connection, and be sent again on the next one."""
+
+    retryable = False
+    error_type = "result_too_deep"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.error_type, message)

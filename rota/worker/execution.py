@@ -6,7 +6,10 @@ At most ``concurrency`` jobs run at once. Up to ``prefetch`` more wait in a line
 order they were assigned, and the next one starts the moment a run ends, on this loop,
 without waiting for the server: that is what a prefetch buys (docs/protocol.md §3.5). A
 job that will not start here (the worker goes quiet or stops, a cancel names it) is
-given back at once as ``released``, which costs it no attempt.
+given back at once as ``released``, which costs it no attempt. Every start is noted
+(``starts``) for the next heartbeat to name, whatever runs the job (a task, a thread, a
+child process), and a job the server takes back (``take_back``: another worker is idle)
+leaves the line unstarted and is noted in ``given``.
 
 A run holds a slot until it ends. A plain function cannot be interrupted: when its run
 is given up (its lease lapsed, a cancel, a shutdown) the run is reported at once and
@@ -38,10 +41,10 @@ from typing import Any
 import msgspec
 
 from rota.base import protocol as p
-from rota.worker.context import JobContext, StatusBuffer
+from rota.worker.context import (RESULT_DEPTH, JobContext, ResultTooDeep, ResultTooLarge,
+                                 StatusBuffer)
 from rota.worker.isolation import Children, child_traceback
-from rota.base.errors import RotaError
-from rota.base.inputs import MAX_DEPTH, too_deep
+from rota.base.inputs import too_deep
 from rota.worker.link import RESULT_BYTES_PER_BEAT, SMOOTHING, line_pace, prefetch_line
 
 log = logging.getLogger("rota.worker")
@@ -88,6 +91,10 @@ class Runner:
         self._wedged = False  # told the worker to drain and exit already
         self._loop: asyncio.AbstractEventLoop | None = None
         self.children = Children(isolation)  # handlers that run in child processes
+        # For the next heartbeat (read on the connection's thread: deques, which append
+        # and pop atomically): jobs started, and jobs taken back from the line unstarted.
+        self.starts: collections.deque[str] = collections.deque()
+        self.given: collections.deque[str] = collections.deque()
 
     # -- what the connection reads (from its own thread) ----------------------------------
     def capacity(self, state: str, round_trip: float = 0.0) -> int:
@@ -177,6 +184,7 @@ class Runner:
         began = time.monotonic()
         run = Run(copy, deadline=began + copy.visibility_timeout, began=began)
         self.running[copy.id] = run
+        self.starts.append(copy.id)
         run.task = asyncio.create_task(self._execute(run), name=f"rota-job-{copy.id}")
         # Whatever ends the task, even a cancel before its first step, ends the run here.
         run.task.add_done_callback(lambda task: self._ended(run, task))
@@ -202,13 +210,27 @@ class Runner:
         for job_id in list(self.running):
             self.cancel(job_id, reason)
 
-    def _drop_waiting(self, job_id: str, reason: str) -> None:
+    def take_back(self, job_ids: list[str]) -> None:
+        """The server asks for these jobs if they still wait (another worker is idle):
+        those that do leave the line unstarted; one started already runs on here."""
+        for job_id in job_ids:
+            if self._unline(job_id) is not None:
+                log.info("given back job=%s: taken back for an idle worker", job_id)
+                self.given.append(job_id)
+
+    def _unline(self, job_id: str) -> p.JobCopy | None:
+        """Take a job out of the line, if it waits there."""
         entry = next((e for e in self.waiting if e[0].id == job_id), None)
         if entry is None:
-            return
+            return None
         self.waiting.remove(entry)
-        copy = entry[0]
-        self._let_go(copy)
+        self._let_go(entry[0])
+        return entry[0]
+
+    def _drop_waiting(self, job_id: str, reason: str) -> None:
+        copy = self._unline(job_id)
+        if copy is None:
+            return
         log.info("dropped waiting job=%s reason=%s", job_id, reason)
         if reason == "reservation_lost":  # no longer ours to report
             self.report(None)
@@ -428,31 +450,6 @@ THREAD_GRACE = 1.0  # s a given-up run's thread has to return before it counts a
 # What an abandoned thread's lines say to do (a plain function cannot be stopped).
 WAY_OUT = ('use isolation="process" for handlers that must stop on a cancel,'
            " or check ctx.cancelled")
-
-# A heartbeat's object, its results and the result's own object come first (protocol §7).
-RESULT_DEPTH = MAX_DEPTH - 3
-
-
-class ResultTooLarge(RotaError):
-    """A result too large to send: running the job again would not make it smaller."""
-
-    retryable = False
-    error_type = "result_too_large"  # the name the server gives the same failure
-
-    def __init__(self, message: str) -> None:
-        super().__init__(self.error_type, message)
-
-
-class ResultTooDeep(RotaError):
-    """A result nested deeper than a frame may carry (protocol §7, ``too_deep``): sent,
-    it would end the connection, and be sent again on the next one."""
-
-    retryable = False
-    error_type = "result_too_deep"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(self.error_type, message)
-
 
 def _log_end(copy: p.JobCopy, result: p.Result | None, took: float, reason: str | None) -> None:
     """One DEBUG line for every run, however it ended, with its duration (a failure has

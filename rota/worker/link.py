@@ -312,6 +312,14 @@ def result_size(result: p.Result) -> int:
     return value + (16 * 1024 if error.details is not None else 512 + 6 * len(error.message))
 
 
+def drain(ids: collections.deque[str], most: int) -> list[str]:
+    """Up to ``most`` ids from the front of ``ids`` (the rest wait for the next frame)."""
+    taken: list[str] = []
+    while ids and len(taken) < most:
+        taken.append(ids.popleft())
+    return taken
+
+
 def ids_size(ids: list[str]) -> int:
     """What a list of job ids takes of a frame as JSON, near enough."""
     return sum(len(job_id) + 3 for job_id in ids)
@@ -344,3 +352,12 @@ def _is_server_url(url: object) -> bool:
     except ValueError:  # a malformed host ("[::1") or port
         return False
     return bool(parts.hostname)
+
+
+def refusal(body: bytes) -> str:
+    """A refused handshake's JSON error as "code: message" (or its text, if not JSON)."""
+    try:
+        error = msgspec.json.decode(body)["error"]
+        return f"{error['code']}: {error['message']}"
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return body.decode(errors="replace")[:200]

@@ -12,7 +12,7 @@ from rota.base import protocol
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "protocol.md").read_text()
 MESSAGE_TYPES = [protocol.Heartbeat, protocol.Welcome, protocol.Ack, protocol.Assign,
-                 protocol.Cancel, protocol.Error]
+                 protocol.Cancel, protocol.TakeBack, protocol.Error]
 SECTIONS = [protocol.Registration, protocol.Status, protocol.Result, protocol.ErrorInfo,
             protocol.SpecRef, protocol.SpecVerdict, protocol.SpecRejection,
             protocol.ResultRejection, protocol.JobCopy, protocol.Progress, protocol.LogLine,

@@ -6,6 +6,8 @@ worker then runs each of them exactly once (docs/protocol.md §3.5)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,8 @@ from helpers import wait_until
 from test_reconnect import Tally, behind_proxy, reconnected
 
 from rota import Worker
+from rota.cli.live import render, snapshot
+from rota.client.client import Client
 
 
 class Gate(Tally):
@@ -53,9 +57,11 @@ async def fill(live: Live, tmp_path: Path, sdk_worker: Callable[..., Awaitable[W
 async def fill_up(live: Live, worker: Worker, jobs: int) -> list[dict[str, Any]]:
     """Enqueue ``jobs`` gated jobs and wait until the worker holds 2 + 3 of them. (It
     holds a line once it has seen how long runs take: two quick jobs show it they are
-    short.)"""
+    short.) Their time is then pinned: on a busy machine a quick run measured at 5 ms
+    sized the line at 2, and the 3 waiting jobs never came (a flaky wait)."""
     for _ in range(2):
         await live.wait_state((await live.enqueue("work", {"quick": True}))["id"], "completed")
+    worker.runner.run_times["work"] = 0.0001  # no job ends before the gate opens
     enqueued = [await live.enqueue("work", id=f"j{n}") for n in range(jobs)]
     await held(live, worker, running=2, prefetched=3)
     return enqueued
@@ -183,3 +189,66 @@ async def test_the_first_jobs_of_a_spec_new_to_a_worker_fill_no_line(live: Live,
     assert now["active"] == 1 and now["prefetched"] <= 1, now
     for job in jobs:
         await live.wait_state(job["id"], "completed", timeout=10)
+
+
+async def test_a_quick_job_behind_a_long_one_starts_on_a_worker_that_becomes_idle(
+        live: Live, tmp_path: Path, sdk_worker):
+    """The trial (issue 23): a quick job prefetched behind a 12 s job waited the whole
+    12 s while a second worker sat idle. Now the server knows it has not started, takes
+    it back from the line when the second worker registers, and that one runs it: within
+    a second, at no attempt's cost, and exactly once."""
+    await live.push(write_spec(tmp_path, "work"))
+    release = asyncio.Event()
+    starts: dict[str, list[tuple[str, float]]] = {}
+
+    def build(concurrency: int, prefetch: int | None) -> Worker:
+        worker = Worker(specs_dir=tmp_path, concurrency=concurrency, prefetch=prefetch)
+
+        @worker.handler("work")
+        async def work(ctx: Any) -> None:
+            starts.setdefault(ctx.id, []).append((worker.worker_id, time.monotonic()))
+            if ctx.args.get("block"):  # the long job: 5 s at most, ended by the test
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(release.wait(), 5.0)
+
+        return worker
+
+    busy = await sdk_worker(build(concurrency=1, prefetch=4))
+    for _ in range(2):  # timed runs: short, so the worker holds a line
+        await live.wait_state((await live.enqueue("work"))["id"], "completed")
+    await live.enqueue("work", {"block": True}, id="long")
+    await live.wait_state("long", "active")
+    await live.enqueue("work", id="quick")
+    await held(live, busy, running=1, prefetched=1)  # the server knows it has not started
+    await shows_it_prefetched(live, busy)
+    try:
+        idle = build(concurrency=1, prefetch=None)
+        await sdk_worker(idle)
+        registered = time.monotonic()
+        done = await live.wait_state("quick", "completed", timeout=5.0)
+    finally:
+        release.set()
+    [(where, started)] = starts["quick"]
+    assert where == idle.worker_id and started - registered < 1.0, started - registered
+    assert done["attempt"] == 2 and done["attempts_used"] == 1, done
+    assert [e["type"] for e in done["errors"]] == ["released"] and done["deaths"] == 0
+    assert (await live.wait_state("long", "completed"))["attempt"] == 1
+
+
+async def shows_it_prefetched(live: Live, busy: Worker) -> None:
+    """The API, the dashboard and ``rota watch`` tell the job waiting in the line from
+    the one running (before: both "active", and the dashboard said "Started")."""
+    listed = (await live.http.get("/jobs", params={"state": "active"})).json()["jobs"]
+    assert {j["id"]: j["started"] for j in listed} == {"long": True, "quick": False}
+    assert (await live.http.get("/jobs/quick")).json()["started"] is False
+    [queue] = (await live.http.get("/queues")).json()["queues"]
+    assert (queue["counts"]["active"], queue["prefetched"]) == (2, 1)
+    page = (await live.http.get("/ui/jobs/quick")).text
+    assert "data-run>prefetched<" in page and "not started" in page
+    assert "data-run>running<" in (await live.http.get("/ui/jobs/long")).text
+    with Client(live.base) as client:
+        screen = render(await asyncio.to_thread(snapshot, client), live.base, 1.0, 100)
+    [row] = [line.split() for line in screen if line.startswith("default ")]
+    assert row[4:6] == ["1", "1"], screen  # RUNNING, PREFETCHED
+    [load] = [line for line in screen if line.startswith(busy.worker_id)]
+    assert "1/1 +1 prefetched" in load, screen

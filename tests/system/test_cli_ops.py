@@ -278,7 +278,8 @@ async def test_watch_fits_80_columns_and_counts_a_burst_at_once(live: Live, conn
     assert lines[0].startswith("rota watch  ")
     assert max(len(line) for line in lines) <= 80, "\n".join(lines)
     columns = {line.split()[0]: re.split(r" {2,}", line) for line in lines if line.strip()}
-    assert columns["QUEUE"] == ["QUEUE", "STATE", "WAITING", "LATER", "ACTIVE", "OLDEST", "WORKERS"]
+    assert columns["QUEUE"] == ["QUEUE", "STATE", "WAITING", "LATER", "RUNNING", "PREFETCHED",
+                                "OLDEST", "WORKERS"]
     [cut] = [row for name, row in columns.items() if name.startswith("thumbnails-")
              and "/" not in name]  # (not its line under BLOCKED)
     assert cut[0].endswith("…") and cut[1:3] == ["running", "200"], cut

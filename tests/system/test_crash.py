@@ -436,9 +436,10 @@ async def test_kill_9_server_under_load_loses_no_job(server: ServerProcess,
         assert json.loads(row["result"]) == jobs[job_id], job_id
         assert row["attempt"] >= 1 and row["worker_id"] in ids_by_pid.values(), job_id
         errors = json.loads(row["errors"])
-        # every attempt but the last ended with the crash: one worker_death record each
-        assert [(e["type"], e["attempt"]) for e in errors] == [
-            ("worker_death", a) for a in range(1, row["attempt"])], (job_id, errors)
+        # every attempt but the last ended with the crash (one worker_death record each),
+        # or was taken back unstarted from a busy worker's line for an idle one (released)
+        assert [e["attempt"] for e in errors] == list(range(1, row["attempt"])), (job_id, errors)
+        assert {e["type"] for e in errors} <= {"worker_death", "released"}, (job_id, errors)
     for job_id in orphans_of_dead:  # nobody came back for them: rerun by the survivor
         row = rows[job_id]
         assert row["attempt"] == at_kill[job_id]["attempt"] + 1, job_id

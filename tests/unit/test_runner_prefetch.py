@@ -220,3 +220,24 @@ async def test_an_idle_worker_asks_for_a_line_sized_by_the_slowest_spec_it_timed
     assert line.capacity() == 2 + 1
     line.runner.run_times.clear()  # nothing timed yet: the free slots only
     assert line.capacity() == 2
+
+
+async def test_starts_are_noted_and_a_take_back_gives_only_waiting_jobs_back():
+    """What the next heartbeat names (status.started, status.given_back): a start is
+    noted as the run begins (Runner.start, before a task, a thread or a child runs the
+    handler); a job taken back leaves the line unstarted and unreported as a result;
+    one started already runs on."""
+    line = Line()
+    line.take("a", "b", "c", "d")
+    await wait_until(lambda: line.started == ["a", "b"], what="two runs")
+    assert list(line.runner.starts) == ["a", "b"]
+    line.runner.take_back(["b", "d", "zz"])  # b runs; zz is not held
+    assert list(line.runner.given) == ["d"] and line.runner.prefetched() == ["c"]
+    assert line.results == []  # no result: given_back says it
+    line.finish("a")
+    await wait_until(lambda: line.started == ["a", "b", "c"], what="c to start")
+    assert list(line.runner.starts) == ["a", "b", "c"]
+    for job_id in "bc":
+        line.finish(job_id)
+    await wait_until(lambda: len(line.results) == 3, what="three results")
+    assert "d" not in line.started
