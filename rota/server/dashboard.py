@@ -79,7 +79,10 @@ def throughput(stats: dict[str, Any]) -> tuple[str, dict[str, int]]:
 def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:
     """Available jobs that no worker will take as things stand, per queue and spec, and
     why: not a backlog behind busy workers, which is no incident (Wait.blocked)."""
-    return [row._asdict() for row in coordinator.waiting() if row.blocked]
+    rows = coordinator.waiting()
+    return [row._asdict() for row in rows if row.blocked] + [
+        {**row._asdict(), "jobs": row.held["no_label"], "reason": display.NO_LABELS}
+        for row in rows if not row.blocked and row.held.get("no_label")]
 
 
 async def queues_page(request: Request) -> Response:
