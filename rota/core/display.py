@@ -117,6 +117,9 @@ def count(value: int) -> str:
 
 
 NO_LABELS = "no connected worker has the labels they need"  # what jobs held by labels wait for
+# Jobs a concurrency key's limit or their labels hold, by wait kind (``held`` of GET /queues)
+HELD_SAID = {"concurrency_limit": "held by their key's concurrency limit",
+             "rate_limit": "held by their key's rate limit", "no_label": NO_LABELS}
 
 
 def limit_use(use: dict[str, Any]) -> list[str]:
