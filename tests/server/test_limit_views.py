@@ -36,6 +36,11 @@ async def test_a_spec_at_its_limit_shows_in_metrics_queues_the_job_and_watch(
     job = await live.job(waiting)
     assert job["state"] == "available"
     assert job["waiting_reason"] == "concurrency limit 2 for spec send_email: 2 running"
+    # A job's own labels, read from its row (a JSON list, or a comma-separated text)
+    for labels in ('["gpu", "eu"]', "gpu,eu"):
+        assert live.coordinator.job_waiting_reason(
+            {"queue": "default", "spec": "send_email", "labels": labels}
+        ) == "no connected worker has label eu"
 
     text = (await live.http.get("/metrics")).text
     assert metric(text, "rota_limit_in_use", limit="spec:send_email", key="") == 2
