@@ -119,13 +119,18 @@ def limit_panels(coordinator: Coordinator) -> list[dict[str, Any]]:
 
 
 def rule_words(rule: LimitRule) -> list[str]:
-    """A rule as people say it: "at most 40 running", "100/min", "per key: at most 3
-    running", "per key: 5/s"."""
-    return [text for text in (
-        None if rule.concurrency is None else f"at most {rule.concurrency} running",
-        None if rule.rate is None else f"{rule.rate.text()} starts",
-        None if rule.key_concurrency is None else f"per key: at most {rule.key_concurrency} running",
-        None if rule.key_rate is None else f"per key: {rule.key_rate.text()} starts") if text]
+    """A rule as people say it: "at most 40 running", "100/min starts", "per key: at
+    most 3 running", "per key: 5/s starts"."""
+    words = []
+    if rule.concurrency is not None:
+        words.append(f"at most {rule.concurrency} running")
+    if rule.rate is not None:
+        words.append(f"{rule.rate.text()} starts")
+    if rule.key_concurrency is not None:
+        words.append(f"per key: at most {rule.key_concurrency} running")
+    if rule.key_rate is not None:
+        words.append(f"per key: {rule.key_rate.text()} starts")
+    return words
 
 
 async def specs_page(request: Request) -> Response:
