@@ -342,3 +342,10 @@ async def make_tokens(live: Any, *wanted: tuple[str, list[str] | None]) -> list[
 
 def bearer(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
+
+
+def set_limits(coordinator: Any, rules: dict[tuple[str, str], Any]) -> None:
+    """Put ``rules`` (scope -> rota.core.limits.LimitRule: the whole table) in force on an
+    in-process server, on its loop. The one place tests set limits without the runtime
+    limits' API (PUT /limits/{kind}/{name}): switch it to that when it is there."""
+    coordinator.apply(coordinator.engine.set_limits(rules, coordinator.clock()))

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 from conftest import ThreadedServer, write_spec
+from helpers import set_limits
 
 from rota.base.specs import JobSpec
 from rota.worker.worker import Worker
@@ -64,6 +65,13 @@ class Rig:
         body = {"spec": spec, "args": args or {}, **extra}
         job_id: str = self.api("POST", "/jobs", json=body)["job"]["id"]
         return job_id
+
+    def limits(self, rules: dict[tuple[str, str], Any]) -> None:
+        """Put ``rules`` in force (tests/helpers.py set_limits), on the server's loop."""
+        async def put() -> None:
+            set_limits(self.coordinator, rules)
+
+        self.run(put())
 
     def job(self, job_id: str) -> dict[str, Any]:
         job: dict[str, Any] = self.api("GET", f"/jobs/{job_id}")

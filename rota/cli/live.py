@@ -18,6 +18,7 @@ from rota.cli.ops import split
 from rota.core.model import waiting_and_later
 from rota.client.client import ApiError, Client
 from rota.core.charts import start_index
+from rota.core import display
 from rota.core.display import duration
 from rota.base.logs import printable
 from rota.base.protocol import STATE_SAID
@@ -30,9 +31,10 @@ MINUTES = 60
 
 def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
     """One look at the server: queues (depth, latency, paused), workers (state, load,
-    heartbeat age), blocked specs (waiting jobs no worker may take, and why) and the
-    jobs a minute over the last ``minutes``."""
-    queue_rows = client.queues()["queues"]
+    heartbeat age), blocked specs (waiting jobs no worker may take, and why), the limits
+    and their use, and the jobs a minute over the last ``minutes``."""
+    queues = client.queues()
+    queue_rows = queues["queues"]
     worker_rows = client.workers()["workers"]
     stats = client.stats(minutes)
     oldest = stats.get("oldest_available") or {}
@@ -49,6 +51,10 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
                 "reason": entry["reason"]}
                for row in queue_rows for entry in row["waiting"]
                if entry["reason"] and entry.get("blocked", True)]  # not a busy backlog
+    blocked += [{"queue": row["name"], "spec": entry["spec"],
+                 "available": entry["held"]["no_label"], "reason": display.NO_LABELS}
+                for row in queue_rows for entry in row["waiting"]
+                if (entry.get("held") or {}).get("no_label")]  # nothing will take them
     shaped_workers = [{
         "id": w["id"], "state": w["state"], "active": w["active"],
         "concurrency": w["concurrency"], "prefetched": w["prefetched"],
@@ -62,7 +68,7 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
             for i, n in enumerate(series.get(kind, [])[:len(counts)]):
                 counts[i] += n
     return {"at": stats["now"], "queues": shaped_queues, "workers": shaped_workers,
-            "blocked": blocked,
+            "blocked": blocked, "limits": queues.get("limits", []),
             "throughput": {"minute_starts": stats["minute_starts"],
                        "started_at": stats.get("started_at"), **per_minute}}
 
@@ -92,9 +98,22 @@ def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[
         lines.append(f"{b['queue']}/{b['spec']}: {b['available']} waiting: {b['reason']}")
     if not view["blocked"]:
         lines.append("(nothing blocked)")
+    lines += ["", "LIMITS", *limit_lines(view.get("limits", []))]
     lines += ["", *throughput_lines(view["throughput"], width)]
     # printable: a worker's hostname is its own text, and must not drive the terminal
     return [printable(line, max(20, width - 1)) for line in lines]
+
+
+def limit_lines(uses: list[dict[str, Any]]) -> list[str]:
+    """One line per limit in use (jobs counted against it, or starts in its window):
+    ``spec:send_email  3/3 running  key acme``, its name in a column as wide as the widest."""
+    used = [u for u in uses if u.get("running") or u.get("starts") or u.get("next_start")]
+    if not used:  # (a limit of per-key rules only lists no use while no key has any)
+        return ["(no limit in use)"]
+    width = max(len(u["name"]) for u in used)
+    return ["  ".join([use["name"].ljust(width), *display.limit_use(use)]
+                      + ([] if use.get("key") is None else [f"key {use['key']}"]))
+            for use in used]
 
 
 FIGURES = ("THIS MIN", "PREV MIN", "HOUR")  # the minute under way, the last whole one
@@ -167,8 +186,8 @@ def _spark(counts: list[int]) -> str:
 @URL_OPTION
 def watch(interval: float, as_json: bool, url: str) -> None:
     """A live view of the server, redrawn every --interval seconds: queues (waiting jobs,
-    the oldest one's age, paused), workers (state, load, heartbeat age), blocked specs and
-    jobs a minute over the last hour."""
+    the oldest one's age, paused), workers (state, load, heartbeat age), blocked specs,
+    the limits in use and jobs a minute over the last hour."""
     client = Client(servers(url), token=token())
     try:
         view = snapshot(client)  # the first look fails in one line: a wrong URL or token

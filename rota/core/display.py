@@ -114,3 +114,22 @@ def failures(fails: int, failed: int, retried: bool) -> str:
 def count(value: int) -> str:
     """An integer with thin separators: 1234567 -> "1,234,567"."""
     return f"{value:,}"
+
+
+NO_LABELS = "no connected worker has the labels they need"  # what jobs held by labels wait for
+# Jobs a concurrency key's limit or their labels hold, by wait kind (``held`` of GET /queues)
+HELD_SAID = {"concurrency_limit": "held by their key's concurrency limit",
+             "rate_limit": "held by their key's rate limit", "no_label": NO_LABELS}
+
+
+def limit_use(use: dict[str, Any]) -> list[str]:
+    """A limit's use (a LimitUse as JSON) as people read it, in parts: "3/3 running"
+    (or "3 running" with no concurrency limit), "2 started of 100/min", "next start in
+    0.4 s"; for `rota watch` and the dashboard's Limits page."""
+    running, most = use.get("running", 0), use.get("concurrency")
+    parts = [f"{running}/{most} running" if most is not None else f"{running} running"]
+    if use.get("rate"):
+        parts.append(f"{use.get('starts', 0)} started of {use['rate']}")
+        if use.get("next_start"):
+            parts.append(f"next start in {use['next_start']:.1f} s")
+    return parts

@@ -332,3 +332,40 @@ class Flow:
         checks = [check for check in (self.limiter.scope_checks("queue", queue),
                                       self.limiter.scope_checks("spec", spec)) if check]
         return self._limit_wait(checks, now)
+
+    def held(self, now: float) -> dict[tuple[str, str], dict[str, int]]:
+        """Per (queue, spec), the available jobs of its keyed and labelled buckets that
+        their own key's limit or labels hold now, per wait kind (concurrency_limit,
+        rate_limit, no_label): what ``wait`` (the queue's and spec's reason) does not
+        see. For the surfaces (GET /metrics, GET /queues): a look at each bucket with
+        jobs, the whole jobs once, and the connected workers once per (queue, spec)."""
+        lanes_by_queue = self.ready.lanes
+        if not lanes_by_queue:
+            return {}
+        whole: dict[tuple[str, str, SubId], int] = {}
+        for job in self.jobs.values():
+            if job.state == "available" and (job.concurrency_key is not None or job.labels):
+                sub = (job.queue, job.spec, (job.concurrency_key, job.labels))
+                whole[sub] = whole.get(sub, 0) + 1
+        held: dict[tuple[str, str], dict[str, int]] = {}
+        for queue, lanes_of in lanes_by_queue.items():
+            for spec, lanes in lanes_of.items():
+                expected = self.status_quo.get(spec)
+                carried = {frozenset(w.labels) for w in self.workers.values()
+                           if queue in w.queues and w.specs.get(spec) == expected}
+                kinds: dict[str, int] = {}
+                for sub, bucket in lanes.subs.items():
+                    n = bucket.count + whole.get((queue, spec, sub), 0)
+                    if not n:
+                        continue
+                    key, labels = sub
+                    if labels and not any(carries.issuperset(labels) for carries in carried):
+                        kind: str | None = NO_LABEL
+                    else:
+                        wait = self._limit_wait(self.limiter.key_checks(queue, spec, key), now)
+                        kind = None if wait is None else wait.kind
+                    if kind is not None:
+                        kinds[kind] = kinds.get(kind, 0) + n
+                if kinds:
+                    held[(queue, spec)] = kinds
+        return held

@@ -13,6 +13,7 @@ window, docs/flow-control.md), from which the next allowed start is read.
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 from typing import Any
 
@@ -188,6 +189,36 @@ class LimitUse(msgspec.Struct, frozen=True, omit_defaults=True):
     rate: str | None = None  # "100/min"
     starts: int = 0  # starts in the rate's last period
     next_start: float | None = None  # seconds until a start is allowed (None: now)
+
+
+OTHER_KEYS = "(other)"  # the key the keys beyond a surface's cap are summed under
+
+
+def fold_keys(uses: list[LimitUse], limit: int) -> list[LimitUse]:
+    """``uses`` with at most ``limit`` per-key entries over all limits (keys are named
+    by producers: /metrics names at most ``--max-series`` of them), the busiest (most
+    running, then most starts), in their order; the others summed per limit under the
+    key OTHER_KEYS (after its entries: ``uses`` come grouped by limit, as ``limit_use``
+    gives them), which has no concurrency of its own (a sum over keys is not one
+    key's use). A scope's own entries are all kept: operators name those."""
+    keyed = [i for i, use in enumerate(uses) if use.key is not None]
+    if len(keyed) <= limit:
+        return list(uses)
+    busiest = sorted(keyed, key=lambda i: (-uses[i].running, -uses[i].starts, i))
+    kept = set(busiest[:max(0, limit)])
+    out: list[LimitUse] = []
+    for name, group in itertools.groupby(enumerate(uses), key=lambda pair: pair[1].name):
+        other: LimitUse | None = None  # what this limit's keys left out add up to
+        for i, use in group:
+            if use.key is None or i in kept:
+                out.append(use)
+                continue
+            other = other or LimitUse(name=name, key=OTHER_KEYS, rate=use.rate)
+            other = msgspec.structs.replace(other, running=other.running + use.running,
+                                            starts=other.starts + use.starts)
+        if other is not None:
+            out.append(other)
+    return out
 
 
 class Limiter:

@@ -21,6 +21,7 @@ from rota.base.errors import DomainError, Invalid, NoSuchJob
 from rota.server.gate import principal_of
 from rota.base.ids import TOKEN_NAME_PATTERN
 from rota.core.jobs import BatchRequest, EnqueueRequest
+from rota.core.limits import fold_keys
 from rota.core.listing import did_you_mean
 from rota.core.observe import UNFINISHED, busiest
 from rota.core.policy import TERMINAL_STATES
@@ -133,7 +134,7 @@ async def job_detail(coordinator: Coordinator, row: dict[str, Any]) -> dict[str,
     view["started"] = coordinator.job_started(row["id"], row["state"])
     view["logs"] = await coordinator.job_logs(row["id"])
     if row["state"] == "available":
-        view["waiting_reason"] = coordinator.waiting_reason(row["queue"], row["spec"])
+        view["waiting_reason"] = coordinator.job_waiting_reason(row)
     elif row["state"] in ("scheduled", "retryable"):
         view["waiting_reason"] = f"{row['state']} until {view['run_at']}"
     return view
@@ -325,7 +326,14 @@ async def list_queues(request: Request) -> Response:
     need(request, "admin")
     coordinator = coordinator_of(request)
     views, others = await queue_views(coordinator, limit=coordinator.settings.max_series)
-    return JSON({"queues": views, "others": others})
+    return JSON({"queues": views, "others": others, "limits": limit_views(coordinator)})
+
+
+def limit_views(coordinator: Coordinator) -> list[dict[str, Any]]:
+    """Each limit in force and its use now: the scope's own, then each key in use (at
+    most --max-series keys, the rest summed under the key "(other)")."""
+    return [msgspec.to_builtins(use) for use in
+            fold_keys(coordinator.limit_use(), coordinator.settings.max_series)]
 
 
 async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]] | None = None,
@@ -359,7 +367,8 @@ async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]
         if row.queue in names:
             waiting.setdefault(row.queue, []).append({"spec": row.spec, "available": row.jobs,
                                                       "reason": row.reason,
-                                                      "blocked": row.blocked})
+                                                      "blocked": row.blocked,
+                                                      "held": dict(row.held)})
     oldest = await coordinator.oldest_waits()
     prefetched = coordinator.prefetched()
     return [

@@ -1,4 +1,4 @@
-"""The web dashboard at /ui: the pages (overview, queues, specs, workers, jobs, a job),
+"""The web dashboard at /ui: the pages (overview, queues, specs, limits, workers, jobs, a job),
 server-rendered over what the JSON API shows, and the operator's actions as HTML forms.
 How a page is rendered, refreshed, and posted to, and the login, are in rota/server/pages.py.
 """
@@ -22,6 +22,7 @@ from rota.core.charts import SERIES, start_index, throughput_svg
 from rota.server.coordinator import Coordinator
 from rota.base.errors import RequestError
 from rota.base.ids import path_segment
+from rota.core.limits import LimitRule, LimitUse, limit_name
 from rota.core.listing import (FIELDS, NAME, JobFilter, decode_cursor, filter_params,
                                 parse_filter)
 from rota.store.lookup import COUNT_CAP
@@ -36,6 +37,7 @@ PAGE = 50  # jobs a page of the list shows
 TRAIL = 100  # pages back a Newer link can retrace (then it goes to the first)
 BULK_LIMIT = 1000  # jobs one bulk action from the dashboard touches at most
 CHART_MINUTES = 60
+KEYS_SHOWN = 50  # concurrency keys a limit's panel lists, the busiest (then "N more")
 
 
 # -- pages ----------------------------------------------------------------------------
@@ -79,7 +81,10 @@ def throughput(stats: dict[str, Any]) -> tuple[str, dict[str, int]]:
 def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:
     """Available jobs that no worker will take as things stand, per queue and spec, and
     why: not a backlog behind busy workers, which is no incident (Wait.blocked)."""
-    return [row._asdict() for row in coordinator.waiting() if row.blocked]
+    rows = coordinator.waiting()
+    return [row._asdict() for row in rows if row.blocked] + [
+        {**row._asdict(), "jobs": row.held["no_label"], "reason": display.NO_LABELS}
+        for row in rows if not row.blocked and row.held.get("no_label")]
 
 
 async def queues_page(request: Request) -> Response:
@@ -87,6 +92,45 @@ async def queues_page(request: Request) -> Response:
     queues, note, others = await counted_queues(request)
     return render(request, "queues", queues=queues, states=STATES, counts_note=note,
                   others=others, max_series=coordinator_of(request).settings.max_series)
+
+
+async def limits_page(request: Request) -> Response:
+    need(request, "admin")
+    return render(request, "limits", limits=limit_panels(coordinator_of(request)),
+                  keys_shown=KEYS_SHOWN, limit_use=display.limit_use)
+
+
+def limit_panels(coordinator: Coordinator) -> list[dict[str, Any]]:
+    """Each limit in force: its rule in words, its own use, and the keys in use, the
+    busiest ``KEYS_SHOWN`` of them (producers name keys: there may be 10,000)."""
+    uses: dict[str, list[LimitUse]] = {}
+    for use in coordinator.limit_use():
+        uses.setdefault(use.name, []).append(use)
+    panels = []
+    for scope, rule in sorted(coordinator.limit_rules().items()):
+        name = limit_name(scope)
+        own = [msgspec.to_builtins(u) for u in uses.get(name, []) if u.key is None]
+        keys = sorted((u for u in uses.get(name, []) if u.key is not None),
+                      key=lambda u: (-u.running, -u.starts, u.key))
+        panels.append({"name": name, "rule": rule_words(rule), "own": own[0] if own else None,
+                       "key_uses": [msgspec.to_builtins(u) for u in keys[:KEYS_SHOWN]],
+                       "more": max(0, len(keys) - KEYS_SHOWN)})
+    return panels
+
+
+def rule_words(rule: LimitRule) -> list[str]:
+    """A rule as people say it: "at most 40 running", "100/min starts", "per key: at
+    most 3 running", "per key: 5/s starts"."""
+    words = []
+    if rule.concurrency is not None:
+        words.append(f"at most {rule.concurrency} running")
+    if rule.rate is not None:
+        words.append(f"{rule.rate.text()} starts")
+    if rule.key_concurrency is not None:
+        words.append(f"per key: at most {rule.key_concurrency} running")
+    if rule.key_rate is not None:
+        words.append(f"per key: {rule.key_rate.text()} starts")
+    return words
 
 
 async def specs_page(request: Request) -> Response:
@@ -335,6 +379,7 @@ routes: list[BaseRoute] = [
     Route("/ui", overview, methods=["GET"]),
     Route("/ui/queues", queues_page, methods=["GET"]),
     Route("/ui/specs", specs_page, methods=["GET"]),
+    Route("/ui/limits", limits_page, methods=["GET"]),
     Route("/ui/workers", workers_page, methods=["GET"]),
     Route("/ui/workers/state", action(direct_label), methods=["POST"]),
     Route("/ui/workers/{worker_id}/state", action(direct_worker), methods=["POST"]),

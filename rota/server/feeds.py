@@ -25,6 +25,7 @@ from rota.server.api_base import DROP, JSON, need, token_revoked, too_many_waits
 from rota.core.auth import Principal
 from rota.server.coordinator import Coordinator
 from rota.base.errors import RequestError
+from rota.core.limits import LimitUse, fold_keys
 from rota.core.listing import NAME, JobFilter
 from rota.core.model import JOB_STATES
 from rota.core.observe import (COUNTS, DURATION_BOUNDS, KINDS, UNFINISHED, WAIT_BOUNDS, Event,
@@ -330,6 +331,31 @@ class ScrapeCollector:
         for (spec, reason), n in sorted(self.gauges["blocked"].items()):
             blocked.add_metric([spec, reason], n)
         yield blocked
+        yield from limit_metrics(self.gauges["limits"])
+
+
+def limit_metrics(uses: list[LimitUse]) -> Iterator[Metric]:
+    """Each limit's use: a scope's own under key="", each key in use under its name
+    (at most --max-series of them, the rest summed under key="(other)")."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    labels = ["limit", "key"]
+    in_use = GaugeMetricFamily("rota_limit_in_use", "Reserved (running or prefetched) jobs"
+                               " counted against a limit", labels=labels)
+    most = GaugeMetricFamily("rota_limit_max", "A concurrency limit: the most reserved jobs"
+                             " it allows", labels=labels)
+    starts = GaugeMetricFamily("rota_rate_starts", "Starts within a rate limit's last"
+                               " period", labels=labels)
+    for use in uses:
+        names = [use.name, use.key or ""]
+        in_use.add_metric(names, use.running)
+        if use.concurrency is not None:
+            most.add_metric(names, use.concurrency)
+        if use.rate is not None:
+            starts.add_metric(names, use.starts)
+    yield in_use
+    yield most
+    yield starts
 
 
 def _buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
@@ -355,11 +381,12 @@ async def gauges(coordinator: Coordinator) -> dict[str, Any]:
         state = connection.worker.state
         workers[state] = workers.get(state, 0) + 1
     blocked: dict[tuple[str, str], int] = {}
-    for row in coordinator.waiting():
-        if row.blocked and row.wait is not None:  # a backlog behind busy workers is not
-            key = (row.spec, row.wait.kind)
-            blocked[key] = blocked.get(key, 0) + row.jobs
-    return {"queue_counts": counts, "oldest": oldest, "workers": workers, "blocked": blocked}
+    for row in coordinator.waiting():  # a backlog behind busy workers is not counted
+        for kind, n in row.kinds().items():
+            blocked[(row.spec, kind)] = blocked.get((row.spec, kind), 0) + n
+    limits = fold_keys(coordinator.limit_use(), coordinator.settings.max_series)
+    return {"queue_counts": counts, "oldest": oldest, "workers": workers, "blocked": blocked,
+            "limits": limits}
 
 
 async def metrics(request: Request) -> Response:

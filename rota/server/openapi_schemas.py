@@ -223,6 +223,9 @@ class Waiting(msgspec.Struct):
     available: int
     reason: str | None
     blocked: bool  # no worker will take them as things stand; false for a backlog
+    # of them, those their own concurrency key's limit or labels hold, per wait kind
+    # (concurrency_limit, rate_limit, no_label)
+    held: dict[str, int] = {}
 
 
 class QueueView(msgspec.Struct):
@@ -265,9 +268,20 @@ class OtherQueues(msgspec.Struct):
     counts: dict[str, int]  # their jobs per state, summed
 
 
+class LimitUseView(msgspec.Struct):
+    name: str  # queue:emails, spec:send_email
+    key: str | None = None  # a concurrency key in use ("(other)": the keys past --max-series)
+    concurrency: int | None = None  # its concurrency limit
+    running: int = 0  # reserved (running or prefetched) jobs counted against it
+    rate: str | None = None  # its rate limit, e.g. "100/min"
+    starts: int = 0  # starts within the rate's last period
+    next_start: float | None = None  # seconds until its rate allows a start (null: now)
+
+
 class Queues(msgspec.Struct):
     queues: list[QueueView]
     others: OtherQueues | None
+    limits: list[LimitUseView] = []  # every limit in force and its use now
 
 
 class StorageState(msgspec.Struct):

@@ -8,38 +8,57 @@ made of, so that a change in how the shell keeps them touches one place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType, SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rota.store.health import Degraded
 from rota.core.engine import MAX_LOG_LINES, Engine
 from rota.core.auth import kept_ids
+from rota.core.limits import LimitRule, LimitUse, Scope
 from rota.core.lines import line_counts
 from rota.core.listing import JobFilter, new_queue_problem, unknown_name
 from rota.core.model import JOB_STATES, Instant
 from rota.core.observe import Observer
-from rota.core.ready import Wait, WorkerSlot
+from rota.core.ready import CONCURRENCY_LIMIT, RATE_LIMIT, Wait, WorkerSlot, row_labels
 from rota.core.registry import ConnectedWorker
 from rota.store.store import Store
 
 
 MAX_TOKENS_ASKED = 100  # producer tokens whose kept ids a 404 looks for
+NONE_HELD: Mapping[str, int] = MappingProxyType({})
 
 
 class Waiting(NamedTuple):
     """Available jobs of one queue and spec, and why no worker takes them now (None:
-    one will); ``wait`` says whether that blocks them (rota/core/ready.py Wait)."""
+    one will); ``wait`` says whether that blocks them (rota/core/ready.py Wait).
+    ``held``: of those jobs, the ones their own concurrency key's limit or their labels
+    hold, per wait kind (concurrency_limit, rate_limit, no_label), beyond ``wait``."""
 
     queue: str
     spec: str
     jobs: int
     reason: str | None
     wait: Wait | None = None
+    held: Mapping[str, int] = NONE_HELD
+
+    def kinds(self) -> dict[str, int]:
+        """Its jobs per the wait kind that holds them (rota_jobs_blocked's reasons): all
+        of them under a blocking reason or a queue's or spec's own limit; else those
+        a key's limit or labels hold, each under its kind. A backlog behind busy
+        workers is none."""
+        wait = self.wait
+        if wait is not None and self.jobs and (wait.blocked or wait.kind in LIMIT_KINDS):
+            return {wait.kind: self.jobs}
+        return dict(self.held)
 
     @property
     def blocked(self) -> bool:
         """No worker will take them as things stand (not a backlog: Wait.blocked)."""
         return self.wait is not None and self.wait.blocked and self.jobs > 0
+
+
+LIMIT_KINDS = frozenset({CONCURRENCY_LIMIT, RATE_LIMIT})
 
 
 class SpecWorkers(NamedTuple):
@@ -177,6 +196,15 @@ class ShellReads:
         """Why an available job of this queue and spec is not taken now (None: it will be)."""
         return self.engine.scheduler.waiting_reason(queue, spec)
 
+    def job_waiting_reason(self, row: Mapping[str, Any]) -> str | None:
+        """Why this available job (its row) is not taken now (None: it will be): its
+        queue's and spec's reason, or its own concurrency key's limit or labels."""
+        job = SimpleNamespace(queue=row["queue"], spec=row["spec"],
+                              concurrency_key=row.get("concurrency_key"),
+                              labels=row_labels(row.get("labels")))
+        wait = self.engine.scheduler.job_wait(job, self.clock())
+        return None if wait is None else wait.reason
+
     # -- queues ----------------------------------------------------------------------
     async def queue_counts(self, states: Sequence[str] = JOB_STATES
                            ) -> dict[str, dict[str, int]]:
@@ -199,9 +227,21 @@ class ShellReads:
         """The available jobs per queue and spec, by queue and spec, with their reason."""
         scheduler = self.engine.scheduler
         now = self.clock().mono  # (a queue's or spec's own limit may hold them)
-        return [Waiting(queue, spec, n, None if wait is None else wait.reason, wait)
+        held = scheduler.held(now)  # (and a key's limit, or labels, some of them)
+        return [Waiting(queue, spec, n, None if wait is None else wait.reason, wait,
+                        held.get((queue, spec), NONE_HELD))
                 for (queue, spec), n in sorted(scheduler.ready_counts().items())
                 for wait in [scheduler.wait(queue, spec, now)]]
+
+    # -- limits ----------------------------------------------------------------------
+    def limit_use(self) -> list[LimitUse]:
+        """Every limit in force and its use now: the scope's own, then each key in use
+        (rota/core/flow.py limit_use)."""
+        return self.engine.limit_use(self.clock())
+
+    def limit_rules(self) -> dict[Scope, LimitRule]:
+        """The limits in force (spec files' rules overlaid by runtime ones), by scope."""
+        return dict(self.engine.scheduler.limiter.rules)
 
     def paused_queues(self) -> frozenset[str]:
         return frozenset(self.engine.scheduler.paused)

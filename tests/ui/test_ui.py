@@ -21,6 +21,7 @@ import pytest
 from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 from uirig import CHROMIUM, Rig
 
+from rota.core.limits import LimitRule, Rate
 from rota.worker.worker import JobContext
 
 pytestmark = pytest.mark.xdist_group("browser")  # one xdist worker runs them: one browser
@@ -171,6 +172,31 @@ def test_watch_a_job_appear_and_finish(page: Page, rig: Rig):
     expect(page.locator(".legend .key.enqueued strong")).to_have_text("2")
     expect(page.locator(".legend .key.completed strong")).to_have_text("2", timeout=WAIT)
     expect(page.locator("svg.chart polyline.completed")).to_have_count(1)
+
+
+def test_the_limits_page_shows_each_limit_and_its_use(page: Page, rig: Rig):
+    rig.spec("send_email")
+    enter(page, rig)
+    page.get_by_role("link", name="Limits").click()
+    expect(page).to_have_url(re.compile(r"/ui/limits$"))
+    expect(page.locator("#live")).to_contain_text(
+        "No limits are set: every job runs as soon as a worker is free. Set one with"
+        " rota limits set spec:NAME --concurrency N")
+    rig.limits({("spec", "send_email"): LimitRule(concurrency=1, rate=Rate(100, 60.0))})
+    started, release = threading.Event(), threading.Event()
+    rig.worker({"send_email": gated(started, release)}, concurrency=4)
+    waiting = [rig.enqueue("send_email", {"n": n}) for n in range(3)]
+    try:
+        rig.wait(started.is_set, "the first job starts")
+        panel = page.locator('section.limit[id="l-spec:send_email"]')
+        expect(panel.locator("h2")).to_have_text("spec:send_email")  # refreshed by itself
+        expect(panel).to_contain_text("at most 1 running; 100/min starts")
+        expect(panel.locator("tbody tr td")).to_have_text(["all", "1 / 1", "1 started of 100/min"])
+        page.goto(rig.base + f"/ui/jobs/{waiting[2]}")  # and a waiting job says why
+        expect(page.get_by_text("concurrency limit 1 for spec send_email: 1 running")
+               ).to_be_visible()
+    finally:
+        release.set()
 
 
 def test_retry_a_discarded_job_from_its_page(page: Page, rig: Rig):

@@ -1,10 +1,11 @@
 """The dashboard at a phone's width (390 px) and a desktop's (1280 px), in Chromium, on one
-server with a little of everything (workers, a finished, a failed and a blocked job):
+server with a little of everything (workers, a finished, a failed and a blocked job,
+limits):
 no page scrolls sideways, the header's links are on screen and readable (a contrast
 of at least 4.5:1, WCAG AA, against what is behind them), and no name (a spec, queue or
 host) in a table breaks over two lines. At the phone's width the tables read without
 scrolling their box: the Workers' state and load, the Blocked reason, a queue's waiting
-reason and a job's log line whole (broken only between words), and jobs rows of even height. Also what a page shows while its server does not
+reason, a job's log line and a limit's use whole (broken only between words), and jobs rows of even height. Also what a page shows while its server does not
 answer: its content dimmed under a banner that says how old it is.
 """
 
@@ -20,6 +21,7 @@ from playwright.sync_api import BrowserContext, Page, expect
 from test_ui import browser, enter, fresh_page, shared  # noqa: F401 (browser, shared: fixtures)
 from uirig import Rig, filled
 
+from rota.core.limits import LimitRule, Rate
 from rota.worker.worker import JobContext
 
 pytestmark = pytest.mark.xdist_group("browser-b")  # a second browser, beside test_ui.py's
@@ -106,6 +108,8 @@ def fill(rig: Rig) -> dict[str, str]:
         ctx.log(f"sending the welcome mail to {ctx.args['to']} through smtp.example.com:587")
         return "sent"
 
+    rig.limits({("spec", "mail"): LimitRule(concurrency=5, rate=Rate(100, 60.0)),
+                ("queue", "reports_without_any_worker"): LimitRule(concurrency=1)})
     rig.worker({"mail": mail}, labels=["web", "eu-west"], queues=["emails"])
     ids = {"done": rig.enqueue("mail", {"to": "a@example.com"}, capture_logs=True),
            "failed": rig.enqueue("mail", {"fail": True})}
@@ -128,7 +132,7 @@ def check_pages(page: Page, rig: Rig, ids: dict[str, str], width: int) -> dict[s
     page.goto(rig.base + "/ui/login")
     wrong = {"/ui/login": faults(page, width)}
     enter(page, rig)
-    for path in ("/ui", "/ui/queues", "/ui/specs", "/ui/workers", "/ui/jobs",
+    for path in ("/ui", "/ui/queues", "/ui/specs", "/ui/limits", "/ui/workers", "/ui/jobs",
                  "/ui/jobs?state=discarded", f"/ui/jobs/{ids['done']}",
                  f"/ui/jobs/{ids['failed']}", "/ui/bulk?action=retry&state=discarded"):
         page.goto(rig.base + path)
@@ -169,11 +173,13 @@ def test_every_page_fits_the_width_and_its_header_reads(
             sizes = page.evaluate("""() => [...document.querySelectorAll('svg.chart text')]
                                      .map(t => t.getBoundingClientRect().height)""")
             assert sizes and min(sizes) >= 9, sizes  # pixels on screen, not in the viewBox
-            # The Blocked reason, a queue's waiting reason and a job's log line, on a line
+            # The Blocked reason, a queue's waiting reason, a job's log line and a limit's
+            # use, on a line
             # of their own as wide as the box: not one word a line, every word whole and
             # on screen (the queues' table scrolls 860 px wide: not its reason).
             for path, css in (("/ui", ".blocked td"), ("/ui/queues", "ul.waiting .warn"),
-                              (f"/ui/jobs/{ids['done']}", ".logs td")):
+                              (f"/ui/jobs/{ids['done']}", ".logs td"),
+                              ("/ui/limits", ".limits td.full")):
                 page.goto(rig.base + path)
                 text = page.evaluate(SPLIT, css)
                 assert text["width"] >= 250 and text["split"] == [], (path, text)

@@ -8,7 +8,8 @@ import msgspec
 import pytest
 
 from rota.base.errors import Invalid
-from rota.core.limits import LimitRule, Rate, Window, check_rule, parse_rate
+from rota.core.limits import (OTHER_KEYS, LimitRule, LimitUse, Rate, Window, check_rule, fold_keys,
+                              parse_rate)
 from rota.core.model import Instant, JobRecord, JobState, Limits
 from rota.core.scheduler import Claim, Scheduler, WorkerSlot
 
@@ -162,3 +163,16 @@ def test_random_rounds_never_exceed_a_limit_and_run_every_job() -> None:
     assert len(done) == len(jobs)
     for times in starts.values():  # at most 4 starts of a key of spec b in any 10 s
         assert all(later - earlier >= 10.0 for earlier, later in zip(times, times[4:]))
+
+
+def test_keys_past_the_cap_are_summed_under_other_after_their_limit():
+    uses = [LimitUse(name="spec:a", concurrency=9, running=4),
+            LimitUse(name="spec:a", key="k1", concurrency=3, running=1),
+            LimitUse(name="spec:a", key="k2", concurrency=3, running=3),
+            LimitUse(name="spec:a", key="k3", concurrency=3, running=2),
+            LimitUse(name="spec:b", key="x", rate="5/s", starts=4)]
+    assert fold_keys(uses, 5) == uses
+    assert fold_keys(uses, 2) == [
+        uses[0], uses[2], uses[3],
+        LimitUse(name="spec:a", key=OTHER_KEYS, running=1),  # k1: the least busy
+        LimitUse(name="spec:b", key=OTHER_KEYS, rate="5/s", starts=4)]

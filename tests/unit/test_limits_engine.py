@@ -232,3 +232,22 @@ def test_a_keyed_job_waiting_as_a_key_is_cancelled_from_its_own_bucket(engine, c
     [withdraw] = [e for e in effects if type(e).__name__ == "Withdraw"]
     engine.withdrawn(withdraw, False)  # the row was reserved first: it waits on
     assert engine.scheduler.ready.counts() == {("default", "echo"): 1}
+
+
+def test_the_jobs_a_key_limit_a_rate_or_labels_hold_are_counted_per_kind(engine, clock):
+    engine.set_limits({("queue", "default"): LimitRule(key_concurrency=1),
+                       SPEC_LIMIT: LimitRule(key_rate=Rate(1, 60.0))}, clock())
+    put(engine, clock, "acme", 3)
+    put(engine, clock, None, 2, labels=("gpu",))
+    connect(engine, clock, capacity=8)
+    first = assign(engine, clock)
+    assert keys_of(first) == ["acme"]
+    held = engine.scheduler.held(clock().mono)
+    # acme: at the queue's key limit (checked before the spec's); the gpu jobs: no worker
+    assert held == {("default", "echo"): {"concurrency_limit": 2, "no_label": 2}}
+    finish(engine, clock, first)
+    assert engine.scheduler.held(clock().mono) == {
+        ("default", "echo"): {"rate_limit": 2, "no_label": 2}}
+    use = engine.limit_use(clock())
+    assert [(u.name, u.key, u.running, u.starts, u.next_start) for u in use] == [
+        ("spec:echo", "acme", 0, 1, 60.0)]  # (none runs: the queue's key limit shows none)
