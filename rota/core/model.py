@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from rota.base.errors import RotaError
+from rota.core.unique import UniqueClaim
 
 
 class Instant(NamedTuple):
@@ -168,6 +169,7 @@ class JobRecord:
     capture_logs: bool = False  # the producer asked for the job's log lines
     created_by: str | None = None  # the id of the token that enqueued it
     log_lines: int = 0  # captured lines taken (this server run)
+    unique: UniqueClaim | None = None  # the key its enqueue claims (until its row is in)
 
     def move(self, to: JobState) -> None:
         """Change state, refusing a move the lifecycle does not allow."""

@@ -245,6 +245,16 @@ class Ready:
         bucket.count += 1
         self.keys += 1
 
+    def holds(self, queue: str, spec: str, priority: int, seq: int) -> bool:
+        """Whether this key is held here, waiting or being claimed: a scan of its bucket's
+        heap, for the rare withdrawal of a job another's write cancelled (a unique
+        replace; on several servers it may not have reached this one yet)."""
+        if seq in self._claiming:
+            return True
+        bucket = self.buckets.get(queue, {}).get(spec)
+        return (bucket is not None and seq not in self._gone
+                and key_of(priority, seq) in bucket.keys)
+
     # -- reading -------------------------------------------------------------------
     def counts(self) -> dict[tuple[str, str], int]:
         return {(queue, spec): bucket.count for queue, by_spec in self.buckets.items()

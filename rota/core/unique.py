@@ -10,7 +10,7 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-from rota.base.errors import Invalid
+from rota.base.errors import Invalid, UniqueConflict
 from rota.base.unique import UniqueOptions, options_problem
 
 WAITING = frozenset({"scheduled", "available", "retryable"})
@@ -113,3 +113,11 @@ def conflict_message(verdict: Verdict, job_id: str, state: str) -> str:
         return (f"job {job_id} holds this unique key and is {state}: on_conflict \"replace\""
                 " replaces a waiting job only")
     return f"job {job_id} holds this unique key ({state}); on_conflict is \"reject\""
+
+
+
+def conflict(verdict: Verdict, holder: dict[str, Any]) -> UniqueConflict:
+    """The 409 of a key held by the job whose row is ``holder``."""
+    return UniqueConflict(conflict_message(verdict, holder["id"], holder["state"]),
+                          {"job_id": holder["id"], "state": holder["state"],
+                           "unique_key": holder.get("unique_key")})

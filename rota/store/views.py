@@ -43,6 +43,7 @@ def job_view(row: dict[str, Any]) -> dict[str, Any]:
         "max_fails": row["max_fails"],
         "cancel_requested": bool(row["cancel_requested"]),
         "capture_logs": bool(row["capture_logs"]),
+        "unique_key": row.get("unique_key"),  # the unique key it holds (rota/core/unique.py)
         "progress": None if row["progress_at"] is None else {
             "percent": row["progress_percent"], "message": row["progress_message"],
             "at": rfc3339(row["progress_at"])},
