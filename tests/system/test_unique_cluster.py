@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 from conftest import write_spec
-from helpers import RawWorker, free_port, spawn_serve, wait_until
+from helpers import RawWorker, end, free_port, spawn_serve, wait_until
 
 BY_USER = {"keys": ["args"], "args_keys": ["user"]}
 
@@ -54,9 +54,4 @@ async def test_fifty_concurrent_unique_enqueues_through_three_servers_make_one_j
         finally:
             await worker.ws.close()
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                proc.terminate()
-                await proc.wait()
-        for client in clients:
-            await client.aclose()
+        await end(procs, clients)
