@@ -9,6 +9,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import corpus
 import pytest
 from conftest import Live, write_spec
 from helpers import rota
@@ -95,16 +96,11 @@ async def test_a_specs_unique_table_is_its_jobs_default(live: Live, tmp_path: Pa
 
 async def test_contradicting_options_are_422_and_store_nothing(live: Live, tmp_path: Path):
     await live.push(write_spec(tmp_path, "mail", queue="nobody"))
-    for unique, words in [
-            ({"key": "k", "keys": ["args"]}, "not both"),
-            ({"keys": ["spec"], "args_keys": ["user"]}, 'needs "args"'),
-            ({"keys": ["args"], "args_keys": ["nobody"]},
-             "'nobody', which the job's args do not have"),
-            ({"states": "finished", "on_conflict": "replace", "period": 5}, "cannot be replaced")]:
+    for name, unique, words in corpus.UNIQUE_OPTIONS:
         refused = await post(live, args={"user": 1}, unique=unique)
-        assert refused.status_code == 422, refused.text
-        assert refused.json()["error"]["code"] == "invalid_unique"
-        assert words in refused.json()["error"]["message"]
+        assert refused.status_code == 422, (name, refused.text)
+        assert refused.json()["error"]["code"] == "invalid_unique", name
+        assert words in refused.json()["error"]["message"], name
     unknown = await post(live, unique={"keys": ["meta"]})  # a dimension Rota has not
     assert unknown.status_code == 422 and "unique.keys[0] must be one of" in unknown.text
     assert (await live.http.get("/jobs")).json()["jobs"] == []
