@@ -250,8 +250,9 @@ def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
                 conn.execute(sql + " ORDER BY finished_at LIMIT ?", [*params, left])
                 if job_id not in keep]
         if rows:
-            conn.executemany("DELETE FROM job_logs WHERE job_id = ?",
-                             [(job_id,) for _, job_id in rows])
+            for table in ("job_logs", "unique_keys"):  # its lines, and a key it holds
+                conn.executemany(f"DELETE FROM {table} WHERE job_id = ?",
+                                 [(job_id,) for _, job_id in rows])
             conn.executemany("DELETE FROM jobs WHERE rowid = ?",
                              [(rowid,) for rowid, _ in rows])
             deleted[cut.state] = deleted.get(cut.state, 0) + len(rows)

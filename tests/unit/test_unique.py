@@ -8,7 +8,14 @@ import msgspec
 import pytest
 
 from rota.base.errors import Invalid
+from rota.base.specs import JobSpec, checksum
 from rota.base.unique import UniqueOptions, unique_option
+from rota.core.auth import Principal
+from rota.core.effects import Finished
+from rota.core.engine import Engine
+from rota.core.jobs import EnqueueRequest
+from rota.core.model import Instant, JobRecord
+from rota.core.settings import ServerSettings
 from rota.core.unique import claim, decide, holds, unique_key
 
 NOW = 1_000.0
@@ -96,3 +103,36 @@ def test_a_client_may_give_the_options_as_a_struct_or_a_key_alone():
     assert unique_option({"unique": UniqueOptions(on_conflict="reject")}) == {
         "unique": {"on_conflict": "reject"}}
     assert unique_option({"queue": "q"}) == {"queue": "q"}
+
+
+# -- the engine: what a unique enqueue builds, and a replaced job let go ----------------
+def test_the_engine_builds_a_claim_and_lets_a_replaced_job_go_whole_or_as_a_key():
+    clock = Instant(1000.0, 1_800_000_000.0)
+    engine = Engine(ServerSettings(), rand=lambda: 0.0)
+    spec = JobSpec(name="mail", version="1", unique=opts(on_conflict="replace"))
+    engine.load({"mail": spec}, {"mail": checksum(spec)}, [], clock)
+    producer = Principal(token_id="tok", name="p", scope="producer")
+    built = [engine.build(EnqueueRequest(spec="mail", args={"n": n}, **extra), producer, clock)
+             for n, extra in enumerate([{}, {"delay": 60.0}, {"unique": opts(key="k")}])]
+    compact, later, own = built
+    assert isinstance(compact, JobRecord) and isinstance(later, JobRecord)
+    assert compact.unique == later.unique  # the spec's [unique]: keys ["spec"], scoped
+    assert compact.unique.key == unique_key(opts(), spec="mail", queue="default", args={},
+                                            token="tok")
+    assert compact.unique.on_conflict == "replace" and own.unique.key != compact.unique.key
+    refused = engine.build(EnqueueRequest(spec="mail", unique=opts(keys=["args"],
+                                          args_keys=["x"])), producer, clock)
+    assert isinstance(refused, Invalid) and refused.code == "invalid_unique"
+    for seq, job in enumerate(built, 1):
+        engine.enqueued(job, seq, clock)
+    assert engine.scheduler.ready_counts() == {("default", "mail"): 2}  # one is scheduled
+    assert compact.id not in engine.scheduler.jobs  # kept as a key only
+    rows = [{"id": job.id, "queue": "default", "spec": "mail", "priority": 0, "rowid": seq,
+             "attempt": 0} for seq, job in ((1, compact), (2, later))]
+    effects = engine.replaced(rows, own.id, clock)
+    assert [e.job_ids for e in effects if isinstance(e, Finished)] == [[compact.id], [later.id]]
+    assert engine.scheduler.ready_counts() == {("default", "mail"): 1}
+    assert later.id not in engine.scheduler.jobs and later.state == "cancelled"
+    # A key not held here (another server's job it has not heard of) changes no count.
+    engine.replaced([{**rows[0], "id": "elsewhere", "rowid": 99}], own.id, clock)
+    assert engine.scheduler.ready_counts() == {("default", "mail"): 1}
