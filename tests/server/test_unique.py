@@ -54,6 +54,9 @@ async def test_each_conflict_policy_answers_as_documented(live: Live, tmp_path: 
     old = await live.job(held["id"])
     assert old["state"] == "cancelled" and old["unique_key"] is None
     assert old["errors"][-1]["type"] == "replaced" and newer["id"] in old["errors"][-1]["message"]
+    page = await live.http.get(f"/ui/jobs/{newer['id']}")  # the dashboard's job page
+    assert page.status_code == 200 and "Unique key" in page.text
+    assert newer["unique_key"][:16] in page.text
     # what waits, as the server holds it: user 2's and the replacement
     assert live.coordinator.waiting()[0][:3] == ("nobody", "mail", 2)
 
