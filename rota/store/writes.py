@@ -155,11 +155,15 @@ SAVE = (
     " run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
     " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
     " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
-    " WHERE id = ? AND attempt = ? AND (? = 0 OR state IN ('discarded', 'cancelled'))"
+    " WHERE id = ? AND attempt = ? AND (CASE WHEN ? = 0"
+    " THEN state NOT IN ('completed', 'discarded', 'cancelled')"
+    " ELSE state IN ('discarded', 'cancelled') END)"
 )  # "attempt = ?": the fence. Only a reservation moves a row's attempt on, so a server
 # whose copy of the job is stale (another one reserved it since) changes nothing. A
 # retry keeps the attempt: it is fenced on the state instead, whatever the holder, so of
 # two retries of one job (two servers, each from its own read) only the first is stored.
+# Only a retry moves a finished row: a copy of a waiting job that another server (or a
+# unique enqueue's replace) cancelled, coming due here, does not bring it back.
 # Servers sharing a database (rota/store/fleet.py) also fence on the holder: a job another
 # server took over from this one (its worker moved there) is not this one's to change.
 # A retry is any server's to write (a finished row keeps its last holder, for the audit).

@@ -41,11 +41,23 @@ async def test_fifty_concurrent_unique_enqueues_through_three_servers_make_one_j
                                                    "unique": replace})
         assert new.status_code == 201, new.text
         assert (await clients[2].get(f"/jobs/{held}")).json()["state"] == "cancelled"
+        # A scheduled one too: the servers that held it do not bring it back when it
+        # comes due (their copy's write finds the row cancelled).
+        later = (await clients[0].post("/jobs", json={
+            "spec": "mail", "args": {"user": 8}, "delay": 1.0, "unique": BY_USER})).json()["job"]
+        await asyncio.sleep(0.3)  # noqa: sleep-ok (the others hear of it by a notice)
+        newer = await clients[1].post("/jobs", json={"spec": "mail", "args": {"user": 8},
+                                                     "unique": replace})
+        assert newer.status_code == 201, newer.text
+        await asyncio.sleep(1.5)  # noqa: sleep-ok (past its run_at, for every server)
+        for client in clients:
+            assert (await client.get(f"/jobs/{later['id']}")).json()["state"] == "cancelled"
         worker = await RawWorker.open(f"ws://127.0.0.1:{ports[2]}/work", "w2")
         try:
-            await worker.register([spec], concurrency=2)
-            [copy] = await worker.jobs(1)
-            assert copy["id"] == new.json()["job"]["id"]
+            await worker.register([spec], concurrency=4)
+            copies = await worker.jobs(2)
+            assert {c["id"] for c in copies} == {new.json()["job"]["id"],
+                                                 newer.json()["job"]["id"]}
 
             async def only_one() -> bool:
                 listed = (await clients[0].get("/jobs", params={"state": "available"})).json()
