@@ -45,11 +45,12 @@ async def test_fifty_concurrent_unique_enqueues_through_three_servers_make_one_j
         # comes due (their copy's write finds the row cancelled).
         later = (await clients[0].post("/jobs", json={
             "spec": "mail", "args": {"user": 8}, "delay": 1.0, "unique": BY_USER})).json()["job"]
-        await asyncio.sleep(0.3)  # noqa: sleep-ok (the others hear of it by a notice)
+        # (not a synchronisation: a server that has not heard of it yet holds no copy)
+        await asyncio.sleep(0.3)  # noqa: sleep-ok (time for the others to take a copy)
         newer = await clients[1].post("/jobs", json={"spec": "mail", "args": {"user": 8},
                                                      "unique": replace})
         assert newer.status_code == 201, newer.text
-        await asyncio.sleep(1.5)  # noqa: sleep-ok (past its run_at, for every server)
+        await asyncio.sleep(1.5)  # noqa: sleep-ok (an absence: nothing may happen by then)
         for client in clients:
             assert (await client.get(f"/jobs/{later['id']}")).json()["state"] == "cancelled"
         worker = await RawWorker.open(f"ws://127.0.0.1:{ports[2]}/work", "w2")
