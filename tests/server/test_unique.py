@@ -106,6 +106,8 @@ async def test_contradicting_options_are_422_and_store_nothing(live: Live, tmp_p
         assert words in refused.json()["error"]["message"], name
     unknown = await post(live, unique={"keys": ["meta"]})  # a dimension Rota has not
     assert unknown.status_code == 422 and "unique.keys[0] must be one of" in unknown.text
+    forged = await post(live, unique={"key": "a\nERROR forged"})
+    assert "unique.key must be a key of 1 to 256 characters, with no control" in forged.text
     assert (await live.http.get("/jobs")).json()["jobs"] == []
 
 
