@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from rota.base.errors import ApiError, JobError, JobFailed, ResultTimeout, RotaError
     from rota.client.producer import AsyncClient, AsyncJob
     from rota.base.specs import JobSpec, checksum
+    from rota.base.unique import UniqueOptions
     from rota.worker.worker import Worker
 
 __version__ = "0.1.0"
@@ -28,7 +29,7 @@ _HOMES = {
     "ApiError": "base.errors", "JobError": "base.errors", "JobFailed": "base.errors",
     "ResultTimeout": "base.errors", "RotaError": "base.errors",
     "AsyncClient": "client.producer", "AsyncJob": "client.producer",
-    "JobSpec": "base.specs", "checksum": "base.specs",
+    "JobSpec": "base.specs", "checksum": "base.specs", "UniqueOptions": "base.unique",
     "Worker": "worker.worker",
 }
 __all__ = sorted([*_HOMES, "__version__"])

@@ -200,3 +200,18 @@ CONTENT_LENGTHS: list[tuple[str, bytes]] = [
     ("plus sign", b"+2"),
     ("spaces", b" 2 "),
 ]
+
+# Unique options that contradict themselves or the job (docs/protocol.md, Unique jobs): each
+# is refused with 422 invalid_unique, with these words, and nothing is stored. Sent with
+# args {"user": 1}.
+UNIQUE_OPTIONS: list[tuple[str, dict[str, object], str]] = [
+    ("key with keys", {"key": "k", "keys": ["args"]}, "not both"),
+    ("args_keys without args", {"keys": ["spec"], "args_keys": ["user"]}, 'needs "args"'),
+    ("args_keys naming a missing arg", {"keys": ["args"], "args_keys": ["nobody"]},
+     "'nobody', which the job's args do not have"),
+    ("replace of finished jobs", {"states": "finished", "on_conflict": "replace",
+                                  "period": 5}, "cannot be replaced"),
+    ("finished with no period", {"states": "finished"}, "needs a period"),
+    ("a dimension twice", {"keys": ["args", "args"]}, "twice"),
+    ("an argument twice", {"keys": ["args"], "args_keys": ["user", "user"]}, "twice"),
+]

@@ -100,6 +100,17 @@ async def spawn_serve(http: httpx.AsyncClient, args: list[str], log: Path,
     return proc
 
 
+async def end(procs: list[asyncio.subprocess.Process], clients: list[httpx.AsyncClient]
+              ) -> None:
+    """Stop the `rota serve` processes a test started, and close its clients."""
+    for proc in procs:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+    for client in clients:
+        await client.aclose()
+
+
 def spec_ref(spec: JobSpec | dict[str, str]) -> dict[str, str]:
     """A spec as a registration names it; a ready-made ``{"name", "checksum"}`` passes as is."""
     return spec if isinstance(spec, dict) else {"name": spec.name, "checksum": checksum(spec)}

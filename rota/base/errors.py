@@ -5,6 +5,7 @@
     │   ├── NotFound     no such job, spec or worker
     │   │   └── NoSuchJob    the job named does not exist (a 404 may then hint at its kept id)
     │   ├── Conflict     it exists, but its state does not allow this
+    │   │   └── UniqueConflict  a unique job's key is held: ``details`` name the holder
     │   ├── Invalid      the request does not make sense (bad option, unknown spec)
     │   ├── Forbidden    the caller's token does not allow it
     │   └── TooLarge     over a size limit
@@ -65,6 +66,15 @@ class NoSuchJob(NotFound):
 
 class Conflict(DomainError):
     """It exists, but its state does not allow this."""
+
+
+class UniqueConflict(Conflict):
+    """409 ``unique_conflict``: a unique job's key is held (rota/core/unique.py);
+    ``details`` name the job that holds it, its state and the key."""
+
+    def __init__(self, message: str, details: dict[str, Any]) -> None:
+        super().__init__("unique_conflict", message)
+        self.details = details
 
 
 class Invalid(DomainError):

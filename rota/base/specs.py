@@ -16,6 +16,7 @@ import msgspec
 from rota.base.errors import RotaError
 from rota.base.protocol import NAME_PATTERN as NAME_PATTERN  # one pattern for every name
 from rota.base.protocol import MAX_COUNT, Name, Priority
+from rota.base.unique import UniqueOptions, options_problem
 from rota.base.wording import GOT, KINDS, VERSION_PATTERN, kind_of, plainly
 MAX_VISIBILITY = 7 * 24 * 3600.0  # a week; longer leases should extend by heartbeat instead
 ArgType = Literal["string", "integer", "number", "boolean", "object", "array", "any"]
@@ -67,6 +68,18 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     visibility_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_VISIBILITY)] | None = None
     retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
     args: dict[Name, ArgSpec] = {}
+    unique: UniqueOptions | None = None  # every job's, unless its enqueue gives its own
+
+    def __post_init__(self) -> None:
+        if self.unique is None:
+            return
+        problem = options_problem(self.unique)
+        named = set(self.unique.args_keys or ()) - set(self.args)
+        if problem is None and self.args and named:
+            problem = (f"unique.args_keys names {', '.join(sorted(named))}, which spec"
+                       f" {self.name!r} does not declare in [args]")
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def canonical_bytes(spec: JobSpec) -> bytes:

@@ -15,6 +15,7 @@ from msgspec import inspect as mi
 
 from rota.base.ids import JOB_ID_PATTERN, TOKEN_NAME_PATTERN
 from rota.base.protocol import JOB_REF_PATTERN, NAME_PATTERN
+from rota.base.unique import KEY_PATTERN
 
 # JSON's kinds, as msgspec names them in "Expected `int`, got `str`", in words.
 KINDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
@@ -45,6 +46,7 @@ PATTERNS = {repr(pattern)[1:-1]: words for pattern, words in {
     TOKEN_NAME_PATTERN: "a name of 1 to 100 characters, with no '/' and no control or"
                         " invisible character",
     VERSION_PATTERN: "a version of 1 to 64 characters, with no space or control character",
+    KEY_PATTERN: "a key of 1 to 256 characters, with no control character",
 }.items()}
 
 _AT = re.compile(r"(?P<text>.*?)(?: - at `(?P<path>[^`]*)`)?", re.DOTALL)
@@ -98,6 +100,8 @@ def plainly(message: str, kind: Any = None, data: Untyped | None = None) -> str:
         if allowed:
             return f"{name} must be one of {', '.join(allowed)}, not {m[1]}"
         return f"{name} cannot be {m[1]}"
+    if said["path"] and field:  # a check of our own (a __post_init__'s), deeper in the body
+        return f"{field}: {text}"
     return message
 
 

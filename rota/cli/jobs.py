@@ -40,6 +40,11 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-fails", type=int, help="Explicit failures allowed (default: the spec's)."),
         click.option("--capture-logs", is_flag=True, default=None,
                      help="Keep the lines the handler logs with ctx.log() (see 'rota jobs show')."),
+        click.option("--unique-key", help="Unique key: while a job of this spec holds it"
+                     " (waiting or running), enqueuing it again gets that job."),
+        click.option("--unique-on", type=click.Choice(["existing", "reject", "replace"]),
+                     help="With --unique-key, when the key is held: get the job holding it"
+                     " (default), refuse, or replace it if it waits."),
         URL_OPTION,
     ]
     for option in reversed(options):
@@ -55,6 +60,11 @@ def _enqueue(url: str, spec: str, args_json: str, job_id: str | None, **options:
         _fail(f"--args is not valid JSON: {exc}")
     if not isinstance(args, dict):
         _fail("--args must be a JSON object")
+    key, on = options.pop("unique_key"), options.pop("unique_on")
+    if on is not None and key is None:
+        _fail("--unique-on needs --unique-key: the key that makes two jobs the same")
+    if key is not None:
+        options["unique"] = {"key": key, **({"on_conflict": on} if on else {})}
     return _api(url, "enqueue", spec, args, id=job_id, **options)
 
 
@@ -62,9 +72,11 @@ def _enqueue(url: str, spec: str, args_json: str, job_id: str | None, **options:
 @job_options
 def enqueue(url: str, spec: str, args_json: str, job_id: str | None, **options: Any) -> None:
     """Enqueue a job of SPEC and print it."""
+    unique = options["unique_key"] is not None
     reply = _enqueue(url, spec, args_json, job_id, **options)
     if not reply["created"]:
-        _out("a job with this id exists already:", err=True)
+        held = "unique key" if job_id is None else "id or unique key" if unique else "id"
+        _out(f"a job with this {held} exists already:", err=True)
     _print_json(reply["job"])
 
 

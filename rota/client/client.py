@@ -24,6 +24,7 @@ import msgspec
 from rota.base.errors import ApiError, JobError, ResultTimeout  # defined there, public here too
 from rota.base.ids import path_segment
 from rota.base.specs import JobSpec
+from rota.base.unique import unique_option
 from rota.client.failures import dashboard_url, not_the_api, refusal, transport_error
 
 
@@ -357,9 +358,12 @@ class Client:
         Options: id (the same id again is the same job, so a retried enqueue is safe),
         queue, priority, run_at, delay, ttl, visibility_timeout, max_attempts, max_fails
         (None means the spec's default), capture_logs, new_queue (queue is meant
-        new, even spelt like a known one)."""
+        new, even spelt like a known one), unique (a dict or ``UniqueOptions``: an
+        enqueue whose key a job holds gets that job, ``created`` False, by default) or
+        its shorthand unique_key="K"."""
         body: dict[str, Any] = {"spec": spec, "args": args or {}}
-        body.update({key: value for key, value in options.items() if value is not None})
+        body.update({key: value for key, value in unique_option(options).items()
+                     if value is not None})
         answer = self._call("POST", "/jobs", json=body)
         return Job(self, answer["job"], answer["created"])
 

@@ -29,6 +29,7 @@ from rota.client.client import MAX_WAIT, ApiError, Failover, JobHandle, ResultTi
     given_token, outcome, poll_wait
 from rota.client.failures import not_the_api, refusal, transport_error
 from rota.base.ids import path_segment
+from rota.base.unique import unique_option
 
 # A batch is cut before its body reaches this (the server refuses bodies over 1 MiB by
 # default); a single job larger than that goes alone and gets its own 413.
@@ -144,7 +145,8 @@ class AsyncClient:
         with the status and code that ``POST /jobs`` would have given it alone."""
         self._check_usable()
         request: dict[str, Any] = {"spec": spec, "args": args or {}}
-        request.update({key: value for key, value in options.items() if value is not None})
+        request.update({key: value for key, value in unique_option(options).items()
+                        if value is not None})
         waiting = _Waiting(msgspec.json.encode(request),
                            asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)

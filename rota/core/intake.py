@@ -16,6 +16,7 @@ from rota.core.effects import Arm, Effect, Finished, Save, Send, Wake, Withdraw
 from rota.base.errors import DomainError, Forbidden, Invalid, TooLarge, failure_level
 from rota.base.ids import MAX_JOB_ID, job_id_problem
 from rota.core.jobs import EnqueueRequest, new_job
+from rota.core.unique import claim
 from rota.core.listing import did_you_mean, listed
 from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
@@ -75,6 +76,14 @@ class Intake:
         except DomainError as exc:
             return exc
         job.id = principal.stored_id(job.id)  # a producer's ids are its own (rota/core/auth.py)
+        options = request.unique or spec.unique
+        if options is not None:  # a producer's keys are its own too, as its ids are
+            try:
+                job.unique = claim(options, spec=job.spec, queue=job.queue, args=request.args,
+                                   now=now.wall, token=principal.token_id if principal.owns_ids
+                                   else None)
+            except Invalid as exc:
+                return exc
         limit = self.settings.max_args_bytes
         if len(job.args) > limit:
             return TooLarge("args_too_large", f"args are {len(job.args)} bytes as JSON;"
@@ -178,6 +187,32 @@ class Intake:
         self.observe.counted(withdraw.wall, "cancel", withdraw.job_id, withdraw.spec,
                              withdraw.queue)
         return [Finished([withdraw.job_id])]
+
+    def replaced(self, rows: list[dict[str, Any]], by: str, now: Instant) -> list[Effect]:
+        """Waiting jobs a unique enqueue replaced (job ``by``): their rows were cancelled
+        in its transaction. A copy held here goes now, whole or as a key; one reserved
+        meanwhile loses at its reservation's fence, as a copy another server holds does."""
+        effects: list[Effect] = []
+        ready = self.scheduler.ready
+        for row in rows:
+            job = self.scheduler.jobs.get(row["id"])
+            if job is not None and job.state in (JobState.AVAILABLE, JobState.SCHEDULED,
+                                                 JobState.RETRYABLE):
+                job.move(JobState.CANCELLED)
+                self.scheduler.finish(job)
+            elif job is None:
+                key, labels = row.get("concurrency_key"), row_labels(row.get("labels"))
+                if ready.holds(row["queue"], row["spec"], row["priority"], row["rowid"], key,
+                               labels):
+                    ready.withdraw(row["queue"], row["spec"], row["rowid"], key, labels)
+                    ready.withdrawn(row["queue"], row["spec"], row["priority"], row["rowid"],
+                                    True, key, labels)
+            log.info("replaced job=%s spec=%s queue=%s by job=%s (unique)", row["id"],
+                     row["spec"], row["queue"], by)
+            self.observe.counted(now.wall, "cancel", row["id"], row["spec"], row["queue"],
+                                 attempt=row["attempt"], message=f"replaced by job {by}")
+            effects.append(Finished([row["id"]]))
+        return effects
 
     def retry(self, job: JobRecord) -> list[Effect]:
         """Put a discarded or cancelled job (loaded from its row) back, with a fresh

@@ -13,6 +13,7 @@ from rota.base.errors import Invalid
 from rota.base.ids import JOB_ID_PATTERN, MAX_JOB_ID, uuid7
 from rota.core.model import JobRecord, shared_limits
 from rota.base.specs import MAX_VISIBILITY, JobSpec, Name
+from rota.base.unique import UniqueOptions
 
 # The longest wait Rota schedules: a delay, a run_at, a time to live. Past it a request
 # is refused rather than kept for years (or, as an overflowing date, never shown).
@@ -39,6 +40,7 @@ class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_fails: Limit | None = None
     capture_logs: bool = False  # keep the lines the handler logs with ctx.log()
     new_queue: bool = False  # ``queue`` is meant new, even spelt like a known one
+    unique: UniqueOptions | None = None  # None: the spec's [unique], if it has one
 
 
 class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from rota.base.errors import RotaError
+from rota.core.unique import UniqueClaim
 
 
 class Instant(NamedTuple):
@@ -171,6 +172,7 @@ class JobRecord:
     log_lines: int = 0  # captured lines taken (this server run)
     concurrency_key: str | None = None  # the key its spec's per-key limits count it under
     labels: tuple[str, ...] = ()  # worker labels it needs, all of them (sorted, deduplicated)
+    unique: UniqueClaim | None = None  # the key its enqueue claims (until its row is in)
 
     def move(self, to: JobState) -> None:
         """Change state, refusing a move the lifecycle does not allow."""

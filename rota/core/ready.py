@@ -346,6 +346,21 @@ class Ready:
         bucket.count += 1
         self.keys += 1
 
+    def holds(self, queue: str, spec: str, priority: int, seq: int, key: str | None = None,
+              labels: tuple[str, ...] = ()) -> bool:
+        """Whether this key is held here, waiting or being claimed: a scan of its bucket's
+        heap, for the rare withdrawal of a job another's write cancelled (a unique
+        replace; on several servers it may not have reached this one yet)."""
+        if seq in self._claiming:
+            return True
+        if key is not None or labels:  # looked up, never made: it may hold nothing here
+            lanes = self.lanes.get(queue, {}).get(spec)
+            bucket = None if lanes is None else lanes.subs.get((key, labels))
+        else:
+            bucket = self.buckets.get(queue, {}).get(spec)
+        return (bucket is not None and seq not in self._gone
+                and key_of(priority, seq) in bucket.keys)
+
     # -- reading -------------------------------------------------------------------
     def counts(self) -> dict[tuple[str, str], int]:
         counts = {(queue, spec): bucket.count for queue, by_spec in self.buckets.items()

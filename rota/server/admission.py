@@ -21,6 +21,7 @@ from rota.base.errors import Conflict, DomainError, Invalid, StorageError
 from rota.core.jobs import EnqueueRequest, same_job
 from rota.core.model import Instant, JobRecord
 from rota.core.registry import claim_worker_id, held_ids
+from rota.core.unique import conflict
 from rota.store.store import Store
 from rota.server.shell_reads import new_queue_problems
 
@@ -85,8 +86,10 @@ class Admission:
         # in at once, and a scheduling round now queues its reservation right behind its
         # row (see Intake.enqueued). A producer's id waits for the commit to say whether
         # the job is new.
+        # A unique job waits for the commit too: its key may be held (rota/store/uniques.py).
         early = [job for request, job in zip(requests, built, strict=True)
-                 if request.id is None and not isinstance(job, DomainError)]
+                 if request.id is None and not isinstance(job, DomainError)
+                 and job.unique is None]
         # A producer's id new under its kept form may name a job this token enqueued
         # before ids were kept so (rota/core/auth.py): the store answers with that one.
         unscoped = [principal.unscoped_id(request.id) if request.id is not None else None
@@ -106,6 +109,7 @@ class Admission:
         outcomes: list[tuple[dict[str, Any], bool] | DomainError] = []
         admitted = {id(job) for job in early}
         taken_in: list[tuple[JobRecord, int | None]] = []  # new rows with producers' ids
+        replaced: list[tuple[list[dict[str, Any]], str]] = []  # by unique jobs: theirs
         for request, job in zip(requests, built, strict=True):
             if isinstance(job, DomainError):
                 outcomes.append(job)
@@ -115,6 +119,11 @@ class Admission:
                 self.engine.stored(job, row["rowid"])
                 outcomes.append((row, created))
                 continue
+            if (met := row.get("unique_met")) is not None:  # its key is held by this one
+                outcomes.append((row, False) if met == "existing" else conflict(met, row))
+                continue
+            if created and row.get("unique_replaced"):
+                replaced.append((row["unique_replaced"], job.id))
             if not created:
                 # A producer's ids are its own: a row under one that it did not make (an
                 # admin chose that id) is not shown to it either.
@@ -128,6 +137,8 @@ class Admission:
             outcomes.append((row, created))
         if taken_in:
             self.apply(self.engine.enqueued_all(taken_in, now))
+        for rows, by in replaced:
+            self.apply(self.engine.replaced(rows, by, now))
         return outcomes
 
     async def _slipped_queues(self, requests: list[EnqueueRequest],

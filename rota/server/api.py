@@ -86,8 +86,10 @@ async def enqueue_batch(request: Request) -> Response:
     for index, item in enumerate(parsed):
         outcome = item if isinstance(item, DomainError) else next(outcomes)
         if isinstance(outcome, DomainError):
-            results.append({"index": index, "status": status_of(outcome),
-                            "error": {"code": outcome.code, "message": outcome.message}})
+            said = {"code": outcome.code, "message": outcome.message}
+            if (details := getattr(outcome, "details", None)) is not None:
+                said["details"] = details
+            results.append({"index": index, "status": status_of(outcome), "error": said})
         else:
             row, created = outcome
             results.append({"index": index, "status": 201 if created else 200,

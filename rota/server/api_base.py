@@ -39,8 +39,13 @@ class JSON(Response):
         return msgspec.json.encode(content)
 
 
-def error(status: int, code: str, message: str) -> JSON:
-    return JSON({"error": {"code": code, "message": message}}, status_code=status)
+def error(status: int, code: str, message: str, details: Any = None) -> JSON:
+    """The error body; ``details`` (a refusal's own, e.g. the job a unique key is held
+    by) only where there are some."""
+    body = {"code": code, "message": message}
+    if details is not None:
+        body["details"] = details
+    return JSON({"error": body}, status_code=status)
 
 
 # The core's refusals, as HTTP statuses: decided here, at the edge, not in the engine.
@@ -51,7 +56,7 @@ STATUS: dict[type[DomainError], int] = {NotFound: 404, Conflict: 409, Invalid: 4
 def status_of(exc: RequestError | DomainError) -> int:
     if isinstance(exc, RequestError):
         return exc.status
-    return STATUS.get(type(exc), 422)
+    return next((STATUS[kind] for kind in type(exc).__mro__ if kind in STATUS), 422)
 
 
 def coordinator_of(request: Request) -> Coordinator:
@@ -144,7 +149,7 @@ CLOSE_AFTER = frozenset({"body_timeout"})
 
 async def request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError | DomainError)
-    response = error(status_of(exc), exc.code, exc.message)
+    response = error(status_of(exc), exc.code, exc.message, getattr(exc, "details", None))
     if exc.code in CLOSE_AFTER:
         response.headers["connection"] = "close"
     return response

@@ -127,7 +127,8 @@ def _ref(kind: Any) -> dict[str, str]:
 
 _DESCRIPTIONS = {200: "done", 201: "created", 202: "accepted, not finished", 400: "bad input",
                  401: "no valid token", 403: "not allowed for this token",
-                 404: "not found", 409: "conflict with what exists (a job's state, a taken name)",
+                 404: "not found", 409: "conflict with what exists (a job's state, a taken name, a"
+                 " unique job's key: error.details names the job holding it)",
                  408: "the body did not arrive in time (body_timeout)",
                  413: "over a size limit", 422: "invalid request",
                  500: "a bug in Rota (internal): the error's id names the traceback in the log",

@@ -14,10 +14,19 @@ JobState = Literal["scheduled", "available", "active", "retryable", "completed",
                    "cancelled"]
 
 
-class Problem(msgspec.Struct):
+class Held(msgspec.Struct):
+    """A 409 unique_conflict's details: the job that holds the unique key."""
+
+    job_id: str
+    state: JobState
+    unique_key: str | None
+
+
+class Problem(msgspec.Struct, omit_defaults=True):
     code: str
     message: str
     id: str | None = None  # a 500's incident id, which the server's log names
+    details: Held | None = None  # unique_conflict (409): who holds the key
 
 
 class ErrorBody(msgspec.Struct):
@@ -63,6 +72,7 @@ class JobView(msgspec.Struct, kw_only=True):
     max_fails: int | None
     cancel_requested: bool
     capture_logs: bool
+    unique_key: str | None  # the unique key it holds (sha256 hex), if any
     progress: Progress | None
     # active: whether its worker started it (false: prefetched, waiting in its line); else null
     started: bool | None = None

@@ -185,6 +185,16 @@ def m014_throughput(db: sqlite_utils.Database) -> None:
                             defaults=dict.fromkeys(list(columns)[4:], 0))
 
 
+@migrations()
+def m016_unique_keys(db: sqlite_utils.Database) -> None:
+    # Unique jobs (rota/core/unique.py): one row per key, naming the job that holds it,
+    # written in the enqueue transaction. The primary key makes a second claim meet the
+    # first; job_id finds a job's key for its view.
+    db["unique_keys"].create({"key": str, "job_id": str, "covers": str, "until": float},
+                             pk="key", not_null={"job_id", "covers"})
+    db["unique_keys"].create_index(["job_id"])
+
+
 def migrate(path: Path) -> None:
     conn = connect(path)
     try:

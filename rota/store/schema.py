@@ -19,7 +19,7 @@ MIGRATIONS = (
     "m001_initial", "m002_lifecycle", "m003_failed_is_discarded", "m004_live_status",
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
-    "m014_throughput",
+    "m014_throughput", "m016_unique_keys",
 )
 
 
@@ -107,6 +107,9 @@ TABLES: tuple[Table, ...] = (
         " completed INTEGER NOT NULL =0, failed INTEGER NOT NULL =0,"
         " retried INTEGER NOT NULL =0, discarded INTEGER NOT NULL =0,"
         " cancelled INTEGER NOT NULL =0"), pk=("minute", "server", "queue", "spec")),
+    # Unique jobs' keys (m016): the job holding each, what it holds it for, and until when.
+    Table("unique_keys", _cols("key TEXT, job_id TEXT NOT NULL, covers TEXT NOT NULL,"
+                               " until REAL"), pk=("key",)),
 )
 
 INDEXES: tuple[Index, ...] = (
@@ -118,6 +121,7 @@ INDEXES: tuple[Index, ...] = (
     Index("idx_jobs_state_spec", "jobs", ("state", "spec"), COLD),
     Index("idx_jobs_state_worker", "jobs", ("state", "worker_id"),
           f"{COLD} AND worker_id IS NOT NULL"),
+    Index("idx_unique_keys_job_id", "unique_keys", ("job_id",)),
 )
 
 

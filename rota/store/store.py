@@ -177,7 +177,7 @@ class Store:
         olds = list(unscoped) or [None] * len(jobs)
 
         def op(conn: sqlite3.Connection) -> list[tuple[dict[str, Any], bool]]:
-            outcomes = sql.insert_jobs(conn, jobs, rows, olds)
+            outcomes = sql.insert_jobs(conn, jobs, rows, olds, time.time())
             if self.shared:
                 fleet.notify(conn, fleet.JOBS, self.server_id or "",
                              [str(row["rowid"]) for row, new in outcomes if new])

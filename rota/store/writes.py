@@ -20,6 +20,7 @@ from rota.core.observe import COUNTS
 from rota.core.model import WAITING_STATES, Change, ClockReading, JobRecord, StatusNote, wall_step
 from rota.core.retention import Cutoff
 from rota.base.specs import JobSpec
+from rota.store.uniques import Keys, Met
 
 log = logging.getLogger("rota.server")
 
@@ -46,37 +47,64 @@ _RETURNING_ROW = " RETURNING rowid, *"
 
 
 def insert_jobs(conn: sqlite3.Connection, jobs: list[JobRecord], rows: list[tuple[Any, ...]],
-                olds: Sequence[str | None]) -> list[tuple[dict[str, Any], bool]]:
+                olds: Sequence[str | None], now: float = 0.0
+                ) -> list[tuple[dict[str, Any], bool]]:
     """Insert jobs (``Store.enqueue``; ``rows``: their ``insert_row``s, taken when the
     write was queued): each one's row, and whether it is new (False: the id existed
-    already, or ``olds`` names the row its token made before ids were scoped)."""
+    already, or ``olds`` names the row its token made before ids were scoped).
+    A unique job (rota/store/uniques.py: judged as of ``now``) whose key is held comes
+    back as the holder's row, not new, with ``unique_met`` saying why."""
+    keys = Keys(conn, jobs, now) if any(job.unique is not None for job in jobs) else None
     outcomes: list[tuple[dict[str, Any], bool]] = []
     template: dict[str, Any] | None = None
     for job, row, old in zip(jobs, rows, olds, strict=True):
         if old is not None and (kept := _made_before(conn, job, old)) is not None:
             outcomes.append((kept, False))
             continue
-        # RETURNING gives the new row in the same statement; only an id that
-        # exists already needs a second look, to be judged the same job or not.
-        # The first new row of a batch comes back whole; every other differs from
-        # it only in what was inserted, so it is made from that (a third of the
-        # cost of reading each back).
-        if template is None:
-            inserted = conn.execute(_INSERT + _RETURNING_ROW, row).fetchone()
-            if inserted is not None:
-                template = dict(inserted)
-                outcomes.append((dict(template), True))
+        replaced: list[dict[str, Any]] = []
+        if keys is not None and job.unique is not None:
+            if (known := fetch_job(conn, job.id)) is not None:  # its id decides, as always
+                outcomes.append((known, False))
                 continue
-        else:
-            inserted = conn.execute(_INSERT + " RETURNING rowid", row).fetchone()
-            if inserted is not None:
-                made = dict(template)
-                made.update(zip(_INSERTED, row))
-                made["rowid"] = inserted[0]
-                outcomes.append((made, True))
+            admitted = keys.admit(job, lambda job_id: fetch_job(conn, job_id))
+            if isinstance(admitted, Met):
+                outcomes.append(({**admitted.holder, "unique_met": admitted.verdict}, False))
                 continue
-        outcomes.append((fetch_job(conn, row[0]), False))
+            replaced = admitted
+        _insert(conn, row, outcomes, template)
+        if template is None and outcomes[-1][1]:
+            template = dict(outcomes[-1][0])
+        if job.unique is not None and outcomes[-1][1]:
+            outcomes[-1][0].update(unique_key=job.unique.key, unique_replaced=replaced)
+    if keys is not None:
+        keys.done()
     return outcomes
+
+
+def _insert(conn: sqlite3.Connection, row: tuple[Any, ...],
+            outcomes: list[tuple[dict[str, Any], bool]], template: dict[str, Any] | None
+            ) -> None:
+    """Insert one job's row: its outcome appended (the first new row of a batch is
+    ``template``, the one the others are made from)."""
+    # RETURNING gives the new row in the same statement; only an id that
+    # exists already needs a second look, to be judged the same job or not.
+    # The first new row of a batch comes back whole; every other differs from
+    # it only in what was inserted, so it is made from that (a third of the
+    # cost of reading each back).
+    if template is None:
+        inserted = conn.execute(_INSERT + _RETURNING_ROW, row).fetchone()
+        if inserted is not None:
+            outcomes.append((dict(inserted), True))
+            return
+    else:
+        inserted = conn.execute(_INSERT + " RETURNING rowid", row).fetchone()
+        if inserted is not None:
+            made = dict(template)
+            made.update(zip(_INSERTED, row))
+            made["rowid"] = inserted[0]
+            outcomes.append((made, True))
+            return
+    outcomes.append((fetch_job(conn, row[0]), False))
 
 
 def stored_rows(conn: sqlite3.Connection, jobs: list[JobRecord], olds: Sequence[str | None]
@@ -101,7 +129,9 @@ def _made_before(conn: sqlite3.Connection, job: JobRecord, unscoped: str) -> dic
 
 
 def fetch_job(conn: sqlite3.Connection, job_id: str) -> dict[str, Any] | None:
-    row = conn.execute("SELECT rowid, * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    """The job's row, with the unique key it holds (``unique_key``, None if none)."""
+    row = conn.execute("SELECT j.rowid, j.*, u.key AS unique_key FROM jobs j LEFT JOIN"
+                       " unique_keys u ON u.job_id = j.id WHERE j.id = ?", (job_id,)).fetchone()
     return dict(row) if row else None
 
 
@@ -125,11 +155,15 @@ SAVE = (
     " run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
     " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
     " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
-    " WHERE id = ? AND attempt = ? AND (? = 0 OR state IN ('discarded', 'cancelled'))"
+    " WHERE id = ? AND attempt = ? AND (CASE WHEN ? = 0"
+    " THEN state NOT IN ('completed', 'discarded', 'cancelled')"
+    " ELSE state IN ('discarded', 'cancelled') END)"
 )  # "attempt = ?": the fence. Only a reservation moves a row's attempt on, so a server
 # whose copy of the job is stale (another one reserved it since) changes nothing. A
 # retry keeps the attempt: it is fenced on the state instead, whatever the holder, so of
 # two retries of one job (two servers, each from its own read) only the first is stored.
+# Only a retry moves a finished row: a copy of a waiting job that another server (or a
+# unique enqueue's replace) cancelled, coming due here, does not bring it back.
 # Servers sharing a database (rota/store/fleet.py) also fence on the holder: a job another
 # server took over from this one (its worker moved there) is not this one's to change.
 # A retry is any server's to write (a finished row keeps its last holder, for the audit).
@@ -220,8 +254,9 @@ def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
                 conn.execute(sql + " ORDER BY finished_at LIMIT ?", [*params, left])
                 if job_id not in keep]
         if rows:
-            conn.executemany("DELETE FROM job_logs WHERE job_id = ?",
-                             [(job_id,) for _, job_id in rows])
+            for table in ("job_logs", "unique_keys"):  # its lines, and a key it holds
+                conn.executemany(f"DELETE FROM {table} WHERE job_id = ?",
+                                 [(job_id,) for _, job_id in rows])
             conn.executemany("DELETE FROM jobs WHERE rowid = ?",
                              [(rowid,) for rowid, _ in rows])
             deleted[cut.state] = deleted.get(cut.state, 0) + len(rows)

@@ -49,6 +49,11 @@ def enqueue_bodies() -> list[dict[str, Any]]:
          "priority": 1, "run_at": soon(), "ttl": 60.0, "visibility_timeout": 30.0,
          "max_attempts": 3, "max_fails": 2, "capture_logs": False},
         {"spec": "parked", "id": "hostile-id", "delay": 10.0},
+        {"spec": "parked", "args": {"user": 7, "k": "v"}, "unique": {
+            "keys": ["args", "queue"], "args_keys": ["user"], "states": "finished",
+            "period": 60.0, "on_conflict": "reject"}},
+        {"spec": "parked", "unique": {"key": "k-1", "states": "waiting",
+                                      "on_conflict": "replace"}},
     ]
 
 
@@ -58,7 +63,9 @@ SPECS = {"dry_run": True, "specs": [{
     "visibility_timeout": 30.0,
     "retry": {"max_attempts": 3, "max_fails": 2, "backoff_base": 1.0, "backoff_max": 10.0,
               "max_worker_deaths": 2},
-    "args": {"k": {"type": "string", "description": "d", "required": True}}}]}
+    "args": {"k": {"type": "string", "description": "d", "required": True}},
+    "unique": {"keys": ["args"], "args_keys": ["k"], "states": "active", "period": 60.0,
+               "on_conflict": "existing"}}]}
 # No payload may direct the bystander: the label matches nobody, and all + label is refused.
 WORKERS_STATE = {"state": "quiet", "label": "nobody", "all": False}
 WORKER_STATE = {"state": "quiet"}

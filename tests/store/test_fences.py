@@ -274,12 +274,10 @@ async def test_a_retry_is_any_servers_to_write_and_an_ending_only_the_holders(st
     await store.writer.submit(ran_on_b)
     ending = reserved_copy(new_job("j"), row["rowid"], "w1", 1)
     ending.state = JobState.RETRYABLE
-    expected = {"j": None} if store.shared else {}  # one server per SQLite file: no holder
-    assert await store.save([Change(ending)]) == expected
-    if store.shared:
-        assert (await store.get_job("j") or {}).get("state") == "discarded"
-    else:  # the ending was stored: the row is discarded again, as a retry needs it
-        await store.writer.submit(ran_on_b)
+    # Refused: the row is another holder's (several servers), and finished (any store:
+    # only a retry moves a finished row, writes.SAVE).
+    assert await store.save([Change(ending)]) == {"j": None}
+    assert (await store.get_job("j") or {}).get("state") == "discarded"
     retry = reserved_copy(new_job("j"), row["rowid"], "w1", 1)
     retry.state, retry.worker_id, retry.budget_start = JobState.AVAILABLE, None, 1
     assert await store.save([Change(retry, retry=True)]) == {}
@@ -336,3 +334,17 @@ async def test_a_cancel_the_row_refuses_is_not_answered_as_done(live: Live, tmp_
     assert row["state"] == "active"
     if backend == "postgres":  # the server that holds it hears the cancel
         assert row["cancel_requested"] is True
+
+
+async def test_a_copy_coming_due_does_not_bring_back_a_job_cancelled_behind_it(store: Store):
+    """Another server (or a unique enqueue's replace) cancelled a scheduled job this
+    server holds too: its copy, coming due, writes nothing, and hears the row is gone."""
+    job = new_job("later")
+    job.state, job.run_at = JobState.SCHEDULED, 50.0
+    [(row, _)] = await store.enqueue([job])
+    await store.writer.submit(lambda conn: conn.execute(
+        "UPDATE jobs SET state = 'cancelled', finished_at = 2.0 WHERE id = 'later'"))
+    due = new_job("later")
+    due.seq, due.state = row["rowid"], JobState.AVAILABLE
+    assert await store.save([Change(due)]) == {"later": None}
+    assert (await store.get_job("later") or {}).get("state") == "cancelled"

@@ -171,6 +171,9 @@ async def test_prune_deletes_what_is_due_oldest_first_with_its_logs(tmp_path: Pa
             "INSERT INTO job_logs (job_id, attempt, at, kind, level, message) VALUES"
             " ('old-0', 1, 1, 'log', 'info', 'x'), ('new', 1, 1, 'log', 'info', 'y')"))
         await writer
+        await store.writer.submit(lambda conn: conn.execute(  # unique keys they hold
+            "INSERT INTO unique_keys (key, job_id, covers) VALUES ('k0', 'old-0', 'active'),"
+            " ('k1', 'new', 'active')"))
         retention = Retention.from_rules({"completed": 500.0}, [("emails", "completed", None)])
         cutoffs = due(retention, 1000.0)  # completed before 500; discarded kept 30 days
 
@@ -179,12 +182,14 @@ async def test_prune_deletes_what_is_due_oldest_first_with_its_logs(tmp_path: Pa
         assert await store.prune(cutoffs, 3, keep=set()) == {"completed": 1}
         assert await store.prune(cutoffs, 3, keep=set()) == {}
 
-        def left(conn: Any) -> tuple[list[str], list[str]]:
+        def left(conn: Any) -> tuple[list[str], list[str], list[str]]:
             jobs = [r[0] for r in conn.execute("SELECT id FROM jobs ORDER BY id")]
             logs = [r[0] for r in conn.execute("SELECT job_id FROM job_logs")]
-            return jobs, logs
+            keys = [r[0] for r in conn.execute("SELECT job_id FROM unique_keys")]
+            return jobs, logs, keys
 
-        assert await store.readers.run(left) == (["fail", "mail", "new", "waiting"], ["new"])
+        assert await store.readers.run(left) == (["fail", "mail", "new", "waiting"], ["new"],
+                                                 ["new"])
         assert await store.get_job("old-0") is None
         # With spans (the wall clock stepped): only rows finished inside one of them.
         spanned = [Cutoff("completed", 0.0, None, ("emails",), ((-math.inf, 50.0),

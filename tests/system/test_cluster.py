@@ -21,8 +21,8 @@ import httpx
 import psycopg
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import (COSTLY_POLL, RawWorker, completed, free_port, registration, spawn_serve,
-                     wait_until)
+from helpers import (COSTLY_POLL, RawWorker, completed, end, free_port, registration,
+                     spawn_serve, wait_until)
 
 from rota import JobContext, Worker
 
@@ -80,17 +80,6 @@ async def running(*workers: Worker) -> AsyncIterator[None]:
         for worker in workers:
             worker.stop()
         await asyncio.gather(*(asyncio.wait_for(t, 10) for t in tasks), return_exceptions=True)
-
-
-async def end(procs: list[asyncio.subprocess.Process], clients: list[httpx.AsyncClient]
-              ) -> None:
-    """Stop the `rota serve` processes a test started, and close its clients."""
-    for proc in procs:
-        if proc.returncode is None:
-            proc.terminate()
-            await proc.wait()
-    for client in clients:
-        await client.aclose()
 
 
 async def all_in(live: Live, ids: list[str], timeout: float = 20.0) -> None:

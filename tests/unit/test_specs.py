@@ -442,7 +442,7 @@ def test_a_spec_files_mistake_is_said_in_plain_words() -> None:
     for text, says in (
             ('[retry]\nmax_attempts = 0\n', "retry.max_attempts must be an integer >= 1"),
             ('queu = "x"\n', "queu is not a field Rota knows (known: name, version,"
-             " description, queue, priority, visibility_timeout, retry, args)"),
+             " description, queue, priority, visibility_timeout, retry, args, unique)"),
             ('[args.w]\ntype = "int"\n', "args.w.type must be one of any, array, boolean,"
              " integer, number, object, string, not 'int'"),
             # The argument is named: it said "args[...].type", whichever it was.
@@ -455,3 +455,19 @@ def test_a_spec_files_mistake_is_said_in_plain_words() -> None:
         with pytest.raises(SpecError) as refused:
             parse_spec('name = "a"\nversion = "1"\n' + text, source="a.toml")
         assert str(refused.value) == f"a.toml: {says}"
+
+
+def test_a_unique_table_is_checked_and_todays_spec_files_keep_their_checksums():
+    # The specs shipped in specs/, checksummed before [unique] existed: unchanged.
+    before = {"echo": "8d74b4c61a8c29f5719093394d7d363cfc79a739206f001b9db9a7f74f2c8935",
+              "resize_image": "2c5982f67bf9df49371dc27d68594d3fdbdff5d4cc1e9ea4a737ee37bc9e33d6",
+              "send_email": "ba095175d2753c37e7b2f98f4c07d9b3fc12722c93b90b9d02c71af38cce30cf"}
+    for spec in load_dir(Path(__file__).parents[2] / "specs"):
+        assert checksum(spec) == "sha256:" + before[spec.name], spec.name
+    base = 'name = "a"\nversion = "1"\n'
+    assert checksum(parse_spec(base)) != checksum(parse_spec(base + '[unique]\nkey = "k"\n'))
+    with pytest.raises(SpecError, match="needs a period"):
+        parse_spec(base + '[unique]\nstates = "finished"\n', source="a.toml")
+    with pytest.raises(SpecError, match="does not declare in"):
+        parse_spec(base + '[args.user]\ntype = "integer"\n[unique]\nkeys = ["args"]\n'
+                   'args_keys = ["usr"]\n', source="a.toml")
