@@ -153,6 +153,17 @@ def e2e(quick: bool) -> dict[str, Any]:
         "enqueue": ratio(rota["enqueue_per_s"], huey and huey.get("enqueue_per_s"))}}
 
 
+def e2e_keyed(quick: bool) -> dict[str, Any]:
+    """``e2e`` with per-key limits: each job carries one of 100 concurrency keys, and the
+    spec allows 3 of a key at once (tp.KEYS, tp.KEY_LIMIT): the limited path's cost per
+    job, beside the same huey run."""
+    tp.KEYS = 100
+    try:
+        return e2e(quick)
+    finally:
+        tp.KEYS = 0
+
+
 def _prefill(db_path: Path, kept: int) -> None:
     """``kept`` completed jobs in the store, as a server that has run them leaves it."""
     from rota.store import migrations as db_migrations
@@ -468,7 +479,7 @@ def soak(quick: bool, minutes: float | None = None) -> dict[str, Any]:
 
 
 SCENARIOS: dict[str, Callable[[bool], dict[str, Any]]] = {
-    "e2e": e2e, "latency": latency, "producers": producers, "growth": growth, "idle": idle, "backlog": backlog, "soak": soak}
+    "e2e": e2e, "e2e_keyed": e2e_keyed, "latency": latency, "producers": producers, "growth": growth, "idle": idle, "backlog": backlog, "soak": soak}
 
 
 def main(argv: list[str] | None = None) -> int:

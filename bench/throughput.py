@@ -257,7 +257,8 @@ class Setup:
 def prepare(workdir: Path, concurrency: int) -> Setup:
     specs_dir = workdir / "specs"
     specs_dir.mkdir()
-    (specs_dir / f"{SPEC_NAME}.toml").write_text(NOOP_SPEC)
+    limits = f"[limits]\nkey_concurrency = {KEY_LIMIT}\n" if KEYS else ""
+    (specs_dir / f"{SPEC_NAME}.toml").write_text(NOOP_SPEC + limits)
     source = WORKER_SOURCE.format(specs_dir=str(specs_dir), concurrency=concurrency,
                                   spec=SPEC_NAME)
     (workdir / f"{WORKER_MODULE}.py").write_text(source)
@@ -370,6 +371,20 @@ async def enqueue_all(base_url: str, jobs: int, producers: int, client: str,
 
 
 ENQUEUE_BODY = msgspec.json.encode({"spec": SPEC_NAME, "args": {}})
+# Concurrency keys the jobs take turns over, with KEY_LIMIT each in the spec's [limits]
+# (bench/compare.py e2e_keyed: what per-key limits cost); 0: no keys, no limits.
+KEYS = 0
+KEY_LIMIT = 3
+_turn = itertools.count()
+
+
+def batch_body(n: int) -> bytes:
+    """A POST /jobs/batch body of ``n`` no-op jobs (each with the next key, with KEYS)."""
+    if not KEYS:
+        return b'{"jobs":[' + b",".join([ENQUEUE_BODY] * n) + b"]}"
+    jobs = [msgspec.json.encode({"spec": SPEC_NAME, "args": {},
+                                 "concurrency_key": f"k{next(_turn) % KEYS}"}) for _ in range(n)]
+    return b'{"jobs":[' + b",".join(jobs) + b"]}"
 
 
 @contextlib.asynccontextmanager
@@ -389,7 +404,7 @@ async def _connection(client: str, base_url: str) -> AsyncIterator[Post]:
                 response = await http.post("/jobs", content=ENQUEUE_BODY,
                                            headers={"content-type": "application/json"})
             else:
-                body = b'{"jobs":[' + b",".join([ENQUEUE_BODY] * n) + b"]}"
+                body = batch_body(n)
                 response = await http.post("/jobs/batch", content=body,
                                            headers={"content-type": "application/json"})
             return response.status_code, response.content
