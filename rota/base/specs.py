@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from rota.base.errors import RotaError
+from rota.base.flow import MAX_LABELS, WrittenRule
 from rota.base.protocol import NAME_PATTERN as NAME_PATTERN  # one pattern for every name
 from rota.base.protocol import MAX_COUNT, Name, Priority
 from rota.base.wording import GOT, KINDS, VERSION_PATTERN, kind_of, plainly
@@ -67,6 +68,14 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     visibility_timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_VISIBILITY)] | None = None
     retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
     args: dict[Name, ArgSpec] = {}
+    # Flow control (README, Flow control): worker labels every job of the spec requires,
+    # and the spec's default limits (``rota limits set`` overrides them until cleared).
+    labels: Annotated[list[Name], msgspec.Meta(max_length=MAX_LABELS)] = []
+    limits: WrittenRule | None = None
+
+    def __post_init__(self) -> None:
+        if self.limits == WrittenRule():  # an empty [limits] is none: the same checksum
+            self.limits = None
 
 
 def canonical_bytes(spec: JobSpec) -> bytes:

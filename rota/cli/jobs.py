@@ -40,6 +40,10 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-fails", type=int, help="Explicit failures allowed (default: the spec's)."),
         click.option("--capture-logs", is_flag=True, default=None,
                      help="Keep the lines the handler logs with ctx.log() (see 'rota jobs show')."),
+        click.option("--concurrency-key",
+                     help="The key per-key limits count the job under (a tenant, a user id)."),
+        click.option("--label", "labels", multiple=True,
+                     help="A worker label the job requires (repeat for several)."),
         URL_OPTION,
     ]
     for option in reversed(options):
@@ -55,6 +59,7 @@ def _enqueue(url: str, spec: str, args_json: str, job_id: str | None, **options:
         _fail(f"--args is not valid JSON: {exc}")
     if not isinstance(args, dict):
         _fail("--args must be a JSON object")
+    options["labels"] = list(options.get("labels") or ()) or None
     return _api(url, "enqueue", spec, args, id=job_id, **options)
 
 

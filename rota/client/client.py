@@ -357,7 +357,8 @@ class Client:
         Options: id (the same id again is the same job, so a retried enqueue is safe),
         queue, priority, run_at, delay, ttl, visibility_timeout, max_attempts, max_fails
         (None means the spec's default), capture_logs, new_queue (queue is meant
-        new, even spelt like a known one)."""
+        new, even spelt like a known one), concurrency_key (the key per-key limits count
+        it under), labels (worker labels it requires, beside its spec's)."""
         body: dict[str, Any] = {"spec": spec, "args": args or {}}
         body.update({key: value for key, value in options.items() if value is not None})
         answer = self._call("POST", "/jobs", json=body)

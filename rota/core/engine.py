@@ -80,7 +80,8 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
 
     # -- start -------------------------------------------------------------------------
     def load(self, specs: dict[str, JobSpec], checksums: dict[str, str], jobs: list[JobRecord],
-             now: Instant, waiting: dict[tuple[str, str], list[int]] | None = None,
+             now: Instant,
+             waiting: dict[tuple[str, str, str | None, tuple[str, ...]], list[int]] | None = None,
              last_seq: int = 0, retired: dict[str, float] | None = None,
              paused: Iterable[str] = ()) -> list[Effect]:
         """Take in what the store holds: whole jobs, and the keys of plain available ones
@@ -91,7 +92,7 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
         self.scheduler.paused = set(paused)
         self.scheduler.status_quo = dict(checksums)
         self.scheduler.last_seq = max(self.scheduler.last_seq, last_seq)
-        for (queue, spec), keys in (waiting or {}).items():
+        for (queue, spec, *_), keys in (waiting or {}).items():  # (key, labels): CORE's
             self.scheduler.ready.load(queue, spec, keys)
         grace = now.mono + self.settings.heartbeat_timeout
         orphans = 0

@@ -185,6 +185,21 @@ def m014_throughput(db: sqlite_utils.Database) -> None:
                             defaults=dict.fromkeys(list(columns)[4:], 0))
 
 
+@migrations()
+def m015_flow_control(db: sqlite_utils.Database) -> None:
+    # Flow control (README, Flow control): a job's concurrency key and the worker labels
+    # it requires (a JSON list; NULL: none); limits set at runtime, a rule as JSON per
+    # scope ("queue" or "spec", and its name); and the starts that rate limits count
+    # (name "spec:send_email", key "" for the scope's own), so a restart keeps a window.
+    db["jobs"].add_column("concurrency_key", str)
+    db["jobs"].add_column("labels", str)
+    db["limits"].create({"kind": str, "name": str, "rule": str, "updated_at": float,
+                         "updated_by": str}, pk=("kind", "name"), not_null={"rule"})
+    db["limit_starts"].create({"id": int, "name": str, "key": str, "at": float}, pk="id",
+                              not_null={"name", "key", "at"}, defaults={"key": ""})
+    db["limit_starts"].create_index(["name", "key", "at"])
+
+
 def migrate(path: Path) -> None:
     conn = connect(path)
     try:

@@ -43,6 +43,8 @@ def job_view(row: dict[str, Any]) -> dict[str, Any]:
         "max_fails": row["max_fails"],
         "cancel_requested": bool(row["cancel_requested"]),
         "capture_logs": bool(row["capture_logs"]),
+        "concurrency_key": row.get("concurrency_key"),
+        "labels": msgspec.json.decode(row.get("labels") or "[]"),
         "progress": None if row["progress_at"] is None else {
             "percent": row["progress_percent"], "message": row["progress_message"],
             "at": rfc3339(row["progress_at"])},

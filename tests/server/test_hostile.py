@@ -47,7 +47,8 @@ def enqueue_bodies() -> list[dict[str, Any]]:
     return [
         {"spec": "parked", "args": {"k": "v", "n": [1, {"m": 2}]}, "queue": "default",
          "priority": 1, "run_at": soon(), "ttl": 60.0, "visibility_timeout": 30.0,
-         "max_attempts": 3, "max_fails": 2, "capture_logs": False},
+         "max_attempts": 3, "max_fails": 2, "capture_logs": False,
+         "concurrency_key": "acme", "labels": ["gpu", "region:eu"]},
         {"spec": "parked", "id": "hostile-id", "delay": 10.0},
     ]
 
@@ -58,7 +59,9 @@ SPECS = {"dry_run": True, "specs": [{
     "visibility_timeout": 30.0,
     "retry": {"max_attempts": 3, "max_fails": 2, "backoff_base": 1.0, "backoff_max": 10.0,
               "max_worker_deaths": 2},
-    "args": {"k": {"type": "string", "description": "d", "required": True}}}]}
+    "args": {"k": {"type": "string", "description": "d", "required": True}},
+    "labels": ["gpu"], "limits": {"concurrency": 4, "rate": "5/s", "key_concurrency": 2,
+                                  "key_rate": {"limit": 10, "period": 60.0, "burst": 2}}}]}
 # No payload may direct the bystander: the label matches nobody, and all + label is refused.
 WORKERS_STATE = {"state": "quiet", "label": "nobody", "all": False}
 WORKER_STATE = {"state": "quiet"}
