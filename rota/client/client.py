@@ -436,6 +436,20 @@ class Client:
         action = "pause" if paused else "resume"
         return self._call("POST", f"/queues/{path_segment(name)}/{action}")
 
+    def limits(self) -> dict[str, Any]:
+        """``GET /limits`` (admin): every flow-control limit in force, and its source."""
+        return self._call("GET", "/limits")
+
+    def set_limit(self, kind: str, name: str, rule: dict[str, Any]) -> dict[str, Any]:
+        """Set a queue's or spec's limits (``kind`` "queue" or "spec") at runtime: ``rule``
+        has concurrency, rate ("100/min" or {limit, period, burst}), key_concurrency,
+        key_rate. They replace its spec file's until ``clear_limit``."""
+        path = f"/limits/{path_segment(kind)}/{path_segment(name)}"
+        return self._call("PUT", path, json=rule)
+
+    def clear_limit(self, kind: str, name: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/limits/{path_segment(kind)}/{path_segment(name)}")
+
     def list_jobs(self, *, states: tuple[str, ...] | list[str] = (), spec: str | None = None,
                   queue: str | None = None, worker: str | None = None, q: str | None = None,
                   limit: int = 50, cursor: str | None = None) -> dict[str, Any]:

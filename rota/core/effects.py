@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rota.core.limits import Rate
 from rota.core.model import Change, JobRecord, StatusNote
 from rota.base.protocol import Registration
 from rota.core.ready import Claim
@@ -25,6 +26,18 @@ class Save:
     crash_point: str | None = None  # test switch: the --crash-at name after this commit
 
 
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """A limit one reservation counts against, for the store to hold exactly across
+    servers (rota/store/limits.py): ``name`` "spec:send_email" or "queue:emails", ``key``
+    a concurrency key (None: the scope's own count), and what it may not exceed."""
+
+    name: str
+    key: str | None
+    concurrency: int | None = None
+    rate: Rate | None = None
+
+
 @dataclass(slots=True)
 class Reserve:
     """Commit these reservations; the assigns that depend on them follow the ticket. A
@@ -37,6 +50,9 @@ class Reserve:
     claims: list[Claim] = field(default_factory=list)
     lease: float = 1800.0  # seconds, for a claimed job whose row sets no visibility_timeout
     min_lease: float = 0.0  # and the shortest, whatever the row sets (Scheduler.lease_for)
+    # The limits each whole job (by id) or claim (by seq) counts against: the store
+    # refuses those that would pass one (``Reserved.refused``), and records rate starts.
+    guards: dict[str | int, tuple[Guard, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -47,6 +63,9 @@ class Reserved:
 
     read: list[JobRecord | None] = field(default_factory=list)
     lost: frozenset[str] = frozenset()
+    # Whole jobs (ids) and claims (seqs) the database guard refused: not reserved, still
+    # available (a limit was reached through another server).
+    refused: frozenset[str | int] = frozenset()
 
 
 @dataclass(slots=True)

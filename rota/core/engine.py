@@ -33,6 +33,7 @@ from rota.base.errors import RotaError, failure_level
 from rota.core.heartbeats import MAY_RECONNECT, Heartbeats
 from rota.core.intake import Intake
 from rota.base.logs import log_lines
+from rota.core.limits import LimitRule
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
 from rota.core.policy import Ending
@@ -73,6 +74,7 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
         # Its lease among several servers on one database (rota/core/standing.py): whether it
         # may hand out work, and judge the others'. Not shared: no lease, no limit.
         self.standing = Standing(settings.server_lease)
+        self.limits: dict[tuple[str, str], LimitRule] = {}  # flow control: set_limits
 
     @property
     def connections(self) -> dict[str, ConnectedWorker]:
@@ -106,6 +108,13 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
             log.warning("recovery active_jobs=%d wait=%.1fs for their workers to reclaim them",
                         orphans, self.settings.heartbeat_timeout)
         self._last_tick = now.mono
+        return [Wake()]
+
+    def set_limits(self, rules: dict[tuple[str, str], LimitRule], now: Instant) -> list[Effect]:
+        """The whole table of limits in force, by scope (spec files' rules overlaid by
+        runtime ones: rota/core/limits.py ``effective``). (WIRE's seam: this only keeps
+        the table; the scheduler's enforcement is CORE's.)"""
+        self.limits = dict(rules)
         return [Wake()]
 
     def pause_queue(self, queue: str, paused: bool, now: Instant) -> list[Effect]:

@@ -37,6 +37,7 @@ from rota.core.settings import ServerSettings
 from rota.server.shell_directives import ShellDirectives
 from rota.server.shell_reads import ShellReads
 from rota.base.specs import JobSpec
+from rota.server.limiting import Limiting
 from rota.server.steering import Steering
 from rota.store.health import Health
 from rota.store.store import Store
@@ -99,7 +100,9 @@ class Coordinator(ShellReads, ShellDirectives):
             store, every=settings.heartbeat_interval, max_holds=settings.max_waits_per_token,
             monotonic=lambda: self.clock().mono,
             on_change=lambda valid: self.apply(engine.revoked(valid)))
-        self.steering = Steering(store, engine, clock, self.run, self.apply)
+        self.limiting = Limiting(store, engine, clock, self.apply)
+        self.steering = Steering(store, engine, clock, self.run, self.apply,
+                                 specs_changed=self.limiting.refresh)
         self.admission = Admission(store, engine, clock, self.apply, self.crash_point)
         self.watching = Watching(store, engine, clock, settings.max_series)
         self.upkeep = Upkeep(settings, store, engine, clock, self.apply,
@@ -111,6 +114,8 @@ class Coordinator(ShellReads, ShellDirectives):
         self.cancel, self.retry, self.bulk = steering.cancel, steering.retry, steering.bulk
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
         self.pause_queue = steering.pause_queue
+        limiting = self.limiting
+        self.limits, self.set_limit, self.clear_limit = limiting.view, limiting.set, limiting.clear
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse
@@ -173,6 +178,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
                                     self.clock(), snapshot.waiting, snapshot.last_seq,
                                     snapshot.retired, snapshot.paused))
+        self.limiting.load(snapshot.limits)  # (the rate starts kept: snapshot.limit_starts)
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.store.where,
                  self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")
@@ -242,9 +248,9 @@ class Coordinator(ShellReads, ShellDirectives):
                         future.add_done_callback(functools.partial(self._saved, changes))
                     else:
                         self._write(future, ticket, point)
-                case Reserve(jobs, wall, ticket, claims, lease, min_lease):
-                    self._write(self.store.reserve(jobs, wall, claims, lease, min_lease),
-                                ticket, "reserve-after-commit")
+                case Reserve(jobs, wall, ticket, claims, lease, min_lease, guards):
+                    self._write(self.store.reserve(jobs, wall, claims, lease, min_lease,
+                                                   guards), ticket, "reserve-after-commit")
                 case Withdraw():  # a cancel request awaits it (run); anywhere else, a task
                     self.spawn(self.run([effect]), "rota-withdraw")
                 case Wake():

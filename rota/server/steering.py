@@ -29,12 +29,14 @@ Run = Callable[[Iterable[Effect]], Coroutine[Any, Any, dict[str, JobRecord | Non
 
 class Steering:
     def __init__(self, store: Store, engine: Engine, clock: Callable[[], Instant],
-                 run: Run, apply: Callable[[Iterable[Effect]], None]) -> None:
+                 run: Run, apply: Callable[[Iterable[Effect]], None],
+                 specs_changed: Callable[[], None] = lambda: None) -> None:
         self.store = store
         self.engine = engine
         self.clock = clock
         self.run = run  # effects, waiting for each write to commit
         self.apply = apply  # effects, waiting for none
+        self.specs_changed = specs_changed  # a push committed (the limits in force follow)
         # Retries whose row is being written: retention skips them (Store.prune).
         self.retrying: set[str] = set()
 
@@ -199,6 +201,7 @@ class Steering:
         changes = await self.store.push_specs([(s, checksum(s)) for s in specs], dry_run=dry_run)
         if not dry_run:
             self.apply(self.engine.status_quo_changed(specs, changes, self.clock()))
+            self.specs_changed()
         return [self.engine.change_report(c) for c in changes]
 
     async def pause_queue(self, name: str, paused: bool) -> dict[str, Any]:

@@ -40,6 +40,10 @@ class Snapshot:
     clock_step: float = 0.0  # the wall clock's step since the last run, undone in the rows
     # The per-minute counts kept (writes.keep_throughput): (minute, queue, spec, *counts).
     throughput: list[tuple[Any, ...]] = field(default_factory=list)
+    # Flow control (rota/store/limits.py): the rules set at runtime (rows), and the rate
+    # starts within a day by (limit name, key), oldest first, for the windows to go on.
+    limits: list[dict[str, Any]] = field(default_factory=list)
+    limit_starts: dict[tuple[str, str | None], list[float]] = field(default_factory=dict)
 
 
 def load(conn: sqlite3.Connection, server_id: str | None = None) -> Snapshot:
@@ -169,6 +173,18 @@ def waiting_rows(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple[Any, .
         cursor.row_factory = None
         out += [tuple(r) for r in cursor.fetchall()]
     return out
+
+
+def take_over(conn: sqlite3.Connection, server_id: str, worker_id: str, job_ids: list[str],
+              token: str | None, queues: Collection[str] | None
+              ) -> tuple[list[JobRecord], set[str]]:
+    """``Store.take_over``: the jobs taken, or none and the other tokens whose workers
+    hold some of them under this worker id."""
+    others = set() if token is None else other_tokens(conn, worker_id, job_ids, token)
+    if others:
+        return [], others
+    return [live_job(r) for r in take_over_rows(conn, server_id, worker_id, job_ids, token,
+                                                queues)], others
 
 
 def take_over_rows(conn: sqlite3.Connection, server_id: str, worker_id: str,

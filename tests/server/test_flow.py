@@ -60,3 +60,100 @@ async def test_a_jobs_key_and_labels_go_everywhere_a_job_does(live: Live, tmp_pa
     many = await live.http.post("/jobs", json={"spec": "render",
                                                "labels": [f"l{n}" for n in range(16)]})
     assert many.status_code == 422 and many.json()["error"]["code"] == "invalid_labels"
+
+
+SEND = ('[limits]\nconcurrency = 40\nkey_concurrency = 3\nrate = "5/s"\n'
+        'key_rate = {limit = 100, period = 60, burst = 10}\n')
+
+
+async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: Path):
+    """GET /limits shows a spec file's rule; `rota limits set` replaces it (stored: a
+    restart keeps it) until `rota limits clear`; the engine holds what is in force."""
+    from conftest import start_server, stop_server
+
+    from rota.core.limits import LimitRule, Rate
+
+    live = await start_server(tmp_path)
+    try:
+        await live.push(write_spec(tmp_path / "specs", "send", extra=SEND))
+        await live.push(write_spec(tmp_path / "specs", "other", queue="emails"))
+        spec_file = LimitRule(concurrency=40, key_concurrency=3, rate=Rate(5, 1.0),
+                              key_rate=Rate(100, 60.0, 10))
+        assert live.coordinator.engine.limits == {("spec", "send"): spec_file}
+        code, out, err = await invoke("limits", "--url", live.base)
+        assert (code, out) == (0, "spec:send                concurrency=40 rate=5/1s"
+                               " key_concurrency=3 key_rate=100/60s burst=10  (spec file)\n")
+
+        code, out, err = await invoke("limits", "set", "spec:send", "--concurrency", "2",
+                                      "--key-rate", "100/min", "--url", live.base)
+        assert (code, out) == (0, "spec:send: concurrency=2 key_rate=100/60s (until"
+                               " 'rota limits clear spec:send')\n"), err
+        put = await live.http.put("/limits/queue/emails", json={"rate": {"limit": 10,
+                                                                          "period": 30}})
+        assert put.status_code == 200 and put.json()["source"] == "runtime"
+        runtime = {("spec", "send"): LimitRule(concurrency=2, key_rate=Rate(100, 60.0)),
+                   ("queue", "emails"): LimitRule(rate=Rate(10, 30.0))}
+        assert live.coordinator.engine.limits == runtime
+    finally:
+        await stop_server(live)
+
+    live = await start_server(tmp_path)  # a restart keeps what was set
+    try:
+        assert live.coordinator.engine.limits == runtime
+        listed = (await live.http.get("/limits")).json()["limits"]
+        assert [(e["limit"], e["source"], e["rule"]) for e in listed] == [
+            ("queue:emails", "runtime", {"rate": {"limit": 10, "period": 30.0, "burst": None}}),
+            ("spec:send", "runtime", {"concurrency": 2, "key_rate": {
+                "limit": 100, "period": 60.0, "burst": None}})]
+        code, out, err = await invoke("limits", "clear", "spec:send", "--url", live.base)
+        assert (code, out) == (0, "spec:send: cleared; its spec file's apply: concurrency=40"
+                               " rate=5/1s key_concurrency=3 key_rate=100/60s burst=10\n"), err
+        assert live.coordinator.engine.limits == {("spec", "send"): spec_file,
+                                                  ("queue", "emails"): runtime[("queue",
+                                                                                "emails")]}
+        code, _, err = await invoke("limits", "clear", "spec:send", "--url", live.base)
+        assert code == 1 and "no limit is set at runtime for spec:send" in err
+    finally:
+        await stop_server(live)
+
+
+async def test_a_bad_limit_is_refused_precisely_and_nothing_is_stored(live: Live,
+                                                                      tmp_path: Path):
+    await live.push(write_spec(tmp_path / "specs", "send"))
+    for path, body, status, code, says in [
+        ("/limits/spec/send", {"concurrency": 0}, 422, "invalid_limit",
+         "concurrency must be an integer >= 1"),
+        ("/limits/spec/send", {"key_concurrency": -3}, 422, "invalid_limit",
+         "key_concurrency must be an integer >= 1"),
+        ("/limits/spec/send", {"concurency": 3}, 422, "invalid_limit",
+         "concurency is not a field Rota knows (known: concurrency, rate, key_concurrency,"
+         " key_rate)"),
+        ("/limits/spec/send", {"rate": {"limit": 5, "period": 1, "burst": 9}}, 422,
+         "invalid_limit", "rate must have a burst of at most its limit 5, not 9"),
+        ("/limits/spec/send", {"key_rate": "5/fortnight"}, 422, "invalid_limit",
+         "key_rate must be a rate such as 100/min, 5/s, 1000/h or 10/30s (units: s, min,"
+         " h, d), not '5/fortnight'"),
+        ("/limits/spec/send", {"rate": "0/s"}, 422, "invalid_limit",
+         "rate must allow 1 start at least, not 0"),
+        ("/limits/spec/send", {}, 422, "invalid_limit", "a rule must set concurrency, rate,"
+         " key_concurrency or key_rate (to remove a limit, clear it)"),
+        ("/limits/tenant/send", {"concurrency": 1}, 422, "invalid_limit",
+         "a limit's scope is queue or spec, not 'tenant' (as in /limits/spec/send_email)"),
+        ("/limits/spec/" + "x" * 129, {"concurrency": 1}, 422, "invalid_limit",
+         "a spec name is 1 to 128 letters, digits and '_.:-', starting with a letter or digit"),
+        ("/limits/spec/sned", {"concurrency": 1}, 422, "unknown_spec", "spec 'sned' has no"
+         " status quo; did you mean send?"),
+        ("/limits/queue/defualt", {"concurrency": 1}, 422, "unknown_queue",
+         "queue 'defualt' is unknown; did you mean default?"),
+    ]:
+        answer = await live.http.put(path, json=body)
+        error = answer.json()["error"]
+        assert (answer.status_code, error["code"]) == (status, code), (path, body, error)
+        assert error["message"].startswith(says), (path, body, error["message"])
+    assert (await live.http.get("/limits")).json() == {"limits": []}
+    assert await live.coordinator.store.runtime_limits() == []
+    code, _, err = await invoke("limits", "set", "spec:send", "--concurrency", "0",
+                                "--url", live.base)
+    assert (code, err) == (1, "error: concurrency must be an integer >= 1 (invalid_limit)\n")
+    code, _, err = await invoke("limits", "set", "send", "--rate", "5/s", "--url", live.base)
+    assert code == 1 and "names no limit: give queue:NAME or spec:NAME" in err
