@@ -111,27 +111,55 @@ def _running(conn: sqlite3.Connection, name: str, key: str | None) -> int:
     return int(conn.execute(sql, args).fetchone()[0])
 
 
-def _starts_since(conn: sqlite3.Connection, name: str, key: str | None, since: float) -> int:
-    return int(conn.execute("SELECT count(*) FROM limit_starts WHERE name = ? AND key = ?"
-                            " AND at > ?", (name, key or "", since)).fetchone()[0])
+def _starts(conn: sqlite3.Connection, name: str, key: str | None, since: float) -> list[float]:
+    cursor = conn.execute("SELECT at FROM limit_starts WHERE name = ? AND key = ? AND at > ?"
+                          " ORDER BY at", (name, key or "", since))
+    cursor.row_factory = None
+    return [at for (at,) in cursor]
 
 
-def _room(conn: sqlite3.Connection, guard: Guard, now: float) -> list[tuple[int, int]]:
-    """(used, limit) of each bound the guard sets: its running jobs, its starts in the
-    window, and with a burst, its starts in the burst's span (``burst`` starts back to
-    back, then one per period / limit: no more than ``burst`` in burst * period / limit)."""
-    bounds = []
-    if guard.concurrency is not None:
-        bounds.append((_running(conn, guard.name, guard.key), guard.concurrency))
-    rate = guard.rate
-    if rate is not None:
-        bounds.append((_starts_since(conn, guard.name, guard.key, now - rate.period),
-                       rate.limit))
-        if rate.burst is not None and rate.burst < rate.limit:
-            span = rate.burst * rate.period / rate.limit
-            bounds.append((_starts_since(conn, guard.name, guard.key, now - span),
-                           rate.burst))
-    return bounds
+class Room:
+    """One limit and key as the database holds it: the scope's reserved jobs and its
+    starts in the window, and whether one more reservation fits now.
+
+    A rate holds at most ``limit`` starts in any window of ``period``; a burst below the
+    limit also spaces them: ``burst`` back to back, then one per period / limit (the
+    generic cell rate algorithm: a start may come once the theoretical arrival time,
+    less the burst's tolerance, is reached)."""
+
+    def __init__(self, conn: sqlite3.Connection, guard: Guard, now: float) -> None:
+        self.guard = guard
+        self.running = (None if guard.concurrency is None
+                        else _running(conn, guard.name, guard.key))
+        rate = guard.rate
+        self.starts = [] if rate is None else _starts(conn, guard.name, guard.key,
+                                                      now - rate.period)
+        self.due = float("-inf")  # the theoretical arrival time of the next start
+        for at in self.starts:
+            self._spaced(at)
+
+    def _spaced(self, at: float) -> None:
+        rate = self.guard.rate
+        if rate is not None and rate.burst is not None and rate.burst < rate.limit:
+            self.due = max(self.due, at) + rate.period / rate.limit
+
+    def fits(self, now: float) -> bool:
+        guard, rate = self.guard, self.guard.rate
+        if guard.concurrency is not None and (self.running or 0) >= guard.concurrency:
+            return False
+        if rate is None:
+            return True
+        if len(self.starts) >= rate.limit:
+            return False
+        tolerance = ((rate.burst or rate.limit) - 1) * rate.period / rate.limit
+        return now >= self.due - tolerance - 1e-9
+
+    def take(self, now: float) -> None:
+        if self.running is not None:
+            self.running += 1
+        if self.guard.rate is not None:
+            self.starts.append(now)
+            self._spaced(now)
 
 
 def guard(conn: sqlite3.Connection, guards: Mapping[Item, tuple[Guard, ...]],
@@ -144,15 +172,13 @@ def guard(conn: sqlite3.Connection, guards: Mapping[Item, tuple[Guard, ...]],
     distinct = {(g.name, g.key): g for gs in guards.values() for g in gs}
     for name, key in sorted(distinct, key=lambda s: (s[0], s[1] or "")):
         conn.execute("SELECT pg_advisory_xact_lock(?)", (lock_id(name, key),))
-    # Each bound's use as committed, then each reservation admitted while all its bounds
-    # have room: the bounds it uses grow by one.
-    use = {scope: _room(conn, g, now) for scope, g in distinct.items()}
+    rooms = {scope: Room(conn, g, now) for scope, g in distinct.items()}
     refused: set[Item] = set()
     for item in order:
-        scopes = [(g.name, g.key) for g in guards.get(item, ())]
-        if all(used < limit for scope in scopes for used, limit in use[scope]):
-            for scope in scopes:
-                use[scope] = [(used + 1, limit) for used, limit in use[scope]]
+        held = [rooms[(g.name, g.key)] for g in guards.get(item, ())]
+        if all(room.fits(now) for room in held):
+            for room in held:
+                room.take(now)
         else:
             refused.add(item)
     return frozenset(refused)
