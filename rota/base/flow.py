@@ -17,8 +17,8 @@ from rota.base.protocol import MAX_COUNT
 MAX_PERIOD = 86400.0  # a day: the longest window a rate counts over
 MAX_LABELS = 16  # labels a job may require
 Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
-UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "min": 60.0, "minute": 60.0, "h": 3600.0,
-         "hour": 3600.0, "d": 86400.0, "day": 86400.0}
+UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
+         "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0}
 _SHORTHAND = re.compile(r"(\d{1,9})\s*/\s*(\d{0,5}(?:\.\d{1,3})?)\s*([a-z]+)")
 RATE_WORDS = "a rate such as 100/min, 5/s, 1000/h or 10/30s"
 

@@ -10,6 +10,7 @@ depends on a commit that has not happened: such a frame comes out of ``committed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from rota.core.limits import Rate
 from rota.core.model import Change, JobRecord, StatusNote
@@ -26,16 +27,17 @@ class Save:
     crash_point: str | None = None  # test switch: the --crash-at name after this commit
 
 
-@dataclass(frozen=True, slots=True)
-class Guard:
-    """A limit one reservation counts against, for the store to hold exactly across
-    servers (rota/store/limits.py): ``name`` "spec:send_email" or "queue:emails", ``key``
-    a concurrency key (None: the scope's own count), and what it may not exceed."""
+class Guard(NamedTuple):
+    """A limit a reserved job counts against, for the store to check in the reservation's
+    transaction (PostgreSQL: under an advisory lock per name and key, so that several
+    servers stay within it): ``name`` is ``queue:emails`` or ``spec:send_email``, ``key``
+    the job's concurrency key for a per-key limit (None: the scope's own), then the
+    running jobs allowed and the rate of starts allowed (None: not limited that way)."""
 
     name: str
     key: str | None
-    concurrency: int | None = None
-    rate: Rate | None = None
+    concurrency: int | None
+    rate: Rate | None
 
 
 @dataclass(slots=True)
@@ -50,21 +52,29 @@ class Reserve:
     claims: list[Claim] = field(default_factory=list)
     lease: float = 1800.0  # seconds, for a claimed job whose row sets no visibility_timeout
     min_lease: float = 0.0  # and the shortest, whatever the row sets (Scheduler.lease_for)
-    # The limits each whole job (by id) or claim (by seq) counts against: the store
-    # refuses those that would pass one (``Reserved.refused``), and records rate starts.
+    # The limits each job or claim counts against: job id (whole jobs) or claim seq
+    # (claims) -> its guards; absent: none. The store refuses those that would exceed one
+    # (``Reserved.refused``) and records a start for each guard with a rate.
     guards: dict[str | int, tuple[Guard, ...]] = field(default_factory=dict)
+
+    def starts(self, refused: frozenset[str | int] = frozenset()) -> list[tuple[str, str | None]]:
+        """The rate starts this reservation makes, at ``wall``, one per guard with a rate
+        of each job not refused: (limit name, key), for the store to record."""
+        return [(guard.name, guard.key) for ident, guards in self.guards.items()
+                if ident not in refused for guard in guards if guard.rate is not None]
 
 
 @dataclass(slots=True)
 class Reserved:
     """A ``Reserve``'s outcome: each claim's job as its row read after the claim (None:
-    no longer available), and the whole jobs whose rows had moved on meanwhile (another
-    server reserved, cancelled or finished them first), which this server must let go."""
+    no longer available, or refused), one per claim in order; the whole jobs whose rows
+    had moved on meanwhile (another server reserved, cancelled or finished them first),
+    which this server must let go; and the jobs a guard refused (``refused``)."""
 
     read: list[JobRecord | None] = field(default_factory=list)
     lost: frozenset[str] = frozenset()
-    # Whole jobs (ids) and claims (seqs) the database guard refused: not reserved, still
-    # available (a limit was reached through another server).
+    # Jobs the store's guard turned away (a limit held by another server's reservations):
+    # their rows stay available; job ids (whole jobs) and claim seqs (claims).
     refused: frozenset[str | int] = frozenset()
 
 
@@ -79,6 +89,8 @@ class Withdraw:
     spec: str
     priority: int
     wall: float
+    concurrency_key: str | None = None  # which bucket its key waits in (rota/core/ready.py)
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

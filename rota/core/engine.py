@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rota.base import protocol as p
@@ -33,7 +33,7 @@ from rota.base.errors import RotaError, failure_level
 from rota.core.heartbeats import MAY_RECONNECT, Heartbeats
 from rota.core.intake import Intake
 from rota.base.logs import log_lines
-from rota.core.limits import LimitRule
+from rota.core.limits import LimitRule, Scope
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
 from rota.core.policy import Ending
@@ -74,7 +74,8 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
         # Its lease among several servers on one database (rota/core/standing.py): whether it
         # may hand out work, and judge the others'. Not shared: no lease, no limit.
         self.standing = Standing(settings.server_lease)
-        self.limits: dict[tuple[str, str], LimitRule] = {}  # flow control: set_limits
+        self.limits: dict[Scope, LimitRule] = {}  # flow control: set_limits (WIRE's seam)
+        self.limit_starts: dict[tuple[str, str | None], list[float]] = {}
 
     @property
     def connections(self) -> dict[str, ConnectedWorker]:
@@ -110,11 +111,14 @@ class Engine(Intake, Reservations, Heartbeats, Timers):
         self._last_tick = now.mono
         return [Wake()]
 
-    def set_limits(self, rules: dict[tuple[str, str], LimitRule], now: Instant) -> list[Effect]:
+    def set_limits(self, rules: Mapping[Scope, LimitRule], now: Instant,
+                   starts: Mapping[tuple[str, str | None], list[float]] | None = None
+                   ) -> list[Effect]:
         """The whole table of limits in force, by scope (spec files' rules overlaid by
-        runtime ones: rota/core/limits.py ``effective``). (WIRE's seam: this only keeps
-        the table; the scheduler's enforcement is CORE's.)"""
-        self.limits = dict(rules)
+        runtime ones: rota/core/rulebook.py), and at a start the rates' stored starts.
+        (WIRE's seam, with CORE's signature: this only keeps them; enforcing them is
+        CORE's scheduler.)"""
+        self.limits, self.limit_starts = dict(rules), dict(starts or {})
         return [Wake()]
 
     def pause_queue(self, queue: str, paused: bool, now: Instant) -> list[Effect]:

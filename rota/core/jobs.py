@@ -73,6 +73,8 @@ def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> JobRecord:
 
 def job_labels(given: list[str], spec: JobSpec) -> tuple[str, ...]:
     """The labels a job requires: its own and its spec's, sorted, each once."""
+    if not given and not spec.labels:  # (most jobs: nothing to build)
+        return ()
     labels = tuple(sorted(set(given) | set(spec.labels)))
     if len(labels) > MAX_LABELS:
         raise Invalid("invalid_labels", f"the job would require {len(labels)} labels (its"

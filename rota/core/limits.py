@@ -1,15 +1,20 @@
-"""Flow-control limits: the rule of a queue or spec (concurrency, rate, per concurrency key), parsed from what people write and merged from spec files and runtime settings. Pure."""
+"""Flow-control rules: the limit rule of a queue or spec (concurrency, rate, per concurrency key), its rates, and their checks. Pure.
+
+(WIRE's branch holds only the model and its checks, with the names and signatures of
+CORE's module, which adds the limiter; rota/core/rulebook.py merges the rules in force.)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 from rota.base.errors import Invalid
-from rota.base.flow import WrittenRate, WrittenRule, check_rate, rate_parts
-from rota.base.specs import JobSpec
+from rota.base.flow import MAX_PERIOD as MAX_PERIOD  # a rate's period is at most a day
+from rota.base.flow import rate_parts
+
+SCOPE_KINDS = ("queue", "spec")
 
 
 class Rate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -24,58 +29,11 @@ class LimitRule(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     key_concurrency: int | None = None  # per concurrency_key within the scope
     key_rate: Rate | None = None  # per concurrency_key within the scope
 
+    def empty(self) -> bool:
+        return self == LimitRule()
+
 
 Scope = tuple[str, str]  # ("queue", name) | ("spec", name)
-SCOPE_KINDS = ("queue", "spec")
-
-
-def parse_rate(value: str | WrittenRate | Mapping[str, Any] | Rate) -> Rate:
-    """A rate from its shorthand ("100/min", "5/s", "10/30s") or table; 422 invalid_limit."""
-    try:
-        if isinstance(value, str):
-            return Rate(*rate_parts(value))
-        if isinstance(value, Mapping):
-            value = msgspec.convert(value, WrittenRate)
-        check_rate(value.limit, value.period, value.burst)
-    except (ValueError, msgspec.ValidationError) as exc:
-        raise Invalid("invalid_limit", f"rate {exc}") from None
-    return Rate(value.limit, float(value.period), value.burst)
-
-
-def rule_of(written: WrittenRule) -> LimitRule:
-    """The rule a written one says (already checked as it was decoded)."""
-    return check_rule(LimitRule(
-        concurrency=written.concurrency, key_concurrency=written.key_concurrency,
-        rate=None if written.rate is None else parse_rate(written.rate),
-        key_rate=None if written.key_rate is None else parse_rate(written.key_rate)))
-
-
-def check_rule(rule: LimitRule) -> LimitRule:
-    """The rule, or 422 invalid_limit naming what no scope can be held to."""
-    for name in ("concurrency", "key_concurrency"):
-        count = getattr(rule, name)
-        if count is not None and count < 1:
-            raise Invalid("invalid_limit", f"{name} must be 1 or more, not {count}")
-    for name in ("rate", "key_rate"):
-        rate = getattr(rule, name)
-        if rate is not None:
-            try:
-                check_rate(rate.limit, rate.period, rate.burst)
-            except ValueError as exc:
-                raise Invalid("invalid_limit", f"{name} {exc}") from None
-    if rule == LimitRule():
-        raise Invalid("invalid_limit", "a rule must set concurrency, rate, key_concurrency"
-                      " or key_rate (to remove a limit, clear it)")
-    return rule
-
-
-def scope_of(kind: str, name: str) -> Scope:
-    """A scope from its kind and name (the name already checked as a Name); 422 if the
-    kind is none Rota knows."""
-    if kind not in SCOPE_KINDS:
-        raise Invalid("invalid_limit", f"a limit's scope is queue or spec, not {kind[:40]!r}"
-                      " (as in queue:emails or spec:send_email)")
-    return kind, name
 
 
 def limit_name(scope: Scope) -> str:
@@ -83,19 +41,52 @@ def limit_name(scope: Scope) -> str:
     return f"{scope[0]}:{scope[1]}"
 
 
-def spec_rules(specs: Mapping[str, JobSpec]) -> dict[Scope, LimitRule]:
-    """The rules spec files declare (``[limits]``), by scope."""
-    return {("spec", name): rule_of(spec.limits) for name, spec in specs.items()
-            if spec.limits is not None and spec.limits != WrittenRule()}
+def parse_rate(value: Any) -> Rate:
+    """A rate from its shorthand ("100/min", "5/s", "10/30s"), a table or a Rate;
+    422 invalid_limit if it is none."""
+    if isinstance(value, str):
+        try:
+            return Rate(*rate_parts(value))
+        except ValueError as exc:
+            raise Invalid("invalid_limit", f"rate {exc}") from None
+    try:
+        rate = value if isinstance(value, Rate) else msgspec.convert(value, Rate)
+    except msgspec.ValidationError as exc:
+        raise Invalid("invalid_limit", f"rate {value!r}: {exc}") from None
+    check_rate(rate, "rate")
+    return rate
 
 
-def effective(specs: Mapping[str, JobSpec], runtime: Mapping[Scope, LimitRule]
-              ) -> dict[Scope, LimitRule]:
-    """Every rule in force: the spec files' defaults, each replaced by a runtime rule set
-    for its scope (``rota limits set``, until ``rota limits clear``)."""
-    return {**spec_rules(specs), **runtime}
+def check_rate(rate: Rate, field: str) -> None:
+    """422 invalid_limit for a rate no window can hold, naming ``field``."""
+    if rate.limit < 1:
+        raise Invalid("invalid_limit", f"{field} must allow 1 start at least, not {rate.limit}")
+    if not 0 < rate.period <= MAX_PERIOD:
+        raise Invalid("invalid_limit", f"{field} must have a period over 0 and at most a day"
+                      f" ({MAX_PERIOD:g} s), not {rate.period:g} s")
+    if rate.burst is not None and not 1 <= rate.burst <= rate.limit:
+        raise Invalid("invalid_limit", f"{field} must have a burst of 1 to its limit"
+                      f" {rate.limit}, not {rate.burst}")
 
 
-def rate_text(rate: Rate) -> str:
-    """A rate as the CLI shows it: ``100/60s``, ``5/1s burst 2``."""
-    return f"{rate.limit}/{rate.period:g}s" + (f" burst {rate.burst}" if rate.burst else "")
+def check_rule(rule: LimitRule) -> None:
+    """422 invalid_limit naming what no scope can be held to: a limit of 0 or below, a
+    rate no window holds, or no limit at all."""
+    for field in ("concurrency", "key_concurrency"):
+        count = getattr(rule, field)
+        if count is not None and count < 1:
+            raise Invalid("invalid_limit", f"{field} must be 1 or more, not {count}")
+    for field in ("rate", "key_rate"):
+        rate = getattr(rule, field)
+        if rate is not None:
+            check_rate(rate, field)
+    if rule.empty():
+        raise Invalid("invalid_limit", "a rule must set concurrency, rate, key_concurrency"
+                      " or key_rate")
+
+
+def check_scope(kind: str, name: str) -> Scope:
+    """A scope from its kind and name; 422 invalid_limit for a kind Rota does not know."""
+    if kind not in SCOPE_KINDS:
+        raise Invalid("invalid_limit", f"a limit's scope is queue or spec, not {kind[:40]!r}")
+    return kind, name

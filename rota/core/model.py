@@ -168,8 +168,8 @@ class JobRecord:
     capture_logs: bool = False  # the producer asked for the job's log lines
     created_by: str | None = None  # the id of the token that enqueued it
     log_lines: int = 0  # captured lines taken (this server run)
-    concurrency_key: str | None = None  # flow control: the key its limits count it under
-    labels: tuple[str, ...] = ()  # worker labels it requires (sorted, no repeats)
+    concurrency_key: str | None = None  # the key its spec's per-key limits count it under
+    labels: tuple[str, ...] = ()  # worker labels it needs, all of them (sorted, deduplicated)
 
     def move(self, to: JobState) -> None:
         """Change state, refusing a move the lifecycle does not allow."""

@@ -178,7 +178,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
                                     self.clock(), snapshot.waiting, snapshot.last_seq,
                                     snapshot.retired, snapshot.paused))
-        self.limiting.load(snapshot.limits)  # (the rate starts kept: snapshot.limit_starts)
+        self.limiting.load(snapshot.limits, snapshot.limit_starts)
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.store.where,
                  self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")

@@ -20,8 +20,8 @@ from rota.core.auth import Principal
 from rota.core.effects import Effect
 from rota.core.engine import Engine
 from rota.core.intake import unknown_spec
-from rota.core.limits import (LimitRule, Scope, check_rule, effective, limit_name, rule_of,
-                              scope_of, spec_rules)
+from rota.core.limits import LimitRule, Scope, check_rule, check_scope, limit_name
+from rota.core.rulebook import effective, rule_of, spec_rules
 from rota.core.model import Instant
 from rota.server.shell_reads import new_queue_problems
 from rota.store.limits import rule_text
@@ -39,40 +39,44 @@ class Limiting:
         self.apply = apply
         # Rules set at runtime, by scope, with their rows (when, by whom).
         self.runtime: dict[Scope, tuple[LimitRule, dict[str, Any]]] = {}
+        self.in_force: dict[Scope, LimitRule] = {}  # the table the engine was last handed
 
-    def load(self, rows: list[dict[str, Any]]) -> None:
-        """Take the runtime table as stored (at start, or after another server changed
-        it) and hand the engine the limits in force. A row this Rota cannot read is
-        left out, and said."""
+    def load(self, rows: list[dict[str, Any]],
+             starts: dict[tuple[str, str | None], list[float]] | None = None) -> None:
+        """Take the runtime table as stored (at start, with the rate starts kept, or after
+        another server changed it) and hand the engine the limits in force. A row this
+        Rota cannot read is left out, and said."""
         runtime = {}
         for row in rows:
             try:
-                rule = check_rule(msgspec.json.decode(row["rule"], type=LimitRule))
+                rule = msgspec.json.decode(row["rule"], type=LimitRule)
+                check_rule(rule)
             except (msgspec.ValidationError, msgspec.DecodeError, Invalid) as exc:
                 log.warning("limit %s:%s is stored unreadable, and not applied: %s",
                             row["kind"], row["name"], exc)
                 continue
             runtime[(row["kind"], row["name"])] = (rule, row)
         self.runtime = runtime
-        self.refresh()
+        self.refresh(starts)
 
     async def reread(self) -> None:
         """Another server set or cleared a limit: the table as stored takes effect here."""
         self.load(await self.store.runtime_limits())
 
-    def refresh(self) -> None:
+    def refresh(self, starts: dict[tuple[str, str | None], list[float]] | None = None) -> None:
         """Hand the engine every limit in force (after a push, too: a spec's own may change)."""
-        rules = effective(self.engine.specs, {s: rule for s, (rule, _) in self.runtime.items()})
-        self.apply(self.engine.set_limits(rules, self.clock()))
+        self.in_force = effective(self.engine.specs,
+                                  {s: rule for s, (rule, _) in self.runtime.items()})
+        self.apply(self.engine.set_limits(self.in_force, self.clock(), starts))
 
     # -- the API's -------------------------------------------------------------------------
     async def set(self, kind: str, name: str, written: WrittenRule, by: Principal
                   ) -> dict[str, Any]:
         """Set a scope's runtime rule: stored first (a restart and the other servers keep
         it), then in force here."""
-        scope = scope_of(kind, name)
+        scope = check_scope(kind, name)
         await self._known(scope)
-        rule = check_rule(rule_of(written))
+        rule = rule_of(written)
         now = self.clock()
         who = by.name if by.token_id is not None else None
         await self.store.set_limit(kind, name, rule_text(rule), now.wall, who)
@@ -85,7 +89,7 @@ class Limiting:
 
     async def clear(self, kind: str, name: str) -> dict[str, Any]:
         """Remove a scope's runtime rule: its spec file's (if any) is in force again."""
-        scope = scope_of(kind, name)
+        scope = check_scope(kind, name)
         if not await self.store.set_limit(kind, name, None, self.clock().wall):
             raise NotFound("no_such_limit", f"no limit is set at runtime for"
                            f" {limit_name(scope)} (`rota limits` lists them)")
@@ -100,7 +104,7 @@ class Limiting:
     def view(self) -> dict[str, Any]:
         """``GET /limits``: every rule in force, where it comes from, and (when the engine
         measures it) its use."""
-        rules = effective(self.engine.specs, {s: rule for s, (rule, _) in self.runtime.items()})
+        rules = self.in_force
         answer: dict[str, Any] = {"limits": [self.entry(scope, rules[scope])
                                              for scope in sorted(rules)]}
         use = getattr(self.engine, "limit_use", None)  # (CORE's: every rule's current use)

@@ -79,7 +79,7 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
         await live.push(write_spec(tmp_path / "specs", "other", queue="emails"))
         spec_file = LimitRule(concurrency=40, key_concurrency=3, rate=Rate(5, 1.0),
                               key_rate=Rate(100, 60.0, 10))
-        assert live.coordinator.engine.limits == {("spec", "send"): spec_file}
+        assert live.coordinator.limiting.in_force == {("spec", "send"): spec_file}
         code, out, err = await invoke("limits", "--url", live.base)
         assert (code, out) == (0, "spec:send                concurrency=40 rate=5/1s"
                                " key_concurrency=3 key_rate=100/60s burst=10  (spec file)\n")
@@ -93,13 +93,13 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
         assert put.status_code == 200 and put.json()["source"] == "runtime"
         runtime = {("spec", "send"): LimitRule(concurrency=2, key_rate=Rate(100, 60.0)),
                    ("queue", "emails"): LimitRule(rate=Rate(10, 30.0))}
-        assert live.coordinator.engine.limits == runtime
+        assert live.coordinator.limiting.in_force == runtime
     finally:
         await stop_server(live)
 
     live = await start_server(tmp_path)  # a restart keeps what was set
     try:
-        assert live.coordinator.engine.limits == runtime
+        assert live.coordinator.limiting.in_force == runtime
         listed = (await live.http.get("/limits")).json()["limits"]
         assert [(e["limit"], e["source"], e["rule"]) for e in listed] == [
             ("queue:emails", "runtime", {"rate": {"limit": 10, "period": 30.0, "burst": None}}),
@@ -108,7 +108,7 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
         code, out, err = await invoke("limits", "clear", "spec:send", "--url", live.base)
         assert (code, out) == (0, "spec:send: cleared; its spec file's apply: concurrency=40"
                                " rate=5/1s key_concurrency=3 key_rate=100/60s burst=10\n"), err
-        assert live.coordinator.engine.limits == {("spec", "send"): spec_file,
+        assert live.coordinator.limiting.in_force == {("spec", "send"): spec_file,
                                                   ("queue", "emails"): runtime[("queue",
                                                                                 "emails")]}
         code, _, err = await invoke("limits", "clear", "spec:send", "--url", live.base)

@@ -68,7 +68,7 @@ async def test_two_servers_reserving_one_key_at_once_never_pass_its_limit(
     in all, refuses the rest (still available), and a job that ends lets one more in."""
     a, b = two
     jobs = await stored(a, [new_job(f"j{n}", "acme") for n in range(10)])
-    limit = (Guard("spec:echo", "acme", concurrency=3), Guard("spec:echo", None, concurrency=8))
+    limit = (Guard("spec:echo", "acme", 3, None), Guard("spec:echo", None, 8, None))
     worker = WorkerSlot("wb", ["default"], 10, {"echo": "c"})
     mine = [as_reserved(job, "wa") for job in jobs[:5]]
     claims = [Claim(job.seq, "default", "echo", 0, worker, "c") for job in jobs[5:]]
@@ -87,7 +87,7 @@ async def test_two_servers_reserving_one_key_at_once_never_pass_its_limit(
     # Another key is not held back by this one's limit; the spec's own (8) still holds.
     other = await stored(a, [new_job(f"o{n}", "other") for n in range(9)])
     again = await b.reserve([as_reserved(job, "wb") for job in other], 3.0,
-                            guards={job.id: (Guard("spec:echo", "other", concurrency=3),
+                            guards={job.id: (Guard("spec:echo", "other", 3, None),
                                              limit[1]) for job in other})
     assert len(again.refused) == 6 and await active(a, "other") == 3
 
@@ -100,7 +100,7 @@ async def test_two_servers_starting_one_key_at_once_keep_its_rate(
     a, b = two
     t0 = time.time()  # (a restart reads back the starts of the last day)
     jobs = await stored(a, [new_job(f"r{n}", "acme") for n in range(8)])
-    rate = (Guard("spec:echo", "acme", rate=Rate(4, 60.0, burst=2)),)
+    rate = (Guard("spec:echo", "acme", None, Rate(4, 60.0, burst=2)),)
     first, second = [as_reserved(j, "wa") for j in jobs[:4]], [as_reserved(j, "wb") for j in jobs[4:]]
     got_a, got_b = await asyncio.gather(
         a.reserve(first, t0, guards={j.id: rate for j in first}),
@@ -125,7 +125,7 @@ async def test_sqlite_records_the_starts_and_refuses_nothing(tmp_path: Path):
     store = await opened(tmp_path, "a", None)
     try:
         jobs = await stored(store, [new_job(f"s{n}", "k") for n in range(3)])
-        rate = (Guard("queue:default", None, rate=Rate(1, 60.0)),)
+        rate = (Guard("queue:default", None, None, Rate(1, 60.0)),)
         t0 = time.time()
         got = await store.reserve([as_reserved(j, "w") for j in jobs], t0,
                                   guards={j.id: rate for j in jobs})

@@ -191,7 +191,7 @@ async def test_a_limit_set_through_one_server_holds_on_another(tmp_path: Path, p
         held = [LimitRule(concurrency=4)]
 
         async def b_holds() -> bool:
-            return b.coordinator.engine.limits == {("spec", "echo"): held[0]}
+            return b.coordinator.limiting.in_force == {("spec", "echo"): held[0]}
 
         await wait_until(b_holds, what="B to hold the pushed spec file's limit")
         put = await a.http.put("/limits/spec/echo", json={"key_concurrency": 2,
@@ -204,7 +204,7 @@ async def test_a_limit_set_through_one_server_holds_on_another(tmp_path: Path, p
         held[0] = LimitRule(concurrency=4)
 
         async def a_holds() -> bool:
-            return a.coordinator.engine.limits == {("spec", "echo"): held[0]}
+            return a.coordinator.limiting.in_force == {("spec", "echo"): held[0]}
 
         await wait_until(a_holds, what="A to hear of the clear through B")
 

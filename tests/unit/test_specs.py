@@ -472,7 +472,8 @@ def test_todays_spec_files_keep_their_checksums():
 
 
 def test_a_spec_files_limits_and_labels():
-    from rota.core.limits import LimitRule, Rate, rule_of, spec_rules
+    from rota.core.limits import LimitRule, Rate
+    from rota.core.rulebook import rule_of, spec_rules
 
     spec = parse_spec('name = "send"\nversion = "1"\nlabels = ["smtp", "region:eu"]\n'
                       '[limits]\nconcurrency = 40\nkey_concurrency = 3\nrate = "5/s"\n'
