@@ -35,8 +35,8 @@ def rate_parts(text: str) -> tuple[int, float]:
 
 def check_rate(limit: int, period: float, burst: int | None) -> None:
     """ValueError in words for a rate no window can hold."""
-    if limit < 1:
-        raise ValueError(f"must allow 1 start at least, not {limit}")
+    if not 1 <= limit <= MAX_COUNT:
+        raise ValueError(f"must allow 1 to {MAX_COUNT} starts, not {limit}")
     if not 0 < period <= MAX_PERIOD:
         raise ValueError(f"must have a period over 0 and at most a day ({MAX_PERIOD:g} s),"
                          f" not {period:g} s")
