@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from rota.base.flow import rate_parts
 from rota.cli.base import URL_OPTION, api, fail, out, print_json
 
 SCOPE_HELP = "queue:NAME or spec:NAME, as in spec:send_email"
@@ -16,6 +17,18 @@ def _scope(text: str) -> tuple[str, str]:
     if kind not in ("queue", "spec") or not name:
         fail(f"{text!r} names no limit: give {SCOPE_HELP}")
     return kind, name
+
+
+def _with_burst(field: str, rate: str | None, burst: int) -> dict[str, Any]:
+    """A shorthand rate and a burst as the table the API takes."""
+    flag = "--" + field.replace("_", "-")
+    if rate is None:
+        fail(f"{flag.replace('rate', 'burst')} needs {flag}")
+    try:
+        limit, period = rate_parts(rate)
+    except ValueError as exc:
+        fail(f"{flag} {exc}")
+    return {"limit": limit, "period": period, "burst": burst}
 
 
 def rule_words(rule: dict[str, Any]) -> str:
@@ -59,12 +72,19 @@ def limits(ctx: click.Context, as_json: bool, url: str) -> None:
 @click.option("--rate", help="Starts of the scope per period: 100/min, 5/s, 1000/h, 10/30s.")
 @click.option("--key-concurrency", type=int, help="Jobs of one concurrency key at once.")
 @click.option("--key-rate", help="Starts of one concurrency key per period, as --rate.")
+@click.option("--burst", type=int, help="Starts of --rate that may come back to back (then"
+              " spaced evenly); at most its limit.")
+@click.option("--key-burst", type=int, help="The same for --key-rate.")
 @URL_OPTION
-def limits_set(scope: str, url: str, **rule: Any) -> None:
+def limits_set(scope: str, url: str, burst: int | None, key_burst: int | None,
+               **rule: Any) -> None:
     """Set SCOPE's limits (queue:NAME or spec:NAME): they replace its spec file's, all
     of them, until 'rota limits clear SCOPE'."""
     kind, name = _scope(scope)
     body = {field: value for field, value in rule.items() if value is not None}
+    for field, given in (("rate", burst), ("key_rate", key_burst)):
+        if given is not None:
+            body[field] = _with_burst(field, body.get(field), given)
     if not body:
         fail("give --concurrency, --rate, --key-concurrency or --key-rate")
     entry = api(url, "set_limit", kind, name, body)

@@ -84,14 +84,18 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
         assert (code, out) == (0, "spec:send                concurrency=40 rate=5/1s"
                                " key_concurrency=3 key_rate=100/60s burst=10  (spec file)\n")
 
+        code, out, err = await invoke("limits", "set", "spec:send", "--rate", "10/s",
+                                      "--burst", "20", "--url", live.base)
+        assert code == 1 and "rate must have a burst of at most its limit 10, not 20" in err
         code, out, err = await invoke("limits", "set", "spec:send", "--concurrency", "2",
-                                      "--key-rate", "100/min", "--url", live.base)
-        assert (code, out) == (0, "spec:send: concurrency=2 key_rate=100/60s (until"
+                                      "--key-rate", "100/min", "--key-burst", "5",
+                                      "--url", live.base)
+        assert (code, out) == (0, "spec:send: concurrency=2 key_rate=100/60s burst=5 (until"
                                " 'rota limits clear spec:send')\n"), err
         put = await live.http.put("/limits/queue/emails", json={"rate": {"limit": 10,
                                                                           "period": 30}})
         assert put.status_code == 200 and put.json()["source"] == "runtime"
-        runtime = {("spec", "send"): LimitRule(concurrency=2, key_rate=Rate(100, 60.0)),
+        runtime = {("spec", "send"): LimitRule(concurrency=2, key_rate=Rate(100, 60.0, 5)),
                    ("queue", "emails"): LimitRule(rate=Rate(10, 30.0))}
         assert live.coordinator.limiting.in_force == runtime
     finally:
@@ -104,7 +108,7 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
         assert [(e["limit"], e["source"], e["rule"]) for e in listed] == [
             ("queue:emails", "runtime", {"rate": {"limit": 10, "period": 30.0, "burst": None}}),
             ("spec:send", "runtime", {"concurrency": 2, "key_rate": {
-                "limit": 100, "period": 60.0, "burst": None}})]
+                "limit": 100, "period": 60.0, "burst": 5}})]
         code, out, err = await invoke("limits", "clear", "spec:send", "--url", live.base)
         assert (code, out) == (0, "spec:send: cleared; its spec file's apply: concurrency=40"
                                " rate=5/1s key_concurrency=3 key_rate=100/60s burst=10\n"), err
