@@ -10,6 +10,7 @@ from rota.base.flow import rate_parts
 from rota.cli.base import URL_OPTION, api, fail, out, print_json
 
 SCOPE_HELP = "queue:NAME or spec:NAME, as in spec:send_email"
+PER = {1.0: "s", 60.0: "min", 3600.0: "h", 86400.0: "d"}  # a rate's period, as written
 
 
 def _scope(text: str) -> tuple[str, str]:
@@ -38,7 +39,8 @@ def rule_words(rule: dict[str, Any]) -> str:
         value = rule.get(field)
         if isinstance(value, dict):
             burst = f" burst={value['burst']}" if value.get("burst") else ""
-            value = f"{value['limit']}/{value['period']:g}s{burst}"
+            period = PER.get(value["period"], f"{value['period']:g}s")
+            value = f"{value['limit']}/{period}{burst}"
         if value is not None:
             words.append(f"{field}={value}")
     return " ".join(words)

@@ -81,8 +81,8 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
                               key_rate=Rate(100, 60.0, 10))
         assert live.coordinator.limiting.in_force == {("spec", "send"): spec_file}
         code, out, err = await invoke("limits", "--url", live.base)
-        assert (code, out) == (0, "spec:send                concurrency=40 rate=5/1s"
-                               " key_concurrency=3 key_rate=100/60s burst=10  (spec file)\n")
+        assert (code, out) == (0, "spec:send                concurrency=40 rate=5/s"
+                               " key_concurrency=3 key_rate=100/min burst=10  (spec file)\n")
 
         code, out, err = await invoke("limits", "set", "spec:send", "--rate", "10/s",
                                       "--burst", "20", "--url", live.base)
@@ -90,7 +90,7 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
         code, out, err = await invoke("limits", "set", "spec:send", "--concurrency", "2",
                                       "--key-rate", "100/min", "--key-burst", "5",
                                       "--url", live.base)
-        assert (code, out) == (0, "spec:send: concurrency=2 key_rate=100/60s burst=5 (until"
+        assert (code, out) == (0, "spec:send: concurrency=2 key_rate=100/min burst=5 (until"
                                " 'rota limits clear spec:send')\n"), err
         put = await live.http.put("/limits/queue/emails", json={"rate": {"limit": 10,
                                                                           "period": 30}})
@@ -111,7 +111,7 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
                 "limit": 100, "period": 60.0, "burst": 5}})]
         code, out, err = await invoke("limits", "clear", "spec:send", "--url", live.base)
         assert (code, out) == (0, "spec:send: cleared; its spec file's apply: concurrency=40"
-                               " rate=5/1s key_concurrency=3 key_rate=100/60s burst=10\n"), err
+                               " rate=5/s key_concurrency=3 key_rate=100/min burst=10\n"), err
         assert live.coordinator.limiting.in_force == {("spec", "send"): spec_file,
                                                   ("queue", "emails"): runtime[("queue",
                                                                                 "emails")]}
