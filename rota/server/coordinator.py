@@ -37,7 +37,6 @@ from rota.core.settings import ServerSettings
 from rota.server.shell_directives import ShellDirectives
 from rota.server.shell_reads import ShellReads
 from rota.base.specs import JobSpec
-from rota.server.limiting import Limiting
 from rota.server.steering import Steering
 from rota.store.health import Health
 from rota.store.store import Store
@@ -100,9 +99,7 @@ class Coordinator(ShellReads, ShellDirectives):
             store, every=settings.heartbeat_interval, max_holds=settings.max_waits_per_token,
             monotonic=lambda: self.clock().mono,
             on_change=lambda valid: self.apply(engine.revoked(valid)))
-        self.limiting = Limiting(store, engine, clock, self.apply)
-        self.steering = Steering(store, engine, clock, self.run, self.apply,
-                                 specs_changed=self.limiting.refresh)
+        self.steering = Steering(store, engine, clock, self.run, self.apply)
         self.admission = Admission(store, engine, clock, self.apply, self.crash_point)
         self.watching = Watching(store, engine, clock, settings.max_series)
         self.upkeep = Upkeep(settings, store, engine, clock, self.apply,
@@ -113,9 +110,7 @@ class Coordinator(ShellReads, ShellDirectives):
         steering = self.steering
         self.cancel, self.retry, self.bulk = steering.cancel, steering.retry, steering.bulk
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
-        self.pause_queue = steering.pause_queue
-        limiting = self.limiting
-        self.limits, self.set_limit, self.clear_limit = limiting.view, limiting.set, limiting.clear
+        self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse

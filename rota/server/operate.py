@@ -132,7 +132,7 @@ async def resume_queue(request: Request) -> Response:
 # -- flow control (rota/server/limiting.py) ---------------------------------------------------
 async def list_limits(request: Request) -> Response:
     need(request, "admin")
-    return JSON(coordinator_of(request).limits())
+    return JSON(coordinator_of(request).limiting.view())
 
 
 def _scope(request: Request) -> tuple[str, str]:
@@ -158,10 +158,10 @@ async def set_limit(request: Request) -> Response:
         if exc.status != 422:
             raise
         raise RequestError(422, "invalid_limit", exc.message) from None
-    return JSON(await coordinator_of(request).set_limit(kind, name, written, principal))
+    return JSON(await coordinator_of(request).limiting.set(kind, name, written, principal))
 
 
 async def clear_limit(request: Request) -> Response:
     need(request, "admin")
     kind, name = _scope(request)
-    return JSON(await coordinator_of(request).clear_limit(kind, name))
+    return JSON(await coordinator_of(request).limiting.clear(kind, name))
