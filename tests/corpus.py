@@ -167,6 +167,29 @@ QUEUE_SLIPS: list[tuple[str, str]] = [
     ("misspelt", "defualt"), ("wrong case", "Default"), ("a letter short", "defaul"),
 ]
 
+# Flow control (README, Flow control) that no server can hold a job to, against the same
+# server (spec parked): (name, method, path, body, code). Each is refused with a 4xx
+# naming the field, and nothing is stored.
+FLOW_SLIPS: list[tuple[str, str, str, object, str]] = [
+    ("concurrency 0", "PUT", "/limits/spec/parked", {"concurrency": 0}, "invalid_limit"),
+    ("negative key concurrency", "PUT", "/limits/spec/parked", {"key_concurrency": -1},
+     "invalid_limit"),
+    ("unknown field", "PUT", "/limits/spec/parked", {"concurency": 3}, "invalid_limit"),
+    ("unknown scope kind", "PUT", "/limits/tenant/parked", {"concurrency": 3}, "invalid_limit"),
+    ("burst over the limit", "PUT", "/limits/spec/parked",
+     {"rate": {"limit": 5, "period": 1, "burst": 9}}, "invalid_limit"),
+    ("period over a day", "PUT", "/limits/spec/parked", {"rate": "5/2d"}, "invalid_limit"),
+    ("a rate of nothing", "PUT", "/limits/spec/parked", {"key_rate": "0/min"}, "invalid_limit"),
+    ("an empty rule", "PUT", "/limits/spec/parked", {}, "invalid_limit"),
+    ("a misspelt spec", "PUT", "/limits/spec/prked", {"concurrency": 3}, "unknown_spec"),
+    ("a label too long", "POST", "/jobs", {"spec": "parked", "labels": ["x" * 129]},
+     "invalid_request"),
+    ("17 labels", "POST", "/jobs", {"spec": "parked", "labels": [f"l{n}" for n in range(17)]},
+     "invalid_request"),
+    ("a key that is no name", "POST", "/jobs", {"spec": "parked", "concurrency_key": "a b"},
+     "invalid_request"),
+]
+
 # Values for the Authorization header, as bytes on the wire.
 AUTHORIZATIONS: list[tuple[str, bytes]] = [
     ("empty", b""),

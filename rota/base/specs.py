@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from rota.base.errors import RotaError
+from rota.base.flow import MAX_LABELS, WrittenRule
 from rota.base.protocol import NAME_PATTERN as NAME_PATTERN  # one pattern for every name
 from rota.base.protocol import MAX_COUNT, Name, Priority
 from rota.base.unique import UniqueOptions, options_problem
@@ -69,8 +70,14 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
     args: dict[Name, ArgSpec] = {}
     unique: UniqueOptions | None = None  # every job's, unless its enqueue gives its own
+    # Flow control (README, Flow control): worker labels every job of the spec requires,
+    # and the spec's default limits (``rota limits set`` overrides them until cleared).
+    labels: Annotated[list[Name], msgspec.Meta(max_length=MAX_LABELS)] = []
+    limits: WrittenRule | None = None
 
     def __post_init__(self) -> None:
+        if self.limits == WrittenRule():  # an empty [limits] is none: the same checksum
+            self.limits = None
         if self.unique is None:
             return
         problem = options_problem(self.unique)

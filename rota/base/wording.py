@@ -100,6 +100,9 @@ def plainly(message: str, kind: Any = None, data: Untyped | None = None) -> str:
         if allowed:
             return f"{name} must be one of {', '.join(allowed)}, not {m[1]}"
         return f"{name} cannot be {m[1]}"
+    if m := re.fullmatch(r"(\.\w+ )?(must .*)", text, re.DOTALL):  # a __post_init__'s words
+        where = (field + (m[1] or "").rstrip()).lstrip(".") or "the body"
+        return f"{where} {m[2]}"
     if said["path"] and field:  # a check of our own (a __post_init__'s), deeper in the body
         return f"{field}: {text}"
     return message

@@ -11,6 +11,7 @@ module builds the group; each group of commands is a module of its own:
     ops      jobs list|retry|cancel, queues, workers
     live     watch, tail
     tokens   tokens create|list|revoke
+    limits   limits, limits set|clear
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import click
 
-from rota.cli import jobs, live, ops, serve, specs, tokens, worker
+from rota.cli import jobs, limits, live, ops, serve, specs, tokens, worker
 from rota.cli.base import error as _error
 from rota.cli.base import need_server
 from rota.cli.base import out as _out
@@ -68,5 +69,5 @@ def main(ctx: click.Context) -> None:
 
 for _command in (serve.serve, worker.worker, worker.demo, specs.specs,
                  jobs.enqueue, jobs.run, jobs.jobs, ops.queues, ops.workers,
-                 live.watch, live.tail, tokens.tokens):
+                 live.watch, live.tail, tokens.tokens, limits.limits):
     main.add_command(_command)

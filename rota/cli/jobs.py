@@ -45,6 +45,10 @@ def job_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--unique-on", type=click.Choice(["existing", "reject", "replace"]),
                      help="With --unique-key, when the key is held: get the job holding it"
                      " (default), refuse, or replace it if it waits."),
+        click.option("--concurrency-key",
+                     help="The key per-key limits count the job under (a tenant, a user id)."),
+        click.option("--label", "labels", multiple=True,
+                     help="A worker label the job requires (repeat for several)."),
         URL_OPTION,
     ]
     for option in reversed(options):
@@ -65,6 +69,7 @@ def _enqueue(url: str, spec: str, args_json: str, job_id: str | None, **options:
         _fail("--unique-on needs --unique-key: the key that makes two jobs the same")
     if key is not None:
         options["unique"] = {"key": key, **({"on_conflict": on} if on else {})}
+    options["labels"] = list(options.get("labels") or ()) or None
     return _api(url, "enqueue", spec, args, id=job_id, **options)
 
 

@@ -358,9 +358,10 @@ class Client:
         Options: id (the same id again is the same job, so a retried enqueue is safe),
         queue, priority, run_at, delay, ttl, visibility_timeout, max_attempts, max_fails
         (None means the spec's default), capture_logs, new_queue (queue is meant
-        new, even spelt like a known one), unique (a dict or ``UniqueOptions``: an
-        enqueue whose key a job holds gets that job, ``created`` False, by default) or
-        its shorthand unique_key="K"."""
+        new, even spelt like a known one), concurrency_key (the key per-key limits count
+        it under), labels (worker labels it requires, beside its spec's), unique (a dict
+        or ``UniqueOptions``: an enqueue whose key a job holds gets that job, ``created``
+        False, by default) or its shorthand unique_key="K"."""
         body: dict[str, Any] = {"spec": spec, "args": args or {}}
         body.update({key: value for key, value in unique_option(options).items()
                      if value is not None})
@@ -438,6 +439,20 @@ class Client:
         """Pause a queue (it keeps its jobs and assigns none) or resume it (admin)."""
         action = "pause" if paused else "resume"
         return self._call("POST", f"/queues/{path_segment(name)}/{action}")
+
+    def limits(self) -> dict[str, Any]:
+        """``GET /limits`` (admin): every flow-control limit in force, and its source."""
+        return self._call("GET", "/limits")
+
+    def set_limit(self, kind: str, name: str, rule: dict[str, Any]) -> dict[str, Any]:
+        """Set a queue's or spec's limits (``kind`` "queue" or "spec") at runtime: ``rule``
+        has concurrency, rate ("100/min" or {limit, period, burst}), key_concurrency,
+        key_rate. They replace its spec file's until ``clear_limit``."""
+        path = f"/limits/{path_segment(kind)}/{path_segment(name)}"
+        return self._call("PUT", path, json=rule)
+
+    def clear_limit(self, kind: str, name: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/limits/{path_segment(kind)}/{path_segment(name)}")
 
     def list_jobs(self, *, states: tuple[str, ...] | list[str] = (), spec: str | None = None,
                   queue: str | None = None, worker: str | None = None, q: str | None = None,

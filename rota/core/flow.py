@@ -50,7 +50,10 @@ class Flow:
     def _init_flow(self) -> None:
         self.limiter = Limiter()
         self._parked: dict[Counter, list[tuple[str, str, SubId]]] = {}
-        self._flow_timers: list[tuple[float, Counter]] = []
+        # (when, tie-breaker, counter): counters hold None beside str, so two timers of
+        # one moment must never be compared by their counters.
+        self._flow_timers: list[tuple[float, int, Counter]] = []
+        self._timer_seq = itertools.count()
         self._armed: dict[Counter, float] = {}
         self.visits = 0  # buckets looked at on the limited path (the cost the tests count)
 
@@ -162,7 +165,7 @@ class Flow:
     def _arm(self, counter: Counter, until: float) -> None:
         if until != NEVER and self._armed.get(counter) != until:
             self._armed[counter] = until
-            heapq.heappush(self._flow_timers, (until, counter))
+            heapq.heappush(self._flow_timers, (until, next(self._timer_seq), counter))
 
     def _unpark(self, counter: Counter) -> bool:
         """Bring back every bucket parked on ``counter``; True if there were any."""
@@ -180,7 +183,7 @@ class Flow:
         fired = False
         timers = self._flow_timers
         while timers and timers[0][0] <= now:
-            when, counter = heapq.heappop(timers)
+            when, _, counter = heapq.heappop(timers)
             if self._armed.get(counter) == when:
                 del self._armed[counter]
                 self._unpark(counter)

@@ -10,6 +10,7 @@ import msgspec
 from rota.base import protocol as p
 from rota.base.protocol import MAX_COUNT, Priority
 from rota.base.errors import Invalid
+from rota.base.flow import MAX_LABELS
 from rota.base.ids import JOB_ID_PATTERN, MAX_JOB_ID, uuid7
 from rota.core.model import JobRecord, shared_limits
 from rota.base.specs import MAX_VISIBILITY, JobSpec, Name
@@ -41,6 +42,10 @@ class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     capture_logs: bool = False  # keep the lines the handler logs with ctx.log()
     new_queue: bool = False  # ``queue`` is meant new, even spelt like a known one
     unique: UniqueOptions | None = None  # None: the spec's [unique], if it has one
+    # Flow control (README, Flow control): the key per-key limits count the job under
+    # (a tenant, a user), and the worker labels it requires (the spec's are added).
+    concurrency_key: Name | None = None
+    labels: Annotated[list[Name], msgspec.Meta(max_length=MAX_LABELS)] = []
 
 
 class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -54,6 +59,7 @@ def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> JobRecord:
                            request.max_fails or retry.max_fails, retry.backoff_base,
                            retry.backoff_max, retry.max_worker_deaths)
     start = run_at if run_at is not None else now
+    labels = job_labels(request.labels, spec)
     return JobRecord(
         id=request.id or uuid7(), spec=spec.name, queue=request.queue or spec.queue,
         args=msgspec.Raw(msgspec.json.encode(request.args)),
@@ -62,8 +68,29 @@ def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> JobRecord:
         visibility_timeout=request.visibility_timeout or spec.visibility_timeout,
         state="scheduled" if run_at is not None else "available", run_at=run_at,
         expires_at=start + request.ttl if request.ttl is not None else None,
-        capture_logs=request.capture_logs,
+        capture_logs=request.capture_logs, concurrency_key=request.concurrency_key,
+        labels=labels,
     )
+
+
+def job_labels(given: list[str], spec: JobSpec) -> tuple[str, ...]:
+    """The labels a job requires: its own and its spec's, sorted, each once."""
+    if not given and not spec.labels:  # (most jobs: nothing to build)
+        return ()
+    labels = tuple(sorted(set(given) | set(spec.labels)))
+    if len(labels) > MAX_LABELS:
+        raise Invalid("invalid_labels", f"the job would require {len(labels)} labels (its"
+                      f" own and spec {spec.name}'s); at most {MAX_LABELS}")
+    return labels
+
+
+def labels_text(labels: tuple[str, ...]) -> str | None:
+    """Labels as their column holds them: a JSON list, NULL for none."""
+    return msgspec.json.encode(labels).decode() if labels else None
+
+
+def labels_of(text: str | None) -> tuple[str, ...]:
+    return tuple(msgspec.json.decode(text)) if text else ()
 
 
 def _run_at(request: EnqueueRequest, now: float) -> float | None:
@@ -88,7 +115,9 @@ def _run_at(request: EnqueueRequest, now: float) -> float | None:
 def same_job(row: dict[str, Any], job: JobRecord, args: dict[str, Any]) -> bool:
     """An enqueue repeated with the same id must describe the same job."""
     return (row["spec"] == job.spec and row["queue"] == job.queue
-            and row["priority"] == job.priority and msgspec.json.decode(row["args"]) == args)
+            and row["priority"] == job.priority and msgspec.json.decode(row["args"]) == args
+            and row.get("concurrency_key") == job.concurrency_key
+            and labels_of(row.get("labels")) == job.labels)
 
 
 def error_record(error: p.ErrorInfo, *, attempt: int, worker_id: str | None, now: float) -> bytes:

@@ -126,6 +126,8 @@ class Cluster:
             self._spawn(self._read_status_quo(), "rota-cluster-specs")
         elif channel == fleet.QUEUES:
             self._spawn(self._read_paused(), "rota-cluster-queues")
+        elif channel == fleet.LIMITS:
+            self._spawn(self._read_limits(), "rota-cluster-limits")
         elif channel == fleet.WORKERS and len(words) == 2:
             self._direct(origin, words[0], words[1])
         elif channel == fleet.CANCEL and len(words) == 2 and words[0] == self.me:
@@ -168,6 +170,7 @@ class Cluster:
         not stored anywhere: it is lost, and the operator's tools show it was.)"""
         await self._read_status_quo()
         await self._read_paused()
+        await self._read_limits()
         seqs = await self._persist(self.store.waiting_seqs, "read which jobs wait")
         coordinator = self.coordinator
         held = self.engine.scheduler.held_seqs()
@@ -192,6 +195,12 @@ class Cluster:
         coordinator = self.coordinator
         coordinator.apply(self.engine.status_quo_read(specs, checksums, retired,
                                                       coordinator.clock()))
+        coordinator.limiting.refresh()  # a spec file's limits may have changed
+
+    async def _read_limits(self) -> None:
+        """A limit set or cleared through another server."""
+        rows = await self._persist(self.store.runtime_limits, "read the limits")
+        self.coordinator.limiting.load(rows)
 
     async def _read_paused(self) -> None:
         paused = await self._persist(self.store.paused_queues, "read the paused queues")

@@ -110,7 +110,7 @@ class Coordinator(ShellReads, ShellDirectives):
         steering = self.steering
         self.cancel, self.retry, self.bulk = steering.cancel, steering.retry, steering.bulk
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
-        self.pause_queue = steering.pause_queue
+        self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse
@@ -173,6 +173,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
                                     self.clock(), snapshot.waiting, snapshot.last_seq,
                                     snapshot.retired, snapshot.paused))
+        self.limiting.load(snapshot.limits, snapshot.limit_starts)
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.store.where,
                  self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")
@@ -242,9 +243,9 @@ class Coordinator(ShellReads, ShellDirectives):
                         future.add_done_callback(functools.partial(self._saved, changes))
                     else:
                         self._write(future, ticket, point)
-                case Reserve(jobs, wall, ticket, claims, lease, min_lease):
-                    self._write(self.store.reserve(jobs, wall, claims, lease, min_lease),
-                                ticket, "reserve-after-commit")
+                case Reserve(jobs, wall, ticket, claims, lease, min_lease, guards):
+                    self._write(self.store.reserve(jobs, wall, claims, lease, min_lease,
+                                                   guards), ticket, "reserve-after-commit")
                 case Withdraw():  # a cancel request awaits it (run); anywhere else, a task
                     self.spawn(self.run([effect]), "rota-withdraw")
                 case Wake():

@@ -73,6 +73,8 @@ class JobView(msgspec.Struct, kw_only=True):
     cancel_requested: bool
     capture_logs: bool
     unique_key: str | None  # the unique key it holds (sha256 hex), if any
+    concurrency_key: str | None  # flow control: the key per-key limits count it under
+    labels: list[str]  # worker labels it requires (its own and its spec's)
     progress: Progress | None
     # active: whether its worker started it (false: prefetched, waiting in its line); else null
     started: bool | None = None
@@ -251,6 +253,40 @@ class QueueView(msgspec.Struct):
 class QueuePaused(msgspec.Struct):
     queue: str
     paused: bool
+
+
+class RateView(msgspec.Struct, kw_only=True):
+    limit: int  # starts in any window of period seconds
+    period: float
+    burst: int | None = None
+
+
+class RuleView(msgspec.Struct, kw_only=True):  # fields left out are not limited
+    concurrency: int | None = None
+    rate: RateView | None = None
+    key_concurrency: int | None = None
+    key_rate: RateView | None = None
+
+
+class LimitEntry(msgspec.Struct, kw_only=True):
+    limit: str  # "spec:send_email", "queue:emails"
+    kind: Literal["queue", "spec"]
+    name: str
+    rule: RuleView
+    source: Literal["runtime", "spec_file"]  # set with rota limits set, or the spec file's
+    updated_at: str | None  # (runtime rules) when, and by which token's name
+    updated_by: str | None
+
+
+class LimitList(msgspec.Struct, kw_only=True):
+    limits: list[LimitEntry]
+    use: list[Any] | None = None  # each rule's current use, where the server measures it
+
+
+class LimitCleared(msgspec.Struct, kw_only=True):
+    limit: str
+    cleared: bool
+    now: LimitEntry | None  # the spec file's rule, in force again (null: none)
 
 
 class JobList(msgspec.Struct):

@@ -1,5 +1,6 @@
 """The operator's HTTP routes (admin only): find jobs (``GET /jobs``), retry or cancel
-many at once (``POST /jobs/retry``, ``POST /jobs/cancel``), pause and resume a queue.
+many at once (``POST /jobs/retry``, ``POST /jobs/cancel``), pause and resume a queue, and
+set and clear flow-control limits (``GET /limits``, ``PUT`` and ``DELETE /limits/{kind}/{name}``).
 
 The filter is the same everywhere (rota/core/listing.py): query parameters here, a JSON
 ``filter`` object in a bulk action's body.
@@ -16,6 +17,8 @@ from starlette.responses import Response
 from rota.server.api_base import JSON, coordinator_of, decode_as, need, read_body
 from rota.server.coordinator import MAX_BULK
 from rota.base.errors import RequestError
+from rota.base.flow import WrittenRule
+from rota.core.limits import SCOPE_KINDS
 from rota.core.listing import FIELDS, JobFilter, parse_filter
 from rota.base.protocol import JobId, Name
 from rota.base.wording import NAME_RULE
@@ -124,3 +127,41 @@ async def resume_queue(request: Request) -> Response:
     need(request, "admin")
     return JSON(await coordinator_of(request).pause_queue(_queue(request), False))
 
+
+
+# -- flow control (rota/server/limiting.py) ---------------------------------------------------
+async def list_limits(request: Request) -> Response:
+    need(request, "admin")
+    return JSON(coordinator_of(request).limiting.view())
+
+
+def _scope(request: Request) -> tuple[str, str]:
+    """The scope a /limits/{kind}/{name} path names: 422 invalid_limit for a kind other
+    than queue or spec, or a name that is none."""
+    kind, name = request.path_params["kind"], request.path_params["name"]
+    if kind not in SCOPE_KINDS:
+        raise RequestError(422, "invalid_limit", f"a limit's scope is queue or spec, not"
+                           f" {kind[:40]!r} (as in /limits/spec/send_email)")
+    try:
+        return kind, msgspec.convert(name, Name)
+    except msgspec.ValidationError:
+        raise RequestError(422, "invalid_limit", f"a {kind} name is {NAME_RULE}") from None
+
+
+async def set_limit(request: Request) -> Response:
+    """Set a queue's or spec's limits at runtime: they replace its spec file's until cleared."""
+    principal = need(request, "admin")
+    kind, name = _scope(request)
+    try:
+        written: WrittenRule = decode_as(await read_body(request), WrittenRule)
+    except RequestError as exc:
+        if exc.status != 422:
+            raise
+        raise RequestError(422, "invalid_limit", exc.message) from None
+    return JSON(await coordinator_of(request).limiting.set(kind, name, written, principal))
+
+
+async def clear_limit(request: Request) -> Response:
+    need(request, "admin")
+    kind, name = _scope(request)
+    return JSON(await coordinator_of(request).limiting.clear(kind, name))

@@ -16,10 +16,12 @@ from starlette.routing import Route
 from rota.server import api, feeds, operate
 from rota.server.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.server.gate import OPEN_PATHS  # one list of what needs no token: the gate's
+from rota.base.flow import WrittenRule
 from rota.core.jobs import BatchRequest, EnqueueRequest
 from rota.server.openapi import Op, document
 from rota.server.openapi_schemas import (BatchReply, BulkReply, Directed, Enqueued, ErrorBody, Health,
-                                  History, JobDetail, JobList, JobView, NewToken, PushReply,
+                                  History, JobDetail, JobList, JobView, LimitCleared, LimitEntry,
+                                  LimitList, NewToken, PushReply,
                                   QueuePaused, Queues, ResultReply, Retired, Revoked, SpecList,
                                   Stats, TokenList, Workers)
 from rota.server.operate import BulkRequest
@@ -71,6 +73,15 @@ ROUTES: list[Op] = [
     Op("post", "/queues/{queue}/resume", operate.resume_queue,
        "Resume a paused queue (admin)", None, {200: QueuePaused, 400: ErrorBody,
                                               422: ErrorBody}),
+    Op("get", "/limits", operate.list_limits,
+       "Every flow-control limit in force, and where it comes from (admin)", None,
+       {200: LimitList}),
+    Op("put", "/limits/{kind}/{name}", operate.set_limit,
+       "Set a queue's or spec's limits, replacing its spec file's until cleared (admin)",
+       WrittenRule, {200: LimitEntry, **BAD}),
+    Op("delete", "/limits/{kind}/{name}", operate.clear_limit,
+       "Clear a limit set at runtime (admin)", None,
+       {200: LimitCleared, 404: ErrorBody, 422: ErrorBody}),
     Op("post", "/tokens", api.create_token, "Create a token (admin)", TokenRequest,
        {201: NewToken, 409: ErrorBody, **BAD}),
     Op("get", "/tokens", api.list_tokens, "The live tokens, never their secrets (admin)", None,
@@ -88,7 +99,8 @@ ROUTES: list[Op] = [
 STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry",
                 "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues",
                 "/tokens", "/tokens/{token}", "/specs/{name}/retire", "/stats", "/metrics",
-                "/jobs/retry", "/jobs/cancel", "/queues/{queue}/pause", "/queues/{queue}/resume"}
+                "/jobs/retry", "/jobs/cancel", "/queues/{queue}/pause", "/queues/{queue}/resume",
+                "/limits/{kind}/{name}"}
 
 
 @functools.cache

@@ -1,5 +1,6 @@
 """What an operator steers, as the shell carries it out: cancel, retry, bulk actions,
-retiring a spec, pushing specs, pausing a queue.
+retiring a spec, pushing specs, pausing a queue, and (through its Limiting) the
+flow-control limits.
 
 The rules are rota/core/verdicts.py's and the engine's; this reads the rows they judge, asks,
 and applies what they return (a write is committed before its answer or frames leave:
@@ -21,6 +22,7 @@ from rota.core.listing import JobFilter
 from rota.core.model import Instant, JobRecord
 from rota.base.specs import JobSpec, checksum
 from rota.store.store import Store, job_from_row
+from rota.server.limiting import Limiting
 from rota.server.shell_reads import new_queue_problems, refuse_unknown
 
 BULK_CHUNK = 200  # jobs a bulk action handles at once: their writes share commits
@@ -35,6 +37,8 @@ class Steering:
         self.clock = clock
         self.run = run  # effects, waiting for each write to commit
         self.apply = apply  # effects, waiting for none
+        # Flow control's limits in force, which a push changes too (rota/server/limiting.py).
+        self.limiting = Limiting(store, engine, clock, apply)
         # Retries whose row is being written: retention skips them (Store.prune).
         self.retrying: set[str] = set()
 
@@ -199,6 +203,7 @@ class Steering:
         changes = await self.store.push_specs([(s, checksum(s)) for s in specs], dry_run=dry_run)
         if not dry_run:
             self.apply(self.engine.status_quo_changed(specs, changes, self.clock()))
+            self.limiting.refresh()
         return [self.engine.change_report(c) for c in changes]
 
     async def pause_queue(self, name: str, paused: bool) -> dict[str, Any]:

@@ -11,6 +11,7 @@ back):
 - ``rota_jobs``: row ids that may wait now (new, retried, back from a worker, due);
 - ``rota_specs``: the status quo changed (a push or a retirement);
 - ``rota_queues``: a queue was paused or resumed;
+- ``rota_limits``: a limit was set or cleared at runtime ("<kind>:<name>");
 - ``rota_cancel``: a running job is to be cancelled by the server that holds it;
 - ``rota_workers``: an operator's directive (quiet, terminate, resume) for workers
   connected to other servers: "<state> id=<worker>", "<state> label=<label>" or
@@ -29,8 +30,8 @@ import msgspec
 from rota.base.protocol import rfc3339
 
 JOBS, SPECS, QUEUES, CANCEL = "rota_jobs", "rota_specs", "rota_queues", "rota_cancel"
-WORKERS = "rota_workers"
-CHANNELS = (JOBS, SPECS, QUEUES, CANCEL, WORKERS)
+WORKERS, LIMITS = "rota_workers", "rota_limits"
+CHANNELS = (JOBS, SPECS, QUEUES, CANCEL, WORKERS, LIMITS)
 # PostgreSQL refuses a payload of 8,000 bytes or more: longer lists go as several.
 MAX_PAYLOAD = 7_000
 
@@ -211,3 +212,14 @@ def holder(conn: sqlite3.Connection, server_id: str) -> tuple[str, int, float] |
                        f" AND stopped_at IS NULL AND lease_expires_at > {DB_NOW}",
                        (server_id,)).fetchone()
     return None if row is None else (str(row[0]), int(row[1]), float(row[2]))
+
+
+def set_paused(conn: sqlite3.Connection, queue: str, paused: bool, now: float,
+               server_id: str | None) -> None:
+    """Pause or resume ``queue``; ``server_id``: one of several servers, which tell the
+    others."""
+    conn.execute("INSERT INTO queues (name, paused, updated_at) VALUES (?, ?, ?)"
+                 " ON CONFLICT(name) DO UPDATE SET paused = excluded.paused,"
+                 " updated_at = excluded.updated_at", (queue, int(paused), now))
+    if server_id is not None:
+        notify(conn, QUEUES, server_id, [queue])

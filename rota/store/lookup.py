@@ -30,7 +30,7 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from rota.core.listing import JobFilter, encode_cursor, merge_newest
+from rota.core.listing import JobFilter, decode_cursor, encode_cursor, merge_newest
 from rota.core.model import JOB_STATES
 
 MAX_SCAN = 10_000  # rows a bounded walk examines per page
@@ -229,3 +229,18 @@ def oldest_available(conn: sqlite3.Connection, now: float) -> dict[str, float | 
             continue
         ages[queue] = round(max(0.0, now - max(row[0], row[1] or 0.0)), 3)
     return ages
+
+
+def match(conn: sqlite3.Connection, flt: JobFilter, limit: int, pages: int
+          ) -> tuple[list[tuple[str, str]], bool]:
+    """``Store.match_jobs``: (id, state) of up to ``limit + 1`` matching jobs, newest
+    first, and whether ``pages`` scans stopped with rows left unexamined."""
+    found: list[tuple[str, str]] = []
+    before = None
+    for _ in range(pages):
+        rows, cursor = page(conn, flt, limit + 1 - len(found), before, "id, state")
+        found += [(row["id"], row["state"]) for _, row in rows]
+        if cursor is None or len(found) > limit:
+            return found[:limit + 1], False
+        before = decode_cursor(cursor)
+    return found, True

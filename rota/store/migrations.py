@@ -186,6 +186,21 @@ def m014_throughput(db: sqlite_utils.Database) -> None:
 
 
 @migrations()
+def m015_flow_control(db: sqlite_utils.Database) -> None:
+    # Flow control (README, Flow control): a job's concurrency key and the worker labels
+    # it requires (a JSON list; NULL: none); limits set at runtime, a rule as JSON per
+    # scope ("queue" or "spec", and its name); and the starts that rate limits count
+    # (name "spec:send_email", key "" for the scope's own), so a restart keeps a window.
+    db["jobs"].add_column("concurrency_key", str)
+    db["jobs"].add_column("labels", str)
+    db["limits"].create({"kind": str, "name": str, "rule": str, "updated_at": float,
+                         "updated_by": str}, pk=("kind", "name"), not_null={"rule"})
+    db["limit_starts"].create({"id": int, "name": str, "key": str, "at": float}, pk="id",
+                              not_null={"name", "key", "at"}, defaults={"key": ""})
+    db["limit_starts"].create_index(["name", "key", "at"])
+
+
+@migrations()
 def m016_unique_keys(db: sqlite_utils.Database) -> None:
     # Unique jobs (rota/core/unique.py): one row per key, naming the job that holds it,
     # written in the enqueue transaction. The primary key makes a second claim meet the

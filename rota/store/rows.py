@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from rota.core.jobs import labels_of
 from rota.core.observe import COUNTS
 from rota.core.model import JobRecord, JobState, shared_limits
 from rota.base.protocol import Registration
@@ -23,18 +24,26 @@ from rota.core.ready import PRIORITY_LIMIT, SEQ_BITS
 from rota.base.specs import JobSpec, spec_from_builtins
 
 
+WaitingGroup = tuple[str, str, str | None, tuple[str, ...]]
+
+
 @dataclass(slots=True)
 class Snapshot:
     status_quo: dict[str, JobSpec]
     checksums: dict[str, str]
     jobs: list[JobRecord]  # live jobs kept whole
-    waiting: dict[tuple[str, str], list[int]]  # (queue, spec) -> keys of plain available jobs
+    # (queue, spec, concurrency_key, labels) -> the keys of plain available jobs
+    waiting: dict[WaitingGroup, list[int]]
     last_seq: int  # the highest row id
     retired: dict[str, float]  # retired specs: when (wall)
     paused: frozenset[str] = frozenset()  # paused queues (POST /queues/{name}/pause)
     clock_step: float = 0.0  # the wall clock's step since the last run, undone in the rows
     # The per-minute counts kept (writes.keep_throughput): (minute, queue, spec, *counts).
     throughput: list[tuple[Any, ...]] = field(default_factory=list)
+    # Flow control (rota/store/limits.py): the rules set at runtime (rows), and the rate
+    # starts within a day by (limit name, key), oldest first, for the windows to go on.
+    limits: list[dict[str, Any]] = field(default_factory=list)
+    limit_starts: dict[tuple[str, str | None], list[float]] = field(default_factory=dict)
 
 
 def load(conn: sqlite3.Connection, server_id: str | None = None) -> Snapshot:
@@ -90,19 +99,33 @@ def read_status_quo(conn: sqlite3.Connection
 _PLAIN = f"expires_at IS NULL AND priority > -{PRIORITY_LIMIT} AND priority < {PRIORITY_LIMIT}"
 
 
-def _waiting(conn: sqlite3.Connection) -> dict[tuple[str, str], list[int]]:
-    """The keys of the plain available jobs, by (queue, spec): one int per job, made by
-    SQLite, so a restart builds no object per waiting job but the int itself."""
-    waiting: dict[tuple[str, str], list[int]] = {}
-    pairs = conn.execute("SELECT DISTINCT queue, spec FROM jobs WHERE state = 'available'")
-    for queue, spec in pairs.fetchall():
-        keys = conn.execute(
-            f"SELECT (-priority << {SEQ_BITS}) + rowid FROM jobs WHERE state = 'available'"
-            f" AND queue = ? AND spec = ? AND {_PLAIN}", (queue, spec))
-        keys.row_factory = None
-        found = [key for (key,) in keys]
-        if found:
-            waiting[(sys.intern(queue), sys.intern(spec))] = found
+def _waiting(conn: sqlite3.Connection) -> dict[WaitingGroup, list[int]]:
+    """The keys of the plain available jobs, by (queue, spec, concurrency_key, labels):
+    one int per job, made by SQLite, so a restart builds no object per waiting job but
+    the int itself. A (queue, spec) with no key or label reads only the keys."""
+    waiting: dict[WaitingGroup, list[int]] = {}
+    pairs: dict[tuple[str, str], set[tuple[str | None, str | None]]] = {}
+    for queue, spec, key, labels in conn.execute(
+            "SELECT DISTINCT queue, spec, concurrency_key, labels FROM jobs"
+            " WHERE state = 'available'").fetchall():
+        pairs.setdefault((sys.intern(queue), sys.intern(spec)), set()).add((key, labels))
+    select = (f"SELECT (-priority << {SEQ_BITS}) + rowid{{}} FROM jobs"
+              f" WHERE state = 'available' AND queue = ? AND spec = ? AND {_PLAIN}")
+    for (queue, spec), kinds in pairs.items():
+        if kinds == {(None, None)}:
+            keys = conn.execute(select.format(""), (queue, spec))
+            keys.row_factory = None
+            found = [key for (key,) in keys]
+            if found:
+                waiting[(queue, spec, None, ())] = found
+            continue
+        rows = conn.execute(select.format(", concurrency_key, labels"), (queue, spec))
+        rows.row_factory = None
+        groups: dict[tuple[str | None, str | None], list[int]] = {}
+        for key, concurrency_key, labels in rows:
+            groups.setdefault((concurrency_key, labels), []).append(key)
+        for (concurrency_key, labels), found in groups.items():
+            waiting[(queue, spec, concurrency_key, labels_of(labels))] = found
     return waiting
 
 
@@ -111,7 +134,8 @@ _LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max
          "max_fails", "backoff_base", "backoff_max", "max_worker_deaths", "visibility_timeout",
          "state", "attempt", "worker_id", "checksum", "run_at", "expires_at",
          "lease_expires_at", "fails", "deaths", "budget_start", "cancel_requested",
-         "capture_logs", "created_by", "reserved_at", "worker_token")
+         "capture_logs", "created_by", "reserved_at", "worker_token", "concurrency_key",
+         "labels")
 
 
 # Claims: rows reserved only if they are still available, and read back whole.
@@ -149,6 +173,18 @@ def waiting_rows(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple[Any, .
         cursor.row_factory = None
         out += [tuple(r) for r in cursor.fetchall()]
     return out
+
+
+def take_over(conn: sqlite3.Connection, server_id: str, worker_id: str, job_ids: list[str],
+              token: str | None, queues: Collection[str] | None
+              ) -> tuple[list[JobRecord], set[str]]:
+    """``Store.take_over``: the jobs taken, or none and the other tokens whose workers
+    hold some of them under this worker id."""
+    others = set() if token is None else other_tokens(conn, worker_id, job_ids, token)
+    if others:
+        return [], others
+    return [live_job(r) for r in take_over_rows(conn, server_id, worker_id, job_ids, token,
+                                                queues)], others
 
 
 def take_over_rows(conn: sqlite3.Connection, server_id: str, worker_id: str,
@@ -210,7 +246,8 @@ def live_job(r: tuple[Any, ...]) -> JobRecord:
     (seq, job_id, spec, queue, args, priority, enqueued_at, max_attempts, max_fails,
      backoff_base, backoff_max, max_deaths, visibility_timeout, state, attempt, worker_id,
      checksum, run_at, expires_at, lease_expires_at, fails, deaths, budget_start,
-     cancel_requested, capture_logs, created_by, reserved_at, worker_token) = r
+     cancel_requested, capture_logs, created_by, reserved_at, worker_token, concurrency_key,
+     labels) = r
     intern = sys.intern
     limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
                            backoff_max or 3600.0, max_deaths or 3)
@@ -225,7 +262,8 @@ def live_job(r: tuple[Any, ...]) -> JobRecord:
                      cancel_requested=bool(cancel_requested), capture_logs=bool(capture_logs),
                      created_by=None if created_by is None else intern(created_by),
                      reserved_at=reserved_at,
-                     worker_token=None if worker_token is None else intern(worker_token))
+                     worker_token=None if worker_token is None else intern(worker_token),
+                     concurrency_key=concurrency_key, labels=labels_of(labels))
 
 
 def worker_row(worker_id: str, reg: Registration, connected_at: float) -> dict[str, Any]:
@@ -249,4 +287,5 @@ def job_from_row(r: sqlite3.Row | dict[str, Any]) -> JobRecord:
                      lease_expires_at=r["lease_expires_at"], fails=r["fails"], deaths=r["deaths"],
                      budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
                      capture_logs=bool(r["capture_logs"]), created_by=r["created_by"],
-                     reserved_at=r["reserved_at"])
+                     reserved_at=r["reserved_at"], concurrency_key=r["concurrency_key"],
+                     labels=labels_of(r["labels"]))

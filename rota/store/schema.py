@@ -19,7 +19,7 @@ MIGRATIONS = (
     "m001_initial", "m002_lifecycle", "m003_failed_is_discarded", "m004_live_status",
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
-    "m014_throughput", "m016_unique_keys",
+    "m014_throughput", "m015_flow_control", "m016_unique_keys",
 )
 
 
@@ -79,7 +79,7 @@ TABLES: tuple[Table, ...] = (
         " cancel_requested INTEGER NOT NULL =0, capture_logs INTEGER NOT NULL =0,"
         " progress_percent REAL, progress_message TEXT, progress_at REAL, created_by TEXT,"
         " deaths INTEGER NOT NULL =0, max_worker_deaths INTEGER, server_id TEXT,"
-        " worker_token TEXT"),
+        " worker_token TEXT, concurrency_key TEXT, labels TEXT"),
         pk=("id",), rowid=True),
     Table("spec_versions", _cols("name TEXT, checksum TEXT, version TEXT, body TEXT,"
                                  " first_pushed_at REAL"), pk=("name", "checksum")),
@@ -107,6 +107,12 @@ TABLES: tuple[Table, ...] = (
         " completed INTEGER NOT NULL =0, failed INTEGER NOT NULL =0,"
         " retried INTEGER NOT NULL =0, discarded INTEGER NOT NULL =0,"
         " cancelled INTEGER NOT NULL =0"), pk=("minute", "server", "queue", "spec")),
+    # Flow control (m015): limits set at runtime (``rota limits set``), by scope, the rule
+    # as JSON; and the starts that rate limits count, kept across restarts (pruned).
+    Table("limits", _cols("kind TEXT, name TEXT, rule TEXT NOT NULL, updated_at REAL,"
+                          " updated_by TEXT"), pk=("kind", "name")),
+    Table("limit_starts", _cols("id INTEGER, name TEXT NOT NULL, key TEXT NOT NULL ='',"
+                                " at REAL NOT NULL"), pk=("id",)),
     # Unique jobs' keys (m016): the job holding each, what it holds it for, and until when.
     Table("unique_keys", _cols("key TEXT, job_id TEXT NOT NULL, covers TEXT NOT NULL,"
                                " until REAL"), pk=("key",)),
@@ -121,6 +127,7 @@ INDEXES: tuple[Index, ...] = (
     Index("idx_jobs_state_spec", "jobs", ("state", "spec"), COLD),
     Index("idx_jobs_state_worker", "jobs", ("state", "worker_id"),
           f"{COLD} AND worker_id IS NOT NULL"),
+    Index("idx_limit_starts_name_key_at", "limit_starts", ("name", "key", "at")),
     Index("idx_unique_keys_job_id", "unique_keys", ("job_id",)),
 )
 

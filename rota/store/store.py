@@ -16,14 +16,14 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Collection, Container, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from rota.store import fleet, lookup, reads, sqlite
+from rota.store import fleet, limits, lookup, reads, sqlite
 from rota.store.urls import redact
 from rota.store import writes as sql  # the writes' SQL and their functions of a connection
 from rota.store.health import Health
@@ -31,13 +31,13 @@ from rota.store.readers import Readers
 from rota.store.writer import Checkpointer, Writer
 from rota.base.errors import StorageError
 from rota.core.listing import JobFilter, decode_cursor
-from rota.core.effects import Reserved
+from rota.core.effects import Guard, Reserved
 from rota.core.model import JOB_STATES, WAITING_STATES, Change, ClockReading, JobRecord, StatusNote
 from rota.base.protocol import Registration
 from rota.core.ready import Claim
 from rota.core.retention import Cutoff
-from rota.store.rows import (Snapshot, claim_rows, job_from_row, live_job, load, other_tokens,
-                       read_status_quo, take_over_rows, waiting_rows, worker_row)
+from rota.store.rows import (Snapshot, claim_rows, job_from_row, live_job, load, read_status_quo,
+                             take_over, waiting_rows, worker_row)
 from rota.base.specs import JobSpec
 from rota.store.tokens import insert_token, live_tokens, open_database, revoke_tokens
 from rota.store.writes import SpecChange
@@ -118,6 +118,8 @@ class Store:
             step = 0.0 if reading is None or self.shared else sql.undo_step(conn, reading)
             snapshot = load(conn, self.server_id if self.shared else None)
             snapshot.clock_step = step
+            snapshot.limits = limits.read_limits(conn)
+            snapshot.limit_starts = limits.read_starts(conn, time.time())
             return snapshot
         finally:
             conn.close()
@@ -188,30 +190,38 @@ class Store:
         return self.writer.submit(op)
 
     def reserve(self, jobs: list[JobRecord], now: float, claims: Sequence[Claim] = (),
-                lease: float = 1800.0, min_lease: float = 0.0) -> asyncio.Future[Reserved]:
+                lease: float = 1800.0, min_lease: float = 0.0,
+                guards: Mapping[str | int, tuple[Guard, ...]] | None = None
+                ) -> asyncio.Future[Reserved]:
         """Reserve whole jobs as they are in memory, and claimed ones if their rows are
         still available, reading those back (in claim order; None: not available).
 
         Both are fenced by the row: a whole job is reserved only if its row still waits
         at the attempt memory holds, so a server whose copy went stale (another server
         reserved, cancelled or finished the job first) reserves nothing and hears which
-        jobs it lost."""
-        server = self.server_id
+        jobs it lost. ``guards``: the limits each job (id) or claim (seq) counts against,
+        held by the database among servers (rota/store/limits.py): what would pass one is
+        not reserved (``Reserved.refused``; a refused claim reads None)."""
+        server, guards = self.server_id, dict(guards or {})
         rows = [(j.attempt, j.worker_id, j.worker_token, j.checksum, server, now,
                  j.lease_expires_at, j.id, j.attempt - 1) for j in jobs]
-        # One statement per (worker, checksum): a round's claims for a worker are one
-        # UPDATE ... WHERE rowid IN (...), not one per job.
-        groups: dict[tuple[str, str | None, str], list[int]] = {}
-        order: list[int] = []
-        for c in claims:
-            groups.setdefault((c.worker.id, c.worker.token, c.checksum), []).append(c.seq)
-            order.append(c.seq)
+        order: list[int] = [c.seq for c in claims]
+        items: list[str | int] = [j.id for j in jobs] + order  # (the engine's order: whole first)
 
         def op(conn: sqlite3.Connection) -> Reserved:
-            cursor = conn.executemany(sql.RESERVE, rows)
+            refused = limits.guard(conn, guards, items, now) if self.shared else frozenset()
+            cursor = conn.executemany(sql.RESERVE, rows if not refused else
+                                      [r for r in rows if r[7] not in refused])
             lost: frozenset[str] = frozenset()
-            if rows and cursor.rowcount != len(rows):  # rare: find which rows moved on
-                lost = frozenset(sql.moved_on(conn, jobs))
+            kept = [j for j in jobs if j.id not in refused]
+            if kept and cursor.rowcount != len(kept):  # rare: find which rows moved on
+                lost = frozenset(sql.moved_on(conn, kept))
+            # One statement per (worker, checksum): a round's claims for a worker are one
+            # UPDATE ... WHERE rowid IN (...), not one per job.
+            groups: dict[tuple[str, str | None, str], list[int]] = {}
+            for c in claims:
+                if c.seq not in refused:
+                    groups.setdefault((c.worker.id, c.worker.token, c.checksum), []).append(c.seq)
             read: dict[int, JobRecord] = {}
             for (worker_id, token, checksum), seqs in groups.items():
                 for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
@@ -220,10 +230,13 @@ class Store:
                         read[row[0]] = live_job(row)
             if self.hold_reserve:
                 time.sleep(self.hold_reserve)  # (test switch: the writer's thread)
+            if guards:
+                limits.record_starts(conn, limits.started(guards, [
+                    *(j.id for j in kept if j.id not in lost), *read]), now)
             # A key known twice (its job came back while a stale key of it was still
             # waiting) is claimed twice in one round: the row is reserved once, so only
             # the first claim gets the job.
-            return Reserved([read.pop(seq, None) for seq in order], lost)
+            return Reserved([read.pop(seq, None) for seq in order], lost, refused)
 
         return self.writer.submit(op)
 
@@ -370,15 +383,8 @@ class Store:
         any of them under this worker id, nothing and those tokens (its registration is
         then refused, and the jobs stay where their worker runs them)."""
         server = self.server_id or ""
-
-        def op(conn: sqlite3.Connection) -> tuple[list[JobRecord], set[str]]:
-            others = set() if token is None else other_tokens(conn, worker_id, job_ids, token)
-            if others:
-                return [], others
-            return [live_job(r) for r in take_over_rows(conn, server, worker_id, job_ids,
-                                                        token, queues)], others
-
-        return self.writer.submit(op)
+        return self.writer.submit(
+            lambda conn: take_over(conn, server, worker_id, job_ids, token, queues))
 
     def tell_servers(self, state: str, target: str) -> asyncio.Future[None]:
         """Pass an operator's directive on to the other servers' workers (rota/store/fleet.py)."""
@@ -442,19 +448,7 @@ class Store:
         """(id, state) of up to ``limit + 1`` matching jobs, newest first (one more than
         ``limit`` says more match), and whether a bounded search (q) stopped after
         ``pages`` scans with rows left unexamined."""
-        def read(conn: sqlite3.Connection) -> tuple[list[tuple[str, str]], bool]:
-            found: list[tuple[str, str]] = []
-            before = None
-            for _ in range(pages):
-                rows, cursor = lookup.page(conn, flt, limit + 1 - len(found), before,
-                                           "id, state")
-                found += [(row["id"], row["state"]) for _, row in rows]
-                if cursor is None or len(found) > limit:
-                    return found[:limit + 1], False
-                before = decode_cursor(cursor)
-            return found, True
-
-        return await self.readers.run(read)
+        return await self.readers.run(lambda conn: lookup.match(conn, flt, limit, pages))
 
     async def count_jobs(self, flt: JobFilter) -> int:
         """Matching jobs, counted up to lookup.COUNT_CAP (100,000)."""
@@ -472,14 +466,19 @@ class Store:
         return await self.readers.run(lambda conn: reads.job_states(conn, ids))
 
     def set_paused(self, queue: str, paused: bool, now: float) -> asyncio.Future[None]:
-        def op(conn: sqlite3.Connection) -> None:
-            conn.execute("INSERT INTO queues (name, paused, updated_at) VALUES (?, ?, ?)"
-                         " ON CONFLICT(name) DO UPDATE SET paused = excluded.paused,"
-                         " updated_at = excluded.updated_at", (queue, int(paused), now))
-            if self.shared:
-                fleet.notify(conn, fleet.QUEUES, self.server_id or "", [queue])
+        return self.writer.submit(lambda conn: fleet.set_paused(
+            conn, queue, paused, now, self.server_id if self.shared else None))
 
-        return self.writer.submit(op)
+    # -- flow control (rota/store/limits.py) -----------------------------------------------
+    async def runtime_limits(self) -> list[dict[str, Any]]:
+        return await self.readers.run(limits.read_limits)
+
+    def set_limit(self, kind: str, name: str, rule: str | None, now: float,
+                  by: str | None = None) -> asyncio.Future[bool]:
+        """Set a scope's runtime rule (its JSON), or clear it (None); whether one changed."""
+        server = self.server_id or "" if self.shared else None
+        return self.writer.submit(
+            lambda conn: limits.change(conn, kind, name, rule, now, by, server))
 
     def retire_spec(self, name: str, now: float
                     ) -> asyncio.Future[tuple[str, float, bool] | None]:

@@ -48,6 +48,8 @@ def job_view(row: dict[str, Any]) -> dict[str, Any]:
         "started": row.get("started", True) if row["state"] == "active" else None,
         "capture_logs": bool(row["capture_logs"]),
         "unique_key": row.get("unique_key"),  # the unique key it holds (rota/core/unique.py)
+        "concurrency_key": row.get("concurrency_key"),
+        "labels": msgspec.json.decode(row.get("labels") or "[]"),
         "progress": None if row["progress_at"] is None else {
             "percent": row["progress_percent"], "message": row["progress_message"],
             "at": rfc3339(row["progress_at"])},

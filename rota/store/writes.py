@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from rota.core.jobs import labels_text
 from rota.core.observe import COUNTS
 from rota.core.model import WAITING_STATES, Change, ClockReading, JobRecord, StatusNote, wall_step
 from rota.core.retention import Cutoff
@@ -37,7 +38,8 @@ class SpecChange:
 # The columns insert_row gives, in order (attempt is always 0).
 _INSERTED = ("id", "spec", "queue", "args", "priority", "state", "visibility_timeout",
              "enqueued_at", "run_at", "expires_at", "max_attempts", "max_fails", "backoff_base",
-             "backoff_max", "capture_logs", "created_by", "max_worker_deaths")
+             "backoff_max", "capture_logs", "created_by", "max_worker_deaths",
+             "concurrency_key", "labels")
 _INSERT = (
     f"INSERT INTO jobs ({', '.join(_INSERTED[:6])}, attempt, {', '.join(_INSERTED[6:])})"
     f" VALUES ({', '.join('?' * 6)}, 0, {', '.join('?' * (len(_INSERTED) - 6))})"
@@ -140,7 +142,8 @@ def insert_row(job: JobRecord) -> tuple[Any, ...]:
     return (job.id, job.spec, job.queue, bytes(job.args).decode(), job.priority, str(job.state),
             job.visibility_timeout, job.enqueued_at, job.run_at, job.expires_at,
             lim.max_attempts, lim.max_fails, lim.backoff_base, lim.backoff_max,
-            int(job.capture_logs), job.created_by, lim.max_worker_deaths)
+            int(job.capture_logs), job.created_by, lim.max_worker_deaths, job.concurrency_key,
+            labels_text(job.labels))
 
 
 # -- reservations and transitions --------------------------------------------------------

@@ -27,8 +27,8 @@ from helpers import clean_env, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-WALKTHROUGH = README[README.index("## Walkthrough"):]
-WALKTHROUGH = WALKTHROUGH[:WALKTHROUGH.index("\n## ")]
+# The walkthrough, and the Flow control section after it, which goes on from its state.
+WALKTHROUGH = README[README.index("## Walkthrough"):README.index("## Enqueue from your web app")]
 BLOCK = re.compile(r"(?:<!-- not run: (?P<why>.+?) -->\n)?```(?P<lang>\w*)\n(?P<text>.*?)```",
                    re.S)
 README_URL = "http://127.0.0.1:8000"

@@ -47,7 +47,8 @@ def enqueue_bodies() -> list[dict[str, Any]]:
     return [
         {"spec": "parked", "args": {"k": "v", "n": [1, {"m": 2}]}, "queue": "default",
          "priority": 1, "run_at": soon(), "ttl": 60.0, "visibility_timeout": 30.0,
-         "max_attempts": 3, "max_fails": 2, "capture_logs": False},
+         "max_attempts": 3, "max_fails": 2, "capture_logs": False,
+         "concurrency_key": "acme", "labels": ["gpu", "region:eu"]},
         {"spec": "parked", "id": "hostile-id", "delay": 10.0},
         {"spec": "parked", "args": {"user": 7, "k": "v"}, "unique": {
             "keys": ["args", "queue"], "args_keys": ["user"], "states": "finished",
@@ -65,17 +66,23 @@ SPECS = {"dry_run": True, "specs": [{
               "max_worker_deaths": 2},
     "args": {"k": {"type": "string", "description": "d", "required": True}},
     "unique": {"keys": ["args"], "args_keys": ["k"], "states": "active", "period": 60.0,
-               "on_conflict": "existing"}}]}
+               "on_conflict": "existing"},
+    "labels": ["gpu"], "limits": {"concurrency": 4, "rate": "5/s", "key_concurrency": 2,
+                                  "key_rate": {"limit": 10, "period": 60.0, "burst": 2}}}]}
 # No payload may direct the bystander: the label matches nobody, and all + label is refused.
 WORKERS_STATE = {"state": "quiet", "label": "nobody", "all": False}
 WORKER_STATE = {"state": "quiet"}
+# Flow control: a runtime limit, rates as a table and as shorthand (on a spec nothing runs).
+LIMIT = {"concurrency": 4, "rate": {"limit": 10, "period": 60.0, "burst": 2},
+         "key_concurrency": 2, "key_rate": "100/min"}
 
 
 def http_templates() -> list[tuple[str, str, dict[str, Any]]]:
     return [*(("POST", "/jobs", body) for body in enqueue_bodies()),
             ("POST", "/jobs/batch", BATCH), ("PUT", "/specs", SPECS),
             ("POST", "/workers/state", WORKERS_STATE),
-            ("POST", "/workers/nobody/state", WORKER_STATE)]
+            ("POST", "/workers/nobody/state", WORKER_STATE),
+            ("PUT", "/limits/spec/parked", LIMIT)]
 
 
 def registration_frame(worker_id: str, hostile_checksum: str) -> dict[str, Any]:
@@ -251,14 +258,16 @@ async def test_whole_bodies_on_every_route_that_takes_one(watched: Watch):
 
 PATH_ROUTES = [("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"), ("DELETE", "/jobs/{}"),
                ("POST", "/jobs/{}/retry"), ("GET", "/specs/{}/history"),
-               ("POST", "/workers/{}/state")]
+               ("POST", "/workers/{}/state"), ("PUT", "/limits/spec/{}"),
+               ("DELETE", "/limits/spec/{}"), ("PUT", "/limits/{}/parked")]
 
 
 async def test_every_path_segment_and_query_value(watched: Watch):
     live = watched.live
     for method, route in PATH_ROUTES:
         for name, segment in corpus.SEGMENTS:
-            body = json.dumps(WORKER_STATE).encode() if "workers" in route else None
+            body = (json.dumps(WORKER_STATE).encode() if "workers" in route else
+                    json.dumps(LIMIT).encode() if method == "PUT" else None)
             answer = await live.http.request(method, route.format(segment), content=body)
             assert 400 <= answer.status_code < 500, f"{method} {route} <- {name}: {answer.text}"
             assert_http(answer, True, f"{method} {route} <- {name}")
@@ -283,6 +292,12 @@ async def test_every_path_segment_and_query_value(watched: Watch):
             assert (answer.status_code, answer.json()["error"]["code"]) == (422,
                                                                          "unknown_queue"), name
             watched.pairs += 1
+    for name, method, path, body, code in corpus.FLOW_SLIPS:
+        answer = await live.http.request(method, path, json=body)
+        assert_http(answer, True, f"{method} {path} ({name})")
+        assert (answer.status_code, answer.json()["error"]["code"]) == (422, code), name
+        watched.pairs += 1
+    assert not await live.coordinator.store.runtime_limits(), "a refused limit was stored"
 
 
 async def test_every_header_rota_reads(watched: Watch):

@@ -88,11 +88,33 @@ async def test_a_restart_finds_the_waiting_jobs_in_priority_then_arrival_order(
                           new_job("other", queue="q2"))
     by_seq = {job.seq: job.id for job in jobs}
     _, snapshot = await open_store()
-    keys = sorted(snapshot.waiting[("default", "echo")])
+    keys = sorted(snapshot.waiting[("default", "echo", None, ())])
     mask = (1 << SEQ_BITS) - 1
     assert [by_seq[key & mask] for key in keys] == ["b", "e", "a", "c", "d"]
-    assert [by_seq[key & mask] for key in snapshot.waiting[("q2", "echo")]] == ["other"]
+    assert [by_seq[key & mask] for key in snapshot.waiting[("q2", "echo", None, ())]] == ["other"]
     assert snapshot.jobs == [] and snapshot.last_seq == max(by_seq)
+
+
+async def test_a_restart_groups_waiting_keys_by_concurrency_key_and_labels(open_store: Opener):
+    """Flow control: the keys come back by (queue, spec, concurrency_key, labels), and a
+    job kept whole keeps its key and labels."""
+    store, _ = await open_store()
+    jobs = await enqueued(store, new_job("plain"), new_job("acme", concurrency_key="acme"),
+                          new_job("gpu", labels=("gpu", "region:eu")),
+                          new_job("both", concurrency_key="acme", labels=("gpu", "region:eu")),
+                          new_job("later", concurrency_key="acme", labels=("gpu",),
+                                  state=JobState.SCHEDULED, run_at=5000.0))
+    by_seq = {job.seq: job.id for job in jobs}
+    _, snapshot = await open_store()
+    mask = (1 << SEQ_BITS) - 1
+    assert {group: [by_seq[key & mask] for key in keys]
+            for group, keys in snapshot.waiting.items()} == {
+        ("default", "echo", None, ()): ["plain"],
+        ("default", "echo", "acme", ()): ["acme"],
+        ("default", "echo", None, ("gpu", "region:eu")): ["gpu"],
+        ("default", "echo", "acme", ("gpu", "region:eu")): ["both"]}
+    [later] = snapshot.jobs
+    assert (later.concurrency_key, later.labels) == ("acme", ("gpu",))
 
 
 async def test_a_restart_finds_every_other_live_job_whole(open_store: Opener):
@@ -210,7 +232,7 @@ async def test_a_retried_job_waits_again_with_a_fresh_budget_across_a_restart(
         "available", 1, 1, None)
     assert len(json.loads(row["errors"])) == 1  # the history stays
     _, snapshot = await open_store()
-    assert len(snapshot.waiting[("default", "echo")]) == 1
+    assert len(snapshot.waiting[("default", "echo", None, ())]) == 1
 
 
 async def test_a_waiting_job_is_read_whole_from_its_row_and_cancelled_only_while_it_waits(

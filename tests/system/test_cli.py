@@ -101,7 +101,8 @@ def test_every_command_has_help():
                 ["specs", "history"], ["specs", "checksum"], ["enqueue"], ["jobs"],
                 ["jobs", "show"], ["jobs", "cancel"], ["jobs", "retry"], ["jobs", "list"],
                 ["queues"], ["queues", "pause"], ["queues", "resume"], ["workers", "resume"],
-                ["watch"], ["tail"], ["run"], ["demo"]]
+                ["watch"], ["tail"], ["run"], ["demo"], ["limits"], ["limits", "set"],
+                ["limits", "clear"]]
     for command in commands:
         result = runner.invoke(main, [*command, "--help"])
         assert result.exit_code == 0 and len(result.output.splitlines()) > 3, command

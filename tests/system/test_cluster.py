@@ -169,6 +169,35 @@ async def test_a_spec_push_through_one_server_gates_a_worker_on_another(tmp_path
         assert [j for j, _, _ in runs.runs] == [job["id"]]
 
 
+async def test_a_limit_set_through_one_server_holds_on_another(tmp_path: Path, pg_url: str):
+    """As a pause does: a limit set or cleared through A (and a spec file's, pushed
+    through A) is in force on B once B hears the notice."""
+    from rota.core.limits import LimitRule, Rate
+
+    spec = write_spec(tmp_path / "specs", "echo", extra="[limits]\nconcurrency = 4\n")
+    async with servers(tmp_path, pg_url, 2) as (a, b):
+        await a.push(spec)
+        held = [LimitRule(concurrency=4)]
+
+        async def b_holds() -> bool:
+            return b.coordinator.limiting.in_force == {("spec", "echo"): held[0]}
+
+        await wait_until(b_holds, what="B to hold the pushed spec file's limit")
+        put = await a.http.put("/limits/spec/echo", json={"key_concurrency": 2,
+                                                          "rate": "5/s"})
+        assert put.status_code == 200, put.text
+        held[0] = LimitRule(key_concurrency=2, rate=Rate(5, 1.0))
+        await wait_until(b_holds, what="B to hold the limit set through A")
+        assert (await b.http.get("/limits")).json()["limits"][0]["source"] == "runtime"
+        assert (await b.http.delete("/limits/spec/echo")).status_code == 200
+        held[0] = LimitRule(concurrency=4)
+
+        async def a_holds() -> bool:
+            return a.coordinator.limiting.in_force == {("spec", "echo"): held[0]}
+
+        await wait_until(a_holds, what="A to hear of the clear through B")
+
+
 async def _reason(live: Live, job_id: str) -> str | None:
     return (await live.job(job_id)).get("waiting_reason")
 

@@ -251,3 +251,17 @@ def test_the_jobs_a_key_limit_a_rate_or_labels_hold_are_counted_per_kind(engine,
     use = engine.limit_use(clock())
     assert [(u.name, u.key, u.running, u.starts, u.next_start) for u in use] == [
         ("spec:echo", "acme", 0, 1, 60.0)]  # (none runs: the queue's key limit shows none)
+
+
+def test_limit_timers_of_one_moment_for_a_scope_and_a_key_fire_together():
+    """Two parked counters due at the same moment, one a scope's own (key None) and one a
+    key's: the timer heap never compares the counters (None beside a str raised)."""
+    from rota.core.scheduler import Scheduler
+
+    scheduler = Scheduler()
+    scheduler._arm(("spec", "echo", None), 5.0)
+    scheduler._arm(("spec", "echo", "acme"), 5.0)
+    scheduler._arm(("queue", "default", "acme"), 5.0)
+    assert scheduler.flow_deadline() == 5.0
+    scheduler.unpark_due(6.0)
+    assert scheduler.flow_deadline() is None

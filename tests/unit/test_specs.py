@@ -442,7 +442,8 @@ def test_a_spec_files_mistake_is_said_in_plain_words() -> None:
     for text, says in (
             ('[retry]\nmax_attempts = 0\n', "retry.max_attempts must be an integer >= 1"),
             ('queu = "x"\n', "queu is not a field Rota knows (known: name, version,"
-             " description, queue, priority, visibility_timeout, retry, args, unique)"),
+             " description, queue, priority, visibility_timeout, retry, args, unique, labels,"
+             " limits)"),
             ('[args.w]\ntype = "int"\n', "args.w.type must be one of any, array, boolean,"
              " integer, number, object, string, not 'int'"),
             # The argument is named: it said "args[...].type", whichever it was.
@@ -471,3 +472,60 @@ def test_a_unique_table_is_checked_and_todays_spec_files_keep_their_checksums():
     with pytest.raises(SpecError, match="does not declare in"):
         parse_spec(base + '[args.user]\ntype = "integer"\n[unique]\nkeys = ["args"]\n'
                    'args_keys = ["usr"]\n', source="a.toml")
+
+
+# -- flow control: labels and [limits] ----------------------------------------------------
+def test_todays_spec_files_keep_their_checksums():
+    """labels and [limits] at their defaults add nothing: the checksums Rota gave these
+    files before flow control existed."""
+    folder = Path(__file__).resolve().parents[2] / "rota" / "demo_specs"
+    assert {spec.name: checksum(spec) for spec in load_dir(folder)} == {
+        "echo": "sha256:8d74b4c61a8c29f5719093394d7d363cfc79a739206f001b9db9a7f74f2c8935",
+        "resize_image": "sha256:2c5982f67bf9df49371dc27d68594d3fdbdff5d4cc1e9ea4a737ee37bc9e33d6",
+        "send_email": "sha256:ba095175d2753c37e7b2f98f4c07d9b3fc12722c93b90b9d02c71af38cce30cf"}
+    plain = parse_spec('name = "a"\nversion = "1"\n')
+    assert checksum(plain) == checksum(parse_spec(
+        'name = "a"\nversion = "1"\nlabels = []\n[limits]\n'))
+
+
+def test_a_spec_files_limits_and_labels():
+    from rota.core.limits import LimitRule, Rate
+    from rota.core.rulebook import rule_of, spec_rules
+
+    spec = parse_spec('name = "send"\nversion = "1"\nlabels = ["smtp", "region:eu"]\n'
+                      '[limits]\nconcurrency = 40\nkey_concurrency = 3\nrate = "5/s"\n'
+                      'key_rate = {limit = 100, period = 60, burst = 10}\n')
+    assert spec.labels == ["smtp", "region:eu"]
+    assert spec.limits is not None and rule_of(spec.limits) == LimitRule(
+        concurrency=40, key_concurrency=3, rate=Rate(5, 1.0),
+        key_rate=Rate(100, 60.0, burst=10))
+    assert spec_rules({"send": spec}) == {("spec", "send"): rule_of(spec.limits)}
+    assert checksum(spec) != checksum(parse_spec('name = "send"\nversion = "1"\n'))
+    for text, rate in (("100/min", Rate(100, 60.0)), ("1000/h", Rate(1000, 3600.0)),
+                       ("10/30s", Rate(10, 30.0)), ("2 / 1 day", Rate(2, 86400.0))):
+        assert rule_of(parse_spec(f'name = "a"\nversion = "1"\n[limits]\nrate = "{text}"\n'
+                                  ).limits).rate == rate, text
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('[limits]\nconcurrency = 0', "limits.concurrency must be an integer >= 1"),
+    ('[limits]\nkey_concurrency = -1', "limits.key_concurrency must be an integer >= 1"),
+    ('[limits]\nrate = "5/fortnight"', "limits.rate must be a rate such as 100/min, 5/s,"
+     " 1000/h or 10/30s (units: s, min, h, d), not '5/fortnight'"),
+    ('[limits]\nkey_rate = "0/s"', "limits.key_rate must allow 1 to 2147483647 starts, not 0"),
+    ('[limits]\nrate = "5/2d"', "limits.rate must have a period over 0 and at most a day"
+     " (86400 s), not 172800 s"),
+    ('[limits]\nrate = {limit = 5, period = 1, burst = 9}',
+     "limits.rate must have a burst of at most its limit 5, not 9"),
+    ('[limits]\nrate = {limit = 5, every = 1}', "limits.rate.every is not a field Rota knows"),
+    ('[limits]\nconcurency = 3', "limits.concurency is not a field Rota knows (known:"
+     " concurrency, rate, key_concurrency, key_rate)"),
+    (f'labels = ["{"x" * 129}"]', "labels[0] must be a name of 1 to 128 letters, digits and"
+     " '_.:-', starting with a letter or digit"),
+    (f'labels = [{", ".join(f"{chr(34)}l{n}{chr(34)}" for n in range(17))}]',
+     "labels must be an array of at most 16 items"),
+])
+def test_a_spec_files_flow_control_mistake_is_said_precisely(text: str, says: str):
+    with pytest.raises(SpecError) as refused:
+        parse_spec('name = "a"\nversion = "1"\n' + text, source="a.toml")
+    assert str(refused.value) == f"a.toml: {says}"
