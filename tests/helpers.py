@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 import pytest
 import websockets
 from websockets.sync.client import ClientConnection as SyncConnection
@@ -355,8 +356,11 @@ def bearer(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
 
 
-def set_limits(coordinator: Any, rules: dict[tuple[str, str], Any]) -> None:
-    """Put ``rules`` (scope -> rota.core.limits.LimitRule: the whole table) in force on an
-    in-process server, on its loop. The one place tests set limits without the runtime
-    limits' API (PUT /limits/{kind}/{name}): switch it to that when it is there."""
-    coordinator.apply(coordinator.engine.set_limits(rules, coordinator.clock()))
+async def set_limits(http: httpx.AsyncClient, rules: dict[tuple[str, str], Any],
+                     headers: dict[str, str] | None = None) -> None:
+    """Put ``rules`` (scope -> rota.core.limits.LimitRule) in force through the runtime
+    limits' API, ``PUT /limits/{kind}/{name}`` (each replaces its scope's rule)."""
+    for (kind, name), rule in rules.items():
+        response = await http.put(f"/limits/{kind}/{name}", json=msgspec.to_builtins(rule),
+                                  headers=headers)
+        assert response.status_code == 200, response.text

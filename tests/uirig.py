@@ -67,11 +67,8 @@ class Rig:
         return job_id
 
     def limits(self, rules: dict[tuple[str, str], Any]) -> None:
-        """Put ``rules`` in force (tests/helpers.py set_limits), on the server's loop."""
-        async def put() -> None:
-            set_limits(self.coordinator, rules)
-
-        self.run(put())
+        """Put ``rules`` in force (tests/helpers.py set_limits: PUT /limits)."""
+        self.run(set_limits(self.live.http, rules, self.auth()))
 
     def job(self, job_id: str) -> dict[str, Any]:
         job: dict[str, Any] = self.api("GET", f"/jobs/{job_id}")

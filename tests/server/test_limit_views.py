@@ -1,6 +1,6 @@
 """Flow control as the user sees it on a real server: a limit and its use in GET
 /metrics, GET /queues and `rota watch`, and why a job waits in GET /jobs/{id}. Limits are
-set through tests/helpers.py set_limits."""
+set through the runtime limits API (tests/helpers.py set_limits)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from conftest import Live, write_spec
 from helpers import clean_env, reap, set_limits, wait_until
 from test_feeds import metric
 
-from rota.core.jobs import EnqueueRequest
 from rota.core.limits import LimitRule, Rate
 
 QUIET_WORKERS = pytest.mark.parametrize("live", [{"heartbeat_timeout": 60.0}], indirect=True,
@@ -24,8 +23,8 @@ async def test_a_spec_at_its_limit_shows_in_metrics_queues_the_job_and_watch(
         live: Live, connect, tmp_path):
     spec = write_spec(tmp_path / "specs", "send_email")
     await live.push(spec)
-    set_limits(live.coordinator, {("spec", "send_email"): LimitRule(concurrency=2),
-                                  ("queue", "default"): LimitRule(rate=Rate(100, 60.0))})
+    await set_limits(live.http, {("spec", "send_email"): LimitRule(concurrency=2),
+                                 ("queue", "default"): LimitRule(rate=Rate(100, 60.0))})
     worker = await connect("w-mail")
     await worker.register([spec], concurrency=10)
     ids = [(await live.enqueue("send_email", id=f"mail-{n}"))["id"] for n in range(5)]
@@ -77,13 +76,11 @@ async def test_a_spec_at_its_limit_shows_in_metrics_queues_the_job_and_watch(
     assert lines[-1].split() == ["spec:send_email", "2/2", "running"]
 
 
-@pytest.mark.skipif("concurrency_key" not in EnqueueRequest.__struct_fields__,
-                    reason="needs the job fields concurrency_key and labels (issue 23, WIRE)")
 @QUIET_WORKERS
 async def test_a_keyed_and_a_labelled_job_say_why_they_wait(live: Live, connect, tmp_path):
     spec = write_spec(tmp_path / "specs", "send_email")
     await live.push(spec)
-    set_limits(live.coordinator, {("spec", "send_email"): LimitRule(key_concurrency=1)})
+    await set_limits(live.http, {("spec", "send_email"): LimitRule(key_concurrency=1)})
     worker = await connect("w-mail")
     await worker.register([spec], concurrency=10)
     await live.enqueue("send_email", id="acme-1", concurrency_key="acme")
