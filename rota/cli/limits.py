@@ -8,6 +8,7 @@ import click
 
 from rota.base.flow import rate_parts
 from rota.cli.base import URL_OPTION, api, fail, out, print_json
+from rota.core.display import limit_source
 
 SCOPE_HELP = "queue:NAME or spec:NAME, as in spec:send_email"
 PER = {1.0: "s", 60.0: "min", 3600.0: "h", 86400.0: "d"}  # a rate's period, as written
@@ -62,10 +63,7 @@ def limits(ctx: click.Context, as_json: bool, url: str) -> None:
     if not reply["limits"]:
         out("no limits: set one in a spec file's [limits] or with 'rota limits set'")
     for entry in reply["limits"]:
-        source = ("spec file" if entry["source"] == "spec_file" else
-                  f"runtime, set {entry['updated_at']}"
-                  + (f" by {entry['updated_by']}" if entry.get("updated_by") else ""))
-        out(f"{entry['limit']:<24} {rule_words(entry['rule'])}  ({source})")
+        out(f"{entry['limit']:<24} {rule_words(entry['rule'])}  ({limit_source(entry)})")
 
 
 @limits.command("set")

@@ -116,6 +116,15 @@ def count(value: int) -> str:
     return f"{value:,}"
 
 
+def limit_source(entry: dict[str, Any]) -> str:
+    """Where a limit in force comes from (an entry of GET /limits): "spec file", or
+    "runtime, set <when> by <token name>"; for `rota limits` and the Limits page."""
+    if entry["source"] == "spec_file":
+        return "spec file"
+    by = f" by {entry['updated_by']}" if entry.get("updated_by") else ""
+    return f"runtime, set {entry['updated_at']}{by}"
+
+
 NO_LABELS = "no connected worker has the labels they need"  # what jobs held by labels wait for
 # Jobs a concurrency key's limit or their labels hold, by wait kind (``held`` of GET /queues)
 HELD_SAID = {"concurrency_limit": "held by their key's concurrency limit",

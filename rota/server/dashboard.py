@@ -112,7 +112,9 @@ def limit_panels(coordinator: Coordinator) -> list[dict[str, Any]]:
         own = [msgspec.to_builtins(u) for u in uses.get(name, []) if u.key is None]
         keys = sorted((u for u in uses.get(name, []) if u.key is not None),
                       key=lambda u: (-u.running, -u.starts, u.key))
-        panels.append({"name": name, "rule": rule_words(rule), "own": own[0] if own else None,
+        source = display.limit_source(coordinator.limiting.entry(scope, rule))
+        panels.append({"name": name, "rule": rule_words(rule), "source": source,
+                       "own": own[0] if own else None,
                        "key_uses": [msgspec.to_builtins(u) for u in keys[:KEYS_SHOWN]],
                        "more": max(0, len(keys) - KEYS_SHOWN)})
     return panels

@@ -209,3 +209,16 @@ async def test_limits_set_changes_only_the_fields_given_unless_replace(live: Liv
                            " spec:keyed')\n"), err
     put = await live.http.put("/limits/spec/keyed", json={"concurrency": 4})
     assert put.json()["rule"] == {"concurrency": 4}  # the API replaces the whole rule
+
+
+async def test_the_limits_page_says_where_each_limit_comes_from(live: Live, tmp_path: Path):
+    """As `rota limits` does: "spec file", or "runtime, set <when>" (and by whom, with
+    tokens on)."""
+    await live.push(write_spec(tmp_path / "specs", "send", extra=SEND))
+    await live.push(write_spec(tmp_path / "specs", "other"))
+    put = (await live.http.put("/limits/spec/other", json={"concurrency": 2})).json()
+    page = (await live.http.get("/ui/limits")).text
+    assert ('per key: 100/min burst 10 starts <span class="muted">(spec file)</span>'
+            in page), page
+    assert (f'at most 2 running <span class="muted">(runtime, set {put["updated_at"]})</span>'
+            in page), page
