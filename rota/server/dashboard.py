@@ -83,7 +83,8 @@ def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:
     why: not a backlog behind busy workers, which is no incident (Wait.blocked)."""
     rows = coordinator.waiting()
     return [row._asdict() for row in rows if row.blocked] + [
-        {**row._asdict(), "jobs": row.held["no_label"], "reason": display.NO_LABELS}
+        {**row._asdict(), "jobs": row.held["no_label"], "reason": display.no_labels(
+            {"missing_labels": row.missing_labels, "missing_labels_more": row.missing_more})}
         for row in rows if not row.blocked and row.held.get("no_label")]
 
 
