@@ -207,6 +207,9 @@ async def test_limits_set_changes_only_the_fields_given_unless_replace(live: Liv
                                   "--replace", "--url", live.base)
     assert (code, out) == (0, "spec:keyed: rate=5/s (until 'rota limits clear"
                            " spec:keyed')\n"), err
+    code, out, err = await invoke("limits", "set", "spec:keyed", "--concurrency", "2",
+                                  "--url", live.base)  # a rate kept as it was
+    assert out.startswith("spec:keyed: concurrency=2 rate=5/s (until"), (out, err)
     put = await live.http.put("/limits/spec/keyed", json={"concurrency": 4})
     assert put.json()["rule"] == {"concurrency": 4}  # the API replaces the whole rule
 
