@@ -19,15 +19,19 @@ MAX_LABELS = 16  # labels a job may require
 Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
          "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0}
-_SHORTHAND = re.compile(r"(\d{1,9})\s*/\s*(\d{0,5}(?:\.\d{1,3})?)\s*([a-z]+)")
+_SHORTHAND = re.compile(r"(\d+)\s*/\s*(\d{0,5}(?:\.\d{1,3})?)\s*([a-z]+)")
 RATE_WORDS = "a rate such as 100/min, 5/s, 1000/h or 10/30s"
+UNIT_WORDS = "units: " + ", ".join(UNITS)  # every unit the shorthand takes, as said in errors
 
 
 def rate_parts(text: str) -> tuple[int, float]:
     """(limit, period in seconds) of a shorthand rate; ValueError in words if it is not one."""
     m = _SHORTHAND.fullmatch(text.strip())
     if m is None or m[3] not in UNITS:
-        raise ValueError(f"must be {RATE_WORDS} (units: s, min, h, d), not {text[:40]!r}")
+        raise ValueError(f"must be {RATE_WORDS} ({UNIT_WORDS}), not {text[:40]!r}")
+    if len(m[1]) > len(str(MAX_COUNT)) or int(m[1]) > MAX_COUNT:  # (no int() of 5,000 digits)
+        raise ValueError(f"must allow at most {MAX_COUNT} starts per period:"
+                         f" {m[1][:40]} is too large")
     limit, period = int(m[1]), float(m[2] or 1) * UNITS[m[3]]
     check_rate(limit, period, None)
     return limit, period

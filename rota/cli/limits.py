@@ -8,6 +8,7 @@ import click
 
 from rota.base.flow import rate_parts
 from rota.cli.base import URL_OPTION, api, fail, out, print_json
+from rota.core.display import limit_source
 
 SCOPE_HELP = "queue:NAME or spec:NAME, as in spec:send_email"
 PER = {1.0: "s", 60.0: "min", 3600.0: "h", 86400.0: "d"}  # a rate's period, as written
@@ -20,7 +21,7 @@ def _scope(text: str) -> tuple[str, str]:
     return kind, name
 
 
-def _with_burst(field: str, rate: str | None, burst: int) -> dict[str, Any]:
+def _with_burst(field: str, rate: str | None, burst: int | None) -> dict[str, Any]:
     """A shorthand rate and a burst as the table the API takes."""
     flag = "--" + field.replace("_", "-")
     if rate is None:
@@ -29,7 +30,7 @@ def _with_burst(field: str, rate: str | None, burst: int) -> dict[str, Any]:
         limit, period = rate_parts(rate)
     except ValueError as exc:
         fail(f"{flag} {exc}")
-    return {"limit": limit, "period": period, "burst": burst}
+    return {"limit": limit, "period": period, "burst": burst}  # (burst None: as the rate)
 
 
 def rule_words(rule: dict[str, Any]) -> str:
@@ -62,43 +63,62 @@ def limits(ctx: click.Context, as_json: bool, url: str) -> None:
     if not reply["limits"]:
         out("no limits: set one in a spec file's [limits] or with 'rota limits set'")
     for entry in reply["limits"]:
-        source = ("spec file" if entry["source"] == "spec_file" else
-                  f"runtime, set {entry['updated_at']}"
-                  + (f" by {entry['updated_by']}" if entry.get("updated_by") else ""))
-        out(f"{entry['limit']:<24} {rule_words(entry['rule'])}  ({source})")
+        out(f"{entry['limit']:<24} {rule_words(entry['rule'])}  ({limit_source(entry)})")
 
 
 @limits.command("set")
 @click.argument("scope")
 @click.option("--concurrency", type=int, help="Jobs of the scope reserved at once, fleet-wide.")
-@click.option("--rate", help="Starts of the scope per period: 100/min, 5/s, 1000/h, 10/30s.")
+@click.option("--rate", help="Starts of the scope per period: 100/min, 5/s, 1000/h, 10/30s"
+              " (units: s, sec, second, m, min, minute, h, hour, d, day).")
 @click.option("--key-concurrency", type=int, help="Jobs of one concurrency key at once.")
 @click.option("--key-rate", help="Starts of one concurrency key per period, as --rate.")
 @click.option("--burst", type=int, help="Starts of --rate that may come back to back (then"
               " spaced evenly); at most its limit.")
 @click.option("--key-burst", type=int, help="The same for --key-rate.")
+@click.option("--replace", is_flag=True, help="Replace SCOPE's whole runtime rule with the"
+              " fields given (without it, the fields not given are kept).")
 @URL_OPTION
 def limits_set(scope: str, url: str, burst: int | None, key_burst: int | None,
-               **rule: Any) -> None:
-    """Set SCOPE's limits (queue:NAME or spec:NAME): they replace its spec file's, all
-    of them, until 'rota limits clear SCOPE'."""
+               replace: bool, **rule: Any) -> None:
+    """Set SCOPE's limits at runtime (queue:NAME or spec:NAME). Only the fields given
+    change: the others set at runtime before are kept (--replace drops them). The
+    runtime rule replaces its spec file's [limits], all of it, until 'rota limits
+    clear SCOPE'. Prints the rule in force."""
     kind, name = _scope(scope)
     body = {field: value for field, value in rule.items() if value is not None}
     for field, given in (("rate", burst), ("key_rate", key_burst)):
-        if given is not None:
+        if field in body or given is not None:  # checked here, to name the flag at fault
             body[field] = _with_burst(field, body.get(field), given)
     if not body:
         fail("give --concurrency, --rate, --key-concurrency or --key-rate")
-    entry = api(url, "set_limit", kind, name, body)
+    before = _in_force(url, f"{kind}:{name}")
+    kept = {} if replace or before is None or before["source"] != "runtime" else {
+        field: value for field, value in before["rule"].items() if field not in body}
+    entry = api(url, "set_limit", kind, name, {**kept, **body})
     out(f"{entry['limit']}: {rule_words(entry['rule'])} (until 'rota limits clear"
         f" {entry['limit']}')")
+    if kept:
+        out(f"  kept as set before: {', '.join(kept)} (--replace drops what is not given)")
+    lost = {} if before is None or before["source"] != "spec_file" else {
+        field: value for field, value in before["rule"].items() if field not in body}
+    if lost:  # a runtime rule replaces the spec file's whole [limits]
+        out(f"  its spec file's {rule_words(lost)} no longer applies until then (give it"
+            " here to keep it)")
+
+
+def _in_force(url: str, limit: str) -> dict[str, Any] | None:
+    """The entry of GET /limits for ``limit`` (its rule and source), None if none."""
+    return next((e for e in api(url, "limits")["limits"] if e["limit"] == limit), None)
 
 
 @limits.command("clear")
 @click.argument("scope")
 @URL_OPTION
 def limits_clear(scope: str, url: str) -> None:
-    """Clear SCOPE's limits set at runtime: its spec file's, if any, apply again."""
+    """Clear SCOPE's limits set at runtime: its spec file's, if any, apply again. A
+    spec file's [limits] is not cleared here: it holds until a new version of the spec
+    is pushed ('rota limits set' overrides it meanwhile)."""
     kind, name = _scope(scope)
     reply = api(url, "clear_limit", kind, name)
     now = reply.get("now")

@@ -52,7 +52,7 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
                for row in queue_rows for entry in row["waiting"]
                if entry["reason"] and entry.get("blocked", True)]  # not a busy backlog
     blocked += [{"queue": row["name"], "spec": entry["spec"],
-                 "available": entry["held"]["no_label"], "reason": display.NO_LABELS}
+                 "available": entry["held"]["no_label"], "reason": display.no_labels(entry)}
                 for row in queue_rows for entry in row["waiting"]
                 if (entry.get("held") or {}).get("no_label")]  # nothing will take them
     shaped_workers = [{

@@ -16,7 +16,7 @@ import click
 
 from rota.cli.base import URL_OPTION, api, fail, out, print_json, say, servers, token
 from rota.client.client import ApiError, Client
-from rota.core.display import duration
+from rota.core.display import duration, held_parts
 from rota.core.model import waiting_and_later
 from rota.base.logs import printable
 from rota.base.protocol import STATE_SAID
@@ -268,8 +268,10 @@ def queues(ctx: click.Context, as_json: bool, url: str) -> None:
             f"  oldest={duration(row.get('oldest_available_age'))}"
             f"  workers={row['workers']}  {states or 'no jobs'}")
         for entry in row["waiting"]:
-            if entry["reason"]:
-                out(f"  {entry['spec']}: {entry['available']} waiting: {entry['reason']}")
+            # the spec's reason, then those of its jobs a key's limit or labels hold
+            said = "; ".join(filter(None, [entry["reason"], ", ".join(held_parts(entry))]))
+            if said:
+                out(f"  {entry['spec']}: {entry['available']} waiting: {said}")
     if others:  # past the server's --max-series
         counts = others["counts"]
         states = " ".join(f"{state}={counts[state]}" for state in counts if counts[state])

@@ -447,7 +447,8 @@ class Client:
     def set_limit(self, kind: str, name: str, rule: dict[str, Any]) -> dict[str, Any]:
         """Set a queue's or spec's limits (``kind`` "queue" or "spec") at runtime: ``rule``
         has concurrency, rate ("100/min" or {limit, period, burst}), key_concurrency,
-        key_rate. They replace its spec file's until ``clear_limit``."""
+        key_rate. They replace its spec file's until ``clear_limit``, and its rule set at
+        runtime before, whole (``rota limits set`` merges first)."""
         path = f"/limits/{path_segment(kind)}/{path_segment(name)}"
         return self._call("PUT", path, json=rule)
 

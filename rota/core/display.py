@@ -116,10 +116,50 @@ def count(value: int) -> str:
     return f"{value:,}"
 
 
-NO_LABELS = "no connected worker has the labels they need"  # what jobs held by labels wait for
+def limit_source(entry: dict[str, Any]) -> str:
+    """Where a limit in force comes from (an entry of GET /limits): "spec file", or
+    "runtime, set <when> by <token name>"; for `rota limits` and the Limits page."""
+    if entry["source"] == "spec_file":
+        return "spec file"
+    by = f" by {entry['updated_by']}" if entry.get("updated_by") else ""
+    return f"runtime, set {entry['updated_at']}{by}"
+
+
 # Jobs a concurrency key's limit or their labels hold, by wait kind (``held`` of GET /queues)
 HELD_SAID = {"concurrency_limit": "held by their key's concurrency limit",
-             "rate_limit": "held by their key's rate limit", "no_label": NO_LABELS}
+             "rate_limit": "held by their key's rate limit",
+             "no_label": "need labels no connected worker has"}
+
+
+def missing_said(waiting: dict[str, Any]) -> str:
+    """The labels a GET /queues ``waiting`` entry names as missing: "gpu", "eu, gpu and 2
+    more" ("" from a server that does not name them)."""
+    names = ", ".join(waiting.get("missing_labels") or ())
+    more = waiting.get("missing_labels_more") or 0
+    return f"{names} and {more} more" if names and more else names
+
+
+def no_labels(waiting: dict[str, Any]) -> str:
+    """Why the jobs labels hold wait (BLOCKED in `rota watch`, the Overview): "no
+    connected worker has label gpu", as a job's own reason says."""
+    names = missing_said(waiting)
+    if not names:
+        return "no connected worker has the labels they need"
+    plural = "s" if "," in names or " and " in names else ""
+    return f"no connected worker has label{plural} {names}"
+
+
+def held_parts(waiting: dict[str, Any]) -> list[str]:
+    """The jobs of a GET /queues ``waiting`` entry that their key's limit or labels
+    hold, in words: ["9 held by their key's concurrency limit", "3 need labels no
+    connected worker has (gpu)"]."""
+    parts = []
+    for kind, n in (waiting.get("held") or {}).items():
+        said = HELD_SAID.get(kind, kind)
+        if kind == "no_label" and missing_said(waiting):
+            said += f" ({missing_said(waiting)})"
+        parts.append(f"{count(n)} {said}")
+    return parts
 
 
 def limit_use(use: dict[str, Any]) -> list[str]:

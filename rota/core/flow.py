@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
 from rota.core.effects import Guard
 from rota.core.limits import NEVER, Check, Counter, Limiter, LimitRule, LimitUse, Scope, limit_name
@@ -336,12 +336,13 @@ class Flow:
                                       self.limiter.scope_checks("spec", spec)) if check]
         return self._limit_wait(checks, now)
 
-    def held(self, now: float) -> dict[tuple[str, str], dict[str, int]]:
+    def held(self, now: float) -> dict[tuple[str, str], Held]:
         """Per (queue, spec), the available jobs of its keyed and labelled buckets that
         their own key's limit or labels hold now, per wait kind (concurrency_limit,
         rate_limit, no_label): what ``wait`` (the queue's and spec's reason) does not
-        see. For the surfaces (GET /metrics, GET /queues): a look at each bucket with
-        jobs, the whole jobs once, and the connected workers once per (queue, spec)."""
+        see; and the labels that hold them, named (``Held``). For the surfaces (GET
+        /metrics, GET /queues): a look at each bucket with jobs, the whole jobs once,
+        and the connected workers once per (queue, spec)."""
         lanes_by_queue = self.ready.lanes
         if not lanes_by_queue:
             return {}
@@ -350,13 +351,14 @@ class Flow:
             if job.state == "available" and (job.concurrency_key is not None or job.labels):
                 sub = (job.queue, job.spec, (job.concurrency_key, job.labels))
                 whole[sub] = whole.get(sub, 0) + 1
-        held: dict[tuple[str, str], dict[str, int]] = {}
+        held: dict[tuple[str, str], Held] = {}
         for queue, lanes_of in lanes_by_queue.items():
             for spec, lanes in lanes_of.items():
                 expected = self.status_quo.get(spec)
                 carried = {frozenset(w.labels) for w in self.workers.values()
                            if queue in w.queues and w.specs.get(spec) == expected}
                 kinds: dict[str, int] = {}
+                missing: set[str] = set()
                 for sub, bucket in lanes.subs.items():
                     n = bucket.count + whole.get((queue, spec, sub), 0)
                     if not n:
@@ -364,11 +366,35 @@ class Flow:
                     key, labels = sub
                     if labels and not any(carries.issuperset(labels) for carries in carried):
                         kind: str | None = NO_LABEL
+                        missing.update(missing_labels(labels, carried))
                     else:
                         wait = self._limit_wait(self.limiter.key_checks(queue, spec, key), now)
                         kind = None if wait is None else wait.kind
                     if kind is not None:
                         kinds[kind] = kinds.get(kind, 0) + n
                 if kinds:
-                    held[(queue, spec)] = kinds
+                    named = sorted(missing)
+                    held[(queue, spec)] = Held(kinds, tuple(named[:MISSING_NAMED]),
+                                               max(0, len(named) - MISSING_NAMED))
         return held
+
+
+MISSING_NAMED = 5  # labels a (queue, spec)'s summary names; the rest are counted
+
+
+class Held(NamedTuple):
+    """Of a (queue, spec)'s available jobs, those their key's limit or labels hold, per
+    wait kind; the labels no connected worker has that hold some (at most
+    ``MISSING_NAMED``, sorted: ``missing_labels``), and how many more there are."""
+
+    kinds: dict[str, int]
+    missing: tuple[str, ...] = ()
+    more: int = 0
+
+
+def missing_labels(labels: tuple[str, ...], carried: Iterable[frozenset[str]]) -> list[str]:
+    """The labels of a set that no worker able to run it carries; if each is carried by
+    some worker but none carries them all, the set itself, as "gpu+region:eu"."""
+    carried = list(carried)
+    alone = [label for label in labels if not any(label in carries for carries in carried)]
+    return alone or ["+".join(labels)]

@@ -20,11 +20,11 @@ from typing import Any
 import msgspec
 
 from rota.base.errors import Invalid
+from rota.base.flow import UNIT_WORDS, UNITS
+from rota.base.protocol import MAX_COUNT
 
 MAX_PERIOD = 86400.0  # seconds: a rate's period is at most a day
 SCOPE_KINDS = ("queue", "spec")
-UNITS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0,
-         "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0}
 _SHORTHAND = re.compile(r"^\s*(\d+)\s*/\s*(\d+(?:\.\d+)?)?\s*([A-Za-z]+)\s*$")
 
 
@@ -78,8 +78,11 @@ def parse_rate(value: Any) -> Rate:
         match = _SHORTHAND.match(value)
         if match is None or match.group(3).lower() not in UNITS:
             raise Invalid("invalid_limit", f"rate {value!r}: expected N/unit, e.g. '100/min',"
-                          " '5/s', '1000/h' or '10/30s' (units: s, min, h, d)")
+                          f" '5/s', '1000/h' or '10/30s' ({UNIT_WORDS})")
         count, every, unit = match.groups()
+        if len(count) > len(str(MAX_COUNT)):  # (too large: and no int() of 5,000 digits)
+            raise Invalid("invalid_limit", f"rate: limit {count[:40]} is too large: at most"
+                          f" {MAX_COUNT}")
         period = float(every or 1) * UNITS[unit.lower()]
         rate = Rate(limit=int(count), period=period)
     elif isinstance(value, dict):
@@ -97,6 +100,9 @@ def parse_rate(value: Any) -> Rate:
 def check_rate(rate: Rate, field: str) -> None:
     if isinstance(rate.limit, bool) or rate.limit < 1:
         raise Invalid("invalid_limit", f"{field}: limit must be at least 1, got {rate.limit}")
+    if rate.limit > MAX_COUNT:
+        raise Invalid("invalid_limit", f"{field}: limit {rate.limit} is too large: at most"
+                      f" {MAX_COUNT}")
     if not rate.period > 0 or rate.period > MAX_PERIOD:
         raise Invalid("invalid_limit", f"{field}: period must be above 0 and at most"
                       f" {MAX_PERIOD:g} seconds (a day), got {rate.period:g}")

@@ -367,10 +367,12 @@ async def queue_views(coordinator: Coordinator, counts: dict[str, dict[str, int]
     waiting: dict[str, list[dict[str, Any]]] = {}
     for row in coordinator.waiting():
         if row.queue in names:
-            waiting.setdefault(row.queue, []).append({"spec": row.spec, "available": row.jobs,
-                                                      "reason": row.reason,
-                                                      "blocked": row.blocked,
-                                                      "held": dict(row.held)})
+            waiting.setdefault(row.queue, []).append({
+                "spec": row.spec, "available": row.jobs, "reason": row.reason,
+                "blocked": row.blocked, "held": dict(row.held),
+                # the labels no connected worker has that hold some (5 named, a count more)
+                "missing_labels": list(row.missing_labels),
+                "missing_labels_more": row.missing_more})
     oldest = await coordinator.oldest_waits()
     prefetched = coordinator.prefetched()
     return [

@@ -83,7 +83,8 @@ def blocked(coordinator: Coordinator) -> list[dict[str, Any]]:
     why: not a backlog behind busy workers, which is no incident (Wait.blocked)."""
     rows = coordinator.waiting()
     return [row._asdict() for row in rows if row.blocked] + [
-        {**row._asdict(), "jobs": row.held["no_label"], "reason": display.NO_LABELS}
+        {**row._asdict(), "jobs": row.held["no_label"], "reason": display.no_labels(
+            {"missing_labels": row.missing_labels, "missing_labels_more": row.missing_more})}
         for row in rows if not row.blocked and row.held.get("no_label")]
 
 
@@ -112,7 +113,9 @@ def limit_panels(coordinator: Coordinator) -> list[dict[str, Any]]:
         own = [msgspec.to_builtins(u) for u in uses.get(name, []) if u.key is None]
         keys = sorted((u for u in uses.get(name, []) if u.key is not None),
                       key=lambda u: (-u.running, -u.starts, u.key))
-        panels.append({"name": name, "rule": rule_words(rule), "own": own[0] if own else None,
+        source = display.limit_source(coordinator.limiting.entry(scope, rule))
+        panels.append({"name": name, "rule": rule_words(rule), "source": source,
+                       "own": own[0] if own else None,
                        "key_uses": [msgspec.to_builtins(u) for u in keys[:KEYS_SHOWN]],
                        "more": max(0, len(keys) - KEYS_SHOWN)})
     return panels

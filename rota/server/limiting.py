@@ -91,8 +91,14 @@ class Limiting:
         """Remove a scope's runtime rule: its spec file's (if any) is in force again."""
         scope = check_scope(kind, name)
         if not await self.store.set_limit(kind, name, None, self.clock().wall):
-            raise NotFound("no_such_limit", f"no limit is set at runtime for"
-                           f" {limit_name(scope)} (`rota limits` lists them)")
+            said = limit_name(scope)
+            spec = self.engine.specs.get(name) if kind == "spec" else None
+            if spec is not None and spec.limits is not None:  # not for clear to remove
+                raise NotFound("no_such_limit", f"no limit is set at runtime for {said}: its"
+                               " spec file's [limits] is in force until a new version of the"
+                               f" spec is pushed; `rota limits set {said}` overrides it")
+            raise NotFound("no_such_limit", f"no limit is set at runtime for {said}"
+                           " (`rota limits` lists them)")
         self.runtime.pop(scope, None)
         log.info("limit cleared limit=%s", limit_name(scope))
         self.refresh()

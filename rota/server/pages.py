@@ -60,7 +60,7 @@ env = jinja2.Environment(
 # with a "/" stored by an earlier version must not reach another route, or another job).
 env.filters.update(size=display.size, duration=display.duration, pretty=display.pretty,
                    short=display.short, count=display.count, segment=path_segment)
-env.globals.update(held_said=display.HELD_SAID)  # the queues page's held jobs, in words
+env.globals.update(held_parts=display.held_parts)  # the queues page's held jobs, in words
 
 
 def render(request: Request, name: str, status: int = 200, **context: Any) -> Response:

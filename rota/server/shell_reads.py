@@ -33,7 +33,9 @@ class Waiting(NamedTuple):
     """Available jobs of one queue and spec, and why no worker takes them now (None:
     one will); ``wait`` says whether that blocks them (rota/core/ready.py Wait).
     ``held``: of those jobs, the ones their own concurrency key's limit or their labels
-    hold, per wait kind (concurrency_limit, rate_limit, no_label), beyond ``wait``."""
+    hold, per wait kind (concurrency_limit, rate_limit, no_label), beyond ``wait``;
+    ``missing_labels``, the labels no connected worker has that hold some (at most 5,
+    rota/core/flow.py Held), and ``missing_more``, how many others."""
 
     queue: str
     spec: str
@@ -41,6 +43,8 @@ class Waiting(NamedTuple):
     reason: str | None
     wait: Wait | None = None
     held: Mapping[str, int] = NONE_HELD
+    missing_labels: tuple[str, ...] = ()
+    missing_more: int = 0
 
     def kinds(self) -> dict[str, int]:
         """Its jobs per the wait kind that holds them (rota_jobs_blocked's reasons): all
@@ -229,9 +233,9 @@ class ShellReads:
         now = self.clock().mono  # (a queue's or spec's own limit may hold them)
         held = scheduler.held(now)  # (and a key's limit, or labels, some of them)
         return [Waiting(queue, spec, n, None if wait is None else wait.reason, wait,
-                        held.get((queue, spec), NONE_HELD))
+                        *((some.kinds, some.missing, some.more) if some else ()))
                 for (queue, spec), n in sorted(scheduler.ready_counts().items())
-                for wait in [scheduler.wait(queue, spec, now)]]
+                for wait, some in [(scheduler.wait(queue, spec, now), held.get((queue, spec)))]]
 
     # -- limits ----------------------------------------------------------------------
     def limit_use(self) -> list[LimitUse]:

@@ -91,7 +91,9 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
                                       "--key-rate", "100/min", "--key-burst", "5",
                                       "--url", live.base)
         assert (code, out) == (0, "spec:send: concurrency=2 key_rate=100/min burst=5 (until"
-                               " 'rota limits clear spec:send')\n"), err
+                               " 'rota limits clear spec:send')\n  its spec file's rate=5/s"
+                               " key_concurrency=3 no longer applies until then (give it here"
+                               " to keep it)\n"), err
         put = await live.http.put("/limits/queue/emails", json={"rate": {"limit": 10,
                                                                           "period": 30}})
         assert put.status_code == 200 and put.json()["source"] == "runtime"
@@ -116,7 +118,13 @@ async def test_limits_from_spec_files_and_set_and_cleared_at_runtime(tmp_path: P
                                                   ("queue", "emails"): runtime[("queue",
                                                                                 "emails")]}
         code, _, err = await invoke("limits", "clear", "spec:send", "--url", live.base)
-        assert code == 1 and "no limit is set at runtime for spec:send" in err
+        assert (code, err) == (1, "error: no limit is set at runtime for spec:send: its spec"
+                               " file's [limits] is in force until a new version of the spec"
+                               " is pushed; `rota limits set spec:send` overrides it"
+                               " (no_such_limit)\n")
+        code, _, err = await invoke("limits", "clear", "spec:other", "--url", live.base)
+        assert (code, err) == (1, "error: no limit is set at runtime for spec:other (`rota"
+                               " limits` lists them) (no_such_limit)\n")
     finally:
         await stop_server(live)
 
@@ -135,10 +143,13 @@ async def test_a_bad_limit_is_refused_precisely_and_nothing_is_stored(live: Live
         ("/limits/spec/send", {"rate": {"limit": 5, "period": 1, "burst": 9}}, 422,
          "invalid_limit", "rate must have a burst of at most its limit 5, not 9"),
         ("/limits/spec/send", {"key_rate": "5/fortnight"}, 422, "invalid_limit",
-         "key_rate must be a rate such as 100/min, 5/s, 1000/h or 10/30s (units: s, min,"
-         " h, d), not '5/fortnight'"),
+         "key_rate must be a rate such as 100/min, 5/s, 1000/h or 10/30s (units: s, sec,"
+         " second, m, min, minute, h, hour, d, day), not '5/fortnight'"),
         ("/limits/spec/send", {"rate": "0/s"}, 422, "invalid_limit",
          "rate must allow 1 to 2147483647 starts, not 0"),
+        ("/limits/spec/send", {"rate": "99999999999999999999/s"}, 422, "invalid_limit",
+         "rate must allow at most 2147483647 starts per period: 99999999999999999999 is too"
+         " large"),
         ("/limits/spec/send", {}, 422, "invalid_limit", "a rule must set concurrency, rate,"
          " key_concurrency or key_rate (to remove a limit, clear it)"),
         ("/limits/tenant/send", {"concurrency": 1}, 422, "invalid_limit",
@@ -159,5 +170,58 @@ async def test_a_bad_limit_is_refused_precisely_and_nothing_is_stored(live: Live
     code, _, err = await invoke("limits", "set", "spec:send", "--concurrency", "0",
                                 "--url", live.base)
     assert (code, err) == (1, "error: concurrency must be an integer >= 1 (invalid_limit)\n")
+    code, _, err = await invoke("limits", "set", "spec:send", "--rate", "99999999999999999999/s",
+                                "--url", live.base)
+    assert (code, err) == (1, "error: --rate must allow at most 2147483647 starts per period:"
+                              " 99999999999999999999 is too large\n")
+    code, _, err = await invoke("limits", "set", "spec:send", "--rate", "5/fortnight",
+                                "--url", live.base)
+    assert (code, err) == (1, "error: --rate must be a rate such as 100/min, 5/s, 1000/h or"
+                              " 10/30s (units: s, sec, second, m, min, minute, h, hour, d, day),"
+                              " not '5/fortnight'\n")
     code, _, err = await invoke("limits", "set", "send", "--rate", "5/s", "--url", live.base)
     assert code == 1 and "names no limit: give queue:NAME or spec:NAME" in err
+
+
+async def test_limits_set_changes_only_the_fields_given_unless_replace(live: Live,
+                                                                       tmp_path: Path):
+    """A new user sets a key's concurrency, then its rate: both hold (the CLI merges
+    into the runtime rule); --replace sets the rule to the fields given; PUT replaces."""
+    from rota.core.limits import LimitRule, Rate
+
+    await live.push(write_spec(tmp_path / "specs", "keyed"))
+    code, out, err = await invoke("limits", "set", "spec:keyed", "--concurrency", "3",
+                                  "--key-concurrency", "2", "--url", live.base)
+    assert (code, out) == (0, "spec:keyed: concurrency=3 key_concurrency=2 (until 'rota"
+                           " limits clear spec:keyed')\n"), err
+    code, out, err = await invoke("limits", "set", "spec:keyed", "--key-rate", "1/10s",
+                                  "--url", live.base)
+    assert (code, out) == (0, "spec:keyed: concurrency=3 key_concurrency=2 key_rate=1/10s"
+                           " (until 'rota limits clear spec:keyed')\n  kept as set before:"
+                           " concurrency, key_concurrency (--replace drops what is not"
+                           " given)\n"), err
+    in_force = live.coordinator.limiting.in_force
+    assert in_force[("spec", "keyed")] == LimitRule(concurrency=3, key_concurrency=2,
+                                                    key_rate=Rate(1, 10.0))
+    code, out, err = await invoke("limits", "set", "spec:keyed", "--rate", "5/sec",
+                                  "--replace", "--url", live.base)
+    assert (code, out) == (0, "spec:keyed: rate=5/s (until 'rota limits clear"
+                           " spec:keyed')\n"), err
+    code, out, err = await invoke("limits", "set", "spec:keyed", "--concurrency", "2",
+                                  "--url", live.base)  # a rate kept as it was
+    assert out.startswith("spec:keyed: concurrency=2 rate=5/s (until"), (out, err)
+    put = await live.http.put("/limits/spec/keyed", json={"concurrency": 4})
+    assert put.json()["rule"] == {"concurrency": 4}  # the API replaces the whole rule
+
+
+async def test_the_limits_page_says_where_each_limit_comes_from(live: Live, tmp_path: Path):
+    """As `rota limits` does: "spec file", or "runtime, set <when>" (and by whom, with
+    tokens on)."""
+    await live.push(write_spec(tmp_path / "specs", "send", extra=SEND))
+    await live.push(write_spec(tmp_path / "specs", "other"))
+    put = (await live.http.put("/limits/spec/other", json={"concurrency": 2})).json()
+    page = (await live.http.get("/ui/limits")).text
+    assert ('per key: 100/min burst 10 starts <span class="muted">(spec file)</span>'
+            in page), page
+    assert (f'at most 2 running <span class="muted">(runtime, set {put["updated_at"]})</span>'
+            in page), page

@@ -11,6 +11,7 @@ import pytest
 from conftest import Live, write_spec
 from helpers import clean_env, reap, set_limits, wait_until
 from test_feeds import metric
+from test_flow import invoke
 
 from rota.core.limits import LimitRule, Rate
 
@@ -99,3 +100,12 @@ async def test_a_keyed_and_a_labelled_job_say_why_they_wait(live: Live, connect,
     [entry] = [q for q in (await live.http.get("/queues")).json()["queues"]
                if q["name"] == "default"][0]["waiting"]
     assert entry["held"] == {"concurrency_limit": 1, "no_label": 1}
+    assert (entry["missing_labels"], entry["missing_labels_more"]) == (["gpu"], 0)
+    code, out, err = await invoke("queues", "--url", live.base)  # each held, in words
+    assert code == 0, err
+    assert ("  send_email: 2 waiting: 1 held by their key's concurrency limit, 1 need labels"
+            " no connected worker has (gpu)") in out.splitlines(), out
+    page = (await live.http.get("/ui/queues")).text
+    assert '<span class="warn">1 need labels no connected worker has (gpu)</span>' in page
+    overview = (await live.http.get("/ui")).text  # Blocked names the label
+    assert '<td class="full">no connected worker has label gpu</td>' in overview, overview

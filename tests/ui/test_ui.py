@@ -190,7 +190,8 @@ def test_the_limits_page_shows_each_limit_and_its_use(page: Page, rig: Rig):
         rig.wait(started.is_set, "the first job starts")
         panel = page.locator('section.limit[id="l-spec:send_email"]')
         expect(panel.locator("h2")).to_have_text("spec:send_email")  # refreshed by itself
-        expect(panel).to_contain_text("at most 1 running; 100/min starts")
+        expect(panel).to_contain_text("at most 1 running; 100/min starts (runtime, set ")
+        expect(panel).to_contain_text(" by ui-test)")  # the token that set it
         expect(panel.locator("tbody tr td")).to_have_text(["all", "1 / 1", "1 started of 100/min"])
         page.goto(rig.base + f"/ui/jobs/{waiting[2]}")  # and a waiting job says why
         expect(page.get_by_text("concurrency limit 1 for spec send_email: 1 running")

@@ -16,14 +16,19 @@ from rota.core.scheduler import Claim, Scheduler, WorkerSlot
 
 @pytest.mark.parametrize("text, rate", [
     ("100/min", Rate(100, 60.0)), ("5/s", Rate(5, 1.0)), ("1000/h", Rate(1000, 3600.0)),
-    ("10/30s", Rate(10, 30.0)), ({"limit": 100, "period": 60, "burst": 10}, Rate(100, 60.0, 10)),
+    ("10/30s", Rate(10, 30.0)), ("5/sec", Rate(5, 1.0)), ("5/second", Rate(5, 1.0)),
+    ("5/m", Rate(5, 60.0)), ({"limit": 100, "period": 60, "burst": 10}, Rate(100, 60.0, 10)),
 ])
 def test_rate_shorthand(text: object, rate: Rate) -> None:
     assert parse_rate(text) == rate
 
 
 @pytest.mark.parametrize("bad, words", [
-    ("0/s", "limit must be at least 1, got 0"), ("5/fortnight", "expected N/unit"),
+    ("0/s", "limit must be at least 1, got 0"),
+    ("5/fortnight", "expected N/unit, e.g. '100/min', '5/s', '1000/h' or '10/30s' (units: s,"
+     " sec, second, m, min, minute, h, hour, d, day)"),
+    ("99999999999999999999/s", "limit 99999999999999999999 is too large: at most 2147483647"),
+    ({"limit": 2**31, "period": 1}, "limit 2147483648 is too large: at most 2147483647"),
     ({"limit": 1, "period": 0}, "period must be above 0"), ("1/2d", "got 172800"),
     ({"limit": 2, "period": 1, "burst": 3}, "burst 3 is above the limit 2"),
     ({"limit": 1, "period": 1, "every": 1}, "unknown field `every`"), (7, "expected a string"),

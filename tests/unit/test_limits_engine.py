@@ -16,6 +16,7 @@ from rota.base.specs import checksum
 from rota.core.auth import OPEN
 from rota.core.effects import Arm, Guard, Reserve, Reserved, Wake
 from rota.core.engine import Engine
+from rota.core.flow import Held, missing_labels
 from rota.core.jobs import EnqueueRequest
 from rota.core.limits import LimitRule, LimitUse, Rate
 from rota.core.model import JobRecord, Limits
@@ -144,11 +145,7 @@ def test_a_job_needing_a_label_waits_for_a_worker_that_has_it(engine, clock):
     assert wait is not None and wait.kind == "no_label" and wait.blocked
     assert wait.reason == "no connected worker has label gpu"
     assert engine.dispatch(clock()) == []
-    first = hb("w2", 0, register=True, capacity=2)
-    assert first.registration is not None
-    first.registration.labels = ["gpu", "region:eu"]
-    engine.register(2, first, OPEN, clock())
-    engine.heartbeat(2, "w2", first, clock())
+    labelled(engine, clock, "w2", 2, ["gpu", "region:eu"])
     effects = engine.dispatch(clock())
     [reserve] = of(Reserve, effects)
     assert [c.worker.id for c in reserve.claims] == ["w2"]
@@ -244,13 +241,40 @@ def test_the_jobs_a_key_limit_a_rate_or_labels_hold_are_counted_per_kind(engine,
     assert keys_of(first) == ["acme"]
     held = engine.scheduler.held(clock().mono)
     # acme: at the queue's key limit (checked before the spec's); the gpu jobs: no worker
-    assert held == {("default", "echo"): {"concurrency_limit": 2, "no_label": 2}}
+    assert held == {("default", "echo"): Held({"concurrency_limit": 2, "no_label": 2},
+                                              ("gpu",))}
     finish(engine, clock, first)
     assert engine.scheduler.held(clock().mono) == {
-        ("default", "echo"): {"rate_limit": 2, "no_label": 2}}
+        ("default", "echo"): Held({"rate_limit": 2, "no_label": 2}, ("gpu",))}
     use = engine.limit_use(clock())
     assert [(u.name, u.key, u.running, u.starts, u.next_start) for u in use] == [
         ("spec:echo", "acme", 0, 1, 60.0)]  # (none runs: the queue's key limit shows none)
+
+
+def labelled(engine: Engine, clock: FakeClock, worker: str, conn: int,
+             labels: list[str]) -> None:
+    first = hb(worker, 0, register=True, capacity=1)
+    assert first.registration is not None
+    first.registration.labels = labels
+    engine.register(conn, first, OPEN, clock())
+    engine.heartbeat(conn, worker, first, clock())
+
+
+def test_the_labels_that_hold_jobs_are_named_a_few_and_the_rest_counted(engine, clock):
+    """Per (queue, spec): each label no connected worker has, and a set whose labels
+    workers have apart but none together, named whole; at most five, then a count."""
+    labelled(engine, clock, "w1", 1, ["gpu"])
+    labelled(engine, clock, "w2", 2, ["region:eu"])
+    put(engine, clock, None, 2, labels=("gpu", "region:eu"))  # each has one, none both
+    put(engine, clock, None, 1, labels=("gpu", "tpu"))  # nobody has tpu
+    assert engine.scheduler.held(clock().mono) == {
+        ("default", "echo"): Held({"no_label": 3}, ("gpu+region:eu", "tpu"))}
+    for n in range(5):
+        put(engine, clock, None, 1, labels=(f"l{n}",))
+    assert engine.scheduler.held(clock().mono) == {
+        ("default", "echo"): Held({"no_label": 8}, ("gpu+region:eu", "l0", "l1", "l2", "l3"),
+                                  2)}
+    assert missing_labels(("a", "b"), [frozenset({"a"})]) == ["b"]
 
 
 def test_limit_timers_of_one_moment_for_a_scope_and_a_key_fire_together():

@@ -511,7 +511,8 @@ def test_a_spec_files_limits_and_labels():
     ('[limits]\nconcurrency = 0', "limits.concurrency must be an integer >= 1"),
     ('[limits]\nkey_concurrency = -1', "limits.key_concurrency must be an integer >= 1"),
     ('[limits]\nrate = "5/fortnight"', "limits.rate must be a rate such as 100/min, 5/s,"
-     " 1000/h or 10/30s (units: s, min, h, d), not '5/fortnight'"),
+     " 1000/h or 10/30s (units: s, sec, second, m, min, minute, h, hour, d, day), not"
+     " '5/fortnight'"),
     ('[limits]\nkey_rate = "0/s"', "limits.key_rate must allow 1 to 2147483647 starts, not 0"),
     ('[limits]\nrate = "5/2d"', "limits.rate must have a period over 0 and at most a day"
      " (86400 s), not 172800 s"),

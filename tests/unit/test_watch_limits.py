@@ -11,7 +11,9 @@ QUEUES = {"queues": [{"name": "emails", "counts": {"available": 5}, "workers": 1
                       "paused": False, "oldest_available_age": 1.0,
                       "waiting": [{"spec": "send_email", "available": 5, "reason": None,
                                    "blocked": False,
-                                   "held": {"concurrency_limit": 3, "no_label": 2}}]}],
+                                   "held": {"concurrency_limit": 3, "no_label": 2},
+                                   "missing_labels": ["gpu", "region:eu"],
+                                   "missing_labels_more": 0}]}],
           "others": None,
           "limits": [{"name": "spec:send_email", "concurrency": 40, "running": 3},
                      {"name": "spec:send_email", "key": "acme", "concurrency": 3,
@@ -40,7 +42,7 @@ def test_watch_shows_each_limit_in_use_and_the_jobs_labels_hold():
         "spec:send_email  3/3 running  key acme",
         "queue:emails     0 running  5 started of 5/s  next start in 0.4 s",
         ""]  # queue:idle: set, not in use
-    assert "emails/send_email: 2 waiting: no connected worker has the labels they need" in lines
+    assert "emails/send_email: 2 waiting: no connected worker has labels gpu, region:eu" in lines
 
 
 def test_watch_says_when_no_limit_is_in_use():
