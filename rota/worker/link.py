@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from rota.base import protocol as p
+from rota.base.errors import RegistrationRefused
 from rota.base.ids import dashboard_base, ws_url
+from rota.base.wording import plainly
 
 # The server takes frames up to 1 MiB: results and status share this, and the rest of a
 # heartbeat (ids, metrics, registration) fits in what is left.
@@ -361,3 +363,10 @@ def refusal(body: bytes) -> str:
         return f"{error['code']}: {error['message']}"
     except (msgspec.DecodeError, KeyError, TypeError):
         return body.decode(errors="replace")[:200]
+
+
+def registration_refused(url: str, text: str) -> RegistrationRefused:
+    """The server's ``invalid_message`` for a registration (before its welcome), in plain
+    words: a retry would send the same registration, so the worker stops with this."""
+    return RegistrationRefused("invalid_message", f"{url} refused this worker's registration:"
+                               f" {plainly(text)}")
