@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from conftest import Live, write_spec
-from helpers import wait_until
+from helpers import rota, wait_until
 from test_reconnect import Tally, behind_proxy, reconnected
 
 from rota import Worker
@@ -233,6 +234,25 @@ async def test_a_quick_job_behind_a_long_one_starts_on_a_worker_that_becomes_idl
     assert done["attempt"] == 2 and done["attempts_used"] == 1, done
     assert [e["type"] for e in done["errors"]] == ["released"] and done["deaths"] == 0
     assert (await live.wait_state("long", "completed"))["attempt"] == 1
+    await shows_it_taken_back_not_failed(live, busy)
+
+
+async def shows_it_taken_back_not_failed(live: Live, busy: Worker) -> None:
+    """The trial: the page listed the take-back under "Attempts that failed (1)", with
+    "0 failed since the last retry, 1 in all", though no retry was made and it used no
+    attempt; `rota jobs show` did not say so either."""
+    page = (await live.http.get("/ui/jobs/quick")).text
+    assert "Attempts that failed" not in page and "since the last retry" not in page
+    assert "<h2>Attempts given back unstarted (1, not counted)</h2>" in page
+    assert "<dd>1 of 25 (2 in all, 1 given back unstarted) · 0 failed</dd>" in page
+    said = (f"taken back unstarted from worker {busy.worker_id}&#39;s line for an idle"
+            " worker: not counted against max_attempts")
+    assert "not started</span> <span class=\"muted small\">not counted</span>" in page
+    assert said in page
+    code, out, _ = await rota("jobs", "show", "quick", "--url", live.base)
+    shown = json.loads(out)
+    assert code == 0 and (shown["attempt"], shown["attempts_used"]) == (2, 1)
+    assert shown["errors"][0]["message"] == said.replace("&#39;", "'")
 
 
 async def shows_it_prefetched(live: Live, busy: Worker) -> None:
