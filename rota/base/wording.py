@@ -251,7 +251,7 @@ def _bare(info: mi.Type | None) -> mi.Type | None:
 
 
 def names(field: str, given: object) -> list[str]:
-    """``given`` (a worker's labels) as a list of names, checked where it is given, in the
+    """``given`` (a worker's labels or queues) as a list of names, checked where given, in the
     words the API uses ("labels[0] must be a name of ..."): else the server refuses the
     registration, and a worker would learn it only from its log. A bare string is refused,
     not split into its letters."""

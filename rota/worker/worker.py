@@ -113,7 +113,7 @@ class Worker:
         self.terminate_by: float | None = None  # monotonic; then running jobs are cancelled
         self._fast = False  # a second signal: cancel at once, do not wait for acks
         self._abandon = False  # a third SIGINT: stop reporting, return from run() now
-        self._queues = list(queues) if queues else None
+        self._queues = names("queues", queues) or None
         self._interval = heartbeat_interval  # None: take the server's from its welcome
         self.handlers: dict[str, Handler] = {}
         self._specs: dict[str, JobSpec] = {}
@@ -180,7 +180,7 @@ class Worker:
         if queues is not None:
             if not queues:
                 raise ValueError("queues must name at least one queue")
-            self._queues = list(queues)
+            self._queues = names("queues", queues)
         for label in names("labels", labels):
             if label not in self.labels:
                 self.labels.append(label)

@@ -189,6 +189,8 @@ def test_labels_the_server_would_refuse_are_refused_when_the_worker_is_made(tmp_
         make_worker(tmp_path, labels="gpu")  # not ['g', 'p', 'u']
     with pytest.raises(ValueError, match=re.escape(f"labels[1] {NAME_RULE}, got 'gpu,eu'")):
         make_worker(tmp_path, labels=["ok", "gpu,eu"])
+    with pytest.raises(ValueError, match=r"queues must be a list of names, not the string"):
+        make_worker(tmp_path, queues="mail")  # not ['m', 'a', 'i', 'l']
     worker = make_worker(tmp_path, labels=["gpu"])
     with pytest.raises(ValueError, match=re.escape(f"labels[0] {NAME_RULE}, got 'a b'")):
         worker.configure(labels=["a b"])
