@@ -13,6 +13,8 @@
     ├── FrameError       a /work frame refused: an ``error`` frame, then ``close_code``
     ├── BadJson          a body or frame refused while it is decoded (rota/base/inputs.py);
     │                    also a ValueError; each door turns it into one of the two above
+    ├── RegistrationRefused  the worker: the server refused its registration for good
+    │                    (``invalid_message``); run() raises it rather than reconnect
     ├── StorageError     the database cannot do its part now (full, read-only, failing):
     │                    503 with ``Retry-After`` on HTTP; a result is rejected on /work
     ├── DatabaseInUse    another server holds the database file: this one must not start
@@ -103,6 +105,11 @@ class FrameError(RotaError):
     def __init__(self, code: str, message: str, close_code: int) -> None:
         super().__init__(code, message)
         self.close_code = close_code
+
+
+class RegistrationRefused(RotaError):
+    """The server refused a worker's registration for a reason a retry would not change
+    (``invalid_message``): ``Worker.run()`` raises it instead of reconnecting for ever."""
 
 
 class StorageError(RotaError):

@@ -248,3 +248,18 @@ def _bare(info: mi.Type | None) -> mi.Type | None:
         else:
             return info
 
+
+
+def names(field: str, given: object) -> list[str]:
+    """``given`` (a worker's labels or queues) as a list of names, checked where given, in the
+    words the API uses ("labels[0] must be a name of ..."): else the server refuses the
+    registration, and a worker would learn it only from its log. A bare string is refused,
+    not split into its letters."""
+    if isinstance(given, str):
+        raise ValueError(f"{field} must be a list of names, not the string {given!r}:"
+                         f" pass [{given!r}]")
+    listed = list(given or ())  # type: ignore[call-overload]  # (a TypeError says what it is)
+    for index, name in enumerate(listed):
+        if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
+            raise ValueError(f"{field}[{index}] must be a name of {NAME_RULE}, got {name!r}")
+    return listed

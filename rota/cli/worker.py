@@ -20,8 +20,10 @@ from rota.cli.base import servers as _servers
 from rota.cli.base import token as _token
 from rota.cli.logsetup import LEVELS
 from rota.cli.logsetup import LOG_FORMAT as _LOG_FORMAT
+from rota.base.errors import RegistrationRefused
 from rota.base.protocol import MAX_PREFETCH
 from rota.base.specs import SpecError, load_dir
+from rota.base.wording import names
 
 
 # A worker's --url, unlike the other commands', takes several servers (servers that
@@ -36,6 +38,18 @@ _WORKER_URLS = click.option(
 def _split_urls(values: tuple[str, ...]) -> list[str]:
     """--url A --url B, --url A,B and ROTA_URL=A,B all name A then B."""
     return [url for value in values for url in _servers(value)]
+
+
+def _checked_labels(_ctx: click.Context, _param: click.Parameter,
+                    value: tuple[str, ...]) -> tuple[str, ...]:
+    """A label the server would refuse is a usage error, said before connecting (the
+    server would refuse the registration)."""
+    try:
+        names("labels", list(value))
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc}: one label per --label; ROTA_LABELS takes several,"
+                                 " separated by spaces") from None
+    return value
 
 
 @click.command()
@@ -53,6 +67,7 @@ def _split_urls(values: tuple[str, ...]) -> list[str]:
 @click.option("--queues", envvar="ROTA_QUEUES", show_envvar=True, default=None,
               help="Comma-separated queues to take jobs from (default: the Worker's own).")
 @click.option("--label", "labels", envvar="ROTA_LABELS", show_envvar=True, multiple=True,
+              callback=_checked_labels,
               help="A label for this worker (repeatable; ROTA_LABELS takes several, separated"
               " by spaces), added to the Worker's own: 'rota workers quiet --label X'.")
 @click.option("--specs-dir", envvar="ROTA_SPECS_DIR", show_envvar=True, default=None,
@@ -96,7 +111,7 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
                                 " ROTA_SPECS_DIR"))
     try:
         asyncio.run(_run_worker(instance))
-    except SpecError as exc:
+    except (SpecError, RegistrationRefused) as exc:
         _fail(str(exc))
     except PermissionError as exc:  # the handshake was refused: no token, or the wrong one
         _fail(f"{exc}: " + ("check ROTA_TOKEN (or --token): it must be a live worker token"

@@ -92,12 +92,30 @@ def visible(value: Any) -> Any:
     return _BIDI.sub(lambda match: f"\\u{ord(match.group()):04x}", value)
 
 
-def attempts(attempt: int, used: int, max_attempts: int | None) -> str:
+def attempts(attempt: int, used: int, max_attempts: int | None, unstarted: int = 0) -> str:
     """A job's attempts: those its budget counts (since enqueue or the last manual retry,
     less any given back unstarted), of how many, and all of them when the two differ:
-    "3 of 3 (9 in all)" after two retries, where "9 of 3" would look like a broken limit."""
+    "3 of 3 (9 in all)" after two retries, where "9 of 3" would look like a broken limit;
+    "1 of 3 (2 in all, 1 given back unstarted)" after a take-back from a prefetch line."""
     counted = f"{used} of {max_attempts}" if max_attempts else str(used)
-    return counted if used == attempt else f"{counted} ({attempt} in all)"
+    if used == attempt:
+        return counted
+    return f"{counted} ({attempt} in all{f', {unstarted} given back unstarted' if unstarted else ''})"
+
+
+def ended_heading(fails: int, cancels: int, unstarted: int) -> str:
+    """The heading of a job's ended attempts, each kind counted apart: a cancel and a job
+    given back unstarted from a prefetch line (``released``) are no failures."""
+    alone = {"failed": "Attempts that failed", "were cancelled": "Attempts cancelled",
+             "were given back unstarted": "Attempts given back unstarted"}
+    said = [(kind, f" ({n}{', not counted' if kind.endswith('unstarted') else ''})")
+            for kind, n in (("failed", fails), ("were cancelled", cancels),
+                            ("were given back unstarted", unstarted))
+            if n or (kind == "failed" and not (cancels or unstarted))]
+    if len(said) == 1:
+        return alone[said[0][0]] + said[0][1]
+    parts = [kind + count for kind, count in said]
+    return "Attempts that " + ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
 def failures(fails: int, failed: int, retried: bool) -> str:

@@ -162,7 +162,8 @@ class Lines:
         log.info("taken back jobs=%s worker=%s: given back unstarted, for an idle worker",
                  ",".join(job.id for job in back), worker.id)
         return self._recover(back, "released", f"taken back unstarted from worker"
-                             f" {worker.id}'s line for an idle worker", now, death=False)
+                             f" {worker.id}'s line for an idle worker: not counted against"
+                             " max_attempts", now, death=False)
 
     def _take_backs(self, now: Instant) -> list[Effect]:
         """After a round: ask lines to give back what idle workers could run now."""

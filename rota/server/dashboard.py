@@ -308,12 +308,19 @@ async def job_page(request: Request) -> Response:
         details = error.get("details")
         trace = details.pop("traceback", None) if isinstance(details, dict) else None
         error["traceback"] = trace if isinstance(trace, str) else None
+    # A cancel and a job given back unstarted (released: taken back from a prefetch line
+    # for an idle worker) end an attempt too, but neither is a failure, and the latter
+    # uses none of the budget: each is counted apart.
+    kinds = [e.get("type") for e in job["errors"]]
+    cancels, unstarted = kinds.count("cancelled"), kinds.count("released")
+    failed = len(kinds) - cancels - unstarted
     return render(request, "job", job=job, terminal=job["state"] in TERMINAL_STATES,
                   attempts=display.attempts(job["attempt"], job["attempts_used"],
-                                            job["max_attempts"]),
+                                            job["max_attempts"], unstarted),
                   failures=display.failures(
-                      job["fails"], sum(e.get("type") != "cancelled" for e in job["errors"]),
-                      retried=job["attempt"] != job["attempts_used"]),
+                      job["fails"], failed,
+                      retried=job["attempt"] - unstarted != job["attempts_used"]),
+                  ended=display.ended_heading(failed, cancels, unstarted),
                   retryable=job["state"] in ("discarded", "cancelled"))
 
 

@@ -36,7 +36,8 @@ from rota.base import protocol as p
 from rota.base.tls import plain_answer, plain_url, speaks_tls
 from rota.worker.context import STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.worker.execution import Handler, Runner
-from rota.worker.link import FRAME_BUDGET, Link, Servers, drain, ids_size, refusal
+from rota.worker.link import (FRAME_BUDGET, Link, Servers, drain, ids_size, refusal,
+                              registration_refused)
 
 log = logging.getLogger("rota.worker")
 METRICS_EVERY = 5.0  # seconds between CPU/RAM figures in heartbeats
@@ -216,7 +217,7 @@ class ConnectionThread:
         lost_at: float | None = None
         while not worker.stopping or worker.runner.running:
             url = worker.server_url
-            self._farewell = None
+            self._farewell, self._welcomed, self._refused = None, False, None
             try:
                 async with worker.connect() as ws:
                     await self._session(ws)
@@ -241,6 +242,8 @@ class ConnectionThread:
                     why += "; is it wss://? It answers only TLS: give its https:// URL"
                 elif plain_answer(url, exc):  # its handshake got plain text back
                     why += f"; is it ws://? It does not speak TLS: give {plain_url(url)}"
+            if self._refused is not None:  # the same registration would be refused again
+                raise registration_refused(url, self._refused)
             self.link.lost()
             self._post(worker.connected.clear)
             if worker.stopping and not worker.runner.running and not self._starting:
@@ -387,11 +390,13 @@ class ConnectionThread:
                 case p.TakeBack(job_ids=job_ids):
                     self._post(self._take_back, job_ids)
                 case p.Welcome():
+                    self._welcomed = True
                     self.link.on_welcome(message)
                     worker.welcomed(message)
                     self._post(worker.connected.set)
                 case p.Error(code=code, message=text):
                     self._farewell = f"{code}: {text}"
+                    self._refused = text if code == "invalid_message" and not self._welcomed else None
                     log.error("server error code=%s message=%s", code, text)
 
     def _start(self, jobs: list[p.JobCopy]) -> None:

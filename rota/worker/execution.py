@@ -109,6 +109,11 @@ class Runner:
             # drain it between two assignments): the slowest spec timed here sizes the
             # line, which the first jobs held then grow or shrink.
             pace = max(self.run_times.values())
+        if pace is None:  # a held spec none of whose runs is timed here, or nothing timed
+            # yet: each such run counts as LINE_SECONDS of work (as in _untimed_waits), so
+            # a worker new to a spec holds a line as for runs of a second: one job waits.
+            pace = max([LINE_SECONDS, *(self.run_times.get(spec, 0.0)
+                                        for spec in list(self.held))])
         line = min(prefetch_line(self.prefetch, self.concurrency, pace, round_trip),
                    self._keep(pace))
         return max(0, self.concurrency + line - len(self.running) - len(self.waiting))

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from rota.base import protocol as p
+from rota.base.errors import RegistrationRefused
 from rota.base.ids import dashboard_base, ws_url
+from rota.base.wording import plainly
 
 # The server takes frames up to 1 MiB: results and status share this, and the rest of a
 # heartbeat (ids, metrics, registration) fits in what is left.
@@ -40,7 +42,7 @@ def prefetch_line(prefetch: int, concurrency: int, run_time: float | None,
     ``concurrency * round_trip / run_time`` jobs. It holds twice that (a margin for a
     slow commit), so short jobs get the whole ``prefetch`` and long ones one waiting job
     or none, which is what keeps a long job from waiting on a busy worker while another
-    is idle. Until a run has ended, nothing is known of run times: no line."""
+    is idle. ``run_time`` None: no line (the Runner counts an untimed run as a second)."""
     if prefetch <= 0 or run_time is None:
         return 0
     wanted = 2 * concurrency * round_trip / max(run_time, 1e-6)
@@ -50,10 +52,10 @@ def prefetch_line(prefetch: int, concurrency: int, run_time: float | None,
 def line_pace(run_times: Mapping[str, float], held: Iterable[str]) -> float | None:
     """The run time that sizes the line: the slowest average among the specs of the jobs
     held now (running or waiting), each spec timed on its own, since one spec's quick runs
-    say nothing of another's. None (no line) when nothing is held (the Runner then sizes
-    an idle worker's line itself), or when a held job's spec has no run timed yet, so
-    that the first jobs of a spec (of 2 s each, after quick ones) do not fill a line
-    sized for other work."""
+    say nothing of another's. None when nothing is held, or when a held job's spec has no
+    run timed yet: the Runner then sizes the line itself (an idle worker's by the slowest
+    spec timed; an untimed run as a second of work), so that the first jobs of a spec (of
+    2 s each, after quick ones) do not fill a line sized for other work."""
     pace: float | None = None
     for spec in held:
         took = run_times.get(spec)
@@ -361,3 +363,10 @@ def refusal(body: bytes) -> str:
         return f"{error['code']}: {error['message']}"
     except (msgspec.DecodeError, KeyError, TypeError):
         return body.decode(errors="replace")[:200]
+
+
+def registration_refused(url: str, text: str) -> RegistrationRefused:
+    """The server's ``invalid_message`` for a registration (before its welcome), in plain
+    words: a retry would send the same registration, so the worker stops with this."""
+    return RegistrationRefused("invalid_message", f"{url} refused this worker's registration:"
+                               f" {plainly(text)}")

@@ -49,6 +49,7 @@ from rota.base.ids import uuid7
 from rota.worker.link import RESULT_BYTES_PER_BEAT, Link, Servers, work_urls
 from rota.worker.manual import Listener
 from rota.base.specs import JobSpec, SpecError, checksum, load_dir
+from rota.base.wording import names
 
 __all__ = ["Worker", "JobContext", "ResultTooLarge", "RESULT_BYTES_PER_BEAT", "EXIT_WEDGED"]
 log = logging.getLogger("rota.worker")
@@ -92,7 +93,7 @@ class Worker:
         self.url = url  # checked and made /work URLs by the setter
         self.specs_dir = Path(specs_dir)
         self.concurrency = concurrency
-        self.labels = list(labels or [])
+        self.labels = names("labels", labels)  # ValueError now, not a refused registration
         self.worker_id = worker_id or uuid7()
         self.grace_period = grace_period  # SIGTERM/terminate: how long running jobs may finish
         self.reconnect = reconnect
@@ -112,7 +113,7 @@ class Worker:
         self.terminate_by: float | None = None  # monotonic; then running jobs are cancelled
         self._fast = False  # a second signal: cancel at once, do not wait for acks
         self._abandon = False  # a third SIGINT: stop reporting, return from run() now
-        self._queues = list(queues) if queues else None
+        self._queues = names("queues", queues) or None
         self._interval = heartbeat_interval  # None: take the server's from its welcome
         self.handlers: dict[str, Handler] = {}
         self._specs: dict[str, JobSpec] = {}
@@ -179,8 +180,8 @@ class Worker:
         if queues is not None:
             if not queues:
                 raise ValueError("queues must name at least one queue")
-            self._queues = list(queues)
-        for label in labels or []:
+            self._queues = names("queues", queues)
+        for label in names("labels", labels):
             if label not in self.labels:
                 self.labels.append(label)
         if specs_dir is not None:

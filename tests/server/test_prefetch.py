@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import Live, write_spec
-from helpers import wait_until
+from helpers import rota, wait_until
 from test_reconnect import Tally, behind_proxy, reconnected
 
 from rota import Worker
@@ -153,10 +155,12 @@ async def test_a_lost_connection_keeps_the_line_and_the_worker_reclaims_it(
         await each_ran_once_after(live, gate, jobs, released=[])
 
 
-async def test_the_first_jobs_of_a_spec_new_to_a_worker_fill_no_line(live: Live,
-                                                                      tmp_path: Path, sdk_worker):
+@pytest.mark.parametrize("fresh", [False, True])
+async def test_the_first_jobs_of_a_spec_new_to_a_worker_keep_one_waiting(
+        live: Live, tmp_path: Path, sdk_worker, fresh: bool):
     """The trial: after quick jobs of one spec, the first 2 s jobs of another filled the
-    line (32 for a worker of concurrency 1), for runs whose length nobody knew yet."""
+    line (32 for a worker of concurrency 1), for runs whose length nobody knew yet. And
+    a fresh worker (``fresh``: no run timed at all) held none ("load=1/1 +0/32")."""
     await live.push(write_spec(tmp_path, "quick"), write_spec(tmp_path, "slow"))
     gate = asyncio.Event()
     worker = Worker(specs_dir=tmp_path, concurrency=1, heartbeat_interval=0.1)
@@ -167,7 +171,7 @@ async def test_the_first_jobs_of_a_spec_new_to_a_worker_fill_no_line(live: Live,
         await gate.wait()
 
     await sdk_worker(worker)
-    for _ in range(2):
+    for _ in range(0 if fresh else 2):
         await live.wait_state((await live.enqueue("quick"))["id"], "completed")
     jobs = [await live.enqueue("slow") for _ in range(8)]
     await live.wait_state(jobs[0]["id"], "active")
@@ -184,9 +188,9 @@ async def test_the_first_jobs_of_a_spec_new_to_a_worker_fill_no_line(live: Live,
     await wait_until(beaten, what="three more heartbeats")  # while the slow job runs
     now = await shown()
     gate.set()  # (before judging: a failed check must not leave the worker stuck)
-    # One job per slot of a spec new to it may wait (README: about a second of work
-    # each); the rest stay on the server for any idle worker.
-    assert now["active"] == 1 and now["prefetched"] <= 1, now
+    # A job of a spec new to it counts as a second of work (README): one waits, so the
+    # next starts at once; the rest stay on the server for any idle worker.
+    assert now["active"] == 1 and now["prefetched"] == 1, now
     for job in jobs:
         await live.wait_state(job["id"], "completed", timeout=10)
 
@@ -233,6 +237,25 @@ async def test_a_quick_job_behind_a_long_one_starts_on_a_worker_that_becomes_idl
     assert done["attempt"] == 2 and done["attempts_used"] == 1, done
     assert [e["type"] for e in done["errors"]] == ["released"] and done["deaths"] == 0
     assert (await live.wait_state("long", "completed"))["attempt"] == 1
+    await shows_it_taken_back_not_failed(live, busy)
+
+
+async def shows_it_taken_back_not_failed(live: Live, busy: Worker) -> None:
+    """The trial: the page listed the take-back under "Attempts that failed (1)", with
+    "0 failed since the last retry, 1 in all", though no retry was made and it used no
+    attempt; `rota jobs show` did not say so either."""
+    page = (await live.http.get("/ui/jobs/quick")).text
+    assert "Attempts that failed" not in page and "since the last retry" not in page
+    assert "<h2>Attempts given back unstarted (1, not counted)</h2>" in page
+    assert "<dd>1 of 25 (2 in all, 1 given back unstarted) · 0 failed</dd>" in page
+    said = (f"taken back unstarted from worker {busy.worker_id}&#39;s line for an idle"
+            " worker: not counted against max_attempts")
+    assert "not started</span> <span class=\"muted small\">not counted</span>" in page
+    assert said in page
+    code, out, _ = await rota("jobs", "show", "quick", "--url", live.base)
+    shown = json.loads(out)
+    assert code == 0 and (shown["attempt"], shown["attempts_used"]) == (2, 1)
+    assert shown["errors"][0]["message"] == said.replace("&#39;", "'")
 
 
 async def shows_it_prefetched(live: Live, busy: Worker) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 from conftest import Live, wait_until, write_spec
 
 from rota import JobContext, Worker
+from rota.base.errors import RegistrationRefused
 from rota.base.specs import SpecError, checksum
 
 
@@ -177,3 +179,32 @@ def test_a_prefetch_that_is_not_a_whole_number_in_range_is_refused_at_once(tmp_p
     worker = make_worker(tmp_path, prefetch=0)
     with pytest.raises(ValueError, match="prefetch must be a whole number"):
         worker.prefetch = bad
+
+
+NAME_RULE = "must be a name of 1 to 128 letters, digits and '_.:-', starting with a letter or digit"
+
+
+def test_labels_the_server_would_refuse_are_refused_when_the_worker_is_made(tmp_path):
+    with pytest.raises(ValueError, match=r"labels must be a list of names, not the string 'gpu'"):
+        make_worker(tmp_path, labels="gpu")  # not ['g', 'p', 'u']
+    with pytest.raises(ValueError, match=re.escape(f"labels[1] {NAME_RULE}, got 'gpu,eu'")):
+        make_worker(tmp_path, labels=["ok", "gpu,eu"])
+    with pytest.raises(ValueError, match=r"queues must be a list of names, not the string"):
+        make_worker(tmp_path, queues="mail")  # not ['m', 'a', 'i', 'l']
+    worker = make_worker(tmp_path, labels=["gpu"])
+    with pytest.raises(ValueError, match=re.escape(f"labels[0] {NAME_RULE}, got 'a b'")):
+        worker.configure(labels=["a b"])
+    assert worker.labels == ["gpu"]
+
+
+async def test_a_registration_refused_as_invalid_stops_the_worker(live: Live, tmp_path):
+    """A retry would send the same registration: the worker stops, saying why, instead
+    of reconnecting for ever."""
+    await live.push(write_spec(tmp_path, "echo"))
+    worker = make_worker(tmp_path, url=live.ws)
+    worker.handler("echo")(lambda ctx: None)
+    worker.labels = ["no spaces"]  # past the SDK's own check: as a newer rule would be
+    with pytest.raises(RegistrationRefused) as refused:
+        await asyncio.wait_for(worker.run(), 20)
+    assert str(refused.value) == (f"{worker.server_url} refused this worker's registration:"
+                                  f" registration.labels[0] {NAME_RULE}")

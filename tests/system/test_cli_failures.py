@@ -290,3 +290,20 @@ async def test_tokens_on_a_postgresql_database(pg_url: str):
     assert code == 0 and "revoked ops" in out, err
     code, out, _ = await rota("tokens", "list", "--db", pg_url)
     assert "no tokens" in out
+
+
+async def test_a_worker_label_the_server_would_refuse_is_one_line_before_connecting(tmp_path):
+    """`--label gpu,region:eu` (or ROTA_LABELS="gpu,eu"): exit 2 at once, not a worker
+    that reconnects for ever while the server refuses its registration."""
+    write_spec(tmp_path, "echo")
+    (tmp_path / "w.py").write_text("from rota import Worker\nworker = Worker(specs_dir='.')\n"
+                                   "worker.handler('echo')(lambda ctx: ctx.args)\n")
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    rule = "must be a name of 1 to 128 letters, digits and '_.:-', starting with a letter or digit"
+    for argv, env, bad in ((["--label", "gpu,region:eu"], {}, "gpu,region:eu"),
+                           ([], {"ROTA_LABELS": "gpu,eu"}, "gpu,eu")):
+        code, _, err = await rota("worker", "w:worker", "--url", nowhere, *argv, env=env,
+                                  cwd=tmp_path, timeout=15)
+        line = one_line(code, err, f"a bad label {bad}")
+        assert code == 2 and f"labels[0] {rule}, got {bad!r}: one label per --label;" \
+            " ROTA_LABELS takes several, separated by spaces" in line, line

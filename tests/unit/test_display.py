@@ -89,3 +89,14 @@ def test_failures_say_which_count_when_the_budget_count_differs():
     assert display.failures(2, 6, retried=True) == "2 failed since the last retry, 6 in all"
     assert display.failures(1, 3, retried=False) == \
         "1 failed, 3 in all with timeouts and worker deaths"
+
+
+def test_a_lease_given_back_unstarted_is_counted_apart_from_failures():
+    """A take-back from a prefetch line read as "Attempts that failed (1)" beside
+    "0 failed since the last retry, 1 in all" (a new user's trial, issue 23)."""
+    assert display.attempts(2, 1, 3, unstarted=1) == "1 of 3 (2 in all, 1 given back unstarted)"
+    assert display.ended_heading(0, 0, 1) == "Attempts given back unstarted (1, not counted)"
+    assert display.ended_heading(0, 0, 0) == "Attempts that failed (0)"
+    assert display.ended_heading(1, 1, 0) == "Attempts that failed (1) or were cancelled (1)"
+    assert display.ended_heading(2, 0, 1) == \
+        "Attempts that failed (2) or were given back unstarted (1, not counted)"

@@ -76,10 +76,10 @@ async def test_jobs_beyond_concurrency_wait_in_order_and_start_as_slots_free():
     assert [r.outcome for r in line.results if r is not None] == ["completed"] * 4
 
 
-async def test_the_line_is_asked_for_only_once_runs_are_known_to_be_short():
+async def test_the_whole_line_is_asked_for_only_once_runs_are_known_to_be_short():
     line = Line()
-    line.runner.run_times.clear()  # nothing ended yet
-    assert line.capacity() == 2  # the free slots only
+    line.runner.run_times.clear()  # nothing ended yet: runs taken for a second each
+    assert line.capacity() == 2 + 1  # the free slots, and one job waiting
     line.take("a", "b")
     line.finish("a")
     await wait_until(lambda: len(line.results) == 1, what="a to end")
@@ -202,7 +202,7 @@ async def test_the_first_jobs_of_a_spec_never_timed_do_not_fill_a_line_sized_for
     assert line.runner.prefetched() == ["n0", "n1"]
     assert sorted(job_id for job_id, kind in line.errors() if kind == "released") == sorted(
         f"n{n}" for n in range(2, 32))
-    assert line.capacity() == 0  # no line while a job of unknown length is held
+    assert line.capacity() == 0  # a job of unknown length is held: a line of one, full
     for job_id in ("a", "b", "n0", "n1"):
         line.finish(job_id)
     await wait_until(lambda: len(line.results) == 34, what="the four runs")
@@ -218,8 +218,8 @@ async def test_an_idle_worker_asks_for_a_line_sized_by_the_slowest_spec_it_timed
     assert line.capacity() == 2 + 8  # only quick runs timed: the whole line
     line.runner.run_times["new"] = 3600.0  # one spec of an hour timed too: one waits
     assert line.capacity() == 2 + 1
-    line.runner.run_times.clear()  # nothing timed yet: the free slots only
-    assert line.capacity() == 2
+    line.runner.run_times.clear()  # nothing timed yet: runs taken for a second each
+    assert line.capacity() == 2 + 1
 
 
 async def test_starts_are_noted_and_a_take_back_gives_only_waiting_jobs_back():
@@ -241,3 +241,25 @@ async def test_starts_are_noted_and_a_take_back_gives_only_waiting_jobs_back():
         line.finish(job_id)
     await wait_until(lambda: len(line.results) == 3, what="three results")
     assert "d" not in line.started
+
+
+async def test_a_worker_new_to_a_spec_holds_one_job_waiting_behind_its_runs():
+    """A fresh worker of concurrency 1 running a job of 10-20 s held nothing in its line
+    ("load=1/1 +0/32") until it had timed a run: an untimed run counts as a second of
+    work, so one job waits (README, prefetch), and another worker may take it back."""
+    results: list[p.Result | None] = []
+    gate = asyncio.Event()
+
+    async def long(ctx) -> None:  # type: ignore[no-untyped-def]
+        await gate.wait()
+
+    runner = Runner(worker_id="w", handlers={"long": long}, concurrency=1,
+                    status=StatusBuffer(wake=lambda: None), report=results.append,
+                    max_abandoned=2, on_wedged=lambda: None, prefetch=32)
+    assert runner.capacity("running", round_trip=0.002) == 1 + 1  # registering: nothing yet
+    runner.take(copy("a", spec="long"))
+    assert runner.capacity("running", round_trip=0.002) == 1  # a runs: one more may wait
+    runner.take(copy("b", spec="long"))
+    assert runner.prefetched() == ["b"] and runner.capacity("running", round_trip=0.002) == 0
+    gate.set()
+    await wait_until(lambda: len(results) == 2, what="both runs")
