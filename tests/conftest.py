@@ -189,8 +189,13 @@ def _migrated_sqlite() -> Path:
 async def start_server(tmp: Path, **overrides: Any) -> Live:
     sock = listen_socket(port=overrides.pop("port", 0))  # a restart may reuse its port
     port = sock.getsockname()[1]
+    # Durability "process" (no fsync per commit) unless a test asks for "full": an
+    # in-process server's commits need only survive the test's own crashes, and the
+    # fsyncs cost the suite a fifth of its CPU. The `rota serve` processes that tests
+    # kill -9 run with the default, "full".
     options: dict[str, Any] = {"db": tmp / "rota.db", "port": port,
-                               "heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
+                               "heartbeat_interval": 0.2, "heartbeat_timeout": 2.0,
+                               "durability": "process"}
     if _server_database is not None:
         options["database_url"] = _server_database(tmp)
     elif "db" not in overrides and "database_url" not in overrides:

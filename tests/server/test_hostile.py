@@ -1,6 +1,7 @@
 """The hostile corpus (tests/corpus.py) against a live server: every value in every field
 of every HTTP body and /work frame, every whole-body oddity, path segment, query value and
-header Rota reads. For each (place, payload) pair:
+header Rota reads (in the soak run; the default run tries a third of the values in each
+place, every value somewhere). For each (place, payload) pair:
 
 - the answer is a 4xx JSON error, or a documented close code with an ``error`` frame, or
   (for JSON the field's type admits) the documented success; never a 5xx or 1011;
@@ -236,11 +237,25 @@ HTTP_PLACES = [(method, route, index, path)
                for path in places(template)]
 
 
-@pytest.mark.parametrize("chunk", range(4))
-async def test_every_value_in_every_field_of_every_body(watched: Watch, chunk: int):
+# The default run puts every third value of the corpus in each place, a different third
+# from place to place, so every value and every place are tried; the soak run (-m soak,
+# .ci/run) puts every value in every place.
+SPREAD = [*((chunk, 3) for chunk in range(4)),
+          *(pytest.param(chunk, 1, marks=pytest.mark.soak) for chunk in range(4))]
+FRAME_SPREAD = [*((chunk, 3) for chunk in range(6)),
+                *(pytest.param(chunk, 1, marks=pytest.mark.soak) for chunk in range(6))]
+
+
+def spread(values: list[corpus.Value], place: int, every: int) -> list[tuple[int, corpus.Value]]:
+    """The values (with their numbers) tried in place number ``place``."""
+    return [(n, value) for n, value in enumerate(values) if n % every == place % every]
+
+
+@pytest.mark.parametrize(("chunk", "every"), SPREAD)
+async def test_every_value_in_every_field_of_every_body(watched: Watch, chunk: int, every: int):
     live, templates = watched.live, http_templates()
-    for method, route, index, path in HTTP_PLACES[chunk::4]:
-        for name, fragment, refused in corpus.VALUES:
+    for place, (method, route, index, path) in enumerate(HTTP_PLACES[chunk::4]):
+        for _, (name, fragment, refused) in spread(corpus.VALUES, place, every):
             body = put(templates[index][2], path, fragment)
             answer = await live.http.request(method, route, content=body)
             assert_http(answer, refused, f"{method} {route} {path} <- {name}")
@@ -409,11 +424,11 @@ def frame_places() -> list[tuple[str, Path_]]:
 FRAME_PLACES = frame_places()
 
 
-@pytest.mark.parametrize("chunk", range(6))
-async def test_every_value_in_every_field_of_every_frame(watched: Watch, chunk: int):
+@pytest.mark.parametrize(("chunk", "every"), FRAME_SPREAD)
+async def test_every_value_in_every_field_of_every_frame(watched: Watch, chunk: int, every: int):
     hostile = watched.live.hostile_checksum  # type: ignore[attr-defined]
     for index, (which, path) in enumerate(FRAME_PLACES[chunk::6]):
-        for number, (name, fragment, refused) in enumerate(corpus.VALUES):
+        for number, (name, fragment, refused) in spread(corpus.VALUES, index, every):
             worker_id = f"h{chunk}-{index}-{number}"
             good = json.dumps(registration_frame(worker_id, hostile)).encode()
             if which == "first":

@@ -394,11 +394,14 @@ async def test_a_killed_servers_jobs_come_back_after_its_lease_and_the_grace(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("total", [300, pytest.param(5000, marks=pytest.mark.soak)])
+# Soak only (-m soak, .ci/run): the default run kills a server with -9 in
+# tests/system/test_flow_live.py, test_crash.py and the lease tests below.
+@pytest.mark.soak
+@pytest.mark.parametrize("total", [300, 5000])
 async def test_chaos_three_servers_four_workers_one_killed_and_restarted(
         tmp_path: Path, pg_url: str, total: int):
     """3 servers (subprocesses), 4 SDK workers spread over them, each given every URL,
-    5,000 jobs (a soak run; 300 in the default run); one server is killed with -9 mid-run
+    300 or 5,000 jobs (both soak runs); one server is killed with -9 mid-run
     and restarted. Every job ends
     completed and none is lost; a job that ran twice is counted, and each is explained:
     its first run was on a worker that lost its server."""

@@ -158,7 +158,10 @@ def faults(page: Page, width: int) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("width", [390, 1280])
+# The phone's width in the default run; the desktop's in the soak run (-m soak, .ci/run),
+# beside tests/ui/test_ui_text.py, which checks every page for sideways scrolling at the
+# browser's default width in the default run too.
+@pytest.mark.parametrize("width", [390, pytest.param(1280, marks=pytest.mark.soak)])
 def test_every_page_fits_the_width_and_its_header_reads(
         shared: BrowserContext, some: tuple[Rig, dict[str, str]], width: int):
     rig, ids = some
