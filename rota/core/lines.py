@@ -127,7 +127,10 @@ class Lines:
         if not connection.registration.reports_starts:
             return
         line = self._lines.get(connection.worker.id)
-        for job_id in (*status.started, *status.active_job_ids):
+        # Of the jobs it runs, only those still in its line can be news (a start report
+        # lost on a cut connection): a check per held job, not a lookup, on every beat.
+        running = [job_id for job_id in status.active_job_ids if job_id in line] if line else []
+        for job_id in (*status.started, *running):
             job = held_by(self.scheduler.jobs, connection, job_id)
             if job is None or job.started:
                 continue
