@@ -65,15 +65,19 @@ class Flow:
     def _pop_limited(self, worker: WorkerSlot, now: float) -> JobRecord | Claim | None:
         """Reserve, in memory, the best job this worker may run within every limit."""
         ready, limiter = self.ready, self.limiter
+        # A job a rate governs goes only to a slot that starts it now, never to a line:
+        # held there, its start would come later, bunched with others past the rate.
+        runs_now = len(worker.active) + worker.claims < worker.concurrency
         for queue in worker.queues:
             plain = ready.buckets.get(queue) or {}
             lanes_of = ready.lanes.get(queue) or {}
             if (not plain and not lanes_of) or queue in self.paused \
-                    or not self._scope_open("queue", queue, now):
+                    or not self._scope_open("queue", queue, now, runs_now):
                 continue
             best: tuple[tuple[int, int], str, SubId, Bucket, Lanes | None] | None = None
             for spec in itertools.chain(lanes_of, (s for s in plain if s not in lanes_of)):
-                if not self.matches(worker, spec) or not self._scope_open("spec", spec, now):
+                if not self.matches(worker, spec) \
+                        or not self._scope_open("spec", spec, now, runs_now):
                     continue
                 lanes = lanes_of.get(spec)
                 if lanes is None:
@@ -133,21 +137,29 @@ class Flow:
                 else:
                     turn.rotate(-1)  # another worker may take it
                 continue
-            blocked = self.limiter.blocked(self.limiter.key_checks(queue, spec, key), now)
+            checks = self.limiter.key_checks(queue, spec, key)
+            if (any(check[2] is not None for check in checks)
+                    and len(worker.active) + worker.claims >= worker.concurrency):
+                turn.rotate(-1)  # rated: for a worker with a slot free to start it now
+                continue
+            blocked = self.limiter.blocked(checks, now)
             if blocked is not None:
                 self._park(blocked[0], blocked[1], queue, spec, lanes)
                 continue
             return sub, bucket, head
         return None
 
-    def _scope_open(self, kind: str, name: str, now: float) -> bool:
+    def _scope_open(self, kind: str, name: str, now: float, runs_now: bool = True) -> bool:
         """Whether a queue's or a spec's own limit allows a start now (a timer armed for
-        when it will, if it is a rate)."""
+        when it will, if it is a rate); a rate allows none into a worker's line
+        (``runs_now`` False: the worker has no slot free to start it at once)."""
         if not self.limiter.rules:
             return True
         check = self.limiter.scope_checks(kind, name)
         if check is None:
             return True
+        if check[2] is not None and not runs_now:
+            return False
         until = self.limiter.until(check, now)
         if until <= now:
             return True
@@ -193,10 +205,10 @@ class Flow:
     def flow_deadline(self) -> float | None:
         return self._flow_timers[0][0] if self._flow_timers else None
 
-    def _released(self, ident: str | int) -> None:
+    def _released(self, ident: str | int, *, undo: bool = False) -> None:
         """A job (or a claim) left ``active``: what it held is freer, its parked buckets
-        come back."""
-        for counter in self.limiter.release(ident):
+        come back. ``undo``: its reservation never happened (its start does not count)."""
+        for counter in self.limiter.release(ident, undo=undo):
             self._unpark(counter)
 
     def workers_changed(self) -> None:

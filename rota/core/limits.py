@@ -171,6 +171,18 @@ class Window:
         if spacing:
             self.tat = max(self.tat, now) + spacing
 
+    def unstart(self, at: float) -> None:
+        """A start taken at ``at`` did not happen (its reservation was refused, failed or
+        lost): it no longer counts, and the burst's spacing is replayed without it."""
+        try:
+            self.starts.remove(at)
+        except ValueError:
+            return  # already out of the window
+        if self.rate.spacing:
+            self.tat = float("-inf")
+            for when in self.starts:
+                self.tat = max(self.tat, when) + self.rate.spacing
+
     def in_window(self, now: float) -> int:
         """Starts within the last ``period``."""
         edge = now - self.rate.period
@@ -236,8 +248,10 @@ class Limiter:
         self.rules: dict[Scope, LimitRule] = {}
         self.use: dict[Counter, int] = {}
         self.windows: dict[Counter, Window] = {}
-        # job id / claim seq -> (queue, spec, key, the counters it holds)
-        self.held: dict[str | int, tuple[str, str, str | None, tuple[Counter, ...]]] = {}
+        # job id / claim seq -> (queue, spec, key, the counters it holds, when its start
+        # was taken: None if it took none, as a job held at a restart)
+        self.held: dict[str | int, tuple[str, str, str | None, tuple[Counter, ...],
+                                         float | None]] = {}
         self.off: dict[Counter, float] = {}  # held off until then: a store guard refused
         self._prune_at = WINDOWS_PRUNE_AT
         self._now_hint = 0.0  # the latest time a start was taken at (for pruning)
@@ -314,7 +328,10 @@ class Limiter:
         self._prune_at = max(WINDOWS_PRUNE_AT, 2 * len(self.windows))
 
     def take(self, ident: str | int, queue: str, spec: str, key: str | None, now: float) -> None:
-        """A job of (queue, spec, key) is reserved (started) now: it counts."""
+        """A job of (queue, spec, key) is reserved (started) now: it counts. (A key known
+        twice may be picked twice in one round: the job counts once.)"""
+        if ident in self.held:
+            self.release(ident, undo=True)
         checks = self.checks(queue, spec, key)
         if now > self._now_hint:
             self._now_hint = now
@@ -323,7 +340,7 @@ class Limiter:
             use[counter] = use.get(counter, 0) + 1
             if rate is not None:
                 self.window(counter, rate).start(now)
-        self.held[ident] = (queue, spec, key, tuple([check[0] for check in checks]))
+        self.held[ident] = (queue, spec, key, tuple([check[0] for check in checks]), now)
 
     def hold(self, ident: str | int, queue: str, spec: str, key: str | None) -> None:
         """A job reserved already (loaded active at a restart, or when limits are set)
@@ -331,7 +348,7 @@ class Limiter:
         counters = tuple(check[0] for check in self.checks(queue, spec, key))
         for counter in counters:
             self.use[counter] = self.use.get(counter, 0) + 1
-        self.held[ident] = (queue, spec, key, counters)
+        self.held[ident] = (queue, spec, key, counters, None)
 
     def moved(self, seq: int, job_id: str) -> None:
         """A claim's row was read: its job holds what the claim held."""
@@ -339,13 +356,19 @@ class Limiter:
         if held is not None:
             self.held[job_id] = held
 
-    def release(self, ident: str | int) -> tuple[Counter, ...]:
-        """The job left ``active`` (or its reservation failed): the counters it held,
-        each one freer now (and no longer held off)."""
+    def release(self, ident: str | int, *, undo: bool = False) -> tuple[Counter, ...]:
+        """The job left ``active``: the counters it held, each one freer now (and no
+        longer held off). ``undo``: its reservation never happened (refused, failed,
+        lost to another server), so its start is taken back out of the rate windows."""
         held = self.held.pop(ident, None)
         if held is None:
             return ()
-        counters = held[3]
+        counters, at = held[3], held[4]
+        if undo and at is not None:
+            for counter in counters:
+                window = self.windows.get(counter)
+                if window is not None:
+                    window.unstart(at)
         for counter in counters:
             left = self.use[counter] - 1
             if left:
@@ -361,7 +384,7 @@ class Limiter:
         self._checks.clear()
         self.off.clear()
         held, self.held, self.use = self.held, {}, {}
-        for ident, (queue, spec, key, _) in held.items():
+        for ident, (queue, spec, key, _, _) in held.items():
             self.hold(ident, queue, spec, key)
 
     def load_starts(self, starts: dict[tuple[str, str | None], list[float]]) -> None:

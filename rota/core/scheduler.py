@@ -122,7 +122,7 @@ class Scheduler(Flow):
         if job is None:
             worker.capacity += 1  # the slot was never used
             if self.limiter.held:
-                self._released(claim.seq)
+                self._released(claim.seq, undo=True)  # nor the start
             return False
         if self.limiter.held:
             self.limiter.moved(claim.seq, job.id)
@@ -141,7 +141,7 @@ class Scheduler(Flow):
         self.ready.unclaim(claim.queue, claim.spec, claim.priority, claim.seq,
                            claim.concurrency_key, claim.labels)
         if self.limiter.held:
-            self._released(claim.seq)
+            self._released(claim.seq, undo=True)
 
     def defer(self, job: JobRecord, due: float) -> None:
         """Make a job wait until ``due`` (its state says scheduled or retryable)."""
@@ -157,6 +157,8 @@ class Scheduler(Flow):
         if worker is not None:
             worker.capacity += 1
         job.attempt -= 1
+        if self.limiter.held:
+            self._released(job.id, undo=True)  # no start either (before it is made available)
         self.release(job)
 
     def let_go(self, job: JobRecord) -> None:
@@ -167,7 +169,7 @@ class Scheduler(Flow):
             worker.active.discard(job.id)
             worker.capacity += 1
         if self.limiter.held:
-            self._released(job.id)
+            self._released(job.id, undo=True)  # the other server's start is its own
         if self.jobs.get(job.id) is job:
             del self.jobs[job.id]
         self.unstored.discard(job.id)

@@ -181,3 +181,57 @@ def test_keys_past_the_cap_are_summed_under_other_after_their_limit():
         uses[0], uses[2], uses[3],
         LimitUse(name="spec:a", key=OTHER_KEYS, running=1),  # k1: the least busy
         LimitUse(name="spec:b", key=OTHER_KEYS, rate="5/s", starts=4)]
+
+
+def _keyed(limits: LimitRule, *, concurrency: int = 10, prefetch: int = 0,
+           keys: dict[str, list[int]] | None = None) -> tuple[Scheduler, WorkerSlot]:
+    checksum = "sha256:" + "a" * 64
+    sched = Scheduler(compact=True)
+    sched.status_quo = {"a": checksum}
+    sched.set_limits({("spec", "a"): limits}, Instant(0.0, 0.0))
+    for key, seqs in (keys or {"acme": [1, 2, 3]}).items():
+        sched.ready.load("default", "a", seqs, key)
+    worker = WorkerSlot("w1", ["default"], concurrency=concurrency, specs={"a": checksum},
+                        capacity=concurrency + prefetch, prefetch=prefetch)
+    sched.add_worker(worker)
+    return sched, worker
+
+
+def test_a_key_picked_twice_in_one_round_counts_once() -> None:
+    """A key known twice (pushed back after a failed claim while its first copy waited)
+    is picked twice: the job holds its limit once, and its one release frees it."""
+    sched, worker = _keyed(LimitRule(key_concurrency=1), keys={"acme": [1, 1]})
+    sched.limiter.take(1, "default", "a", "acme", 1.0)
+    sched.limiter.take(1, "default", "a", "acme", 1.0)
+    assert sched.limiter.use == {("spec", "a", "acme"): 1}
+    sched.limiter.release(1, undo=True)
+    assert sched.limiter.use == {}
+
+
+def test_a_refused_start_does_not_count_against_the_rate() -> None:
+    """One start in 10 s for key acme: a pick the store refuses (another server took the
+    start) or whose commit fails is no start here; once the hold-off passes, the key may
+    start again, not only when 10 s have gone by."""
+    sched, worker = _keyed(LimitRule(key_rate=Rate(1, 10.0)))
+    [first] = sched.plan(1.0)["w1"]
+    assert isinstance(first, Claim)
+    sched.refuse(first, 1.0)
+    assert sched.plan(1.2) == {}  # held off a moment: the other server's start
+    sched.unpark_due(2.0)  # (the engine's tick fires the key's timer)
+    [again] = sched.plan(2.0)["w1"]
+    assert again.seq == first.seq
+    sched.unclaim(again)  # its commit failed: no start either
+    [third] = sched.plan(2.1)["w1"]
+    assert third.seq == first.seq
+
+
+def test_a_rated_job_waits_for_a_slot_that_starts_it_not_in_a_line() -> None:
+    """A worker running its one slot, with room in its line: a rate-limited job is not
+    put in the line (it would start later, bunched past the rate); an unlimited one is."""
+    sched, worker = _keyed(LimitRule(key_rate=Rate(5, 1.0)), concurrency=1, prefetch=3,
+                           keys={"acme": [1, 2, 3]})
+    worker.active.add("running")
+    assert sched.plan(1.0) == {}
+    worker.active.discard("running")
+    [started] = sched.plan(1.1)["w1"]
+    assert started.concurrency_key == "acme"
