@@ -76,6 +76,9 @@ class Reserved:
     # Jobs the store's guard turned away (a limit held by another server's reservations):
     # their rows stay available; job ids (whole jobs) and claim seqs (claims).
     refused: frozenset[str | int] = frozenset()
+    # The limits (limit name, concurrency key or None) found full when it refused them:
+    # only those are held off (empty: every limit the refused jobs count against).
+    full: frozenset[tuple[str, str | None]] = frozenset()
 
 
 @dataclass(slots=True)

@@ -250,7 +250,8 @@ class Flow:
             guards.append(Guard(limit_name((kind, name)), key, concurrency, rate))
         return tuple(guards)
 
-    def refuse(self, taken: JobRecord | Claim, now: float) -> float:
+    def refuse(self, taken: JobRecord | Claim, now: float,
+               full: frozenset[tuple[str, str | None]] = frozenset()) -> float:
         """A store guard refused this reservation: another server's reservations hold
         the limit. The job is available again, its worker has the slot back, and the
         limits it counted against are held off until a release or a short while (the
@@ -262,7 +263,11 @@ class Flow:
         else:
             self.unclaim(taken)
         until = now + REFUSED_BACKOFF
-        for counter in held[3] if held else ():
+        counters = held[3] if held else ()
+        # Only the limits the store found full: one key held elsewhere must not hold
+        # off its spec's other keys (unless the store did not say which).
+        named = [c for c in counters if (limit_name((c[0], c[1])), c[2]) in full]
+        for counter in named or counters:
             self.limiter.off[counter] = until
             self._arm(counter, until)
         return until

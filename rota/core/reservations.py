@@ -109,7 +109,8 @@ class Reservations:
             return []
         effects: list[Effect] = []
         if outcome.refused:
-            effects += self._refused_by_guard(jobs, claims, outcome.refused, now)
+            effects += self._refused_by_guard(jobs, claims, outcome.refused, outcome.full,
+                                              now)
         for job in jobs:
             if job.id in outcome.lost:
                 effects += self._lost_race(job)
@@ -163,10 +164,12 @@ class Reservations:
         return effects
 
     def _refused_by_guard(self, jobs: list[JobRecord], claims: list[Claim],
-                          refused: frozenset[str | int], now: Instant) -> list[Effect]:
+                          refused: frozenset[str | int],
+                          full: frozenset[tuple[str, str | None]], now: Instant) -> list[Effect]:
         """Jobs the store's guard turned away: a limit they count against is full with
         other servers' reservations. They wait again, as they were (no attempt used),
-        and their limits are held off until a release or a short while."""
+        and the limits found full are held off until a release or a short while; their
+        workers' slots are free for other keys at once (a round)."""
         taken: list[JobRecord | Claim] = [j for j in jobs if j.id in refused and j.state
                                           == JobState.ACTIVE]
         taken += [c for c in claims if c.seq in refused]
@@ -177,8 +180,8 @@ class Reservations:
                       (f"job={t.id}" if isinstance(t, JobRecord) else f"row={t.seq}", t.spec,
                        t.queue, t.concurrency_key, t.worker_id if isinstance(t, JobRecord)
                        else t.worker.id) for t in taken])
-        until = max(self.scheduler.refuse(t, now.mono) for t in taken)
-        return [Arm(until)]
+        until = max(self.scheduler.refuse(t, now.mono, full) for t in taken)
+        return [Arm(until), Wake()]
 
     def resume_rounds(self, now: Instant) -> list[Effect]:
         """From ``tick``: a scheduling round once a failed round's pause is over."""

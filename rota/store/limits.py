@@ -163,25 +163,30 @@ class Room:
 
 
 def guard(conn: sqlite3.Connection, guards: Mapping[Item, tuple[Guard, ...]],
-          order: Sequence[Item], now: float) -> frozenset[Item]:
+          order: Sequence[Item], now: float
+          ) -> tuple[frozenset[Item], frozenset[tuple[str, str | None]]]:
     """PostgreSQL, in a reservation's transaction: lock each limit and key the
-    reservation counts against, and refuse (return) the items, in ``order`` (the
-    engine's: best first), that would take one past its limit as the database holds it."""
+    reservation counts against, and refuse the items, in ``order`` (the engine's: best
+    first), that would take one past its limit as the database holds it. Returns them,
+    and the limits (name, key) found full."""
     if not guards:
-        return frozenset()
+        return frozenset(), frozenset()
     distinct = {(g.name, g.key): g for gs in guards.values() for g in gs}
     for name, key in sorted(distinct, key=lambda s: (s[0], s[1] or "")):
         conn.execute("SELECT pg_advisory_xact_lock(?)", (lock_id(name, key),))
     rooms = {scope: Room(conn, g, now) for scope, g in distinct.items()}
     refused: set[Item] = set()
+    full: set[tuple[str, str | None]] = set()
     for item in order:
         held = [rooms[(g.name, g.key)] for g in guards.get(item, ())]
-        if all(room.fits(now) for room in held):
+        short = [room for room in held if not room.fits(now)]
+        if not short:
             for room in held:
                 room.take(now)
         else:
             refused.add(item)
-    return frozenset(refused)
+            full.update((room.guard.name, room.guard.key) for room in short)
+    return frozenset(refused), frozenset(full)
 
 
 def started(guards: Mapping[Item, tuple[Guard, ...]], made: Collection[Item]) -> list[Guard]:

@@ -209,7 +209,8 @@ class Store:
         items: list[str | int] = [j.id for j in jobs] + order  # (the engine's order: whole first)
 
         def op(conn: sqlite3.Connection) -> Reserved:
-            refused = limits.guard(conn, guards, items, now) if self.shared else frozenset()
+            refused, full = (limits.guard(conn, guards, items, now) if self.shared
+                             else (frozenset(), frozenset()))
             cursor = conn.executemany(sql.RESERVE, rows if not refused else
                                       [r for r in rows if r[7] not in refused])
             lost: frozenset[str] = frozenset()
@@ -236,7 +237,7 @@ class Store:
             # A key known twice (its job came back while a stale key of it was still
             # waiting) is claimed twice in one round: the row is reserved once, so only
             # the first claim gets the job.
-            return Reserved([read.pop(seq, None) for seq in order], lost, refused)
+            return Reserved([read.pop(seq, None) for seq in order], lost, refused, full)
 
         return self.writer.submit(op)
 

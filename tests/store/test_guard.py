@@ -81,6 +81,8 @@ async def test_two_servers_reserving_one_key_at_once_never_pass_its_limit(
     assert all(got_b.read[n] is None for n, c in enumerate(claims) if c.seq in got_b.refused)
     # Whichever came second was refused (the first reserved what it asked, up to 3).
     assert sorted((len(got_a.refused), len(got_b.refused))) in ([2, 5], [0, 7])
+    # It says which limit was full: the key's (the spec's, 8, was not).
+    assert got_a.full | got_b.full == {("spec:echo", "acme")}
     # Nothing refused moved: it waits, for whoever has room next.
     waiting = await a.waiting_jobs([job.seq for job in jobs])
     assert len(waiting) == 7 and all(job.state == "available" for job in waiting)

@@ -235,3 +235,17 @@ def test_a_rated_job_waits_for_a_slot_that_starts_it_not_in_a_line() -> None:
     worker.active.discard("running")
     [started] = sched.plan(1.1)["w1"]
     assert started.concurrency_key == "acme"
+
+
+def test_a_key_held_elsewhere_holds_off_that_key_not_its_spec() -> None:
+    """The store refused acme's job (another server holds acme's one slot) and said so:
+    only acme is held off; bolt, of the same spec, goes out in the next round."""
+    sched, worker = _keyed(LimitRule(concurrency=40, key_concurrency=1),
+                           keys={"acme": [1], "bolt": [2]})
+    plan = sched.plan(1.0)["w1"]
+    acme = next(c for c in plan if isinstance(c, Claim) and c.concurrency_key == "acme")
+    bolt = next(c for c in plan if isinstance(c, Claim) and c.concurrency_key == "bolt")
+    sched.unclaim(bolt)  # (its reservation was written in another round)
+    sched.refuse(acme, 1.0, frozenset({("spec:a", "acme")}))
+    [again] = sched.plan(1.1)["w1"]
+    assert isinstance(again, Claim) and again.concurrency_key == "bolt"
