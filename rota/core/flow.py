@@ -92,8 +92,12 @@ class Flow:
             if best is None:
                 continue
             _, spec, sub, bucket, lanes = best
-            if lanes is not None:
-                lanes.turn.rotate(-1)  # it had its turn: to the back of the rotation
+            if lanes is not None:  # it had its turn: to the back of the rotation
+                if lanes.turn[0] == sub:
+                    lanes.turn.rotate(-1)
+                else:  # behind buckets this worker looked past
+                    lanes.turn.remove(sub)
+                    lanes.turn.append(sub)
             taken = ready.pop(bucket)
             key, labels = sub
             if isinstance(taken, JobRecord):
@@ -118,6 +122,19 @@ class Flow:
         the key's limits; parks, on the way, the buckets at a limit or with labels no
         connected worker has, and drops those found empty. None: nothing for it."""
         turn = lanes.turn
+        # Buckets this worker may not take (labels another worker has, or a rate and no
+        # slot free to start it) are looked past, not sent to the back: they keep their
+        # place for the next worker that may take them, or two workers taking turns
+        # could pass a bucket between them for ever.
+        skipped: list[SubId] = []
+        try:
+            return self._first_open(queue, spec, lanes, plain, worker, now, skipped)
+        finally:
+            turn.extendleft(reversed(skipped))
+
+    def _first_open(self, queue: str, spec: str, lanes: Lanes, plain: Bucket | None,
+                    worker: WorkerSlot, now: float, skipped: list[SubId]) -> Found | None:
+        turn = lanes.turn
         for _ in range(len(turn)):
             sub = turn[0]
             self.visits += 1
@@ -135,12 +152,12 @@ class Flow:
                            for w in self.workers.values()):
                     self._park(LABELS, NEVER, queue, spec, lanes)
                 else:
-                    turn.rotate(-1)  # another worker may take it
+                    skipped.append(turn.popleft())  # another worker may take it
                 continue
             checks = self.limiter.key_checks(queue, spec, key)
             if (any(check[2] is not None for check in checks)
                     and len(worker.active) + worker.claims >= worker.concurrency):
-                turn.rotate(-1)  # rated: for a worker with a slot free to start it now
+                skipped.append(turn.popleft())  # rated: for a slot free to start it now
                 continue
             blocked = self.limiter.blocked(checks, now)
             if blocked is not None:

@@ -249,3 +249,31 @@ def test_a_key_held_elsewhere_holds_off_that_key_not_its_spec() -> None:
     sched.refuse(acme, 1.0, frozenset({("spec:a", "acme")}))
     [again] = sched.plan(1.1)["w1"]
     assert isinstance(again, Claim) and again.concurrency_key == "bolt"
+
+
+def test_a_labelled_key_is_not_passed_between_two_workers_for_ever() -> None:
+    """Keys A and B any worker takes, key L only a gpu worker: a cpu worker and a gpu
+    worker taking turns. L keeps its place when the cpu worker looks past it, so the gpu
+    worker gets it on its turn (it was sent to the back, and never at the front when
+    the gpu worker looked)."""
+    checksum = "sha256:" + "a" * 64
+    sched = Scheduler(compact=True)
+    sched.status_quo = {"a": checksum}
+    sched.set_limits({("spec", "a"): LimitRule(key_concurrency=100)}, Instant(0.0, 0.0))
+    sched.ready.load("default", "a", list(range(1, 50)), "l", ("gpu",))
+    sched.ready.load("default", "a", list(range(100, 150)), "a")
+    sched.ready.load("default", "a", list(range(200, 250)), "b")
+    cpu = WorkerSlot("c", ["default"], concurrency=100, specs={"a": checksum}, capacity=0)
+    gpu = WorkerSlot("g", ["default"], concurrency=100, specs={"a": checksum}, capacity=0,
+                     labels=["gpu"])
+    sched.add_worker(cpu)
+    sched.add_worker(gpu)
+    got: list[tuple[str, str | None]] = []
+    for n in range(12):  # one job a round, the two workers taking turns
+        worker = (cpu, gpu)[n % 2]
+        worker.capacity = 1
+        for worker_id, batch in sched.plan(float(n)).items():
+            got += [(worker_id, c.concurrency_key) for c in batch if isinstance(c, Claim)]
+        worker.capacity = 0
+    assert ("g", "l") in got, got
+    assert not any(worker_id == "c" and key == "l" for worker_id, key in got)
