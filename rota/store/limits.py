@@ -111,6 +111,23 @@ def _running(conn: sqlite3.Connection, name: str, key: str | None) -> int:
     return int(conn.execute(sql, args).fetchone()[0])
 
 
+def _keys_running(conn: sqlite3.Connection, name: str, keys: list[str]) -> dict[str, int]:
+    """The active jobs of each of ``keys`` within a limit's scope: one query for a
+    round's keys (in hundreds), not one each."""
+    kind, scope = name.split(":", 1)
+    column = "spec" if kind == "spec" else "queue"
+    counts: dict[str, int] = {}
+    for start in range(0, len(keys), 500):
+        some = keys[start:start + 500]
+        marks = ", ".join("?" * len(some))
+        for key, n in conn.execute(
+                f"SELECT concurrency_key, count(*) FROM jobs WHERE state = 'active' AND"
+                f" {column} = ? AND concurrency_key IN ({marks}) GROUP BY concurrency_key",
+                (scope, *some)):
+            counts[key] = int(n)
+    return counts
+
+
 def _count_starts(conn: sqlite3.Connection, name: str, key: str | None, since: float) -> int:
     return int(conn.execute("SELECT count(*) FROM limit_starts WHERE name = ? AND key = ?"
                             " AND at > ?", (name, key or "", since)).fetchone()[0])
@@ -132,9 +149,11 @@ class Room:
     generic cell rate algorithm: a start may come once the theoretical arrival time,
     less the burst's tolerance, is reached)."""
 
-    def __init__(self, conn: sqlite3.Connection, guard: Guard, now: float) -> None:
+    def __init__(self, conn: sqlite3.Connection, guard: Guard, now: float,
+                 running: int | None = None) -> None:
         self.guard = guard
         self.running = (None if guard.concurrency is None
+                        else running if running is not None
                         else _running(conn, guard.name, guard.key))
         rate = guard.rate
         self.spaced = rate is not None and rate.burst is not None and rate.burst < rate.limit
@@ -186,7 +205,16 @@ def guard(conn: sqlite3.Connection, guards: Mapping[Item, tuple[Guard, ...]],
     distinct = {(g.name, g.key): g for gs in guards.values() for g in gs}
     for name, key in sorted(distinct, key=lambda s: (s[0], s[1] or "")):
         conn.execute("SELECT pg_advisory_xact_lock(?)", (lock_id(name, key),))
-    rooms = {scope: Room(conn, g, now) for scope, g in distinct.items()}
+    # The keys' active jobs, counted per limit in one query (the keys a round holds).
+    keyed: dict[str, list[str]] = {}
+    for (name, key), g in distinct.items():
+        if key is not None and g.concurrency is not None:
+            keyed.setdefault(name, []).append(key)
+    counted = {(name, key) for name, keys in keyed.items() for key in keys}
+    running = {(name, key): n for name, keys in keyed.items()
+               for key, n in _keys_running(conn, name, keys).items()}
+    rooms = {scope: Room(conn, g, now, running.get(scope, 0) if scope in counted else None)
+             for scope, g in distinct.items()}
     refused: set[Item] = set()
     full: set[tuple[str, str | None]] = set()
     for item in order:

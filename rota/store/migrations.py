@@ -210,6 +210,15 @@ def m016_unique_keys(db: sqlite_utils.Database) -> None:
     db["unique_keys"].create_index(["job_id"])
 
 
+@migrations()
+def m017_active_keys(db: sqlite_utils.Database) -> None:
+    # The flow-control guard counts the active jobs of a concurrency key (rota/store/
+    # limits.py): partial indexes of keyed active jobs make that a lookup, not a scan.
+    for column in ("spec", "queue"):
+        db.execute(f"CREATE INDEX idx_jobs_active_{column}_key ON jobs ({column},"
+                   " concurrency_key) WHERE state = 'active' AND concurrency_key IS NOT NULL")
+
+
 def migrate(path: Path) -> None:
     conn = connect(path)
     try:

@@ -19,7 +19,7 @@ MIGRATIONS = (
     "m001_initial", "m002_lifecycle", "m003_failed_is_discarded", "m004_live_status",
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
-    "m014_throughput", "m015_flow_control", "m016_unique_keys",
+    "m014_throughput", "m015_flow_control", "m016_unique_keys", "m017_active_keys",
 )
 
 
@@ -66,6 +66,7 @@ def _cols(spec: str) -> tuple[Column, ...]:
 # Cold states only: every job is inserted available and reserved active, so the indexes
 # of m011 leave those two out and cost an enqueue or a reservation nothing.
 COLD = "state NOT IN ('available', 'active')"
+ACTIVE_KEYED = "state = 'active' AND concurrency_key IS NOT NULL"
 
 TABLES: tuple[Table, ...] = (
     Table("jobs", _cols(
@@ -129,6 +130,10 @@ INDEXES: tuple[Index, ...] = (
           f"{COLD} AND worker_id IS NOT NULL"),
     Index("idx_limit_starts_name_key_at", "limit_starts", ("name", "key", "at")),
     Index("idx_unique_keys_job_id", "unique_keys", ("job_id",)),
+    # The guard of flow control counts a key's active jobs per reservation (m017): only
+    # keyed active jobs are in these, so an unlimited job costs them nothing.
+    Index("idx_jobs_active_spec_key", "jobs", ("spec", "concurrency_key"), ACTIVE_KEYED),
+    Index("idx_jobs_active_queue_key", "jobs", ("queue", "concurrency_key"), ACTIVE_KEYED),
 )
 
 
