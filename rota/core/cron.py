@@ -37,8 +37,8 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 
 # a schedule that has not fired within this many years is taken never to fire again
-# (the rarest real pattern, a fifth weekday of a February, recurs within 28 years)
-HORIZON_YEARS = 30
+# (the rarest real pattern, a fifth weekday of a February, recurs within 40 years)
+HORIZON_YEARS = 50
 
 
 def _bad(message: str) -> Invalid:
@@ -67,16 +67,13 @@ class Schedule:
 
     def day_matches(self, day: date) -> bool:
         """Whether ``day`` is a firing day: when both day fields are restricted, either
-        one matching is enough (the standard cron rule)."""
+        one matching is enough (the standard cron rule); a field that starts with '*'
+        is not restricted, and then both must match, as in Vixie cron."""
         if day.month not in self.months:
             return False
         if self.dom_restricted and self.dow_restricted:
             return self._dom(day) or self._dow(day)
-        if self.dom_restricted:
-            return self._dom(day)
-        if self.dow_restricted:
-            return self._dow(day)
-        return True
+        return self._dom(day) and self._dow(day)  # an open field ('*', '*/2') still counts
 
     def _dom(self, day: date) -> bool:
         length = calendar.monthrange(day.year, day.month)[1]
@@ -130,11 +127,14 @@ def parse(expression: str) -> Schedule:
     sets = [_field(token, *spec) for token, spec in zip(fields[:5], _FIELDS[:5])
             if spec[0] != "day of month"]
     seconds, minutes, hours, months = sets
+    # '?' (Quartz) leaves a day field open, as '*' does
+    fields = [f if f != "?" or i not in (3, 5) else "*" for i, f in enumerate(fields)]
     dom = _day_of_month(fields[3])
     dow = _day_of_week(fields[5])
     schedule = Schedule(expression=text, seconds=seconds, minutes=minutes, hours=hours,
                         months=months, days=dom[0], last_day=dom[1], nearest_weekdays=dom[2],
                         weekdays=dow[0], last_weekdays=dow[1], nth_weekdays=dow[2],
+                        # as in Vixie cron, a field starting with '*' is not 'restricted'
                         dom_restricted=not fields[3].startswith("*"),
                         dow_restricted=not fields[5].startswith("*"))
     _check_possible(schedule)
@@ -297,8 +297,10 @@ def next_fires(schedule: Schedule, tz: ZoneInfo, after: float, count: int,
 
 
 def _every_fires(every: float, after: float, count: int, anchor: float) -> list[float]:
+    """anchor + k * every for the smallest k >= 1 past ``after``, and the ones after it."""
     steps = max(1, int((after - anchor) // every) + 1)
-    if anchor + (steps - 1) * every > after and steps > 1:  # float rounding, one step back
+    # the division may round either way: settle on the first step strictly after
+    while steps > 1 and anchor + (steps - 1) * every > after:
         steps -= 1
     while anchor + steps * every <= after:
         steps += 1

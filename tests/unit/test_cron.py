@@ -191,3 +191,42 @@ def test_zone_defaults_to_utc():
     assert cron.zone().key == "UTC"
     assert cron.zone(None).key == "UTC"
     assert cron.zone("Asia/Kolkata").key == "Asia/Kolkata"
+
+
+def test_day_fields_left_open():
+    # '?' leaves a day field open; '*/2' is not 'restricted' (Vixie), so both must match
+    assert fires("0 0 ? * MON", "2026-01-01T00:00:00", 2) == [
+        "2026-01-05T00:00:00+00:00", "2026-01-12T00:00:00+00:00"]
+    assert fires("0 0 */2 * MON", "2026-01-01T00:00:00", 2) == [
+        "2026-01-05T00:00:00+00:00", "2026-01-19T00:00:00+00:00"]
+    assert cron.next_fires(cron.parse("@daily"), UTC, 0.0, 0) == []
+
+
+def brute_force(schedule: cron.Schedule, tz, after: float, end: float) -> list[float]:
+    """The definition, checked second by second of each minute: an instant fires when its
+    wall-clock time matches and is that time's first occurrence (fold 0)."""
+    found = []
+    instant = int(after) + 1
+    while instant < end:
+        wall = datetime.fromtimestamp(instant, tz)
+        if (wall.fold == 0 and wall.second in schedule.seconds
+                and wall.minute in schedule.minutes and wall.hour in schedule.hours
+                and schedule.day_matches(wall.date())):
+            found.append(float(instant))
+        instant += 1 if len(schedule.seconds) > 1 else 60 - wall.second
+    return found
+
+
+@pytest.mark.parametrize(("tz_name", "around"), [
+    ("America/New_York", "2026-03-08T00:00:00"), ("America/New_York", "2026-11-01T00:00:00"),
+    ("Europe/Berlin", "2026-03-29T00:00:00"), ("Europe/Berlin", "2026-10-25T00:00:00"),
+    ("Australia/Lord_Howe", "2026-04-05T00:00:00"),  # a half-hour shift
+    ("Australia/Lord_Howe", "2026-10-04T00:00:00"),
+])
+@pytest.mark.parametrize("expression", ["*/7 * * * *", "0,30 1-3 * * *", "*/20 59 1 * * *"])
+def test_agrees_with_the_definition_across_dst(tz_name, around, expression):
+    tz = cron.zone(tz_name)
+    schedule = cron.parse(expression)
+    after = at(around, tz) - 3600
+    expected = brute_force(schedule, tz, after, after + 2 * 86400)
+    assert cron.next_fires(schedule, tz, after, len(expected)) == expected
