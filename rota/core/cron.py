@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import calendar
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from zoneinfo import ZoneInfo
@@ -248,7 +249,8 @@ def _check_possible(schedule: Schedule) -> None:
     days = schedule.days | (schedule.nearest_weekdays - {0})
     if 0 not in schedule.nearest_weekdays and min(days) > longest:
         months = ",".join(str(m) for m in sorted(schedule.months))
-        raise _bad(f"day of month {min(days)} never occurs in month {months}; "
+        plural = "s" if len(schedule.months) > 1 else ""
+        raise _bad(f"day of month {min(days)} never occurs in month{plural} {months}; "
                    "the schedule would never fire")
 
 
@@ -328,7 +330,7 @@ def _latest(tz: ZoneInfo, day: date, hour: int, minute: int, second: int) -> flo
     return max(wall.timestamp(), wall.replace(fold=1).timestamp())
 
 
-def _day_fires(schedule: Schedule, tz: ZoneInfo, day: date, after: float):
+def _day_fires(schedule: Schedule, tz: ZoneInfo, day: date, after: float) -> Iterator[float]:
     """The fire times of a matching day after ``after``, in order; an hour or a minute
     that ends before ``after`` is passed over whole."""
     for hour in sorted(schedule.hours):

@@ -162,6 +162,10 @@ def test_a_rare_fire_is_found_without_scanning_minutes():
     ("* * * FOO *", "month value 'FOO' in 'FOO' is not a number or a name"),
     ("* * * * 5#6", "occurrence '6' in '5#6' (day of week) is not 1-5"),
     ("0 0 30 2 *", "day of month 30 never occurs in month 2; the schedule would never fire"),
+    ("0 0 31 2,APR *",
+     "day of month 31 never occurs in months 2,4; the schedule would never fire"),
+    ("1- * * * *", "minute value '' in '1-' is not a number"),
+    ("* * * * 1-5W", "day of week value '5W' in '1-5W' is not a number or a name"),
     ("@fortnightly", "unknown cron alias '@fortnightly'; known: @yearly, @annually, @monthly,"
                      " @weekly, @daily, @midnight, @hourly, @every"),
     ("@every", "@every needs a duration, e.g. '@every 90s'"),
