@@ -277,7 +277,8 @@ def next_fires(schedule: Schedule, tz: ZoneInfo, after: float, count: int,
                anchor: float | None = None) -> list[float]:
     """The next ``count`` fire times strictly after ``after`` (epoch seconds), earliest
     first. ``@every`` counts from ``anchor`` (registration or the last fire; ``after``
-    when None). Fewer are returned only if the schedule stops firing within the horizon."""
+    when None). Fewer are returned only near year 9999, or if the schedule stops firing for
+    ``HORIZON_YEARS`` (which no expression ``parse`` accepts does)."""
     if count <= 0:
         return []
     if schedule.every is not None:
@@ -294,6 +295,7 @@ def next_fires(schedule: Schedule, tz: ZoneInfo, after: float, count: int,
                 fires.append(fire)
                 if len(fires) == count:
                     return fires
+                end = date(min(day.year + HORIZON_YEARS, 9999), 1, 1)  # counted from a fire
         day += timedelta(days=1)
     return fires
 

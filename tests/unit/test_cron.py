@@ -134,6 +134,12 @@ def test_a_half_hour_zone():
         at("2026-01-01T03:30:00")]
 
 
+def test_the_rarest_day_keeps_firing():
+    # a fifth Friday in February: leap years whose February starts on a Friday
+    assert fires("0 0 * 2 FRI#5", "2027-01-01T00:00:00", 3) == [
+        "2036-02-29T00:00:00+00:00", "2064-02-29T00:00:00+00:00", "2092-02-29T00:00:00+00:00"]
+
+
 def test_a_rare_fire_is_found_without_scanning_minutes():
     schedule = cron.parse("0 0 29 2 *")
     started = time.perf_counter()
