@@ -113,7 +113,7 @@ def parse(expression: str) -> Schedule:
     if not text:
         raise _bad("the cron expression is empty")
     lowered = text.lower()
-    if lowered.startswith("@every"):
+    if lowered == "@every" or lowered.startswith("@every "):
         return Schedule(expression=text, every=_duration(text[len("@every"):].strip()))
     if text.startswith("@"):
         if lowered not in ALIASES:
@@ -159,11 +159,16 @@ def _duration(text: str) -> float:
     return total
 
 
+def _digits(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes '²', which int() then refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _value(token: str, part: str, name: str, low: int, high: int,
            names: dict[str, int] | None) -> int:
     if names and part.upper() in names:
         return names[part.upper()]
-    if not part.isdigit():
+    if not _digits(part):
         raise _bad(f"{name} value {part!r} in {token!r} is not a number"
                    + (" or a name" if names else ""))
     number = int(part)
@@ -182,7 +187,7 @@ def _field(token: str, name: str, low: int, high: int,
         base, slash, step_text = item.partition("/")
         step = 1
         if slash:
-            if not step_text.isdigit():
+            if not _digits(step_text):
                 raise _bad(f"step {step_text!r} in {item!r} ({name}) is not a number")
             step = int(step_text)
             if step == 0:
@@ -231,7 +236,7 @@ def _day_of_week(token: str) -> tuple[frozenset[int], frozenset[int], frozenset[
             last.add(_value(item, item[:-1], name, low, high, names) % 7)
         elif "#" in item:
             day, _, which = item.partition("#")
-            if not which.isdigit() or not 1 <= int(which) <= 5:
+            if not _digits(which) or not 1 <= int(which) <= 5:
                 raise _bad(f"occurrence {which!r} in {item!r} ({name}) is not 1-5")
             nth.add((_value(item, day, name, low, high, names) % 7, int(which)))
         else:

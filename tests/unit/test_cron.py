@@ -177,6 +177,11 @@ def test_a_rare_fire_is_found_without_scanning_minutes():
     ("@every", "@every needs a duration, e.g. '@every 90s'"),
     ("@every 0s", "duration '0s' in '@every 0s' must be more than zero"),
     ("@every 10", "duration '10' in '@every 10' is not like 1h30m, 45s or 500ms"),
+    ("@everyday", "unknown cron alias '@everyday'; known: @yearly, @annually, @monthly,"
+                  " @weekly, @daily, @midnight, @hourly, @every"),
+    ("\u00b2 * * * *", "minute value '\u00b2' in '\u00b2' is not a number"),
+    ("*/\u00b2 * * * *", "step '\u00b2' in '*/\u00b2' (minute) is not a number"),
+    ("* * * * 5#\u00b2", "occurrence '\u00b2' in '5#\u00b2' (day of week) is not 1-5"),
     ("@every 1d", "duration '1d' in '@every 1d' is not like 1h30m, 45s or 500ms"),
 ])
 def test_refused_expressions(expression, message):
