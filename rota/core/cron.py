@@ -17,7 +17,10 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
-from zoneinfo import ZoneInfo
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (zoneinfo is imported where a zone is made: on Python 3.13 it loads
+    from zoneinfo import ZoneInfo  # threading, which the core keeps out of its imports)
 
 from rota.base.errors import Invalid
 
@@ -272,6 +275,8 @@ def zone(name: str | None = "UTC") -> ZoneInfo:
     if name not in ("UTC", "Etc/UTC") and "/" not in name:
         raise Invalid("invalid_timezone", f"time zone {name!r} is not an IANA Region/City "
                       "name such as 'Europe/Berlin' (or 'UTC')")
+    from zoneinfo import ZoneInfo
+
     try:
         return ZoneInfo(name)
     except (ValueError, KeyError, OSError):
