@@ -128,7 +128,9 @@ async def test_a_first_visit_sent_to_login_logs_no_warning(guarded, caplog):
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if "login form" in r.getMessage()]
     assert [level for level, _ in lines] == [logging.DEBUG, logging.INFO], lines
     assert "its session cookie is not a valid admin token" in lines[1][1]
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # (A "server stalled" warning is the loop's own, about a loaded machine, not the visit.)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and not r.getMessage().startswith("server stalled")]
 
 
 @pytest.mark.parametrize(("headers", "code"), [
