@@ -6,9 +6,8 @@ effects it returns, in order: writes go to the single writer as they come (so th
 commit in decision order), a write that carries a ticket reports its outcome back to the
 engine, and a frame is sent only when the engine releases it, which for anything that
 depends on a write is after its COMMIT. Two loops run beside the sockets: dispatch (a
-scheduling round when woken) and timers (the engine's ``tick``, at least every
-``tick_every``). The rest of the shell is parts it owns and hands what they use:
-rota/server/admission.py, steering.py, tokenwatch.py, watching.py and upkeep.py.
+round when woken) and timers (the engine's ``tick``, at least every ``tick_every``). The
+rest is parts it owns: rota/server/admission.py, steering, tokenwatch, watching, upkeep.
 """
 
 from __future__ import annotations
@@ -70,10 +69,11 @@ class Coordinator(ShellReads, ShellDirectives):
                            database_url=settings.database_url, db_pool=settings.db_pool,
                            lease=settings.server_lease, hold_reserve=settings.hold_reserve,
                            health=Health(hold=settings.recover_after))
-        # Its name on a shared database (docs/scaling.md): reservations carry it.
         self.server_id = settings.server_id or f"{socket.gethostname()}:{settings.port}"
-        self.store.server_id = self.server_id
+        self.store.server_id = self.server_id  # (docs/scaling.md: reservations carry it)
         self.engine = engine = Engine(settings)
+        self.store.on_released = lambda jobs: self.apply(  # (rota/store/settle.py)
+            engine.taken_in(jobs, self.clock()))
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
         self._outboxes: dict[int, Outbox] = {}
         self._conns = 0
