@@ -9,6 +9,7 @@ UPDATE``), so two servers ending two of its jobs at once advance it one after th
 from __future__ import annotations
 
 import base64
+import logging
 import sqlite3
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,7 @@ NODE_COLUMNS = ("node", "parent", "end_node", "kind", "position", "role", "state
 WORKFLOW_COLUMNS = ("id", "type", "name", "state", "digest", "created_at", "started_at",
                     "finished_at", "job_count", "completed_count", "failed_count",
                     "steps_total", "error", "created_by", "max_parent_results")
+log = logging.getLogger("rota.server")
 _NODES = f"SELECT {', '.join(NODE_COLUMNS)} FROM workflow_nodes WHERE workflow_id = ?"
 
 
@@ -150,6 +152,7 @@ def advance(conn: sqlite3.Connection, ended: Sequence[Any], now: float) -> list[
         if found is None:
             continue  # (deleted with its jobs kept: nothing to advance)
         head, limit = found
+        was = head.state
         flow = wf.Flow(head, SqlRows(conn, workflow_id), limit=limit, now=now)
         for e in by_workflow[workflow_id]:
             flow.end(wf.Ending(int(e.workflow_node or 0), e.state, e.result, e.error,
@@ -157,6 +160,9 @@ def advance(conn: sqlite3.Connection, ended: Sequence[Any], now: float) -> list[
         decision = flow.done()
         if decision.rows:
             released += apply(conn, decision, now)
+        if head.state != was:  # it ended (logged in its transaction: a rerun says it again)
+            log.info("workflow %s id=%s completed=%d failed=%d", head.state, workflow_id,
+                     head.completed_count, head.failed_count)
     return released
 
 
