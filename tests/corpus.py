@@ -269,4 +269,6 @@ WORKFLOW_SLIPS: list[tuple[str, object, int, str]] = [
     ("a name with a newline", {"type": "group", "name": f"x\nERROR {FORGED}", "jobs": [_JOB]},
      422, "invalid_workflow"),
     ("10,001 jobs", {"type": "group", "jobs": [_JOB] * 10_001}, 422, "workflow_too_large"),
+    ("a misspelt queue in a step", {"type": "chain", "steps": [
+        _JOB, {"spec": "parked", "queue": "defualt"}]}, 422, "unknown_queue"),
 ]

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rota.base.errors import Conflict, DomainError, NotFound
+from rota.base.errors import Conflict, DomainError, Invalid, NotFound
 from rota.base.ids import uuid7
 from rota.core import workflow_defs as defs
 from rota.core import workflows as wf
@@ -25,6 +25,7 @@ from rota.core.jobs import EnqueueRequest
 from rota.core.model import Instant, JobRecord, JobState
 from rota.core.settings import ServerSettings
 from rota.core.workflow_view import summary, view
+from rota.server.shell_reads import new_queue_problems
 from rota.store.store import Store
 
 log = logging.getLogger("rota.server")
@@ -50,6 +51,7 @@ class Composing:
         now = self.clock()
         jobs: list[JobRecord] = []
         paths: list[str] = []
+        queues: dict[str, str] = {}  # a queue a step names (not as new) -> its first step
 
         def check(path: str, request: EnqueueRequest) -> DomainError | None:
             built = self.engine.build(request, principal, now)
@@ -57,9 +59,18 @@ class Composing:
                 return built
             jobs.append(built)
             paths.append(path)
+            if request.queue is not None and not request.new_queue:
+                queues.setdefault(request.queue, path)
             return None
 
         definition = defs.definition(data, check)
+        # A queue that is a slip for a known one would hold its step for ever, as an
+        # enqueue's would (rota/server/admission.py): refused the same way.
+        problems = await new_queue_problems(self.store, self.engine, queues)
+        if problems:
+            queue, problem = next(iter(sorted(problems.items())))
+            raise Invalid("unknown_queue", f"{queues[queue]}: {problem}; to make it anyway,"
+                          " give \"new_queue\": true")
         nodes = defs.plan(definition)
         workflow_id = definition.id or uuid7()
         steps = [node for node in nodes if node.kind == "job"]
