@@ -66,3 +66,20 @@ async def test_three_servers_advance_each_workflow_once(tmp_path: Path, pg_url: 
         last = (await lives[0].http.get(f"/jobs/{line['root']['children'][2]['job_id']}")
                 ).json()
         assert last["result"]["given"] == ["0", "1"]
+
+
+async def test_a_workflow_through_another_server_right_after_a_push_finds_its_specs(
+        tmp_path: Path, pg_url: str):
+    """As an enqueue: a server that has not heard of a spec pushed through another one
+    reads the status quo before it refuses a workflow naming it."""
+    spec = write_spec(tmp_path / "specs", "step")
+    async with servers(tmp_path, pg_url, 2) as (a, b):
+        cluster = b.server.config.loaded_app.app.state.cluster  # type: ignore[union-attr]
+        cluster._ready = False  # B hears no spec notice: as if it had not come yet
+        await a.push(spec)
+        made = await b.http.post("/workflows", json={"type": "group", "jobs": [
+            {"spec": "step"}]})
+        assert made.status_code == 201, made.text
+        refused = await b.http.post("/workflows", json={"type": "group", "jobs": [
+            {"spec": "stpe"}]})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (422, "unknown_spec")
