@@ -113,10 +113,11 @@ class Coordinator(ShellReads, ShellDirectives):
         self.cancel, self.retry, self.bulk = steering.cancel, steering.retry, steering.bulk
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
         self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
-        self.composing = flows = Composing(settings, store, engine, clock, steering.cancel,
-                                           self.admission._read_status_quo)
-        self.create_workflow, self.workflow, self.workflows = flows.create, flows.view, flows.page
-        self.cancel_workflow, self.retry_workflow = flows.cancel, flows.retry
+        self.composing = composing = Composing(settings, store, engine, clock, steering.cancel,
+                                               self.admission._read_status_quo)
+        self.create_workflow, self.workflow = composing.create, composing.view
+        self.workflows = composing.page
+        self.cancel_workflow, self.retry_workflow = composing.cancel, composing.retry
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse
