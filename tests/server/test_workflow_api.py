@@ -218,5 +218,16 @@ async def test_bad_input_is_refused_precisely_and_nothing_is_stored(live: Live, 
     assert [w["id"] for w in listed] == ["w"]
     jobs = (await live.http.get("/jobs")).json()["jobs"]
     assert [j["workflow_id"] for j in jobs] == ["w"]  # the refused ones left nothing
+    before = len(jobs)
+    # A step's unique key (its spec's [unique]) held by another job: the whole is refused.
+    await live.push(write_spec(tmp_path, "solo", queue="nobody",
+                               extra='[unique]\nkeys = ["spec"]\n'))
+    holder = await live.enqueue("solo")
+    held = await live.http.post("/workflows", json={"type": "chain", "steps": [
+        job("step"), job("solo")]})
+    assert (held.status_code, held.json()["error"]["code"]) == (409, "unique_conflict")
+    assert held.json()["error"]["message"].startswith(f"steps[1]: job {holder['id']} holds")
+    assert [w["id"] for w in (await live.http.get("/workflows")).json()["workflows"]] == ["w"]
+    assert len((await live.http.get("/jobs")).json()["jobs"]) == before + 1  # the holder
     missing = await live.http.get("/workflows/nope")
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "not_found")
