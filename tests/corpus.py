@@ -238,3 +238,37 @@ UNIQUE_OPTIONS: list[tuple[str, dict[str, object], str]] = [
     ("a dimension twice", {"keys": ["args", "args"]}, "twice"),
     ("an argument twice", {"keys": ["args"], "args_keys": ["user", "user"]}, "twice"),
 ]
+
+
+# Workflows (POST /workflows) no server can run, against the same server (spec parked):
+# (name, body, status, code). Each is refused with a 4xx naming the step, and nothing of
+# it is stored (no workflow, no job).
+_JOB = {"spec": "parked"}
+WORKFLOW_SLIPS: list[tuple[str, object, int, str]] = [
+    ("an empty chain", {"type": "chain", "steps": []}, 422, "empty_workflow"),
+    ("a batch without callbacks", {"type": "batch", "jobs": [_JOB], "callbacks": {}}, 422,
+     "invalid_workflow"),
+    ("an unknown primitive", {"type": "dag", "nodes": [_JOB]}, 422, "invalid_workflow"),
+    ("a step that is no object", {"type": "chain", "steps": [_JOB, 7]}, 422,
+     "invalid_workflow"),
+    ("a misspelt spec deep inside", {"type": "chain", "steps": [_JOB, {
+        "type": "group", "jobs": [_JOB, {"spec": "prked"}]}]}, 422, "unknown_spec"),
+    ("a cycle, by a repeated id", {"type": "chain", "id": "loop", "steps": [
+        {"type": "chain", "id": "loop", "steps": [_JOB]}]}, 422, "invalid_workflow"),
+    ("five deep", {"type": "chain", "steps": [{"type": "group", "jobs": [{"type": "chain",
+     "steps": [{"type": "group", "jobs": [{"type": "batch", "jobs": [_JOB],
+                                           "callbacks": {"on_complete": _JOB}}]}]}]}]},
+     422, "workflow_too_deep"),
+    ("a step's own id", {"type": "group", "jobs": [{"spec": "parked", "id": "mine"}]}, 422,
+     "invalid_workflow"),
+    ("a step's run_at", {"type": "group", "jobs": [{"spec": "parked",
+                                                   "run_at": "2030-01-01T00:00:00Z"}]},
+     422, "invalid_workflow"),
+    ("a workflow id with a slash", {"type": "group", "id": "a/b", "jobs": [_JOB]}, 422,
+     "invalid_id"),
+    ("a name with a newline", {"type": "group", "name": f"x\nERROR {FORGED}", "jobs": [_JOB]},
+     422, "invalid_workflow"),
+    ("10,001 jobs", {"type": "group", "jobs": [_JOB] * 10_001}, 422, "workflow_too_large"),
+    ("a misspelt queue in a step", {"type": "chain", "steps": [
+        _JOB, {"spec": "parked", "queue": "defualt"}]}, 422, "unknown_queue"),
+]

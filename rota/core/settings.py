@@ -92,6 +92,9 @@ class ServerSettings:
     max_result_bytes: int = option(  # a job's result, as JSON
         1 << 20, help="Largest job result, as JSON (the job fails with result_too_large"
         " above).")
+    max_parent_results_bytes: int = option(  # what a workflow's step gets of its parents
+        1 << 20, minimum=64 * 1024, help="Largest parent_results a workflow's step is"
+        " given, as JSON (the step fails with parent_results_too_large above).")
     max_body_bytes: int = option(  # an HTTP request body
         1 << 20, help="Largest HTTP request body (413 body_too_large above).")
     # What an acknowledged write survives: "full" (fsynced: power loss) or "process" (a

@@ -96,10 +96,10 @@ class _Reader:
 
     def composite(self, data: dict[str, Any], path: str, depth: int) -> Composite:
         kind = data["type"]
-        if kind not in TYPES:
-            where = at(path, "type") or "type"
-            raise Invalid("invalid_workflow", f"{where} must be one of chain, group, batch, not"
-                          f" {kind!r} (a job step has no type: it names its spec)")
+        if not isinstance(kind, str) or kind not in TYPES:
+            said = f"{kind!r}" if isinstance(kind, str) else GOT[kind_of(kind)]
+            raise Invalid("invalid_workflow", f"{at(path, 'type')} must be one of chain, group,"
+                          f" batch, not {said} (a job step has no type: it names its spec)")
         if depth > MAX_DEPTH:
             raise Invalid("workflow_too_deep", f"{path or 'the workflow'}: workflows nest at"
                           f" most {MAX_DEPTH} deep (a chain, group or batch counts one)")

@@ -26,7 +26,8 @@ from rota.base.errors import Conflict
 from rota.core.jobs import error_record
 from rota.core.workflow_defs import Node
 
-LIVE = ("pending", "running")  # a workflow's states that still advance
+STATES = ("pending", "running", "completed", "failed", "cancelled")  # a workflow's (OJS §8)
+LIVE = ("pending", "running")  # those that still advance
 OPEN = ("waiting", "pending", "active")  # a node's states before its end
 MAX_LISTED = 100  # failed jobs named in a workflow's error (failed_count counts them all)
 TOO_LARGE = "parent_results_too_large"

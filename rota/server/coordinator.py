@@ -7,7 +7,8 @@ commit in decision order), a write that carries a ticket reports its outcome bac
 engine, and a frame is sent only when the engine releases it, which for anything that
 depends on a write is after its COMMIT. Two loops run beside the sockets: dispatch (a
 round when woken) and timers (the engine's ``tick``, at least every ``tick_every``). The
-rest is parts it owns: rota/server/admission.py, steering, tokenwatch, watching, upkeep.
+rest is parts it owns: rota/server/admission.py, steering, composing, tokenwatch, watching,
+upkeep.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 from rota.base import protocol as p
 from rota.server.admission import Admission
+from rota.server.composing import Composing
 from rota.core.auth import OPEN, Principal, Tokens
 from rota.core.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           Withdraw, WorkerGone, WorkerSeen)
@@ -111,6 +113,9 @@ class Coordinator(ShellReads, ShellDirectives):
         self.cancel, self.retry, self.bulk = steering.cancel, steering.retry, steering.bulk
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
         self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
+        self.composing = flows = Composing(settings, store, engine, clock, steering.cancel)
+        self.create_workflow, self.workflow, self.workflows = flows.create, flows.view, flows.page
+        self.cancel_workflow, self.retry_workflow = flows.cancel, flows.retry
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse

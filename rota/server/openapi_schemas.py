@@ -365,3 +365,64 @@ class Stats(msgspec.Struct):
     minute_starts: list[str]  # the minutes counted, oldest first; the last is under way
     series: list[StatsSeries]
     oldest_available: dict[str, float | None]  # per queue: seconds, null if none waits
+
+
+# -- workflows (rota/server/workflows.py, rota/core/workflow_view.py) ------------------------
+WorkflowState = Literal["pending", "running", "completed", "failed", "cancelled"]
+NodeState = Literal["waiting", "pending", "active", "completed", "failed", "cancelled",
+                    "skipped"]
+
+
+class StepError(msgspec.Struct):
+    job_id: str
+    code: str
+    message: str
+    attempt: int
+
+
+class WorkflowError(msgspec.Struct, omit_defaults=True):
+    """OJS §9.6: a failed workflow's steps (at most 100 named; failed_count counts all)."""
+
+    failed_job_ids: list[str]
+    errors: list[StepError]
+    failed_step_index: int | None = None  # a chain's: its step that failed
+
+
+class WorkflowNode(msgspec.Struct, omit_defaults=True):
+    node: int
+    kind: Literal["job", "chain", "group", "batch"]
+    state: NodeState
+    position: int
+    children: list[WorkflowNode]
+    role: Literal["on_success", "on_failure", "on_complete"] | None = None
+    job_id: str | None = None
+    spec: str | None = None
+
+
+class WorkflowSummary(msgspec.Struct):
+    id: str
+    type: Literal["chain", "group", "batch"]
+    name: str | None
+    state: WorkflowState
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+    job_count: int
+    completed_count: int
+    failed_count: int
+    steps_total: int
+
+
+class Workflow(WorkflowSummary):
+    error: WorkflowError | None
+    root: WorkflowNode
+
+
+class WorkflowCreated(msgspec.Struct):
+    workflow: Workflow
+    created: bool
+
+
+class WorkflowList(msgspec.Struct):
+    workflows: list[WorkflowSummary]
+    next: str | None  # GET /workflows?after= for the next page; null: the last page

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.server import api, feeds, operate
+from rota.server import api, feeds, operate, workflows
 from rota.server.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.server.gate import OPEN_PATHS  # one list of what needs no token: the gate's
 from rota.base.flow import WrittenRule
@@ -23,7 +23,9 @@ from rota.server.openapi_schemas import (BatchReply, BulkReply, Directed, Enqueu
                                   History, JobDetail, JobList, JobView, LimitCleared, LimitEntry,
                                   LimitList, NewToken, PushReply,
                                   QueuePaused, Queues, ResultReply, Retired, Revoked, SpecList,
-                                  Stats, TokenList, Workers)
+                                  Stats, TokenList, Workers, Workflow, WorkflowCreated,
+                                  WorkflowList)
+from rota.core.workflow_defs import Composite
 from rota.server.operate import BulkRequest
 
 BAD = {400: ErrorBody, 413: ErrorBody, 422: ErrorBody}
@@ -51,6 +53,20 @@ ROUTES: list[Op] = [
        "A job's result, waiting up to ?wait= seconds", None,
      {200: ResultReply, 202: ResultReply, 400: ErrorBody, 401: ErrorBody, 404: ErrorBody,
       429: ErrorBody}),
+    Op("post", "/workflows", workflows.create_workflow,
+       "Create a workflow: a chain, group or batch of jobs, nestable, stored whole", Composite,
+       {201: WorkflowCreated, 200: WorkflowCreated, 403: ErrorBody, 409: ErrorBody, **BAD}),
+    Op("get", "/workflows", workflows.list_workflows,
+       "Workflows, newest first, a page at a time (a producer's own)", None,
+       {200: WorkflowList, 400: ErrorBody, 422: ErrorBody}),
+    Op("get", "/workflows/{workflow_id}", workflows.show_workflow,
+       "A workflow, with its steps' states and jobs", None, {200: Workflow, 404: ErrorBody}),
+    Op("delete", "/workflows/{workflow_id}", workflows.cancel_workflow,
+       "Cancel a workflow: its waiting and running jobs", None,
+       {200: Workflow, 404: ErrorBody, 409: ErrorBody}),
+    Op("post", "/workflows/{workflow_id}/retry", workflows.retry_workflow,
+       "Run a failed workflow again from where it failed (admin)", None,
+       {200: Workflow, 404: ErrorBody, 409: ErrorBody}),
     Op("get", "/specs", api.list_specs, "The status quo", None, {200: SpecList}),
     Op("put", "/specs", api.push_specs,
        "Push specs (a deploy)", PushRequest, {200: PushReply, **BAD}),
@@ -100,7 +116,8 @@ STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry"
                 "/jobs/{job_id}/result", "/specs", "/specs/{name}/history", "/queues",
                 "/tokens", "/tokens/{token}", "/specs/{name}/retire", "/stats", "/metrics",
                 "/jobs/retry", "/jobs/cancel", "/queues/{queue}/pause", "/queues/{queue}/resume",
-                "/limits/{kind}/{name}"}
+                "/limits/{kind}/{name}", "/workflows", "/workflows/{workflow_id}",
+                "/workflows/{workflow_id}/retry"}
 
 
 @functools.cache

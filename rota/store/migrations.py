@@ -233,6 +233,33 @@ def m018_job_origins(db: sqlite_utils.Database) -> None:
                " WHERE schedule IS NOT NULL")
 
 
+
+# (m019 is the cron schedules' table, rota/store/ticks.py)
+@migrations()
+def m020_workflows(db: sqlite_utils.Database) -> None:
+    # Workflows (rota/core/workflows.py): one row each, with its counts and the limit on
+    # what its steps pass on; and one row per node of its tree, numbered in preorder
+    # (end_node: the last node of its subtree, so a subtree is a range of the key).
+    db["workflows"].create(
+        {"id": str, "type": str, "name": str, "state": str, "digest": str,
+         "created_at": float, "started_at": float, "finished_at": float, "job_count": int,
+         "completed_count": int, "failed_count": int, "steps_total": int, "error": str,
+         "created_by": str, "max_parent_results": int},
+        pk="id", not_null={"type", "state", "digest", "created_at", "job_count",
+                           "completed_count", "failed_count", "steps_total",
+                           "max_parent_results"},
+        defaults={"completed_count": 0, "failed_count": 0})
+    db["workflows"].create_index(["created_at"])
+    db["workflow_nodes"].create(
+        {"workflow_id": str, "node": int, "parent": int, "end_node": int, "kind": str,
+         "position": int, "role": str, "state": str, "job_id": str, "spec": str,
+         "remaining": int, "failed": int, "result": str, "error": str,
+         "parent_results": str},
+        pk=("workflow_id", "node"), not_null={"end_node", "kind", "position", "state",
+                                              "remaining", "failed"},
+        defaults={"remaining": 0, "failed": 0})
+    db["workflow_nodes"].create_index(["workflow_id", "parent"])
+
 def migrate(path: Path) -> None:
     conn = connect(path)
     try:

@@ -20,7 +20,7 @@ MIGRATIONS = (
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
     "m014_throughput", "m015_flow_control", "m016_unique_keys", "m017_active_keys",
-    "m018_job_origins",
+    "m018_job_origins", "m020_workflows",
 )
 
 
@@ -119,6 +119,18 @@ TABLES: tuple[Table, ...] = (
     # Unique jobs' keys (m016): the job holding each, what it holds it for, and until when.
     Table("unique_keys", _cols("key TEXT, job_id TEXT NOT NULL, covers TEXT NOT NULL,"
                                " until REAL"), pk=("key",)),
+    # Workflows (m020): one row each, and one per node of its tree (rota/store/flows.py).
+    Table("workflows", _cols(
+        "id TEXT, type TEXT NOT NULL, name TEXT, state TEXT NOT NULL, digest TEXT NOT NULL,"
+        " created_at REAL NOT NULL, started_at REAL, finished_at REAL,"
+        " job_count INTEGER NOT NULL, completed_count INTEGER NOT NULL =0,"
+        " failed_count INTEGER NOT NULL =0, steps_total INTEGER NOT NULL, error TEXT,"
+        " created_by TEXT, max_parent_results INTEGER NOT NULL"), pk=("id",)),
+    Table("workflow_nodes", _cols(
+        "workflow_id TEXT, node INTEGER, parent INTEGER, end_node INTEGER NOT NULL,"
+        " kind TEXT NOT NULL, position INTEGER NOT NULL, role TEXT, state TEXT NOT NULL,"
+        " job_id TEXT, spec TEXT, remaining INTEGER NOT NULL =0, failed INTEGER NOT NULL =0,"
+        " result TEXT, error TEXT, parent_results TEXT"), pk=("workflow_id", "node")),
 )
 
 INDEXES: tuple[Index, ...] = (
@@ -140,6 +152,8 @@ INDEXES: tuple[Index, ...] = (
     Index("idx_jobs_workflow", "jobs", ("workflow_id", "workflow_node"),
           "workflow_id IS NOT NULL"),
     Index("idx_jobs_schedule", "jobs", ("schedule", "state"), "schedule IS NOT NULL"),
+    Index("idx_workflows_created_at", "workflows", ("created_at",)),
+    Index("idx_workflow_nodes_workflow_id_parent", "workflow_nodes", ("workflow_id", "parent")),
 )
 
 

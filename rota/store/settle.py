@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from rota.core.model import TERMINAL_STATES, Change, JobRecord
-from rota.store.rows import LIVE, live_job
+from rota.store import flows
+# (release and cancel_pending live in rota/store/holds.py, beside the other moves of a
+# pending job, so that flows.py and ticks.py use them without importing this module)
+from rota.store.holds import cancel_pending, release  # noqa: F401
 
 
 class Ended(NamedTuple):
@@ -58,33 +61,7 @@ def settle(conn: sqlite3.Connection, ended: Sequence[Ended], now: float) -> list
     released: list[JobRecord] = []
     # rota/store/flows.py (a workflow's next steps) and rota/store/ticks.py (a schedule's
     # next queued tick) add theirs here.
+    steps = [e for e in ended if e.workflow_id is not None and e.workflow_node is not None]
+    if steps:
+        released += flows.advance(conn, steps, now)
     return released
-
-
-_RELEASE = ("UPDATE jobs SET state = 'available', parent_results = COALESCE(?, parent_results)"
-            " WHERE id = ? AND state = 'pending' RETURNING " + ", ".join(LIVE))
-
-
-def release(conn: sqlite3.Connection, jobs: Sequence[tuple[str, str | None]]
-            ) -> list[JobRecord]:
-    """Make pending jobs wait, each with what its workflow passes it (JSON text, or None
-    to keep what it has); those still pending, as their rows read now."""
-    out: list[JobRecord] = []
-    for job_id, parents in jobs:
-        cursor = conn.execute(_RELEASE, (parents, job_id))
-        cursor.row_factory = None
-        out += [live_job(row) for row in cursor]
-    return out
-
-
-def cancel_pending(conn: sqlite3.Connection, job_ids: Sequence[str], now: float,
-                   error: Any = None) -> int:
-    """Cancel pending jobs (never released: nothing holds them); how many were."""
-    count = 0
-    for job_id in job_ids:
-        count += conn.execute(
-            "UPDATE jobs SET state = 'cancelled', finished_at = ?,"
-            " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]',"
-            " json(?)) END WHERE id = ? AND state = 'pending'",
-            (now, error, error, job_id)).rowcount
-    return count

@@ -28,6 +28,7 @@ from rota.store.urls import redact
 from rota.store import writes as sql  # the writes' SQL and their functions of a connection
 from rota.store.health import Health
 from rota.store.reading import Reading
+from rota.store.flowing import Flowing
 from rota.store import settle
 from rota.store.readers import Readers
 from rota.store.writer import Checkpointer, Writer
@@ -52,7 +53,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class Store(Reading):
+class Store(Reading, Flowing):
     path: Path
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
     durability: str = "full"  # sqlite.SYNCHRONOUS: what a commit survives
@@ -309,7 +310,12 @@ class Store(Reading):
                 ) -> list[JobRecord]:
         """``settle.settle`` in a writer's transaction: the jobs the endings released,
         announced to the other servers sharing the database."""
-        released = settle.settle(conn, ended, now) if ended else []
+        return self._announce(conn, settle.settle(conn, ended, now) if ended else [])
+
+    def _announce(self, conn: sqlite3.Connection, released: list[JobRecord]
+                  ) -> list[JobRecord]:
+        """Jobs a transaction released, announced to the other servers sharing the
+        database (they load them at its commit)."""
         if released and self.shared:
             fleet.notify(conn, fleet.JOBS, self.server_id or "",
                          [str(job.seq) for job in released])

@@ -70,6 +70,11 @@ SPECS = {"dry_run": True, "specs": [{
                "on_conflict": "existing"},
     "labels": ["gpu"], "limits": {"concurrency": 4, "rate": "5/s", "key_concurrency": 2,
                                   "key_rate": {"limit": 10, "period": 60.0, "burst": 2}}}]}
+# A workflow of each primitive, nested (its jobs are parked: nothing runs them).
+WORKFLOW = {"type": "chain", "name": "w", "steps": [
+    {"spec": "parked", "args": {"k": "v"}, "priority": 1, "queue": "default"},
+    {"type": "batch", "jobs": [{"type": "group", "jobs": [{"spec": "parked"}]}],
+     "callbacks": {"on_complete": {"spec": "parked", "max_attempts": 2}}}]}
 # No payload may direct the bystander: the label matches nobody, and all + label is refused.
 WORKERS_STATE = {"state": "quiet", "label": "nobody", "all": False}
 WORKER_STATE = {"state": "quiet"}
@@ -83,7 +88,7 @@ def http_templates() -> list[tuple[str, str, dict[str, Any]]]:
             ("POST", "/jobs/batch", BATCH), ("PUT", "/specs", SPECS),
             ("POST", "/workers/state", WORKERS_STATE),
             ("POST", "/workers/nobody/state", WORKER_STATE),
-            ("PUT", "/limits/spec/parked", LIMIT)]
+            ("PUT", "/limits/spec/parked", LIMIT), ("POST", "/workflows", WORKFLOW)]
 
 
 def registration_frame(worker_id: str, hostile_checksum: str) -> dict[str, Any]:
@@ -274,7 +279,9 @@ async def test_whole_bodies_on_every_route_that_takes_one(watched: Watch):
 PATH_ROUTES = [("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"), ("DELETE", "/jobs/{}"),
                ("POST", "/jobs/{}/retry"), ("GET", "/specs/{}/history"),
                ("POST", "/workers/{}/state"), ("PUT", "/limits/spec/{}"),
-               ("DELETE", "/limits/spec/{}"), ("PUT", "/limits/{}/parked")]
+               ("DELETE", "/limits/spec/{}"), ("PUT", "/limits/{}/parked"),
+               ("GET", "/workflows/{}"), ("DELETE", "/workflows/{}"),
+               ("POST", "/workflows/{}/retry")]
 
 
 async def test_every_path_segment_and_query_value(watched: Watch):
@@ -313,6 +320,14 @@ async def test_every_path_segment_and_query_value(watched: Watch):
         assert (answer.status_code, answer.json()["error"]["code"]) == (422, code), name
         watched.pairs += 1
     assert not await live.coordinator.store.runtime_limits(), "a refused limit was stored"
+    before = (await live.http.get("/workflows", params={"limit": 500})).json()["workflows"]
+    for name, body, status, code in corpus.WORKFLOW_SLIPS:
+        answer = await live.http.post("/workflows", json=body)
+        assert_http(answer, True, f"POST /workflows ({name})")
+        assert (answer.status_code, answer.json()["error"]["code"]) == (status, code), name
+        watched.pairs += 1
+    after = (await live.http.get("/workflows", params={"limit": 500})).json()["workflows"]
+    assert after == before, "a refused workflow was stored"
 
 
 async def test_every_header_rota_reads(watched: Watch):

@@ -436,6 +436,8 @@ def deep(levels: int) -> dict[str, Any]:
     ({"steps": [job()]}, "invalid_workflow", "type is required: chain, group or batch"),
     ({"type": "dag"}, "invalid_workflow", "type must be one of chain, group, batch, not 'dag'"
      " (a job step has no type: it names its spec)"),
+    (chain(job(), {"type": {"a": 1}}), "invalid_workflow", "steps[1].type must be one of"
+     " chain, group, batch, not an object (a job step has no type: it names its spec)"),
     (chain(), "empty_workflow", "steps is empty: a chain needs at least one step"),
     (chain(job(), group()), "empty_workflow", "steps[1].jobs is empty: a group needs at least"
      " one step"),

@@ -1,0 +1,54 @@
+"""Pending jobs, held until their workflow or their schedule releases them: released to
+wait, cancelled, discarded, or (a workflow's retry) held again after they ended. SQLite's
+SQL, fenced on the state each move starts from."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from rota.core.model import JobRecord
+from rota.store.rows import LIVE, live_job
+
+_RELEASE = ("UPDATE jobs SET state = 'available', parent_results = COALESCE(?, parent_results)"
+            " WHERE id = ? AND state = 'pending' RETURNING " + ", ".join(LIVE))
+_END = ("UPDATE jobs SET state = ?, finished_at = ?,"
+        " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]',"
+        " json(?)) END WHERE id = ? AND state = 'pending'")
+# A finished job held again (a workflow's retry): a fresh attempt budget, as a manual retry
+# gives (Intake.retry), until its workflow releases it.
+_HOLD = ("UPDATE jobs SET state = 'pending', budget_start = attempt, fails = 0, deaths = 0,"
+         " cancel_requested = 0, expires_at = NULL, run_at = NULL, worker_id = NULL,"
+         " finished_at = NULL WHERE id = ? AND state IN ('discarded', 'cancelled')")
+
+
+def release(conn: sqlite3.Connection, jobs: Sequence[tuple[str, str | None]]
+            ) -> list[JobRecord]:
+    """Make pending jobs wait, each with what its workflow passes it (JSON text, or None
+    to keep what it has); those still pending, as their rows read now."""
+    out: list[JobRecord] = []
+    for job_id, parents in jobs:
+        cursor = conn.execute(_RELEASE, (parents, job_id))
+        cursor.row_factory = None
+        out += [live_job(row) for row in cursor]
+    return out
+
+
+def cancel_pending(conn: sqlite3.Connection, job_ids: Sequence[str], now: float,
+                   error: Any = None) -> int:
+    """Cancel pending jobs (never released: nothing holds them); how many were."""
+    return end_pending(conn, [(job_id, error) for job_id in job_ids], "cancelled", now)
+
+
+def end_pending(conn: sqlite3.Connection, jobs: Sequence[tuple[str, Any]], state: str,
+                now: float) -> int:
+    """End pending jobs (``cancelled`` or ``discarded``), each with its error (JSON text,
+    or None); how many were pending."""
+    return sum(conn.execute(_END, (state, now, error, error, job_id)).rowcount
+               for job_id, error in jobs)
+
+
+def hold_again(conn: sqlite3.Connection, job_ids: Sequence[str]) -> int:
+    """Discarded or cancelled jobs pending again; how many were."""
+    return sum(conn.execute(_HOLD, (job_id,)).rowcount for job_id in job_ids)
