@@ -12,6 +12,7 @@ import click
 
 from rota.cli.base import URL_OPTION, api, fail, out, print_json
 
+# (rota.core.workflows.STATES: the CLI, a client, imports no server code it can do without)
 WORKFLOW_STATES = ("pending", "running", "completed", "failed", "cancelled")
 
 
@@ -42,9 +43,9 @@ def tree_lines(root: dict[str, Any]) -> list[str]:
 
 
 def counts(summary: dict[str, Any]) -> str:
-    """``2/3 done, 1 failed``: its jobs completed (or failed) of all."""
+    """``3/4 jobs completed, 1 failed`` (a batch's callback that did not fire is neither)."""
     failed = f", {summary['failed_count']} failed" if summary.get("failed_count") else ""
-    return f"{summary['completed_count']}/{summary['job_count']} done{failed}"
+    return f"{summary['completed_count']}/{summary['job_count']} jobs completed{failed}"
 
 
 def print_workflow(view: dict[str, Any]) -> None:
@@ -84,10 +85,12 @@ def workflows(ctx: click.Context, state: str | None, name: str | None, limit: in
                               ": create one with 'rota workflows create FILE.json' or"
                               " Client.chain/group/batch"))
         return
-    out(f"{'ID':<38} {'NAME':<20} {'TYPE':<6} {'STATE':<10} {'JOBS':<18} CREATED")
+    out(f"{'ID':<38} {'NAME':<20} {'TYPE':<6} {'STATE':<10} {'COMPLETED':>11} {'FAILED':>6}"
+        " CREATED")
     for row in reply["workflows"]:
+        done = f"{row['completed_count']}/{row['job_count']}"
         out(f"{row['id']:<38} {row.get('name') or '-':<20} {row['type']:<6}"
-            f" {row['state']:<10} {counts(row):<18} {row['created_at']}")
+            f" {row['state']:<10} {done:>11} {row['failed_count']:>6} {row['created_at']}")
     if reply.get("next"):
         out(f"(more: --limit {min(500, limit * 2)} shows more)")
 

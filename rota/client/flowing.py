@@ -13,7 +13,7 @@ import msgspec
 from rota.base.ids import path_segment
 from rota.client.flows import (POLL_FIRST, POLL_MAX, Definition, Step, StepLike,
                                WorkflowHandle, batch, body, chain, group, list_params,
-                               result_of, unfinished, viewed)
+                               result_of, unfinished)
 
 
 class AsyncWorkflow(WorkflowHandle):
@@ -79,7 +79,7 @@ class AsyncWorkflows:
                               ) -> AsyncWorkflow:
         """As ``Client.create_workflow``."""
         answer = await self._json("POST", "/workflows", body(definition))
-        return AsyncWorkflow(self, viewed(answer), answer.get("created", True))
+        return AsyncWorkflow(self, answer["workflow"], answer["created"])
 
     async def chain(self, *steps: StepLike, name: str | None = None, id: str | None = None
                     ) -> AsyncWorkflow:
@@ -109,8 +109,8 @@ class AsyncWorkflows:
 
     async def cancel_workflow(self, workflow_id: str) -> AsyncWorkflow:
         answer = await self._json("DELETE", f"/workflows/{path_segment(workflow_id)}")
-        return AsyncWorkflow(self, viewed(answer), False)
+        return AsyncWorkflow(self, answer, False)
 
     async def retry_workflow(self, workflow_id: str) -> AsyncWorkflow:
         answer = await self._json("POST", f"/workflows/{path_segment(workflow_id)}/retry")
-        return AsyncWorkflow(self, viewed(answer), False)
+        return AsyncWorkflow(self, answer, False)

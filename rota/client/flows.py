@@ -282,12 +282,6 @@ class Workflow(WorkflowHandle):
         return self
 
 
-def viewed(answer: dict[str, Any]) -> dict[str, Any]:
-    """The workflow view in an answer of the workflow routes."""
-    view: dict[str, Any] = answer.get("workflow", answer)
-    return view
-
-
 class Workflows:
     """``Client``'s workflow calls (a mixin: ``Client`` has ``_call`` and ``result``)."""
 
@@ -300,7 +294,7 @@ class Workflows:
         transaction. With an ``id`` given, sending it again returns the same workflow
         (``created`` False); another definition under that id is refused (409)."""
         answer = self._call("POST", "/workflows", json=body(definition))
-        return Workflow(self, viewed(answer), answer.get("created", True))
+        return Workflow(self, answer["workflow"], answer["created"])
 
     def chain(self, *steps: StepLike, name: str | None = None, id: str | None = None
               ) -> Workflow:
@@ -336,10 +330,10 @@ class Workflows:
         """Cancel it: its steps not yet done are cancelled, running jobs through their
         workers."""
         answer = self._call("DELETE", f"/workflows/{path_segment(workflow_id)}")
-        return Workflow(self, viewed(answer), False)
+        return Workflow(self, answer, False)
 
     def retry_workflow(self, workflow_id: str) -> Workflow:
         """Resume a failed workflow from its failed steps (409 ``not_failed`` otherwise):
         they run again, and the steps cancelled because of them wait again."""
         answer = self._call("POST", f"/workflows/{path_segment(workflow_id)}/retry")
-        return Workflow(self, viewed(answer), False)
+        return Workflow(self, answer, False)
