@@ -31,19 +31,21 @@ env.filters["flowstate"] = shown_state
 async def workflows_page(request: Request) -> Response:
     principal = need(request, "admin")
     params = request.query_params
-    state, name, after = params.get("state") or None, params.get("name") or None, \
-        params.get("after") or None
+    state, name = params.get("state") or None, params.get("name") or None
+    after = params.get("after") or None
     form = {"state": state or "", "name": name or ""}
+    error = None
     if state is not None and state not in STATES:
-        return render(request, "workflows", status=400, workflows=[], first=None, older=None, form=form,
-                      states=STATES, error=f"state must be one of"
-                      f" {', '.join(STATES)}, not {state!r}")
-    try:
-        page = await coordinator_of(request).workflows(principal, state=state, name=name,
-                                                       limit=PAGE, after=after)
-    except DomainError as exc:  # a cursor edited by hand
-        return render(request, "workflows", status=400, workflows=[], first=None,
-                      older=None, form=form, states=STATES, error=exc.message)
+        error = f"state must be one of {', '.join(STATES)}, not {state!r}"
+    else:
+        try:
+            page = await coordinator_of(request).workflows(principal, state=state, name=name,
+                                                           limit=PAGE, after=after)
+        except DomainError as exc:  # a cursor edited by hand
+            error = exc.message
+    if error is not None:
+        return render(request, "workflows", status=400, workflows=[], first=None, older=None,
+                      form=form, states=STATES, error=error)
     rows, after_next = page["workflows"], page["next"]
     kept = {key: value for key, value in form.items() if value}
     older = None if after_next is None else "/ui/workflows?" + urlencode(

@@ -13,6 +13,7 @@ import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect
 from uirig import Rig, chromium
 
+from rota.server import flowpages
 from rota.worker.worker import JobContext
 
 pytestmark = pytest.mark.xdist_group("browser")  # one xdist worker runs them: one browser
@@ -51,7 +52,8 @@ def watched_page(browser: Browser, rig: Rig, problems: list[str]) -> Page:
     return page
 
 
-def test_a_workflows_tree_links_each_job_and_each_job_links_back(browser: Browser, rig: Rig):
+def test_a_workflows_tree_links_each_job_and_each_job_links_back(browser: Browser, rig: Rig,
+                                                                  monkeypatch):
     rig.spec("echo")
     rig.spec("explode", extra="[retry]\nmax_attempts = 1\n")
     rig.spec("hold")
@@ -66,10 +68,12 @@ def test_a_workflows_tree_links_each_job_and_each_job_links_back(browser: Browse
         await asyncio.sleep(60)
 
     rig.worker({"echo": echo, "explode": explode, "hold": hold}, concurrency=4)
-    rig.api("POST", "/workflows", json={"type": "chain", "name": "pipeline", "id": "wf-ui", "steps": [
-        {"spec": "echo", "args": {"message": "first"}},
-        {"type": "group", "jobs": [{"spec": "echo", "args": {"message": "a"}}, {"spec": "explode"}]},
-        {"spec": "echo", "args": {"message": "never"}}]})
+    rig.api("POST", "/workflows", json={
+        "type": "chain", "name": "pipeline", "id": "wf-ui", "steps": [
+            {"spec": "echo", "args": {"message": "first"}},
+            {"type": "group", "jobs": [{"spec": "echo", "args": {"message": "a"}},
+                                       {"spec": "explode"}]},
+            {"spec": "echo", "args": {"message": "never"}}]})
     rig.wait(lambda: rig.api("GET", "/workflows/wf-ui")["state"] == "failed", "the chain fails")
     tree = rig.api("GET", "/workflows/wf-ui")["root"]
     first_job = tree["children"][0]["job_id"]
@@ -113,6 +117,13 @@ def test_a_workflows_tree_links_each_job_and_each_job_links_back(browser: Browse
     expect(page.locator(".flash")).to_have_text("workflow wf-stuck is cancelled")
     expect(page.locator("#workflow-state")).to_have_text("cancelled")
     expect(page.get_by_role("button", name="Cancel")).to_have_count(0)
+
+    monkeypatch.setattr(flowpages, "PAGE", 1)  # a page each: the newest, then the older
+    page.goto("/ui/workflows")
+    expect(page.locator("tr[data-workflow]")).to_have_attribute("data-workflow", "wf-stuck")
+    page.get_by_role("link", name="Older ›").click()
+    expect(page.locator("tr[data-workflow]")).to_have_attribute("data-workflow", "wf-ui")
+    expect(page.get_by_role("link", name="« First")).to_have_attribute("href", "/ui/workflows")
 
     page.goto("/ui/workflows/no-such")
     expect(page.locator("h1")).to_have_text("Not found")
