@@ -38,17 +38,30 @@ def not_found(workflow_id: str) -> NotFound:
 class Composing:
     def __init__(self, settings: ServerSettings, store: Store, engine: Engine,
                  clock: Callable[[], Instant],
-                 cancel_job: Callable[[str], Awaitable[Any]]) -> None:
+                 cancel_job: Callable[[str], Awaitable[Any]],
+                 reread: Callable[[Instant], Awaitable[bool]]) -> None:
         self.settings = settings
         self.store = store
         self.engine = engine
         self.clock = clock
         self.cancel_job = cancel_job  # the ordinary cancel (Steering.cancel)
+        # Whether the status quo was read again since then (Admission's, for an enqueue
+        # naming a spec pushed through another server a moment ago).
+        self.reread = reread
 
     async def create(self, data: Any, principal: Principal) -> tuple[dict[str, Any], bool]:
         """POST /workflows: the workflow's view and whether it is new. Bad input raises
         (a DomainError naming the step); nothing is stored then."""
         now = self.clock()
+        try:
+            return await self._create(data, principal, now)
+        except DomainError as exc:
+            if exc.code != "unknown_spec" or not await self.reread(now):
+                raise
+        return await self._create(data, principal, self.clock())
+
+    async def _create(self, data: Any, principal: Principal, now: Instant
+                      ) -> tuple[dict[str, Any], bool]:
         jobs: list[JobRecord] = []
         paths: list[str] = []
         queues: dict[str, str] = {}  # a queue a step names (not as new) -> its first step

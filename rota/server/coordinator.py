@@ -113,7 +113,8 @@ class Coordinator(ShellReads, ShellDirectives):
         self.cancel, self.retry, self.bulk = steering.cancel, steering.retry, steering.bulk
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
         self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
-        self.composing = flows = Composing(settings, store, engine, clock, steering.cancel)
+        self.composing = flows = Composing(settings, store, engine, clock, steering.cancel,
+                                           self.admission._read_status_quo)
         self.create_workflow, self.workflow, self.workflows = flows.create, flows.view, flows.page
         self.cancel_workflow, self.retry_workflow = flows.cancel, flows.retry
         watching = self.watching

@@ -189,15 +189,17 @@ class ServerProcess(Api):
 class WorkerProcesses:
     """``rota worker`` subprocesses running WORKER_MODULE, cwd = the test's tmp dir."""
 
+    MODULE, PREFIX = WORKER_MODULE, "crash_worker"  # (another test's workers: its own)
+
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.procs: list[asyncio.subprocess.Process] = []
         self.logs: list[Path] = []
 
     async def start(self, url: str, *, concurrency: int) -> asyncio.subprocess.Process:
-        module = f"crash_worker_{concurrency}"
+        module = f"{self.PREFIX}_{concurrency}"
         (self.tmp / f"{module}.py").write_text(
-            WORKER_MODULE.replace("CONCURRENCY", str(concurrency)))
+            self.MODULE.replace("CONCURRENCY", str(concurrency)))
         log = self.tmp / f"worker-{len(self.procs) + 1}.log"
         self.logs.append(log)
         with log.open("wb") as sink:

@@ -500,3 +500,48 @@ def test_a_valid_definition_is_planned_in_preorder():
     assert [n.path for n in nodes if n.kind == "job"] == seen
     assert defs.digest(workflow) == defs.digest(defs.definition(
         json.loads(json.dumps(data)), lambda p, r: None))
+
+
+# -- any tree, any order of endings -------------------------------------------------------
+def trees(depth: int = 3) -> Any:
+    from hypothesis import strategies as st
+
+    jobs = st.builds(lambda: job())
+    if depth == 0:
+        return jobs
+    inner = st.one_of(jobs, st.deferred(lambda: trees(depth - 1)))
+    steps = st.lists(inner, min_size=1, max_size=4)
+    roles = st.sets(st.sampled_from(CALLBACKS), min_size=1)
+    return st.one_of(
+        steps.map(lambda s: chain(*s)), steps.map(lambda s: group(*s)),
+        st.tuples(steps, roles).map(lambda t: batch(*t[0], **{r: job() for r in t[1]})))
+
+
+def test_any_workflow_ends_with_every_job_released_at_most_once():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @given(trees(), st.randoms(use_true_random=False))
+    @settings(max_examples=150, deadline=None)
+    def check(definition: dict[str, Any], rng: Any) -> None:
+        w = World(definition if "type" in definition else chain(definition))
+        while ready := w.available():
+            chosen = rng.choice(ready)
+            w.finish(chosen, rng.choice(["completed", "completed", "discarded"]), result=1)
+        assert w.head.state in ("completed", "failed")
+        assert len(w.released) == len(set(w.released))
+        states = {row.job_id: row.state for row in w.rows if row.kind == "job"}
+        assert w.head.completed_count == sum(s == "completed" for s in states.values())
+        assert w.head.failed_count == sum(s == "failed" for s in states.values())
+        assert all(row.state not in wf.OPEN for row in w.rows)  # every node ended
+        assert all(w.jobs[job_id] != "pending" for job_id in states)  # no job held for ever
+        assert w.rows[0].state == w.head.state
+        if w.head.state == "failed":  # a retry, everything succeeding: it completes
+            done = {job_id for job_id, state in states.items() if state == "completed"}
+            w.apply(wf.retry(w.copy_head(), [dataclasses.replace(r) for r in w.rows],
+                             limit=w.limit, now=5.0))
+            w.run()
+            assert w.head.state == "completed"
+            assert all(w.released.count(job_id) == 1 for job_id in done)  # none ran again
+
+    check()
