@@ -92,7 +92,8 @@ def workflows(ctx: click.Context, state: str | None, name: str | None, limit: in
         out(f"{row['id']:<38} {row.get('name') or '-':<20} {row['type']:<6}"
             f" {row['state']:<10} {done:>11} {row['failed_count']:>6} {row['created_at']}")
     if reply.get("next"):
-        out(f"(more: --limit {min(500, limit * 2)} shows more)")
+        out(f"(more: --limit {min(500, limit * 2)} shows more)" if limit < 500 else
+            "(more than 500: narrow them with --state or --name)")
 
 
 @workflows.command("show")

@@ -82,6 +82,8 @@ async def test_create_list_show_cancel_and_the_mistakes(
                                                "CREATED"]
     assert rows[1].split()[:4] == [stuck_id, "stuck", "group", "cancelled"]
     assert rows[2].split()[:6] == ["hello-1", "hello", "chain", "completed", "3/4", "0"]
+    code, out, _ = await rota("workflows", "--limit", "1", *url)
+    assert out.splitlines()[1:] == [rows[1], "(more: --limit 2 shows more)"]
     code, out, _ = await rota("workflows", "--state", "completed", "--json", *url)
     assert [w["id"] for w in json.loads(out)["workflows"]] == ["hello-1"]
 
