@@ -20,13 +20,18 @@ from rota import JobContext, Worker
 async def test_create_list_show_cancel_and_the_mistakes(
         live: Live, sdk_worker: Callable[[Worker], Awaitable[Worker]], tmp_path: Path):
     specs = tmp_path / "specs"
-    await live.push(write_spec(specs, "echo"), write_spec(specs, "hold"))
+    await live.push(write_spec(specs, "echo"), write_spec(specs, "hold"),
+                    write_spec(specs, "boom", extra="[retry]\nmax_attempts = 1\n"))
     worker = Worker(specs_dir=specs, heartbeat_interval=0.2)
     held = asyncio.Event()
 
     @worker.handler("echo")
     async def echo(ctx: JobContext) -> dict[str, object]:
         return {"said": ctx.args["message"], "after": ctx.parent_results}
+
+    @worker.handler("boom")
+    async def boom(ctx: JobContext) -> None:
+        raise ValueError("the widget melted")
 
     @worker.handler("hold")
     async def hold(ctx: JobContext) -> None:
@@ -86,6 +91,24 @@ async def test_create_list_show_cancel_and_the_mistakes(
     assert out.splitlines()[1:] == [rows[1], "(more: --limit 2 shows more)"]
     code, out, _ = await rota("workflows", "--state", "completed", "--json", *url)
     assert [w["id"] for w in json.loads(out)["workflows"]] == ["hello-1"]
+
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"type": "group", "id": "broken", "jobs": [{"spec": "boom"}]}))
+    await rota("workflows", "create", str(broken), *url)
+
+    async def failed() -> bool:
+        return (await live.http.get("/workflows/broken")).json()["state"] == "failed"
+
+    await wait_until(failed, timeout=15, what="the group to fail")
+    code, out, _ = await rota("workflows", "show", "broken", *url)
+    [boom_job] = [line.split()[-1] for line in out.splitlines() if "boom" in line]
+    assert out.splitlines()[:2] == [
+        out.splitlines()[0], f"  failed: job {boom_job} (attempt 1): ValueError: the widget melted"]
+    assert out.splitlines()[0].startswith("workflow broken (group): failed, 0/1 jobs completed,"
+                                          " 1 failed, created ")
+    code, out, err = await rota("workflows", "retry", "broken", *url)  # runs again (and fails)
+    assert (code, err) == (0, "")
+    assert re.match(r"workflow broken \(group\): (running|failed), 0/1 jobs", out)
 
     (tmp_path / "bad.json").write_text('{"type": "chain", "steps": [}')
     mistakes = {
