@@ -190,10 +190,25 @@ def retry(conn: sqlite3.Connection, workflow_id: str, now: float
         return None
     head, limit = found
     decision = wf.retry(head, SqlRows(conn, workflow_id).all(), limit=limit, now=now)
+    if gone := _gone(conn, decision.reset):
+        raise Conflict("not_retryable", f"workflow {workflow_id} cannot run again: the"
+                       f" job of a step that must rerun was deleted ({gone[0]}"
+                       f"{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}; retention,"
+                       " rota serve --retain-discarded / --retain-cancelled)")
     released = apply(conn, decision, now)
     row = workflow_row(conn, workflow_id)
     assert row is not None
     return row, released
+
+
+def _gone(conn: sqlite3.Connection, job_ids: Sequence[str]) -> list[str]:
+    """Those of ``job_ids`` whose rows are gone (deleted by retention once finished)."""
+    found: set[str] = set()
+    for start in range(0, len(job_ids), 500):  # SQLite's limit on parameters
+        chunk = job_ids[start:start + 500]
+        found.update(r[0] for r in conn.execute(
+            f"SELECT id FROM jobs WHERE id IN ({', '.join('?' * len(chunk))})", chunk))
+    return [job_id for job_id in job_ids if job_id not in found]
 
 
 # -- reads -------------------------------------------------------------------------------

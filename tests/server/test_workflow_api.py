@@ -5,6 +5,8 @@ stored."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -154,13 +156,23 @@ async def test_cancel_stops_waiting_and_held_jobs_and_retry_resumes_a_failed_cha
     assert state["runs"].count(1) == 1 and state["runs"].count(3) == 1  # once each
     again = await live.http.post(f"/workflows/{made['id']}/retry")
     assert (again.status_code, again.json()["error"]["code"]) == (409, "not_failed")
+    state["boom"] = True  # a failed step whose job retention deleted cannot run again
+    lost = await create(live, {"type": "chain", "steps": [job("boom"), job("step", n=5)]})
+    failed = await until(live, lost["id"], "failed")
+    gone = failed["root"]["children"][0]["job_id"]
+    with contextlib.closing(sqlite3.connect(live.settings.db)) as conn, conn:
+        conn.execute("DELETE FROM jobs WHERE id = ?", (gone,))
+    refused = await live.http.post(f"/workflows/{lost['id']}/retry")
+    assert (refused.status_code, refused.json()["error"]["code"]) == (409, "not_retryable")
+    assert gone in refused.json()["error"]["message"]
+    assert (await live.http.get(f"/workflows/{lost['id']}")).json()["state"] == "failed"
     listed = (await live.http.get("/workflows", params={"state": "completed"})).json()
     assert [w["id"] for w in listed["workflows"]] == [made["id"]]
     page = (await live.http.get("/workflows", params={"limit": 1})).json()
     assert page["next"] is not None
     rest = (await live.http.get("/workflows", params={"after": page["next"]})).json()
-    assert [w["id"] for w in page["workflows"] + rest["workflows"]] == [made["id"],
-                                                                       parked["id"]]
+    assert [w["id"] for w in page["workflows"] + rest["workflows"]] == [
+        lost["id"], made["id"], parked["id"]]
 
 
 BAD: list[tuple[str, Any, int, str, str]] = [
