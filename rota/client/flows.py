@@ -221,7 +221,7 @@ class WorkflowHandle:
     @property
     def job_ids(self) -> list[str]:
         """Its steps' job ids, in the order they are written (a callback after its batch's
-        jobs); a step not yet entered has none."""
+        jobs): each step has its job from the start, held until its turn."""
         return job_ids(self.view["root"])
 
     def failure(self) -> WorkflowError:
