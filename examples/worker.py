@@ -17,7 +17,10 @@ worker = Worker(specs_dir="specs", concurrency=10, labels=["example"])
 
 @worker.handler("echo")
 async def echo(ctx: JobContext) -> dict[str, Any]:
-    return {"message": ctx.args["message"]}
+    reply: dict[str, Any] = {"message": ctx.args["message"]}
+    if ctx.parent_results:  # a workflow's step: the results of the steps before it
+        reply["after"] = ctx.parent_results
+    return reply
 
 
 @worker.handler("resize_image")

@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rota.client.client import Client, Job, JobHandle
     from rota.worker.context import JobContext
-    from rota.base.errors import ApiError, JobError, JobFailed, ResultTimeout, RotaError
+    from rota.base.errors import (ApiError, JobError, JobFailed, ResultTimeout, RotaError,
+                                  WorkflowError)
     from rota.client.producer import AsyncClient, AsyncJob
+    from rota.client.flows import Workflow, batch, chain, group, step
+    from rota.client.flowing import AsyncWorkflow
     from rota.base.specs import JobSpec, checksum
     from rota.base.unique import UniqueOptions
     from rota.worker.worker import Worker
@@ -27,8 +30,11 @@ _HOMES = {
     "Client": "client.client", "Job": "client.client", "JobHandle": "client.client",
     "JobContext": "worker.context",
     "ApiError": "base.errors", "JobError": "base.errors", "JobFailed": "base.errors",
-    "ResultTimeout": "base.errors", "RotaError": "base.errors",
+    "ResultTimeout": "base.errors", "RotaError": "base.errors", "WorkflowError": "base.errors",
     "AsyncClient": "client.producer", "AsyncJob": "client.producer",
+    "Workflow": "client.flows", "AsyncWorkflow": "client.flowing",
+    "step": "client.flows", "chain": "client.flows", "group": "client.flows",
+    "batch": "client.flows",
     "JobSpec": "base.specs", "checksum": "base.specs", "UniqueOptions": "base.unique",
     "Worker": "worker.worker",
 }

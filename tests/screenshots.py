@@ -86,7 +86,18 @@ def build(rig: Rig, release: threading.Event) -> dict[str, str]:
     rig.api("POST", "/queues/reports/pause")  # the running report goes on
     for n in range(3):
         rig.enqueue("export_csv", {"table": f"orders_{n}"})  # no worker serves "exports"
-    return {"report": report, "reporter": reporter.worker_id}
+    # A workflow under way: its logo resized, its welcome mails sent (then a callback),
+    # its export waiting for a worker of "exports", which none serves.
+    mail = {"spec": "send_email", "args": {"template": "welcome"}}
+    rig.api("POST", "/workflows", json={"type": "chain", "name": "onboard", "id": "onboard-acme",
+                                        "steps": [
+        {"spec": "resize_image", "args": {"key": "uploads/acme.png", "widths": [64, 128]}},
+        {"type": "batch", "jobs": [{**mail, "args": {**mail["args"], "to": f"{who}@acme.test"}}
+                                   for who in ("ada", "bo", "cy")],
+         "callbacks": {"on_complete": {"spec": "send_email", "args": {
+             "to": "ops@example.com", "template": "onboarded"}}}},
+        {"spec": "export_csv", "args": {"table": "acme_users"}}]})
+    return {"report": report, "reporter": reporter.worker_id, "workflow": "onboard-acme"}
 
 
 def traffic(rig: Rig, seconds: float) -> None:
@@ -120,7 +131,8 @@ def shoot(rig: Rig, ids: dict[str, str]) -> list[Path]:
     shots = [("overview", "/ui"), ("queues", "/ui/queues"), ("specs", "/ui/specs"),
              ("workers", "/ui/workers"), ("jobs", "/ui/jobs?state=discarded"),
              ("job-failed", f"/ui/jobs/{ids['failed']}"),
-             ("job-running", f"/ui/jobs/{ids['report']}")]
+             ("job-running", f"/ui/jobs/{ids['report']}"),
+             ("workflow", f"/ui/workflows/{ids['workflow']}")]
     written = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM)

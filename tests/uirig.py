@@ -24,6 +24,21 @@ from rota.worker.worker import Worker
 CHROMIUM = "/usr/bin/chromium"  # Debian's package; scripts/test installs it when missing
 
 
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """Debian's chromium driven by Playwright's sync API (a test module's browser); the
+    test fails, saying what to install, if it is missing."""
+    import pytest
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no {CHROMIUM}: apt-get install chromium (scripts/test does)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        yield browser
+        browser.close()
+
+
 class Rig:
     """One server, an admin token (unless ``open``), specs pushed, workers on demand."""
 
@@ -98,6 +113,12 @@ class Rig:
                 raise AssertionError(f"timed out after {timeout}s waiting for {what}")
             time.sleep(0.01)  # noqa: sleep-ok (a poll step bounded by the deadline)
         return value
+
+    def __enter__(self) -> Rig:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         for worker, thread, loop in self.workers:

@@ -29,6 +29,7 @@
     ├── JobError         the producer clients: the job ended without a result
     ├── ResultTimeout    the producer clients: no result within the timeout; also a
     │                    TimeoutError
+    ├── WorkflowError    the producer clients: the workflow failed or was cancelled
     ├── JobFailed        raised by a worker's handler: the job failed (``ctx.fail``)
     ├── ResultTooLarge   the worker: a handler's result too large to send; the job fails
     │                    with it, not retried (rota/worker/execution.py)
@@ -185,15 +186,35 @@ class JobError(RotaError):
 
 
 class ResultTimeout(RotaError, TimeoutError):
-    """The job had not finished within the timeout given to ``result()``; it goes on, and
-    ``result()`` may be called again. ``state`` is the state it was last seen in."""
+    """The job (or workflow: ``what``) had not finished within the timeout given to
+    ``result()``; it goes on, and ``result()`` may be called again. ``state`` is the state
+    it was last seen in; ``job_id`` is the workflow's id for a workflow."""
 
-    def __init__(self, job_id: str, state: str, timeout: float) -> None:
+    def __init__(self, job_id: str, state: str, timeout: float, *, what: str = "job") -> None:
         super().__init__("result_timeout",
-                         f"job {job_id} has not finished after {timeout:g}s (it is {state})")
+                         f"{what} {job_id} has not finished after {timeout:g}s (it is {state})")
         self.job_id = job_id
         self.state = state
         self.timeout = timeout
+
+
+class WorkflowError(RotaError):
+    """The workflow ended without a result: ``state`` is ``failed`` or ``cancelled``, and
+    ``code`` is ``workflow_<state>``. ``error`` is its error record as ``GET
+    /workflows/{id}`` shows it (``failed_job_ids``, and ``errors``: each failed job's
+    ``job_id``, ``code``, ``message``, ``attempt``), None for a cancelled one."""
+
+    def __init__(self, workflow_id: str, state: str, error: dict[str, Any] | None) -> None:
+        self.workflow_id = workflow_id
+        self.state = state
+        self.error = error
+        self.errors: list[dict[str, Any]] = list((error or {}).get("errors") or [])
+        why = ""
+        if self.errors:
+            first = self.errors[0]
+            more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
+            why = f": job {first.get('job_id')}: {first.get('code')}: {first.get('message')}{more}"
+        super().__init__(f"workflow_{state}", f"workflow {workflow_id} {state}{why}")
 
 
 class JobFailed(RotaError):

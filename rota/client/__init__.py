@@ -7,6 +7,8 @@ Its public names can be imported from here as from ``rota`` itself, found on fir
 from rota.base.lazy import exports
 
 _HOMES = {"Client": "client", "Job": "client", "JobHandle": "client",
-          "AsyncClient": "producer", "AsyncJob": "producer"}
+          "AsyncClient": "producer", "AsyncJob": "producer",
+          "Workflow": "flows", "AsyncWorkflow": "flowing",
+          "step": "flows", "chain": "flows", "group": "flows", "batch": "flows"}
 __all__ = sorted(_HOMES)
 __getattr__ = exports(__name__, _HOMES)

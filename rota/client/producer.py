@@ -28,6 +28,7 @@ import msgspec
 from rota.client.client import MAX_WAIT, ApiError, Failover, JobHandle, ResultTimeout, \
     given_token, outcome, poll_wait
 from rota.client.failures import not_the_api, refusal, transport_error
+from rota.client.flowing import AsyncWorkflows
 from rota.base.ids import path_segment
 from rota.base.unique import unique_option
 
@@ -62,7 +63,7 @@ class AsyncJob(JobHandle):
         return self
 
 
-class AsyncClient:
+class AsyncClient(AsyncWorkflows):
     """An asyncio client for the Rota API, for producers where many tasks enqueue at
     once (an async web app): concurrent ``enqueue()`` calls share requests (see the
     module's docstring). It belongs to the event loop it is first used in. ``token``: a

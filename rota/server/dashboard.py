@@ -1,5 +1,6 @@
-"""The web dashboard at /ui: the pages (overview, queues, specs, limits, workers, jobs, a job),
-server-rendered over what the JSON API shows, and the operator's actions as HTML forms.
+"""The web dashboard at /ui: the pages (overview, queues, specs, limits, workers, jobs, a job;
+the workflows' are rota/server/flowpages.py's), server-rendered over what the JSON API
+shows, and the operator's actions as HTML forms.
 How a page is rendered, refreshed, and posted to, and the login, are in rota/server/pages.py.
 """
 
@@ -15,6 +16,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from rota.server import flowpages
 from rota.server.api import job_detail, worker_views
 from rota.server.api_base import coordinator_of, need
 from rota.core import display
@@ -403,6 +405,7 @@ routes: list[BaseRoute] = [
     Route("/ui/jobs/{job_id:path}/retry", action(retry_job), methods=["POST"]),
     Route("/ui/jobs/{job_id:path}/cancel", action(cancel_job), methods=["POST"]),
     Route("/ui/jobs/{job_id:path}", job_page, methods=["GET"]),
+    *flowpages.routes,  # /ui/workflows, a workflow, its cancel and retry
     Route("/ui/login", login_form, methods=["GET"]),
     Route("/ui/login", login, methods=["POST"]),
     Route("/ui/logout", logout, methods=["POST"]),

@@ -27,7 +27,8 @@ from helpers import clean_env, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-# The walkthrough, and the Flow control section after it, which goes on from its state.
+# The walkthrough, and the Flow control and Workflows sections after it, which go on from
+# its state.
 WALKTHROUGH = README[README.index("## Walkthrough"):README.index("## Enqueue from your web app")]
 BLOCK = re.compile(r"(?:<!-- not run: (?P<why>.+?) -->\n)?```(?P<lang>\w*)\n(?P<text>.*?)```",
                    re.S)
@@ -40,6 +41,11 @@ SHOWS = {
     "rota run echo": ['"now"'],
     "rota jobs cancel later-1": ["cancelled"],
     "rota jobs show resize-1": ["resized", "source is https://example.com/a.png"],
+    # The chain's last step echoes what the first passed on; the batch ran its callback.
+    "python examples/workflows.py": ["thumbnail-c {'message': 'thumbnail ready', 'after': {'0':",
+                                     "'width': 256", "completed", "'message': 'both echoed'"],
+    "rota workflows show thumbnail-c": ["(chain): completed", "└── echo  completed  job"],
+    "rota workflows create": ["thumbnails (chain)", "├── group"],
 }
 
 
@@ -151,7 +157,9 @@ def test_python_blocks_that_name_an_example_are_that_example():
         if block.lang == "python" and (m := re.fullmatch(r"# from (examples/\S+\.py)", first)):
             assert rest in (ROOT / m[1]).read_text(), f"README's {m[1]} is not the file's text"
             named += 1
-    assert named >= 2
+    assert named >= 3
+    [flow] = [b for b in blocks() if b.lang == "json"]  # the workflow file shown whole
+    assert flow.text == (ROOT / "examples/thumbnails.json").read_text()
 
 
 @pytest.mark.timeout(120)  # every walkthrough command, servers and workers included

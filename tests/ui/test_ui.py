@@ -18,8 +18,8 @@ from typing import Any
 
 import corpus
 import pytest
-from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
-from uirig import CHROMIUM, Rig
+from playwright.sync_api import Browser, BrowserContext, Page, expect
+from uirig import Rig, chromium
 
 from rota.core.limits import LimitRule, Rate
 from rota.worker.worker import JobContext
@@ -35,12 +35,8 @@ REFRESH_MS = 250  # the pages refresh every 2 s; here faster, so the tests wait 
 # loop, and the asyncio tests that worker runs next could not start theirs.
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"no {CHROMIUM}: apt-get install chromium (scripts/test does)")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+    with chromium() as browser:
         yield browser
-        browser.close()
 
 
 # One context for the module's pages: a context of its own per test costs a renderer and
