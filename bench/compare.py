@@ -45,6 +45,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput as tp  # noqa: E402  (bench/ is not a package)
+import workflow_cost  # noqa: E402
 
 from rota.client.client import Client  # noqa: E402
 
@@ -478,8 +479,14 @@ def soak(quick: bool, minutes: float | None = None) -> dict[str, Any]:
     return {"rota": rota, "reference": huey, "ratio": {}}
 
 
+def group(quick: bool) -> dict[str, Any]:
+    """A job in a group against a plain job (bench/workflow_cost.py)."""
+    return workflow_cost.group(quick, rota_server, reference, ratio)
+
+
 SCENARIOS: dict[str, Callable[[bool], dict[str, Any]]] = {
-    "e2e": e2e, "e2e_keyed": e2e_keyed, "latency": latency, "producers": producers, "growth": growth, "idle": idle, "backlog": backlog, "soak": soak}
+    "e2e": e2e, "e2e_keyed": e2e_keyed, "latency": latency, "producers": producers, "growth": growth, "idle": idle, "backlog": backlog, "soak": soak,
+    "group": group}
 
 
 def main(argv: list[str] | None = None) -> int:

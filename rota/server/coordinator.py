@@ -7,8 +7,7 @@ commit in decision order), a write that carries a ticket reports its outcome bac
 engine, and a frame is sent only when the engine releases it, which for anything that
 depends on a write is after its COMMIT. Two loops run beside the sockets: dispatch (a
 round when woken) and timers (the engine's ``tick``, at least every ``tick_every``). The
-rest is parts it owns: rota/server/admission.py, steering, composing, tokenwatch, watching,
-upkeep.
+rest is its parts: rota/server/admission.py, steering, composing, tokenwatch, watching, upkeep.
 """
 
 from __future__ import annotations
@@ -88,12 +87,10 @@ class Coordinator(ShellReads, ShellDirectives):
         self._no_connections = asyncio.Event()
         self._no_connections.set()
         self.started = clock()
-        # Event ids go on from a clock reading (microseconds since the epoch, as of the
-        # start), so that they keep growing across restarts: a client that resumes with an
-        # id of the previous run hears of the gap instead of skipping the new events.
+        # Event ids go on from the start's clock (µs since the epoch), growing across
+        # restarts: a client resuming with an old run's id hears of the gap, skips nothing.
         engine.observe.next_id = int(self.started.wall * 1_000_000)
-        # Run at a stop once the connections are closed, before the store closes (the
-        # cluster ends its lease there).
+        # Run at a stop after the connections, before the store closes (the cluster's lease).
         self.on_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []
         # The shell's parts, each handed what it uses.
         store = self.store
@@ -106,18 +103,14 @@ class Coordinator(ShellReads, ShellDirectives):
         self.watching = Watching(store, engine, clock, settings.max_series)
         self.upkeep = Upkeep(settings, store, engine, clock, self.apply,
                              self.steering.retrying)
-        # What the parts do, under the names the routes call (bound methods: each
-        # keeps its part's signature).
+        # What the parts do, under the names the routes call (bound: same signatures).
         self.enqueue, self.take_over = self.admission.enqueue, self.admission.take_over
         steering = self.steering
         self.cancel, self.retry, self.bulk = steering.cancel, steering.retry, steering.bulk
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
         self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
-        self.composing = composing = Composing(settings, store, engine, clock, steering.cancel,
-                                               self.admission._read_status_quo)
-        self.create_workflow, self.workflow = composing.create, composing.view
-        self.workflows = composing.page
-        self.cancel_workflow, self.retry_workflow = composing.cancel, composing.retry
+        self.composing = Composing(settings, store, engine, clock, steering.cancel,
+                                   self.admission._read_status_quo)  # (workflows)
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse

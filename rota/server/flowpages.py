@@ -39,7 +39,7 @@ async def workflows_page(request: Request) -> Response:
         error = f"state must be one of {', '.join(STATES)}, not {state!r}"
     else:
         try:
-            page = await coordinator_of(request).workflows(principal, state=state, name=name,
+            page = await coordinator_of(request).composing.page(principal, state=state, name=name,
                                                            limit=PAGE, after=after)
         except DomainError as exc:  # a cursor edited by hand
             error = exc.message
@@ -59,7 +59,7 @@ async def workflow_page(request: Request) -> Response:
     principal = need(request, "admin")
     workflow_id = request.path_params["workflow_id"]
     try:
-        view = await coordinator_of(request).workflow(workflow_id, principal)
+        view = await coordinator_of(request).composing.view(workflow_id, principal)
     except NotFound:
         return render(request, "missing", status=404, what=f"workflow {workflow_id}")
     return render(request, "workflow", wf=view,
@@ -68,13 +68,13 @@ async def workflow_page(request: Request) -> Response:
 
 
 async def cancel_workflow(request: Request, form: dict[str, str]) -> str:
-    view = await coordinator_of(request).cancel_workflow(request.path_params["workflow_id"],
+    view = await coordinator_of(request).composing.cancel(request.path_params["workflow_id"],
                                                          need(request, "admin"))
     return f"workflow {view['id']} is {view['state']}"
 
 
 async def retry_workflow(request: Request, form: dict[str, str]) -> str:
-    view = await coordinator_of(request).retry_workflow(request.path_params["workflow_id"],
+    view = await coordinator_of(request).composing.retry(request.path_params["workflow_id"],
                                                         need(request, "admin"))
     return f"workflow {view['id']} runs again from its failed steps"
 

@@ -23,7 +23,7 @@ async def create_workflow(request: Request) -> Response:
     """Creating a workflow takes what enqueueing does (a producer token)."""
     principal = need(request, "producer")
     data = decode_as(await read_body(request), Any)
-    shown, created = await coordinator_of(request).create_workflow(data, principal)
+    shown, created = await coordinator_of(request).composing.create(data, principal)
     return JSON({"workflow": shown, "created": created}, status_code=201 if created else 200)
 
 
@@ -35,7 +35,7 @@ async def _one(request: Request, scope: Scope,
 
 
 async def show_workflow(request: Request) -> Response:
-    return await _one(request, "producer", coordinator_of(request).workflow)
+    return await _one(request, "producer", coordinator_of(request).composing.view)
 
 
 async def list_workflows(request: Request) -> Response:
@@ -56,7 +56,7 @@ async def list_workflows(request: Request) -> Response:
     if text is not None and not (text.isascii() and text.isdigit() and len(text) <= 3
                                  and 1 <= int(text) <= MAX_LIMIT):
         raise RequestError(400, "invalid_limit", f"limit must be 1 to {MAX_LIMIT}")
-    page = await coordinator_of(request).workflows(
+    page = await coordinator_of(request).composing.page(
         principal, state=state, name=query.get("name") or None,
         limit=DEFAULT_LIMIT if text is None else int(text), after=query.get("after") or None)
     return JSON(page)
@@ -64,9 +64,9 @@ async def list_workflows(request: Request) -> Response:
 
 async def cancel_workflow(request: Request) -> Response:
     """A producer may cancel its own workflows, as its own jobs."""
-    return await _one(request, "producer", coordinator_of(request).cancel_workflow)
+    return await _one(request, "producer", coordinator_of(request).composing.cancel)
 
 
 async def retry_workflow(request: Request) -> Response:
     """Admin only, as a job's retry: it overrides what the steps' failures decided."""
-    return await _one(request, "admin", coordinator_of(request).retry_workflow)
+    return await _one(request, "admin", coordinator_of(request).composing.retry)
