@@ -18,7 +18,7 @@ import msgspec
 
 from rota.base.errors import Conflict, Invalid, UniqueConflict
 from rota.core import workflows as wf
-from rota.core.model import JobRecord
+from rota.core.model import JobRecord, JobState
 from rota.store import holds
 from rota.store.writes import insert_jobs, insert_row
 
@@ -127,14 +127,22 @@ def create(conn: sqlite3.Connection, row: dict[str, Any], nodes: list[wf.NodeRow
         [(row["id"], n.node, n.parent, n.end, n.kind, n.position, n.role, n.state, n.job_id,
           n.spec, n.remaining, n.failed, _text(n.result), _text(n.error),
           _text(n.parent_results)) for n in nodes])
+    # The jobs its start releases go in waiting at once (one write each, not an insert
+    # and then a release): the same rows the release would make.
+    first = {job_id: inputs for job_id, inputs in decision.release}
+    for job in jobs:
+        if (inputs := first.get(job.id)) is not None:
+            job.state, job.parent_results = JobState.AVAILABLE, msgspec.Raw(inputs)
+    decision.release = []
     stored = insert_jobs(conn, jobs, [insert_row(job) for job in jobs], [None] * len(jobs), now)
-    for (job_row, new), path in zip(stored, paths, strict=True):
+    for (job_row, new), path, job in zip(stored, paths, jobs, strict=True):
         if not new:  # (a job id is new by construction: only a unique key can meet one)
             holder = job_row["id"]
             raise UniqueConflict(f"{path}: job {holder} holds this step's unique key"
                                  f" ({job_row['state']}); a workflow's step cannot be"
                                  " skipped", {"job_id": holder, "state": job_row["state"]})
-    return row, True, apply(conn, decision, now)
+        job.seq = job_row["rowid"]
+    return row, True, apply(conn, decision, now) + [job for job in jobs if job.id in first]
 
 
 # -- endings ---------------------------------------------------------------------------------

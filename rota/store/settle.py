@@ -34,14 +34,14 @@ class Ended(NamedTuple):
     attempt: int
 
 
-def ended_of(changes: Sequence[Change], stored: Sequence[int]) -> list[Ended]:
-    """The changes that ended a workflow's or a schedule's job, of those whose rows took
-    them (``stored``: each change's row count)."""
-    return [Ended(c.job.id, str(c.job.state), c.job.workflow_id, c.job.workflow_node,
-                  c.job.schedule, c.result, c.error, c.job.attempt)
-            for c, n in zip(changes, stored)
-            if n and c.job.state in TERMINAL_STATES
-            and (c.job.workflow_id is not None or c.job.schedule is not None)]
+def ended_of(changes: Sequence[Change]) -> list[tuple[int, Ended]]:
+    """The changes that end a workflow's or a schedule's job, by their index in
+    ``changes``, as they are now (the writer runs later; the job may move on)."""
+    return [(i, Ended(c.job.id, str(c.job.state), c.job.workflow_id, c.job.workflow_node,
+                      c.job.schedule, c.result, c.error, c.job.attempt))
+            for i, c in enumerate(changes)
+            if (c.job.workflow_id is not None or c.job.schedule is not None)
+            and c.job.state in TERMINAL_STATES]
 
 
 def ended_row(conn: sqlite3.Connection, seq: int) -> list[Ended]:

@@ -284,17 +284,15 @@ class Store(Reading, Flowing):
         if self.shared:  # and only from the server whose worker holds the job, if any
             rows = [(*row, self.server_id, int(c.retry)) for row, c in zip(rows, changes)]
 
-        ended = [c for c in changes if c.job.workflow_id is not None
-                 or c.job.schedule is not None]  # (most saves: none)
+        ended = settle.ended_of(changes)  # (taken now, as the rows; most saves: none)
         released: list[JobRecord] = []
 
         def op(conn: sqlite3.Connection) -> dict[str, JobRecord | None]:
             counts = sqlite.rowcounts(conn, sql.SAVE_SHARED if self.shared else sql.SAVE, rows)
             refused = [(job_id, seq) for (job_id, seq, _), n in zip(keys, counts) if n == 0]
             waiting = [str(seq) for (_, seq, waits), n in zip(keys, counts) if waits and n]
-            if ended:
-                stored = [n for c, n in zip(changes, counts) if c in ended]
-                released[:] = self._settle(conn, settle.ended_of(ended, stored), now)
+            if ended:  # those whose rows took the change
+                released[:] = self._settle(conn, [e for i, e in ended if counts[i]], now)
             if waiting and self.shared:
                 fleet.notify(conn, fleet.JOBS, self.server_id or "", waiting)
             if not refused:
