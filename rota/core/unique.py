@@ -16,10 +16,13 @@ from rota.base.unique import UniqueOptions, options_problem
 WAITING = frozenset({"scheduled", "available", "retryable"})
 # The states of the holder that keep a key, per ``states``: "waiting"; "active" also
 # while it runs (the default); "finished" also once it ended (within ``period``).
+# A held step of a workflow or a held cron tick (pending) waits too, and keeps its key;
+# but only what truly waits may be replaced (its workflow or schedule holds the rest).
+HELD = WAITING | {"pending"}
 COVERED: dict[str, frozenset[str]] = {
-    "waiting": WAITING,
-    "active": WAITING | {"active"},
-    "finished": WAITING | {"active", "completed", "discarded", "cancelled"},
+    "waiting": HELD,
+    "active": HELD | {"active"},
+    "finished": HELD | {"active", "completed", "discarded", "cancelled"},
 }
 Verdict = Literal["take", "existing", "reject", "replace", "running"]
 

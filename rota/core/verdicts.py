@@ -50,6 +50,17 @@ def _not_cancellable(job_id: str, state: str) -> Verdict:
     return Verdict("refuse", error=Conflict("not_cancellable", f"job {job_id} is {state}"))
 
 
+def held_by(job_id: str, row: Row) -> str:
+    """Why a pending job is not a job's own to cancel, and what to cancel instead."""
+    if row.get("workflow_id"):
+        flow = row["workflow_id"]
+        return (f"job {job_id} is pending: a step of workflow {flow} not released yet;"
+                f" cancel the workflow instead (DELETE /workflows/{flow},"
+                f" rota workflows cancel {flow})")
+    return (f"job {job_id} is pending: schedule {row.get('schedule')}'s tick, held until"
+            " its previous run ends; pause or delete the schedule instead")
+
+
 # -- cancel -------------------------------------------------------------------------
 def cancel_unheld(job_id: str, row: Row | None, *, shared: bool, last_look: bool,
                   owner_declined: bool = False) -> Verdict:
@@ -60,6 +71,8 @@ def cancel_unheld(job_id: str, row: Row | None, *, shared: bool, last_look: bool
     state = row["state"]
     if state == "available":  # kept as a key only: its row decides
         return Verdict("cancel_waiting")
+    if state == "pending":  # held by its workflow or its schedule, which decide
+        return Verdict("refuse", error=Conflict("not_cancellable", held_by(job_id, row)))
     if shared and state == "active" and not owner_declined:
         return Verdict("ask_owner")  # its worker may be another server's
     if state in TERMINAL_STATES or last_look:

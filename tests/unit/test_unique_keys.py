@@ -80,6 +80,9 @@ def test_coverage_by_state_and_period():
     assert not holds("completed", "finished", NOW + 60, NOW + 60)  # after the period
     assert not holds("available", "active", NOW + 60, NOW + 61)  # the period bounds all
     assert not holds(None, "finished", None, NOW)  # the holder's row is gone
+    # A workflow's held step (pending) waits: it keeps its key, and is not replaced.
+    assert holds("pending", "waiting", None, NOW) and holds("pending", "active", None, NOW)
+    assert decide(make(on_conflict="replace"), "pending", "active", None, NOW) == "running"
 
 
 def test_each_kind_of_conflict():

@@ -29,6 +29,18 @@ def test_a_cancel_of_a_job_not_held_goes_by_its_row() -> None:
     assert unheld("j", row("active"), shared=False, last_look=True).step == "refuse"
 
 
+def test_a_held_step_is_refused_at_once_naming_what_to_cancel_instead() -> None:
+    """Issue 24: a workflow's step not released yet (pending) is its workflow's to cancel;
+    a schedule's held tick, its schedule's."""
+    step = {**row("pending"), "workflow_id": "wf-1"}
+    refused = v.cancel_unheld("j", step, shared=False, last_look=False)
+    assert refused.step == "refuse" and isinstance(refused.error, Conflict)
+    assert "rota workflows cancel wf-1" in refused.error.message
+    tick = {**row("pending"), "schedule": "nightly"}
+    said = v.cancel_unheld("j", tick, shared=True, last_look=False).error
+    assert said is not None and "schedule nightly" in said.message
+
+
 def test_an_active_job_no_other_server_holds_is_judged_as_on_one_server() -> None:
     declined = v.cancel_unheld("j", row("active"), shared=True, last_look=False,
                                owner_declined=True)
