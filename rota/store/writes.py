@@ -236,7 +236,7 @@ def worker_disconnected(conn: sqlite3.Connection, worker_id: str, connected_at: 
 
 
 # -- retention ---------------------------------------------------------------------------
-_DUE = "SELECT rowid, id FROM jobs WHERE state = ? AND finished_at < ?"
+_DUE = "SELECT rowid, id, workflow_id FROM jobs WHERE state = ? AND finished_at < ?"
 
 
 def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
@@ -244,6 +244,7 @@ def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
     """Delete at most ``limit`` finished jobs that are due (``Store.prune``); deleted rows
     by state."""
     deleted: dict[str, int] = {}
+    flows: set[str] = set()  # workflows of deleted jobs
     left = limit
     for cut in cutoffs:
         if left <= 0:
@@ -256,9 +257,9 @@ def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
         elif cut.others:
             sql += f" AND queue NOT IN ({', '.join('?' * len(cut.others))})"
             params += cut.others
-        rows = [(rowid, job_id) for rowid, job_id in
+        rows = [(rowid, job_id) for rowid, job_id, flow in
                 conn.execute(sql + " ORDER BY finished_at LIMIT ?", [*params, left])
-                if job_id not in keep]
+                if job_id not in keep and (flow is None or flows.add(flow) is None)]
         if rows:
             for table in ("job_logs", "unique_keys"):  # its lines, and a key it holds
                 conn.executemany(f"DELETE FROM {table} WHERE job_id = ?",
@@ -267,14 +268,27 @@ def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
                              [(rowid,) for rowid, _ in rows])
             deleted[cut.state] = deleted.get(cut.state, 0) + len(rows)
             left -= len(rows)
+    _prune_workflows(conn, flows)
     return deleted
+
+
+def _prune_workflows(conn: sqlite3.Connection, flows: set[str]) -> None:
+    """Of the workflows whose jobs were just deleted, those finished with no job left go
+    too (their rows and nodes): a workflow is kept as long as a job of it is."""
+    for workflow_id in sorted(flows):
+        if conn.execute("SELECT 1 FROM jobs WHERE workflow_id = ? LIMIT 1",
+                        (workflow_id,)).fetchone() is not None:
+            continue
+        if conn.execute("DELETE FROM workflows WHERE id = ? AND state IN"
+                        " ('completed', 'failed', 'cancelled')", (workflow_id,)).rowcount:
+            conn.execute("DELETE FROM workflow_nodes WHERE workflow_id = ?", (workflow_id,))
 
 
 def _due_in(spans: Sequence[tuple[float, float]]) -> str:
     """_DUE for rows finished within any of these [from, to) spans."""
     terms = [("finished_at < ?" if math.isinf(low) else "(finished_at >= ? AND finished_at < ?)")
              for low, _ in spans]
-    return "SELECT rowid, id FROM jobs WHERE state = ? AND (" + " OR ".join(terms) + ")"
+    return "SELECT rowid, id, workflow_id FROM jobs WHERE state = ? AND (" + " OR ".join(terms) + ")"
 
 
 def _bounds(spans: Sequence[tuple[float, float]]) -> list[float]:

@@ -202,6 +202,43 @@ async def test_prune_deletes_what_is_due_oldest_first_with_its_logs(tmp_path: Pa
         await asyncio.to_thread(store.close)
 
 
+@pytest.mark.both_backends
+async def test_a_finished_workflow_goes_with_its_last_job(tmp_path: Path):
+    """Issue 24: retention deletes a workflow's jobs as any others; the workflow (its row
+    and nodes) goes once none of its jobs is left, and a running one stays."""
+    store = Store(tmp_path / "rota.db", database_url=store_url(tmp_path))
+    await asyncio.to_thread(store.load)
+    store.start(asyncio.get_running_loop())
+    try:
+        jobs = []
+        for job_id, flow, at in (("a1", "done", 100.0), ("a2", "done", 700.0),
+                                 ("b1", "going", 100.0)):
+            job = _job(job_id)
+            job.workflow_id, job.workflow_node = flow, 1
+            jobs.append((job, "completed", at))
+        await _finish(store, jobs)
+        for flow, state in (("done", "completed"), ("going", "running")):
+            await store.writer.submit(lambda conn, flow=flow, state=state: (conn.execute(
+                "INSERT INTO workflows (id, type, state, digest, created_at, job_count,"
+                " steps_total, max_parent_results) VALUES (?, 'group', ?, 'd', 1, 2, 2,"
+                " 65536)", (flow, state)), conn.execute(
+                "INSERT INTO workflow_nodes (workflow_id, node, end_node, kind, position,"
+                " state) VALUES (?, 0, 1, 'group', 0, 'active')", (flow,))))
+
+        def flows(conn: Any) -> list[tuple[str, int]]:
+            return [(r[0], r[1]) for r in conn.execute(
+                "SELECT w.id, (SELECT count(*) FROM workflow_nodes n WHERE n.workflow_id"
+                " = w.id) FROM workflows w ORDER BY w.id")]
+
+        retention = Retention.from_rules({"completed": 500.0}, [])
+        assert await store.prune(due(retention, 1000.0), 10, keep=set()) == {"completed": 2}
+        assert await store.readers.run(flows) == [("done", 1), ("going", 1)]  # a2 is left
+        assert await store.prune(due(retention, 1300.0), 10, keep=set()) == {"completed": 1}
+        assert await store.readers.run(flows) == [("going", 1)]
+    finally:
+        await asyncio.to_thread(store.close)
+
+
 # -- a stream through a real server ---------------------------------------------------
 
 JOBS = int(os.environ.get("ROTA_RETENTION_JOBS", "100000"))
