@@ -12,6 +12,7 @@ module builds the group; each group of commands is a module of its own:
     live     watch, tail
     tokens   tokens create|list|revoke
     limits   limits, limits set|clear
+    schedules  schedules, schedules show|add|pause|resume|delete
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import click
 
-from rota.cli import jobs, limits, live, ops, serve, specs, tokens, worker
+from rota.cli import jobs, limits, live, ops, schedules, serve, specs, tokens, worker
 from rota.cli.base import error as _error
 from rota.cli.base import need_server
 from rota.cli.base import out as _out
@@ -69,5 +70,6 @@ def main(ctx: click.Context) -> None:
 
 for _command in (serve.serve, worker.worker, worker.demo, specs.specs,
                  jobs.enqueue, jobs.run, jobs.jobs, ops.queues, ops.workers,
-                 live.watch, live.tail, tokens.tokens, limits.limits):
+                 live.watch, live.tail, tokens.tokens, limits.limits,
+                 schedules.schedules):
     main.add_command(_command)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from bisect import bisect_right
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from rota.base.errors import Invalid
-from rota.base.protocol import MAX_COUNT, Name, Priority
+from rota.base.protocol import MAX_COUNT, Name, Priority, rfc3339
 from rota.base.wording import plainly
 from rota.core import cron
 from rota.core.model import TERMINAL_STATES
@@ -215,3 +216,32 @@ def tick_id(name: str, tick: float) -> str:
 def next_fires(timing: Timing, after: float, count: int = VIEW_FIRES) -> list[float]:
     """The next ``count`` fire times after ``after``, for views."""
     return timing.after(after, count)
+
+
+def waiting_reason(spec: str, known: Container[str], retired: Container[str]) -> str | None:
+    """Why a schedule cannot fire now (None: it can): its spec was retired, or has no
+    status quo. Its ticks meanwhile count as misfires when it can fire again."""
+    if spec in retired:
+        return f"spec {spec} was retired"
+    if spec not in known:
+        return f"spec {spec} has no status quo"
+    return None
+
+
+def view(definition: ScheduleDef, row: Mapping[str, Any], waiting: str | None, now: float,
+         fires: list[float]) -> dict[str, Any]:
+    """A schedule as the API shows it: every field, its state and its ticks' record.
+    ``row``: its stored state (rota/store/ticks.py); ``fires``: its next fire times."""
+    state = "paused" if definition.paused else "waiting" if waiting else "active"
+    outcome = row.get("last_outcome")
+    if outcome is None and row.get("last_job_id") is not None:
+        outcome = row.get("last_job_state") or "deleted"  # the job's state, as it is now
+    return {**msgspec.to_builtins(definition), "state": state,
+            "waiting_reason": waiting if state == "waiting" else None,
+            "last_tick": _rfc3339(row.get("last_tick")), "last_job_id": row.get("last_job_id"),
+            "last_outcome": outcome, "next_fires": [_rfc3339(t) for t in fires],
+            "run_count": row.get("run_count", 0), "created_at": _rfc3339(row.get("created_at"))}
+
+
+def _rfc3339(moment: float | None) -> str | None:
+    return None if moment is None else rfc3339(moment)

@@ -8,7 +8,8 @@ engine, and a frame is sent only when the engine releases it, which for anything
 depends on a write is after its COMMIT. Two loops run beside the sockets: dispatch (a
 scheduling round when woken) and timers (the engine's ``tick``, at least every
 ``tick_every``). The rest of the shell is parts it owns and hands what they use:
-rota/server/admission.py, steering.py, tokenwatch.py, watching.py and upkeep.py.
+rota/server/admission.py, steering.py, tokenwatch.py, watching.py, upkeep.py and
+clockwork.py (cron schedules).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 
 from rota.base import protocol as p
 from rota.server.admission import Admission
+from rota.server.clockwork import Clockwork
 from rota.core.auth import OPEN, Principal, Tokens
 from rota.core.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           Withdraw, WorkerGone, WorkerSeen)
@@ -47,7 +49,8 @@ from rota.server.watching import Watching
 
 __all__ = ["Coordinator", "MAX_BULK", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
-LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts")
+LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts",
+         "rota-cron")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 
 
@@ -104,6 +107,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.watching = Watching(store, engine, clock, settings.max_series)
         self.upkeep = Upkeep(settings, store, engine, clock, self.apply,
                              self.steering.retrying)
+        self.clockwork = Clockwork(store, engine, clock, self.apply, self.steering.cancel)
         # What the parts do, under the names the routes call (bound methods: each
         # keeps its part's signature).
         self.enqueue, self.take_over = self.admission.enqueue, self.admission.take_over
@@ -181,6 +185,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.spawn(self.tokenwatch.loop(), "rota-tokens")
         for loop, name in self.upkeep.loops(readings=kept, counts=snapshot.throughput):
             self.spawn(loop, name)
+        self.spawn(self.clockwork.loop(), "rota-cron")
 
     def begin_shutdown(self) -> None:
         self.engine.begin_shutdown()
