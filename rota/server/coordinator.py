@@ -6,10 +6,8 @@ effects it returns, in order: writes go to the single writer as they come (so th
 commit in decision order), a write that carries a ticket reports its outcome back to the
 engine, and a frame is sent only when the engine releases it, which for anything that
 depends on a write is after its COMMIT. Two loops run beside the sockets: dispatch (a
-scheduling round when woken) and timers (the engine's ``tick``, at least every
-``tick_every``). The rest of the shell is parts it owns and hands what they use:
-rota/server/admission.py, steering.py, tokenwatch.py, watching.py, upkeep.py and
-clockwork.py (cron schedules).
+round when woken) and timers (the engine's ``tick``, at least every ``tick_every``). The rest
+is parts it owns: rota/server/admission.py, steering, tokenwatch, watching, upkeep, clockwork.
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ from rota.server.watching import Watching
 
 __all__ = ["Coordinator", "MAX_BULK", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
-LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts",
-         "rota-cron")
+LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts", "rota-cron")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 
 
@@ -73,9 +70,8 @@ class Coordinator(ShellReads, ShellDirectives):
                            database_url=settings.database_url, db_pool=settings.db_pool,
                            lease=settings.server_lease, hold_reserve=settings.hold_reserve,
                            health=Health(hold=settings.recover_after))
-        # Its name on a shared database (docs/scaling.md): reservations carry it.
         self.server_id = settings.server_id or f"{socket.gethostname()}:{settings.port}"
-        self.store.server_id = self.server_id
+        self.store.server_id = self.server_id  # (docs/scaling.md: reservations carry it)
         self.engine = engine = Engine(settings)
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
         self._outboxes: dict[int, Outbox] = {}
@@ -105,8 +101,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.steering = Steering(store, engine, clock, self.run, self.apply)
         self.admission = Admission(store, engine, clock, self.apply, self.crash_point)
         self.watching = Watching(store, engine, clock, settings.max_series)
-        self.upkeep = Upkeep(settings, store, engine, clock, self.apply,
-                             self.steering.retrying)
+        self.upkeep = Upkeep(settings, store, engine, clock, self.apply, self.steering.retrying)
         self.clockwork = Clockwork(store, engine, clock, self.apply, self.steering.cancel)
         # What the parts do, under the names the routes call (bound methods: each
         # keeps its part's signature).
@@ -183,9 +178,9 @@ class Coordinator(ShellReads, ShellDirectives):
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")
         self.spawn(self.tokenwatch.loop(), "rota-tokens")
-        for loop, name in self.upkeep.loops(readings=kept, counts=snapshot.throughput):
+        cron = (self.clockwork.loop(), "rota-cron")  # (rota/server/clockwork.py)
+        for loop, name in [*self.upkeep.loops(readings=kept, counts=snapshot.throughput), cron]:
             self.spawn(loop, name)
-        self.spawn(self.clockwork.loop(), "rota-cron")
 
     def begin_shutdown(self) -> None:
         self.engine.begin_shutdown()

@@ -1,0 +1,102 @@
+"""Cron schedules firing on a real server with a real SDK worker: one job per tick, with the
+tick's id; the overlap policy skip with a slow handler; a schedule waiting for its spec."""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import Live, write_spec
+from helpers import wait_until
+
+from rota import JobContext, Worker
+from rota.core.schedules import tick_id
+
+
+async def tick_jobs(live: Live, name: str) -> list[dict[str, Any]]:
+    jobs = (await live.http.get("/jobs", params={"q": f"cron-{name}-", "limit": 500})).json()
+    return sorted((j for j in jobs["jobs"] if j["id"].startswith(f"cron-{name}-")),
+                  key=lambda j: j["id"])
+
+
+async def test_every_second_fires_one_job_per_tick(live: Live, sdk_worker, tmp_path: Path):
+    specs = tmp_path / "specs"
+    await live.push(write_spec(specs, "beat"))
+    worker = Worker(specs_dir=specs, heartbeat_interval=0.1)
+    ran: list[str] = []
+
+    @worker.handler("beat")
+    async def beat(ctx: JobContext) -> str:
+        ran.append(ctx.id)
+        return ctx.id
+
+    await sdk_worker(worker)
+    began = time.time()
+    answer = await live.http.put("/schedules/beat", json={"spec": "beat", "cron": "@every 1s"})
+    assert answer.status_code == 201
+    await wait_until(lambda: len(ran) >= 4, timeout=10, what="4 ticks run")
+    await live.http.post("/schedules/beat/pause")
+    ended = time.time()
+    await asyncio.sleep(0.3)  # (a tick in flight at the pause lands)
+    jobs = await tick_jobs(live, "beat")
+    ticks = [j["id"] for j in jobs]
+    assert len(ticks) == len(set(ticks)) == len(set(ran) | set(ticks) - set(ran))
+    # one per whole second from the schedule's start, none skipped, none twice
+    seconds = sorted(calendar.timegm(time.strptime(t[-16:], "%Y%m%dT%H%M%SZ")) for t in ticks)
+    assert seconds == list(range(seconds[0], seconds[0] + len(seconds)))
+    assert int(began) < seconds[0] <= int(began) + 2 and seconds[-1] <= ended + 1
+    assert sorted(ran) == ticks[:len(ran)]
+    shown = (await live.http.get("/schedules/beat")).json()
+    assert shown["run_count"] == len(ticks) and shown["last_job_id"] == ticks[-1]
+    assert shown["last_tick"] is not None
+    assert tick_id("beat", seconds[-1]) == ticks[-1]
+
+
+async def test_overlap_skip_with_a_slow_handler(live: Live, sdk_worker, tmp_path: Path):
+    specs = tmp_path / "specs"
+    await live.push(write_spec(specs, "slow"))
+    worker = Worker(specs_dir=specs, heartbeat_interval=0.1)
+    release = asyncio.Event()
+
+    @worker.handler("slow")
+    async def slow(ctx: JobContext) -> None:
+        await release.wait()
+
+    await sdk_worker(worker)
+    await live.http.put("/schedules/slow", json={"spec": "slow", "cron": "@every 1s"})
+    first = await wait_until(lambda: tick_jobs(live, "slow"), timeout=5, what="a first tick")
+
+    async def skipped() -> dict[str, Any] | None:
+        shown = (await live.http.get("/schedules/slow")).json()
+        return shown if shown["last_outcome"] == "skipped: previous run still active" else None
+
+    shown = await wait_until(skipped, timeout=5, what="a skipped tick")
+    assert shown["last_job_id"] == first[0]["id"]
+    await asyncio.sleep(1.2)  # another tick or two, skipped as well
+    assert [j["id"] for j in await tick_jobs(live, "slow")] == [first[0]["id"]]
+    release.set()
+    await live.wait_state(first[0]["id"], "completed")
+    later = await wait_until(lambda: _more(live, "slow", 2), timeout=5, what="the next tick")
+    assert later[0]["id"] == first[0]["id"]
+    await live.http.post("/schedules/slow/pause")
+
+
+async def _more(live: Live, name: str, count: int) -> list[dict[str, Any]] | None:
+    jobs = await tick_jobs(live, name)
+    return jobs if len(jobs) >= count else None
+
+
+async def test_a_schedule_waits_for_its_spec_then_fires(live: Live, tmp_path: Path):
+    answer = await live.http.put("/schedules/later", json={"spec": "late", "cron": "@every 1s"})
+    assert answer.json()["schedule"]["state"] == "waiting"
+    await asyncio.sleep(1.5)
+    assert await tick_jobs(live, "later") == []
+    await live.push(write_spec(tmp_path / "specs", "late"))
+    jobs = await wait_until(lambda: tick_jobs(live, "later"), timeout=5, what="a tick")
+    assert jobs[0]["spec"] == "late"
+    shown = (await live.http.get("/schedules/later")).json()
+    assert shown["state"] == "active" and shown["waiting_reason"] is None
+    await live.http.post("/schedules/later/pause")
