@@ -204,7 +204,7 @@ class Ack(_Tagged, tag="ack"):
     rejected: list[ResultRejection] = []
 
 
-class JobCopy(msgspec.Struct, kw_only=True):
+class JobCopy(msgspec.Struct, kw_only=True, omit_defaults=True):
     id: str
     spec: str
     checksum: str
@@ -215,6 +215,10 @@ class JobCopy(msgspec.Struct, kw_only=True):
     visibility_timeout: float
     enqueued_at: str
     capture_logs: bool = False  # forward the job's ctx.log() lines to the server
+    # A workflow's step (docs/protocol.md §3.2): its workflow, and the results of the
+    # steps before it (JSON, as stored); absent for any other job.
+    workflow_id: str | None = None
+    parent_results: Any = None
 
 
 class Assign(_Tagged, tag="assign"):

@@ -34,7 +34,7 @@ def filter_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--state", "states", multiple=True,
                      help="Jobs in this state (repeat, or a,b): scheduled, available, active,"
-                     " retryable, completed, discarded, cancelled."),
+                     " retryable, completed, discarded, cancelled, pending."),
         click.option("--spec", help="Jobs of this spec."),
         click.option("--queue", help="Jobs in this queue."),
         click.option("--worker", help="Jobs last held by this worker."),

@@ -73,6 +73,9 @@ class JobState(enum.StrEnum):
     COMPLETED = "completed"
     DISCARDED = "discarded"
     CANCELLED = "cancelled"
+    # Held until its workflow (rota/core/workflows.py) or its schedule's previous run
+    # releases it: not waiting, so no scheduler sees it until then.
+    PENDING = "pending"
 
 
 JOB_STATES = tuple(state.value for state in JobState)
@@ -91,6 +94,7 @@ def waiting_and_later(counts: dict[str, int]) -> tuple[int, int]:
 S = JobState
 # Every move a job may make. Staying put is always allowed (a job re-placed where it is).
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    S.PENDING: frozenset({S.AVAILABLE, S.SCHEDULED, S.DISCARDED, S.CANCELLED}),
     S.SCHEDULED: frozenset({S.AVAILABLE, S.DISCARDED, S.CANCELLED}),
     S.AVAILABLE: frozenset({S.ACTIVE, S.DISCARDED, S.CANCELLED}),
     S.RETRYABLE: frozenset({S.AVAILABLE, S.DISCARDED, S.CANCELLED}),
@@ -173,6 +177,10 @@ class JobRecord:
     concurrency_key: str | None = None  # the key its spec's per-key limits count it under
     labels: tuple[str, ...] = ()  # worker labels it needs, all of them (sorted, deduplicated)
     unique: UniqueClaim | None = None  # the key its enqueue claims (until its row is in)
+    workflow_id: str | None = None  # the workflow it is a step of (rota/core/workflows.py)
+    workflow_node: int | None = None  # its node in that workflow
+    parent_results: msgspec.Raw | None = None  # what its workflow passes it (JSON)
+    schedule: str | None = None  # the cron schedule whose tick made it
 
     def move(self, to: JobState) -> None:
         """Change state, refusing a move the lifecycle does not allow."""

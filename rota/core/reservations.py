@@ -159,7 +159,8 @@ class Reservations:
                     id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
                     args=job.args, attempt=job.attempt, priority=job.priority,
                     visibility_timeout=self.scheduler.lease_for(job),
-                    enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs))
+                    enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs,
+                    workflow_id=job.workflow_id, parent_results=job.parent_results))
             effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
         return effects
 

@@ -138,7 +138,10 @@ class Clockwork:
                 max_attempts=definition.max_attempts, delay=delay if delay > 0 else None)
         except msgspec.ValidationError as exc:  # (a definition is checked when stored)
             return Invalid("invalid_schedule", str(exc))
-        return self.engine.build(request, OPEN, now)
+        built = self.engine.build(request, OPEN, now)
+        if not isinstance(built, DomainError):
+            built.schedule = definition.name  # its row names its schedule
+        return built
 
     def _report(self, definition: ScheduleDef, fired: ticks.Fired, now: Instant) -> None:
         """Take the new jobs in (as an enqueue's, after the commit) and log the fire."""

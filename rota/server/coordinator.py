@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 from rota.base import protocol as p
 from rota.server.admission import Admission
-from rota.server.clockwork import Clockwork
 from rota.core.auth import OPEN, Principal, Tokens
 from rota.core.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           Withdraw, WorkerGone, WorkerSeen)
@@ -73,6 +72,8 @@ class Coordinator(ShellReads, ShellDirectives):
         self.server_id = settings.server_id or f"{socket.gethostname()}:{settings.port}"
         self.store.server_id = self.server_id  # (docs/scaling.md: reservations carry it)
         self.engine = engine = Engine(settings)
+        self.store.on_released = lambda jobs: self.apply(  # (rota/store/settle.py)
+            engine.taken_in(jobs, self.clock()))
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
         self._outboxes: dict[int, Outbox] = {}
         self._conns = 0
@@ -101,8 +102,8 @@ class Coordinator(ShellReads, ShellDirectives):
         self.steering = Steering(store, engine, clock, self.run, self.apply)
         self.admission = Admission(store, engine, clock, self.apply, self.crash_point)
         self.watching = Watching(store, engine, clock, settings.max_series)
-        self.upkeep = Upkeep(settings, store, engine, clock, self.apply, self.steering.retrying)
-        self.clockwork = Clockwork(store, engine, clock, self.apply, self.steering.cancel)
+        self.upkeep = Upkeep(settings, store, engine, clock, self.apply, self.steering)
+        self.clockwork = self.upkeep.clockwork  # cron schedules (the routes' and a push's)
         # What the parts do, under the names the routes call (bound methods: each
         # keeps its part's signature).
         self.enqueue, self.take_over = self.admission.enqueue, self.admission.take_over
@@ -178,8 +179,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.spawn(self._dispatch_loop(), "rota-dispatch")
         self.spawn(self._timer_loop(), "rota-timers")
         self.spawn(self.tokenwatch.loop(), "rota-tokens")
-        cron = (self.clockwork.loop(), "rota-cron")  # (rota/server/clockwork.py)
-        for loop, name in [*self.upkeep.loops(readings=kept, counts=snapshot.throughput), cron]:
+        for loop, name in self.upkeep.loops(readings=kept, counts=snapshot.throughput):
             self.spawn(loop, name)
 
     def begin_shutdown(self) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 JobState = Literal["scheduled", "available", "active", "retryable", "completed", "discarded",
-                   "cancelled"]
+                   "cancelled", "pending"]
 
 
 class Held(msgspec.Struct):
@@ -75,6 +75,9 @@ class JobView(msgspec.Struct, kw_only=True):
     unique_key: str | None  # the unique key it holds (sha256 hex), if any
     concurrency_key: str | None  # flow control: the key per-key limits count it under
     labels: list[str]  # worker labels it requires (its own and its spec's)
+    workflow_id: str | None  # the workflow it is a step of
+    workflow_node: int | None  # its node in that workflow
+    schedule: str | None  # the cron schedule whose tick made it
     progress: Progress | None
     # active: whether its worker started it (false: prefetched, waiting in its line); else null
     started: bool | None = None

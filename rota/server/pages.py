@@ -45,7 +45,7 @@ HEADERS = {
     "referrer-policy": "same-origin",
 }
 STATES = ("scheduled", "available", "active", "retryable", "completed", "discarded",
-          "cancelled")
+          "cancelled", "pending")
 
 env = jinja2.Environment(
     loader=jinja2.FileSystemLoader(HERE / "templates"),

@@ -220,6 +220,20 @@ def m017_active_keys(db: sqlite_utils.Database) -> None:
 
 
 @migrations()
+def m018_job_origins(db: sqlite_utils.Database) -> None:
+    # Where a job came from (issue 24): the workflow it is a step of and its node there,
+    # what its workflow passes it (JSON), and the cron schedule whose tick made it. The
+    # partial indexes hold only the jobs that have one.
+    for column, kind in (("workflow_id", str), ("workflow_node", int),
+                         ("parent_results", str), ("schedule", str)):
+        db["jobs"].add_column(column, kind)
+    db.execute("CREATE INDEX idx_jobs_workflow ON jobs (workflow_id, workflow_node)"
+               " WHERE workflow_id IS NOT NULL")
+    db.execute("CREATE INDEX idx_jobs_schedule ON jobs (schedule, state)"
+               " WHERE schedule IS NOT NULL")
+
+
+@migrations()
 def m019_schedules(db: sqlite_utils.Database) -> None:
     # Cron schedules (rota/store/ticks.py): the definition as JSON, whether it is paused,
     # the instant its ticks count from (made, resumed, its expression changed), the last

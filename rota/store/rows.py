@@ -53,7 +53,7 @@ def load(conn: sqlite3.Connection, server_id: str | None = None) -> Snapshot:
     status_quo, checksums, retired = read_status_quo(conn)
     mine = "" if server_id is None else " AND server_id = ?"
     live = conn.execute(
-        f"SELECT {', '.join(_LIVE)} FROM jobs WHERE state IN ('scheduled', 'retryable')"
+        f"SELECT {', '.join(LIVE)} FROM jobs WHERE state IN ('scheduled', 'retryable')"
         f" OR (state = 'active'{mine}) OR (state = 'available' AND NOT ({_PLAIN}))"
         " ORDER BY rowid", () if server_id is None else (server_id,)
     )
@@ -130,12 +130,12 @@ def _waiting(conn: sqlite3.Connection) -> dict[WaitingGroup, list[int]]:
 
 
 # The columns a live job is rebuilt from at a restart, in live_job's order.
-_LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max_attempts",
+LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max_attempts",
          "max_fails", "backoff_base", "backoff_max", "max_worker_deaths", "visibility_timeout",
          "state", "attempt", "worker_id", "checksum", "run_at", "expires_at",
          "lease_expires_at", "fails", "deaths", "budget_start", "cancel_requested",
          "capture_logs", "created_by", "reserved_at", "worker_token", "concurrency_key",
-         "labels")
+         "labels", "workflow_id", "workflow_node", "parent_results", "schedule")
 
 
 # Claims: rows reserved only if they are still available, and read back whole.
@@ -143,7 +143,7 @@ _CLAIM = (
     "UPDATE jobs SET state = 'active', attempt = attempt + 1, worker_id = ?, worker_token = ?,"
     " checksum = ?, server_id = ?, reserved_at = ?,"
     " lease_expires_at = ? + MAX(COALESCE(NULLIF(visibility_timeout, 0), ?), ?)"
-    " WHERE rowid IN ({}) AND +state = 'available' RETURNING " + ", ".join(_LIVE)
+    " WHERE rowid IN ({}) AND +state = 'available' RETURNING " + ", ".join(LIVE)
 )  # "+state": look the rows up by rowid, never by the (state, queue) index (a scan of
 # every available job: 150 µs a job at 20,000 waiting instead of a few)
 
@@ -167,7 +167,7 @@ def waiting_rows(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple[Any, .
     out: list[tuple[Any, ...]] = []
     for start in range(0, len(seqs), 500):  # SQLite's limit on parameters
         chunk = seqs[start:start + 500]
-        cursor = conn.execute(f"SELECT {', '.join(_LIVE)} FROM jobs WHERE rowid IN"
+        cursor = conn.execute(f"SELECT {', '.join(LIVE)} FROM jobs WHERE rowid IN"
                               f" ({', '.join('?' * len(chunk))})"
                               " AND state IN ('available', 'scheduled', 'retryable')", chunk)
         cursor.row_factory = None
@@ -207,7 +207,7 @@ def take_over_rows(conn: sqlite3.Connection, server_id: str, worker_id: str,
         cursor = conn.execute(
             f"UPDATE jobs SET server_id = ? WHERE id IN ({', '.join('?' * len(chunk))})"
             " AND worker_id = ? AND state = 'active' AND (server_id IS NULL OR server_id <> ?)"
-            + fence + " RETURNING " + ", ".join(_LIVE),
+            + fence + " RETURNING " + ", ".join(LIVE),
             (server_id, *chunk, worker_id, server_id, *extra))
         cursor.row_factory = None
         out += [tuple(r) for r in cursor.fetchall()]
@@ -247,7 +247,7 @@ def live_job(r: tuple[Any, ...]) -> JobRecord:
      backoff_base, backoff_max, max_deaths, visibility_timeout, state, attempt, worker_id,
      checksum, run_at, expires_at, lease_expires_at, fails, deaths, budget_start,
      cancel_requested, capture_logs, created_by, reserved_at, worker_token, concurrency_key,
-     labels) = r
+     labels, workflow_id, workflow_node, parent_results, schedule) = r
     intern = sys.intern
     limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
                            backoff_max or 3600.0, max_deaths or 3)
@@ -263,7 +263,10 @@ def live_job(r: tuple[Any, ...]) -> JobRecord:
                      created_by=None if created_by is None else intern(created_by),
                      reserved_at=reserved_at,
                      worker_token=None if worker_token is None else intern(worker_token),
-                     concurrency_key=concurrency_key, labels=labels_of(labels))
+                     concurrency_key=concurrency_key, labels=labels_of(labels),
+                     workflow_id=workflow_id, workflow_node=workflow_node,
+                     parent_results=None if parent_results is None
+                     else msgspec.Raw(parent_results.encode()), schedule=schedule)
 
 
 def worker_row(worker_id: str, reg: Registration, connected_at: float) -> dict[str, Any]:
@@ -288,4 +291,7 @@ def job_from_row(r: sqlite3.Row | dict[str, Any]) -> JobRecord:
                      budget_start=r["budget_start"], cancel_requested=bool(r["cancel_requested"]),
                      capture_logs=bool(r["capture_logs"]), created_by=r["created_by"],
                      reserved_at=r["reserved_at"], concurrency_key=r["concurrency_key"],
-                     labels=labels_of(r["labels"]))
+                     labels=labels_of(r["labels"]), workflow_id=r["workflow_id"],
+                     workflow_node=r["workflow_node"],
+                     parent_results=None if r["parent_results"] is None
+                     else msgspec.Raw(r["parent_results"].encode()), schedule=r["schedule"])

@@ -20,7 +20,7 @@ MIGRATIONS = (
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
     "m014_throughput", "m015_flow_control", "m016_unique_keys", "m017_active_keys",
-    "m019_schedules",
+    "m018_job_origins", "m019_schedules",
 )
 
 
@@ -81,7 +81,8 @@ TABLES: tuple[Table, ...] = (
         " cancel_requested INTEGER NOT NULL =0, capture_logs INTEGER NOT NULL =0,"
         " progress_percent REAL, progress_message TEXT, progress_at REAL, created_by TEXT,"
         " deaths INTEGER NOT NULL =0, max_worker_deaths INTEGER, server_id TEXT,"
-        " worker_token TEXT, concurrency_key TEXT, labels TEXT"),
+        " worker_token TEXT, concurrency_key TEXT, labels TEXT, workflow_id TEXT,"
+        " workflow_node INTEGER, parent_results TEXT, schedule TEXT"),
         pk=("id",), rowid=True),
     Table("spec_versions", _cols("name TEXT, checksum TEXT, version TEXT, body TEXT,"
                                  " first_pushed_at REAL"), pk=("name", "checksum")),
@@ -140,6 +141,10 @@ INDEXES: tuple[Index, ...] = (
     # keyed active jobs are in these, so an unlimited job costs them nothing.
     Index("idx_jobs_active_spec_key", "jobs", ("spec", "concurrency_key"), ACTIVE_KEYED),
     Index("idx_jobs_active_queue_key", "jobs", ("queue", "concurrency_key"), ACTIVE_KEYED),
+    # A workflow's jobs, and a schedule's (m018): only the jobs that have one are in these.
+    Index("idx_jobs_workflow", "jobs", ("workflow_id", "workflow_node"),
+          "workflow_id IS NOT NULL"),
+    Index("idx_jobs_schedule", "jobs", ("schedule", "state"), "schedule IS NOT NULL"),
 )
 
 

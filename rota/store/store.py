@@ -16,41 +16,43 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Collection, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
-from rota.store import fleet, limits, lookup, reads, sqlite
+from rota.store import fleet, limits, sqlite
 from rota.store.urls import redact
 from rota.store import writes as sql  # the writes' SQL and their functions of a connection
 from rota.store.health import Health
+from rota.store.reading import Reading
+from rota.store import settle
 from rota.store.readers import Readers
 from rota.store.writer import Checkpointer, Writer
 from rota.base.errors import StorageError
-from rota.core.listing import JobFilter, decode_cursor
 from rota.core.effects import Guard, Reserved
-from rota.core.model import JOB_STATES, WAITING_STATES, Change, ClockReading, JobRecord, StatusNote
+from rota.core.model import WAITING_STATES, Change, ClockReading, JobRecord, StatusNote
 from rota.base.protocol import Registration
 from rota.core.ready import Claim
 from rota.core.retention import Cutoff
 from rota.store.rows import (Snapshot, claim_rows, job_from_row, live_job, load, read_status_quo,
                              take_over, waiting_rows, worker_row)
 from rota.base.specs import JobSpec
-from rota.store.tokens import insert_token, live_tokens, open_database, revoke_tokens
+from rota.store.tokens import insert_token, open_database, revoke_tokens
 from rota.store.writes import SpecChange
-from rota.store.views import job_view
 
 # Snapshot, job_from_row: rota/store/rows.py; SpecChange: rota/store/writes.py.
 __all__ = ["Store", "Snapshot", "SpecChange", "Change", "JobRecord", "StatusNote", "job_from_row"]
 
 MIN_BOUND = 0.5  # seconds: the least lock and idle-in-transaction bound (rota/store/pg.py)
 
+T = TypeVar("T")
+
 
 @dataclass(slots=True)
-class Store:
+class Store(Reading):
     path: Path
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
     durability: str = "full"  # sqlite.SYNCHRONOUS: what a commit survives
@@ -69,6 +71,9 @@ class Store:
     # Test switch: hold each reservation's transaction open this long after its UPDATE,
     # for the stall tests to catch a server inside a transaction. Never in production.
     hold_reserve: float = 0.0
+    # Jobs a write's endings released to wait (rota/store/settle.py), after its commit:
+    # the coordinator hands them to the engine.
+    on_released: Callable[[list[JobRecord]], None] = lambda jobs: None
     writer: Writer = field(init=False)
     readers: Readers = field(init=False)
     checkpointer: Checkpointer | None = field(init=False)  # SQLite's WAL only
@@ -252,7 +257,15 @@ class Store:
 
     def withdraw(self, seq: int, now: float) -> asyncio.Future[bool]:
         """Cancel row ``seq`` if it is still available; whether it was."""
-        return self.writer.submit(lambda conn: sql.withdraw(conn, seq, now))
+        released: list[JobRecord] = []
+
+        def op(conn: sqlite3.Connection) -> bool:
+            cancelled = sql.withdraw(conn, seq, now)
+            if cancelled:
+                released[:] = self._settle(conn, settle.ended_row(conn, seq), now)
+            return cancelled
+
+        return self._releasing(self.writer.submit(op), released)
 
     def save(self, changes: list[Change]) -> asyncio.Future[dict[str, JobRecord | None]]:
         """Commit job transitions. Values are taken now: the job may change again before
@@ -270,10 +283,17 @@ class Store:
         if self.shared:  # and only from the server whose worker holds the job, if any
             rows = [(*row, self.server_id, int(c.retry)) for row, c in zip(rows, changes)]
 
+        ended = [c for c in changes if c.job.workflow_id is not None
+                 or c.job.schedule is not None]  # (most saves: none)
+        released: list[JobRecord] = []
+
         def op(conn: sqlite3.Connection) -> dict[str, JobRecord | None]:
             counts = sqlite.rowcounts(conn, sql.SAVE_SHARED if self.shared else sql.SAVE, rows)
             refused = [(job_id, seq) for (job_id, seq, _), n in zip(keys, counts) if n == 0]
             waiting = [str(seq) for (_, seq, waits), n in zip(keys, counts) if waits and n]
+            if ended:
+                stored = [n for c, n in zip(changes, counts) if c in ended]
+                released[:] = self._settle(conn, settle.ended_of(ended, stored), now)
             if waiting and self.shared:
                 fleet.notify(conn, fleet.JOBS, self.server_id or "", waiting)
             if not refused:
@@ -282,7 +302,28 @@ class Store:
                 conn, [seq for _, seq in refused if seq]))}
             return {job_id: found.get(job_id) for job_id, _ in refused}
 
-        return self.writer.submit(op)
+        now = time.time()
+        return self._releasing(self.writer.submit(op), released)
+
+    def _settle(self, conn: sqlite3.Connection, ended: list[settle.Ended], now: float
+                ) -> list[JobRecord]:
+        """``settle.settle`` in a writer's transaction: the jobs the endings released,
+        announced to the other servers sharing the database."""
+        released = settle.settle(conn, ended, now) if ended else []
+        if released and self.shared:
+            fleet.notify(conn, fleet.JOBS, self.server_id or "",
+                         [str(job.seq) for job in released])
+        return released
+
+    def _releasing(self, future: asyncio.Future[T], released: list[JobRecord]
+                   ) -> asyncio.Future[T]:
+        """Hand the jobs a write released (filled by its transaction) to ``on_released``
+        once it commits, before whoever waits on the write hears of it."""
+        def done(f: asyncio.Future[T]) -> None:
+            if released and not f.cancelled() and f.exception() is None:
+                self.on_released(list(released))
+        future.add_done_callback(done)
+        return future
 
     def prune(self, cutoffs: Sequence[Cutoff], limit: int, keep: Container[str]
               ) -> asyncio.Future[dict[str, int]]:
@@ -396,17 +437,10 @@ class Store:
     async def connected_somewhere(self, worker_id: str) -> bool:
         return await self.readers.run(lambda conn: fleet.connected_somewhere(conn, worker_id))
 
-    # -- reads ---------------------------------------------------------------------
-    async def get_job(self, job_id: str) -> dict[str, Any] | None:
-        return await self.readers.run(lambda conn: sql.fetch_job(conn, job_id))
-
     def get_job_in_order(self, job_id: str) -> asyncio.Future[dict[str, Any] | None]:
         """The job's row as the writer sees it, in order with the writes: a row a later
         write (a prune) would change is read before it changes."""
         return self.writer.submit(lambda conn: sql.fetch_job(conn, job_id))
-
-    async def live_tokens(self) -> list[dict[str, Any]]:
-        return await self.readers.run(live_tokens)
 
     async def create_token(self, *, name: str, scope: str, queues: list[str] | None,
                            token_id: str, hashed: str) -> dict[str, Any]:
@@ -419,61 +453,11 @@ class Store:
         """Revoke the live tokens with this id or name; their rows."""
         return await self.writer.submit(lambda conn: revoke_tokens(conn, id_or_name))
 
-    async def job_logs(self, job_id: str, limit: int) -> list[dict[str, Any]]:
-        """The job's last ``limit`` log lines and alerts, oldest first."""
-        return await self.readers.run(lambda conn: reads.job_logs(conn, job_id, limit))
-
-    async def queue_counts(self, states: Sequence[str] = JOB_STATES
-                           ) -> dict[str, dict[str, int]]:
-        """reads.queue_counts: jobs per queue and state."""
-        return await self.readers.run(lambda conn: reads.queue_counts(conn, states))
-
-    async def oldest_available_since(self, queues: Iterable[str]) -> dict[str, float]:
-        """reads.oldest_available_since: per queue, when its first job could run."""
-        names = list(queues)  # (read here, on the loop: the thread gets a copy)
-        return await self.readers.run(
-            lambda conn: reads.oldest_available_since(conn, names))
-
-    # -- what an operator looks for (rota/store/lookup.py) --------------------------------
-    async def list_jobs(self, flt: JobFilter, limit: int, cursor: str | None
-                        ) -> tuple[list[dict[str, Any]], str | None]:
-        """A page of matching jobs, newest first, as the API shows them, and the cursor
-        of the next page (None: this is the last). RequestError on a bad cursor."""
-        before = decode_cursor(cursor) if cursor is not None else None
-        found, after = await self.readers.run(
-            lambda conn: lookup.page(conn, flt, limit, before))
-        return [job_view(row) for _, row in found], after
-
-    async def match_jobs(self, flt: JobFilter, limit: int, pages: int = 20
-                         ) -> tuple[list[tuple[str, str]], bool]:
-        """(id, state) of up to ``limit + 1`` matching jobs, newest first (one more than
-        ``limit`` says more match), and whether a bounded search (q) stopped after
-        ``pages`` scans with rows left unexamined."""
-        return await self.readers.run(lambda conn: lookup.match(conn, flt, limit, pages))
-
-    async def count_jobs(self, flt: JobFilter) -> int:
-        """Matching jobs, counted up to lookup.COUNT_CAP (100,000)."""
-        return await self.readers.run(lambda conn: lookup.count(conn, flt))
-
-    async def state_counts(self) -> dict[str, int]:
-        return await self.readers.run(lookup.state_counts)
-
-    async def oldest_available(self, now: float) -> dict[str, float | None]:
-        """Per queue, seconds its longest-waiting available job has waited."""
-        return await self.readers.run(lambda conn: lookup.oldest_available(conn, now))
-
-    async def job_states(self, ids: list[str]) -> dict[str, str]:
-        """The state of each of these jobs that exists."""
-        return await self.readers.run(lambda conn: reads.job_states(conn, ids))
-
     def set_paused(self, queue: str, paused: bool, now: float) -> asyncio.Future[None]:
         return self.writer.submit(lambda conn: fleet.set_paused(
             conn, queue, paused, now, self.server_id if self.shared else None))
 
     # -- flow control (rota/store/limits.py) -----------------------------------------------
-    async def runtime_limits(self) -> list[dict[str, Any]]:
-        return await self.readers.run(limits.read_limits)
-
     def set_limit(self, kind: str, name: str, rule: str | None, now: float,
                   by: str | None = None) -> asyncio.Future[bool]:
         """Set a scope's runtime rule (its JSON), or clear it (None); whether one changed."""
@@ -491,10 +475,3 @@ class Store:
             return retired
 
         return self.writer.submit(op)
-
-    async def spec_jobs(self, name: str) -> tuple[dict[str, int], list[str]]:
-        """Unfinished jobs of spec ``name``: counts by state, and the ids of waiting ones."""
-        return await self.readers.run(lambda conn: reads.spec_jobs(conn, name))
-
-    async def spec_history(self, name: str) -> list[dict[str, Any]]:
-        return await self.readers.run(lambda conn: reads.spec_history(conn, name))

@@ -18,9 +18,10 @@ from typing import Any
 
 import msgspec
 
-from rota.core.model import JobRecord
+from rota.core.model import JobRecord, JobState
 from rota.core.schedules import ScheduleDef, Timing, due, overlap
 from rota.store import fleet
+from rota.store.rows import LIVE, live_job
 from rota.store.writes import insert_jobs, insert_row
 
 SKIPPED = "skipped: previous run still active"
@@ -149,8 +150,8 @@ def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
             continue
         if verdict == "cancel_previous" and previous is not None:
             fired.cancel.append(previous)
-        if verdict == "pending":
-            job.state = "pending"
+        if verdict == "pending":  # held until the live one ends (release_next)
+            job.state, job.run_at = JobState.PENDING, None
         [(stored, new)] = insert_jobs(conn, [job], [insert_row(job)], [None], now)
         fired.made.append((job, stored, new))
         previous, state, outcome = stored["id"], stored["state"], None
@@ -170,3 +171,25 @@ def _state(conn: sqlite3.Connection, job_id: str | None) -> str | None:
         return None
     row = conn.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
     return None if row is None else row[0]
+
+
+# -- the enqueue overlap: a schedule's held ticks, released one at a time ---------------------
+_BUSY = ("SELECT 1 FROM jobs WHERE schedule = ? AND state IN"
+         " ('scheduled', 'available', 'active', 'retryable') LIMIT 1")
+_NEXT = "SELECT id FROM jobs WHERE schedule = ? AND state = 'pending' ORDER BY rowid LIMIT 1"
+_RELEASE = ("UPDATE jobs SET state = 'available' WHERE id = ? AND state = 'pending'"
+            " RETURNING " + ", ".join(LIVE))
+
+
+def release_next(conn: sqlite3.Connection, schedule: str, now: float) -> list[JobRecord]:
+    """A job of ``schedule`` ended (rota/store/settle.py, in its transaction): its oldest
+    held tick (overlap ``enqueue``) waits now, unless another of its jobs is still live;
+    the job released, as its row reads, or none."""
+    if conn.execute(_BUSY, (schedule,)).fetchone() is not None:
+        return []
+    held = conn.execute(_NEXT, (schedule,)).fetchone()
+    if held is None:
+        return []
+    cursor = conn.execute(_RELEASE, (held[0],))
+    cursor.row_factory = None
+    return [live_job(row) for row in cursor]

@@ -50,6 +50,11 @@ def job_view(row: dict[str, Any]) -> dict[str, Any]:
         "unique_key": row.get("unique_key"),  # the unique key it holds (rota/core/unique.py)
         "concurrency_key": row.get("concurrency_key"),
         "labels": msgspec.json.decode(row.get("labels") or "[]"),
+        # Where it came from (issue 24): the workflow it is a step of, its node there, and
+        # the cron schedule whose tick made it; null for a job enqueued on its own.
+        "workflow_id": row.get("workflow_id"),
+        "workflow_node": row.get("workflow_node"),
+        "schedule": row.get("schedule"),
         "progress": None if row["progress_at"] is None else {
             "percent": row["progress_percent"], "message": row["progress_message"],
             "at": rfc3339(row["progress_at"])},

@@ -39,7 +39,8 @@ class SpecChange:
 _INSERTED = ("id", "spec", "queue", "args", "priority", "state", "visibility_timeout",
              "enqueued_at", "run_at", "expires_at", "max_attempts", "max_fails", "backoff_base",
              "backoff_max", "capture_logs", "created_by", "max_worker_deaths",
-             "concurrency_key", "labels")
+             "concurrency_key", "labels", "workflow_id", "workflow_node", "parent_results",
+             "schedule")
 _INSERT = (
     f"INSERT INTO jobs ({', '.join(_INSERTED[:6])}, attempt, {', '.join(_INSERTED[6:])})"
     f" VALUES ({', '.join('?' * 6)}, 0, {', '.join('?' * (len(_INSERTED) - 6))})"
@@ -143,7 +144,9 @@ def insert_row(job: JobRecord) -> tuple[Any, ...]:
             job.visibility_timeout, job.enqueued_at, job.run_at, job.expires_at,
             lim.max_attempts, lim.max_fails, lim.backoff_base, lim.backoff_max,
             int(job.capture_logs), job.created_by, lim.max_worker_deaths, job.concurrency_key,
-            labels_text(job.labels))
+            labels_text(job.labels), job.workflow_id, job.workflow_node,
+            None if job.parent_results is None else bytes(job.parent_results).decode(),
+            job.schedule)
 
 
 # -- reservations and transitions --------------------------------------------------------

@@ -44,6 +44,10 @@ class JobContext:
     worker_id: str
     visibility_timeout: float
     capture_logs: bool = False
+    # A workflow's step: its workflow's id, and the results of the steps it follows, by
+    # step index as text ({"0": ..., "1": ...}; README, Workflows). {} for other jobs.
+    workflow_id: str | None = None
+    parent_results: dict[str, Any] = field(default_factory=dict)
     _extend: Callable[[], None] = field(repr=False, default=lambda: None)
     _status: StatusBuffer | None = field(repr=False, default=None)
     _outcome: asyncio.Future[Any] | None = field(repr=False, default=None)  # manual mode

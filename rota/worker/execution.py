@@ -280,14 +280,15 @@ class Runner:
         def extend_now() -> None:
             run.deadline = time.monotonic() + copy.visibility_timeout
 
-        def extend() -> None:  # may be called from a plain function's thread
-            loop.call_soon_threadsafe(extend_now)
-
+        # (ctx.heartbeat may be called from a plain function's thread)
+        extend: Callable[[], object] = lambda: loop.call_soon_threadsafe(extend_now)
         ctx = JobContext(id=copy.id, spec=copy.spec, queue=copy.queue, attempt=copy.attempt,
                          args=copy.args, priority=copy.priority, checksum=copy.checksum,
                          enqueued_at=copy.enqueued_at, worker_id=self.worker_id,
                          visibility_timeout=copy.visibility_timeout,
-                         capture_logs=copy.capture_logs, _extend=extend, _status=self.status,
+                         capture_logs=copy.capture_logs, workflow_id=copy.workflow_id,
+                         parent_results=copy.parent_results or {}, _extend=extend,
+                         _status=self.status,
                          _stopped=lambda: run.cancel_reason is not None)
         return await self._call(ctx, run)
 

@@ -179,7 +179,7 @@ async def test_the_dashboard_and_queues_name_at_most_max_series_queues_and_sum_t
         assert [q["name"] for q in listed["queues"]] == ["paused-one", "q8", "q9"]
         assert listed["others"] == {"queues": 7, "counts": {
             "scheduled": 0, "available": 28, "active": 0, "retryable": 0, "completed": 0,
-            "discarded": 0, "cancelled": 0}}
+            "discarded": 0, "cancelled": 0, "pending": 0}}
         code, out, err = await rota("queues", "--url", live.base)
         assert code == 0, err
         assert out.splitlines()[-1] == ("and 7 more queues, not listed one by one:"

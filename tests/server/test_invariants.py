@@ -66,7 +66,8 @@ KEEPALIVE = 0.4  # beat any client that has been silent this long before a step
 MAX_CLIENTS = 5
 SETTLE = 5.0  # seconds the server may take to come to rest after a step
 
-STATES = {"scheduled", "available", "active", "retryable", "completed", "discarded", "cancelled"}
+STATES = {"scheduled", "available", "active", "retryable", "completed", "discarded", "cancelled",
+          "pending"}
 TERMINAL = {"completed", "discarded", "cancelled"}
 SERVER_LOOPS = {*LOOPS, "rota-reaper"}  # the loops that run as long as the server does
 

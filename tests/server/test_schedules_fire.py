@@ -100,3 +100,63 @@ async def test_a_schedule_waits_for_its_spec_then_fires(live: Live, tmp_path: Pa
     shown = (await live.http.get("/schedules/later")).json()
     assert shown["state"] == "active" and shown["waiting_reason"] is None
     await live.http.post("/schedules/later/pause")
+
+
+async def test_overlap_enqueue_holds_ticks_pending_and_runs_them_one_at_a_time(
+        live: Live, sdk_worker, tmp_path: Path):
+    specs = tmp_path / "specs"
+    await live.push(write_spec(specs, "serial"))
+    worker = Worker(specs_dir=specs, heartbeat_interval=0.1, concurrency=4)
+    release = asyncio.Event()
+    running: list[str] = []
+    most = 0
+
+    @worker.handler("serial")
+    async def serial(ctx: JobContext) -> None:
+        nonlocal most
+        running.append(ctx.id)
+        most = max(most, len(running))
+        await release.wait()
+        running.remove(ctx.id)
+
+    await sdk_worker(worker)
+    await live.http.put("/schedules/serial", json={"spec": "serial", "cron": "@every 1s",
+                                                   "overlap": "enqueue"})
+    held = await wait_until(lambda: _pending(live, "serial", 2), timeout=6, what="held ticks")
+    assert all(j["schedule"] == "serial" for j in held)
+    await live.http.post("/schedules/serial/pause")
+    jobs = await tick_jobs(live, "serial")
+    release.set()
+
+    async def all_done() -> bool:
+        states = {(await live.job(j["id"]))["state"] for j in jobs}
+        return states == {"completed"}
+
+    await wait_until(all_done, timeout=10, what="the held ticks to run")
+    assert most == 1  # one at a time, though the worker takes four
+
+
+async def _pending(live: Live, name: str, count: int) -> list[dict[str, Any]] | None:
+    jobs = [await live.job(j["id"]) for j in await tick_jobs(live, name)]
+    held = [j for j in jobs if j["state"] == "pending"]
+    return held if len(held) >= count else None
+
+
+async def test_overlap_cancel_previous_cancels_the_running_one(live: Live, sdk_worker,
+                                                                tmp_path: Path):
+    specs = tmp_path / "specs"
+    await live.push(write_spec(specs, "sync"))
+    worker = Worker(specs_dir=specs, heartbeat_interval=0.1, concurrency=4)
+    done = asyncio.Event()
+
+    @worker.handler("sync")
+    async def sync(ctx: JobContext) -> None:
+        await done.wait()  # (a run the next tick cancels)
+
+    await sdk_worker(worker)
+    await live.http.put("/schedules/sync", json={"spec": "sync", "cron": "@every 1s",
+                                                 "overlap": "cancel_previous"})
+    first = (await wait_until(lambda: tick_jobs(live, "sync"), timeout=5, what="a tick"))[0]
+    await live.wait_state(first["id"], "cancelled", timeout=6)
+    await live.http.post("/schedules/sync/pause")
+    done.set()

@@ -370,3 +370,26 @@ async def test_listing_pages_newest_first_and_counts_by_filter(open_store: Opene
         [("j0", "completed")], False)
     assert await store.job_states(["j0", "j1", "nope"]) == {"j0": "completed",
                                                             "j1": "available"}
+
+
+async def test_a_pending_job_is_not_loaded_and_its_release_reads_it_back_whole(
+        open_store: Opener):
+    """Issue 24: a workflow's later step is stored ``pending``: a restart does not take
+    it in (no scheduler may give it out), and its release (rota/store/settle.py) makes it
+    wait with what its workflow passes it, read back with its origin."""
+    from rota.store import settle
+    store, _ = await open_store()
+    await enqueued(store, new_job("step-2", state=JobState.PENDING, workflow_id="wf-1",
+                                  workflow_node=2, schedule="nightly"))
+    _, snapshot = await open_store()
+    assert snapshot.jobs == [] and snapshot.waiting == {}
+    store, _ = await open_store()
+    [job] = await store.writer.submit(
+        lambda conn: settle.release(conn, [("step-2", '{"0": {"n": 7}}')]))
+    assert (job.id, job.state, job.workflow_id, job.workflow_node, job.schedule) == (
+        "step-2", JobState.AVAILABLE, "wf-1", 2, "nightly")
+    assert json.loads(bytes(job.parent_results)) == {"0": {"n": 7}}
+    again = await store.writer.submit(lambda conn: settle.release(conn, [("step-2", None)]))
+    assert again == []  # released once: the row decides
+    _, snapshot = await open_store()
+    assert sum(map(len, snapshot.waiting.values())) == 1
