@@ -27,7 +27,8 @@ from helpers import clean_env, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-# The walkthrough, and the Flow control section after it, which goes on from its state.
+# The walkthrough, and the Flow control and Cron schedules sections after it, which go on
+# from its state.
 WALKTHROUGH = README[README.index("## Walkthrough"):README.index("## Enqueue from your web app")]
 BLOCK = re.compile(r"(?:<!-- not run: (?P<why>.+?) -->\n)?```(?P<lang>\w*)\n(?P<text>.*?)```",
                    re.S)
@@ -40,6 +41,7 @@ SHOWS = {
     "rota run echo": ['"now"'],
     "rota jobs cancel later-1": ["cancelled"],
     "rota jobs show resize-1": ["resized", "source is https://example.com/a.png"],
+    "rota schedules show heartbeat": ["@every 10s", "next fires:", "state:       active"],
 }
 
 

@@ -91,3 +91,19 @@ async def test_schedules_add_from_flags_and_bad_input_in_one_line(live: Live, tm
     code, _, err = await invoke("schedules", "show", "nope", "--url", live.base)
     assert (code, err) == (1, "error: no schedule 'nope' (`rota schedules` lists them)"
                               " (no_such_schedule)\n")
+
+
+async def test_the_readme_schedule_table_is_pushed_as_written(live: Live, tmp_path: Path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Cron schedules"):]
+    table = section[section.index("```toml\n") + 8:section.index("```\n", 8)]
+    root = Path(__file__).resolve().parents[2]
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "echo.toml").write_text((root / "specs" / "echo.toml").read_text() + "\n" + table)
+    code, out, err = await invoke("specs", "push", str(specs), "--url", live.base)
+    assert code == 0, err
+    assert "new       schedule nightly-echo" in out
+    shown = (await live.http.get("/schedules/nightly-echo")).json()
+    assert (shown["spec"], shown["timezone"], shown["jitter"]) == ("echo", "Europe/Berlin", 30)
+    assert shown["args"] == {"message": "good night"} and shown["state"] == "active"
