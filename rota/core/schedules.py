@@ -228,7 +228,7 @@ def waiting_reason(spec: str, known: Container[str], retired: Container[str]) ->
     return None
 
 
-def view(definition: ScheduleDef, row: Mapping[str, Any], waiting: str | None, now: float,
+def view(definition: ScheduleDef, row: Mapping[str, Any], waiting: str | None,
          fires: list[float]) -> dict[str, Any]:
     """A schedule as the API shows it: every field, its state and its ticks' record.
     ``row``: its stored state (rota/store/ticks.py); ``fires``: its next fire times."""

@@ -63,8 +63,11 @@ class Clockwork:
         while True:
             try:
                 wait = await self.round()
-            except StorageError as exc:
+            except StorageError as exc:  # the store says so too; the next round tries again
                 log.warning("cron round failed: %s", exc)
+                wait = RETRY
+            except Exception:  # a bug: said, and the loop goes on (its schedules must)
+                log.exception("cron round failed")
                 wait = RETRY
             try:
                 await asyncio.wait_for(self._wake.wait(), max(0.0, wait))
@@ -157,6 +160,8 @@ class Clockwork:
         for job, stored, new in fired.made:
             if not new:
                 continue
+            if stored.get("unique_replaced"):  # its unique key replaced waiting jobs
+                self.apply(self.engine.replaced(stored["unique_replaced"], job.id, now))
             checksum = self.engine.scheduler.status_quo.get(job.spec, "-")
             log.info("cron fire schedule=%s tick=%s job=%s spec=%s@%s queue=%s state=%s",
                      name, job.id.rsplit("-", 1)[1], job.id, job.spec, checksum[:19],
@@ -176,7 +181,7 @@ class Clockwork:
         waiting = self._reason(definition) or self.refused.get(definition.name)
         timing = ticks.timing_of(row)
         fires = timing.after(max(now, ticks.start_of(row)), 5)
-        return view(definition, row, waiting, now, fires)
+        return view(definition, row, waiting, fires)
 
     async def list(self) -> dict[str, Any]:
         rows = await self.store.readers.run(ticks.read_all)

@@ -81,9 +81,10 @@ def upsert(conn: sqlite3.Connection, definition: ScheduleDef, now: float, *,
     if text == row["definition"] and paused == bool(row["paused"]):
         return "unchanged"
     old = msgspec.json.decode(row["definition"], type=ScheduleDef)
-    moved = not old.same_firing(definition)
+    # a resume counts from now, as POST .../resume does: a pause is meant, not missed
+    moved = not old.same_firing(definition) or (bool(row["paused"]) and not paused)
     conn.execute("UPDATE schedules SET definition = ?, paused = ?, updated_at = ?,"
-                 " counted_from = CASE WHEN ? THEN ? ELSE counted_from END WHERE name = ?",
+                 " counted_from = CASE WHEN ? = 1 THEN ? ELSE counted_from END WHERE name = ?",
                  (text, int(paused), now, int(moved), float(math.floor(now)), definition.name))
     return "changed"
 
@@ -93,7 +94,7 @@ def set_paused(conn: sqlite3.Connection, name: str, paused: bool, now: float
     """Pause or resume; the row after (None: no such schedule). A resumed schedule counts
     its ticks from now: those of its pause were meant not to run, and are no misfires."""
     changed = conn.execute(
-        "UPDATE schedules SET paused = ?, updated_at = ?, counted_from = CASE WHEN ? AND"
+        "UPDATE schedules SET paused = ?, updated_at = ?, counted_from = CASE WHEN ? = 1 AND"
         " paused = 1 THEN ? ELSE counted_from END WHERE name = ?",
         (int(paused), now, int(not paused), float(math.floor(now)), name)).rowcount
     return read_one(conn, name) if changed else None

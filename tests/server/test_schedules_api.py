@@ -4,9 +4,11 @@ stored."""
 
 from __future__ import annotations
 
+import msgspec
+import pytest
 from conftest import Live, write_spec
 
-import msgspec
+pytestmark = pytest.mark.both_backends
 
 
 async def put(live: Live, path: str, **body):

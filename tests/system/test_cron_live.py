@@ -106,7 +106,7 @@ async def test_two_servers_on_one_postgresql_make_one_job_per_tick(tmp_path: Pat
             return ids if len(ids) >= 5 else None
 
         await wait_until(enough, timeout=15, what="5 ticks")
-        await clients[0].post("/schedules/beat/pause")
+        assert (await clients[0].post("/schedules/beat/pause")).status_code == 200
         await asyncio.sleep(0.5)
         ids = await tick_ids(clients[1], "beat")
         logs = [(tmp_path / f"server-{n}.log").read_text() for n in range(2)]
