@@ -88,6 +88,15 @@ async def test_schedules_add_from_flags_and_bad_input_in_one_line(live: Live, tm
     assert code == 1
     assert err == (f"error: {bad / 's.toml'}: schedule 'x': unknown time zone 'Mars/Base'"
                    " (invalid_timezone)\n")
+    (tmp_path / "two.toml").write_text(HOURLY + HOURLY.replace("hourly-report", "daily-report")
+                                       .replace("@hourly", "@daily"))
+    code, out, _ = await invoke("schedules", "add", "daily-report", "--file",
+                                str(tmp_path / "two.toml"), "--url", live.base)
+    assert code == 0 and out.startswith("new       daily-report  @daily (UTC)  state=waiting")
+    code, out, _ = await invoke("schedules", "add", "--file", str(tmp_path / "two.toml"),
+                                "--url", live.base)
+    assert [line.split()[:2] for line in out.splitlines()] == [
+        ["new", "hourly-report"], ["unchanged", "daily-report"]]
     code, _, err = await invoke("schedules", "show", "nope", "--url", live.base)
     assert (code, err) == (1, "error: no schedule 'nope' (`rota schedules` lists them)"
                               " (no_such_schedule)\n")
