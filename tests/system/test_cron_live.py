@@ -85,12 +85,22 @@ async def test_a_minute_of_every_second_through_a_kill(tmp_path: Path):
     await run_through_a_kill(tmp_path, before=30, down=5.0, after=25)
 
 
-async def test_two_servers_on_one_postgresql_make_one_job_per_tick(tmp_path: Path, pg_url: str):
+async def run_cluster(tmp_path: Path, pg_url: str, servers: int, ticks: int,
+                      kill_one: bool = False) -> None:
+    """``servers`` servers on one PostgreSQL and an every-second schedule, until it made
+    ``ticks`` jobs (``kill_one``: the first server killed with -9 half way)."""
     specs = tmp_path / "specs"
     spec = write_spec(specs, "beat")
-    ports = [free_port(), free_port()]
+    ports = [free_port() for _ in range(servers)]
     clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{p}", timeout=10) for p in ports]
     procs = []
+
+    def enough(count: int) -> Any:
+        async def check() -> list[str] | None:
+            ids = await tick_ids(clients[-1], "beat")
+            return ids if len(ids) >= count else None
+        return check
+
     try:
         for n, (port, http) in enumerate(zip(ports, clients)):
             procs.append(await spawn_serve(http, [
@@ -98,22 +108,36 @@ async def test_two_servers_on_one_postgresql_make_one_job_per_tick(tmp_path: Pat
                 "--log-level", "info"], tmp_path / f"server-{n}.log"))
         body = {"specs": [msgspec.to_builtins(spec)]}
         assert (await clients[0].put("/specs", json=body)).status_code == 200
-        await clients[1].put("/schedules/beat", json={"spec": "beat", "cron": "@every 1s",
-                                                      "overlap": "allow"})  # (no worker)
-
-        async def enough() -> list[str] | None:
-            ids = await tick_ids(clients[0], "beat")
-            return ids if len(ids) >= 4 else None
-
-        await wait_until(enough, timeout=15, what="4 ticks")
-        assert (await clients[0].post("/schedules/beat/pause")).status_code == 200
+        await clients[-1].put("/schedules/beat", json={"spec": "beat", "cron": "@every 1s",
+                                                       "overlap": "allow"})  # (no worker)
+        if kill_one:
+            await wait_until(enough(ticks // 2), timeout=ticks, what="half the ticks")
+            procs[0].kill()
+            await procs[0].wait()
+        await wait_until(enough(ticks), timeout=ticks + 15, what=f"{ticks} ticks")
+        assert (await clients[-1].post("/schedules/beat/pause")).status_code == 200
         await asyncio.sleep(0.5)
-        ids = await tick_ids(clients[1], "beat")
-        logs = [(tmp_path / f"server-{n}.log").read_text() for n in range(2)]
+        ids = await tick_ids(clients[-1], "beat")
+        logs = [(tmp_path / f"server-{n}.log").read_text() for n in range(servers)]
     finally:
         await end(procs, clients)
+    made = [tick for log in logs for tick in re.findall(r"cron fire schedule=beat tick=(\S+)",
+                                                        log)]
+    assert len(made) == len(set(made))  # no tick made twice
+    if kill_one:  # (the killed server's last lines may not have reached its log)
+        assert set(made) <= {i[-16:] for i in ids}
+    else:
+        assert sorted(made) == [i[-16:] for i in ids]  # each tick made, by one server
     seconds = [second(i) for i in ids]
-    assert seconds == list(range(seconds[0], seconds[0] + len(seconds)))  # none missing
-    fired = [re.findall(r"cron fire schedule=beat tick=(\S+)", log) for log in logs]
-    made = fired[0] + fired[1]
-    assert sorted(made) == [i[-16:] for i in ids]  # each tick made once, by one server
+    gaps = sum(b - a - 1 for a, b in zip(seconds, seconds[1:]))
+    misses = re.findall(r"cron miss schedule=beat missed=(\d+) fired=(\d+)", "".join(logs))
+    assert gaps == sum(int(m) - int(f) for m, f in misses), (seconds, misses)
+
+
+async def test_two_servers_on_one_postgresql_make_one_job_per_tick(tmp_path: Path, pg_url: str):
+    await run_cluster(tmp_path, pg_url, servers=2, ticks=4)
+
+
+@pytest.mark.soak
+async def test_three_servers_on_one_postgresql_through_a_kill(tmp_path: Path, pg_url: str):
+    await run_cluster(tmp_path, pg_url, servers=3, ticks=60, kill_one=True)
