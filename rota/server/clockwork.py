@@ -147,15 +147,21 @@ class Clockwork:
         return built
 
     def _report(self, definition: ScheduleDef, fired: ticks.Fired, now: Instant) -> None:
-        """Take the new jobs in (as an enqueue's, after the commit) and log the fire."""
-        name = definition.name
+        """Take the new jobs in (as an enqueue's, after the commit), log the fire and tell
+        /events (ojs-cron §9: cron.triggered and cron.skipped; and the misses)."""
+        name, event = definition.name, self.engine.observe.event
         if fired.missed:
             counted = "" if fired.counted else " (at least)"
             log.warning("cron miss schedule=%s missed=%d%s fired=%d policy=%s", name,
                         fired.missed, counted, fired.missed - fired.passed, definition.misfire)
+            event(now.wall, "cron_miss", spec=definition.spec, message=f"schedule {name}"
+                  f" missed {fired.missed}{counted} ticks; {definition.misfire} fired"
+                  f" {fired.missed - fired.passed}")
         for tick in fired.skipped:
-            log.info("cron skip schedule=%s tick=%s reason=previous run still active",
-                     name, tick_id(name, tick).rsplit("-", 1)[1])
+            at = tick_id(name, tick).rsplit("-", 1)[1]
+            log.info("cron skip schedule=%s tick=%s reason=previous run still active", name, at)
+            event(now.wall, "cron_skip", spec=definition.spec,
+                  message=f"schedule {name} tick {at}: previous run still active")
         taken: list[tuple[JobRecord, int | None]] = []
         for job, stored, new in fired.made:
             if not new:
@@ -163,9 +169,11 @@ class Clockwork:
             if stored.get("unique_replaced"):  # its unique key replaced waiting jobs
                 self.apply(self.engine.replaced(stored["unique_replaced"], job.id, now))
             checksum = self.engine.scheduler.status_quo.get(job.spec, "-")
+            at = job.id.rsplit("-", 1)[1]
             log.info("cron fire schedule=%s tick=%s job=%s spec=%s@%s queue=%s state=%s",
-                     name, job.id.rsplit("-", 1)[1], job.id, job.spec, checksum[:19],
-                     job.queue, stored["state"])
+                     name, at, job.id, job.spec, checksum[:19], job.queue, stored["state"])
+            event(now.wall, "cron_fire", job=job.id, spec=job.spec, queue=job.queue,
+                  state=stored["state"], message=f"schedule {name} tick {at}")
             if stored["state"] != "pending":
                 taken.append((job, stored["rowid"]))
         if taken:

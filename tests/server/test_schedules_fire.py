@@ -74,6 +74,8 @@ async def test_overlap_skip_with_a_slow_handler(live: Live, sdk_worker, tmp_path
         return shown if shown["last_outcome"] == "skipped: previous run still active" else None
 
     shown = await wait_until(skipped, timeout=5, what="a skipped tick")
+    kinds = [e[1] for e in live.coordinator.engine.observe.ring]
+    assert "cron_fire" in kinds and "cron_skip" in kinds
     assert shown["last_job_id"] == first[0]["id"]
     assert [j["id"] for j in await tick_jobs(live, "slow")] == [first[0]["id"]]
     release.set()
