@@ -83,16 +83,25 @@ class Clockwork:
         for row in rows:
             if row["paused"]:
                 continue
-            timing = ticks.timing_of(row)
-            start = ticks.start_of(row)
-            upcoming = timing.after(start, 1)
-            if upcoming and upcoming[0] <= now and await self.fire(row, now):
-                upcoming = timing.after(now, 1)  # (it fired: its next tick is after now)
-            elif upcoming and upcoming[0] <= now:  # it waits: look again at its next tick
+            try:
+                timing = ticks.timing_of(row)
+            except (Invalid, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # (a row this Rota cannot read, or a zone the system no longer has)
+                self._waits(row["name"], f"it cannot be read: {exc}")
+                continue
+            upcoming = timing.after(ticks.start_of(row), 1)
+            if upcoming and upcoming[0] <= now:
+                await self.fire(row, now)  # fired, or waits: its next tick is after now
                 upcoming = timing.after(now, 1)
             if upcoming:
                 soonest = min(soonest, upcoming[0])
         return soonest - self.clock().wall
+
+    def _waits(self, name: str, reason: str) -> None:
+        """Schedule ``name`` cannot fire now: said once per reason."""
+        if self.refused.get(name) != reason:
+            log.warning("cron wait schedule=%s reason=%s", name, reason)
+        self.refused[name] = reason
 
     async def fire(self, row: dict[str, Any], wall: float) -> bool:
         """Fire a schedule's due ticks; whether it could (False: it waits)."""
@@ -100,9 +109,7 @@ class Clockwork:
         name = definition.name
         reason = self._reason(definition)
         if reason is not None:
-            if self.refused.get(name) != reason:
-                log.warning("cron wait schedule=%s reason=%s", name, reason)
-            self.refused[name] = reason
+            self._waits(name, reason)
             return False
         now = self.clock()
         decided = due(ticks.timing_of(row), ticks.start_of(row), wall)
@@ -110,10 +117,7 @@ class Clockwork:
         for tick in decided.fire:
             built = self._build(definition, tick, now)
             if isinstance(built, DomainError):
-                reason = f"its jobs are refused: {built.message}"
-                if self.refused.get(name) != reason:
-                    log.warning("cron wait schedule=%s reason=%s", name, reason)
-                self.refused[name] = reason
+                self._waits(name, f"its jobs are refused: {built.message}")
                 return False
             jobs[tick] = built
         if self.refused.pop(name, None) is not None:

@@ -100,6 +100,16 @@ async def test_a_schedule_waits_for_its_spec_then_fires(live: Live, tmp_path: Pa
     assert jobs[0]["spec"] == "late"
     shown = (await live.http.get("/schedules/later")).json()
     assert shown["state"] == "active" and shown["waiting_reason"] is None
+    # a new version whose args the schedule's no longer fit: it waits, and says why
+    await live.push(write_spec(tmp_path / "specs", "late", version="2",
+                               extra='[args.team]\ntype = "string"\n'))
+
+    async def refused() -> dict[str, Any] | None:
+        shown = (await live.http.get("/schedules/later")).json()
+        return shown if shown["state"] == "waiting" else None
+
+    shown = await wait_until(refused, timeout=5, what="the schedule to wait")
+    assert shown["waiting_reason"] == "its jobs are refused: spec 'late' requires argument 'team'"
     await live.http.post("/schedules/later/pause")
 
 
