@@ -155,7 +155,7 @@ class Clockwork:
         /events (ojs-cron §9: cron.triggered and cron.skipped; and the misses)."""
         name, event = definition.name, self.engine.observe.event
         if fired.missed:
-            counted = "" if fired.counted else " (at least)"
+            counted = "" if fired.counted else "+"  # (more than were counted: a long downtime)
             log.warning("cron miss schedule=%s missed=%d%s fired=%d policy=%s", name,
                         fired.missed, counted, fired.missed - fired.passed, definition.misfire)
             event(now.wall, "cron_miss", spec=definition.spec, message=f"schedule {name}"
