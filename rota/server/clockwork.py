@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from rota.base.errors import Conflict, DomainError, Invalid, NotFound, StorageError
+from rota.base.errors import DomainError, Invalid, NotFound, StorageError
 from rota.base.specs import JobSpec, SpecError, validate_args
 from rota.core.auth import OPEN
 from rota.core.effects import Effect
@@ -129,8 +129,8 @@ class Clockwork:
         for job_id in fired.cancel:
             try:
                 await self.cancel(job_id)
-            except (NotFound, Conflict):  # it ended meanwhile
-                pass
+            except DomainError as exc:  # it ended meanwhile (not found, or finished)
+                log.info("cron cancel_previous schedule=%s job=%s: %s", name, job_id, exc)
         return True
 
     def _build(self, definition: ScheduleDef, tick: float, now: Instant
@@ -138,13 +138,10 @@ class Clockwork:
         """A tick's job, through the ordinary intake (spec, args, queue checked)."""
         offset = jitter_offset(definition.name, tick, definition.jitter)
         delay = tick + offset - now.wall
-        try:
-            request = EnqueueRequest(
-                spec=definition.spec, args=definition.args, id=tick_id(definition.name, tick),
-                queue=definition.queue, priority=definition.priority,
-                max_attempts=definition.max_attempts, delay=delay if delay > 0 else None)
-        except msgspec.ValidationError as exc:  # (a definition is checked when stored)
-            return Invalid("invalid_schedule", str(exc))
+        request = EnqueueRequest(  # (checked by the intake, as a producer's)
+            spec=definition.spec, args=definition.args, id=tick_id(definition.name, tick),
+            queue=definition.queue, priority=definition.priority,
+            max_attempts=definition.max_attempts, delay=delay if delay > 0 else None)
         built = self.engine.build(request, OPEN, now)
         if not isinstance(built, DomainError):
             built.schedule = definition.name  # its row names its schedule
