@@ -190,6 +190,36 @@ FLOW_SLIPS: list[tuple[str, str, str, object, str]] = [
      "invalid_request"),
 ]
 
+# Cron schedules (README, Cron schedules) that no server may keep, put at
+# /schedules/hostile-sched against the same server (spec parked): (name, body, code). Each
+# is refused with a 422 naming what is wrong, and nothing is stored.
+SCHEDULE_SLIPS: list[tuple[str, dict[str, object], str]] = [
+    ("faster than once a second", {"spec": "parked", "cron": "@every 500ms"}, "invalid_cron"),
+    ("a tiny interval", {"spec": "parked", "cron": "@every 1ms"}, "invalid_cron"),
+    ("minute 61", {"spec": "parked", "cron": "61 * * * *"}, "invalid_cron"),
+    ("seven fields", {"spec": "parked", "cron": "0 0 0 * * * *"}, "invalid_cron"),
+    ("an empty expression", {"spec": "parked", "cron": " "}, "invalid_cron"),
+    ("a fixed offset", {"spec": "parked", "cron": "@daily", "timezone": "UTC+5"},
+     "invalid_timezone"),
+    ("an abbreviation", {"spec": "parked", "cron": "@daily", "timezone": "PST"},
+     "invalid_timezone"),
+    ("no such zone", {"spec": "parked", "cron": "@daily", "timezone": "Mars/Olympus_Mons"},
+     "invalid_timezone"),
+    ("a zone path", {"spec": "parked", "cron": "@daily", "timezone": "../../etc/passwd"},
+     "invalid_timezone"),
+    ("catch_up 0", {"spec": "parked", "cron": "@daily", "catch_up": 0}, "invalid_schedule"),
+    ("catch_up 1001", {"spec": "parked", "cron": "@daily", "catch_up": 1001},
+     "invalid_schedule"),
+    ("jitter over an hour", {"spec": "parked", "cron": "@daily", "jitter": 3601},
+     "invalid_schedule"),
+    ("an unknown policy", {"spec": "parked", "cron": "@daily", "overlap": "queue"},
+     "invalid_schedule"),
+    ("an unknown field", {"spec": "parked", "cron": "@daily", "every": 5}, "invalid_schedule"),
+    ("args not an object", {"spec": "parked", "cron": "@daily", "args": [1]},
+     "invalid_schedule"),
+    ("no expression", {"spec": "parked"}, "invalid_schedule"),
+]
+
 # Values for the Authorization header, as bytes on the wire.
 AUTHORIZATIONS: list[tuple[str, bytes]] = [
     ("empty", b""),

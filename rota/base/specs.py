@@ -125,6 +125,41 @@ def checksum(spec: JobSpec) -> str:
 
 
 def parse_spec(data: bytes | str, *, source: str = "<spec>") -> JobSpec:
+    spec, _ = parse_file(data, source=source)
+    if spec is None:
+        raise SpecError(f"{source}: holds only [[schedule]] tables, no spec")
+    return spec
+
+
+def parse_file(data: bytes | str, *, source: str = "<spec>"
+               ) -> tuple[JobSpec | None, list[dict[str, Any]]]:
+    """A spec file: its spec (None: a schedule file, only ``[[schedule]]`` tables) and
+    its schedules, as written, each with its ``spec`` defaulting to the file's. The
+    schedules are not part of the spec, nor of its checksum."""
+    try:
+        raw = msgspec.toml.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{source}: {exc}") from exc
+    tables = raw.pop("schedule", None) if isinstance(raw, dict) else None
+    if tables is None:
+        return _typed(data, source), []
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise SpecError(f"{source}: schedule must be [[schedule]] tables")
+    spec = _converted(raw, source) if raw else None
+    if spec is not None:
+        tables = [{"spec": spec.name, **table} for table in tables]
+    return spec, tables
+
+
+def _converted(raw: dict[str, Any], source: str) -> JobSpec:
+    """The spec of a file that also holds schedules, from its decoded TOML."""
+    try:
+        return msgspec.convert(raw, type=JobSpec)
+    except msgspec.ValidationError as exc:
+        raise SpecError(f"{source}: {plainly(str(exc), JobSpec, lambda: raw)}") from exc
+
+
+def _typed(data: bytes | str, source: str) -> JobSpec:
     try:
         return msgspec.toml.decode(data, type=JobSpec)
     except msgspec.ValidationError as exc:
@@ -137,6 +172,10 @@ def parse_spec(data: bytes | str, *, source: str = "<spec>") -> JobSpec:
 def load_spec(path: Path) -> JobSpec:
     """A spec file, or a SpecError of one line: a file that cannot be read (a dangling
     symlink, no permission, a directory) or is not UTF-8 is a mistake like any other."""
+    return parse_spec(_read(path), source=str(path))
+
+
+def _read(path: Path) -> str:
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -146,27 +185,36 @@ def load_spec(path: Path) -> JobSpec:
                             " cp -L)") from exc
         raise SpecError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib's own error is a traceback
         raise SpecError(f"{path}: not UTF-8 text (byte {exc.start} is"
                         f" {data[exc.start]:#04x}): save it as UTF-8") from exc
-    return parse_spec(text, source=str(path))
 
 
 def load_dir(directory: Path | str) -> list[JobSpec]:
     """Every ``*.toml`` in the directory, sorted by name; two files naming one spec is an error."""
+    return load_deploy(directory)[0]
+
+
+def load_deploy(directory: Path | str) -> tuple[list[JobSpec], list[dict[str, Any]]]:
+    """``load_dir``, and the directory's schedules (``[[schedule]]`` tables, as written,
+    each with ``source``: its file), in file order."""
     folder = Path(directory)
     if not folder.is_dir():
         raise SpecError(f"{folder}: not a directory")
     specs: dict[str, JobSpec] = {}
+    schedules: list[dict[str, Any]] = []
     for path in sorted(folder.glob("*.toml")):
-        spec = load_spec(path)
+        spec, tables = parse_file(_read(path), source=str(path))
+        schedules += [{**table, "source": str(path)} for table in tables]
+        if spec is None:
+            continue
         if spec.name in specs:
             raise SpecError(f"{path}: spec {spec.name!r} is defined twice in {folder}")
         specs[spec.name] = spec
-    if not specs:
+    if not specs and not schedules:
         raise SpecError(f"{folder}: no *.toml spec files")
-    return [specs[name] for name in sorted(specs)]
+    return [specs[name] for name in sorted(specs)], schedules
 
 
 def spec_from_builtins(data: Any) -> JobSpec:

@@ -13,6 +13,7 @@ module builds the group; each group of commands is a module of its own:
     tokens   tokens create|list|revoke
     limits   limits, limits set|clear
     workflows  workflows, workflows show|cancel|retry|create
+    schedules  schedules, schedules show|add|pause|resume|delete
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import click
 
-from rota.cli import jobs, limits, live, ops, serve, specs, tokens, worker, workflows
+from rota.cli import jobs, limits, live, ops, schedules, serve, specs, tokens, worker, workflows
 from rota.cli.base import error as _error
 from rota.cli.base import need_server
 from rota.cli.base import out as _out
@@ -71,5 +72,5 @@ def main(ctx: click.Context) -> None:
 for _command in (serve.serve, worker.worker, worker.demo, specs.specs,
                  jobs.enqueue, jobs.run, jobs.jobs, ops.queues, ops.workers,
                  live.watch, live.tail, tokens.tokens, limits.limits,
-                 workflows.workflows):
+                 workflows.workflows, schedules.schedules):
     main.add_command(_command)

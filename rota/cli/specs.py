@@ -12,7 +12,9 @@ from rota.cli.base import URL_OPTION
 from rota.cli.base import api as _api
 from rota.cli.base import fail as _fail
 from rota.cli.base import out as _out
-from rota.base.specs import SpecError, checksum, load_dir
+from rota.base.errors import Invalid
+from rota.base.specs import SpecError, checksum, load_deploy, load_dir
+from rota.core.schedules import check
 
 
 @click.group()
@@ -28,19 +30,28 @@ def specs_push(directory: Path, url: str, dry_run: bool) -> None:
     """Make the specs in DIRECTORY the status quo (run this during a deploy).
 
     Prints, per spec, whether it is new, changed or unchanged, and for changed specs how
-    many connected workers no longer match.
+    many connected workers no longer match; then the same for the [[schedule]] tables of
+    the directory (a push adds and changes schedules, never deletes or un-pauses one).
     """
     try:
-        loaded = load_dir(directory)
+        loaded, tables = load_deploy(directory)
+        for table in tables:  # checked here first, to name the file
+            check({k: v for k, v in table.items() if k != "source"}, where=table["source"])
     except SpecError as exc:
         _fail(str(exc))
-    report = _api(url, "push_specs", loaded, dry_run=dry_run)
+    except Invalid as exc:
+        _fail(f"{exc.message} ({exc.code})")
+    sent = [{k: v for k, v in table.items() if k != "source"} for table in tables]
+    report = (_api(url, "push_deploy", loaded, sent, dry_run=dry_run) if sent
+              else _api(url, "push_specs", loaded, dry_run=dry_run))
     wide = _widest(item["name"] for item in report["specs"])
     for item in report["specs"]:
         line = f"{item['change']:<9} {item['name']:<{wide}}  {item['checksum'][:19]}"
         if item["change"] == "changed":
             line += f"  (was {item['previous'][:19]}; {item['mismatched_workers']} connected worker(s) no longer match)"
         _out(line)
+    for item in report.get("schedules", []):
+        _out(f"{item['change']:<9} schedule {item['name']}")
     if dry_run:
         _out("dry run: nothing was changed")
 

@@ -27,7 +27,7 @@ from rota.base.specs import JobSpec
 from rota.base.unique import unique_option
 from rota.client.failures import dashboard_url, not_the_api, refusal, transport_error
 from rota.client.flows import Workflows
-
+from rota.client.schedules import ScheduleCalls
 
 # The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so
 # a longer result() timeout is waited out in polls of at most this. A server started with
@@ -277,7 +277,7 @@ class _Transport:
         return self._conn
 
 
-class Client(Workflows):
+class Client(Workflows, ScheduleCalls):
     """A synchronous client for the Rota API, for producers (a web app's request handlers,
     scripts) and the CLI. It keeps one HTTP/1.1 connection alive; it is not thread-safe,
     so give each thread its own (they are cheap). ``token``: a bearer token (a producer

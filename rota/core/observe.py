@@ -42,7 +42,8 @@ from rota.core.model import Change, JobRecord
 from rota.base.protocol import rfc3339
 
 KINDS = ("enqueue", "assign", "result", "retry", "discard", "cancel", "worker_connect",
-         "worker_disconnect", "worker_state", "state_change", "alert")
+         "worker_disconnect", "worker_state", "state_change", "alert", "cron_fire", "cron_skip",
+         "cron_miss")
 COUNTS = ("enqueued", "completed", "failed", "retried", "discarded", "cancelled")
 ENQUEUED, COMPLETED, FAILED, RETRIED, DISCARDED, CANCELLED = range(6)
 MINUTES = 60  # the per-minute counts kept

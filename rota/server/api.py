@@ -51,6 +51,8 @@ class RetireRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class PushRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     specs: list[JobSpec]
     dry_run: bool = False
+    # the directory's [[schedule]] tables (rota/core/schedules.py checks each)
+    schedules: Annotated[list[dict[str, Any]], msgspec.Meta(max_length=10_000)] = []
 
 
 class TokenRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -224,8 +226,12 @@ async def list_specs(request: Request) -> Response:
 async def push_specs(request: Request) -> Response:
     need(request, "admin")
     payload: PushRequest = await decode_body(request, PushRequest)
-    report = await coordinator_of(request).push_specs(payload.specs, dry_run=payload.dry_run)
-    return JSON({"dry_run": payload.dry_run, "specs": report})
+    coordinator = coordinator_of(request)
+    # the schedules are checked first: a bad one refuses the push, and nothing is stored
+    schedules = coordinator.clockwork.check_push(payload.schedules, payload.specs)
+    report = await coordinator.push_specs(payload.specs, dry_run=payload.dry_run)
+    changes = await coordinator.clockwork.push(schedules, dry_run=payload.dry_run)
+    return JSON({"dry_run": payload.dry_run, "specs": report, "schedules": changes})
 
 
 async def retire_spec(request: Request) -> Response:

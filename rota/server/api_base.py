@@ -26,7 +26,8 @@ from rota.base.errors import (Conflict, DomainError, Forbidden, Invalid, NotFoun
                          StorageError, TooLarge)
 from rota.server.gate import principal_of
 from rota.base.inputs import BadJson, explain, screen
-from rota.base.wording import plainly
+from rota.base.protocol import Name
+from rota.base.wording import NAME_RULE, plainly
 from rota.base.logs import printable
 
 log = logging.getLogger("rota.server")
@@ -61,6 +62,14 @@ def status_of(exc: RequestError | DomainError) -> int:
 
 def coordinator_of(request: Request) -> Coordinator:
     return request.app.state.coordinator
+
+
+def path_name(request: Request, key: str, code: str, what: str) -> str:
+    """A name in the path (a queue's, a schedule's), or 400 ``code`` saying what one is."""
+    try:
+        return msgspec.convert(request.path_params[key], Name)
+    except msgspec.ValidationError:
+        raise RequestError(400, code, f"{what} is {NAME_RULE}") from None
 
 
 def need(request: Request, *scopes: Scope) -> Principal:

@@ -47,7 +47,7 @@ from rota.server.watching import Watching
 
 __all__ = ["Coordinator", "MAX_BULK", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
-LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts")
+LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts", "rota-cron")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 
 
@@ -101,8 +101,8 @@ class Coordinator(ShellReads, ShellDirectives):
         self.steering = Steering(store, engine, clock, self.run, self.apply)
         self.admission = Admission(store, engine, clock, self.apply, self.crash_point)
         self.watching = Watching(store, engine, clock, settings.max_series)
-        self.upkeep = Upkeep(settings, store, engine, clock, self.apply,
-                             self.steering.retrying)
+        self.upkeep = Upkeep(settings, store, engine, clock, self.apply, self.steering)
+        self.clockwork = self.upkeep.clockwork  # cron schedules (the routes' and a push's)
         # What the parts do, under the names the routes call (bound: same signatures).
         self.enqueue, self.take_over = self.admission.enqueue, self.admission.take_over
         steering = self.steering

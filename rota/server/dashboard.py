@@ -158,6 +158,13 @@ async def specs_page(request: Request) -> Response:
     return render(request, "specs", specs=specs)
 
 
+async def schedules_page(request: Request) -> Response:
+    """Cron schedules: expression, zone, state, last run and its outcome, next 3 fires."""
+    need(request, "admin")
+    listed = (await coordinator_of(request).clockwork.list())["schedules"]
+    return render(request, "schedules", schedules=listed)
+
+
 async def workers_page(request: Request) -> Response:
     need(request, "admin")
     coordinator = coordinator_of(request)
@@ -392,6 +399,7 @@ routes: list[BaseRoute] = [
     Route("/ui/queues", queues_page, methods=["GET"]),
     Route("/ui/specs", specs_page, methods=["GET"]),
     Route("/ui/limits", limits_page, methods=["GET"]),
+    Route("/ui/schedules", schedules_page, methods=["GET"]),
     Route("/ui/workers", workers_page, methods=["GET"]),
     Route("/ui/workers/state", action(direct_label), methods=["POST"]),
     Route("/ui/workers/{worker_id}/state", action(direct_worker), methods=["POST"]),

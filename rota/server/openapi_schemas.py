@@ -136,9 +136,52 @@ class SpecChange(msgspec.Struct):
     matching_workers: int
 
 
-class PushReply(msgspec.Struct):
+class ScheduleChange(msgspec.Struct):
+    name: str
+    change: Literal["new", "changed", "unchanged"]
+
+
+class PushReply(msgspec.Struct, kw_only=True):
     dry_run: bool
     specs: list[SpecChange]
+    schedules: list[ScheduleChange] = []
+
+
+class ScheduleView(msgspec.Struct, kw_only=True):
+    """A cron schedule (README, Cron schedules): its definition and its ticks' record."""
+
+    name: str
+    spec: str
+    cron: str
+    args: dict[str, Any]
+    timezone: str
+    overlap: Literal["skip", "allow", "cancel_previous", "enqueue"]
+    misfire: Literal["skip", "catch_up"]
+    catch_up: int
+    jitter: float
+    queue: str | None
+    priority: int | None
+    max_attempts: int | None
+    description: str
+    paused: bool
+    state: Literal["active", "paused", "waiting"]
+    waiting_reason: str | None
+    last_tick: str | None
+    last_job_id: str | None
+    last_outcome: str | None  # the last job's state, "skipped: ...", "missed"
+    next_fires: list[str]
+    run_count: int
+    created_at: str | None
+    deleted: bool = False  # (DELETE's answer)
+
+
+class ScheduleList(msgspec.Struct):
+    schedules: list[ScheduleView]
+
+
+class SchedulePut(msgspec.Struct):
+    schedule: ScheduleView
+    change: Literal["new", "changed", "unchanged"]
 
 
 class Push(msgspec.Struct):

@@ -14,7 +14,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rota.server.api_base import JSON, coordinator_of, decode_as, need, read_body
+from rota.server.api_base import JSON, coordinator_of, decode_as, need, path_name, read_body
 from rota.server.coordinator import MAX_BULK
 from rota.base.errors import RequestError
 from rota.base.flow import WrittenRule
@@ -111,11 +111,7 @@ async def bulk_cancel(request: Request) -> Response:
 
 
 def _queue(request: Request) -> str:
-    name = request.path_params["queue"]
-    try:
-        return msgspec.convert(name, Name)
-    except msgspec.ValidationError:
-        raise RequestError(400, "invalid_queue", f"a queue name is {NAME_RULE}") from None
+    return path_name(request, "queue", "invalid_queue", "a queue name")
 
 
 async def pause_queue(request: Request) -> Response:

@@ -13,15 +13,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.server import api, feeds, operate, workflows
+from rota.server import api, cronapi, feeds, operate, workflows
 from rota.server.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.server.gate import OPEN_PATHS  # one list of what needs no token: the gate's
 from rota.base.flow import WrittenRule
 from rota.core.jobs import BatchRequest, EnqueueRequest
+from rota.core.schedules import ScheduleDef
 from rota.server.openapi import Op, document
 from rota.server.openapi_schemas import (BatchReply, BulkReply, Directed, Enqueued, ErrorBody, Health,
                                   History, JobDetail, JobList, JobView, LimitCleared, LimitEntry,
-                                  LimitList, NewToken, PushReply,
+                                  LimitList, NewToken, PushReply, ScheduleList, SchedulePut,
+                                  ScheduleView,
                                   QueuePaused, Queues, ResultReply, Retired, Revoked, SpecList,
                                   Stats, TokenList, Workers, Workflow, WorkflowCreated,
                                   WorkflowList)
@@ -98,6 +100,20 @@ ROUTES: list[Op] = [
     Op("delete", "/limits/{kind}/{name}", operate.clear_limit,
        "Clear a limit set at runtime (admin)", None,
        {200: LimitCleared, 404: ErrorBody, 422: ErrorBody}),
+    Op("get", "/schedules", cronapi.list_schedules, "Cron schedules, with their last run and"
+       " next fire times (admin)", None, {200: ScheduleList}),
+    Op("get", "/schedules/{name}", cronapi.show_schedule, "A cron schedule (admin)", None,
+       {200: ScheduleView, 400: ErrorBody, 404: ErrorBody}),
+    Op("put", "/schedules/{name}", cronapi.put_schedule, "Add or replace a cron schedule"
+       " (admin)", ScheduleDef, {200: SchedulePut, 201: SchedulePut, **BAD}),
+    Op("delete", "/schedules/{name}", cronapi.delete_schedule, "Delete a cron schedule; its"
+       " jobs stay (admin)", None, {200: ScheduleView, 400: ErrorBody, 404: ErrorBody}),
+    Op("post", "/schedules/{name}/pause", cronapi.pause_schedule, "Pause a cron schedule:"
+       " its ticks make no jobs until resumed (admin)", None,
+       {200: ScheduleView, 400: ErrorBody, 404: ErrorBody}),
+    Op("post", "/schedules/{name}/resume", cronapi.resume_schedule, "Resume a paused cron"
+       " schedule; the ticks of its pause are not caught up (admin)", None,
+       {200: ScheduleView, 400: ErrorBody, 404: ErrorBody}),
     Op("post", "/tokens", api.create_token, "Create a token (admin)", TokenRequest,
        {201: NewToken, 409: ErrorBody, **BAD}),
     Op("get", "/tokens", api.list_tokens, "The live tokens, never their secrets (admin)", None,
@@ -117,7 +133,8 @@ STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry"
                 "/tokens", "/tokens/{token}", "/specs/{name}/retire", "/stats", "/metrics",
                 "/jobs/retry", "/jobs/cancel", "/queues/{queue}/pause", "/queues/{queue}/resume",
                 "/limits/{kind}/{name}", "/workflows", "/workflows/{workflow_id}",
-                "/workflows/{workflow_id}/retry"}
+                "/workflows/{workflow_id}/retry", "/schedules", "/schedules/{name}",
+                "/schedules/{name}/pause", "/schedules/{name}/resume"}
 
 
 @functools.cache

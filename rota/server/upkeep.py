@@ -1,7 +1,8 @@
 """The shell's housekeeping on the clocks: readings of the wall and boot clocks kept in
 the store for the next start, the wall clock's steps while the server runs, the
 deletion of finished jobs past their retention (which judges each job by the clock that
-stored it), and the per-minute counts (rota/core/observe.py) kept for the next start.
+stored it), the per-minute counts (rota/core/observe.py) kept for the next start, and
+the tick loop of cron schedules (rota/server/clockwork.py).
 
 The Coordinator owns one ``Upkeep`` and hands it the store, the engine, its clock and
 its way of applying effects; it runs the loops ``loops`` names.
@@ -25,6 +26,8 @@ from rota.core.model import ClockReading, Instant
 from rota.core.observe import MINUTES
 from rota.core.retention import BATCH, STEP, Frames, PruneTally, Retention, due, next_pass
 from rota.core.settings import ServerSettings
+from rota.server.clockwork import Clockwork
+from rota.server.steering import Steering
 from rota.store.store import Store
 
 log = logging.getLogger("rota.server")
@@ -53,12 +56,14 @@ def clock_reading() -> ClockReading:
 class Upkeep:
     def __init__(self, settings: ServerSettings, store: Store, engine: Engine,
                  clock: Callable[[], Instant], apply: Callable[[Iterable[Effect]], None],
-                 retrying: set[str]) -> None:
+                 steering: Steering) -> None:
         self.store = store
         self.engine = engine
         self.clock = clock
         self.apply = apply
-        self.retrying = retrying  # rows a manual retry read and is about to write back
+        self.retrying = steering.retrying  # rows a manual retry read and is about to write back
+        # Cron schedules' tick loop, which cancels through the ordinary path (cancel_previous)
+        self.clockwork = Clockwork(store, engine, clock, apply, steering.cancel)
         self.counts_every = settings.counts_every
         self.retention = Retention.from_rules(
             {"completed": settings.retain_completed, "discarded": settings.retain_discarded,
@@ -71,9 +76,10 @@ class Upkeep:
               ) -> list[tuple[Coroutine[Any, Any, None], str]]:
         """The loops to run, named: clock readings (``readings``: the store keeps them,
         one server per SQLite file), the per-minute counts (``counts``: those the last run
-        kept, taken in first) and retention (unless every rule keeps jobs forever)."""
+        kept, taken in first), retention (unless every rule keeps jobs forever) and cron
+        schedules' ticks (rota/server/clockwork.py)."""
         self.engine.observe.restore(counts, self.clock().wall)
-        loops = [(self.counts_loop(), "rota-counts")]
+        loops = [(self.counts_loop(), "rota-counts"), (self.clockwork.loop(), "rota-cron")]
         if readings:
             loops.append((self.clock_loop(), "rota-clock"))
         log.info("retention %s", self.retention.describe())

@@ -233,8 +233,20 @@ def m018_job_origins(db: sqlite_utils.Database) -> None:
                " WHERE schedule IS NOT NULL")
 
 
+@migrations()
+def m019_schedules(db: sqlite_utils.Database) -> None:
+    # Cron schedules (rota/store/ticks.py): the definition as JSON, whether it is paused,
+    # the instant its ticks count from (made, resumed, its expression changed), the last
+    # tick decided and the job it made. The fire transaction reads and writes the row
+    # (locked on PostgreSQL), so every server sees the same last tick.
+    db["schedules"].create({"name": str, "definition": str, "paused": int, "created_at": float,
+                            "updated_at": float, "counted_from": float, "last_tick": float,
+                            "last_job_id": str, "last_outcome": str, "run_count": int},
+                           pk="name", not_null={"definition", "paused", "counted_from",
+                                                "run_count"},
+                           defaults={"paused": 0, "run_count": 0})
 
-# (m019 is the cron schedules' table, rota/store/ticks.py)
+
 @migrations()
 def m020_workflows(db: sqlite_utils.Database) -> None:
     # Workflows (rota/core/workflows.py): one row each, with its counts and the limit on
@@ -259,6 +271,7 @@ def m020_workflows(db: sqlite_utils.Database) -> None:
                                               "remaining", "failed"},
         defaults={"remaining": 0, "failed": 0})
     db["workflow_nodes"].create_index(["workflow_id", "parent"])
+
 
 def migrate(path: Path) -> None:
     conn = connect(path)

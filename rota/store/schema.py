@@ -20,7 +20,7 @@ MIGRATIONS = (
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
     "m014_throughput", "m015_flow_control", "m016_unique_keys", "m017_active_keys",
-    "m018_job_origins", "m020_workflows",
+    "m018_job_origins", "m019_schedules", "m020_workflows",
 )
 
 
@@ -119,6 +119,11 @@ TABLES: tuple[Table, ...] = (
     # Unique jobs' keys (m016): the job holding each, what it holds it for, and until when.
     Table("unique_keys", _cols("key TEXT, job_id TEXT NOT NULL, covers TEXT NOT NULL,"
                                " until REAL"), pk=("key",)),
+    # Cron schedules (m019): the definition as JSON and the state of its ticks.
+    Table("schedules", _cols("name TEXT, definition TEXT NOT NULL, paused INTEGER NOT NULL =0,"
+                             " created_at REAL, updated_at REAL, counted_from REAL NOT NULL,"
+                             " last_tick REAL, last_job_id TEXT, last_outcome TEXT,"
+                             " run_count INTEGER NOT NULL =0"), pk=("name",)),
     # Workflows (m020): one row each, and one per node of its tree (rota/store/flows.py).
     Table("workflows", _cols(
         "id TEXT, type TEXT NOT NULL, name TEXT, state TEXT NOT NULL, digest TEXT NOT NULL,"

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from rota.core.model import TERMINAL_STATES, Change, JobRecord
-from rota.store import flows
+from rota.store import flows, ticks
 # (release and cancel_pending live in rota/store/holds.py, beside the other moves of a
 # pending job, so that flows.py and ticks.py use them without importing this module)
 from rota.store.holds import cancel_pending, release  # noqa: F401
@@ -64,4 +64,6 @@ def settle(conn: sqlite3.Connection, ended: Sequence[Ended], now: float) -> list
     steps = [e for e in ended if e.workflow_id is not None and e.workflow_node is not None]
     if steps:
         released += flows.advance(conn, steps, now)
+    for schedule in dict.fromkeys(e.schedule for e in ended if e.schedule is not None):
+        released += ticks.release_next(conn, schedule, now)
     return released

@@ -27,8 +27,8 @@ from helpers import clean_env, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-# The walkthrough, and the Flow control and Workflows sections after it, which go on from
-# its state.
+# The walkthrough, and the Flow control, Workflows and Cron schedules sections after it,
+# which go on from its state.
 WALKTHROUGH = README[README.index("## Walkthrough"):README.index("## Enqueue from your web app")]
 BLOCK = re.compile(r"(?:<!-- not run: (?P<why>.+?) -->\n)?```(?P<lang>\w*)\n(?P<text>.*?)```",
                    re.S)
@@ -46,6 +46,7 @@ SHOWS = {
                                      "'width': 256", "completed", "'message': 'both echoed'"],
     "rota workflows show thumbnail-c": ["(chain): completed", "└── echo  completed  job"],
     "rota workflows create": ["thumbnails (chain)", "├── group"],
+    "rota schedules show heartbeat": ["@every 10s", "next fires:", "state:       active"],
 }
 
 

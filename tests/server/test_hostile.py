@@ -79,6 +79,11 @@ WORKFLOW = {"type": "chain", "name": "w", "steps": [
 WORKERS_STATE = {"state": "quiet", "label": "nobody", "all": False}
 WORKER_STATE = {"state": "quiet"}
 # Flow control: a runtime limit, rates as a table and as shorthand (on a spec nothing runs).
+SCHEDULE = {"spec": "parked", "cron": "@every 1h", "timezone": "Europe/Berlin",
+            "args": {"k": "v"}, "overlap": "skip", "misfire": "catch_up", "catch_up": 2,
+            "jitter": 1.5, "queue": "default", "priority": 1, "max_attempts": 3,
+            "description": "d", "paused": True}  # paused: what a value leaves in never fires
+SPECS["schedules"] = [{**SCHEDULE, "name": "hostile-pushed"}]
 LIMIT = {"concurrency": 4, "rate": {"limit": 10, "period": 60.0, "burst": 2},
          "key_concurrency": 2, "key_rate": "100/min"}
 
@@ -88,7 +93,8 @@ def http_templates() -> list[tuple[str, str, dict[str, Any]]]:
             ("POST", "/jobs/batch", BATCH), ("PUT", "/specs", SPECS),
             ("POST", "/workers/state", WORKERS_STATE),
             ("POST", "/workers/nobody/state", WORKER_STATE),
-            ("PUT", "/limits/spec/parked", LIMIT), ("POST", "/workflows", WORKFLOW)]
+            ("PUT", "/limits/spec/parked", LIMIT), ("POST", "/workflows", WORKFLOW),
+            ("PUT", "/schedules/hostile-sched", SCHEDULE)]
 
 
 def registration_frame(worker_id: str, hostile_checksum: str) -> dict[str, Any]:
@@ -281,7 +287,9 @@ PATH_ROUTES = [("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"), ("DELETE", "/job
                ("POST", "/workers/{}/state"), ("PUT", "/limits/spec/{}"),
                ("DELETE", "/limits/spec/{}"), ("PUT", "/limits/{}/parked"),
                ("GET", "/workflows/{}"), ("DELETE", "/workflows/{}"),
-               ("POST", "/workflows/{}/retry")]
+               ("POST", "/workflows/{}/retry"),
+               ("GET", "/schedules/{}"), ("PUT", "/schedules/{}"), ("DELETE", "/schedules/{}"),
+               ("POST", "/schedules/{}/pause"), ("POST", "/schedules/{}/resume")]
 
 
 async def test_every_path_segment_and_query_value(watched: Watch):
@@ -289,7 +297,8 @@ async def test_every_path_segment_and_query_value(watched: Watch):
     for method, route in PATH_ROUTES:
         for name, segment in corpus.SEGMENTS:
             body = (json.dumps(WORKER_STATE).encode() if "workers" in route else
-                    json.dumps(LIMIT).encode() if method == "PUT" else None)
+                    json.dumps(SCHEDULE).encode() if route.startswith("/schedules") and
+                    method == "PUT" else json.dumps(LIMIT).encode() if method == "PUT" else None)
             answer = await live.http.request(method, route.format(segment), content=body)
             assert 400 <= answer.status_code < 500, f"{method} {route} <- {name}: {answer.text}"
             assert_http(answer, True, f"{method} {route} <- {name}")
@@ -328,6 +337,12 @@ async def test_every_path_segment_and_query_value(watched: Watch):
         watched.pairs += 1
     after = (await live.http.get("/workflows", params={"limit": 500})).json()["workflows"]
     assert after == before, "a refused workflow was stored"
+    for name, body, code in corpus.SCHEDULE_SLIPS:
+        answer = await live.http.put("/schedules/hostile-slip", json=body)
+        assert_http(answer, True, f"PUT /schedules/hostile-slip ({name})")
+        assert (answer.status_code, answer.json()["error"]["code"]) == (422, code), name
+        watched.pairs += 1
+    assert (await live.http.get("/schedules/hostile-slip")).status_code == 404
 
 
 async def test_every_header_rota_reads(watched: Watch):

@@ -196,6 +196,33 @@ def test_the_limits_page_shows_each_limit_and_its_use(page: Page, rig: Rig):
         release.set()
 
 
+def test_the_schedules_page_lists_each_schedule_and_its_jobs_link_back(page: Page, rig: Rig):
+    rig.spec("tick")
+    enter(page, rig)
+    page.get_by_role("link", name="Schedules").click()
+    expect(page).to_have_url(re.compile(r"/ui/schedules$"))
+    expect(page.locator("#live")).to_contain_text("No cron schedule yet")
+    rig.api("PUT", "/schedules/nightly", json={"spec": "tick", "cron": "30 2 * * *",
+                                               "timezone": "Europe/Berlin"})
+    rig.api("PUT", "/schedules/beat", json={"spec": "tick", "cron": "@every 1s"})
+    rig.worker({"tick": lambda ctx: {"n": 1}})
+    nightly = page.locator('tr[data-schedule="nightly"]')
+    expect(nightly.locator("td")).to_have_count(6)  # refreshed by itself
+    expect(nightly.locator("td.state")).to_have_text("active")
+    expect(nightly.locator("td.last")).to_have_text("never")
+    expect(nightly.locator("td.next span")).to_have_count(3)
+    expect(nightly).to_contain_text("Europe/Berlin")
+    beat = page.locator('tr[data-schedule="beat"]')
+    expect(beat.locator("td.last a").first).to_have_text("completed", timeout=WAIT)
+    rig.api("POST", "/schedules/beat/pause")
+    expect(beat.locator("td.state")).to_have_text("paused")
+    expect(beat.locator("td.last a").last).to_have_attribute("href", "/ui/jobs?q=cron-beat-")
+    beat.locator("td.last a").first.click()
+    expect(page).to_have_url(re.compile(r"/ui/jobs/cron-beat-\d{8}T\d{6}Z$"))
+    page.locator("#job-schedule").click()
+    expect(page).to_have_url(re.compile(r"/ui/schedules#c-beat$"))
+
+
 def test_retry_a_discarded_job_from_its_page(page: Page, rig: Rig):
     rig.spec("flaky", extra="[retry]\nmax_attempts = 1\n")
     calls = []

@@ -117,6 +117,10 @@ def fill(rig: Rig) -> dict[str, str]:
         rig.wait(lambda job_id=ids[key], state=state: rig.job(job_id)["state"] == state, state)
     rig.wait(lambda: rig.job(ids["done"])["logs"], "the mail job's log line")
     rig.enqueue("export_monthly_customer_report", {"customer": "ACME"})  # blocked
+    rig.api("PUT", "/schedules/monthly_customer_report_for_every_region_of_the_company",
+            json={"spec": "export_monthly_customer_report", "cron": "0 6 L * *",
+                  "timezone": "America/Argentina/ComodRivadavia", "overlap": "cancel_previous",
+                  "description": "the report each region's manager reads on the first day"})
     return ids
 
 
@@ -132,7 +136,8 @@ def check_pages(page: Page, rig: Rig, ids: dict[str, str], width: int) -> dict[s
     page.goto(rig.base + "/ui/login")
     wrong = {"/ui/login": faults(page, width)}
     enter(page, rig)
-    for path in ("/ui", "/ui/queues", "/ui/specs", "/ui/limits", "/ui/workers", "/ui/jobs",
+    for path in ("/ui", "/ui/queues", "/ui/specs", "/ui/limits", "/ui/schedules", "/ui/workers",
+                 "/ui/jobs",
                  "/ui/jobs?state=discarded", f"/ui/jobs/{ids['done']}",
                  f"/ui/jobs/{ids['failed']}", "/ui/bulk?action=retry&state=discarded"):
         page.goto(rig.base + path)

@@ -1,0 +1,181 @@
+"""``rota schedules``: the cron schedules with their last run and next fire, one shown whole, and adding (from flags or a TOML file), pausing, resuming and deleting one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from rota.base.errors import Invalid
+from rota.base.specs import SpecError, parse_file
+from rota.cli.base import URL_OPTION, api, fail, out, print_json
+from rota.core.schedules import check
+
+COLUMNS = ("NAME", "EXPRESSION", "ZONE", "STATE", "LAST RUN", "NEXT FIRE")
+
+
+def last_run(shown: dict[str, Any]) -> str:
+    """When it last ticked and how that went: '2026-11-27T02:30:00.000Z completed'."""
+    if shown["last_tick"] is None:
+        return "never"
+    return f"{shown['last_tick']} {shown['last_outcome'] or '-'}"
+
+
+def row(shown: dict[str, Any]) -> tuple[str, ...]:
+    state = shown["state"]
+    if state == "waiting":
+        state = f"waiting ({shown['waiting_reason']})"
+    fires = shown["next_fires"]
+    return (shown["name"], shown["cron"], shown["timezone"], state, last_run(shown),
+            fires[0] if fires and shown["state"] == "active" else "-")
+
+
+def table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Aligned columns, the last one left ragged."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join([*(c.ljust(w) for c, w in zip(r, widths)), r[-1]]).rstrip()
+            for r in rows]
+
+
+@click.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the schedules as JSON.")
+@URL_OPTION
+@click.pass_context
+def schedules(ctx: click.Context, as_json: bool, url: str) -> None:
+    """Cron schedules: each with its expression, time zone, state, last run and its
+    outcome, and next fire time."""
+    if ctx.invoked_subcommand is not None:
+        return
+    listed = api(url, "schedules")["schedules"]
+    if as_json:
+        print_json(listed)
+        return
+    if not listed:
+        out("no schedules; add one with `rota schedules add` or a [[schedule]] table in a"
+            " spec file (`rota specs push`)", err=True)
+        return
+    for line in table([COLUMNS, *map(row, listed)]):
+        out(line)
+
+
+@schedules.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the schedule as JSON.")
+@URL_OPTION
+def show(name: str, as_json: bool, url: str) -> None:
+    """Show schedule NAME whole, with its next five fire times."""
+    shown = api(url, "schedule", name)
+    if as_json:
+        print_json(shown)
+        return
+    print_view(shown)
+
+
+def print_view(shown: dict[str, Any]) -> None:
+    state = shown["state"] + (f" ({shown['waiting_reason']})" if shown["waiting_reason"] else "")
+    lines = [("schedule", shown["name"]), ("spec", shown["spec"]),
+             ("args", json.dumps(shown["args"])), ("cron", shown["cron"]),
+             ("timezone", shown["timezone"]), ("state", state),
+             ("overlap", shown["overlap"]),
+             ("misfire", shown["misfire"] + (f" (at most {shown['catch_up']})"
+                                             if shown["misfire"] == "catch_up" else "")),
+             ("jitter", f"{shown['jitter']:g}s"), ("queue", shown["queue"] or "(the spec's)"),
+             ("last run", last_run(shown)), ("last job", shown["last_job_id"] or "-"),
+             ("runs", str(shown["run_count"]))]
+    if shown["description"]:
+        lines.insert(1, ("description", shown["description"]))
+    for key, value in lines:
+        out(f"{key + ':':<13}{value}")
+    for n, fire in enumerate(shown["next_fires"]):
+        out(f"{'next fires:' if n == 0 else '':<13}{fire}")
+
+
+@schedules.command("add")
+@click.argument("name", required=False)
+@click.option("--file", "source", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A TOML file of [[schedule]] tables: each is added (or only NAME's).")
+@click.option("--spec", help="The spec each tick enqueues.")
+@click.option("--cron", "expression", help="The expression: 5 fields, 6 with seconds first,"
+              " @daily and friends, or '@every 90s' (at least 1s).")
+@click.option("--timezone", default="UTC", show_default=True, help="An IANA time zone.")
+@click.option("--args", "args_json", default="{}", help="The jobs' args, as a JSON object.")
+@click.option("--overlap", type=click.Choice(["skip", "allow", "cancel_previous", "enqueue"]),
+              default="skip", show_default=True, help="When the previous run is still live.")
+@click.option("--misfire", type=click.Choice(["skip", "catch_up"]), default="catch_up",
+              show_default=True, help="Ticks missed (downtime): fire none, or the latest N.")
+@click.option("--catch-up", type=int, default=1, show_default=True,
+              help="N: how many missed ticks a catch-up fires.")
+@click.option("--jitter", type=float, default=0.0, help="Seconds each run may be delayed.")
+@click.option("--queue", help="The jobs' queue (default: the spec's).")
+@click.option("--priority", type=int, help="The jobs' priority (default: the spec's).")
+@click.option("--max-attempts", type=int, help="The jobs' attempts (default: the spec's).")
+@click.option("--description", default="")
+@click.option("--paused", is_flag=True, help="Add it paused.")
+@URL_OPTION
+def add(name: str | None, source: Path | None, spec: str | None, expression: str | None,
+        timezone: str, args_json: str, overlap: str, misfire: str, catch_up: int,
+        jitter: float, queue: str | None, priority: int | None, max_attempts: int | None,
+        description: str, paused: bool, url: str) -> None:
+    """Add or replace schedule NAME, from flags or from a TOML file (--file)."""
+    if source is not None:
+        tables = _from_file(source, name)
+    else:
+        if name is None or spec is None or expression is None:
+            fail("give NAME, --spec and --cron (or --file FILE.toml)")
+        try:
+            args = json.loads(args_json)
+        except ValueError as exc:
+            fail(f"--args is not JSON: {exc}")
+        given = {"name": name, "spec": spec, "cron": expression, "timezone": timezone,
+                 "args": args, "overlap": overlap, "misfire": misfire, "catch_up": catch_up,
+                 "jitter": jitter, "queue": queue, "priority": priority,
+                 "max_attempts": max_attempts, "description": description, "paused": paused}
+        tables = [{k: v for k, v in given.items() if v is not None}]
+    for table in tables:
+        try:
+            check(table, where=str(source) if source else "")
+        except Invalid as exc:
+            fail(f"{exc.message} ({exc.code})")
+        reply = api(url, "put_schedule", table["name"], table)
+        shown = reply["schedule"]
+        fires = shown["next_fires"][0] if shown["next_fires"] else "-"
+        out(f"{reply['change']:<9} {shown['name']}  {shown['cron']} ({shown['timezone']})"
+            f"  state={shown['state']}  next={fires}")
+
+
+def _from_file(source: Path, name: str | None) -> list[dict[str, Any]]:
+    try:
+        _, tables = parse_file(source.read_text(encoding="utf-8"), source=str(source))
+    except (SpecError, OSError, UnicodeDecodeError) as exc:
+        fail(str(exc))
+    if name is not None:
+        tables = [t for t in tables if t.get("name") == name]
+    if not tables:
+        fail(f"{source}: no [[schedule]] table" + (f" named {name!r}" if name else ""))
+    return tables
+
+
+def _command(verb: str, doc: str) -> None:
+    """``rota schedules pause|resume|delete NAME``: one request, one line said."""
+
+    @schedules.command(verb, help=doc)
+    @click.argument("name")
+    @URL_OPTION
+    def command(name: str, url: str) -> None:
+        if verb == "delete":
+            api(url, "delete_schedule", name)
+            out(f"{name} is deleted (its jobs stay)")
+            return
+        shown = api(url, "pause_schedule", name, paused=verb == "pause")
+        fires = shown["next_fires"][0] if shown["next_fires"] else "-"
+        out(f"{name} is paused" if verb == "pause"
+            else f"{name} is {shown['state']}; next fire {fires}")
+
+
+for _verb, _doc in (
+        ("pause", "Pause schedule NAME: its ticks make no jobs until it is resumed."),
+        ("resume", "Resume schedule NAME; the ticks of its pause are not caught up."),
+        ("delete", "Delete schedule NAME (its jobs stay).")):
+    _command(_verb, _doc)

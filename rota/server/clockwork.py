@@ -1,0 +1,290 @@
+"""Cron schedules as the shell carries them out: the tick loop, which sleeps until the earliest next fire and fires each due tick in one store transaction, and the operations of the API and of a push.
+
+Every server runs the loop. A tick's job is built here with the ordinary intake
+validation (``Engine.build``), then rota/store/ticks.py's ``fire`` decides in the
+transaction, from the schedule's row as locked, which of the built jobs are made; the
+engine takes the new ones in after the commit, as an enqueue's. What to fire is the pure
+planner's (rota/core/schedules.py). Logs go to ``rota.cron``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from rota.base.errors import DomainError, Invalid, NotFound, StorageError
+from rota.base.specs import JobSpec, SpecError, validate_args
+from rota.core.auth import OPEN
+from rota.core.effects import Effect
+from rota.core.engine import Engine
+from rota.core.jobs import EnqueueRequest
+from rota.core.model import Instant, JobRecord
+from rota.core.schedules import (ScheduleDef, check, due, jitter_offset, tick_id, view,
+                                 waiting_reason)
+from rota.store import ticks
+from rota.store.store import Store
+
+log = logging.getLogger("rota.cron")
+IDLE = 60.0  # seconds the loop sleeps at most with nothing due (a change wakes it)
+SHARED_IDLE = 2.0  # on a shared database: how soon another server's change is seen
+RETRY = 1.0  # after a failed read or fire
+
+
+class _DryRun(Exception):
+    """Raised inside a dry run's write so that its savepoint rolls back."""
+
+    def __init__(self, changes: list[dict[str, Any]]) -> None:
+        super().__init__("dry run")
+        self.changes = changes
+
+
+class Clockwork:
+    def __init__(self, store: Store, engine: Engine, clock: Callable[[], Instant],
+                 apply: Callable[[Iterable[Effect]], None],
+                 cancel: Callable[[str], Awaitable[Any]]) -> None:
+        self.store = store
+        self.engine = engine
+        self.clock = clock
+        self.apply = apply
+        self.cancel = cancel  # the ordinary cancel path (cancel_previous)
+        self.refused: dict[str, str] = {}  # schedules whose jobs intake refuses, and why
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """A schedule changed: the loop looks again now."""
+        self._wake.set()
+
+    # -- the loop --------------------------------------------------------------------------
+    async def loop(self) -> None:
+        while True:
+            try:
+                wait = await self.round()
+            except StorageError as exc:  # the store says so too; the next round tries again
+                log.warning("cron round failed: %s", exc)
+                wait = RETRY
+            except Exception:  # a bug: said, and the loop goes on (its schedules must)
+                log.exception("cron round failed")
+                wait = RETRY
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, wait))
+            except TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def round(self) -> float:
+        """Fire what is due; seconds until the next look."""
+        rows = await self.store.readers.run(ticks.read_all)
+        now = self.clock().wall
+        soonest = now + (SHARED_IDLE if self.store.shared else IDLE)
+        for row in rows:
+            if row["paused"]:
+                continue
+            try:
+                timing = ticks.timing_of(row)
+            except (Invalid, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # (a row this Rota cannot read, or a zone the system no longer has)
+                self._waits(row["name"], f"it cannot be read: {exc}")
+                continue
+            upcoming = timing.after(ticks.start_of(row), 1)
+            if upcoming and upcoming[0] <= now:
+                await self.fire(row, now)  # fired, or waits: its next tick is after now
+                upcoming = timing.after(now, 1)
+            if upcoming:
+                soonest = min(soonest, upcoming[0])
+        return soonest - self.clock().wall
+
+    def _waits(self, name: str, reason: str) -> None:
+        """Schedule ``name`` cannot fire now: said once per reason."""
+        if self.refused.get(name) != reason:
+            log.warning("cron wait schedule=%s reason=%s", name, reason)
+        self.refused[name] = reason
+
+    async def fire(self, row: dict[str, Any], wall: float) -> bool:
+        """Fire a schedule's due ticks; whether it could (False: it waits)."""
+        definition = ticks.definition_of(row)
+        name = definition.name
+        reason = self._reason(definition)
+        if reason is not None:
+            self._waits(name, reason)
+            return False
+        now = self.clock()
+        decided = due(ticks.timing_of(row), ticks.start_of(row), wall)
+        jobs: dict[float, JobRecord] = {}
+        for tick in decided.fire:
+            built = self._build(definition, tick, now)
+            if isinstance(built, DomainError):
+                self._waits(name, f"its jobs are refused: {built.message}")
+                return False
+            jobs[tick] = built
+        if self.refused.pop(name, None) is not None:
+            log.info("cron ready schedule=%s", name)
+        server = self.store.server_id or "" if self.store.shared else None
+        fired = await self.store.writer.submit(
+            lambda conn: ticks.fire(conn, name, row["definition"], wall, jobs, server))
+        self._report(definition, fired, now)
+        for job_id in fired.cancel:
+            try:
+                await self.cancel(job_id)
+            except DomainError as exc:  # it ended meanwhile (not found, or finished)
+                log.info("cron cancel_previous schedule=%s job=%s: %s", name, job_id, exc)
+        return True
+
+    def _build(self, definition: ScheduleDef, tick: float, now: Instant
+               ) -> JobRecord | DomainError:
+        """A tick's job, through the ordinary intake (spec, args, queue checked)."""
+        offset = jitter_offset(definition.name, tick, definition.jitter)
+        delay = tick + offset - now.wall
+        request = EnqueueRequest(  # (checked by the intake, as a producer's)
+            spec=definition.spec, args=definition.args, id=tick_id(definition.name, tick),
+            queue=definition.queue, priority=definition.priority,
+            max_attempts=definition.max_attempts, delay=delay if delay > 0 else None)
+        built = self.engine.build(request, OPEN, now)
+        if not isinstance(built, DomainError):
+            built.schedule = definition.name  # its row names its schedule
+        return built
+
+    def _report(self, definition: ScheduleDef, fired: ticks.Fired, now: Instant) -> None:
+        """Take the new jobs in (as an enqueue's, after the commit), log the fire and tell
+        /events (ojs-cron §9: cron.triggered and cron.skipped; and the misses)."""
+        name, event = definition.name, self.engine.observe.event
+        if fired.missed:
+            counted = "" if fired.counted else "+"  # (more than were counted: a long downtime)
+            log.warning("cron miss schedule=%s missed=%d%s fired=%d policy=%s", name,
+                        fired.missed, counted, fired.missed - fired.passed, definition.misfire)
+            event(now.wall, "cron_miss", spec=definition.spec, message=f"schedule {name}"
+                  f" missed {fired.missed}{counted} ticks; {definition.misfire} fired"
+                  f" {fired.missed - fired.passed}")
+        for tick in fired.skipped:
+            at = tick_id(name, tick).rsplit("-", 1)[1]
+            log.info("cron skip schedule=%s tick=%s reason=previous run still active", name, at)
+            event(now.wall, "cron_skip", spec=definition.spec,
+                  message=f"schedule {name} tick {at}: previous run still active")
+        taken: list[tuple[JobRecord, int | None]] = []
+        for job, stored, new in fired.made:
+            if not new:
+                continue
+            if stored.get("unique_replaced"):  # its unique key replaced waiting jobs
+                self.apply(self.engine.replaced(stored["unique_replaced"], job.id, now))
+            checksum = self.engine.scheduler.status_quo.get(job.spec, "-")
+            at = job.id.rsplit("-", 1)[1]
+            log.info("cron fire schedule=%s tick=%s job=%s spec=%s@%s queue=%s state=%s",
+                     name, at, job.id, job.spec, checksum[:19], job.queue, stored["state"])
+            event(now.wall, "cron_fire", job=job.id, spec=job.spec, queue=job.queue,
+                  state=stored["state"], message=f"schedule {name} tick {at}")
+            if stored["state"] != "pending":
+                taken.append((job, stored["rowid"]))
+        if taken:
+            self.apply(self.engine.enqueued_all(taken, now))
+
+    def _reason(self, definition: ScheduleDef) -> str | None:
+        return waiting_reason(definition.spec, self.engine.specs, self.engine.retired)
+
+    # -- the API's -------------------------------------------------------------------------
+    def _view(self, row: dict[str, Any]) -> dict[str, Any]:
+        definition = ticks.definition_of(row)
+        now = self.clock().wall
+        waiting = self._reason(definition) or self.refused.get(definition.name)
+        timing = ticks.timing_of(row)
+        fires = timing.after(max(now, ticks.start_of(row)), 5)
+        return view(definition, row, waiting, fires)
+
+    async def list(self) -> dict[str, Any]:
+        rows = await self.store.readers.run(ticks.read_all)
+        return {"schedules": [self._view(row) for row in rows]}
+
+    async def get(self, name: str) -> dict[str, Any]:
+        row = await self.store.readers.run(lambda conn: ticks.read_one(conn, name))
+        if row is None:
+            raise _no_such(name)
+        return self._view(row)
+
+    async def put(self, name: str, data: Any) -> tuple[dict[str, Any], str]:
+        """Add or replace schedule ``name``: its view, and new/changed/unchanged."""
+        if isinstance(data, dict):
+            data = {"name": name, **data}
+        definition = check(data)
+        if definition.name != name:
+            raise Invalid("invalid_schedule", f"the body names schedule {definition.name!r},"
+                          f" the path {name!r}")
+        self._check_args(definition, self.engine.specs)
+        wall = self.clock().wall
+        change, row = await self.store.writer.submit(lambda conn: (
+            ticks.upsert(conn, definition, wall), ticks.read_one(conn, name)))
+        self._changed(name, change, "put")
+        return self._view(row), change
+
+    async def delete(self, name: str) -> dict[str, Any]:
+        row = await self.store.writer.submit(lambda conn: ticks.delete(conn, name))
+        if row is None:
+            raise _no_such(name)
+        self.refused.pop(name, None)
+        log.info("cron delete schedule=%s", name)
+        return {**self._view(row), "deleted": True}
+
+    async def pause(self, name: str, paused: bool) -> dict[str, Any]:
+        wall = self.clock().wall
+        row = await self.store.writer.submit(
+            lambda conn: ticks.set_paused(conn, name, paused, wall))
+        if row is None:
+            raise _no_such(name)
+        log.info("cron %s schedule=%s", "pause" if paused else "resume", name)
+        self.wake()
+        return self._view(row)
+
+    def check_push(self, tables: list[Any], specs: list[JobSpec]) -> list[ScheduleDef]:
+        """A push's schedules, checked before anything of the push is stored: each
+        valid, named once, and its args fit for its spec (as pushed, or the status quo)."""
+        known = {**self.engine.specs, **{s.name: s for s in specs}}
+        checked: list[ScheduleDef] = []
+        for i, table in enumerate(tables):
+            definition = check(table, where=f"schedules[{i}]")
+            if any(d.name == definition.name for d in checked):
+                raise Invalid("invalid_schedule", f"schedules[{i}]: schedule"
+                              f" {definition.name!r} is declared twice")
+            self._check_args(definition, known)
+            checked.append(definition)
+        return checked
+
+    async def push(self, definitions: list[ScheduleDef], *, dry_run: bool
+                   ) -> list[dict[str, Any]]:
+        """A push's schedules added or changed (never deleted, never un-paused)."""
+        wall = self.clock().wall
+
+        def op(conn: Any) -> list[dict[str, Any]]:
+            changes = [{"name": d.name, "change": ticks.upsert(conn, d, wall, push=True)}
+                       for d in definitions]
+            if dry_run:
+                raise _DryRun(changes)
+            return changes
+
+        try:
+            changes = await self.store.writer.submit(op)
+        except _DryRun as dry:  # the savepoint rolled it back
+            return dry.changes
+        for item in changes:
+            self._changed(item["name"], item["change"], "push")
+        return changes
+
+    def _changed(self, name: str, change: str, how: str) -> None:
+        if change != "unchanged":
+            self.refused.pop(name, None)
+            log.info("cron %s schedule=%s change=%s", how, name, change)
+            self.wake()
+
+    @staticmethod
+    def _check_args(definition: ScheduleDef, known: dict[str, JobSpec]) -> None:
+        spec = known.get(definition.spec)
+        if spec is None:  # it waits for its spec, and says so
+            return
+        try:
+            validate_args(spec, definition.args)
+        except SpecError as exc:
+            raise Invalid("invalid_args", f"schedule {definition.name!r}: {exc}") from None
+
+
+def _no_such(name: str) -> NotFound:
+    return NotFound("no_such_schedule", f"no schedule {name!r} (`rota schedules` lists them)")

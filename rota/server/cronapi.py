@@ -1,0 +1,48 @@
+"""The HTTP routes of cron schedules (admin only): list them, show, add or replace, delete, pause and resume one; rota/server/clockwork.py carries each out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rota.server.api_base import JSON, coordinator_of, decode_as, need, path_name, read_body
+
+
+def _name(request: Request) -> str:
+    return path_name(request, "name", "invalid_name", "a schedule name")
+
+
+async def list_schedules(request: Request) -> Response:
+    need(request, "admin")
+    return JSON(await coordinator_of(request).clockwork.list())
+
+
+async def show_schedule(request: Request) -> Response:
+    need(request, "admin")
+    return JSON(await coordinator_of(request).clockwork.get(_name(request)))
+
+
+async def put_schedule(request: Request) -> Response:
+    need(request, "admin")
+    name = _name(request)
+    data = decode_as(await read_body(request), dict[str, Any])
+    shown, change = await coordinator_of(request).clockwork.put(name, data)
+    return JSON({"schedule": shown, "change": change},
+                status_code=201 if change == "new" else 200)
+
+
+async def delete_schedule(request: Request) -> Response:
+    need(request, "admin")
+    return JSON(await coordinator_of(request).clockwork.delete(_name(request)))
+
+
+async def pause_schedule(request: Request) -> Response:
+    need(request, "admin")
+    return JSON(await coordinator_of(request).clockwork.pause(_name(request), True))
+
+
+async def resume_schedule(request: Request) -> Response:
+    need(request, "admin")
+    return JSON(await coordinator_of(request).clockwork.pause(_name(request), False))

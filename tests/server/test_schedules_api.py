@@ -1,0 +1,106 @@
+"""Cron schedules over HTTP on a real server: add, show, list, pause, resume, delete; a push
+that carries schedules (dry run included); and the precise 4xx of bad ones, with nothing
+stored."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from conftest import Live, write_spec
+
+pytestmark = pytest.mark.both_backends
+
+
+async def put(live: Live, path: str, **body):
+    return await live.http.put(f"/schedules/{path}", json=body)
+
+
+async def test_a_schedule_is_added_shown_paused_resumed_and_deleted(live: Live, tmp_path):
+    await live.push(write_spec(tmp_path / "specs", "report"))
+    answer = await put(live, "nightly", spec="report", cron="30 2 * * *",
+                       timezone="Europe/Berlin", args={"day": "today"})
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["change"] == "new"
+    shown = answer.json()["schedule"]
+    assert shown["state"] == "active" and shown["overlap"] == "skip"
+    assert shown["misfire"] == "catch_up" and shown["catch_up"] == 1
+    assert len(shown["next_fires"]) == 5 and shown["last_tick"] is None
+    # 02:30 in Berlin is 00:30 or 01:30 UTC
+    assert all(t[11:16] in ("00:30", "01:30") for t in shown["next_fires"])
+    again = await put(live, "nightly", spec="report", cron="30 2 * * *",
+                      timezone="Europe/Berlin", args={"day": "today"})
+    assert (again.status_code, again.json()["change"]) == (200, "unchanged")
+
+    paused = (await live.http.post("/schedules/nightly/pause")).json()
+    assert (paused["state"], paused["paused"]) == ("paused", True)
+    listed = (await live.http.get("/schedules")).json()["schedules"]
+    assert [(s["name"], s["state"]) for s in listed] == [("nightly", "paused")]
+    resumed = (await live.http.post("/schedules/nightly/resume")).json()
+    assert resumed["state"] == "active"
+
+    gone = await live.http.delete("/schedules/nightly")
+    assert gone.status_code == 200 and gone.json()["deleted"] is True
+    missing = await live.http.get("/schedules/nightly")
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {"code": "no_such_schedule", "message":
+                                       "no schedule 'nightly' (`rota schedules` lists them)"}
+
+
+async def test_a_schedule_of_a_spec_without_status_quo_waits_and_says_why(live: Live):
+    shown = (await put(live, "later", spec="send_report", cron="@hourly")).json()["schedule"]
+    assert shown["state"] == "waiting"
+    assert shown["waiting_reason"] == "spec send_report has no status quo"
+
+
+async def test_bad_schedules_are_refused_precisely_and_nothing_is_stored(live: Live, tmp_path):
+    await live.push(write_spec(tmp_path / "specs", "report", extra='[args.day]\ntype = "string"\n'))
+    cases = [
+        ({"spec": "report", "cron": "@every 500ms"}, "invalid_cron",
+         "schedule 'fast': '@every 500ms' fires every 0.5s; a schedule fires at most once a"
+         " second ('@every 1s')"),
+        ({"spec": "report", "cron": "0 25 * * *"}, "invalid_cron",
+         "schedule 'fast': hour 25 is out of range 0-23"),
+        ({"spec": "report", "cron": "@daily", "timezone": "+05:00"}, "invalid_timezone",
+         "schedule 'fast': time zone '+05:00' is a fixed offset; use an IANA name such as"
+         " 'America/New_York' or 'UTC'"),
+        ({"spec": "report", "cron": "@daily", "overlap": "never"}, "invalid_schedule",
+         "overlap must be one of allow, cancel_previous, enqueue, skip, not 'never'"),
+        ({"spec": "report", "cron": "@daily", "args": {"day": 3}}, "invalid_args",
+         "schedule 'fast': args.day must be a string, got an integer (spec 'report')"),
+        ({"name": "other", "spec": "report", "cron": "@daily"}, "invalid_schedule",
+         "the body names schedule 'other', the path 'fast'"),
+    ]
+    for body, code, message in cases:
+        answer = await put(live, "fast", **body)
+        assert answer.status_code == 422, answer.text
+        assert answer.json()["error"] == {"code": code, "message": message}
+    assert (await live.http.get("/schedules")).json() == {"schedules": []}
+    assert (await live.http.put("/schedules/a%20b", json={})).status_code == 400
+
+
+async def test_a_push_carries_schedules_and_its_dry_run_changes_nothing(live: Live, tmp_path):
+    spec = write_spec(tmp_path / "specs", "report")
+    tables = [{"name": "nightly", "spec": "report", "cron": "@daily"}]
+    body = {"specs": [msgspec.to_builtins(spec)], "schedules": tables, "dry_run": True}
+    dry = (await live.http.put("/specs", json=body)).json()
+    assert dry["schedules"] == [{"name": "nightly", "change": "new"}]
+    assert (await live.http.get("/schedules")).json() == {"schedules": []}
+    body["dry_run"] = False
+    assert (await live.http.put("/specs", json=body)).json()["schedules"] == [
+        {"name": "nightly", "change": "new"}]
+    await live.http.post("/schedules/nightly/pause")
+    tables[0]["cron"] = "@hourly"
+    pushed = (await live.http.put("/specs", json=body)).json()
+    assert pushed["schedules"] == [{"name": "nightly", "change": "changed"}]
+    shown = (await live.http.get("/schedules/nightly")).json()
+    assert (shown["cron"], shown["state"]) == ("@hourly", "paused")  # a push never un-pauses
+    # a bad schedule refuses the whole push: neither spec nor schedule is stored
+    bad = {"specs": [msgspec.to_builtins(write_spec(tmp_path / "s2", "other"))],
+           "schedules": [{"name": "x", "spec": "other", "cron": "@every 0.2s"}]}
+    answer = await live.http.put("/specs", json=bad)
+    assert answer.status_code == 422
+    assert answer.json()["error"]["message"] == (
+        "schedules[0]: schedule 'x': '@every 0.2s' fires every 0.2s; a schedule fires at"
+        " most once a second ('@every 1s')")
+    names = [s["name"] for s in (await live.http.get("/specs")).json()["specs"]]
+    assert names == ["report"]

@@ -1,0 +1,82 @@
+"""Cron schedules' rows and fire transaction (rota/store/ticks.py), called straight on each
+backend: a tick decided twice makes one job, a push never resumes, a resume counts from
+now, and a held (enqueue) tick is released when the schedule's live job ends."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import msgspec
+import pytest
+from conftest import open_store
+
+from rota.core.model import JobRecord, JobState, shared_limits
+from rota.core.schedules import check, tick_id
+from rota.store import ticks
+
+pytestmark = pytest.mark.both_backends
+T0 = 1_800_000_000.0  # a whole minute
+
+
+def job(name: str, tick: float) -> JobRecord:
+    return JobRecord(id=tick_id(name, tick), spec="echo", queue="default",
+                     args=msgspec.Raw(b"{}"), priority=0, enqueued_at=tick, seq=0,
+                     limits=shared_limits(3, None, 1.0, 60.0, 3), schedule=name)
+
+
+def defined(**fields):
+    return check({"name": "beat", "spec": "echo", "cron": "@every 60s", **fields})
+
+
+def states(conn) -> dict[str, str]:
+    return {r[0]: r[1] for r in conn.execute("SELECT id, state FROM jobs ORDER BY id")}
+
+
+def test_a_tick_decided_twice_makes_one_job(tmp_path: Path):
+    with contextlib.closing(open_store(tmp_path)) as conn:
+        assert ticks.upsert(conn, defined(overlap="allow"), T0) == "new"
+        seen = ticks.read_one(conn, "beat")["definition"]
+        built = {T0 + 60: job("beat", T0 + 60)}
+        first = ticks.fire(conn, "beat", seen, T0 + 60.5, built, None)
+        again = ticks.fire(conn, "beat", seen, T0 + 60.5, built, None)  # another server's
+        assert [new for _, _, new in first.made] == [True] and again.made == []
+        row = ticks.read_one(conn, "beat")
+        assert (row["last_tick"], row["run_count"], row["last_job_state"]) == (
+            T0 + 60, 1, "available")
+        # built from a definition since replaced: nothing is made, the loop builds again
+        ticks.upsert(conn, defined(overlap="allow", args={"x": 1}), T0 + 61)
+        assert ticks.fire(conn, "beat", seen, T0 + 120.5, {}, None).stale
+        assert list(states(conn)) == [tick_id("beat", T0 + 60)]
+
+
+def test_a_push_never_resumes_and_a_resume_counts_from_now(tmp_path: Path):
+    with contextlib.closing(open_store(tmp_path)) as conn:
+        ticks.upsert(conn, defined(), T0)
+        ticks.set_paused(conn, "beat", True, T0 + 10)
+        assert ticks.upsert(conn, defined(), T0 + 20, push=True) == "unchanged"
+        assert ticks.read_one(conn, "beat")["paused"] == 1
+        assert ticks.upsert(conn, defined(jitter=5), T0 + 30, push=True) == "changed"
+        assert ticks.read_one(conn, "beat")["paused"] == 1
+        row = ticks.set_paused(conn, "beat", False, T0 + 600.5)
+        assert row is not None and ticks.start_of(row) == T0 + 600  # the pause is not missed
+        assert ticks.set_paused(conn, "nobody", False, T0) is None
+        assert ticks.delete(conn, "beat")["name"] == "beat"
+        assert ticks.read_all(conn) == []
+
+
+def test_an_enqueued_tick_waits_pending_until_the_live_one_ends(tmp_path: Path):
+    with contextlib.closing(open_store(tmp_path)) as conn:
+        ticks.upsert(conn, defined(overlap="enqueue"), T0)
+        seen = ticks.read_one(conn, "beat")["definition"]
+        first, second = T0 + 60, T0 + 120
+        ticks.fire(conn, "beat", seen, first + 0.5, {first: job("beat", first)}, None)
+        fired = ticks.fire(conn, "beat", seen, second + 0.5, {second: job("beat", second)}, None)
+        assert [stored["state"] for _, stored, _ in fired.made] == ["pending"]
+        assert ticks.release_next(conn, "beat", second + 1) == []  # the first is live
+        conn.execute("UPDATE jobs SET state = 'completed' WHERE id = ?",
+                     (tick_id("beat", first),))
+        [released] = ticks.release_next(conn, "beat", second + 2)
+        assert (released.id, released.state) == (tick_id("beat", second), JobState.AVAILABLE)
+        assert released.schedule == "beat"
+        assert states(conn)[tick_id("beat", second)] == "available"

@@ -1,0 +1,118 @@
+"""``rota schedules`` and a spec directory's ``[[schedule]]`` tables through ``rota specs
+push``, as a user types them, against a real server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import Live
+from test_flow import invoke
+
+from rota.base.specs import checksum, load_deploy, parse_spec
+
+REPORT = '''name = "send_report"
+version = "1"
+
+[args.team]
+type = "string"
+
+[[schedule]]
+name = "nightly-report"
+cron = "30 2 * * *"
+timezone = "America/New_York"
+args = { team = "ops" }
+'''
+HOURLY = '''[[schedule]]
+name = "hourly-report"
+spec = "send_report"
+cron = "@hourly"
+args = { team = "sales" }
+overlap = "enqueue"
+'''
+
+
+async def test_schedules_in_a_spec_directory_are_pushed_and_listed(live: Live, tmp_path: Path):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "send_report.toml").write_text(REPORT)
+    (specs / "schedules.toml").write_text(HOURLY)
+    loaded, tables = load_deploy(specs)
+    # the table is no part of the spec: its checksum is the spec's alone
+    assert [checksum(s) for s in loaded] == [checksum(parse_spec(REPORT.split("[[")[0]))]
+    assert [t["name"] for t in tables] == ["hourly-report", "nightly-report"]
+
+    code, out, _ = await invoke("specs", "push", str(specs), "--dry-run", "--url", live.base)
+    assert code == 0
+    assert "new       schedule hourly-report" in out and "dry run" in out
+    code, out, err = await invoke("schedules", "--url", live.base)
+    assert (code, out) == (0, "") and err.startswith("no schedules;")
+
+    code, out, _ = await invoke("specs", "push", str(specs), "--url", live.base)
+    assert code == 0 and out.count("new       schedule") == 2
+    code, out, _ = await invoke("schedules", "--url", live.base)
+    header, first, second = out.splitlines()
+    assert header.split() == ["NAME", "EXPRESSION", "ZONE", "STATE", "LAST", "RUN", "NEXT",
+                              "FIRE"]
+    assert first.split()[:4] == ["hourly-report", "@hourly", "UTC", "active"]
+    assert second.split()[:7] == ["nightly-report", "30", "2", "*", "*", "*",
+                                  "America/New_York"]
+    assert "never" in second
+
+    code, out, _ = await invoke("schedules", "pause", "nightly-report", "--url", live.base)
+    assert (code, out) == (0, "nightly-report is paused\n")
+    code, out, _ = await invoke("specs", "push", str(specs), "--url", live.base)
+    assert "unchanged schedule nightly-report" in out  # and still paused
+    code, out, _ = await invoke("schedules", "show", "nightly-report", "--url", live.base)
+    assert "state:       paused" in out and "timezone:    America/New_York" in out
+    assert out.count("T0") + out.count("T1") + out.count("T2") >= 5  # the next fires
+    code, out, _ = await invoke("schedules", "resume", "nightly-report", "--url", live.base)
+    assert out.startswith("nightly-report is active; next fire ")
+    code, out, _ = await invoke("schedules", "delete", "hourly-report", "--url", live.base)
+    assert out == "hourly-report is deleted (its jobs stay)\n"
+
+
+async def test_schedules_add_from_flags_and_bad_input_in_one_line(live: Live, tmp_path: Path):
+    code, out, _ = await invoke("schedules", "add", "ping", "--spec", "echo", "--cron",
+                                "@every 1m", "--url", live.base)
+    assert code == 0 and out.startswith("new       ping  @every 1m (UTC)  state=waiting")
+    code, _, err = await invoke("schedules", "add", "fast", "--spec", "echo", "--cron",
+                                "@every 500ms", "--url", live.base)
+    assert code == 1
+    assert err == ("error: schedule 'fast': '@every 500ms' fires every 0.5s; a schedule fires"
+                   " at most once a second ('@every 1s') (invalid_cron)\n")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "s.toml").write_text('[[schedule]]\nname = "x"\nspec = "y"\ncron = "@daily"\n'
+                                'timezone = "Mars/Base"\n')
+    code, _, err = await invoke("specs", "push", str(bad), "--url", live.base)
+    assert code == 1
+    assert err == (f"error: {bad / 's.toml'}: schedule 'x': unknown time zone 'Mars/Base'"
+                   " (invalid_timezone)\n")
+    (tmp_path / "two.toml").write_text(HOURLY + HOURLY.replace("hourly-report", "daily-report")
+                                       .replace("@hourly", "@daily"))
+    code, out, _ = await invoke("schedules", "add", "daily-report", "--file",
+                                str(tmp_path / "two.toml"), "--url", live.base)
+    assert code == 0 and out.startswith("new       daily-report  @daily (UTC)  state=waiting")
+    code, out, _ = await invoke("schedules", "add", "--file", str(tmp_path / "two.toml"),
+                                "--url", live.base)
+    assert [line.split()[:2] for line in out.splitlines()] == [
+        ["new", "hourly-report"], ["unchanged", "daily-report"]]
+    code, _, err = await invoke("schedules", "show", "nope", "--url", live.base)
+    assert (code, err) == (1, "error: no schedule 'nope' (`rota schedules` lists them)"
+                              " (no_such_schedule)\n")
+
+
+async def test_the_readme_schedule_table_is_pushed_as_written(live: Live, tmp_path: Path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Cron schedules"):]
+    table = section[section.index("```toml\n") + 8:section.index("```\n", 8)]
+    root = Path(__file__).resolve().parents[2]
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "echo.toml").write_text((root / "specs" / "echo.toml").read_text() + "\n" + table)
+    code, out, err = await invoke("specs", "push", str(specs), "--url", live.base)
+    assert code == 0, err
+    assert "new       schedule nightly-echo" in out
+    shown = (await live.http.get("/schedules/nightly-echo")).json()
+    assert (shown["spec"], shown["timezone"], shown["jitter"]) == ("echo", "Europe/Berlin", 30)
+    assert shown["args"] == {"message": "good night"} and shown["state"] == "active"
