@@ -24,7 +24,7 @@ COVERED: dict[str, frozenset[str]] = {
     "active": HELD | {"active"},
     "finished": HELD | {"active", "completed", "discarded", "cancelled"},
 }
-Verdict = Literal["take", "existing", "reject", "replace", "running"]
+Verdict = Literal["take", "existing", "reject", "replace", "running", "held"]
 
 
 class UniqueClaim(NamedTuple):
@@ -115,6 +115,10 @@ def conflict_message(verdict: Verdict, job_id: str, state: str) -> str:
     if verdict == "running":
         return (f"job {job_id} holds this unique key and is {state}: on_conflict \"replace\""
                 " replaces a waiting job only")
+    if verdict == "held":
+        return (f"job {job_id} holds this unique key and is a workflow's step or a cron"
+                " schedule's tick: on_conflict \"replace\" leaves it to its workflow or"
+                " schedule (cancel that instead)")
     return f"job {job_id} holds this unique key ({state}); on_conflict is \"reject\""
 
 

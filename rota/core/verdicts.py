@@ -123,6 +123,11 @@ def may_retry(job_id: str, row: Row | None, *, live: bool) -> DomainError | None
     """Whether a job may be put back, with a fresh attempt budget (None: yes)."""
     if row is None:
         return NoSuchJob(job_id)
+    if row.get("workflow_id"):  # its workflow decides when it runs, and with what inputs
+        flow = row["workflow_id"]
+        return Conflict("not_retryable", f"job {job_id} is a step of workflow {flow}: retry"
+                        f" the workflow instead (POST /workflows/{flow}/retry, rota workflows"
+                        f" retry {flow}), which runs it again in its turn")
     if row["state"] not in ("discarded", "cancelled") or live:
         # A second retry of one job finds it waiting: said so, not as a bare state
         waiting = " already, waiting to run" if row["state"] in (

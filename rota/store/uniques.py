@@ -65,6 +65,10 @@ class Keys:
             assert holder is not None
             if verdict != "replace":
                 return Met(verdict, holder)
+            if holder.get("workflow_id") or holder.get("schedule"):
+                # Its workflow or schedule waits for its ending: a cancel here would
+                # never reach them (it is not a settled ending), so it is not replaced.
+                return Met("held", holder)
             if self.conn.execute(REPLACE, (self.now, _replaced(job.id, holder, self.now),
                                            holder_id)).rowcount == 1:
                 return self._take(job.id, claim, [holder])

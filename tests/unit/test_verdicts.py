@@ -41,6 +41,15 @@ def test_a_held_step_is_refused_at_once_naming_what_to_cancel_instead() -> None:
     assert said is not None and "schedule nightly" in said.message
 
 
+def test_a_workflow_step_is_retried_through_its_workflow_only() -> None:
+    """A step retried on its own would run out of its turn, without its inputs, and its
+    workflow would not hear of its ending: its workflow's retry is the way."""
+    refused = v.may_retry("j", {**row("discarded"), "workflow_id": "wf-1"}, live=False)
+    assert isinstance(refused, Conflict) and refused.code == "not_retryable"
+    assert "POST /workflows/wf-1/retry" in refused.message
+    assert v.may_retry("j", row("discarded"), live=False) is None
+
+
 def test_an_active_job_no_other_server_holds_is_judged_as_on_one_server() -> None:
     declined = v.cancel_unheld("j", row("active"), shared=True, last_look=False,
                                owner_declined=True)
