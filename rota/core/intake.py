@@ -188,10 +188,12 @@ class Intake:
                              withdraw.queue)
         return [Finished([withdraw.job_id])]
 
-    def replaced(self, rows: list[dict[str, Any]], by: str, now: Instant) -> list[Effect]:
-        """Waiting jobs a unique enqueue replaced (job ``by``): their rows were cancelled
-        in its transaction. A copy held here goes now, whole or as a key; one reserved
-        meanwhile loses at its reservation's fence, as a copy another server holds does."""
+    def replaced(self, rows: list[dict[str, Any]], by: str, now: Instant,
+                 reason: str | None = None) -> list[Effect]:
+        """Waiting jobs a unique enqueue replaced (job ``by``), or cancelled with their
+        workflow ``by`` (``reason``): their rows were cancelled in its transaction. A copy
+        held here goes now, whole or as a key; one reserved meanwhile loses at its
+        reservation's fence, as a copy another server holds does."""
         effects: list[Effect] = []
         ready = self.scheduler.ready
         for row in rows:
@@ -207,10 +209,15 @@ class Intake:
                     ready.withdraw(row["queue"], row["spec"], row["rowid"], key, labels)
                     ready.withdrawn(row["queue"], row["spec"], row["priority"], row["rowid"],
                                     True, key, labels)
-            log.info("replaced job=%s spec=%s queue=%s by job=%s (unique)", row["id"],
-                     row["spec"], row["queue"], by)
+            if reason is None:
+                log.info("replaced job=%s spec=%s queue=%s by job=%s (unique)", row["id"],
+                         row["spec"], row["queue"], by)
+            else:
+                log.info("cancel job=%s spec=%s queue=%s: %s", row["id"], row["spec"],
+                         row["queue"], reason)
             self.observe.counted(now.wall, "cancel", row["id"], row["spec"], row["queue"],
-                                 attempt=row["attempt"], message=f"replaced by job {by}")
+                                 attempt=row["attempt"],
+                                 message=reason or f"replaced by job {by}")
             effects.append(Finished([row["id"]]))
         return effects
 

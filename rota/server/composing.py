@@ -20,6 +20,7 @@ from rota.base.ids import uuid7
 from rota.core import workflow_defs as defs
 from rota.core import workflows as wf
 from rota.core.auth import Principal
+from rota.core.effects import Effect
 from rota.core.engine import Engine
 from rota.core.jobs import EnqueueRequest
 from rota.core.model import Instant, JobRecord, JobState
@@ -39,7 +40,8 @@ class Composing:
     def __init__(self, settings: ServerSettings, store: Store, engine: Engine,
                  clock: Callable[[], Instant],
                  cancel_job: Callable[[str], Awaitable[Any]],
-                 reread: Callable[[Instant], Awaitable[bool]]) -> None:
+                 reread: Callable[[Instant], Awaitable[bool]],
+                 apply: Callable[[list[Effect]], None]) -> None:
         self.settings = settings
         self.store = store
         self.engine = engine
@@ -48,6 +50,7 @@ class Composing:
         # Whether the status quo was read again since then (Admission's, for an enqueue
         # naming a spec pushed through another server a moment ago).
         self.reread = reread
+        self.apply = apply  # the coordinator's: effects carried out in order
 
     async def create(self, data: Any, principal: Principal) -> tuple[dict[str, Any], bool]:
         """POST /workflows: the workflow's view and whether it is new. Bad input raises
@@ -98,10 +101,11 @@ class Composing:
                "job_count": len(jobs), "completed_count": 0, "failed_count": 0,
                "steps_total": sum(1 for node in nodes if node.parent == 0),
                "error": None, "created_by": principal.token_id, "max_parent_results": limit}
+        released = len(decision.release)  # (the store takes them from the decision)
         stored, created = await self.store.create_workflow(row, rows, jobs, paths, decision)
         if created:
             log.info("workflow create id=%s type=%s name=%s jobs=%d released=%d", workflow_id,
-                     row["type"], row["name"], len(jobs), len(decision.release))
+                     row["type"], row["name"], len(jobs), released)
         return await self.view(stored["id"], principal), created
 
     async def _owned(self, workflow_id: str, principal: Principal) -> None:
@@ -131,13 +135,16 @@ class Composing:
         found = await self.store.cancel_workflow(workflow_id, self.clock().wall)
         if found is None:
             raise not_found(workflow_id)
-        _, live = found
+        _, waiting, live = found  # (the waiting ones are cancelled already, with it)
+        self.apply(self.engine.replaced(waiting, workflow_id, self.clock(),
+                                        reason=f"its workflow {workflow_id} was cancelled"))
         for job_id in live:
             try:
                 await self.cancel_job(job_id)
             except (NotFound, Conflict):  # it ended meanwhile: nothing to cancel
                 continue
-        log.info("workflow cancel id=%s running=%d", workflow_id, len(live))
+        log.info("workflow cancel id=%s waiting=%d running=%d", workflow_id, len(waiting),
+                 len(live))
         return await self.view(workflow_id, principal)
 
     async def retry(self, workflow_id: str, principal: Principal) -> dict[str, Any]:

@@ -109,8 +109,8 @@ class Coordinator(ShellReads, ShellDirectives):
         self.cancel, self.retry, self.bulk = steering.cancel, steering.retry, steering.bulk
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
         self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
-        self.composing = Composing(settings, store, engine, clock, steering.cancel,
-                                   self.admission._read_status_quo)  # (workflows)
+        self.composing = Composing(settings, store, engine, clock, steering.cancel,  # workflows
+                                   self.admission._read_status_quo, self.apply)
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse

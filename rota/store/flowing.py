@@ -46,8 +46,10 @@ class Flowing:
         return self._releasing(self.writer.submit(op), released)
 
     def cancel_workflow(self, workflow_id: str, now: float
-                        ) -> asyncio.Future[tuple[dict[str, Any], list[str]] | None]:
-        """flows.cancel: the row, and the released jobs to cancel the ordinary way."""
+                        ) -> asyncio.Future[tuple[dict[str, Any], list[dict[str, Any]],
+                                                  list[str]] | None]:
+        """flows.cancel: the row, the waiting jobs it cancelled, and the running ones to
+        cancel the ordinary way."""
         return self.writer.submit(lambda conn: flows.cancel(conn, workflow_id, now))
 
     def retry_workflow(self, workflow_id: str, now: float

@@ -17,6 +17,8 @@ from typing import Any
 import msgspec
 
 from rota.base.errors import Conflict, Invalid, UniqueConflict
+from rota.base.protocol import ErrorInfo
+from rota.core.jobs import error_record
 from rota.core import workflows as wf
 from rota.core.model import JobRecord, JobState
 from rota.store import holds
@@ -114,13 +116,18 @@ def create(conn: sqlite3.Connection, row: dict[str, Any], nodes: list[wf.NodeRow
     """Store a workflow whole: its row, every node, every job (pending, but those its start
     releases). An existing id is that workflow if its definition is the same (not new),
     else a Conflict. A step whose unique key is held refuses the whole workflow."""
-    if (existing := workflow_row(conn, row["id"])) is not None:
-        if (existing["digest"], existing["created_by"]) != (row["digest"], row["created_by"]):
-            raise Conflict("workflow_exists", f"workflow {row['id']} exists with another"
-                           " definition, or made with another token")
+    # The insert decides, not a read before it: of two servers creating one id at once on
+    # PostgreSQL, the second's insert waits for the first's commit, then finds its row.
+    if not conn.execute(f"INSERT INTO workflows ({', '.join(row)}) VALUES"
+                        f" ({', '.join('?' * len(row))}) ON CONFLICT(id) DO NOTHING",
+                        tuple(row.values())).rowcount:
+        existing = workflow_row(conn, row["id"])
+        if existing is None or (existing["digest"], existing["created_by"]) != (
+                row["digest"], row["created_by"]):
+            raise Conflict("workflow_exists", f"workflow {row['id']} exists already, with"
+                           " another definition or made with another token: give this one"
+                           " another id")
         return existing, False, []
-    conn.execute(f"INSERT INTO workflows ({', '.join(row)}) VALUES"
-                 f" ({', '.join('?' * len(row))})", tuple(row.values()))
     conn.executemany(
         f"INSERT INTO workflow_nodes (workflow_id, {', '.join(NODE_COLUMNS)}) VALUES"
         f" ({', '.join('?' * (len(NODE_COLUMNS) + 1))})",
@@ -175,18 +182,38 @@ def advance(conn: sqlite3.Connection, ended: Sequence[Any], now: float) -> list[
 
 
 # -- an operator's ---------------------------------------------------------------------------
+# A released job that still waits, cancelled with its workflow (its row read back for the
+# engine, which lets go of its copy: Intake.replaced).
+_CANCEL_WAITING = (
+    "UPDATE jobs SET state = 'cancelled', finished_at = ?,"
+    " errors = json_insert(errors, '$[#]', json(?)) WHERE id = ?"
+    " AND state IN ('scheduled', 'available', 'retryable')"
+    " RETURNING rowid, id, spec, queue, priority, attempt, concurrency_key, labels")
+
+
 def cancel(conn: sqlite3.Connection, workflow_id: str, now: float
-           ) -> tuple[dict[str, Any], list[str]] | None:
-    """Cancel a workflow (rota/core/workflows.py cancel): its row, and the released jobs to
-    cancel the ordinary way once this commits. None: no such workflow."""
+           ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]] | None:
+    """Cancel a workflow (rota/core/workflows.py cancel), in one transaction with its held
+    jobs and its released jobs that still wait: its row, those waiting jobs' rows (for the
+    engine to let go of), and the running ones, to cancel through their workers once this
+    commits. None: no such workflow."""
     found = _head(conn, workflow_id)
     if found is None:
         return None
     decision = wf.cancel(found[0], SqlRows(conn, workflow_id).all(), now=now)
     apply(conn, decision, now)
+    why = error_record(ErrorInfo(type="cancelled", retryable=False,
+                                 message=f"its workflow {workflow_id} was cancelled"),
+                       attempt=0, worker_id=None, now=now).decode()
+    waiting: list[dict[str, Any]] = []
+    for job_id in decision.live:
+        cursor = conn.execute(_CANCEL_WAITING, (now, why, job_id))
+        waiting += [dict(zip(("rowid", "id", "spec", "queue", "priority", "attempt",
+                              "concurrency_key", "labels"), r)) for r in cursor.fetchall()]
+    gone = {r["id"] for r in waiting}
     row = workflow_row(conn, workflow_id)
     assert row is not None
-    return row, decision.live
+    return row, waiting, [job_id for job_id in decision.live if job_id not in gone]
 
 
 def retry(conn: sqlite3.Connection, workflow_id: str, now: float

@@ -140,6 +140,16 @@ async def test_cancel_stops_waiting_and_held_jobs_and_retry_resumes_a_failed_cha
         assert (await live.job(node["job_id"]))["state"] == "cancelled"
     again = await live.http.delete(f"/workflows/{parked['id']}")
     assert (again.status_code, again.json()["error"]["code"]) == (409, "not_cancellable")
+    # A group's released jobs that still wait are cancelled with it, in its transaction,
+    # and the server lets go of them (none is counted waiting, none given out).
+    wide = await create(live, {"type": "group", "jobs": [job("parked")] * 300})
+    answer = await live.http.delete(f"/workflows/{wide['id']}")
+    assert answer.json()["state"] == "cancelled"
+    assert {n["state"] for n in answer.json()["root"]["children"]} == {"cancelled"}
+    states = (await live.http.get("/queues")).json()["queues"]
+    assert not any(q["counts"].get("available") for q in states), states
+    first = answer.json()["root"]["children"][0]["job_id"]
+    assert live.coordinator.scheduler.jobs.get(first) is None  # let go of, whole or as a key
 
     made = await create(live, {"type": "chain", "steps": [job("step", n=1), job("boom"),
                                                           job("step", n=3)]})
@@ -173,7 +183,7 @@ async def test_cancel_stops_waiting_and_held_jobs_and_retry_resumes_a_failed_cha
     assert page["next"] is not None
     rest = (await live.http.get("/workflows", params={"after": page["next"]})).json()
     assert [w["id"] for w in page["workflows"] + rest["workflows"]] == [
-        lost["id"], made["id"], parked["id"]]
+        lost["id"], made["id"], wide["id"], parked["id"]]
 
 
 BAD: list[tuple[str, Any, int, str, str]] = [

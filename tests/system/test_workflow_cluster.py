@@ -83,3 +83,25 @@ async def test_a_workflow_through_another_server_right_after_a_push_finds_its_sp
         refused = await b.http.post("/workflows", json={"type": "group", "jobs": [
             {"spec": "stpe"}]})
         assert (refused.status_code, refused.json()["error"]["code"]) == (422, "unknown_spec")
+
+
+async def test_one_id_created_through_two_servers_at_once_is_one_workflow(
+        tmp_path: Path, pg_url: str):
+    """Sending a workflow again is safe across servers: the same id created through two
+    at once makes one workflow (201 and 200), never a 500; another definition is 409."""
+    import asyncio
+    spec = write_spec(tmp_path / "specs", "step")
+    async with servers(tmp_path, pg_url, 2) as (a, b):
+        await a.push(spec)
+        for n in range(4):
+            body = {"type": "group", "id": f"twice-{n}", "jobs": [
+                {"spec": "step", "args": {"n": k}} for k in range(200)]}
+            answers = await asyncio.gather(a.http.post("/workflows", json=body),
+                                           b.http.post("/workflows", json=body))
+            assert sorted(r.status_code for r in answers) == [200, 201], [
+                r.text[:200] for r in answers]
+            other = await b.http.post("/workflows", json={**body, "jobs": body["jobs"][:1]})
+            assert (other.status_code, other.json()["error"]["code"]) == (409,
+                                                                          "workflow_exists")
+        counts = (await a.http.get("/queues")).json()["queues"][0]["counts"]
+        assert sum(counts.values()) == 4 * 200, counts  # one job per step, none twice
