@@ -102,7 +102,7 @@ def apply(conn: sqlite3.Connection, decision: wf.Decision, now: float) -> list[J
           _text(row.parent_results), head.id, row.node) for row in decision.rows])
     holds.hold_again(conn, decision.reset)
     released = holds.release(conn, [(job_id, inputs.decode())
-                                    for job_id, inputs in decision.release])
+                                    for job_id, inputs in decision.release], now)
     holds.end_pending(conn, [(job_id, error.decode()) for job_id, error in decision.discard],
                       "discarded", now)
     holds.cancel_pending(conn, decision.cancel, now)

@@ -11,8 +11,12 @@ from typing import Any
 from rota.core.model import JobRecord
 from rota.store.rows import LIVE, live_job
 
-_RELEASE = ("UPDATE jobs SET state = 'available', parent_results = COALESCE(?, parent_results)"
-            " WHERE id = ? AND state = 'pending' RETURNING " + ", ".join(LIVE))
+# A held job's time to live counts from its release, not from when it was stored: a
+# workflow's later step or a queued tick has not been waiting for a worker until then.
+TTL_FROM_NOW = ("expires_at = CASE WHEN expires_at IS NULL THEN NULL"
+                " ELSE ? + (expires_at - enqueued_at) END")
+_RELEASE = ("UPDATE jobs SET state = 'available', parent_results = COALESCE(?, parent_results),"
+            f" {TTL_FROM_NOW} WHERE id = ? AND state = 'pending' RETURNING " + ", ".join(LIVE))
 _END = ("UPDATE jobs SET state = ?, finished_at = ?,"
         " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]',"
         " json(?)) END WHERE id = ? AND state = 'pending'")
@@ -23,13 +27,13 @@ _HOLD = ("UPDATE jobs SET state = 'pending', budget_start = attempt, fails = 0, 
          " finished_at = NULL WHERE id = ? AND state IN ('discarded', 'cancelled')")
 
 
-def release(conn: sqlite3.Connection, jobs: Sequence[tuple[str, str | None]]
+def release(conn: sqlite3.Connection, jobs: Sequence[tuple[str, str | None]], now: float
             ) -> list[JobRecord]:
     """Make pending jobs wait, each with what its workflow passes it (JSON text, or None
     to keep what it has); those still pending, as their rows read now."""
     out: list[JobRecord] = []
     for job_id, parents in jobs:
-        cursor = conn.execute(_RELEASE, (parents, job_id))
+        cursor = conn.execute(_RELEASE, (parents, now, job_id))
         cursor.row_factory = None
         out += [live_job(row) for row in cursor]
     return out

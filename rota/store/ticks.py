@@ -21,6 +21,7 @@ import msgspec
 from rota.core.model import JobRecord, JobState
 from rota.core.schedules import ScheduleDef, Timing, due, overlap
 from rota.store import fleet
+from rota.store.holds import TTL_FROM_NOW
 from rota.store.rows import LIVE, live_job
 from rota.store.writes import insert_jobs, insert_row
 
@@ -178,8 +179,8 @@ def _state(conn: sqlite3.Connection, job_id: str | None) -> str | None:
 _BUSY = ("SELECT 1 FROM jobs WHERE schedule = ? AND state IN"
          " ('scheduled', 'available', 'active', 'retryable') LIMIT 1")
 _NEXT = "SELECT id FROM jobs WHERE schedule = ? AND state = 'pending' ORDER BY rowid LIMIT 1"
-_RELEASE = ("UPDATE jobs SET state = 'available' WHERE id = ? AND state = 'pending'"
-            " RETURNING " + ", ".join(LIVE))
+_RELEASE = (f"UPDATE jobs SET state = 'available', {TTL_FROM_NOW} WHERE id = ?"
+            " AND state = 'pending' RETURNING " + ", ".join(LIVE))
 
 
 def release_next(conn: sqlite3.Connection, schedule: str, now: float) -> list[JobRecord]:
@@ -191,6 +192,6 @@ def release_next(conn: sqlite3.Connection, schedule: str, now: float) -> list[Jo
     held = conn.execute(_NEXT, (schedule,)).fetchone()
     if held is None:
         return []
-    cursor = conn.execute(_RELEASE, (held[0],))
+    cursor = conn.execute(_RELEASE, (now, held[0]))
     cursor.row_factory = None
     return [live_job(row) for row in cursor]
