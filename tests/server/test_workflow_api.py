@@ -241,3 +241,21 @@ async def test_bad_input_is_refused_precisely_and_nothing_is_stored(live: Live, 
     assert len((await live.http.get("/jobs")).json()["jobs"]) == before + 1  # the holder
     missing = await live.http.get("/workflows/nope")
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "not_found")
+
+
+async def test_a_unique_replace_leaves_a_released_step_to_its_workflow(live: Live,
+                                                                       tmp_path: Path):
+    """A step's job holding its spec's unique key is its workflow's: an enqueue that
+    would replace it is refused (409, saying whose it is), so the workflow never waits
+    for an ending that no transaction would settle."""
+    await live.push(write_spec(tmp_path, "uq", queue="nobody", extra=(
+        '[unique]\non_conflict = "replace"\nstates = "waiting"\n')))
+    made = await create(live, {"type": "chain", "steps": [job("uq")]})
+    replace = await live.http.post("/jobs", json={"spec": "uq"})
+    assert (replace.status_code, replace.json()["error"]["code"]) == (409, "unique_conflict")
+    assert "workflow's step" in replace.json()["error"]["message"]
+    first = made["root"]["children"][0]["job_id"]
+    assert (await live.job(first))["state"] == "available"
+    # Two steps of one group claiming one key: the workflow is refused whole.
+    both = await live.http.post("/workflows", json={"type": "group", "jobs": [job("uq")] * 2})
+    assert (both.status_code, both.json()["error"]["code"]) == (409, "unique_conflict"), both.text
