@@ -53,16 +53,23 @@ def step(spec: str, args: Mapping[str, Any] | None = None, /, **kwargs: Any) -> 
     """A job of ``spec`` for a workflow: its args as keywords (``step("send_email",
     to="a@b")``), or as a dict when a name is no Python keyword (``step("x", {"from":
     1})``); both are merged. Enqueue options come with ``.set(queue=...)``."""
+    if args is not None and not isinstance(args, Mapping):
+        raise TypeError(f"step({spec!r}, ...): args go as keywords (step({spec!r}, to=...))"
+                        f" or as one dict, not a {type(args).__name__}")
     return Step(spec, {**(args or {}), **kwargs})
 
 
-def _json(item: StepLike, where: str) -> dict[str, Any]:
-    if isinstance(item, Step | Chain | Group | Batch):
+def _json(item: StepLike, where: str, callback: bool = False) -> dict[str, Any]:
+    if isinstance(item, Step) or (not callback and isinstance(item, Chain | Group | Batch)):
         return item.to_json()
     if isinstance(item, Mapping):
         return dict(item)
+    if callback:
+        raise TypeError(f"{where} must be one job, a step(...) or a dict, not"
+                        f" {type(item).__name__} (a callback is not a nested workflow)")
+    hint = " (pass the steps one by one: group(*steps))" if isinstance(item, list | tuple) else ""
     raise TypeError(f"{where} must be a step(...), a chain, group or batch, or a dict, not"
-                    f" {type(item).__name__}")
+                    f" {type(item).__name__}{hint}")
 
 
 def _composite(kind: str, field: str, items: tuple[StepLike, ...], name: str | None,
@@ -118,7 +125,7 @@ class Batch:
     id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        callbacks = {role: _json(given, role) for role, given in (
+        callbacks = {role: _json(given, role, callback=True) for role, given in (
             ("on_success", self.on_success), ("on_failure", self.on_failure),
             ("on_complete", self.on_complete)) if given is not None}
         return {**_composite("batch", "jobs", self.jobs, self.name, self.id),

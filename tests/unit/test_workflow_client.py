@@ -44,6 +44,13 @@ def test_a_batch_without_callbacks_or_a_step_of_another_type_is_refused_at_once(
         batch(step("echo", message="a"))
     with pytest.raises(TypeError, match="chain step 1 must be a step"):
         chain(step("echo", message="a"), "echo").to_json()
+    # What a newcomer writes by mistake gets a hint, not a bare TypeError.
+    with pytest.raises(TypeError, match=r"pass the steps one by one: group\(\*steps\)"):
+        group([step("echo"), step("echo")]).to_json()
+    with pytest.raises(TypeError, match="args go as keywords"):
+        step("echo", "message=x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a callback is not a nested workflow"):
+        batch(step("echo"), on_complete=group(step("echo"))).to_json()  # type: ignore[arg-type]
 
 
 def node(n, kind, state="completed", children=(), position=0, **extra):
