@@ -178,8 +178,8 @@ class _Reader:
             raise Invalid("invalid_workflow", f"{path}: {said}" if path else said) from None
 
     def claim(self, given: str, path: str) -> None:
-        if (problem := job_id_problem(given)) is not None:
-            raise Invalid("invalid_id", f"{path}: {problem}")
+        if (problem := job_id_problem(given)) is not None:  # (a workflow's ids: a job id's rule)
+            raise Invalid("invalid_id", f"{path}: {problem.replace('job id', 'workflow id')}")
         if given in self.ids:
             raise Invalid("invalid_workflow", f"{path} {given!r} is given twice (first at"
                           f" {self.ids[given]}): a workflow is a tree, each node once")
