@@ -464,7 +464,7 @@ def deep(levels: int) -> dict[str, Any]:
     ({**chain(job(), {**group(job()), "id": "g"}), "id": "g"}, "invalid_workflow",
      "steps[1].id 'g' is given twice (first at id): a workflow is a tree, each node once"),
     ({**chain(job()), "id": "a/b"}, "invalid_id", "id: the workflow id holds U+002F '/' at"
-     " character 2 (an id is one segment of a URL): a job id is 1 to 128 characters from"
+     " character 2 (an id is one segment of a URL): a workflow id is 1 to 128 characters from"
      " A-Z a-z 0-9 _ . : @ + = -, starting with a letter or digit"),
     (deep(5), "workflow_too_deep", "jobs[0].jobs[0].jobs[0].jobs[0]: workflows nest at most 4"
      " deep (a chain, group or batch counts one)"),
