@@ -236,9 +236,12 @@ class Flow:
             if kid.role is not None and kid.role not in fire and kid.state != "completed":
                 self._touch(kid, "skipped")
                 self.decision.cancel.append(str(kid.job_id))
-        if not todo:  # none fired: the jobs decide; all fired ran already: completed
-            return self._finish(batch, failed=any_failed and not fired)
-        batch.remaining, batch.failed = len(todo), 0  # from here it counts its callbacks
+        if not todo:  # none fired, or all fired ran already (a retry): the jobs decide
+            return self._finish(batch, failed=any_failed)
+        # From here it counts its callbacks; a failed job fails it whatever they do (Rota's
+        # rule, not OJS §8.3's: a batch that ran its on_failure has still failed).
+        batch.remaining = len(todo)
+        batch.failed = sum(kid.state != "completed" for kid in jobs)
         inputs = _results(jobs)
         for kid in todo:
             self._release(kid, inputs)
@@ -254,7 +257,8 @@ class Flow:
     def _error_record(self, root: NodeRow) -> bytes:
         """OJS §9.6: which step failed (a chain's), which jobs, and their errors."""
         failed = [row for row in self.span(root) if row.kind == "job" and row.error is not None]
-        errors = [{"job_id": row.job_id, **msgspec.json.decode(row.error)}
+        errors = [{"job_id": row.job_id, **msgspec.json.decode(row.error),
+                   **({"callback": row.role} if row.role else {})}  # (OJS §9.5)
                   for row in failed[:MAX_LISTED]]
         record: dict[str, object] = {"failed_job_ids": [row.job_id for row in failed[:MAX_LISTED]],
                                      "errors": errors}

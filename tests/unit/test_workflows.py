@@ -204,12 +204,12 @@ CALLBACKS = ("on_success", "on_failure", "on_complete")
 
 @pytest.mark.parametrize(("given", "job_fails", "fired", "callback_fails", "outcome"), [
     (CALLBACKS, False, {"on_success", "on_complete"}, False, "completed"),
-    (CALLBACKS, True, {"on_failure", "on_complete"}, False, "completed"),
+    (CALLBACKS, True, {"on_failure", "on_complete"}, False, "failed"),  # (Rota's, not OJS's)
     (("on_success",), False, {"on_success"}, False, "completed"),
     (("on_success",), True, set(), False, "failed"),  # none fired: the failed job decides
     (("on_failure",), False, set(), False, "completed"),
-    (("on_failure",), True, {"on_failure"}, False, "completed"),  # handled
-    (("on_complete",), True, {"on_complete"}, False, "completed"),
+    (("on_failure",), True, {"on_failure"}, False, "failed"),  # handled, but a job failed
+    (("on_complete",), True, {"on_complete"}, False, "failed"),
     (("on_complete",), False, {"on_complete"}, True, "failed"),  # a fired callback failed
     (("on_success", "on_complete"), False, {"on_success", "on_complete"}, True, "failed"),
 ])
@@ -229,6 +229,20 @@ def test_the_batch_firing_matrix(given, job_fails, fired, callback_fails, outcom
         set(given) - fired
     assert all(w.jobs[j] == "cancelled" for j in roles if roles[j] not in fired)
     assert sorted(w.released) == sorted(["j1", "j2", *(j for j in roles if roles[j] in fired)])
+
+
+def test_a_failed_batch_names_its_failed_jobs_and_callbacks_with_their_roles():
+    w = World(batch(job(), job(), on_failure=job(), on_complete=job()))
+    w.finish("j1", result=1)
+    w.finish("j2", "discarded")
+    w.finish("j3", result="handled")  # on_failure ran: the batch has failed all the same
+    assert w.head.state == "running"  # (on_complete still runs)
+    w.finish("j4", "discarded")
+    assert w.head.state == "failed" and w.rows[0].state == "failed"
+    assert json.loads(w.head.error) == {"failed_job_ids": ["j2", "j4"], "errors": [
+        {"job_id": "j2", "code": "boom", "message": "j2 discarded", "attempt": 3},
+        {"job_id": "j4", "code": "boom", "message": "j4 discarded", "attempt": 3,
+         "callback": "on_complete"}]}
 
 
 def test_a_group_of_10000_fires_its_callback_once_at_o_depth_per_ending():
@@ -378,6 +392,24 @@ def test_retry_of_a_batch_runs_no_completed_callback_again():
     w.finish("j2", result=2)  # all succeeded now: on_failure is not fired, on_complete ran
     assert w.head.state == "completed" and w.released.count("j4") == 1
     assert w.states()["callbacks.on_failure"] == "skipped" and w.jobs["j3"] == "cancelled"
+
+
+def test_retry_of_a_batch_whose_job_failed_reruns_it_and_fires_what_was_skipped():
+    w = World(batch(job(), job(), on_success=job(), on_failure=job(), on_complete=job()))
+    w.finish("j1", result=1)
+    w.finish("j2", "discarded")
+    w.finish("j4", result="alerted")  # on_failure
+    w.finish("j5", result="reported")  # on_complete
+    assert w.head.state == "failed" and json.loads(w.head.error)["failed_job_ids"] == ["j2"]
+    assert w.states()["callbacks.on_success"] == "skipped"
+    w.apply(wf.retry(w.copy_head(), [dataclasses.replace(r) for r in w.rows], limit=w.limit,
+                     now=4.0))
+    assert w.head.state == "running" and w.available() == ["j2"]
+    w.finish("j2", result=2)  # now none failed: on_success fires; the others ran already
+    assert w.available() == ["j3"] and w.inputs["j3"] == {"0": 1, "1": 2}
+    w.finish("j3", result="celebrated")
+    assert w.head.state == "completed"
+    assert [w.released.count(j) for j in ("j1", "j2", "j3", "j4", "j5")] == [1, 2, 1, 1, 1]
 
 
 def test_retry_of_a_failed_callback_alone_fires_it_again():
