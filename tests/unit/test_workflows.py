@@ -154,6 +154,35 @@ def test_a_chain_runs_its_steps_in_turn_each_given_every_earlier_result():
     assert (w.head.completed_count, w.head.failed_count) == (3, 0)
 
 
+def test_a_chain_of_1000_steps_costs_o_1_rows_per_step():
+    w = World(chain(*[job() for _ in range(1_000)]))
+    for k in range(1_000):
+        [step] = w.available()
+        assert step == f"j{k + 1}"
+        assert w.inputs[step] == {str(i): {"by": f"j{i + 1}"} for i in range(k)}  # §7.2
+        w.finish(step, result={"by": step})
+    assert max(w.reads) <= 3  # the job's row, its chain's, the next step's
+    assert w.head.state == "completed" and json.loads(w.rows[0].result) == {"by": "j1000"}
+
+
+def test_a_chain_row_from_before_it_kept_its_inputs_reads_its_steps_once():
+    w = World(group(chain(job(), job(), job(), job())), limit=1 << 20)
+    w.finish("j2", result="a")
+    w.finish("j3", result="b")
+    w.rows[1].result = None  # as a running chain's row was stored before
+    w.finish("j4", result="c")
+    assert w.inputs["j5"] == {"0": "a", "1": "b", "2": "c"}
+    w.finish("j5", result="d")
+    assert w.head.state == "completed" and json.loads(w.rows[0].result) == {"0": "d"}
+
+
+def test_a_failed_chain_in_a_batch_passes_its_callback_null():
+    w = World(batch(chain(job(), job()), on_complete=job()))
+    w.finish("j2", result="x")
+    w.finish("j3", "discarded")
+    assert w.inputs["j4"] == {"0": None}  # (not the inputs the chain had kept)
+
+
 def test_a_failed_step_fails_its_chain_and_cancels_the_steps_after_it():
     w = World(chain(job(), job(), group(job(), job()), job()))
     w.finish("j1", result=1)
