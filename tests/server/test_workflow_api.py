@@ -208,6 +208,11 @@ BAD: list[tuple[str, Any, int, str, str]] = [
      " steps before it are done"),
     ("bad args", {"type": "chain", "steps": [{"spec": "step", "args": []}]}, 422,
      "invalid_workflow", "steps[0]: args must be an object, got an array"),
+    ("callbacks on a group", {"type": "group", "jobs": [job("step")], "callbacks": {
+        "on_complete": job("step")}}, 422, "invalid_workflow", "callbacks: only a batch has"
+     " callbacks (this is a group: make it a batch)"),
+    ("a misspelt field", {"type": "chain", "setps": [job("step")]}, 422, "invalid_workflow",
+     "setps is not a field Rota knows; did you mean steps? (known: steps, name, id)"),
     ("a repeated id", {"type": "chain", "id": "x", "steps": [
         {"type": "group", "id": "x", "jobs": [job("step")]}]}, 422, "invalid_workflow",
      "steps[0].id 'x' is given twice (first at id): a workflow is a tree, each node once"),

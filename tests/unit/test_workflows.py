@@ -522,6 +522,16 @@ def deep(levels: int) -> dict[str, Any]:
      " batch), got an integer"),
     ({**chain(job()), "label": "x"}, "invalid_workflow", "label is not a field Rota knows"
      " (known: steps, name, id)"),
+    ({**group(job()), "callbacks": {"on_complete": job()}}, "invalid_workflow",
+     "callbacks: only a batch has callbacks (this is a group: make it a batch)"),
+    (chain(job(), {**chain(job()), "callback": {"on_failure": job()}}), "invalid_workflow",
+     "steps[1].callback: only a batch has callbacks (this is a chain: make it a batch)"),
+    ({"type": "chain", "stpes": [job()]}, "invalid_workflow", "stpes is not a field Rota"
+     " knows; did you mean steps? (known: steps, name, id)"),
+    (chain(job(), {"type": "group", "job": [job()]}), "invalid_workflow", "steps[1].job is"
+     " not a field Rota knows; did you mean jobs? (known: jobs, name, id)"),
+    ({**batch(job(), on_success=job()), "callback": {}}, "invalid_workflow", "callback is"
+     " not a field Rota knows; did you mean callbacks? (known: jobs, callbacks, name, id)"),
     ({**chain(job(), {**group(job()), "id": "g"}), "id": "g"}, "invalid_workflow",
      "steps[1].id 'g' is given twice (first at id): a workflow is a tree, each node once"),
     ({**chain(job()), "id": "a/b"}, "invalid_id", "id: the job id holds U+002F '/' at"
