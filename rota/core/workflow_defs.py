@@ -21,6 +21,7 @@ from rota.base.ids import job_id_problem
 from rota.base.protocol import Name
 from rota.base.wording import GOT, kind_of, plainly
 from rota.core.jobs import EnqueueRequest, NewJobId
+from rota.core.listing import slip_for
 
 MAX_DEPTH = 4  # composites nested in one another, the outermost counted
 # Jobs in all, batch callbacks not counted (at most 3 per batch): so that a group of
@@ -104,6 +105,7 @@ class _Reader:
             raise Invalid("workflow_too_deep", f"{path or 'the workflow'}: workflows nest at"
                           f" most {MAX_DEPTH} deep (a chain, group or batch counts one)")
         cls = TYPES[kind]
+        self.fields(data, cls, kind, path)
         field = "steps" if cls is Chain else "jobs"
         steps = data.get(field)
         head = {key: value for key, value in data.items() if key not in (field, "callbacks")}
@@ -128,6 +130,22 @@ class _Reader:
         if isinstance(composite, Batch):
             composite.callbacks = self.callbacks(data.get("callbacks"), at(path, "callbacks"))
         return composite
+
+    @staticmethod
+    def fields(data: dict[str, Any], cls: type[Composite], kind: str, path: str) -> None:
+        """Refuse a field ``cls`` has not: callbacks on a chain or a group (they would
+        never run), and a slip for a known field named as such (``stpes``: steps)."""
+        known = cls.__struct_fields__
+        for key in data:
+            if key == "type" or key in known:
+                continue
+            if cls is not Batch and (key == "callbacks" or slip_for(key, ["callbacks"])):
+                raise Invalid("invalid_workflow", f"{at(path, key)}: only a batch has"
+                              f" callbacks (this is a {kind}: make it a batch)")
+            guess = slip_for(key, known)
+            raise Invalid("invalid_workflow", f"{at(path, key)} is not a field Rota knows"
+                          + (f"; did you mean {guess}?" if guess else "")
+                          + f" (known: {', '.join(known)})")
 
     def callbacks(self, data: Any, path: str) -> Callbacks:
         unknown = sorted(set(data) - set(ROLES)) if isinstance(data, dict) else []

@@ -9,7 +9,8 @@ first ancestor with children left, so a group of 10,000 costs O(depth) per job a
 callbacks fire exactly once, when its count reaches zero (the store holds the workflow
 row locked meanwhile). Entering a subtree, or building a composite's result from its
 children, reads those rows once. A batch counts its jobs, then (from its firing) its
-fired callbacks.
+fired callbacks. A running chain keeps on its row what its next step will be given, so
+its steps cost O(1) rows each, not a read of all the steps before.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class NodeRow:
     spec: str | None = None
     remaining: int = 0  # a composite's children not yet done
     failed: int = 0  # ... and those of its done children that failed
-    result: bytes | None = None  # JSON, once completed
+    # JSON, once completed; while a chain runs, what its next step will be given (its
+    # steps' results so far over what it received), so a step costs O(1) rows
+    result: bytes | None = None
     error: bytes | None = None  # a job node's failure: {"code", "message", "attempt"}
     parent_results: bytes | None = None  # what a composite received when entered
 
@@ -203,8 +206,7 @@ class Flow:
                     self._drop(child.end + 1, parent.end)
                 return self._finish(parent, failed=True)
             if parent.remaining:
-                return self._enter(self.row(child.end + 1),
-                                   self._chain_inputs(parent, child.position + 1))
+                return self._enter(self.row(child.end + 1), self._chain_next(parent, child))
             parent.result = child.result
             return self._finish(parent, failed=False)
         if parent.kind == "batch" and child.role is None:
@@ -217,6 +219,7 @@ class Flow:
 
     def _finish(self, row: NodeRow, *, failed: bool) -> None:
         if failed:
+            row.result = None  # (a chain's inputs so far: not a result)
             self._touch(row, "failed")
         else:
             if row.kind != "chain":
@@ -236,9 +239,12 @@ class Flow:
             if kid.role is not None and kid.role not in fire and kid.state != "completed":
                 self._touch(kid, "skipped")
                 self.decision.cancel.append(str(kid.job_id))
-        if not todo:  # none fired: the jobs decide; all fired ran already: completed
-            return self._finish(batch, failed=any_failed and not fired)
-        batch.remaining, batch.failed = len(todo), 0  # from here it counts its callbacks
+        if not todo:  # none fired, or all fired ran already (a retry): the jobs decide
+            return self._finish(batch, failed=any_failed)
+        # From here it counts its callbacks; a failed job fails it whatever they do (Rota's
+        # rule, not OJS §8.3's: a batch that ran its on_failure has still failed).
+        batch.remaining = len(todo)
+        batch.failed = sum(kid.state != "completed" for kid in jobs)
         inputs = _results(jobs)
         for kid in todo:
             self._release(kid, inputs)
@@ -254,7 +260,8 @@ class Flow:
     def _error_record(self, root: NodeRow) -> bytes:
         """OJS §9.6: which step failed (a chain's), which jobs, and their errors."""
         failed = [row for row in self.span(root) if row.kind == "job" and row.error is not None]
-        errors = [{"job_id": row.job_id, **msgspec.json.decode(row.error)}
+        errors = [{"job_id": row.job_id, **msgspec.json.decode(row.error),
+                   **({"callback": row.role} if row.role else {})}  # (OJS §9.5)
                   for row in failed[:MAX_LISTED]]
         record: dict[str, object] = {"failed_job_ids": [row.job_id for row in failed[:MAX_LISTED]],
                                      "errors": errors}
@@ -286,6 +293,8 @@ class Flow:
             if row.kind != "chain":
                 kids = [kid for kid in kids if kid.role is None]
             row.parent_results, row.remaining, row.failed = given, len(kids), 0
+            if row.kind == "chain":
+                row.result = given  # what its first step gets
             self._touch(row, "active")
             stack.extend((kid, given) for kid in reversed(kids[:1] if row.kind == "chain"
                                                              else kids))
@@ -316,9 +325,21 @@ class Flow:
                 if row.kind == "job":
                     self.decision.cancel.append(str(row.job_id))
 
+    def _chain_next(self, chain: NodeRow, done: NodeRow) -> bytes:
+        """What a chain's step after ``done`` gets (§7.2): what the step before it got,
+        and ``done``'s result. The chain's row keeps it while it runs, so a 10,000-step
+        chain does not read all its steps at each one."""
+        if chain.result is None:  # (a chain entered before its row kept this: read once)
+            chain.result = self._chain_inputs(chain, done.position + 1)
+            return chain.result
+        merged = msgspec.json.decode(chain.result, type=dict[str, msgspec.Raw])
+        merged[str(done.position)] = msgspec.Raw(done.result or b"null")
+        chain.result = msgspec.json.encode(merged)
+        return chain.result
+
     def _chain_inputs(self, chain: NodeRow, step: int) -> bytes:
         """§7.2: a chain's step gets every earlier step's result, keyed by index, over
-        what the chain itself received."""
+        what the chain itself received (read from its steps' rows)."""
         if not step:
             return chain.parent_results or b"{}"
         merged = msgspec.json.decode(chain.parent_results or b"{}", type=dict[str, msgspec.Raw])
@@ -340,7 +361,8 @@ class Flow:
         self._touch(row, "active")
         if row.kind == "chain":
             row.remaining = len(todo)
-            self.resume(todo[0], self._chain_inputs(row, todo[0].position))
+            row.result = self._chain_inputs(row, todo[0].position)  # (as _chain_next keeps)
+            self.resume(todo[0], row.result)
             for kid in todo[1:]:
                 self._hold(kid)
             return None
@@ -409,7 +431,7 @@ def cancel(head: Head, rows: list[NodeRow], *, now: float) -> Decision:
             if row.kind == "job":
                 (decision.live if row.state == "pending" else decision.cancel).append(
                     str(row.job_id))
-            row.state = "cancelled"
+            row.state, row.result = "cancelled", None  # (a running chain's inputs so far)
             decision.rows.append(row)
     return decision
 

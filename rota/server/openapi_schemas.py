@@ -416,11 +416,12 @@ NodeState = Literal["waiting", "pending", "active", "completed", "failed", "canc
                     "skipped"]
 
 
-class StepError(msgspec.Struct):
+class StepError(msgspec.Struct, omit_defaults=True):
     job_id: str
     code: str
     message: str
     attempt: int
+    callback: Literal["on_success", "on_failure", "on_complete"] | None = None  # a callback's
 
 
 class WorkflowError(msgspec.Struct, omit_defaults=True):

@@ -116,16 +116,29 @@ async def test_a_group_in_a_chain_and_a_batch_with_a_failing_job(
                                "callbacks": {"on_success": job("step", n=11),
                                              "on_failure": job("collect"),
                                              "on_complete": job("step", n=12)}})
-    done = await until(live, made["id"], "completed")  # fired callbacks completed
+    # Its fired callbacks completed, but a job failed: the batch failed (not OJS §8.3's).
+    done = await until(live, made["id"], "failed")
     kids = done["root"]["children"]
     assert [(k.get("role"), k["state"]) for k in kids] == [
         (None, "completed"), (None, "failed"), ("on_success", "skipped"),
         ("on_failure", "completed"), ("on_complete", "completed")]
     assert (done["completed_count"], done["failed_count"]) == (3, 1)
+    assert done["error"]["failed_job_ids"] == [kids[1]["job_id"]]
+    listed = (await live.http.get("/workflows", params={"state": "failed"})).json()
+    assert made["id"] in [w["id"] for w in listed["workflows"]]
     report = await live.job(kids[3]["job_id"])
     assert report["result"] == {"0": {"n": 10, "seen": {}}, "1": None}
     assert (await live.job(kids[2]["job_id"]))["state"] == "cancelled"
     assert sorted(n for n in state["runs"] if n is not None and n >= 10) == [10, 12]
+    # A retry runs the failed job again; none failed now, so on_success fires at last, and
+    # the callbacks that completed do not run again.
+    state["boom"] = False
+    answer = await live.http.post(f"/workflows/{made['id']}/retry")
+    assert answer.status_code == 200, answer.text
+    done = await until(live, made["id"], "completed")
+    assert [k["state"] for k in done["root"]["children"]] == ["completed"] * 3 + [
+        "completed", "completed"]
+    assert sorted(n for n in state["runs"] if n is not None and n >= 10) == [10, 11, 12]
 
 
 async def test_cancel_stops_waiting_and_held_jobs_and_retry_resumes_a_failed_chain(
@@ -205,6 +218,11 @@ BAD: list[tuple[str, Any, int, str, str]] = [
      " steps before it are done"),
     ("bad args", {"type": "chain", "steps": [{"spec": "step", "args": []}]}, 422,
      "invalid_workflow", "steps[0]: args must be an object, got an array"),
+    ("callbacks on a group", {"type": "group", "jobs": [job("step")], "callbacks": {
+        "on_complete": job("step")}}, 422, "invalid_workflow", "callbacks: only a batch has"
+     " callbacks (this is a group: make it a batch)"),
+    ("a misspelt field", {"type": "chain", "setps": [job("step")]}, 422, "invalid_workflow",
+     "setps is not a field Rota knows; did you mean steps? (known: steps, name, id)"),
     ("a repeated id", {"type": "chain", "id": "x", "steps": [
         {"type": "group", "id": "x", "jobs": [job("step")]}]}, 422, "invalid_workflow",
      "steps[0].id 'x' is given twice (first at id): a workflow is a tree, each node once"),

@@ -90,6 +90,10 @@ async def test_the_sync_client_runs_a_chain_a_group_and_a_batch(live: Live, hand
             assert callbacks["on_success"]["state"] == "skipped"
             assert callbacks["on_failure"]["state"] == "completed"
             assert client.wait(callbacks["on_failure"]["job_id"], timeout=5) == 51
+            assert mixed.state == "failed"  # its on_failure ran, but a job failed
+            with pytest.raises(WorkflowError) as failed_batch:
+                mixed.result(timeout=5)
+            assert failed_batch.value.state == "failed"
 
             seen = client.workflow("sums-1")
             assert seen.view["completed_count"] == 3 and seen.view["root"]["kind"] == "chain"

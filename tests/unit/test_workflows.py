@@ -154,6 +154,35 @@ def test_a_chain_runs_its_steps_in_turn_each_given_every_earlier_result():
     assert (w.head.completed_count, w.head.failed_count) == (3, 0)
 
 
+def test_a_chain_of_1000_steps_costs_o_1_rows_per_step():
+    w = World(chain(*[job() for _ in range(1_000)]))
+    for k in range(1_000):
+        [step] = w.available()
+        assert step == f"j{k + 1}"
+        assert w.inputs[step] == {str(i): {"by": f"j{i + 1}"} for i in range(k)}  # §7.2
+        w.finish(step, result={"by": step})
+    assert max(w.reads) <= 3  # the job's row, its chain's, the next step's
+    assert w.head.state == "completed" and json.loads(w.rows[0].result) == {"by": "j1000"}
+
+
+def test_a_chain_row_from_before_it_kept_its_inputs_reads_its_steps_once():
+    w = World(group(chain(job(), job(), job(), job())), limit=1 << 20)
+    w.finish("j2", result="a")
+    w.finish("j3", result="b")
+    w.rows[1].result = None  # as a running chain's row was stored before
+    w.finish("j4", result="c")
+    assert w.inputs["j5"] == {"0": "a", "1": "b", "2": "c"}
+    w.finish("j5", result="d")
+    assert w.head.state == "completed" and json.loads(w.rows[0].result) == {"0": "d"}
+
+
+def test_a_failed_chain_in_a_batch_passes_its_callback_null():
+    w = World(batch(chain(job(), job()), on_complete=job()))
+    w.finish("j2", result="x")
+    w.finish("j3", "discarded")
+    assert w.inputs["j4"] == {"0": None}  # (not the inputs the chain had kept)
+
+
 def test_a_failed_step_fails_its_chain_and_cancels_the_steps_after_it():
     w = World(chain(job(), job(), group(job(), job()), job()))
     w.finish("j1", result=1)
@@ -204,12 +233,12 @@ CALLBACKS = ("on_success", "on_failure", "on_complete")
 
 @pytest.mark.parametrize(("given", "job_fails", "fired", "callback_fails", "outcome"), [
     (CALLBACKS, False, {"on_success", "on_complete"}, False, "completed"),
-    (CALLBACKS, True, {"on_failure", "on_complete"}, False, "completed"),
+    (CALLBACKS, True, {"on_failure", "on_complete"}, False, "failed"),  # (Rota's, not OJS's)
     (("on_success",), False, {"on_success"}, False, "completed"),
     (("on_success",), True, set(), False, "failed"),  # none fired: the failed job decides
     (("on_failure",), False, set(), False, "completed"),
-    (("on_failure",), True, {"on_failure"}, False, "completed"),  # handled
-    (("on_complete",), True, {"on_complete"}, False, "completed"),
+    (("on_failure",), True, {"on_failure"}, False, "failed"),  # handled, but a job failed
+    (("on_complete",), True, {"on_complete"}, False, "failed"),
     (("on_complete",), False, {"on_complete"}, True, "failed"),  # a fired callback failed
     (("on_success", "on_complete"), False, {"on_success", "on_complete"}, True, "failed"),
 ])
@@ -229,6 +258,20 @@ def test_the_batch_firing_matrix(given, job_fails, fired, callback_fails, outcom
         set(given) - fired
     assert all(w.jobs[j] == "cancelled" for j in roles if roles[j] not in fired)
     assert sorted(w.released) == sorted(["j1", "j2", *(j for j in roles if roles[j] in fired)])
+
+
+def test_a_failed_batch_names_its_failed_jobs_and_callbacks_with_their_roles():
+    w = World(batch(job(), job(), on_failure=job(), on_complete=job()))
+    w.finish("j1", result=1)
+    w.finish("j2", "discarded")
+    w.finish("j3", result="handled")  # on_failure ran: the batch has failed all the same
+    assert w.head.state == "running"  # (on_complete still runs)
+    w.finish("j4", "discarded")
+    assert w.head.state == "failed" and w.rows[0].state == "failed"
+    assert json.loads(w.head.error) == {"failed_job_ids": ["j2", "j4"], "errors": [
+        {"job_id": "j2", "code": "boom", "message": "j2 discarded", "attempt": 3},
+        {"job_id": "j4", "code": "boom", "message": "j4 discarded", "attempt": 3,
+         "callback": "on_complete"}]}
 
 
 def test_a_group_of_10000_fires_its_callback_once_at_o_depth_per_ending():
@@ -380,6 +423,24 @@ def test_retry_of_a_batch_runs_no_completed_callback_again():
     assert w.states()["callbacks.on_failure"] == "skipped" and w.jobs["j3"] == "cancelled"
 
 
+def test_retry_of_a_batch_whose_job_failed_reruns_it_and_fires_what_was_skipped():
+    w = World(batch(job(), job(), on_success=job(), on_failure=job(), on_complete=job()))
+    w.finish("j1", result=1)
+    w.finish("j2", "discarded")
+    w.finish("j4", result="alerted")  # on_failure
+    w.finish("j5", result="reported")  # on_complete
+    assert w.head.state == "failed" and json.loads(w.head.error)["failed_job_ids"] == ["j2"]
+    assert w.states()["callbacks.on_success"] == "skipped"
+    w.apply(wf.retry(w.copy_head(), [dataclasses.replace(r) for r in w.rows], limit=w.limit,
+                     now=4.0))
+    assert w.head.state == "running" and w.available() == ["j2"]
+    w.finish("j2", result=2)  # now none failed: on_success fires; the others ran already
+    assert w.available() == ["j3"] and w.inputs["j3"] == {"0": 1, "1": 2}
+    w.finish("j3", result="celebrated")
+    assert w.head.state == "completed"
+    assert [w.released.count(j) for j in ("j1", "j2", "j3", "j4", "j5")] == [1, 2, 1, 1, 1]
+
+
 def test_retry_of_a_failed_callback_alone_fires_it_again():
     w = World(batch(job(), on_success=job()))
     w.finish("j1", result=1)
@@ -461,6 +522,16 @@ def deep(levels: int) -> dict[str, Any]:
      " batch), got an integer"),
     ({**chain(job()), "label": "x"}, "invalid_workflow", "label is not a field Rota knows"
      " (known: steps, name, id)"),
+    ({**group(job()), "callbacks": {"on_complete": job()}}, "invalid_workflow",
+     "callbacks: only a batch has callbacks (this is a group: make it a batch)"),
+    (chain(job(), {**chain(job()), "callback": {"on_failure": job()}}), "invalid_workflow",
+     "steps[1].callback: only a batch has callbacks (this is a chain: make it a batch)"),
+    ({"type": "chain", "stpes": [job()]}, "invalid_workflow", "stpes is not a field Rota"
+     " knows; did you mean steps? (known: steps, name, id)"),
+    (chain(job(), {"type": "group", "job": [job()]}), "invalid_workflow", "steps[1].job is"
+     " not a field Rota knows; did you mean jobs? (known: jobs, name, id)"),
+    ({**batch(job(), on_success=job()), "callback": {}}, "invalid_workflow", "callback is"
+     " not a field Rota knows; did you mean callbacks? (known: jobs, callbacks, name, id)"),
     ({**chain(job(), {**group(job()), "id": "g"}), "id": "g"}, "invalid_workflow",
      "steps[1].id 'g' is given twice (first at id): a workflow is a tree, each node once"),
     ({**chain(job()), "id": "a/b"}, "invalid_id", "id: the workflow id holds U+002F '/' at"
