@@ -23,7 +23,8 @@ def node_words(node: dict[str, Any]) -> str:
     if node.get("role"):
         what = f"{node['role']}: {what}"
     job = f"  job {node['job_id']}" if node.get("job_id") else ""
-    return f"{what}  {node['state']}{job}"
+    why = f" ({node['waiting_reason']})" if node.get("waiting_reason") else ""
+    return f"{what}  {node['state']}{why}{job}"
 
 
 def tree_lines(root: dict[str, Any]) -> list[str]:

@@ -26,16 +26,19 @@ def summary(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def view(row: Mapping[str, Any], nodes: list[NodeRow],
-         job_states: Mapping[str, str] | None = None) -> dict[str, Any]:
+         job_states: Mapping[str, str] | None = None,
+         reasons: Mapping[str, str] | None = None) -> dict[str, Any]:
     """GET /workflows/{id}: the summary, the error record of a failed workflow (OJS §9.6)
-    and the tree. ``job_states`` (job id -> state) shows a running step as ``active``."""
+    and the tree. ``job_states`` (job id -> state) shows a running step as ``active``;
+    ``reasons`` (job id -> sentence) says why a released step's job is not taken."""
     error = row["error"]
     return {**summary(row),
             "error": msgspec.json.decode(error) if error else None,
-            "root": tree(nodes, job_states or {})}
+            "root": tree(nodes, job_states or {}, reasons or {})}
 
 
-def tree(nodes: list[NodeRow], job_states: Mapping[str, str]) -> dict[str, Any]:
+def tree(nodes: list[NodeRow], job_states: Mapping[str, str],
+         reasons: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The nodes (in preorder) as nested trees, the root's returned."""
     root: dict[str, Any] = {}
     open_: list[tuple[int, dict[str, Any]]] = []  # (end, tree) of the nodes around this one
@@ -49,6 +52,8 @@ def tree(nodes: list[NodeRow], job_states: Mapping[str, str]) -> dict[str, Any]:
             shown["role"] = node.role
         if node.job_id is not None:
             shown["job_id"], shown["spec"] = node.job_id, node.spec
+            if reasons and (reason := reasons.get(node.job_id)) is not None:
+                shown["waiting_reason"] = reason  # (a released step no worker takes)
         shown["children"] = []
         while open_ and open_[-1][0] < node.node:
             open_.pop()

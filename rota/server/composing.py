@@ -41,7 +41,8 @@ class Composing:
                  clock: Callable[[], Instant],
                  cancel_job: Callable[[str], Awaitable[Any]],
                  reread: Callable[[Instant], Awaitable[bool]],
-                 apply: Callable[[list[Effect]], None]) -> None:
+                 apply: Callable[[list[Effect]], None],
+                 waiting_reason: Callable[[dict[str, Any]], str | None]) -> None:
         self.settings = settings
         self.store = store
         self.engine = engine
@@ -51,6 +52,7 @@ class Composing:
         # naming a spec pushed through another server a moment ago).
         self.reread = reread
         self.apply = apply  # the coordinator's: effects carried out in order
+        self.waiting_reason = waiting_reason  # why an available job (its row) waits
 
     async def create(self, data: Any, principal: Principal) -> tuple[dict[str, Any], bool]:
         """POST /workflows: the workflow's view and whether it is new. Bad input raises
@@ -118,7 +120,16 @@ class Composing:
         if found is None or (principal.scope != "admin"
                              and found[0]["created_by"] != principal.token_id):
             raise not_found(workflow_id)
-        return view(*found)
+        row, nodes, states, waiting = found
+        reasons: dict[str, str] = {}
+        asked: dict[tuple[Any, ...], str | None] = {}  # one question per kind of job
+        for job in waiting:
+            kind = (job["queue"], job["spec"], job["concurrency_key"], job["labels"])
+            if kind not in asked:
+                asked[kind] = self.waiting_reason(job)
+            if (reason := asked[kind]) is not None:
+                reasons[job["id"]] = reason
+        return view(row, nodes, states, reasons)
 
     async def page(self, principal: Principal, *, state: str | None, name: str | None,
                    limit: int, after: str | None) -> dict[str, Any]:

@@ -73,8 +73,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.server_id = settings.server_id or f"{socket.gethostname()}:{settings.port}"
         self.store.server_id = self.server_id  # (docs/scaling.md: reservations carry it)
         self.engine = engine = Engine(settings)
-        self.store.on_released = lambda jobs: self.apply(  # (rota/store/settle.py)
-            engine.taken_in(jobs, self.clock()))
+        self.store.on_released = lambda jobs: self.apply(engine.taken_in(jobs, self.clock()))
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
         self._outboxes: dict[int, Outbox] = {}
         self._conns = 0
@@ -110,7 +109,8 @@ class Coordinator(ShellReads, ShellDirectives):
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
         self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
         self.composing = Composing(settings, store, engine, clock, steering.cancel,  # workflows
-                                   self.admission._read_status_quo, self.apply)
+                                   self.admission._read_status_quo, self.apply,
+                                   self.job_waiting_reason)
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse

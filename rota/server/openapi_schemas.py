@@ -441,6 +441,7 @@ class WorkflowNode(msgspec.Struct, omit_defaults=True):
     role: Literal["on_success", "on_failure", "on_complete"] | None = None
     job_id: str | None = None
     spec: str | None = None
+    waiting_reason: str | None = None  # a released step's job that no worker takes: why
 
 
 class WorkflowSummary(msgspec.Struct):

@@ -67,8 +67,9 @@ class Flowing:
         return self._releasing(self.writer.submit(op), released)
 
     async def workflow(self, workflow_id: str
-                       ) -> tuple[dict[str, Any], list[wf.NodeRow], dict[str, str]] | None:
-        """flows.read: the row, the nodes, the jobs' states."""
+                       ) -> tuple[dict[str, Any], list[wf.NodeRow], dict[str, str],
+                                  list[dict[str, Any]]] | None:
+        """flows.read: the row, the nodes, the jobs' states, the available jobs' rows."""
         return await self.readers.run(lambda conn: flows.read(conn, workflow_id))
 
     async def workflows(self, *, state: str | None, name: str | None,

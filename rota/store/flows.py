@@ -248,15 +248,23 @@ def _gone(conn: sqlite3.Connection, job_ids: Sequence[str]) -> list[str]:
 
 # -- reads -------------------------------------------------------------------------------
 def read(conn: sqlite3.Connection, workflow_id: str
-         ) -> tuple[dict[str, Any], list[wf.NodeRow], dict[str, str]] | None:
-    """A workflow's row, its nodes in preorder, and its jobs' states (by id)."""
+         ) -> tuple[dict[str, Any], list[wf.NodeRow], dict[str, str],
+                    list[dict[str, Any]]] | None:
+    """A workflow's row, its nodes in preorder, its jobs' states (by id), and the rows of
+    those available (id, queue, spec, concurrency key, labels: why they wait is asked)."""
     row = workflow_row(conn, workflow_id)
     if row is None:
         return None
     nodes = SqlRows(conn, workflow_id).all()
-    states = {r[0]: r[1] for r in conn.execute(
-        "SELECT id, state FROM jobs WHERE workflow_id = ?", (workflow_id,)).fetchall()}
-    return row, nodes, states
+    states: dict[str, str] = {}
+    waiting: list[dict[str, Any]] = []
+    for r in conn.execute("SELECT id, state, queue, spec, concurrency_key, labels FROM jobs"
+                          " WHERE workflow_id = ?", (workflow_id,)).fetchall():
+        states[r[0]] = r[1]
+        if r[1] == "available":
+            waiting.append({"id": r[0], "queue": r[2], "spec": r[3],
+                            "concurrency_key": r[4], "labels": r[5]})
+    return row, nodes, states, waiting
 
 
 def encode_cursor(row: dict[str, Any]) -> str:

@@ -145,6 +145,11 @@ async def test_cancel_stops_waiting_and_held_jobs_and_retry_resumes_a_failed_cha
         live: Live, sdk_worker: Starter, tmp_path: Path):
     state = await serve(live, sdk_worker, tmp_path)
     parked = await create(live, {"type": "chain", "steps": [job("parked"), job("step")]})
+    # A released step no worker takes says why, in the workflow's view as in its job's.
+    shown = (await live.http.get(f"/workflows/{parked['id']}")).json()
+    first = shown["root"]["children"][0]
+    assert first["waiting_reason"] == "no connected worker serves queue 'nobody'", first
+    assert "waiting_reason" not in shown["root"]["children"][1]  # held: its turn will come
     answer = await live.http.delete(f"/workflows/{parked['id']}")
     assert answer.status_code == 200, answer.text
     assert answer.json()["state"] == "cancelled"
