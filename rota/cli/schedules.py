@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import click
+import msgspec
 
 from rota.base.errors import Invalid
 from rota.base.specs import SpecError, parse_file
-from rota.cli.base import URL_OPTION, api, fail, out, print_json
+from rota.cli.base import URL_OPTION, api, fail, out, print_json, say, servers, token
+from rota.client.client import ApiError, Client
 from rota.core.schedules import check
 
 COLUMNS = ("NAME", "EXPRESSION", "ZONE", "STATE", "LAST RUN", "NEXT FIRE")
@@ -21,6 +23,11 @@ def last_run(shown: dict[str, Any]) -> str:
     if shown["last_tick"] is None:
         return "never"
     return f"{shown['last_tick']} {shown['last_outcome'] or '-'}"
+
+
+def next_fire(shown: dict[str, Any]) -> str:
+    fires = shown["next_fires"]
+    return fires[0] if fires else "-"
 
 
 def row(shown: dict[str, Any]) -> tuple[str, ...]:
@@ -92,13 +99,17 @@ def print_view(shown: dict[str, Any]) -> None:
         out(f"{'next fires:' if n == 0 else '':<13}{fire}")
 
 
+DEFINITION_FLAGS = ("spec", "expression", "timezone", "args_json", "overlap", "misfire",
+                    "catch_up", "jitter", "queue", "priority", "max_attempts", "description")
+
+
 @schedules.command("add")
 @click.argument("name", required=False)
 @click.option("--file", "source", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A TOML file of [[schedule]] tables: each is added (or only NAME's).")
 @click.option("--spec", help="The spec each tick enqueues.")
 @click.option("--cron", "expression", help="The expression: 5 fields, 6 with seconds first,"
-              " @daily and friends, or '@every 90s' (at least 1s).")
+              " @daily and friends, or '@every 90s' (whole seconds, 1s to a year).")
 @click.option("--timezone", default="UTC", show_default=True, help="An IANA time zone.")
 @click.option("--args", "args_json", default="{}", help="The jobs' args, as a JSON object.")
 @click.option("--overlap", type=click.Choice(["skip", "allow", "cancel_previous", "enqueue"]),
@@ -112,14 +123,26 @@ def print_view(shown: dict[str, Any]) -> None:
 @click.option("--priority", type=int, help="The jobs' priority (default: the spec's).")
 @click.option("--max-attempts", type=int, help="The jobs' attempts (default: the spec's).")
 @click.option("--description", default="")
-@click.option("--paused", is_flag=True, help="Add it paused.")
+@click.option("--paused/--active", default=None, help="Add it paused (or active). With"
+              " --replace, left out: a paused schedule stays paused.")
+@click.option("--replace", is_flag=True, help="Replace an existing schedule whole: options"
+              " not given go back to their defaults.")
 @URL_OPTION
-def add(name: str | None, source: Path | None, spec: str | None, expression: str | None,
-        timezone: str, args_json: str, overlap: str, misfire: str, catch_up: int,
-        jitter: float, queue: str | None, priority: int | None, max_attempts: int | None,
-        description: str, paused: bool, url: str) -> None:
-    """Add or replace schedule NAME, from flags or from a TOML file (--file)."""
+@click.pass_context
+def add(ctx: click.Context, name: str | None, source: Path | None, spec: str | None,
+        expression: str | None, timezone: str, args_json: str, overlap: str, misfire: str,
+        catch_up: int, jitter: float, queue: str | None, priority: int | None,
+        max_attempts: int | None, description: str, paused: bool | None, replace: bool,
+        url: str) -> None:
+    """Add schedule NAME, from flags or from a TOML file (--file); an existing one only
+    with --replace."""
     if source is not None:
+        given = [f"--{p.replace('_json', '').replace('expression', 'cron').replace('_', '-')}"
+                 for p in DEFINITION_FLAGS
+                 if ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            fail(f"--file gives the whole definition: leave out {', '.join(given)}"
+                 " (or leave out --file)")
         tables = _from_file(source, name)
     else:
         if name is None or spec is None or expression is None:
@@ -128,21 +151,44 @@ def add(name: str | None, source: Path | None, spec: str | None, expression: str
             args = json.loads(args_json)
         except ValueError as exc:
             fail(f"--args is not JSON: {exc}")
-        given = {"name": name, "spec": spec, "cron": expression, "timezone": timezone,
+        flags = {"name": name, "spec": spec, "cron": expression, "timezone": timezone,
                  "args": args, "overlap": overlap, "misfire": misfire, "catch_up": catch_up,
                  "jitter": jitter, "queue": queue, "priority": priority,
-                 "max_attempts": max_attempts, "description": description, "paused": paused}
-        tables = [{k: v for k, v in given.items() if v is not None}]
+                 "max_attempts": max_attempts, "description": description}
+        tables = [{k: v for k, v in flags.items() if v is not None}]
     for table in tables:
+        if paused is not None:
+            table["paused"] = paused
         try:
-            check(table, where=str(source) if source else "")
+            definition = check(table, where=str(source) if source else "")
         except Invalid as exc:
             fail(f"{exc.message} ({exc.code})")
-        reply = api(url, "put_schedule", table["name"], table)
-        shown = reply["schedule"]
-        fires = shown["next_fires"][0] if shown["next_fires"] else "-"
-        out(f"{reply['change']:<9} {shown['name']}  {shown['cron']} ({shown['timezone']})"
-            f"  state={shown['state']}  next={fires}")
+        _put(url, table, msgspec.to_builtins(definition), replace)
+
+
+def _put(url: str, table: dict[str, Any], whole: dict[str, Any], replace: bool) -> None:
+    """PUT one schedule; an existing one only with ``replace`` (or when ``whole``, its
+    definition with the defaults, is the same), and then a paused one stays paused
+    unless the definition says otherwise."""
+    name = table["name"]
+    try:
+        with Client(servers(url), token=token()) as client:
+            existing = client.schedule(name)
+    except ApiError as exc:
+        if exc.code != "no_such_schedule":
+            fail(say(url, exc))
+        existing = None
+    same = existing is not None and all(
+        existing.get(key) == value for key, value in whole.items() if key != "paused")
+    if existing is not None and not replace and not same:
+        fail(f"schedule {name} exists: give --replace to replace it whole (options not given"
+             " go back to their defaults), or use pause/resume/delete")
+    if existing is not None and "paused" not in table:
+        table["paused"] = existing["paused"]
+    reply = api(url, "put_schedule", name, table)
+    shown = reply["schedule"]
+    out(f"{reply['change']:<9} {shown['name']}  {shown['cron']} ({shown['timezone']})"
+        f"  state={shown['state']}  next={next_fire(shown)}")
 
 
 def _from_file(source: Path, name: str | None) -> list[dict[str, Any]]:
@@ -169,9 +215,8 @@ def _command(verb: str, doc: str) -> None:
             out(f"{name} is deleted (its jobs stay)")
             return
         shown = api(url, "pause_schedule", name, paused=verb == "pause")
-        fires = shown["next_fires"][0] if shown["next_fires"] else "-"
         out(f"{name} is paused" if verb == "pause"
-            else f"{name} is {shown['state']}; next fire {fires}")
+            else f"{name} is {shown['state']}; next fire {next_fire(shown)}")
 
 
 for _verb, _doc in (

@@ -116,3 +116,27 @@ async def test_the_readme_schedule_table_is_pushed_as_written(live: Live, tmp_pa
     shown = (await live.http.get("/schedules/nightly-echo")).json()
     assert (shown["spec"], shown["timezone"], shown["jitter"]) == ("echo", "Europe/Berlin", 30)
     assert shown["args"] == {"message": "good night"} and shown["state"] == "active"
+
+
+async def test_add_refuses_an_existing_name_unless_replace_and_keeps_a_pause(live: Live,
+                                                                             tmp_path: Path):
+    add = ("schedules", "add", "tidy", "--spec", "echo", "--url", live.base)
+    code, _, _ = await invoke(*add, "--cron", "@hourly", "--overlap", "enqueue", "--paused")
+    assert code == 0
+    code, out, err = await invoke(*add, "--cron", "@daily")
+    assert (code, out) == (1, "")
+    assert err == ("error: schedule tidy exists: give --replace to replace it whole (options"
+                   " not given go back to their defaults), or use pause/resume/delete\n")
+    shown = (await live.http.get("/schedules/tidy")).json()
+    assert (shown["cron"], shown["overlap"], shown["paused"]) == ("@hourly", "enqueue", True)
+    code, out, _ = await invoke(*add, "--cron", "@daily", "--replace")
+    assert code == 0 and out.startswith("changed   tidy  @daily (UTC)  state=paused")
+    shown = (await live.http.get("/schedules/tidy")).json()
+    assert (shown["overlap"], shown["paused"]) == ("skip", True)  # whole, and still paused
+    code, out, _ = await invoke(*add, "--cron", "@daily", "--replace", "--active")
+    assert code == 0 and "state=waiting" in out  # (echo has no status quo here)
+    (tmp_path / "s.toml").write_text(HOURLY)
+    code, _, err = await invoke("schedules", "add", "--file", str(tmp_path / "s.toml"),
+                                "--cron", "@daily", "--queue", "q", "--url", live.base)
+    assert (code, err) == (1, "error: --file gives the whole definition: leave out --cron,"
+                              " --queue (or leave out --file)\n")
