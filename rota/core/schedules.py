@@ -77,6 +77,13 @@ def check(data: Any, *, where: str = "") -> ScheduleDef:
         raise Invalid("invalid_schedule", f"{prefix}name has {len(definition.name)}"
                       f" characters; a schedule's name may have {MAX_NAME} at most (its"
                       " jobs' ids are cron-<name>-<tick>)")
+    # spaces, tabs or a newline around the expression (a pasted line) are dropped; one
+    # inside it is refused, as a line of `rota schedules` or the log could not show it
+    definition = msgspec.structs.replace(definition, cron=definition.cron.strip())
+    inside = next((c for c in definition.cron if not c.isprintable()), None)
+    if inside is not None:
+        raise Invalid("invalid_cron", f"{prefix}schedule {definition.name!r}: the expression"
+                      f" {definition.cron!r} holds {inside!r}; separate its fields by spaces")
     try:
         parsed = cron.parse(definition.cron)
         cron.zone(definition.timezone)
@@ -86,6 +93,10 @@ def check(data: Any, *, where: str = "") -> ScheduleDef:
         raise Invalid("invalid_cron", f"{prefix}schedule {definition.name!r}: {definition.cron!r}"
                       f" fires every {parsed.every:g}s; a schedule fires at most once a"
                       " second ('@every 1s')")
+    if parsed.every is not None and parsed.every != int(parsed.every):
+        raise Invalid("invalid_cron", f"{prefix}schedule {definition.name!r}: {definition.cron!r}"
+                      f" fires every {parsed.every:g}s; a schedule ticks in whole seconds"
+                      " (its jobs' ids name the second)")
     return definition
 
 
@@ -239,9 +250,29 @@ def view(definition: ScheduleDef, row: Mapping[str, Any], waiting: str | None,
     return {**msgspec.to_builtins(definition), "state": state,
             "waiting_reason": waiting if state == "waiting" else None,
             "last_tick": _rfc3339(row.get("last_tick")), "last_job_id": row.get("last_job_id"),
-            "last_outcome": outcome, "next_fires": [_rfc3339(t) for t in fires],
+            "last_outcome": outcome, "next_fires": [t for t in map(_rfc3339, fires) if t is not None],
+            "run_count": row.get("run_count", 0), "created_at": _rfc3339(row.get("created_at"))}
+
+
+def unreadable(row: Mapping[str, Any], reason: str) -> dict[str, Any]:
+    """A schedule whose stored row this Rota cannot read (its definition or expression
+    refused since it was stored): shown waiting, with what could be read, so that one
+    odd row never fails a listing of all."""
+    try:
+        stored = msgspec.json.decode(row["definition"])
+    except (msgspec.DecodeError, TypeError, KeyError):
+        stored = {}
+    known = {f: stored.get(f) for f in ScheduleDef.__struct_fields__}
+    known.update(name=row.get("name"), paused=bool(row.get("paused")))
+    return {**known, "state": "waiting", "waiting_reason": f"it cannot be read: {reason}",
+            "last_tick": _rfc3339(row.get("last_tick")), "last_job_id": row.get("last_job_id"),
+            "last_outcome": row.get("last_outcome"), "next_fires": [],
             "run_count": row.get("run_count", 0), "created_at": _rfc3339(row.get("created_at"))}
 
 
 def _rfc3339(moment: float | None) -> str | None:
-    return None if moment is None else rfc3339(moment)
+    """None for a moment no RFC 3339 time can say (past year 9999): a view shows it so."""
+    try:
+        return None if moment is None else rfc3339(moment)
+    except (ValueError, OverflowError):
+        return None

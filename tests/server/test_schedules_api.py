@@ -104,3 +104,29 @@ async def test_a_push_carries_schedules_and_its_dry_run_changes_nothing(live: Li
         " most once a second ('@every 1s')")
     names = [s["name"] for s in (await live.http.get("/specs")).json()["specs"]]
     assert names == ["report"]
+
+
+async def test_a_row_stored_before_a_rule_refused_it_is_listed_waiting(live: Live):
+    """An odd row (stored by an older Rota) never fails the listing of all."""
+    from rota.core.schedules import ScheduleDef
+    from rota.store import ticks
+
+    odd = [ScheduleDef(name="huge", spec="echo", cron="@every 1000000000h"),
+           ScheduleDef(name="nines", spec="echo", cron="@every " + "9" * 400 + "s")]
+    await live.coordinator.store.writer.submit(
+        lambda conn: [ticks.upsert(conn, d, 1_800_000_000.0) for d in odd])
+    assert (await put(live, "fine", spec="echo", cron="@daily")).status_code == 201
+    answer = await live.http.get("/schedules")
+    assert answer.status_code == 200, answer.text
+    listed = {s["name"]: s for s in answer.json()["schedules"]}
+    assert listed["fine"]["next_fires"] and listed["fine"]["state"] == "waiting"
+    huge = listed["huge"]
+    assert (huge["state"], huge["cron"], huge["next_fires"]) == (
+        "waiting", "@every 1000000000h", [])
+    assert huge["waiting_reason"] == (
+        "it cannot be read: duration '1000000000h' in '@every 1000000000h' is over a year;"
+        " the longest is '@every 8760h' (a yearly time is '@yearly')")
+    shown = await live.http.get("/schedules/nines")
+    assert shown.status_code == 200 and shown.json()["state"] == "waiting"
+    code = await live.http.put("/schedules/spaced", json={"spec": "echo", "cron": " @daily\n"})
+    assert code.json()["schedule"]["cron"] == "@daily"
