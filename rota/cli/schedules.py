@@ -25,18 +25,27 @@ def last_run(shown: dict[str, Any]) -> str:
     return f"{shown['last_tick']} {shown['last_outcome'] or '-'}"
 
 
-def next_fire(shown: dict[str, Any]) -> str:
+def state_said(shown: dict[str, Any]) -> str:
+    """``active``, ``paused`` or ``waiting (its reason)``."""
+    reason = shown["waiting_reason"]
+    return shown["state"] + (f" ({reason})" if shown["state"] == "waiting" and reason else "")
+
+
+def when_next(shown: dict[str, Any]) -> str:
+    """Its next fire time, or why it has none: a paused or waiting schedule's would-be
+    times will not happen (and an @every counts again from its resume)."""
+    if shown["state"] == "paused":
+        return "(paused)"
+    if shown["state"] == "waiting":
+        return f"(waiting: {shown['waiting_reason']})"
     fires = shown["next_fires"]
     return fires[0] if fires else "-"
 
 
 def row(shown: dict[str, Any]) -> tuple[str, ...]:
-    state = shown["state"]
-    if state == "waiting":
-        state = f"waiting ({shown['waiting_reason']})"
     fires = shown["next_fires"]
-    return (shown["name"], shown["cron"], shown["timezone"], state, last_run(shown),
-            fires[0] if fires and shown["state"] == "active" else "-")
+    return (shown["name"], shown["cron"], shown["timezone"], state_said(shown),
+            last_run(shown), fires[0] if fires and shown["state"] == "active" else "-")
 
 
 def table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -81,22 +90,26 @@ def show(name: str, as_json: bool, url: str) -> None:
 
 
 def print_view(shown: dict[str, Any]) -> None:
-    state = shown["state"] + (f" ({shown['waiting_reason']})" if shown["waiting_reason"] else "")
-    lines = [("schedule", shown["name"]), ("spec", shown["spec"]),
-             ("args", json.dumps(shown["args"])), ("cron", shown["cron"]),
-             ("timezone", shown["timezone"]), ("state", state),
-             ("overlap", shown["overlap"]),
+    """Every field of the definition, its state and record, and its next fire times
+    (or why there are none: paused, or waiting and its reason)."""
+    spec_s = "(the spec's)"
+    lines = [("schedule", shown["name"]), ("description", shown["description"] or "-"),
+             ("spec", shown["spec"]), ("args", json.dumps(shown["args"])),
+             ("cron", shown["cron"]), ("timezone", shown["timezone"]),
+             ("state", state_said(shown)), ("overlap", shown["overlap"]),
              ("misfire", shown["misfire"] + (f" (at most {shown['catch_up']})"
                                              if shown["misfire"] == "catch_up" else "")),
-             ("jitter", f"{shown['jitter']:g}s"), ("queue", shown["queue"] or "(the spec's)"),
-             ("last run", last_run(shown)), ("last job", shown["last_job_id"] or "-"),
-             ("runs", str(shown["run_count"]))]
-    if shown["description"]:
-        lines.insert(1, ("description", shown["description"]))
+             ("jitter", f"{shown['jitter']:g}s"), ("queue", shown["queue"] or spec_s),
+             ("priority", spec_s if shown["priority"] is None else str(shown["priority"])),
+             ("max attempts", spec_s if shown["max_attempts"] is None
+              else str(shown["max_attempts"])),
+             ("created", shown["created_at"] or "-"), ("last run", last_run(shown)),
+             ("last job", shown["last_job_id"] or "-"), ("runs", str(shown["run_count"]))]
     for key, value in lines:
-        out(f"{key + ':':<13}{value}")
-    for n, fire in enumerate(shown["next_fires"]):
-        out(f"{'next fires:' if n == 0 else '':<13}{fire}")
+        out(f"{key + ':':<14}{value}")
+    fires = shown["next_fires"] if shown["state"] == "active" else [when_next(shown)]
+    for n, fire in enumerate(fires or ["-"]):
+        out(f"{'next fires:' if n == 0 else '':<14}{fire}")
 
 
 DEFINITION_FLAGS = ("spec", "expression", "timezone", "args_json", "overlap", "misfire",
@@ -188,7 +201,7 @@ def _put(url: str, table: dict[str, Any], whole: dict[str, Any], replace: bool) 
     reply = api(url, "put_schedule", name, table)
     shown = reply["schedule"]
     out(f"{reply['change']:<9} {shown['name']}  {shown['cron']} ({shown['timezone']})"
-        f"  state={shown['state']}  next={next_fire(shown)}")
+        f"  state={shown['state']}  next={when_next(shown)}")
 
 
 def _from_file(source: Path, name: str | None) -> list[dict[str, Any]]:
@@ -216,7 +229,7 @@ def _command(verb: str, doc: str) -> None:
             return
         shown = api(url, "pause_schedule", name, paused=verb == "pause")
         out(f"{name} is paused" if verb == "pause"
-            else f"{name} is {shown['state']}; next fire {next_fire(shown)}")
+            else f"{name} is {shown['state']}; next fire {when_next(shown)}")
 
 
 for _verb, _doc in (

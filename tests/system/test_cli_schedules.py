@@ -63,10 +63,13 @@ async def test_schedules_in_a_spec_directory_are_pushed_and_listed(live: Live, t
     code, out, _ = await invoke("specs", "push", str(specs), "--url", live.base)
     assert "unchanged schedule nightly-report" in out  # and still paused
     code, out, _ = await invoke("schedules", "show", "nightly-report", "--url", live.base)
-    assert "state:       paused" in out and "timezone:    America/New_York" in out
-    assert out.count("T0") + out.count("T1") + out.count("T2") >= 5  # the next fires
+    assert "state:        paused" in out and "timezone:     America/New_York" in out
+    assert "next fires:   (paused)\n" in out  # not times that will not come
+    assert "priority:     (the spec's)" in out and "max attempts: (the spec's)" in out
     code, out, _ = await invoke("schedules", "resume", "nightly-report", "--url", live.base)
-    assert out.startswith("nightly-report is active; next fire ")
+    assert out.startswith("nightly-report is active; next fire 20")
+    code, out, _ = await invoke("schedules", "show", "nightly-report", "--url", live.base)
+    assert out.count("T0") + out.count("T1") + out.count("T2") >= 5  # the next fires
     code, out, _ = await invoke("schedules", "delete", "hourly-report", "--url", live.base)
     assert out == "hourly-report is deleted (its jobs stay)\n"
 
@@ -129,12 +132,18 @@ async def test_add_refuses_an_existing_name_unless_replace_and_keeps_a_pause(liv
                    " not given go back to their defaults), or use pause/resume/delete\n")
     shown = (await live.http.get("/schedules/tidy")).json()
     assert (shown["cron"], shown["overlap"], shown["paused"]) == ("@hourly", "enqueue", True)
-    code, out, _ = await invoke(*add, "--cron", "@daily", "--replace")
-    assert code == 0 and out.startswith("changed   tidy  @daily (UTC)  state=paused")
+    code, out, _ = await invoke(*add, "--cron", "@daily", "--replace", "--priority", "7",
+                                "--max-attempts", "2")
+    assert out == "changed   tidy  @daily (UTC)  state=paused  next=(paused)\n"
+    code, out, _ = await invoke("schedules", "show", "tidy", "--url", live.base)
+    assert "priority:     7\n" in out and "max attempts: 2\n" in out
     shown = (await live.http.get("/schedules/tidy")).json()
     assert (shown["overlap"], shown["paused"]) == ("skip", True)  # whole, and still paused
     code, out, _ = await invoke(*add, "--cron", "@daily", "--replace", "--active")
-    assert code == 0 and "state=waiting" in out  # (echo has no status quo here)
+    assert code == 0 and out.endswith("state=waiting  next=(waiting: spec echo has no status"
+                                      " quo)\n")
+    code, out, _ = await invoke("schedules", "show", "tidy", "--url", live.base)
+    assert "next fires:   (waiting: spec echo has no status quo)\n" in out
     (tmp_path / "s.toml").write_text(HOURLY)
     code, _, err = await invoke("schedules", "add", "--file", str(tmp_path / "s.toml"),
                                 "--cron", "@daily", "--queue", "q", "--url", live.base)
