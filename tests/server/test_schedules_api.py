@@ -76,6 +76,9 @@ async def test_bad_schedules_are_refused_precisely_and_nothing_is_stored(live: L
         assert answer.json()["error"] == {"code": code, "message": message}
     assert (await live.http.get("/schedules")).json() == {"schedules": []}
     assert (await live.http.put("/schedules/a%20b", json={})).status_code == 400
+    none = await live.http.get("/jobs", params={"schedule": "fast", "state": "available"})
+    assert none.json() == {"jobs": [], "next_cursor": None}
+    assert (await live.http.get("/jobs", params={"schedule": "fast"})).json()["jobs"] == []
 
 
 async def test_a_push_carries_schedules_and_its_dry_run_changes_nothing(live: Live, tmp_path):

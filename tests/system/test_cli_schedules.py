@@ -149,3 +149,31 @@ async def test_add_refuses_an_existing_name_unless_replace_and_keeps_a_pause(liv
                                 "--cron", "@daily", "--queue", "q", "--url", live.base)
     assert (code, err) == (1, "error: --file gives the whole definition: leave out --cron,"
                               " --queue (or leave out --file)\n")
+
+
+async def test_a_schedules_jobs_are_listed_by_name_not_by_id_prefix(live: Live):
+    from conftest import write_spec
+    from helpers import wait_until
+
+    await live.push(write_spec(live.tmp / "specs", "tick"))
+    for name in ("ov", "ov-allow"):  # 'cron-ov-' is a prefix of ov-allow's ids too
+        await live.http.put(f"/schedules/{name}", json={"spec": "tick", "cron": "@every 1s"})
+
+    async def both() -> bool:
+        found = [(await live.http.get("/jobs", params={"schedule": n})).json()["jobs"]
+                 for n in ("ov", "ov-allow")]
+        return all(found)
+
+    await wait_until(both, timeout=10, what="a tick job of each")
+    for name in ("ov", "ov-allow"):
+        await live.http.post(f"/schedules/{name}/pause")
+    listed = (await live.http.get("/jobs", params={"schedule": "ov"})).json()["jobs"]
+    assert {j["schedule"] for j in listed} == {"ov"}
+    assert all(j["id"].startswith("cron-ov-2") for j in listed)
+    code, out, _ = await invoke("jobs", "list", "--schedule", "ov", "--url", live.base)
+    assert code == 0
+    ids = [line.split()[0] for line in out.splitlines()[1:]]
+    assert ids == [j["id"] for j in listed]
+    code, out, _ = await invoke("jobs", "list", "--schedule", "ov-allow", "--state",
+                                "completed", "--url", live.base)
+    assert (code, out) == (0, "")
