@@ -56,7 +56,8 @@ def table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 @click.group(invoke_without_command=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the schedules as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"schedules": [...]} as JSON (as GET /schedules).')
 @URL_OPTION
 @click.pass_context
 def schedules(ctx: click.Context, as_json: bool, url: str) -> None:
@@ -64,10 +65,11 @@ def schedules(ctx: click.Context, as_json: bool, url: str) -> None:
     outcome, and next fire time."""
     if ctx.invoked_subcommand is not None:
         return
-    listed = api(url, "schedules")["schedules"]
-    if as_json:
-        print_json(listed)
+    answer = api(url, "schedules")
+    if as_json:  # as GET /schedules gives it: {"schedules": [...]}
+        print_json(answer)
         return
+    listed = answer["schedules"]
     if not listed:
         out("no schedules; add one with `rota schedules add` or a [[schedule]] table in a"
             " spec file (`rota specs push`)", err=True)

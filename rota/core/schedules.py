@@ -10,6 +10,7 @@ one tick makes one job however many servers reach it.
 from __future__ import annotations
 
 import hashlib
+import re
 from bisect import bisect_right
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
@@ -68,15 +69,14 @@ def check(data: Any, *, where: str = "") -> ScheduleDef:
     prefix = f"{where}: " if where else ""
     if not isinstance(data, dict):
         raise Invalid("invalid_schedule", f"{prefix}a schedule must be an object (a table)")
+    refused = name_refusal(data.get("name"))
+    if refused is not None:
+        raise Invalid("invalid_schedule", f"{prefix}{refused}")
     try:
         definition = msgspec.convert(data, type=ScheduleDef)
     except msgspec.ValidationError as exc:
         said = plainly(str(exc), ScheduleDef, lambda: data)
         raise Invalid("invalid_schedule", f"{prefix}{said}") from None
-    if len(definition.name) > MAX_NAME:
-        raise Invalid("invalid_schedule", f"{prefix}name has {len(definition.name)}"
-                      f" characters; a schedule's name may have {MAX_NAME} at most (its"
-                      " jobs' ids are cron-<name>-<tick>)")
     # spaces, tabs or a newline around the expression (a pasted line) are dropped; one
     # inside it is refused, as a line of `rota schedules` or the log could not show it
     definition = msgspec.structs.replace(definition, cron=definition.cron.strip())
@@ -98,6 +98,20 @@ def check(data: Any, *, where: str = "") -> ScheduleDef:
                       f" fires every {parsed.every:g}s; a schedule ticks in whole seconds"
                       " (its jobs' ids name the second)")
     return definition
+
+
+NAME_RULE = (f"1 to {MAX_NAME} letters, digits and '_.:-', starting with a letter or digit"
+             " (its jobs' ids are cron-<name>-<tick>)")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,%d}" % (MAX_NAME - 1))
+
+
+def name_refusal(name: Any) -> str | None:
+    """Why ``name`` is no schedule's name (None: it is one, or it is no text, which the
+    definition's type refuses): the one rule, in the body and in the path alike."""
+    if not isinstance(name, str) or _NAME.fullmatch(name):
+        return None
+    said = repr(name) if len(name) <= 60 else f"a name of {len(name)} characters"
+    return f"a schedule's name is {NAME_RULE}, not {said}"
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,13 @@ async def test_bad_schedules_are_refused_precisely_and_nothing_is_stored(live: L
         assert answer.status_code == 422, answer.text
         assert answer.json()["error"] == {"code": code, "message": message}
     assert (await live.http.get("/schedules")).json() == {"schedules": []}
-    assert (await live.http.put("/schedules/a%20b", json={})).status_code == 400
+    rule = ("a schedule's name is 1 to 100 letters, digits and '_.:-', starting with a letter"
+            " or digit (its jobs' ids are cron-<name>-<tick>), not ")
+    for path, said in (("a%20b", "'a b'"), ("a" * 101, "a name of 101 characters")):
+        answer = await live.http.put(f"/schedules/{path}", json={"spec": "report",
+                                                                 "cron": "@daily"})
+        assert answer.status_code == 400
+        assert answer.json()["error"] == {"code": "invalid_name", "message": rule + said}
     none = await live.http.get("/jobs", params={"schedule": "fast", "state": "available"})
     assert none.json() == {"jobs": [], "next_cursor": None}
     assert (await live.http.get("/jobs", params={"schedule": "fast"})).json()["jobs"] == []

@@ -3,6 +3,7 @@ push``, as a user types them, against a real server."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from conftest import Live
@@ -46,6 +47,13 @@ async def test_schedules_in_a_spec_directory_are_pushed_and_listed(live: Live, t
     assert "new       schedule hourly-report" in out and "dry run" in out
     code, out, err = await invoke("schedules", "--url", live.base)
     assert (code, out) == (0, "") and err.startswith("no schedules;")
+    code, out, _ = await invoke("schedules", "--json", "--url", live.base)
+    assert json.loads(out) == {"schedules": []} == (await live.http.get("/schedules")).json()
+    code, _, err = await invoke("schedules", "add", "a b", "--spec", "x", "--cron", "@daily",
+                                "--url", live.base)
+    assert err == ("error: a schedule's name is 1 to 100 letters, digits and '_.:-', starting"
+                   " with a letter or digit (its jobs' ids are cron-<name>-<tick>), not 'a b'"
+                   " (invalid_schedule)\n")
 
     code, out, _ = await invoke("specs", "push", str(specs), "--url", live.base)
     assert code == 0 and out.count("new       schedule") == 2
