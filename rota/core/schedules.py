@@ -263,8 +263,15 @@ def view(definition: ScheduleDef, row: Mapping[str, Any], waiting: str | None,
         outcome = row.get("last_job_state") or "deleted"  # the job's state, as it is now
     return {**msgspec.to_builtins(definition), "state": state,
             "waiting_reason": waiting if state == "waiting" else None,
-            "last_tick": _rfc3339(row.get("last_tick")), "last_job_id": row.get("last_job_id"),
-            "last_outcome": outcome, "next_fires": [t for t in map(_rfc3339, fires) if t is not None],
+            **_record(row, outcome, fires)}
+
+
+def _record(row: Mapping[str, Any], outcome: str | None, fires: list[float]
+            ) -> dict[str, Any]:
+    """A view's record of ticks; a fire time past year 9999 is left out."""
+    return {"last_tick": _rfc3339(row.get("last_tick")), "last_job_id": row.get("last_job_id"),
+            "last_outcome": outcome,
+            "next_fires": [t for t in map(_rfc3339, fires) if t is not None],
             "run_count": row.get("run_count", 0), "created_at": _rfc3339(row.get("created_at"))}
 
 
@@ -279,9 +286,7 @@ def unreadable(row: Mapping[str, Any], reason: str) -> dict[str, Any]:
     known = {f: stored.get(f) for f in ScheduleDef.__struct_fields__}
     known.update(name=row.get("name"), paused=bool(row.get("paused")))
     return {**known, "state": "waiting", "waiting_reason": f"it cannot be read: {reason}",
-            "last_tick": _rfc3339(row.get("last_tick")), "last_job_id": row.get("last_job_id"),
-            "last_outcome": row.get("last_outcome"), "next_fires": [],
-            "run_count": row.get("run_count", 0), "created_at": _rfc3339(row.get("created_at"))}
+            **_record(row, row.get("last_outcome"), [])}
 
 
 def _rfc3339(moment: float | None) -> str | None:
