@@ -218,6 +218,13 @@ SCHEDULE_SLIPS: list[tuple[str, dict[str, object], str]] = [
     ("args not an object", {"spec": "parked", "cron": "@daily", "args": [1]},
      "invalid_schedule"),
     ("no expression", {"spec": "parked"}, "invalid_schedule"),
+    ("fractional seconds", {"spec": "parked", "cron": "@every 1.5s"}, "invalid_cron"),
+    ("a billion hours", {"spec": "parked", "cron": "@every 1000000000h"}, "invalid_cron"),
+    ("400 nines of seconds", {"spec": "parked", "cron": "@every " + "9" * 400 + "s"},
+     "invalid_cron"),
+    ("Arabic-Indic digits", {"spec": "parked", "cron": "@every \u0661\u0660s"}, "invalid_cron"),
+    ("no unit", {"spec": "parked", "cron": "@every 90"}, "invalid_cron"),
+    ("a newline inside", {"spec": "parked", "cron": "0 0\n* * *"}, "invalid_cron"),
 ]
 
 # Values for the Authorization header, as bytes on the wire.

@@ -44,7 +44,26 @@ def servers(url: str) -> list[str]:
 
 def _keep_token(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     if value:
+        refused = token_refusal(value)
+        if refused:
+            fail(refused)
         ctx.meta["rota.token"] = value
+
+
+def token_refusal(value: str) -> str | None:
+    """Why ``value`` cannot be sent as a bearer token (None: it can). A header holds one
+    line of printable ASCII; every token does (``rota_<id>_<secret>``), so anything else
+    is a slip of how it was read (a file's line ending, a paste), said before sending
+    rather than as the HTTP library's traceback."""
+    bad = next((c for c in value if not " " < c < "\x7f"), None)
+    if bad is None:
+        return None
+    where = "the token given (--token or ROTA_TOKEN)"
+    if bad in "\r\n":
+        return (f"{where} holds a newline: a token is one line, as 'rota tokens create'"
+                " printed it (was it read from a file with its line ending?)")
+    return (f"{where} holds {bad!r}, which no token has: give it as 'rota tokens create'"
+            " printed it")
 
 
 TOKEN_OPTION = click.option(

@@ -38,6 +38,7 @@ def filter_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--spec", help="Jobs of this spec."),
         click.option("--queue", help="Jobs in this queue."),
         click.option("--worker", help="Jobs last held by this worker."),
+        click.option("--schedule", help="Jobs a cron schedule made (`rota schedules`)."),
         click.option("--q", "q", help="An id prefix, or text found in the jobs' errors."),
     ]
     for option in reversed(options):
@@ -46,10 +47,11 @@ def filter_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _filter(states: tuple[str, ...], spec: str | None, queue: str | None,
-            worker: str | None, q: str | None) -> dict[str, Any]:
+            worker: str | None, schedule: str | None, q: str | None) -> dict[str, Any]:
     """The filter given, refusing an empty field: ``--queue "$QUEUE"`` with QUEUE unset
     must not widen a bulk cancel to every queue."""
-    given = {"state": split(states), "spec": spec, "queue": queue, "worker": worker, "q": q}
+    given = {"state": split(states), "spec": spec, "queue": queue, "worker": worker,
+             "schedule": schedule, "q": q}
     for key, value in given.items():
         if (bool(states) if key == "state" else value is not None) and not value:
             fail(f"--{key} is empty (an unset variable?): give a value, or leave it out")
@@ -66,17 +68,19 @@ def _filter(states: tuple[str, ...], spec: str | None, queue: str | None,
               help='Print {"jobs": [...], "next_cursor"} as JSON.')
 @URL_OPTION
 def jobs_list(states: tuple[str, ...], spec: str | None, queue: str | None,
-              worker: str | None, q: str | None, limit: int, every: bool, as_json: bool,
-              url: str) -> None:
-    """Find jobs, newest first: by state, spec, queue, worker, or id prefix / error text."""
-    flt = _filter(states, spec, queue, worker, q)
+              worker: str | None, schedule: str | None, q: str | None, limit: int,
+              every: bool, as_json: bool, url: str) -> None:
+    """Find jobs, newest first: by state, spec, queue, worker, schedule, or id prefix /
+    error text."""
+    flt = _filter(states, spec, queue, worker, schedule, q)
     found: list[dict[str, Any]] = []  # kept for --json; printed page by page otherwise
     shown, cursor = 0, None
     try:
         with Client(servers(url), token=token()) as client:
             while True:
                 page = client.list_jobs(states=flt.get("state", ()), spec=spec, queue=queue,
-                                        worker=worker, q=q, cursor=cursor,
+                                        worker=worker, schedule=schedule, q=q,
+                                        cursor=cursor,
                                         limit=PAGE if every else limit)
                 cursor = page["next_cursor"]
                 if as_json:
@@ -128,11 +132,12 @@ def _bulk_command(action: str, single: Callable[[str, str], None], summary: str
     @click.option("--json", "as_json", is_flag=True, help="Print the server's answer as JSON.")
     @URL_OPTION
     def command(job_ids: tuple[str, ...], states: tuple[str, ...], spec: str | None,
-                queue: str | None, worker: str | None, q: str | None, dry_run: bool,
-                limit: int | None, yes: bool, as_json: bool, url: str) -> None:
-        flt = _filter(states, spec, queue, worker, q)
+                queue: str | None, worker: str | None, schedule: str | None, q: str | None,
+                dry_run: bool, limit: int | None, yes: bool, as_json: bool, url: str) -> None:
+        flt = _filter(states, spec, queue, worker, schedule, q)
         if job_ids and flt:
-            fail("give job IDs or a filter (--state, --spec, --queue, --worker, --q), not both")
+            fail("give job IDs or a filter (--state, --spec, --queue, --worker, --schedule,"
+                 " --q), not both")
         if not job_ids and not flt:
             fail(f"name the jobs to {verb}: job IDs, or a filter such as --state discarded"
                  " --spec NAME")

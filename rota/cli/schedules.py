@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import click
+import msgspec
 
 from rota.base.errors import Invalid
 from rota.base.specs import SpecError, parse_file
-from rota.cli.base import URL_OPTION, api, fail, out, print_json
+from rota.cli.base import URL_OPTION, api, fail, out, print_json, say, servers, token
+from rota.client.client import ApiError, Client
 from rota.core.schedules import check
 
 COLUMNS = ("NAME", "EXPRESSION", "ZONE", "STATE", "LAST RUN", "NEXT FIRE")
@@ -23,13 +25,27 @@ def last_run(shown: dict[str, Any]) -> str:
     return f"{shown['last_tick']} {shown['last_outcome'] or '-'}"
 
 
-def row(shown: dict[str, Any]) -> tuple[str, ...]:
-    state = shown["state"]
-    if state == "waiting":
-        state = f"waiting ({shown['waiting_reason']})"
+def state_said(shown: dict[str, Any]) -> str:
+    """``active``, ``paused`` or ``waiting (its reason)``."""
+    reason = shown["waiting_reason"]
+    return shown["state"] + (f" ({reason})" if shown["state"] == "waiting" and reason else "")
+
+
+def when_next(shown: dict[str, Any]) -> str:
+    """Its next fire time, or why it has none: a paused or waiting schedule's would-be
+    times will not happen (and an @every counts again from its resume)."""
+    if shown["state"] == "paused":
+        return "(paused)"
+    if shown["state"] == "waiting":
+        return f"(waiting: {shown['waiting_reason']})"
     fires = shown["next_fires"]
-    return (shown["name"], shown["cron"], shown["timezone"], state, last_run(shown),
-            fires[0] if fires and shown["state"] == "active" else "-")
+    return fires[0] if fires else "-"
+
+
+def row(shown: dict[str, Any]) -> tuple[str, ...]:
+    fires = shown["next_fires"]
+    return (shown["name"], shown["cron"], shown["timezone"], state_said(shown),
+            last_run(shown), fires[0] if fires and shown["state"] == "active" else "-")
 
 
 def table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -40,7 +56,8 @@ def table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 @click.group(invoke_without_command=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the schedules as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"schedules": [...]} as JSON (as GET /schedules).')
 @URL_OPTION
 @click.pass_context
 def schedules(ctx: click.Context, as_json: bool, url: str) -> None:
@@ -48,10 +65,11 @@ def schedules(ctx: click.Context, as_json: bool, url: str) -> None:
     outcome, and next fire time."""
     if ctx.invoked_subcommand is not None:
         return
-    listed = api(url, "schedules")["schedules"]
-    if as_json:
-        print_json(listed)
+    answer = api(url, "schedules")
+    if as_json:  # as GET /schedules gives it: {"schedules": [...]}
+        print_json(answer)
         return
+    listed = answer["schedules"]
     if not listed:
         out("no schedules; add one with `rota schedules add` or a [[schedule]] table in a"
             " spec file (`rota specs push`)", err=True)
@@ -74,22 +92,30 @@ def show(name: str, as_json: bool, url: str) -> None:
 
 
 def print_view(shown: dict[str, Any]) -> None:
-    state = shown["state"] + (f" ({shown['waiting_reason']})" if shown["waiting_reason"] else "")
-    lines = [("schedule", shown["name"]), ("spec", shown["spec"]),
-             ("args", json.dumps(shown["args"])), ("cron", shown["cron"]),
-             ("timezone", shown["timezone"]), ("state", state),
-             ("overlap", shown["overlap"]),
+    """Every field of the definition, its state and record, and its next fire times
+    (or why there are none: paused, or waiting and its reason)."""
+    spec_s = "(the spec's)"
+    lines = [("schedule", shown["name"]), ("description", shown["description"] or "-"),
+             ("spec", shown["spec"]), ("args", json.dumps(shown["args"])),
+             ("cron", shown["cron"]), ("timezone", shown["timezone"]),
+             ("state", state_said(shown)), ("overlap", shown["overlap"]),
              ("misfire", shown["misfire"] + (f" (at most {shown['catch_up']})"
                                              if shown["misfire"] == "catch_up" else "")),
-             ("jitter", f"{shown['jitter']:g}s"), ("queue", shown["queue"] or "(the spec's)"),
-             ("last run", last_run(shown)), ("last job", shown["last_job_id"] or "-"),
-             ("runs", str(shown["run_count"]))]
-    if shown["description"]:
-        lines.insert(1, ("description", shown["description"]))
+             ("jitter", f"{shown['jitter']:g}s"), ("queue", shown["queue"] or spec_s),
+             ("priority", spec_s if shown["priority"] is None else str(shown["priority"])),
+             ("max attempts", spec_s if shown["max_attempts"] is None
+              else str(shown["max_attempts"])),
+             ("created", shown["created_at"] or "-"), ("last run", last_run(shown)),
+             ("last job", shown["last_job_id"] or "-"), ("runs", str(shown["run_count"]))]
     for key, value in lines:
-        out(f"{key + ':':<13}{value}")
-    for n, fire in enumerate(shown["next_fires"]):
-        out(f"{'next fires:' if n == 0 else '':<13}{fire}")
+        out(f"{key + ':':<14}{value}")
+    fires = shown["next_fires"] if shown["state"] == "active" else [when_next(shown)]
+    for n, fire in enumerate(fires or ["-"]):
+        out(f"{'next fires:' if n == 0 else '':<14}{fire}")
+
+
+DEFINITION_FLAGS = ("spec", "expression", "timezone", "args_json", "overlap", "misfire",
+                    "catch_up", "jitter", "queue", "priority", "max_attempts", "description")
 
 
 @schedules.command("add")
@@ -98,7 +124,7 @@ def print_view(shown: dict[str, Any]) -> None:
               help="A TOML file of [[schedule]] tables: each is added (or only NAME's).")
 @click.option("--spec", help="The spec each tick enqueues.")
 @click.option("--cron", "expression", help="The expression: 5 fields, 6 with seconds first,"
-              " @daily and friends, or '@every 90s' (at least 1s).")
+              " @daily and friends, or '@every 90s' (whole seconds, 1s to a year).")
 @click.option("--timezone", default="UTC", show_default=True, help="An IANA time zone.")
 @click.option("--args", "args_json", default="{}", help="The jobs' args, as a JSON object.")
 @click.option("--overlap", type=click.Choice(["skip", "allow", "cancel_previous", "enqueue"]),
@@ -112,14 +138,26 @@ def print_view(shown: dict[str, Any]) -> None:
 @click.option("--priority", type=int, help="The jobs' priority (default: the spec's).")
 @click.option("--max-attempts", type=int, help="The jobs' attempts (default: the spec's).")
 @click.option("--description", default="")
-@click.option("--paused", is_flag=True, help="Add it paused.")
+@click.option("--paused/--active", default=None, help="Add it paused (or active). With"
+              " --replace, left out: a paused schedule stays paused.")
+@click.option("--replace", is_flag=True, help="Replace an existing schedule whole: options"
+              " not given go back to their defaults.")
 @URL_OPTION
-def add(name: str | None, source: Path | None, spec: str | None, expression: str | None,
-        timezone: str, args_json: str, overlap: str, misfire: str, catch_up: int,
-        jitter: float, queue: str | None, priority: int | None, max_attempts: int | None,
-        description: str, paused: bool, url: str) -> None:
-    """Add or replace schedule NAME, from flags or from a TOML file (--file)."""
+@click.pass_context
+def add(ctx: click.Context, name: str | None, source: Path | None, spec: str | None,
+        expression: str | None, timezone: str, args_json: str, overlap: str, misfire: str,
+        catch_up: int, jitter: float, queue: str | None, priority: int | None,
+        max_attempts: int | None, description: str, paused: bool | None, replace: bool,
+        url: str) -> None:
+    """Add schedule NAME, from flags or from a TOML file (--file); an existing one only
+    with --replace."""
     if source is not None:
+        given = [f"--{p.replace('_json', '').replace('expression', 'cron').replace('_', '-')}"
+                 for p in DEFINITION_FLAGS
+                 if ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            fail(f"--file gives the whole definition: leave out {', '.join(given)}"
+                 " (or leave out --file)")
         tables = _from_file(source, name)
     else:
         if name is None or spec is None or expression is None:
@@ -128,21 +166,44 @@ def add(name: str | None, source: Path | None, spec: str | None, expression: str
             args = json.loads(args_json)
         except ValueError as exc:
             fail(f"--args is not JSON: {exc}")
-        given = {"name": name, "spec": spec, "cron": expression, "timezone": timezone,
+        flags = {"name": name, "spec": spec, "cron": expression, "timezone": timezone,
                  "args": args, "overlap": overlap, "misfire": misfire, "catch_up": catch_up,
                  "jitter": jitter, "queue": queue, "priority": priority,
-                 "max_attempts": max_attempts, "description": description, "paused": paused}
-        tables = [{k: v for k, v in given.items() if v is not None}]
+                 "max_attempts": max_attempts, "description": description}
+        tables = [{k: v for k, v in flags.items() if v is not None}]
     for table in tables:
+        if paused is not None:
+            table["paused"] = paused
         try:
-            check(table, where=str(source) if source else "")
+            definition = check(table, where=str(source) if source else "")
         except Invalid as exc:
             fail(f"{exc.message} ({exc.code})")
-        reply = api(url, "put_schedule", table["name"], table)
-        shown = reply["schedule"]
-        fires = shown["next_fires"][0] if shown["next_fires"] else "-"
-        out(f"{reply['change']:<9} {shown['name']}  {shown['cron']} ({shown['timezone']})"
-            f"  state={shown['state']}  next={fires}")
+        _put(url, table, msgspec.to_builtins(definition), replace)
+
+
+def _put(url: str, table: dict[str, Any], whole: dict[str, Any], replace: bool) -> None:
+    """PUT one schedule; an existing one only with ``replace`` (or when ``whole``, its
+    definition with the defaults, is the same), and then a paused one stays paused
+    unless the definition says otherwise."""
+    name = table["name"]
+    try:
+        with Client(servers(url), token=token()) as client:
+            existing = client.schedule(name)
+    except ApiError as exc:
+        if exc.code != "no_such_schedule":
+            fail(say(url, exc))
+        existing = None
+    same = existing is not None and all(
+        existing.get(key) == value for key, value in whole.items() if key != "paused")
+    if existing is not None and not replace and not same:
+        fail(f"schedule {name} exists: give --replace to replace it whole (options not given"
+             " go back to their defaults), or use pause/resume/delete")
+    if existing is not None and "paused" not in table:
+        table["paused"] = existing["paused"]
+    reply = api(url, "put_schedule", name, table)
+    shown = reply["schedule"]
+    out(f"{reply['change']:<9} {shown['name']}  {shown['cron']} ({shown['timezone']})"
+        f"  state={shown['state']}  next={when_next(shown)}")
 
 
 def _from_file(source: Path, name: str | None) -> list[dict[str, Any]]:
@@ -169,9 +230,8 @@ def _command(verb: str, doc: str) -> None:
             out(f"{name} is deleted (its jobs stay)")
             return
         shown = api(url, "pause_schedule", name, paused=verb == "pause")
-        fires = shown["next_fires"][0] if shown["next_fires"] else "-"
         out(f"{name} is paused" if verb == "pause"
-            else f"{name} is {shown['state']}; next fire {fires}")
+            else f"{name} is {shown['state']}; next fire {when_next(shown)}")
 
 
 for _verb, _doc in (

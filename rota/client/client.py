@@ -458,20 +458,20 @@ class Client(Workflows, ScheduleCalls):
 
     def list_jobs(self, *, states: tuple[str, ...] | list[str] = (), spec: str | None = None,
                   queue: str | None = None, worker: str | None = None, q: str | None = None,
-                  limit: int = 50, cursor: str | None = None) -> dict[str, Any]:
+                  limit: int = 50, cursor: str | None = None, schedule: str | None = None
+                  ) -> dict[str, Any]:
         """One page of ``GET /jobs`` (admin), newest first: ``{"jobs": [...],
         "next_cursor"}``; pass ``next_cursor`` back as ``cursor`` for the next page."""
         params = {"state": ",".join(states), "spec": spec, "queue": queue, "worker": worker,
-                  "q": q, "limit": limit, "cursor": cursor}
+                  "schedule": schedule, "q": q, "limit": limit, "cursor": cursor}
         return self._call("GET", "/jobs", params={k: v for k, v in params.items() if v})
 
     def bulk(self, action: str, *, ids: list[str] | None = None,
              filter: dict[str, Any] | None = None, dry_run: bool = False,
              limit: int | None = None) -> dict[str, Any]:
-        """``POST /jobs/retry`` or ``/jobs/cancel`` (admin) of these ids or of the jobs
-        that match ``filter`` (``state`` a list, ``spec``, ``queue``, ``worker``, ``q``),
-        at most ``limit`` (the server's default cap when None): how many matched and
-        were touched, the first ids, and why others were skipped."""
+        """``POST /jobs/retry`` or ``/jobs/cancel`` (admin) of these ids or of the jobs that
+        match ``filter`` (``GET /jobs``'s; ``state`` a list), at most ``limit`` (None: the
+        server's cap): how many matched and were touched, the first ids, why others not."""
         body: dict[str, Any] = {"dry_run": dry_run}
         if ids is not None:
             body["ids"] = ids

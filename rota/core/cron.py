@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import calendar
 import re
+from fractions import Fraction
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
@@ -37,8 +38,10 @@ _FIELDS = (("second", 0, 59, None), ("minute", 0, 59, None), ("hour", 0, 23, Non
            ("day of month", 1, 31, None), ("month", 1, 12, MONTHS),
            ("day of week", 0, 7, WEEKDAYS))
 
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_UNITS = {"ms": Fraction(1, 1000), "s": Fraction(1), "m": Fraction(60), "h": Fraction(3600)}
+# ASCII digits only: \d would take '١٠' (Arabic-Indic), which float() then reads as 10
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|h|m|s)")
+MAX_EVERY = 365 * 86400  # seconds: '@every 8760h', a year; a longer one is refused
 
 # a schedule that has not fired within this many years is taken never to fire again
 # (the rarest real pattern, a fifth weekday of a February, recurs within 40 years)
@@ -149,17 +152,20 @@ def _duration(text: str) -> float:
     """A Go-style duration (1h30m, 45s, 500ms) in seconds, > 0."""
     if not text:
         raise _bad("@every needs a duration, e.g. '@every 90s'")
-    position, total = 0, 0.0
+    position, total = 0, Fraction(0)  # exact: '1.1m' is 66 s, not 66.00000000000001
     for match in _DURATION_PART.finditer(text.lower()):
         if match.start() != position:
             break
-        total += float(match.group(1)) * _UNITS[match.group(2)]
+        total += Fraction(match.group(1)) * _UNITS[match.group(2)]
         position = match.end()
     if position != len(text) or position == 0:
-        raise _bad(f"duration {text!r} in '@every {text}' is not like 1h30m, 45s or 500ms")
+        raise _bad(f"duration {text!r} in '@every {text}' is not like 1h30m, 45s or 2m")
     if total <= 0:
         raise _bad(f"duration {text!r} in '@every {text}' must be more than zero")
-    return total
+    if total > MAX_EVERY:
+        raise _bad(f"duration {text!r} in '@every {text}' is over a year; the longest is"
+                   " '@every 8760h' (a yearly time is '@yearly')")
+    return float(total)
 
 
 def _digits(text: str) -> bool:

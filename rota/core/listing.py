@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from rota.base.errors import RequestError
 from rota.core.model import JOB_STATES
 
-FIELDS = ("state", "spec", "queue", "worker", "q")
+FIELDS = ("state", "spec", "queue", "worker", "schedule", "q")
 # Names as the wire takes them (rota/base/protocol.py NAME_PATTERN, JOB_REF_PATTERN); q is
 # free text, bounded so that it cannot make a LIKE pattern of any size.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
@@ -36,6 +36,7 @@ class JobFilter:
     queue: str | None = None
     worker: str | None = None
     q: str | None = None  # an id prefix, or text found in the job's errors
+    schedule: str | None = None  # the cron schedule that made the jobs
 
 
 def _invalid(message: str) -> RequestError:
@@ -70,7 +71,7 @@ def parse_filter(params: Mapping[str, str | list[str]]) -> JobFilter:
             if state not in states:
                 states.append(state)
     names = {}
-    for key in ("spec", "queue", "worker"):
+    for key in ("spec", "queue", "worker", "schedule"):
         value = _one(params, key)
         if value is not None and not NAME.fullmatch(value):
             raise _invalid(f"{key} is not a name (letters, digits and _.:- up to 128)")
@@ -80,7 +81,8 @@ def parse_filter(params: Mapping[str, str | list[str]]) -> JobFilter:
         q = q.strip()
         if len(q) > MAX_Q or any(ord(c) < 32 or ord(c) == 127 for c in q):
             raise _invalid(f"q must be printable text of at most {MAX_Q} characters")
-    return JobFilter(tuple(states), names["spec"], names["queue"], names["worker"], q or None)
+    return JobFilter(tuple(states), names["spec"], names["queue"], names["worker"], q or None,
+                     names["schedule"])
 
 
 def filter_params(flt: JobFilter) -> dict[str, str | list[str]]:
@@ -89,7 +91,7 @@ def filter_params(flt: JobFilter) -> dict[str, str | list[str]]:
     if flt.states:
         params["state"] = list(flt.states)
     for key, value in (("spec", flt.spec), ("queue", flt.queue), ("worker", flt.worker),
-                       ("q", flt.q)):
+                       ("schedule", flt.schedule), ("q", flt.q)):
         if value is not None:
             params[key] = value
     return params

@@ -10,6 +10,7 @@ one tick makes one job however many servers reach it.
 from __future__ import annotations
 
 import hashlib
+import re
 from bisect import bisect_right
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
@@ -68,15 +69,21 @@ def check(data: Any, *, where: str = "") -> ScheduleDef:
     prefix = f"{where}: " if where else ""
     if not isinstance(data, dict):
         raise Invalid("invalid_schedule", f"{prefix}a schedule must be an object (a table)")
+    refused = name_refusal(data.get("name"))
+    if refused is not None:
+        raise Invalid("invalid_schedule", f"{prefix}{refused}")
     try:
         definition = msgspec.convert(data, type=ScheduleDef)
     except msgspec.ValidationError as exc:
         said = plainly(str(exc), ScheduleDef, lambda: data)
         raise Invalid("invalid_schedule", f"{prefix}{said}") from None
-    if len(definition.name) > MAX_NAME:
-        raise Invalid("invalid_schedule", f"{prefix}name has {len(definition.name)}"
-                      f" characters; a schedule's name may have {MAX_NAME} at most (its"
-                      " jobs' ids are cron-<name>-<tick>)")
+    # spaces, tabs or a newline around the expression (a pasted line) are dropped; one
+    # inside it is refused, as a line of `rota schedules` or the log could not show it
+    definition = msgspec.structs.replace(definition, cron=definition.cron.strip())
+    inside = next((c for c in definition.cron if not c.isprintable()), None)
+    if inside is not None:
+        raise Invalid("invalid_cron", f"{prefix}schedule {definition.name!r}: the expression"
+                      f" {definition.cron!r} holds {inside!r}; separate its fields by spaces")
     try:
         parsed = cron.parse(definition.cron)
         cron.zone(definition.timezone)
@@ -86,7 +93,25 @@ def check(data: Any, *, where: str = "") -> ScheduleDef:
         raise Invalid("invalid_cron", f"{prefix}schedule {definition.name!r}: {definition.cron!r}"
                       f" fires every {parsed.every:g}s; a schedule fires at most once a"
                       " second ('@every 1s')")
+    if parsed.every is not None and parsed.every != int(parsed.every):
+        raise Invalid("invalid_cron", f"{prefix}schedule {definition.name!r}: {definition.cron!r}"
+                      f" fires every {parsed.every:g}s; a schedule ticks in whole seconds"
+                      " (its jobs' ids name the second)")
     return definition
+
+
+NAME_RULE = (f"1 to {MAX_NAME} letters, digits and '_.:-', starting with a letter or digit"
+             " (its jobs' ids are cron-<name>-<tick>)")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,%d}" % (MAX_NAME - 1))
+
+
+def name_refusal(name: Any) -> str | None:
+    """Why ``name`` is no schedule's name (None: it is one, or it is no text, which the
+    definition's type refuses): the one rule, in the body and in the path alike."""
+    if not isinstance(name, str) or _NAME.fullmatch(name):
+        return None
+    said = repr(name) if len(name) <= 60 else f"a name of {len(name)} characters"
+    return f"a schedule's name is {NAME_RULE}, not {said}"
 
 
 @dataclass(frozen=True)
@@ -238,10 +263,35 @@ def view(definition: ScheduleDef, row: Mapping[str, Any], waiting: str | None,
         outcome = row.get("last_job_state") or "deleted"  # the job's state, as it is now
     return {**msgspec.to_builtins(definition), "state": state,
             "waiting_reason": waiting if state == "waiting" else None,
-            "last_tick": _rfc3339(row.get("last_tick")), "last_job_id": row.get("last_job_id"),
-            "last_outcome": outcome, "next_fires": [_rfc3339(t) for t in fires],
+            **_record(row, outcome, fires)}
+
+
+def _record(row: Mapping[str, Any], outcome: str | None, fires: list[float]
+            ) -> dict[str, Any]:
+    """A view's record of ticks; a fire time past year 9999 is left out."""
+    return {"last_tick": _rfc3339(row.get("last_tick")), "last_job_id": row.get("last_job_id"),
+            "last_outcome": outcome,
+            "next_fires": [t for t in map(_rfc3339, fires) if t is not None],
             "run_count": row.get("run_count", 0), "created_at": _rfc3339(row.get("created_at"))}
 
 
+def unreadable(row: Mapping[str, Any], reason: str) -> dict[str, Any]:
+    """A schedule whose stored row this Rota cannot read (its definition or expression
+    refused since it was stored): shown waiting, with what could be read, so that one
+    odd row never fails a listing of all."""
+    try:
+        stored = msgspec.json.decode(row["definition"])
+    except (msgspec.DecodeError, TypeError, KeyError):
+        stored = {}
+    known = {f: stored.get(f) for f in ScheduleDef.__struct_fields__}
+    known.update(name=row.get("name"), paused=bool(row.get("paused")))
+    return {**known, "state": "waiting", "waiting_reason": f"it cannot be read: {reason}",
+            **_record(row, row.get("last_outcome"), [])}
+
+
 def _rfc3339(moment: float | None) -> str | None:
-    return None if moment is None else rfc3339(moment)
+    """None for a moment no RFC 3339 time can say (past year 9999): a view shows it so."""
+    try:
+        return None if moment is None else rfc3339(moment)
+    except (ValueError, OverflowError):
+        return None

@@ -24,7 +24,7 @@ from rota.core.engine import Engine
 from rota.core.jobs import EnqueueRequest
 from rota.core.model import Instant, JobRecord
 from rota.core.schedules import (ScheduleDef, check, due, jitter_offset, tick_id, view,
-                                 waiting_reason)
+                                 unreadable, waiting_reason)
 from rota.store import ticks
 from rota.store.store import Store
 
@@ -185,11 +185,13 @@ class Clockwork:
 
     # -- the API's -------------------------------------------------------------------------
     def _view(self, row: dict[str, Any]) -> dict[str, Any]:
-        definition = ticks.definition_of(row)
-        now = self.clock().wall
+        try:  # a row stored before a rule refused it (@every 10**9 h) is shown, waiting
+            definition = ticks.definition_of(row)
+            fires = ticks.timing_of(row).after(max(self.clock().wall, ticks.start_of(row)), 5)
+        except (Invalid, msgspec.DecodeError, msgspec.ValidationError, ValueError,
+                OverflowError) as exc:
+            return unreadable(row, str(exc))
         waiting = self._reason(definition) or self.refused.get(definition.name)
-        timing = ticks.timing_of(row)
-        fires = timing.after(max(now, ticks.start_of(row)), 5)
         return view(definition, row, waiting, fires)
 
     async def list(self) -> dict[str, Any]:

@@ -7,11 +7,18 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rota.server.api_base import JSON, coordinator_of, decode_as, need, path_name, read_body
+from rota.base.errors import RequestError
+from rota.core.schedules import name_refusal
+from rota.server.api_base import JSON, coordinator_of, decode_as, need, read_body
 
 
 def _name(request: Request) -> str:
-    return path_name(request, "name", "invalid_name", "a schedule name")
+    """The path's schedule name, or 400 ``invalid_name`` with the rule a body's is held to."""
+    name: str = request.path_params["name"]
+    refused = name_refusal(name)
+    if refused is not None:
+        raise RequestError(400, "invalid_name", refused)
+    return name
 
 
 async def list_schedules(request: Request) -> Response:

@@ -194,7 +194,7 @@ async def jobs_page(request: Request) -> Response:
     need(request, "admin")
     coordinator = coordinator_of(request)
     params = request.query_params
-    form = {"states": (), "spec": "", "queue": "", "worker": "", "q": ""}
+    form = {"states": (), "spec": "", "queue": "", "worker": "", "schedule": "", "q": ""}
     # Every queue that has live jobs, a worker or a pause, and the one asked for: a queue
     # given only at enqueue must not fall out of the form (the next Filter would widen
     # to every queue, and a bulk action with it).
@@ -212,7 +212,7 @@ async def jobs_page(request: Request) -> Response:
                       jobs=[], total=0, capped=False, query="", pager={}, states=STATES,
                       **choices)
     form = {"states": flt.states, "spec": flt.spec or "", "queue": flt.queue or "",
-            "worker": flt.worker or "", "q": flt.q or ""}
+            "worker": flt.worker or "", "schedule": flt.schedule or "", "q": flt.q or ""}
     q = flt.q
     if q and flt == JobFilter(q=q) and await coordinator.get_job(q) is not None:
         return RedirectResponse(f"/ui/jobs/{path_segment(q)}", status_code=303)  # an id: its page
@@ -269,7 +269,7 @@ async def bulk_page(request: Request) -> Response:
     flt = job_filter(request.query_params)
     if flt == JobFilter():
         raise RequestError(400, "invalid_filter", "filter the jobs first: a bulk action"
-                           " needs at least one of state, spec, queue, worker, q")
+                           " needs at least one of state, spec, queue, worker, schedule, q")
     preview = await coordinator.bulk(action, flt=flt, dry_run=True, limit=BULK_LIMIT)
     query = urlencode(filter_params(flt), doseq=True)
     # The jobs the dry run looked at (the newest, up to the cap), and those of them left

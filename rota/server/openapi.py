@@ -115,7 +115,7 @@ _LISTING_PARAMETERS: list[dict[str, Any]] = [
     {"name": "state", "in": "query", "required": False, "style": "form", "explode": True,
      "schema": {"type": "array", "items": _STATES}},
     *({"name": name, "in": "query", "required": False, "schema": {"type": "string"}}
-      for name in ("spec", "queue", "worker", "q", "cursor")),
+      for name in ("spec", "queue", "worker", "schedule", "q", "cursor")),
     {"name": "limit", "in": "query", "required": False,
      "schema": {"type": "integer", "minimum": 1, "maximum": 500}},
 ]

@@ -35,6 +35,7 @@ class BulkFilter(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     queue: str | None = None
     worker: str | None = None
     q: str | None = None
+    schedule: str | None = None
 
 
 class BulkRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -83,7 +84,7 @@ def _filter(raw: BulkFilter) -> JobFilter:
     flt = parse_filter(params)
     if flt == JobFilter():
         raise RequestError(422, "invalid_request", "the filter is empty: give at least one"
-                           " of state, spec, queue, worker, q (or ids)")
+                           " of state, spec, queue, worker, schedule, q (or ids)")
     return flt
 
 

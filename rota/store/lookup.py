@@ -16,6 +16,7 @@ touch none of them):
 - a finished, scheduled or retryable state: ``(state)``, ``(state, spec)`` or
   ``(state, worker_id)`` (partial), or m001's ``(state, queue)``;
 - ``active``: few rows (the fleet's slots), read whole;
+- a ``schedule``'s jobs, in any state: m018's ``(schedule, state)`` (partial);
 - ``available``: ``(state, queue)``, one walk per queue (found by seeks). A ``spec``
   there is checked row by row: like ``q``, a bounded walk;
 - a bounded walk examines at most ``MAX_SCAN`` rows per page. A page that ends at that
@@ -72,7 +73,7 @@ def _where(flt: JobFilter, state: str | None, plain: str = "") -> tuple[list[str
     terms: list[str] = []
     params: list[Any] = []
     for column, value in (("state", state), ("spec", flt.spec), ("queue", flt.queue),
-                          ("worker_id", flt.worker)):
+                          ("worker_id", flt.worker), ("schedule", flt.schedule)):
         if value is not None:
             terms.append(f"{plain}{column} = ?")
             params.append(value)
@@ -83,13 +84,19 @@ def _walks(conn: sqlite3.Connection, flt: JobFilter) -> Iterator[Walk]:
     text = ("instr(lower(errors), lower(?)) > 0", [flt.q]) if flt.q is not None else ("", [])
     states: list[str | None] = list(flt.states)
     if not states:
-        states = list(JOB_STATES) if flt.spec or flt.queue or flt.worker else [None]
+        states = (list(JOB_STATES) if flt.spec or flt.queue or flt.worker or flt.schedule
+                  else [None])
     for state in states:
         if state is None:  # the table itself
             yield Walk("jobs", "1", [], *text)
             continue
         assert state in JOB_STATES  # written into the SQL: only the fixed names
         terms, params = _where(flt, None)
+        if flt.schedule is not None:  # a schedule's jobs: m018's (schedule, state), any state
+            yield Walk("jobs INDEXED BY idx_jobs_schedule",
+                       " AND ".join([f"state = '{state}'", "schedule IS NOT NULL", *terms]),
+                       params, *text)
+            continue
         if state == "active":  # few: the fleet's slots
             yield Walk("jobs", " AND ".join(["state = 'active'", *terms]), params, *text)
             continue

@@ -46,7 +46,7 @@ SHOWS = {
                                      "'width': 256", "completed", "'message': 'both echoed'"],
     "rota workflows show thumbnail-c": ["(chain): completed", "└── echo  completed  job"],
     "rota workflows create": ["thumbnails (chain)", "├── group"],
-    "rota schedules show heartbeat": ["@every 10s", "next fires:", "state:       active"],
+    "rota schedules show heartbeat": ["@every 10s", "next fires:", "state:        active", "priority:"],
 }
 
 

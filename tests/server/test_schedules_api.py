@@ -75,7 +75,16 @@ async def test_bad_schedules_are_refused_precisely_and_nothing_is_stored(live: L
         assert answer.status_code == 422, answer.text
         assert answer.json()["error"] == {"code": code, "message": message}
     assert (await live.http.get("/schedules")).json() == {"schedules": []}
-    assert (await live.http.put("/schedules/a%20b", json={})).status_code == 400
+    rule = ("a schedule's name is 1 to 100 letters, digits and '_.:-', starting with a letter"
+            " or digit (its jobs' ids are cron-<name>-<tick>), not ")
+    for path, said in (("a%20b", "'a b'"), ("a" * 101, "a name of 101 characters")):
+        answer = await live.http.put(f"/schedules/{path}", json={"spec": "report",
+                                                                 "cron": "@daily"})
+        assert answer.status_code == 400
+        assert answer.json()["error"] == {"code": "invalid_name", "message": rule + said}
+    none = await live.http.get("/jobs", params={"schedule": "fast", "state": "available"})
+    assert none.json() == {"jobs": [], "next_cursor": None}
+    assert (await live.http.get("/jobs", params={"schedule": "fast"})).json()["jobs"] == []
 
 
 async def test_a_push_carries_schedules_and_its_dry_run_changes_nothing(live: Live, tmp_path):
@@ -104,3 +113,29 @@ async def test_a_push_carries_schedules_and_its_dry_run_changes_nothing(live: Li
         " most once a second ('@every 1s')")
     names = [s["name"] for s in (await live.http.get("/specs")).json()["specs"]]
     assert names == ["report"]
+
+
+async def test_a_row_stored_before_a_rule_refused_it_is_listed_waiting(live: Live):
+    """An odd row (stored by an older Rota) never fails the listing of all."""
+    from rota.core.schedules import ScheduleDef
+    from rota.store import ticks
+
+    odd = [ScheduleDef(name="huge", spec="echo", cron="@every 1000000000h"),
+           ScheduleDef(name="nines", spec="echo", cron="@every " + "9" * 400 + "s")]
+    await live.coordinator.store.writer.submit(
+        lambda conn: [ticks.upsert(conn, d, 1_800_000_000.0) for d in odd])
+    assert (await put(live, "fine", spec="echo", cron="@daily")).status_code == 201
+    answer = await live.http.get("/schedules")
+    assert answer.status_code == 200, answer.text
+    listed = {s["name"]: s for s in answer.json()["schedules"]}
+    assert listed["fine"]["next_fires"] and listed["fine"]["state"] == "waiting"
+    huge = listed["huge"]
+    assert (huge["state"], huge["cron"], huge["next_fires"]) == (
+        "waiting", "@every 1000000000h", [])
+    assert huge["waiting_reason"] == (
+        "it cannot be read: duration '1000000000h' in '@every 1000000000h' is over a year;"
+        " the longest is '@every 8760h' (a yearly time is '@yearly')")
+    shown = await live.http.get("/schedules/nines")
+    assert shown.status_code == 200 and shown.json()["state"] == "waiting"
+    code = await live.http.put("/schedules/spaced", json={"spec": "echo", "cron": " @daily\n"})
+    assert code.json()["schedule"]["cron"] == "@daily"

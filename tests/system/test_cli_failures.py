@@ -307,3 +307,22 @@ async def test_a_worker_label_the_server_would_refuse_is_one_line_before_connect
         line = one_line(code, err, f"a bad label {bad}")
         assert code == 2 and f"labels[0] {rule}, got {bad!r}: one label per --label;" \
             " ROTA_LABELS takes several, separated by spaces" in line, line
+
+
+async def test_a_token_with_a_newline_is_one_line_for_every_command(live: Live):
+    """Not the HTTP library's 'Invalid header value' traceback: said before sending."""
+    said = ("error: the token given (--token or ROTA_TOKEN) holds a newline: a token is one"
+            " line, as 'rota tokens create' printed it (was it read from a file with its line"
+            " ending?)")
+    url = live.base
+    for command in (["schedules"], ["specs", "list"], ["jobs", "list"], ["tail"],
+                    ["enqueue", "echo"], ["tokens", "list", "--url", url]):
+        argv = [*command] if "--url" in command else [*command, "--url", url]
+        code, _, err = await rota(*argv, "--token", "abc\ndef")
+        assert one_line(code, err, f"{command}: a newline") == said
+        code, _, err = await rota(*argv, env={"ROTA_TOKEN": "rota_x\r\n"})
+        assert one_line(code, err, f"{command}: ROTA_TOKEN") == said
+    code, _, err = await rota("specs", "list", "--url", url, "--token", "rota_\u00e9")
+    assert one_line(code, err, "non-ASCII") == (
+        "error: the token given (--token or ROTA_TOKEN) holds 'é', which no token has: give"
+        " it as 'rota tokens create' printed it")

@@ -3,6 +3,7 @@ push``, as a user types them, against a real server."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from conftest import Live
@@ -46,6 +47,13 @@ async def test_schedules_in_a_spec_directory_are_pushed_and_listed(live: Live, t
     assert "new       schedule hourly-report" in out and "dry run" in out
     code, out, err = await invoke("schedules", "--url", live.base)
     assert (code, out) == (0, "") and err.startswith("no schedules;")
+    code, out, _ = await invoke("schedules", "--json", "--url", live.base)
+    assert json.loads(out) == {"schedules": []} == (await live.http.get("/schedules")).json()
+    code, _, err = await invoke("schedules", "add", "a b", "--spec", "x", "--cron", "@daily",
+                                "--url", live.base)
+    assert err == ("error: a schedule's name is 1 to 100 letters, digits and '_.:-', starting"
+                   " with a letter or digit (its jobs' ids are cron-<name>-<tick>), not 'a b'"
+                   " (invalid_schedule)\n")
 
     code, out, _ = await invoke("specs", "push", str(specs), "--url", live.base)
     assert code == 0 and out.count("new       schedule") == 2
@@ -63,10 +71,13 @@ async def test_schedules_in_a_spec_directory_are_pushed_and_listed(live: Live, t
     code, out, _ = await invoke("specs", "push", str(specs), "--url", live.base)
     assert "unchanged schedule nightly-report" in out  # and still paused
     code, out, _ = await invoke("schedules", "show", "nightly-report", "--url", live.base)
-    assert "state:       paused" in out and "timezone:    America/New_York" in out
-    assert out.count("T0") + out.count("T1") + out.count("T2") >= 5  # the next fires
+    assert "state:        paused" in out and "timezone:     America/New_York" in out
+    assert "next fires:   (paused)\n" in out  # not times that will not come
+    assert "priority:     (the spec's)" in out and "max attempts: (the spec's)" in out
     code, out, _ = await invoke("schedules", "resume", "nightly-report", "--url", live.base)
-    assert out.startswith("nightly-report is active; next fire ")
+    assert out.startswith("nightly-report is active; next fire 20")
+    code, out, _ = await invoke("schedules", "show", "nightly-report", "--url", live.base)
+    assert out.count("T0") + out.count("T1") + out.count("T2") >= 5  # the next fires
     code, out, _ = await invoke("schedules", "delete", "hourly-report", "--url", live.base)
     assert out == "hourly-report is deleted (its jobs stay)\n"
 
@@ -116,3 +127,61 @@ async def test_the_readme_schedule_table_is_pushed_as_written(live: Live, tmp_pa
     shown = (await live.http.get("/schedules/nightly-echo")).json()
     assert (shown["spec"], shown["timezone"], shown["jitter"]) == ("echo", "Europe/Berlin", 30)
     assert shown["args"] == {"message": "good night"} and shown["state"] == "active"
+
+
+async def test_add_refuses_an_existing_name_unless_replace_and_keeps_a_pause(live: Live,
+                                                                             tmp_path: Path):
+    add = ("schedules", "add", "tidy", "--spec", "echo", "--url", live.base)
+    code, _, _ = await invoke(*add, "--cron", "@hourly", "--overlap", "enqueue", "--paused")
+    assert code == 0
+    code, out, err = await invoke(*add, "--cron", "@daily")
+    assert (code, out) == (1, "")
+    assert err == ("error: schedule tidy exists: give --replace to replace it whole (options"
+                   " not given go back to their defaults), or use pause/resume/delete\n")
+    shown = (await live.http.get("/schedules/tidy")).json()
+    assert (shown["cron"], shown["overlap"], shown["paused"]) == ("@hourly", "enqueue", True)
+    code, out, _ = await invoke(*add, "--cron", "@daily", "--replace", "--priority", "7",
+                                "--max-attempts", "2")
+    assert out == "changed   tidy  @daily (UTC)  state=paused  next=(paused)\n"
+    code, out, _ = await invoke("schedules", "show", "tidy", "--url", live.base)
+    assert "priority:     7\n" in out and "max attempts: 2\n" in out
+    shown = (await live.http.get("/schedules/tidy")).json()
+    assert (shown["overlap"], shown["paused"]) == ("skip", True)  # whole, and still paused
+    code, out, _ = await invoke(*add, "--cron", "@daily", "--replace", "--active")
+    assert code == 0 and out.endswith("state=waiting  next=(waiting: spec echo has no status"
+                                      " quo)\n")
+    code, out, _ = await invoke("schedules", "show", "tidy", "--url", live.base)
+    assert "next fires:   (waiting: spec echo has no status quo)\n" in out
+    (tmp_path / "s.toml").write_text(HOURLY)
+    code, _, err = await invoke("schedules", "add", "--file", str(tmp_path / "s.toml"),
+                                "--cron", "@daily", "--queue", "q", "--url", live.base)
+    assert (code, err) == (1, "error: --file gives the whole definition: leave out --cron,"
+                              " --queue (or leave out --file)\n")
+
+
+async def test_a_schedules_jobs_are_listed_by_name_not_by_id_prefix(live: Live):
+    from conftest import write_spec
+    from helpers import wait_until
+
+    await live.push(write_spec(live.tmp / "specs", "tick"))
+    for name in ("ov", "ov-allow"):  # 'cron-ov-' is a prefix of ov-allow's ids too
+        await live.http.put(f"/schedules/{name}", json={"spec": "tick", "cron": "@every 1s"})
+
+    async def both() -> bool:
+        found = [(await live.http.get("/jobs", params={"schedule": n})).json()["jobs"]
+                 for n in ("ov", "ov-allow")]
+        return all(found)
+
+    await wait_until(both, timeout=10, what="a tick job of each")
+    for name in ("ov", "ov-allow"):
+        await live.http.post(f"/schedules/{name}/pause")
+    listed = (await live.http.get("/jobs", params={"schedule": "ov"})).json()["jobs"]
+    assert {j["schedule"] for j in listed} == {"ov"}
+    assert all(j["id"].startswith("cron-ov-2") for j in listed)
+    code, out, _ = await invoke("jobs", "list", "--schedule", "ov", "--url", live.base)
+    assert code == 0
+    ids = [line.split()[0] for line in out.splitlines()[1:]]
+    assert ids == [j["id"] for j in listed]
+    code, out, _ = await invoke("jobs", "list", "--schedule", "ov-allow", "--state",
+                                "completed", "--url", live.base)
+    assert (code, out) == (0, "")

@@ -216,7 +216,7 @@ def test_the_schedules_page_lists_each_schedule_and_its_jobs_link_back(page: Pag
     expect(beat.locator("td.last a").first).to_have_text("completed", timeout=WAIT)
     rig.api("POST", "/schedules/beat/pause")
     expect(beat.locator("td.state")).to_have_text("paused")
-    expect(beat.locator("td.last a").last).to_have_attribute("href", "/ui/jobs?q=cron-beat-")
+    expect(beat.locator("td.last a").last).to_have_attribute("href", "/ui/jobs?schedule=beat")
     beat.locator("td.last a").first.click()
     expect(page).to_have_url(re.compile(r"/ui/jobs/cron-beat-\d{8}T\d{6}Z$"))
     page.locator("#job-schedule").click()

@@ -176,16 +176,30 @@ def test_a_rare_fire_is_found_without_scanning_minutes():
                      " @weekly, @daily, @midnight, @hourly, @every"),
     ("@every", "@every needs a duration, e.g. '@every 90s'"),
     ("@every 0s", "duration '0s' in '@every 0s' must be more than zero"),
-    ("@every 10", "duration '10' in '@every 10' is not like 1h30m, 45s or 500ms"),
+    ("@every 10", "duration '10' in '@every 10' is not like 1h30m, 45s or 2m"),
     ("@everyday", "unknown cron alias '@everyday'; known: @yearly, @annually, @monthly,"
                   " @weekly, @daily, @midnight, @hourly, @every"),
     ("\u00b2 * * * *", "minute value '\u00b2' in '\u00b2' is not a number"),
     ("*/\u00b2 * * * *", "step '\u00b2' in '*/\u00b2' (minute) is not a number"),
     ("* * * * 5#\u00b2", "occurrence '\u00b2' in '5#\u00b2' (day of week) is not 1-5"),
-    ("@every 1d", "duration '1d' in '@every 1d' is not like 1h30m, 45s or 500ms"),
+    ("@every 1d", "duration '1d' in '@every 1d' is not like 1h30m, 45s or 2m"),
+    ("@every \u0661\u0660s", "duration '\u0661\u0660s' in '@every \u0661\u0660s' is not like"
+                              " 1h30m, 45s or 2m"),
+    ("@every 1000000000h", "duration '1000000000h' in '@every 1000000000h' is over a year;"
+                           " the longest is '@every 8760h' (a yearly time is '@yearly')"),
+    ("@every 8760h1s", "duration '8760h1s' in '@every 8760h1s' is over a year; the longest"
+                       " is '@every 8760h' (a yearly time is '@yearly')"),
 ])
 def test_refused_expressions(expression, message):
     assert refusal(cron.parse, expression) == ("invalid_cron", message)
+
+
+def test_an_interval_of_hundreds_of_digits_is_refused_not_infinite():
+    code, message = refusal(cron.parse, "@every " + "9" * 400 + "s")
+    assert code == "invalid_cron" and message.endswith("is over a year; the longest is"
+                                                       " '@every 8760h' (a yearly time is '@yearly')")
+    assert cron.parse("@every 8760h").every == 365 * 86400
+    assert cron.parse("@every 1.1m").every == 66  # exactly: no float crumbs
 
 
 @pytest.mark.parametrize(("name", "fragment"), [

@@ -190,16 +190,26 @@ def test_tick_ids_name_the_schedule_and_the_utc_second():
      "jitter must be a number <= 3600"),
     ({"name": "a", "spec": "x"}, "invalid_schedule", "cron is required"),
     ({"name": "a b", "spec": "x", "cron": "@daily"}, "invalid_schedule",
-     "name must be a name of 1 to 128 letters, digits and '_.:-', starting with a letter or digit"),
+     "a schedule's name is 1 to 100 letters, digits and '_.:-', starting with a letter or"
+     " digit (its jobs' ids are cron-<name>-<tick>), not 'a b'"),
     ({"name": "a" * 101, "spec": "x", "cron": "@daily"}, "invalid_schedule",
-     "name has 101 characters; a schedule's name may have 100 at most (its jobs' ids are"
-     " cron-<name>-<tick>)"),
+     "a schedule's name is 1 to 100 letters, digits and '_.:-', starting with a letter or"
+     " digit (its jobs' ids are cron-<name>-<tick>), not a name of 101 characters"),
     ([1], "invalid_schedule", "a schedule must be an object (a table)"),
+    ({"name": "a", "spec": "x", "cron": "@every 1.5s"}, "invalid_cron",
+     "schedule 'a': '@every 1.5s' fires every 1.5s; a schedule ticks in whole seconds (its"
+     " jobs' ids name the second)"),
+    ({"name": "a", "spec": "x", "cron": "0 0\n* * *"}, "invalid_cron",
+     "schedule 'a': the expression '0 0\\n* * *' holds '\\n'; separate its fields by spaces"),
 ])
 def test_bad_definitions_are_refused_precisely(data, code, message):
     with pytest.raises(Invalid) as caught:
         check(data)
     assert (caught.value.code, caught.value.message) == (code, message)
+
+
+def test_spaces_and_newlines_around_an_expression_are_dropped():
+    assert check({"name": "a", "spec": "x", "cron": " @every 1.5m\n"}).cron == "@every 1.5m"
 
 
 def test_the_least_interval_is_one_second():
