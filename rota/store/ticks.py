@@ -129,8 +129,7 @@ def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
     as built from definition ``seen`` (the stored JSON) on the server's loop; which of them
     are made is decided here, from the row as locked. ``server_id``: one of several
     servers, which hear of the new jobs by a notice."""
-    lock = "" if isinstance(conn, sqlite3.Connection) else " FOR UPDATE"
-    row = conn.execute(f"SELECT * FROM schedules WHERE name = ?{lock}", (name,)).fetchone()
+    row = _locked(conn, "*", name)
     if row is None or row["paused"] or row["definition"] != seen:
         return Fired(stale=row is not None and not row["paused"])
     definition = definition_of(row)
@@ -168,6 +167,15 @@ def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
     return fired
 
 
+def _locked(conn: sqlite3.Connection, columns: str, name: str) -> Any:
+    """Schedule ``name``'s row, locked until the transaction ends (``FOR UPDATE`` on
+    PostgreSQL; SQLite's one writer serialises already): a fire and the release of its
+    held ticks, each reading the other's jobs, take turns on it."""
+    lock = "" if isinstance(conn, sqlite3.Connection) else " FOR UPDATE"
+    return conn.execute(f"SELECT {columns} FROM schedules WHERE name = ?{lock}",
+                        (name,)).fetchone()
+
+
 def _state(conn: sqlite3.Connection, job_id: str | None) -> str | None:
     if job_id is None:
         return None
@@ -186,7 +194,11 @@ _RELEASE = (f"UPDATE jobs SET state = 'available', {TTL_FROM_NOW} WHERE id = ?"
 def release_next(conn: sqlite3.Connection, schedule: str, now: float) -> list[JobRecord]:
     """A job of ``schedule`` ended (rota/store/settle.py, in its transaction): its oldest
     held tick (overlap ``enqueue``) waits now, unless another of its jobs is still live;
-    the job released, as its row reads, or none."""
+    the job released, as its row reads, or none. It locks the schedule's row first, as
+    ``fire`` does (never a job's row: no deadlock), so that on PostgreSQL a fire that
+    holds a tick (its previous job seemed live) and the ending of that job on another
+    server cannot both miss each other's write, nor two endings of the schedule's jobs."""
+    _locked(conn, "1", schedule)
     if conn.execute(_BUSY, (schedule,)).fetchone() is not None:
         return []
     held = conn.execute(_NEXT, (schedule,)).fetchone()
