@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sqlite3
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -152,7 +152,9 @@ def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
         if verdict == "cancel_previous" and previous is not None:
             fired.cancel.append(previous)
         if verdict == "pending":  # held until the live one ends (release_next)
-            job.state, job.run_at = JobState.PENDING, None
+            # a copy: the writer runs this op again after a deadlock, and the caller's
+            # job must then be judged afresh (its previous may have ended meanwhile)
+            job = replace(job, state=JobState.PENDING, run_at=None)
         [(stored, new)] = insert_jobs(conn, [job], [insert_row(job)], [None], now)
         fired.made.append((job, stored, new))
         previous, state, outcome = stored["id"], stored["state"], None

@@ -33,6 +33,14 @@ def states(conn) -> dict[str, str]:
     return {r[0]: r[1] for r in conn.execute("SELECT id, state FROM jobs ORDER BY id")}
 
 
+def first_of_enqueue(conn) -> str:
+    """An overlap enqueue schedule whose first tick (T0 + 60) fired; its stored JSON."""
+    ticks.upsert(conn, defined(overlap="enqueue"), T0)
+    seen = ticks.read_one(conn, "beat")["definition"]
+    ticks.fire(conn, "beat", seen, T0 + 60.5, {T0 + 60: job("beat", T0 + 60)}, None)
+    return seen
+
+
 def test_a_tick_decided_twice_makes_one_job(tmp_path: Path):
     with contextlib.closing(open_store(tmp_path)) as conn:
         assert ticks.upsert(conn, defined(overlap="allow"), T0) == "new"
@@ -67,10 +75,8 @@ def test_a_push_never_resumes_and_a_resume_counts_from_now(tmp_path: Path):
 
 def test_an_enqueued_tick_waits_pending_until_the_live_one_ends(tmp_path: Path):
     with contextlib.closing(open_store(tmp_path)) as conn:
-        ticks.upsert(conn, defined(overlap="enqueue"), T0)
-        seen = ticks.read_one(conn, "beat")["definition"]
+        seen = first_of_enqueue(conn)
         first, second = T0 + 60, T0 + 120
-        ticks.fire(conn, "beat", seen, first + 0.5, {first: job("beat", first)}, None)
         fired = ticks.fire(conn, "beat", seen, second + 0.5, {second: job("beat", second)}, None)
         assert [stored["state"] for _, stored, _ in fired.made] == ["pending"]
         assert ticks.release_next(conn, "beat", second + 1) == []  # the first is live
@@ -80,3 +86,20 @@ def test_an_enqueued_tick_waits_pending_until_the_live_one_ends(tmp_path: Path):
         assert (released.id, released.state) == (tick_id("beat", second), JobState.AVAILABLE)
         assert released.schedule == "beat"
         assert states(conn)[tick_id("beat", second)] == "available"
+
+
+def test_a_fire_run_again_after_a_rollback_judges_its_jobs_afresh(tmp_path: Path):
+    # the writer runs every op of a batch again after a deadlock: the first run's verdict
+    # (held: the previous job was live) must not stick to the jobs it was given
+    with contextlib.closing(open_store(tmp_path)) as conn:
+        seen = first_of_enqueue(conn)
+        first, second = T0 + 60, T0 + 120
+        built = {second: job("beat", second)}
+        conn.execute("BEGIN")
+        ticks.fire(conn, "beat", seen, second + 0.5, built, None)
+        conn.execute("ROLLBACK")
+        conn.execute("UPDATE jobs SET state = 'completed' WHERE id = ?",
+                     (tick_id("beat", first),))
+        fired = ticks.fire(conn, "beat", seen, second + 0.5, built, None)
+        assert [stored["state"] for _, stored, _ in fired.made] == ["available"]
+        assert built[second].state == JobState.AVAILABLE

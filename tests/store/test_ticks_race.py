@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from test_ticks import T0, defined, job, states
+from test_ticks import T0, defined, first_of_enqueue, job, states
 
 from rota.core.schedules import tick_id
 from rota.store import pg, pg_connection, ticks
@@ -33,9 +33,7 @@ def conns(pg_url: str) -> Iterator[list[Any]]:
 
 def _setup(conn: Any) -> str:
     """An enqueue schedule whose first tick's job is running."""
-    ticks.upsert(conn, defined(overlap="enqueue"), T0)
-    seen = ticks.read_one(conn, "beat")["definition"]
-    ticks.fire(conn, "beat", seen, FIRST + 0.5, {FIRST: job("beat", FIRST)}, None)
+    seen = first_of_enqueue(conn)
     conn.execute("UPDATE jobs SET state = 'active' WHERE id = ?", (tick_id("beat", FIRST),))
     return seen
 
