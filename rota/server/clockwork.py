@@ -158,6 +158,9 @@ class Clockwork:
             event(now.wall, "cron_miss", spec=definition.spec, message=f"schedule {name}"
                   f" missed {fired.missed}{counted} ticks; {definition.misfire} fired"
                   f" {fired.missed - fired.passed}")
+        if fired.held > 2:  # (ojs-cron §6: a backlog grows; its runs outlast its interval)
+            log.warning("cron backlog schedule=%s held=%d: its runs last longer than its"
+                        " interval (overlap enqueue)", name, fired.held)
         for tick in fired.skipped:
             at = tick_id(name, tick).rsplit("-", 1)[1]
             log.info("cron skip schedule=%s tick=%s reason=previous run still active", name, at)
@@ -218,11 +221,12 @@ class Clockwork:
         return self._view(row), change
 
     async def delete(self, name: str) -> dict[str, Any]:
-        row = await self.store.writer.submit(lambda conn: ticks.delete(conn, name))
+        wall = self.clock().wall
+        row = await self.store.writer.submit(lambda conn: ticks.delete(conn, name, wall))
         if row is None:
             raise _no_such(name)
         self.refused.pop(name, None)
-        log.info("cron delete schedule=%s", name)
+        log.info("cron delete schedule=%s%s", name, _cancelled(row))
         return {**self._view(row), "deleted": True}
 
     async def pause(self, name: str, paused: bool) -> dict[str, Any]:
@@ -231,7 +235,8 @@ class Clockwork:
             lambda conn: ticks.set_paused(conn, name, paused, wall))
         if row is None:
             raise _no_such(name)
-        log.info("cron %s schedule=%s", "pause" if paused else "resume", name)
+        log.info("cron %s schedule=%s%s", "pause" if paused else "resume", name,
+                 _cancelled(row))
         self.wake()
         return self._view(row)
 
@@ -284,6 +289,12 @@ class Clockwork:
             validate_args(spec, definition.args)
         except SpecError as exc:
             raise Invalid("invalid_args", f"schedule {definition.name!r}: {exc}") from None
+
+
+def _cancelled(row: dict[str, Any]) -> str:
+    """A pause's or a delete's log words for the held ticks it cancelled, if any."""
+    held = row.get("cancelled") or []
+    return f" cancelled={len(held)} held tick(s), first={held[0]}" if held else ""
 
 
 def _no_such(name: str) -> NotFound:

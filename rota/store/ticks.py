@@ -18,10 +18,12 @@ from typing import Any
 
 import msgspec
 
+from rota.base.protocol import ErrorInfo
+from rota.core.jobs import error_record
 from rota.core.model import JobRecord, JobState
 from rota.core.schedules import ScheduleDef, Timing, due, overlap
 from rota.store import fleet
-from rota.store.holds import TTL_FROM_NOW
+from rota.store.holds import TTL_FROM_NOW, cancel_pending
 from rota.store.rows import LIVE, live_job
 from rota.store.writes import insert_jobs, insert_row
 
@@ -92,21 +94,38 @@ def upsert(conn: sqlite3.Connection, definition: ScheduleDef, now: float, *,
 
 def set_paused(conn: sqlite3.Connection, name: str, paused: bool, now: float
                ) -> dict[str, Any] | None:
-    """Pause or resume; the row after (None: no such schedule). A resumed schedule counts
-    its ticks from now: those of its pause were meant not to run, and are no misfires."""
+    """Pause or resume; the row after (None: no such schedule), with the held ticks a
+    pause cancelled (``cancelled``: their ids). A resumed schedule counts its ticks from
+    now: those of its pause were meant not to run, and are no misfires."""
     changed = conn.execute(
         "UPDATE schedules SET paused = ?, updated_at = ?, counted_from = CASE WHEN ? = 1 AND"
         " paused = 1 THEN ? ELSE counted_from END WHERE name = ?",
         (int(paused), now, int(not paused), float(math.floor(now)), name)).rowcount
-    return read_one(conn, name) if changed else None
+    if not changed:
+        return None
+    cancelled = _cancel_held(conn, name, "paused", now) if paused else []
+    return {**(read_one(conn, name) or {}), "cancelled": cancelled}
 
 
-def delete(conn: sqlite3.Connection, name: str) -> dict[str, Any] | None:
-    """Delete a schedule (its jobs stay); its last row, or None if there was none."""
+def delete(conn: sqlite3.Connection, name: str, now: float) -> dict[str, Any] | None:
+    """Delete a schedule (its jobs stay, but its held ticks are cancelled); its last row,
+    with those ticks' ids (``cancelled``), or None if there was none."""
     row = read_one(conn, name)
-    if row is not None:
-        conn.execute("DELETE FROM schedules WHERE name = ?", (name,))
-    return row
+    if row is None:
+        return None
+    conn.execute("DELETE FROM schedules WHERE name = ?", (name,))
+    return {**row, "cancelled": _cancel_held(conn, name, "deleted", now)}
+
+
+def _cancel_held(conn: sqlite3.Connection, name: str, how: str, now: float) -> list[str]:
+    """A paused or deleted schedule's held ticks (overlap enqueue), cancelled: nothing
+    would release them in its stead, and DELETE /jobs leaves a held job to its schedule."""
+    held = [str(r[0]) for r in conn.execute(_HELD, (name,))]
+    why = error_record(ErrorInfo(type="cancelled", retryable=False,
+                                 message=f"its schedule {name} was {how}"),
+                       attempt=0, worker_id=None, now=now).decode()
+    cancel_pending(conn, held, now, why)
+    return held
 
 
 # -- firing ----------------------------------------------------------------------------------
@@ -120,6 +139,7 @@ class Fired:
     missed: int = 0  # ticks reached past their grace
     passed: int = 0  # of those, not fired (the misfire policy)
     counted: bool = True
+    held: int = 0  # the schedule's held ticks (overlap enqueue), if this fire held one
     stale: bool = False  # the row changed since the jobs were built: build again
 
 
@@ -162,6 +182,9 @@ def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
     conn.execute("UPDATE schedules SET last_tick = ?, last_job_id = ?, last_outcome = ?,"
                  " run_count = run_count + ? WHERE name = ?",
                  (decided.last, previous, outcome, made, name))
+    if any(stored["state"] == "pending" for _, stored, _ in fired.made):
+        fired.held = int(conn.execute("SELECT COUNT(*) FROM jobs WHERE schedule = ? AND"
+                                      " state = 'pending'", (name,)).fetchone()[0])
     told = [str(stored["rowid"]) for _, stored, new in fired.made
             if new and stored["state"] != "pending"]
     if server_id is not None and told:
@@ -188,7 +211,7 @@ def _state(conn: sqlite3.Connection, job_id: str | None) -> str | None:
 # -- the enqueue overlap: a schedule's held ticks, released one at a time ---------------------
 _BUSY = ("SELECT 1 FROM jobs WHERE schedule = ? AND state IN"
          " ('scheduled', 'available', 'active', 'retryable') LIMIT 1")
-_NEXT = "SELECT id FROM jobs WHERE schedule = ? AND state = 'pending' ORDER BY rowid LIMIT 1"
+_HELD = "SELECT id FROM jobs WHERE schedule = ? AND state = 'pending' ORDER BY rowid"
 _RELEASE = (f"UPDATE jobs SET state = 'available', {TTL_FROM_NOW} WHERE id = ?"
             " AND state = 'pending' RETURNING " + ", ".join(LIVE))
 
@@ -203,7 +226,7 @@ def release_next(conn: sqlite3.Connection, schedule: str, now: float) -> list[Jo
     _locked(conn, "1", schedule)
     if conn.execute(_BUSY, (schedule,)).fetchone() is not None:
         return []
-    held = conn.execute(_NEXT, (schedule,)).fetchone()
+    held = conn.execute(_HELD + " LIMIT 1", (schedule,)).fetchone()
     if held is None:
         return []
     cursor = conn.execute(_RELEASE, (now, held[0]))

@@ -135,16 +135,23 @@ async def test_overlap_enqueue_holds_ticks_pending_and_runs_them_one_at_a_time(
                                                    "overlap": "enqueue"})
     held = await wait_until(lambda: _pending(live, "serial", 2), timeout=6, what="held ticks")
     assert all(j["schedule"] == "serial" for j in held)
-    await live.http.post("/schedules/serial/pause")
-    jobs = await tick_jobs(live, "serial")
-    release.set()
+    release.set()  # the running one ends: the held ones run, one at a time
 
     async def all_done() -> bool:
-        states = {(await live.job(j["id"]))["state"] for j in jobs}
+        states = {(await live.job(j["id"]))["state"] for j in held}
         return states == {"completed"}
 
     await wait_until(all_done, timeout=10, what="the held ticks to run")
     assert most == 1  # one at a time, though the worker takes four
+    # a pause cancels the ticks it holds: nothing else would (DELETE /jobs refuses them)
+    release.clear()
+    held = await wait_until(lambda: _pending(live, "serial", 1), timeout=6, what="a held tick")
+    assert (await live.http.post("/schedules/serial/pause")).status_code == 200
+    release.set()
+    for j in held:
+        shown = await live.job(j["id"])
+        assert shown["state"] == "cancelled"
+        assert shown["errors"][-1]["message"] == "its schedule serial was paused"
 
 
 async def _pending(live: Live, name: str, count: int) -> list[dict[str, Any]] | None:

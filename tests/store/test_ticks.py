@@ -69,7 +69,7 @@ def test_a_push_never_resumes_and_a_resume_counts_from_now(tmp_path: Path):
         row = ticks.set_paused(conn, "beat", False, T0 + 600.5)
         assert row is not None and ticks.start_of(row) == T0 + 600  # the pause is not missed
         assert ticks.set_paused(conn, "nobody", False, T0) is None
-        assert ticks.delete(conn, "beat")["name"] == "beat"
+        assert ticks.delete(conn, "beat", T0 + 601)["name"] == "beat"
         assert ticks.read_all(conn) == []
 
 
@@ -103,3 +103,26 @@ def test_a_fire_run_again_after_a_rollback_judges_its_jobs_afresh(tmp_path: Path
         fired = ticks.fire(conn, "beat", seen, second + 0.5, built, None)
         assert [stored["state"] for _, stored, _ in fired.made] == ["available"]
         assert built[second].state == JobState.AVAILABLE
+
+
+@pytest.mark.parametrize("how", ["paused", "deleted"])
+def test_a_pause_or_a_delete_cancels_the_held_ticks(tmp_path: Path, how: str):
+    # nothing else would: DELETE /jobs leaves a held job to its schedule
+    with contextlib.closing(open_store(tmp_path)) as conn:
+        seen = first_of_enqueue(conn)
+        held = [T0 + 120, T0 + 180]
+        for tick in held:
+            fired = ticks.fire(conn, "beat", seen, tick + 0.5, {tick: job("beat", tick)}, None)
+        assert fired.held == 2
+        if how == "paused":
+            row = ticks.set_paused(conn, "beat", True, T0 + 200)
+        else:
+            row = ticks.delete(conn, "beat", T0 + 200)
+        assert row is not None and row["cancelled"] == [tick_id("beat", t) for t in held]
+        conn.execute("UPDATE jobs SET state = 'completed' WHERE id = ?",
+                     (tick_id("beat", T0 + 60),))
+        assert ticks.release_next(conn, "beat", T0 + 201) == []
+        assert list(states(conn).values()) == ["completed", "cancelled", "cancelled"]
+        error = conn.execute("SELECT errors FROM jobs WHERE id = ?",
+                             (tick_id("beat", held[0]),)).fetchone()[0]
+        assert f"its schedule beat was {how}" in error
