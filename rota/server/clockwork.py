@@ -154,10 +154,10 @@ class Clockwork:
         if fired.missed:
             counted = "" if fired.counted else "+"  # (more than were counted: a long downtime)
             log.warning("cron miss schedule=%s missed=%d%s fired=%d policy=%s", name,
-                        fired.missed, counted, fired.missed - fired.passed, definition.misfire)
+                        fired.missed, counted, fired.caught, definition.misfire)
             event(now.wall, "cron_miss", spec=definition.spec, message=f"schedule {name}"
                   f" missed {fired.missed}{counted} ticks; {definition.misfire} fired"
-                  f" {fired.missed - fired.passed}")
+                  f" {fired.caught}")
         if fired.held > 2:  # (ojs-cron §6: a backlog grows; its runs outlast its interval)
             log.warning("cron backlog schedule=%s held=%d: its runs last longer than its"
                         " interval (overlap enqueue)", name, fired.held)

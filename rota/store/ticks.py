@@ -21,7 +21,7 @@ import msgspec
 from rota.base.protocol import ErrorInfo
 from rota.core.jobs import error_record
 from rota.core.model import JobRecord, JobState
-from rota.core.schedules import ScheduleDef, Timing, due, overlap
+from rota.core.schedules import ScheduleDef, Timing, due, of_round, overlap
 from rota.store import fleet
 from rota.store.holds import TTL_FROM_NOW, cancel_pending
 from rota.store.rows import LIVE, live_job
@@ -137,7 +137,7 @@ class Fired:
     cancel: list[str] = field(default_factory=list)  # previous jobs to cancel after commit
     skipped: list[float] = field(default_factory=list)  # ticks the overlap policy skipped
     missed: int = 0  # ticks reached past their grace
-    passed: int = 0  # of those, not fired (the misfire policy)
+    caught: int = 0  # of those, how many made a job (the misfire and overlap policies)
     counted: bool = True
     held: int = 0  # the schedule's held ticks (overlap enqueue), if this fire held one
     stale: bool = False  # the row changed since the jobs were built: build again
@@ -154,13 +154,15 @@ def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
         return Fired(stale=row is not None and not row["paused"])
     definition = definition_of(row)
     decided = due(timing_of(row), start_of(row), now)
-    fired = Fired(missed=decided.missed, passed=decided.passed, counted=decided.counted)
+    fired = Fired(missed=decided.missed, counted=decided.counted)
     if decided.last is None:
         return fired
     previous = row["last_job_id"]
     state = _state(conn, previous)
     outcome = MISSED if decided.passed else row["last_outcome"]
-    for tick in decided.fire:
+    # the missed ticks it fires come first (an older tick is never less late)
+    late = set(decided.fire[:decided.missed - decided.passed])
+    for tick in of_round(definition.overlap, decided.fire):
         job = jobs.get(tick)
         if job is None:  # (built for the ticks due as the loop saw them: a superset)
             continue
@@ -177,6 +179,7 @@ def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
             job = replace(job, state=JobState.PENDING, run_at=None)
         [(stored, new)] = insert_jobs(conn, [job], [insert_row(job)], [None], now)
         fired.made.append((job, stored, new))
+        fired.caught += int(new and tick in late)
         previous, state, outcome = stored["id"], stored["state"], None
     made = sum(1 for _, _, new in fired.made if new)
     conn.execute("UPDATE schedules SET last_tick = ?, last_job_id = ?, last_outcome = ?,"

@@ -126,3 +126,20 @@ def test_a_pause_or_a_delete_cancels_the_held_ticks(tmp_path: Path, how: str):
         error = conn.execute("SELECT errors FROM jobs WHERE id = ?",
                              (tick_id("beat", held[0]),)).fetchone()[0]
         assert f"its schedule beat was {how}" in error
+
+
+@pytest.mark.parametrize(("policy", "made"), [
+    ("skip", [300]), ("cancel_previous", [300]), ("allow", [180, 240, 300]),
+    ("enqueue", [180, 240, 300])])
+def test_after_downtime_the_overlap_policy_takes_the_caught_up_ticks_as_a_whole(
+        tmp_path: Path, policy: str, made: list[int]):
+    # catch_up = 3 after five missed minutes: under skip the stalest tick made no job that
+    # kept the newest from running (it would have counted as live)
+    with contextlib.closing(open_store(tmp_path)) as conn:
+        ticks.upsert(conn, defined(overlap=policy, catch_up=3), T0)
+        seen = ticks.read_one(conn, "beat")["definition"]
+        built = {T0 + t: job("beat", T0 + t) for t in (60, 120, 180, 240, 300)}
+        fired = ticks.fire(conn, "beat", seen, T0 + 330, built, None)
+        assert [job.id for job, _, _ in fired.made] == [tick_id("beat", T0 + t) for t in made]
+        assert (fired.missed, fired.caught, fired.skipped) == (5, len(made), [])
+        assert ticks.read_one(conn, "beat")["run_count"] == len(made)
