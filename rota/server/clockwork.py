@@ -126,7 +126,11 @@ class Clockwork:
         fired = await self.store.writer.submit(
             lambda conn: ticks.fire(conn, name, row["definition"], wall, jobs, server))
         self._report(definition, fired, now)
-        for job_id in fired.cancel:
+        if fired.replaced:  # (cancelled in the fire transaction: the engine lets go)
+            self.apply(self.engine.replaced(fired.replaced, name, now, reason=f"its schedule"
+                                            f" {name}'s next tick came (overlap"
+                                            " cancel_previous)"))
+        for job_id in fired.cancel:  # (requested in the fire transaction: told the worker)
             try:
                 await self.cancel(job_id)
             except DomainError as exc:  # it ended meanwhile (not found, or finished)

@@ -23,7 +23,7 @@ from rota.core.jobs import error_record
 from rota.core.model import JobRecord, JobState
 from rota.core.schedules import ScheduleDef, Timing, due, of_round, overlap
 from rota.store import fleet
-from rota.store.holds import TTL_FROM_NOW, cancel_pending
+from rota.store.holds import TTL_FROM_NOW, cancel_pending, cancel_waiting
 from rota.store.rows import LIVE, live_job
 from rota.store.writes import insert_jobs, insert_row
 
@@ -134,7 +134,10 @@ class Fired:
     """What one fire transaction did."""
 
     made: list[tuple[JobRecord, dict[str, Any], bool]] = field(default_factory=list)
-    cancel: list[str] = field(default_factory=list)  # previous jobs to cancel after commit
+    # cancel_previous: a running previous job, its cancel requested here, to pass on to its
+    # worker after the commit; a waiting one, cancelled here (its row, for the engine)
+    cancel: list[str] = field(default_factory=list)
+    replaced: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[float] = field(default_factory=list)  # ticks the overlap policy skipped
     missed: int = 0  # ticks reached past their grace
     caught: int = 0  # of those, how many made a job (the misfire and overlap policies)
@@ -172,7 +175,7 @@ def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
             outcome = SKIPPED
             continue
         if verdict == "cancel_previous" and previous is not None:
-            fired.cancel.append(previous)
+            _cancel_previous(conn, fired, name, previous, now, server_id)
         if verdict == "pending":  # held until the live one ends (release_next)
             # a copy: the writer runs this op again after a deadlock, and the caller's
             # job must then be judged afresh (its previous may have ended meanwhile)
@@ -193,6 +196,29 @@ def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
     if server_id is not None and told:
         fleet.notify(conn, fleet.JOBS, server_id, told)
     return fired
+
+
+_REQUEST = "UPDATE jobs SET cancel_requested = 1 WHERE id = ? AND state = 'active'"
+
+
+def _cancel_previous(conn: sqlite3.Connection, fired: Fired, name: str, job_id: str,
+                     now: float, server_id: str | None) -> None:
+    """Overlap ``cancel_previous``, in the fire transaction (a crash after its commit must
+    not leave both running): the previous job cancelled if it waits (or is held), its
+    cancel requested if it runs; a server restarted, or the one its worker is on, reads
+    the request from the row (rota/store/fleet.py cancels_requested)."""
+    why = error_record(ErrorInfo(type="cancelled", retryable=False,
+                                 message=f"its schedule {name}'s next tick came (overlap"
+                                 " cancel_previous)"), attempt=0, worker_id=None, now=now)
+    waiting = cancel_waiting(conn, job_id, why.decode(), now)
+    if waiting:
+        fired.replaced += waiting
+    elif conn.execute(_REQUEST, (job_id,)).rowcount:
+        fired.cancel.append(job_id)
+        if server_id is not None:  # its server is told now, if another runs it
+            fleet.request_cancel(conn, job_id, server_id)
+    else:
+        cancel_pending(conn, [job_id], now, why.decode())
 
 
 def _locked(conn: sqlite3.Connection, columns: str, name: str) -> Any:

@@ -178,3 +178,19 @@ async def test_overlap_cancel_previous_cancels_the_running_one(live: Live, sdk_w
     await live.wait_state(first["id"], "cancelled", timeout=6)
     await live.http.post("/schedules/sync/pause")
     done.set()
+
+
+async def test_overlap_cancel_previous_cancels_a_waiting_one_in_the_fire(live: Live,
+                                                                        tmp_path: Path):
+    await live.push(write_spec(tmp_path / "specs", "idle"))  # (no worker: each tick waits)
+    await live.http.put("/schedules/idle", json={"spec": "idle", "cron": "@every 1s",
+                                                 "overlap": "cancel_previous"})
+    jobs = await wait_until(lambda: _more(live, "idle", 2), timeout=6, what="two ticks")
+    await live.http.post("/schedules/idle/pause")
+    first = await live.job(jobs[0]["id"])
+    assert first["state"] == "cancelled"
+    assert "overlap cancel_previous" in first["errors"][-1]["message"]
+    # the engine let go of its copy: no worker would be given it
+    seqs = await live.coordinator.store.readers.run(lambda conn: dict(
+        conn.execute("SELECT id, rowid FROM jobs WHERE schedule = 'idle'").fetchall()))
+    assert seqs[first["id"]] not in live.coordinator.engine.scheduler.held_seqs()

@@ -143,3 +143,25 @@ def test_after_downtime_the_overlap_policy_takes_the_caught_up_ticks_as_a_whole(
         assert [job.id for job, _, _ in fired.made] == [tick_id("beat", T0 + t) for t in made]
         assert (fired.missed, fired.caught, fired.skipped) == (5, len(made), [])
         assert ticks.read_one(conn, "beat")["run_count"] == len(made)
+
+
+@pytest.mark.parametrize("previous", ["available", "active"])
+def test_cancel_previous_cancels_in_the_fire_transaction(tmp_path: Path, previous: str):
+    # a crash right after the commit must not leave both running: the cancel is stored
+    with contextlib.closing(open_store(tmp_path)) as conn:
+        ticks.upsert(conn, defined(overlap="cancel_previous"), T0)
+        seen = ticks.read_one(conn, "beat")["definition"]
+        first, second = T0 + 60, T0 + 120
+        ticks.fire(conn, "beat", seen, first + 0.5, {first: job("beat", first)}, None)
+        conn.execute("UPDATE jobs SET state = ? WHERE id = ?", (previous, tick_id("beat", first)))
+        fired = ticks.fire(conn, "beat", seen, second + 0.5, {second: job("beat", second)}, None)
+        row = conn.execute("SELECT state, cancel_requested, errors FROM jobs WHERE id = ?",
+                           (tick_id("beat", first),)).fetchone()
+        assert [stored["state"] for _, stored, _ in fired.made] == ["available"]
+        if previous == "available":  # cancelled in place, for the engine to let go of
+            assert [r["id"] for r in fired.replaced] == [tick_id("beat", first)]
+            assert row[0] == "cancelled" and "overlap cancel_previous" in row[2]
+            assert fired.cancel == []
+        else:  # running: requested in the row, passed on to its worker after the commit
+            assert (row[0], row[1], fired.replaced) == ("active", 1, [])
+            assert fired.cancel == [tick_id("beat", first)]
