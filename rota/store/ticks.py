@@ -206,7 +206,14 @@ def _cancel_previous(conn: sqlite3.Connection, fired: Fired, name: str, job_id: 
     """Overlap ``cancel_previous``, in the fire transaction (a crash after its commit must
     not leave both running): the previous job cancelled if it waits (or is held), its
     cancel requested if it runs; a server restarted, or the one its worker is on, reads
-    the request from the row (rota/store/fleet.py cancels_requested)."""
+    the request from the row (rota/store/fleet.py cancels_requested). A row another
+    transaction holds (its ending, which next waits for this schedule's row in
+    release_next: waiting for it would deadlock) is cancelled after the commit instead,
+    the ordinary way."""
+    if not isinstance(conn, sqlite3.Connection) and conn.execute(
+            "SELECT 1 FROM jobs WHERE id = ? FOR UPDATE SKIP LOCKED", (job_id,)).fetchone() is None:
+        fired.cancel.append(job_id)
+        return
     why = error_record(ErrorInfo(type="cancelled", retryable=False,
                                  message=f"its schedule {name}'s next tick came (overlap"
                                  " cancel_previous)"), attempt=0, worker_id=None, now=now)

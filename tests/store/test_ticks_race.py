@@ -110,3 +110,26 @@ def test_two_endings_of_one_schedule_on_two_servers_release_its_held_tick(conns:
     thread.join(10)
     assert not thread.is_alive()
     assert states(watch)[tick_id("beat", third)] == "available"
+
+
+def test_cancel_previous_never_waits_for_a_row_its_ending_holds(conns: list[Any]):
+    # the ending holds the job's row and next waits for the schedule's (release_next):
+    # a fire that waited for the job's row would make a deadlock of the two
+    fire_conn, end_conn, watch = conns
+    ticks.upsert(fire_conn, defined(overlap="cancel_previous"), T0)
+    seen = ticks.read_one(fire_conn, "beat")["definition"]
+    ticks.fire(fire_conn, "beat", seen, FIRST + 0.5, {FIRST: job("beat", FIRST)}, None)
+    fire_conn.execute("UPDATE jobs SET state = 'active' WHERE id = ?", (tick_id("beat", FIRST),))
+    fire_conn.execute("SET lock_timeout = '3s'")
+    end_conn.execute("BEGIN")
+    end_conn.execute("UPDATE jobs SET state = 'completed' WHERE id = ?",
+                     (tick_id("beat", FIRST),))
+    fire_conn.execute("BEGIN")
+    fired = ticks.fire(fire_conn, "beat", seen, SECOND + 0.5, {SECOND: job("beat", SECOND)},
+                       None)
+    fire_conn.execute("COMMIT")
+    assert fired.cancel == [tick_id("beat", FIRST)]  # (after the commit, the ordinary way)
+    ticks.release_next(end_conn, "beat", SECOND + 1)
+    end_conn.execute("COMMIT")
+    assert states(watch) == {tick_id("beat", FIRST): "completed",
+                             tick_id("beat", SECOND): "available"}
