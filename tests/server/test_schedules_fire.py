@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import calendar
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import Live, write_spec
 from helpers import wait_until
 
 from rota import JobContext, Worker
-from rota.core.schedules import tick_id
+from rota.core.schedules import check, tick_id
+from rota.store.ticks import Fired
 
 
 async def tick_jobs(live: Live, name: str) -> list[dict[str, Any]]:
@@ -114,7 +117,7 @@ async def test_a_schedule_waits_for_its_spec_then_fires(live: Live, tmp_path: Pa
 
 
 async def test_overlap_enqueue_holds_ticks_pending_and_runs_them_one_at_a_time(
-        live: Live, sdk_worker, tmp_path: Path):
+        live: Live, sdk_worker, tmp_path: Path, caplog: pytest.LogCaptureFixture):
     specs = tmp_path / "specs"
     await live.push(write_spec(specs, "serial"))
     worker = Worker(specs_dir=specs, heartbeat_interval=0.1, concurrency=4)
@@ -152,6 +155,16 @@ async def test_overlap_enqueue_holds_ticks_pending_and_runs_them_one_at_a_time(
         shown = await live.job(j["id"])
         assert shown["state"] == "cancelled"
         assert shown["errors"][-1]["message"] == "its schedule serial was paused"
+    # more than 2 held: a warning (ojs-cron §6), once per fire that holds one more
+    definition = check({"name": "serial", "spec": "serial", "cron": "@every 1s",
+                        "overlap": "enqueue"})
+    with caplog.at_level(logging.INFO, logger="rota.cron"):
+        for held_now in (2, 3):
+            live.coordinator.clockwork._report(definition, Fired(held=held_now),
+                                               live.coordinator.clock())
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "cron backlog schedule=serial held=3: its runs last longer than its interval"
+        " (overlap enqueue)"]
 
 
 async def _pending(live: Live, name: str, count: int) -> list[dict[str, Any]] | None:
