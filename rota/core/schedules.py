@@ -223,6 +223,14 @@ def overlap(policy: Overlap, previous_state: str | None) -> Verdict:
     return "cancel_previous" if policy == "cancel_previous" else "skip"
 
 
+def of_round(policy: Overlap, fire: tuple[float, ...]) -> tuple[float, ...]:
+    """The ticks of one round's ``fire`` (``due``) that make jobs: all of them under
+    ``allow`` and ``enqueue`` (held, one after another); under ``skip`` and
+    ``cancel_previous`` only the newest, as each older one would only overlap the next
+    (the others are passed over, as misses the policy does not fire)."""
+    return fire if policy in ("allow", "enqueue") else fire[-1:]
+
+
 def jitter_offset(name: str, tick: float, jitter: float) -> float:
     """A tick's delay in [0, jitter), from a hash of (name, tick): every server computes
     the same one, so a job made twice is the same job."""

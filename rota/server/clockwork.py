@@ -126,7 +126,11 @@ class Clockwork:
         fired = await self.store.writer.submit(
             lambda conn: ticks.fire(conn, name, row["definition"], wall, jobs, server))
         self._report(definition, fired, now)
-        for job_id in fired.cancel:
+        if fired.replaced:  # (cancelled in the fire transaction: the engine lets go)
+            self.apply(self.engine.replaced(fired.replaced, name, now, reason=f"its schedule"
+                                            f" {name}'s next tick came (overlap"
+                                            " cancel_previous)"))
+        for job_id in fired.cancel:  # (requested in the fire transaction: told the worker)
             try:
                 await self.cancel(job_id)
             except DomainError as exc:  # it ended meanwhile (not found, or finished)
@@ -154,10 +158,13 @@ class Clockwork:
         if fired.missed:
             counted = "" if fired.counted else "+"  # (more than were counted: a long downtime)
             log.warning("cron miss schedule=%s missed=%d%s fired=%d policy=%s", name,
-                        fired.missed, counted, fired.missed - fired.passed, definition.misfire)
+                        fired.missed, counted, fired.caught, definition.misfire)
             event(now.wall, "cron_miss", spec=definition.spec, message=f"schedule {name}"
                   f" missed {fired.missed}{counted} ticks; {definition.misfire} fired"
-                  f" {fired.missed - fired.passed}")
+                  f" {fired.caught}")
+        if fired.held > 2:  # (ojs-cron §6: a backlog grows; its runs outlast its interval)
+            log.warning("cron backlog schedule=%s held=%d: its runs last longer than its"
+                        " interval (overlap enqueue)", name, fired.held)
         for tick in fired.skipped:
             at = tick_id(name, tick).rsplit("-", 1)[1]
             log.info("cron skip schedule=%s tick=%s reason=previous run still active", name, at)
@@ -220,11 +227,12 @@ class Clockwork:
         return self._view(row), change
 
     async def delete(self, name: str) -> dict[str, Any]:
-        row = await self.store.writer.submit(lambda conn: ticks.delete(conn, name))
+        wall = self.clock().wall
+        row = await self.store.writer.submit(lambda conn: ticks.delete(conn, name, wall))
         if row is None:
             raise _no_such(name)
         self.refused.pop(name, None)
-        log.info("cron delete schedule=%s", name)
+        log.info("cron delete schedule=%s%s", name, _cancelled(row))
         return {**self._view(row), "deleted": True}
 
     async def pause(self, name: str, paused: bool) -> dict[str, Any]:
@@ -233,7 +241,8 @@ class Clockwork:
             lambda conn: ticks.set_paused(conn, name, paused, wall))
         if row is None:
             raise _no_such(name)
-        log.info("cron %s schedule=%s", "pause" if paused else "resume", name)
+        log.info("cron %s schedule=%s%s", "pause" if paused else "resume", name,
+                 _cancelled(row))
         self.wake()
         return self._view(row)
 
@@ -286,6 +295,12 @@ class Clockwork:
             validate_args(spec, definition.args)
         except SpecError as exc:
             raise Invalid("invalid_args", f"schedule {definition.name!r}: {exc}") from None
+
+
+def _cancelled(row: dict[str, Any]) -> str:
+    """A pause's or a delete's log words for the held ticks it cancelled, if any."""
+    held = row.get("cancelled") or []
+    return f" cancelled={len(held)} held tick(s), first={held[0]}" if held else ""
 
 
 def _no_such(name: str) -> NotFound:

@@ -182,15 +182,6 @@ def advance(conn: sqlite3.Connection, ended: Sequence[Any], now: float) -> list[
 
 
 # -- an operator's ---------------------------------------------------------------------------
-# A released job that still waits, cancelled with its workflow (its row read back for the
-# engine, which lets go of its copy: Intake.replaced).
-_CANCEL_WAITING = (
-    "UPDATE jobs SET state = 'cancelled', finished_at = ?,"
-    " errors = json_insert(errors, '$[#]', json(?)) WHERE id = ?"
-    " AND state IN ('scheduled', 'available', 'retryable')"
-    " RETURNING rowid, id, spec, queue, priority, attempt, concurrency_key, labels")
-
-
 def cancel(conn: sqlite3.Connection, workflow_id: str, now: float
            ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]] | None:
     """Cancel a workflow (rota/core/workflows.py cancel), in one transaction with its held
@@ -207,9 +198,7 @@ def cancel(conn: sqlite3.Connection, workflow_id: str, now: float
                        attempt=0, worker_id=None, now=now).decode()
     waiting: list[dict[str, Any]] = []
     for job_id in decision.live:
-        cursor = conn.execute(_CANCEL_WAITING, (now, why, job_id))
-        waiting += [dict(zip(("rowid", "id", "spec", "queue", "priority", "attempt",
-                              "concurrency_key", "labels"), r)) for r in cursor.fetchall()]
+        waiting += holds.cancel_waiting(conn, job_id, why, now)
     gone = {r["id"] for r in waiting}
     row = workflow_row(conn, workflow_id)
     assert row is not None

@@ -20,6 +20,15 @@ _RELEASE = ("UPDATE jobs SET state = 'available', parent_results = COALESCE(?, p
 _END = ("UPDATE jobs SET state = ?, finished_at = ?,"
         " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]',"
         " json(?)) END WHERE id = ? AND state = 'pending'")
+# A waiting job cancelled along with what it belongs to (its workflow, or its schedule's
+# next tick), fenced on its state; its row's fields for the engine to let go of it.
+_CANCEL_WAITING = (
+    "UPDATE jobs SET state = 'cancelled', finished_at = ?,"
+    " errors = json_insert(errors, '$[#]', json(?)) WHERE id = ?"
+    " AND state IN ('scheduled', 'available', 'retryable')"
+    " RETURNING rowid, id, spec, queue, priority, attempt, concurrency_key, labels")
+_WAITING_FIELDS = ("rowid", "id", "spec", "queue", "priority", "attempt", "concurrency_key",
+                   "labels")
 # A finished job held again (a workflow's retry): a fresh attempt budget, as a manual retry
 # gives (Intake.retry), until its workflow releases it.
 _HOLD = ("UPDATE jobs SET state = 'pending', budget_start = attempt, fails = 0, deaths = 0,"
@@ -56,3 +65,11 @@ def end_pending(conn: sqlite3.Connection, jobs: Sequence[tuple[str, Any]], state
 def hold_again(conn: sqlite3.Connection, job_ids: Sequence[str]) -> int:
     """Discarded or cancelled jobs pending again; how many were."""
     return sum(conn.execute(_HOLD, (job_id,)).rowcount for job_id in job_ids)
+
+
+def cancel_waiting(conn: sqlite3.Connection, job_id: str, why: str, now: float
+                   ) -> list[dict[str, Any]]:
+    """Cancel a job if it waits for a worker, with ``why`` (an error record, JSON text):
+    its row as the engine's ``replaced`` takes it, or none (it did not wait)."""
+    cursor = conn.execute(_CANCEL_WAITING, (now, why, job_id))
+    return [dict(zip(_WAITING_FIELDS, r)) for r in cursor.fetchall()]

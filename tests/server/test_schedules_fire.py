@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import calendar
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import Live, write_spec
 from helpers import wait_until
 
 from rota import JobContext, Worker
-from rota.core.schedules import tick_id
+from rota.core.schedules import check, tick_id
+from rota.store.ticks import Fired
 
 
 async def tick_jobs(live: Live, name: str) -> list[dict[str, Any]]:
@@ -114,7 +117,7 @@ async def test_a_schedule_waits_for_its_spec_then_fires(live: Live, tmp_path: Pa
 
 
 async def test_overlap_enqueue_holds_ticks_pending_and_runs_them_one_at_a_time(
-        live: Live, sdk_worker, tmp_path: Path):
+        live: Live, sdk_worker, tmp_path: Path, caplog: pytest.LogCaptureFixture):
     specs = tmp_path / "specs"
     await live.push(write_spec(specs, "serial"))
     worker = Worker(specs_dir=specs, heartbeat_interval=0.1, concurrency=4)
@@ -135,16 +138,33 @@ async def test_overlap_enqueue_holds_ticks_pending_and_runs_them_one_at_a_time(
                                                    "overlap": "enqueue"})
     held = await wait_until(lambda: _pending(live, "serial", 2), timeout=6, what="held ticks")
     assert all(j["schedule"] == "serial" for j in held)
-    await live.http.post("/schedules/serial/pause")
-    jobs = await tick_jobs(live, "serial")
-    release.set()
+    release.set()  # the running one ends: the held ones run, one at a time
 
     async def all_done() -> bool:
-        states = {(await live.job(j["id"]))["state"] for j in jobs}
+        states = {(await live.job(j["id"]))["state"] for j in held}
         return states == {"completed"}
 
     await wait_until(all_done, timeout=10, what="the held ticks to run")
     assert most == 1  # one at a time, though the worker takes four
+    # a pause cancels the ticks it holds: nothing else would (DELETE /jobs refuses them)
+    release.clear()
+    held = await wait_until(lambda: _pending(live, "serial", 1), timeout=6, what="a held tick")
+    assert (await live.http.post("/schedules/serial/pause")).status_code == 200
+    release.set()
+    for j in held:
+        shown = await live.job(j["id"])
+        assert shown["state"] == "cancelled"
+        assert shown["errors"][-1]["message"] == "its schedule serial was paused"
+    # more than 2 held: a warning (ojs-cron §6), once per fire that holds one more
+    definition = check({"name": "serial", "spec": "serial", "cron": "@every 1s",
+                        "overlap": "enqueue"})
+    with caplog.at_level(logging.INFO, logger="rota.cron"):
+        for held_now in (2, 3):
+            live.coordinator.clockwork._report(definition, Fired(held=held_now),
+                                               live.coordinator.clock())
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "cron backlog schedule=serial held=3: its runs last longer than its interval"
+        " (overlap enqueue)"]
 
 
 async def _pending(live: Live, name: str, count: int) -> list[dict[str, Any]] | None:
@@ -171,3 +191,19 @@ async def test_overlap_cancel_previous_cancels_the_running_one(live: Live, sdk_w
     await live.wait_state(first["id"], "cancelled", timeout=6)
     await live.http.post("/schedules/sync/pause")
     done.set()
+
+
+async def test_overlap_cancel_previous_cancels_a_waiting_one_in_the_fire(live: Live,
+                                                                        tmp_path: Path):
+    await live.push(write_spec(tmp_path / "specs", "idle"))  # (no worker: each tick waits)
+    await live.http.put("/schedules/idle", json={"spec": "idle", "cron": "@every 1s",
+                                                 "overlap": "cancel_previous"})
+    jobs = await wait_until(lambda: _more(live, "idle", 2), timeout=6, what="two ticks")
+    await live.http.post("/schedules/idle/pause")
+    first = await live.job(jobs[0]["id"])
+    assert first["state"] == "cancelled"
+    assert "overlap cancel_previous" in first["errors"][-1]["message"]
+    # the engine let go of its copy: no worker would be given it
+    seqs = await live.coordinator.store.readers.run(lambda conn: dict(
+        conn.execute("SELECT id, rowid FROM jobs WHERE schedule = 'idle'").fetchall()))
+    assert seqs[first["id"]] not in live.coordinator.engine.scheduler.held_seqs()

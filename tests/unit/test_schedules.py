@@ -54,9 +54,13 @@ def run_clock(plan: Timing, start: float, end: float, step: float) -> list[float
      ["2026-03-30T02:30:00+02:00", "2026-03-31T02:30:00+02:00"]),
     ("Europe/Berlin", "30 2 * * *", "2026-10-24T12:00:00",
      ["2026-10-25T02:30:00+02:00", "2026-10-26T02:30:00+01:00"]),
-    # hourly across the jump: one fire per real hour, none lost, none doubled
+    # hourly across a spring-forward: one fire per real hour, none lost, none doubled
     ("America/New_York", "0 * * * *", "2026-03-08T00:30:00",
      ["2026-03-08T01:00:00-05:00", "2026-03-08T03:00:00-04:00"]),
+    # hourly across a fall-back: the repeated hour fires once, so one real hour fires
+    # nothing (New York: 05:00Z, then 07:00Z; Berlin: 00:00Z, then 02:00Z)
+    ("America/New_York", "0 * * * *", "2026-11-01T00:30:00",
+     ["2026-11-01T01:00:00-04:00", "2026-11-01T02:00:00-05:00"]),
     ("Europe/Berlin", "0 * * * *", "2026-10-25T01:30:00",
      ["2026-10-25T02:00:00+02:00", "2026-10-25T03:00:00+01:00"]),
 ])
