@@ -30,7 +30,7 @@ from rota.core.settings import loopback
 log = logging.getLogger("rota.server")
 REFUSALS_LOGGED = 1.0  # refusal lines a second, on average (bursts of 10)
 # Load balancers probe health without a token; the API's description is public.
-OPEN_PATHS = frozenset({"/healthz", "/openapi.json"})
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/work.schema.json"})
 COOKIE = "rota_session"
 # The dashboard's pages that need no credential (the login form, its stylesheet), but
 # whose requests still pass the Origin checks: a foreign page must not log a browser in.

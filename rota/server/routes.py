@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.server import api, cronapi, feeds, operate, workflows
+from rota.server import api, cronapi, feeds, operate, workflows, workschema
 from rota.server.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.server.gate import OPEN_PATHS  # one list of what needs no token: the gate's
 from rota.base.flow import WrittenRule
@@ -146,6 +146,12 @@ async def openapi_json(request: Request) -> Response:
     return Response(_encoded(), media_type="application/json")
 
 
+async def work_schema_json(request: Request) -> Response:
+    """The /work frames as a JSON Schema (rota/server/workschema.py)."""
+    return Response(workschema.encoded(), media_type="application/schema+json")
+
+
 # The app's HTTP routes: the table's operations, and the document itself.
 routes = [Route(op.path, op.handler, methods=[op.method.upper()]) for op in ROUTES]
 routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
+routes.append(Route("/work.schema.json", work_schema_json, methods=["GET"]))

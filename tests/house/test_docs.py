@@ -61,3 +61,21 @@ def test_the_test_command_installs_what_the_suite_needs():
         assert f"missing+=({package})" in script, package
     assert "apt-get install" in script and 'sudo="sudo"' in script
     assert script.rstrip().endswith('-m pytest "$@"')
+
+
+def test_the_work_schema_holds_every_message_and_field_the_doc_names():
+    """GET /work.schema.json (rota/server/workschema.py) is made from the structs: every
+    message type and every field docs/protocol.md documents is in it, each server frame is
+    told apart by its ``type``, and the doc says where the schema is."""
+    from rota.server.workschema import work_schema
+    schema = work_schema()
+    defs = schema["$defs"]
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    for struct in MESSAGE_TYPES + SECTIONS:
+        named = defs[struct.__name__]["properties"]
+        for field in msgspec.structs.fields(struct):
+            assert field.name in named, f"{struct.__name__}.{field.name} not in the schema"
+    mapping = defs["server_to_worker"]["discriminator"]["mapping"]
+    assert set(mapping) == {s.__struct_config__.tag for s in MESSAGE_TYPES[1:]}
+    assert defs["Heartbeat"]["properties"]["type"] == {"enum": ["heartbeat"]}
+    assert "/work.schema.json" in DOC

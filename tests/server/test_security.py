@@ -87,6 +87,11 @@ async def test_http_needs_a_valid_token(guarded: Live):
         assert (await anonymous.get("/specs", headers=bearer(forged))).status_code == 401
         assert (await anonymous.get("/specs", headers=bearer("nonsense"))).status_code == 401
         assert (await anonymous.get("/healthz")).status_code == 200  # for load balancers
+        # The /work frames' JSON Schema is public, as the OpenAPI document is.
+        schema = await anonymous.get("/work.schema.json")
+        assert schema.status_code == 200, schema.text
+        assert schema.headers["content-type"].startswith("application/schema+json")
+        assert "server_to_worker" in schema.json()["$defs"]
 
 
 async def test_a_producer_enqueues_and_sees_only_its_own_jobs(guarded: Live):
