@@ -23,7 +23,7 @@ import msgspec
 import pytest
 # The tests live in folders by kind (README.md there); a few import a helper of another
 # test file (test_engine's fake clock, say), so every folder is on the path, as tests/ is.
-KINDS = ("house", "unit", "store", "server", "system", "ui")
+KINDS = ("house", "unit", "store", "server", "system", "ui", "ojs")
 sys.path[:0] = [str(Path(__file__).resolve().parent / kind) for kind in KINDS]
 # The tests start a hundred or so Python processes (rota serve, workers, xdist's own). With
 # PYTHONDONTWRITEBYTECODE set, as in some sandboxes, each would compile all of rota again
@@ -69,8 +69,8 @@ def pytest_configure(config: pytest.Config) -> None:
             path = arg.split("::")[0]
             if not arg.startswith("-") and not (here / path).exists():
                 raise pytest.UsageError(f"no such test file or folder: {path} (the tests"
-                                        " are in tests/unit, store, server, system, ui and"
-                                        " house: tests/README.md)")
+                                        " are in tests/unit, store, server, system, ui, ojs"
+                                        " and house: tests/README.md)")
     config.addinivalue_line("markers", "both_backends: run each test on SQLite and on"
                             " PostgreSQL (the backend fixture; servers started by the test"
                             " use it)")

@@ -1,0 +1,84 @@
+"""The conformance report of a run, as the reference runner makes it: the results by
+level, and the level reached (the highest whose tests, and those of every level below it,
+all passed)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ojs_driver import CaseResult
+from ojs_suites import LEVEL_NAMES, LEVELS
+
+SUITE_VERSION = "1.0"
+
+
+def build(results: list[CaseResult], target: str, levels: list[int], run_at: str,
+          duration_ms: int) -> dict[str, Any]:
+    """The report's v1.0 fields (results, conformant, conformant_level, failures).
+
+    One choice of ours: a level that was not run ends the climb, where the reference skips
+    it (so that a run of level 2 alone says nothing about level 2's conformance)."""
+    by_level: dict[int, dict[str, Any]] = {}
+    totals = {"total": len(results), "passed": 0, "failed": 0, "skipped": 0, "errored": 0}
+    word = {"pass": "passed", "fail": "failed", "skip": "skipped", "error": "errored"}
+    for result in results:
+        level = by_level.setdefault(result.level, {"total": 0, "passed": 0, "failed": 0,
+                                                   "skipped": 0, "errored": 0})
+        level["total"] += 1
+        level[word[result.status]] += 1
+        totals[word[result.status]] += 1
+    reached = -1
+    for number in sorted(by_level):
+        summary = by_level[number]
+        summary["all_pass"] = summary["failed"] == 0 and summary["errored"] == 0
+    for number in LEVELS:
+        summary = by_level.get(number)
+        if summary is None or not summary["all_pass"] or summary["total"] == 0:
+            break
+        reached = number
+    return {
+        "test_suite_version": SUITE_VERSION,
+        "target": target,
+        "run_at": run_at,
+        "duration_ms": duration_ms,
+        "requested_level": levels[0] if len(levels) == 1 else -1,
+        "requested_levels": levels,
+        "results": {**totals, "by_level": {str(n): by_level[n] for n in sorted(by_level)}},
+        "conformant": bool(results) and totals["failed"] == 0 and totals["errored"] == 0,
+        "conformant_level": reached,
+        "failures": [dataclasses.asdict(r) for r in results if r.status in ("fail", "error")],
+    }
+
+
+def table(report: dict[str, Any], results: list[CaseResult]) -> str:
+    """The report for a reader: a line per test (with its failures), then the levels."""
+    lines = [f"OJS conformance: {report['target']} (suite v{report['test_suite_version']},"
+             f" {report['run_at']}, {report['duration_ms']} ms)", ""]
+    for result in results:
+        name = result.name if len(result.name) <= 40 else result.name[:37] + "..."
+        lines.append(f"  {result.test_id:<14} {name:<40} {result.status.upper():<5}"
+                     f" {result.duration_ms} ms")
+        for failure in result.failures:
+            lines.append(f"    -> [{failure.step}] {failure.message}")
+    lines += ["", f"  {'LEVEL':<6} {'NAME':<14} {'TOTAL':>5} {'PASS':>5} {'FAIL':>5}"
+              f" {'ERROR':>5}  STATUS"]
+    by_level = report["results"]["by_level"]
+    for number in report["requested_levels"]:
+        summary = by_level.get(str(number))
+        if summary is None:
+            lines.append(f"  {number:<6} {LEVEL_NAMES[number]:<14} no tests run")
+            continue
+        lines.append(f"  {number:<6} {LEVEL_NAMES[number]:<14} {summary['total']:>5}"
+                     f" {summary['passed']:>5} {summary['failed']:>5} {summary['errored']:>5}"
+                     f"  {'PASS' if summary['all_pass'] else 'FAIL'}")
+    totals = report["results"]
+    lines += ["", f"  Total: {totals['total']} | Passed: {totals['passed']} | Failed:"
+              f" {totals['failed']} | Errored: {totals['errored']}"]
+    level = report["conformant_level"]
+    if level < 0:
+        lines.append("  Result: NOT CONFORMANT")
+    else:
+        kind = "CONFORMANT" if report["conformant"] else "PARTIAL CONFORMANCE"
+        lines.append(f"  Result: {kind} (Level {level} - {LEVEL_NAMES[level]})")
+    return "\n".join(lines)
