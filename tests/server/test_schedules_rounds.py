@@ -1,0 +1,58 @@
+"""The tick loop's rounds (rota/server/clockwork.py) on a real server: a schedule's
+expression and zone are parsed once, not each round; a schedule whose jobs the intake
+refuses counts no due ticks; a round's due schedules fire together."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from conftest import Live, write_spec
+
+from rota.core import cron
+from rota.server import clockwork
+
+
+async def test_rounds_parse_once_refuse_first_and_fire_together(live: Live, tmp_path: Path,
+                                                               monkeypatch):
+    work = live.coordinator.clockwork
+    await live.push(write_spec(tmp_path / "specs", "echo", extra='[args.level]\ntype = "string"\n'))
+    for n in range(3):
+        answer = await live.http.put(f"/schedules/s{n}", json={
+            "spec": "echo", "cron": "@every 1s", "args": {"level": "x"}})
+        assert answer.status_code == 201
+    answer = await live.http.put("/schedules/later", json={"spec": "echo", "cron": "@yearly",
+                                                            "args": {"level": "x"}})
+    await work.round()
+    parsed: list[str] = []
+    real_parse = cron.parse
+    monkeypatch.setattr(cron, "parse", lambda text: parsed.append(text) or real_parse(text))
+    submitted: list[int] = []  # how many fires were queued when each was submitted
+    writer = live.coordinator.store.writer
+    real_submit = writer.submit
+
+    def submit(op: Any) -> asyncio.Future[Any]:
+        future = real_submit(op)
+        pending.append(future)
+        submitted.append(sum(not f.done() for f in pending))
+        return future
+
+    pending: list[asyncio.Future[Any]] = []
+    monkeypatch.setattr(writer, "submit", submit)
+    await asyncio.sleep(1.1)  # (a tick of each comes)
+    await work.round()
+    assert parsed == []  # nothing new to parse: the last round's timing serves
+    assert max(submitted) == 3  # the three due fires went to the writer together
+
+    # a schedule the intake refuses (its spec now requires another argument) waits, and
+    # its due ticks are not counted while it does
+    await live.push(write_spec(tmp_path / "specs", "echo", version="2",
+                               extra='[args.kind]\ntype = "string"\n'))
+    counted: list[str] = []
+    real_due = clockwork.due
+    monkeypatch.setattr(clockwork, "due", lambda timing, *a: counted.append("x")
+                        or real_due(timing, *a))
+    await asyncio.sleep(1.1)
+    await work.round()
+    assert counted == [] and "its jobs are refused" in work.refused["s0"]
