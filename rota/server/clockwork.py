@@ -333,6 +333,29 @@ class Clockwork:
             checked.append(definition)
         return checked
 
+    async def args_refused(self, specs: list[JobSpec], pushed: list[ScheduleDef]
+                           ) -> list[dict[str, str]]:
+        """The stored schedules (those of the push aside, checked already) whose args
+        the pushed ``specs`` refuse. A push does not refuse them: they wait, their jobs
+        refused by the intake, until their args or their spec fit again."""
+        new = {spec.name: spec for spec in specs}
+        named = {definition.name for definition in pushed}
+        refused: list[dict[str, str]] = []
+        for row in await self.store.readers.run(ticks.read_all):
+            try:
+                definition = self._plan(row).definition
+            except (Invalid, msgspec.DecodeError, msgspec.ValidationError):
+                continue  # (it waits already, and says why)
+            spec = new.get(definition.spec)
+            if spec is None or definition.name in named:
+                continue
+            try:
+                validate_args(spec, definition.args)
+            except SpecError as exc:
+                refused.append({"name": definition.name, "spec": spec.name,
+                                "message": str(exc)})
+        return refused
+
     async def push(self, definitions: list[ScheduleDef], *, dry_run: bool
                    ) -> list[dict[str, Any]]:
         """A push's schedules added or changed (never deleted, never un-paused)."""

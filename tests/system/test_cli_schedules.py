@@ -185,3 +185,21 @@ async def test_a_schedules_jobs_are_listed_by_name_not_by_id_prefix(live: Live):
     code, out, _ = await invoke("jobs", "list", "--schedule", "ov-allow", "--state",
                                 "completed", "--url", live.base)
     assert (code, out) == (0, "")
+
+
+async def test_a_push_names_the_schedules_whose_args_its_specs_would_refuse(live: Live,
+                                                                           tmp_path: Path):
+    from conftest import write_spec
+
+    specs = tmp_path / "specs"
+    await live.push(write_spec(specs, "echo"))
+    code, _, _ = await invoke("schedules", "add", "nightly", "--spec", "echo", "--cron",
+                              "@daily", "--url", live.base)
+    assert code == 0
+    write_spec(specs, "echo", version="2", extra='[args.level]\ntype = "string"\n')
+    refused = "schedule nightly: its args {} refused: spec 'echo' requires argument 'level'"
+    code, out, _ = await invoke("specs", "push", str(specs), "--dry-run", "--url", live.base)
+    assert code == 0 and refused.format("would be") + "\n" in out
+    code, out, _ = await invoke("specs", "push", str(specs), "--url", live.base)
+    assert code == 0 and out.startswith("changed   echo")  # pushed all the same
+    assert refused.format("are") + " (it waits until its args or its spec fit)\n" in out
