@@ -203,3 +203,21 @@ async def test_a_push_names_the_schedules_whose_args_its_specs_would_refuse(live
     code, out, _ = await invoke("specs", "push", str(specs), "--url", live.base)
     assert code == 0 and out.startswith("changed   echo")  # pushed all the same
     assert refused.format("are") + " (it waits until its args or its spec fit)\n" in out
+
+
+async def test_add_warns_of_a_spec_with_no_status_quo_and_keeps_it(live: Live, tmp_path: Path):
+    from conftest import write_spec
+
+    await live.push(write_spec(tmp_path / "specs", "echo"))
+    code, out, err = await invoke("schedules", "add", "typo", "--spec", "ecoh", "--cron",
+                                  "@daily", "--url", live.base)
+    assert code == 0 and "state=waiting" in out  # accepted: it may come before its spec
+    assert err == ("warning: spec 'ecoh' has no status quo yet: the schedule waits until it"
+                   " is pushed (did you mean echo?)\n")
+    code, _, err = await invoke("schedules", "add", "other", "--spec", "nosuch", "--cron",
+                                "@daily", "--url", live.base)
+    assert code == 0 and err == ("warning: spec 'nosuch' has no status quo yet: the schedule"
+                                 " waits until it is pushed\n")
+    code, _, err = await invoke("schedules", "add", "fine", "--spec", "echo", "--cron",
+                                "@daily", "--url", live.base)
+    assert (code, err) == (0, "")
