@@ -32,6 +32,7 @@ log = logging.getLogger("rota.cron")
 IDLE = 60.0  # seconds the loop sleeps at most with nothing due (a change wakes it)
 SHARED_IDLE = 2.0  # on a shared database: how soon another server's change is seen
 RETRY = 1.0  # after a failed read or fire
+BUSY_EXCUSE = 60.0  # seconds of a round's own work that make the next one's ticks no misses
 
 
 class _DryRun(Exception):
@@ -108,8 +109,13 @@ class Clockwork:
         rows = await self.store.readers.run(ticks.read_all)
         now = self.clock().wall
         # a round the last one ran into (it was busy past the wake it meant) judges its
-        # ticks' lateness from that wake; after a sleep, from now (downtime, an oversleep)
-        reached = self._meant if self._meant is not None and self._busy else now
+        # ticks' lateness from that wake, excusing at most BUSY_EXCUSE of work (a longer
+        # one is a stall: its ticks are missed); after a sleep, a failed round or none,
+        # from now (downtime, an oversleep)
+        reached = now
+        if self._meant is not None and self._busy:
+            reached = max(self._meant, now - BUSY_EXCUSE)
+        self._busy = False  # (until this round ends, and if it does)
         soonest = now + (SHARED_IDLE if self.store.shared else IDLE)
         plans: dict[tuple[str, float], _Plan] = {}
         firing: list[tuple[dict[str, Any], _Plan, float]] = []

@@ -5,6 +5,8 @@ refuses counts no due ticks; a round's due schedules fire together."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +16,17 @@ from rota.core import cron
 from rota.server import clockwork
 
 
+def rounds_of(live: Live) -> clockwork.Clockwork:
+    """The server's Clockwork, its own loop stopped: each round is the test's."""
+    for task in asyncio.all_tasks():
+        if task.get_name() == "rota-cron":
+            task.cancel()
+    return live.coordinator.clockwork
+
+
 async def test_rounds_parse_once_refuse_first_and_fire_together(live: Live, tmp_path: Path,
                                                                monkeypatch):
-    work = live.coordinator.clockwork
+    work = rounds_of(live)
     await live.push(write_spec(tmp_path / "specs", "echo", extra='[args.level]\ntype = "string"\n'))
     for n in range(3):
         answer = await live.http.put(f"/schedules/s{n}", json={
@@ -56,3 +66,28 @@ async def test_rounds_parse_once_refuse_first_and_fire_together(live: Live, tmp_
     await asyncio.sleep(1.1)
     await work.round()
     assert counted == [] and "its jobs are refused" in work.refused["s0"]
+
+
+async def test_a_round_late_through_the_last_ones_work_misses_no_tick(live: Live,
+                                                                      tmp_path: Path, caplog):
+    work = rounds_of(live)
+    await live.push(write_spec(tmp_path / "specs", "echo"))
+    for name in ("busy", "slept"):
+        await live.http.put(f"/schedules/{name}", json={
+            "spec": "echo", "cron": "@every 1s", "misfire": "skip", "overlap": "allow"})
+    await work.round()
+    meant = time.time()  # as if the last round meant the next to come now, and ran past it
+    await asyncio.sleep(2.3)  # (two ticks of each come, the first over 1 s late)
+    await live.http.post("/schedules/slept/pause")  # ("slept" is judged after a sleep)
+    work._meant, work._busy = meant, True
+    caplog.set_level(logging.INFO, "rota.cron")
+    await work.round()
+    assert (await live.http.get("/schedules/busy")).json()["run_count"] >= 2
+    await live.http.post("/schedules/busy/pause")
+    await live.http.post("/schedules/slept/resume")
+    await work.round()
+    await asyncio.sleep(2.3)
+    work._busy = False
+    await work.round()
+    missed = [r.getMessage().split()[2] for r in caplog.records if "cron miss" in r.getMessage()]
+    assert missed == ["schedule=slept"]
