@@ -13,6 +13,7 @@ from rota.base.errors import Invalid
 from rota.base.specs import SpecError, parse_file
 from rota.cli.base import URL_OPTION, api, fail, out, print_json, say, servers, token
 from rota.client.client import ApiError, Client
+from rota.core.listing import did_you_mean
 from rota.core.schedules import check
 
 COLUMNS = ("NAME", "EXPRESSION", "ZONE", "STATE", "LAST RUN", "NEXT FIRE")
@@ -204,6 +205,23 @@ def _put(url: str, table: dict[str, Any], whole: dict[str, Any], replace: bool) 
     shown = reply["schedule"]
     out(f"{reply['change']:<9} {shown['name']}  {shown['cron']} ({shown['timezone']})"
         f"  state={shown['state']}  next={when_next(shown)}")
+    if shown["state"] != "active":  # accepted (declared before its spec is pushed), but said
+        warning = spec_warning(shown["spec"], api(url, "specs")["specs"])
+        if warning is not None:
+            out(f"warning: {warning}", err=True)
+
+
+def spec_warning(spec: str, listed: list[dict[str, Any]]) -> str | None:
+    """Why a schedule of ``spec`` will wait for it (None: it will not): no status quo
+    (with the likely slip, as the intake says it), or retired. ``listed``: GET /specs."""
+    retired = {s["name"] for s in listed if s.get("retired_at")}
+    if spec in retired:
+        return f"spec {spec!r} was retired: the schedule waits until it is pushed again"
+    if any(s["name"] == spec for s in listed):
+        return None
+    guess = did_you_mean(spec, [s["name"] for s in listed])
+    return (f"spec {spec!r} has no status quo yet: the schedule waits until it is pushed"
+            + (f" (did you mean {guess}?)" if guess else ""))
 
 
 def _from_file(source: Path, name: str | None) -> list[dict[str, Any]]:

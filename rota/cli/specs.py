@@ -31,7 +31,9 @@ def specs_push(directory: Path, url: str, dry_run: bool) -> None:
 
     Prints, per spec, whether it is new, changed or unchanged, and for changed specs how
     many connected workers no longer match; then the same for the [[schedule]] tables of
-    the directory (a push adds and changes schedules, never deletes or un-pauses one).
+    the directory (a push adds and changes schedules, never deletes or un-pauses one),
+    and each stored schedule whose args a pushed spec would refuse (pushed anyway: it
+    waits until its args or its spec fit again).
     """
     try:
         loaded, tables = load_deploy(directory)
@@ -52,6 +54,10 @@ def specs_push(directory: Path, url: str, dry_run: bool) -> None:
         _out(line)
     for item in report.get("schedules", []):
         _out(f"{item['change']:<9} schedule {item['name']}")
+    for item in report.get("args_refused", []):
+        _out(f"schedule {item['name']}: its args " + (
+            f"would be refused: {item['message']}" if dry_run else
+            f"are refused: {item['message']} (it waits until its args or its spec fit)"))
     if dry_run:
         _out("dry run: nothing was changed")
 

@@ -150,18 +150,22 @@ class Due:
     counted: bool = True  # False: more were missed than were counted (a long downtime)
 
 
-def due(timing: Timing, start: float, now: float) -> Due:
+def due(timing: Timing, start: float, now: float, reached: float | None = None) -> Due:
     """The ticks in (start, now]: those reached within their grace fire; of the missed
     ones, ``catch_up`` fires the latest ``catch_up`` (each its own job), ``skip`` none.
-    ``start``: the last tick decided, or when counting began (made, resumed, changed)."""
+    ``start``: the last tick decided, or when counting began (made, resumed, changed).
+    ``reached``: the instant lateness is measured from (default ``now``): when the loop
+    meant to wake for these ticks, so that a loop kept busy by its own rounds misses
+    none (only downtime, or a sleep that overslept, does)."""
     ticks, counted = _ticks(timing, start, now)
     if not ticks:
         return Due((), 0, 0, None)
+    judged = now if reached is None else min(now, reached)
     on_time, missed = [], []
     for i, tick in enumerate(ticks):
         later = ticks[i + 1:i + 2] or timing.after(tick, 1) or [tick + 60.0]
         following = later[0]
-        (on_time if now - tick <= grace(following - tick) else missed).append(tick)
+        (on_time if judged - tick <= grace(following - tick) else missed).append(tick)
     caught = missed[-timing.catch_up:] if timing.misfire == "catch_up" and missed else []
     missing = len(missed) if counted else max(len(missed), SCAN)
     fire = tuple(sorted(caught + on_time))

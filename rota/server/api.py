@@ -229,9 +229,12 @@ async def push_specs(request: Request) -> Response:
     coordinator = coordinator_of(request)
     # the schedules are checked first: a bad one refuses the push, and nothing is stored
     schedules = coordinator.clockwork.check_push(payload.schedules, payload.specs)
+    # stored schedules the new specs would refuse are said, not refused: they wait
+    refused = await coordinator.clockwork.args_refused(payload.specs, schedules)
     report = await coordinator.push_specs(payload.specs, dry_run=payload.dry_run)
     changes = await coordinator.clockwork.push(schedules, dry_run=payload.dry_run)
-    return JSON({"dry_run": payload.dry_run, "specs": report, "schedules": changes})
+    return JSON({"dry_run": payload.dry_run, "specs": report, "schedules": changes,
+                 "args_refused": refused})
 
 
 async def retire_spec(request: Request) -> Response:

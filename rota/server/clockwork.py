@@ -23,8 +23,8 @@ from rota.core.effects import Effect
 from rota.core.engine import Engine
 from rota.core.jobs import EnqueueRequest
 from rota.core.model import Instant, JobRecord
-from rota.core.schedules import (ScheduleDef, check, due, jitter_offset, tick_id, view,
-                                 unreadable, waiting_reason)
+from rota.core.schedules import (ScheduleDef, Timing, check, due, jitter_offset, tick_id,
+                                 unreadable, view, waiting_reason)
 from rota.store import ticks
 from rota.store.store import Store
 
@@ -32,6 +32,7 @@ log = logging.getLogger("rota.cron")
 IDLE = 60.0  # seconds the loop sleeps at most with nothing due (a change wakes it)
 SHARED_IDLE = 2.0  # on a shared database: how soon another server's change is seen
 RETRY = 1.0  # after a failed read or fire
+BUSY_EXCUSE = 60.0  # seconds of a round's own work that make the next one's ticks no misses
 
 
 class _DryRun(Exception):
@@ -40,6 +41,29 @@ class _DryRun(Exception):
     def __init__(self, changes: list[dict[str, Any]]) -> None:
         super().__init__("dry run")
         self.changes = changes
+
+
+class _Plan:
+    """A schedule's definition and timing as parsed, and its next tick after the last
+    instant asked about (a round asks each schedule the same until it fires)."""
+
+    __slots__ = ("definition", "timing", "_after", "_next")
+
+    def __init__(self, definition: ScheduleDef, timing: Timing) -> None:
+        self.definition = definition  # (its paused state is the row's)
+        self.timing = timing
+        self._after: float | None = None
+        self._next: float | None = None
+
+    def next_after(self, moment: float) -> float | None:
+        if moment != self._after:
+            upcoming = self.timing.after(moment, 1)
+            self._after, self._next = moment, upcoming[0] if upcoming else None
+        return self._next
+
+
+def _key(row: dict[str, Any]) -> tuple[str, float]:
+    return row["definition"], row["counted_from"]
 
 
 class Clockwork:
@@ -53,6 +77,9 @@ class Clockwork:
         self.cancel = cancel  # the ordinary cancel path (cancel_previous)
         self.refused: dict[str, str] = {}  # schedules whose jobs intake refuses, and why
         self._wake = asyncio.Event()
+        self._plans: dict[tuple[str, float], _Plan] = {}  # the last round's, by _key
+        self._meant: float | None = None  # when the last round meant the next to start
+        self._busy = False  # the last round ran past that
 
     def wake(self) -> None:
         """A schedule changed: the loop looks again now."""
@@ -76,26 +103,66 @@ class Clockwork:
             self._wake.clear()
 
     async def round(self) -> float:
-        """Fire what is due; seconds until the next look."""
+        """Fire what is due; seconds until the next look. The round's due schedules fire
+        together (their transactions share the writer's commits), each still in its own
+        transaction with its row locked."""
         rows = await self.store.readers.run(ticks.read_all)
         now = self.clock().wall
+        # a round the last one ran into (it was busy past the wake it meant) judges its
+        # ticks' lateness from that wake, excusing at most BUSY_EXCUSE of work (a longer
+        # one is a stall: its ticks are missed); after a sleep, a failed round or none,
+        # from now (downtime, an oversleep)
+        reached = now
+        if self._meant is not None and self._busy:
+            reached = max(self._meant, now - BUSY_EXCUSE)
+        self._busy = False  # (until this round ends, and if it does)
         soonest = now + (SHARED_IDLE if self.store.shared else IDLE)
+        plans: dict[tuple[str, float], _Plan] = {}
+        firing: list[tuple[dict[str, Any], _Plan, float]] = []
         for row in rows:
             if row["paused"]:
                 continue
             try:
-                timing = ticks.timing_of(row)
+                plan = plans[_key(row)] = self._plan(row)
             except (Invalid, msgspec.DecodeError, msgspec.ValidationError) as exc:
                 # (a row this Rota cannot read, or a zone the system no longer has)
                 self._waits(row["name"], f"it cannot be read: {exc}")
                 continue
-            upcoming = timing.after(ticks.start_of(row), 1)
-            if upcoming and upcoming[0] <= now:
-                await self.fire(row, now)  # fired, or waits: its next tick is after now
-                upcoming = timing.after(now, 1)
-            if upcoming:
-                soonest = min(soonest, upcoming[0])
-        return soonest - self.clock().wall
+            upcoming = plan.next_after(ticks.start_of(row))
+            if upcoming is not None and upcoming <= now:
+                firing.append((row, plan, upcoming))
+            elif upcoming is not None:
+                soonest = min(soonest, upcoming)
+        self._plans = plans  # (those of rows gone or changed are dropped)
+        results = await asyncio.gather(*(self.fire(row, now, plan=plan, first=first,
+                                                   reached=reached)
+                                         for row, plan, first in firing),
+                                       return_exceptions=True)
+        for (row, plan, _), result in zip(firing, results, strict=True):
+            if isinstance(result, BaseException):
+                soonest = min(soonest, now + RETRY)
+                if isinstance(result, StorageError):  # the store says so too
+                    log.warning("cron fire failed schedule=%s: %s", row["name"], result)
+                elif isinstance(result, Exception):  # a bug: said; the others fired
+                    log.error("cron fire failed schedule=%s", row["name"], exc_info=result)
+                else:
+                    raise result
+            upcoming = plan.next_after(now)  # fired, or waits: its next tick is after now
+            if upcoming is not None:
+                soonest = min(soonest, upcoming)
+        self._meant = soonest
+        wait = soonest - self.clock().wall
+        self._busy = wait <= 0  # the next round starts late through this one's work
+        return wait
+
+    def _plan(self, row: dict[str, Any]) -> _Plan:
+        """The row's parsed definition and timing: parsed once per (definition,
+        counted_from), not each round."""
+        plan = self._plans.get(_key(row))
+        if plan is None:
+            stored = msgspec.json.decode(row["definition"], type=ScheduleDef)
+            plan = _Plan(stored, Timing.of(stored, row["counted_from"]))
+        return plan
 
     def _waits(self, name: str, reason: str) -> None:
         """Schedule ``name`` cannot fire now: said once per reason."""
@@ -103,19 +170,30 @@ class Clockwork:
             log.warning("cron wait schedule=%s reason=%s", name, reason)
         self.refused[name] = reason
 
-    async def fire(self, row: dict[str, Any], wall: float) -> bool:
-        """Fire a schedule's due ticks; whether it could (False: it waits)."""
-        definition = ticks.definition_of(row)
-        name = definition.name
+    async def fire(self, row: dict[str, Any], wall: float, *, plan: _Plan | None = None,
+                   first: float | None = None, reached: float | None = None) -> bool:
+        """Fire a schedule's due ticks; whether it could (False: it waits). ``first``: its
+        first due tick; ``reached``: when the loop meant to wake for them."""
+        plan = plan or self._plan(row)
+        definition, name = plan.definition, plan.definition.name
         reason = self._reason(definition)
         if reason is not None:
             self._waits(name, reason)
             return False
         now = self.clock()
-        decided = due(ticks.timing_of(row), ticks.start_of(row), wall)
+        start = ticks.start_of(row)
+        first = plan.next_after(start) if first is None else first
+        # a refused one is found by one job's build, before its due ticks are counted
+        # (a per-second schedule refused for hours has many)
+        probe = self._build(definition, first, now) if first is not None else None
+        if isinstance(probe, DomainError):
+            self._waits(name, f"its jobs are refused: {probe.message}")
+            return False
+        decided = due(plan.timing, start, wall, reached)
         jobs: dict[float, JobRecord] = {}
         for tick in decided.fire:
-            built = self._build(definition, tick, now)
+            built = probe if tick == first and probe is not None else self._build(
+                definition, tick, now)
             if isinstance(built, DomainError):
                 self._waits(name, f"its jobs are refused: {built.message}")
                 return False
@@ -124,7 +202,8 @@ class Clockwork:
             log.info("cron ready schedule=%s", name)
         server = self.store.server_id or "" if self.store.shared else None
         fired = await self.store.writer.submit(
-            lambda conn: ticks.fire(conn, name, row["definition"], wall, jobs, server))
+            lambda conn: ticks.fire(conn, name, row["definition"], wall, jobs, server,
+                                    reached=reached, timing=plan.timing))
         self._report(definition, fired, now)
         if fired.replaced:  # (cancelled in the fire transaction: the engine lets go)
             self.apply(self.engine.replaced(fired.replaced, name, now, reason=f"its schedule"
@@ -259,6 +338,29 @@ class Clockwork:
             self._check_args(definition, known)
             checked.append(definition)
         return checked
+
+    async def args_refused(self, specs: list[JobSpec], pushed: list[ScheduleDef]
+                           ) -> list[dict[str, str]]:
+        """The stored schedules (those of the push aside, checked already) whose args
+        the pushed ``specs`` refuse. A push does not refuse them: they wait, their jobs
+        refused by the intake, until their args or their spec fit again."""
+        new = {spec.name: spec for spec in specs}
+        named = {definition.name for definition in pushed}
+        refused: list[dict[str, str]] = []
+        for row in await self.store.readers.run(ticks.read_all):
+            try:
+                definition = self._plan(row).definition
+            except (Invalid, msgspec.DecodeError, msgspec.ValidationError):
+                continue  # (it waits already, and says why)
+            spec = new.get(definition.spec)
+            if spec is None or definition.name in named:
+                continue
+            try:
+                validate_args(spec, definition.args)
+            except SpecError as exc:
+                refused.append({"name": definition.name, "spec": spec.name,
+                                "message": str(exc)})
+        return refused
 
     async def push(self, definitions: list[ScheduleDef], *, dry_run: bool
                    ) -> list[dict[str, Any]]:

@@ -141,10 +141,19 @@ class ScheduleChange(msgspec.Struct):
     change: Literal["new", "changed", "unchanged"]
 
 
+class ArgsRefused(msgspec.Struct):
+    """A stored schedule whose args a pushed spec refuses: the push goes on, it waits."""
+
+    name: str
+    spec: str
+    message: str
+
+
 class PushReply(msgspec.Struct, kw_only=True):
     dry_run: bool
     specs: list[SpecChange]
     schedules: list[ScheduleChange] = []
+    args_refused: list[ArgsRefused] = []
 
 
 class ScheduleView(msgspec.Struct, kw_only=True):

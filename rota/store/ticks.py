@@ -147,16 +147,21 @@ class Fired:
 
 
 def fire(conn: sqlite3.Connection, name: str, seen: str, now: float,
-         jobs: Mapping[float, JobRecord], server_id: str | None) -> Fired:
+         jobs: Mapping[float, JobRecord], server_id: str | None, *,
+         reached: float | None = None, timing: Timing | None = None) -> Fired:
     """The fire transaction of schedule ``name`` at ``now``: ``jobs`` are its ticks' jobs
     as built from definition ``seen`` (the stored JSON) on the server's loop; which of them
     are made is decided here, from the row as locked. ``server_id``: one of several
-    servers, which hear of the new jobs by a notice."""
+    servers, which hear of the new jobs by a notice. ``reached``: when the loop meant to
+    wake for them (``schedules.due``); ``timing``: ``seen``'s, as the loop parsed it
+    (used if the row still counts from its anchor)."""
     row = _locked(conn, "*", name)
     if row is None or row["paused"] or row["definition"] != seen:
         return Fired(stale=row is not None and not row["paused"])
     definition = definition_of(row)
-    decided = due(timing_of(row), start_of(row), now)
+    if timing is None or timing.anchor != row["counted_from"]:
+        timing = timing_of(row)
+    decided = due(timing, start_of(row), now, reached)
     fired = Fired(missed=decided.missed, counted=decided.counted)
     if decided.last is None:
         return fired

@@ -185,3 +185,39 @@ async def test_a_schedules_jobs_are_listed_by_name_not_by_id_prefix(live: Live):
     code, out, _ = await invoke("jobs", "list", "--schedule", "ov-allow", "--state",
                                 "completed", "--url", live.base)
     assert (code, out) == (0, "")
+
+
+async def test_a_push_names_the_schedules_whose_args_its_specs_would_refuse(live: Live,
+                                                                           tmp_path: Path):
+    from conftest import write_spec
+
+    specs = tmp_path / "specs"
+    await live.push(write_spec(specs, "echo"))
+    code, _, _ = await invoke("schedules", "add", "nightly", "--spec", "echo", "--cron",
+                              "@daily", "--url", live.base)
+    assert code == 0
+    write_spec(specs, "echo", version="2", extra='[args.level]\ntype = "string"\n')
+    refused = "schedule nightly: its args {} refused: spec 'echo' requires argument 'level'"
+    code, out, _ = await invoke("specs", "push", str(specs), "--dry-run", "--url", live.base)
+    assert code == 0 and refused.format("would be") + "\n" in out
+    code, out, _ = await invoke("specs", "push", str(specs), "--url", live.base)
+    assert code == 0 and out.startswith("changed   echo")  # pushed all the same
+    assert refused.format("are") + " (it waits until its args or its spec fit)\n" in out
+
+
+async def test_add_warns_of_a_spec_with_no_status_quo_and_keeps_it(live: Live, tmp_path: Path):
+    from conftest import write_spec
+
+    await live.push(write_spec(tmp_path / "specs", "echo"))
+    code, out, err = await invoke("schedules", "add", "typo", "--spec", "ecoh", "--cron",
+                                  "@daily", "--url", live.base)
+    assert code == 0 and "state=waiting" in out  # accepted: it may come before its spec
+    assert err == ("warning: spec 'ecoh' has no status quo yet: the schedule waits until it"
+                   " is pushed (did you mean echo?)\n")
+    code, _, err = await invoke("schedules", "add", "other", "--spec", "nosuch", "--cron",
+                                "@daily", "--url", live.base)
+    assert code == 0 and err == ("warning: spec 'nosuch' has no status quo yet: the schedule"
+                                 " waits until it is pushed\n")
+    code, _, err = await invoke("schedules", "add", "fine", "--spec", "echo", "--cron",
+                                "@daily", "--url", live.base)
+    assert (code, err) == (0, "")

@@ -127,6 +127,17 @@ def test_on_time_ticks_fire_under_either_policy():
         assert decided.missed == 0
 
 
+def test_lateness_counts_from_when_the_loop_meant_to_wake():
+    # a per-second schedule reached 3 s late by a loop busy with its last round: the
+    # loop meant to wake at its first tick, so none is missed; judged from when the round
+    # reached them, two are (the grace is 1 s)
+    timed = timing("* * * * * *", misfire="skip")
+    busy = due(timed, 100.0, 103.2, reached=101.0)
+    assert (busy.fire, busy.missed) == ((101.0, 102.0, 103.0), 0)
+    assert due(timed, 100.0, 103.2).missed == 2
+    assert due(timed, 100.0, 103.2, reached=200.0) == due(timed, 100.0, 103.2)
+
+
 def test_a_long_downtime_of_an_every_second_schedule_is_decided_quickly():
     began = time.perf_counter()
     start = at("2026-01-01T00:00:00")
