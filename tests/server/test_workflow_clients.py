@@ -117,7 +117,8 @@ async def test_a_failed_step_fails_the_chain_and_a_retry_resumes_it(live: Live,
             last = flow.view["root"]["children"][2]
             assert last["state"] == "cancelled"
             handlers.mended = True
-            assert flow.retry().state == "running"
+            # (the answer is the view after the retry: its steps may have run already)
+            assert flow.retry().state in ("running", "completed")
             assert flow.result(timeout=20) == 5 + 1 + 1000
             with pytest.raises(ApiError) as not_failed:
                 client.retry_workflow(flow.id)
