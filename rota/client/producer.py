@@ -29,6 +29,7 @@ from rota.client.client import MAX_WAIT, ApiError, Failover, JobHandle, ResultTi
     given_token, outcome, poll_wait
 from rota.client.failures import not_the_api, refusal, transport_error
 from rota.client.flowing import AsyncWorkflows
+from rota.client.schedules import AsyncScheduleCalls
 from rota.base.ids import path_segment
 from rota.base.unique import unique_option
 
@@ -63,7 +64,7 @@ class AsyncJob(JobHandle):
         return self
 
 
-class AsyncClient(AsyncWorkflows):
+class AsyncClient(AsyncWorkflows, AsyncScheduleCalls):
     """An asyncio client for the Rota API, for producers where many tasks enqueue at
     once (an async web app): concurrent ``enqueue()`` calls share requests (see the
     module's docstring). It belongs to the event loop it is first used in. ``token``: a

@@ -139,3 +139,24 @@ async def test_a_row_stored_before_a_rule_refused_it_is_listed_waiting(live: Liv
     assert shown.status_code == 200 and shown.json()["state"] == "waiting"
     code = await live.http.put("/schedules/spaced", json={"spec": "echo", "cron": " @daily\n"})
     assert code.json()["schedule"]["cron"] == "@daily"
+
+
+async def test_the_async_client_manages_schedules_as_the_sync_one(live: Live, tmp_path):
+    """AsyncClient has the schedule calls too: add, show, pause, resume, list, delete."""
+    from rota import ApiError, AsyncClient
+    report = write_spec(tmp_path / "specs", "report")
+    async with AsyncClient(live.base) as client:
+        pushed = await client.push_deploy([report], [{"name": "hourly", "spec": "report",
+                                                      "cron": "@hourly"}], dry_run=True)
+        assert pushed["dry_run"] is True
+        await client.push_deploy([report])
+        made = await client.put_schedule("nightly", {"spec": "report", "cron": "30 2 * * *"})
+        assert made["change"] == "new" and made["schedule"]["state"] == "active"
+        assert (await client.pause_schedule("nightly"))["state"] == "paused"
+        assert (await client.pause_schedule("nightly", paused=False))["state"] == "active"
+        assert [s["name"] for s in (await client.schedules())["schedules"]] == ["nightly"]
+        assert (await client.schedule("nightly"))["cron"] == "30 2 * * *"
+        assert (await client.delete_schedule("nightly"))["deleted"] is True
+        with pytest.raises(ApiError) as missing:
+            await client.schedule("nightly")
+        assert missing.value.code == "no_such_schedule"
