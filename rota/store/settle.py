@@ -15,10 +15,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from rota.core.model import TERMINAL_STATES, Change, JobRecord
-from rota.store import flows, ticks
-# (release and cancel_pending live in rota/store/holds.py, beside the other moves of a
-# pending job, so that flows.py and ticks.py use them without importing this module)
-from rota.store.holds import cancel_pending, release  # noqa: F401
+from rota.store import flows, ticks  # (the moves of a held job: rota/store/holds.py)
 
 
 class Ended(NamedTuple):

@@ -43,7 +43,7 @@ async def test_every_second_fires_one_job_per_tick(live: Live, sdk_worker, tmp_p
     await wait_until(lambda: len(ran) >= 3, timeout=10, what="3 ticks run")
     await live.http.post("/schedules/beat/pause")
     ended = time.time()
-    await asyncio.sleep(0.3)  # (a tick in flight at the pause lands)
+    await asyncio.sleep(0.3)  # noqa: sleep-ok (a tick in flight at the pause lands)
     jobs = await tick_jobs(live, "beat")
     ticks = [j["id"] for j in jobs]
     assert len(ticks) == len(set(ticks)) == len(set(ran) | set(ticks) - set(ran))
@@ -96,7 +96,7 @@ async def _more(live: Live, name: str, count: int) -> list[dict[str, Any]] | Non
 async def test_a_schedule_waits_for_its_spec_then_fires(live: Live, tmp_path: Path):
     answer = await live.http.put("/schedules/later", json={"spec": "late", "cron": "@every 1s"})
     assert answer.json()["schedule"]["state"] == "waiting"
-    await asyncio.sleep(1.1)  # a tick passes: it makes no job
+    await asyncio.sleep(1.1)  # noqa: sleep-ok (an absence: a tick passes, it makes no job)
     assert await tick_jobs(live, "later") == []
     await live.push(write_spec(tmp_path / "specs", "late"))
     jobs = await wait_until(lambda: tick_jobs(live, "later"), timeout=5, what="a tick")

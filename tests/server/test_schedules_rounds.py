@@ -53,7 +53,7 @@ async def test_rounds_parse_once_refuse_first_and_fire_together(live: Live, tmp_
 
     pending: list[asyncio.Future[Any]] = []
     monkeypatch.setattr(writer, "submit", submit)
-    await asyncio.sleep(1.1)  # (a tick of each comes)
+    await asyncio.sleep(1.1)  # noqa: sleep-ok (wall time under test: a tick of each comes)
     await work.round()
     assert parsed == []  # nothing new to parse: the last round's timing serves
     assert max(submitted) == 3  # the three due fires went to the writer together
@@ -66,7 +66,7 @@ async def test_rounds_parse_once_refuse_first_and_fire_together(live: Live, tmp_
     real_due = clockwork.due
     monkeypatch.setattr(clockwork, "due", lambda timing, *a: counted.append("x")
                         or real_due(timing, *a))
-    await asyncio.sleep(1.1)
+    await asyncio.sleep(1.1)  # noqa: sleep-ok (wall time under test: a tick comes)
     await work.round()
     assert counted == [] and "its jobs are refused" in work.refused["s0"]
 
@@ -80,7 +80,7 @@ async def test_a_round_late_through_the_last_ones_work_misses_no_tick(live: Live
             "spec": "echo", "cron": "@every 1s", "misfire": "skip", "overlap": "allow"})
     await work.round()
     meant = time.time()  # as if the last round meant the next to come now, and ran past it
-    await asyncio.sleep(2.3)  # (two ticks of each come, the first over 1 s late)
+    await asyncio.sleep(2.3)  # noqa: sleep-ok (wall time: two ticks come, one over 1 s late)
     await live.http.post("/schedules/slept/pause")  # ("slept" is judged after a sleep)
     work._meant, work._busy = meant, True
     caplog.set_level(logging.INFO, "rota.cron")
@@ -89,7 +89,7 @@ async def test_a_round_late_through_the_last_ones_work_misses_no_tick(live: Live
     await live.http.post("/schedules/busy/pause")
     await live.http.post("/schedules/slept/resume")
     await work.round()
-    await asyncio.sleep(2.3)
+    await asyncio.sleep(2.3)  # noqa: sleep-ok (wall time under test: ticks pass)
     work._busy = False
     await work.round()
     missed = [r.getMessage().split()[2] for r in caplog.records if "cron miss" in r.getMessage()]

@@ -50,7 +50,7 @@ class Handlers:
         @worker.handler("hold")
         async def hold(ctx: JobContext) -> str:
             self.held.set()
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # noqa: sleep-ok (the job holds on until cancelled)
             return "never"
 
         await sdk_worker(worker)

@@ -377,7 +377,7 @@ async def test_a_pending_job_is_not_loaded_and_its_release_reads_it_back_whole(
     """Issue 24: a workflow's later step is stored ``pending``: a restart does not take
     it in (no scheduler may give it out), and its release (rota/store/settle.py) makes it
     wait with what its workflow passes it, read back with its origin."""
-    from rota.store import settle
+    from rota.store import holds
     store, _ = await open_store()
     await enqueued(store, new_job("step-2", state=JobState.PENDING, workflow_id="wf-1",
                                   workflow_node=2, schedule="nightly", expires_at=61.0))
@@ -385,13 +385,13 @@ async def test_a_pending_job_is_not_loaded_and_its_release_reads_it_back_whole(
     assert snapshot.jobs == [] and snapshot.waiting == {}
     store, _ = await open_store()
     [job] = await store.writer.submit(
-        lambda conn: settle.release(conn, [("step-2", '{"0": {"n": 7}}')], 1000.0))
+        lambda conn: holds.release(conn, [("step-2", '{"0": {"n": 7}}')], 1000.0))
     assert (job.id, job.state, job.workflow_id, job.workflow_node, job.schedule) == (
         "step-2", JobState.AVAILABLE, "wf-1", 2, "nightly")
     assert json.loads(bytes(job.parent_results)) == {"0": {"n": 7}}
     assert job.expires_at == 1060.0  # its time to live (60 s) counts from its release
     again = await store.writer.submit(
-        lambda conn: settle.release(conn, [("step-2", None)], 1000.0))
+        lambda conn: holds.release(conn, [("step-2", None)], 1000.0))
     assert again == []  # released once: the row decides
     _, snapshot = await open_store()
     [kept] = snapshot.jobs  # (waiting whole: it has a time to live)

@@ -53,8 +53,22 @@ def _meanwhile(watch: Any, work: Callable[[], None]) -> threading.Thread:
         if watch.execute("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
                          ).fetchone() is not None:
             break
-        time.sleep(0.01)
+        time.sleep(0.01)  # noqa: sleep-ok (a poll step bounded by the deadline)
     return thread
+
+
+def _race(watch: Any, first: tuple[Any, Callable[[], None]],
+          second: tuple[Any, Callable[[], None]]) -> None:
+    """``first``'s work runs in a transaction left open while ``second``'s runs in
+    another (on a thread, until it waits on a lock or ends); then ``first`` commits and
+    ``second`` must finish."""
+    conn, work = first
+    conn.execute("BEGIN")
+    work()
+    thread = _meanwhile(watch, _in_transaction(*second))
+    conn.execute("COMMIT")
+    thread.join(10)
+    assert not thread.is_alive()
 
 
 def _in_transaction(conn: Any, work: Callable[[], None]) -> Callable[[], None]:
@@ -75,12 +89,7 @@ def test_a_held_tick_and_the_ending_it_waits_for_on_two_servers(conns: list[Any]
             "ending": (end_conn, lambda: _ending(end_conn))}
     (early, early_work), (late, late_work) = (work.pop(first), *work.values())
     # the one that goes first stops before its COMMIT while the other runs
-    early.execute("BEGIN")
-    early_work()
-    thread = _meanwhile(watch, _in_transaction(late, late_work))
-    early.execute("COMMIT")
-    thread.join(10)
-    assert not thread.is_alive()
+    _race(watch, (early, early_work), (late, late_work))
     # the second tick waits for a worker: released, or never held
     assert states(watch)[tick_id("beat", SECOND)] == "available"
 
@@ -103,12 +112,7 @@ def test_two_endings_of_one_schedule_on_two_servers_release_its_held_tick(conns:
                      (tick_id("beat", tick),))
         ticks.release_next(conn, "beat", third + 1)
 
-    one.execute("BEGIN")
-    end(one, FIRST)
-    thread = _meanwhile(watch, _in_transaction(other, lambda: end(other, SECOND)))
-    one.execute("COMMIT")
-    thread.join(10)
-    assert not thread.is_alive()
+    _race(watch, (one, lambda: end(one, FIRST)), (other, lambda: end(other, SECOND)))
     assert states(watch)[tick_id("beat", third)] == "available"
 
 

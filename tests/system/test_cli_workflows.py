@@ -36,7 +36,7 @@ async def test_create_list_show_cancel_and_the_mistakes(
     @worker.handler("hold")
     async def hold(ctx: JobContext) -> None:
         held.set()
-        await asyncio.sleep(60)
+        await asyncio.sleep(60)  # noqa: sleep-ok (the job holds on until cancelled)
 
     await sdk_worker(worker)
     url = ["--url", live.base]

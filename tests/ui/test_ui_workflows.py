@@ -65,7 +65,7 @@ def test_a_workflows_tree_links_each_job_and_each_job_links_back(browser: Browse
         raise ValueError("the widget melted")
 
     async def hold(ctx: JobContext) -> None:
-        await asyncio.sleep(60)
+        await asyncio.sleep(60)  # noqa: sleep-ok (the job holds on until cancelled)
 
     rig.worker({"echo": echo, "explode": explode, "hold": hold}, concurrency=4)
     rig.api("POST", "/workflows", json={
