@@ -175,7 +175,9 @@ async def test_a_plain_function_sees_ctx_cancelled_and_stops(live: Live, sdk_wor
     await live.wait_state(job["id"], "cancelled")
     given_up = time.monotonic()
     effect = tmp_path / "effect"
-    await wait_until(effect.exists, timeout=10, what="the handler to end")
+    # (the handler makes the file, then writes it: its text is what is waited for)
+    await wait_until(lambda: effect.exists() and effect.read_text(), timeout=10,
+                     what="the handler to end")
     assert effect.read_text() == "stopped"
     # It did what the abandoned-thread warning advises: past the grace, no thread of it
     # is counted as abandoned and no alert says so (the trial saw both).
