@@ -25,7 +25,7 @@ SHELL = {"server." + name for name in ("coordinator", "shell_reads", "shell_dire
                                        "admission", "steering", "tokenwatch", "upkeep",
                                        "watching", "limiting", "composing", "clockwork")}
 ENGINE = {"core.engine", "core.intake", "core.reservations", "core.heartbeats",
-          "core.timers", "core.lines"}  # the engine and its parts (mixins)
+          "core.timers", "core.lines", "core.pulls"}  # the engine and its parts (mixins)
 
 
 def reaches(source: str, module: str = "") -> list[str]:
