@@ -260,8 +260,8 @@ class Pulls:
                     attempt: int | None = None, requeue: bool = False, now: Instant
                     ) -> Settled:
         """An ACK (``completed``) or NACK (``failed``) of a job a pull worker holds: its
-        holder (``worker_id``, when given) and its attempt (``attempt``: Rota's count,
-        when given) must match. A requeue gives it back, its attempt not counted."""
+        holder (``worker_id``, when given) and its attempt (``attempt``, as OJS counts it:
+        Rota's less ``budget_start``; when given) must match. A requeue gives it back, its attempt not counted."""
         job = self.scheduler.jobs.get(job_id)
         state = None if job is None else str(job.state)
         if job is None or job.state != JobState.ACTIVE:
@@ -273,9 +273,10 @@ class Pulls:
         if worker_id is not None and holder != pull_id(worker_id):
             return Settled(None, None, [], f"the job is held by another worker"
                            f" ({holder[len(PREFIX):]})", state)
-        if attempt is not None and attempt != job.attempt:
+        shown = job.attempt - job.budget_start  # the attempt as OJS counts it
+        if attempt is not None and attempt != shown:
             return Settled(None, None, [], f"attempt {attempt} is not the job's current"
-                           f" attempt {job.attempt}", state)
+                           f" attempt {shown}", state)
         connection = self.registry.get(holder)
         pulled = self.pulls.get(holder)
         if connection is None or pulled is None or job.orphaned:
