@@ -360,7 +360,7 @@ class Coordinator(ShellReads, ShellDirectives):
 
     def disconnect(self, conn: int, worker_id: str, reason: str) -> None:
         self.apply(self.engine.disconnect(conn, worker_id, reason, self.clock()))
-        if not self.connections:
+        if all(c.conn < 0 for c in self.connections.values()):  # (pull workers: no socket)
             self._no_connections.set()
 
     def outbox(self, conn: int, worker_id: str, full: bool, over: bool) -> None:
