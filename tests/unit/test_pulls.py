@@ -186,3 +186,16 @@ def test_fetch_refuses_a_queue_the_token_may_not_serve(engine, clock):
     else:
         raise AssertionError("refused")
     assert isinstance(p.encode(p.Assign(jobs=[])), str)
+
+
+def test_a_fetch_hears_an_empty_assign_when_its_round_loses_the_race_or_fails(engine, clock):
+    enqueue(engine, clock, 2)
+    got = engine.pull_fetch("p1", OPEN, ["default"], 1, None, ECHO, clock())
+    [reserve] = of(Reserve, got.effects)
+    lost = engine.committed(reserve.ticket, None, clock(), [None] * len(reserve.claims))
+    assert [f["jobs"] for f in sent(lost, got.conn)] == [[]]  # another server took it
+    got = engine.pull_fetch("p1", OPEN, ["default"], 1, None, ECHO, clock())
+    [reserve] = of(Reserve, got.effects)
+    failed = engine.committed(reserve.ticket, OSError("disk full"), clock())
+    assert [f["jobs"] for f in sent(failed, got.conn)] == [[]]
+    assert engine.scheduler.workers["ojs:p1"].blocked  # and its slots stay closed
