@@ -11,6 +11,7 @@ from test_engine import SPEC, FakeClock, commit, of, run_for, sent
 from test_engine import clock, connect, engine, enqueue  # noqa: F401  (fixtures)
 
 from rota.base import protocol as p
+from rota.base.ojs import OjsExtras
 from rota.base.specs import checksum
 from rota.core.auth import OPEN
 from rota.core.effects import Effect, Reserve, Save
@@ -199,3 +200,29 @@ def test_a_fetch_hears_an_empty_assign_when_its_round_loses_the_race_or_fails(en
     failed = engine.committed(reserve.ticket, OSError("disk full"), clock())
     assert [f["jobs"] for f in sent(failed, got.conn)] == [[]]
     assert engine.scheduler.workers["ojs:p1"].blocked  # and its slots stay closed
+
+
+def test_timeout_ms_ends_the_attempt_as_timeout_whatever_the_beats_say(engine, clock):
+    [job] = enqueue(engine, clock, ojs=OjsExtras(timeout_ms=3000))
+    _, [copy] = fetch(engine, clock, visibility=60.0)
+    assert copy["id"] == job.id
+    effects: list[Effect] = []
+    for _ in range(2):
+        effects += run_for(engine, clock, 1.0)
+        assert engine.pull_beat("p1", OPEN, [job.id], None, None, clock()).extended == [job.id]
+    effects += run_for(engine, clock, 1.5)
+    assert job.state != JobState.ACTIVE and job.attempt == 1
+    [change] = [c for s in of(Save, effects) for c in s.changes if c.job is job]
+    assert change.ending == "timeout" and b'"type":"timeout"' in (change.error or b"")
+    assert engine.pull_result("p1", job.id, "completed", now=clock()).refusal  # too late
+
+
+def test_the_test_directive_hook_needs_unsafe_test_endpoints(engine, clock):
+    [job] = enqueue(engine, clock, ojs=OjsExtras(metadata={"test_directive": "terminate"}))
+    fetch(engine, clock)
+    assert engine.pull_beat("p1", OPEN, [job.id], None, None, clock()).state == "running"
+    object.__setattr__(engine.settings, "unsafe_test_endpoints", True)  # (rota serve's flag)
+    assert engine.pull_beat("p1", OPEN, [job.id], None, None, clock()).state == "terminate"
+    assert fetch(engine, clock)[1] == []  # a terminating pull worker gets nothing
+    settled = engine.pull_result("p1", job.id, "failed", requeue=True, now=clock())
+    assert settled.refusal is None and job.state == JobState.AVAILABLE  # it may give it back
