@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rota.base import protocol as p
-from rota.base.errors import RequestError
+from rota.base.errors import StorageError
 from rota.base.ojs import OJS_MEDIA
 from rota.core.auth import Principal
 from rota.core.ojs_map import OjsRefusal, job_view, ojs_time
@@ -80,8 +80,8 @@ async def _waited(coordinator: Coordinator, conn: int, future: asyncio.Future[An
     try:
         return await asyncio.wait_for(asyncio.shield(future), seconds)
     except TimeoutError:
-        raise RequestError(503, "backend_unavailable", f"{what} did not come back within"
-                           f" {seconds:g}s; try again") from None
+        raise StorageError("backend_unavailable", f"{what} did not come back within"
+                           f" {seconds:g}s; try again", 1) from None
     finally:
         coordinator.mailbox.forget(conn, future)
 
@@ -139,7 +139,7 @@ async def _settle(request: Request, outcome: p.Outcome) -> Response:
     settled = coordinator.engine.pull_result(
         body.worker_id, job_id, outcome, result=body.result, error=error,
         attempt=body.x_rota_attempt, requeue=body.requeue and outcome == "failed",
-        now=coordinator.clock())
+        principal=principal, now=coordinator.clock())
     if settled.refusal is not None or settled.conn is None:
         if settled.state is None and (relayed := await _relay(request, coordinator, job_id,
                                                               raw)) is not None:
@@ -156,7 +156,7 @@ async def _settle(request: Request, outcome: p.Outcome) -> Response:
         if job_id not in frame.accepted:
             reason = "; ".join(r.reason for r in frame.rejected) or "the result was refused"
             if "could not be stored" in reason:
-                raise RequestError(503, "backend_unavailable", reason)
+                raise StorageError("backend_unavailable", reason, 1)
             return await _refused(coordinator, job_id, Settled(None, None, [], reason))
     row = await coordinator.get_job(job_id)
     if row is None:  # (a retention that ran at once)
