@@ -109,7 +109,7 @@ class Flow:
                 worker.capacity -= 1
                 self.claims += 1
                 ident = taken[1]
-                picked = Claim(taken[1], queue, spec, taken[0], worker, self.status_quo[spec],
+                picked = Claim(taken[1], queue, spec, taken[0], worker, self.status_quo.get(spec),
                                key, labels)
             if limiter.rules:
                 limiter.take(ident, queue, spec, key, now)

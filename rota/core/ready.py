@@ -32,10 +32,11 @@ from __future__ import annotations
 import heapq
 import json
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from rota.base.specs import UNVERSIONED
 from rota.core.model import JobRecord
 
 SEQ_BITS = 48  # row ids stay far below 2**48; a key of priority |p| < 2**14 is a 2-digit int
@@ -91,6 +92,7 @@ class WorkerSlot:
     prefetch: int = 0  # jobs it may hold beyond concurrency, waiting in its own line
     blocked: bool = False  # its connection's outbox is full: it is not reading what it is sent
     token: str | None = None  # the id of the token it connected with (None: no token)
+    any_type: bool = False  # an OJS pull worker: it takes any unversioned type (docs/ojs.md)
 
     def free(self) -> int:
         """Slots the server may fill now: none while the worker does not read its socket,
@@ -119,7 +121,7 @@ class Claim:
     spec: str
     priority: int
     worker: WorkerSlot
-    checksum: str
+    checksum: str | None  # None: an unversioned type's (no status quo)
     concurrency_key: str | None = None
     labels: tuple[str, ...] = ()
 
@@ -413,6 +415,13 @@ class Wait(NamedTuple):
         behind busy workers or a limit are only a backlog: they run as the workers or
         the limit free up."""
         return self.kind not in BACKLOG
+
+
+def unversioned_match(worker: WorkerSlot, spec: str, unversioned: Container[str]) -> bool:
+    """Whether a worker may run a job of ``spec``, a type with no status quo: only an
+    unversioned OJS type may run so, on a pull worker (any type) or on a /work worker
+    that declares it with the checksum "unversioned" (docs/ojs.md)."""
+    return spec in unversioned and (worker.any_type or worker.specs.get(spec) == UNVERSIONED)
 
 
 def why_waiting(workers: Iterable[WorkerSlot], paused: Collection[str],

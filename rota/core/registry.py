@@ -16,6 +16,7 @@ from rota.base import protocol as p
 from rota.core.auth import OPEN, Principal
 from rota.base.errors import FrameError
 from rota.base.logs import printable
+from rota.base.specs import UNVERSIONED
 from rota.core.policy import TokenBucket
 from rota.core.scheduler import WorkerSlot
 
@@ -290,7 +291,7 @@ def judge_specs(status_quo: dict[str, str], declared: list[p.SpecRef]) -> p.Spec
     rejected: list[p.SpecRejection] = []
     for ref in declared:
         expected = status_quo.get(ref.name)
-        if expected == ref.checksum:
+        if expected == ref.checksum or (expected is None and ref.checksum == UNVERSIONED):
             accepted.append(ref.name)
             continue
         reason = "spec has no status quo" if expected is None else "checksum differs from the status quo"

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from rota.core.flow import Flow
 from rota.core.model import JobRecord, JobState
-from rota.core.ready import PRIORITY_LIMIT, Claim, Ready, Wait, WorkerSlot, why_waiting
+from rota.core.ready import (PRIORITY_LIMIT, Claim, Ready, Wait, WorkerSlot, unversioned_match,
+                             why_waiting)
 
 __all__ = ["Claim", "Scheduler", "Wait", "WorkerSlot"]
 
@@ -42,6 +43,7 @@ class Scheduler(Flow):
         # answers claims: the engine's scheduler does; a bare one keeps every job whole.
         self.compact = compact
         self.status_quo: dict[str, str] = {}  # spec name -> checksum
+        self.unversioned: Container[str] = ()  # OJS types with no spec (the engine's)
         self.jobs: dict[str, JobRecord] = {}  # every live job kept whole, whatever its state
         self.workers: dict[str, WorkerSlot] = {}
         self.paused: set[str] = set()  # queues that keep their jobs and assign none
@@ -370,7 +372,9 @@ class Scheduler(Flow):
 
     def matches(self, worker: WorkerSlot, spec: str) -> bool:
         expected = self.status_quo.get(spec)
-        return expected is not None and worker.specs.get(spec) == expected
+        if expected is None:  # an unversioned OJS type, or none at all (rota/core/ready.py)
+            return unversioned_match(worker, spec, self.unversioned)
+        return worker.specs.get(spec) == expected
 
     # -- planning --------------------------------------------------------------------
     def plan(self, now: float) -> dict[str, list[JobRecord | Claim]]:
@@ -403,7 +407,7 @@ class Scheduler(Flow):
         job.worker_id = worker.id
         job.worker_token = worker.token
         job.attempt += 1
-        job.checksum = self.status_quo[job.spec]
+        job.checksum = self.status_quo.get(job.spec)
         job.lease = now + self.lease_for(job)
         self._push(self._leases, job.lease, job.id)
         worker.active.add(job.id)
@@ -431,7 +435,8 @@ class Scheduler(Flow):
             worker.claims += 1
             worker.capacity -= 1
             self.claims += 1
-            return Claim(taken[1], queue, best_spec, taken[0], worker, self.status_quo[best_spec])
+            return Claim(taken[1], queue, best_spec, taken[0], worker,
+                         self.status_quo.get(best_spec))
         return None
 
     # -- explaining ------------------------------------------------------------------
