@@ -32,11 +32,11 @@ from __future__ import annotations
 import heapq
 import json
 from collections import deque
-from collections.abc import Collection, Container, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from rota.base.specs import UNVERSIONED
+from rota.base.specs import UNVERSIONED  # (re-exported: the gate below compares it)
 from rota.core.model import JobRecord
 
 SEQ_BITS = 48  # row ids stay far below 2**48; a key of priority |p| < 2**14 is a 2-digit int
@@ -92,7 +92,7 @@ class WorkerSlot:
     prefetch: int = 0  # jobs it may hold beyond concurrency, waiting in its own line
     blocked: bool = False  # its connection's outbox is full: it is not reading what it is sent
     token: str | None = None  # the id of the token it connected with (None: no token)
-    any_type: bool = False  # an OJS pull worker: it takes any unversioned type (docs/ojs.md)
+    any_type: bool = False  # a pull worker (rota/core/pulls.py): it runs any unversioned type
 
     def free(self) -> int:
         """Slots the server may fill now: none while the worker does not read its socket,
@@ -121,7 +121,7 @@ class Claim:
     spec: str
     priority: int
     worker: WorkerSlot
-    checksum: str | None  # None: an unversioned type's (no status quo)
+    checksum: str | None  # None: an unversioned type (rota/core/pulls.py)
     concurrency_key: str | None = None
     labels: tuple[str, ...] = ()
 
@@ -417,15 +417,20 @@ class Wait(NamedTuple):
         return self.kind not in BACKLOG
 
 
-def unversioned_match(worker: WorkerSlot, spec: str, unversioned: Container[str]) -> bool:
-    """Whether a worker may run a job of ``spec``, a type with no status quo: only an
-    unversioned OJS type may run so, on a pull worker (any type) or on a /work worker
-    that declares it with the checksum "unversioned" (docs/ojs.md)."""
-    return spec in unversioned and (worker.any_type or worker.specs.get(spec) == UNVERSIONED)
+def may_take(worker: WorkerSlot, spec: str, status_quo: Mapping[str, str],
+             unversioned: Collection[str]) -> bool:
+    """The one gate between a worker and a spec's jobs: the status-quo checksum declared;
+    or, for a type with no status quo that OJS made (unversioned), a pull worker, or a
+    /work worker that declares it ``"unversioned"``."""
+    expected = status_quo.get(spec)
+    if expected is None:
+        return spec in unversioned and (worker.any_type or worker.specs.get(spec) == UNVERSIONED)
+    return worker.specs.get(spec) == expected
 
 
 def why_waiting(workers: Iterable[WorkerSlot], paused: Collection[str],
-                status_quo: Mapping[str, str], queue: str, spec: str) -> Wait | None:
+                status_quo: Mapping[str, str], queue: str, spec: str,
+                unversioned: Collection[str] = ()) -> Wait | None:
     """Why available jobs of (queue, spec) are not running; None if they will be."""
     if queue in paused:
         return Wait("queue_paused", "queue paused")
@@ -433,9 +438,12 @@ def why_waiting(workers: Iterable[WorkerSlot], paused: Collection[str],
     if not serving:
         return Wait("no_worker", f"no connected worker serves queue {queue!r}")
     expected = status_quo.get(spec)
-    if expected is None:
+    if expected is None and spec not in unversioned:
         return Wait("no_status_quo", f"spec {spec!r} has no status quo")
-    capable = [w for w in serving if w.specs.get(spec) == expected]
+    capable = [w for w in serving if may_take(w, spec, status_quo, unversioned)]
+    if not capable and expected is None:
+        return Wait("no_worker", f"no connected worker serves queue {queue!r} and runs"
+                    f" unversioned type {spec!r}")
     if not capable:
         other = sum(1 for w in serving if spec in w.specs)
         if other:

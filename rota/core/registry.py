@@ -180,8 +180,9 @@ class Registry:
         return found
 
     def silent(self, now: float, timeout: float) -> list[ConnectedWorker]:
-        """Connections the server has heard nothing from for longer than ``timeout``."""
-        return [c for c in self.connections.values() if now - c.last_seen > timeout]
+        """Connections the server has heard nothing from for longer than ``timeout``. Not a
+        pull worker's (a negative conn): its jobs' leases tell when it is gone."""
+        return [c for c in self.connections.values() if c.conn > 0 and now - c.last_seen > timeout]
 
     def backed_up(self, now: float, limit: float) -> list[ConnectedWorker]:
         """Connections whose outbox has been over its limit for longer than ``limit``."""

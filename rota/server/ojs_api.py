@@ -26,6 +26,7 @@ from rota.core.ojs_map import OjsRefusal, job_view, ojs_json, ojs_to_request
 from rota.server.api import find_job
 from rota.server.api_base import coordinator_of, need
 from rota.server.coordinator import Coordinator
+from rota.server import pulling  # the worker routes: FETCH, ACK, NACK, heartbeat
 from rota.server.ojs_base import (OjsHeaders, OjsJSON, domain_error, exception_handlers,
                                   ojs_body, ojs_error)
 from rota.server.ojs_shell import OjsShell
@@ -183,9 +184,9 @@ routes = [
 
 def ojs_app(coordinator: Coordinator, extra: list[BaseRoute] | None = None) -> Starlette:
     """The /ojs mount: its own exception handlers, so that every refusal under it is in
-    OJS's shape, and its headers on every answer. ``extra``: the other OJS route tables
-    (workers, operations, cron and workflows)."""
-    app = Starlette(routes=[*routes, *(extra or [])],
+    OJS's shape, and its headers on every answer. ``extra``: more OJS route tables
+    (operations, cron and workflows)."""
+    app = Starlette(routes=[*routes, *pulling.routes, *(extra or [])],
                     exception_handlers=exception_handlers,  # type: ignore[arg-type]
                     middleware=[Middleware(OjsHeaders)])
     app.state.coordinator = coordinator
