@@ -124,6 +124,10 @@ def test_a_full_push_maps_every_option() -> None:
             extras.policy.dead_letter) == (2, 300, 3, True, "none", ("Auth.*",), True)
 
 
+def test_types_are_lowercase_dotted_names_hyphens_allowed() -> None:
+    assert push({"type": "retry.test.max-attempts", "args": []}).spec == "retry.test.max-attempts"
+
+
 def test_a_past_moment_means_now() -> None:
     assert push({"type": "a", "args": [], "options": {"delay_until": "2020-01-01T00:00:00Z"}
                  }).run_at is None
