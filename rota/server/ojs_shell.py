@@ -43,6 +43,7 @@ class OjsShell:
         forget them, as a start on that store would (a test switch)."""
         await self.store.writer.submit(resets.empty)
         self.coordinator.apply(self.engine.forget_all(self.clock()))
+        self.engine.forget_pulls()
         await self.coordinator.limiting.reread()
         self.coordinator.clockwork.wake()
         log.warning("reset: the store's jobs, workflows, schedules and limits were emptied"

@@ -32,8 +32,12 @@ def refused(response: Any, status: int, code: str, kind: str) -> dict[str, Any]:
     return error
 
 
+@pytest.mark.both_backends
 @pytest.mark.parametrize("live", [UNSAFE], indirect=True)
-async def test_push_info_cancel_activate_batch_and_reset(live: Live) -> None:
+async def test_push_info_cancel_activate_batch_and_reset(
+        live: Live, caplog: pytest.LogCaptureFixture) -> None:
+    assert any(r.levelname == "WARNING" and "--unsafe-test-endpoints" in r.getMessage()
+               for r in caplog.get_records("setup"))
     pushed = await live.http.post(JOBS, headers={"X-Request-Id": "trace-1"}, json={
         "type": "report.generate", "args": [42, "q"], "id": ID, "meta": {"trace_id": "t"},
         "x_custom": {"n": 1}, "options": {"queue": "reports", "priority": 10,
@@ -87,11 +91,16 @@ async def test_push_info_cancel_activate_batch_and_reset(live: Live) -> None:
         {"type": "a", "args": [1]}, {"type": "b", "args": [{"k": 2}]}]})
     assert batch.status_code == 201, batch.text
     assert [j["args"] for j in batch.json()["jobs"]] == [[1], [{"k": 2}]]
-    # the test switch empties the store
+    # the test switch empties the store, and forgets pull workers
+    fetch = await live.http.post("/ojs/v1/workers/fetch", json={"queues": ["none"],
+                                                                "worker_id": "p1"})
+    assert fetch.status_code == 200 and fetch.json()["jobs"] == [], fetch.text
+    assert "ojs:p1" in (await live.http.get("/workers")).text
     reset = await live.http.post("/ojs/v1/admin/reset")
     assert reset.status_code == 200 and reset.json() == {"reset": True}
     refused(await live.http.get(f"{JOBS}/{later['id']}"), 404, "not_found", "not_found")
     assert (await live.http.get("/jobs")).json()["jobs"] == []
+    assert "ojs:p1" not in (await live.http.get("/workers")).text
 
 
 async def test_rota_s_own_api_refuses_what_only_ojs_sets(live: Live) -> None:
