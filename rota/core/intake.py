@@ -351,6 +351,9 @@ class Intake:
         known = self.scheduler.jobs.get(job.id)
         if known is not None:
             self.scheduler.finish(known)
+        if job.spec not in self.specs and job.spec not in self.unversioned:
+            # an OJS job another server took, or a step released: its type unversioned here too
+            self.unversioned[job.spec] = JobSpec.unversioned(job.spec)
         job.clocks(now)
         self.scheduler.track(job)
 
