@@ -103,7 +103,18 @@ async def test_push_info_cancel_activate_batch_and_reset(
     assert "ojs:p1" not in (await live.http.get("/workers")).text
 
 
-async def test_rota_s_own_api_refuses_what_only_ojs_sets(live: Live) -> None:
+async def test_rota_s_own_api_takes_far_moments_and_refuses_what_only_ojs_sets(
+        live: Live, tmp_path: Path) -> None:
+    await live.push(write_spec(tmp_path / "specs", "a"))
+    far = await live.http.post("/jobs", json={"spec": "a", "run_at": "2099-12-31T23:59:59Z",
+                                              "expires_at": "2100-01-01T00:00:00Z"})
+    assert far.status_code == 201 and far.json()["job"]["state"] == "scheduled", far.text
+    assert far.json()["job"]["expires_at"] == "2100-01-01T00:00:00.000Z"
+    too_far = await live.http.post("/jobs", json={"spec": "a", "run_at": "2199-01-01T00:00:00Z"})
+    assert too_far.status_code == 422 and "100 years" in too_far.json()["error"]["message"]
+    both = await live.http.post("/jobs", json={"spec": "a", "ttl": 5,
+                                               "expires_at": "2100-01-01T00:00:00Z"})
+    assert both.status_code == 422 and both.json()["error"]["code"] == "invalid_request"
     own = await live.http.post("/jobs", json={"spec": "a", "ojs": {"meta": {}}})
     assert own.status_code == 400 and own.json()["error"]["code"] == "invalid_request"
     own = await live.http.post("/jobs", json={"spec": "a", "args": {"_ojs_args": [1]}})
