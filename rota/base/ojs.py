@@ -95,6 +95,9 @@ class OjsJobIn(msgspec.Struct, kw_only=True, omit_defaults=True):
     expires_at: str | None = None
     retry: OjsRetry | None = None
     unique: OjsUnique | None = None
+    timeout: int | None = None  # JF's seconds; options.timeout_ms says it in ms
+    visibility_timeout: int | None = None  # JF's seconds; options.visibility_timeout_ms
+    tags: list[str] | None = None
     ext: dict[str, Any] = {}
 
 

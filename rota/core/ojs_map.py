@@ -155,15 +155,17 @@ def ojs_to_request(body: bytes | dict[str, Any], now: float) -> EnqueueRequest:
     retry = options.retry or job.retry
     unique = options.unique or job.unique
     policy, max_attempts = _policy(retry) if retry is not None else (None, None)
+    visibility_ms = _millis(_ms(options.visibility_timeout_ms, job.visibility_timeout),
+                            "visibility_timeout_ms")
     extras = OjsExtras(
-        meta=job.meta, tags=options.tags, metadata=options.metadata,
+        meta=job.meta, tags=options.tags or job.tags, metadata=options.metadata,
         ext={k: v for k, v in envelope.items() if k not in KNOWN_KEYS} or None,
-        timeout_ms=_millis(options.timeout_ms, "timeout_ms"),
-        visibility_timeout_ms=_millis(options.visibility_timeout_ms, "visibility_timeout_ms"),
+        timeout_ms=_millis(_ms(options.timeout_ms, job.timeout), "timeout_ms"),
+        visibility_timeout_ms=visibility_ms,
         retry=retry, unique=unique, rate_limit=options.rate_limit, policy=policy)
     visibility = None
-    if options.visibility_timeout_ms:
-        visibility = options.visibility_timeout_ms / 1000
+    if visibility_ms:
+        visibility = visibility_ms / 1000
         if visibility > MAX_VISIBILITY:
             raise _bad(f"visibility_timeout_ms is over {MAX_VISIBILITY * 1000:g}")
     fields = dict(
@@ -212,6 +214,13 @@ def _envelope_checks(envelope: dict[str, Any]) -> None:
     if envelope.get("specversion") not in (None, "1.0") and not str(
             envelope["specversion"]).startswith("1."):
         raise _bad(f"specversion {_said(envelope['specversion'])} is not 1.x", "unsupported", 422)
+
+
+def _ms(millis: int | None, seconds: int | None) -> int | None:
+    """An option in milliseconds, else JF's top-level seconds (``timeout: 30``)."""
+    if millis is not None or seconds is None:
+        return millis
+    return seconds * 1000 if 0 <= seconds <= MAX_COUNT // 1000 else -1  # (-1: refused)
 
 
 def _millis(value: int | None, name: str) -> int | None:
