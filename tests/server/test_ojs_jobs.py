@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import RawWorker, completed, make_token
+from helpers import RawWorker, bearer, completed, make_tokens
 
 from rota.base.ojs import OJS_MEDIA
 
@@ -123,9 +123,17 @@ async def test_rota_s_own_api_takes_far_moments_and_refuses_what_only_ojs_sets(
 
 async def test_reset_needs_the_switch_and_the_gate_answers_in_ojs_shape(live: Live) -> None:
     refused(await live.http.post("/ojs/v1/admin/reset"), 404, "not_found", "not_found")
-    await make_token(live, "admin")
+    producer, worker = await make_tokens(live, ("producer", None), ("worker", None))
     refused(await live.http.post(JOBS, json={"type": "a", "args": []}), 401,
             "unauthenticated", "auth_error")
+    refused(await live.http.post(JOBS, json={"type": "a", "args": []}, headers=bearer(worker)),
+            403, "permission_denied", "auth_error")
+    # a producer's ids are its own (kept as <token id>:<id>), shown as it gave them
+    mine = await live.http.post(JOBS, json={"type": "a", "args": [], "id": ID},
+                                headers=bearer(producer))
+    assert mine.status_code == 201 and mine.json()["job"]["id"] == ID, mine.text
+    again = await live.http.get(f"{JOBS}/{ID}", headers=bearer(producer))
+    assert again.status_code == 200 and again.json()["job"]["id"] == ID
     for public in ("/ojs/manifest", "/ojs/v1/health"):
         response = await live.http.get(public)
         assert response.status_code == 200, response.text
