@@ -60,6 +60,9 @@ async def test_push_info_cancel_activate_batch_and_reset(
             "validation_error")
     refused(await live.http.post(JOBS, json={"args": []}), 400, "invalid_request",
             "validation_error")
+    refused(await live.http.post(JOBS, json={"type": "a", "args": []},
+                                 headers={"OJS-Version": "2.0"}), 422, "unsupported",
+            "validation_error")
     error = refused(await live.http.post(JOBS, json={
         "type": "a", "args": [], "options": {"retry": {"max_attempts": -1}}}),
         422, "invalid_retry_policy", "validation_error")
