@@ -30,6 +30,7 @@ from rota.server import pulling  # the worker routes: FETCH, ACK, NACK, heartbea
 from rota.server.ojs_base import (OjsHeaders, OjsJSON, domain_error, exception_handlers,
                                   ojs_body, ojs_error)
 from rota.server.ojs_shell import OjsShell
+from rota.server.safety import SafetyNet
 
 log = logging.getLogger("rota.server")
 MAX_BATCH = 1000  # jobs in one batch (JF §8.3 recommends at most 1,000)
@@ -188,7 +189,9 @@ def ojs_app(coordinator: Coordinator, extra: list[BaseRoute] | None = None) -> S
     (operations, cron and workflows)."""
     app = Starlette(routes=[*routes, *pulling.routes, *(extra or [])],
                     exception_handlers=exception_handlers,  # type: ignore[arg-type]
-                    middleware=[Middleware(OjsHeaders)])
+                    # A bug under /ojs: its JSON 500 (rota/server/safety.py) with OJS's
+                    # headers, before this app's own ServerErrorMiddleware sends plain text.
+                    middleware=[Middleware(OjsHeaders), Middleware(SafetyNet)])
     app.state.coordinator = coordinator
     app.state.ojs = OjsShell(coordinator)
     if coordinator.settings.unsafe_test_endpoints:

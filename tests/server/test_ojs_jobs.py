@@ -177,3 +177,17 @@ async def test_an_unversioned_type_runs_on_a_worker_that_declares_it(tmp_path: P
         await worker.ws.close()
     finally:
         await stop_server(live)
+
+
+async def test_a_bug_under_ojs_is_a_json_500_with_ojs_headers(
+        live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rota.server import ojs_api
+
+    def broken(row: dict[str, Any], now: float) -> dict[str, Any]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ojs_api, "job_view", broken)
+    answer = await live.http.post(JOBS, json={"type": "a", "args": []})
+    assert answer.status_code == 500 and answer.headers["ojs-version"] == "1.0"
+    assert answer.json()["error"]["code"] == "internal"
+
