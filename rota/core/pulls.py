@@ -388,6 +388,14 @@ class Pulls:
         log.info("pull worker forgotten worker=%s: no job and no request for %gs", rid,
                  PULL_IDLE)
 
+    def forget_pulls(self) -> None:
+        """A reset (POST /ojs/v1/admin/reset, a test switch): every pull worker forgotten."""
+        for rid, state in list(self.pulls.items()):
+            del self.pulls[rid]
+            self.registry.remove(rid, state.conn)
+            self.scheduler.remove_worker(rid)
+        self._timeouts.clear()
+
     def pull_deadline(self) -> float | None:
         """The next ``timeout_ms`` deadline (monotonic), for the timer loop."""
         return self._timeouts[0][0] if self._timeouts else None
