@@ -120,9 +120,17 @@ def same_job(row: dict[str, Any], job: JobRecord, args: dict[str, Any]) -> bool:
             and labels_of(row.get("labels")) == job.labels)
 
 
-def error_record(error: p.ErrorInfo, *, attempt: int, worker_id: str | None, now: float) -> bytes:
-    return msgspec.json.encode({
+def error_record(error: p.ErrorInfo, *, attempt: int, worker_id: str | None, now: float,
+                 retry_in: float | None = None) -> bytes:
+    """A job's error record (one item of ``jobs.errors``). ``code`` (an OJS worker's error
+    code) and ``retry_in`` (seconds of backoff it led to) are there only when known."""
+    record: dict[str, Any] = {
         "type": error.type, "message": error.message, "retryable": error.retryable,
         "details": error.details, "attempt": attempt, "worker_id": worker_id,
         "at": p.rfc3339(now),
-    })
+    }
+    if error.code is not None:
+        record["code"] = error.code
+    if retry_in is not None:
+        record["retry_in"] = round(retry_in, 3)
+    return msgspec.json.encode(record)
