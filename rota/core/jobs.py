@@ -14,6 +14,7 @@ from rota.base.flow import MAX_LABELS
 from rota.base.ojs import OjsExtras
 from rota.base.ids import JOB_ID_PATTERN, MAX_JOB_ID, uuid7
 from rota.core.model import JobRecord, shared_limits
+from rota.core.policy import ojs_limits
 from rota.base.specs import MAX_VISIBILITY, JobSpec, Name
 from rota.base.unique import UniqueOptions
 
@@ -64,9 +65,9 @@ class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> JobRecord:
     run_at = _run_at(request, now)
     retry = spec.retry
-    limits = shared_limits(request.max_attempts or retry.max_attempts,
-                           request.max_fails or retry.max_fails, retry.backoff_base,
-                           retry.backoff_max, retry.max_worker_deaths)
+    limits = ojs_limits(shared_limits(request.max_attempts or retry.max_attempts,
+                                      request.max_fails or retry.max_fails, retry.backoff_base,
+                                      retry.backoff_max, retry.max_worker_deaths), request.ojs)
     start = run_at if run_at is not None else now
     labels = job_labels(request.labels, spec)
     return JobRecord(

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from rota.core.model import JOB_STATES, TERMINAL_STATES, WAITING_STATES, Limits
+from rota.base.ojs import OjsExtras, OjsPolicy
+from rota.core.model import JOB_STATES, TERMINAL_STATES, WAITING_STATES, Limits, shared_limits
 
 __all__ = ["JOB_STATES", "TERMINAL_STATES", "WAITING_STATES", "Limits", "Ending", "Decision",
-           "backoff", "after_attempt", "non_retryable", "pattern_problem", "TokenBucket",
-           "RateLimits"]
+           "backoff", "after_attempt", "non_retryable", "ojs_limits",
+           "TokenBucket", "RateLimits"]
 
 # How an attempt ended. Only "failed" (the handler reported an error) and "timeout" (it
 # ran past its job's execution timeout, an OJS option) count toward max_fails and back
@@ -24,7 +25,6 @@ __all__ = ["JOB_STATES", "TERMINAL_STATES", "WAITING_STATES", "Limits", "Ending"
 Ending = Literal["failed", "timeout", "visibility_timeout", "worker_death", "shutdown",
                  "cancelled", "released"]
 FAILING: frozenset[str] = frozenset({"failed", "timeout"})
-MAX_PATTERN = 200  # characters in one non_retryable pattern
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,17 +66,6 @@ def _compiled(pattern: str) -> re.Pattern[str] | None:
         return None
 
 
-def pattern_problem(patterns: tuple[str, ...] | list[str]) -> str | None:
-    """Why these non_retryable patterns cannot be used (for a 4xx at enqueue); None if
-    each is a regular expression of at most MAX_PATTERN characters."""
-    for pattern in patterns:
-        if len(pattern) > MAX_PATTERN:
-            return f"a non_retryable_errors pattern is over {MAX_PATTERN} characters"
-        if _compiled(pattern) is None:
-            return f"non_retryable_errors: {pattern!r} is not a regular expression"
-    return None
-
-
 def non_retryable(limits: Limits, names: tuple[str | None, ...]) -> str | None:
     """The first of the error's ``names`` (its type, its code) that one of the limits'
     non_retryable patterns matches whole; None if none does."""
@@ -86,6 +75,24 @@ def non_retryable(limits: Limits, names: tuple[str | None, ...]) -> str | None:
             if compiled is not None and name and compiled.fullmatch(name):
                 return name
     return None
+
+
+def ojs_limits(limits: Limits, extras: OjsExtras | None) -> Limits:
+    """An OJS job's limits: those of its spec (or of the columns it was stored with) with
+    its retry policy's options over them, and OJS's defaults for the options Rota's specs
+    do not have (jitter over [½, 1½]×, ojs-retry §8). A Rota job's (``extras`` None) as
+    they are. The same when a job is made and when its row is loaded again."""
+    if extras is None:
+        return limits
+    policy = extras.policy or OjsPolicy()
+    return shared_limits(
+        limits.max_attempts, limits.max_fails,
+        limits.backoff_base if policy.backoff_base is None else policy.backoff_base,
+        limits.backoff_max if policy.backoff_max is None else policy.backoff_max,
+        limits.max_worker_deaths,
+        coefficient=limits.coefficient if policy.coefficient is None else policy.coefficient,
+        linear=policy.linear, jitter="ojs" if policy.jitter is None else policy.jitter,  # type: ignore[arg-type]
+        non_retryable=tuple(policy.non_retryable), dead_letter=policy.dead_letter)
 
 
 def after_attempt(*, ending: Ending, retryable: bool, attempts_used: int, fails: int,

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rota.base.ojs import OJS_VERSION
+from rota.server import ojs_ops
 from rota.server.api_base import coordinator_of
 from rota.server.coordinator import Coordinator
 from rota.server.ojs_base import OjsHeaders, OjsJSON, exception_handlers
@@ -57,6 +58,7 @@ async def health(request: Request) -> Response:
 routes = [
     Route("/manifest", manifest, methods=["GET"]),
     Route("/v1/health", health, methods=["GET"]),
+    *ojs_ops.routes,  # queues, dead letter, events (admin)
 ]
 
 

@@ -8,7 +8,8 @@ import pytest
 from rota.base import protocol as p
 from rota.core.attempts import end_attempt
 from rota.core.model import Instant, JobRecord, JobState
-from rota.core.policy import Limits, after_attempt, backoff, non_retryable, pattern_problem
+from rota.base.ojs import OjsExtras, OjsPolicy
+from rota.core.policy import Limits, after_attempt, backoff, non_retryable, ojs_limits
 
 LIMITS = Limits(max_attempts=5, max_fails=3, backoff_base=2.0, backoff_max=30.0)
 NOW = 1_000.0
@@ -118,10 +119,7 @@ def test_non_retryable_patterns_match_the_whole_type_or_code(names, discarded):
         assert "non_retryable" in decision.reason
 
 
-def test_a_bad_pattern_is_named_and_matches_nothing():
-    assert "not a regular expression" in pattern_problem(["ok", "Auth.(*"])
-    assert pattern_problem(["Auth.*", "FatalError"]) is None
-    assert "characters" in pattern_problem(["a" * 201])
+def test_a_bad_pattern_matches_nothing():
     assert non_retryable(Limits(1, None, 1.0, 1.0, non_retryable=("(",)), ("(",)) is None
 
 
@@ -155,3 +153,16 @@ def test_an_ended_attempt_records_code_and_backoff_and_marks_the_dead_letter():
     last = end_attempt(job, "failed", error, Instant(6.0, NOW), lambda: 0.5)
     assert job.state == "discarded" and last.dead_letter
     assert "retry_in" not in msgspec.json.decode(last.error)
+
+
+def test_an_ojs_job_takes_its_policy_and_ojs_jitter_and_a_rota_job_keeps_its_limits():
+    assert ojs_limits(LIMITS, None) is LIMITS
+    plain = ojs_limits(LIMITS, OjsExtras())  # an OJS job with no retry option
+    assert (plain.jitter, plain.backoff_base, plain.max_attempts) == ("ojs", 2.0, 5)
+    policy = OjsPolicy(backoff_base=1.0, backoff_max=30.0, coefficient=1.0, linear=True,
+                       jitter="none", non_retryable=("Auth.*",), dead_letter=True)
+    limits = ojs_limits(LIMITS, OjsExtras(policy=policy))
+    assert (limits.backoff_base, limits.backoff_max, limits.coefficient, limits.linear,
+            limits.jitter, limits.non_retryable, limits.dead_letter) == (
+        1.0, 30.0, 1.0, True, "none", ("Auth.*",), True)
+    assert ojs_limits(limits, OjsExtras(policy=policy)) is limits  # loaded again: the same
