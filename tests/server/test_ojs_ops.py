@@ -84,12 +84,15 @@ async def test_dead_letter_list_retry_delete_and_counts(live: Live, connect, tmp
     assert (await _get(live, "/ojs/v1/events?types=job.nothing", 400))["error"]["code"] == \
         "invalid_request"
 
-    # A retry: available, attempt 0 as OJS counts it, out of the dead letter; it runs again.
+    # A retry: available, attempt 0 as OJS counts it, out of the dead letter; it runs again
+    # (once its queue is resumed: the worker waiting would take it at once).
+    await _post(live, "/ojs/v1/queues/dlq/pause")
     retried = (await _post(live, f"/ojs/v1/dead-letter/{row['id']}/retry"))["job"]
     assert (retried["state"], retried["attempt"]) == ("available", 0)
     assert (await _get(live, "/ojs/v1/dead-letter"))["jobs"] == []
     await _post(live, f"/ojs/v1/dead-letter/{row['id']}/retry", 404)
     await _post(live, f"/ojs/v1/dead-letter/{kept['id']}/retry", 404)  # discarded, not dead
+    await _post(live, "/ojs/v1/queues/dlq/resume")
     await _fail(worker, error)
     await live.wait_state(row["id"], "discarded")
     assert [j["id"] for j in (await _get(live, "/ojs/v1/dead-letter"))["jobs"]] == [row["id"]]
