@@ -1,7 +1,7 @@
 """The OJS binding's operator routes (admin), under the /ojs mount (rota/server/ojs_api.py):
 queues, a queue's counts, pause and resume, the dead letter (list, retry, delete), and
 events derived from the jobs' rows (docs/ojs.md). Answers in the shapes the OJS suites
-read (design §3); the shell does the work (rota/server/ojs_shell.py).
+read (design §3); the shell does the work (rota/server/ojs_operating.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from rota.server.shell_reads import ShellReads
 from rota.store.store import Store
 
 
-class OjsShell(ShellReads):
+class OjsOperating(ShellReads):
     """A mixin of the ``Coordinator`` (with the reads it uses): what /ojs/v1's queue,
     dead-letter and event routes do."""
 
