@@ -162,7 +162,7 @@ class Admission:
         except Unstored as refused:
             return unstored([conflict(met, row) if (met := row.get("unique_met")) not in (
                                  None, "existing")
-                             else Conflict("duplicate", f"job {row['id']} exists already")
+                             else Conflict("id_conflict", f"job {row['id']} exists already")
                              if not new and met is None else job
                              for job, (row, new) in zip(jobs, refused.outcomes, strict=True)])
         now = self.clock()

@@ -135,7 +135,7 @@ async def test_all_or_nothing_batch_unique_options_and_a_jobs_rate_limit(live: L
     again = job(3)
     again.id = first["id"]
     refused = await coordinator.enqueue([job(4), again], all_or_nothing=True)
-    assert [getattr(r, "code", None) for r in refused] == ["unstored", "duplicate"]
+    assert [getattr(r, "code", None) for r in refused] == ["unstored", "id_conflict"]
     stats = await _get(live, "/ojs/v1/queues/bulk/stats")
     assert stats["queue"]["available"] == 3
 
