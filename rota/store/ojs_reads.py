@@ -15,8 +15,9 @@ from rota.core.model import JOB_STATES
 from rota.store.readers import Readers
 from rota.store.writer import Writer
 
-# OJS event types, and the column that says when each happened (note E of the design):
-# a job's row keeps its last moment of each kind, so each job gives at most one event a type.
+# OJS event types, and the column that says when each happened (docs/ojs.md, Events): a
+# job's row keeps its last moment of each kind, so each job gives at most one event a type.
+# A retrying job's moment is its last error record's ("at" in ``errors``).
 EVENT_TIMES: dict[str, str] = {
     "job.enqueued": "enqueued_at", "job.started": "reserved_at",
     "job.completed": "finished_at", "job.discarded": "finished_at",
