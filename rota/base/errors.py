@@ -10,6 +10,8 @@
     │   ├── Forbidden    the caller's token does not allow it
     │   └── TooLarge     over a size limit
     ├── RequestError     an HTTP request refused: answered with ``status`` and a JSON body
+    │   └── OjsRefusal   an /ojs/v1 request refused, with OJS's error ``type``
+    │                    (rota/core/ojs_map.py; answered by rota/server/ojs_base.py)
     ├── FrameError       a /work frame refused: an ``error`` frame, then ``close_code``
     ├── BadJson          a body or frame refused while it is decoded (rota/base/inputs.py);
     │                    also a ValueError; each door turns it into one of the two above

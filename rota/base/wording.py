@@ -23,6 +23,11 @@ KINDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "t
 GOT = {**KINDS, "bool": "a boolean"}  # what was sent: "got a boolean", not "got true or false"
 
 
+# Fields a request type has that a Rota client never sets: EnqueueRequest.ojs (only the
+# /ojs/v1 routes set it; POST /jobs refuses it).
+UNSAID = frozenset({"ojs"})
+
+
 def kind_of(value: Any) -> str:
     """The JSON kind of a decoded value, as msgspec names it (bool before int: a bool is
     an int in Python, not in JSON)."""
@@ -91,7 +96,8 @@ def plainly(message: str, kind: Any = None, data: Untyped | None = None) -> str:
         return f"{_within(field, m[1])} is required"
     if m := re.fullmatch(r"Object contains unknown field `([^`]*)`", text):
         target = _resolve(kind, path)
-        known = [f.encode_name for f in target.fields] if isinstance(target, mi.StructType) else []
+        known = [f.encode_name for f in target.fields if f.encode_name not in UNSAID
+                 ] if isinstance(target, mi.StructType) else []
         return (f"{_within(field, m[1])} is not a field Rota knows"
                 + (f" (known: {', '.join(known)})" if known else ""))
     if m := re.fullmatch(r"Invalid enum value (.*)", text, re.DOTALL):

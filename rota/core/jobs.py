@@ -11,6 +11,7 @@ from rota.base import protocol as p
 from rota.base.protocol import MAX_COUNT, Priority
 from rota.base.errors import Invalid
 from rota.base.flow import MAX_LABELS
+from rota.base.ojs import OjsExtras
 from rota.base.ids import JOB_ID_PATTERN, MAX_JOB_ID, uuid7
 from rota.core.model import JobRecord, shared_limits
 from rota.base.specs import MAX_VISIBILITY, JobSpec, Name
@@ -19,6 +20,9 @@ from rota.base.unique import UniqueOptions
 # The longest wait Rota schedules: a delay, a run_at, a time to live. Past it a request
 # is refused rather than kept for years (or, as an overflowing date, never shown).
 MAX_AHEAD = 366 * 24 * 3600.0
+# The furthest absolute moment (run_at, expires_at) Rota takes: 100 years. OJS clients
+# give dates like 2099-12-31 for "never" (docs/ojs.md); relative seconds keep MAX_AHEAD.
+MAX_MOMENT = 100 * 365.25 * 24 * 3600.0
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_AHEAD)]
 Limit = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
 # Checked when the job is built (Intake.build, rota/base/ids.py job_id_problem), not by the
@@ -46,6 +50,11 @@ class EnqueueRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (a tenant, a user), and the worker labels it requires (the spec's are added).
     concurrency_key: Name | None = None
     labels: Annotated[list[Name], msgspec.Meta(max_length=MAX_LABELS)] = []
+    # An absolute moment (RFC 3339) the job may live until; give it or ttl, not both.
+    expires_at: str | None = None
+    # The OJS-only parts of a job (rota/base/ojs.py): set by the /ojs/v1 routes only;
+    # Rota's own POST /jobs refuses a request that sets it.
+    ojs: OjsExtras | None = None
 
 
 class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -67,9 +76,9 @@ def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> JobRecord:
         enqueued_at=now, seq=0, limits=limits,
         visibility_timeout=request.visibility_timeout or spec.visibility_timeout,
         state="scheduled" if run_at is not None else "available", run_at=run_at,
-        expires_at=start + request.ttl if request.ttl is not None else None,
+        expires_at=_expires_at(request, start, now),
         capture_logs=request.capture_logs, concurrency_key=request.concurrency_key,
-        labels=labels,
+        labels=labels, ojs=request.ojs,
     )
 
 
@@ -100,16 +109,31 @@ def _run_at(request: EnqueueRequest, now: float) -> float | None:
         return now + request.delay
     if request.run_at is None:
         return None
-    try:
-        moment = dt.datetime.fromisoformat(request.run_at)
-    except ValueError as exc:
-        raise Invalid("invalid_run_at", f"run_at is not RFC 3339: {exc}") from exc
-    if moment.tzinfo is None:
-        raise Invalid("invalid_run_at", "run_at needs a UTC offset, e.g. 'Z'")
-    when = moment.timestamp()
-    if when > now + MAX_AHEAD:
-        raise Invalid("invalid_run_at", f"run_at is more than {MAX_AHEAD / 86400:g} days ahead")
+    when = moment(request.run_at, "run_at", now)
     return when if when > now else None  # a moment past, however long ago, means now
+
+
+def _expires_at(request: EnqueueRequest, start: float, now: float) -> float | None:
+    if request.expires_at is not None and request.ttl is not None:
+        raise Invalid("invalid_request", "give expires_at or ttl, not both")
+    if request.ttl is not None:
+        return start + request.ttl
+    return None if request.expires_at is None else moment(request.expires_at, "expires_at", now)
+
+
+def moment(text: str, field: str, now: float) -> float:
+    """An RFC 3339 moment a request gives, as a timestamp: at most MAX_MOMENT ahead."""
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise Invalid(f"invalid_{field}", f"{field} is not RFC 3339: {exc}") from exc
+    if when.tzinfo is None:
+        raise Invalid(f"invalid_{field}", f"{field} needs a UTC offset, e.g. 'Z'")
+    stamp = when.timestamp()
+    if stamp > now + MAX_MOMENT:
+        raise Invalid(f"invalid_{field}",
+                      f"{field} is more than {MAX_MOMENT / 86400 / 365.25:g} years ahead")
+    return stamp
 
 
 def same_job(row: dict[str, Any], job: JobRecord, args: dict[str, Any]) -> bool:

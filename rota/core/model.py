@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from rota.base.errors import RotaError
+from rota.base.ojs import OjsExtras
 from rota.core.unique import UniqueClaim
 
 
@@ -181,6 +182,7 @@ class JobRecord:
     workflow_node: int | None = None  # its node in that workflow
     parent_results: msgspec.Raw | None = None  # what its workflow passes it (JSON)
     schedule: str | None = None  # the cron schedule whose tick made it
+    ojs: OjsExtras | None = None  # its OJS-only parts (rota/base/ojs.py); None: a Rota job
 
     def move(self, to: JobState) -> None:
         """Change state, refusing a move the lifecycle does not allow."""

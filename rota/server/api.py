@@ -17,7 +17,8 @@ from rota.server.api_base import (JSON, coordinator_of, decode_as, decode_body, 
                            status_of, token_revoked, too_many_waits)
 from rota.core.auth import Scope, kept_hint
 from rota.server.coordinator import Coordinator
-from rota.base.errors import DomainError, Invalid, NoSuchJob
+from rota.base.errors import DomainError, Invalid, NoSuchJob, RequestError
+from rota.base.ojs import OJS_ARGS
 from rota.server.gate import principal_of
 from rota.base.ids import TOKEN_NAME_PATTERN
 from rota.core.jobs import BatchRequest, EnqueueRequest
@@ -65,6 +66,8 @@ class TokenRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 async def enqueue(request: Request) -> Response:
     principal = need(request, "producer")
     payload = await decode_body(request, EnqueueRequest)
+    if (refusal := not_ojs(payload)) is not None:
+        raise refusal
     [outcome] = await coordinator_of(request).enqueue([payload], principal)
     if isinstance(outcome, DomainError):
         raise outcome
@@ -76,18 +79,19 @@ async def enqueue_batch(request: Request) -> Response:
     """Many jobs, one transaction; each gets its own status, and a bad one spoils no other."""
     principal = need(request, "producer")
     batch: BatchRequest = await decode_body(request, BatchRequest)
-    parsed: list[EnqueueRequest | DomainError] = []
+    parsed: list[EnqueueRequest | DomainError | RequestError] = []
     for raw in batch.jobs:
         try:  # already screened and decoded once, as part of the batch: it is JSON
-            parsed.append(msgspec.json.decode(raw, type=EnqueueRequest))
+            item = msgspec.json.decode(raw, type=EnqueueRequest)
+            parsed.append(not_ojs(item) or item)
         except msgspec.ValidationError as exc:
             parsed.append(Invalid("invalid_request", plainly(str(exc), EnqueueRequest)))
     valid = [item for item in parsed if isinstance(item, EnqueueRequest)]
     outcomes = iter(await coordinator_of(request).enqueue(valid, principal) if valid else [])
     results = []
     for index, item in enumerate(parsed):
-        outcome = item if isinstance(item, DomainError) else next(outcomes)
-        if isinstance(outcome, DomainError):
+        outcome = next(outcomes) if isinstance(item, EnqueueRequest) else item
+        if isinstance(outcome, DomainError | RequestError):
             said = {"code": outcome.code, "message": outcome.message}
             if (details := getattr(outcome, "details", None)) is not None:
                 said["details"] = details
@@ -97,6 +101,16 @@ async def enqueue_batch(request: Request) -> Response:
             results.append({"index": index, "status": 201 if created else 200,
                             "created": created, "job": job_view(row)})
     return JSON({"results": results})
+
+
+def not_ojs(payload: EnqueueRequest) -> RequestError | None:
+    """Why Rota's own enqueue refuses what only /ojs/v1 may set (docs/ojs.md), or None."""
+    if payload.ojs is not None:
+        return RequestError(400, "invalid_request", "ojs is set by /ojs/v1 only")
+    if OJS_ARGS in payload.args:
+        return RequestError(400, "reserved_arg", f"the args key {OJS_ARGS!r} is reserved"
+                            " for OJS jobs' positional args (/ojs/v1)")
+    return None
 
 
 async def _find(request: Request, job_id: str) -> dict[str, Any] | None:

@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator, Iterator
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.routing import WebSocketRoute
+from starlette.routing import Mount, WebSocketRoute
 
 from rota.server import api_base, dashboard, routes
 from rota.server.coordinator import Coordinator
 from rota.server.edge import GuardedHttp, LeanWebSocket
 from rota.server.gate import Gate
+from rota.server.ojs_api import ojs_app
 from rota.server.safety import SafetyNet
 from rota.server.sessions import work_endpoint
 from rota.core.settings import ServerSettings
@@ -58,7 +59,8 @@ def create_app(settings: ServerSettings) -> Starlette:
             await coordinator.stop()
 
     app = Starlette(
-        routes=[*routes.routes, *dashboard.routes, WebSocketRoute("/work", work_endpoint),
+        routes=[*routes.routes, *dashboard.routes, Mount("/ojs", ojs_app(coordinator)),
+                WebSocketRoute("/work", work_endpoint),
                 WebSocketRoute("/{path:path}", api_base.no_such_socket)],
         exception_handlers=api_base.exception_handlers,  # type: ignore[arg-type]
         # The net outermost: whatever escapes the routes or the gate still gets an answer.

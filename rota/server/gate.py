@@ -23,14 +23,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rota.core.auth import Principal
 from rota.server.coordinator import Coordinator
+from rota.base.ids import uuid7
 from rota.base.logs import printable
+from rota.base.ojs import OJS_MEDIA, OJS_VERSION
+from rota.core.ojs_map import error_body as ojs_error_body
 from rota.core.policy import TokenBucket
 from rota.core.settings import loopback
 
 log = logging.getLogger("rota.server")
 REFUSALS_LOGGED = 1.0  # refusal lines a second, on average (bursts of 10)
 # Load balancers probe health without a token; the API's description is public.
-OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/work.schema.json"})
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/work.schema.json", "/ojs/manifest",
+                        "/ojs/v1/health"})
 COOKIE = "rota_session"
 # The dashboard's pages that need no credential (the login form, its stylesheet), but
 # whose requests still pass the Origin checks: a foreign page must not log a browser in.
@@ -226,13 +230,26 @@ def principal_of(scope: Scope) -> Principal:
 async def deny(scope: Scope, send: Send, status: int, code: str, message: str) -> None:
     """Answer with a JSON error; on a WebSocket handshake, as its HTTP response."""
     body = error_body(code, message)
-    headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json"),
-                                          (b"content-length", str(len(body)).encode())]
+    kind = [(b"content-type", b"application/json")]
+    if scope["path"].startswith("/ojs/"):  # the OJS binding's clients read its shape
+        body, kind = ojs_denial(status, code, message)
+    headers: list[tuple[bytes, bytes]] = [*kind, (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b'Bearer realm="rota"'))
     prefix = "websocket.http.response" if scope["type"] == "websocket" else "http.response"
     await send({"type": f"{prefix}.start", "status": status, "headers": headers})
     await send({"type": f"{prefix}.body", "body": body})
+
+
+def ojs_denial(status: int, code: str, message: str
+               ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """A refusal on an /ojs/ path in OJS's shape (docs/ojs.md): its body and headers."""
+    ojs_code = {401: "unauthenticated", 403: "permission_denied"}.get(status, code)
+    kind = "auth_error" if status in (401, 403) else "validation_error"
+    body = msgspec.json.encode(ojs_error_body(status, ojs_code, message, type=kind,
+                                              request_id=f"req_{uuid7()}",
+                                              details={"rota_code": code}))
+    return body, [(b"content-type", OJS_MEDIA.encode()), (b"ojs-version", OJS_VERSION.encode())]
 
 
 def error_body(code: str, message: str) -> bytes:

@@ -273,6 +273,17 @@ def m020_workflows(db: sqlite_utils.Database) -> None:
     db["workflow_nodes"].create_index(["workflow_id", "parent"])
 
 
+@migrations()
+def m021_ojs(db: sqlite_utils.Database) -> None:
+    # The OJS binding (docs/ojs.md): a job's OJS-only parts as JSON (rota/base/ojs.py
+    # OjsExtras; NULL for a Rota job), and whether it was discarded into the dead-letter
+    # list (on_exhaustion "dead_letter"), which a partial index finds.
+    db["jobs"].add_column("ojs", str)
+    db["jobs"].add_column("dead_letter", int, not_null_default=0)
+    db.execute("CREATE INDEX jobs_dead_letter ON jobs (dead_letter, finished_at)"
+               " WHERE dead_letter = 1")
+
+
 def migrate(path: Path) -> None:
     conn = connect(path)
     try:

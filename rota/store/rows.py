@@ -19,6 +19,7 @@ import msgspec
 from rota.core.jobs import labels_of
 from rota.core.observe import COUNTS
 from rota.core.model import JobRecord, JobState, shared_limits
+from rota.base.ojs import decode_extras
 from rota.base.protocol import Registration
 from rota.core.ready import PRIORITY_LIMIT, SEQ_BITS
 from rota.base.specs import JobSpec, spec_from_builtins
@@ -135,7 +136,7 @@ LIVE = ("rowid", "id", "spec", "queue", "args", "priority", "enqueued_at", "max_
          "state", "attempt", "worker_id", "checksum", "run_at", "expires_at",
          "lease_expires_at", "fails", "deaths", "budget_start", "cancel_requested",
          "capture_logs", "created_by", "reserved_at", "worker_token", "concurrency_key",
-         "labels", "workflow_id", "workflow_node", "parent_results", "schedule")
+         "labels", "workflow_id", "workflow_node", "parent_results", "schedule", "ojs")
 
 
 # Claims: rows reserved only if they are still available, and read back whole.
@@ -247,7 +248,7 @@ def live_job(r: tuple[Any, ...]) -> JobRecord:
      backoff_base, backoff_max, max_deaths, visibility_timeout, state, attempt, worker_id,
      checksum, run_at, expires_at, lease_expires_at, fails, deaths, budget_start,
      cancel_requested, capture_logs, created_by, reserved_at, worker_token, concurrency_key,
-     labels, workflow_id, workflow_node, parent_results, schedule) = r
+     labels, workflow_id, workflow_node, parent_results, schedule, ojs) = r
     intern = sys.intern
     limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
                            backoff_max or 3600.0, max_deaths or 3)
@@ -266,7 +267,8 @@ def live_job(r: tuple[Any, ...]) -> JobRecord:
                      concurrency_key=concurrency_key, labels=labels_of(labels),
                      workflow_id=workflow_id, workflow_node=workflow_node,
                      parent_results=None if parent_results is None
-                     else msgspec.Raw(parent_results.encode()), schedule=schedule)
+                     else msgspec.Raw(parent_results.encode()), schedule=schedule,
+                     ojs=decode_extras(ojs))
 
 
 def worker_row(worker_id: str, reg: Registration, connected_at: float) -> dict[str, Any]:
@@ -294,4 +296,5 @@ def job_from_row(r: sqlite3.Row | dict[str, Any]) -> JobRecord:
                      labels=labels_of(r["labels"]), workflow_id=r["workflow_id"],
                      workflow_node=r["workflow_node"],
                      parent_results=None if r["parent_results"] is None
-                     else msgspec.Raw(r["parent_results"].encode()), schedule=r["schedule"])
+                     else msgspec.Raw(r["parent_results"].encode()), schedule=r["schedule"],
+                     ojs=decode_extras(r["ojs"]))

@@ -20,7 +20,7 @@ MIGRATIONS = (
     "m005_tokens", "m006_poison", "m007_storage_probe", "m008_retention",
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
     "m014_throughput", "m015_flow_control", "m016_unique_keys", "m017_active_keys",
-    "m018_job_origins", "m019_schedules", "m020_workflows",
+    "m018_job_origins", "m019_schedules", "m020_workflows", "m021_ojs",
 )
 
 
@@ -82,7 +82,8 @@ TABLES: tuple[Table, ...] = (
         " progress_percent REAL, progress_message TEXT, progress_at REAL, created_by TEXT,"
         " deaths INTEGER NOT NULL =0, max_worker_deaths INTEGER, server_id TEXT,"
         " worker_token TEXT, concurrency_key TEXT, labels TEXT, workflow_id TEXT,"
-        " workflow_node INTEGER, parent_results TEXT, schedule TEXT"),
+        " workflow_node INTEGER, parent_results TEXT, schedule TEXT, ojs TEXT,"
+        " dead_letter INTEGER NOT NULL =0"),
         pk=("id",), rowid=True),
     Table("spec_versions", _cols("name TEXT, checksum TEXT, version TEXT, body TEXT,"
                                  " first_pushed_at REAL"), pk=("name", "checksum")),
@@ -158,6 +159,8 @@ INDEXES: tuple[Index, ...] = (
           "workflow_id IS NOT NULL"),
     Index("idx_jobs_schedule", "jobs", ("schedule", "state"), "schedule IS NOT NULL"),
     Index("idx_workflows_created_at", "workflows", ("created_at",)),
+    # OJS's dead-letter list (m021): only jobs discarded into it are in this.
+    Index("jobs_dead_letter", "jobs", ("dead_letter", "finished_at"), "dead_letter = 1"),
     Index("idx_workflow_nodes_workflow_id_parent", "workflow_nodes", ("workflow_id", "parent")),
 )
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from rota.base.ojs import encode_extras
 from rota.core.jobs import labels_text
 from rota.core.observe import COUNTS
 from rota.core.model import WAITING_STATES, Change, ClockReading, JobRecord, StatusNote, wall_step
@@ -40,7 +41,7 @@ _INSERTED = ("id", "spec", "queue", "args", "priority", "state", "visibility_tim
              "enqueued_at", "run_at", "expires_at", "max_attempts", "max_fails", "backoff_base",
              "backoff_max", "capture_logs", "created_by", "max_worker_deaths",
              "concurrency_key", "labels", "workflow_id", "workflow_node", "parent_results",
-             "schedule")
+             "schedule", "ojs")
 _INSERT = (
     f"INSERT INTO jobs ({', '.join(_INSERTED[:6])}, attempt, {', '.join(_INSERTED[6:])})"
     f" VALUES ({', '.join('?' * 6)}, 0, {', '.join('?' * (len(_INSERTED) - 6))})"
@@ -146,7 +147,7 @@ def insert_row(job: JobRecord) -> tuple[Any, ...]:
             int(job.capture_logs), job.created_by, lim.max_worker_deaths, job.concurrency_key,
             labels_text(job.labels), job.workflow_id, job.workflow_node,
             None if job.parent_results is None else bytes(job.parent_results).decode(),
-            job.schedule)
+            job.schedule, encode_extras(job.ojs))
 
 
 # -- reservations and transitions --------------------------------------------------------

@@ -164,7 +164,7 @@ async def test_enqueue_errors_are_precise(live: Live, tmp_path: Path):
         (b'{"spec": "typed", "args": {"n": 1}, "colour": "red"}', 422, "invalid_request",
          "colour is not a field Rota knows (known: spec, args, id, queue, priority, run_at,"
          " delay, ttl, visibility_timeout, max_attempts, max_fails, capture_logs,"
-         " new_queue, unique, concurrency_key, labels)"),
+         " new_queue, unique, concurrency_key, labels, expires_at)"),
         (b'{"spec": "typed", "delay": -1}', 422, "invalid_request", "delay must be a number >= 0"),
         (b'{"spec": "typed", "ttl": 0}', 422, "invalid_request", "ttl must be a number > 0"),
         (b'{"spec": "typed", "priority": "3"}', 422, "invalid_request",
