@@ -19,6 +19,7 @@ from rota.base.ojs import OJS_VERSION
 from rota.server.api_base import coordinator_of
 from rota.server.coordinator import Coordinator
 from rota.server.ojs_base import OjsHeaders, OjsJSON, exception_handlers
+from rota.server.ojs_flows import routes as flow_routes
 
 # The OJS conformance level Rota reaches (tests/ojs/run.py measures it; docs/ojs.md).
 CONFORMANCE_LEVEL = 0
@@ -58,6 +59,7 @@ routes = [
     Route("/manifest", manifest, methods=["GET"]),
     Route("/v1/health", health, methods=["GET"]),
 ]
+routes += flow_routes  # cron and workflows (rota/server/ojs_flows.py)
 
 
 def ojs_app(coordinator: Coordinator) -> Starlette:
