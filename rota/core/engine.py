@@ -41,6 +41,7 @@ from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
 from rota.core.policy import Ending
+from rota.core.pulls import Pulls
 from rota.core.registry import ConnectedWorker, Registry, short
 from rota.core.reservations import Reservations
 from rota.core.scheduler import Scheduler
@@ -56,7 +57,7 @@ RECENT_RESULTS = 10_000  # accepted results remembered, to ack a resend of one q
 ROW_REFUSED = "the job's row moved on (another attempt or server holds it, or it ended)"
 
 
-class Engine(Intake, Reservations, Heartbeats, Timers, Lines):
+class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls):
     def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
         self.settings = settings
         self.scheduler = Scheduler(settings.visibility_timeout, compact=True,
@@ -80,6 +81,7 @@ class Engine(Intake, Reservations, Heartbeats, Timers, Lines):
         self.standing = Standing(settings.server_lease)
         self._lines: dict[str, dict[str, None]] = {}  # prefetch lines (rota/core/lines.py)
         self._taking: dict[str, str] = {}
+        self._init_pulls()  # pull workers (rota/core/pulls.py)
 
     @property
     def connections(self) -> dict[str, ConnectedWorker]:

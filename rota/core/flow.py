@@ -40,6 +40,7 @@ class Flow:
     workers: dict[str, WorkerSlot]
     paused: set[str]
     status_quo: dict[str, str]
+    unversioned: dict[str, Any]
     jobs: dict[str, JobRecord]
     claims: int
     matches: Callable[[WorkerSlot, str], bool]
@@ -109,7 +110,7 @@ class Flow:
                 worker.capacity -= 1
                 self.claims += 1
                 ident = taken[1]
-                picked = Claim(taken[1], queue, spec, taken[0], worker, self.status_quo[spec],
+                picked = Claim(taken[1], queue, spec, taken[0], worker, self.status_quo.get(spec),
                                key, labels)
             if limiter.rules:
                 limiter.take(ident, queue, spec, key, now)
@@ -324,14 +325,14 @@ class Flow:
         concurrency_key and labels) is not running; None if it will be."""
         mono = now.mono if isinstance(now, Instant) else now
         queue, spec = job.queue, job.spec
-        wait = why_waiting(self.workers.values(), self.paused, self.status_quo, queue, spec)
+        wait = why_waiting(self.workers.values(), self.paused, self.status_quo, queue, spec,
+                           self.unversioned)
         if wait is not None and wait.blocked:
             return wait
         labels = tuple(getattr(job, "labels", ()) or ())
         if labels:
-            expected = self.status_quo.get(spec)
             capable = [w for w in self.workers.values()
-                       if queue in w.queues and w.specs.get(spec) == expected]
+                       if queue in w.queues and self.matches(w, spec)]
             for label in labels:
                 if not any(label in w.labels for w in capable):
                     return Wait(NO_LABEL, f"no connected worker has label {label}")

@@ -21,6 +21,7 @@ from rota.core.listing import did_you_mean, listed
 from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
+from rota.core.pulls import is_pull
 from rota.core.ready import row_labels
 from rota.core.registry import Registry, short
 from rota.core.scheduler import Scheduler
@@ -134,7 +135,7 @@ class Intake:
         job = self.scheduler.jobs.get(job_id)
         if job is None or job.state in TERMINAL_STATES:
             return "not_live", []
-        if job.state == JobState.ACTIVE:
+        if job.state == JobState.ACTIVE and not is_pull(job.worker_id):  # a pull: at once
             job.cancel_requested = True
             effects: list[Effect] = [Save([Change(job)])]
             connection = self.registry.get(job.worker_id or "")

@@ -31,7 +31,7 @@ log = logging.getLogger("rota.server")
 def idle_slots(worker: WorkerSlot) -> int:
     """Slots a running worker has free to run a job at once (not to line one up): its
     held jobs all fit in its ``concurrency``, and it asked for more."""
-    if worker.state != "running" or worker.blocked:
+    if worker.state != "running" or worker.blocked or worker.any_type:  # (a pull: no line)
         return 0
     return max(0, min(worker.free(), worker.concurrency - len(worker.active) - worker.claims))
 

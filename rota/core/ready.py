@@ -91,6 +91,7 @@ class WorkerSlot:
     prefetch: int = 0  # jobs it may hold beyond concurrency, waiting in its own line
     blocked: bool = False  # its connection's outbox is full: it is not reading what it is sent
     token: str | None = None  # the id of the token it connected with (None: no token)
+    any_type: bool = False  # a pull worker (rota/core/pulls.py): it runs any unversioned type
 
     def free(self) -> int:
         """Slots the server may fill now: none while the worker does not read its socket,
@@ -119,7 +120,7 @@ class Claim:
     spec: str
     priority: int
     worker: WorkerSlot
-    checksum: str
+    checksum: str | None  # None: an unversioned type (rota/core/pulls.py)
     concurrency_key: str | None = None
     labels: tuple[str, ...] = ()
 
@@ -415,8 +416,23 @@ class Wait(NamedTuple):
         return self.kind not in BACKLOG
 
 
+UNVERSIONED = "unversioned"  # the checksum a /work worker declares an unversioned type with
+
+
+def may_take(worker: WorkerSlot, spec: str, status_quo: Mapping[str, str],
+             unversioned: Collection[str]) -> bool:
+    """The one gate between a worker and a spec's jobs: the status-quo checksum declared;
+    or, for a type with no status quo that OJS made (unversioned), a pull worker, or a
+    /work worker that declares it ``"unversioned"``."""
+    expected = status_quo.get(spec)
+    if expected is None:
+        return spec in unversioned and (worker.any_type or worker.specs.get(spec) == UNVERSIONED)
+    return worker.specs.get(spec) == expected
+
+
 def why_waiting(workers: Iterable[WorkerSlot], paused: Collection[str],
-                status_quo: Mapping[str, str], queue: str, spec: str) -> Wait | None:
+                status_quo: Mapping[str, str], queue: str, spec: str,
+                unversioned: Collection[str] = ()) -> Wait | None:
     """Why available jobs of (queue, spec) are not running; None if they will be."""
     if queue in paused:
         return Wait("queue_paused", "queue paused")
@@ -424,9 +440,12 @@ def why_waiting(workers: Iterable[WorkerSlot], paused: Collection[str],
     if not serving:
         return Wait("no_worker", f"no connected worker serves queue {queue!r}")
     expected = status_quo.get(spec)
-    if expected is None:
+    if expected is None and spec not in unversioned:
         return Wait("no_status_quo", f"spec {spec!r} has no status quo")
-    capable = [w for w in serving if w.specs.get(spec) == expected]
+    capable = [w for w in serving if may_take(w, spec, status_quo, unversioned)]
+    if not capable and expected is None:
+        return Wait("no_worker", f"no connected worker serves queue {queue!r} and runs"
+                    f" unversioned type {spec!r}")
     if not capable:
         other = sum(1 for w in serving if spec in w.specs)
         if other:

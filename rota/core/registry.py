@@ -17,6 +17,7 @@ from rota.core.auth import OPEN, Principal
 from rota.base.errors import FrameError
 from rota.base.logs import printable
 from rota.core.policy import TokenBucket
+from rota.core.ready import UNVERSIONED
 from rota.core.scheduler import WorkerSlot
 
 log = logging.getLogger("rota.server")
@@ -179,8 +180,9 @@ class Registry:
         return found
 
     def silent(self, now: float, timeout: float) -> list[ConnectedWorker]:
-        """Connections the server has heard nothing from for longer than ``timeout``."""
-        return [c for c in self.connections.values() if now - c.last_seen > timeout]
+        """Connections the server has heard nothing from for longer than ``timeout``. Not a
+        pull worker's (a negative conn): its jobs' leases tell when it is gone."""
+        return [c for c in self.connections.values() if c.conn > 0 and now - c.last_seen > timeout]
 
     def backed_up(self, now: float, limit: float) -> list[ConnectedWorker]:
         """Connections whose outbox has been over its limit for longer than ``limit``."""
@@ -290,7 +292,7 @@ def judge_specs(status_quo: dict[str, str], declared: list[p.SpecRef]) -> p.Spec
     rejected: list[p.SpecRejection] = []
     for ref in declared:
         expected = status_quo.get(ref.name)
-        if expected == ref.checksum:
+        if expected == ref.checksum or (expected is None and ref.checksum == UNVERSIONED):
             accepted.append(ref.name)
             continue
         reason = "spec has no status quo" if expected is None else "checksum differs from the status quo"

@@ -48,6 +48,8 @@ class Reservations:
     _recover: Callable[..., list[Effect]]  # (jobs, ending, message, now, *, death)
     _assigned: Callable[..., None]  # (connection, jobs): Lines
     _take_backs: Callable[[Instant], list[Effect]]  # (Lines)
+    _unanswered: Callable[[dict[str, Any]], list[Effect]]  # (Pulls)
+    _leased: Callable[..., list[Effect]]  # (connection, jobs, now): Pulls
     _paused_until = 0.0  # monotonic: no round before it (a failed round's pause)
 
     def dispatch(self, now: Instant) -> list[Effect]:
@@ -106,7 +108,7 @@ class Reservations:
             for claim in claims:
                 self.scheduler.unclaim(claim)
             self._paused_until = now.mono + PAUSE_AFTER_FAILED_ROUND
-            return []
+            return self._unanswered(plan)  # (a pull worker's request waits for an assign)
         effects: list[Effect] = []
         if outcome.refused:
             effects += self._refused_by_guard(jobs, claims, outcome.refused, outcome.full,
@@ -135,7 +137,7 @@ class Reservations:
             # (A job whose key was known twice, claimed twice in this round, went once.)
             live = list({j.id: j for j in held if j is not None and j.worker_id == worker_id
                          and j.state == JobState.ACTIVE and not j.orphaned}.values())
-            if connection is None or not live:
+            if connection is None or not (live or connection.conn < 0):  # a pull: always
                 continue
             copies: list[p.JobCopy] = []
             size = 0
@@ -146,12 +148,13 @@ class Reservations:
             for job in live:
                 job.reserved_at = now.wall
             self._assigned(connection, live)
+            effects += self._leased(connection, live, now)  # (rota/core/pulls.py)
             self.observe.assigned(live, worker_id, now.wall)
             for job in live:
                 # Frames of about ASSIGN_BYTES at most: a round for a worker with a long
                 # line of large jobs would otherwise be one frame of many megabytes, built
                 # whole in memory and past what most WebSocket clients accept by default.
-                if copies and size + len(job.args) > ASSIGN_BYTES:
+                if copies and size + len(job.args) > ASSIGN_BYTES and connection.conn > 0:
                     effects.append(Send(connection.conn, p.encode(p.Assign(jobs=copies))))
                     copies, size = [], 0
                 size += len(job.args) + COPY_OVERHEAD

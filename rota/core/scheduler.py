@@ -18,10 +18,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable
+from typing import Any
 
 from rota.core.flow import Flow
 from rota.core.model import JobRecord, JobState
-from rota.core.ready import PRIORITY_LIMIT, Claim, Ready, Wait, WorkerSlot, why_waiting
+from rota.core.ready import PRIORITY_LIMIT, Claim, Ready, Wait, WorkerSlot, may_take, why_waiting
 
 __all__ = ["Claim", "Scheduler", "Wait", "WorkerSlot"]
 
@@ -42,6 +43,7 @@ class Scheduler(Flow):
         # answers claims: the engine's scheduler does; a bare one keeps every job whole.
         self.compact = compact
         self.status_quo: dict[str, str] = {}  # spec name -> checksum
+        self.unversioned: dict[str, Any] = {}  # OJS types with no spec: name -> JobSpec
         self.jobs: dict[str, JobRecord] = {}  # every live job kept whole, whatever its state
         self.workers: dict[str, WorkerSlot] = {}
         self.paused: set[str] = set()  # queues that keep their jobs and assign none
@@ -369,8 +371,7 @@ class Scheduler(Flow):
                 if job is not None and job.state == "active" and job.worker_id == worker_id]
 
     def matches(self, worker: WorkerSlot, spec: str) -> bool:
-        expected = self.status_quo.get(spec)
-        return expected is not None and worker.specs.get(spec) == expected
+        return may_take(worker, spec, self.status_quo, self.unversioned)
 
     # -- planning --------------------------------------------------------------------
     def plan(self, now: float) -> dict[str, list[JobRecord | Claim]]:
@@ -403,7 +404,7 @@ class Scheduler(Flow):
         job.worker_id = worker.id
         job.worker_token = worker.token
         job.attempt += 1
-        job.checksum = self.status_quo[job.spec]
+        job.checksum = self.status_quo.get(job.spec)  # None: unversioned
         job.lease = now + self.lease_for(job)
         self._push(self._leases, job.lease, job.id)
         worker.active.add(job.id)
@@ -431,7 +432,8 @@ class Scheduler(Flow):
             worker.claims += 1
             worker.capacity -= 1
             self.claims += 1
-            return Claim(taken[1], queue, best_spec, taken[0], worker, self.status_quo[best_spec])
+            return Claim(taken[1], queue, best_spec, taken[0], worker,
+                         self.status_quo.get(best_spec))
         return None
 
     # -- explaining ------------------------------------------------------------------
@@ -444,7 +446,8 @@ class Scheduler(Flow):
         """Why available jobs of (queue, spec) are not running, and whether that blocks
         them or only holds them in a backlog (ready.why_waiting); None if they will run.
         ``now`` (monotonic): also a queue's or spec's own limit that holds them."""
-        wait = why_waiting(self.workers.values(), self.paused, self.status_quo, queue, spec)
+        wait = why_waiting(self.workers.values(), self.paused, self.status_quo, queue, spec,
+                           self.unversioned)
         if now is not None and (wait is None or not wait.blocked):
             return self.scope_wait(queue, spec, now) or wait
         return wait

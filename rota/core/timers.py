@@ -38,6 +38,8 @@ class Timers:
     _recover: Callable[..., list[Effect]]  # (jobs, ending, message, now, *, death)
     resume_rounds: Callable[[Instant], list[Effect]]  # (Reservations)
     disconnect: Callable[[int, str, str, Instant], list[Effect]]  # (Heartbeats)
+    _pulls_tick: Callable[[Instant], list[Effect]]  # (Pulls)
+    pull_deadline: Callable[[], float | None]  # (Pulls)
 
     # -- this server's lease (several servers on one database) ----------------------
     def lease_taken(self, started: float, now: Instant) -> list[Effect]:
@@ -68,7 +70,8 @@ class Timers:
 
     # -- timers ----------------------------------------------------------------------
     def next_deadline(self) -> float | None:
-        return self.scheduler.next_deadline()
+        return min((d for d in (self.scheduler.next_deadline(), self.pull_deadline())
+                    if d is not None), default=None)
 
     def tick(self, now: Instant) -> list[Effect]:
         """Fire whatever is due: timers, lapsed leases, expired jobs, silent workers.
@@ -97,6 +100,7 @@ class Timers:
             effects += [Save([Change(job) for job in due]), Wake()]
         for job in self.scheduler.expired_leases(now.mono):
             effects += self._lease_lapsed(job, now)
+        effects += self._pulls_tick(now)  # timeout_ms, idle pull workers (rota/core/pulls.py)
         expired = self.scheduler.expired_ttls(now.mono)
         if expired:
             effects += self._expire(expired, now)

@@ -309,7 +309,8 @@ def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
         workers.append({
             "id": slot.id, "hostname": reg.hostname, "pid": reg.pid, "os": reg.os,
             "sdk": reg.sdk, "state": slot.state, "queues": slot.queues, "labels": slot.labels,
-            "concurrency": slot.concurrency, "prefetch": slot.prefetch,
+            "kind": "pull" if conn.conn < 0 else "work",  # pull: OJS FETCH (rota/core/pulls.py)
+            "concurrency": slot.concurrency if conn.conn > 0 else 0, "prefetch": slot.prefetch,
             "active": running, "prefetched": prefetched,
             "capacity": slot.capacity, "specs_matching": matching,
             "specs_mismatching": sorted(set(slot.specs) - set(matching)),

@@ -1,14 +1,12 @@
 """The async shell around the engine: it owns the store, the clock and the sockets.
 
-Every decision is the engine's (rota/core/engine.py) or a verdict's (rota/core/verdicts.py). This
-feeds the engine events, with the time read from the injected clock, and applies the
-effects it returns, in order: writes go to the single writer as they come (so they
-commit in decision order), a write that carries a ticket reports its outcome back to the
-engine, and a frame is sent only when the engine releases it, which for anything that
-depends on a write is after its COMMIT. Two loops run beside the sockets: dispatch (a
-round when woken) and timers (the engine's ``tick``, at least every ``tick_every``). The
-rest is its parts: rota/server/admission.py, steering, composing, tokenwatch, watching, upkeep.
-"""
+Every decision is the engine's (rota/core/engine.py) or a verdict's (rota/core/verdicts.py).
+This feeds the engine events, timed by the injected clock, and applies the effects it
+returns in order: writes go to the single writer as they come (they commit in decision
+order), a write with a ticket reports its outcome back, and a frame goes out only when the
+engine releases it (after the COMMIT it depends on), to a socket or a pull worker's mailbox
+(rota/server/mailbox.py). Beside: dispatch (a round when woken) and timers (``tick``). Its
+parts: rota/server/admission.py, steering, composing, tokenwatch, watching, upkeep."""
 
 from __future__ import annotations
 
@@ -24,6 +22,7 @@ from typing import Any, Protocol
 from rota.base import protocol as p
 from rota.server.admission import Admission
 from rota.server.composing import Composing
+from rota.server.mailbox import Mailbox
 from rota.core.auth import OPEN, Principal, Tokens
 from rota.core.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           Withdraw, WorkerGone, WorkerSeen)
@@ -77,6 +76,7 @@ class Coordinator(ShellReads, ShellDirectives):
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
         self._outboxes: dict[int, Outbox] = {}
         self._conns = 0
+        self.mailbox = Mailbox()  # pull workers' conns (negative): rota/server/mailbox.py
         self._inflight: dict[int, asyncio.Future[Any]] = {}  # conn -> its latest results write
         self.pending_writes = 0  # handed to the writer, outcome not yet applied
         self._wake = asyncio.Event()
@@ -231,7 +231,7 @@ class Coordinator(ShellReads, ShellDirectives):
         for effect in effects:
             match effect:
                 case Send(conn, frame):
-                    if (outbox := self._outboxes.get(conn)) is not None:
+                    if (outbox := self._outboxes.get(conn) or self.mailbox.box(conn)) is not None:
                         outbox.send(frame)
                 case Save(changes, ticket, point):
                     self._finishing(changes)
@@ -360,7 +360,7 @@ class Coordinator(ShellReads, ShellDirectives):
 
     def disconnect(self, conn: int, worker_id: str, reason: str) -> None:
         self.apply(self.engine.disconnect(conn, worker_id, reason, self.clock()))
-        if not self.connections:
+        if all(c.conn < 0 for c in self.connections.values()):  # (pull workers: no socket)
             self._no_connections.set()
 
     def outbox(self, conn: int, worker_id: str, full: bool, over: bool) -> None:

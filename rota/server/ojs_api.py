@@ -18,6 +18,7 @@ from starlette.routing import Route
 from rota.base.ojs import OJS_VERSION
 from rota.server.api_base import coordinator_of
 from rota.server.coordinator import Coordinator
+from rota.server import pulling  # the worker routes: FETCH, ACK, NACK, heartbeat
 from rota.server.ojs_base import OjsHeaders, OjsJSON, exception_handlers
 from rota.server.ojs_flows import routes as flow_routes
 
@@ -65,7 +66,7 @@ routes += flow_routes  # cron and workflows (rota/server/ojs_flows.py)
 def ojs_app(coordinator: Coordinator) -> Starlette:
     """The /ojs mount: its own exception handlers, so that every refusal under it is in
     OJS's shape, and its headers on every answer."""
-    app = Starlette(routes=routes, exception_handlers=exception_handlers,  # type: ignore[arg-type]
+    app = Starlette(routes=[*routes, *pulling.routes], exception_handlers=exception_handlers,  # type: ignore[arg-type]
                     middleware=[Middleware(OjsHeaders)])
     app.state.coordinator = coordinator
     return app

@@ -273,6 +273,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     connected_at: str
     last_heartbeat_age: float
     heartbeats: int  # frames read from this connection
+    kind: Literal["work", "pull"] = "work"  # pull: an OJS worker that FETCHes over HTTP
 
 
 class Workers(msgspec.Struct):

@@ -23,9 +23,10 @@ PAST = {"store", "scheduler", "engine"}
 # applies other servers' notices to the engine.
 SHELL = {"server." + name for name in ("coordinator", "shell_reads", "shell_directives", "cluster",
                                        "admission", "steering", "tokenwatch", "upkeep",
-                                       "watching", "limiting", "composing", "clockwork")}
+                                       "watching", "limiting", "composing", "clockwork",
+                                       "pulling")}
 ENGINE = {"core.engine", "core.intake", "core.reservations", "core.heartbeats",
-          "core.timers", "core.lines"}  # the engine and its parts (mixins)
+          "core.timers", "core.lines", "core.pulls"}  # the engine and its parts (mixins)
 
 
 def reaches(source: str, module: str = "") -> list[str]:

@@ -34,7 +34,7 @@ ON_A_SERVER = [
     (["enqueue", "echo", "--args", "{oops"], "--args is not valid JSON"),
     (["enqueue", "echo", "--args", "[1]"], "must be a JSON object"),
     (["enqueue", "echo", "--priority", "99999999999"], "invalid_request"),
-    (["enqueue", "echo", "--run-at", "9999-01-01T00:00:00Z"], "days ahead"),
+    (["enqueue", "echo", "--run-at", "9999-01-01T00:00:00Z"], "100 years ahead"),
     (["enqueue", "echo", "--delay", "-1"], "error: delay must be a number >= 0 (invalid_request)"),
     (["run", "ecoh"], "did you mean echo?"),
     (["jobs", "show", "missing"], "no job missing"),

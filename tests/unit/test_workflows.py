@@ -517,7 +517,7 @@ def deep(levels: int) -> dict[str, Any]:
     (chain({"spec": "s", "colour": 1}), "invalid_workflow", "steps[0]: colour is not a field"
      " Rota knows (known: spec, args, id, queue, priority, run_at, delay, ttl,"
      " visibility_timeout, max_attempts, max_fails, capture_logs, new_queue, unique,"
-     " concurrency_key, labels)"),
+     " concurrency_key, labels, expires_at)"),
     (chain(7), "invalid_workflow", "steps[0] must be an object (a job or a chain, group or"
      " batch), got an integer"),
     ({**chain(job()), "label": "x"}, "invalid_workflow", "label is not a field Rota knows"

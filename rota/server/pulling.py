@@ -1,0 +1,214 @@
+"""The OJS worker routes (FETCH, ACK, NACK, heartbeat) over the engine's pull workers
+(rota/core/pulls.py), and the ``Mailbox`` that carries what the engine sends a pull
+worker into the HTTP request that waits for it.
+
+A pull worker's connection is a negative conn with no socket: the Coordinator hands a
+``Send`` to it to the mailbox (rota/server/mailbox.py), which resolves the FETCH or the
+ACK waiting for it. Answers are read from the rows (``job_view``), after the commit that
+made them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Annotated, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from rota.base import protocol as p
+from rota.base.errors import RequestError
+from rota.core.auth import Principal
+from rota.core.ojs_map import OjsRefusal, job_view, ojs_time
+from rota.core.pulls import MAX_FETCH, Settled, nack_error
+from rota.server.api_base import coordinator_of, need
+from rota.server.coordinator import Coordinator
+from rota.server.ojs_base import OjsJSON, ojs_body, ojs_error
+
+log = logging.getLogger("rota.server")
+ANSWER_WAIT = 5.0  # seconds a FETCH waits for its round's assign (then 503)
+ACK_WAIT = 30.0  # seconds an ACK or NACK waits for its result's commit (then 503)
+REJECTED_HEADER = "X-Rota-Rejected-Specs"
+
+Millis = Annotated[int, msgspec.Meta(ge=1, le=p.MAX_COUNT)]
+Specs = Annotated[dict[p.Name, p.Checksum], msgspec.Meta(max_length=1000)]
+
+
+class FetchBody(msgspec.Struct, kw_only=True):
+    queues: Annotated[list[p.Name], msgspec.Meta(min_length=1, max_length=100)] = (
+        msgspec.field(default_factory=lambda: ["default"]))
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_FETCH)] = 1
+    worker_id: p.Name | None = None
+    visibility_timeout_ms: Millis | None = None
+    x_rota_specs: Specs | None = None
+
+
+class ResultBody(msgspec.Struct, kw_only=True):
+    job_id: p.JobId
+    worker_id: p.Name | None = None
+    result: Any = None
+    error: dict[str, Any] | None = None
+    requeue: bool = False
+    x_rota_attempt: Annotated[int, msgspec.Meta(ge=0, le=p.MAX_COUNT)] | None = None
+
+
+class BeatBody(msgspec.Struct, kw_only=True):
+    worker_id: p.Name | None = None
+    active_jobs: Annotated[list[p.JobId], msgspec.Meta(max_length=10_000)] = []
+    visibility_timeout_ms: Millis | None = None
+    x_rota_specs: Specs | None = None
+
+
+def _decoded(body: bytes, kind: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise OjsRefusal(400, "invalid_request", "validation_error", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise OjsRefusal(400, "invalid_payload", "validation_error",
+                         f"the body is not JSON: {exc}") from None
+
+
+async def _waited(coordinator: Coordinator, conn: int, future: asyncio.Future[Any],
+                  seconds: float, what: str) -> Any:
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), seconds)
+    except TimeoutError:
+        raise RequestError(503, "backend_unavailable", f"{what} did not come back within"
+                           f" {seconds:g}s; try again") from None
+    finally:
+        coordinator.mailbox.forget(conn, future)
+
+
+async def _rows(coordinator: Coordinator, ids: list[str]) -> list[dict[str, Any]]:
+    rows = await asyncio.gather(*(coordinator.get_job(job_id) for job_id in ids))
+    return [row for row in rows if row is not None]
+
+
+# -- the routes ----------------------------------------------------------------------
+async def fetch(request: Request) -> Response:
+    """Up to ``count`` jobs from ``queues`` (in order), each now active for this worker
+    for its visibility timeout; 200 ``{"jobs": []}`` when none is ready."""
+    principal = need(request, "worker")
+    coordinator = coordinator_of(request)
+    body: FetchBody = _decoded(await ojs_body(request), FetchBody)
+    visibility = (None if body.visibility_timeout_ms is None
+                  else body.visibility_timeout_ms / 1000.0)
+    engine = coordinator.engine
+    fetched = engine.pull_fetch(body.worker_id, principal, body.queues, body.count,
+                                visibility, body.x_rota_specs, coordinator.clock())
+    future = coordinator.mailbox.expect_assign(fetched.conn)
+    coordinator.apply(fetched.effects)
+    assign: p.Assign = await _waited(coordinator, fetched.conn, future, ANSWER_WAIT,
+                                     "the round's reservation")
+    now = coordinator.clock().wall
+    views = [job_view(row, now) for row in await _rows(coordinator, [j.id for j in assign.jobs])]
+    response = OjsJSON({"jobs": views})
+    if fetched.verdict is not None and fetched.verdict.rejected:
+        response.headers[REJECTED_HEADER] = msgspec.json.encode(
+            fetched.verdict.rejected).decode()
+    return response
+
+
+async def ack(request: Request) -> Response:
+    """The job completed (with ``result``)."""
+    return await _settle(request, "completed")
+
+
+async def nack(request: Request) -> Response:
+    """The job's attempt failed (``error``): retried or discarded by its retry policy;
+    with ``requeue``, given back at once, the attempt not counted."""
+    return await _settle(request, "failed")
+
+
+async def _settle(request: Request, outcome: p.Outcome) -> Response:
+    principal = need(request, "worker")
+    coordinator = coordinator_of(request)
+    body: ResultBody = _decoded(await ojs_body(request), ResultBody)
+    job_id = principal.stored_id(body.job_id) if principal.owns_ids else body.job_id
+    error = None if outcome == "completed" else nack_error(body.error)
+    settled = coordinator.engine.pull_result(
+        body.worker_id, job_id, outcome, result=body.result, error=error,
+        attempt=body.x_rota_attempt, requeue=body.requeue and outcome == "failed",
+        now=coordinator.clock())
+    if settled.refusal is not None or settled.conn is None:
+        return await _refused(coordinator, job_id, settled)
+    conn = settled.conn
+    if settled.seq is None:  # a requeue: answered once its write commits
+        coordinator.apply(settled.effects, source=conn)
+        await coordinator.settled(conn)
+    else:
+        future = coordinator.mailbox.expect_ack(conn, settled.seq)
+        coordinator.apply(settled.effects, source=conn)
+        frame: p.Ack = await _waited(coordinator, conn, future, ACK_WAIT, "the result's commit")
+        if job_id not in frame.accepted:
+            reason = "; ".join(r.reason for r in frame.rejected) or "the result was refused"
+            if "could not be stored" in reason:
+                raise RequestError(503, "backend_unavailable", reason)
+            return await _refused(coordinator, job_id, Settled(None, None, [], reason))
+    row = await coordinator.get_job(job_id)
+    if row is None:  # (a retention that ran at once)
+        return ojs_error(404, "not_found", f"no job {body.job_id}", type="not_found")
+    return OjsJSON(_answer(row, outcome, coordinator.clock().wall))
+
+
+def _answer(row: dict[str, Any], outcome: str, now: float) -> dict[str, Any]:
+    """An ACK's or NACK's answer: the job's id (as ``id`` and ``job_id``), its state, and
+    what comes next."""
+    view = job_view(row, now)
+    answer: dict[str, Any] = {"id": view["id"], "job_id": view["id"], "state": view["state"],
+                              "attempt": view["attempt"]}
+    if outcome == "completed":
+        answer["acknowledged"] = True
+    if "max_attempts" in view:
+        answer["max_attempts"] = view["max_attempts"]
+    for name in ("completed_at", "discarded_at", "cancelled_at", "result", "error"):
+        if name in view:
+            answer[name] = view[name]
+    if row["state"] == "retryable" and row.get("run_at") is not None:
+        answer["next_attempt_at"] = ojs_time(row["run_at"])
+        answer["retry_delay_ms"] = view.get("retry_delay_ms",
+                                            max(0, round((row["run_at"] - now) * 1000)))
+    answer["job"] = view
+    return answer
+
+
+async def _refused(coordinator: Coordinator, job_id: str, settled: Settled) -> Response:
+    """409 ``conflict`` naming the job's state (from its row), or 404 if there is none."""
+    row = await coordinator.get_job(job_id)
+    if row is None:
+        return ojs_error(404, "not_found", f"no job {job_id}", type="not_found")
+    state = job_view(row, coordinator.clock().wall)["state"]
+    return ojs_error(409, "conflict", f"job {job_id} cannot be settled by this request:"
+                     f" {settled.refusal}", type="conflict",
+                     details={"current_state": state, "job_id": job_id})
+
+
+async def heartbeat(request: Request) -> Response:
+    """The worker is alive and runs ``active_jobs``: their leases start again. The
+    answer says the state the server wants it in (running, quiet or terminate)."""
+    principal: Principal = need(request, "worker")
+    coordinator = coordinator_of(request)
+    body: BeatBody = _decoded(await ojs_body(request), BeatBody)
+    visibility = (None if body.visibility_timeout_ms is None
+                  else body.visibility_timeout_ms / 1000.0)
+    now = coordinator.clock()
+    ids = [principal.stored_id(j) if principal.owns_ids else j for j in body.active_jobs]
+    beat = coordinator.engine.pull_beat(body.worker_id, principal, ids, visibility,
+                                        body.x_rota_specs, now)
+    response = OjsJSON({"state": beat.state, "directive": beat.state,
+                        "jobs_extended": beat.extended, "server_time": ojs_time(now.wall)})
+    if beat.verdict is not None and beat.verdict.rejected:
+        response.headers[REJECTED_HEADER] = msgspec.json.encode(beat.verdict.rejected).decode()
+    return response
+
+
+routes = [
+    Route("/v1/workers/fetch", fetch, methods=["POST"]),
+    Route("/v1/workers/ack", ack, methods=["POST"]),
+    Route("/v1/workers/nack", nack, methods=["POST"]),
+    Route("/v1/workers/heartbeat", heartbeat, methods=["POST"]),
+]
