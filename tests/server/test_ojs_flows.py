@@ -10,7 +10,9 @@ import re
 from typing import Any
 
 from conftest import Live, write_spec
-from helpers import RawWorkers, wait_until
+from helpers import wait_until
+
+from rota.base.specs import checksum
 
 UUID7 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 OJS_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z$")
@@ -135,7 +137,7 @@ async def test_a_bad_workflow_is_refused_naming_its_place(live: Live):
 
 
 async def test_a_batch_counts_its_jobs_not_its_callbacks_and_they_are_fetched_in_order(
-        live: Live, connect: RawWorkers):
+        live: Live):
     specs = await versioned(live, "flows.test.ok", "flows.test.fail", "flows.test.done")
     answer = await live.http.post("/ojs/v1/workflows", json={
         "type": "batch", "name": "in-order",
@@ -149,11 +151,15 @@ async def test_a_batch_counts_its_jobs_not_its_callbacks_and_they_are_fetched_in
     workflow = answer.json()["workflow"]
     assert (workflow["jobs_total"], workflow["steps_total"]) == (2, 2)
     assert workflow["callbacks"]["on_complete"]["type"] == "flows.test.done"
-    # Taken one at a time, the jobs come in the order written: the suites NACK the second
-    # fetched expecting it to be the one with max_attempts 1 (L3-BAT-003/004/005, GRP-003).
-    worker = await connect("in-order")
-    await worker.register(specs[:2], queues=["flows-batch"], concurrency=1)
-    first = (await worker.jobs(1))[0]
-    await worker.complete(first, capacity=1)
-    second = (await worker.jobs(1))[0]
-    assert [first["spec"], second["spec"]] == ["flows.test.ok", "flows.test.fail"]
+    # Fetched one at a time, the jobs come in the order written: the suites NACK the
+    # second fetched expecting it to be the one with max_attempts 1 (L3-BAT-003/004/005,
+    # GRP-003).
+    declared = {spec.name: checksum(spec) for spec in specs}
+    fetched = []
+    for n in range(2):
+        answer = await live.http.post("/ojs/v1/workers/fetch", json={
+            "queues": ["flows-batch"], "worker_id": f"flows-{n}", "x_rota_specs": declared})
+        assert answer.status_code == 200, answer.text
+        fetched += answer.json()["jobs"]
+    assert [job["type"] for job in fetched] == ["flows.test.ok", "flows.test.fail"]
+    assert fetched[1]["max_attempts"] == 1
