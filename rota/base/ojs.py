@@ -14,8 +14,9 @@ OJS_VERSION = "1.0"
 OJS_MEDIA = "application/openjobspec+json"
 # A client's job id: a lowercase UUIDv7 (L0-ENV-011 refuses v4, uppercase and "").
 ID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$"
-# A job type: lowercase, dot-namespaced (L0-ENV-005 refuses "Email.Send").
-TYPE_PATTERN = r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$"
+# A job type: lowercase, dot-namespaced, as OJS's openapi.yaml says (L0-ENV-005 refuses
+# "Email.Send"; the level 1 suites use hyphens, "retry.test.max-attempts").
+TYPE_PATTERN = r"^[a-z][a-z0-9_\-]*(\.[a-z][a-z0-9_\-]*)*$"
 MAX_TYPE = 128
 # A queue given on an OJS route (Rota's own queues outside it are still shown).
 QUEUE_PATTERN = r"^[a-z0-9][a-z0-9\-\.]*$"
@@ -94,6 +95,9 @@ class OjsJobIn(msgspec.Struct, kw_only=True, omit_defaults=True):
     expires_at: str | None = None
     retry: OjsRetry | None = None
     unique: OjsUnique | None = None
+    timeout: int | None = None  # JF's seconds; options.timeout_ms says it in ms
+    visibility_timeout: int | None = None  # JF's seconds; options.visibility_timeout_ms
+    tags: list[str] | None = None
     ext: dict[str, Any] = {}
 
 

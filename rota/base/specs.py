@@ -56,6 +56,9 @@ class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 Version = Annotated[str, msgspec.Meta(pattern=VERSION_PATTERN)]
+# The version and the checksum of an unversioned OJS type: one no spec describes. A /work
+# worker declares such a type with this checksum (docs/ojs.md).
+UNVERSIONED = "unversioned"
 
 
 class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -74,6 +77,13 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # and the spec's default limits (``rota limits set`` overrides them until cleared).
     labels: Annotated[list[Name], msgspec.Meta(max_length=MAX_LABELS)] = []
     limits: WrittenRule | None = None
+
+    @classmethod
+    def unversioned(cls, name: str) -> JobSpec:
+        """An OJS job type no spec was pushed for (docs/ojs.md): OJS's default retry
+        policy (3 attempts, 1 s doubling to 300 s), no args schema."""
+        return cls(name=name, version=UNVERSIONED,
+                   retry=RetryPolicy(max_attempts=3, backoff_base=1.0, backoff_max=300.0))
 
     def __post_init__(self) -> None:
         if self.limits == WrittenRule():  # an empty [limits] is none: the same checksum

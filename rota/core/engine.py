@@ -65,6 +65,9 @@ class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls):
         self.registry = Registry()
         self.specs: dict[str, JobSpec] = {}
         self.retired: dict[str, float] = {}  # retired specs (no new jobs) -> when (wall)
+        # OJS types no spec describes (docs/ojs.md), made by Intake.build: in memory only.
+        self.unversioned: dict[str, JobSpec] = {}
+        self.scheduler.unversioned = self.unversioned
         self.observe = Observer(settings.events_buffer, max_series=settings.max_series)
         self.stopping = False
         self._rand = rand or random.Random().random
@@ -104,6 +107,10 @@ class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls):
         for group, keys in (waiting or {}).items():
             queue, spec, key, labels = (*group, None, ())[:4] if len(group) == 2 else group
             self.scheduler.ready.load(queue, spec, keys, key, tuple(labels))
+        self.unversioned.clear()  # live jobs of types no spec describes: unversioned again
+        for spec in {job.spec for job in jobs} | {group[1] for group in waiting or {}}:
+            if spec not in self.specs:
+                self.unversioned[spec] = JobSpec.unversioned(spec)
         grace = now.mono + self.settings.heartbeat_timeout
         orphans = 0
         for job in jobs:

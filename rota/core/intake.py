@@ -46,6 +46,7 @@ class Intake:
     registry: Registry
     specs: dict[str, JobSpec]
     retired: dict[str, float]
+    unversioned: dict[str, JobSpec]
     observe: Observer
 
     def build(self, request: EnqueueRequest, principal: Principal, now: Instant
@@ -58,6 +59,8 @@ class Intake:
             return Invalid("spec_retired", f"spec {request.spec!r} was retired at"
                            f" {p.rfc3339(self.retired[request.spec])}; push it again"
                            " ('rota specs push') to use it")
+        if spec is None:
+            spec = self._unversioned(request)
         if spec is None:
             return Invalid("unknown_spec", unknown_spec(request.spec, self.specs))
         queue = request.queue or spec.queue
@@ -91,6 +94,17 @@ class Intake:
                             f" the limit (max_args_bytes) is {limit}")
         job.created_by = principal.token_id
         return job
+
+    def _unversioned(self, request: EnqueueRequest) -> JobSpec | None:
+        """The spec of an OJS job whose type no spec describes: unversioned, made once
+        (docs/ojs.md); None for a Rota job, or under --ojs-registered-types-only."""
+        if request.ojs is None or not self.settings.ojs_unversioned:
+            return None
+        spec = self.unversioned.get(request.spec)
+        if spec is None:
+            spec = self.unversioned[request.spec] = JobSpec.unversioned(request.spec)
+            log.info("unversioned type spec=%s (an OJS job's; no spec was pushed)", spec.name)
+        return spec
 
     def enqueued(self, job: JobRecord, seq: int | None, now: Instant) -> list[Effect]:
         """Take in a new job: once its row is committed (``seq``: its row id), or, when
@@ -150,6 +164,34 @@ class Intake:
         self.observe.counted(now.wall, "cancel", job.id, job.spec, job.queue,
                              attempt=job.attempt)
         return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id])]
+
+    def activate(self, job_id: str, now: Instant) -> tuple[str, list[Effect]]:
+        """Run a scheduled job now (OJS's activate): "activated", or the state that
+        refuses it ("not_live": not held here)."""
+        job = self.scheduler.jobs.get(job_id)
+        if job is None:
+            return "not_live", []
+        if job.state != JobState.SCHEDULED:
+            return str(job.state), []
+        self.scheduler.add(job)  # available now (run_at cleared), as when it falls due
+        log.info("activated job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
+        return "activated", [Save([Change(job)]), Wake()]
+
+    def forget_all(self, now: Instant) -> list[Effect]:
+        """The store was emptied (POST /ojs/v1/admin/reset, a test switch): forget every
+        job, unversioned type and paused queue, as a start on an empty store would.
+        Connected workers stay, holding nothing."""
+        old = self.scheduler
+        fresh = Scheduler(self.settings.visibility_timeout, compact=True,
+                          min_lease=old.min_lease)
+        fresh.status_quo, fresh.last_seq, fresh.workers = old.status_quo, old.last_seq, old.workers
+        for worker in fresh.workers.values():
+            worker.active.clear()
+            worker.claims = 0
+        self.unversioned.clear()
+        fresh.unversioned = self.unversioned
+        self.scheduler = fresh
+        return [Wake()]
 
     def cancel_not_stored(self, job: JobRecord, was: tuple[str, bool]) -> list[Effect]:
         """A cancel whose write failed, so the caller heard 503: the job goes on as it was
@@ -309,6 +351,9 @@ class Intake:
         known = self.scheduler.jobs.get(job.id)
         if known is not None:
             self.scheduler.finish(known)
+        if job.spec not in self.specs and job.spec not in self.unversioned:
+            # an OJS job another server took, or a step released: its type unversioned here too
+            self.unversioned[job.spec] = JobSpec.unversioned(job.spec)
         job.clocks(now)
         self.scheduler.track(job)
 
@@ -338,6 +383,7 @@ class Intake:
             if change.change == "unchanged":
                 continue
             self.retired.pop(change.name, None)
+            self.unversioned.pop(change.name, None)  # versioned from now on
             self.specs[change.name] = by_name[change.name]
             self.scheduler.status_quo[change.name] = change.checksum
             log.info("status quo spec=%s checksum=%s previous=%s", change.name,

@@ -16,12 +16,14 @@ import msgspec
 
 from rota.base.errors import RequestError
 from rota.base.inputs import BadJson, explain, screen
+from rota.base.logs import printable
 from rota.base.ojs import (ID_PATTERN, KNOWN_KEYS, MAX_PRIORITY, MAX_QUEUE, MAX_TYPE,
                            MIN_PRIORITY, OJS_ARGS, QUEUE_PATTERN, TYPE_PATTERN, OjsExtras,
                            OjsJobIn, OjsOptions, OjsPolicy, OjsRetry, OjsUnique)
 from rota.base.protocol import MAX_COUNT, rfc3339
 from rota.base.specs import MAX_VISIBILITY
 from rota.base.unique import MAX_PERIOD, UniqueOptions, options_problem
+from rota.base.wording import plainly
 from rota.core.jobs import MAX_AHEAD, MAX_MOMENT, EnqueueRequest
 
 _ID = re.compile(ID_PATTERN)
@@ -64,6 +66,11 @@ def _bad(message: str, code: str = "invalid_request", status: int = 400) -> OjsR
     return OjsRefusal(status, code, "validation_error", message)
 
 
+def _said(value: Any) -> str:
+    """A client's value in a message: its repr, cut short and printable."""
+    return printable(repr(value), 80)
+
+
 def _retry_bad(message: str) -> OjsRefusal:
     # ERR says 400; L1-RTR-011/012 assert 422 (docs/ojs.md, Contradictions).
     return _bad(message, "invalid_retry_policy", 422)
@@ -82,7 +89,7 @@ def ojs_duration(text: str) -> float:
     it is not one."""
     match = _DURATION.fullmatch(text) if isinstance(text, str) else None
     if match is None or not any(match.groups()) or text.endswith("T"):
-        raise ValueError(f"{text!r} is not an ISO 8601 duration (e.g. PT1S, PT5M, P1D)")
+        raise ValueError(f"{_said(text)} is not an ISO 8601 duration (e.g. PT1S, PT5M, P1D)")
     return sum(float(part) * unit for part, unit in zip(match.groups(), _UNITS) if part)
 
 
@@ -90,21 +97,21 @@ def ojs_moment(text: str, now: float) -> float:
     """An absolute RFC 3339 moment, or one relative to now (``+PT5S``), as a timestamp;
     ValueError if it is neither, or too far ahead (docs/ojs.md)."""
     if not isinstance(text, str):
-        raise ValueError(f"{text!r} is not an RFC 3339 time")
+        raise ValueError(f"{_said(text)} is not an RFC 3339 time")
     if text.startswith("+"):
         seconds = ojs_duration(text[1:])
         if seconds > MAX_AHEAD:
-            raise ValueError(f"{text} is more than {MAX_AHEAD / 86400:g} days ahead")
+            raise ValueError(f"{_said(text)} is more than {MAX_AHEAD / 86400:g} days ahead")
         return now + seconds
     try:
         when = dt.datetime.fromisoformat(text)
     except ValueError:
-        raise ValueError(f"{text!r} is not an RFC 3339 time") from None
+        raise ValueError(f"{_said(text)} is not an RFC 3339 time") from None
     if when.tzinfo is None:
-        raise ValueError(f"{text!r} needs a UTC offset, e.g. 'Z'")
+        raise ValueError(f"{_said(text)} needs a UTC offset, e.g. 'Z'")
     stamp = when.timestamp()
     if stamp > now + MAX_MOMENT:
-        raise ValueError(f"{text} is more than 100 years ahead")
+        raise ValueError(f"{_said(text)} is more than 100 years ahead")
     return stamp
 
 
@@ -129,7 +136,7 @@ def ojs_to_request(body: bytes | dict[str, Any], now: float) -> EnqueueRequest:
     """A PUSH body (JSON bytes, or the object a workflow step or cron template holds) as
     Rota's enqueue request, with its OJS-only parts in ``ojs``; OjsRefusal if it is not
     a job OJS allows."""
-    envelope = _decoded(body) if isinstance(body, bytes | bytearray) else body
+    envelope = ojs_json(body) if isinstance(body, bytes | bytearray) else body
     if not isinstance(envelope, dict):
         raise _bad("the job must be a JSON object")
     _envelope_checks(envelope)
@@ -137,26 +144,28 @@ def ojs_to_request(body: bytes | dict[str, Any], now: float) -> EnqueueRequest:
     try:
         job = msgspec.convert(known, OjsJobIn)
     except msgspec.ValidationError as exc:
-        raise _bad(f"invalid job: {exc}") from None
+        raise _bad(plainly(str(exc), OjsJobIn, known)) from None
     options = job.options or OjsOptions()
     queue = options.queue if options.queue is not None else job.queue
     priority = options.priority if options.priority is not None else job.priority
     if queue is not None and (len(queue) > MAX_QUEUE or not _QUEUE.match(queue)):
-        raise _bad(f"queue {queue!r} must match {QUEUE_PATTERN} (at most {MAX_QUEUE})")
+        raise _bad(f"queue {_said(queue)} must match {QUEUE_PATTERN} (at most {MAX_QUEUE})")
     if priority is not None and not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise _bad(f"priority {priority} is outside {MIN_PRIORITY}..{MAX_PRIORITY}")
     retry = options.retry or job.retry
     unique = options.unique or job.unique
     policy, max_attempts = _policy(retry) if retry is not None else (None, None)
+    visibility_ms = _millis(_ms(options.visibility_timeout_ms, job.visibility_timeout),
+                            "visibility_timeout_ms")
     extras = OjsExtras(
-        meta=job.meta, tags=options.tags, metadata=options.metadata,
+        meta=job.meta, tags=options.tags or job.tags, metadata=options.metadata,
         ext={k: v for k, v in envelope.items() if k not in KNOWN_KEYS} or None,
-        timeout_ms=_millis(options.timeout_ms, "timeout_ms"),
-        visibility_timeout_ms=_millis(options.visibility_timeout_ms, "visibility_timeout_ms"),
+        timeout_ms=_millis(_ms(options.timeout_ms, job.timeout), "timeout_ms"),
+        visibility_timeout_ms=visibility_ms,
         retry=retry, unique=unique, rate_limit=options.rate_limit, policy=policy)
     visibility = None
-    if options.visibility_timeout_ms:
-        visibility = options.visibility_timeout_ms / 1000
+    if visibility_ms:
+        visibility = visibility_ms / 1000
         if visibility > MAX_VISIBILITY:
             raise _bad(f"visibility_timeout_ms is over {MAX_VISIBILITY * 1000:g}")
     fields = dict(
@@ -171,14 +180,17 @@ def ojs_to_request(body: bytes | dict[str, Any], now: float) -> EnqueueRequest:
         return msgspec.convert({k: v for k, v in fields.items() if v is not None},
                                EnqueueRequest)
     except msgspec.ValidationError as exc:
-        raise _bad(f"invalid job: {exc}") from None
+        raise _bad(plainly(str(exc), EnqueueRequest)) from None
 
 
-def _decoded(body: bytes) -> Any:
+def ojs_json(body: bytes) -> Any:
+    """A body decoded (within Rota's depth and size rules), or 400 invalid_payload."""
     try:
         return msgspec.json.decode(screen(body))
     except BadJson as exc:
         raise _bad(exc.message, "invalid_payload") from None
+    except msgspec.ValidationError as exc:  # (a number past a double's range)
+        raise _bad(plainly(str(exc)), "invalid_payload") from None
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise _bad(explain(body, exc).message, "invalid_payload") from None
 
@@ -189,7 +201,7 @@ def _envelope_checks(envelope: dict[str, Any]) -> None:
     if kind is None:
         raise _bad("type is required")
     if not isinstance(kind, str) or len(kind) > MAX_TYPE or not _TYPE.match(kind):
-        raise _bad(f"type {kind!r} must be lowercase and dot-namespaced ({TYPE_PATTERN},"
+        raise _bad(f"type {_said(kind)} must be lowercase and dot-namespaced ({TYPE_PATTERN},"
                    f" at most {MAX_TYPE} characters)")
     if "args" not in envelope:
         raise _bad("args is required (a JSON array; [] for none)")
@@ -197,11 +209,18 @@ def _envelope_checks(envelope: dict[str, Any]) -> None:
         raise _bad("args must be a JSON array")
     job_id = envelope.get("id")
     if job_id is not None and (not isinstance(job_id, str) or not _ID.match(job_id)):
-        raise _bad(f"id {job_id!r} must be a lowercase UUIDv7 (or absent: the server"
+        raise _bad(f"id {_said(job_id)} must be a lowercase UUIDv7 (or absent: the server"
                    " makes one)")
     if envelope.get("specversion") not in (None, "1.0") and not str(
             envelope["specversion"]).startswith("1."):
-        raise _bad(f"specversion {envelope['specversion']!r} is not 1.x", "unsupported", 422)
+        raise _bad(f"specversion {_said(envelope['specversion'])} is not 1.x", "unsupported", 422)
+
+
+def _ms(millis: int | None, seconds: int | None) -> int | None:
+    """An option in milliseconds, else JF's top-level seconds (``timeout: 30``)."""
+    if millis is not None or seconds is None:
+        return millis
+    return seconds * 1000 if 0 <= seconds <= MAX_COUNT // 1000 else -1  # (-1: refused)
 
 
 def _millis(value: int | None, name: str) -> int | None:
@@ -245,7 +264,7 @@ def _policy(retry: OjsRetry) -> tuple[OjsPolicy, int | None]:
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise _retry_bad(f"retry.non_retryable_errors: {pattern!r}: {exc}") from None
+            raise _retry_bad(f"retry.non_retryable_errors: {_said(pattern)}: {exc}") from None
     coefficient = 1.0 if strategy == "constant" else retry.backoff_coefficient
     jitter = None if retry.jitter is None else ("ojs" if retry.jitter else "none")
     return OjsPolicy(backoff_base=base, backoff_max=cap, coefficient=coefficient,
@@ -257,7 +276,7 @@ def _unique(unique: OjsUnique) -> UniqueOptions:
     """OJS unique options as Rota's (its covers are coarser: docs/ojs.md)."""
     dimensions = [_DIMENSIONS.get(k) for k in unique.keys or ()]
     if None in dimensions:
-        raise _bad(f"unique.keys may name type, args and queue (got {unique.keys})")
+        raise _bad(f"unique.keys may name type, args and queue (got {_said(unique.keys)})")
     args_keys = unique.key or None
     if args_keys and "args" not in dimensions:
         dimensions.append("args")
@@ -278,7 +297,7 @@ def _unique(unique: OjsUnique) -> UniqueOptions:
                                    "states": covers, "period": period,
                                    "on_conflict": conflict}, UniqueOptions)
     except msgspec.ValidationError as exc:
-        raise _bad(f"unique: {exc}") from None
+        raise _bad(plainly(str(exc), UniqueOptions)) from None
     if (problem := options_problem(options)) is not None:
         raise _bad(problem)
     return options

@@ -25,11 +25,12 @@ from typing import Any, NamedTuple
 
 from rota.base import protocol as p
 from rota.base.errors import Conflict, Forbidden
-from rota.core.auth import Principal
+from rota.core.auth import OPEN, Principal
 from rota.core.effects import Arm, Effect, Reserve, Send
 from rota.core.model import Instant, JobRecord, JobState
 from rota.core.ready import Claim
-from rota.core.registry import ConnectedWorker, Registry, judge_specs, same_token, short
+from rota.core.registry import (ConnectedWorker, Registry, judge_specs, may_reclaim, same_token,
+                                short)
 from rota.core.scheduler import Scheduler, WorkerSlot
 from rota.core.settings import ServerSettings
 
@@ -257,12 +258,15 @@ class Pulls:
     # -- ACK and NACK ----------------------------------------------------------------
     def pull_result(self, worker_id: str | None, job_id: str, outcome: p.Outcome, *,
                     result: Any = None, error: p.ErrorInfo | None = None,
-                    attempt: int | None = None, requeue: bool = False, now: Instant
-                    ) -> Settled:
+                    attempt: int | None = None, requeue: bool = False,
+                    principal: Principal = OPEN, now: Instant) -> Settled:
         """An ACK (``completed``) or NACK (``failed``) of a job a pull worker holds: its
-        holder (``worker_id``, when given) and its attempt (``attempt``, as OJS counts it:
-        Rota's less ``budget_start``; when given) must match. A requeue gives it back, its attempt not counted."""
+        holder (``worker_id``, when given), its token, and its attempt (``attempt``, as
+        OJS counts it: Rota's less ``budget_start``; when given) must match. A requeue
+        gives it back, its attempt not counted."""
         job = self.scheduler.jobs.get(job_id)
+        if job is not None and job.orphaned and is_pull(job.worker_id):
+            self._reclaim_pulled(job, worker_id, principal, now)
         state = None if job is None else str(job.state)
         if job is None or job.state != JobState.ACTIVE:
             return Settled(None, None, [], f"the job is not active (it is {state or 'not held'})",
@@ -281,6 +285,8 @@ class Pulls:
         pulled = self.pulls.get(holder)
         if connection is None or pulled is None or job.orphaned:
             return Settled(None, None, [], "the job's worker is gone", state)
+        if not may_reclaim(job.worker_token, job.queue, principal):
+            return Settled(None, None, [], "the job is held by another token's worker", state)
         pulled.last = connection.last_seen = now.mono
         pulled.leases.pop(job.id, None)
         if requeue:
@@ -296,6 +302,20 @@ class Pulls:
         beat = p.Heartbeat(seq=pulled.seq, worker_id=holder, results=[report])
         return Settled(pulled.conn, pulled.seq, self.heartbeat(pulled.conn, holder, beat, now))
 
+    def _reclaim_pulled(self, job: JobRecord, worker_id: str | None, principal: Principal,
+                        now: Instant) -> None:
+        """A job a pull worker held before this server restarted (kept for it, as for
+        any worker, until the reclaim grace): its ACK, NACK or heartbeat takes it back."""
+        holder = job.worker_id or ""
+        if worker_id is not None and holder != pull_id(worker_id):
+            return
+        if not may_reclaim(job.worker_token, job.queue, principal):
+            return
+        connection, _ = self._pull_worker(holder[len(PREFIX):], principal, now)
+        for taken in self.scheduler.adopt(connection.worker, [job.id], now.mono):
+            log.info("reclaim job=%s queue=%s worker=%s attempt=%d", taken.id, taken.queue,
+                     holder, taken.attempt)
+
     # -- heartbeat -------------------------------------------------------------------
     def pull_beat(self, worker_id: str | None, principal: Principal, active_jobs: list[str],
                   visibility: float | None, declared: dict[str, str] | None, now: Instant
@@ -310,6 +330,8 @@ class Pulls:
         hook = getattr(self.settings, "unsafe_test_endpoints", False)
         for job_id in dict.fromkeys(active_jobs):
             job = self.scheduler.jobs.get(job_id)
+            if job is not None and job.orphaned and job.worker_id == connection.worker.id:
+                self._reclaim_pulled(job, worker_id, principal, now)
             if (job is None or job.state != JobState.ACTIVE or job.orphaned
                     or job.worker_id != connection.worker.id):
                 continue
@@ -365,6 +387,14 @@ class Pulls:
         self.scheduler.remove_worker(rid)
         log.info("pull worker forgotten worker=%s: no job and no request for %gs", rid,
                  PULL_IDLE)
+
+    def forget_pulls(self) -> None:
+        """A reset (POST /ojs/v1/admin/reset, a test switch): every pull worker forgotten."""
+        for rid, state in list(self.pulls.items()):
+            del self.pulls[rid]
+            self.registry.remove(rid, state.conn)
+            self.scheduler.remove_worker(rid)
+        self._timeouts.clear()
 
     def pull_deadline(self) -> float | None:
         """The next ``timeout_ms`` deadline (monotonic), for the timer loop."""

@@ -36,6 +36,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from rota.base.specs import UNVERSIONED  # (re-exported: the gate below compares it)
 from rota.core.model import JobRecord
 
 SEQ_BITS = 48  # row ids stay far below 2**48; a key of priority |p| < 2**14 is a 2-digit int
@@ -414,9 +415,6 @@ class Wait(NamedTuple):
         behind busy workers or a limit are only a backlog: they run as the workers or
         the limit free up."""
         return self.kind not in BACKLOG
-
-
-UNVERSIONED = "unversioned"  # the checksum a /work worker declares an unversioned type with
 
 
 def may_take(worker: WorkerSlot, spec: str, status_quo: Mapping[str, str],

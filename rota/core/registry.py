@@ -16,8 +16,8 @@ from rota.base import protocol as p
 from rota.core.auth import OPEN, Principal
 from rota.base.errors import FrameError
 from rota.base.logs import printable
+from rota.base.specs import UNVERSIONED
 from rota.core.policy import TokenBucket
-from rota.core.ready import UNVERSIONED
 from rota.core.scheduler import WorkerSlot
 
 log = logging.getLogger("rota.server")

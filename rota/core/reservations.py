@@ -18,6 +18,7 @@ from rota.base import protocol as p
 from rota.core.effects import Arm, Effect, Reserve, Reserved, Send, Wake
 from rota.base.errors import failure_level
 from rota.base.logs import log_lines
+from rota.base.specs import UNVERSIONED
 from rota.core.model import Instant, JobRecord, JobState
 from rota.core.observe import Observer
 from rota.core.ready import Claim
@@ -159,7 +160,7 @@ class Reservations:
                     copies, size = [], 0
                 size += len(job.args) + COPY_OVERHEAD
                 copies.append(p.JobCopy(
-                    id=job.id, spec=job.spec, checksum=job.checksum or "", queue=job.queue,
+                    id=job.id, spec=job.spec, checksum=job.checksum or UNVERSIONED, queue=job.queue,
                     args=job.args, attempt=job.attempt, priority=job.priority,
                     visibility_timeout=self.scheduler.lease_for(job),
                     enqueued_at=p.rfc3339(job.enqueued_at), capture_logs=job.capture_logs,

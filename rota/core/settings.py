@@ -192,6 +192,16 @@ class ServerSettings:
     # request authenticated by its cookie is refused (rota/server/gate.py).
     ui_read_only: bool = option(
         False, help="The dashboard (/ui) shows everything and changes nothing.")
+    # The OJS binding (docs/ojs.md): a job of a type no spec describes runs unversioned
+    # (OJS's default retry policy, any pull worker), unless this is set.
+    ojs_registered_types_only: bool = option(
+        False, help="OJS jobs (/ojs/v1) only of types a spec was pushed for (400"
+        " invalid_job_type otherwise); by default such a type runs unversioned.")
+    # Test switch: POST /ojs/v1/admin/reset (empties the store) and OJS's test directives
+    # (docs/ojs.md); a WARNING at start says it is on. Never in production.
+    unsafe_test_endpoints: bool = option(
+        False, help="Test switch for the OJS conformance suites: POST /ojs/v1/admin/reset"
+        " empties the store. Never in production.")
     # Test switch: exit abruptly at a named point (see docs/reliability.md). Never in production.
     crash_at: str | None = option(
         None, hidden=True, choices=("enqueue-before-commit", "enqueue-after-commit",
@@ -212,6 +222,12 @@ class ServerSettings:
     counts_every: float = option(
         15.0, hidden=True, minimum=0.05,
         help="Test switch: seconds between writes of the per-minute counts (restart tests).")
+
+
+    @property
+    def ojs_unversioned(self) -> bool:
+        """Whether an OJS job of a type no spec describes runs unversioned."""
+        return not self.ojs_registered_types_only
 
 
 def loopback(host: str) -> bool:

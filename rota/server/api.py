@@ -113,7 +113,7 @@ def not_ojs(payload: EnqueueRequest) -> RequestError | None:
     return None
 
 
-async def _find(request: Request, job_id: str) -> dict[str, Any] | None:
+async def find_job(request: Request, job_id: str) -> dict[str, Any] | None:
     """The job the caller names ``job_id``: a producer's own, found under the id
     it is kept under (rota/core/auth.py); to a producer, any other job does not exist, exactly
     as a missing one."""
@@ -138,7 +138,7 @@ async def _no_job(request: Request, job_id: str, hint: str = "") -> Response:
 
 async def show_job(request: Request) -> Response:
     coordinator, job_id = coordinator_of(request), request.path_params["job_id"]
-    row = await _find(request, job_id)
+    row = await find_job(request, job_id)
     if row is None:
         return await _no_job(request, job_id, f" (the bulk action is POST /jobs/{job_id})"
                              if job_id in ("retry", "cancel") else "")
@@ -165,7 +165,7 @@ async def cancel_job(request: Request) -> Response:
     principal = need(request, "producer")
     coordinator, job_id = coordinator_of(request), request.path_params["job_id"]
     if principal.scope != "admin":  # (an admin's cancel needs no extra read)
-        row = await _find(request, job_id)
+        row = await find_job(request, job_id)
         if row is None:
             return error(404, "not_found", f"no job {job_id}")
         job_id = row["id"]
@@ -198,7 +198,7 @@ async def job_result(request: Request) -> Response:
         return error(400, "invalid_wait",
                      f"wait must be between 0 and {coordinator.settings.max_result_wait} seconds")
     job_id = request.path_params["job_id"]
-    found = await _find(request, job_id)
+    found = await find_job(request, job_id)
     if found is None:
         return await _no_job(request, job_id)
     if wait > 0:

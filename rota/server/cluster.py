@@ -6,6 +6,10 @@ the reconnect grace ago, and turns the notices the others' writes send (rota/sto
 into engine events: jobs that wait again are taken in, a changed status quo or paused
 queue is read again, a cancel for a job this server's worker runs is passed on.
 Every decision stays the engine's; this only reads, listens and applies.
+
+``barrier`` waits until every notice committed before it was called has been handled
+here: an OJS FETCH (rota/server/pulling.py) waits on it, so that a job pushed, or a
+queue paused, through another server a moment before is seen as the worker expects.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from rota.core.verdicts import parse_target
 
 log = logging.getLogger("rota.server")
 T = TypeVar("T")
+BARRIER_WAIT = 1.0  # seconds a barrier waits for its notice to come back (then goes on)
+READS = ("rota-cluster-specs", "rota-cluster-queues", "rota-cluster-limits")
 
 
 class Cluster:
@@ -47,6 +53,12 @@ class Cluster:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False  # the coordinator has started: notices may become events
         self._lapsed = False  # this server's lease was found lapsed, not yet settled
+        # The barrier: job notices heard, and of them taken in; the barriers waiting.
+        self._heard_jobs = self._taken_jobs = 0
+        self._took = asyncio.Event()
+        self._syncs: dict[str, asyncio.Future[None]] = {}
+        self._sync_count = 0
+        coordinator.mailbox.barrier = self.barrier  # (a FETCH's: rota/server/pulling.py)
 
     @classmethod
     def of(cls, coordinator: Coordinator, database_url: str, *, url: str = "") -> Cluster:
@@ -115,9 +127,14 @@ class Cluster:
 
     def _heard(self, channel: str, payload: str) -> None:
         origin, words = fleet.parse(payload)
+        if channel == fleet.SYNC:
+            if origin == self.me and words:
+                self._synced(words[0])
+            return
         if origin == self.me:  # this server's own writes: its engine knows already
             return
         if channel == fleet.JOBS:
+            self._heard_jobs += 1
             self._pending.update(int(w) for w in words if w.isdigit())
             self._arrived.set()
         elif not self._ready:  # the snapshot being read holds the status quo and pauses
@@ -157,11 +174,50 @@ class Cluster:
         while True:
             await self._arrived.wait()
             self._arrived.clear()
+            heard = self._heard_jobs
             seqs, self._pending = sorted(self._pending), set()
             jobs = await self._persist(lambda: self.store.waiting_jobs(seqs),
                                        f"read {len(seqs)} job(s) another server made wait")
             coordinator = self.coordinator
             coordinator.apply(self.engine.taken_in(jobs, coordinator.clock()))
+            self._taken_jobs = heard
+            self._took.set()
+
+    # -- the barrier -------------------------------------------------------------------
+    async def barrier(self) -> None:
+        """Until every notice committed before this call has been handled here: this
+        server NOTIFYs itself, and PostgreSQL delivers notices in commit order, so when
+        its own comes back the others' are heard; then until the jobs they named are
+        taken in and the reads they started are done. One round trip, at most
+        BARRIER_WAIT seconds (then it logs and goes on)."""
+        self._sync_count += 1
+        token = str(self._sync_count)
+        heard = self._syncs[token] = asyncio.get_running_loop().create_future()
+        try:
+            await self.store.writer.submit(
+                lambda conn: fleet.notify(conn, fleet.SYNC, self.me, [token]))
+            await asyncio.wait_for(heard, BARRIER_WAIT)
+        except Exception as exc:  # (TimeoutError included) late is better than never
+            log.warning("cluster: barrier %s not back in %gs (%s): going on", token,
+                        BARRIER_WAIT, exc or type(exc).__name__)
+        finally:
+            self._syncs.pop(token, None)
+
+    def _synced(self, token: str) -> None:
+        heard = self._syncs.get(token)
+        if heard is None:
+            return
+        reads = [t for t in self._tasks if t.get_name() in READS]
+        self._spawn(self._settle_barrier(heard, self._heard_jobs, reads), "rota-cluster-sync")
+
+    async def _settle_barrier(self, heard: asyncio.Future[None], jobs: int,
+                              reads: list[asyncio.Task[Any]]) -> None:
+        await asyncio.gather(*reads, return_exceptions=True)
+        while self._taken_jobs < jobs:
+            self._took.clear()
+            await self._took.wait()
+        if not heard.done():
+            heard.set_result(None)
 
     async def _catch_up(self) -> None:
         """What missed notices would have said: the status quo and the paused queues as

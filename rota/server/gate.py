@@ -246,10 +246,12 @@ def ojs_denial(status: int, code: str, message: str
     """A refusal on an /ojs/ path in OJS's shape (docs/ojs.md): its body and headers."""
     ojs_code = {401: "unauthenticated", 403: "permission_denied"}.get(status, code)
     kind = "auth_error" if status in (401, 403) else "validation_error"
+    request_id = f"req_{uuid7()}"
     body = msgspec.json.encode(ojs_error_body(status, ojs_code, message, type=kind,
-                                              request_id=f"req_{uuid7()}",
+                                              request_id=request_id,
                                               details={"rota_code": code}))
-    return body, [(b"content-type", OJS_MEDIA.encode()), (b"ojs-version", OJS_VERSION.encode())]
+    return body, [(b"content-type", OJS_MEDIA.encode()), (b"ojs-version", OJS_VERSION.encode()),
+                  (b"x-request-id", request_id.encode())]
 
 
 def error_body(code: str, message: str) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rota.base import protocol as p
@@ -37,6 +38,9 @@ class Mailbox:
     def __init__(self) -> None:
         self._assigns: dict[int, collections.deque[asyncio.Future[p.Assign]]] = {}
         self._acks: dict[tuple[int, int], asyncio.Future[p.Ack]] = {}
+        # Several servers on one database: what a FETCH awaits first, so that what the
+        # others committed before it is seen (rota/server/cluster.py ``barrier``).
+        self.barrier: Callable[[], Awaitable[None]] | None = None
 
     def box(self, conn: int) -> _Box | None:
         """The outbox of a pull worker's conn (None for a socket's)."""

@@ -14,13 +14,15 @@ import asyncio
 import logging
 from typing import Annotated, Any
 
+import httpx
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from rota.base import protocol as p
-from rota.base.errors import RequestError
+from rota.base.errors import StorageError
+from rota.base.ojs import OJS_MEDIA
 from rota.core.auth import Principal
 from rota.core.ojs_map import OjsRefusal, job_view, ojs_time
 from rota.core.pulls import MAX_FETCH, Settled, nack_error
@@ -32,6 +34,7 @@ log = logging.getLogger("rota.server")
 ANSWER_WAIT = 5.0  # seconds a FETCH waits for its round's assign (then 503)
 ACK_WAIT = 30.0  # seconds an ACK or NACK waits for its result's commit (then 503)
 REJECTED_HEADER = "X-Rota-Rejected-Specs"
+FORWARDED = "x-rota-forwarded-by"  # a request another server sent on: not sent on again
 
 Millis = Annotated[int, msgspec.Meta(ge=1, le=p.MAX_COUNT)]
 Specs = Annotated[dict[p.Name, p.Checksum], msgspec.Meta(max_length=1000)]
@@ -77,8 +80,8 @@ async def _waited(coordinator: Coordinator, conn: int, future: asyncio.Future[An
     try:
         return await asyncio.wait_for(asyncio.shield(future), seconds)
     except TimeoutError:
-        raise RequestError(503, "backend_unavailable", f"{what} did not come back within"
-                           f" {seconds:g}s; try again") from None
+        raise StorageError("backend_unavailable", f"{what} did not come back within"
+                           f" {seconds:g}s; try again", 1) from None
     finally:
         coordinator.mailbox.forget(conn, future)
 
@@ -97,6 +100,8 @@ async def fetch(request: Request) -> Response:
     body: FetchBody = _decoded(await ojs_body(request), FetchBody)
     visibility = (None if body.visibility_timeout_ms is None
                   else body.visibility_timeout_ms / 1000.0)
+    if coordinator.mailbox.barrier is not None:  # several servers: theirs seen first
+        await coordinator.mailbox.barrier()
     engine = coordinator.engine
     fetched = engine.pull_fetch(body.worker_id, principal, body.queues, body.count,
                                 visibility, body.x_rota_specs, coordinator.clock())
@@ -127,14 +132,18 @@ async def nack(request: Request) -> Response:
 async def _settle(request: Request, outcome: p.Outcome) -> Response:
     principal = need(request, "worker")
     coordinator = coordinator_of(request)
-    body: ResultBody = _decoded(await ojs_body(request), ResultBody)
+    raw = await ojs_body(request)
+    body: ResultBody = _decoded(raw, ResultBody)
     job_id = principal.stored_id(body.job_id) if principal.owns_ids else body.job_id
     error = None if outcome == "completed" else nack_error(body.error)
     settled = coordinator.engine.pull_result(
         body.worker_id, job_id, outcome, result=body.result, error=error,
         attempt=body.x_rota_attempt, requeue=body.requeue and outcome == "failed",
-        now=coordinator.clock())
+        principal=principal, now=coordinator.clock())
     if settled.refusal is not None or settled.conn is None:
+        if settled.state is None and (relayed := await _relay(request, coordinator, job_id,
+                                                              raw)) is not None:
+            return relayed  # another server holds it (several servers on one database)
         return await _refused(coordinator, job_id, settled)
     conn = settled.conn
     if settled.seq is None:  # a requeue: answered once its write commits
@@ -147,7 +156,7 @@ async def _settle(request: Request, outcome: p.Outcome) -> Response:
         if job_id not in frame.accepted:
             reason = "; ".join(r.reason for r in frame.rejected) or "the result was refused"
             if "could not be stored" in reason:
-                raise RequestError(503, "backend_unavailable", reason)
+                raise StorageError("backend_unavailable", reason, 1)
             return await _refused(coordinator, job_id, Settled(None, None, [], reason))
     row = await coordinator.get_job(job_id)
     if row is None:  # (a retention that ran at once)
@@ -192,18 +201,81 @@ async def heartbeat(request: Request) -> Response:
     answer says the state the server wants it in (running, quiet or terminate)."""
     principal: Principal = need(request, "worker")
     coordinator = coordinator_of(request)
-    body: BeatBody = _decoded(await ojs_body(request), BeatBody)
+    raw = await ojs_body(request)
+    body: BeatBody = _decoded(raw, BeatBody)
     visibility = (None if body.visibility_timeout_ms is None
                   else body.visibility_timeout_ms / 1000.0)
     now = coordinator.clock()
     ids = [principal.stored_id(j) if principal.owns_ids else j for j in body.active_jobs]
     beat = coordinator.engine.pull_beat(body.worker_id, principal, ids, visibility,
                                         body.x_rota_specs, now)
+    extended = beat.extended + await _beat_elsewhere(request, coordinator, [
+        j for j in ids if j not in beat.extended], msgspec.json.decode(raw))
     response = OjsJSON({"state": beat.state, "directive": beat.state,
-                        "jobs_extended": beat.extended, "server_time": ojs_time(now.wall)})
+                        "jobs_extended": extended, "server_time": ojs_time(now.wall)})
     if beat.verdict is not None and beat.verdict.rejected:
         response.headers[REJECTED_HEADER] = msgspec.json.encode(beat.verdict.rejected).decode()
     return response
+
+
+# -- several servers on one database: a job another server holds ----------------------
+async def _relay(request: Request, coordinator: Coordinator, job_id: str, raw: bytes
+                 ) -> Response | None:
+    """An ACK or NACK of a job whose row another live server holds: sent on to it, and
+    its answer relayed (None: not held elsewhere, or that server did not answer)."""
+    if not coordinator.shares_database() or FORWARDED in request.headers:
+        return None
+    row = await coordinator.get_job(job_id)
+    if row is None or row["state"] != "active":
+        return None
+    reply = await _forward(request, coordinator, row.get("server_id"), raw)
+    if reply is None:
+        return None
+    return Response(reply.content, status_code=reply.status_code, media_type=OJS_MEDIA)
+
+
+async def _beat_elsewhere(request: Request, coordinator: Coordinator, ids: list[str],
+                          body: dict[str, Any]) -> list[str]:
+    """The jobs of a heartbeat that other servers hold: each server hears its own; the
+    ones they extended."""
+    if not ids or not coordinator.shares_database() or FORWARDED in request.headers:
+        return []
+    by_server: dict[str, list[str]] = {}
+    for row in await _rows(coordinator, ids):
+        if row["state"] == "active" and row.get("server_id"):
+            by_server.setdefault(row["server_id"], []).append(row["id"])
+    extended: list[str] = []
+    for server, held in by_server.items():
+        part = msgspec.json.encode({**body, "active_jobs": held})
+        reply = await _forward(request, coordinator, server, part)
+        if reply is not None and reply.status_code == 200:
+            extended += reply.json().get("jobs_extended", [])
+    return extended
+
+
+async def _forward(request: Request, coordinator: Coordinator, server: str | None,
+                   body: bytes) -> httpx.Response | None:
+    """POST this request's path with ``body`` to ``server`` (by its ``servers.url``),
+    with the same Authorization; None if it is this server, unknown, or unreachable."""
+    if (server is None or server == coordinator.server_id or FORWARDED in request.headers
+            or not coordinator.shares_database()):
+        return None
+    url = await coordinator.store.server_url(server)
+    if not url:
+        return None
+    scheme = "https" if coordinator.settings.ssl_certfile else "http"
+    headers = {name: value for name in ("authorization", "content-type", "ojs-version")
+               if (value := request.headers.get(name)) is not None}
+    headers[FORWARDED] = coordinator.server_id  # never passed on again (no loop)
+    try:
+        async with httpx.AsyncClient(timeout=ACK_WAIT + 5.0) as client:
+            reply = await client.post(f"{scheme}://{url}{request.url.path}", content=body,
+                                      headers=headers)
+    except httpx.HTTPError as exc:
+        log.warning("forward %s to server=%s failed: %s", request.url.path, server, exc)
+        return None
+    log.info("forwarded %s to server=%s: %d", request.url.path, server, reply.status_code)
+    return reply
 
 
 routes = [

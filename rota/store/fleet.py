@@ -15,7 +15,9 @@ back):
 - ``rota_cancel``: a running job is to be cancelled by the server that holds it;
 - ``rota_workers``: an operator's directive (quiet, terminate, resume) for workers
   connected to other servers: "<state> id=<worker>", "<state> label=<label>" or
-  "<state> all" (the name percent-encoded).
+  "<state> all" (the name percent-encoded);
+- ``rota_sync``: a server's own barrier, "<origin> <n>": heard back, every notice
+  committed before it has been heard (rota/server/cluster.py ``barrier``).
 
 A payload is the sending server's id, then words: "<origin> <word> <word> ...".
 """
@@ -30,8 +32,8 @@ import msgspec
 from rota.base.protocol import rfc3339
 
 JOBS, SPECS, QUEUES, CANCEL = "rota_jobs", "rota_specs", "rota_queues", "rota_cancel"
-WORKERS, LIMITS = "rota_workers", "rota_limits"
-CHANNELS = (JOBS, SPECS, QUEUES, CANCEL, WORKERS, LIMITS)
+WORKERS, LIMITS, SYNC = "rota_workers", "rota_limits", "rota_sync"
+CHANNELS = (JOBS, SPECS, QUEUES, CANCEL, WORKERS, LIMITS, SYNC)
 # PostgreSQL refuses a payload of 8,000 bytes or more: longer lists go as several.
 MAX_PAYLOAD = 7_000
 
@@ -63,6 +65,12 @@ def parse(payload: str) -> tuple[str, list[str]]:
     return origin, words
 
 
+def server_url(conn: sqlite3.Connection, server_id: str) -> str | None:
+    """Where a server listens (``servers.url``, host:port), None if it is not known."""
+    row = conn.execute("SELECT url FROM servers WHERE id = ?", (server_id,)).fetchone()
+    return row[0] if row is not None and row[0] else None
+
+
 # -- leases ----------------------------------------------------------------------------
 # Leases run on the database's clock, read when the statement runs: one clock for every
 # server, whatever their own say, and a renewal that waited (a slow commit, a lock)
@@ -85,8 +93,10 @@ def renew(conn: sqlite3.Connection, server_id: str, *, host: str, pid: int, url:
             " lease_expires_at = excluded.lease_expires_at, stopped_at = NULL",
             (server_id, host, pid, url, now, lease))
         return True
-    cursor = conn.execute(f"UPDATE servers SET lease_expires_at = {DB_NOW} + ? WHERE id = ?"
-                          " AND stopped_at IS NULL", (lease, server_id))
+    # (The url too: the lease taken as the store loads knows none yet.)
+    cursor = conn.execute(f"UPDATE servers SET lease_expires_at = {DB_NOW} + ?,"
+                          " url = COALESCE(NULLIF(?, ''), url) WHERE id = ?"
+                          " AND stopped_at IS NULL", (lease, url, server_id))
     if cursor.rowcount == 1:
         return True
     renew(conn, server_id, host=host, pid=pid, url=url, now=now, lease=lease, starting=True)

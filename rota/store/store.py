@@ -438,6 +438,9 @@ class Store(Reading, Flowing):
         return self.writer.submit(lambda conn: fleet.notify(conn, fleet.WORKERS, server,
                                                             [state, target]))
 
+    async def server_url(self, server_id: str) -> str | None:
+        return await self.readers.run(lambda conn: fleet.server_url(conn, server_id))
+
     async def connected_somewhere(self, worker_id: str) -> bool:
         return await self.readers.run(lambda conn: fleet.connected_somewhere(conn, worker_id))
 

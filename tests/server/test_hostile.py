@@ -31,6 +31,7 @@ from helpers import raw_http, wait_until
 from helpers import bearer, make_tokens
 
 from rota import JobContext, Worker
+from rota.base.ojs import OJS_MEDIA
 from rota.base.specs import checksum
 
 Path_ = tuple[str | int, ...]
@@ -59,6 +60,7 @@ def enqueue_bodies() -> list[dict[str, Any]]:
     ]
 
 
+OJS_ID = "019461a8-1a2b-7c3d-8e4f-5a6b7c8d9e0f"
 BATCH = {"jobs": [{"spec": "parked", "args": {"k": "v"}, "priority": 1, "queue": "default"}]}
 SPECS = {"dry_run": True, "specs": [{
     "name": "hostile", "version": "1", "description": "d", "queue": "default", "priority": 0,
@@ -94,7 +96,25 @@ def http_templates() -> list[tuple[str, str, dict[str, Any]]]:
             ("POST", "/workers/state", WORKERS_STATE),
             ("POST", "/workers/nobody/state", WORKER_STATE),
             ("PUT", "/limits/spec/parked", LIMIT), ("POST", "/workflows", WORKFLOW),
-            ("PUT", "/schedules/hostile-sched", SCHEDULE)]
+            ("PUT", "/schedules/hostile-sched", SCHEDULE),
+            ("POST", "/ojs/v1/jobs", ojs_push()),
+            ("POST", "/ojs/v1/jobs/batch", {"jobs": [{"type": "hostile.batch", "args": [1]}]})]
+
+
+def ojs_push() -> dict[str, Any]:
+    """An OJS PUSH with every option (docs/ojs.md), of a type no worker here takes."""
+    return {"type": "hostile.push", "args": [1, {"k": "v"}], "id": OJS_ID,
+            "meta": {"trace_id": "t"}, "x_ext": {"n": 1}, "specversion": "1.0",
+            "options": {"queue": "ojs-hostile", "priority": 1, "timeout_ms": 1000,
+                        "visibility_timeout_ms": 30000, "delay_until": soon(),
+                        "expires_at": "+PT1H", "tags": ["a"], "metadata": {"k": "v"},
+                        "retry": {"max_attempts": 3, "initial_interval": "PT1S",
+                                  "backoff_coefficient": 2.0, "max_interval": "PT5M",
+                                  "jitter": True, "non_retryable_errors": ["Auth.*"],
+                                  "on_exhaustion": "discard",
+                                  "backoff_strategy": "exponential"},
+                        "unique": {"keys": ["type", "args"], "key": ["k"], "period": "PT1H",
+                                   "on_conflict": "ignore", "states": ["available"]}}}
 
 
 def registration_frame(worker_id: str, hostile_checksum: str) -> dict[str, Any]:
@@ -223,7 +243,8 @@ def assert_http(answer: httpx.Response, refused: bool, what: str) -> None:
     status = answer.status_code
     assert status < 500, f"{what}: {status} {answer.text[:300]}"
     if status >= 400:
-        assert answer.headers.get("content-type", "").startswith("application/json"), what
+        assert answer.headers.get("content-type", "").startswith(
+            ("application/json", OJS_MEDIA)), what
         error = answer.json()["error"]
         assert isinstance(error["code"], str) and isinstance(error["message"], str), what
         assert_plain(error["message"], what)
@@ -289,7 +310,9 @@ PATH_ROUTES = [("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"), ("DELETE", "/job
                ("GET", "/workflows/{}"), ("DELETE", "/workflows/{}"),
                ("POST", "/workflows/{}/retry"),
                ("GET", "/schedules/{}"), ("PUT", "/schedules/{}"), ("DELETE", "/schedules/{}"),
-               ("POST", "/schedules/{}/pause"), ("POST", "/schedules/{}/resume")]
+               ("POST", "/schedules/{}/pause"), ("POST", "/schedules/{}/resume"),
+               ("GET", "/ojs/v1/jobs/{}"), ("DELETE", "/ojs/v1/jobs/{}"),
+               ("POST", "/ojs/v1/jobs/{}/activate")]
 
 
 async def test_every_path_segment_and_query_value(watched: Watch):

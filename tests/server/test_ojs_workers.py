@@ -134,7 +134,7 @@ time.sleep(600)
 """
 
 
-async def test_a_killed_pull_workers_job_comes_back_after_its_visibility_and_its_late_ack_is_refused(
+async def test_a_killed_pull_workers_job_comes_back_and_its_late_ack_is_refused(
         live: Live, tmp_path: Path):
     spec = write_spec(tmp_path, "victim")
     await live.push(spec)

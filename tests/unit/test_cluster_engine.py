@@ -14,7 +14,9 @@ from rota.core.engine import Engine
 from rota.core.jobs import EnqueueRequest
 from rota.core.auth import OPEN
 from rota.core.model import JobRecord, JobState
+from rota.base.ojs import OjsExtras
 from rota.base.specs import JobSpec, checksum
+from rota.core.ready import WorkerSlot
 
 
 def row_of(engine: Engine, clock: FakeClock, job_id: str, seq: int, **options: object) -> JobRecord:
@@ -218,3 +220,13 @@ def test_a_late_renewal_or_a_stall_of_its_own_starts_the_vantage_anew(engine, cl
     assert not engine.standing.may_judge(clock().mono)
     renew_every(engine, clock, LEASE + 1)  # (a whole lease from the first renewal after)
     assert engine.standing.may_judge(clock().mono)
+
+
+def test_an_unversioned_type_another_server_took_is_unversioned_here_too(engine, clock):
+    other = Engine(engine.settings)  # the server whose OJS route took the job
+    job = other.build(EnqueueRequest(spec="x.y", ojs=OjsExtras()), OPEN, clock())
+    assert isinstance(job, JobRecord) and "x.y" in other.unversioned
+    job.seq = 7
+    engine.taken_in([job], clock())
+    pull = WorkerSlot(id="ojs:p", queues=["default"], concurrency=0, specs={}, any_type=True)
+    assert "x.y" in engine.unversioned and engine.scheduler.matches(pull, "x.y")

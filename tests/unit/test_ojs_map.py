@@ -124,6 +124,23 @@ def test_a_full_push_maps_every_option() -> None:
             extras.policy.dead_letter) == (2, 300, 3, True, "none", ("Auth.*",), True)
 
 
+def test_json_format_top_level_options_are_taken_too() -> None:
+    request = push({"type": "a", "args": [], "queue": "q", "priority": 3, "timeout": 30,
+                    "visibility_timeout": 60, "tags": ["t"], "retry": {"max_attempts": 2},
+                    "scheduled_at": "2099-01-01T00:00:00Z"})
+    assert (request.queue, request.priority, request.max_attempts, request.visibility_timeout,
+            request.run_at) == ("q", 3, 2, 60, "2099-01-01T00:00:00.000Z")
+    assert request.ojs is not None
+    assert (request.ojs.timeout_ms, request.ojs.visibility_timeout_ms, request.ojs.tags) == (
+        30000, 60000, ["t"])
+    with pytest.raises(OjsRefusal):
+        push({"type": "a", "args": [], "timeout": -1})
+
+
+def test_types_are_lowercase_dotted_names_hyphens_allowed() -> None:
+    assert push({"type": "retry.test.max-attempts", "args": []}).spec == "retry.test.max-attempts"
+
+
 def test_a_past_moment_means_now() -> None:
     assert push({"type": "a", "args": [], "options": {"delay_until": "2020-01-01T00:00:00Z"}
                  }).run_at is None

@@ -226,3 +226,29 @@ def test_the_test_directive_hook_needs_unsafe_test_endpoints(engine, clock):
     assert fetch(engine, clock)[1] == []  # a terminating pull worker gets nothing
     settled = engine.pull_result("p1", job.id, "failed", requeue=True, now=clock())
     assert settled.refusal is None and job.state == JobState.AVAILABLE  # it may give it back
+
+
+def test_after_a_restart_a_pull_workers_ack_reclaims_its_job(engine, clock):
+    [job] = enqueue(engine, clock)
+    fetch(engine, clock, visibility=600.0)
+    again = Engine(engine.settings, rand=lambda: 0.0)  # the server restarted
+    again.load(dict(engine.specs), {"echo": checksum(SPEC)}, [job], clock())
+    assert job.orphaned
+    beat = again.pull_beat("p1", OPEN, [job.id], None, None, clock())
+    assert beat.extended == [job.id] and not job.orphaned
+    frame = ack(again, clock, job.id)
+    assert frame["accepted"] == [job.id]
+
+
+def test_a_pull_workers_job_is_settled_only_by_its_token(engine, clock):
+    from rota.core.auth import Principal
+    mine = Principal(token_id="t1", name="t1", scope="worker")
+    theirs = Principal(token_id="t2", name="t2", scope="worker")
+    [job] = enqueue(engine, clock)
+    got = engine.pull_fetch("p1", mine, ["default"], 1, None, ECHO, clock())
+    for reserve in of(Reserve, got.effects):
+        commit(engine, reserve, clock)
+    assert job.state == JobState.ACTIVE
+    refused = engine.pull_result(None, job.id, "completed", principal=theirs, now=clock())
+    assert "another token" in refused.refusal
+    assert engine.pull_result(None, job.id, "completed", principal=mine, now=clock()).conn
