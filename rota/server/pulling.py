@@ -24,7 +24,8 @@ from rota.base import protocol as p
 from rota.base.errors import StorageError
 from rota.base.ojs import OJS_MEDIA
 from rota.core.auth import Principal
-from rota.core.ojs_map import OjsRefusal, job_view, ojs_time
+from rota.base.wording import plainly
+from rota.core.ojs_map import OjsRefusal, job_view, ojs_json, ojs_time
 from rota.core.pulls import MAX_FETCH, Settled, nack_error
 from rota.server.api_base import coordinator_of, need
 from rota.server.coordinator import Coordinator
@@ -66,13 +67,14 @@ class BeatBody(msgspec.Struct, kw_only=True):
 
 
 def _decoded(body: bytes, kind: type[Any]) -> Any:
+    """The body as ``kind``: 400 invalid_payload if it is not JSON Rota accepts (depth,
+    surrogates: ojs_json), 400 invalid_request naming the field in plain words if not."""
+    data = ojs_json(body)
     try:
-        return msgspec.json.decode(body, type=kind)
+        return msgspec.convert(data, kind)
     except msgspec.ValidationError as exc:
-        raise OjsRefusal(400, "invalid_request", "validation_error", str(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise OjsRefusal(400, "invalid_payload", "validation_error",
-                         f"the body is not JSON: {exc}") from None
+        raise OjsRefusal(400, "invalid_request", "validation_error",
+                         plainly(str(exc), kind, lambda: data)) from None
 
 
 async def _waited(coordinator: Coordinator, conn: int, future: asyncio.Future[Any],
