@@ -315,7 +315,7 @@ def job_view(row: dict[str, Any], now: float) -> dict[str, Any]:
     view: dict[str, Any] = {}
     if extras is not None and extras.ext:
         view.update(extras.ext)  # unknown fields first: OJS's own names win
-    view.update(id=_shown_id(row), type=row["spec"], queue=row["queue"],
+    view.update(id=shown_id(row), type=row["spec"], queue=row["queue"],
                 args=rota_args_to_ojs(msgspec.json.decode(row["args"])), state=state,
                 priority=row["priority"], attempt=attempt)
     if row.get("max_attempts") is not None:
@@ -387,7 +387,7 @@ def _extras(text: str | None) -> OjsExtras | None:
     return None if text is None else msgspec.json.decode(text, type=OjsExtras)
 
 
-def _shown_id(row: dict[str, Any]) -> str:
+def shown_id(row: dict[str, Any]) -> str:
     """The id as its producer gave it: a producer token's jobs are kept as
     ``<token id>:<id>`` (rota/core/auth.py)."""
     token = row.get("created_by")

@@ -60,17 +60,27 @@ class OjsOperating(ShellReads):
         """A page of the dead letter, newest first, and how many jobs it holds."""
         return await self.store.dead_letter(limit, offset)
 
+    async def dead_id(self, job_id: str) -> str | None:
+        """The id a dead-letter job named ``job_id`` is kept under: as named, or, as the
+        dead letter shows a producer's job, with its token's prefix (Principal.stored_id);
+        None if no job in the dead letter has it."""
+        for kept in (job_id, *await self.kept_as(job_id)):
+            row = await self.store.get_job(kept)
+            if row is not None and row.get("dead_letter") and row["state"] == "discarded":
+                return kept
+        return None
+
     async def retry_dead(self, job_id: str) -> dict[str, Any] | None:
         """Put a dead-letter job back (a Rota retry: a fresh attempt budget, and it
         leaves the dead letter); its row after, or None if it is not in the dead letter."""
-        row = await self.store.get_job(job_id)
-        if row is None or not row.get("dead_letter") or row["state"] != "discarded":
-            return None
-        return await self.retry(job_id)
+        kept = await self.dead_id(job_id)
+        return None if kept is None else await self.retry(kept)
 
-    async def delete_dead(self, job_id: str) -> bool:
-        """Delete a dead-letter job for good; False if it is not in the dead letter."""
-        return await self.store.delete_dead(job_id)
+    async def delete_dead(self, job_id: str) -> str | None:
+        """Delete a dead-letter job for good: the id it was kept under, or None if it
+        is not in the dead letter."""
+        kept = await self.dead_id(job_id)
+        return kept if kept is not None and await self.store.delete_dead(kept) else None
 
     async def ojs_rates(self, requests: Sequence[EnqueueRequest]) -> None:
         """Before an OJS enqueue: a job's ``rate_limit`` sets its queue's rate (the last

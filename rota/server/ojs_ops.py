@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from rota.base.protocol import Name
 from rota.base.wording import NAME_RULE
-from rota.core.ojs_map import OjsRefusal, job_view, ojs_time
+from rota.core.ojs_map import OjsRefusal, job_view, ojs_time, shown_id
 from rota.server.api_base import coordinator_of, need
 from rota.server.ojs_base import OjsJSON, ojs_error
 from rota.store.ojs_reads import EVENT_TIMES
@@ -120,7 +120,7 @@ async def retry_dead(request: Request) -> Response:
 async def delete_dead(request: Request) -> Response:
     need(request, "admin")
     job_id = request.path_params["job_id"]
-    if not await coordinator_of(request).delete_dead(job_id):
+    if await coordinator_of(request).delete_dead(job_id) is None:
         return _not_found("dead-letter job", job_id)
     return OjsJSON({"deleted": True, "job_id": job_id})
 
@@ -137,16 +137,17 @@ def event_view(kind: str, row: dict[str, Any]) -> tuple[float, dict[str, Any]] |
         moment = row.get(EVENT_TIMES[kind])
     if moment is None:
         return None
-    data: dict[str, Any] = {"job_id": row["id"], "job_type": row["spec"], "queue": row["queue"],
+    job_id = shown_id(row)  # (as the job's view shows it: a producer's without its prefix)
+    data: dict[str, Any] = {"job_id": job_id, "job_type": row["spec"], "queue": row["queue"],
                             "attempt": row["attempt"] - (row.get("budget_start") or 0),
                             "state": row["state"]}
     finished, started = row.get("finished_at"), row.get("reserved_at")
     if kind in ("job.completed", "job.discarded", "job.cancelled"):
         data["duration_ms"] = (None if finished is None or started is None
                                else max(0, round((finished - started) * 1000)))
-    return moment, {"specversion": "1.0", "id": f"evt_{row['id']}_{kind[4:]}_{row['attempt']}",
+    return moment, {"specversion": "1.0", "id": f"evt_{job_id}_{kind[4:]}_{row['attempt']}",
                     "type": kind, "source": "ojs://rota", "time": ojs_time(moment),
-                    "subject": row["id"], "data": data}
+                    "subject": job_id, "data": data}
 
 
 async def events(request: Request) -> Response:

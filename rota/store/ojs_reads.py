@@ -23,8 +23,8 @@ EVENT_TIMES: dict[str, str] = {
     "job.completed": "finished_at", "job.discarded": "finished_at",
     "job.cancelled": "finished_at", "job.retrying": "errors",
 }
-_EVENT_COLUMNS = ("id, spec, queue, state, attempt, budget_start, enqueued_at, reserved_at,"
-                  " finished_at, run_at")
+_EVENT_COLUMNS = ("id, created_by, spec, queue, state, attempt, budget_start, enqueued_at,"
+                  " reserved_at, finished_at, run_at")
 
 
 def queue_stats(conn: sqlite3.Connection, queue: str, now: float) -> dict[str, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from conftest import Live
+from helpers import bearer, make_tokens
 
 POLICY = {"max_attempts": 1, "initial_interval": "PT1S", "backoff_coefficient": 1.0,
           "jitter": False, "on_exhaustion": "dead_letter"}
@@ -16,25 +17,27 @@ ERROR = {"code": "handler_error", "message": "db down", "retryable": True,
 
 
 async def _call(live: Live, method: str, path: str, status: int = 200,
-                body: Any = None) -> dict[str, Any]:
-    response = await live.http.request(method, path, json=body)
+                body: Any = None, token: str | None = None) -> dict[str, Any]:
+    response = await live.http.request(method, path, json=body,
+                                       headers=bearer(token) if token else None)
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/openjobspec+json"
     return response.json()
 
 
-async def _push(live: Live, n: int, status: int = 201, **options: Any) -> dict[str, Any]:
+async def _push(live: Live, n: int, status: int = 201, token: str | None = None,
+                **options: Any) -> dict[str, Any]:
     body = {"type": "ops.test", "args": [{"n": n}], "options": {"queue": "ops", **options}}
-    return await _call(live, "POST", "/ojs/v1/jobs", status, body)
+    return await _call(live, "POST", "/ojs/v1/jobs", status, body, token)
 
 
-async def _fail_next(live: Live) -> dict[str, Any]:
+async def _fail_next(live: Live, token: str | None = None) -> dict[str, Any]:
     """FETCH the next job of queue ops and NACK it; the NACK's answer."""
     fetched = await _call(live, "POST", "/ojs/v1/workers/fetch", 200,
-                          {"queues": ["ops"], "worker_id": "ops-1"})
+                          {"queues": ["ops"], "worker_id": "ops-1"}, token)
     [job] = fetched["jobs"]
     return await _call(live, "POST", "/ojs/v1/workers/nack", 200,
-                       {"job_id": job["id"], "worker_id": "ops-1", "error": ERROR})
+                       {"job_id": job["id"], "worker_id": "ops-1", "error": ERROR}, token)
 
 
 async def test_dead_letter_list_retry_delete_counts_and_events(live: Live):
@@ -128,3 +131,32 @@ async def test_batch_all_or_nothing_unique_options_and_a_jobs_rate_limit(live: L
     limits = (await live.http.get("/limits")).json()["limits"]
     assert [(entry["limit"], entry["rule"]) for entry in limits] == [
         ("queue:ops", {"rate": {"limit": 1, "period": 1.0, "burst": 1}})]
+
+
+async def test_a_producers_dead_job_is_named_as_its_view_shows_it(live: Live, connect):
+    admin, producer, worker = await make_tokens(live, ("admin", None), ("producer", None),
+                                                ("worker", None))
+    dead = (await _push(live, 1, token=producer, retry=POLICY))["job"]
+    # (A /work worker: it names the job by the id it is kept under, <token id>:<id>.)
+    raw = await connect("w1", additional_headers=bearer(worker))
+    await raw.register([], queues=["ops"], declared={"ops.test": "unversioned"})
+    error = {"type": "ConnectionError", "message": "db down"}
+    await _fail(raw, error)
+    [job] = (await _call(live, "GET", "/ojs/v1/dead-letter", token=admin))["jobs"]
+    assert job["id"] == dead["id"] and ":" not in job["id"]
+    [event] = (await _call(live, "GET", "/ojs/v1/events?types=job.discarded",
+                           token=admin))["events"]
+    assert event["data"]["job_id"] == event["subject"] == dead["id"]
+    await _call(live, "GET", "/ojs/v1/dead-letter", 403, token=producer)
+    retried = await _call(live, "POST", f"/ojs/v1/dead-letter/{dead['id']}/retry", token=admin)
+    assert (retried["job"]["id"], retried["job"]["attempt"]) == (dead["id"], 0)
+    await _fail(raw, error)
+    deleted = await _call(live, "DELETE", f"/ojs/v1/dead-letter/{dead['id']}", token=admin)
+    assert deleted == {"deleted": True, "job_id": dead["id"]}
+
+
+async def _fail(raw: Any, error: dict[str, Any]) -> None:
+    [copy] = await raw.jobs(1)
+    await raw.beat(results=[{"job_id": copy["id"], "attempt": copy["attempt"],
+                             "outcome": "failed", "error": error}])
+    await raw.expect("ack")
