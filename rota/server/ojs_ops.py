@@ -22,6 +22,7 @@ from rota.server.ojs_base import OjsJSON, ojs_error
 from rota.store.ojs_reads import EVENT_TIMES
 
 DEFAULT_PAGE, MAX_PAGE = 50, 100  # dead-letter jobs per page (HB §12.1)
+MAX_QUEUES = 1000  # queues per page (by name)
 MAX_EVENTS = 100  # events per answer (of each type read, then merged)
 MAX_EVENTS_ASKED = 1000  # a larger limit is refused (ojs-events §6.4); past 100, 100 come
 
@@ -65,10 +66,13 @@ def _queue_view(name: str, paused: bool) -> dict[str, Any]:
 # -- queues ---------------------------------------------------------------------------
 async def list_queues(request: Request) -> Response:
     need(request, "admin")
+    limit = _count(request, "limit", MAX_QUEUES, 1, MAX_QUEUES)
+    offset = _count(request, "offset", 0, 0, 10**9)
     found = await coordinator_of(request).ojs_queues()
-    return OjsJSON({"queues": [_queue_view(name, paused) for name, paused in found],
-                    "pagination": {"total": len(found), "limit": len(found), "offset": 0,
-                                   "has_more": False}})
+    page = found[offset:offset + limit]
+    return OjsJSON({"queues": [_queue_view(name, paused) for name, paused in page],
+                    "pagination": {"total": len(found), "limit": limit, "offset": offset,
+                                   "has_more": offset + len(page) < len(found)}})
 
 
 async def queue_stats(request: Request) -> Response:

@@ -92,6 +92,10 @@ async def test_pause_resume_and_queue_list(live: Live):
     assert paused == {"queue": {"name": "pause-test", "paused": True, "status": "paused"}}
     assert {"name": "pause-test", "paused": True, "status": "paused"} in \
         (await _call(live, "GET", "/ojs/v1/queues"))["queues"]
+    await _push(live, 1)  # (queue ops)
+    page = await _call(live, "GET", "/ojs/v1/queues?limit=1")
+    assert page["queues"] == [{"name": "ops", "paused": False, "status": "active"}]
+    assert page["pagination"] == {"total": 2, "limit": 1, "offset": 0, "has_more": True}
     stats = await _call(live, "GET", "/ojs/v1/queues/pause-test/stats")
     assert stats["queue"]["paused"] is True
     resumed = await _call(live, "POST", "/ojs/v1/queues/pause-test/resume")
