@@ -22,7 +22,9 @@ from starlette.routing import Route
 
 from rota.base import protocol as p
 from rota.base.errors import StorageError
+from rota.base.inputs import BadJson, explain, screen
 from rota.base.ojs import OJS_MEDIA
+from rota.base.wording import plainly
 from rota.core.auth import Principal
 from rota.core.ojs_map import OjsRefusal, job_view, ojs_time
 from rota.core.pulls import MAX_FETCH, Settled, nack_error
@@ -66,13 +68,17 @@ class BeatBody(msgspec.Struct, kw_only=True):
 
 
 def _decoded(body: bytes, kind: type[Any]) -> Any:
+    """A worker route's body (within Rota's JSON rules), or 400 in OJS's words and shape."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        return msgspec.json.decode(screen(body), type=kind)
     except msgspec.ValidationError as exc:
-        raise OjsRefusal(400, "invalid_request", "validation_error", str(exc)) from None
-    except msgspec.DecodeError as exc:
+        said = plainly(str(exc), kind, lambda: msgspec.json.decode(body))
+        raise OjsRefusal(400, "invalid_request", "validation_error", said) from None
+    except BadJson as exc:
+        raise OjsRefusal(400, "invalid_payload", "validation_error", exc.message) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise OjsRefusal(400, "invalid_payload", "validation_error",
-                         f"the body is not JSON: {exc}") from None
+                         explain(body, exc).message) from None
 
 
 async def _waited(coordinator: Coordinator, conn: int, future: asyncio.Future[Any],
