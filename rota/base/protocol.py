@@ -148,6 +148,7 @@ class ErrorInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     message: str
     retryable: bool = True
     details: Any = None
+    code: str | None = None  # a machine code, kept beside ``type`` in the job's error record
 
 
 class Result(msgspec.Struct, kw_only=True, omit_defaults=True):

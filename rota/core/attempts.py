@@ -14,7 +14,7 @@ import msgspec
 from rota.base import protocol as p
 from rota.core.jobs import error_record
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState, StatusNote
-from rota.core.policy import Ending, after_attempt
+from rota.core.policy import FAILING, Ending, after_attempt
 from rota.core.registry import ALERT_LINES, ConnectedWorker, short
 
 log = logging.getLogger("rota.server")
@@ -76,7 +76,7 @@ def end_attempt(job: JobRecord, ending: Ending, error: p.ErrorInfo, now: Instant
     counts toward the job's poison tally when ``death`` says its worker really died;
     any other ending sets the tally back to 0."""
     job.started = False  # (the next attempt starts unstarted)
-    if ending == "failed":
+    if ending in FAILING:
         job.fails += 1
     if ending == "released":
         # Given back unstarted from a worker's prefetch line: the job did nothing, so this
@@ -89,14 +89,16 @@ def end_attempt(job: JobRecord, ending: Ending, error: p.ErrorInfo, now: Instant
     decision = after_attempt(
         ending=ending, retryable=error.retryable, attempts_used=job.attempt - job.budget_start,
         fails=job.fails, limits=job.limits, expires_at=job.expires_at,
-        cancel_requested=job.cancel_requested, now=now.wall, rand=rand(), deaths=job.deaths)
+        cancel_requested=job.cancel_requested, now=now.wall, rand=rand(), deaths=job.deaths,
+        error_names=(error.type, error.code))
     if decision.reason.startswith("poison"):
         error = p.ErrorInfo(type="poison", retryable=False, message=f"{error.message};"
                             f" {decision.reason}", details=error.details)
         log.error("poison job=%s spec=%s@%s queue=%s worker=%s attempt=%d deaths=%d:"
                   " discarded", job.id, job.spec, short(job.checksum), job.queue,
                   job.worker_id, job.attempt, job.deaths)
-    record = error_record(error, attempt=job.attempt, worker_id=job.worker_id, now=now.wall)
+    record = error_record(error, attempt=job.attempt, worker_id=job.worker_id, now=now.wall,
+                          retry_in=None if decision.run_at is None else decision.run_at - now.wall)
     job.move(JobState(decision.state))
     job.run_at = decision.run_at
     job.due = None if decision.run_at is None else now.deadline(decision.run_at)
@@ -105,7 +107,8 @@ def end_attempt(job: JobRecord, ending: Ending, error: p.ErrorInfo, now: Instant
              job.worker_id, job.attempt, ending, decision.state, job.took_ms(now.wall),
              f" reason={decision.reason!r}" if decision.reason else "")
     terminal = decision.state in TERMINAL_STATES
-    return Change(job, error=record, finished_at=now.wall if terminal else None, ending=ending)
+    return Change(job, error=record, finished_at=now.wall if terminal else None, ending=ending,
+                  dead_letter=decision.dead_letter)
 
 
 def status_notes(jobs: dict[str, JobRecord], connection: ConnectedWorker, status: p.Status,

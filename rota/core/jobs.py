@@ -14,6 +14,7 @@ from rota.base.flow import MAX_LABELS
 from rota.base.ojs import OjsExtras
 from rota.base.ids import JOB_ID_PATTERN, MAX_JOB_ID, uuid7
 from rota.core.model import JobRecord, shared_limits
+from rota.core.policy import ojs_limits
 from rota.base.specs import MAX_VISIBILITY, JobSpec, Name
 from rota.base.unique import UniqueOptions
 
@@ -64,9 +65,9 @@ class BatchRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def new_job(request: EnqueueRequest, spec: JobSpec, now: float) -> JobRecord:
     run_at = _run_at(request, now)
     retry = spec.retry
-    limits = shared_limits(request.max_attempts or retry.max_attempts,
-                           request.max_fails or retry.max_fails, retry.backoff_base,
-                           retry.backoff_max, retry.max_worker_deaths)
+    limits = ojs_limits(shared_limits(request.max_attempts or retry.max_attempts,
+                                      request.max_fails or retry.max_fails, retry.backoff_base,
+                                      retry.backoff_max, retry.max_worker_deaths), request.ojs)
     start = run_at if run_at is not None else now
     labels = job_labels(request.labels, spec)
     return JobRecord(
@@ -144,9 +145,17 @@ def same_job(row: dict[str, Any], job: JobRecord, args: dict[str, Any]) -> bool:
             and labels_of(row.get("labels")) == job.labels)
 
 
-def error_record(error: p.ErrorInfo, *, attempt: int, worker_id: str | None, now: float) -> bytes:
-    return msgspec.json.encode({
+def error_record(error: p.ErrorInfo, *, attempt: int, worker_id: str | None, now: float,
+                 retry_in: float | None = None) -> bytes:
+    """A job's error record (one item of ``jobs.errors``). ``code`` (an OJS worker's error
+    code) and ``retry_in`` (seconds of backoff it led to) are there only when known."""
+    record: dict[str, Any] = {
         "type": error.type, "message": error.message, "retryable": error.retryable,
         "details": error.details, "attempt": attempt, "worker_id": worker_id,
         "at": p.rfc3339(now),
-    })
+    }
+    if error.code is not None:
+        record["code"] = error.code
+    if retry_in is not None:
+        record["retry_in"] = round(retry_in, 3)
+    return msgspec.json.encode(record)

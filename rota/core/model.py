@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -114,6 +114,11 @@ class InvalidTransition(RotaError):
                          f" to {to}, got {was}")
 
 
+# How a backoff is spread: "rota" over [½, 1]× (never later than computed), "ojs" over
+# [½, 1½]× (ojs-retry §5, capped again at backoff_max), "none" not at all.
+Jitter = Literal["rota", "ojs", "none"]
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """A job's retry budget, from its spec with per-job overrides."""
@@ -123,16 +128,26 @@ class Limits:
     backoff_base: float
     backoff_max: float
     max_worker_deaths: int = 3  # attempts in a row that kill their worker: then poison
+    # The rest is Rota's own behaviour at its defaults; an OJS retry policy sets them
+    # (docs/ojs.md). The n-th backoff is base × coefficient^(n−1), or base × n if linear.
+    coefficient: float = 2.0
+    linear: bool = False
+    jitter: Jitter = "rota"
+    non_retryable: tuple[str, ...] = ()  # patterns (re.fullmatch) on an error's type or code
+    dead_letter: bool = False  # a job discarded by failure is marked for the dead letter
 
 
 _LIMITS: dict[tuple[Any, ...], Limits] = {}
 
 
 def shared_limits(max_attempts: int, max_fails: int | None, backoff_base: float,
-                  backoff_max: float, max_worker_deaths: int) -> Limits:
+                  backoff_max: float, max_worker_deaths: int, coefficient: float = 2.0,
+                  linear: bool = False, jitter: Jitter = "rota",
+                  non_retryable: tuple[str, ...] = (), dead_letter: bool = False) -> Limits:
     """One Limits object for every job with the same budget (frozen, so safe to share):
     a million waiting jobs of one spec hold one, not a million."""
-    key = (max_attempts, max_fails, backoff_base, backoff_max, max_worker_deaths)
+    key = (max_attempts, max_fails, backoff_base, backoff_max, max_worker_deaths,
+           coefficient, linear, jitter, non_retryable, dead_letter)
     limits = _LIMITS.get(key)
     if limits is None:
         if len(_LIMITS) >= 10_000:  # per-job overrides are rare; never let them pile up
@@ -223,6 +238,7 @@ class Change:
     undo: tuple[int, int, float | None, float | None] | None = None  # see Engine._undo
     ending: str | None = None  # why an attempt did not complete (rota/core/policy.py Ending)
     retry: bool = False  # an operator's retry of a finished job (any server may write it)
+    dead_letter: bool = False  # discarded by failure under Limits.dead_letter (jobs.dead_letter)
 
 
 @dataclass(slots=True)

@@ -92,15 +92,16 @@ def is_pull(worker_id: str | None) -> bool:
 
 def nack_error(error: dict[str, Any] | None) -> p.ErrorInfo:
     """An OJS NACK's ``error`` as Rota's ErrorInfo: its type is ``details.error_class``
-    when given, else ``code``."""
+    when given, else ``code``; its ``code`` as given."""
     error = error or {}
     details = error.get("details")
     kind = details.get("error_class") if isinstance(details, dict) else None
     kind = kind or error.get("code") or error.get("type") or "error"
     retryable = error.get("retryable", True)
+    code = error.get("code")  # kept in the record beside the type (non_retryable_errors)
     return p.ErrorInfo(type=str(kind), message=str(error.get("message") or "no message"),
                        retryable=retryable if isinstance(retryable, bool) else True,
-                       details=details)
+                       details=details, code=None if code is None else str(code))
 
 
 def ojs_timeout(job: JobRecord) -> float | None:

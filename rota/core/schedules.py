@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from rota.base.errors import Invalid
+from rota.base.ojs import OjsExtras
 from rota.base.protocol import MAX_COUNT, Name, Priority, rfc3339
 from rota.base.wording import plainly
 from rota.core import cron
@@ -54,6 +55,9 @@ class ScheduleDef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)] | None = None
     description: Annotated[str, msgspec.Meta(max_length=10_000)] = ""
     paused: bool = False
+    # A cron job registered through /ojs/v1/cron: its template's OJS-only parts, which
+    # each tick's job gets (rota/server/ojs_flows.py; Rota's own routes refuse it).
+    ojs: OjsExtras | None = None
 
     def same_firing(self, other: ScheduleDef) -> bool:
         """Whether the two fire at the same times (a change of anything else keeps the
@@ -273,9 +277,18 @@ def view(definition: ScheduleDef, row: Mapping[str, Any], waiting: str | None,
     outcome = row.get("last_outcome")
     if outcome is None and row.get("last_job_id") is not None:
         outcome = row.get("last_job_state") or "deleted"  # the job's state, as it is now
-    return {**msgspec.to_builtins(definition), "state": state,
+    return {**fields_of(definition), "state": state,
             "waiting_reason": waiting if state == "waiting" else None,
             **_record(row, outcome, fires)}
+
+
+def fields_of(definition: ScheduleDef) -> dict[str, Any]:
+    """A definition's fields, ``ojs`` only when it is set (a Rota schedule's are as they
+    were before OJS: its stored text, and so its "unchanged", stay the same)."""
+    fields = msgspec.to_builtins(definition)
+    if fields.get("ojs") is None:
+        fields.pop("ojs", None)
+    return dict(fields)
 
 
 def _record(row: Mapping[str, Any], outcome: str | None, fires: list[float]
@@ -295,7 +308,8 @@ def unreadable(row: Mapping[str, Any], reason: str) -> dict[str, Any]:
         stored = msgspec.json.decode(row["definition"])
     except (msgspec.DecodeError, TypeError, KeyError):
         stored = {}
-    known = {f: stored.get(f) for f in ScheduleDef.__struct_fields__}
+    known = {f: stored.get(f) for f in ScheduleDef.__struct_fields__
+             if f != "ojs" or stored.get(f) is not None}
     known.update(name=row.get("name"), paused=bool(row.get("paused")))
     return {**known, "state": "waiting", "waiting_reason": f"it cannot be read: {reason}",
             **_record(row, row.get("last_outcome"), [])}

@@ -23,6 +23,7 @@ from rota.core.model import Instant, JobRecord
 from rota.core.registry import claim_worker_id, held_ids
 from rota.core.unique import conflict
 from rota.store.store import Store
+from rota.store.writes import Unstored
 from rota.server.shell_reads import new_queue_problems
 
 log = logging.getLogger("rota.server")
@@ -72,15 +73,20 @@ class Admission:
         self.apply(self.engine.taken_over(jobs, hb.worker_id, self.clock()))
 
 
-    async def enqueue(self, requests: list[EnqueueRequest], principal: Principal = OPEN
+    async def enqueue(self, requests: list[EnqueueRequest], principal: Principal = OPEN, *,
+                      all_or_nothing: bool = False
                       ) -> list[tuple[dict[str, Any], bool] | DomainError]:
-        """Store jobs in one transaction; per request the row and whether it is new, or why not."""
+        """Store jobs in one transaction; per request the row and whether it is new, or why not.
+        ``all_or_nothing`` (OJS's batch): if any is refused, none is stored (an id stored
+        already is a refusal then), and each of the others says so (``unstored``)."""
         now = self.clock()
         built = [self.engine.build(request, principal, now) for request in requests]
         if self._unknown_spec(built) and await self._read_status_quo(now):
             now = self.clock()  # a spec pushed through another server a moment ago
             built = [self.engine.build(request, principal, now) for request in requests]
         built = await self._slipped_queues(requests, built)
+        if all_or_nothing:
+            return await self._all_or_nothing(requests, built, principal)
         jobs = [job for job in built if not isinstance(job, DomainError)]
         # A job whose id the server made cannot collide with a stored row: it is taken
         # in at once, and a scheduling round now queues its reservation right behind its
@@ -141,6 +147,32 @@ class Admission:
             self.apply(self.engine.replaced(rows, by, now))
         return outcomes
 
+    async def _all_or_nothing(self, requests: list[EnqueueRequest],
+                              built: list[JobRecord | DomainError], principal: Principal
+                              ) -> list[tuple[dict[str, Any], bool] | DomainError]:
+        """``enqueue`` when one refusal stores nothing: every job waits for the commit
+        (none is taken in early), and a refusal in the store rolls the whole insert back."""
+        if any(isinstance(job, DomainError) for job in built):
+            return unstored(built)
+        jobs = [job for job in built if not isinstance(job, DomainError)]
+        unscoped = [principal.unscoped_id(r.id) if r.id is not None else None for r in requests]
+        try:
+            stored = await self.store.enqueue(jobs, live=self.engine.scheduler.live(),
+                                              unscoped=unscoped, all_or_nothing=True)
+        except Unstored as refused:
+            return unstored([conflict(met, row) if (met := row.get("unique_met")) not in (
+                                 None, "existing")
+                             else Conflict("id_conflict", f"job {row['id']} exists already")
+                             if not new and met is None else job
+                             for job, (row, new) in zip(jobs, refused.outcomes, strict=True)])
+        now = self.clock()
+        self.apply(self.engine.enqueued_all([(job, row["rowid"]) for job, (row, new)
+                                             in zip(jobs, stored, strict=True) if new], now))
+        for row, new in stored:
+            if new and row.get("unique_replaced"):
+                self.apply(self.engine.replaced(row["unique_replaced"], row["id"], now))
+        return list(stored)
+
     async def _slipped_queues(self, requests: list[EnqueueRequest],
                               built: list[JobRecord | DomainError]
                               ) -> list[JobRecord | DomainError]:
@@ -187,3 +219,12 @@ class Admission:
 
     def _read_ended(self, future: asyncio.Future[None]) -> None:
         self._reading = None
+
+
+def unstored(built: list[Any]) -> list[tuple[dict[str, Any], bool] | DomainError]:
+    """An all-or-nothing enqueue that stored nothing: each refusal as it is, and each
+    other job refused for their sake (409 ``unstored``, naming the first refused)."""
+    first = next(i for i, job in enumerate(built) if isinstance(job, DomainError))
+    why = Conflict("unstored", f"nothing was stored: job {first} of the batch (from 0) was"
+                   f" refused: {built[first].message}")
+    return [job if isinstance(job, DomainError) else why for job in built]

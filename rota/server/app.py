@@ -19,6 +19,7 @@ from rota.server.coordinator import Coordinator
 from rota.server.edge import GuardedHttp, LeanWebSocket
 from rota.server.gate import Gate
 from rota.server.ojs_api import ojs_app
+from rota.server import ojs_flows  # cron and workflows under /ojs/v1
 from rota.server.safety import SafetyNet
 from rota.server.sessions import work_endpoint
 from rota.core.settings import ServerSettings
@@ -59,7 +60,8 @@ def create_app(settings: ServerSettings) -> Starlette:
             await coordinator.stop()
 
     app = Starlette(
-        routes=[*routes.routes, *dashboard.routes, Mount("/ojs", ojs_app(coordinator)),
+        routes=[*routes.routes, *dashboard.routes,
+                Mount("/ojs", ojs_app(coordinator, ojs_flows.routes)),
                 WebSocketRoute("/work", work_endpoint),
                 WebSocketRoute("/{path:path}", api_base.no_such_socket)],
         exception_handlers=api_base.exception_handlers,  # type: ignore[arg-type]

@@ -221,10 +221,14 @@ class Clockwork:
         """A tick's job, through the ordinary intake (spec, args, queue checked)."""
         offset = jitter_offset(definition.name, tick, definition.jitter)
         delay = tick + offset - now.wall
+        ojs = definition.ojs  # (an /ojs/v1/cron registration's: its queue named freely)
         request = EnqueueRequest(  # (checked by the intake, as a producer's)
             spec=definition.spec, args=definition.args, id=tick_id(definition.name, tick),
             queue=definition.queue, priority=definition.priority,
-            max_attempts=definition.max_attempts, delay=delay if delay > 0 else None)
+            max_attempts=definition.max_attempts, delay=delay if delay > 0 else None,
+            ojs=ojs, new_queue=ojs is not None,
+            visibility_timeout=ojs.visibility_timeout_ms / 1000
+            if ojs is not None and ojs.visibility_timeout_ms else None)
         built = self.engine.build(request, OPEN, now)
         if not isinstance(built, DomainError):
             built.schedule = definition.name  # its row names its schedule
@@ -267,6 +271,8 @@ class Clockwork:
             self.apply(self.engine.enqueued_all(taken, now))
 
     def _reason(self, definition: ScheduleDef) -> str | None:
+        if definition.ojs is not None and definition.spec not in self.engine.retired:
+            return None  # an OJS type with no spec runs unversioned (docs/ojs.md)
         return waiting_reason(definition.spec, self.engine.specs, self.engine.retired)
 
     # -- the API's -------------------------------------------------------------------------
@@ -299,6 +305,10 @@ class Clockwork:
             raise Invalid("invalid_schedule", f"the body names schedule {definition.name!r},"
                           f" the path {name!r}")
         self._check_args(definition, self.engine.specs)
+        if definition.ojs is not None:  # (an OJS type runs unversioned: its job, built
+            built = self._build(definition, self.clock().wall, self.clock())  # now, says
+            if isinstance(built, DomainError):  # what the intake refuses of it)
+                raise built
         wall = self.clock().wall
         change, row = await self.store.writer.submit(lambda conn: (
             ticks.upsert(conn, definition, wall), ticks.read_one(conn, name)))
@@ -332,6 +342,9 @@ class Clockwork:
         checked: list[ScheduleDef] = []
         for i, table in enumerate(tables):
             definition = check(table, where=f"schedules[{i}]")
+            if definition.ojs is not None:
+                raise Invalid("invalid_schedule", f"schedules[{i}]: ojs is set by"
+                              " /ojs/v1/cron only")
             if any(d.name == definition.name for d in checked):
                 raise Invalid("invalid_schedule", f"schedules[{i}]: schedule"
                               f" {definition.name!r} is declared twice")

@@ -34,7 +34,7 @@ from rota.core.registry import ConnectedWorker
 from rota.core.scheduler import Scheduler
 from rota.core.settings import ServerSettings
 from rota.server.shell_directives import ShellDirectives
-from rota.server.shell_reads import ShellReads
+from rota.server.ojs_operating import OjsOperating
 from rota.base.specs import JobSpec
 from rota.server.steering import Steering
 from rota.store.health import Health
@@ -58,7 +58,7 @@ class Outbox(Protocol):
     def abort(self, code: str, message: str, close_code: int) -> None: ...
 
 
-class Coordinator(ShellReads, ShellDirectives):
+class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellReads)
     def __init__(self, settings: ServerSettings,
                  clock: Callable[[], Instant] = system_clock) -> None:
         self.settings = settings

@@ -35,6 +35,8 @@ async def put_schedule(request: Request) -> Response:
     need(request, "admin")
     name = _name(request)
     data = decode_as(await read_body(request), dict[str, Any])
+    if "ojs" in data:
+        raise RequestError(400, "invalid_schedule", "ojs is set by /ojs/v1/cron only")
     shown, change = await coordinator_of(request).clockwork.put(name, data)
     return JSON({"schedule": shown, "change": change},
                 status_code=201 if change == "new" else 200)

@@ -20,7 +20,7 @@ from rota.core.auth import Principal
 from rota.core.effects import Effect
 from rota.core.engine import Engine
 from rota.core.intake import unknown_spec
-from rota.core.limits import LimitRule, Scope, check_rule, check_scope, limit_name
+from rota.core.limits import LimitRule, Rate, Scope, check_rule, check_scope, limit_name
 from rota.core.rulebook import effective, rule_of, spec_rules
 from rota.core.model import Instant
 from rota.server.shell_reads import new_queue_problems
@@ -86,6 +86,22 @@ class Limiting:
                  who or "-")
         self.refresh()
         return self.entry(scope, rule)
+
+    async def queue_rate(self, queue: str, rate: Rate) -> None:
+        """An OJS job's ``rate_limit`` sets its queue's rate (docs/ojs.md): as ``set``, the
+        queue's other limits kept, when the rate in force differs (the last job's wins)."""
+        scope = ("queue", queue)
+        rule = self.in_force.get(scope) or LimitRule()
+        if rule.rate == rate:
+            return
+        now = self.clock()
+        rule = msgspec.structs.replace(self.runtime.get(scope, (rule, {}))[0], rate=rate)
+        check_rule(rule)
+        await self.store.set_limit("queue", queue, rule_text(rule), now.wall, None)
+        self.runtime[scope] = (rule, {"kind": "queue", "name": queue, "updated_at": now.wall,
+                                      "updated_by": None})
+        log.info("limit set limit=%s rule=%s by=ojs-job", limit_name(scope), rule_text(rule))
+        self.refresh()
 
     async def clear(self, kind: str, name: str) -> dict[str, Any]:
         """Remove a scope's runtime rule: its spec file's (if any) is in force again."""

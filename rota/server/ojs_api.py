@@ -23,6 +23,7 @@ from rota.base.errors import DomainError
 from rota.base.ojs import OJS_VERSION
 from rota.core.jobs import EnqueueRequest
 from rota.core.ojs_map import OjsRefusal, job_view, ojs_json, ojs_to_request
+from rota.server import ojs_ops
 from rota.server.api import find_job
 from rota.server.api_base import coordinator_of, need
 from rota.server.coordinator import Coordinator
@@ -101,12 +102,13 @@ async def push_batch(request: Request) -> Response:
         except OjsRefusal as exc:
             raise OjsRefusal(exc.status, exc.code, exc.type, f"jobs[{index}]: {exc.message}",
                              {"index": index}) from None
-    # TODO(H3): admission's all_or_nothing makes the store's part atomic too: a job the
-    # engine refuses (a token's queue, a spec's args) must leave no other stored.
-    outcomes = await coordinator_of(request).enqueue(jobs, principal)
+    # All or nothing: a job the engine refuses (a token's queue, a spec's args) leaves no
+    # other stored.
+    outcomes = await coordinator_of(request).enqueue(jobs, principal, all_or_nothing=True)
+    refusals = [o for o in outcomes if isinstance(o, DomainError)]
+    if refusals:  # the refusal itself, rather than another job's "unstored for its sake"
+        return domain_error(next((r for r in refusals if r.code != "unstored"), refusals[0]))
     for outcome in outcomes:
-        if isinstance(outcome, DomainError):
-            return domain_error(outcome)
         if not outcome[1] and outcome[0].get("unique_met") != "existing":
             return _duplicate(outcome[0])
     now = time.time()
@@ -180,6 +182,7 @@ routes = [
     Route("/v1/jobs/{job_id}", cancel, methods=["DELETE"]),
     Route("/v1/jobs/{job_id}/activate", activate, methods=["POST"]),
     Route("/v1/admin/reset", reset, methods=["POST"]),
+    *ojs_ops.routes,  # queues, dead letter, events (admin)
 ]
 
 

@@ -19,6 +19,7 @@ import msgspec
 from rota.core.jobs import labels_of
 from rota.core.observe import COUNTS
 from rota.core.model import JobRecord, JobState, shared_limits
+from rota.core.policy import ojs_limits
 from rota.base.ojs import decode_extras
 from rota.base.protocol import Registration
 from rota.core.ready import PRIORITY_LIMIT, SEQ_BITS
@@ -250,8 +251,9 @@ def live_job(r: tuple[Any, ...]) -> JobRecord:
      cancel_requested, capture_logs, created_by, reserved_at, worker_token, concurrency_key,
      labels, workflow_id, workflow_node, parent_results, schedule, ojs) = r
     intern = sys.intern
-    limits = shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
-                           backoff_max or 3600.0, max_deaths or 3)
+    extras = decode_extras(ojs)
+    limits = ojs_limits(shared_limits(max_attempts or 25, max_fails, backoff_base or 1.0,
+                                      backoff_max or 3600.0, max_deaths or 3), extras)
     return JobRecord(id=job_id, spec=intern(spec), queue=intern(queue),
                      args=msgspec.Raw(args.encode()), priority=priority, enqueued_at=enqueued_at,
                      seq=seq, limits=limits, visibility_timeout=visibility_timeout,
@@ -268,7 +270,7 @@ def live_job(r: tuple[Any, ...]) -> JobRecord:
                      workflow_id=workflow_id, workflow_node=workflow_node,
                      parent_results=None if parent_results is None
                      else msgspec.Raw(parent_results.encode()), schedule=schedule,
-                     ojs=decode_extras(ojs))
+                     ojs=extras)
 
 
 def worker_row(worker_id: str, reg: Registration, connected_at: float) -> dict[str, Any]:
@@ -281,8 +283,10 @@ def worker_row(worker_id: str, reg: Registration, connected_at: float) -> dict[s
 
 
 def job_from_row(r: sqlite3.Row | dict[str, Any]) -> JobRecord:
-    limits = shared_limits(r["max_attempts"] or 25, r["max_fails"], r["backoff_base"] or 1.0,
-                           r["backoff_max"] or 3600.0, r["max_worker_deaths"] or 3)
+    extras = decode_extras(r["ojs"])
+    limits = ojs_limits(shared_limits(r["max_attempts"] or 25, r["max_fails"],
+                                      r["backoff_base"] or 1.0, r["backoff_max"] or 3600.0,
+                                      r["max_worker_deaths"] or 3), extras)
     return JobRecord(id=r["id"], spec=r["spec"], queue=r["queue"],
                      args=msgspec.Raw(r["args"].encode()),
                      priority=r["priority"], enqueued_at=r["enqueued_at"], seq=r["rowid"],
@@ -297,4 +301,4 @@ def job_from_row(r: sqlite3.Row | dict[str, Any]) -> JobRecord:
                      workflow_node=r["workflow_node"],
                      parent_results=None if r["parent_results"] is None
                      else msgspec.Raw(r["parent_results"].encode()), schedule=r["schedule"],
-                     ojs=decode_extras(r["ojs"]))
+                     ojs=extras)

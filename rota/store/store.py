@@ -29,6 +29,7 @@ from rota.store import writes as sql  # the writes' SQL and their functions of a
 from rota.store.health import Health
 from rota.store.reading import Reading
 from rota.store.flowing import Flowing
+from rota.store.ojs_reads import OjsReading
 from rota.store import settle
 from rota.store.readers import Readers
 from rota.store.writer import Checkpointer, Writer
@@ -53,7 +54,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class Store(Reading, Flowing):
+class Store(Reading, Flowing, OjsReading):
     path: Path
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
     durability: str = "full"  # sqlite.SYNCHRONOUS: what a commit survives
@@ -162,9 +163,11 @@ class Store(Reading, Flowing):
 
     # -- writes --------------------------------------------------------------------
     def enqueue(self, jobs: list[JobRecord], *, live: int = 0,
-                unscoped: Sequence[str | None] = ()
+                unscoped: Sequence[str | None] = (), all_or_nothing: bool = False
                 ) -> asyncio.Future[list[tuple[dict[str, Any], bool]]]:
         """Insert jobs in one transaction; an existing id gives the stored row and False.
+        ``all_or_nothing``: if any is refused so (or by its unique key), none is stored,
+        and the future fails with ``writes.Unstored``, which carries the outcomes.
 
         ``unscoped``, per job: the id a producer's job was kept under before producers'
         ids were their own (rota/core/auth.py), or None. A job whose id is new but whose
@@ -186,6 +189,8 @@ class Store(Reading, Flowing):
 
         def op(conn: sqlite3.Connection) -> list[tuple[dict[str, Any], bool]]:
             outcomes = sql.insert_jobs(conn, jobs, rows, olds, time.time())
+            if all_or_nothing and sql.refused_any(outcomes):
+                raise sql.Unstored(outcomes)  # (its savepoint rolls every insert back)
             if self.shared:
                 fleet.notify(conn, fleet.JOBS, self.server_id or "",
                              [str(row["rowid"]) for row, new in outcomes if new])

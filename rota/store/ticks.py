@@ -21,7 +21,7 @@ import msgspec
 from rota.base.protocol import ErrorInfo
 from rota.core.jobs import error_record
 from rota.core.model import JobRecord, JobState
-from rota.core.schedules import ScheduleDef, Timing, due, of_round, overlap
+from rota.core.schedules import ScheduleDef, Timing, due, fields_of, of_round, overlap
 from rota.store import fleet
 from rota.store.holds import TTL_FROM_NOW, cancel_pending, cancel_waiting
 from rota.store.rows import LIVE, live_job
@@ -35,7 +35,8 @@ _READ = ("SELECT s.*, j.state AS last_job_state FROM schedules s"
 
 def definition_text(definition: ScheduleDef) -> str:
     """The definition as stored: JSON, without ``paused`` (its own column)."""
-    return msgspec.json.encode(msgspec.structs.replace(definition, paused=False)).decode()
+    return msgspec.json.encode(fields_of(msgspec.structs.replace(definition, paused=False))
+                               ).decode()
 
 
 def definition_of(row: Mapping[str, Any]) -> ScheduleDef:

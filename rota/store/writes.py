@@ -160,7 +160,8 @@ RESERVE = (
 SAVE = (
     "UPDATE jobs SET state = ?, worker_id = ?, server_id = CASE WHEN ? THEN NULL ELSE server_id END,"
     " run_at = ?, fails = ?, deaths = ?, budget_start = ?,"
-    " cancel_requested = ?, expires_at = ?, finished_at = ?, result = COALESCE(?, result),"
+    " cancel_requested = ?, expires_at = ?, finished_at = ?, dead_letter = ?,"
+    " result = COALESCE(?, result),"
     " errors = CASE WHEN ? IS NULL THEN errors ELSE json_insert(errors, '$[#]', json(?)) END"
     " WHERE id = ? AND attempt = ? AND (CASE WHEN ? = 0"
     " THEN state NOT IN ('completed', 'discarded', 'cancelled')"
@@ -197,7 +198,8 @@ def change_row(change: Change) -> tuple[Any, ...]:
     return (str(job.state), worker_id, worker_id is None, job.run_at, job.fails, job.deaths,
             job.budget_start,
             int(job.cancel_requested), job.expires_at, change.finished_at,
-            _text(change.result), error, error, job.id, job.attempt, int(change.retry))
+            int(change.dead_letter), _text(change.result), error, error, job.id, job.attempt,
+            int(change.retry))
 
 
 def withdraw(conn: sqlite3.Connection, seq: int, now: float) -> bool:
@@ -354,6 +356,21 @@ def keep_throughput(conn: sqlite3.Connection, server: str,
     and delete every minute before ``oldest``."""
     conn.executemany(_KEEP_COUNTS, [(row[0], server, *row[1:]) for row in rows])
     conn.execute("DELETE FROM throughput WHERE minute < ?", (oldest,))
+
+
+class Unstored(Exception):
+    """Raised to roll an all-or-nothing enqueue's savepoint back (a job of it was refused:
+    its id or its unique key is held), carrying each job's outcome as it would have been."""
+
+    def __init__(self, outcomes: list[tuple[dict[str, Any], bool]]) -> None:
+        super().__init__("a job of an all-or-nothing enqueue was refused")
+        self.outcomes = outcomes
+
+
+def refused_any(outcomes: list[tuple[dict[str, Any], bool]]) -> bool:
+    """Whether any job of an enqueue was refused: its id was stored already, or its
+    unique key is held (a held key whose on_conflict gives the holder is no refusal)."""
+    return any(not new and row.get("unique_met") != "existing" for row, new in outcomes)
 
 
 # -- specs -------------------------------------------------------------------------------

@@ -19,6 +19,26 @@ OJS_MEDIA_TYPE = "application/openjobspec+json"
 Sleep = Callable[[float], Awaitable[None]]
 
 
+class Spread:
+    """Several servers of one cluster as one client: each request goes to the next, round
+    robin (so that a test's steps land on different servers, as a cluster's clients
+    would); ``each`` is every server's client (a reset is posted to them all)."""
+
+    def __init__(self, clients: list[httpx.AsyncClient]) -> None:
+        if not clients:
+            raise ValueError("no server to send to")
+        self.each = list(clients)
+        self._turn = 0
+
+    async def request(self, method: str, url: str, **options: Any) -> httpx.Response:
+        client = self.each[self._turn % len(self.each)]
+        self._turn += 1
+        return await client.request(method, url, **options)
+
+
+Client = httpx.AsyncClient | Spread
+
+
 @dataclass
 class StepVerdict:
     step: str
@@ -40,7 +60,7 @@ class CaseResult:
     steps: list[StepVerdict] = field(default_factory=list)
 
 
-async def send(client: httpx.AsyncClient, step: dict[str, Any],
+async def send(client: Client, step: dict[str, Any],
                replies: dict[str, Reply]) -> Reply:
     """The step's request, its templates filled from ``replies``. The body is sent as
     written; ``raw_body`` as its text (the reference sends nothing for it: an unknown field
@@ -67,7 +87,7 @@ async def send(client: httpx.AsyncClient, step: dict[str, Any],
     return Reply(response.status_code, first, response.text, body, elapsed)
 
 
-async def run_step(client: httpx.AsyncClient, step: dict[str, Any], replies: dict[str, Reply],
+async def run_step(client: Client, step: dict[str, Any], replies: dict[str, Reply],
                    sleep: Sleep) -> StepVerdict:
     sid = step["id"]
     if step.get("delay_ms"):
@@ -100,7 +120,7 @@ def _batches(steps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return batches
 
 
-async def run_case(client: httpx.AsyncClient, case: Case,
+async def run_case(client: Client, case: Case,
                    sleep: Sleep = asyncio.sleep) -> CaseResult:
     """One test file: setup steps (any failure makes the result "error" and stops),
     the steps, then teardown steps (not judged)."""
@@ -128,15 +148,16 @@ async def run_case(client: httpx.AsyncClient, case: Case,
                       failures, verdicts)
 
 
-async def run_cases(client: httpx.AsyncClient, cases: list[Case], reset: str | None = None,
+async def run_cases(client: Client, cases: list[Case], reset: str | None = None,
                     sleep: Sleep = asyncio.sleep) -> list[CaseResult]:
-    """The cases one after the other; ``reset``: a path POSTed before each (a server's
-    test-only state reset), its answer ignored as the reference ignores it."""
+    """The cases one after the other; ``reset``: a path POSTed before each, to every server
+    (a server's test-only state reset), its answer ignored as the reference ignores it."""
     results = []
+    servers = client.each if isinstance(client, Spread) else [client]
     for case in cases:
-        if reset:
+        for server in servers if reset else []:
             try:
-                await client.post(reset)
+                await server.post(reset)
             except httpx.HTTPError:
                 pass
         results.append(await run_case(client, case, sleep))

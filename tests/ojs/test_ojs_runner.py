@@ -14,7 +14,7 @@ import pytest
 
 import ojs_report
 import run
-from ojs_driver import run_case, run_cases
+from ojs_driver import Spread, run_case, run_cases
 from ojs_judge import (PathError, Reply, go_text, json_type, match, render, resolve_path,
                        split_path, substitute, value_of)
 from ojs_suites import Case, SuiteError, check_step, load, load_file, parse_levels, suites_dir
@@ -342,3 +342,79 @@ async def test_a_reset_path_is_posted_before_each_test() -> None:
 
 async def _no_sleep(seconds: float) -> None:
     return None
+
+
+async def test_several_servers_share_the_steps_round_robin_and_each_is_reset() -> None:
+    seen: list[str] = []
+
+    def server(name: str) -> httpx.MockTransport:
+        def handler(request: httpx.Request) -> httpx.Response:
+            seen.append(f"{name} {request.method} {request.url.path}")
+            return stub(request)
+        return httpx.MockTransport(handler)
+
+    clients = [httpx.AsyncClient(base_url=f"http://{name}", transport=server(name))
+               for name in ("a", "b")]
+    results = await run_cases(Spread(clients), [stub_case(0, "new"), stub_case(0, "new")],
+                              reset="/reset", sleep=_no_sleep)
+    assert [result.status for result in results] == ["pass", "pass"]
+    assert seen == ["a POST /reset", "b POST /reset", "a POST /things", "b GET /things/id-a",
+                    "a POST /reset", "b POST /reset", "a POST /things", "b GET /things/id-a"]
+
+
+def _write_suite(root: Path, *cases: Case) -> None:
+    for case in cases:
+        folder = root / f"level-{case.level}-x"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{case.test_id}.json").write_text(json.dumps(
+            {"test_id": case.test_id, "level": case.level, "name": case.name,
+             "steps": case.steps}))
+
+
+async def test_an_excused_test_gives_the_level_beside_the_strict_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write_suite(tmp_path, stub_case(0, "new"), stub_case(1, "done"), stub_case(2, "new"))
+    excused = tmp_path / "excused.toml"
+    excused.write_text('[[excused]]\ntest_id = "T-1-done"\nreason = """\nit cannot pass:'
+                       '\nthe stub never finishes things."""\n')
+    argv = ["--url", "http://stub", "--levels", "0-2", "--suites", str(tmp_path)]
+    transport = httpx.MockTransport(stub)
+    # strict: level 0; with the excuse, level 2; the exit by the level asked for
+    assert await run.main([*argv, "--excused", str(excused), "--min-level", "2"],
+                          transport) == 0
+    text = capsys.readouterr().out
+    assert "Result: PARTIAL CONFORMANCE (Level 0 - Core)" in text
+    assert "With excused tests: CONFORMANT (Level 2 - Scheduled)" in text
+    assert ("excused T-1-done (fail): it cannot pass: the stub never finishes things."
+            in text)
+    assert await run.main([*argv, "--min-level", "1"], transport) == 1  # no excuse: level 0
+    assert "level 0 (with excused tests) is below --min-level 1" in capsys.readouterr().err
+    assert await run.main([*argv, "--excused", str(excused), "--json"], transport) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["conformant_level"], report["conformant_level_excused"]) == (0, 2)
+    assert [e["test_id"] for e in report["excused"]] == ["T-1-done"]
+    excused.write_text('[[excused]]\ntest_id = "T-1-done"\n')
+    assert await run.main([*argv, "--excused", str(excused)], transport) == 2
+    assert "needs test_id and a reason" in capsys.readouterr().err
+
+
+async def test_urls_come_from_the_environment_and_a_token_is_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write_suite(tmp_path, stub_case(0, "new"))
+    hosts: list[tuple[str, str | None]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        hosts.append((request.url.host, request.headers.get("authorization")))
+        return stub(request)
+
+    monkeypatch.setenv("OJS_TEST_URL", "http://one:1, http://two:2/")
+    argv = ["--levels", "0", "--suites", str(tmp_path), "--token", "sekrit"]
+    assert await run.main(argv, httpx.MockTransport(handler)) == 0
+    assert hosts == [("one", "Bearer sekrit"), ("two", "Bearer sekrit")]
+    assert run.urls_of(["http://a,http://b", "http://c"]) == ["http://a", "http://b", "http://c"]
+
+
+def test_the_excused_file_names_l1_rtr_014_with_its_reason() -> None:
+    excused = run.read_excused(str(Path(run.__file__).with_name("excused.toml")))
+    assert list(excused) == ["L1-RTR-014"]
+    assert "error_class" in excused["L1-RTR-014"]

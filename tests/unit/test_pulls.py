@@ -171,7 +171,8 @@ def test_an_idle_pull_worker_is_forgotten_one_holding_a_job_is_not(engine, clock
 def test_nack_error_maps_class_code_and_retryable():
     error = nack_error({"code": "handler_error", "message": "m", "retryable": False,
                         "details": {"error_class": "Auth.TokenExpired"}})
-    assert (error.type, error.message, error.retryable) == ("Auth.TokenExpired", "m", False)
+    assert (error.type, error.message, error.retryable, error.code) == (
+        "Auth.TokenExpired", "m", False, "handler_error")
     assert nack_error({"code": "x", "message": "m"}).type == "x"
     assert nack_error(None).retryable is True
 
@@ -212,7 +213,8 @@ def test_timeout_ms_ends_the_attempt_as_timeout_whatever_the_beats_say(engine, c
         assert engine.pull_beat("p1", OPEN, [job.id], None, None, clock()).extended == [job.id]
     effects += run_for(engine, clock, 1.5)
     assert job.state != JobState.ACTIVE and job.attempt == 1
-    [change] = [c for s in of(Save, effects) for c in s.changes if c.job is job]
+    # A failed attempt (ojs-timeouts §5): retryable after its backoff, then due again.
+    [change] = [c for s in of(Save, effects) for c in s.changes if c.job is job and c.ending]
     assert change.ending == "timeout" and b'"type":"timeout"' in (change.error or b"")
     assert engine.pull_result("p1", job.id, "completed", now=clock()).refusal  # too late
 
