@@ -36,8 +36,10 @@ from rota.server.safety import SafetyNet
 log = logging.getLogger("rota.server")
 MAX_BATCH = 1000  # jobs in one batch (JF §8.3 recommends at most 1,000)
 
-# The OJS conformance level Rota reaches (tests/ojs/run.py measures it; docs/ojs.md).
-CONFORMANCE_LEVEL = 0
+# The OJS conformance level Rota reaches, with tests/ojs/excused.toml's test excused, as
+# tests/ojs/run.py measures it (-1: none yet); README.md and docs/ojs.md say the same
+# (tests/house/test_docs.py).
+CONFORMANCE_LEVEL = -1
 try:
     VERSION = importlib.metadata.version("rota")
 except importlib.metadata.PackageNotFoundError:  # (run from a source tree)

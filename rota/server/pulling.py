@@ -23,8 +23,8 @@ from starlette.routing import Route
 from rota.base import protocol as p
 from rota.base.errors import StorageError
 from rota.base.ojs import OJS_MEDIA
-from rota.core.auth import Principal
 from rota.base.wording import plainly
+from rota.core.auth import Principal
 from rota.core.ojs_map import OjsRefusal, job_view, ojs_json, ojs_time
 from rota.core.pulls import MAX_FETCH, Settled, nack_error
 from rota.server.api_base import coordinator_of, need

@@ -98,7 +98,22 @@ def http_templates() -> list[tuple[str, str, dict[str, Any]]]:
             ("PUT", "/limits/spec/parked", LIMIT), ("POST", "/workflows", WORKFLOW),
             ("PUT", "/schedules/hostile-sched", SCHEDULE),
             ("POST", "/ojs/v1/jobs", ojs_push()),
-            ("POST", "/ojs/v1/jobs/batch", {"jobs": [{"type": "hostile.batch", "args": [1]}]})]
+            ("POST", "/ojs/v1/jobs/batch", {"jobs": [{"type": "hostile.batch", "args": [1]}]}),
+            *ojs_workers()]
+
+
+def ojs_workers() -> list[tuple[str, str, dict[str, Any]]]:
+    """The OJS worker routes, of a queue nothing is pushed to (a FETCH takes nothing)."""
+    pull = {"worker_id": "hostile-puller", "x_rota_specs": {"hostile": "sha256:0"}}
+    return [("POST", "/ojs/v1/workers/fetch", {**pull, "queues": ["ojs-nothing"], "count": 2,
+                                                "visibility_timeout_ms": 30000}),
+            ("POST", "/ojs/v1/workers/ack", {"job_id": OJS_ID, "worker_id": "hostile-puller",
+                                              "result": {"k": "v"}, "x_rota_attempt": 1}),
+            ("POST", "/ojs/v1/workers/nack", {
+                "job_id": OJS_ID, "worker_id": "hostile-puller", "requeue": False,
+                "error": {"code": "c", "message": "m", "retryable": True, "details": {}}}),
+            ("POST", "/ojs/v1/workers/heartbeat", {**pull, "active_jobs": [OJS_ID],
+                                                   "visibility_timeout_ms": 30000})]
 
 
 def ojs_push() -> dict[str, Any]:
