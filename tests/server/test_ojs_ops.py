@@ -152,8 +152,10 @@ async def test_a_producers_dead_job_is_named_as_its_view_shows_it(live: Live, co
                            token=admin))["events"]
     assert event["data"]["job_id"] == event["subject"] == dead["id"]
     await _call(live, "GET", "/ojs/v1/dead-letter", 403, token=producer)
+    await _call(live, "POST", "/ojs/v1/queues/ops/pause", token=admin)  # (the worker waits)
     retried = await _call(live, "POST", f"/ojs/v1/dead-letter/{dead['id']}/retry", token=admin)
     assert (retried["job"]["id"], retried["job"]["attempt"]) == (dead["id"], 0)
+    await _call(live, "POST", "/ojs/v1/queues/ops/resume", token=admin)
     await _fail(raw, error)
     deleted = await _call(live, "DELETE", f"/ojs/v1/dead-letter/{dead['id']}", token=admin)
     assert deleted == {"deleted": True, "job_id": dead["id"]}
