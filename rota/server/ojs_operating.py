@@ -56,9 +56,11 @@ class OjsOperating(ShellReads):
         await self.store.set_paused(queue, paused, now.wall)
         self.apply(self.engine.pause_queue(queue, paused, now))
 
-    async def dead_letter(self, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
-        """A page of the dead letter, newest first, and how many jobs it holds."""
-        return await self.store.dead_letter(limit, offset)
+    async def dead_letter(self, limit: int, offset: int, queue: str | None = None
+                          ) -> tuple[list[dict[str, Any]], int]:
+        """A page of the dead letter (of ``queue`` only, if given), newest first, and how
+        many jobs it holds."""
+        return await self.store.dead_letter(limit, offset, queue)
 
     async def dead_id(self, job_id: str) -> str | None:
         """The id a dead-letter job named ``job_id`` is kept under: as named, or, as the

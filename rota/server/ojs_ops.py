@@ -28,8 +28,13 @@ MAX_EVENTS_ASKED = 1000  # a larger limit is refused (ojs-events §6.4); past 10
 
 
 def _queue(request: Request) -> str:
+    return _name(request.path_params["queue"])
+
+
+def _name(text: str) -> str:
+    """A queue's name, or 400."""
     try:
-        return msgspec.convert(request.path_params["queue"], Name)
+        return msgspec.convert(text, Name)
     except msgspec.ValidationError:
         raise _bad(f"a queue name is {NAME_RULE}") from None
 
@@ -103,8 +108,10 @@ async def dead_letter(request: Request) -> Response:
     need(request, "admin")
     limit = _count(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     offset = _count(request, "offset", 0, 0, 10**9)
+    queue = request.query_params.get("queue")
     coordinator = coordinator_of(request)
-    rows, total = await coordinator.dead_letter(limit, offset)
+    rows, total = await coordinator.dead_letter(limit, offset,
+                                                None if queue is None else _name(queue))
     now = coordinator.clock().wall
     return OjsJSON({"jobs": [job_view(row, now) for row in rows],
                     "pagination": {"total": total, "limit": limit, "offset": offset,

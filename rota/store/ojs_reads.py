@@ -41,15 +41,18 @@ def queue_stats(conn: sqlite3.Connection, queue: str, now: float) -> dict[str, i
     return counts
 
 
-def dead_letter_page(conn: sqlite3.Connection, limit: int, offset: int
-                     ) -> tuple[list[dict[str, Any]], int]:
-    """A page of the dead letter (discarded jobs marked ``dead_letter``), newest first,
-    and how many it holds in all (both by the partial index jobs_dead_letter)."""
-    rows = conn.execute("SELECT rowid, * FROM jobs WHERE dead_letter = 1"
-                        " AND state = 'discarded' ORDER BY finished_at DESC, rowid DESC"
-                        " LIMIT ? OFFSET ?", (limit, offset)).fetchall()
-    total = conn.execute("SELECT count(*) FROM jobs WHERE dead_letter = 1"
-                         " AND state = 'discarded'").fetchone()[0]
+def dead_letter_page(conn: sqlite3.Connection, limit: int, offset: int,
+                     queue: str | None = None) -> tuple[list[dict[str, Any]], int]:
+    """A page of the dead letter (discarded jobs marked ``dead_letter``; of ``queue``
+    only, if given), newest first, and how many it holds in all (both by the partial
+    index jobs_dead_letter)."""
+    where = "dead_letter = 1 AND state = 'discarded'" + ("" if queue is None else
+                                                         " AND queue = ?")
+    named = () if queue is None else (queue,)
+    rows = conn.execute(f"SELECT rowid, * FROM jobs WHERE {where}"
+                        " ORDER BY finished_at DESC, rowid DESC LIMIT ? OFFSET ?",
+                        (*named, limit, offset)).fetchall()
+    total = conn.execute(f"SELECT count(*) FROM jobs WHERE {where}", named).fetchone()[0]
     return [dict(row) for row in rows], total
 
 
@@ -99,8 +102,10 @@ class OjsReading:
     async def queue_stats(self, queue: str, now: float) -> dict[str, int]:
         return await self.readers.run(lambda conn: queue_stats(conn, queue, now))
 
-    async def dead_letter(self, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
-        return await self.readers.run(lambda conn: dead_letter_page(conn, limit, offset))
+    async def dead_letter(self, limit: int, offset: int, queue: str | None = None
+                          ) -> tuple[list[dict[str, Any]], int]:
+        return await self.readers.run(lambda conn: dead_letter_page(conn, limit, offset,
+                                                                    queue))
 
     def delete_dead(self, job_id: str) -> asyncio.Future[bool]:
         return self.writer.submit(lambda conn: delete_dead(conn, job_id))

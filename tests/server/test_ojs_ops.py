@@ -54,6 +54,9 @@ async def test_dead_letter_list_retry_delete_counts_and_events(live: Live):
         ("handler_error", "ConnectionError", 1)]
     assert listed["pagination"] == {"total": 1, "limit": 50, "offset": 0, "has_more": False}
     assert (await _call(live, "GET", "/ojs/v1/dead-letter?limit=1&offset=1"))["jobs"] == []
+    assert (await _call(live, "GET", "/ojs/v1/dead-letter?queue=ops"))["jobs"] == [job]
+    other = await _call(live, "GET", "/ojs/v1/dead-letter?queue=other")
+    assert (other["jobs"], other["pagination"]["total"]) == ([], 0)
     refused = await _call(live, "GET", "/ojs/v1/dead-letter?limit=0", 400)
     assert refused["error"]["code"] == "invalid_request"
 
