@@ -45,6 +45,8 @@ def main() -> None:
     cli.add_argument("--worker-id", default=env("OJS_WORKER_ID", f"{socket.gethostname()}-{os.getpid()}"))
     cli.add_argument("--specs", default=env("OJS_SPECS", ""), help="type=checksum,...")
     cli.add_argument("--count", type=int, default=int(env("OJS_COUNT", "1")), help="jobs per FETCH")
+    cli.add_argument("--poll", type=float, default=float(env("OJS_POLL", "1")),
+                     help="seconds to wait after a FETCH that found nothing")
     opts = cli.parse_args()
     me = opts.worker_id
     specs = dict(pair.split("=", 1) for pair in opts.specs.split(",") if pair)
@@ -107,7 +109,7 @@ def main() -> None:
                         print(f"failed {job['id']} {job['type']}: {exc!r}", flush=True)
             held.discard(job["id"])
         if not jobs:
-            stop.wait(1)  # nothing to do (FETCH does not wait): ask again in a second
+            stop.wait(opts.poll)  # nothing to do (FETCH does not wait): ask again soon
     print(f"worker {me} stopped", flush=True)
 
 
