@@ -404,6 +404,17 @@ class Pulls:
     def pull_workers(self) -> Iterable[str]:
         return self.pulls.keys()
 
+    def held_id(self, worker_id: str | None, given: str) -> str:
+        """The id a job this pull worker holds is kept under, for the id FETCH showed it
+        (``given``): a producer token's job is kept as ``<token id>:<id>`` and shown
+        without the prefix (rota/core/ojs_map.py). ``given`` itself if it holds none."""
+        if given in self.scheduler.jobs:
+            return given
+        connection = self.registry.get(pull_id(worker_id))
+        held = connection.worker.active if connection is not None else ()
+        suffix = ":" + given
+        return next((job_id for job_id in held if job_id.endswith(suffix)), given)
+
 
 def _planned_for(effect: Effect, slot: WorkerSlot) -> bool:
     """Whether a round's ``Reserve`` holds a job or a claim for this worker."""

@@ -136,7 +136,7 @@ async def _settle(request: Request, outcome: p.Outcome) -> Response:
     coordinator = coordinator_of(request)
     raw = await ojs_body(request)
     body: ResultBody = _decoded(raw, ResultBody)
-    job_id = principal.stored_id(body.job_id) if principal.owns_ids else body.job_id
+    job_id = coordinator.engine.held_id(body.worker_id, body.job_id)
     error = None if outcome == "completed" else nack_error(body.error)
     settled = coordinator.engine.pull_result(
         body.worker_id, job_id, outcome, result=body.result, error=error,
@@ -208,11 +208,13 @@ async def heartbeat(request: Request) -> Response:
     visibility = (None if body.visibility_timeout_ms is None
                   else body.visibility_timeout_ms / 1000.0)
     now = coordinator.clock()
-    ids = [principal.stored_id(j) if principal.owns_ids else j for j in body.active_jobs]
+    shown = {coordinator.engine.held_id(body.worker_id, j): j for j in body.active_jobs}
+    ids = list(shown)
     beat = coordinator.engine.pull_beat(body.worker_id, principal, ids, visibility,
                                         body.x_rota_specs, now)
-    extended = beat.extended + await _beat_elsewhere(request, coordinator, [
-        j for j in ids if j not in beat.extended], msgspec.json.decode(raw))
+    extended = [shown[j] for j in beat.extended] + await _beat_elsewhere(
+        request, coordinator, [j for j in ids if j not in beat.extended],
+        msgspec.json.decode(raw))
     response = OjsJSON({"state": beat.state, "directive": beat.state,
                         "jobs_extended": extended, "server_time": ojs_time(now.wall)})
     if beat.verdict is not None and beat.verdict.rejected:

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Live, write_spec
-from helpers import wait_until
+from helpers import bearer, make_tokens, wait_until
 
 from rota import Worker
+from rota.base.ids import uuid7
 from rota.base.specs import checksum
 
 OJS = "/ojs/v1"
@@ -161,3 +162,38 @@ async def test_a_killed_pull_workers_job_comes_back_and_its_late_ack_is_refused(
         return {w["id"]: w["kind"] for w in workers}.get("ojs:heir") == "pull"
 
     await wait_until(gone, what="the pull worker listed as kind pull")
+
+
+async def test_with_tokens_a_pull_worker_settles_a_producers_job_by_the_id_it_was_shown(
+        live: Live):
+    """A producer token's job is kept as ``<token>:<id>`` and shown without the prefix;
+    the worker token's ACK, NACK and heartbeat name it as shown (a helper's trial found
+    them answered 404: the id was scoped to the worker's own token)."""
+    producer, worker = await make_tokens(live, ("producer", None), ("worker", None))
+    made = []
+    for n in range(2):
+        pushed = await live.http.post(f"{OJS}/jobs", headers=bearer(producer), json={
+            "type": "tok.job", "args": [n], "id": uuid7(), "options": {"queue": "tokq"}})
+        assert pushed.status_code == 201, pushed.text
+        made.append(pushed.json()["job"]["id"])
+    as_worker = bearer(worker)
+    got = await live.http.post(f"{OJS}/workers/fetch", headers=as_worker, json={
+        "queues": ["tokq"], "worker_id": "tw", "count": 2})
+    jobs = got.json()["jobs"]
+    assert sorted(j["id"] for j in jobs) == sorted(made), got.text
+    beat = await live.http.post(f"{OJS}/workers/heartbeat", headers=as_worker, json={
+        "worker_id": "tw", "active_jobs": made})
+    assert sorted(beat.json()["jobs_extended"]) == sorted(made), beat.text
+    acked = await live.http.post(f"{OJS}/workers/ack", headers=as_worker, json={
+        "job_id": made[0], "worker_id": "tw", "result": {"ok": 1}})
+    assert (acked.status_code, acked.json()["id"], acked.json()["state"]) == (
+        200, made[0], "completed"), acked.text
+    nacked = await live.http.post(f"{OJS}/workers/nack", headers=as_worker, json={
+        "job_id": made[1], "worker_id": "tw",
+        "error": {"code": "boom", "message": "m", "retryable": False}})
+    assert (nacked.status_code, nacked.json()["state"]) == (200, "discarded"), nacked.text
+    again = await live.http.post(f"{OJS}/workers/ack", headers=as_worker, json={
+        "job_id": made[0], "worker_id": "tw"})
+    # Settled once. A producer's job no longer held is not found under the id as shown
+    # (docs/ojs.md, Fencing): 404 rather than 409, a refusal all the same.
+    assert again.status_code == 404 and again.json()["error"]["code"] == "not_found"
