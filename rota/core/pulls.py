@@ -404,6 +404,12 @@ class Pulls:
     def pull_workers(self) -> Iterable[str]:
         return self.pulls.keys()
 
+    def pull_lease(self, job: JobRecord) -> float | None:
+        """The lease (seconds) a pull worker holds ``job`` on, as its FETCH or heartbeat
+        asked; None for a job no pull worker holds."""
+        state = self.pulls.get(job.worker_id or "")
+        return state.leases.get(job.id) if state is not None else None
+
     def held_id(self, worker_id: str | None, given: str) -> str:
         """The id a job this pull worker holds is kept under, for the id FETCH showed it
         (``given``): a producer token's job is kept as ``<token id>:<id>`` and shown

@@ -39,6 +39,7 @@ class Timers:
     resume_rounds: Callable[[Instant], list[Effect]]  # (Reservations)
     disconnect: Callable[[int, str, str, Instant], list[Effect]]  # (Heartbeats)
     _pulls_tick: Callable[[Instant], list[Effect]]  # (Pulls)
+    pull_lease: Callable[[JobRecord], float | None]  # (Pulls)
     pull_deadline: Callable[[], float | None]  # (Pulls)
 
     # -- this server's lease (several servers on one database) ----------------------
@@ -140,7 +141,7 @@ class Timers:
         if connection is not None:  # stop the stale run, so it does not race the retry
             effects.append(Send(connection.conn, p.encode(
                 p.Cancel(job_ids=[job.id], reason="visibility_timeout"))))
-        lease = self.scheduler.lease_for(job)
+        lease = self.pull_lease(job) or self.scheduler.lease_for(job)
         return effects + self._recover([job], "visibility_timeout",
                                        f"no result or heartbeat for {lease:g}s", now)
 

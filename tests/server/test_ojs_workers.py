@@ -152,6 +152,8 @@ async def test_a_killed_pull_workers_job_comes_back_and_its_late_ack_is_refused(
         puller.stdout.close()  # type: ignore[union-attr]
     back = await live.wait_state(job["id"], "available", timeout=10)
     assert back["errors"][-1]["type"] == "visibility_timeout"
+    # The lease its FETCH asked for (1 s, floored at min_lease), not the spec's 1800 s.
+    assert "1800" not in back["errors"][-1]["message"], back["errors"][-1]
     status, body = await settle(live, "ack", job["id"], "doomed")  # its late ACK
     assert status == 409 and body["error"]["details"]["current_state"] == "available"
     [again] = await fetch(live, "heir", x_rota_specs={"victim": checksum(spec)})
