@@ -6,9 +6,7 @@ rule here is tested with plain values.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Literal
 
 from rota.base.ojs import OjsExtras, OjsPolicy
@@ -58,21 +56,16 @@ def backoff(failures: int, limits: Limits, rand: float) -> float:
     return full * (0.5 + rand / 2.0)
 
 
-@lru_cache(maxsize=1024)
-def _compiled(pattern: str) -> re.Pattern[str] | None:
-    try:
-        return re.compile(pattern)
-    except re.error:
-        return None
-
-
 def non_retryable(limits: Limits, names: tuple[str | None, ...]) -> str | None:
     """The first of the error's ``names`` (its type, its code) that one of the limits'
-    non_retryable patterns matches whole; None if none does."""
-    for pattern in limits.non_retryable:
-        compiled = _compiled(pattern)
+    non_retryable entries matches; None if none does. As ojs-retry §6.2 says: an entry
+    matches itself exactly, and one ending in ``.*`` every name that starts with what
+    comes before the ``*`` ("auth.*": "auth.expired", not "auth" nor "authx"). Plain
+    string tests, never a regular expression: a producer's pattern cannot stall the loop."""
+    for entry in limits.non_retryable:
+        prefix = entry[:-1] if entry.endswith(".*") else None
         for name in names:
-            if compiled is not None and name and compiled.fullmatch(name):
+            if name and (name == entry or (prefix is not None and name.startswith(prefix))):
                 return name
     return None
 
