@@ -10,6 +10,8 @@ Run from the repository root (the reference needs ``pip install -e '.[bench]'`` 
     .venv/bin/python bench/compare.py idle       # 1,000 / 5,000 / 10,000 idle workers beating every 1 s
     .venv/bin/python bench/compare.py backlog    # 1,000,000 waiting jobs: memory, and a restart
     .venv/bin/python bench/compare.py soak       # memory over minutes at a sustained rate
+    .venv/bin/python bench/compare.py group      # a job in a workflow group beside a plain one
+    .venv/bin/python bench/compare.py pull       # OJS pull workers: FETCH 1 + ACK, concurrency 10
     .venv/bin/python bench/compare.py all --quick
 
 Each scenario runs Rota and then the reference in the same invocation, prints both with
@@ -44,6 +46,7 @@ import msgspec
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pull_cost  # noqa: E402
 import throughput as tp  # noqa: E402  (bench/ is not a package)
 import workflow_cost  # noqa: E402
 
@@ -484,9 +487,14 @@ def group(quick: bool) -> dict[str, Any]:
     return workflow_cost.group(quick, rota_server, reference, ratio)
 
 
+def pull(quick: bool) -> dict[str, Any]:
+    """OJS pull workers, FETCH of 1 and ACK at concurrency 10 (bench/pull_cost.py)."""
+    return pull_cost.pull(quick, rota_server, server_process, reference, ratio)
+
+
 SCENARIOS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "e2e": e2e, "e2e_keyed": e2e_keyed, "latency": latency, "producers": producers, "growth": growth, "idle": idle, "backlog": backlog, "soak": soak,
-    "group": group}
+    "group": group, "pull": pull}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,7 +144,7 @@ def ojs_to_request(body: bytes | dict[str, Any], now: float) -> EnqueueRequest:
     try:
         job = msgspec.convert(known, OjsJobIn)
     except msgspec.ValidationError as exc:
-        raise _bad(plainly(str(exc), OjsJobIn, known)) from None
+        raise _bad(plainly(str(exc), OjsJobIn, lambda: known)) from None
     options = job.options or OjsOptions()
     queue = options.queue if options.queue is not None else job.queue
     priority = options.priority if options.priority is not None else job.priority

@@ -11,10 +11,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Mount, WebSocketRoute
 
-from rota.server import api_base, dashboard, routes
+from rota.server import api_base, dashboard, ojs_base, routes
 from rota.server.coordinator import Coordinator
 from rota.server.edge import GuardedHttp, LeanWebSocket
 from rota.server.gate import Gate
@@ -64,13 +67,22 @@ def create_app(settings: ServerSettings) -> Starlette:
                 Mount("/ojs", ojs_app(coordinator, ojs_flows.routes)),
                 WebSocketRoute("/work", work_endpoint),
                 WebSocketRoute("/{path:path}", api_base.no_such_socket)],
-        exception_handlers=api_base.exception_handlers,  # type: ignore[arg-type]
+        exception_handlers={**api_base.exception_handlers,  # type: ignore[arg-type]
+                            HTTPException: no_route},
         # The net outermost: whatever escapes the routes or the gate still gets an answer.
         middleware=[Middleware(SafetyNet), Middleware(Gate, coordinator=coordinator)],
         lifespan=lifespan,
     )
     app.state.coordinator = coordinator
     return app
+
+
+async def no_route(request: Request, exc: Exception) -> Response:
+    """404/405 for a path no route matches: under /ojs/ in OJS's error shape (a path the
+    mount's own routes cannot match, such as a job id holding a newline), else Rota's."""
+    if request.url.path.startswith("/ojs/"):
+        return await ojs_base.exception_handlers[HTTPException](request, exc)
+    return await api_base.http_error(request, exc)
 
 
 def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvicorn.Config:

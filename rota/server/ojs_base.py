@@ -52,6 +52,7 @@ def ojs_error(status: int, code: str, message: str, *, type: str, details: Any =
     docs = OJS_DOCS_URL if status == 404 else None
     if status == 404 and hint is None:
         hint = "check the id: GET /ojs/v1/jobs/{id} shows a job while it is kept"
+    message = printable(message, 1000)  # ids and names from the request: one clean line
     body = error_body(status, code, message, type=type, request_id=request_id(),
                       details=details, hint=hint, docs_url=docs)
     response = OjsJSON(body, status_code=status)

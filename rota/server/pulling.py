@@ -22,11 +22,10 @@ from starlette.routing import Route
 
 from rota.base import protocol as p
 from rota.base.errors import StorageError
-from rota.base.inputs import BadJson, explain, screen
 from rota.base.ojs import OJS_MEDIA
 from rota.base.wording import plainly
 from rota.core.auth import Principal
-from rota.core.ojs_map import OjsRefusal, job_view, ojs_time
+from rota.core.ojs_map import OjsRefusal, job_view, ojs_json, ojs_time
 from rota.core.pulls import MAX_FETCH, Settled, is_pull, nack_error, pull_id
 from rota.server.api_base import coordinator_of, need
 from rota.server.coordinator import Coordinator
@@ -71,17 +70,14 @@ class BeatBody(msgspec.Struct, kw_only=True):
 
 
 def _decoded(body: bytes, kind: type[Any]) -> Any:
-    """A worker route's body (within Rota's JSON rules), or 400 in OJS's words and shape."""
+    """The body as ``kind``: 400 invalid_payload if it is not JSON Rota accepts (depth,
+    surrogates: ojs_json), 400 invalid_request naming the field in plain words if not."""
+    data = ojs_json(body)
     try:
-        return msgspec.json.decode(screen(body), type=kind)
+        return msgspec.convert(data, kind)
     except msgspec.ValidationError as exc:
-        said = plainly(str(exc), kind, lambda: msgspec.json.decode(body))
-        raise OjsRefusal(400, "invalid_request", "validation_error", said) from None
-    except BadJson as exc:
-        raise OjsRefusal(400, "invalid_payload", "validation_error", exc.message) from None
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise OjsRefusal(400, "invalid_payload", "validation_error",
-                         explain(body, exc).message) from None
+        raise OjsRefusal(400, "invalid_request", "validation_error",
+                         plainly(str(exc), kind, lambda: data)) from None
 
 
 async def _waited(coordinator: Coordinator, conn: int, future: asyncio.Future[Any],

@@ -79,3 +79,19 @@ def test_the_work_schema_holds_every_message_and_field_the_doc_names():
     assert set(mapping) == {s.__struct_config__.tag for s in MESSAGE_TYPES[1:]}
     assert defs["Heartbeat"]["properties"]["type"] == {"enum": ["heartbeat"]}
     assert "/work.schema.json" in DOC
+
+
+def test_readme_the_manifest_and_docs_ojs_state_the_same_conformance_level():
+    """README's Open Job Spec section, the manifest's CONFORMANCE_LEVEL and docs/ojs.md
+    name one level (the level tests/ojs/run.py reaches with tests/ojs/excused.toml), and
+    README gives the command that measures it."""
+    from rota.server.ojs_api import CONFORMANCE_LEVEL
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Open Job Spec"):]
+    section = section[:section.index("\n## ")]
+    assert re.findall(r"conformance level (-?\d)", section) == [str(CONFORMANCE_LEVEL)]
+    assert ("tests/ojs/serve.py sqlite -- .venv/bin/python tests/ojs/run.py" in section
+            and "--excused tests/ojs/excused.toml" in section)
+    assert "L1-RTR-014" in section and "docs/ojs.md" in section
+    doc = (ROOT / "docs" / "ojs.md").read_text()
+    assert re.findall(r"conformance level (-?\d)", doc) == [str(CONFORMANCE_LEVEL)]
