@@ -56,11 +56,14 @@ class PullState:
 
 class Fetched(NamedTuple):
     """A FETCH's round: the connection whose ``assign`` answers it, the effects to
-    apply, and the verdict on the checksums it declared (None: it declared none)."""
+    apply, the verdict on the checksums it declared (None: it declared none), and
+    whether the round reserved anything for it (an empty assign then means it lost the
+    race for its rows: another server took them, and the next round looks further)."""
 
     conn: int
     effects: list[Effect]
     verdict: p.SpecVerdict | None
+    planned: bool = False
 
 
 class Settled(NamedTuple):
@@ -219,9 +222,10 @@ class Pulls:
             effects = self.dispatch(now)
         finally:
             slot.capacity, slot.blocked = 0, True
-        if not any(_planned_for(e, slot) for e in effects):
+        planned = any(_planned_for(e, slot) for e in effects)
+        if not planned:
             effects.append(Send(state.conn, EMPTY_ASSIGN))
-        return Fetched(state.conn, effects, verdict)
+        return Fetched(state.conn, effects, verdict, planned)
 
     def _unanswered(self, plan: dict[str, list[Any]]) -> list[Effect]:
         """A round whose commit failed: its pull workers hear an empty assign (their

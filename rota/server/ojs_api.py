@@ -132,7 +132,9 @@ async def cancel(request: Request) -> Response:
     stop (200, state active, cancel_requested); a terminal one is 409."""
     row = await _find(request)
     # A job a pull worker holds is cancelled at once by the engine's cancel (H2's hook in
-    # Intake.cancel): this route needs no change for it.
+    # Intake.cancel); through the server that holds it, when that is another.
+    if (relayed := await pulling.relayed_cancel(request, row)) is not None:
+        return relayed
     row, _ = await coordinator_of(request).cancel(row["id"])
     return OjsJSON({"job": job_view(row, time.time())})
 

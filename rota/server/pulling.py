@@ -26,7 +26,7 @@ from rota.base.ojs import OJS_MEDIA
 from rota.base.wording import plainly
 from rota.core.auth import Principal
 from rota.core.ojs_map import OjsRefusal, job_view, ojs_json, ojs_time
-from rota.core.pulls import MAX_FETCH, Settled, nack_error
+from rota.core.pulls import MAX_FETCH, Settled, is_pull, nack_error, pull_id
 from rota.server.api_base import coordinator_of, need
 from rota.server.coordinator import Coordinator
 from rota.server.ojs_base import OjsJSON, ojs_body, ojs_error
@@ -34,6 +34,9 @@ from rota.server.ojs_base import OjsJSON, ojs_body, ojs_error
 log = logging.getLogger("rota.server")
 ANSWER_WAIT = 5.0  # seconds a FETCH waits for its round's assign (then 503)
 ACK_WAIT = 30.0  # seconds an ACK or NACK waits for its result's commit (then 503)
+# Rounds one FETCH may run while each loses its rows (several servers: copies of jobs
+# another server reserved meanwhile; each lost round forgets the ones it met).
+FETCH_ROUNDS = 10
 REJECTED_HEADER = "X-Rota-Rejected-Specs"
 FORWARDED = "x-rota-forwarded-by"  # a request another server sent on: not sent on again
 
@@ -105,12 +108,15 @@ async def fetch(request: Request) -> Response:
     if coordinator.mailbox.barrier is not None:  # several servers: theirs seen first
         await coordinator.mailbox.barrier()
     engine = coordinator.engine
-    fetched = engine.pull_fetch(body.worker_id, principal, body.queues, body.count,
-                                visibility, body.x_rota_specs, coordinator.clock())
-    future = coordinator.mailbox.expect_assign(fetched.conn)
-    coordinator.apply(fetched.effects)
-    assign: p.Assign = await _waited(coordinator, fetched.conn, future, ANSWER_WAIT,
-                                     "the round's reservation")
+    for _ in range(FETCH_ROUNDS):  # (a round that lost its rows to another server: again)
+        fetched = engine.pull_fetch(body.worker_id, principal, body.queues, body.count,
+                                    visibility, body.x_rota_specs, coordinator.clock())
+        future = coordinator.mailbox.expect_assign(fetched.conn)
+        coordinator.apply(fetched.effects)
+        assign: p.Assign = await _waited(coordinator, fetched.conn, future, ANSWER_WAIT,
+                                         "the round's reservation")
+        if assign.jobs or not fetched.planned:
+            break
     now = coordinator.clock().wall
     views = [job_view(row, now) for row in await _rows(coordinator, [j.id for j in assign.jobs])]
     response = OjsJSON({"jobs": views})
@@ -143,8 +149,7 @@ async def _settle(request: Request, outcome: p.Outcome) -> Response:
         attempt=body.x_rota_attempt, requeue=body.requeue and outcome == "failed",
         principal=principal, now=coordinator.clock())
     if settled.refusal is not None or settled.conn is None:
-        if settled.state is None and (relayed := await _relay(request, coordinator, job_id,
-                                                              raw)) is not None:
+        if (relayed := await _relay(request, coordinator, job_id, raw)) is not None:
             return relayed  # another server holds it (several servers on one database)
         return await _refused(coordinator, job_id, settled)
     conn = settled.conn
@@ -212,11 +217,15 @@ async def heartbeat(request: Request) -> Response:
     ids = list(shown)
     beat = coordinator.engine.pull_beat(body.worker_id, principal, ids, visibility,
                                         body.x_rota_specs, now)
-    extended = [shown[j] for j in beat.extended] + await _beat_elsewhere(
-        request, coordinator, [j for j in ids if j not in beat.extended],
-        msgspec.json.decode(raw))
-    response = OjsJSON({"state": beat.state, "directive": beat.state,
-                        "jobs_extended": extended, "server_time": ojs_time(now.wall)})
+    elsewhere, said = await _beat_elsewhere(request, coordinator, [
+        j for j in ids if j not in beat.extended], msgspec.json.decode(raw))
+    state = beat.state
+    if said and p.STATE_RANK[said] > p.STATE_RANK[state]:  # asked there: here too
+        coordinator.direct([pull_id(body.worker_id)], said)
+        state = said
+    response = OjsJSON({"state": state, "directive": state,
+                        "jobs_extended": [shown.get(j, j) for j in beat.extended + elsewhere],
+                        "server_time": ojs_time(now.wall)})
     if beat.verdict is not None and beat.verdict.rejected:
         response.headers[REJECTED_HEADER] = msgspec.json.encode(beat.verdict.rejected).decode()
     return response
@@ -239,28 +248,45 @@ async def _relay(request: Request, coordinator: Coordinator, job_id: str, raw: b
 
 
 async def _beat_elsewhere(request: Request, coordinator: Coordinator, ids: list[str],
-                          body: dict[str, Any]) -> list[str]:
+                          body: dict[str, Any]) -> tuple[list[str], str | None]:
     """The jobs of a heartbeat that other servers hold: each server hears its own; the
-    ones they extended."""
+    ones they extended, and the strictest state they want the worker in."""
     if not ids or not coordinator.shares_database() or FORWARDED in request.headers:
-        return []
+        return [], None
     by_server: dict[str, list[str]] = {}
     for row in await _rows(coordinator, ids):
         if row["state"] == "active" and row.get("server_id"):
             by_server.setdefault(row["server_id"], []).append(row["id"])
     extended: list[str] = []
+    said: str | None = None
     for server, held in by_server.items():
         part = msgspec.json.encode({**body, "active_jobs": held})
         reply = await _forward(request, coordinator, server, part)
         if reply is not None and reply.status_code == 200:
-            extended += reply.json().get("jobs_extended", [])
-    return extended
+            answer = reply.json()
+            extended += answer.get("jobs_extended", [])
+            if answer.get("state") in p.STATE_RANK and (
+                    said is None or p.STATE_RANK[answer["state"]] > p.STATE_RANK[said]):
+                said = answer["state"]
+    return extended, said
+
+
+async def relayed_cancel(request: Request, row: dict[str, Any]) -> Response | None:
+    """An OJS CANCEL of a job a pull worker holds through another server: sent on to
+    that server, which cancels it at once (its answer relayed); None for any other job."""
+    if row["state"] != "active" or not is_pull(row.get("worker_id")):
+        return None
+    reply = await _forward(request, coordinator_of(request), row.get("server_id"), b"")
+    if reply is None:
+        return None
+    return Response(reply.content, status_code=reply.status_code, media_type=OJS_MEDIA)
 
 
 async def _forward(request: Request, coordinator: Coordinator, server: str | None,
                    body: bytes) -> httpx.Response | None:
-    """POST this request's path with ``body`` to ``server`` (by its ``servers.url``),
-    with the same Authorization; None if it is this server, unknown, or unreachable."""
+    """This request (its method and path) with ``body``, to ``server`` (by its
+    ``servers.url``), with the same Authorization; None if it is this server, unknown,
+    or unreachable."""
     if (server is None or server == coordinator.server_id or FORWARDED in request.headers
             or not coordinator.shares_database()):
         return None
@@ -273,8 +299,8 @@ async def _forward(request: Request, coordinator: Coordinator, server: str | Non
     headers[FORWARDED] = coordinator.server_id  # never passed on again (no loop)
     try:
         async with httpx.AsyncClient(timeout=ACK_WAIT + 5.0) as client:
-            reply = await client.post(f"{scheme}://{url}{request.url.path}", content=body,
-                                      headers=headers)
+            reply = await client.request(request.method, f"{scheme}://{url}{request.url.path}",
+                                         content=body, headers=headers)
     except httpx.HTTPError as exc:
         log.warning("forward %s to server=%s failed: %s", request.url.path, server, exc)
         return None

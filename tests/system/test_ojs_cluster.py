@@ -63,3 +63,24 @@ async def test_ack_nack_and_heartbeat_reach_the_server_that_holds_the_job(
         assert nack.status_code == 200 and nack.json()["state"] == "retryable", nack.text
         again = await a.http.post(f"{OJS}/workers/ack", json={"job_id": first, "worker_id": "w"})
         assert again.status_code == 409  # settled once: its row says completed
+
+
+async def test_fetches_alternating_between_servers_take_every_job_in_order(
+        tmp_path: Path, pg_url: str):
+    """Each server keeps its copy of a job the other reserved until a round meets it: a
+    FETCH whose round loses such a row looks further, rather than answer nothing."""
+    async with two(tmp_path, pg_url) as (a, b, mine):
+        ids = [(await (a if n % 2 else b).enqueue("echo", {"n": n}))["id"] for n in range(6)]
+        got = [job["id"] for n in range(6) for job in await fetch(b if n % 2 else a, "w", mine)]
+        assert got == ids
+
+
+async def test_a_cancel_through_another_server_ends_a_pull_held_job_at_once(
+        tmp_path: Path, pg_url: str):
+    async with two(tmp_path, pg_url) as (a, b, mine):
+        job_id = (await a.enqueue("echo", {"n": 1}))["id"]
+        assert [job["id"] for job in await fetch(b, "w", mine)] == [job_id]
+        reply = await a.http.delete(f"{OJS}/jobs/{job_id}")
+        assert reply.status_code == 200 and reply.json()["job"]["state"] == "cancelled"
+        late = await a.http.post(f"{OJS}/workers/ack", json={"job_id": job_id, "worker_id": "w"})
+        assert late.status_code == 409
