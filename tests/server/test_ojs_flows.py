@@ -55,6 +55,12 @@ async def test_a_cron_job_is_registered_fires_an_unversioned_type_and_is_deleted
     again = await live.http.post("/ojs/v1/cron", json={**body, "enabled": False})
     assert again.status_code == 200, again.text  # the same name: replaced (ojs-cron §8.1)
     assert (again.json()["cron"]["enabled"], again.json()["cron"]["next_run_at"]) == (False, None)
+    resumed = await live.http.patch("/ojs/v1/cron/tick-tock", json={"enabled": True})
+    assert resumed.json()["cron"]["enabled"] is True and resumed.json()["cron"]["next_run_at"]
+    shown = (await live.http.get("/ojs/v1/cron/tick-tock")).json()["cron"]
+    assert (shown["enabled"], shown["run_count"] >= 1) == (True, True)
+    ojs_error(await live.http.patch("/ojs/v1/cron/tick-tock", json={"enabled": "no"}),
+              400, "invalid_request")
     listed = (await live.http.get("/ojs/v1/cron")).json()
     assert [c["name"] for c in listed["crons"]] == ["tick-tock"] and listed["count"] == 1
     deleted = await live.http.delete("/ojs/v1/cron/tick-tock")
