@@ -93,7 +93,7 @@ async def create_workflow(request: Request) -> Response:
     principal = need(request, "producer")
     coordinator = coordinator_of(request)
     definition = workflow_definition(await _body(request), coordinator.clock().wall)
-    shown, created = await coordinator.composing.create(definition, principal)
+    shown, created = await coordinator.composing.create(definition, principal, ojs=True)
     return OjsJSON({"workflow": workflow_view(shown)}, status_code=201 if created else 200)
 
 

@@ -131,6 +131,11 @@ async def test_a_bad_workflow_is_refused_naming_its_place(live: Live):
     empty = await live.http.post("/ojs/v1/workflows", json={"type": "group", "jobs": []})
     ojs_error(empty, 400, "invalid_request")
     ojs_error(await live.http.post("/ojs/v1/workflows", content=b"[1,"), 400, "invalid_payload")
+    # Rota's own route keeps OJS's parts to /ojs/v1/workflows
+    for step in ({"spec": "a.b", "ojs": {"tags": ["t"]}},
+                 {"spec": "a.b", "args": {"_ojs_args": []}}):
+        refused = await live.http.post("/workflows", json={"type": "group", "jobs": [step]})
+        assert refused.status_code == 422 and "/ojs/v1/workflows only" in refused.text
 
 
 async def test_a_batch_counts_its_jobs_not_its_callbacks_and_they_are_fetched_in_order(
