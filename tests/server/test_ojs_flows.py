@@ -86,9 +86,11 @@ async def test_a_bad_cron_registration_is_refused_with_nothing_stored(live: Live
     ojs_error(await live.http.post("/ojs/v1/cron", content=b"{ nope"), 400, "invalid_payload")
     assert (await live.http.get("/ojs/v1/cron")).json()["crons"] == []
     # Rota's own route keeps ojs to /ojs/v1/cron
-    refused = await live.http.put("/schedules/x", json={
-        "spec": "s", "cron": "@daily", "ojs": {"tags": ["a"]}})
-    assert refused.status_code == 400 and "ojs" in refused.json()["error"]["message"]
+    for extra in ({"ojs": {"tags": ["a"]}}, {"args": {"_ojs_args": []}}):
+        refused = await live.http.put("/schedules/x", json={"spec": "s", "cron": "@daily",
+                                                             **extra})
+        assert refused.status_code == 400, refused.text
+        assert "/ojs/v1/cron only" in refused.json()["error"]["message"]
 
 
 async def test_a_chain_is_shown_with_both_counts_and_cancelled_once(live: Live):
