@@ -17,6 +17,7 @@ from typing import Any
 
 from rota.base.errors import Conflict, DomainError, Invalid, NotFound
 from rota.base.ids import uuid7
+from rota.base.ojs import OJS_ARGS
 from rota.core import workflow_defs as defs
 from rota.core import workflows as wf
 from rota.core.auth import Principal
@@ -54,24 +55,29 @@ class Composing:
         self.apply = apply  # the coordinator's: effects carried out in order
         self.waiting_reason = waiting_reason  # why an available job (its row) waits
 
-    async def create(self, data: Any, principal: Principal) -> tuple[dict[str, Any], bool]:
+    async def create(self, data: Any, principal: Principal, *, ojs: bool = False
+                     ) -> tuple[dict[str, Any], bool]:
         """POST /workflows: the workflow's view and whether it is new. Bad input raises
-        (a DomainError naming the step); nothing is stored then."""
+        (a DomainError naming the step); nothing is stored then. ``ojs``: from
+        /ojs/v1/workflows, whose steps alone may carry OJS's parts."""
         now = self.clock()
         try:
-            return await self._create(data, principal, now)
+            return await self._create(data, principal, now, ojs)
         except DomainError as exc:
             if exc.code != "unknown_spec" or not await self.reread(now):
                 raise
-        return await self._create(data, principal, self.clock())
+        return await self._create(data, principal, self.clock(), ojs)
 
-    async def _create(self, data: Any, principal: Principal, now: Instant
+    async def _create(self, data: Any, principal: Principal, now: Instant, ojs: bool
                       ) -> tuple[dict[str, Any], bool]:
         jobs: list[JobRecord] = []
         paths: list[str] = []
         queues: dict[str, str] = {}  # a queue a step names (not as new) -> its first step
 
         def check(path: str, request: EnqueueRequest) -> DomainError | None:
+            if not ojs and (request.ojs is not None or OJS_ARGS in request.args):
+                return Invalid("invalid_request", "ojs and the args key"
+                               f" {OJS_ARGS!r} are set by /ojs/v1/workflows only")
             built = self.engine.build(request, principal, now)
             if isinstance(built, DomainError):
                 return built

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rota.base.errors import RequestError
+from rota.base.ojs import OJS_ARGS
 from rota.core.schedules import name_refusal
 from rota.server.api_base import JSON, coordinator_of, decode_as, need, read_body
 
@@ -35,8 +36,10 @@ async def put_schedule(request: Request) -> Response:
     need(request, "admin")
     name = _name(request)
     data = decode_as(await read_body(request), dict[str, Any])
-    if "ojs" in data:
-        raise RequestError(400, "invalid_schedule", "ojs is set by /ojs/v1/cron only")
+    args = data.get("args")
+    if "ojs" in data or (isinstance(args, dict) and OJS_ARGS in args):
+        raise RequestError(400, "invalid_schedule", f"ojs and the args key {OJS_ARGS!r} are"
+                           " set by /ojs/v1/cron only")
     shown, change = await coordinator_of(request).clockwork.put(name, data)
     return JSON({"schedule": shown, "change": change},
                 status_code=201 if change == "new" else 200)

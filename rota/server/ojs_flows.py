@@ -63,6 +63,25 @@ async def add_cron(request: Request) -> Response:
     return OjsJSON({"cron": cron_view(shown)}, status_code=201 if change == "new" else 200)
 
 
+async def show_cron(request: Request) -> Response:
+    need(request, "admin")
+    shown = await coordinator_of(request).clockwork.get(request.path_params["name"])
+    return OjsJSON({"cron": cron_view(shown)})
+
+
+async def toggle_cron(request: Request) -> Response:
+    """``{"enabled": false}`` pauses a cron job, ``true`` resumes it (ojs-cron.md §8.5)."""
+    need(request, "admin")
+    body = await _body(request)
+    enabled = body.get("enabled") if isinstance(body, dict) else None
+    if not isinstance(enabled, bool) or set(body) != {"enabled"}:
+        raise OjsRefusal(400, "invalid_request", "validation_error",
+                         'the body is {"enabled": true} or {"enabled": false}')
+    shown = await coordinator_of(request).clockwork.pause(request.path_params["name"],
+                                                          not enabled)
+    return OjsJSON({"cron": cron_view(shown)})
+
+
 async def delete_cron(request: Request) -> Response:
     need(request, "admin")
     shown = await coordinator_of(request).clockwork.delete(request.path_params["name"])
@@ -74,7 +93,7 @@ async def create_workflow(request: Request) -> Response:
     principal = need(request, "producer")
     coordinator = coordinator_of(request)
     definition = workflow_definition(await _body(request), coordinator.clock().wall)
-    shown, created = await coordinator.composing.create(definition, principal)
+    shown, created = await coordinator.composing.create(definition, principal, ojs=True)
     return OjsJSON({"workflow": workflow_view(shown)}, status_code=201 if created else 200)
 
 
@@ -100,6 +119,8 @@ async def cancel_workflow(request: Request) -> Response:
 routes = [
     Route("/v1/cron", list_crons, methods=["GET"]),
     Route("/v1/cron", add_cron, methods=["POST"]),
+    Route("/v1/cron/{name}", show_cron, methods=["GET"]),
+    Route("/v1/cron/{name}", toggle_cron, methods=["PATCH"]),
     Route("/v1/cron/{name}", delete_cron, methods=["DELETE"]),
     Route("/v1/workflows", create_workflow, methods=["POST"]),
     Route("/v1/workflows/{id}", show_workflow, methods=["GET"]),

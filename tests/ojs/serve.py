@@ -12,8 +12,9 @@ their URLs in $OJS_TEST_URL (comma-separated; tests/ojs/run.py reads it), e.g.
     .venv/bin/python tests/ojs/serve.py sqlite -- .venv/bin/python tests/ojs/run.py \\
         --levels 0-4 --reset-url /ojs/v1/admin/reset --excused tests/ojs/excused.toml
 
-Each server's log is kept in the temporary folder while it runs, and printed (its end)
-when the server fails to start. Everything started is stopped by its pid at the end.
+Each server's log is kept in the temporary folder while it runs; its end is printed when
+the server fails to start or the command fails. Everything started is stopped by its pid
+at the end.
 """
 
 from __future__ import annotations
@@ -127,7 +128,11 @@ def run(kind: str, command: list[str]) -> int:
                 servers.start(name, database, "--server-id", name)
         env = {**os.environ, "OJS_TEST_URL": ",".join(servers.urls)}
         print(f"serve.py: OJS_TEST_URL={env['OJS_TEST_URL']}", file=sys.stderr)
-        return subprocess.run(command, env=env).returncode
+        status = subprocess.run(command, env=env).returncode
+        if status != 0:  # (the logs go with the folder: their ends are kept in the output)
+            for log in sorted(root.glob("*.log")):
+                print(f"serve.py: the end of {log.name}:\n{_tail(log)}", file=sys.stderr)
+        return status
     except StartFailed as error:
         print(f"serve.py: {error}", file=sys.stderr)
         return 2

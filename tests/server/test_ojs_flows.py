@@ -55,6 +55,12 @@ async def test_a_cron_job_is_registered_fires_an_unversioned_type_and_is_deleted
     again = await live.http.post("/ojs/v1/cron", json={**body, "enabled": False})
     assert again.status_code == 200, again.text  # the same name: replaced (ojs-cron §8.1)
     assert (again.json()["cron"]["enabled"], again.json()["cron"]["next_run_at"]) == (False, None)
+    resumed = await live.http.patch("/ojs/v1/cron/tick-tock", json={"enabled": True})
+    assert resumed.json()["cron"]["enabled"] is True and resumed.json()["cron"]["next_run_at"]
+    shown = (await live.http.get("/ojs/v1/cron/tick-tock")).json()["cron"]
+    assert (shown["enabled"], shown["run_count"] >= 1) == (True, True)
+    ojs_error(await live.http.patch("/ojs/v1/cron/tick-tock", json={"enabled": "no"}),
+              400, "invalid_request")
     listed = (await live.http.get("/ojs/v1/cron")).json()
     assert [c["name"] for c in listed["crons"]] == ["tick-tock"] and listed["count"] == 1
     deleted = await live.http.delete("/ojs/v1/cron/tick-tock")
@@ -80,9 +86,11 @@ async def test_a_bad_cron_registration_is_refused_with_nothing_stored(live: Live
     ojs_error(await live.http.post("/ojs/v1/cron", content=b"{ nope"), 400, "invalid_payload")
     assert (await live.http.get("/ojs/v1/cron")).json()["crons"] == []
     # Rota's own route keeps ojs to /ojs/v1/cron
-    refused = await live.http.put("/schedules/x", json={
-        "spec": "s", "cron": "@daily", "ojs": {"tags": ["a"]}})
-    assert refused.status_code == 400 and "ojs" in refused.json()["error"]["message"]
+    for extra in ({"ojs": {"tags": ["a"]}}, {"args": {"_ojs_args": []}}):
+        refused = await live.http.put("/schedules/x", json={"spec": "s", "cron": "@daily",
+                                                             **extra})
+        assert refused.status_code == 400, refused.text
+        assert "/ojs/v1/cron only" in refused.json()["error"]["message"]
 
 
 async def test_a_chain_is_shown_with_both_counts_and_cancelled_once(live: Live):
@@ -125,6 +133,11 @@ async def test_a_bad_workflow_is_refused_naming_its_place(live: Live):
     empty = await live.http.post("/ojs/v1/workflows", json={"type": "group", "jobs": []})
     ojs_error(empty, 400, "invalid_request")
     ojs_error(await live.http.post("/ojs/v1/workflows", content=b"[1,"), 400, "invalid_payload")
+    # Rota's own route keeps OJS's parts to /ojs/v1/workflows
+    for step in ({"spec": "a.b", "ojs": {"tags": ["t"]}},
+                 {"spec": "a.b", "args": {"_ojs_args": []}}):
+        refused = await live.http.post("/workflows", json={"type": "group", "jobs": [step]})
+        assert refused.status_code == 422 and "/ojs/v1/workflows only" in refused.text
 
 
 async def test_a_batch_counts_its_jobs_not_its_callbacks_and_they_are_fetched_in_order(
