@@ -63,8 +63,10 @@ def create_app(settings: ServerSettings) -> Starlette:
             await coordinator.stop()
 
     app = Starlette(
-        routes=[*routes.routes, *dashboard.routes,
-                Mount("/ojs", ojs_app(coordinator, ojs_flows.routes)),
+        # /ojs first: its one prefix test spares each OJS request the regexes of every
+        # other route (5% of a FETCH's CPU when it came after them).
+        routes=[Mount("/ojs", ojs_app(coordinator, ojs_flows.routes)),
+                *routes.routes, *dashboard.routes,
                 WebSocketRoute("/work", work_endpoint),
                 WebSocketRoute("/{path:path}", api_base.no_such_socket)],
         exception_handlers={**api_base.exception_handlers,  # type: ignore[arg-type]
