@@ -37,8 +37,8 @@ log = logging.getLogger("rota.server")
 MAX_BATCH = 1000  # jobs in one batch (JF §8.3 recommends at most 1,000)
 
 # The OJS conformance level Rota reaches, with tests/ojs/excused.toml's test excused, as
-# tests/ojs/run.py measures it on one server (strictly: 0); README.md and docs/ojs.md say
-# the same (tests/house/test_docs.py).
+# tests/ojs/run.py measures it, on SQLite and on two servers sharing PostgreSQL (strictly:
+# 0); README.md and docs/ojs.md say the same (tests/house/test_docs.py).
 CONFORMANCE_LEVEL = 4
 try:
     VERSION = importlib.metadata.version("rota")
