@@ -41,7 +41,7 @@ from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
 from rota.core.policy import Ending
-from rota.core.pulls import Pulls
+from rota.core.pulls import Pulls, is_pull
 from rota.core.registry import ConnectedWorker, Registry, short
 from rota.core.reservations import Reservations
 from rota.core.scheduler import Scheduler
@@ -118,13 +118,22 @@ class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls):
             self.scheduler.track(job)
             if job.state == JobState.ACTIVE:
                 job.started = True  # start reports are kept in memory: counted as started
-                self.scheduler.orphan(job, grace)
+                self.scheduler.orphan(job, self._reclaim_grace(job, grace, now))
                 orphans += 1
         if orphans:
             log.warning("recovery active_jobs=%d wait=%.1fs for their workers to reclaim them",
                         orphans, self.settings.heartbeat_timeout)
         self._last_tick = now.mono
         return [Wake()]
+
+    @staticmethod
+    def _reclaim_grace(job: JobRecord, grace: float, now: Instant) -> float:
+        """Until when (monotonic) a loaded active job waits for its worker to reclaim it:
+        a /work worker's, heartbeat_timeout (it reconnects at once); a pull worker's, its
+        stored lease at least, as it may be silent until its next request (docs/ojs.md)."""
+        if not is_pull(job.worker_id) or job.lease_expires_at is None:
+            return grace
+        return max(grace, now.mono + (job.lease_expires_at - now.wall))
 
     def set_limits(self, rules: Mapping[Scope, LimitRule], now: Instant,
                    starts: Mapping[tuple[str, str | None], list[float]] | None = None

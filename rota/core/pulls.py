@@ -414,16 +414,22 @@ class Pulls:
         state = self.pulls.get(job.worker_id or "")
         return state.leases.get(job.id) if state is not None else None
 
-    def held_id(self, worker_id: str | None, given: str) -> str:
-        """The id a job this pull worker holds is kept under, for the id FETCH showed it
-        (``given``): a producer token's job is kept as ``<token id>:<id>`` and shown
-        without the prefix (rota/core/ojs_map.py). ``given`` itself if it holds none."""
-        if given in self.scheduler.jobs:
-            return given
+    def kept_ids(self, worker_id: str | None, given: Iterable[str]) -> dict[str, str]:
+        """The id each job this pull worker names (``given``, as FETCH showed it) is kept
+        under: a producer token's job is kept as ``<token id>:<id>`` and shown without the
+        prefix (rota/core/ojs_map.py). An id it holds no job by, or holds two by (two
+        producers gave the same id), maps to itself: found under no id, refused, never
+        mistaken for the other one."""
         connection = self.registry.get(pull_id(worker_id))
-        held = connection.worker.active if connection is not None else ()
-        suffix = ":" + given
-        return next((job_id for job_id in held if job_id.endswith(suffix)), given)
+        shown: dict[str, list[str]] = {}
+        for job_id in connection.worker.active if connection is not None else ():
+            shown.setdefault(job_id.partition(":")[2] or job_id, []).append(job_id)
+        found: dict[str, str] = {}
+        for job_id in given:
+            held = shown.get(job_id, [])
+            found[job_id] = held[0] if len(held) == 1 and job_id not in self.scheduler.jobs \
+                else job_id
+        return found
 
 
 def _planned_for(effect: Effect, slot: WorkerSlot) -> bool:

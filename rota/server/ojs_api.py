@@ -79,10 +79,12 @@ async def push(request: Request) -> Response:
     principal = need(request, "producer")
     job = _registered(request, ojs_to_request(await ojs_body(request), time.time()))
     coordinator = coordinator_of(request)
-    await coordinator.ojs_rates([job])  # its rate_limit sets its queue's rate (docs/ojs.md)
     [outcome] = await coordinator.enqueue([job], principal)
     if isinstance(outcome, DomainError):
         return domain_error(outcome)
+    # Its rate_limit sets its queue's rate (docs/ojs.md): once it is stored, so only a
+    # token that may use the queue, with a job the queue took, sets it.
+    await coordinator.ojs_rates([job])
     row, created = outcome
     if not created and row.get("unique_met") != "existing":
         return _duplicate(row)
@@ -109,11 +111,11 @@ async def push_batch(request: Request) -> Response:
     # All or nothing: a job the engine refuses (a token's queue, a spec's args) leaves no
     # other stored.
     coordinator = coordinator_of(request)
-    await coordinator.ojs_rates(jobs)
     outcomes = await coordinator.enqueue(jobs, principal, all_or_nothing=True)
     refusals = [o for o in outcomes if isinstance(o, DomainError)]
     if refusals:  # the refusal itself, rather than another job's "unstored for its sake"
         return domain_error(next((r for r in refusals if r.code != "unstored"), refusals[0]))
+    await coordinator.ojs_rates(jobs)  # (as for one job: once they are stored)
     for outcome in outcomes:
         if not outcome[1] and outcome[0].get("unique_met") != "existing":
             return _duplicate(outcome[0])

@@ -142,7 +142,7 @@ async def _settle(request: Request, outcome: p.Outcome) -> Response:
     coordinator = coordinator_of(request)
     raw = await ojs_body(request)
     body: ResultBody = _decoded(raw, ResultBody)
-    job_id = coordinator.engine.held_id(body.worker_id, body.job_id)
+    job_id = coordinator.engine.kept_ids(body.worker_id, [body.job_id])[body.job_id]
     error = None if outcome == "completed" else nack_error(body.error)
     settled = coordinator.engine.pull_result(
         body.worker_id, job_id, outcome, result=body.result, error=error,
@@ -213,7 +213,8 @@ async def heartbeat(request: Request) -> Response:
     visibility = (None if body.visibility_timeout_ms is None
                   else body.visibility_timeout_ms / 1000.0)
     now = coordinator.clock()
-    shown = {coordinator.engine.held_id(body.worker_id, j): j for j in body.active_jobs}
+    shown = {kept: j for j, kept in coordinator.engine.kept_ids(body.worker_id,
+                                                                 body.active_jobs).items()}
     ids = list(shown)
     beat = coordinator.engine.pull_beat(body.worker_id, principal, ids, visibility,
                                         body.x_rota_specs, now)

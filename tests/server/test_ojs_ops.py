@@ -134,10 +134,24 @@ async def test_batch_all_or_nothing_unique_options_and_a_jobs_rate_limit(live: L
         "duplicate"
     assert (await _call(live, "GET", "/ojs/v1/queues/ops/stats"))["queue"]["available"] == 4
 
+    # A batch stored as nothing sets no rate.
+    await _call(live, "POST", "/ojs/v1/jobs/batch", 409, {"jobs": [
+        {**jobs[0], "options": {"queue": "ops", "rate_limit": {"max_per_second": 7}}},
+        {**jobs[0], "id": first["id"]}]})
+    assert (await live.http.get("/limits")).json()["limits"] == []
     await _push(live, 5, rate_limit={"max_per_second": 1})
     limits = (await live.http.get("/limits")).json()["limits"]
     assert [(entry["limit"], entry["rule"]) for entry in limits] == [
         ("queue:ops", {"rate": {"limit": 1, "period": 1.0, "burst": 1}})]
+
+
+async def test_a_refused_push_sets_no_rate(live: Live):
+    """A reviewer throttled any queue with a token kept to another queue: the push got
+    403, its rate_limit was in force all the same."""
+    admin, kept = await make_tokens(live, ("admin", None), ("producer", ["elsewhere"]))
+    await _push(live, 5, 403, kept, rate_limit={"max_per_minute": 0.0001})
+    limits = await live.http.get("/limits", headers=bearer(admin))
+    assert limits.json()["limits"] == []
 
 
 async def test_a_producers_dead_job_is_named_as_its_view_shows_it(live: Live, connect):

@@ -254,3 +254,32 @@ def test_a_pull_workers_job_is_settled_only_by_its_token(engine, clock):
     refused = engine.pull_result(None, job.id, "completed", principal=theirs, now=clock())
     assert "another token" in refused.refusal
     assert engine.pull_result(None, job.id, "completed", principal=mine, now=clock()).conn
+
+
+def test_after_a_restart_a_pull_workers_job_waits_for_its_lease_not_the_heartbeat_timeout(
+        engine, clock):
+    """A pull worker is silent between requests: after a restart its job is kept for it
+    until its lease would have lapsed, not taken back after heartbeat_timeout (a
+    reviewer's run: two jobs fetched for 60 s went to another worker 5 s after a kill)."""
+    [job] = enqueue(engine, clock)
+    fetch(engine, clock, visibility=600.0)
+    job.lease_expires_at = clock().wall + 60.0  # as the reservation stored it
+    again = Engine(engine.settings, rand=lambda: 0.0)  # the server restarted
+    again.load(dict(engine.specs), {"echo": checksum(SPEC)}, [job], clock())
+    run_for(again, clock, engine.settings.heartbeat_timeout + 10)
+    assert job.state == JobState.ACTIVE and job.orphaned  # still kept for its worker
+    beat = again.pull_beat("p1", OPEN, [job.id], None, None, clock())
+    assert beat.extended == [job.id]
+    assert ack(again, clock, job.id)["accepted"] == [job.id]
+
+
+def test_an_id_as_fetch_showed_it_names_the_one_job_the_worker_holds_by_it(engine, clock):
+    """Producers' jobs are kept as <token>:<id> and shown without it. Two producers may
+    give the same id: then neither is guessed (a reviewer saw results swapped)."""
+    [job] = enqueue(engine, clock)
+    fetch(engine, clock)
+    slot = engine.scheduler.workers["ojs:p1"]
+    slot.active |= {"t1:X", "t2:X", "t1:Y"}
+    assert engine.kept_ids("p1", ["X", "Y", job.id, "Z"]) == {
+        "X": "X", "Y": "t1:Y", job.id: job.id, "Z": "Z"}
+    assert engine.kept_ids("other", ["Y"]) == {"Y": "Y"}  # only its own holder's
