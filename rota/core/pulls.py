@@ -307,6 +307,27 @@ class Pulls:
         beat = p.Heartbeat(seq=pulled.seq, worker_id=holder, results=[report])
         return Settled(pulled.conn, pulled.seq, self.heartbeat(pulled.conn, holder, beat, now))
 
+    def pull_unheard(self, conn: int, job_ids: list[str], now: Instant) -> list[Effect]:
+        """A FETCH's assign that found nobody waiting (the request timed out or went away
+        before its round's commit): its jobs go back at once, the attempt not counted, as
+        a requeue does; else they would sit reserved to nobody until their leases lapse."""
+        rid = next((rid for rid, state in self.pulls.items() if state.conn == conn), None)
+        connection = self.registry.get(rid) if rid is not None else None
+        if rid is None or connection is None:
+            return []
+        jobs = [job for job_id in job_ids if (job := self.scheduler.jobs.get(job_id)) is not None
+                and job.state == JobState.ACTIVE and job.worker_id == rid and not job.orphaned]
+        for job in jobs:
+            connection.worker.active.discard(job.id)
+            self.pulls[rid].leases.pop(job.id, None)
+            log.info("unheard job=%s worker=%s attempt=%d: given back", job.id, rid,
+                     job.attempt)
+        if not jobs:
+            return []
+        return self._recover(jobs, "released", f"worker {rid} did not hear its FETCH's"
+                             " answer (the request ended first): not counted against"
+                             " max_attempts", now, death=False)
+
     def _reclaim_pulled(self, job: JobRecord, worker_id: str | None, principal: Principal,
                         now: Instant) -> None:
         """A job a pull worker held before this server restarted (kept for it, as for

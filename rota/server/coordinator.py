@@ -4,9 +4,8 @@ Every decision is the engine's (rota/core/engine.py) or a verdict's (rota/core/v
 This feeds the engine events, timed by the injected clock, and applies the effects it
 returns in order: writes go to the single writer as they come (they commit in decision
 order), a write with a ticket reports its outcome back, and a frame goes out only when the
-engine releases it (after the COMMIT it depends on), to a socket or a pull worker's mailbox
-(rota/server/mailbox.py). Beside: dispatch (a round when woken) and timers (``tick``). Its
-parts: rota/server/admission.py, steering, composing, tokenwatch, watching, upkeep."""
+engine releases it (after its COMMIT), to a socket or a pull worker's mailbox (mailbox.py);
+and it dispatches (a round when woken) and ticks (timers). Parts: admission.py and siblings."""
 
 from __future__ import annotations
 
@@ -76,7 +75,8 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.sockets: collections.Counter[str | None] = collections.Counter()  # per token id
         self._outboxes: dict[int, Outbox] = {}
         self._conns = 0
-        self.mailbox = Mailbox()  # pull workers' conns (negative): rota/server/mailbox.py
+        self.mailbox = Mailbox(lambda conn, ids: self.apply(  # (rota/server/mailbox.py)
+            self.engine.pull_unheard(conn, ids, self.clock())))
         self._inflight: dict[int, asyncio.Future[Any]] = {}  # conn -> its latest results write
         self.pending_writes = 0  # handed to the writer, outcome not yet applied
         self._wake = asyncio.Event()

@@ -35,7 +35,10 @@ class _Box:
 class Mailbox:
     """Frames for pull workers (negative conns), into the requests that wait for them."""
 
-    def __init__(self) -> None:
+    def __init__(self, unheard: Callable[[int, list[str]], None] | None = None) -> None:
+        # An assign with jobs that nobody waits for: (conn, job ids), called soon after
+        # (not inside the apply that delivers it), to give them back (Pulls.pull_unheard).
+        self.unheard = unheard
         self._assigns: dict[int, collections.deque[asyncio.Future[p.Assign]]] = {}
         self._acks: dict[tuple[int, int], asyncio.Future[p.Ack]] = {}
         # Several servers on one database: what a FETCH awaits first, so that what the
@@ -78,8 +81,11 @@ class Mailbox:
             if waiting is not None and not waiting:
                 del self._assigns[conn]
             if future is None and message.jobs:
-                log.warning("pull assign unheard conn=%d jobs=%s: nobody waits; their leases"
-                            " will lapse", conn, ",".join(j.id for j in message.jobs))
+                log.warning("pull assign unheard conn=%d jobs=%s: nobody waits; given back",
+                            conn, ",".join(j.id for j in message.jobs))
+                if self.unheard is not None:
+                    asyncio.get_running_loop().call_soon(
+                        self.unheard, conn, [j.id for j in message.jobs])
         elif isinstance(message, p.Ack):
             future = self._acks.pop((conn, message.seq), None)
         if future is not None and not future.done():

@@ -5,6 +5,7 @@ its lease lapses, never by silence; a cancel of a pull-held job is immediate."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from test_engine import SPEC, FakeClock, commit, of, run_for, sent
@@ -283,3 +284,30 @@ def test_an_id_as_fetch_showed_it_names_the_one_job_the_worker_holds_by_it(engin
     assert engine.kept_ids("p1", ["X", "Y", job.id, "Z"]) == {
         "X": "X", "Y": "t1:Y", job.id: job.id, "Z": "Z"}
     assert engine.kept_ids("other", ["Y"]) == {"Y": "Y"}  # only its own holder's
+
+
+def test_a_fetch_answer_nobody_heard_gives_its_jobs_back_uncounted(engine, clock):
+    """A FETCH whose request ended (a 503 after 5 s, a client gone) before its round's
+    commit: the jobs go back at once rather than sit reserved to nobody for 1800 s."""
+    jobs = enqueue(engine, clock, 2)
+    got, copies = fetch(engine, clock, count=2)
+    assert all(job.state == JobState.ACTIVE for job in jobs)
+    effects = engine.pull_unheard(got.conn, [c["id"] for c in copies], clock())
+    assert [job.state for job in jobs] == [JobState.AVAILABLE] * 2
+    assert all(job.attempt - job.budget_start == 0 for job in jobs)  # not counted
+    assert of(Save, effects) and not engine.scheduler.workers["ojs:p1"].active
+    assert engine.pull_unheard(got.conn, [jobs[0].id], clock()) == []  # once only
+    _, again = fetch(engine, clock, worker="p2", count=2)
+    assert sorted(c["id"] for c in again) == sorted(j.id for j in jobs)
+
+
+async def test_the_mailbox_hands_an_unheard_assign_back():
+    from rota.server.mailbox import Mailbox
+    heard: list[tuple[int, list[str]]] = []
+    box = Mailbox(lambda conn, ids: heard.append((conn, ids)))
+    frame = p.encode(p.Assign(jobs=[p.JobCopy(
+        id="j1", spec="s", checksum="c", queue="q", args={}, attempt=1, priority=0,
+        visibility_timeout=30.0, enqueued_at="2026-11-27T00:00:00.000Z")]))
+    box.deliver(-1, frame)  # nobody waits on conn -1
+    await asyncio.sleep(0)  # (it is called soon, not inside the delivery)
+    assert heard == [(-1, ["j1"])]
