@@ -149,8 +149,8 @@ class Pulls:
             raise Conflict("worker_id_in_use", f"worker {rid} is connected on /work")
         if connection is not None and state is not None:
             if not same_token(connection.principal.token_id, principal):
-                raise Forbidden("worker_id_taken", f"worker {worker_id} belongs to another"
-                                " token; fetch under a worker_id of your own")
+                raise Forbidden("worker_id_taken", f"worker {rid} belongs to another token"
+                                " until it has been idle 60 s; send a worker_id of your own")
             state.last = now.mono
             return connection, state
         self._pull_conns += 1
