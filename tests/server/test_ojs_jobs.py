@@ -191,3 +191,23 @@ async def test_a_bug_under_ojs_is_a_json_500_with_ojs_headers(
     assert answer.status_code == 500 and answer.headers["ojs-version"] == "1.0"
     assert answer.json()["error"]["code"] == "internal"
 
+
+
+async def test_one_job_two_views_in_the_api_metrics_and_the_dashboard(live: Live, tmp_path):
+    """A job pushed through OJS is a Rota job like any other (GET /jobs/{id}, /metrics,
+    its dashboard page), and a Rota job is an OJS job (GET /ojs/v1/jobs/{id})."""
+    pushed = await live.http.post("/ojs/v1/jobs", json={
+        "type": "views.both", "args": [{"to": "ada"}], "options": {"queue": "views"}})
+    assert pushed.status_code == 201, pushed.text
+    job_id = pushed.json()["job"]["id"]
+    rota = (await live.http.get(f"/jobs/{job_id}")).json()
+    assert (rota["spec"], rota["queue"], rota["args"], rota["state"]) == (
+        "views.both", "views", {"to": "ada"}, "available")
+    metrics = (await live.http.get("/metrics")).text
+    assert 'rota_queue_jobs{queue="views",state="available"} 1.0' in metrics, metrics[:2000]
+    page = await live.http.get(f"/ui/jobs/{job_id}")
+    assert page.status_code == 200 and job_id in page.text and "views.both" in page.text
+    await live.push(write_spec(tmp_path / "specs", "echo"))
+    mine = await live.enqueue("echo", {"n": 1})
+    seen = (await live.http.get(f"/ojs/v1/jobs/{mine['id']}")).json()["job"]
+    assert (seen["type"], seen["args"], seen["state"]) == ("echo", [{"n": 1}], "available")
