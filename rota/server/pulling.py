@@ -96,6 +96,15 @@ async def _rows(coordinator: Coordinator, ids: list[str]) -> list[dict[str, Any]
     return [row for row in rows if row is not None]
 
 
+def _me(worker_id: str | None, principal: Principal) -> str | None:
+    """The worker a request speaks for: its ``worker_id``; without one, its token's own
+    anonymous worker (``anonymous.<token id>``), or the one ``anonymous`` with tokens off,
+    so that two tokens' workers that send no id do not share one."""
+    if worker_id is not None or principal.token_id is None:
+        return worker_id
+    return f"anonymous.{principal.token_id}"
+
+
 # -- the routes ----------------------------------------------------------------------
 async def fetch(request: Request) -> Response:
     """Up to ``count`` jobs from ``queues`` (in order), each now active for this worker
@@ -109,7 +118,8 @@ async def fetch(request: Request) -> Response:
         await coordinator.mailbox.barrier()
     engine = coordinator.engine
     for _ in range(FETCH_ROUNDS):  # (a round that lost its rows to another server: again)
-        fetched = engine.pull_fetch(body.worker_id, principal, body.queues, body.count,
+        fetched = engine.pull_fetch(_me(body.worker_id, principal), principal, body.queues,
+                                    body.count,
                                     visibility, body.x_rota_specs, coordinator.clock())
         future = coordinator.mailbox.expect_assign(fetched.conn)
         coordinator.apply(fetched.effects)
@@ -142,7 +152,8 @@ async def _settle(request: Request, outcome: p.Outcome) -> Response:
     coordinator = coordinator_of(request)
     raw = await ojs_body(request)
     body: ResultBody = _decoded(raw, ResultBody)
-    job_id = coordinator.engine.kept_ids(body.worker_id, [body.job_id])[body.job_id]
+    me = _me(body.worker_id, principal)  # (the holder is checked only when it is named)
+    job_id = coordinator.engine.kept_ids(me, [body.job_id])[body.job_id]
     error = None if outcome == "completed" else nack_error(body.error)
     settled = coordinator.engine.pull_result(
         body.worker_id, job_id, outcome, result=body.result, error=error,
@@ -213,16 +224,17 @@ async def heartbeat(request: Request) -> Response:
     visibility = (None if body.visibility_timeout_ms is None
                   else body.visibility_timeout_ms / 1000.0)
     now = coordinator.clock()
-    shown = {kept: j for j, kept in coordinator.engine.kept_ids(body.worker_id,
+    me = _me(body.worker_id, principal)
+    shown = {kept: j for j, kept in coordinator.engine.kept_ids(me,
                                                                  body.active_jobs).items()}
     ids = list(shown)
-    beat = coordinator.engine.pull_beat(body.worker_id, principal, ids, visibility,
+    beat = coordinator.engine.pull_beat(me, principal, ids, visibility,
                                         body.x_rota_specs, now)
     elsewhere, said = await _beat_elsewhere(request, coordinator, [
         j for j in ids if j not in beat.extended], msgspec.json.decode(raw))
     state = beat.state
     if said and p.STATE_RANK[said] > p.STATE_RANK[state]:  # asked there: here too
-        coordinator.direct([pull_id(body.worker_id)], said)
+        coordinator.direct([pull_id(me)], said)
         state = said
     response = OjsJSON({"state": state, "directive": state,
                         "jobs_extended": [shown.get(j, j) for j in beat.extended + elsewhere],

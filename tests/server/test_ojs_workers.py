@@ -199,3 +199,22 @@ async def test_with_tokens_a_pull_worker_settles_a_producers_job_by_the_id_it_wa
     # Settled once. A producer's job no longer held is not found under the id as shown
     # (docs/ojs.md, Fencing): 404 rather than 409, a refusal all the same.
     assert again.status_code == 404 and again.json()["error"]["code"] == "not_found"
+
+
+async def test_two_tokens_workers_without_a_worker_id_do_not_share_one(live: Live):
+    """OJS makes worker_id optional on FETCH: each token's requests without one speak for
+    that token's own anonymous worker (a reviewer's second token got 403 for 60 s)."""
+    producer, one, two = await make_tokens(live, ("producer", None), ("worker", None),
+                                           ("worker", None))
+    for n in range(2):
+        pushed = await live.http.post(f"{OJS}/jobs", headers=bearer(producer), json={
+            "type": "anon.job", "args": [n], "options": {"queue": "anonq"}})
+        assert pushed.status_code == 201, pushed.text
+    for token in (one, two):
+        got = await live.http.post(f"{OJS}/workers/fetch", headers=bearer(token),
+                                   json={"queues": ["anonq"]})
+        assert got.status_code == 200, got.text
+        [job] = got.json()["jobs"]
+        acked = await live.http.post(f"{OJS}/workers/ack", headers=bearer(token),
+                                     json={"job_id": job["id"], "result": 1})
+        assert (acked.status_code, acked.json()["state"]) == (200, "completed"), acked.text
