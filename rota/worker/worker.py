@@ -48,7 +48,7 @@ from rota.worker.execution import Handler, ResultTooLarge, Runner
 from rota.base.ids import uuid7
 from rota.worker.link import RESULT_BYTES_PER_BEAT, Link, Servers, work_urls
 from rota.worker.manual import Listener
-from rota.base.specs import JobSpec, SpecError, checksum, load_dir
+from rota.base.specs import UNVERSIONED, JobSpec, SpecError, checksum, load_dir
 from rota.base.wording import names
 
 __all__ = ["Worker", "JobContext", "ResultTooLarge", "RESULT_BYTES_PER_BEAT", "EXIT_WEDGED"]
@@ -117,6 +117,7 @@ class Worker:
         self._interval = heartbeat_interval  # None: take the server's from its welcome
         self.handlers: dict[str, Handler] = {}
         self._specs: dict[str, JobSpec] = {}
+        self._unversioned: set[str] = set()  # OJS types no spec file describes (docs/ojs.md)
         self._stop = threading.Event()
         self._state: p.WorkerState = "running"
         self._process = psutil.Process()
@@ -187,14 +188,18 @@ class Worker:
         if specs_dir is not None:
             self.specs_dir = Path(specs_dir)
 
-    def handler(self, spec: str, isolation: str | None = None) -> Callable[[Handler], Handler]:
-        """Decorator: ``fn`` runs ``spec``'s jobs; ``isolation``: the Worker's, or one's own."""
+    def handler(self, spec: str, isolation: str | None = None, *, unversioned: bool = False
+                ) -> Callable[[Handler], Handler]:
+        """Decorator: ``fn`` runs ``spec``'s jobs; ``isolation``: the Worker's, or one's own;
+        ``unversioned``: ``spec`` is an OJS type no spec file describes (docs/ojs.md)."""
 
         def register(fn: Handler) -> Handler:
             if spec in self.handlers:
                 raise ValueError(f"spec {spec!r} already has a handler")
             self.runner.children.register(spec, fn, isolation)
             self.handlers[spec] = fn
+            if unversioned:
+                self._unversioned.add(spec)
             return fn
 
         return register
@@ -203,25 +208,28 @@ class Worker:
     def queues(self) -> list[str]:
         if self._queues:
             return self._queues
-        ordered = dict.fromkeys(self._specs[name].queue for name in self.handlers)
+        ordered = dict.fromkeys(self._specs[name].queue if name in self._specs else "default"
+                                for name in self.handlers)
         return list(ordered) or ["default"]
 
     def declared_specs(self) -> list[p.SpecRef]:
-        if self._specs.keys() != self.handlers.keys():
+        if self._specs.keys() != self.handlers.keys() - self._unversioned:
             self._load_specs()
-        return [p.SpecRef(name, checksum(self._specs[name])) for name in sorted(self.handlers)]
+        return [p.SpecRef(name, UNVERSIONED if name in self._unversioned
+                          else checksum(self._specs[name])) for name in sorted(self.handlers)]
 
     def _load_specs(self) -> None:
         if not self.handlers:
             raise SpecError("the worker has no handlers; register one with @worker.handler(name)")
-        if not self.specs_dir.is_dir():  # (the usual cause: started from another folder)
+        versioned = self.handlers.keys() - self._unversioned
+        if versioned and not self.specs_dir.is_dir():  # (usually: started from elsewhere)
             raise SpecError(missing_specs_dir(self.specs_dir, "give Worker(specs_dir=...) a"
                                               " full path"))
-        found = {spec.name: spec for spec in load_dir(self.specs_dir)}
-        missing = sorted(set(self.handlers) - set(found))
+        found = {spec.name: spec for spec in load_dir(self.specs_dir)} if versioned else {}
+        missing = sorted(versioned - set(found))
         if missing:
             raise SpecError(f"{self.specs_dir} has no spec for handler(s): {', '.join(missing)}")
-        self._specs = {name: found[name] for name in self.handlers}
+        self._specs = {name: found[name] for name in versioned}
 
     @property
     def prefetch(self) -> int:

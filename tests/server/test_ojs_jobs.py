@@ -211,3 +211,26 @@ async def test_one_job_two_views_in_the_api_metrics_and_the_dashboard(live: Live
     mine = await live.enqueue("echo", {"n": 1})
     seen = (await live.http.get(f"/ojs/v1/jobs/{mine['id']}")).json()["job"]
     assert (seen["type"], seen["args"], seen["state"]) == ("echo", [{"n": 1}], "available")
+
+
+async def test_the_python_sdk_runs_an_unversioned_type_it_says_it_runs(live: Live, tmp_path):
+    """``@worker.handler(type, unversioned=True)``: no spec file, checksum "unversioned"
+    (docs/ojs.md); an OJS producer's job runs on Rota's own SDK worker."""
+    import asyncio
+
+    from rota import JobContext, Worker
+    pushed = await live.http.post(JOBS, json={"type": "email.send", "args": [{"to": "ada"}]})
+    assert pushed.status_code == 201, pushed.text
+    worker = Worker(url=live.ws, specs_dir=tmp_path / "no-specs", heartbeat_interval=0.1)
+
+    @worker.handler("email.send", unversioned=True)
+    async def send(ctx: JobContext) -> dict[str, Any]:
+        return {"sent": ctx.args["to"]}
+
+    task = asyncio.create_task(worker.run())
+    try:
+        done = await live.wait_state(pushed.json()["job"]["id"], "completed", timeout=10)
+        assert done["result"] == {"sent": "ada"}
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 10)
