@@ -91,6 +91,8 @@ def main() -> None:
         answer = post("/workers/fetch", body) if state["state"] == "running" else None
         if answer is not None and (rejected := answer.headers.get("X-Rota-Rejected-Specs")):
             print(f"not the status quo, no such jobs for us: {rejected}", flush=True)
+        if answer is not None and (waiting := answer.headers.get("X-Rota-Waiting-Specs")):
+            print(f"jobs wait for a checksum we did not declare: {waiting}", flush=True)
         if answer is not None and answer.is_client_error:  # a wrong token, queue or field
             raise SystemExit(1)  # asking again would not mend it
         jobs = answer.json()["jobs"] if answer is not None and answer.is_success else []

@@ -64,6 +64,9 @@ class Fetched(NamedTuple):
     effects: list[Effect]
     verdict: p.SpecVerdict | None
     planned: bool = False
+    # Versioned types with jobs waiting in its queues that it did not declare at their
+    # status quo's checksum: why it got nothing (X-Rota-Waiting-Specs).
+    undeclared: tuple[p.SpecRejection, ...] = ()
 
 
 class Settled(NamedTuple):
@@ -225,7 +228,20 @@ class Pulls:
         planned = any(_planned_for(e, slot) for e in effects)
         if not planned:
             effects.append(Send(state.conn, EMPTY_ASSIGN))
+            return Fetched(state.conn, effects, verdict, planned, self._undeclared(slot))
         return Fetched(state.conn, effects, verdict, planned)
+
+    def _undeclared(self, slot: WorkerSlot) -> tuple[p.SpecRejection, ...]:
+        """Versioned types whose jobs wait in the worker's queues while it does not
+        declare their status quo's checksum: a new worker author's silent trap."""
+        status_quo = self.scheduler.status_quo
+        waiting = {(queue, spec) for queue, spec in self.scheduler.ready.counts()
+                   if queue in slot.queues and spec in status_quo
+                   and slot.specs.get(spec) != status_quo[spec]}
+        return tuple(p.SpecRejection(
+            name=spec, checksum=slot.specs.get(spec, ""), expected=status_quo[spec],
+            reason=f"its jobs wait in queue {queue}: declare its checksum in x_rota_specs")
+            for queue, spec in sorted(waiting))
 
     def _unanswered(self, plan: dict[str, list[Any]]) -> list[Effect]:
         """A round whose commit failed: its pull workers hear an empty assign (their

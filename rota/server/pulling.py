@@ -38,6 +38,7 @@ ACK_WAIT = 30.0  # seconds an ACK or NACK waits for its result's commit (then 50
 # another server reserved meanwhile; each lost round forgets the ones it met).
 FETCH_ROUNDS = 10
 REJECTED_HEADER = "X-Rota-Rejected-Specs"
+WAITING_HEADER = "X-Rota-Waiting-Specs"  # an empty FETCH: versioned types it did not declare
 FORWARDED = "x-rota-forwarded-by"  # a request another server sent on: not sent on again
 
 Millis = Annotated[int, msgspec.Meta(ge=1, le=p.MAX_COUNT)]
@@ -133,6 +134,8 @@ async def fetch(request: Request) -> Response:
     if fetched.verdict is not None and fetched.verdict.rejected:
         response.headers[REJECTED_HEADER] = msgspec.json.encode(
             fetched.verdict.rejected).decode()
+    if not views and fetched.undeclared:
+        response.headers[WAITING_HEADER] = msgspec.json.encode(fetched.undeclared).decode()
     return response
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -120,6 +121,13 @@ async def test_a_spec_push_gates_pull_and_sdk_workers_alike(live: Live, tmp_path
         "queues": ["default"], "worker_id": "old", "x_rota_specs": {"gated": checksum(old)}})
     assert reply.json()["jobs"] == [] and "gated" in reply.headers["x-rota-rejected-specs"]
     assert (await live.job(job["id"]))["state"] == "available" and ran == []
+    # A worker that declares nothing hears why it gets nothing, and the checksum to send
+    # (a new user's worker got [] in silence: the hardest thing to find, they said).
+    silent = await live.http.post(f"{OJS}/workers/fetch", json={"worker_id": "naive"})
+    assert silent.json()["jobs"] == []
+    assert json.loads(silent.headers["x-rota-waiting-specs"]) == [{
+        "name": "gated", "checksum": "", "expected": checksum(new),
+        "reason": "its jobs wait in queue default: declare its checksum in x_rota_specs"}]
     [pulled] = await fetch(live, "new", x_rota_specs={"gated": checksum(new)})
     assert pulled["id"] == job["id"]
     assert (await settle(live, "ack", job["id"], "new"))[0] == 200 and ran == []
