@@ -89,7 +89,7 @@ async def test_a_pull_worker_and_an_sdk_worker_on_one_queue_run_every_job_once(
     async def handle(ctx: Any) -> None:
         runs[ctx.id] += 1
         by["sdk"] += 1
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # noqa: sleep-ok  (a handler's work, not a wait)
 
     await sdk_worker(worker)
     jobs = [await live.enqueue("mixed", {"n": n}) for n in range(30)]
@@ -139,7 +139,7 @@ reply = httpx.post(sys.argv[1] + "/ojs/v1/workers/fetch", json={
     "queues": ["default"], "worker_id": "doomed", "visibility_timeout_ms": 1000,
     "x_rota_specs": {"victim": sys.argv[2]}})
 print(reply.json()["jobs"][0]["id"], flush=True)
-time.sleep(600)
+time.sleep(600)  # noqa: sleep-ok  (holds its job until the test kills it)
 """
 
 

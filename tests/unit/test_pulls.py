@@ -309,5 +309,5 @@ async def test_the_mailbox_hands_an_unheard_assign_back():
         id="j1", spec="s", checksum="c", queue="q", args={}, attempt=1, priority=0,
         visibility_timeout=30.0, enqueued_at="2026-11-27T00:00:00.000Z")]))
     box.deliver(-1, frame)  # nobody waits on conn -1
-    await asyncio.sleep(0)  # (it is called soon, not inside the delivery)
+    await asyncio.sleep(0)  # noqa: sleep-ok  (one loop turn)
     assert heard == [(-1, ["j1"])]
