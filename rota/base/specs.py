@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rota.base.egress import url_problem  # one rule for every URL Rota calls
 from rota.base.errors import RotaError
 from rota.base.flow import MAX_LABELS, WrittenRule
 from rota.base.protocol import NAME_PATTERN as NAME_PATTERN  # one pattern for every name
@@ -55,6 +56,35 @@ class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_worker_deaths: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 
+HeaderName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")]
+HeaderValue = Annotated[str, msgspec.Meta(pattern=r"^[\x20-\x7e\t]{0,1000}$")]
+# Headers a spec may not set: the server's own (signature, delivery id) and the transport's.
+RESERVED_HEADERS = ("content-type", "content-length", "host", "transfer-encoding",
+                    "connection", "user-agent")
+MAX_EXECUTE_TIMEOUT = 900.0  # seconds a delivery may wait for its answer
+
+
+class Execute(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``[execute]``: the spec's jobs run on an HTTP endpoint, not on a worker (README,
+    Push execution). Part of the spec, so of its checksum: a new URL is a new version."""
+
+    url: Annotated[str, msgspec.Meta(max_length=2048)]
+    secret: Name  # the NAME of the signing secret (ROTA_SECRET_<NAME> or `rota secrets`)
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=MAX_EXECUTE_TIMEOUT)] = 30.0
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 10
+    headers: Annotated[dict[HeaderName, HeaderValue], msgspec.Meta(max_length=32)] = {}
+
+    def __post_init__(self) -> None:
+        problem = url_problem(self.url)
+        if problem is not None:
+            raise ValueError(f"url {problem}")
+        reserved = sorted(h for h in self.headers
+                          if h.lower() in RESERVED_HEADERS or h.lower().startswith("x-rota-"))
+        if reserved:
+            raise ValueError(f"headers may not set {', '.join(reserved)} (the server sets"
+                             " them)")
+
+
 Version = Annotated[str, msgspec.Meta(pattern=VERSION_PATTERN)]
 # The version and the checksum of an unversioned OJS type: one no spec describes. A /work
 # worker declares such a type with this checksum (docs/ojs.md).
@@ -77,6 +107,7 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # and the spec's default limits (``rota limits set`` overrides them until cleared).
     labels: Annotated[list[Name], msgspec.Meta(max_length=MAX_LABELS)] = []
     limits: WrittenRule | None = None
+    execute: Execute | None = None  # run on an HTTP endpoint (push execution)
 
     @classmethod
     def unversioned(cls, name: str) -> JobSpec:

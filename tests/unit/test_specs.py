@@ -443,7 +443,7 @@ def test_a_spec_files_mistake_is_said_in_plain_words() -> None:
             ('[retry]\nmax_attempts = 0\n', "retry.max_attempts must be an integer >= 1"),
             ('queu = "x"\n', "queu is not a field Rota knows (known: name, version,"
              " description, queue, priority, visibility_timeout, retry, args, unique, labels,"
-             " limits)"),
+             " limits, execute)"),
             ('[args.w]\ntype = "int"\n', "args.w.type must be one of any, array, boolean,"
              " integer, number, object, string, not 'int'"),
             # The argument is named: it said "args[...].type", whichever it was.

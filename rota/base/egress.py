@@ -1,0 +1,55 @@
+"""Where the server may send a request of its own (an endpoint delivery, a webhook): the
+URL's shape, and the addresses refused unless the operator allows private endpoints, so
+that a spec or a subscription cannot reach the server's own network. Pure."""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+MAX_URL = 2048
+
+
+def url_problem(url: object) -> str | None:
+    """Why ``url`` cannot be an endpoint (None: it can): http or https, a host, no user
+    or password in it, no fragment."""
+    if not isinstance(url, str) or not url:
+        return "must be an http(s) URL"
+    if len(url) > MAX_URL:
+        return f"is longer than {MAX_URL} characters"
+    if any(ord(c) < 33 or ord(c) == 127 for c in url):
+        return "has a space or a control character"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"is not a URL ({exc})"
+    if parts.scheme not in ("http", "https"):
+        return f"must be http or https, not {parts.scheme or 'no scheme'!r}"
+    if not parts.hostname:
+        return "has no host"
+    if parts.username is not None or parts.password is not None:
+        return "may not carry a user or password (use headers and a secret)"
+    if parts.fragment:
+        return "may not have a #fragment"
+    if port == 0:
+        return "has port 0"
+    return None
+
+
+def address_refused(address: str) -> str | None:
+    """Why a resolved address is refused without ``--allow-private-endpoints`` (None:
+    it is public)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return f"{address} is not an IP address"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for kind, refused in (("loopback", ip.is_loopback), ("link-local", ip.is_link_local),
+                          ("private", ip.is_private), ("multicast", ip.is_multicast),
+                          ("unspecified", ip.is_unspecified), ("reserved", ip.is_reserved)):
+        if refused:
+            return f"{address} is a {kind} address (rota serve --allow-private-endpoints" \
+                   " allows it)"
+    return None
