@@ -197,6 +197,14 @@ class ServerSettings:
     ojs_registered_types_only: bool = option(
         False, help="OJS jobs (/ojs/v1) only of types a spec was pushed for (400"
         " invalid_job_type otherwise); by default such a type runs unversioned.")
+    # Webhooks out (docs/webhooks.md): how long a receiver has to answer, and (a test
+    # switch) a factor on the retry schedule (ojs-webhooks §7.2: 30 s, 2 min ... 24 h).
+    webhook_timeout: float = option(
+        30.0, minimum=0.1, help="Seconds a webhook receiver has to answer a delivery (a"
+        " timeout is retried).")
+    webhook_backoff_scale: float = option(
+        1.0, hidden=True, minimum=0.0001,
+        help="Test switch: a factor on the webhook retry schedule (fast tests).")
     # Test switch: POST /ojs/v1/admin/reset (empties the store) and OJS's test directives
     # (docs/ojs.md); a WARNING at start says it is on. Never in production.
     unsafe_test_endpoints: bool = option(

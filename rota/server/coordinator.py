@@ -22,6 +22,7 @@ from rota.base import protocol as p
 from rota.server.admission import Admission
 from rota.server.composing import Composing
 from rota.server.mailbox import Mailbox
+from rota.server.hooks import Webhooks
 from rota.core.auth import OPEN, Principal, Tokens
 from rota.core.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
                           Withdraw, WorkerGone, WorkerSeen)
@@ -115,6 +116,9 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse
         self.subscribe, self.unsubscribe = watching.subscribe, watching.unsubscribe
+        # Webhooks out (rota/server/hooks.py): fed by the observer, never awaited by the engine.
+        self.webhooks = Webhooks(settings, store, engine.observe, watching.subscribe,
+                                 watching.events_pulse)
         tokens = self.tokenwatch
         self.hold, self.release, self.reread_tokens = tokens.hold, tokens.release, tokens.reread
         self.create_token, self.revoke_token = tokens.create, tokens.revoke
@@ -181,6 +185,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.spawn(self.tokenwatch.loop(), "rota-tokens")
         for loop, name in self.upkeep.loops(readings=kept, counts=snapshot.throughput):
             self.spawn(loop, name)
+        await self.webhooks.start()
 
     def begin_shutdown(self) -> None:
         self.engine.begin_shutdown()
@@ -201,6 +206,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
             if task.get_name() in LOOPS:
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.webhooks.stop()
         for hook in self.on_stop:
             await hook()
         await self.upkeep.at_stop(reading=not self.store.shared)  # for the next start

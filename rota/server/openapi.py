@@ -33,6 +33,9 @@ QUERIES: dict[str, dict[str, Any]] = {
     "/events": {"last_event_id": {"type": "string", "pattern": "^[0-9]{1,19}$"},
                 "event": _TEXT, "spec": _TEXT, "queue": _TEXT, "worker": _TEXT},
     "/stats": {"minutes": {"type": "integer", "minimum": 1, "maximum": 60}},
+    "/webhooks/{webhook_id}/deliveries": {
+        "limit": {"type": "integer", "minimum": 1, "maximum": 1000},
+        "state": {"type": "string", "enum": ["pending", "delivered", "dead"]}},
 }
 
 

@@ -13,7 +13,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.server import api, cronapi, feeds, operate, workflows, workschema
+from rota.server import api, cronapi, feeds, hookapi, operate, workflows, workschema
+from rota.server.hookapi import (DeliveryList, NewWebhook, TestReply, WebhookChange, WebhookList,
+                                WebhookRequest, WebhookView)
 from rota.server.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.server.gate import OPEN_PATHS  # one list of what needs no token: the gate's
 from rota.base.flow import WrittenRule
@@ -120,6 +122,27 @@ ROUTES: list[Op] = [
        {200: TokenList}),
     Op("delete", "/tokens/{token}", api.revoke_token, "Revoke a token by id or name (admin)",
        None, {200: Revoked, 404: ErrorBody}),
+    Op("post", "/webhooks", hookapi.create_webhook, "Subscribe a URL to events; the signing"
+       " secret is shown this once (admin)", WebhookRequest, {201: NewWebhook, **BAD}),
+    Op("get", "/webhooks", hookapi.list_webhooks, "Webhook subscriptions, never their secrets"
+       " (admin)", None, {200: WebhookList}),
+    Op("get", "/webhooks/{webhook_id}", hookapi.show_webhook, "A webhook subscription"
+       " (admin)", None, {200: WebhookView, 404: ErrorBody}),
+    Op("patch", "/webhooks/{webhook_id}", hookapi.change_webhook, "Change a webhook"
+       " subscription's URL, kinds, filter or enabled (admin)", WebhookChange,
+       {200: WebhookView, 404: ErrorBody, **BAD}),
+    Op("delete", "/webhooks/{webhook_id}", hookapi.delete_webhook, "Delete a webhook"
+       " subscription and its deliveries, pending ones unsent (admin)", None,
+       {200: WebhookView, 404: ErrorBody}),
+    Op("get", "/webhooks/{webhook_id}/deliveries", hookapi.webhook_deliveries, "A webhook"
+       " subscription's latest deliveries, newest first (admin)", None,
+       {200: DeliveryList, 400: ErrorBody, 404: ErrorBody}),
+    Op("post", "/webhooks/{webhook_id}/test", hookapi.test_webhook, "Send a test delivery"
+       " now and say what the receiver answered (admin)", None,
+       {200: TestReply, 404: ErrorBody}),
+    Op("post", "/webhooks/{webhook_id}/rotate-secret", hookapi.rotate_webhook_secret,
+       "A new signing secret, shown this once; the old one also signs for 24 h (admin)",
+       None, {200: NewWebhook, 404: ErrorBody}),
     Op("get", "/events", feeds.events, "Server-sent events: what happens, as it happens"
        " (admin)", None, {200: None, 400: ErrorBody, 422: ErrorBody, 429: ErrorBody}),
     Op("get", "/stats", feeds.stats, "Counts per minute over the last hour, and the oldest"
@@ -134,7 +157,9 @@ STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry"
                 "/jobs/retry", "/jobs/cancel", "/queues/{queue}/pause", "/queues/{queue}/resume",
                 "/limits/{kind}/{name}", "/workflows", "/workflows/{workflow_id}",
                 "/workflows/{workflow_id}/retry", "/schedules", "/schedules/{name}",
-                "/schedules/{name}/pause", "/schedules/{name}/resume"}
+                "/schedules/{name}/pause", "/schedules/{name}/resume", "/webhooks",
+                "/webhooks/{webhook_id}", "/webhooks/{webhook_id}/deliveries",
+                "/webhooks/{webhook_id}/test", "/webhooks/{webhook_id}/rotate-secret"}
 
 
 @functools.cache

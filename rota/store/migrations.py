@@ -284,6 +284,25 @@ def m021_ojs(db: sqlite_utils.Database) -> None:
                " WHERE dead_letter = 1")
 
 
+@migrations()
+def m024_webhooks(db: sqlite_utils.Database) -> None:
+    # Webhooks out (docs/webhooks.md): subscriptions, and their deliveries, pending (the
+    # outbox, found by subscription, state and next try) or kept as the log.
+    db["webhook_subscriptions"].create(
+        {"id": str, "url": str, "kinds": str, "filter": str, "secret": str,
+         "previous_secret": str, "rotated_at": float, "enabled": int, "created_at": float},
+        pk="id", not_null={"url", "kinds", "secret", "enabled", "created_at"},
+        defaults={"enabled": 1})
+    db["webhook_deliveries"].create(
+        {"id": str, "subscription_id": str, "event_id": str, "kind": str, "body": str,
+         "state": str, "attempts": int, "created_at": float, "next_at": float,
+         "last_at": float, "status": int, "ms": float, "error": str, "response": str},
+        pk="id", not_null={"subscription_id", "event_id", "kind", "body", "state", "attempts",
+                           "created_at"}, defaults={"attempts": 0})
+    db["webhook_deliveries"].create_index(["subscription_id", "state", "next_at"])
+    db["webhook_deliveries"].create_index(["subscription_id", "created_at"])
+
+
 def migrate(path: Path) -> None:
     conn = connect(path)
     try:

@@ -21,6 +21,7 @@ MIGRATIONS = (
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
     "m014_throughput", "m015_flow_control", "m016_unique_keys", "m017_active_keys",
     "m018_job_origins", "m019_schedules", "m020_workflows", "m021_ojs",
+    "m024_webhooks",
 )
 
 
@@ -137,6 +138,18 @@ TABLES: tuple[Table, ...] = (
         " kind TEXT NOT NULL, position INTEGER NOT NULL, role TEXT, state TEXT NOT NULL,"
         " job_id TEXT, spec TEXT, remaining INTEGER NOT NULL =0, failed INTEGER NOT NULL =0,"
         " result TEXT, error TEXT, parent_results TEXT"), pk=("workflow_id", "node")),
+    # Webhooks out (m024, rota/store/hooks.py): the subscriptions (kinds and filter as
+    # JSON; the secret kept to sign with, the one before it for the rotation window),
+    # and each event's delivery to each, pending (the outbox) or finished (the log).
+    Table("webhook_subscriptions", _cols(
+        "id TEXT, url TEXT NOT NULL, kinds TEXT NOT NULL, filter TEXT, secret TEXT NOT NULL,"
+        " previous_secret TEXT, rotated_at REAL, enabled INTEGER NOT NULL =1,"
+        " created_at REAL NOT NULL"), pk=("id",)),
+    Table("webhook_deliveries", _cols(
+        "id TEXT, subscription_id TEXT NOT NULL, event_id TEXT NOT NULL, kind TEXT NOT NULL,"
+        " body TEXT NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT NULL =0,"
+        " created_at REAL NOT NULL, next_at REAL, last_at REAL, status INTEGER, ms REAL,"
+        " error TEXT, response TEXT"), pk=("id",)),
 )
 
 INDEXES: tuple[Index, ...] = (
@@ -162,6 +175,10 @@ INDEXES: tuple[Index, ...] = (
     # OJS's dead-letter list (m021): only jobs discarded into it are in this.
     Index("jobs_dead_letter", "jobs", ("dead_letter", "finished_at"), "dead_letter = 1"),
     Index("idx_workflow_nodes_workflow_id_parent", "workflow_nodes", ("workflow_id", "parent")),
+    Index("idx_webhook_deliveries_subscription_id_state_next_at", "webhook_deliveries",
+          ("subscription_id", "state", "next_at")),
+    Index("idx_webhook_deliveries_subscription_id_created_at", "webhook_deliveries",
+          ("subscription_id", "created_at")),
 )
 
 

@@ -86,6 +86,10 @@ SCHEDULE = {"spec": "parked", "cron": "@every 1h", "timezone": "Europe/Berlin",
             "jitter": 1.5, "queue": "default", "priority": 1, "max_attempts": 3,
             "description": "d", "paused": True}  # paused: what a value leaves in never fires
 SPECS["schedules"] = [{**SCHEDULE, "name": "hostile-pushed"}]
+# A subscription no event reaches (a kind no test here makes, a queue nothing is in), to
+# a host that never resolves: what a value leaves in sends nothing.
+WEBHOOK = {"url": "https://hostile.invalid/hook", "kinds": ["cron_miss"],
+           "filter": {"queue": "hostile-none", "spec": "parked"}, "enabled": False}
 LIMIT = {"concurrency": 4, "rate": {"limit": 10, "period": 60.0, "burst": 2},
          "key_concurrency": 2, "key_rate": "100/min"}
 
@@ -97,6 +101,7 @@ def http_templates() -> list[tuple[str, str, dict[str, Any]]]:
             ("POST", "/workers/nobody/state", WORKER_STATE),
             ("PUT", "/limits/spec/parked", LIMIT), ("POST", "/workflows", WORKFLOW),
             ("PUT", "/schedules/hostile-sched", SCHEDULE),
+            ("POST", "/webhooks", WEBHOOK),
             ("POST", "/ojs/v1/jobs", ojs_push()),
             ("POST", "/ojs/v1/jobs/batch", {"jobs": [{"type": "hostile.batch", "args": [1]}]}),
             *ojs_workers()]
@@ -326,6 +331,9 @@ PATH_ROUTES = [("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"), ("DELETE", "/job
                ("POST", "/workflows/{}/retry"),
                ("GET", "/schedules/{}"), ("PUT", "/schedules/{}"), ("DELETE", "/schedules/{}"),
                ("POST", "/schedules/{}/pause"), ("POST", "/schedules/{}/resume"),
+               ("GET", "/webhooks/{}"), ("PATCH", "/webhooks/{}"), ("DELETE", "/webhooks/{}"),
+               ("GET", "/webhooks/{}/deliveries"), ("POST", "/webhooks/{}/test"),
+               ("POST", "/webhooks/{}/rotate-secret"),
                ("GET", "/ojs/v1/jobs/{}"), ("DELETE", "/ojs/v1/jobs/{}"),
                ("POST", "/ojs/v1/jobs/{}/activate")]
 
@@ -336,7 +344,8 @@ async def test_every_path_segment_and_query_value(watched: Watch):
         for name, segment in corpus.SEGMENTS:
             body = (json.dumps(WORKER_STATE).encode() if "workers" in route else
                     json.dumps(SCHEDULE).encode() if route.startswith("/schedules") and
-                    method == "PUT" else json.dumps(LIMIT).encode() if method == "PUT" else None)
+                    method == "PUT" else json.dumps(LIMIT).encode() if method == "PUT" else
+                    b'{"enabled": true}' if method == "PATCH" else None)
             answer = await live.http.request(method, route.format(segment), content=body)
             assert 400 <= answer.status_code < 500, f"{method} {route} <- {name}: {answer.text}"
             assert_http(answer, True, f"{method} {route} <- {name}")

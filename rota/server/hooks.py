@@ -1,0 +1,309 @@
+"""Webhooks out, the shell: the subscriptions (the API's and the CLI's operations), the
+pump that turns the events the observer recorded into pending deliveries in the store
+(the outbox), and one delivery task per subscription that sends them, signed, and
+records each attempt. Nothing here is awaited by the engine: the pump reads the
+observer's ring as a GET /events subscriber does, and a receiver that is slow or down
+holds only its own subscription's task (docs/webhooks.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from rota.base.errors import RequestError
+from rota.base.ids import uuid7
+from rota.base.protocol import rfc3339
+from rota.base.signing import DELIVERY, sign
+from rota.core import webhooks as wh
+from rota.core.observe import Observer
+from rota.core.settings import ServerSettings
+from rota.server.hookpost import post
+from rota.store import hooks as sql
+from rota.store.store import Store
+
+log = logging.getLogger("rota.webhooks")
+BATCH = 16  # deliveries a subscription sends at once
+CHUNK = 2048  # events the pump takes from the ring per turn
+IDLE = 1.0  # seconds the pump waits for events before it looks again
+EVENT = "X-Rota-Event"
+SUBSCRIPTION = "X-Rota-Subscription-Id"
+VERSION = importlib.metadata.version("rota")
+
+
+def _subscription(row: dict[str, Any]) -> wh.Subscription:
+    return wh.Subscription(row["id"], row["url"], tuple(row["kinds"]),
+                           wh.as_filter(row["filter"]), row["secret"], row["previous_secret"],
+                           row["rotated_at"], bool(row["enabled"]))
+
+
+def private_allowed(settings: ServerSettings) -> bool:
+    """rota serve --allow-private-endpoints: receivers on private addresses too."""
+    return bool(getattr(settings, "allow_private_endpoints", False))
+
+
+def _not_found(sub_id: str) -> RequestError:
+    return RequestError(404, "webhook_not_found", f"no webhook subscription {sub_id[:80]!r}")
+
+
+class Webhooks:
+    def __init__(self, settings: ServerSettings, store: Store, observer: Observer,
+                 subscribe: Callable[[], None],
+                 events_pulse: Callable[[], asyncio.Future[None]]) -> None:
+        self.settings, self.store, self.observer = settings, store, observer
+        self._subscribe, self._pulse = subscribe, events_pulse
+        self.subs: dict[str, wh.Subscription] = {}
+        self._wakes: dict[str, asyncio.Event] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._pump: asyncio.Task[None] | None = None
+        self._listening = False
+        self._client: httpx.AsyncClient | None = None
+        self.allow_private = private_allowed(settings)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(follow_redirects=False, verify=True,
+                                         timeout=self.settings.webhook_timeout,
+                                         headers={"User-Agent": f"rota/{VERSION}"})
+        for row in await self.store.readers.run(sql.subscriptions):
+            self._track(_subscription(row))
+        self._pump = asyncio.create_task(self._pumping(), name="rota-webhooks-pump")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._pump, *self._tasks.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
+
+    def _track(self, sub: wh.Subscription) -> None:
+        """Follow a subscription (new, or changed): its own delivery task."""
+        self.subs[sub.id] = sub
+        if not self._listening:  # the observer wakes the pump from now on
+            self._listening = True
+            self._subscribe()
+        wake = self._wakes.setdefault(sub.id, asyncio.Event())
+        wake.set()
+        if sub.id not in self._tasks:
+            self._tasks[sub.id] = asyncio.create_task(self._delivering(sub.id),
+                                                      name=f"rota-webhook-{sub.id}")
+
+    def _forget(self, sub_id: str) -> None:
+        self.subs.pop(sub_id, None)
+        self._wakes.pop(sub_id, None)
+        task = self._tasks.pop(sub_id, None)
+        if task is not None:
+            task.cancel()
+
+    # -- the pump: recorded events -> the outbox --------------------------------------------
+    async def _pumping(self) -> None:
+        observer = self.observer
+        last = observer.next_id - 1
+        while True:
+            missed, events = observer.after(last, CHUNK)
+            if missed:
+                log.warning("webhooks missed events %d..%d: the event ring moved past the"
+                            " pump", missed, events[0][0] - 1 if events else last)
+            if not events:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._pulse()), IDLE)
+                continue
+            last = events[-1][0]
+            rows: list[tuple[str, str, str, str, bytes]] = []
+            subs = [s for s in self.subs.values() if s.enabled]
+            for _, event in events:
+                takers = [s.id for s in subs if s.takes(event)]
+                if takers:
+                    event_id = "evt_" + uuid7()
+                    body = wh.body(event_id, event)
+                    rows += [("dlv_" + uuid7(), sub_id, event_id, event[1], body)
+                             for sub_id in takers]
+            if rows:
+                await self._add(rows)
+
+    async def _add(self, rows: list[tuple[str, str, str, str, bytes]]) -> None:
+        """Write the pending deliveries, again until the store takes them."""
+        delay = 0.1
+        while True:
+            try:
+                dropped = await self.store.writer.submit(
+                    lambda conn: sql.add_deliveries(conn, rows, time.time()))
+                break
+            except Exception as exc:  # a storage failure: the rows wait in memory
+                log.warning("webhook deliveries=%d not stored yet (%s): trying again",
+                            len(rows), exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        for sub_id, n in dropped.items():
+            log.warning("webhook subscription=%s dropped %d event(s): %d deliveries already"
+                        " wait for its receiver", sub_id, n, wh.MAX_PENDING)
+        for sub_id in {r[1] for r in rows}:
+            wake = self._wakes.get(sub_id)
+            if wake is not None:
+                wake.set()
+
+    # -- one subscription's deliveries ------------------------------------------------------
+    async def _delivering(self, sub_id: str) -> None:
+        wake = self._wakes[sub_id]
+        hold = self.settings.webhook_timeout + 5.0  # a claim outlives its attempt
+        while sub_id in self.subs:
+            sub = self.subs[sub_id]
+            wake.clear()
+            if not sub.enabled:
+                await wake.wait()
+                continue
+            try:
+                batch = await self.store.writer.submit(
+                    lambda conn: sql.claim(conn, sub_id, time.time(), hold, BATCH))
+                due = None if batch else await self.store.readers.run(
+                    lambda conn: sql.next_due(conn, sub_id))
+            except Exception as exc:
+                log.warning("webhook subscription=%s: reading its deliveries failed (%s)",
+                            sub_id, exc)
+                await asyncio.sleep(1.0)
+                continue
+            if not batch:
+                left = None if due is None else max(0.01, due - time.time())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), left)
+                continue
+            outcomes = await asyncio.gather(*(self._attempt(sub, d) for d in batch))
+            delivered = any(o[1] == "delivered" for o in outcomes)
+            try:
+                await self.store.writer.submit(lambda conn: sql.record(
+                    conn, outcomes, sub_id, time.time(), delivered))
+            except Exception as exc:  # the claims lapse: sent again, at least once
+                log.warning("webhook subscription=%s: recording %d attempt(s) failed (%s)",
+                            sub_id, len(outcomes), exc)
+            retried = [o[3] for o in outcomes if o[1] == "pending"]
+            if retried and not delivered:  # the receiver fails: wait out its backoff
+                pause = max(0.0, min(retried) - time.time())
+                log.info("webhook subscription=%s receiver failing: next try in %.1fs",
+                         sub_id, pause)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed(sub_id, sub), pause)
+
+    async def _changed(self, sub_id: str, sub: wh.Subscription) -> None:
+        """Until the subscription is changed or deleted (a pause ends early then)."""
+        wake = self._wakes.get(sub_id)
+        while wake is not None and self.subs.get(sub_id) is sub:
+            wake.clear()
+            await wake.wait()
+
+    def _headers(self, sub: wh.Subscription, delivery_id: str, kind: str, body: bytes,
+                 now: float) -> dict[str, str]:
+        return {**sign(list(sub.secrets(now)), int(now), body), DELIVERY: delivery_id,
+                EVENT: kind, SUBSCRIPTION: sub.id, "Content-Type": "application/json"}
+
+    async def _attempt(self, sub: wh.Subscription, d: dict[str, Any]) -> tuple[Any, ...]:
+        now = time.time()
+        body = d["body"].encode()
+        assert self._client is not None
+        outcome = await post(self._client, sub.url, body,
+                             self._headers(sub, d["id"], d["kind"], body, now),
+                             self.settings.webhook_timeout, self.allow_private)
+        attempts = d["attempts"] + 1
+        state, next_at = wh.next_step(outcome, attempts, time.time(),
+                                      self.settings.webhook_backoff_scale)
+        if state == "dead":
+            log.warning("webhook dead subscription=%s delivery=%s event=%s kind=%s attempt=%d:"
+                        " %s", sub.id, d["id"], d["event_id"], d["kind"], attempts,
+                        outcome.error)
+        elif state == "pending":
+            log.info("webhook retry subscription=%s delivery=%s event=%s attempt=%d in %.1fs:"
+                     " %s", sub.id, d["id"], d["event_id"], attempts, next_at - now,
+                     outcome.error)
+        return (d["id"], state, attempts, next_at, outcome.status, outcome.ms,
+                outcome.error or None, outcome.response)
+
+    # -- what the API and the dashboard ask ------------------------------------------------------
+    async def create(self, url: str, kinds: list[str], filter_: dict[str, str],
+                     enabled: bool) -> dict[str, Any]:
+        row = {"id": "wh_" + uuid7(), "url": url, "kinds": kinds, "filter": filter_,
+               "secret": "whsec_" + secrets.token_hex(24), "enabled": enabled,
+               "created_at": time.time()}
+        stored = await self.store.writer.submit(lambda conn: sql.insert_subscription(conn, row))
+        self._track(_subscription(stored))
+        log.info("webhook subscription=%s created url=%s kinds=%s", row["id"], url,
+                 ",".join(kinds))
+        return wh.subscription_view(stored, secret=True)
+
+    async def list(self) -> list[dict[str, Any]]:
+        return [wh.subscription_view(r) for r in await self.store.readers.run(sql.subscriptions)]
+
+    async def _row(self, sub_id: str) -> dict[str, Any]:
+        row = await self.store.readers.run(lambda conn: sql.subscription(conn, sub_id))
+        if row is None:
+            raise _not_found(sub_id)
+        return row
+
+    async def get(self, sub_id: str) -> dict[str, Any]:
+        return wh.subscription_view(await self._row(sub_id))
+
+    async def update(self, sub_id: str, changes: dict[str, Any]) -> dict[str, Any]:
+        row = await self.store.writer.submit(
+            lambda conn: sql.update_subscription(conn, sub_id, changes))
+        if row is None:
+            raise _not_found(sub_id)
+        self._track(_subscription(row))
+        return wh.subscription_view(row)
+
+    async def rotate(self, sub_id: str) -> dict[str, Any]:
+        secret = "whsec_" + secrets.token_hex(24)
+        row = await self.store.writer.submit(
+            lambda conn: sql.rotate_secret(conn, sub_id, secret, time.time()))
+        if row is None:
+            raise _not_found(sub_id)
+        self._track(_subscription(row))
+        log.info("webhook subscription=%s secret rotated: both sign for %ds", sub_id,
+                 wh.ROTATION_WINDOW)
+        return wh.subscription_view(row, secret=True)
+
+    async def delete(self, sub_id: str) -> dict[str, Any]:
+        row = await self.store.writer.submit(lambda conn: sql.delete_subscription(conn, sub_id))
+        if row is None:
+            raise _not_found(sub_id)
+        self._forget(sub_id)
+        log.info("webhook subscription=%s deleted", sub_id)
+        return wh.subscription_view(row)
+
+    async def deliveries(self, sub_id: str, limit: int, state: str | None
+                         ) -> list[dict[str, Any]]:
+        await self._row(sub_id)
+        rows = await self.store.readers.run(
+            lambda conn: sql.deliveries(conn, sub_id, limit, state))
+        for row in rows:
+            for key in ("created_at", "next_at", "last_at"):
+                row[key] = rfc3339(row[key]) if row[key] else None
+            if row["state"] != "pending":
+                row["next_at"] = None
+        return rows
+
+    async def test(self, sub_id: str) -> dict[str, Any]:
+        """Send a test delivery now (not through the outbox), and log it."""
+        sub = _subscription(await self._row(sub_id))
+        now = time.time()
+        delivery_id, event_id = "dlv_" + uuid7(), "evt_" + uuid7()
+        body = wh.test_body(event_id, sub_id, rfc3339(now))
+        assert self._client is not None
+        outcome = await post(self._client, sub.url, body,
+                             self._headers(sub, delivery_id, wh.TEST, body, now),
+                             self.settings.webhook_timeout, self.allow_private)
+        state = "dead" if outcome.error else "delivered"
+        await self.store.writer.submit(lambda conn: sql.add_finished(conn, (
+            delivery_id, sub_id, event_id, wh.TEST, body, state, now, outcome.status,
+            outcome.ms, outcome.error or None, outcome.response)))
+        log.info("webhook test subscription=%s delivery=%s status=%s %s", sub_id, delivery_id,
+                 outcome.status, outcome.error or "ok")
+        return {"ok": not outcome.error, "delivery_id": delivery_id, "event_id": event_id,
+                "status": outcome.status, "ms": outcome.ms, "error": outcome.error or None,
+                "response": outcome.response}

@@ -1,0 +1,176 @@
+"""Webhooks out on a real server, to a receiver in the test: a subscription gets the
+events of its kinds and filter, signed, each with one event id and one delivery id on
+every attempt; a receiver that is down gets every event once it is back, while jobs
+flow on; the API's answers and refusals; the delivery log, a test delivery, a secret's
+rotation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import Live, start_server, stop_server, write_spec
+from helpers import wait_until
+from hookrig import Receiver
+
+from rota.base.signing import verify
+from rota.server import hooks
+
+pytestmark = pytest.mark.both_backends
+FAST = {"webhook_backoff_scale": 0.01, "webhook_timeout": 2.0}
+
+
+@pytest.fixture(autouse=True)
+def private_allowed(request, monkeypatch):
+    """The receiver is on loopback: allowed, as rota serve --allow-private-endpoints does
+    (except where a test checks the refusal)."""
+    if "refused" not in request.node.name:
+        monkeypatch.setattr(hooks, "private_allowed", lambda settings: True)
+
+
+async def subscribe(live: Live, receiver: Receiver, **body) -> dict:
+    answer = await live.http.post("/webhooks", json={"url": receiver.url, **body})
+    assert answer.status_code == 201, answer.text
+    return answer.json()
+
+
+@pytest.mark.parametrize("live", [FAST], indirect=True)
+async def test_a_subscription_gets_its_events_signed_and_the_log_keeps_them(live: Live,
+                                                                           tmp_path):
+    receiver = await Receiver().start()
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"),
+                        write_spec(tmp_path / "specs", "other"))
+        sub = await subscribe(live, receiver, kinds=["enqueue", "cancel"],
+                              filter={"spec": "mail"})
+        assert sub["secret"].startswith("whsec_") and sub["kinds"] == ["enqueue", "cancel"]
+        job = await live.enqueue("mail", {"to": "a"})
+        await live.enqueue("other", {})  # not the filter's spec
+        await live.http.delete(f"/jobs/{job['id']}")
+        await wait_until(lambda: len(receiver.got) >= 2, what="two deliveries")
+        kinds = [r.json["kind"] for r in receiver.got]
+        assert sorted(kinds) == ["cancel", "enqueue"]
+        for got in receiver.got:
+            assert verify(sub["secret"], got.headers, got.body, time.time())
+            assert got.headers["x-rota-event"] == got.json["kind"]
+            assert got.headers["x-rota-subscription-id"] == sub["id"]
+            assert got.headers["x-rota-delivery-id"].startswith("dlv_")
+            assert got.json["id"].startswith("evt_")
+            assert got.json["data"]["job"] == job["id"]
+            assert got.json["data"]["spec"] == "mail"
+        shown = (await live.http.get(f"/webhooks/{sub['id']}")).json()
+        assert "secret" not in shown and shown["filter"] == {"spec": "mail"}
+
+        async def delivered() -> bool:
+            log = (await live.http.get(f"/webhooks/{sub['id']}/deliveries")).json()
+            return [d["state"] for d in log["deliveries"]] == ["delivered", "delivered"]
+        await wait_until(delivered, what="the log says delivered")
+
+        test = (await live.http.post(f"/webhooks/{sub['id']}/test")).json()
+        assert test["ok"] and test["status"] == 200
+        assert receiver.got[-1].json["kind"] == "test"
+
+        rotated = (await live.http.post(f"/webhooks/{sub['id']}/rotate-secret")).json()
+        assert rotated["secret"] != sub["secret"]
+        await live.http.post(f"/webhooks/{sub['id']}/test")
+        last = receiver.got[-1]
+        assert verify(rotated["secret"], last.headers, last.body, time.time())
+        assert verify(sub["secret"], last.headers, last.body, time.time())  # the window
+        assert (await live.http.delete(f"/webhooks/{sub['id']}")).status_code == 200
+        assert (await live.http.get(f"/webhooks/{sub['id']}")).status_code == 404
+    finally:
+        await receiver.close()
+
+
+@pytest.mark.parametrize("live", [FAST], indirect=True)
+async def test_a_receiver_down_gets_every_event_after_with_the_same_ids(live: Live, tmp_path):
+    """The done-when line, fast: the receiver refuses connections for ~2 s while jobs
+    are enqueued; after, it has every event, each delivery id always with one event."""
+    receiver = await Receiver().start()
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        sub = await subscribe(live, receiver, kinds=["enqueue"])
+        await receiver.down()
+        ids = [(await live.enqueue("mail", {"n": n}))["id"] for n in range(20)]
+
+        async def retried() -> bool:
+            log = (await live.http.get(f"/webhooks/{sub['id']}/deliveries",
+                                       params={"limit": 100})).json()["deliveries"]
+            return len(log) == 20 and any(d["attempts"] >= 2 for d in log)
+        await wait_until(retried, timeout=10.0, what="retries while down")
+        await receiver.start()
+        await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == set(ids),
+                         timeout=15.0, what="every event after the receiver is back")
+        pairs = {(r.headers["x-rota-delivery-id"], r.json["id"]) for r in receiver.got}
+        assert len({d for d, _ in pairs}) == len(pairs) == 20  # one event id per delivery id
+    finally:
+        await receiver.close()
+
+
+async def test_bad_subscriptions_are_refused_precisely(live: Live):
+    cases = [
+        ({"url": "ftp://x/y", "kinds": ["enqueue"]}, 422,
+         "url must be http or https, not 'ftp'"),
+        ({"url": "https://x/y", "kinds": []}, 422, "kinds must be a non-empty list of event"
+         " kinds: * or any of enqueue, assign, result, retry, discard, cancel, worker_connect,"
+         " worker_disconnect, worker_state, state_change, alert, cron_fire, cron_skip,"
+         " cron_miss"),
+        ({"url": "https://x/y", "kinds": ["job.done"]}, 422, "unknown event kind(s)"
+         " 'job.done'; the kinds are * (all) or enqueue, assign, result, retry, discard,"
+         " cancel, worker_connect, worker_disconnect, worker_state, state_change, alert,"
+         " cron_fire, cron_skip, cron_miss"),
+        ({"url": "https://x/y", "kinds": ["*"], "filter": {"host": "a"}}, 422,
+         "unknown filter key 'host': the keys are spec, queue, worker"),
+        ({"url": "https://x/y", "kinds": ["*"], "filter": {"spec": "a b"}}, 422,
+         "filter.spec is not a name (letters, digits and _.:- up to 128)"),
+        ({"url": "https://u:p@x/y", "kinds": ["*"]}, 422,
+         "url may not carry a user or password (use headers and a secret)"),
+    ]
+    for body, status, message in cases:
+        answer = await live.http.post("/webhooks", json=body)
+        assert (answer.status_code, answer.json()["error"]["message"]) == (status, message)
+    assert (await live.http.get("/webhooks")).json() == {"webhooks": []}
+    missing = await live.http.get("/webhooks/wh_nothing/deliveries")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "webhook_not_found"
+    bad = await live.http.get("/webhooks/wh_nothing/deliveries", params={"limit": "0"})
+    assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_limit")
+
+
+async def test_a_private_receiver_is_refused_without_the_server_option(live: Live):
+    receiver = await Receiver().start()
+    try:
+        answer = await live.http.post("/webhooks", json={"url": receiver.url, "kinds": ["*"]})
+        sub = answer.json()
+        test = (await live.http.post(f"/webhooks/{sub['id']}/test")).json()
+        assert not test["ok"] and test["status"] is None
+        assert test["error"].startswith("address_refused: 127.0.0.1 is a loopback address")
+        assert receiver.got == []
+    finally:
+        await receiver.close()
+
+
+async def test_pending_deliveries_survive_a_restart(tmp_path):
+    """Events waiting for a receiver that is down are delivered by the next run."""
+    receiver = await Receiver().start()
+    live = await start_server(tmp_path, **FAST)
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        sub = await subscribe(live, receiver, kinds=["enqueue"])
+        await receiver.down()
+        ids = [(await live.enqueue("mail", {"n": n}))["id"] for n in range(5)]
+
+        async def pending() -> bool:
+            log = (await live.http.get(f"/webhooks/{sub['id']}/deliveries")).json()
+            return len(log["deliveries"]) == 5
+        await wait_until(pending, what="the outbox holds them")
+    finally:
+        await stop_server(live)
+    await receiver.start()
+    live = await start_server(tmp_path, **FAST)
+    try:
+        await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == set(ids),
+                         timeout=15.0, what="delivered by the next run")
+    finally:
+        await stop_server(live)
+        await receiver.close()
