@@ -28,6 +28,7 @@ from rota.base.unique import unique_option
 from rota.client.failures import dashboard_url, not_the_api, refusal, transport_error
 from rota.client.flows import Workflows
 from rota.client.schedules import ScheduleCalls
+from rota.client.webhooks import WebhookCalls
 
 # The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so
 # a longer result() timeout is waited out in polls of at most this. A server started with
@@ -277,16 +278,15 @@ class _Transport:
         return self._conn
 
 
-class Client(Workflows, ScheduleCalls):
+class Client(Workflows, ScheduleCalls, WebhookCalls):
     """A synchronous client for the Rota API, for producers (a web app's request handlers,
     scripts) and the CLI. It keeps one HTTP/1.1 connection alive; it is not thread-safe,
     so give each thread its own (they are cheap). ``token``: a bearer token (a producer
     token is enough to enqueue and read its own jobs); ``timeout``: seconds for a request
     to be answered; ``max_wait``: the longest single long poll (the server's
     ``max_result_wait``). Failed requests raise ``ApiError``. ``url`` may be a list: the
-    base URLs of servers that share one database, used in turn (``Failover``). Left out
-    (or None), ``url`` is ROTA_URL's, else http://127.0.0.1:8000, and ``token`` is
-    ROTA_TOKEN's, as for the CLI.
+    base URLs of servers that share one database, used in turn (``Failover``). Left out,
+    ``url`` is ROTA_URL's (else http://127.0.0.1:8000), ``token`` ROTA_TOKEN's, as for the CLI.
 
         with Client("http://127.0.0.1:8000", token=token) as client:
             job = client.enqueue("send_email", {"to": "ada@example.com"})
