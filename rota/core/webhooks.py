@@ -6,6 +6,7 @@ retry when, or dead). Pure: rota/server/hooks.py does the I/O around these.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import msgspec
 
 from rota.base.egress import url_problem
+from rota.base.ids import uuid7
 from rota.base.protocol import rfc3339
 from rota.core.observe import KINDS, Event, Filter, event_data
 
@@ -27,6 +29,11 @@ MAX_RETRY_AFTER = 3600.0  # a receiver's Retry-After is honoured up to an hour
 ROTATION_WINDOW = 86400.0  # seconds both secrets sign after a rotation (ojs-webhooks §8.3)
 KEEP = 1000  # finished deliveries kept per subscription (the log), pruned on insert
 MAX_PENDING = 10_000  # deliveries waiting per subscription; more are dropped, and logged
+# Job events a restart recovers from the jobs' rows (``facts``), if the pump had not put
+# them in the outbox before a crash: their ids are made from the fact, so that one
+# recovered and one pumped are known to be the same event.
+FACTS = ("enqueue", "result", "discard", "cancel")
+MARGIN = 2.0  # seconds before the pump's stored mark a restart looks back from
 _json = msgspec.json.Encoder()
 
 
@@ -42,10 +49,11 @@ class Subscription:
     previous_secret: str | None
     rotated_at: float | None
     enabled: bool
+    created_at: float = 0.0
 
     def takes(self, event: Event) -> bool:
         return (self.enabled and (ALL in self.kinds or event[1] in self.kinds)
-                and self.filter.matches(event))
+                and self.filter.matches(event) and event[0] >= self.created_at)
 
     def secrets(self, now: float) -> list[str]:
         """What signs now: the secret, and the one before it for ROTATION_WINDOW."""
@@ -96,6 +104,34 @@ def check_filter(given: object) -> dict[str, str]:
 
 def as_filter(given: dict[str, str]) -> Filter:
     return Filter(spec=given.get("spec"), queue=given.get("queue"), worker=given.get("worker"))
+
+
+def event_id(event: Event) -> str:
+    """An event's id: for a job's fact (FACTS) the same whoever makes it, else new."""
+    kind, job = event[1], event[2]
+    if kind not in FACTS or job is None:
+        return "evt_" + uuid7()
+    attempt = 0 if kind == "enqueue" else event[7]
+    state = event[8] if kind == "result" else ""
+    digest = hashlib.sha256(f"{kind}\0{job}\0{attempt}\0{state}".encode()).hexdigest()
+    return "evt_" + digest[:32]
+
+
+def facts(rows: list[dict[str, Any]], since: float) -> list[Event]:
+    """The FACTS events of job rows (oldest first) at or after ``since``: each job's
+    enqueue, and its ending if it ended (a completion's result, a discard, a cancel). What
+    a row does not keep (an error's message, a duration) is left out."""
+    ending = {"completed": "result", "discarded": "discard", "cancelled": "cancel"}
+    events: list[Event] = []
+    for r in rows:
+        if r["enqueued_at"] >= since:
+            events.append((r["enqueued_at"], "enqueue", r["id"], r["spec"], None, r["queue"],
+                           None, 0, "available", None, None))
+        kind = ending.get(r["state"])
+        if kind is not None and r["finished_at"] is not None and r["finished_at"] >= since:
+            events.append((r["finished_at"], kind, r["id"], r["spec"], None, r["queue"],
+                           r["worker_id"], r["attempt"], r["state"], None, None))
+    return sorted(events, key=lambda e: e[0])
 
 
 def body(event_id: str, event: Event) -> bytes:

@@ -39,10 +39,14 @@ SUBSCRIPTION = "X-Rota-Subscription-Id"
 VERSION = importlib.metadata.version("rota")
 
 
+MARK_EVERY = 5.0  # seconds between writes of the pump's mark when no delivery is written
+RECOVER_LIMIT = 100_000  # job rows a restart reads back, of each kind
+
+
 def _subscription(row: dict[str, Any]) -> wh.Subscription:
     return wh.Subscription(row["id"], row["url"], tuple(row["kinds"]),
                            wh.as_filter(row["filter"]), row["secret"], row["previous_secret"],
-                           row["rotated_at"], bool(row["enabled"]))
+                           row["rotated_at"], bool(row["enabled"]), row["created_at"])
 
 
 def private_allowed(settings: ServerSettings) -> bool:
@@ -65,6 +69,7 @@ class Webhooks:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._pump: asyncio.Task[None] | None = None
         self._listening = False
+        self._mark_key = ""
         self._client: httpx.AsyncClient | None = None
         self.allow_private = private_allowed(settings)
 
@@ -75,6 +80,7 @@ class Webhooks:
                                          headers={"User-Agent": f"rota/{VERSION}"})
         for row in await self.store.readers.run(sql.subscriptions):
             self._track(_subscription(row))
+        self._mark_key = f"webhooks_pumped:{self.store.server_id or ''}"
         self._pump = asyncio.create_task(self._pumping(), name="rota-webhooks-pump")
 
     async def stop(self) -> None:
@@ -108,6 +114,8 @@ class Webhooks:
     async def _pumping(self) -> None:
         observer = self.observer
         last = observer.next_id - 1
+        await self._recover()
+        marked = time.monotonic()
         while True:
             missed, events = observer.after(last, CHUNK)
             if missed:
@@ -118,25 +126,52 @@ class Webhooks:
                     await asyncio.wait_for(asyncio.shield(self._pulse()), IDLE)
                 continue
             last = events[-1][0]
-            rows: list[tuple[str, str, str, str, bytes]] = []
-            subs = [s for s in self.subs.values() if s.enabled]
-            for _, event in events:
-                takers = [s.id for s in subs if s.takes(event)]
-                if takers:
-                    event_id = "evt_" + uuid7()
-                    body = wh.body(event_id, event)
-                    rows += [("dlv_" + uuid7(), sub_id, event_id, event[1], body)
-                             for sub_id in takers]
-            if rows:
-                await self._add(rows)
+            rows = self._rows([event for _, event in events])
+            if rows or time.monotonic() - marked > MARK_EVERY:
+                await self._add(rows, events[-1][1][0])
+                marked = time.monotonic()
 
-    async def _add(self, rows: list[tuple[str, str, str, str, bytes]]) -> None:
-        """Write the pending deliveries, again until the store takes them."""
+    def _rows(self, events: list[Any]) -> list[tuple[str, str, str, str, bytes]]:
+        """A pending delivery per event and subscription that takes it."""
+        rows: list[tuple[str, str, str, str, bytes]] = []
+        subs = [s for s in self.subs.values() if s.enabled]
+        for event in events:
+            takers = [s.id for s in subs if s.takes(event)]
+            if takers:
+                event_id = wh.event_id(event)
+                body = wh.body(event_id, event)
+                rows += [("dlv_" + uuid7(), sub_id, event_id, event[1], body)
+                         for sub_id in takers]
+        return rows
+
+    async def _recover(self) -> None:
+        """The job events of the moments before the last stop (a kill -9 between an
+        event and the pump's write), from the jobs' rows: from the pump's stored mark (or
+        the oldest subscription), each left out if its delivery exists (the same id)."""
+        subs = [s for s in self.subs.values() if s.enabled
+                and any(k in (wh.ALL, *wh.FACTS) for k in s.kinds)]
+        if not subs:
+            return
+        mark = await self.store.readers.run(lambda conn: sql.read_mark(conn, self._mark_key))
+        since = (mark - wh.MARGIN) if mark is not None else min(s.created_at for s in subs)
+        jobs = await self.store.readers.run(
+            lambda conn: sql.recent_jobs(conn, since, RECOVER_LIMIT))
+        rows = self._rows(wh.facts(jobs, since))
+        if rows:
+            await self._add(rows, None, recovered=True)
+            log.info("webhooks: %d delivery(ies) of job events since %s looked for again"
+                     " after the restart", len(rows), rfc3339(since))
+
+    async def _add(self, rows: list[tuple[str, str, str, str, bytes]], wall: float | None,
+                   *, recovered: bool = False) -> None:
+        """Write the pending deliveries (and the pump's mark: events up to ``wall`` are
+        in), again until the store takes them."""
         delay = 0.1
+        mark = None if wall is None else (self._mark_key, wall)
         while True:
             try:
-                dropped = await self.store.writer.submit(
-                    lambda conn: sql.add_deliveries(conn, rows, time.time()))
+                dropped = await self.store.writer.submit(lambda conn: sql.add_deliveries(
+                    conn, rows, time.time(), mark, recovered=recovered))
                 break
             except Exception as exc:  # a storage failure: the rows wait in memory
                 log.warning("webhook deliveries=%d not stored yet (%s): trying again",

@@ -85,15 +85,23 @@ def delete_subscription(conn: sqlite3.Connection, sub_id: str) -> dict[str, Any]
 
 # -- the outbox ----------------------------------------------------------------------------
 def add_deliveries(conn: sqlite3.Connection, rows: list[tuple[str, str, str, str, bytes]],
-                   now: float) -> dict[str, int]:
+                   now: float, mark: tuple[str, float] | None = None, *,
+                   recovered: bool = False) -> dict[str, int]:
     """Pending deliveries (id, subscription, event id, kind, body), due now; a
     subscription with MAX_PENDING waiting gets none more. Each subscription's log is
-    pruned to its KEEP latest finished. Returns what was dropped, per subscription."""
+    pruned to its KEEP latest finished. ``mark``: (key, wall) kept in meta, the pump's
+    progress, in the same transaction. ``recovered``: events a restart found in the
+    jobs' rows, left out where a delivery of the same event id exists. Returns what was
+    dropped, per subscription."""
+    if mark is not None:
+        keep_mark(conn, *mark)
     by_sub: dict[str, list[tuple[str, str, str, str, bytes]]] = {}
     for row in rows:
         by_sub.setdefault(row[1], []).append(row)
     dropped: dict[str, int] = {}
     for sub_id, batch in by_sub.items():
+        if recovered:
+            batch = _unseen(conn, sub_id, batch)
         waiting = conn.execute("SELECT COUNT(*) FROM webhook_deliveries WHERE"
                                " subscription_id = ? AND state = 'pending'",
                                (sub_id,)).fetchone()[0]
@@ -107,6 +115,38 @@ def add_deliveries(conn: sqlite3.Connection, rows: list[tuple[str, str, str, str
                          [(i, s, e, k, b.decode(), now, now) for i, s, e, k, b in batch])
         prune(conn, sub_id)
     return dropped
+
+
+def _unseen(conn: sqlite3.Connection, sub_id: str, batch: list[tuple[str, str, str, str, bytes]]
+            ) -> list[tuple[str, str, str, str, bytes]]:
+    seen: set[str] = set()
+    for start in range(0, len(batch), 500):
+        ids = [r[2] for r in batch[start:start + 500]]
+        seen.update(r[0] for r in conn.execute(
+            f"SELECT event_id FROM webhook_deliveries WHERE subscription_id = ? AND event_id"
+            f" IN ({', '.join('?' * len(ids))})", (sub_id, *ids)))
+    return [r for r in batch if r[2] not in seen]
+
+
+def keep_mark(conn: sqlite3.Connection, key: str, wall: float) -> None:
+    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, repr(wall)))
+
+
+def read_mark(conn: sqlite3.Connection, key: str) -> float | None:
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return None if row is None else float(row[0])
+
+
+def recent_jobs(conn: sqlite3.Connection, since: float, limit: int) -> list[dict[str, Any]]:
+    """Jobs enqueued or ended at or after ``since`` (at most ``limit`` of each)."""
+    columns = "id, spec, queue, worker_id, attempt, state, enqueued_at, finished_at"
+    found = {r["id"]: dict(r) for r in conn.execute(
+        f"SELECT {columns} FROM jobs WHERE enqueued_at >= ? LIMIT ?", (since, limit))}
+    for state in ("completed", "discarded", "cancelled"):
+        found.update((r["id"], dict(r)) for r in conn.execute(
+            f"SELECT {columns} FROM jobs WHERE state = ? AND finished_at >= ? LIMIT ?",
+            (state, since, limit)))
+    return list(found.values())
 
 
 def prune(conn: sqlite3.Connection, sub_id: str) -> None:

@@ -301,6 +301,7 @@ def m024_webhooks(db: sqlite_utils.Database) -> None:
                            "created_at"}, defaults={"attempts": 0})
     db["webhook_deliveries"].create_index(["subscription_id", "state", "next_at"])
     db["webhook_deliveries"].create_index(["subscription_id", "created_at"])
+    db["webhook_deliveries"].create_index(["subscription_id", "event_id"])
 
 
 def migrate(path: Path) -> None:

@@ -179,6 +179,8 @@ INDEXES: tuple[Index, ...] = (
           ("subscription_id", "state", "next_at")),
     Index("idx_webhook_deliveries_subscription_id_created_at", "webhook_deliveries",
           ("subscription_id", "created_at")),
+    Index("idx_webhook_deliveries_subscription_id_event_id", "webhook_deliveries",
+          ("subscription_id", "event_id")),
 )
 
 

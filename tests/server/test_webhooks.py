@@ -174,3 +174,31 @@ async def test_pending_deliveries_survive_a_restart(tmp_path):
     finally:
         await stop_server(live)
         await receiver.close()
+
+
+async def test_events_the_pump_had_not_written_are_found_again_after_a_restart(tmp_path):
+    """A kill -9 between an event and the pump's write loses it from memory: the next run
+    finds the job events in the jobs' rows, and sends each once (the same event id)."""
+    receiver = await Receiver().start()
+    live = await start_server(tmp_path, **FAST)
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        await subscribe(live, receiver, kinds=["enqueue", "cancel"])
+        first = (await live.enqueue("mail", {"n": 0}))["id"]
+        await wait_until(lambda: len(receiver.got) == 1, what="the first, pumped")
+        live.coordinator.webhooks._pump.cancel()  # as if killed before it wrote the rest
+        ids = [(await live.enqueue("mail", {"n": n}))["id"] for n in range(1, 4)]
+        await live.http.delete(f"/jobs/{ids[0]}")
+    finally:
+        await stop_server(live)
+    assert [r.json["data"]["job"] for r in receiver.got] == [first]
+    live = await start_server(tmp_path, **FAST)
+    try:
+        want = {(first, "enqueue"), *((i, "enqueue") for i in ids), (ids[0], "cancel")}
+        await wait_until(lambda: {(r.json["data"]["job"], r.json["kind"])
+                                  for r in receiver.got} == want,
+                         timeout=15.0, what="the missed events, from the rows")
+        assert len(receiver.got) == len(want)  # the first is not sent again
+    finally:
+        await stop_server(live)
+        await receiver.close()
