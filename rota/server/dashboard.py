@@ -16,7 +16,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from rota.server import flowpages
+from rota.server import flowpages, hookpages
 from rota.server.api import job_detail, worker_views
 from rota.server.api_base import coordinator_of, need
 from rota.core import display
@@ -414,6 +414,7 @@ routes: list[BaseRoute] = [
     Route("/ui/jobs/{job_id:path}/cancel", action(cancel_job), methods=["POST"]),
     Route("/ui/jobs/{job_id:path}", job_page, methods=["GET"]),
     *flowpages.routes,  # /ui/workflows, a workflow, its cancel and retry
+    *hookpages.routes,  # /ui/webhooks and its "Send test"
     Route("/ui/login", login_form, methods=["GET"]),
     Route("/ui/login", login, methods=["POST"]),
     Route("/ui/logout", logout, methods=["POST"]),

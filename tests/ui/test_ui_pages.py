@@ -179,6 +179,7 @@ async def test_an_empty_server_renders_every_page(tmp_path):
         assert "No worker is connected" in await page(live, "/ui/workers")
         assert "No spec was pushed yet" in await page(live, "/ui/specs")
         assert "No cron schedule yet" in await page(live, "/ui/schedules")
+        assert "No webhook subscription yet" in await page(live, "/ui/webhooks")
         assert "No queue has jobs or workers yet" in await page(live, "/ui/queues")
         assert "Nothing waits for lack of a worker" in await page(live, "/ui")
     finally:

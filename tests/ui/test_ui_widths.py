@@ -137,7 +137,7 @@ def check_pages(page: Page, rig: Rig, ids: dict[str, str], width: int) -> dict[s
     wrong = {"/ui/login": faults(page, width)}
     enter(page, rig)
     for path in ("/ui", "/ui/queues", "/ui/specs", "/ui/limits", "/ui/schedules", "/ui/workers",
-                 "/ui/jobs",
+                 "/ui/jobs", "/ui/webhooks",
                  "/ui/jobs?state=discarded", f"/ui/jobs/{ids['done']}",
                  f"/ui/jobs/{ids['failed']}", "/ui/bulk?action=retry&state=discarded"):
         page.goto(rig.base + path)
