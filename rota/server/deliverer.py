@@ -15,6 +15,7 @@ import msgspec
 from rota.base.protocol import ErrorInfo
 from rota.base.push import MAX_SHOWN_BODY, Delivered, Delivery
 from rota.base.signing import DELIVERY, sign
+from rota.core.settings import ServerSettings
 from rota.server.egress_http import MAX_BODY, MAX_REDIRECTS, Answer, Egress
 
 MAX_RETRY_AFTER = 3600.0  # seconds: an endpoint's Retry-After is honoured up to this
@@ -81,6 +82,18 @@ class Deliverer:
 
     async def aclose(self) -> None:
         await self._egress.aclose()
+
+
+def callback_base(settings: ServerSettings, port: int) -> str:
+    """The base of the callback URL: --public-url, else the address the server listens
+    on (``port``: the one bound; a wildcard host as its loopback, reachable only from
+    this machine: an endpoint elsewhere needs --public-url)."""
+    if settings.public_url:
+        return settings.public_url.rstrip("/")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(settings.host,
+                                                                       settings.host)
+    scheme = "https" if settings.ssl_certfile else "http"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def classify(d: Delivery, answer: Answer, max_body: int = MAX_BODY,

@@ -9,7 +9,8 @@ import email.utils
 import pytest
 
 from rota.base.push import Delivery
-from rota.server.deliverer import MAX_RETRY_AFTER, classify, retry_after
+from rota.core.settings import ServerSettings
+from rota.server.deliverer import MAX_RETRY_AFTER, callback_base, classify, retry_after
 from rota.server.egress_http import Answer
 
 NOW = 1_800_000_000.0
@@ -108,3 +109,12 @@ def test_the_record_keeps_2048_bytes_of_the_body_as_text():
     done = classify(D, answer(500, b"\xff" + b"y" * 5000), now=NOW)
     assert done.body.startswith("\ufffd") and len(done.body) == 2048
     assert done.record()["body"] == done.body
+
+
+def test_the_callback_base_is_the_public_url_else_where_the_server_listens():
+    assert callback_base(ServerSettings(public_url="https://rota.example/"), 8000) \
+        == "https://rota.example"
+    assert callback_base(ServerSettings(host="127.0.0.1"), 8123) == "http://127.0.0.1:8123"
+    assert callback_base(ServerSettings(host="::"), 80) == "http://[::1]:80"
+    assert callback_base(ServerSettings(host="0.0.0.0", ssl_certfile="c.pem"), 443) \
+        == "https://127.0.0.1:443"
