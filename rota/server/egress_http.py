@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -107,12 +108,15 @@ class Egress:
     the webhooks), for the server's life; ``aclose`` at shutdown. ``allow_private``
     (rota serve --allow-private-endpoints) lifts the address check."""
 
-    def __init__(self, *, allow_private: bool, max_keepalive: int = 200) -> None:
+    def __init__(self, *, allow_private: bool, max_keepalive: int = 200,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: the certificates trusted (default: httpx's, certifi's CAs);
+        a context given must verify too (the tests give one trusting their own CA)."""
         transport = httpx.AsyncHTTPTransport(verify=True, trust_env=False)
         # httpx takes no network backend of its own: its pool is replaced by one that
         # has ours (httpcore's public constructor), with the same TLS context.
         transport._pool = httpcore.AsyncConnectionPool(
-            ssl_context=httpx.create_ssl_context(verify=True, trust_env=False),
+            ssl_context=ssl_context or httpx.create_ssl_context(verify=True, trust_env=False),
             max_connections=None, max_keepalive_connections=max_keepalive,
             keepalive_expiry=5.0, network_backend=_CheckedBackend(allow_private))
         self._client = httpx.AsyncClient(transport=transport, follow_redirects=False,

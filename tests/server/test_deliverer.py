@@ -4,7 +4,10 @@ checks it, and a delivery id per POST."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import ssl
 import subprocess
 import sys
 import time
@@ -14,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from helpers import wait_until
 
 from rota.base.push import Delivery
 from rota.server.deliverer import Deliverer
+from rota.server.egress_http import Answer, Egress
 
 RIG = Path(__file__).resolve().parents[1] / "endpoint_rig.py"
 SECRET = "rig-secret"
@@ -182,3 +187,43 @@ class socket_closed:
 
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
+
+
+async def test_tls_is_verified_against_the_url_s_name_though_the_address_is_checked(tmp_path):
+    ca = trustme.CA()
+    names: list[str | None] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            pass  # (a client that refused the certificate)
+        writer.close()
+
+    async def answer(cert_for: str, trusted: bool) -> Answer:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert(cert_for).configure_cert(context)
+        context.sni_callback = lambda sock, name, ctx: names.append(name)
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=context)
+        trust = ssl.create_default_context()
+        ca.configure_trust(trust)
+        egress = Egress(allow_private=True, ssl_context=trust if trusted else None)
+        try:
+            port = server.sockets[0].getsockname()[1]
+            return await egress.post(f"https://localhost:{port}/", b"{}", {}, timeout=5)
+        finally:
+            await egress.aclose()
+            server.close()
+            await server.wait_closed()
+
+    good = await answer("localhost", trusted=True)
+    assert (good.status, good.body, names) == (200, b"{}", ["localhost"])  # SNI: the name
+    mismatch = await answer("other.example", trusted=True)
+    assert mismatch.error == "connect" and "localhost" in mismatch.message  # checked by name
+    untrusted = await answer("localhost", trusted=False)
+    assert untrusted.error == "connect" and "CERTIFICATE_VERIFY_FAILED" in untrusted.message
