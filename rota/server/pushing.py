@@ -34,24 +34,14 @@ class Pusher:
         self.deliverer: Any = None  # made at start (its HTTP pool lives on the loop)
         self.secrets: Callable[[str], list[bytes] | None] = lambda name: None
 
-    def callback_base(self) -> str:
-        settings = self.settings
-        public = getattr(settings, "public_url", None)
-        if public:
-            return public.rstrip("/")
-        scheme = "https" if settings.ssl_certfile else "http"
-        host = settings.host if settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        host = f"[{host}]" if ":" in host else host
-        return f"{scheme}://{host}:{settings.port}"
-
     async def start(self) -> None:
         """The callback key and the pinned versions, then the deliverer."""
-        from rota.server.deliverer import Deliverer  # (httpx: loaded only by a server)
+        from rota.server.deliverer import Deliverer, callback_base  # (httpx: a server's)
         self.engine.callback_key = await self.store.callback_key(random.token_hex(32))
         await self.reread()
         self.deliverer = Deliverer(
             allow_private=bool(getattr(self.settings, "allow_private_endpoints", False)),
-            secrets=self.secrets, callback_base=self.callback_base())
+            secrets=self.secrets, callback_base=callback_base(self.settings, self.settings.port))
 
     async def reread(self) -> None:
         """The versions of push-executed specs as stored (at a start, and after another
