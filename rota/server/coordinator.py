@@ -35,6 +35,7 @@ from rota.core.settings import ServerSettings
 from rota.server.shell_directives import ShellDirectives
 from rota.server.ojs_operating import OjsOperating
 from rota.base.specs import JobSpec
+from rota.server.secretbook import SecretBook
 from rota.server.steering import Steering
 from rota.store.health import Health
 from rota.store.store import Store
@@ -97,7 +98,10 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
             store, every=settings.heartbeat_interval, max_holds=settings.max_waits_per_token,
             monotonic=lambda: self.clock().mono,
             on_change=lambda valid: self.apply(engine.revoked(valid)))
-        self.steering = Steering(store, engine, clock, self.run, self.apply)
+        # Endpoint signing secrets (env, then database): the push's and the deliverer's.
+        self.secrets = SecretBook(store, lambda: self.clock().wall)
+        self.steering = Steering(store, engine, clock, self.run, self.apply,
+                                 secrets=self.secrets)
         self.admission = Admission(store, engine, clock, self.apply, self.crash_point)
         self.watching = Watching(store, engine, clock, settings.max_series)
         self.upkeep = Upkeep(settings, store, engine, clock, self.apply, self.steering)
@@ -164,6 +168,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.store.start(asyncio.get_running_loop())
         try:
             await self.tokenwatch.refresh()
+            await self.secrets.reload()
         except BaseException:  # no stop() follows a failed start: end the store's threads
             await asyncio.to_thread(self.store.close)
             raise

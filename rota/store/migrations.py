@@ -284,6 +284,16 @@ def m021_ojs(db: sqlite_utils.Database) -> None:
                " WHERE dead_letter = 1")
 
 
+@migrations()
+def m022_secrets(db: sqlite_utils.Database) -> None:
+    # Endpoint signing secrets (rota/store/secrets.py), kept as given: HMAC needs the
+    # value itself. ``previous``: the value a rotation replaced, valid until
+    # ``previous_until`` so that receivers can switch over.
+    db["secrets"].create({"name": str, "value": str, "previous": str, "rotated_at": float,
+                          "previous_until": float, "created_at": float, "updated_at": float},
+                         pk="name", not_null={"value", "created_at", "updated_at"})
+
+
 def migrate(path: Path) -> None:
     conn = connect(path)
     try:

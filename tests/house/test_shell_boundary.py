@@ -24,7 +24,7 @@ PAST = {"store", "scheduler", "engine"}
 SHELL = {"server." + name for name in ("coordinator", "shell_reads", "shell_directives", "cluster",
                                        "admission", "steering", "tokenwatch", "upkeep",
                                        "watching", "limiting", "composing", "clockwork",
-                                       "pulling", "ojs_shell", "ojs_operating")}
+                                       "pulling", "ojs_shell", "ojs_operating", "secretbook")}
 ENGINE = {"core.engine", "core.intake", "core.reservations", "core.heartbeats",
           "core.timers", "core.lines", "core.pulls"}  # the engine and its parts (mixins)
 
