@@ -133,6 +133,10 @@ def secrets_delete(name: str, as_json: bool, url: str) -> None:
         print_json(reply)
         return
     out(f"deleted secret {name}")
-    if reply["deleted"]["source"] == "env":
+    deleted = reply["deleted"]
+    if deleted["source"] == "env":
         out(f"note: this server still signs with {env_name(name)} from its environment",
             err=True)
+    elif deleted.get("specs"):
+        out(f"warning: spec(s) {', '.join(deleted['specs'])} name it: their deliveries cannot"
+            f" be signed until it is set again ('rota secrets set {name}')", err=True)

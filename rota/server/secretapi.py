@@ -48,7 +48,8 @@ async def list_secrets(request: Request) -> Response:
 async def delete_secret(request: Request) -> Response:
     need(request, "admin")
     name = _name(request)
-    return JSON({"deleted": await coordinator_of(request).secrets.delete(name)})
+    coordinator = coordinator_of(request)
+    return JSON({"deleted": await coordinator.secrets.delete(name, coordinator.specs.values())})
 
 
 # -- the answers, for the OpenAPI document (rota/server/routes.py) ------------------------
@@ -60,7 +61,7 @@ class SecretView(msgspec.Struct, kw_only=True):
     updated_at: str | None
     rotated_at: str | None
     previous_valid_until: str | None  # a rotation's window: signed with both until then
-    specs: list[str] = []  # (GET /secrets) the status quo's specs that name it
+    specs: list[str] = []  # (GET and DELETE) the status quo's specs that name it
 
 
 class SecretPut(msgspec.Struct, kw_only=True):

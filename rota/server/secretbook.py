@@ -90,8 +90,10 @@ class SecretBook:
                      f" {env_name(name)})" if self.source(name) == "env" else "")
         return self.view(name), change, made
 
-    async def delete(self, name: str) -> dict[str, Any]:
-        """Delete the database's secret ``name``; its view as it was."""
+    async def delete(self, name: str, specs: Iterable[JobSpec]) -> dict[str, Any]:
+        """Delete the database's secret ``name``; its view now, with the specs of the
+        status quo (``specs``) that name it: if it is set nowhere else, their deliveries
+        cannot be signed until it is set again (said, and logged, not refused)."""
         row = await self.store.delete_secret(name)
         if row is None:
             self.rows.pop(name, None)
@@ -99,8 +101,12 @@ class SecretBook:
                            + (f" (this server takes it from {env_name(name)})"
                               if self.source(name) == "env" else ""))
         self.rows.pop(name, None)
-        log.info("secret %s deleted", name)
-        return self.view(name, row)  # (its source now: the environment's, or none)
+        users = sorted(s.name for s in specs if s.execute is not None
+                       and s.execute.secret == name)
+        stranded = users and not self.known(name)
+        log.log(logging.WARNING if stranded else logging.INFO, "secret %s deleted%s", name,
+                f": spec(s) {', '.join(users)} name it, set nowhere now" if stranded else "")
+        return self.view(name, row, specs=users)  # (its source now: the environment's, or none)
 
     def listing(self, specs: Iterable[JobSpec]) -> list[dict[str, Any]]:
         """Every secret the database holds or a spec of the status quo names, with where

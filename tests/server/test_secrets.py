@@ -108,6 +108,10 @@ async def test_a_push_naming_a_secret_set_nowhere_is_refused_dry_run_too(live: L
     listed = (await live.http.get("/secrets")).json()["secrets"]
     assert [(s["name"], s["source"], s["specs"]) for s in listed] == [
         ("stripe.live", "db", ["charge"])]
+    code, out, err = await invoke("secrets", "delete", "stripe.live", "--url", live.base)
+    assert (code, out) == (0, "deleted secret stripe.live\n")
+    assert err == ("warning: spec(s) charge name it: their deliveries cannot be signed until"
+                   " it is set again ('rota secrets set stripe.live')\n")
 
 
 @pytest.mark.sqlite_only("the environment is the server process's, whatever the store")
