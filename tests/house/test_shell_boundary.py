@@ -26,7 +26,8 @@ SHELL = {"server." + name for name in ("coordinator", "shell_reads", "shell_dire
                                        "watching", "limiting", "composing", "clockwork",
                                        "pulling", "ojs_shell", "ojs_operating", "secretbook")}
 ENGINE = {"core.engine", "core.intake", "core.reservations", "core.heartbeats",
-          "core.timers", "core.lines", "core.pulls"}  # the engine and its parts (mixins)
+          "core.timers", "core.lines", "core.pulls",
+          "core.endpoints"}  # the engine and its parts (mixins)
 
 
 def reaches(source: str, module: str = "") -> list[str]:
