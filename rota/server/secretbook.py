@@ -17,7 +17,8 @@ from typing import Any
 from rota.base.errors import Invalid, NotFound
 from rota.base.protocol import rfc3339
 from rota.base.specs import JobSpec
-from rota.core.secrets import DEFAULT_WINDOW, env_name, in_force, value_problem, window_problem
+from rota.core.secrets import (DEFAULT_WINDOW, ENV_PREFIX, env_name, in_force, value_problem,
+                               window_problem)
 from rota.store.store import Store
 
 log = logging.getLogger("rota.server")
@@ -65,6 +66,19 @@ class SecretBook:
     async def reload(self) -> None:
         """Read the table again (at start, or after another server changed it)."""
         self.load(await self.store.secrets())
+
+    def announce(self) -> None:
+        """At start: one line naming where the secrets come from (never a value), and one
+        for each variable of the environment whose value breaks the rule (used anyway:
+        the operator chose it, and a receiver may hold it already)."""
+        variables = sorted(k for k, v in self.environ.items() if k.startswith(ENV_PREFIX) and v)
+        for variable in variables:
+            if (problem := value_problem(self.environ[variable])) is not None:
+                log.warning("secret %s from the environment: %s (used as it is)", variable,
+                            problem)
+        if variables or self.rows:
+            log.info("secrets: %d in the database, %d from the environment%s", len(self.rows),
+                     len(variables), f" ({', '.join(variables)})" if variables else "")
 
     # -- the API's ---------------------------------------------------------------------------
     async def set(self, name: str, value: str | None, window: float | None

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from conftest import Live, start_server, stop_server, write_spec
-from helpers import end, free_port, spawn_serve
+from helpers import end, free_port, spawn_serve, wait_until
 
 from rota.cli.app import main
 
@@ -134,5 +134,10 @@ async def test_the_servers_environment_comes_first(tmp_path: Path):
         code, out, _ = await invoke("secrets", "list", "--url", url)
         assert out.startswith("billing-hook  environment (ROTA_SECRET_BILLING_HOOK)")
         assert out.rstrip().endswith("specs=bill")
+        line = "secrets: 0 in the database, 1 from the environment (ROTA_SECRET_BILLING_HOOK)"
+        log = tmp_path / "serve.log"
+        await wait_until(lambda: line in log.read_text(), what="the start's secrets line")
+        await wait_until(lambda: "secret billing-hook new" in log.read_text(), what="the set")
+        assert "from-the-environment" not in log.read_text() and VALUE not in log.read_text()
     finally:
         await end([proc], [http])
