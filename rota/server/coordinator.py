@@ -36,6 +36,7 @@ from rota.core.settings import ServerSettings
 from rota.server.shell_directives import ShellDirectives
 from rota.server.ojs_operating import OjsOperating
 from rota.base.specs import JobSpec
+from rota.server.secretbook import SecretBook
 from rota.server.steering import Steering
 from rota.store.health import Health
 from rota.store.store import Store
@@ -90,7 +91,8 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
             store, every=settings.heartbeat_interval, max_holds=settings.max_waits_per_token,
             monotonic=lambda: self.clock().mono,
             on_change=lambda valid: self.apply(engine.revoked(valid)))
-        self.steering = Steering(store, engine, clock, self.run, self.apply)
+        self.secrets = SecretBook(store, lambda: self.clock().wall)  # endpoint signing secrets
+        self.steering = Steering(store, engine, clock, self.run, self.apply, secrets=self.secrets)
         self.admission = Admission(store, engine, clock, self.apply, self.crash_point)
         self.watching = Watching(store, engine, clock, settings.max_series)
         self.upkeep = Upkeep(settings, store, engine, clock, self.apply, self.steering)
@@ -102,8 +104,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
         self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
         self.composing = Composing(settings, store, engine, clock, steering.cancel,  # workflows
-                                   self.admission._read_status_quo, self.apply,
-                                   self.job_waiting_reason)
+                                   self.admission._read_status_quo, self.apply, self.job_waiting_reason)
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse
@@ -111,11 +112,10 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         tokens = self.tokenwatch
         self.hold, self.release, self.reread_tokens = tokens.hold, tokens.release, tokens.reread
         self.create_token, self.revoke_token = tokens.create, tokens.revoke
-        self.buckets_for = RateLimits((settings.rate_limit, settings.rate_burst),
-                                      (settings.rate_bytes, settings.rate_bytes_burst),
-                                      MAX_BUCKETS).of
-        self.pusher = Pusher(settings, store, engine, self.apply, clock)  # (push execution)
-        self.on_stop.append(self.pusher.stop)
+        self.buckets_for = RateLimits((settings.rate_limit, settings.rate_burst), (
+            settings.rate_bytes, settings.rate_bytes_burst), MAX_BUCKETS).of
+        self.pusher = Pusher(settings, store, engine, self.apply, clock, self.secrets.secret_values)
+        self.on_stop.append(self.pusher.stop)  # (push execution: rota/server/pushing.py)
 
     # -- what routes and tests read --------------------------------------------------
     @property
@@ -159,6 +159,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.store.start(asyncio.get_running_loop())
         try:
             await self.tokenwatch.refresh()
+            await self.secrets.reload()
         except BaseException:  # no stop() follows a failed start: end the store's threads
             await asyncio.to_thread(self.store.close)
             raise
@@ -170,6 +171,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
                                     snapshot.retired, snapshot.paused))
         await self.pusher.start()
         self.limiting.load(snapshot.limits, snapshot.limit_starts)
+        self.secrets.announce()
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.store.where,
                  self.settings.durability, len(self.specs), self.scheduler.live())
         self.spawn(self._dispatch_loop(), "rota-dispatch")

@@ -27,12 +27,12 @@ class Pusher:
     """Runs the engine's deliveries and hands their answers back."""
 
     def __init__(self, settings: ServerSettings, store: Store, engine: Engine,
-                 apply: Callable[[list[Effect]], None], clock: Callable[[], Instant]) -> None:
+                 apply: Callable[[list[Effect]], None], clock: Callable[[], Instant],
+                 secrets: Callable[[str], list[bytes] | None]) -> None:
         self.settings, self.store, self.engine = settings, store, engine
-        self.apply, self.clock = apply, clock
+        self.apply, self.clock, self.secrets = apply, clock, secrets
         self.tasks: set[asyncio.Task[None]] = set()
         self.deliverer: Any = None  # made at start (its HTTP pool lives on the loop)
-        self.secrets: Callable[[str], list[bytes] | None] = lambda name: None
 
     async def start(self) -> None:
         """The callback key and the pinned versions, then the deliverer."""

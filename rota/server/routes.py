@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.server import api, callbacks, cronapi, feeds, operate, workflows, workschema
+from rota.server import api, callbacks, cronapi, feeds, operate, secretapi, workflows, workschema
+from rota.server.secretapi import SecretDeleted, SecretList, SecretPut, SecretRequest
 from rota.server.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.server.gate import OPEN_PATHS  # one list of what needs no token: the gate's
 from rota.base.flow import WrittenRule
@@ -126,6 +127,13 @@ ROUTES: list[Op] = [
        {200: TokenList}),
     Op("delete", "/tokens/{token}", api.revoke_token, "Revoke a token by id or name (admin)",
        None, {200: Revoked, 404: ErrorBody}),
+    Op("put", "/secrets/{name}", secretapi.put_secret, "Set or rotate an endpoint signing"
+       " secret, or generate one (answered this once) when no value is given (admin)",
+       SecretRequest, {200: SecretPut, 201: SecretPut, **BAD}),
+    Op("get", "/secrets", secretapi.list_secrets, "Signing secrets: names, dates and source"
+       " (environment or database), never values (admin)", None, {200: SecretList}),
+    Op("delete", "/secrets/{name}", secretapi.delete_secret, "Delete a signing secret from"
+       " the database (admin)", None, {200: SecretDeleted, 400: ErrorBody, 404: ErrorBody}),
     Op("get", "/events", feeds.events, "Server-sent events: what happens, as it happens"
        " (admin)", None, {200: None, 400: ErrorBody, 422: ErrorBody, 429: ErrorBody}),
     Op("get", "/stats", feeds.stats, "Counts per minute over the last hour, and the oldest"
@@ -140,7 +148,8 @@ STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry"
                 "/jobs/retry", "/jobs/cancel", "/queues/{queue}/pause", "/queues/{queue}/resume",
                 "/limits/{kind}/{name}", "/workflows", "/workflows/{workflow_id}",
                 "/workflows/{workflow_id}/retry", "/schedules", "/schedules/{name}",
-                "/schedules/{name}/pause", "/schedules/{name}/resume"}
+                "/schedules/{name}/pause", "/schedules/{name}/resume", "/secrets",
+                "/secrets/{name}"}
 
 
 @functools.cache

@@ -25,7 +25,7 @@ SHELL = {"server." + name for name in ("coordinator", "shell_reads", "shell_dire
                                        "admission", "steering", "tokenwatch", "upkeep",
                                        "watching", "limiting", "composing", "clockwork",
                                        "pulling", "ojs_shell", "ojs_operating", "pushing",
-                                       "callbacks")}
+                                       "callbacks", "secretbook")}
 ENGINE = {"core.engine", "core.intake", "core.reservations", "core.heartbeats",
           "core.timers", "core.lines", "core.pulls",
           "core.endpoints"}  # the engine and its parts (mixins)

@@ -97,6 +97,7 @@ def http_templates() -> list[tuple[str, str, dict[str, Any]]]:
             ("POST", "/workers/nobody/state", WORKER_STATE),
             ("PUT", "/limits/spec/parked", LIMIT), ("POST", "/workflows", WORKFLOW),
             ("PUT", "/schedules/hostile-sched", SCHEDULE),
+            ("PUT", "/secrets/hostile-secret", {"value": "a-hostile-secret-0123", "window": 60.0}),
             ("POST", "/ojs/v1/jobs", ojs_push()),
             ("POST", "/ojs/v1/jobs/batch", {"jobs": [{"type": "hostile.batch", "args": [1]}]}),
             *ojs_workers()]
@@ -326,6 +327,7 @@ PATH_ROUTES = [("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"), ("DELETE", "/job
                ("POST", "/workflows/{}/retry"),
                ("GET", "/schedules/{}"), ("PUT", "/schedules/{}"), ("DELETE", "/schedules/{}"),
                ("POST", "/schedules/{}/pause"), ("POST", "/schedules/{}/resume"),
+               ("PUT", "/secrets/{}"), ("DELETE", "/secrets/{}"),
                ("GET", "/ojs/v1/jobs/{}"), ("DELETE", "/ojs/v1/jobs/{}"),
                ("POST", "/ojs/v1/jobs/{}/activate")]
 
