@@ -15,6 +15,7 @@ module builds the group; each group of commands is a module of its own:
     workflows  workflows, workflows show|cancel|retry|create
     schedules  schedules, schedules show|add|pause|resume|delete
     webhooks   webhooks, webhooks add|show|deliveries|test|rotate-secret|delete
+    secrets  secrets set|list|delete
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 
 import click
 
-from rota.cli import (jobs, limits, live, ops, schedules, serve, specs, tokens, webhooks,
-                      worker, workflows)
+from rota.cli import (jobs, limits, live, ops, schedules, secrets, serve, specs, tokens,
+                      webhooks, worker, workflows)
 from rota.cli.base import error as _error
 from rota.cli.base import need_server
 from rota.cli.base import out as _out
@@ -74,5 +75,6 @@ def main(ctx: click.Context) -> None:
 for _command in (serve.serve, worker.worker, worker.demo, specs.specs,
                  jobs.enqueue, jobs.run, jobs.jobs, ops.queues, ops.workers,
                  live.watch, live.tail, tokens.tokens, limits.limits,
-                 workflows.workflows, schedules.schedules, webhooks.webhooks):
+                 workflows.workflows, schedules.schedules, secrets.secrets,
+                 webhooks.webhooks):
     main.add_command(_command)

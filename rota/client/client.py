@@ -1,6 +1,5 @@
-"""A small synchronous HTTP client for the Rota API, used by the CLI and by producers,
-and the job handles and errors both producer clients share (``rota.client.producer`` has the
-asyncio one).
+"""A small synchronous HTTP client for the Rota API, the CLI's and producers', and the job
+handles and errors both producer clients share (``rota.client.producer`` has the asyncio one).
 
 It speaks HTTP/1.1 over one kept-alive connection with the standard library's
 http.client. A general-purpose client (httpx) cost 0.3 ms more per call here on an idle
@@ -29,6 +28,7 @@ from rota.client.failures import dashboard_url, not_the_api, refusal, transport_
 from rota.client.flows import Workflows
 from rota.client.schedules import ScheduleCalls
 from rota.client.webhooks import WebhookCalls
+from rota.client.secrets import SecretCalls
 
 # The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so
 # a longer result() timeout is waited out in polls of at most this. A server started with
@@ -278,7 +278,7 @@ class _Transport:
         return self._conn
 
 
-class Client(Workflows, ScheduleCalls, WebhookCalls):
+class Client(Workflows, ScheduleCalls, SecretCalls, WebhookCalls):
     """A synchronous client for the Rota API, for producers (a web app's request handlers,
     scripts) and the CLI. It keeps one HTTP/1.1 connection alive; it is not thread-safe,
     so give each thread its own (they are cheap). ``token``: a bearer token (a producer

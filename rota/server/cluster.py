@@ -32,7 +32,8 @@ from rota.core.verdicts import parse_target
 log = logging.getLogger("rota.server")
 T = TypeVar("T")
 BARRIER_WAIT = 1.0  # seconds a barrier waits for its notice to come back (then goes on)
-READS = ("rota-cluster-specs", "rota-cluster-queues", "rota-cluster-limits")
+READS = ("rota-cluster-specs", "rota-cluster-queues", "rota-cluster-limits",
+         "rota-cluster-secrets")
 
 
 class Cluster:
@@ -145,6 +146,9 @@ class Cluster:
             self._spawn(self._read_paused(), "rota-cluster-queues")
         elif channel == fleet.LIMITS:
             self._spawn(self._read_limits(), "rota-cluster-limits")
+        elif channel == fleet.SECRETS:  # a signing secret set or deleted there
+            self._spawn(self._persist(self.coordinator.secrets.reload, "read the secrets"),
+                        "rota-cluster-secrets")
         elif channel == fleet.WORKERS and len(words) == 2:
             self._direct(origin, words[0], words[1])
         elif channel == fleet.CANCEL and len(words) == 2 and words[0] == self.me:
@@ -227,6 +231,7 @@ class Cluster:
         await self._read_status_quo()
         await self._read_paused()
         await self._read_limits()
+        await self._persist(self.coordinator.secrets.reload, "read the secrets")
         seqs = await self._persist(self.store.waiting_seqs, "read which jobs wait")
         coordinator = self.coordinator
         held = self.engine.scheduler.held_seqs()

@@ -13,16 +13,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.server import api, cronapi, feeds, hookapi, operate, workflows, workschema
+from rota.server import (api, callbacks, cronapi, feeds, hookapi, operate, secretapi,
+                         workflows, workschema)
 from rota.server.hookapi import (DeliveryList, NewWebhook, TestReply, WebhookChange, WebhookList,
                                 WebhookRequest, WebhookView)
+from rota.server.secretapi import SecretDeleted, SecretList, SecretPut, SecretRequest
 from rota.server.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.server.gate import OPEN_PATHS  # one list of what needs no token: the gate's
 from rota.base.flow import WrittenRule
 from rota.core.jobs import BatchRequest, EnqueueRequest
 from rota.core.schedules import ScheduleDef
 from rota.server.openapi import Op, document
-from rota.server.openapi_schemas import (BatchReply, BulkReply, Directed, Enqueued, ErrorBody, Health,
+from rota.server.openapi_schemas import (BatchReply, BulkReply, CallbackReply, Directed, Enqueued, ErrorBody, Health,
                                   History, JobDetail, JobList, JobView, LimitCleared, LimitEntry,
                                   LimitList, NewToken, PushReply, ScheduleList, SchedulePut,
                                   ScheduleView,
@@ -53,6 +55,12 @@ ROUTES: list[Op] = [
      {200: JobView, 202: JobView, 404: ErrorBody, 409: ErrorBody}),
     Op("post", "/jobs/{job_id}/retry", api.retry_job, "Put a discarded or cancelled job back", None,
      {200: JobView, 404: ErrorBody, 409: ErrorBody}),
+    Op("post", "/jobs/{job_id}/callback", callbacks.callback,
+       "A push endpoint's result for a job it answered 202 (its token, not a bearer token)",
+       callbacks.CallbackBody, {200: CallbackReply, 403: ErrorBody, 409: ErrorBody, **BAD}),
+    Op("post", "/jobs/{job_id}/callback/heartbeat", callbacks.callback_beat,
+       "A push endpoint's job runs on: its lease starts again", callbacks.BeatBody,
+       {200: CallbackReply, 403: ErrorBody, 409: ErrorBody, **BAD}),
     Op("get", "/jobs/{job_id}/result", api.job_result,
        "A job's result, waiting up to ?wait= seconds", None,
      {200: ResultReply, 202: ResultReply, 400: ErrorBody, 401: ErrorBody, 404: ErrorBody,
@@ -122,6 +130,13 @@ ROUTES: list[Op] = [
        {200: TokenList}),
     Op("delete", "/tokens/{token}", api.revoke_token, "Revoke a token by id or name (admin)",
        None, {200: Revoked, 404: ErrorBody}),
+    Op("put", "/secrets/{name}", secretapi.put_secret, "Set or rotate an endpoint signing"
+       " secret, or generate one (answered this once) when no value is given (admin)",
+       SecretRequest, {200: SecretPut, 201: SecretPut, **BAD}),
+    Op("get", "/secrets", secretapi.list_secrets, "Signing secrets: names, dates and source"
+       " (environment or database), never values (admin)", None, {200: SecretList}),
+    Op("delete", "/secrets/{name}", secretapi.delete_secret, "Delete a signing secret from"
+       " the database (admin)", None, {200: SecretDeleted, 400: ErrorBody, 404: ErrorBody}),
     Op("post", "/webhooks", hookapi.create_webhook, "Subscribe a URL to events; the signing"
        " secret is shown this once (admin)", WebhookRequest, {201: NewWebhook, **BAD}),
     Op("get", "/webhooks", hookapi.list_webhooks, "Webhook subscriptions, never their secrets"
@@ -157,7 +172,8 @@ STORED_PATHS = {"/jobs", "/jobs/batch", "/jobs/{job_id}", "/jobs/{job_id}/retry"
                 "/jobs/retry", "/jobs/cancel", "/queues/{queue}/pause", "/queues/{queue}/resume",
                 "/limits/{kind}/{name}", "/workflows", "/workflows/{workflow_id}",
                 "/workflows/{workflow_id}/retry", "/schedules", "/schedules/{name}",
-                "/schedules/{name}/pause", "/schedules/{name}/resume", "/webhooks",
+                "/schedules/{name}/pause", "/schedules/{name}/resume", "/secrets",
+                "/secrets/{name}", "/webhooks",
                 "/webhooks/{webhook_id}", "/webhooks/{webhook_id}/deliveries",
                 "/webhooks/{webhook_id}/test", "/webhooks/{webhook_id}/rotate-secret"}
 

@@ -19,10 +19,12 @@ from rota.core.effects import Effect
 from rota.core.engine import Engine
 from rota.base.errors import Conflict, Invalid, NotFound, StorageError
 from rota.core.listing import JobFilter
+from rota.core.secrets import unknown_secrets
 from rota.core.model import Instant, JobRecord
 from rota.base.specs import JobSpec, checksum
 from rota.store.store import Store, job_from_row
 from rota.server.limiting import Limiting
+from rota.server.secretbook import SecretBook
 from rota.server.shell_reads import new_queue_problems, refuse_unknown
 
 BULK_CHUNK = 200  # jobs a bulk action handles at once: their writes share commits
@@ -31,8 +33,10 @@ Run = Callable[[Iterable[Effect]], Coroutine[Any, Any, dict[str, JobRecord | Non
 
 class Steering:
     def __init__(self, store: Store, engine: Engine, clock: Callable[[], Instant],
-                 run: Run, apply: Callable[[Iterable[Effect]], None]) -> None:
+                 run: Run, apply: Callable[[Iterable[Effect]], None], *,
+                 secrets: SecretBook) -> None:
         self.store = store
+        self.secrets = secrets  # the signing secrets set (env or database), which a push needs
         self.engine = engine
         self.clock = clock
         self.run = run  # effects, waiting for each write to commit
@@ -200,6 +204,10 @@ class Steering:
     async def push_specs(self, specs: list[JobSpec], *, dry_run: bool) -> list[dict[str, Any]]:
         if (refusal := v.duplicate_specs([s.name for s in specs])) is not None:
             raise refusal
+        if unknown_secrets(specs, self.secrets.known) is not None:
+            await self.secrets.reload()  # (another server may have set it a moment ago)
+            if (refusal := unknown_secrets(specs, self.secrets.known)) is not None:
+                raise refusal  # (a dry run too: the push it tries would be refused)
         changes = await self.store.push_specs([(s, checksum(s)) for s in specs], dry_run=dry_run)
         if not dry_run:
             self.apply(self.engine.status_quo_changed(specs, changes, self.clock()))

@@ -12,6 +12,7 @@ back):
 - ``rota_specs``: the status quo changed (a push or a retirement);
 - ``rota_queues``: a queue was paused or resumed;
 - ``rota_limits``: a limit was set or cleared at runtime ("<kind>:<name>");
+- ``rota_secrets``: a signing secret was set or deleted ("<name>");
 - ``rota_cancel``: a running job is to be cancelled by the server that holds it;
 - ``rota_workers``: an operator's directive (quiet, terminate, resume) for workers
   connected to other servers: "<state> id=<worker>", "<state> label=<label>" or
@@ -33,7 +34,8 @@ from rota.base.protocol import rfc3339
 
 JOBS, SPECS, QUEUES, CANCEL = "rota_jobs", "rota_specs", "rota_queues", "rota_cancel"
 WORKERS, LIMITS, SYNC = "rota_workers", "rota_limits", "rota_sync"
-CHANNELS = (JOBS, SPECS, QUEUES, CANCEL, WORKERS, LIMITS, SYNC)
+SECRETS = "rota_secrets"
+CHANNELS = (JOBS, SPECS, QUEUES, CANCEL, WORKERS, LIMITS, SYNC, SECRETS)
 # PostgreSQL refuses a payload of 8,000 bytes or more: longer lists go as several.
 MAX_PAYLOAD = 7_000
 

@@ -285,6 +285,23 @@ def m021_ojs(db: sqlite_utils.Database) -> None:
 
 
 @migrations()
+def m022_secrets(db: sqlite_utils.Database) -> None:
+    # Endpoint signing secrets (rota/store/secrets.py), kept as given: HMAC needs the
+    # value itself. ``previous``: the value a rotation replaced, valid until
+    # ``previous_until`` so that receivers can switch over.
+    db["secrets"].create({"name": str, "value": str, "previous": str, "rotated_at": float,
+                          "previous_until": float, "created_at": float, "updated_at": float},
+                         pk="name", not_null={"value", "created_at", "updated_at"})
+
+
+@migrations()
+def m023_execute(db: sqlite_utils.Database) -> None:
+    # Push execution (rota/core/pins.py): the first job row enqueued after each push, so
+    # a job's version follows from its row. NULL for pushes made before this column.
+    db["spec_pushes"].add_column("first_seq", int)
+
+
+@migrations()
 def m024_webhooks(db: sqlite_utils.Database) -> None:
     # Webhooks out (docs/webhooks.md): subscriptions, and their deliveries, pending (the
     # outbox, found by subscription, state and next try) or kept as the log.

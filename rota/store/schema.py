@@ -21,6 +21,8 @@ MIGRATIONS = (
     "m009_retired_specs", "m010_meta", "m011_operator", "m012_servers", "m013_worker_token",
     "m014_throughput", "m015_flow_control", "m016_unique_keys", "m017_active_keys",
     "m018_job_origins", "m019_schedules", "m020_workflows", "m021_ojs",
+    "m022_secrets",
+    "m023_execute",
     "m024_webhooks",
 )
 
@@ -91,7 +93,8 @@ TABLES: tuple[Table, ...] = (
     Table("status_quo", _cols("name TEXT, checksum TEXT, updated_at REAL, retired_at REAL"),
           pk=("name",)),
     Table("spec_pushes", _cols("id INTEGER, name TEXT, checksum TEXT, previous TEXT,"
-                               " pushed_at REAL, event TEXT NOT NULL ='push'"), pk=("id",)),
+                               " pushed_at REAL, event TEXT NOT NULL ='push', first_seq INTEGER"),
+          pk=("id",)),
     Table("workers", _cols("id TEXT, hostname TEXT, pid INTEGER, queues TEXT, labels TEXT,"
                            " concurrency INTEGER, specs TEXT, connected_at REAL,"
                            " disconnected_at REAL"), pk=("id",)),
@@ -138,6 +141,11 @@ TABLES: tuple[Table, ...] = (
         " kind TEXT NOT NULL, position INTEGER NOT NULL, role TEXT, state TEXT NOT NULL,"
         " job_id TEXT, spec TEXT, remaining INTEGER NOT NULL =0, failed INTEGER NOT NULL =0,"
         " result TEXT, error TEXT, parent_results TEXT"), pk=("workflow_id", "node")),
+    # Endpoint signing secrets (m022): the value, and the one it replaced while that
+    # stays valid (until previous_until), for a rotation (rota/store/secrets.py).
+    Table("secrets", _cols("name TEXT, value TEXT NOT NULL, previous TEXT, rotated_at REAL,"
+                           " previous_until REAL, created_at REAL NOT NULL,"
+                           " updated_at REAL NOT NULL"), pk=("name",)),
     # Webhooks out (m024, rota/store/hooks.py): the subscriptions (kinds and filter as
     # JSON; the secret kept to sign with, the one before it for the rotation window),
     # and each event's delivery to each, pending (the outbox) or finished (the log).
