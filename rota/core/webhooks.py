@@ -177,13 +177,14 @@ class Outcome:
 
 def answered(status: int, retry_in: float | None, ms: float, response: str) -> Outcome:
     """An HTTP answer classified: 2xx done; 408, 429, 5xx retried (Retry-After
-    honoured); a redirect is not followed; another 4xx is dead."""
+    honoured); a redirect (to another host: the egress follows same-host ones) and
+    another 4xx are dead."""
     if 200 <= status < 300:
         return Outcome(status, ms=ms, response=response)
     if status in (408, 429) or status >= 500:
         return Outcome(status, f"http_{status}", True, retry_in, ms, response)
     if 300 <= status < 400:
-        return Outcome(status, f"http_{status}: redirects are not followed", False, None, ms,
+        return Outcome(status, f"http_{status}: a redirect to another host is not followed", False, None, ms,
                        response)
     return Outcome(status, f"http_{status}", False, None, ms, response)
 

@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-
 from rota.base.errors import RequestError
 from rota.base.ids import uuid7
 from rota.base.protocol import rfc3339
@@ -26,6 +24,7 @@ from rota.base.signing import DELIVERY, sign
 from rota.core import webhooks as wh
 from rota.core.observe import Observer
 from rota.core.settings import ServerSettings
+from rota.server.egress_http import Egress
 from rota.server.hookpost import post
 from rota.store import hooks as sql
 from rota.store.store import Store
@@ -49,11 +48,6 @@ def _subscription(row: dict[str, Any]) -> wh.Subscription:
                            row["rotated_at"], bool(row["enabled"]), row["created_at"])
 
 
-def private_allowed(settings: ServerSettings) -> bool:
-    """rota serve --allow-private-endpoints: receivers on private addresses too."""
-    return bool(getattr(settings, "allow_private_endpoints", False))
-
-
 def _not_found(sub_id: str) -> RequestError:
     return RequestError(404, "webhook_not_found", f"no webhook subscription {sub_id[:80]!r}")
 
@@ -70,14 +64,12 @@ class Webhooks:
         self._pump: asyncio.Task[None] | None = None
         self._listening = False
         self._mark_key = ""
-        self._client: httpx.AsyncClient | None = None
-        self.allow_private = private_allowed(settings)
+        self._egress: Egress | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(follow_redirects=False, verify=True,
-                                         timeout=self.settings.webhook_timeout,
-                                         headers={"User-Agent": f"rota/{VERSION}"})
+        # Its own pool (not the endpoint deliveries'): receivers never wait on endpoints.
+        self._egress = Egress(allow_private=self.settings.allow_private_endpoints)
         for row in await self.store.readers.run(sql.subscriptions):
             self._track(_subscription(row))
         self._mark_key = f"webhooks_pumped:{self.store.server_id or ''}"
@@ -88,8 +80,8 @@ class Webhooks:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._client is not None:
-            await self._client.aclose()
+        if self._egress is not None:
+            await self._egress.aclose()
 
     def _track(self, sub: wh.Subscription) -> None:
         """Follow a subscription (new, or changed): its own delivery task."""
@@ -237,15 +229,16 @@ class Webhooks:
     def _headers(self, sub: wh.Subscription, delivery_id: str, kind: str, body: bytes,
                  now: float) -> dict[str, str]:
         return {**sign(list(sub.secrets(now)), int(now), body), DELIVERY: delivery_id,
-                EVENT: kind, SUBSCRIPTION: sub.id, "Content-Type": "application/json"}
+                EVENT: kind, SUBSCRIPTION: sub.id, "Content-Type": "application/json",
+                "User-Agent": f"rota/{VERSION}"}
 
     async def _attempt(self, sub: wh.Subscription, d: dict[str, Any]) -> tuple[Any, ...]:
         now = time.time()
         body = d["body"].encode()
-        assert self._client is not None
-        outcome = await post(self._client, sub.url, body,
+        assert self._egress is not None
+        outcome = await post(self._egress, sub.url, body,
                              self._headers(sub, d["id"], d["kind"], body, now),
-                             self.settings.webhook_timeout, self.allow_private)
+                             self.settings.webhook_timeout)
         attempts = d["attempts"] + 1
         state, next_at = wh.next_step(outcome, attempts, time.time(),
                                       self.settings.webhook_backoff_scale)
@@ -329,10 +322,10 @@ class Webhooks:
         now = time.time()
         delivery_id, event_id = "dlv_" + uuid7(), "evt_" + uuid7()
         body = wh.test_body(event_id, sub_id, rfc3339(now))
-        assert self._client is not None
-        outcome = await post(self._client, sub.url, body,
+        assert self._egress is not None
+        outcome = await post(self._egress, sub.url, body,
                              self._headers(sub, delivery_id, wh.TEST, body, now),
-                             self.settings.webhook_timeout, self.allow_private)
+                             self.settings.webhook_timeout)
         state = "dead" if outcome.error else "delivered"
         await self.store.writer.submit(lambda conn: sql.add_finished(conn, (
             delivery_id, sub_id, event_id, wh.TEST, body, state, now, outcome.status,

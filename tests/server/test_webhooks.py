@@ -14,18 +14,11 @@ from helpers import wait_until
 from hookrig import Receiver
 
 from rota.base.signing import verify
-from rota.server import hooks
 
 pytestmark = pytest.mark.both_backends
-FAST = {"webhook_backoff_scale": 0.01, "webhook_timeout": 2.0}
-
-
-@pytest.fixture(autouse=True)
-def private_allowed(request, monkeypatch):
-    """The receiver is on loopback: allowed, as rota serve --allow-private-endpoints does
-    (except where a test checks the refusal)."""
-    if "refused" not in request.node.name:
-        monkeypatch.setattr(hooks, "private_allowed", lambda settings: True)
+# The receiver is on loopback: rota serve --allow-private-endpoints.
+FAST = {"webhook_backoff_scale": 0.01, "webhook_timeout": 2.0,
+        "allow_private_endpoints": True}
 
 
 async def subscribe(live: Live, receiver: Receiver, **body) -> dict:
@@ -107,6 +100,7 @@ async def test_a_receiver_down_gets_every_event_after_with_the_same_ids(live: Li
         await receiver.close()
 
 
+@pytest.mark.parametrize("live", [FAST], indirect=True)
 async def test_bad_subscriptions_are_refused_precisely(live: Live):
     cases = [
         ({"url": "ftp://x/y", "kinds": ["enqueue"]}, 422,

@@ -12,8 +12,8 @@ from helpers import rota
 from hookrig import Receiver
 
 
-async def test_the_webhooks_commands(live: Live, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(live.coordinator.webhooks, "allow_private", True)  # loopback
+@pytest.mark.parametrize("live", [{"allow_private_endpoints": True}], indirect=True)
+async def test_the_webhooks_commands(live: Live):  # (the receiver is on loopback)
     receiver = await Receiver().start()
     base = ["--url", live.base]
     try:

@@ -20,8 +20,7 @@ assert browser  # the workflow pages' browser fixture, and its expect timeout
 
 
 def test_the_webhooks_page_lists_deliveries_and_sends_a_test(browser: Browser, tmp_path: Path):
-    with Rig(tmp_path, webhook_backoff_scale=0.01) as rig:
-        rig.coordinator.webhooks.allow_private = True  # the receiver is on loopback
+    with Rig(tmp_path, webhook_backoff_scale=0.01, allow_private_endpoints=True) as rig:
         receiver = rig.run(Receiver().start())
         try:
             rig.spec("echo")

@@ -14,7 +14,7 @@ from rota.core.observe import Filter
     (200, "", False), (204, "", False), (202, "", False),
     (408, "http_408", True), (429, "http_429", True), (500, "http_500", True),
     (503, "http_503", True), (400, "http_400", False), (404, "http_404", False),
-    (410, "http_410", False), (301, "http_301: redirects are not followed", False)])
+    (410, "http_410", False), (301, "http_301: a redirect to another host is not followed", False)])
 def test_each_answer_is_done_retried_or_dead(status, error, retryable):
     outcome = wh.answered(status, None, 1.0, "")
     assert (outcome.error, outcome.retryable) == (error, retryable)
