@@ -196,3 +196,23 @@ async def test_events_the_pump_had_not_written_are_found_again_after_a_restart(t
     finally:
         await stop_server(live)
         await receiver.close()
+
+
+@pytest.mark.parametrize("live", [{**FAST, "webhook_timeout": 30.0}], indirect=True)
+async def test_a_hanging_receiver_holds_neither_jobs_nor_another_subscription(live: Live,
+                                                                             tmp_path):
+    hanging = await Receiver(delay=60.0).start()
+    healthy = await Receiver().start()
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        await subscribe(live, hanging, kinds=["enqueue"])
+        await subscribe(live, healthy, kinds=["enqueue"])
+        ids = {(await live.enqueue("mail", {"n": n}))["id"] for n in range(5)}
+        # Each answer within 30 s is awaited by its own subscription only: the other
+        # gets every event at once, and the jobs were taken in meanwhile.
+        await wait_until(lambda: {r.json["data"]["job"] for r in healthy.got} == ids,
+                         timeout=10.0, what="the healthy receiver, not held")
+        assert len(hanging.got) >= 1  # (it holds its deliveries, unanswered)
+    finally:
+        await hanging.close()
+        await healthy.close()
