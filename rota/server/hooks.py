@@ -40,6 +40,7 @@ VERSION = importlib.metadata.version("rota")
 
 MARK_EVERY = 5.0  # seconds between writes of the pump's mark when no delivery is written
 RECOVER_LIMIT = 100_000  # job rows a restart reads back, of each kind
+REREAD = 10.0  # seconds between reads of the subscriptions (another server's changes)
 
 
 def _subscription(row: dict[str, Any]) -> wh.Subscription:
@@ -107,8 +108,11 @@ class Webhooks:
         observer = self.observer
         last = observer.next_id - 1
         await self._recover()
-        marked = time.monotonic()
+        marked = read = time.monotonic()
         while True:
+            if time.monotonic() - read > REREAD:
+                await self._reread()
+                read = time.monotonic()
             missed, events = observer.after(last, CHUNK)
             if missed:
                 log.warning("webhooks missed events %d..%d: the event ring moved past the"
@@ -122,6 +126,21 @@ class Webhooks:
             if rows or time.monotonic() - marked > MARK_EVERY:
                 await self._add(rows, events[-1][1][0])
                 marked = time.monotonic()
+
+    async def _reread(self) -> None:
+        """Follow the subscriptions as stored: those another server sharing the
+        database made, changed or deleted."""
+        try:
+            rows = await self.store.readers.run(sql.subscriptions)
+        except Exception as exc:
+            log.warning("webhooks: reading the subscriptions failed (%s)", exc)
+            return
+        stored = {row["id"]: _subscription(row) for row in rows}
+        for sub_id in [s for s in self.subs if s not in stored]:
+            self._forget(sub_id)
+        for sub_id, sub in stored.items():
+            if self.subs.get(sub_id) != sub:
+                self._track(sub)
 
     def _rows(self, events: list[Any]) -> list[tuple[str, str, str, str, bytes]]:
         """A pending delivery per event and subscription that takes it."""

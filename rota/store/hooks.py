@@ -168,11 +168,16 @@ def claim(conn: sqlite3.Connection, sub_id: str, now: float, hold: float, limit:
         " AND next_at <= ? ORDER BY next_at, created_at, id LIMIT ?", (sub_id, now, limit))]
     if not ids:
         return []
-    marks = ", ".join("?" * len(ids))
-    conn.execute(f"UPDATE webhook_deliveries SET next_at = ? WHERE id IN ({marks})",
-                 (now + hold, *ids))
+    # Only those still due as the row is written: a server sharing the database that
+    # claimed one first (PostgreSQL re-reads a row it waited for) keeps it.
+    ids = [r[0] for r in conn.execute(
+        f"UPDATE webhook_deliveries SET next_at = ? WHERE id IN ({', '.join('?' * len(ids))})"
+        " AND state = 'pending' AND next_at <= ? RETURNING id", (now + hold, *ids, now))]
+    if not ids:
+        return []
     rows = conn.execute(f"SELECT id, event_id, kind, body, attempts FROM webhook_deliveries"
-                        f" WHERE id IN ({marks}) ORDER BY created_at, id", ids)
+                        f" WHERE id IN ({', '.join('?' * len(ids))}) ORDER BY created_at, id",
+                        ids)
     return [dict(r) for r in rows]
 
 
