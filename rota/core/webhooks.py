@@ -203,6 +203,14 @@ def next_step(outcome: Outcome, attempts: int, now: float, scale: float = 1.0
     return "pending", now + delay
 
 
+def pause(streak: int, due_in: float, scale: float = 1.0) -> float:
+    """How long a subscription whose receiver failed ``streak`` batches in a row waits
+    before it tries again (any of its deliveries): the schedule's delay for that many
+    failures, or longer if the failed deliveries' own next tries are later. A receiver
+    that is down costs one batch per pause, not one try per waiting event."""
+    return max(0.0, due_in, DELAYS[min(streak, len(DELAYS)) - 1] * scale)
+
+
 def subscription_view(row: dict[str, Any], *, secret: bool = False) -> dict[str, Any]:
     """A subscription as the API shows it: its secret only when ``secret`` (at creation
     and rotation)."""

@@ -201,6 +201,7 @@ class Webhooks:
     async def _delivering(self, sub_id: str) -> None:
         wake = self._wakes[sub_id]
         hold = self.settings.webhook_timeout + 5.0  # a claim outlives its attempt
+        streak = 0  # batches in a row that all failed: the receiver's own backoff
         while sub_id in self.subs:
             sub = self.subs[sub_id]
             wake.clear()
@@ -231,8 +232,10 @@ class Webhooks:
                 log.warning("webhook subscription=%s: recording %d attempt(s) failed (%s)",
                             sub_id, len(outcomes), exc)
             retried = [o[3] for o in outcomes if o[1] == "pending"]
-            if retried and not delivered:  # the receiver fails: wait out its backoff
-                pause = max(0.0, min(retried) - time.time())
+            streak = 0 if delivered or not retried else streak + 1
+            if streak:  # the receiver fails: it is left alone for a growing while
+                pause = wh.pause(streak, min(retried) - time.time(),
+                                 self.settings.webhook_backoff_scale)
                 log.info("webhook subscription=%s receiver failing: next try in %.1fs",
                          sub_id, pause)
                 with contextlib.suppress(TimeoutError):
@@ -351,6 +354,8 @@ class Webhooks:
             outcome.ms, outcome.error or None, outcome.response)))
         log.info("webhook test subscription=%s delivery=%s status=%s %s", sub_id, delivery_id,
                  outcome.status, outcome.error or "ok")
+        if not outcome.error and sub_id in self.subs:
+            self._track(sub)  # the receiver answers: a pause for its failures ends now
         return {"ok": not outcome.error, "delivery_id": delivery_id, "event_id": event_id,
                 "status": outcome.status, "ms": outcome.ms, "error": outcome.error or None,
                 "response": outcome.response}

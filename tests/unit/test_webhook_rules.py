@@ -59,3 +59,10 @@ def test_a_subscription_takes_its_kinds_and_filter():
     assert every.takes(event)
     assert not wh.Subscription("wh_3", "https://x/h", ("*",), Filter(), "s", None, None,
                                False).takes(event)
+
+
+def test_a_failing_receiver_is_left_alone_longer_each_time():
+    assert [wh.pause(n, 0.0) for n in (1, 2, 3, 8, 20)] == [30.0, 120.0, 600.0, 86400.0,
+                                                          86400.0]
+    assert wh.pause(1, 45.0) == 45.0  # a Retry-After further off
+    assert wh.pause(2, -1.0, scale=0.01) == 1.2
