@@ -75,7 +75,7 @@ async def test_a_subscription_gets_its_events_signed_and_the_log_keeps_them(live
         await receiver.close()
 
 
-@pytest.mark.parametrize("live", [FAST], indirect=True)
+@pytest.mark.parametrize("live", [{**FAST, "webhook_backoff_scale": 0.002}], indirect=True)
 async def test_a_receiver_down_gets_every_event_after_with_the_same_ids(live: Live, tmp_path):
     """The done-when line, fast: the receiver refuses connections for ~2 s while jobs
     are enqueued; after, it has every event, each delivery id always with one event."""
