@@ -119,12 +119,13 @@ def classify(d: Delivery, answer: Answer, max_body: int = MAX_BODY,
                f"to {where}, not followed (after {MAX_REDIRECTS} redirects)")
         return failed(d, "redirect", f"HTTP {status}: redirected {why}", retryable=False,
                       fault=True, **seen)
+    said = f"HTTP {status}" + (f": {seen['body'][:200]}" if seen["body"].strip() else "")
     if status in (408, 409, 429) or 500 <= status < 600:
-        return failed(d, f"http_{status}", f"HTTP {status}", retryable=True,
+        return failed(d, f"http_{status}", said, retryable=True,
                       fault=status != 409,
                       retry_in=retry_after(answer.headers.get("retry-after"), now), **seen)
     if 400 <= status < 500:
-        return failed(d, f"http_{status}", f"HTTP {status}", retryable=False,
+        return failed(d, f"http_{status}", said, retryable=False,
                       fault=status in (401, 403, 404), **seen)
     return failed(d, "bad_response", f"HTTP {status} is no answer", retryable=True,
                   fault=True, **seen)
