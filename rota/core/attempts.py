@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import msgspec
 
@@ -91,6 +92,11 @@ def end_attempt(job: JobRecord, ending: Ending, error: p.ErrorInfo, now: Instant
         fails=job.fails, limits=job.limits, expires_at=job.expires_at,
         cancel_requested=job.cancel_requested, now=now.wall, rand=rand(), deaths=job.deaths,
         error_names=(error.type, error.code))
+    if decision.run_at is not None and isinstance(error.details, dict):
+        # The failure said when to come back (an endpoint's Retry-After): never sooner.
+        asked = error.details.get("retry_after")
+        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and 0 < asked <= 3600:
+            decision = replace(decision, run_at=max(decision.run_at, now.wall + asked))
     if decision.reason.startswith("poison"):
         error = p.ErrorInfo(type="poison", retryable=False, message=f"{error.message};"
                             f" {decision.reason}", details=error.details)

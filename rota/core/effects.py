@@ -15,6 +15,7 @@ from typing import NamedTuple
 from rota.core.limits import Rate
 from rota.core.model import Change, JobRecord, StatusNote
 from rota.base.protocol import Registration
+from rota.base.push import Delivery
 from rota.core.ready import Claim
 
 
@@ -157,4 +158,13 @@ class Finished:
     job_ids: list[str] = field(default_factory=list)
 
 
-Effect = Save | Reserve | Withdraw | Note | WorkerSeen | WorkerGone | Send | Abort | Wake | Arm | Finished
+@dataclass(slots=True)
+class Deliver:
+    """POST one job to its endpoint (rota/core/endpoints.py); the shell hands the answer
+    back to ``Engine.endpoint_result``."""
+
+    delivery: Delivery
+
+
+Effect = (Save | Reserve | Withdraw | Note | WorkerSeen | WorkerGone | Send | Abort | Wake | Arm
+          | Finished | Deliver)

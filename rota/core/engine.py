@@ -41,12 +41,13 @@ from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
 from rota.core.policy import Ending
+from rota.core.endpoints import Endpoints, is_endpoint
 from rota.core.pulls import Pulls, is_pull
 from rota.core.registry import ConnectedWorker, Registry, short
 from rota.core.reservations import Reservations
 from rota.core.scheduler import Scheduler
 from rota.core.settings import ServerSettings
-from rota.base.specs import JobSpec
+from rota.base.specs import MAX_EXECUTE_TIMEOUT, JobSpec
 from rota.core.standing import Standing
 from rota.core.timers import Timers
 
@@ -57,7 +58,7 @@ RECENT_RESULTS = 10_000  # accepted results remembered, to ack a resend of one q
 ROW_REFUSED = "the job's row moved on (another attempt or server holds it, or it ended)"
 
 
-class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls):
+class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls, Endpoints):
     def __init__(self, settings: ServerSettings, rand: Callable[[], float] | None = None) -> None:
         self.settings = settings
         self.scheduler = Scheduler(settings.visibility_timeout, compact=True,
@@ -85,6 +86,7 @@ class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls):
         self._lines: dict[str, dict[str, None]] = {}  # prefetch lines (rota/core/lines.py)
         self._taking: dict[str, str] = {}
         self._init_pulls()  # pull workers (rota/core/pulls.py)
+        self._init_endpoints()  # push endpoints (rota/core/endpoints.py)
 
     @property
     def connections(self) -> dict[str, ConnectedWorker]:
@@ -126,11 +128,14 @@ class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls):
         self._last_tick = now.mono
         return [Wake()]
 
-    @staticmethod
-    def _reclaim_grace(job: JobRecord, grace: float, now: Instant) -> float:
+    def _reclaim_grace(self, job: JobRecord, grace: float, now: Instant) -> float:
         """Until when (monotonic) a loaded active job waits for its worker to reclaim it:
         a /work worker's, heartbeat_timeout (it reconnects at once); a pull worker's, its
         stored lease at least, as it may be silent until its next request (docs/ojs.md)."""
+        if is_endpoint(job.worker_id):  # its delivery's answer is lost: retried after its
+            spec = self.specs.get(job.spec)  # timeout, unless it calls back meanwhile
+            execute = spec.execute if spec is not None else None
+            return grace + (execute.timeout if execute is not None else MAX_EXECUTE_TIMEOUT)
         if not is_pull(job.worker_id) or job.lease_expires_at is None:
             return grace
         return max(grace, now.mono + (job.lease_expires_at - now.wall))

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from rota.core.effects import Guard
 from rota.core.limits import NEVER, Check, Counter, Limiter, LimitRule, LimitUse, Scope, limit_name
 from rota.core.model import Instant, JobRecord
+from rota.core.pins import Pins
 from rota.core.ready import (CONCURRENCY_LIMIT, NO_LABEL, PLAIN, RATE_LIMIT, Bucket, Claim,
                              Lanes, Ready, SubId, Wait, WorkerSlot, why_waiting)
 
@@ -44,6 +45,7 @@ class Flow:
     jobs: dict[str, JobRecord]
     claims: int
     matches: Callable[[WorkerSlot, str], bool]
+    pins: Pins
     unreserve: Callable[[JobRecord], None]
     unclaim: Callable[[Claim], None]
     _reserve: Callable[[JobRecord, WorkerSlot, float], None]
@@ -63,6 +65,14 @@ class Flow:
         return bool(self.limiter.rules) or bool(self.ready.lanes)
 
     # -- picking -----------------------------------------------------------------------
+    def may_run(self, worker: WorkerSlot, spec: str, seq: int) -> bool:
+        """``matches`` for row ``seq``: a job pinned to a version (rota/core/pins.py) too."""
+        pin = self.pins.pin(spec, seq) if self.pins.windows else None
+        return self.matches(worker, spec) if pin is None else worker.specs.get(spec) == pin
+
+    def checksum_for(self, spec: str, seq: int) -> str | None:  # its pin, or the status quo
+        return (self.pins.pin(spec, seq) if self.pins.windows else None) or self.status_quo.get(spec)
+
     def _pop_limited(self, worker: WorkerSlot, now: float) -> JobRecord | Claim | None:
         """Reserve, in memory, the best job this worker may run within every limit."""
         ready, limiter = self.ready, self.limiter
@@ -77,7 +87,8 @@ class Flow:
                 continue
             best: tuple[tuple[int, int], str, SubId, Bucket, Lanes | None] | None = None
             for spec in itertools.chain(lanes_of, (s for s in plain if s not in lanes_of)):
-                if not self.matches(worker, spec) \
+                pinned = spec in self.pins.windows
+                if not (pinned or self.matches(worker, spec)) \
                         or not self._scope_open("spec", spec, now, runs_now):
                     continue
                 lanes = lanes_of.get(spec)
@@ -88,6 +99,8 @@ class Flow:
                         found = (PLAIN, plain[spec], head)
                 else:
                     found = self._front(queue, spec, lanes, plain.get(spec), worker, now)
+                if found is not None and pinned and not self.may_run(worker, spec, found[2][1]):
+                    continue
                 if found is not None and (best is None or found[2] < best[0]):
                     best = (found[2], spec, found[0], found[1], lanes)
             if best is None:
@@ -110,8 +123,8 @@ class Flow:
                 worker.capacity -= 1
                 self.claims += 1
                 ident = taken[1]
-                picked = Claim(taken[1], queue, spec, taken[0], worker, self.status_quo.get(spec),
-                               key, labels)
+                picked = Claim(taken[1], queue, spec, taken[0], worker,
+                               self.checksum_for(spec, taken[1]), key, labels)
             if limiter.rules:
                 limiter.take(ident, queue, spec, key, now)
             return picked

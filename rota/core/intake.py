@@ -8,6 +8,7 @@ returns and answers the request after.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from rota.base import protocol as p
@@ -48,6 +49,7 @@ class Intake:
     retired: dict[str, float]
     unversioned: dict[str, JobSpec]
     observe: Observer
+    endpoints_sync: Callable[[Instant], list[Effect]]  # (Endpoints)
 
     def build(self, request: EnqueueRequest, principal: Principal, now: Instant
               ) -> JobRecord | DomainError:
@@ -396,7 +398,11 @@ class Intake:
                 declared = self.scheduler.workers[worker_id].specs[change.name]
                 log.warning("spec mismatch worker=%s spec=%s checksum=%s status_quo=%s",
                             worker_id, change.name, short(declared), short(change.checksum))
-        return [Wake()]  # queued jobs may now have (other) capable workers
+            first = getattr(change, "first_seq", None)  # (push execution's pins)
+            self.scheduler.pins.pushed(by_name[change.name], change.checksum,
+                                       self.scheduler.last_seq + 1 if first is None else first)
+        synced = self.endpoints_sync(now) if now is not None else []
+        return [Wake(), *synced]  # queued jobs may now have (other) capable workers
 
     def retire(self, name: str, checksum: str, wall: float) -> int:
         """Spec ``name`` takes no new jobs from now on; its status quo stays, so the jobs

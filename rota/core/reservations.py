@@ -51,6 +51,9 @@ class Reservations:
     _take_backs: Callable[[Instant], list[Effect]]  # (Lines)
     _unanswered: Callable[[dict[str, Any]], list[Effect]]  # (Pulls)
     _leased: Callable[..., list[Effect]]  # (connection, jobs, now): Pulls
+    _deliveries: Callable[..., list[Effect] | None]  # (connection, jobs, now): Endpoints
+    _endpoint_queues: Callable[[], None]  # (Endpoints)
+    endpoints: dict[str, Any]  # (Endpoints)
     _paused_until = 0.0  # monotonic: no round before it (a failed round's pause)
 
     def dispatch(self, now: Instant) -> list[Effect]:
@@ -70,6 +73,8 @@ class Reservations:
                             " yet: it hands out no new work until it is",
                             self.standing.left(now.mono))
             return []
+        if self.endpoints:
+            self._endpoint_queues()  # (rota/core/endpoints.py)
         plan = self.scheduler.plan(now.mono)
         # A limit parked jobs until a time: the timer must fire then (rota/core/flow.py).
         deadline = self.scheduler.flow_deadline()
@@ -151,6 +156,10 @@ class Reservations:
             self._assigned(connection, live)
             effects += self._leased(connection, live, now)  # (rota/core/pulls.py)
             self.observe.assigned(live, worker_id, now.wall)
+            delivered = self._deliveries(connection, live, now)  # (rota/core/endpoints.py)
+            if delivered is not None:
+                effects += delivered
+                continue
             for job in live:
                 # Frames of about ASSIGN_BYTES at most: a round for a worker with a long
                 # line of large jobs would otherwise be one frame of many megabytes, built

@@ -22,6 +22,7 @@ from typing import Any
 
 from rota.core.flow import Flow
 from rota.core.model import JobRecord, JobState
+from rota.core.pins import Pins
 from rota.core.ready import PRIORITY_LIMIT, Claim, Ready, Wait, WorkerSlot, may_take, why_waiting
 
 __all__ = ["Claim", "Scheduler", "Wait", "WorkerSlot"]
@@ -43,6 +44,7 @@ class Scheduler(Flow):
         # answers claims: the engine's scheduler does; a bare one keeps every job whole.
         self.compact = compact
         self.status_quo: dict[str, str] = {}  # spec name -> checksum
+        self.pins = Pins()  # push-executed jobs' versions, by row (rota/core/pins.py)
         self.unversioned: dict[str, Any] = {}  # OJS types with no spec: name -> JobSpec
         self.jobs: dict[str, JobRecord] = {}  # every live job kept whole, whatever its state
         self.workers: dict[str, WorkerSlot] = {}
@@ -373,6 +375,7 @@ class Scheduler(Flow):
     def matches(self, worker: WorkerSlot, spec: str) -> bool:
         return may_take(worker, spec, self.status_quo, self.unversioned)
 
+
     # -- planning --------------------------------------------------------------------
     def plan(self, now: float) -> dict[str, list[JobRecord | Claim]]:
         """Reserve in memory as many ready jobs as running workers can take now."""
@@ -404,7 +407,7 @@ class Scheduler(Flow):
         job.worker_id = worker.id
         job.worker_token = worker.token
         job.attempt += 1
-        job.checksum = self.status_quo.get(job.spec)  # None: unversioned
+        job.checksum = self.checksum_for(job.spec, job.seq)  # None: unversioned
         job.lease = now + self.lease_for(job)
         self._push(self._leases, job.lease, job.id)
         worker.active.add(job.id)
@@ -418,10 +421,9 @@ class Scheduler(Flow):
                 continue
             best, best_head, best_spec = None, None, ""
             for spec, bucket in by_spec.items():
-                if not self.matches(worker, spec):
-                    continue
                 head = self.ready.head(bucket)
-                if head is not None and (best_head is None or head < best_head):
+                if head is not None and self.may_run(worker, spec, head[1]) \
+                        and (best_head is None or head < best_head):
                     best, best_head, best_spec = bucket, head, spec
             if best is None:
                 continue
@@ -429,16 +431,14 @@ class Scheduler(Flow):
             if isinstance(taken, JobRecord):
                 self._reserve(taken, worker, now)
                 return taken
-            worker.claims += 1
-            worker.capacity -= 1
-            self.claims += 1
+            worker.claims, worker.capacity, self.claims = (worker.claims + 1, worker.capacity - 1,
+                                                           self.claims + 1)
             return Claim(taken[1], queue, best_spec, taken[0], worker,
-                         self.status_quo.get(best_spec))
+                         self.checksum_for(best_spec, taken[1]))
         return None
 
     # -- explaining ------------------------------------------------------------------
-    def waiting_reason(self, queue: str, spec: str) -> str | None:
-        """Why available jobs of (queue, spec) are not running; None if they will be."""
+    def waiting_reason(self, queue: str, spec: str) -> str | None:  # None: they will run
         wait = self.wait(queue, spec)
         return None if wait is None else wait.reason
 
@@ -475,12 +475,10 @@ class Scheduler(Flow):
                 per[state] = per.get(state, 0) + 1
         return counts
 
-    def mismatched_workers(self, spec: str, checksum: str) -> list[str]:
-        """Workers that declare ``spec`` with a checksum other than ``checksum``."""
+    def mismatched_workers(self, spec: str, checksum: str) -> list[str]:  # another checksum
         return sorted(w.id for w in self.workers.values() if w.specs.get(spec, checksum) != checksum)
 
-    def matching_workers(self, spec: str, checksum: str) -> list[str]:
-        """Workers that declare ``spec`` with ``checksum``."""
+    def matching_workers(self, spec: str, checksum: str) -> list[str]:  # this checksum
         return sorted(w.id for w in self.workers.values() if w.specs.get(spec) == checksum)
 
 

@@ -39,6 +39,7 @@ class Timers:
     resume_rounds: Callable[[Instant], list[Effect]]  # (Reservations)
     disconnect: Callable[[int, str, str, Instant], list[Effect]]  # (Heartbeats)
     _pulls_tick: Callable[[Instant], list[Effect]]  # (Pulls)
+    _endpoints_tick: Callable[[Instant], list[Effect]]  # (Endpoints)
     pull_lease: Callable[[JobRecord], float | None]  # (Pulls)
     pull_deadline: Callable[[], float | None]  # (Pulls)
 
@@ -102,6 +103,7 @@ class Timers:
         for job in self.scheduler.expired_leases(now.mono):
             effects += self._lease_lapsed(job, now)
         effects += self._pulls_tick(now)  # timeout_ms, idle pull workers (rota/core/pulls.py)
+        effects += self._endpoints_tick(now)  # breakers (rota/core/endpoints.py)
         expired = self.scheduler.expired_ttls(now.mono)
         if expired:
             effects += self._expire(expired, now)

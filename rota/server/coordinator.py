@@ -16,15 +16,16 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from rota.base import protocol as p
 from rota.server.admission import Admission
 from rota.server.composing import Composing
-from rota.server.mailbox import Mailbox
+from rota.server.mailbox import Mailbox, Outbox
+from rota.server.pushing import Pusher
 from rota.core.auth import OPEN, Principal, Tokens
-from rota.core.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
-                          Withdraw, WorkerGone, WorkerSeen)
+from rota.core.effects import (Abort, Arm, Deliver, Effect, Finished, Note, Reserve, Save, Send,
+                          Wake, Withdraw, WorkerGone, WorkerSeen)
 from rota.core.engine import MAX_LOG_LINES, Engine
 from rota.base.errors import failure_level
 from rota.core.model import Change, Instant, JobRecord
@@ -47,14 +48,6 @@ __all__ = ["Coordinator", "MAX_BULK", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
 LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts", "rota-cron")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
-
-
-class Outbox(Protocol):
-    """What the shell needs of a worker's connection."""
-
-    def send(self, frame: str) -> None: ...
-
-    def abort(self, code: str, message: str, close_code: int) -> None: ...
 
 
 class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellReads)
@@ -121,6 +114,8 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.buckets_for = RateLimits((settings.rate_limit, settings.rate_burst),
                                       (settings.rate_bytes, settings.rate_bytes_burst),
                                       MAX_BUCKETS).of
+        self.pusher = Pusher(settings, store, engine, self.apply, clock)  # (push execution)
+        self.on_stop.append(self.pusher.stop)
 
     # -- what routes and tests read --------------------------------------------------
     @property
@@ -173,6 +168,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
                                     self.clock(), snapshot.waiting, snapshot.last_seq,
                                     snapshot.retired, snapshot.paused))
+        await self.pusher.start()
         self.limiting.load(snapshot.limits, snapshot.limit_starts)
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.store.where,
                  self.settings.durability, len(self.specs), self.scheduler.live())
@@ -253,6 +249,8 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
                 case Arm(deadline):
                     if deadline < self._timers_wake_at:
                         self._timers.set()
+                case Deliver(delivery):
+                    self.pusher.deliver(delivery)
                 case Finished(job_ids):
                     for job_id in job_ids:
                         self.watching.wake(job_id)

@@ -30,6 +30,7 @@ from rota.store.health import Health
 from rota.store.reading import Reading
 from rota.store.flowing import Flowing
 from rota.store.ojs_reads import OjsReading
+from rota.store.pushes import PushReading
 from rota.store import settle
 from rota.store.readers import Readers
 from rota.store.writer import Checkpointer, Writer
@@ -54,7 +55,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class Store(Reading, Flowing, OjsReading):
+class Store(Reading, Flowing, OjsReading, PushReading):
     path: Path
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
     durability: str = "full"  # sqlite.SYNCHRONOUS: what a commit survives

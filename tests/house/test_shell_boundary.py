@@ -24,9 +24,11 @@ PAST = {"store", "scheduler", "engine"}
 SHELL = {"server." + name for name in ("coordinator", "shell_reads", "shell_directives", "cluster",
                                        "admission", "steering", "tokenwatch", "upkeep",
                                        "watching", "limiting", "composing", "clockwork",
-                                       "pulling", "ojs_shell", "ojs_operating")}
+                                       "pulling", "ojs_shell", "ojs_operating", "pushing",
+                                       "callbacks")}
 ENGINE = {"core.engine", "core.intake", "core.reservations", "core.heartbeats",
-          "core.timers", "core.lines", "core.pulls"}  # the engine and its parts (mixins)
+          "core.timers", "core.lines", "core.pulls",
+          "core.endpoints"}  # the engine and its parts (mixins)
 
 
 def reaches(source: str, module: str = "") -> list[str]:
