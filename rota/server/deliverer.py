@@ -114,7 +114,8 @@ def classify(d: Delivery, answer: Answer, max_body: int = MAX_BODY,
         return _success(d, answer, max_body, seen)
     if 300 <= status < 400:
         where = answer.headers.get("location")
-        why = ("no Location" if not where else f"to {where}, not followed (another host)"
+        why = ("no Location" if not where else
+               f"to {where}, not followed (another scheme, host or port)"
                if answer.redirects < MAX_REDIRECTS else
                f"to {where}, not followed (after {MAX_REDIRECTS} redirects)")
         return failed(d, "redirect", f"HTTP {status}: redirected {why}", retryable=False,
