@@ -105,7 +105,7 @@ def classify(d: Delivery, answer: Answer, max_body: int = MAX_BODY,
                             "body": answer.body[:MAX_SHOWN_BODY].decode("utf-8", "replace")}
     if status is None:
         kind = answer.error or "connect"
-        return failed(d, kind, answer.message, retryable=kind != "address_refused",
+        return failed(d, kind, answer.message, retryable=kind in ("timeout", "connect"),
                       fault=True, **seen)
     if status == 202:
         return Delivered(job_id=d.job_id, attempt=d.attempt, delivery_id=d.delivery_id,
@@ -114,7 +114,8 @@ def classify(d: Delivery, answer: Answer, max_body: int = MAX_BODY,
         return _success(d, answer, max_body, seen)
     if 300 <= status < 400:
         where = answer.headers.get("location")
-        why = ("no Location" if not where else f"to {where}, not followed (another host)"
+        why = ("no Location" if not where else
+               f"to {where}, not followed (another scheme, host or port)"
                if answer.redirects < MAX_REDIRECTS else
                f"to {where}, not followed (after {MAX_REDIRECTS} redirects)")
         return failed(d, "redirect", f"HTTP {status}: redirected {why}", retryable=False,

@@ -97,7 +97,7 @@ def test_a_redirect_is_never_followed_here_and_names_its_location():
 
 
 @pytest.mark.parametrize("kind, retryable", [
-    ("timeout", True), ("connect", True), ("address_refused", False)])
+    ("timeout", True), ("connect", True), ("address_refused", False), ("invalid_url", False)])
 def test_no_answer(kind: str, retryable: bool):
     done = classify(D, answer(None, error=kind, message="what happened"), now=NOW)
     assert done.kind == "failed" and done.error is not None and done.status is None
