@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from rota.base.egress import url_problem
 from rota.cli import logsetup
 from rota.cli.base import DATABASE
 from rota.cli.base import fail as _fail
@@ -49,6 +50,21 @@ class _RetainRule(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
+class _PublicUrl(click.ParamType):
+    name = "url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> str | None:
+        if value is None:
+            return None
+        problem = url_problem(str(value))
+        if problem is None and ("?" in str(value)):
+            problem = "may not have a ?query (the callback paths are added to it)"
+        if problem is not None:
+            self.fail(f"{value!r} {problem}", param, ctx)
+        return str(value).rstrip("/")
+
+
 def _flat_rules(ctx: click.Context, param: click.Parameter,
                 rules: tuple[tuple[str, dict[str, float | None]], ...]
                 ) -> tuple[tuple[str, str, float | None], ...]:
@@ -61,7 +77,7 @@ def _flat_rules(ctx: click.Context, param: click.Parameter,
 # would write it ("7d"), which --help shows and the conversion turns back into the field's.
 KINDS: dict[str, click.ParamType] = {
     "database": DATABASE, "duration": _Duration(), "retain": _RetainRule(),
-    "file": click.Path(exists=True, dir_okay=False)}
+    "file": click.Path(exists=True, dir_okay=False), "url": _PublicUrl()}
 WRITTEN: dict[str, Callable[[Any], str]] = {"database": str, "duration": format_duration}
 CALLBACKS: dict[str, Callable[..., Any]] = {"retain": _flat_rules}
 HINTS = typing.get_type_hints(ServerSettings)

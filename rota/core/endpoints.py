@@ -21,7 +21,7 @@ import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from rota.base import protocol as p
@@ -83,6 +83,18 @@ class EndpointState:
     def execute(self) -> Execute:
         assert self.spec.execute is not None
         return self.spec.execute
+
+
+class Called(NamedTuple):
+    """A callback: refused (``refusal``: why; ``state``: the job's state here, None if it
+    is not held here), or taken (its effects; ``seq``: the synthetic heartbeat on
+    ``conn`` whose ack says the result committed, None for a heartbeat)."""
+
+    refusal: str | None
+    state: str | None
+    effects: list[Effect]
+    conn: int = 0
+    seq: int | None = None
 
 
 class Endpoints:
@@ -251,34 +263,35 @@ class Endpoints:
 
     # -- callbacks (after a 202) ---------------------------------------------------------
     def endpoint_callback(self, job_id: str, token: str, result: p.Result | None,
-                          now: Instant) -> tuple[str | None, str | None, list[Effect]]:
+                          now: Instant) -> Called:
         """A callback of an endpoint's long job: its result (``result``), or a heartbeat
-        (None: the lease starts again). Returns (refusal, the job's state, effects); a
-        refusal is None when taken. The token fences by attempt."""
+        (None: the lease starts again). The token fences by attempt."""
         attempt = token_attempt(self.callback_key, job_id, token) if self.callback_key else None
         if attempt is None:
-            return "the token is not this job's", None, []
+            return Called("the token is not this job's", None, [])
         job = self.scheduler.jobs.get(job_id)
         if job is not None and job.orphaned and is_endpoint(job.worker_id):
             self._adopt_endpoint_job(job, now)  # held before a restart: its callback reclaims
         state = self.endpoints.get(job.worker_id or "") if job is not None else None
         shown = None if job is None else str(job.state)
         if job is None or state is None or job.state != JobState.ACTIVE or job.orphaned:
-            return f"the job is not running on an endpoint (it is {shown or 'not held here'})", \
-                shown, []
+            return Called(f"the job is not running on an endpoint (it is"
+                          f" {shown or 'not held here'})", shown, [])
         if job.attempt != attempt:
-            return f"attempt {attempt} is not the job's current attempt {job.attempt}", shown, []
+            return Called(f"attempt {attempt} is not the job's current attempt {job.attempt}",
+                          shown, [])
         if result is None:
             lease = max(job.visibility_timeout or self.scheduler.visibility_timeout,
                         self.scheduler.min_lease)
             job.lease_expires_at = now.wall + lease
             self.scheduler.hold(job, now.mono + lease)
-            return None, shown, [Arm(now.mono + lease)]
+            return Called(None, shown, [Arm(now.mono + lease)], state.conn)
         log.info("callback job=%s spec=%s@%s worker=%s attempt=%d outcome=%s", job.id, job.spec,
                  short(state.checksum), state.id, job.attempt, result.outcome)
         result = p.Result(job_id=job.id, attempt=job.attempt, outcome=result.outcome,
                           result=result.result, error=result.error)
-        return None, shown, self._settle(state, job, result, now)
+        effects = self._settle(state, job, result, now)
+        return Called(None, shown, effects, state.conn, state.seq)
 
     def _adopt_endpoint_job(self, job: JobRecord, now: Instant) -> None:
         state = self.endpoints.get(job.worker_id or "")

@@ -21,8 +21,9 @@ class Option:
     ``--field-name``), ``env`` (default: ``ROTA_FIELD_NAME``), ``help``, and how the text
     converts. The type is the field's own; ``kind`` names a conversion of the CLI's
     ("database": a file or a postgresql:// URL; "duration": 30s, 12h, 7d or never;
-    "retain": a per-queue retention rule; "file": a file that exists); ``minimum`` bounds
-    a number; ``choices`` lists the values allowed; ``multiple`` repeats it."""
+    "retain": a per-queue retention rule; "file": a file that exists; "url": an http(s)
+    URL, as rota/base/egress.py's url_problem checks it); ``minimum`` bounds a number;
+    ``choices`` lists the values allowed; ``multiple`` repeats it."""
 
     help: str
     name: str | None = None
@@ -197,6 +198,17 @@ class ServerSettings:
     ojs_registered_types_only: bool = option(
         False, help="OJS jobs (/ojs/v1) only of types a spec was pushed for (400"
         " invalid_job_type otherwise); by default such a type runs unversioned.")
+    # Push execution (docs/push.md): the server POSTs jobs to their spec's [execute] URL,
+    # never to a loopback, link-local or private address unless this is set
+    # (rota/base/egress.py), so that a spec cannot reach the server's own network.
+    allow_private_endpoints: bool = option(
+        False, help="Let push execution and webhooks reach loopback, link-local and private"
+        " addresses (refused by default, so that a spec cannot reach this network).")
+    # The base of the callback URL an endpoint answering 202 reports to (None: the
+    # address the server listens on, which an endpoint elsewhere may not reach).
+    public_url: str | None = option(
+        None, kind="url", help="This server's URL as endpoints reach it (the base of"
+        " push execution's callback URL; default: the address it listens on).")
     # Test switch: POST /ojs/v1/admin/reset (empties the store) and OJS's test directives
     # (docs/ojs.md); a WARNING at start says it is on. Never in production.
     unsafe_test_endpoints: bool = option(

@@ -16,15 +16,16 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from rota.base import protocol as p
 from rota.server.admission import Admission
 from rota.server.composing import Composing
-from rota.server.mailbox import Mailbox
+from rota.server.mailbox import Mailbox, Outbox
+from rota.server.pushing import Pusher
 from rota.core.auth import OPEN, Principal, Tokens
-from rota.core.effects import (Abort, Arm, Effect, Finished, Note, Reserve, Save, Send, Wake,
-                          Withdraw, WorkerGone, WorkerSeen)
+from rota.core.effects import (Abort, Arm, Deliver, Effect, Finished, Note, Reserve, Save, Send,
+                          Wake, Withdraw, WorkerGone, WorkerSeen)
 from rota.core.engine import MAX_LOG_LINES, Engine
 from rota.base.errors import failure_level
 from rota.core.model import Change, Instant, JobRecord
@@ -48,14 +49,6 @@ __all__ = ["Coordinator", "MAX_BULK", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
 LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts", "rota-cron")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
-
-
-class Outbox(Protocol):
-    """What the shell needs of a worker's connection."""
-
-    def send(self, frame: str) -> None: ...
-
-    def abort(self, code: str, message: str, close_code: int) -> None: ...
 
 
 class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellReads)
@@ -98,10 +91,8 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
             store, every=settings.heartbeat_interval, max_holds=settings.max_waits_per_token,
             monotonic=lambda: self.clock().mono,
             on_change=lambda valid: self.apply(engine.revoked(valid)))
-        # Endpoint signing secrets (env, then database): the push's and the deliverer's.
-        self.secrets = SecretBook(store, lambda: self.clock().wall)
-        self.steering = Steering(store, engine, clock, self.run, self.apply,
-                                 secrets=self.secrets)
+        self.secrets = SecretBook(store, lambda: self.clock().wall)  # endpoint signing secrets
+        self.steering = Steering(store, engine, clock, self.run, self.apply, secrets=self.secrets)
         self.admission = Admission(store, engine, clock, self.apply, self.crash_point)
         self.watching = Watching(store, engine, clock, settings.max_series)
         self.upkeep = Upkeep(settings, store, engine, clock, self.apply, self.steering)
@@ -113,8 +104,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.retire_spec, self.push_specs = steering.retire_spec, steering.push_specs
         self.pause_queue, self.limiting = steering.pause_queue, steering.limiting
         self.composing = Composing(settings, store, engine, clock, steering.cancel,  # workflows
-                                   self.admission._read_status_quo, self.apply,
-                                   self.job_waiting_reason)
+                                   self.admission._read_status_quo, self.apply, self.job_waiting_reason)
         watching = self.watching
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse
@@ -122,9 +112,10 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         tokens = self.tokenwatch
         self.hold, self.release, self.reread_tokens = tokens.hold, tokens.release, tokens.reread
         self.create_token, self.revoke_token = tokens.create, tokens.revoke
-        self.buckets_for = RateLimits((settings.rate_limit, settings.rate_burst),
-                                      (settings.rate_bytes, settings.rate_bytes_burst),
-                                      MAX_BUCKETS).of
+        self.buckets_for = RateLimits((settings.rate_limit, settings.rate_burst), (
+            settings.rate_bytes, settings.rate_bytes_burst), MAX_BUCKETS).of
+        self.pusher = Pusher(settings, store, engine, self.apply, clock, self.secrets.secret_values)
+        self.on_stop.append(self.pusher.stop)  # (push execution: rota/server/pushing.py)
 
     # -- what routes and tests read --------------------------------------------------
     @property
@@ -178,6 +169,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.apply(self.engine.load(snapshot.status_quo, snapshot.checksums, snapshot.jobs,
                                     self.clock(), snapshot.waiting, snapshot.last_seq,
                                     snapshot.retired, snapshot.paused))
+        await self.pusher.start()
         self.limiting.load(snapshot.limits, snapshot.limit_starts)
         self.secrets.announce()
         log.info("store db=%s durability=%s specs=%d live_jobs=%d", self.store.where,
@@ -259,6 +251,8 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
                 case Arm(deadline):
                     if deadline < self._timers_wake_at:
                         self._timers.set()
+                case Deliver(delivery):
+                    self.pusher.deliver(delivery)
                 case Finished(job_ids):
                     for job_id in job_ids:
                         self.watching.wake(job_id)

@@ -36,6 +36,13 @@ REFUSALS_LOGGED = 1.0  # refusal lines a second, on average (bursts of 10)
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/work.schema.json", "/ojs/manifest",
                         "/ojs/v1/health"})
 COOKIE = "rota_session"
+# A push endpoint's callbacks (rota/server/pushing.py) prove themselves by the per-attempt
+# token in their body: an endpoint holds no bearer token.
+CALLBACKS = ("/callback", "/callback/heartbeat")
+
+
+def is_callback(path: str) -> bool:
+    return path.startswith("/jobs/") and path.endswith(CALLBACKS) and path.count("/") <= 5
 # The dashboard's pages that need no credential (the login form, its stylesheet), but
 # whose requests still pass the Origin checks: a foreign page must not log a browser in.
 UI_OPEN = frozenset({"/ui/login", "/ui/logout"})
@@ -66,7 +73,8 @@ class Gate:
         log.log(level, fmt, *args)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS \
+                or is_callback(scope["path"]):  # (its body's per-attempt token proves it)
             await self.app(scope, receive, send)
             return
         # No local may keep the headers: on /work this frame lives as long as the

@@ -10,7 +10,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from rota.base import protocol as p
 
@@ -30,6 +30,14 @@ class _Box:
 
     def abort(self, code: str, message: str, close_code: int) -> None:
         pass  # (no socket: a request waiting on it times out)
+
+
+class Outbox(Protocol):
+    """What the shell needs of a worker's connection."""
+
+    def send(self, frame: str) -> None: ...
+
+    def abort(self, code: str, message: str, close_code: int) -> None: ...
 
 
 class Mailbox:

@@ -481,3 +481,8 @@ class WorkflowCreated(msgspec.Struct):
 class WorkflowList(msgspec.Struct):
     workflows: list[WorkflowSummary]
     next: str | None  # GET /workflows?after= for the next page; null: the last page
+
+
+class CallbackReply(msgspec.Struct):
+    job_id: str
+    state: str  # the job's state once the callback is taken

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.server import api, cronapi, feeds, operate, secretapi, workflows, workschema
+from rota.server import api, callbacks, cronapi, feeds, operate, secretapi, workflows, workschema
 from rota.server.secretapi import SecretDeleted, SecretList, SecretPut, SecretRequest
 from rota.server.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.server.gate import OPEN_PATHS  # one list of what needs no token: the gate's
@@ -21,7 +21,7 @@ from rota.base.flow import WrittenRule
 from rota.core.jobs import BatchRequest, EnqueueRequest
 from rota.core.schedules import ScheduleDef
 from rota.server.openapi import Op, document
-from rota.server.openapi_schemas import (BatchReply, BulkReply, Directed, Enqueued, ErrorBody, Health,
+from rota.server.openapi_schemas import (BatchReply, BulkReply, CallbackReply, Directed, Enqueued, ErrorBody, Health,
                                   History, JobDetail, JobList, JobView, LimitCleared, LimitEntry,
                                   LimitList, NewToken, PushReply, ScheduleList, SchedulePut,
                                   ScheduleView,
@@ -52,6 +52,12 @@ ROUTES: list[Op] = [
      {200: JobView, 202: JobView, 404: ErrorBody, 409: ErrorBody}),
     Op("post", "/jobs/{job_id}/retry", api.retry_job, "Put a discarded or cancelled job back", None,
      {200: JobView, 404: ErrorBody, 409: ErrorBody}),
+    Op("post", "/jobs/{job_id}/callback", callbacks.callback,
+       "A push endpoint's result for a job it answered 202 (its token, not a bearer token)",
+       callbacks.CallbackBody, {200: CallbackReply, 403: ErrorBody, 409: ErrorBody, **BAD}),
+    Op("post", "/jobs/{job_id}/callback/heartbeat", callbacks.callback_beat,
+       "A push endpoint's job runs on: its lease starts again", callbacks.BeatBody,
+       {200: CallbackReply, 403: ErrorBody, 409: ErrorBody, **BAD}),
     Op("get", "/jobs/{job_id}/result", api.job_result,
        "A job's result, waiting up to ?wait= seconds", None,
      {200: ResultReply, 202: ResultReply, 400: ErrorBody, 401: ErrorBody, 404: ErrorBody,

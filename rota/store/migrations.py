@@ -294,6 +294,13 @@ def m022_secrets(db: sqlite_utils.Database) -> None:
                          pk="name", not_null={"value", "created_at", "updated_at"})
 
 
+@migrations()
+def m023_execute(db: sqlite_utils.Database) -> None:
+    # Push execution (rota/core/pins.py): the first job row enqueued after each push, so
+    # a job's version follows from its row. NULL for pushes made before this column.
+    db["spec_pushes"].add_column("first_seq", int)
+
+
 def migrate(path: Path) -> None:
     conn = connect(path)
     try:

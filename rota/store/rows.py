@@ -22,8 +22,10 @@ from rota.core.model import JobRecord, JobState, shared_limits
 from rota.core.policy import ojs_limits
 from rota.base.ojs import decode_extras
 from rota.base.protocol import Registration
+from rota.core.pins import Window
 from rota.core.ready import PRIORITY_LIMIT, SEQ_BITS
 from rota.base.specs import JobSpec, spec_from_builtins
+from rota.store.writes import EXECUTED
 
 
 WaitingGroup = tuple[str, str, str | None, tuple[str, ...]]
@@ -95,6 +97,22 @@ def read_status_quo(conn: sqlite3.Connection
         if row["retired_at"] is not None:
             retired[row["name"]] = row["retired_at"]
     return status_quo, checksums, retired
+
+
+def read_windows(conn: sqlite3.Connection) -> dict[str, list[Window]]:
+    """Every push, with its first job row, of the specs one of whose versions has an
+    ``[execute]`` table, oldest first (rota/core/pins.py)."""
+    windows: dict[str, list[Window]] = {}
+    for row in conn.execute(
+        "SELECT p.name, p.checksum, p.first_seq, v.body FROM spec_pushes p"
+        " JOIN spec_versions v ON v.name = p.name AND v.checksum = p.checksum"
+        " WHERE p.event = 'push' AND p.first_seq IS NOT NULL AND p.name IN"
+        " (SELECT name FROM spec_versions WHERE body LIKE ?) ORDER BY p.id", (EXECUTED,)
+    ):
+        spec = spec_from_builtins(msgspec.json.decode(row["body"]))
+        windows.setdefault(row["name"], []).append(Window(int(row["first_seq"]),
+                                                          row["checksum"], spec))
+    return windows
 
 
 # A plain available job: kept as a key only (rota/core/ready.py). Anything else is kept whole.

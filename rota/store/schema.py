@@ -22,6 +22,7 @@ MIGRATIONS = (
     "m014_throughput", "m015_flow_control", "m016_unique_keys", "m017_active_keys",
     "m018_job_origins", "m019_schedules", "m020_workflows", "m021_ojs",
     "m022_secrets",
+    "m023_execute",
 )
 
 
@@ -91,7 +92,8 @@ TABLES: tuple[Table, ...] = (
     Table("status_quo", _cols("name TEXT, checksum TEXT, updated_at REAL, retired_at REAL"),
           pk=("name",)),
     Table("spec_pushes", _cols("id INTEGER, name TEXT, checksum TEXT, previous TEXT,"
-                               " pushed_at REAL, event TEXT NOT NULL ='push'"), pk=("id",)),
+                               " pushed_at REAL, event TEXT NOT NULL ='push', first_seq INTEGER"),
+          pk=("id",)),
     Table("workers", _cols("id TEXT, hostname TEXT, pid INTEGER, queues TEXT, labels TEXT,"
                            " concurrency INTEGER, specs TEXT, connected_at REAL,"
                            " disconnected_at REAL"), pk=("id",)),

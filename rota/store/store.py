@@ -30,6 +30,7 @@ from rota.store.health import Health
 from rota.store.reading import Reading
 from rota.store.flowing import Flowing
 from rota.store.ojs_reads import OjsReading
+from rota.store.pushes import PushReading
 from rota.store.secrets import Secrets
 from rota.store import settle
 from rota.store.readers import Readers
@@ -55,7 +56,7 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class Store(Reading, Flowing, OjsReading, Secrets):
+class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
     path: Path
     crash_before_commit: bool = False  # test switch: die inside an enqueue transaction
     durability: str = "full"  # sqlite.SYNCHRONOUS: what a commit survives

@@ -33,6 +33,7 @@ class SpecChange:
     checksum: str
     previous: str | None
     change: str  # "new" | "changed" | "unchanged"
+    first_seq: int | None = None  # the first job row after the push (rota/core/pins.py)
 
 
 # -- enqueue -----------------------------------------------------------------------------
@@ -249,6 +250,12 @@ def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
     deleted: dict[str, int] = {}
     flows: set[str] = set()  # workflows of deleted jobs
     left = limit
+    # Once a spec runs on an endpoint, the newest row is never deleted: SQLite gives a new
+    # row MAX(rowid) + 1, and a job's row must come after every push before it, which is
+    # how its version is known (rota/core/pins.py).
+    newest = conn.execute("SELECT MAX(rowid) FROM jobs").fetchone()[0] if conn.execute(
+        "SELECT 1 FROM spec_versions WHERE body LIKE ? LIMIT 1", (EXECUTED,)).fetchone() \
+        else None
     for cut in cutoffs:
         if left <= 0:
             break
@@ -262,7 +269,8 @@ def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
             params += cut.others
         rows = [(rowid, job_id) for rowid, job_id, flow in
                 conn.execute(sql + " ORDER BY finished_at LIMIT ?", [*params, left])
-                if job_id not in keep and (flow is None or flows.add(flow) is None)]
+                if job_id not in keep and rowid != newest
+                and (flow is None or flows.add(flow) is None)]
         if rows:
             for table in ("job_logs", "unique_keys"):  # its lines, and a key it holds
                 conn.executemany(f"DELETE FROM {table} WHERE job_id = ?",
@@ -373,6 +381,7 @@ def refused_any(outcomes: list[tuple[dict[str, Any], bool]]) -> bool:
     return any(not new and row.get("unique_met") != "existing" for row, new in outcomes)
 
 
+EXECUTED = '%"execute":{%'  # a stored spec body with an [execute] table
 # -- specs -------------------------------------------------------------------------------
 class DryRun(Exception):
     """Raised to roll a dry run's savepoint back, carrying what it would have changed."""
@@ -400,14 +409,16 @@ def push_one(conn: sqlite3.Connection, spec: JobSpec, checksum: str, now: float)
         " updated_at = excluded.updated_at, retired_at = NULL",
         (spec.name, checksum, now),
     )
+    # Jobs from the next row on were enqueued under this version (rota/core/pins.py).
+    first_seq = conn.execute("SELECT COALESCE(MAX(rowid), 0) + 1 FROM jobs").fetchone()[0]
     conn.execute(
-        "INSERT INTO spec_pushes (name, checksum, previous, pushed_at) VALUES (?, ?, ?, ?)",
-        (spec.name, checksum, previous, now),
+        "INSERT INTO spec_pushes (name, checksum, previous, pushed_at, first_seq)"
+        " VALUES (?, ?, ?, ?, ?)", (spec.name, checksum, previous, now, first_seq),
     )
     # Pushing a retired spec again brings it back: "restored" when it is the same version.
     change = ("new" if previous is None else "restored" if previous == checksum
               else "changed")
-    return SpecChange(spec.name, checksum, previous, change)
+    return SpecChange(spec.name, checksum, previous, change, first_seq)
 
 
 def retire(conn: sqlite3.Connection, name: str, now: float) -> tuple[str, float, bool] | None:

@@ -24,7 +24,8 @@ PAST = {"store", "scheduler", "engine"}
 SHELL = {"server." + name for name in ("coordinator", "shell_reads", "shell_directives", "cluster",
                                        "admission", "steering", "tokenwatch", "upkeep",
                                        "watching", "limiting", "composing", "clockwork",
-                                       "pulling", "ojs_shell", "ojs_operating", "secretbook")}
+                                       "pulling", "ojs_shell", "ojs_operating", "pushing",
+                                       "callbacks", "secretbook")}
 ENGINE = {"core.engine", "core.intake", "core.reservations", "core.heartbeats",
           "core.timers", "core.lines", "core.pulls",
           "core.endpoints"}  # the engine and its parts (mixins)

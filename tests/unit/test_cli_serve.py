@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -86,6 +87,14 @@ def test_settings_convert_from_their_variables_and_options(monkeypatch: pytest.M
         _parsed(["--max-waits-per-token", "0"])  # minimum=1
     with pytest.raises(click.BadParameter):
         _parsed(["--durability", "sometimes"])
+    push = _parsed(["--allow-private-endpoints", "--public-url", "https://rota.example:8443/"])
+    assert push["allow_private_endpoints"] is True
+    assert push["public_url"] == "https://rota.example:8443"  # (the callback paths follow)
+    for bad, why in (("ftp://rota.example", "must be http or https"),
+                     ("https://u:p@rota.example", "user or password"),
+                     ("https://rota.example/?a=1", "?query")):
+        with pytest.raises(click.BadParameter, match=re.escape(why)):
+            _parsed(["--public-url", bad])
 
 
 def test_a_public_address_without_tokens_is_refused_and_nothing_stays_held(tmp_path: Path):

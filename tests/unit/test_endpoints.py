@@ -115,11 +115,11 @@ def test_a_202_runs_on_until_its_callback_and_an_old_attempts_token_is_refused(e
     assert job.state == JobState.ACTIVE and job.lease_expires_at >= clock().wall + 59
     # An accepted job holds no delivery slot: the next one goes out.
     assert [x.job_id for x in deliver(engine, clock)] == [other.id]
-    refusal, _, _ = engine.endpoint_callback(job.id, callback_token(KEY, job.id, 2), None,
-                                             clock())
+    refusal = engine.endpoint_callback(job.id, callback_token(KEY, job.id, 2), None,
+                                       clock()).refusal
     assert refusal is not None and "attempt 2" in refusal
     assert engine.endpoint_callback(job.id, "1.forged", None, clock())[0] is not None
-    refusal, _, effects = engine.endpoint_callback(
+    refusal, _, effects, *_ = engine.endpoint_callback(
         job.id, d.callback_token, p.Result(job_id=job.id, attempt=1, outcome="completed",
                                            result={"done": 1}), clock())
     assert refusal is None

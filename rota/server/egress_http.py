@@ -1,0 +1,216 @@
+"""The server's own outgoing POSTs (endpoint deliveries, webhooks): one keep-alive pool,
+TLS verified, no proxy from the environment, each connection only to an address checked
+against rota/base/egress.py, same-host redirects only, the answer's body capped."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urljoin, urlsplit
+
+import httpcore
+import httpx
+
+from rota.base.egress import address_refused
+
+MAX_BODY = 1 << 20  # bytes of an answer read at most (the rest is never read)
+MAX_REDIRECTS = 3  # same-host redirects followed; another host's never
+ErrorKind = Literal["timeout", "connect", "address_refused"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """What one ``Egress.post`` came to. Either an HTTP answer (``status`` set, ``error``
+    None) or none (``status`` None, ``error`` the kind, ``message`` what happened).
+    ``headers`` by lower-case name; ``body`` at most ``max_body`` bytes, ``truncated`` if
+    the answer had more; ``url`` is the one finally asked (after same-host redirects);
+    ``ms`` the whole call's duration, redirects included."""
+
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    truncated: bool = False
+    ms: float = 0.0
+    error: ErrorKind | None = None
+    message: str = ""
+    url: str = ""
+    redirects: int = 0
+
+
+class _AddressRefused(Exception):
+    """A host resolved to an address rota/base/egress.py refuses."""
+
+
+class _CheckedBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend, resolving the host itself and connecting only to an
+    address it checked: the name is resolved once, here, so a second lookup cannot
+    answer otherwise (DNS rebinding). The URL keeps its host name, so the pool's keys,
+    the Host header and TLS's server name (SNI, certificate check) are the name's."""
+
+    def __init__(self, allow_private: bool) -> None:
+        self.allow_private = allow_private
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                          local_address: str | None = None,
+                          socket_options: Iterable[Any] | None = None
+                          ) -> httpcore.AsyncNetworkStream:
+        try:
+            found = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise httpcore.ConnectError(f"DNS failure for {host}: {exc}") from None
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in found))
+        self._check(addresses)  # any refused address refuses the name
+        failure: Exception = httpcore.ConnectError(f"{host} has no address")
+        for address in addresses:
+            try:
+                stream = await self._inner.connect_tcp(address, port, timeout, local_address,
+                                                       socket_options)
+            except httpcore.ConnectError as exc:
+                failure = httpcore.ConnectError(f"{address} port {port}: {_cause(exc)}")
+                continue
+            peer = stream.get_extra_info("server_addr")  # (belt and braces: the peer's own)
+            if peer:
+                try:
+                    self._check([str(peer[0])])
+                except _AddressRefused:
+                    await stream.aclose()
+                    raise
+            return stream
+        raise failure
+
+    def _check(self, addresses: list[str]) -> None:
+        if self.allow_private:
+            return
+        for address in addresses:
+            why = address_refused(address)
+            if why is not None:
+                raise _AddressRefused(why)
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Iterable[Any] | None = None
+                                  ) -> httpcore.AsyncNetworkStream:
+        raise _AddressRefused("unix sockets are not endpoints")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class Egress:
+    """A pool of outgoing connections and its ``post``. One per user (the deliverer,
+    the webhooks), for the server's life; ``aclose`` at shutdown. ``allow_private``
+    (rota serve --allow-private-endpoints) lifts the address check."""
+
+    def __init__(self, *, allow_private: bool, max_keepalive: int = 200,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: the certificates trusted (default: httpx's, certifi's CAs);
+        a context given must verify too (the tests give one trusting their own CA)."""
+        transport = httpx.AsyncHTTPTransport(verify=True, trust_env=False)
+        # httpx takes no network backend of its own: its pool is replaced by one that
+        # has ours (httpcore's public constructor), with the same TLS context.
+        transport._pool = httpcore.AsyncConnectionPool(
+            ssl_context=ssl_context or httpx.create_ssl_context(verify=True, trust_env=False),
+            max_connections=None, max_keepalive_connections=max_keepalive,
+            keepalive_expiry=5.0, network_backend=_CheckedBackend(allow_private))
+        self._client = httpx.AsyncClient(transport=transport, follow_redirects=False,
+                                         trust_env=False)
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str], *,
+                   timeout: float, max_body: int = MAX_BODY) -> Answer:
+        """POST ``body`` to ``url``; the answer within ``timeout`` seconds (connecting,
+        redirects and reading the body included), never an exception for a network
+        failure: ``Answer.error`` says which. A redirect to the same scheme, host and
+        port is POSTed again (the same body and headers), up to MAX_REDIRECTS; another
+        one is returned as the 3xx answer it is."""
+        start = time.monotonic()
+        redirects = 0
+        sent = {"Accept-Encoding": "identity", **headers}  # (a cap on what is read, not inflated)
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    async with self._client.stream("POST", url, content=body, headers=sent,
+                                                   timeout=timeout) as response:
+                        got, truncated = await _read(response, max_body)
+                        target = _same_host_redirect(url, response)
+                        if target is None or redirects >= MAX_REDIRECTS:
+                            return Answer(status=response.status_code,
+                                          headers={k.lower(): v for k, v in
+                                                   response.headers.items()},
+                                          body=got, truncated=truncated, url=url,
+                                          ms=_ms(start), redirects=redirects)
+                    url, redirects = target, redirects + 1
+        except (TimeoutError, httpx.TimeoutException):
+            return _failed("timeout", f"no answer within {timeout:g} s", url, start, redirects)
+        except _AddressRefused as exc:
+            return _failed("address_refused", str(exc), url, start, redirects)
+        except httpx.ConnectError as exc:
+            text = str(exc) or type(exc).__name__
+            why = text if text.startswith("DNS") else f"cannot connect: {text}"
+            return _failed("connect", why, url, start, redirects)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+            text = str(exc) or type(exc).__name__
+            return _failed("connect", f"connection reset or closed: {text}", url, start,
+                           redirects)
+        except httpx.HTTPError as exc:  # (an unsupported URL, a protocol error of ours)
+            return _failed("connect", f"{type(exc).__name__}: {exc}", url, start, redirects)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+async def _read(response: httpx.Response, cap: int) -> tuple[bytes, bool]:
+    """The body's first ``cap`` bytes, and whether there was more (never read)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            return b"".join(chunks)[:cap], True
+    return b"".join(chunks), False
+
+
+def _same_host_redirect(url: str, response: httpx.Response) -> str | None:
+    """Where a redirect leads if it stays on ``url``'s scheme, host and port."""
+    location = response.headers.get("location")
+    if not (300 <= response.status_code < 400) or not location:
+        return None
+    target = urljoin(url, location)
+    return target if same_origin(url, target) else None
+
+
+def same_origin(a: str, b: str) -> bool:
+    """Whether two URLs share scheme, host and port (the default port if none)."""
+    try:
+        x, y = urlsplit(a), urlsplit(b)
+        defaults = {"http": 80, "https": 443}
+        return (x.scheme, x.hostname, x.port or defaults.get(x.scheme)) == \
+            (y.scheme, y.hostname, y.port or defaults.get(y.scheme))
+    except ValueError:
+        return False
+
+
+def _cause(exc: BaseException) -> str:
+    """The operating system's own words under a wrapped connect error ("Connection
+    refused"), else the error's."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return os.strerror(seen.errno)
+        seen = seen.__cause__ or seen.__context__
+    return str(exc) or type(exc).__name__
+
+
+def _ms(start: float) -> float:
+    return (time.monotonic() - start) * 1000
+
+
+def _failed(kind: ErrorKind, message: str, url: str, start: float, redirects: int) -> Answer:
+    return Answer(error=kind, message=message, url=url, ms=_ms(start), redirects=redirects)
