@@ -143,11 +143,13 @@ def _success(d: Delivery, answer: Answer, max_body: int, seen: dict[str, Any]) -
         text = answer.body.decode("utf-8")
     except UnicodeDecodeError as exc:
         return bad(f"the answer is not UTF-8 (byte {exc.start})")
+    if not text.strip():  # a 204 (or any empty 2xx): done, with no result
+        return Delivered(job_id=d.job_id, attempt=d.attempt, delivery_id=d.delivery_id,
+                         kind="completed", result=None, **seen)
     try:
         body = msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
-        return bad(f"the answer is not JSON ({exc})" if text.strip() else
-                   "the answer is empty, not JSON")
+        return bad(f"the answer is not JSON ({exc})")
     if isinstance(body, dict) and body.get("status") == "failed":  # OJS §2.3's NACK
         error = body.get("error")
         error = error if isinstance(error, dict) else {"message": str(error or "")}
