@@ -8,6 +8,7 @@ rota/server/secretbook.py.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -34,6 +35,7 @@ def name_problem(name: str) -> str | None:
     return f"a secret's name is {NAME_RULE}, not {said}"
 
 
+@functools.lru_cache(maxsize=1024)  # (asked once per delivery: the same few names)
 def env_name(name: str) -> str:
     """The environment variable that holds secret ``name``: ROTA_SECRET_ and the name
     upper-cased, each character that is not a letter or digit made "_" (``stripe.live``:

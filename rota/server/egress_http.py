@@ -5,6 +5,7 @@ against rota/base/egress.py, same-host redirects only, the answer's body capped.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import socket
 import ssl
@@ -21,7 +22,7 @@ from rota.base.egress import address_refused
 
 MAX_BODY = 1 << 20  # bytes of an answer read at most (the rest is never read)
 MAX_REDIRECTS = 3  # same-host redirects followed; another host's never
-ErrorKind = Literal["timeout", "connect", "address_refused"]
+ErrorKind = Literal["timeout", "connect", "address_refused", "invalid_url"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,19 +109,30 @@ class Egress:
     the webhooks), for the server's life; ``aclose`` at shutdown. ``allow_private``
     (rota serve --allow-private-endpoints) lifts the address check."""
 
-    def __init__(self, *, allow_private: bool, max_keepalive: int = 200,
+    def __init__(self, *, allow_private: bool, pools: int = 16, max_keepalive: int = 32,
                  ssl_context: ssl.SSLContext | None = None) -> None:
         """``ssl_context``: the certificates trusted (default: httpx's, certifi's CAs);
-        a context given must verify too (the tests give one trusting their own CA)."""
-        transport = httpx.AsyncHTTPTransport(verify=True, trust_env=False)
+        a context given must verify too (the tests give one trusting their own CA).
+        ``pools``: calls go round them, each keeping up to ``max_keepalive`` idle
+        connections (httpcore's pool scans its connections for each request waiting, a
+        cost in the square of those in flight: at 50 in flight to one local endpoint, one
+        pool took 1.8 ms of CPU per POST, 436 POSTs/s; 16 pools 0.75 ms, 1300/s)."""
+        context = ssl_context or httpx.create_ssl_context(verify=True, trust_env=False)
+        backend = _CheckedBackend(allow_private)
+        self._clients = [self._client(context, backend, max_keepalive) for _ in range(pools)]
+        self._turn = itertools.cycle(self._clients)
+
+    @staticmethod
+    def _client(context: ssl.SSLContext, backend: _CheckedBackend,
+                max_keepalive: int) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(verify=context, trust_env=False)
         # httpx takes no network backend of its own: its pool is replaced by one that
         # has ours (httpcore's public constructor), with the same TLS context.
         transport._pool = httpcore.AsyncConnectionPool(
-            ssl_context=ssl_context or httpx.create_ssl_context(verify=True, trust_env=False),
-            max_connections=None, max_keepalive_connections=max_keepalive,
-            keepalive_expiry=5.0, network_backend=_CheckedBackend(allow_private))
-        self._client = httpx.AsyncClient(transport=transport, follow_redirects=False,
-                                         trust_env=False)
+            ssl_context=context, max_connections=None,
+            max_keepalive_connections=max_keepalive, keepalive_expiry=5.0,
+            network_backend=backend)
+        return httpx.AsyncClient(transport=transport, follow_redirects=False, trust_env=False)
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str], *,
                    timeout: float, max_body: int = MAX_BODY) -> Answer:
@@ -135,7 +147,7 @@ class Egress:
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    async with self._client.stream("POST", url, content=body, headers=sent,
+                    async with next(self._turn).stream("POST", url, content=body, headers=sent,
                                                    timeout=timeout) as response:
                         got, truncated = await _read(response, max_body)
                         target = _same_host_redirect(url, response)
@@ -155,14 +167,17 @@ class Egress:
             why = text if text.startswith("DNS") else f"cannot connect: {text}"
             return _failed("connect", why, url, start, redirects)
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
-            text = str(exc) or type(exc).__name__
-            return _failed("connect", f"connection reset or closed: {text}", url, start,
+            return _failed("connect", f"connection reset or closed: {_cause(exc)}", url,
+                           start, redirects)
+        except httpx.InvalidURL as exc:  # (one url_problem lets by: an invalid IDNA name)
+            return _failed("invalid_url", f"cannot be requested: {exc}", url, start,
                            redirects)
         except httpx.HTTPError as exc:  # (an unsupported URL, a protocol error of ours)
             return _failed("connect", f"{type(exc).__name__}: {exc}", url, start, redirects)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
 
 
 async def _read(response: httpx.Response, cap: int) -> tuple[bytes, bool]:
