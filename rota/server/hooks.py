@@ -107,25 +107,30 @@ class Webhooks:
     async def _pumping(self) -> None:
         observer = self.observer
         last = observer.next_id - 1
-        await self._recover()
+        await self._recover(None, "after the restart")
         marked = read = time.monotonic()
+        last_wall = time.time()  # the wall time of the last event pumped
         while True:
             if time.monotonic() - read > REREAD:
                 await self._reread()
                 read = time.monotonic()
             missed, events = observer.after(last, CHUNK)
-            if missed:
+            if missed:  # (the writer stalled): the job events are found in the rows
                 log.warning("webhooks missed events %d..%d: the event ring moved past the"
-                            " pump", missed, events[0][0] - 1 if events else last)
+                            " pump; the job events among them are looked for in the jobs'"
+                            " rows", missed, events[0][0] - 1 if events else last)
             if not events:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(self._pulse()), IDLE)
                 continue
             last = events[-1][0]
             rows = self._rows([event for _, event in events])
-            if rows or time.monotonic() - marked > MARK_EVERY:
+            if rows or missed or time.monotonic() - marked > MARK_EVERY:
                 await self._add(rows, events[-1][1][0])
                 marked = time.monotonic()
+            if missed:
+                await self._recover(last_wall - wh.MARGIN, "after a gap")
+            last_wall = events[-1][1][0]
 
     async def _reread(self) -> None:
         """Follow the subscriptions as stored: those another server sharing the
@@ -155,23 +160,27 @@ class Webhooks:
                          for sub_id in takers]
         return rows
 
-    async def _recover(self) -> None:
-        """The job events of the moments before the last stop (a kill -9 between an
-        event and the pump's write), from the jobs' rows: from the pump's stored mark (or
-        the oldest subscription), each left out if its delivery exists (the same id)."""
+    async def _recover(self, since: float | None, why: str) -> None:
+        """Job events the pump did not see, from the jobs' rows since ``since`` (None:
+        the pump's stored mark, less MARGIN, or the oldest subscription): those of the
+        moments before the last stop (a kill -9 between an event and the pump's write),
+        or of a gap in the ring. Each is left out if its delivery exists (the same id)."""
         subs = [s for s in self.subs.values() if s.enabled
                 and any(k in (wh.ALL, *wh.FACTS) for k in s.kinds)]
         if not subs:
             return
-        mark = await self.store.readers.run(lambda conn: sql.read_mark(conn, self._mark_key))
-        since = (mark - wh.MARGIN) if mark is not None else min(s.created_at for s in subs)
+        if since is None:
+            mark = await self.store.readers.run(
+                lambda conn: sql.read_mark(conn, self._mark_key))
+            since = (mark - wh.MARGIN) if mark is not None else min(s.created_at for s in subs)
+        start = since
         jobs = await self.store.readers.run(
-            lambda conn: sql.recent_jobs(conn, since, RECOVER_LIMIT))
+            lambda conn: sql.recent_jobs(conn, start, RECOVER_LIMIT))
         rows = self._rows(wh.facts(jobs, since))
         if rows:
             await self._add(rows, None, recovered=True)
-            log.info("webhooks: %d delivery(ies) of job events since %s looked for again"
-                     " after the restart", len(rows), rfc3339(since))
+            log.info("webhooks: %d delivery(ies) of job events since %s looked for again %s",
+                     len(rows), rfc3339(since), why)
 
     async def _add(self, rows: list[tuple[str, str, str, str, bytes]], wall: float | None,
                    *, recovered: bool = False) -> None:

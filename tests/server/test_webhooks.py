@@ -216,3 +216,23 @@ async def test_a_hanging_receiver_holds_neither_jobs_nor_another_subscription(li
     finally:
         await hanging.close()
         await healthy.close()
+
+
+@pytest.mark.parametrize("live", [{**FAST, "events_buffer": 5}], indirect=True)
+async def test_job_events_the_ring_lost_before_the_pump_read_them_are_found(live: Live,
+                                                                          tmp_path):
+    """A batch of 30 jobs in a ring of 5 events: the pump sees the last 5, and finds the
+    others' enqueues in the jobs' rows; each is sent once."""
+    receiver = await Receiver().start()
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        await subscribe(live, receiver, kinds=["enqueue"])
+        answer = await live.http.post("/jobs/batch", json={
+            "jobs": [{"spec": "mail", "args": {"n": n}} for n in range(30)]})
+        ids = {r["job"]["id"] for r in answer.json()["results"]}
+        assert len(ids) == 30
+        await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == ids,
+                         timeout=10.0, what="all 30 enqueues")
+        assert len(receiver.got) == 30
+    finally:
+        await receiver.close()
