@@ -21,7 +21,6 @@ from typing import Any
 from rota.base import protocol as p
 from rota.server.admission import Admission
 from rota.server.composing import Composing
-from rota.server.hooks import Webhooks
 from rota.server.mailbox import Mailbox, Outbox
 from rota.server.pushing import Pusher
 from rota.core.auth import OPEN, Principal, Tokens
@@ -48,7 +47,7 @@ from rota.server.watching import Watching
 
 __all__ = ["Coordinator", "MAX_BULK", "MAX_LOG_LINES", "Outbox", "system_clock"]
 log = logging.getLogger("rota.server")
-LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts", "rota-cron")
+LOOPS = ("rota-dispatch", "rota-timers", "rota-tokens", "rota-retention", "rota-clock", "rota-counts", "rota-cron", "rota-webhooks")
 MAX_BUCKETS = 100_000  # workers whose rate-limit state is kept across connections
 
 
@@ -96,8 +95,8 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.steering = Steering(store, engine, clock, self.run, self.apply, secrets=self.secrets)
         self.admission = Admission(store, engine, clock, self.apply, self.crash_point)
         self.watching = Watching(store, engine, clock, settings.max_series)
-        self.upkeep = Upkeep(settings, store, engine, clock, self.apply, self.steering)
-        self.clockwork = self.upkeep.clockwork  # cron schedules (the routes' and a push's)
+        self.upkeep = Upkeep(settings, store, engine, clock, self.apply, self.steering, self.watching)
+        self.clockwork, self.webhooks = self.upkeep.clockwork, self.upkeep.webhooks  # routes'
         # What the parts do, under the names the routes call (bound: same signatures).
         self.enqueue, self.take_over = self.admission.enqueue, self.admission.take_over
         steering = self.steering
@@ -110,9 +109,6 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.wait_for_result, self.stats = watching.wait_for_result, watching.stats
         self.oldest_available, self.events_pulse = watching.oldest_available, watching.events_pulse
         self.subscribe, self.unsubscribe = watching.subscribe, watching.unsubscribe
-        # Webhooks out (rota/server/hooks.py): fed by the observer, never awaited by the engine.
-        self.webhooks = Webhooks(settings, store, engine.observe, watching.subscribe,
-                                 watching.events_pulse)
         tokens = self.tokenwatch
         self.hold, self.release, self.reread_tokens = tokens.hold, tokens.release, tokens.reread
         self.create_token, self.revoke_token = tokens.create, tokens.revoke
@@ -183,7 +179,6 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.spawn(self.tokenwatch.loop(), "rota-tokens")
         for loop, name in self.upkeep.loops(readings=kept, counts=snapshot.throughput):
             self.spawn(loop, name)
-        await self.webhooks.start()
 
     def begin_shutdown(self) -> None:
         self.engine.begin_shutdown()
@@ -204,7 +199,6 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
             if task.get_name() in LOOPS:
                 task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.webhooks.stop()
         for hook in self.on_stop:
             await hook()
         await self.upkeep.at_stop(reading=not self.store.shared)  # for the next start

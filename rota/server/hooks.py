@@ -62,27 +62,34 @@ class Webhooks:
         self.subs: dict[str, wh.Subscription] = {}
         self._wakes: dict[str, asyncio.Event] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._pump: asyncio.Task[None] | None = None
         self._listening = False
         self._mark_key = ""
-        self._egress: Egress | None = None
+        self._pool: Egress | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        # Its own pool (not the endpoint deliveries'): receivers never wait on endpoints.
-        self._egress = Egress(allow_private=self.settings.allow_private_endpoints)
-        for row in await self.store.readers.run(sql.subscriptions):
-            self._track(_subscription(row))
-        self._mark_key = f"webhooks_pumped:{self.store.server_id or ''}"
-        self._pump = asyncio.create_task(self._pumping(), name="rota-webhooks-pump")
+    async def run(self) -> None:
+        """The server's webhooks loop (rota/server/upkeep.py): the subscriptions' delivery
+        tasks, and the pump, until cancelled at the stop; then the tasks end too."""
+        try:
+            for row in await self.store.readers.run(sql.subscriptions):
+                self._track(_subscription(row))
+            self._mark_key = f"webhooks_pumped:{self.store.server_id or ''}"
+            await self._pumping()
+        finally:
+            tasks = list(self._tasks.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self._pool is not None:
+                await self._pool.aclose()
 
-    async def stop(self) -> None:
-        tasks = [t for t in (self._pump, *self._tasks.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._egress is not None:
-            await self._egress.aclose()
+    @property
+    def _egress(self) -> Egress:
+        """Its own pool (not the endpoint deliveries'): receivers never wait on endpoints.
+        Made at the first POST (its TLS context costs a start some milliseconds)."""
+        if self._pool is None:
+            self._pool = Egress(allow_private=self.settings.allow_private_endpoints)
+        return self._pool
 
     def _track(self, sub: wh.Subscription) -> None:
         """Follow a subscription (new, or changed): its own delivery task."""
@@ -266,7 +273,6 @@ class Webhooks:
     async def _attempt(self, sub: wh.Subscription, d: dict[str, Any]) -> tuple[Any, ...]:
         now = time.time()
         body = d["body"].encode()
-        assert self._egress is not None
         outcome = await post(self._egress, sub.url, body,
                              self._headers(sub, d["id"], d["kind"], body, now),
                              self.settings.webhook_timeout)
@@ -353,7 +359,6 @@ class Webhooks:
         now = time.time()
         delivery_id, event_id = "dlv_" + uuid7(), "evt_" + uuid7()
         body = wh.test_body(event_id, sub_id, rfc3339(now))
-        assert self._egress is not None
         outcome = await post(self._egress, sub.url, body,
                              self._headers(sub, delivery_id, wh.TEST, body, now),
                              self.settings.webhook_timeout)

@@ -27,7 +27,9 @@ from rota.core.observe import MINUTES
 from rota.core.retention import BATCH, STEP, Frames, PruneTally, Retention, due, next_pass
 from rota.core.settings import ServerSettings
 from rota.server.clockwork import Clockwork
+from rota.server.hooks import Webhooks
 from rota.server.steering import Steering
+from rota.server.watching import Watching
 from rota.store.store import Store
 
 log = logging.getLogger("rota.server")
@@ -56,7 +58,7 @@ def clock_reading() -> ClockReading:
 class Upkeep:
     def __init__(self, settings: ServerSettings, store: Store, engine: Engine,
                  clock: Callable[[], Instant], apply: Callable[[Iterable[Effect]], None],
-                 steering: Steering) -> None:
+                 steering: Steering, watching: Watching) -> None:
         self.store = store
         self.engine = engine
         self.clock = clock
@@ -64,6 +66,9 @@ class Upkeep:
         self.retrying = steering.retrying  # rows a manual retry read and is about to write back
         # Cron schedules' tick loop, which cancels through the ordinary path (cancel_previous)
         self.clockwork = Clockwork(store, engine, clock, apply, steering.cancel)
+        # Webhooks out: fed by the observer's events, never awaited by the engine
+        self.webhooks = Webhooks(settings, store, engine.observe, watching.subscribe,
+                                 watching.events_pulse)
         self.counts_every = settings.counts_every
         self.retention = Retention.from_rules(
             {"completed": settings.retain_completed, "discarded": settings.retain_discarded,
@@ -76,10 +81,11 @@ class Upkeep:
               ) -> list[tuple[Coroutine[Any, Any, None], str]]:
         """The loops to run, named: clock readings (``readings``: the store keeps them,
         one server per SQLite file), the per-minute counts (``counts``: those the last run
-        kept, taken in first), retention (unless every rule keeps jobs forever) and cron
-        schedules' ticks (rota/server/clockwork.py)."""
+        kept, taken in first), retention (unless every rule keeps jobs forever), cron
+        schedules' ticks (rota/server/clockwork.py) and webhooks (rota/server/hooks.py)."""
         self.engine.observe.restore(counts, self.clock().wall)
-        loops = [(self.counts_loop(), "rota-counts"), (self.clockwork.loop(), "rota-cron")]
+        loops = [(self.counts_loop(), "rota-counts"), (self.clockwork.loop(), "rota-cron"),
+                 (self.webhooks.run(), "rota-webhooks")]
         if readings:
             loops.append((self.clock_loop(), "rota-clock"))
         log.info("retention %s", self.retention.describe())
