@@ -238,3 +238,31 @@ async def test_job_events_the_ring_lost_before_the_pump_read_them_are_found(live
         assert len(receiver.got) == 30
     finally:
         await receiver.close()
+
+
+@pytest.mark.parametrize("live", [FAST], indirect=True)
+async def test_a_429_is_retried_after_its_retry_after_and_a_404_is_dead(live: Live, tmp_path):
+    receiver = await Receiver(status=429, retry_after="1").start()
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        sub = await subscribe(live, receiver, kinds=["enqueue"])
+        await live.enqueue("mail", {})
+        await wait_until(lambda: len(receiver.got) == 1, what="the first attempt")
+        receiver.status, receiver.retry_after = 200, None
+        await wait_until(lambda: len(receiver.got) == 2, what="the retry")
+        first, second = receiver.got
+        waited = int(second.headers["x-rota-timestamp"]) - int(first.headers["x-rota-timestamp"])
+        assert waited >= 1  # Retry-After: 1, not the schedule's 0.3 s (scaled)
+        assert second.headers["x-rota-delivery-id"] == first.headers["x-rota-delivery-id"]
+        assert second.json["id"] == first.json["id"]
+        receiver.status = 404
+        await live.enqueue("mail", {})
+        await wait_until(lambda: len(receiver.got) == 3, what="the 404")
+
+        async def logged() -> bool:
+            log = (await live.http.get(f"/webhooks/{sub['id']}/deliveries")).json()
+            return [(d["state"], d["attempts"], d["error"]) for d in log["deliveries"]] == [
+                ("dead", 1, "http_404"), ("delivered", 2, None)]
+        await wait_until(logged, what="one dead, one delivered on its second attempt")
+    finally:
+        await receiver.close()
