@@ -41,6 +41,7 @@ VERSION = importlib.metadata.version("rota")
 MARK_EVERY = 5.0  # seconds between writes of the pump's mark when no delivery is written
 RECOVER_LIMIT = 100_000  # job rows a restart reads back, of each kind
 REREAD = 10.0  # seconds between reads of the subscriptions (another server's changes)
+CHECK_EVERY = 1.0  # seconds between counts of a subscription's waiting deliveries
 
 
 def _subscription(row: dict[str, Any]) -> wh.Subscription:
@@ -65,6 +66,11 @@ class Webhooks:
         self._listening = False
         self._mark_key = ""
         self._pool: Egress | None = None
+        # When each subscription's waiting deliveries were last counted (and its log
+        # pruned), and those found with MAX_PENDING waiting.
+        self._checked: dict[str, float] = {}
+        self._full: set[str] = set()
+        self._dropped: dict[str, int] = {}  # events those did not take, to log
 
     # -- lifecycle -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -157,7 +163,12 @@ class Webhooks:
     def _rows(self, events: list[Any]) -> list[tuple[str, str, str, str, bytes]]:
         """A pending delivery per event and subscription that takes it."""
         rows: list[tuple[str, str, str, str, bytes]] = []
-        subs = [s for s in self.subs.values() if s.enabled]
+        # A subscription found full at its last check takes none until the next.
+        subs = [s for s in self.subs.values() if s.enabled and s.id not in self._full]
+        for sub in [s for s in self.subs.values() if s.id in self._full]:
+            lost = sum(1 for event in events if sub.takes(event))
+            if lost:
+                self._dropped[sub.id] = self._dropped.get(sub.id, 0) + lost
         for event in events:
             takers = [s.id for s in subs if s.takes(event)]
             if takers:
@@ -195,17 +206,25 @@ class Webhooks:
         in), again until the store takes them."""
         delay = 0.1
         mark = None if wall is None else (self._mark_key, wall)
+        now = time.monotonic()
+        checked = [s for s in self.subs if now - self._checked.get(s, 0.0) >= CHECK_EVERY]
         while True:
             try:
-                dropped = await self.store.writer.submit(lambda conn: sql.add_deliveries(
-                    conn, rows, time.time(), mark, recovered=recovered))
+                dropped, waiting = await self.store.writer.submit(
+                    lambda conn: sql.add_deliveries(conn, rows, time.time(), mark,
+                                                    recovered=recovered, checked=checked))
                 break
             except Exception as exc:  # a storage failure: the rows wait in memory
                 log.warning("webhook deliveries=%d not stored yet (%s): trying again",
                             len(rows), exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        for sub_id, n in dropped.items():
+        for sub_id in checked:
+            self._checked[sub_id] = now
+        self._full = {s for s in self._full if s not in waiting} | {
+            s for s, n in waiting.items() if n >= wh.MAX_PENDING}
+        self._dropped, dropped_before = {}, self._dropped
+        for sub_id, n in [*dropped.items(), *dropped_before.items()]:
             log.warning("webhook subscription=%s dropped %d event(s): %d deliveries already"
                         " wait for its receiver", sub_id, n, wh.MAX_PENDING)
         for sub_id in {r[1] for r in rows}:

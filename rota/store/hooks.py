@@ -7,6 +7,7 @@ for PostgreSQL as every statement is.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Collection
 from typing import Any
 
 import msgspec
@@ -86,35 +87,40 @@ def delete_subscription(conn: sqlite3.Connection, sub_id: str) -> dict[str, Any]
 # -- the outbox ----------------------------------------------------------------------------
 def add_deliveries(conn: sqlite3.Connection, rows: list[tuple[str, str, str, str, bytes]],
                    now: float, mark: tuple[str, float] | None = None, *,
-                   recovered: bool = False) -> dict[str, int]:
-    """Pending deliveries (id, subscription, event id, kind, body), due now; a
-    subscription with MAX_PENDING waiting gets none more. Each subscription's log is
-    pruned to its KEEP latest finished. ``mark``: (key, wall) kept in meta, the pump's
-    progress, in the same transaction. ``recovered``: events a restart found in the
-    jobs' rows, left out where a delivery of the same event id exists. Returns what was
-    dropped, per subscription."""
+                   recovered: bool = False, checked: Collection[str] = ()
+                   ) -> tuple[dict[str, int], dict[str, int]]:
+    """Pending deliveries (id, subscription, event id, kind, body), due now. ``mark``:
+    (key, wall) kept in meta, the pump's progress, in the same transaction.
+    ``recovered``: events found in the jobs' rows, left out where a delivery of the same
+    event id exists. The subscriptions in ``checked`` (each about once a second: both
+    walk an index) get none past MAX_PENDING waiting, and their logs are pruned to the
+    KEEP latest finished. Returns what was dropped, and how many wait, per checked
+    subscription."""
     if mark is not None:
         keep_mark(conn, *mark)
-    by_sub: dict[str, list[tuple[str, str, str, str, bytes]]] = {}
+    by_sub: dict[str, list[tuple[str, str, str, str, bytes]]] = {sub: [] for sub in checked}
     for row in rows:
         by_sub.setdefault(row[1], []).append(row)
     dropped: dict[str, int] = {}
+    waiting: dict[str, int] = {}
     for sub_id, batch in by_sub.items():
         if recovered:
             batch = _unseen(conn, sub_id, batch)
-        waiting = conn.execute("SELECT COUNT(*) FROM webhook_deliveries WHERE"
-                               " subscription_id = ? AND state = 'pending'",
-                               (sub_id,)).fetchone()[0]
-        room = max(0, MAX_PENDING - waiting)
-        if room < len(batch):
-            dropped[sub_id] = len(batch) - room
-            batch = batch[:room]
+        if sub_id in checked:
+            waiting[sub_id] = conn.execute(
+                "SELECT COUNT(*) FROM webhook_deliveries WHERE subscription_id = ? AND"
+                " state = 'pending'", (sub_id,)).fetchone()[0]
+            room = max(0, MAX_PENDING - waiting[sub_id])
+            if room < len(batch):
+                dropped[sub_id] = len(batch) - room
+                batch = batch[:room]
+            waiting[sub_id] += len(batch)
+            prune(conn, sub_id)
         conn.executemany("INSERT INTO webhook_deliveries (id, subscription_id, event_id, kind,"
                          " body, state, attempts, created_at, next_at) VALUES"
                          " (?, ?, ?, ?, ?, 'pending', 0, ?, ?)",
                          [(i, s, e, k, b.decode(), now, now) for i, s, e, k, b in batch])
-        prune(conn, sub_id)
-    return dropped
+    return dropped, waiting
 
 
 def _unseen(conn: sqlite3.Connection, sub_id: str, batch: list[tuple[str, str, str, str, bytes]]
