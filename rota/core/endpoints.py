@@ -60,7 +60,7 @@ def callback_token(key: bytes, job_id: str, attempt: int) -> str:
 def token_attempt(key: bytes, job_id: str, token: str) -> int | None:
     """The attempt a callback token was made for (None: it is not one of ours)."""
     head, _, _ = token.partition(".")
-    if not head.isdigit() or len(head) > 9:
+    if not (head.isascii() and head.isdigit()) or len(head) > 9:  # ("²", "١": digits to str)
         return None
     attempt = int(head)
     return attempt if hmac.compare_digest(callback_token(key, job_id, attempt), token) else None
