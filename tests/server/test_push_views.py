@@ -63,6 +63,13 @@ async def test_a_failing_endpoint_is_paused_and_its_jobs_say_why(live, rig):  # 
     assert any(b["spec"] == "down" and b["reason"].startswith(FAILING)
                for b in view["blocked"])
 
+    # No directive reaches it: quiet, it would never run again (it never says it runs).
+    told = await live.post("/workers/state", json={"state": "quiet", "all": True})
+    assert told.status_code == 200 and told.json()["workers"] == [], told.text
+    told = await live.post(f"/workers/{endpoint['id']}/state", json={"state": "quiet"})
+    assert (told.status_code, told.json()["error"]["code"]) == (409, "push_endpoint")
+    assert (await live.get("/workers")).json()["workers"][0]["state"] == "running"
+
     # The attempt's record: the delivery's status, duration, body and id.
     record = (await settled(live, failed[0]))["errors"][0]
     assert record["type"] == "http_500" and record["details"]["status"] == 500
