@@ -51,7 +51,9 @@ async def overview(request: Request) -> Response:
     for counts in [q["counts"] for q in queues] + [others["counts"] if others else {}]:
         for state, n in counts.items():
             totals[state] += n
-    workers = worker_views(coordinator)
+    endpoints = coordinator.endpoint_views()  # apart: no process, a breaker instead
+    named = {e["id"] for e in endpoints}
+    workers = [w for w in worker_views(coordinator) if w["id"] not in named]
     by_state: dict[str, int] = {}
     for worker in workers:
         by_state[worker["state"]] = by_state.get(worker["state"], 0) + 1
@@ -60,6 +62,8 @@ async def overview(request: Request) -> Response:
     return render(request, "overview", totals=totals, chart=chart, hour=hour,
                   counts_note=note, queues=queues, workers=by_state,
                   worker_count=len(workers), blocked=blocked(coordinator),
+                  endpoints=len(endpoints),
+                  paused_endpoints=sum(e["state"] != "closed" for e in endpoints),
                   live_jobs=coordinator.live_jobs(), specs=len(coordinator.specs),
                   storage=None if degraded is None else degraded.message,
                   uptime=coordinator.uptime())

@@ -56,6 +56,10 @@ def test_a_paused_endpoint_and_its_deliveries_on_the_dashboard(browser: Browser,
         expect(row).to_contain_text(f"{endpoint}/fail")
         expect(page.locator("table.workers tbody tr")).to_have_count(0)  # not a worker
 
+        page.goto("/ui")  # the overview counts it apart from the workers, and says it paused
+        expect(page.locator("#endpoints")).to_contain_text(re.compile(r"1\s+1 paused"))
+        expect(page.locator("main")).to_contain_text("endpoint failing:")
+
         page.goto(f"/ui/jobs/{failed[0]}")
         expect(page.locator("#job-state")).to_have_text("discarded")
         delivery = page.locator(".attempt .delivery")
