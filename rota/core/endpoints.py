@@ -77,6 +77,7 @@ class EndpointState:
     breaker: Breaker = field(default_factory=Breaker)
     deliveries: dict[str, str] = field(default_factory=dict)  # job id -> its delivery id
     accepted: set[str] = field(default_factory=set)  # answered 202: running there
+    trials: set[str] = field(default_factory=set)  # delivered while its breaker tries
     seq: int = 0  # the last synthetic heartbeat's seq
 
     @property
@@ -148,9 +149,11 @@ class Endpoints:
         return [Wake()] if added else []
 
     def _endpoint_queues(self) -> None:
-        """Before a round: each endpoint serves every queue its spec's jobs wait in."""
+        """Before a round: each endpoint serves every queue its spec's jobs wait in, with
+        its free slots counted afresh (a job cancelled, or whose lease lapsed, frees one)."""
         buckets = self.scheduler.ready.buckets
         for state in self.endpoints.values():
+            self._room(state)
             name = state.spec.name
             slot = self.registry.connections[state.id].worker
             queues = [q for q, by_spec in buckets.items() if name in by_spec]
@@ -166,7 +169,11 @@ class Endpoints:
         state.accepted &= slot.active
         state.deliveries = {j: d for j, d in state.deliveries.items() if j in slot.active}
         slot.prefetch = len(state.accepted)
-        slot.capacity = state.breaker.room(state.execute.max_in_flight)
+        room = state.breaker.room(state.execute.max_in_flight)
+        state.trials &= state.deliveries.keys()
+        if state.breaker.state == "half_open":  # one trial at a time
+            room = max(0, room - len(state.trials))
+        slot.capacity = room
 
     # -- delivering ------------------------------------------------------------------------
     def _deliveries(self, connection: ConnectedWorker, jobs: list[JobRecord], now: Instant
@@ -183,6 +190,8 @@ class Endpoints:
             job.lease_expires_at = now.wall + lease
             self.scheduler.hold(job, now.mono + lease)
             delivery_id = state.deliveries[job.id] = uuid7()
+            if state.breaker.state == "half_open":
+                state.trials.add(job.id)
             effects.append(Deliver(Delivery(
                 job_id=job.id, attempt=job.attempt, spec=job.spec, checksum=state.checksum,
                 queue=job.queue, args=job.args, priority=job.priority, url=execute.url,
@@ -204,7 +213,7 @@ class Endpoints:
             log.info("delivery answer ignored job=%s attempt=%d delivery=%s status=%s: the"
                      " attempt moved on", delivered.job_id, delivered.attempt,
                      delivered.delivery_id, delivered.status)
-            return []
+            return [Wake()]  # (its slot may be free: the round counts it afresh)
         effects = self._judged(state, delivered, now)
         log.log(logging.INFO if delivered.kind != "failed" else logging.WARNING,
                 "delivered job=%s spec=%s@%s queue=%s worker=%s attempt=%d status=%s ms=%.0f"
