@@ -399,7 +399,11 @@ async def gauges(coordinator: Coordinator) -> dict[str, Any]:
     queues = set(counts) | set(since)
     oldest = {q: (round(max(0.0, now - since[q]), 3) if q in since else 0.0) for q in queues}
     workers: dict[str, int] = {}
-    for connection in coordinator.connections.values():
+    endpoints = coordinator.endpoint_views()  # (counted in rota_endpoint_*, not as workers)
+    named = {e["id"] for e in endpoints}
+    for worker_id, connection in coordinator.connections.items():
+        if worker_id in named:
+            continue
         state = connection.worker.state
         workers[state] = workers.get(state, 0) + 1
     blocked: dict[tuple[str, str], int] = {}
@@ -408,7 +412,7 @@ async def gauges(coordinator: Coordinator) -> dict[str, Any]:
             blocked[(row.spec, kind)] = blocked.get((row.spec, kind), 0) + n
     limits = fold_keys(coordinator.limit_use(), coordinator.settings.max_series)
     return {"queue_counts": counts, "oldest": oldest, "workers": workers, "blocked": blocked,
-            "limits": limits, "endpoints": coordinator.endpoint_views()}
+            "limits": limits, "endpoints": endpoints}
 
 
 async def metrics(request: Request) -> Response:

@@ -52,7 +52,8 @@ async def test_a_failing_endpoint_is_paused_and_its_jobs_say_why(live, rig):  # 
     assert f"rota_endpoint_open{{{named}}} 1.0" in metrics
     assert f"rota_endpoint_openings_total{{{named}}} 1.0" in metrics
     assert f"rota_endpoint_in_flight{{{named}}}" in metrics
-    assert f'rota_jobs_blocked{{reason="endpoint_failing",spec="down"}}' in metrics
+    assert 'rota_jobs_blocked{reason="endpoint_failing",spec="down"}' in metrics
+    assert 'rota_workers{state="running"} 0.0' in metrics  # an endpoint is no worker
 
     code, out, err = await rota("watch", "--json", env={"ROTA_URL": str(live.base_url)})
     assert code == 0, out + err
