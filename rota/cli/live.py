@@ -205,8 +205,9 @@ def _spark(counts: list[int]) -> str:
 @URL_OPTION
 def watch(interval: float, as_json: bool, url: str) -> None:
     """A live view of the server, redrawn every --interval seconds: queues (waiting jobs,
-    the oldest one's age, paused), workers (state, load, heartbeat age), blocked specs,
-    the limits in use and jobs a minute over the last hour."""
+    the oldest one's age, paused), workers (state, load, heartbeat age), push endpoints
+    (their circuit breaker, in flight), blocked specs, the limits in use and jobs a minute
+    over the last hour."""
     client = Client(servers(url), token=token())
     try:
         view = snapshot(client)  # the first look fails in one line: a wrong URL or token
