@@ -30,8 +30,8 @@ from rota.base.push import Delivered, Delivery
 from rota.base.specs import Execute, JobSpec
 from rota.core.auth import OPEN
 from rota.core.breaker import Breaker
-from rota.core.effects import Arm, Deliver, Effect, Wake
-from rota.core.model import Instant, JobRecord, JobState
+from rota.core.effects import Arm, Deliver, Effect, Note, Wake
+from rota.core.model import Instant, JobRecord, JobState, StatusNote
 from rota.core.observe import Observer
 from rota.core.pins import Window
 from rota.core.registry import ConnectedWorker, Registry, short
@@ -41,6 +41,7 @@ log = logging.getLogger("rota.server")
 PREFIX = "http:"  # an endpoint's id in the registry: "http:<spec>@<checksum's first 12 hex>"
 # Seconds a delivery's lease runs beyond its timeout: the answer may be on its way.
 DELIVERY_MARGIN = 10.0
+MAX_NOTE = 500  # characters of a successful answer kept in the job's log line
 
 
 def endpoint_id(spec: str, checksum: str) -> str:
@@ -60,7 +61,7 @@ def callback_token(key: bytes, job_id: str, attempt: int) -> str:
 def token_attempt(key: bytes, job_id: str, token: str) -> int | None:
     """The attempt a callback token was made for (None: it is not one of ours)."""
     head, _, _ = token.partition(".")
-    if not head.isdigit() or len(head) > 9:
+    if not (head.isascii() and head.isdigit()) or len(head) > 9:  # ("²", "١": digits to str)
         return None
     attempt = int(head)
     return attempt if hmac.compare_digest(callback_token(key, job_id, attempt), token) else None
@@ -221,6 +222,11 @@ class Endpoints:
                 job.attempt, delivered.status, delivered.ms, delivered.kind,
                 f" error={delivered.error.type}: {delivered.error.message}"
                 if delivered.error is not None else "")
+        if delivered.kind != "failed":  # (a failure's record is its error's details)
+            effects.append(Note([StatusNote(job.id, job.attempt, now.wall, line=(
+                "log", "info", f"delivered: HTTP {delivered.status} in {delivered.ms:.0f} ms"
+                f" (delivery {delivered.delivery_id}){': ' if delivered.body else ''}"
+                f"{delivered.body[:MAX_NOTE]}"))]))
         if delivered.kind == "accepted":
             state.accepted.add(job.id)
             lease = max(job.visibility_timeout or self.scheduler.visibility_timeout,

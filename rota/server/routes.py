@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.server import (api, callbacks, cronapi, feeds, hookapi, operate, secretapi,
-                         workflows, workschema)
+from rota.server import (api, callbacks, cronapi, endpointapi, feeds, hookapi, operate,
+                         secretapi, workflows, workschema)
 from rota.server.hookapi import (DeliveryList, NewWebhook, TestReply, WebhookChange, WebhookList,
                                 WebhookRequest, WebhookView)
 from rota.server.secretapi import SecretDeleted, SecretList, SecretPut, SecretRequest
@@ -87,6 +87,9 @@ ROUTES: list[Op] = [
     Op("get", "/specs/{name}/history", api.spec_history, "Every version pushed for a spec", None,
      {200: History, 404: ErrorBody}),
     Op("get", "/workers", api.list_workers, "Connected workers", None, {200: Workers}),
+    Op("get", "/endpoints", endpointapi.list_endpoints, "Push endpoints: each version of a"
+       " spec with [execute], its circuit breaker and deliveries in flight (admin)", None,
+       {200: endpointapi.Endpoints}),
     Op("post", "/workers/state", api.direct_workers,
        "Quiet or terminate workers by label, or all", StateRequest,
      {200: Directed, **BAD}),

@@ -164,3 +164,12 @@ async def test_the_readme_example_endpoint_runs_greet_and_refuses_a_replay(tmp_p
         endpoint.wait(timeout=10)
         endpoint.stdout.close()
         await end([server], [http])
+
+
+async def test_a_completed_delivery_keeps_its_record_in_the_jobs_log(live, rig):
+    await push(live, spec("noted", rig.url("/ok")))
+    job_id = await enqueue(live, "noted", {"n": 7})
+    assert (await settled(live, job_id))["state"] == "completed"
+    shown = (await live.get(f"/jobs/{job_id}")).json()
+    lines = [line["message"] for line in shown["logs"]]
+    assert any(m.startswith("delivered: HTTP 200 in ") and '"echo"' in m for m in lines), shown
