@@ -76,11 +76,14 @@ class Webhooks:
     async def run(self) -> None:
         """The server's webhooks loop (rota/server/upkeep.py): the subscriptions' delivery
         tasks, and the pump, until cancelled at the stop; then the tasks end too."""
+        # From this moment the ring has every event (read before any await: a request
+        # may record one meanwhile); what came before is looked for in the rows.
+        last, started = self.observer.next_id - 1, time.time()
         try:
             for row in await self.store.readers.run(sql.subscriptions):
                 self._track(_subscription(row))
             self._mark_key = f"webhooks_pumped:{self.store.server_id or ''}"
-            await self._pumping()
+            await self._pumping(last, started)
         finally:
             tasks = list(self._tasks.values())
             for task in tasks:
@@ -117,10 +120,9 @@ class Webhooks:
             task.cancel()
 
     # -- the pump: recorded events -> the outbox --------------------------------------------
-    async def _pumping(self) -> None:
+    async def _pumping(self, last: int, started: float) -> None:
         observer = self.observer
-        last = observer.next_id - 1
-        await self._recover(None, "after the restart")
+        await self._recover(None, started, "after the restart")
         marked = read = time.monotonic()
         last_wall = time.time()  # the wall time of the last event pumped
         while True:
@@ -142,7 +144,7 @@ class Webhooks:
                 await self._add(rows, events[-1][1][0])
                 marked = time.monotonic()
             if missed:
-                await self._recover(last_wall - wh.MARGIN, "after a gap")
+                await self._recover(last_wall - wh.MARGIN, events[0][1][0], "after a gap")
             last_wall = events[-1][1][0]
 
     async def _reread(self) -> None:
@@ -178,11 +180,13 @@ class Webhooks:
                          for sub_id in takers]
         return rows
 
-    async def _recover(self, since: float | None, why: str) -> None:
-        """Job events the pump did not see, from the jobs' rows since ``since`` (None:
-        the pump's stored mark, less MARGIN, or the oldest subscription): those of the
-        moments before the last stop (a kill -9 between an event and the pump's write),
-        or of a gap in the ring. Each is left out if its delivery exists (the same id)."""
+    async def _recover(self, since: float | None, until: float, why: str) -> None:
+        """Job events the pump did not see, from the jobs' rows from ``since`` (None:
+        the pump's stored mark, less MARGIN, or the oldest subscription) to ``until``
+        (after it the ring has them): those of the moments before the last stop (a
+        kill -9 between an event and the pump's write), or of a gap in the ring. Each is
+        left out if its delivery exists (the same id); another server's of the same
+        moments may be written by both (at least once: the same ids)."""
         subs = [s for s in self.subs.values() if s.enabled
                 and any(k in (wh.ALL, *wh.FACTS) for k in s.kinds)]
         if not subs:
@@ -194,7 +198,7 @@ class Webhooks:
         start = since
         jobs = await self.store.readers.run(
             lambda conn: sql.recent_jobs(conn, start, RECOVER_LIMIT))
-        rows = self._rows(wh.facts(jobs, since))
+        rows = self._rows([e for e in wh.facts(jobs, since) if e[0] <= until])
         if rows:
             await self._add(rows, None, recovered=True)
             log.info("webhooks: %d delivery(ies) of job events since %s looked for again %s",

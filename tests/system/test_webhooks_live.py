@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Api, write_spec
+from conftest import Api, start_server, stop_server, write_spec
 from helpers import free_port, reap, spawn_serve, wait_until
 from hookrig import Receiver
 
@@ -136,4 +136,29 @@ async def test_a_receiver_down_for_60s_gets_every_event_and_throughput_holds(tmp
         await asyncio.wait_for(proc.wait(), 20)
         await reap(proc)
         await served.http.aclose()
+        await receiver.close()
+
+
+async def test_two_servers_on_postgresql_send_each_delivery_once(tmp_path: Path, pg_url: str):
+    """Both servers pump their own events into the shared outbox and both deliver: a
+    claim keeps any delivery from being sent by both."""
+    options = {"database_url": pg_url, "allow_private_endpoints": True,
+               "webhook_backoff_scale": 0.01}
+    receiver = await Receiver().start()
+    a = await start_server(tmp_path / "a", server_id="a", **options)
+    b = None
+    try:
+        await a.push(write_spec(tmp_path / "specs", "mail"))
+        await a.http.post("/webhooks", json={"url": receiver.url, "kinds": ["enqueue"]})
+        b = await start_server(tmp_path / "b", server_id="b", **options)  # (reads it at start)
+        ids = {(await (a if n % 2 else b).enqueue("mail", {"n": n}))["id"]
+               for n in range(40)}
+        await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == ids,
+                         timeout=15.0, what="every event, from both servers")
+        deliveries = [r.headers["x-rota-delivery-id"] for r in receiver.got]
+        assert len(deliveries) == len(set(deliveries)) == 40
+    finally:
+        for live in (a, b):
+            if live is not None:
+                await stop_server(live)
         await receiver.close()
