@@ -46,6 +46,7 @@ HUGE = b'{"pad": "' + b"x" * (2 << 20) + b'"}'
 class Rig(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 1024  # (5 by default: a wave of connections overflows it, resets)
 
     def __init__(self, port: int, log: Path, secret: str | None,
                  nth: dict[tuple[str, int], int]) -> None:

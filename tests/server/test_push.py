@@ -5,8 +5,6 @@ jobs enqueued before it to the old URL and the rest to the new one."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,24 +12,15 @@ from typing import Any
 import httpx
 import pytest
 from helpers import end, free_port, spawn_serve, wait_until
-from test_deliverer import RIG, SECRET, Rig
+from test_deliverer import SECRET, Rig, running_rig
 
 FINAL = ("completed", "discarded", "cancelled")
 
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    log = tmp_path_factory.mktemp("pushrig") / "rig.log"
-    log.touch()
-    proc = subprocess.Popen([sys.executable, str(RIG), "--port", "0", "--log", str(log),
-                             "--secret", SECRET], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    try:
-        yield Rig(int(proc.stdout.readline()), log)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        proc.stdout.close()
+    with running_rig(tmp_path_factory.mktemp("pushrig") / "rig.log") as rig:
+        yield rig
 
 
 @pytest.fixture
