@@ -45,7 +45,8 @@ CLASSES: dict[str, tuple[str, dict[str, Any], str, set[str]]] = {
     "busy": ("/429", {"max_attempts": 1}, "discarded", {"http_429"}),
 }
 # Run before the others, one after the other (the rest, and hang's 2 s timeout, run
-# through the kill): thousands of deliveries in flight at once stall the server (below).
+# through the kill), each in one wave (in flight all at once: the breaker would pause
+# its retries, and a class's later jobs, for minutes).
 WAVES = ("fail", "reset", "moved", "busy")
 COMPLETION = re.compile(r"(?:delivered|callback) job=(\S+) .*?attempt=(\d+)\b.*?"
                         r"outcome=completed")
