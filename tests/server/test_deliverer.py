@@ -86,8 +86,8 @@ async def test_ok_completes_with_the_json_and_the_rig_verifies_the_signature(rig
     assert (done.kind, done.result, done.status) == ("completed", {"echo": [{"n": 1}]}, 200)
     assert done.delivery_id == d.delivery_id and done.ms > 0
     [seen] = rig.lines(d.delivery_id)
-    assert seen == {"path": "/ok", "delivery_id": d.delivery_id, "job_id": d.job_id,
-                    "attempt": "1", "signed": True, "t": seen["t"]}  # (not the spec's 99)
+    assert seen == {"path": "/ok", "delivery_id": d.delivery_id, "job_id": d.job_id,  # attempt:
+                    "attempt": "1", "signed": True, "whole": True, "t": seen["t"]}  # not 99
     rotating = delivery(rig.url("/ok"), secret="rotating")  # either signature will do
     await deliverer.deliver(rotating)
     assert rig.lines(rotating.delivery_id)[0]["signed"] is True

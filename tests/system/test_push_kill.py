@@ -210,15 +210,18 @@ async def chaos(tmp: Path, rig: Rig, per_class: dict[str, int], timeout: float) 
     per_attempt = Counter((line["job_id"], line["attempt"]) for line in lines)
     assert max(per_attempt.values()) == 1, per_attempt.most_common(3)
     assert {line["job_id"] for line in lines} <= set(enqueued)
-    # A request the kill cut while it was being sent arrives short: its signature fails,
-    # as it should. Every other one is signed.
-    cut_attempts = {(j, str(e["attempt"])) for j, row in found.items() for e in row[4]
-                    if e["type"] in CUT}
-    unsigned = {(line["job_id"], line["attempt"]) for line in lines if not line["signed"]}
-    assert unsigned <= cut_attempts, unsigned - cut_attempts
+    # A request cut while it was being sent (by the kill, or a sender that gave up at its
+    # timeout) arrives short, and its signature fails, as it should; every whole one is
+    # signed, and only an attempt that ended cut or timed out was cut.
+    assert all(line["signed"] for line in lines if line["whole"])
+    ended = {(j, str(e["attempt"])) for j, row in found.items() for e in row[4]
+             if e["type"] in CUT | {"timeout"}}
+    short = {(line["job_id"], line["attempt"]) for line in lines if not line["whole"]}
+    assert short <= ended, short - ended
     final = ("completed", "discarded")
     print(f"\n{total} jobs; final at the kill {sum(r[1] in final for r in at_kill.values())},"
-          f" completed {len(done_at_kill)}; deliveries {len(lines)}; completions logged"
+          f" completed {len(done_at_kill)}; deliveries {len(lines)} ({len(short)} cut short);"
+          f" completions logged"
           f" and cut by the kill: {len(cut)}; attempts cut, by class:"
           f" {dict(Counter(found[j][0] for j in found for e in found[j][4] if e['type'] in CUT))}")
 
