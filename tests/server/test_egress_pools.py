@@ -5,6 +5,7 @@ wave grows, and a light load kept on one pool and its keep-alive connections."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 from test_deliverer import running_rig
@@ -33,3 +34,9 @@ async def test_a_wave_is_spread_over_pools_of_at_most_shard(tmp_path: Path) -> N
             assert max(peak) <= SHARD and egress._busy == [0, 0, 0, 0]
         finally:
             await egress.aclose()
+
+
+def test_the_missing_sniffio_is_remembered() -> None:
+    """httpcore imports sniffio at each request's start and end; absent, each import
+    searched sys.path again. The module's import leaves it known (or None: absent)."""
+    assert "sniffio" in sys.modules
