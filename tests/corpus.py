@@ -312,3 +312,48 @@ WORKFLOW_SLIPS: list[tuple[str, object, int, str]] = [
     ("a misspelt queue in a step", {"type": "chain", "steps": [
         _JOB, {"spec": "parked", "queue": "defualt"}]}, 422, "unknown_queue"),
 ]
+
+
+# [execute] tables (push execution) a spec push must refuse with a 422 naming what is
+# wrong, at PUT /specs and in one line of `rota specs push`: (name, the table, a fragment
+# of the message). Each is in a spec that is otherwise valid, pushed dry-run.
+_EXEC = {"url": "https://example.com/hook", "secret": "hostile-exec"}
+EXECUTE_SLIPS: list[tuple[str, object, str]] = [
+    ("an ftp URL", {**_EXEC, "url": "ftp://example.com/x"}, "url"),
+    ("a file URL", {**_EXEC, "url": "file:///etc/passwd"}, "url"),
+    ("a javascript URL", {**_EXEC, "url": "javascript:alert(1)"}, "url"),
+    ("a URL with no host", {**_EXEC, "url": "http:///x"}, "url"),
+    ("a URL with userinfo", {**_EXEC, "url": "https://user:pw@example.com/"}, "url"),
+    ("a URL with a fragment", {**_EXEC, "url": "https://example.com/#x"}, "url"),
+    ("an empty URL", {**_EXEC, "url": ""}, "url"),
+    ("a URL with a newline", {**_EXEC, "url": f"https://example.com/\nERROR {FORGED}"}, "url"),
+    ("a URL with a space", {**_EXEC, "url": "https://exa mple.com/"}, "url"),
+    ("a URL of 3,000 characters", {**_EXEC, "url": "https://example.com/" + "a" * 3000},
+     "url"),
+    ("a URL of a bad port", {**_EXEC, "url": "https://example.com:99999/"}, "url"),
+    ("timeout 0", {**_EXEC, "timeout": 0}, "timeout"),
+    ("a negative timeout", {**_EXEC, "timeout": -1}, "timeout"),
+    ("timeout past 900 s", {**_EXEC, "timeout": 901}, "timeout"),
+    ("timeout a string", {**_EXEC, "timeout": "30"}, "timeout"),
+    ("max_in_flight 0", {**_EXEC, "max_in_flight": 0}, "max_in_flight"),
+    ("max_in_flight huge", {**_EXEC, "max_in_flight": 10**12}, "max_in_flight"),
+    ("max_in_flight 1.5", {**_EXEC, "max_in_flight": 1.5}, "max_in_flight"),
+    ("a reserved header", {**_EXEC, "headers": {"Content-Type": "text/plain"}}, "Content-Type"),
+    ("a signature header", {**_EXEC, "headers": {"X-Rota-Signature": "sha256=0"}},
+     "X-Rota-Signature"),
+    ("a Host header", {**_EXEC, "headers": {"Host": "internal"}}, "Host"),
+    ("a header name with a colon", {**_EXEC, "headers": {"X-A:b": "c"}}, "headers"),
+    ("a header name with a space", {**_EXEC, "headers": {"X A": "c"}}, "headers"),
+    ("an empty header name", {**_EXEC, "headers": {"": "c"}}, "headers"),
+    ("a header value with a newline", {**_EXEC, "headers": {"X-A": f"b\r\nX-Evil: {FORGED}"}},
+     "headers"),
+    ("a header value with NUL", {**_EXEC, "headers": {"X-A": "b\x00c"}}, "headers"),
+    ("33 headers", {**_EXEC, "headers": {f"X-H{i}": "v" for i in range(33)}}, "headers"),
+    ("headers a list", {**_EXEC, "headers": ["X-A: b"]}, "headers"),
+    ("a secret name with a slash", {**_EXEC, "secret": "a/b"}, "secret"),
+    ("a secret set nowhere", {**_EXEC, "secret": "nowhere-set"}, "nowhere-set"),
+    ("no secret", {"url": "https://example.com/hook"}, "secret"),
+    ("no URL", {"secret": "hostile-exec"}, "url"),
+    ("an unknown key", {**_EXEC, "retries": 3}, "retries"),
+    ("execute a string", "https://example.com/hook", "execute"),
+]

@@ -19,7 +19,8 @@ from rota.base.flow import MAX_LABELS, WrittenRule
 from rota.base.protocol import NAME_PATTERN as NAME_PATTERN  # one pattern for every name
 from rota.base.protocol import MAX_COUNT, Name, Priority
 from rota.base.unique import UniqueOptions, options_problem
-from rota.base.wording import GOT, KINDS, VERSION_PATTERN, kind_of, plainly
+from rota.base.wording import (GOT, HEADER_NAME_PATTERN, HEADER_VALUE_PATTERN, KINDS,
+                               VERSION_PATTERN, kind_of, plainly)
 MAX_VISIBILITY = 7 * 24 * 3600.0  # a week; longer leases should extend by heartbeat instead
 ArgType = Literal["string", "integer", "number", "boolean", "object", "array", "any"]
 
@@ -56,8 +57,8 @@ class RetryPolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_worker_deaths: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 
-HeaderName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$")]
-HeaderValue = Annotated[str, msgspec.Meta(pattern=r"^[\x20-\x7e\t]{0,1000}$")]
+HeaderName = Annotated[str, msgspec.Meta(pattern=HEADER_NAME_PATTERN)]
+HeaderValue = Annotated[str, msgspec.Meta(pattern=HEADER_VALUE_PATTERN)]
 # Headers a spec may not set: the server's own (signature, delivery id) and the transport's.
 RESERVED_HEADERS = ("content-type", "content-length", "host", "transfer-encoding",
                     "connection", "user-agent")

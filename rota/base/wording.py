@@ -40,6 +40,9 @@ def kind_of(value: Any) -> str:
 # A version is shown beside the spec's name (history, CLI): short, and no whitespace or
 # control characters ("1", "2026-11-25.2", "v1.4.0+build.7"). (rota/base/specs.py's.)
 VERSION_PATTERN = r"^[^\s\x00-\x1f\x7f]{1,64}$"
+# An [execute] table's headers (rota/base/specs.py): an HTTP token, and printable ASCII.
+HEADER_NAME_PATTERN = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,100}$"
+HEADER_VALUE_PATTERN = r"^[\x20-\x7e\t]{0,1000}$"
 
 # The patterns Rota's names and ids follow, as a person would put them; msgspec quotes
 # a pattern as Python writes it (repr), so that is how each is looked up.
@@ -52,6 +55,10 @@ PATTERNS = {repr(pattern)[1:-1]: words for pattern, words in {
                         " invisible character",
     VERSION_PATTERN: "a version of 1 to 64 characters, with no space or control character",
     KEY_PATTERN: "a key of 1 to 256 characters, with no control character",
+    HEADER_NAME_PATTERN: "an HTTP header name of 1 to 100 letters, digits and"
+                         " !#$%&'*+.^_`|~- (no space, colon or control character)",
+    HEADER_VALUE_PATTERN: "a header value of at most 1000 printable ASCII characters (no"
+                          " control character, such as a newline)",
 }.items()}
 
 _AT = re.compile(r"(?P<text>.*?)(?: - at `(?P<path>[^`]*)`)?", re.DOTALL)
@@ -87,8 +94,9 @@ def plainly(message: str, kind: Any = None, data: Untyped | None = None) -> str:
         unit = "character" if m[1] == "str" else "item"
         most = "at least" if m[2] == ">=" else "at most"
         return f"{name} must be {_kind(m[1])} of {most} {m[3]} {unit}{'' if m[3] == '1' else 's'}"
-    if m := re.fullmatch(r"Expected `str` matching regex '(.*)'", text, re.DOTALL):
-        return f"{name} must be {PATTERNS.get(m[1], f'a string matching {m[1]}')}"
+    # (msgspec quotes the pattern as repr() does: in double quotes if it holds a ')
+    if m := re.fullmatch(r"Expected `str` matching regex (['\"])(.*)\1", text, re.DOTALL):
+        return f"{name} must be {PATTERNS.get(m[2], f'a string matching {m[2]}')}"
     if text == "Number out of range":
         return (f"{name} holds a number out of range: an integer must fit in 64 bits, and"
                 " a number be finite")

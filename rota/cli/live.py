@@ -55,6 +55,10 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
                  "available": entry["held"]["no_label"], "reason": display.no_labels(entry)}
                 for row in queue_rows for entry in row["waiting"]
                 if (entry.get("held") or {}).get("no_label")]  # nothing will take them
+    # push endpoints have no process nor heartbeat: a table of their own, breaker and URL
+    endpoints = client.endpoints()["endpoints"] \
+        if any(w.get("kind") == "endpoint" for w in worker_rows) else []
+    worker_rows = [w for w in worker_rows if w.get("kind") != "endpoint"]
     shaped_workers = [{
         "id": w["id"], "state": w["state"], "active": w["active"],
         "concurrency": w["concurrency"], "prefetched": w["prefetched"],
@@ -69,6 +73,9 @@ def snapshot(client: Client, minutes: int = MINUTES) -> dict[str, Any]:
                 counts[i] += n
     return {"at": stats["now"], "queues": shaped_queues, "workers": shaped_workers,
             "blocked": blocked, "limits": queues.get("limits", []),
+            "endpoints": [{key: e[key] for key in ("id", "state", "reason", "in_flight",
+                                                    "accepted", "max_in_flight", "url")}
+                          for e in endpoints],
             "throughput": {"minute_starts": stats["minute_starts"],
                        "started_at": stats.get("started_at"), **per_minute}}
 
@@ -93,6 +100,8 @@ def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[
          + (f" +{w['prefetched']} prefetched" if w["prefetched"] else ""),
          duration(w["last_heartbeat_age"]), w["hostname"]) for w in view["workers"]],
         width) or ["(no workers connected)"]
+    if view.get("endpoints"):
+        lines += ["", *endpoint_lines(view["endpoints"], width)]
     lines += ["", "BLOCKED"]
     for b in view["blocked"]:
         lines.append(f"{b['queue']}/{b['spec']}: {b['available']} waiting: {b['reason']}")
@@ -102,6 +111,16 @@ def render(view: dict[str, Any], url: str, interval: float, width: int) -> list[
     lines += ["", *throughput_lines(view["throughput"], width)]
     # printable: a worker's hostname is its own text, and must not drive the terminal
     return [printable(line, max(20, width - 1)) for line in lines]
+
+
+def endpoint_lines(endpoints: list[dict[str, Any]], width: int) -> list[str]:
+    """The push endpoints: each one's breaker (paused: why, and until when), deliveries
+    in flight of its most, jobs it answered 202 for, and its URL."""
+    return table(("ENDPOINT", "BREAKER", "IN FLIGHT", "ACCEPTED", "URL"), [
+        (e["id"], "paused" if e["state"] == "open" else e["state"].replace("_", "-"),
+         f"{e['in_flight']}/{e['max_in_flight']}", f"{e['accepted']}",
+         e["url"] if not e["reason"] else f"{e['reason']}  {e['url']}") for e in endpoints],
+        width)
 
 
 def limit_lines(uses: list[dict[str, Any]]) -> list[str]:
@@ -186,8 +205,9 @@ def _spark(counts: list[int]) -> str:
 @URL_OPTION
 def watch(interval: float, as_json: bool, url: str) -> None:
     """A live view of the server, redrawn every --interval seconds: queues (waiting jobs,
-    the oldest one's age, paused), workers (state, load, heartbeat age), blocked specs,
-    the limits in use and jobs a minute over the last hour."""
+    the oldest one's age, paused), workers (state, load, heartbeat age), push endpoints
+    (their circuit breaker, in flight), blocked specs, the limits in use and jobs a minute
+    over the last hour."""
     client = Client(servers(url), token=token())
     try:
         view = snapshot(client)  # the first look fails in one line: a wrong URL or token

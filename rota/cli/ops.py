@@ -313,6 +313,17 @@ def _prefetched(worker: dict[str, Any]) -> str:
     return f" +{worker['prefetched']}/{worker['prefetch']}"
 
 
+def endpoint_line(worker: dict[str, Any], endpoint: dict[str, Any]) -> str:
+    """A push endpoint as ``rota workers list`` shows it: its load, URL and breaker."""
+    breaker = endpoint["state"].replace("_", "-")
+    if endpoint["reason"]:
+        breaker += f" ({endpoint['reason']})"
+    return (f"{worker['id']}  endpoint    load={worker['active']}/{worker['concurrency']}"
+            f"  queues={','.join(worker['queues'])}"
+            f"  version={'current' if endpoint['status_quo'] else 'older'}"
+            f"  url={endpoint['url']}  breaker={breaker}")
+
+
 @workers.command("list")
 @URL_OPTION
 def workers_list(url: str) -> None:
@@ -320,7 +331,13 @@ def workers_list(url: str) -> None:
     rows = api(url, "workers")["workers"]
     if not rows:
         out("no workers connected")
+    # push endpoints are workers with no process: their URL and breaker instead
+    endpoints = {e["id"]: e for e in api(url, "endpoints")["endpoints"]} \
+        if any(w.get("kind") == "endpoint" for w in rows) else {}
     for w in rows:
+        if w["id"] in endpoints:
+            out(endpoint_line(w, endpoints[w["id"]]))
+            continue
         out(f"{w['id']}  {STATE_SAID.get(w['state'], w['state']):<11} load={w['active']}/{w['concurrency']}"
              f"{_prefetched(w)}"
              f"  queues={','.join(w['queues'])}  labels={','.join(w['labels']) or '-'}"

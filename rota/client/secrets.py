@@ -1,4 +1,4 @@
-"""The endpoint signing secret calls of ``Client`` (admin): set or rotate one (or have the server generate it), list them (never a value), delete one."""
+"""The push execution calls of ``Client`` (admin): the endpoint signing secrets (set or rotate one, or have the server generate it; list them, never a value; delete one) and the endpoints with their circuit breakers."""
 
 from __future__ import annotations
 
@@ -32,3 +32,7 @@ class SecretCalls:
 
     def delete_secret(self, name: str) -> dict[str, Any]:
         return self._call("DELETE", f"/secrets/{path_segment(name)}")
+
+    def endpoints(self) -> dict[str, Any]:
+        """``GET /endpoints``: each push endpoint, its circuit breaker and deliveries."""
+        return self._call("GET", "/endpoints")

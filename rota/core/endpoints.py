@@ -30,8 +30,8 @@ from rota.base.push import Delivered, Delivery
 from rota.base.specs import Execute, JobSpec
 from rota.core.auth import OPEN
 from rota.core.breaker import Breaker
-from rota.core.effects import Arm, Deliver, Effect, Wake
-from rota.core.model import Instant, JobRecord, JobState
+from rota.core.effects import Arm, Deliver, Effect, Note, Wake
+from rota.core.model import Instant, JobRecord, JobState, StatusNote
 from rota.core.observe import Observer
 from rota.core.pins import Window
 from rota.core.registry import ConnectedWorker, Registry, short
@@ -41,6 +41,7 @@ log = logging.getLogger("rota.server")
 PREFIX = "http:"  # an endpoint's id in the registry: "http:<spec>@<checksum's first 12 hex>"
 # Seconds a delivery's lease runs beyond its timeout: the answer may be on its way.
 DELIVERY_MARGIN = 10.0
+MAX_NOTE = 500  # characters of a successful answer kept in the job's log line
 
 
 def endpoint_id(spec: str, checksum: str) -> str:
@@ -60,7 +61,7 @@ def callback_token(key: bytes, job_id: str, attempt: int) -> str:
 def token_attempt(key: bytes, job_id: str, token: str) -> int | None:
     """The attempt a callback token was made for (None: it is not one of ours)."""
     head, _, _ = token.partition(".")
-    if not head.isdigit() or len(head) > 9:
+    if not (head.isascii() and head.isdigit()) or len(head) > 9:  # ("²", "١": digits to str)
         return None
     attempt = int(head)
     return attempt if hmac.compare_digest(callback_token(key, job_id, attempt), token) else None
@@ -77,6 +78,7 @@ class EndpointState:
     breaker: Breaker = field(default_factory=Breaker)
     deliveries: dict[str, str] = field(default_factory=dict)  # job id -> its delivery id
     accepted: set[str] = field(default_factory=set)  # answered 202: running there
+    trials: set[str] = field(default_factory=set)  # delivered while its breaker tries
     seq: int = 0  # the last synthetic heartbeat's seq
 
     @property
@@ -148,9 +150,11 @@ class Endpoints:
         return [Wake()] if added else []
 
     def _endpoint_queues(self) -> None:
-        """Before a round: each endpoint serves every queue its spec's jobs wait in."""
+        """Before a round: each endpoint serves every queue its spec's jobs wait in, with
+        its free slots counted afresh (a job cancelled, or whose lease lapsed, frees one)."""
         buckets = self.scheduler.ready.buckets
         for state in self.endpoints.values():
+            self._room(state)
             name = state.spec.name
             slot = self.registry.connections[state.id].worker
             queues = [q for q, by_spec in buckets.items() if name in by_spec]
@@ -166,7 +170,11 @@ class Endpoints:
         state.accepted &= slot.active
         state.deliveries = {j: d for j, d in state.deliveries.items() if j in slot.active}
         slot.prefetch = len(state.accepted)
-        slot.capacity = state.breaker.room(state.execute.max_in_flight)
+        room = state.breaker.room(state.execute.max_in_flight)
+        state.trials &= state.deliveries.keys()
+        if state.breaker.state == "half_open":  # one trial at a time
+            room = max(0, room - len(state.trials))
+        slot.capacity = room
 
     # -- delivering ------------------------------------------------------------------------
     def _deliveries(self, connection: ConnectedWorker, jobs: list[JobRecord], now: Instant
@@ -183,6 +191,8 @@ class Endpoints:
             job.lease_expires_at = now.wall + lease
             self.scheduler.hold(job, now.mono + lease)
             delivery_id = state.deliveries[job.id] = uuid7()
+            if state.breaker.state == "half_open":
+                state.trials.add(job.id)
             effects.append(Deliver(Delivery(
                 job_id=job.id, attempt=job.attempt, spec=job.spec, checksum=state.checksum,
                 queue=job.queue, args=job.args, priority=job.priority, url=execute.url,
@@ -203,15 +213,20 @@ class Endpoints:
                 or state.deliveries.get(job.id) != delivered.delivery_id):
             log.info("delivery answer ignored job=%s attempt=%d delivery=%s status=%s: the"
                      " attempt moved on", delivered.job_id, delivered.attempt,
-                     delivered.delivery_id, delivered.status)
-            return []
+                     delivered.delivery_id, delivered.status or "-")
+            return [Wake()]  # (its slot may be free: the round counts it afresh)
         effects = self._judged(state, delivered, now)
         log.log(logging.INFO if delivered.kind != "failed" else logging.WARNING,
                 "delivered job=%s spec=%s@%s queue=%s worker=%s attempt=%d status=%s ms=%.0f"
                 " outcome=%s%s", job.id, job.spec, short(state.checksum), job.queue, state.id,
-                job.attempt, delivered.status, delivered.ms, delivered.kind,
+                job.attempt, delivered.status or "-", delivered.ms, delivered.kind,
                 f" error={delivered.error.type}: {delivered.error.message}"
                 if delivered.error is not None else "")
+        if delivered.kind != "failed":  # (a failure's record is its error's details)
+            effects.append(Note([StatusNote(job.id, job.attempt, now.wall, line=(
+                "log", "info", f"delivered: HTTP {delivered.status} in {delivered.ms:.0f} ms"
+                f" (delivery {delivered.delivery_id}){': ' if delivered.body else ''}"
+                f"{delivered.body[:MAX_NOTE]}"))]))
         if delivered.kind == "accepted":
             state.accepted.add(job.id)
             lease = max(job.visibility_timeout or self.scheduler.visibility_timeout,
@@ -275,8 +290,9 @@ class Endpoints:
         state = self.endpoints.get(job.worker_id or "") if job is not None else None
         shown = None if job is None else str(job.state)
         if job is None or state is None or job.state != JobState.ACTIVE or job.orphaned:
-            return Called(f"the job is not running on an endpoint (it is"
-                          f" {shown or 'not held here'})", shown, [])
+            return Called(f"the job is not running on an endpoint: it is {shown}" if shown
+                          else "the job is not running on an endpoint here (it finished,"
+                          " or its attempt moved on)", shown, [])
         if job.attempt != attempt:
             return Called(f"attempt {attempt} is not the job's current attempt {job.attempt}",
                           shown, [])

@@ -22,6 +22,7 @@ from rota.core.listing import did_you_mean, listed
 from rota.base.logs import log_lines
 from rota.core.model import TERMINAL_STATES, Change, Instant, JobRecord, JobState
 from rota.core.observe import Observer
+from rota.core.endpoints import is_endpoint
 from rota.core.pulls import is_pull
 from rota.core.ready import row_labels
 from rota.core.registry import Registry, short
@@ -151,7 +152,9 @@ class Intake:
         job = self.scheduler.jobs.get(job_id)
         if job is None or job.state in TERMINAL_STATES:
             return "not_live", []
-        if job.state == JobState.ACTIVE and not is_pull(job.worker_id):  # a pull: at once
+        # A pull worker's or an endpoint's job: at once (a late answer is fenced off).
+        if job.state == JobState.ACTIVE and not is_pull(job.worker_id) \
+                and not is_endpoint(job.worker_id):
             job.cancel_requested = True
             effects: list[Effect] = [Save([Change(job)])]
             connection = self.registry.get(job.worker_id or "")
@@ -160,12 +163,14 @@ class Intake:
                     p.Cancel(job_ids=[job.id], reason="cancelled"))))
             log.info("cancel requested job=%s worker=%s", job.id, job.worker_id)
             return "requested", effects
+        was_active = job.state == JobState.ACTIVE
         job.move(JobState.CANCELLED)
         self.scheduler.finish(job)
         log.info("cancelled job=%s spec=%s queue=%s", job.id, job.spec, job.queue)
         self.observe.counted(now.wall, "cancel", job.id, job.spec, job.queue,
                              attempt=job.attempt)
-        return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id])]
+        return "cancelled", [Save([Change(job, finished_at=now.wall)]), Finished([job.id]),
+                             *([Wake()] if was_active else [])]  # (its slot is free)
 
     def activate(self, job_id: str, now: Instant) -> tuple[str, list[Effect]]:
         """Run a scheduled job now (OJS's activate): "activated", or the state that
@@ -394,7 +399,7 @@ class Intake:
                                "state_change", spec=change.name, checksum=change.checksum,
                                state="status_quo", message=f"spec {change.name} pushed:"
                                f" {change.change}, checksum {short(change.checksum)}")
-            for worker_id in self.scheduler.mismatched_workers(change.name, change.checksum):
+            for worker_id in self._mismatched(change.name, change.checksum):
                 declared = self.scheduler.workers[worker_id].specs[change.name]
                 log.warning("spec mismatch worker=%s spec=%s checksum=%s status_quo=%s",
                             worker_id, change.name, short(declared), short(change.checksum))
@@ -413,8 +418,14 @@ class Intake:
                  len(matching))
         return len(matching)
 
+    def _mismatched(self, spec: str, checksum: str) -> list[str]:
+        """Workers that declare another checksum: not an older version's endpoint, which
+        goes on delivering the jobs enqueued under it by design (rota/core/pins.py)."""
+        return [w for w in self.scheduler.mismatched_workers(spec, checksum)
+                if not is_endpoint(w)]
+
     def change_report(self, change: Any) -> dict[str, Any]:
-        mismatched = self.scheduler.mismatched_workers(change.name, change.checksum)
+        mismatched = self._mismatched(change.name, change.checksum)
         matching = self.scheduler.matching_workers(change.name, change.checksum)
         return {"name": change.name, "change": change.change, "checksum": change.checksum,
                 "previous": change.previous, "mismatched_workers": len(mismatched),

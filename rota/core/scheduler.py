@@ -420,10 +420,14 @@ class Scheduler(Flow):
             if not by_spec or queue in self.paused:
                 continue
             best, best_head, best_spec = None, None, ""
+            pinned = self.pins.windows  # (push execution: rota/core/pins.py)
             for spec, bucket in by_spec.items():
+                if not (spec in pinned or self.matches(worker, spec)):
+                    continue
                 head = self.ready.head(bucket)
-                if head is not None and self.may_run(worker, spec, head[1]) \
-                        and (best_head is None or head < best_head):
+                if head is None or (spec in pinned and not self.may_run(worker, spec, head[1])):
+                    continue
+                if best_head is None or head < best_head:
                     best, best_head, best_spec = bucket, head, spec
             if best is None:
                 continue

@@ -211,10 +211,12 @@ class Admission:
     async def _read(self) -> None:
         try:
             specs, checksums, retired = await self.store.status_quo()
+            windows = await self.store.spec_windows()  # (push execution's pins)
         except StorageError:
             return  # the refusal stands; the notice still comes
         reading = self.clock()
         self.apply(self.engine.status_quo_read(specs, checksums, retired, reading))
+        self.apply(self.engine.load_pins(windows, reading))
         self._read_done = reading.mono
 
     def _read_ended(self, future: asyncio.Future[None]) -> None:

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from rota.server.api_base import (JSON, coordinator_of, decode_as, decode_body, error, need, read_body,
                            status_of, token_revoked, too_many_waits)
 from rota.core.auth import Scope, kept_hint
+from rota.core.endpoints import is_endpoint
 from rota.server.coordinator import Coordinator
 from rota.base.errors import DomainError, Invalid, NoSuchJob, RequestError
 from rota.base.ojs import OJS_ARGS
@@ -309,8 +310,9 @@ def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
         workers.append({
             "id": slot.id, "hostname": reg.hostname, "pid": reg.pid, "os": reg.os,
             "sdk": reg.sdk, "state": slot.state, "queues": slot.queues, "labels": slot.labels,
-            "kind": "pull" if conn.conn < 0 else "work",  # pull: OJS FETCH (rota/core/pulls.py)
-            "concurrency": slot.concurrency if conn.conn > 0 else 0, "prefetch": slot.prefetch,
+            # pull: OJS FETCH (rota/core/pulls.py); endpoint: push execution (GET /endpoints)
+            "kind": "endpoint" if is_endpoint(slot.id) else "pull" if conn.conn < 0 else "work",
+            "concurrency": slot.concurrency if conn.conn > 0 or is_endpoint(slot.id) else 0, "prefetch": slot.prefetch,
             "active": running, "prefetched": prefetched,
             "capacity": slot.capacity, "specs_matching": matching,
             "specs_mismatching": sorted(set(slot.specs) - set(matching)),

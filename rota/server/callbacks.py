@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from rota.base import protocol as p
 from rota.base.errors import RequestError, StorageError
+from rota.base.logs import printable
 from rota.server.api_base import JSON, coordinator_of, decode_body
 
 log = logging.getLogger("rota.server")
@@ -73,7 +74,8 @@ async def _called(request: Request, token: str, result: p.Result | None) -> Resp
     if called.refusal is not None:
         status, code = (403, "invalid_token") if called.state is None and "token" in \
             called.refusal else (409, "stale_attempt")
-        log.warning("callback refused job=%s: %s", job_id, called.refusal)
+        # (the id is the caller's, from the path: never raw into the log)
+        log.warning("callback refused job=%s: %s", printable(job_id), called.refusal)
         raise RequestError(status, code, called.refusal)
     if called.seq is None:  # a heartbeat
         coordinator.apply(called.effects)

@@ -256,6 +256,7 @@ class Cluster:
         coordinator = self.coordinator
         coordinator.apply(self.engine.status_quo_read(specs, checksums, retired,
                                                       coordinator.clock()))
+        await coordinator.pusher.reread()  # its pins and endpoints (rota/core/pins.py)
         coordinator.limiting.refresh()  # a spec file's limits may have changed
 
     async def _read_limits(self) -> None:

@@ -368,6 +368,9 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         self.apply(self.engine.outbox(conn, worker_id, full, over, self.clock()))
 
     def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
+        # A push endpoint is no process: quiet, it would never say it runs again (a
+        # resume waits for that), and its jobs would wait for good.
+        worker_ids = [w for w in worker_ids if w not in self.engine.endpoints]
         directed = self.engine.registry.direct(worker_ids, state)
         wall = self.clock().wall
         for worker_id in directed:

@@ -51,7 +51,9 @@ async def overview(request: Request) -> Response:
     for counts in [q["counts"] for q in queues] + [others["counts"] if others else {}]:
         for state, n in counts.items():
             totals[state] += n
-    workers = worker_views(coordinator)
+    endpoints = coordinator.endpoint_views()  # apart: no process, a breaker instead
+    named = {e["id"] for e in endpoints}
+    workers = [w for w in worker_views(coordinator) if w["id"] not in named]
     by_state: dict[str, int] = {}
     for worker in workers:
         by_state[worker["state"]] = by_state.get(worker["state"], 0) + 1
@@ -60,6 +62,8 @@ async def overview(request: Request) -> Response:
     return render(request, "overview", totals=totals, chart=chart, hour=hour,
                   counts_note=note, queues=queues, workers=by_state,
                   worker_count=len(workers), blocked=blocked(coordinator),
+                  endpoints=len(endpoints),
+                  paused_endpoints=sum(e["state"] != "closed" for e in endpoints),
                   live_jobs=coordinator.live_jobs(), specs=len(coordinator.specs),
                   storage=None if degraded is None else degraded.message,
                   uptime=coordinator.uptime())
@@ -174,9 +178,25 @@ async def workers_page(request: Request) -> Response:
     chosen = request.query_params.get("label", "")
     labels = sorted({label for worker in workers for label in worker["labels"]}
                     | ({chosen} if NAME.fullmatch(chosen) else set()))
+    # push endpoints: no process to direct, their URL and circuit breaker instead
+    endpoints = {e["id"]: e for e in coordinator.endpoint_views()}
+    shown = [{**endpoints[w["id"]], "queues": w["queues"]} for w in workers
+             if w["id"] in endpoints]
+    workers = [w for w in workers if w["id"] not in endpoints]
     return render(request, "workers", workers=workers, labels=labels, chosen=chosen,
+                  endpoints=shown,
                   shared=coordinator.shares_database(), directives=DIRECTIVES, verbs=VERBS,
                   actions_for=actions_for)
+
+
+def delivery_record(details: Any) -> dict[str, Any] | None:
+    """A push delivery's record, taken out of an attempt's error details (its status,
+    milliseconds, cut body, delivery id: rota/base/push.py Delivered.record); None if
+    the attempt was no delivery."""
+    if not isinstance(details, dict) or not isinstance(details.get("delivery_id"), str):
+        return None
+    return {key: details.pop(key, None) for key in ("delivery_id", "status", "ms", "body",
+                                                    "retry_after")}
 
 
 def actions_for(state: str) -> tuple[str, ...]:
@@ -317,6 +337,7 @@ async def job_page(request: Request) -> Response:
         details = error.get("details")
         trace = details.pop("traceback", None) if isinstance(details, dict) else None
         error["traceback"] = trace if isinstance(trace, str) else None
+        error["delivery"] = delivery_record(details)
     # A cancel and a job given back unstarted (released: taken back from a prefetch line
     # for an idle worker) end an attempt too, but neither is a failure, and the latter
     # uses none of the budget: each is counted apart.

@@ -105,7 +105,7 @@ def classify(d: Delivery, answer: Answer, max_body: int = MAX_BODY,
                             "body": answer.body[:MAX_SHOWN_BODY].decode("utf-8", "replace")}
     if status is None:
         kind = answer.error or "connect"
-        return failed(d, kind, answer.message, retryable=kind != "address_refused",
+        return failed(d, kind, answer.message, retryable=kind in ("timeout", "connect"),
                       fault=True, **seen)
     if status == 202:
         return Delivered(job_id=d.job_id, attempt=d.attempt, delivery_id=d.delivery_id,
@@ -114,17 +114,19 @@ def classify(d: Delivery, answer: Answer, max_body: int = MAX_BODY,
         return _success(d, answer, max_body, seen)
     if 300 <= status < 400:
         where = answer.headers.get("location")
-        why = ("no Location" if not where else f"to {where}, not followed (another host)"
+        why = ("no Location" if not where else
+               f"to {where}, not followed (another scheme, host or port)"
                if answer.redirects < MAX_REDIRECTS else
                f"to {where}, not followed (after {MAX_REDIRECTS} redirects)")
         return failed(d, "redirect", f"HTTP {status}: redirected {why}", retryable=False,
                       fault=True, **seen)
+    said = f"HTTP {status}" + (f": {seen['body'][:200]}" if seen["body"].strip() else "")
     if status in (408, 409, 429) or 500 <= status < 600:
-        return failed(d, f"http_{status}", f"HTTP {status}", retryable=True,
+        return failed(d, f"http_{status}", said, retryable=True,
                       fault=status != 409,
                       retry_in=retry_after(answer.headers.get("retry-after"), now), **seen)
     if 400 <= status < 500:
-        return failed(d, f"http_{status}", f"HTTP {status}", retryable=False,
+        return failed(d, f"http_{status}", said, retryable=False,
                       fault=status in (401, 403, 404), **seen)
     return failed(d, "bad_response", f"HTTP {status} is no answer", retryable=True,
                   fault=True, **seen)
@@ -141,11 +143,13 @@ def _success(d: Delivery, answer: Answer, max_body: int, seen: dict[str, Any]) -
         text = answer.body.decode("utf-8")
     except UnicodeDecodeError as exc:
         return bad(f"the answer is not UTF-8 (byte {exc.start})")
+    if not text.strip():  # a 204 (or any empty 2xx): done, with no result
+        return Delivered(job_id=d.job_id, attempt=d.attempt, delivery_id=d.delivery_id,
+                         kind="completed", result=None, **seen)
     try:
         body = msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
-        return bad(f"the answer is not JSON ({exc})" if text.strip() else
-                   "the answer is empty, not JSON")
+        return bad(f"the answer is not JSON ({exc})")
     if isinstance(body, dict) and body.get("status") == "failed":  # OJS §2.3's NACK
         error = body.get("error")
         error = error if isinstance(error, dict) else {"message": str(error or "")}

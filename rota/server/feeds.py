@@ -332,6 +332,7 @@ class ScrapeCollector:
             blocked.add_metric([spec, reason], n)
         yield blocked
         yield from limit_metrics(self.gauges["limits"])
+        yield from endpoint_metrics(self.gauges["endpoints"])
 
 
 def limit_metrics(uses: list[LimitUse]) -> Iterator[Metric]:
@@ -358,6 +359,27 @@ def limit_metrics(uses: list[LimitUse]) -> Iterator[Metric]:
     yield starts
 
 
+def endpoint_metrics(views: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Per push endpoint (GET /endpoints): whether its breaker holds its jobs, its
+    deliveries in flight and how often it opened."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = ["endpoint", "spec"]
+    paused = GaugeMetricFamily("rota_endpoint_open", "1 while a push endpoint's circuit"
+                               " breaker holds its jobs (open, or half-open: one trial)",
+                               labels=labels)
+    flying = GaugeMetricFamily("rota_endpoint_in_flight", "Deliveries sent to a push"
+                               " endpoint and not answered yet", labels=labels)
+    opened = CounterMetricFamily("rota_endpoint_openings", "Times a push endpoint's circuit"
+                                 " breaker opened, since the server started", labels=labels)
+    for view in views:
+        named = [view["id"], view["spec"]]
+        paused.add_metric(named, 0 if view["state"] == "closed" else 1)
+        flying.add_metric(named, view["in_flight"])
+        opened.add_metric(named, view["opened"])
+    yield from (paused, flying, opened)
+
+
 def _buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
     cumulative, out = 0, []
     for bound, n in zip([*map(repr, bounds), "+Inf"], counts, strict=True):
@@ -377,7 +399,11 @@ async def gauges(coordinator: Coordinator) -> dict[str, Any]:
     queues = set(counts) | set(since)
     oldest = {q: (round(max(0.0, now - since[q]), 3) if q in since else 0.0) for q in queues}
     workers: dict[str, int] = {}
-    for connection in coordinator.connections.values():
+    endpoints = coordinator.endpoint_views()  # (counted in rota_endpoint_*, not as workers)
+    named = {e["id"] for e in endpoints}
+    for worker_id, connection in coordinator.connections.items():
+        if worker_id in named:
+            continue
         state = connection.worker.state
         workers[state] = workers.get(state, 0) + 1
     blocked: dict[tuple[str, str], int] = {}
@@ -386,7 +412,7 @@ async def gauges(coordinator: Coordinator) -> dict[str, Any]:
             blocked[(row.spec, kind)] = blocked.get((row.spec, kind), 0) + n
     limits = fold_keys(coordinator.limit_use(), coordinator.settings.max_series)
     return {"queue_counts": counts, "oldest": oldest, "workers": workers, "blocked": blocked,
-            "limits": limits}
+            "limits": limits, "endpoints": endpoints}
 
 
 async def metrics(request: Request) -> Response:

@@ -273,7 +273,8 @@ class WorkerView(msgspec.Struct, kw_only=True):
     connected_at: str
     last_heartbeat_age: float
     heartbeats: int  # frames read from this connection
-    kind: Literal["work", "pull"] = "work"  # pull: an OJS worker that FETCHes over HTTP
+    # pull: an OJS worker that FETCHes over HTTP; endpoint: a push endpoint (GET /endpoints)
+    kind: Literal["work", "pull", "endpoint"] = "work"
 
 
 class Workers(msgspec.Struct):

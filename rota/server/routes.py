@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rota.server import api, callbacks, cronapi, feeds, operate, secretapi, workflows, workschema
+from rota.server import api, callbacks, cronapi, endpointapi, feeds, operate, secretapi, workflows, workschema
 from rota.server.secretapi import SecretDeleted, SecretList, SecretPut, SecretRequest
 from rota.server.api import PushRequest, RetireRequest, StateRequest, TokenRequest
 from rota.server.gate import OPEN_PATHS  # one list of what needs no token: the gate's
@@ -84,6 +84,9 @@ ROUTES: list[Op] = [
     Op("get", "/specs/{name}/history", api.spec_history, "Every version pushed for a spec", None,
      {200: History, 404: ErrorBody}),
     Op("get", "/workers", api.list_workers, "Connected workers", None, {200: Workers}),
+    Op("get", "/endpoints", endpointapi.list_endpoints, "Push endpoints: each version of a"
+       " spec with [execute], its circuit breaker and deliveries in flight (admin)", None,
+       {200: endpointapi.Endpoints}),
     Op("post", "/workers/state", api.direct_workers,
        "Quiet or terminate workers by label, or all", StateRequest,
      {200: Directed, **BAD}),

@@ -94,11 +94,8 @@ class SecretBook:
         assert value is not None
         if (problem := value_problem(value)) is not None:
             raise Invalid("invalid_secret", f"secret {name}: {problem}")
-        before = self.rows.get(name)
-        row = await self.store.set_secret(name, value, self.wall(), window)
+        row, change = await self.store.set_secret(name, value, self.wall(), window)
         self.rows[name] = row
-        change = ("new" if before is None else
-                  "unchanged" if before["value"] == value else "rotated")
         if change != "unchanged":
             log.info("secret %s %s%s", name, change, " (the environment's is used here:"
                      f" {env_name(name)})" if self.source(name) == "env" else "")

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rota.base.errors import Conflict
+from rota.core.endpoints import is_endpoint
 from rota.core.registry import ConnectedWorker
 from rota.store.store import Store
 from rota.core.verdicts import directive_refusal, directive_target
@@ -62,6 +64,9 @@ class ShellDirectives:
                 # Connected to another server on this database: that server passes it on.
                 await self.store.tell_servers(state, directive_target(worker_id=worker_id))
                 return Directed([worker_id], forwarded=True)
+        if conn is not None and is_endpoint(worker_id):
+            raise Conflict("push_endpoint", f"{worker_id} is a push endpoint, not a worker"
+                           " process: it takes no directive (pause its queue instead)")
         current = None if conn is None else conn.worker.state
         directed = conn is not None and bool(self.direct([worker_id], state))
         refusal = directive_refusal(worker_id, state, current, directed)

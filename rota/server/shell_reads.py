@@ -27,6 +27,7 @@ from rota.store.store import Store
 
 MAX_TOKENS_ASKED = 100  # producer tokens whose kept ids a 404 looks for
 NONE_HELD: Mapping[str, int] = MappingProxyType({})
+ENDPOINT_FAILING = "endpoint_failing"  # a Wait's kind: the spec's endpoint is paused
 
 
 class Waiting(NamedTuple):
@@ -198,7 +199,17 @@ class ShellReads:
 
     def waiting_reason(self, queue: str, spec: str) -> str | None:
         """Why an available job of this queue and spec is not taken now (None: it will be)."""
-        return self.engine.scheduler.waiting_reason(queue, spec)
+        wait = self._endpoint_wait(self.engine.scheduler.wait(queue, spec), queue, spec)
+        return None if wait is None else wait.reason
+
+    def _endpoint_wait(self, wait: Wait | None, queue: str, spec: str) -> Wait | None:
+        """``wait``, unless it is only a backlog (or none) and the spec's endpoint is
+        paused by its circuit breaker: then that is why (a paused queue, or no endpoint
+        of the status quo, still says so first)."""
+        if wait is not None and wait.blocked:
+            return wait
+        paused = self.engine.endpoint_wait(queue, spec, self.clock())
+        return wait if paused is None else Wait(ENDPOINT_FAILING, paused)
 
     def job_waiting_reason(self, row: Mapping[str, Any]) -> str | None:
         """Why this available job (its row) is not taken now (None: it will be): its
@@ -207,6 +218,7 @@ class ShellReads:
                               concurrency_key=row.get("concurrency_key"),
                               labels=row_labels(row.get("labels")))
         wait = self.engine.scheduler.job_wait(job, self.clock())
+        wait = self._endpoint_wait(wait, job.queue, job.spec)
         return None if wait is None else wait.reason
 
     # -- queues ----------------------------------------------------------------------
@@ -235,7 +247,8 @@ class ShellReads:
         return [Waiting(queue, spec, n, None if wait is None else wait.reason, wait,
                         *((some.kinds, some.missing, some.more) if some else ()))
                 for (queue, spec), n in sorted(scheduler.ready_counts().items())
-                for wait, some in [(scheduler.wait(queue, spec, now), held.get((queue, spec)))]]
+                for wait, some in [(self._endpoint_wait(scheduler.wait(queue, spec, now), queue,
+                                                        spec), held.get((queue, spec)))]]
 
     # -- limits ----------------------------------------------------------------------
     def limit_use(self) -> list[LimitUse]:
@@ -271,6 +284,10 @@ class ShellReads:
         return SpecWorkers(checksum, scheduler.matching_workers(name, checksum),
                            [(w, declared[w][name])
                             for w in scheduler.mismatched_workers(name, checksum)])
+
+    def endpoint_views(self) -> list[dict[str, Any]]:
+        """Every push endpoint and its circuit breaker (rota/core/endpoints.py), by id."""
+        return sorted(self.engine.endpoint_view(self.clock()), key=lambda e: e["id"])
 
     def retired_specs(self) -> dict[str, float]:
         """Retired specs (they take no new jobs) and when each was retired (wall)."""

@@ -24,11 +24,13 @@ def read_secrets(conn: sqlite3.Connection) -> dict[str, dict[str, Any]]:
 
 
 def set_secret(conn: sqlite3.Connection, name: str, value: str, now: float, window: float,
-               server_id: str | None) -> dict[str, Any]:
+               server_id: str | None) -> tuple[dict[str, Any], str]:
     """Store ``value`` as secret ``name``. Replacing another value is a rotation: the old
     one stays valid ``window`` seconds more (0: not at all). Setting the value it has
-    already changes nothing. Its row after."""
+    already changes nothing. Its row after, and the change: "new", "rotated" or
+    "unchanged"."""
     row = conn.execute(f"SELECT {_COLUMNS} FROM secrets WHERE name = ?", (name,)).fetchone()
+    change = "new" if row is None else "rotated" if row["value"] != value else "unchanged"
     if row is None:
         conn.execute(f"INSERT INTO secrets ({_COLUMNS}) VALUES (?, ?, NULL, NULL, NULL, ?, ?)",
                      (name, value, now, now))
@@ -38,11 +40,11 @@ def set_secret(conn: sqlite3.Connection, name: str, value: str, now: float, wind
                      (value, row["value"] if window > 0 else None, now,
                       now + window if window > 0 else None, now, name))
     else:
-        return dict(row)
+        return dict(row), change
     if server_id is not None:
         fleet.notify(conn, fleet.SECRETS, server_id, [name])
     return dict(conn.execute(f"SELECT {_COLUMNS} FROM secrets WHERE name = ?",
-                             (name,)).fetchone())
+                             (name,)).fetchone()), change
 
 
 def delete_secret(conn: sqlite3.Connection, name: str, server_id: str | None
@@ -72,7 +74,7 @@ class Secrets:
         return await self.readers.run(read_secrets)
 
     def set_secret(self, name: str, value: str, now: float, window: float
-                   ) -> asyncio.Future[dict[str, Any]]:
+                   ) -> asyncio.Future[tuple[dict[str, Any], str]]:
         teller = self._teller()
         return self.writer.submit(lambda conn: set_secret(conn, name, value, now, window,
                                                           teller))

@@ -150,6 +150,13 @@ async def test_a_refused_connection_and_a_missing_secret(rig, deliverer):
     assert rig.lines(d.delivery_id) == []  # no POST
 
 
+async def test_a_url_httpx_cannot_request_is_no_exception(deliverer):
+    done = await deliverer.deliver(delivery("http://ex\u00e4mple..com/"))  # (bad IDNA)
+    assert done.error is not None and (done.error.type, done.error.retryable, done.fault) \
+        == ("invalid_url", False, True)
+    assert "IDNA" in done.error.message
+
+
 async def test_a_private_address_is_refused_without_the_option(rig):
     strict = Deliverer(False, lambda name: [SECRET.encode()], "https://rota.example")
     try:

@@ -77,6 +77,15 @@ WORKFLOW = {"type": "chain", "name": "w", "steps": [
     {"spec": "parked", "args": {"k": "v"}, "priority": 1, "queue": "default"},
     {"type": "batch", "jobs": [{"type": "group", "jobs": [{"spec": "parked"}]}],
      "callbacks": {"on_complete": {"spec": "parked", "max_attempts": 2}}}]}
+# Push execution: a spec with [execute] (dry run), and a push endpoint's callbacks for a
+# stored job no endpoint holds (no token is its: none may settle it).
+EXECUTE_SPECS = {"dry_run": True, "specs": [{
+    "name": "hostile-exec", "version": "1", "execute": {
+        "url": "https://example.com/hook", "secret": "hostile-exec", "timeout": 30.0,
+        "max_in_flight": 10, "headers": {"X-Team": "a"}}}]}
+CALLBACK = {"token": "1." + "0" * 40, "status": "failed", "result": {"k": "v"},
+            "error": {"type": "E", "code": "c", "message": "m", "retryable": True,
+                      "details": {"k": "v"}}}
 # No payload may direct the bystander: the label matches nobody, and all + label is refused.
 WORKERS_STATE = {"state": "quiet", "label": "nobody", "all": False}
 WORKER_STATE = {"state": "quiet"}
@@ -98,6 +107,8 @@ def http_templates() -> list[tuple[str, str, dict[str, Any]]]:
             ("PUT", "/limits/spec/parked", LIMIT), ("POST", "/workflows", WORKFLOW),
             ("PUT", "/schedules/hostile-sched", SCHEDULE),
             ("PUT", "/secrets/hostile-secret", {"value": "a-hostile-secret-0123", "window": 60.0}),
+            ("PUT", "/specs", EXECUTE_SPECS), ("POST", "/jobs/keep-available/callback", CALLBACK),
+            ("POST", "/jobs/keep-available/callback/heartbeat", {"token": CALLBACK["token"]}),
             ("POST", "/ojs/v1/jobs", ojs_push()),
             ("POST", "/ojs/v1/jobs/batch", {"jobs": [{"type": "hostile.batch", "args": [1]}]}),
             *ojs_workers()]
@@ -228,6 +239,8 @@ async def watched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> AsyncIter
     live.admin, live.worker_token = await make_tokens(  # type: ignore[attr-defined]
         live, ("admin", None), ("worker", None))
     live.http.headers.update(bearer(live.admin))  # type: ignore[attr-defined]
+    secret = await live.http.put("/secrets/hostile-exec", json={"value": "x" * 32})
+    assert secret.status_code == 201, secret.text
     bystander = Worker(url=live.ws, specs_dir=specs, heartbeat_interval=0.1,
                        token=live.worker_token)  # type: ignore[attr-defined]
 
@@ -329,14 +342,16 @@ PATH_ROUTES = [("GET", "/jobs/{}"), ("GET", "/jobs/{}/result"), ("DELETE", "/job
                ("POST", "/schedules/{}/pause"), ("POST", "/schedules/{}/resume"),
                ("PUT", "/secrets/{}"), ("DELETE", "/secrets/{}"),
                ("GET", "/ojs/v1/jobs/{}"), ("DELETE", "/ojs/v1/jobs/{}"),
-               ("POST", "/ojs/v1/jobs/{}/activate")]
+               ("POST", "/ojs/v1/jobs/{}/activate"), ("POST", "/jobs/{}/callback"),
+               ("POST", "/jobs/{}/callback/heartbeat")]
 
 
 async def test_every_path_segment_and_query_value(watched: Watch):
     live = watched.live
     for method, route in PATH_ROUTES:
         for name, segment in corpus.SEGMENTS:
-            body = (json.dumps(WORKER_STATE).encode() if "workers" in route else
+            body = (json.dumps(CALLBACK).encode() if "callback" in route else
+                    json.dumps(WORKER_STATE).encode() if "workers" in route else
                     json.dumps(SCHEDULE).encode() if route.startswith("/schedules") and
                     method == "PUT" else json.dumps(LIMIT).encode() if method == "PUT" else None)
             answer = await live.http.request(method, route.format(segment), content=body)

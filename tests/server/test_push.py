@@ -5,14 +5,21 @@ jobs enqueued before it to the old URL and the rest to the new one."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from helpers import end, free_port, spawn_serve, wait_until
+from helpers import end, free_port, rota, spawn_serve, wait_until
 from test_deliverer import SECRET, Rig, running_rig
+
+from rota.base.signing import DELIVERY, SIGNATURE, sign
 
 FINAL = ("completed", "discarded", "cancelled")
 
@@ -102,3 +109,58 @@ async def test_a_deploy_that_moves_the_url_sends_each_job_to_its_own_versions(li
     paths = {line["job_id"]: line["path"] for line in rig.lines() if line.get("job_id") in
              set(old + new)}
     assert {paths[j] for j in old} == {"/ok"} and {paths[j] for j in new} == {"/slow"}
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "push"
+
+
+async def test_the_readme_example_endpoint_runs_greet_and_refuses_a_replay(tmp_path):
+    """examples/push/endpoint.py unchanged, as a process; its spec on a free port."""
+    port, secret = free_port(), "example-secret-0123456789"
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "greet.toml").write_text((EXAMPLE / "greet.toml").read_text().replace(
+        "127.0.0.1:8080", f"127.0.0.1:{port}"))
+    endpoint = subprocess.Popen([sys.executable, str(EXAMPLE / "endpoint.py"), "--port",
+                                 str(port)], env={**os.environ, "ROTA_SECRET_HOOKS": secret},
+                                stdout=subprocess.PIPE, text=True)
+    assert endpoint.stdout is not None
+    assert "endpoint on" in endpoint.stdout.readline()
+    server_port = free_port()
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{server_port}", timeout=30)
+    server = await spawn_serve(http, ["--port", str(server_port), "--db",
+                                      str(tmp_path / "rota.db"), "--allow-private-endpoints"],
+                               tmp_path / "serve.log", env={"ROTA_SECRET_HOOKS": secret})
+    env = {"ROTA_URL": f"http://127.0.0.1:{server_port}"}
+    try:
+        code, out, err = await rota("specs", "push", str(specs), env=env)
+        assert code == 0, out + err
+        code, out, err = await rota("run", "greet", "--args", '{"name": "Ada"}', env=env)
+        assert code == 0 and json.loads(out)["result"]["greeting"] == "Hello, Ada!", out + err
+        code, out, _ = await rota("run", "greet", "--args", '{"name": ""}', env=env)
+        assert json.loads(out)["error"]["type"] == "http_400"  # a 4xx: failed for good
+        # A captured delivery sent again is refused by the endpoint (its id was seen).
+        body = b'{"job": {"args": {"name": "Eve"}, "attempt": 1}}'
+        headers = {**sign([secret], int(time.time()), body), DELIVERY: "d-1"}
+        async with httpx.AsyncClient() as raw:
+            url = f"http://127.0.0.1:{port}/greet"
+            assert (await raw.post(url, content=body, headers=headers)).status_code == 200
+            assert (await raw.post(url, content=body, headers=headers)).status_code == 401
+            headers[SIGNATURE] = "sha256=" + "0" * 64
+            headers[DELIVERY] = "d-2"
+            assert (await raw.post(url, content=body, headers=headers)).status_code == 401
+        assert "Traceback" not in (tmp_path / "serve.log").read_text()
+    finally:
+        endpoint.terminate()
+        endpoint.wait(timeout=10)
+        endpoint.stdout.close()
+        await end([server], [http])
+
+
+async def test_a_completed_delivery_keeps_its_record_in_the_jobs_log(live, rig):
+    await push(live, spec("noted", rig.url("/ok")))
+    job_id = await enqueue(live, "noted", {"n": 7})
+    assert (await settled(live, job_id))["state"] == "completed"
+    shown = (await live.get(f"/jobs/{job_id}")).json()
+    lines = [line["message"] for line in shown["logs"]]
+    assert any(m.startswith("delivered: HTTP 200 in ") and '"echo"' in m for m in lines), shown

@@ -39,6 +39,9 @@ async def test_set_rotate_list_and_delete_through_the_cli_and_the_api(live: Live
     assert code == 0 and out.startswith("secret stripe.live rotated (the previous value"
                                         " stays valid until 20"), out
     assert book.secret_values("stripe.live") == [b"n" * 20, VALUE.encode()]
+    again = await live.http.put("/secrets/stripe.live", json={"value": "n" * 20})
+    assert (again.status_code, again.json()["change"]) == (200, "unchanged")
+    assert book.secret_values("stripe.live") == [b"n" * 20, VALUE.encode()]
     listed = (await live.http.get("/secrets")).json()["secrets"]
     assert [s["name"] for s in listed] == ["stripe.live"] and listed[0]["source"] == "db"
     assert VALUE not in json.dumps(listed) and "n" * 20 not in json.dumps(listed)

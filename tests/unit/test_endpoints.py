@@ -16,7 +16,7 @@ from rota.base import protocol as p
 from rota.base.push import Delivered
 from rota.base.specs import Execute, JobSpec, checksum
 from rota.core.breaker import FIRST_PAUSE, THRESHOLD
-from rota.core.effects import Deliver, Reserve, Save
+from rota.core.effects import Deliver, Reserve, Save, Wake
 from rota.core.endpoints import callback_token, endpoint_id
 from rota.core.engine import Engine
 from rota.core.model import JobRecord, JobState
@@ -136,7 +136,7 @@ def test_a_late_answer_for_an_attempt_that_moved_on_changes_nothing(engine, cloc
     [d] = deliver(engine, clock)
     tick_for(engine, clock, 45.0)  # past timeout + margin: the lease lapses, it is retried
     assert job.state in (JobState.AVAILABLE, JobState.RETRYABLE)
-    assert answer(engine, clock, d, result=1) == [] and job.state != JobState.COMPLETED
+    assert not of(Save, answer(engine, clock, d, result=1)) and job.state != JobState.COMPLETED
 
 
 def test_a_failing_endpoint_is_paused_says_why_and_tries_one_delivery_later(engine, clock):
@@ -173,3 +173,24 @@ def test_jobs_enqueued_before_a_push_go_to_the_old_endpoint_and_new_ones_to_the_
     assert {d.checksum for d in got if d.job_id in {j.id for j in old}} == {checksum(v1)}
     ids = set(engine.scheduler.workers)
     assert {endpoint_id("hook", checksum(v1)), endpoint_id("hook", checksum(v2))} <= ids
+
+
+def test_a_cancel_of_a_job_in_delivery_is_at_once_and_frees_its_slot(engine, clock):
+    push(engine, clock, hook(max_in_flight=1))
+    job, other = enqueue(engine, clock, 2)
+    [d] = deliver(engine, clock)
+    said, effects = engine.cancel(job.id, clock())
+    assert said == "cancelled" and job.state == JobState.CANCELLED
+    assert [x.job_id for x in deliver(engine, clock)] == [other.id]  # the slot is free
+    assert len(of(Wake, answer(engine, clock, d, result=1))) == 1  # late: ignored
+    assert job.state == JobState.CANCELLED
+
+
+def test_a_half_open_endpoint_has_one_trial_in_flight_whatever_the_rounds(engine, clock):
+    push(engine, clock, hook(max_in_flight=10))
+    enqueue(engine, clock, 20)
+    for d in deliver(engine, clock)[:THRESHOLD]:
+        answer(engine, clock, d, "failed", status=500, fault=True)
+    tick_for(engine, clock, FIRST_PAUSE)
+    assert len(deliver(engine, clock)) == 1
+    assert deliver(engine, clock) == [] and deliver(engine, clock) == []

@@ -50,8 +50,14 @@ def test_202_is_accepted_whatever_its_body():
     assert (done.kind, done.error, done.fault) == ("accepted", None, False)
 
 
+def test_an_empty_2xx_such_as_a_204_completes_with_no_result():
+    for status in (200, 204):
+        done = classify(D, answer(status, b""), now=NOW)
+        assert (done.kind, done.result, done.error) == ("completed", None, None)
+
+
 @pytest.mark.parametrize("body, truncated, why", [
-    (b"hello", False, "not JSON"), (b"", False, "empty"),
+    (b"hello", False, "not JSON"),
     (b'{"name": "caf\xe9"}', False, "not UTF-8"), (b'{"pad": "xxxx', True, "over 1048576 bytes"),
 ])
 def test_an_unusable_2xx_is_a_bad_response(body: bytes, truncated: bool, why: str):
@@ -97,7 +103,7 @@ def test_a_redirect_is_never_followed_here_and_names_its_location():
 
 
 @pytest.mark.parametrize("kind, retryable", [
-    ("timeout", True), ("connect", True), ("address_refused", False)])
+    ("timeout", True), ("connect", True), ("address_refused", False), ("invalid_url", False)])
 def test_no_answer(kind: str, retryable: bool):
     done = classify(D, answer(None, error=kind, message="what happened"), now=NOW)
     assert done.kind == "failed" and done.error is not None and done.status is None
