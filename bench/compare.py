@@ -12,6 +12,7 @@ Run from the repository root (the reference needs ``pip install -e '.[bench]'`` 
     .venv/bin/python bench/compare.py soak       # memory over minutes at a sustained rate
     .venv/bin/python bench/compare.py group      # a job in a workflow group beside a plain one
     .venv/bin/python bench/compare.py pull       # OJS pull workers: FETCH 1 + ACK, concurrency 10
+    .venv/bin/python bench/compare.py push       # push execution: deliveries to a local endpoint, 50 in flight
     .venv/bin/python bench/compare.py all --quick
 
 Each scenario runs Rota and then the reference in the same invocation, prints both with
@@ -47,6 +48,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pull_cost  # noqa: E402
+import push_cost  # noqa: E402
 import throughput as tp  # noqa: E402  (bench/ is not a package)
 import workflow_cost  # noqa: E402
 
@@ -492,9 +494,14 @@ def pull(quick: bool) -> dict[str, Any]:
     return pull_cost.pull(quick, rota_server, server_process, reference, ratio)
 
 
+def push(quick: bool) -> dict[str, Any]:
+    """Push execution, 50 deliveries in flight to a local endpoint (bench/push_cost.py)."""
+    return push_cost.push(quick, rota_server, server_process, reference, ratio)
+
+
 SCENARIOS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "e2e": e2e, "e2e_keyed": e2e_keyed, "latency": latency, "producers": producers, "growth": growth, "idle": idle, "backlog": backlog, "soak": soak,
-    "group": group, "pull": pull}
+    "group": group, "pull": pull, "push": push}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@
 
 prints its port on stdout's first line, then answers POSTs until killed. Each request's
 signature is checked (rota.base.signing.verify, with --secret) and one JSON line is
-appended to FILE: {"path", "delivery_id", "job_id", "attempt", "signed", "t"}.
+appended to FILE: {"path", "delivery_id", "job_id", "attempt", "signed", "whole" (the
+body arrived in full, not cut by the sender going away), "t"}.
 
 Paths (a query string is allowed on each):
   /ok 200 {"echo": job.args}        /fail 500          /bad 400          /gone 404
@@ -46,7 +47,8 @@ HUGE = b'{"pad": "' + b"x" * (2 << 20) + b'"}'
 class Rig(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
-    request_queue_size = 256  # (the listen backlog: a bench connects 50 at once)
+    request_queue_size = 1024  # (the listen backlog, 5 by default: a wave of deliveries
+    # overflows it, and the sender sees resets)
 
     def __init__(self, port: int, log: Path, secret: str | None,
                  nth: dict[tuple[str, int], int]) -> None:
@@ -76,7 +78,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         parts = urlsplit(self.path)
         path, query = parts.path, {k: v[0] for k, v in parse_qs(parts.query).items()}
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length)
         try:
             sent = json.loads(body)
         except ValueError:
@@ -94,7 +97,7 @@ class Handler(BaseHTTPRequestHandler):
         rig.record({"path": path, "delivery_id": self.headers.get("X-Rota-Delivery-Id"),
                     "job_id": self.headers.get("X-Rota-Job-Id"),
                     "attempt": self.headers.get("X-Rota-Attempt"), "signed": signed,
-                    "t": time.time()})
+                    "whole": len(body) == length, "t": time.time()})
         echo = {"echo": job.get("args")}
         if nth is not None:
             return self.answer(nth, {"nth": rig.counts[path]})
@@ -159,9 +162,10 @@ class Handler(BaseHTTPRequestHandler):
     def call_back(self, callback: dict[str, object], echo: dict[str, object]) -> None:
         data = json.dumps({"token": callback.get("token"), "status": "completed",
                            "result": echo}).encode()
-        request = urllib.request.Request(str(callback.get("url")), data=data, method="POST",
-                                         headers={"Content-Type": "application/json"})
-        try:
+        try:  # (a delivery cut short, by a kill, names no URL: ValueError)
+            request = urllib.request.Request(str(callback.get("url")), data=data,
+                                             method="POST",
+                                             headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=10) as answer:
                 status = answer.status
         except urllib.error.HTTPError as exc:

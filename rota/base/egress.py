@@ -25,7 +25,9 @@ def url_problem(url: object) -> str | None:
     except ValueError as exc:
         return f"is not a URL ({exc})"
     if parts.scheme not in ("http", "https"):
-        return f"must be http or https, not {parts.scheme or 'no scheme'!r}"
+        if "://" not in url:  # "localhost:9000" reads as scheme "localhost"
+            return f"has no scheme: write it as http://{url} (or https://)"
+        return f"must be http or https, not {parts.scheme!r}"
     if not parts.hostname:
         return "has no host"
     if parts.username is not None or parts.password is not None:
@@ -53,3 +55,16 @@ def address_refused(address: str) -> str | None:
             return f"{address} is a {kind} address (rota serve --allow-private-endpoints" \
                    " allows it)"
     return None
+
+
+def literal_refused(url: str) -> str | None:
+    """Why a URL whose host is an IP address, or ``localhost``, is refused without
+    ``--allow-private-endpoints`` (None: it is not, or only its DNS answer will tell)."""
+    host = (urlsplit(url).hostname or "").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return f"{host} is a loopback address (rota serve --allow-private-endpoints allows it)"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return address_refused(host)

@@ -213,13 +213,13 @@ class Endpoints:
                 or state.deliveries.get(job.id) != delivered.delivery_id):
             log.info("delivery answer ignored job=%s attempt=%d delivery=%s status=%s: the"
                      " attempt moved on", delivered.job_id, delivered.attempt,
-                     delivered.delivery_id, delivered.status)
+                     delivered.delivery_id, delivered.status or "-")
             return [Wake()]  # (its slot may be free: the round counts it afresh)
         effects = self._judged(state, delivered, now)
         log.log(logging.INFO if delivered.kind != "failed" else logging.WARNING,
                 "delivered job=%s spec=%s@%s queue=%s worker=%s attempt=%d status=%s ms=%.0f"
                 " outcome=%s%s", job.id, job.spec, short(state.checksum), job.queue, state.id,
-                job.attempt, delivered.status, delivered.ms, delivered.kind,
+                job.attempt, delivered.status or "-", delivered.ms, delivered.kind,
                 f" error={delivered.error.type}: {delivered.error.message}"
                 if delivered.error is not None else "")
         if delivered.kind != "failed":  # (a failure's record is its error's details)
@@ -290,8 +290,9 @@ class Endpoints:
         state = self.endpoints.get(job.worker_id or "") if job is not None else None
         shown = None if job is None else str(job.state)
         if job is None or state is None or job.state != JobState.ACTIVE or job.orphaned:
-            return Called(f"the job is not running on an endpoint (it is"
-                          f" {shown or 'not held here'})", shown, [])
+            return Called(f"the job is not running on an endpoint: it is {shown}" if shown
+                          else "the job is not running on an endpoint here (it finished,"
+                          " or its attempt moved on)", shown, [])
         if job.attempt != attempt:
             return Called(f"attempt {attempt} is not the job's current attempt {job.attempt}",
                           shown, [])

@@ -23,6 +23,7 @@ class Window:
     first_seq: int  # the first job row enqueued under this version
     checksum: str
     spec: JobSpec
+    live: bool = True  # jobs of it may be live (as read at a start: else it needs no endpoint)
 
 
 @dataclass(slots=True)
@@ -59,4 +60,4 @@ class Pins:
     def executed(self) -> list[Window]:
         """Every version with an endpoint, oldest first: each has an endpoint worker."""
         return [w for found in self.windows.values() for w in found
-                if w.spec.execute is not None]
+                if w.spec.execute is not None and w.live]

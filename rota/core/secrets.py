@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from rota.base.egress import literal_refused
 from rota.base.errors import Invalid
 from rota.base.protocol import NAME_PATTERN
 from rota.base.specs import JobSpec
@@ -87,3 +88,17 @@ def unknown_secrets(specs: Iterable[JobSpec], known: Callable[[str], bool]) -> I
         f" secrets set {secret}', or the server's environment variable {env_name(secret)})"
         for spec, secret in missing)
     return Invalid("unknown_secret", said)
+
+
+def private_endpoints(specs: Iterable[JobSpec], allowed: bool) -> Invalid | None:
+    """The push's refusal (422 ``private_endpoint``) of an ``[execute]`` URL that names a
+    loopback or private address literally on a server that refuses them: each of its
+    jobs would fail at once. (A name that resolves to one is refused at delivery.)"""
+    if allowed:
+        return None
+    refused = [(s.name, why) for s in specs if s.execute is not None
+               and (why := literal_refused(s.execute.url)) is not None]
+    if not refused:
+        return None
+    return Invalid("private_endpoint", "; ".join(f"spec {spec}: [execute] url: {why}"
+                                                  for spec, why in refused))

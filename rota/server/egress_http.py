@@ -9,6 +9,7 @@ import itertools
 import os
 import socket
 import ssl
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,14 @@ import httpcore
 import httpx
 
 from rota.base.egress import address_refused
+
+try:
+    import sniffio  # noqa: F401
+except ImportError:
+    # httpcore imports sniffio at each request's start and end when it can (anyio 4 no
+    # longer brings it); a failed import is not remembered, so each searched sys.path
+    # again (27 µs, several a request). None here makes it fail at once.
+    sys.modules["sniffio"] = None  # type: ignore[assignment]
 
 MAX_BODY = 1 << 20  # bytes of an answer read at most (the rest is never read)
 MAX_REDIRECTS = 3  # same-host redirects followed; another host's never

@@ -19,7 +19,7 @@ from rota.core.effects import Effect
 from rota.core.engine import Engine
 from rota.base.errors import Conflict, Invalid, NotFound, StorageError
 from rota.core.listing import JobFilter
-from rota.core.secrets import unknown_secrets
+from rota.core.secrets import private_endpoints, unknown_secrets
 from rota.core.model import Instant, JobRecord
 from rota.base.specs import JobSpec, checksum
 from rota.store.store import Store, job_from_row
@@ -203,6 +203,8 @@ class Steering:
 
     async def push_specs(self, specs: list[JobSpec], *, dry_run: bool) -> list[dict[str, Any]]:
         if (refusal := v.duplicate_specs([s.name for s in specs])) is not None:
+            raise refusal
+        if (refusal := private_endpoints(specs, self.engine.settings.allow_private_endpoints)) is not None:
             raise refusal
         if unknown_secrets(specs, self.secrets.known) is not None:
             await self.secrets.reload()  # (another server may have set it a moment ago)

@@ -5,6 +5,7 @@ checks it, and a delivery id per POST."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import ssl
@@ -41,13 +42,12 @@ class Rig:
         return [f for f in found if delivery_id is None or f.get("delivery_id") == delivery_id]
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    log = tmp_path_factory.mktemp("rig") / "rig.log"
+@contextlib.contextmanager
+def running_rig(log: Path, *options: str) -> Iterator[Rig]:
+    """The rig as a subprocess, logging to ``log``, signed with SECRET, until the end."""
     log.touch()
     proc = subprocess.Popen([sys.executable, str(RIG), "--port", "0", "--log", str(log),
-                             "--secret", SECRET, "--nth", "/nth:2:503"],
-                            stdout=subprocess.PIPE, text=True)
+                             "--secret", SECRET, *options], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     try:
         yield Rig(int(proc.stdout.readline()), log)
@@ -55,6 +55,12 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         proc.terminate()
         proc.wait(timeout=10)
         proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    with running_rig(tmp_path_factory.mktemp("rig") / "rig.log", "--nth", "/nth:2:503") as rig:
+        yield rig
 
 
 @pytest.fixture
@@ -80,8 +86,8 @@ async def test_ok_completes_with_the_json_and_the_rig_verifies_the_signature(rig
     assert (done.kind, done.result, done.status) == ("completed", {"echo": [{"n": 1}]}, 200)
     assert done.delivery_id == d.delivery_id and done.ms > 0
     [seen] = rig.lines(d.delivery_id)
-    assert seen == {"path": "/ok", "delivery_id": d.delivery_id, "job_id": d.job_id,
-                    "attempt": "1", "signed": True, "t": seen["t"]}  # (not the spec's 99)
+    assert seen == {"path": "/ok", "delivery_id": d.delivery_id, "job_id": d.job_id,  # attempt:
+                    "attempt": "1", "signed": True, "whole": True, "t": seen["t"]}  # not 99
     rotating = delivery(rig.url("/ok"), secret="rotating")  # either signature will do
     await deliverer.deliver(rotating)
     assert rig.lines(rotating.delivery_id)[0]["signed"] is True

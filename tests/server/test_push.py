@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers import end, free_port, rota, spawn_serve, wait_until
-from test_deliverer import RIG, SECRET, Rig
+from test_deliverer import SECRET, Rig, running_rig
 
 from rota.base.signing import DELIVERY, SIGNATURE, sign
 
@@ -26,17 +26,8 @@ FINAL = ("completed", "discarded", "cancelled")
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    log = tmp_path_factory.mktemp("pushrig") / "rig.log"
-    log.touch()
-    proc = subprocess.Popen([sys.executable, str(RIG), "--port", "0", "--log", str(log),
-                             "--secret", SECRET], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    try:
-        yield Rig(int(proc.stdout.readline()), log)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        proc.stdout.close()
+    with running_rig(tmp_path_factory.mktemp("pushrig") / "rig.log") as rig:
+        yield rig
 
 
 @pytest.fixture

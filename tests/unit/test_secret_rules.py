@@ -54,3 +54,24 @@ def test_a_push_of_a_spec_whose_secret_is_set_nowhere_is_refused_naming_both():
         "spec charge: its [execute] secret 'stripe.live' is not set (set it with 'rota"
         " secrets set stripe.live', or the server's environment variable"
         " ROTA_SECRET_STRIPE_LIVE)")
+
+
+def test_a_push_of_a_literal_private_endpoint_is_refused_unless_allowed():
+    from rota.base.specs import Execute, JobSpec
+    from rota.core.secrets import private_endpoints
+
+    def spec(url: str) -> JobSpec:
+        return JobSpec(name="s", version="1", execute=Execute(url=url, secret="k"))
+    for url in ("http://127.0.0.1:8080/x", "http://localhost/x", "http://[::1]/", "http://10.0.0.7/"):
+        refusal = private_endpoints([spec(url)], allowed=False)
+        assert refusal is not None and refusal.code == "private_endpoint"
+        assert "--allow-private-endpoints" in str(refusal)
+        assert private_endpoints([spec(url)], allowed=True) is None
+    assert private_endpoints([spec("https://hooks.example.com/x")], allowed=False) is None
+
+
+def test_a_url_without_a_scheme_is_said_so():
+    from rota.base.egress import url_problem
+    assert url_problem("localhost:9000") == \
+        "has no scheme: write it as http://localhost:9000 (or https://)"
+    assert url_problem("ftp://x") == "must be http or https, not 'ftp'"
