@@ -363,14 +363,11 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         if all(c.conn < 0 for c in self.connections.values()):  # (pull workers: no socket)
             self._no_connections.set()
 
-    def outbox(self, conn: int, worker_id: str, full: bool, over: bool) -> None:
-        """What connection ``conn`` has not read crossed a mark (rota/server/sessions.py)."""
+    def outbox(self, conn: int, worker_id: str, full: bool, over: bool) -> None:  # a mark crossed
         self.apply(self.engine.outbox(conn, worker_id, full, over, self.clock()))
 
     def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
-        # A push endpoint is no process: quiet, it would never say it runs again (a
-        # resume waits for that), and its jobs would wait for good.
-        worker_ids = [w for w in worker_ids if w not in self.engine.endpoints]
+        worker_ids = [w for w in worker_ids if w not in self.engine.endpoints]  # (docs/push.md)
         directed = self.engine.registry.direct(worker_ids, state)
         wall = self.clock().wall
         for worker_id in directed:

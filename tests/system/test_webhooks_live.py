@@ -125,10 +125,12 @@ async def test_a_receiver_down_for_60s_gets_every_event_and_throughput_holds(tmp
         log = (await served.http.get(f"/webhooks/{sub['id']}/deliveries",
                                      params={"state": "dead"})).json()["deliveries"]
         assert log == []
-        # Throughput with the receiver down is that of a healthy one (within the noise of
-        # a shared machine).
+        # Throughput with the receiver down is that of a healthy one, within the noise of
+        # a shared machine: quiet runs gave 0.76 to 1.15 of it, runs beside another suite
+        # down to 0.59 (the down phase runs second, on a larger database). Half is what a
+        # receiver that held the engine back would miss by far.
         print(f"jobs/s: receiver up {healthy:.0f}, receiver down {dead:.0f}")
-        assert dead >= 0.7 * healthy, (dead, healthy)
+        assert dead >= 0.5 * healthy, (dead, healthy)
     finally:
         worker.stop()
         await asyncio.wait_for(running, 20)
