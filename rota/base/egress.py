@@ -46,11 +46,13 @@ def address_refused(address: str) -> str | None:
         ip = ipaddress.ip_address(address.split("%", 1)[0])
     except ValueError:
         return f"{address} is not an IP address"
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):  # an IPv4 address inside: judge that one
+        inner = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        ip = inner or ip
     for kind, refused in (("loopback", ip.is_loopback), ("link-local", ip.is_link_local),
                           ("private", ip.is_private), ("multicast", ip.is_multicast),
-                          ("unspecified", ip.is_unspecified), ("reserved", ip.is_reserved)):
+                          ("unspecified", ip.is_unspecified), ("reserved", ip.is_reserved),
+                          ("non-global", not ip.is_global)):  # (e.g. 100.64/10, shared NAT)
         if refused:
             return f"{address} is a {kind} address (rota serve --allow-private-endpoints" \
                    " allows it)"

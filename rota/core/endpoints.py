@@ -60,6 +60,8 @@ def callback_token(key: bytes, job_id: str, attempt: int) -> str:
 
 def token_attempt(key: bytes, job_id: str, token: str) -> int | None:
     """The attempt a callback token was made for (None: it is not one of ours)."""
+    if not token.isascii():  # (compare_digest refuses non-ASCII text)
+        return None
     head, _, _ = token.partition(".")
     if not (head.isascii() and head.isdigit()) or len(head) > 9:  # ("²", "١": digits to str)
         return None
@@ -248,8 +250,12 @@ class Endpoints:
             error=error), now)
 
     def _judged(self, state: EndpointState, delivered: Delivered, now: Instant) -> list[Effect]:
-        """The breaker's count of one answer; its openings and closings are logged."""
+        """The breaker's count of one answer; its openings and closings are logged. While
+        it tries, only its trial's answer counts (one sent before it opened proves
+        nothing about now)."""
         breaker = state.breaker
+        if breaker.state == "half_open" and delivered.job_id not in state.trials:
+            return []
         if delivered.fault and breaker.fault(now.mono):
             reason = breaker.reason(now.mono)
             log.warning("endpoint paused worker=%s url=%s: %s", state.id, state.execute.url,

@@ -119,7 +119,9 @@ class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls, Endpoints):
             job.clocks(now)
             self.scheduler.track(job)
             if job.state == JobState.ACTIVE:
-                job.started = True  # start reports are kept in memory: counted as started
+                # Start reports are kept in memory: counted as started. An endpoint's job
+                # has no start: its delivery's answer is lost, and its retry not counted.
+                job.started = not is_endpoint(job.worker_id)
                 self.scheduler.orphan(job, self._reclaim_grace(job, grace, now))
                 orphans += 1
         if orphans:

@@ -23,7 +23,6 @@ class Window:
     first_seq: int  # the first job row enqueued under this version
     checksum: str
     spec: JobSpec
-    live: bool = True  # jobs of it may be live (as read at a start: else it needs no endpoint)
 
 
 @dataclass(slots=True)
@@ -31,10 +30,13 @@ class Pins:
     windows: dict[str, list[Window]] = field(default_factory=dict)  # by first_seq
 
     def load(self, windows: Mapping[str, list[Window]]) -> None:
-        """The windows the store holds (at a start, or after another server's push)."""
-        self.windows = {name: sorted(found, key=lambda w: w.first_seq)
-                        for name, found in windows.items()
-                        if any(w.spec.execute is not None for w in found)}
+        """The windows the store holds, each spec's in push order (at a start, or after
+        another server's push): replayed as the pushes were, so that memory after a
+        restart is what it was before."""
+        self.windows = {}
+        for found in windows.values():
+            for window in found:
+                self.pushed(window.spec, window.checksum, window.first_seq)
 
     def pushed(self, spec: JobSpec, checksum: str, first_seq: int | None) -> None:
         """A push took effect: jobs from ``first_seq`` on belong to this version."""
@@ -60,4 +62,4 @@ class Pins:
     def executed(self) -> list[Window]:
         """Every version with an endpoint, oldest first: each has an endpoint worker."""
         return [w for found in self.windows.values() for w in found
-                if w.spec.execute is not None and w.live]
+                if w.spec.execute is not None]

@@ -134,8 +134,11 @@ class Timers:
         if job.orphaned:
             self.scheduler.unorphan(job)
             if not job.started:  # still in its line: no death of its doing, no attempt used
-                return self._recover([job], "released", f"worker {holder} did not reconnect"
-                                     " in time, and had not started the job", now, death=False)
+                said = (f"its delivery to {holder} was cut by a restart and not called back"
+                        " in time") if holder.startswith("http:") else \
+                    f"worker {holder} did not reconnect in time, and had not started the job"
+                return self._recover([job], "released", f"{said}: not counted", now,
+                                     death=False)
             return self._recover([job], "worker_death",
                                  f"worker {holder} did not reconnect in time", now)
         effects: list[Effect] = []

@@ -152,7 +152,9 @@ class Egress:
         one is returned as the 3xx answer it is."""
         start = time.monotonic()
         redirects = 0
-        sent = {"Accept-Encoding": "identity", **headers}  # (a cap on what is read, not inflated)
+        # Ours wins: a cap on what is read, never inflated (a gzip bomb is a few KiB).
+        sent = {**{k: v for k, v in headers.items() if k.lower() != "accept-encoding"},
+                "Accept-Encoding": "identity"}
         try:
             async with asyncio.timeout(timeout):
                 while True:
@@ -190,10 +192,12 @@ class Egress:
 
 
 async def _read(response: httpx.Response, cap: int) -> tuple[bytes, bool]:
-    """The body's first ``cap`` bytes, and whether there was more (never read)."""
+    """The body's first ``cap`` bytes as sent, and whether there was more (never read).
+    Raw: an answer compressed against our Accept-Encoding is read as the bytes it is
+    (not JSON: a bad response), never inflated past the cap."""
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.aiter_bytes():
+    async for chunk in response.aiter_raw():
         chunks.append(chunk)
         size += len(chunk)
         if size > cap:

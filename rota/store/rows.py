@@ -112,12 +112,6 @@ def read_windows(conn: sqlite3.Connection) -> dict[str, list[Window]]:
         spec = spec_from_builtins(msgspec.json.decode(row["body"]))
         windows.setdefault(row["name"], []).append(Window(int(row["first_seq"]),
                                                           row["checksum"], spec))
-    for name, found in windows.items():  # an older version with no live job needs no endpoint
-        for window, after in zip(found, [*found[1:], None]):
-            window.live = after is None or conn.execute(
-                "SELECT 1 FROM jobs WHERE spec = ? AND rowid >= ? AND rowid < ? AND state IN"
-                " ('available', 'scheduled', 'retryable', 'active') LIMIT 1",
-                (name, window.first_seq, after.first_seq)).fetchone() is not None
     return windows
 
 

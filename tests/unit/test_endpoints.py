@@ -194,3 +194,39 @@ def test_a_half_open_endpoint_has_one_trial_in_flight_whatever_the_rounds(engine
     tick_for(engine, clock, FIRST_PAUSE)
     assert len(deliver(engine, clock)) == 1
     assert deliver(engine, clock) == [] and deliver(engine, clock) == []
+
+
+def test_while_trying_only_the_trials_answer_moves_the_breaker(engine, clock):
+    push(engine, clock, hook(max_in_flight=10))
+    enqueue(engine, clock, 20)
+    sent = deliver(engine, clock)
+    for d in sent[:THRESHOLD]:
+        answer(engine, clock, d, "failed", status=500, fault=True)
+    tick_for(engine, clock, FIRST_PAUSE)
+    [trial] = deliver(engine, clock)
+    answer(engine, clock, sent[THRESHOLD], "failed", status=None, fault=True)  # an old one
+    assert engine.endpoint_wait("default", "hook", clock()).endswith("trying one delivery now")
+    answer(engine, clock, trial, "completed")
+    assert engine.endpoint_wait("default", "hook", clock()) is None
+
+
+def test_a_token_of_any_text_is_refused_without_an_error(engine, clock):
+    push(engine, clock, hook())
+    [job] = enqueue(engine, clock)
+    deliver(engine, clock)
+    for token in ("1.é", "².x", "", ".", "1." + "a" * 5000, "99999999999.x"):
+        assert engine.endpoint_callback(job.id, token, None, clock()).refusal is not None
+
+
+def test_pins_read_back_replay_the_pushes_in_their_order():
+    from rota.core.pins import Pins, Window
+    plain, v2, v3 = JobSpec(name="hook", version="0"), hook("2"), hook("3", "https://b.example/")
+    live = Pins()
+    live.pushed(plain, checksum(plain), 101)
+    live.pushed(v2, checksum(v2), 60)  # rows went back (a prune): its window starts sooner
+    live.pushed(v3, checksum(v3), 200)
+    read = Pins()
+    read.load({"hook": [Window(101, checksum(plain), plain), Window(60, checksum(v2), v2),
+                        Window(200, checksum(v3), v3)]})
+    for seq in (1, 60, 101, 150, 200, 300):
+        assert read.pin("hook", seq) == live.pin("hook", seq), seq

@@ -124,3 +124,16 @@ def test_the_callback_base_is_the_public_url_else_where_the_server_listens():
     assert callback_base(ServerSettings(host="::"), 80) == "http://[::1]:80"
     assert callback_base(ServerSettings(host="0.0.0.0", ssl_certfile="c.pem"), 443) \
         == "https://127.0.0.1:443"
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3", "169.254.169.254", "::1",
+                                     "::ffff:10.0.0.1", "100.100.100.200", "2002:7f00:1::1",
+                                     "fc00::1", "0.0.0.0", "224.0.0.1"])
+def test_an_address_off_the_public_internet_is_refused(address: str):
+    from rota.base.egress import address_refused
+    assert "--allow-private-endpoints" in (address_refused(address) or "")
+
+
+def test_a_public_address_is_not_refused():
+    from rota.base.egress import address_refused
+    assert address_refused("8.8.8.8") is None and address_refused("2001:4860:4860::8888") is None
