@@ -13,6 +13,7 @@ from typing import Any
 
 from rota.core.model import JOB_STATES
 from rota.store.readers import Readers
+from rota.store.writes import newest_kept
 from rota.store.writer import Writer
 
 # OJS event types, and the column that says when each happened (docs/ojs.md, Events): a
@@ -59,6 +60,9 @@ def dead_letter_page(conn: sqlite3.Connection, limit: int, offset: int,
 def delete_dead(conn: sqlite3.Connection, job_id: str) -> bool:
     """Delete a dead-letter job with its log lines and a unique key it holds, as retention
     does (writes.prune); False if it is not in the dead letter (now)."""
+    if newest_kept(conn, job_id):  # (rota/core/pins.py): out of the dead letter, row kept
+        return conn.execute("UPDATE jobs SET dead_letter = 0 WHERE id = ? AND dead_letter = 1"
+                            " AND state = 'discarded'", (job_id,)).rowcount > 0
     if conn.execute("DELETE FROM jobs WHERE id = ? AND dead_letter = 1 AND state = 'discarded'",
                     (job_id,)).rowcount == 0:
         return False

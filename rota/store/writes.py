@@ -250,12 +250,7 @@ def prune(conn: sqlite3.Connection, cutoffs: Sequence[Cutoff], limit: int,
     deleted: dict[str, int] = {}
     flows: set[str] = set()  # workflows of deleted jobs
     left = limit
-    # Once a spec runs on an endpoint, the newest row is never deleted: SQLite gives a new
-    # row MAX(rowid) + 1, and a job's row must come after every push before it, which is
-    # how its version is known (rota/core/pins.py).
-    newest = conn.execute("SELECT MAX(rowid) FROM jobs").fetchone()[0] if conn.execute(
-        "SELECT 1 FROM spec_versions WHERE body LIKE ? LIMIT 1", (EXECUTED,)).fetchone() \
-        else None
+    newest = _newest_if_pinned(conn)  # (kept: see there)
     for cut in cutoffs:
         if left <= 0:
             break
@@ -382,6 +377,23 @@ def refused_any(outcomes: list[tuple[dict[str, Any], bool]]) -> bool:
 
 
 EXECUTED = '%"execute":{%'  # a stored spec body with an [execute] table
+
+
+def _newest_if_pinned(conn: sqlite3.Connection) -> int | None:
+    """The newest job row, which no delete may take once a spec runs on an endpoint:
+    SQLite gives a new row MAX(rowid) + 1, and a job's row must come after every push
+    before it, which is how its version is known (rota/core/pins.py). None: no such spec."""
+    if conn.execute("SELECT 1 FROM spec_versions WHERE body LIKE ? LIMIT 1",
+                    (EXECUTED,)).fetchone() is None:
+        return None
+    return conn.execute("SELECT MAX(rowid) FROM jobs").fetchone()[0]
+
+
+def newest_kept(conn: sqlite3.Connection, job_id: str) -> bool:
+    """Whether ``job_id``'s row is the newest, kept (``_newest_if_pinned``)."""
+    newest = _newest_if_pinned(conn)
+    return newest is not None and conn.execute(
+        "SELECT 1 FROM jobs WHERE id = ? AND rowid = ?", (job_id, newest)).fetchone() is not None
 # -- specs -------------------------------------------------------------------------------
 class DryRun(Exception):
     """Raised to roll a dry run's savepoint back, carrying what it would have changed."""
