@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from conftest import open_store
 
@@ -25,6 +26,13 @@ def hook(version: str, url: str) -> JobSpec:
 
 def test_a_job_enqueued_after_a_push_is_its_versions_whatever_was_deleted(tmp_path: Path):
     conn = open_store(tmp_path)
+    try:
+        check_rows(conn)
+    finally:
+        conn.close()
+
+
+def check_rows(conn: Any) -> None:
     v1, v2 = hook("1", "https://a.example/run"), hook("2", "https://b.example/run")
     writes.push_one(conn, v1, checksum(v1), time.time())
     conn.execute(INSERT, ("dead", "discarded", 1))  # the newest row, in the dead letter
