@@ -70,7 +70,7 @@ class Receiver:
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 self.got.append(Received(headers, body))
                 if self.delay:
-                    await asyncio.sleep(self.delay)
+                    await asyncio.sleep(self.delay)  # noqa: sleep-ok (a slow receiver, on purpose)
                 extra = f"Retry-After: {self.retry_after}\r\n" if self.retry_after else ""
                 writer.write(f"HTTP/1.1 {self.status} X\r\nContent-Length: 2\r\n{extra}"
                              "Content-Type: text/plain\r\n\r\nok".encode())
