@@ -168,9 +168,9 @@ async def chaos(tmp: Path, rig: Rig, per_class: dict[str, int], timeout: float) 
         await serve.start()
         await wait_until(lambda: finished(serve.db, per_class) >= total,
                          timeout=timeout, what="every job to finish", step=0.2)
-        logs = [path.read_text() for path in serve.logs]
     finally:
-        await serve.close()
+        await serve.close()  # a graceful stop flushes the log's last burst
+    logs = [path.read_text() for path in serve.logs]
 
     # None lost, each ended as its class dictates.
     found = rows(serve.db)
