@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from websockets.exceptions import InvalidState
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from rota.server.api_base import DROP
@@ -259,6 +261,10 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         self.queue = LeanQueue()  # type: ignore[assignment]
         self.writable = LeanEvent()  # type: ignore[assignment]
         self.writable.set()
+        # The session's handler for a text message, called here as the message is
+        # parsed (rota/server/sessions.py Session.on_text); None: every message goes to
+        # the app's receive, as uvicorn does it.
+        self.on_text: Callable[[str], dict[str, object] | None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -296,7 +302,12 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
             self.conn.send_close(1007)
             self.handle_parser_exception()
             return
-        self.queue.put_nowait({"type": "websocket.receive", "text": text})
+        message: dict[str, object] | None = {"type": "websocket.receive", "text": text}
+        if self.on_text is not None and not self.queue._items:
+            message = self.on_text(text)  # handled here and now, unless it says otherwise
+            if message is None:
+                return
+        self.queue.put_nowait(message)
         if not self.read_paused:  # the app reads one message at a time
             self.read_paused = True
             self.transport.pause_reading()
@@ -317,6 +328,20 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         """End the connection now, discarding what is buffered: for a peer that does not
         read, to which even a close frame would wait behind the rest for ever."""
         self.transport.abort()
+
+    def write_text(self, text: str) -> bool:
+        """Frame and write a text message now, as uvicorn's send does, but without its
+        ASGI message and coroutine. False when that send would wait (the buffer is over
+        its mark) or fail (closing, gone): the caller then goes through it."""
+        if (self.close_sent or self.disconnected or not self.handshake_complete
+                or not self.writable.is_set()):
+            return False
+        try:
+            self.conn.send_text(text.encode())
+        except InvalidState:  # the peer's close came in: the ASGI send says so
+            return False
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        return True
 
     async def send(self, message: Any) -> None:
         await super().send(message)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from starlette.responses import Response
@@ -33,6 +33,7 @@ from rota.server.safety import incident_id
 
 log = logging.getLogger("rota.server")
 WIRE = "rota.wire"  # the scope extension under which the connection offers a ``Wire``
+PAUSE = "rota.pause"  # a message's throttle pause, spent when the callback read it
 # How long a closing connection waits for its backlog to go, and then for its close frame:
 # a worker that reads takes milliseconds; one that does not is dropped after this.
 CLOSE_WAIT = 2.0
@@ -50,6 +51,9 @@ class Wire(Protocol):
 
     def drop(self) -> None: ...  # end the connection now, discarding what is buffered
 
+    def write_text(self, text: str) -> bool: ...  # written now (False: use the ASGI send)
+
+    on_text: Callable[[str], dict[str, object] | None] | None  # see Session.on_text
 
 
 async def _finish_send(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
@@ -104,6 +108,10 @@ class Session:
         self._queued = 0
         self._full = False
         self._over = False
+        # True while the receive loop waits for its next message with nothing in hand:
+        # only then may a frame be handled in the protocol's callback (``on_text``)
+        # without overtaking one the loop holds.
+        self._idle = False
 
     # -- Outbox (what the coordinator calls) ------------------------------------------
     def send(self, frame: str) -> None:
@@ -123,6 +131,8 @@ class Session:
             if not self._over:
                 self._watch()
             return
+        if self._wire is not None and self._wire.write_text(frame):
+            return  # written by the protocol itself: no ASGI message, no coroutine
         coro = self.ws.send_text(frame)
         try:
             waiting_on = coro.send(None)
@@ -146,6 +156,8 @@ class Session:
     async def run(self) -> None:
         await self.ws.accept()
         self._open = True
+        if self._wire is not None:
+            self._wire.on_text = self.on_text
         self._receiver = asyncio.create_task(self._receive_loop(), name="rota-session-recv")
         reason = "connection_lost"
         try:
@@ -161,13 +173,10 @@ class Session:
             reason = "goodbye"
             await self.coordinator.settled(self.conn)  # its last results are answered first
         except Exception as exc:  # a bug: say so, keep its jobs for the reconnect grace
-            incident = incident_id()
-            log.error("internal error id=%s handling a frame from worker=%s: %s", incident,
-                      self.worker_id, type(exc).__name__, exc_info=exc)
-            self._failure = p.FrameError("internal_error", "the server failed to handle a"
-                                         f" frame (logged as {incident}); reconnect",
-                                         p.CLOSE_INTERNAL)
+            self._failure = self._internal(exc)
         finally:
+            if self._wire is not None:
+                self._wire.on_text = None
             if self._failure is not None:
                 reason = self._failure.code
                 self.send(p.encode(p.Error(code=self._failure.code, message=self._failure.message)))
@@ -177,6 +186,13 @@ class Session:
                 await self._finish(goodbye=reason == "goodbye")
             finally:
                 self.coordinator.detach(self.conn)
+
+    def _internal(self, exc: Exception) -> p.FrameError:
+        incident = incident_id()
+        log.error("internal error id=%s handling a frame from worker=%s: %s", incident,
+                  self.worker_id, type(exc).__name__, exc_info=exc)
+        return p.FrameError("internal_error", "the server failed to handle a frame (logged"
+                            f" as {incident}); reconnect", p.CLOSE_INTERNAL)
 
     async def _finish(self, *, goodbye: bool = False) -> None:
         sender = self._sender
@@ -220,9 +236,13 @@ class Session:
             if text is None:
                 raise p.FrameError("binary_not_supported", "send JSON text frames, not binary",
                                    p.CLOSE_UNSUPPORTED)
-            if self._over:  # the worker may have read some, with nothing sent to show it
-                self._watch()
-            await self._throttle(len(text))
+            pause = message.get(PAUSE)  # (the fast path spent the tokens already)
+            if pause is None:
+                if self._over:  # the worker may have read some, with nothing sent to show it
+                    self._watch()
+                pause = self._spend(len(text))
+            if pause > 0.0:
+                await asyncio.sleep(pause)  # the throttle itself: the socket is not read meanwhile
             hb = p.decode_heartbeat(text)
             if self.worker_id is None and hb.registration is not None:
                 # It may come from another server sharing the database, holding jobs
@@ -233,7 +253,11 @@ class Session:
 
     async def _next_message(self) -> dict[str, object]:
         if self.worker_id is not None:
-            return await self.ws.receive()
+            self._idle = True
+            try:
+                return await self.ws.receive()
+            finally:
+                self._idle = False
         # Until it registers, a socket holds a slot for nothing: it gets a deadline.
         timeout = self.coordinator.settings.registration_timeout
         try:
@@ -242,10 +266,44 @@ class Session:
             raise p.FrameError("registration_timeout", f"no registration within {timeout:g}s",
                                p.CLOSE_POLICY) from None
 
-    async def _throttle(self, size: int) -> None:
-        """Hold a sender to the rate limits by not reading it for a while. Only one that
-        stays over them for ``throttle_close_after`` is closed, and its jobs then get the
-        reconnect grace that a lost connection gets."""
+    def on_text(self, text: str) -> dict[str, object] | None:
+        """A text message, handled in the protocol's callback as it is parsed: no task
+        wakes and no ASGI message is made for it, which is most of what a heartbeat cost.
+        Returns None when it is handled (or dropped after a failure), else the message
+        for the receive loop: before registration, a goodbye (it awaits its commit), a
+        throttled sender (its pause, already spent, rides along) or while the loop is
+        busy with an earlier frame, so that order holds."""
+        if self._failure is not None:
+            return None  # the connection is ending: what follows the bad frame is dropped
+        message: dict[str, object] = {"type": "websocket.receive", "text": text}
+        if not self._idle or self.worker_id is None:
+            self._idle = False
+            return message
+        if self._over:
+            self._watch()
+        try:
+            pause = self._spend(len(text))
+            if pause > 0.0:
+                message[PAUSE] = pause
+            else:
+                hb = p.decode_heartbeat(text)
+                if not hb.goodbye:
+                    self._handle(hb)
+                    return None
+        except p.FrameError as exc:
+            self.abort(exc.code, exc.message, exc.close_code)
+            return None
+        except Exception as exc:  # a bug: as in run()
+            failure = self._internal(exc)
+            self.abort(failure.code, failure.message, failure.close_code)
+            return None
+        self._idle = False
+        return message
+
+    def _spend(self, size: int) -> float:
+        """Hold a sender to the rate limits by not reading it for a while: the seconds to
+        pause (spent now). Only one that stays over them for ``throttle_close_after`` is
+        closed, and its jobs then get the reconnect grace that a lost connection gets."""
         now = self.coordinator.clock().mono
         if self.worker_id is not None and not self._shared:
             # The worker's own buckets, kept across its connections: reconnecting does not
@@ -256,7 +314,7 @@ class Session:
         pause = max(frames, size_wait)
         if pause <= 0.0:
             self._throttled_since = None
-            return
+            return 0.0
         settings = self.coordinator.settings
         limit = (f"{settings.rate_limit:g} frames a second (burst {settings.rate_burst})"
                  if frames >= size_wait else f"{settings.rate_bytes} bytes a second")
@@ -266,7 +324,7 @@ class Session:
         elif now - self._throttled_since > settings.throttle_close_after:
             raise p.FrameError("rate_limited", f"over {limit} for"
                                f" {settings.throttle_close_after:g}s", p.CLOSE_POLICY)
-        await asyncio.sleep(pause)  # the throttle itself: the socket is not read meanwhile
+        return pause
 
     def _handle(self, hb: p.Heartbeat) -> None:
         if hb.seq <= self.last_seq:

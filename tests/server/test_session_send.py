@@ -48,6 +48,11 @@ class FakeWire:
     def drop(self) -> None:
         self.dropped = True
 
+    on_text = None
+
+    def write_text(self, text: str) -> bool:
+        return False  # every send goes through the socket's own send, which these tests drive
+
 
 class FakeCoordinator:
     settings = ServerSettings(outbox_limit=10)
