@@ -107,6 +107,10 @@ class Registration(msgspec.Struct, kw_only=True):
     # It names the jobs it starts (``status.started``) and answers ``take_back`` (§3.5).
     # False, the default: an older worker, every job it holds counts as started.
     reports_starts: bool = False
+    # Its idle heartbeats need no ack: one that carries no result and meets no directive
+    # is answered only when no ack went out for ``heartbeat_timeout / 4`` (§4.2). False,
+    # the default: every heartbeat gets its ack, as an older worker expects.
+    lean_acks: bool = False
 
 
 class Progress(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -198,8 +198,13 @@ class Heartbeats:
         if not changes:
             if worker.free() > 0:
                 effects.append(Wake())
+            if self._quiet(connection, hb, rejected, now):
+                connection.quiet_acks += 1
+                return effects
+            connection.last_ack = now.mono
             connection.acks.append([None, self._ack(hb.seq, desired, again, rejected, now)])
             return effects + self._flush_acks(connection)
+        connection.last_ack = now.mono
         ticket = self._ticket("results", (worker_id, conn, hb.seq, desired, changes, again,
                                           rejected))
         connection.acks.append([ticket, None])
@@ -207,6 +212,16 @@ class Heartbeats:
         if worker.free() > 0:
             effects.append(Wake())
         return effects
+
+    def _quiet(self, connection: ConnectedWorker, hb: p.Heartbeat,
+               rejected: list[p.ResultRejection], now: Instant) -> bool:
+        """Whether a heartbeat goes unanswered (docs/protocol.md §4.2): its worker asked
+        for lean acks, it carried no result, no directive waits for the worker, no ack is
+        ahead of it, and an ack went out within ``heartbeat_timeout / 4``, so the worker
+        still hears from the server often enough to know it is there."""
+        return (connection.registration.lean_acks and not hb.results and not rejected
+                and not hb.goodbye and connection.directive is None and not connection.acks
+                and now.mono - connection.last_ack < self.settings.heartbeat_timeout / 4)
 
     def _flush_acks(self, connection: ConnectedWorker) -> list[Effect]:
         sends: list[Effect] = []

@@ -54,6 +54,8 @@ class ConnectedWorker:
     directive: str | None = None  # the state the server wants; None: whatever the worker says
     checked: bool = False  # its first status was checked for runs it no longer holds
     frames: int = 0  # heartbeats read from this connection
+    last_ack: float = float("-inf")  # monotonic: when the last ack was made (lean acks)
+    quiet_acks: int = 0  # idle heartbeats left unanswered (lean acks)
     logged: bool = True  # its registration was logged (and so its disconnect will be)
     over_since: float | None = None  # monotonic: since when its outbox is over the limit
     # Lists, not deques: an empty deque takes 760 bytes, and 10,000 idle connections

@@ -372,11 +372,11 @@ class ConnectionThread:
     async def _read(self, ws: ClientConnection) -> None:
         worker = self.worker
         async for frame in ws:
+            self.link.heard(time.monotonic())
             try:
                 message = p.decode_server_message(frame)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                # A newer server may send messages this SDK does not know: skip, don't die.
-                log.warning("ignoring a server frame this SDK cannot read: %s", exc)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:  # skip, don't die:
+                log.warning("ignoring a server frame this SDK cannot read: %s", exc)  # (a newer server's)
                 continue
             match message:
                 case p.Assign(jobs=jobs):

@@ -103,6 +103,7 @@ class Link:
         self._urgent = False  # a state change or an alert: beat now, whatever is in flight
         self._last_beat = 0.0
         self._last_capacity = 0
+        self._heard = 0.0  # monotonic: the last frame read from the server
         # Heartbeat with results -> its ack: the server's commit round trip, averaged.
         self.round_trip = 0.002
         self.frames_sent = 0
@@ -125,6 +126,10 @@ class Link:
         self._unacked.clear()
         self._results = resend + self._deferred + self._results
         self._deferred = []
+
+    def heard(self, now: float) -> None:
+        """A frame came from the server (any: an assign says it is there as an ack does)."""
+        self._heard = now
 
     def lost(self) -> None:
         self.state = LinkState.DISCONNECTED
@@ -240,6 +245,10 @@ class Link:
         of an older state must not undo a SIGCONT that came since). With ``now``, the
         ack of a heartbeat with results times the server's round trip."""
         outcome = AckOutcome(rejected=list(ack.rejected))
+        # Acks come in heartbeat order: those before this one that got none were idle
+        # beats the server left unanswered (lean acks, docs/protocol.md §4.2).
+        while self._sent_state and next(iter(self._sent_state)) < ack.seq:
+            self._sent_state.pop(next(iter(self._sent_state)))
         said, sent_at = self._sent_state.pop(ack.seq, (ack.state, None))
         if p.STATE_RANK[ack.state] > p.STATE_RANK[said]:  # type: ignore[index]
             outcome.directive = ack.state
@@ -262,8 +271,11 @@ class Link:
         if self.welcome is None or not self._sent_state:
             return None
         patience = self.welcome.heartbeat_timeout / 4
-        oldest = next(iter(self._sent_state.values()))[1]  # dicts keep seq order
-        if now - oldest <= max(patience, 2 * self.interval):
+        # The server leaves idle beats unanswered while it acked one within a quarter of
+        # its timeout (lean acks), so it is silent for at most that and a beat: the
+        # oldest unanswered beat is judged by the last frame heard, given that long more.
+        oldest = max(next(iter(self._sent_state.values()))[1], self._heard)  # (seq order)
+        if now - oldest <= max(patience, 2 * self.interval) + self.interval:
             return None
         return patience
 

@@ -255,7 +255,7 @@ class Worker:
             hostname=socket.gethostname(), os=f"{platform.system()} {platform.release()}",
             pid=os.getpid(), sdk=SDK, queues=self.queues, concurrency=self.concurrency,
             specs=self.declared_specs(), labels=self.labels, started_at=self._started_at,
-            prefetch=self.prefetch, reports_starts=True)
+            prefetch=self.prefetch, reports_starts=True, lean_acks=True)
 
     def metrics(self) -> tuple[float, int]:
         # cpu_percent(None) measures since the previous call: no blocking sample here.

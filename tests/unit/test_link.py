@@ -131,8 +131,36 @@ def test_a_result_to_send_again_rides_along_with_a_fresh_one():
 def test_an_overdue_ack_is_worth_a_ping():
     link, _ = connected()
     beat(link, 1.0)  # never acked
-    assert link.ping_patience(2.5) is None  # within max(timeout / 4, 2 intervals)
-    assert link.ping_patience(3.5) == 2.0  # 8.0 / 4
+    assert link.ping_patience(3.9) is None  # within max(timeout / 4, 2 intervals) + 1
+    assert link.ping_patience(4.1) == 2.0  # 8.0 / 4
+
+
+def test_idle_beats_the_server_leaves_unanswered_are_answered_by_the_next_ack():
+    """Lean acks (docs/protocol.md §4.2): the server answers an idle beat only when it
+    sent no ack for a quarter of its timeout, so acks skip seqs; a later ack answers the
+    skipped beats too, and a worker beating steadily never finds an ack overdue."""
+    link, _ = connected()  # timeout 8: the server acks an idle beat every 2 s at most
+    last_ack = 0.0
+    for tick in range(1, 40):
+        now = tick * 0.5 * link.interval  # beating faster than the server acks
+        assert link.ping_patience(now) is None, now
+        sent = beat(link, now)
+        if now - last_ack >= 8.0 / 4:  # the server's rule
+            link.heard(now)
+            assert link.on_ack(ack(sent)).directive is None
+            last_ack = now
+            assert link.oldest_unanswered(now) == 0.0  # the skipped ones went with it
+    assert link.oldest_unanswered(now) < 2.0
+
+
+def test_a_server_silent_past_its_lean_ack_window_gets_a_ping():
+    link, _ = connected()
+    link.heard(1.0)
+    link.on_ack(ack(beat(link, 1.0)))
+    for now in (2.0, 3.0, 4.0, 5.0):
+        beat(link, now)  # none answered: after the window, the server is in doubt
+    assert link.ping_patience(5.0) is None  # (2.0 unanswered since 2.0: within 3 s)
+    assert link.ping_patience(5.1) == 2.0
 
 
 def test_reconnect_delays_grow_jittered_and_stay_under_half_the_timeout():

@@ -1,0 +1,106 @@
+"""Lean acks (docs/protocol.md §4.2), on a fake clock: a worker that registers
+``lean_acks`` gets no ack for an idle heartbeat while the server acked it within a
+quarter of its heartbeat timeout; anything the worker must hear is still acked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rota.base import protocol as p
+from rota.core.auth import OPEN
+from rota.core.effects import Save
+from rota.core.engine import Engine
+
+from test_engine import FakeClock, assign, connect, done, enqueue, hb, of, sent
+from test_engine import clock, engine  # noqa: F401  (fixtures)
+
+
+def lean(engine: Engine, clock: FakeClock, worker: str = "w1", conn: int = 1
+         ) -> list[dict[str, Any]]:
+    first = hb(worker, 0, register=True, capacity=4)
+    assert first.registration is not None
+    first.registration.lean_acks = True
+    return sent(engine.register(conn, first, OPEN, clock())
+                + engine.heartbeat(conn, worker, first, clock()), conn)
+
+
+def beat(engine: Engine, clock: FakeClock, seq: int, worker: str = "w1", **extra: object
+         ) -> list[dict[str, Any]]:
+    return sent(engine.heartbeat(1, worker, hb(worker, seq, **extra), clock()), 1)  # type: ignore[arg-type]
+
+
+def test_idle_beats_are_acked_once_a_quarter_of_the_timeout(engine, clock):
+    frames = lean(engine, clock)
+    assert [f["type"] for f in frames] == ["welcome", "ack"]  # the registration, always
+    acked = []
+    for seq in range(1, 21):  # 20 s of beats, once a second; timeout 5: ack every 1.25 s
+        clock.advance(1.0)
+        acked += [f["seq"] for f in beat(engine, clock, seq, capacity=4)]
+    assert acked == list(range(2, 21, 2))  # every other beat: half the writes
+    connection = engine.registry.get("w1", 1)
+    assert connection is not None and connection.quiet_acks == 10
+
+
+def test_a_beat_faster_than_the_window_still_hears_from_the_server_in_time(engine, clock):
+    lean(engine, clock)
+    last = clock.mono
+    for seq in range(1, 101):
+        clock.advance(0.1)
+        if beat(engine, clock, seq):
+            assert clock.mono - last <= 5.0 / 4 + 0.1 + 1e-9  # the window and one beat
+            last = clock.mono
+    assert clock.mono - last <= 5.0 / 4 + 0.1
+
+
+def test_results_are_always_acked(engine, clock):
+    lean(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    clock.advance(0.1)
+    effects = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock())
+    [save] = of(Save, effects)
+    [ack] = sent(engine.committed(save.ticket, None, clock()), 1)
+    assert ack["seq"] == 1 and ack["accepted"] == [copy["id"]]
+    clock.advance(0.1)
+    assert beat(engine, clock, 2) == []  # idle again, within the window
+
+
+def test_a_rejected_result_is_acked(engine, clock):
+    lean(engine, clock)
+    clock.advance(0.1)
+    ghost = p.Result(job_id="ghost", attempt=1, outcome="completed", result=None)
+    [ack] = beat(engine, clock, 1, results=[ghost])
+    assert ack["rejected"][0]["job_id"] == "ghost"
+
+
+def test_a_directive_is_acked_until_the_worker_takes_it(engine, clock):
+    lean(engine, clock)
+    assert engine.registry.direct(["w1"], "quiet") == ["w1"]
+    clock.advance(0.1)
+    [ack] = beat(engine, clock, 1)
+    assert ack["state"] == "quiet"
+    clock.advance(0.1)
+    [ack] = beat(engine, clock, 2)  # still running by its word: told again
+    assert ack["state"] == "quiet"
+    clock.advance(0.1)
+    assert beat(engine, clock, 3, state="quiet") == []  # it took it: nothing left to say
+    assert engine.registry.get("w1", 1).directive is None  # type: ignore[union-attr]
+
+
+def test_an_acks_order_holds_when_a_quiet_beat_follows_a_commit(engine, clock):
+    lean(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    clock.advance(0.1)
+    effects = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock())
+    assert beat(engine, clock, 2) == []  # behind a pending ack: acked after it, in order
+    [save] = of(Save, effects)
+    assert [a["seq"] for a in sent(engine.committed(save.ticket, None, clock()), 1)] == [1, 2]
+
+
+def test_a_worker_without_the_flag_gets_every_ack(engine, clock):
+    connect(engine, clock)
+    for seq in range(1, 6):
+        clock.advance(0.2)
+        [ack] = beat(engine, clock, seq)
+        assert ack["seq"] == seq
