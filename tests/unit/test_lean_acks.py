@@ -29,6 +29,16 @@ def beat(engine: Engine, clock: FakeClock, seq: int, worker: str = "w1", **extra
     return sent(engine.heartbeat(1, worker, hb(worker, seq, **extra), clock()), 1)  # type: ignore[arg-type]
 
 
+def one_result(engine: Engine, clock: FakeClock) -> tuple[dict[str, Any], Save]:
+    """A lean worker runs one job and reports it (seq 1): the copy, and its commit."""
+    lean(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    clock.advance(0.1)
+    [save] = of(Save, engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock()))
+    return copy, save
+
+
 def test_idle_beats_are_acked_once_a_quarter_of_the_timeout(engine, clock):
     frames = lean(engine, clock)
     assert [f["type"] for f in frames] == ["welcome", "ack"]  # the registration, always
@@ -53,12 +63,7 @@ def test_a_beat_faster_than_the_window_still_hears_from_the_server_in_time(engin
 
 
 def test_results_are_always_acked(engine, clock):
-    lean(engine, clock)
-    enqueue(engine, clock)
-    [copy] = assign(engine, clock)
-    clock.advance(0.1)
-    effects = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock())
-    [save] = of(Save, effects)
+    copy, save = one_result(engine, clock)
     [ack] = sent(engine.committed(save.ticket, None, clock()), 1)
     assert ack["seq"] == 1 and ack["accepted"] == [copy["id"]]
     clock.advance(0.1)
@@ -88,13 +93,8 @@ def test_a_directive_is_acked_until_the_worker_takes_it(engine, clock):
 
 
 def test_an_acks_order_holds_when_a_quiet_beat_follows_a_commit(engine, clock):
-    lean(engine, clock)
-    enqueue(engine, clock)
-    [copy] = assign(engine, clock)
-    clock.advance(0.1)
-    effects = engine.heartbeat(1, "w1", hb("w1", 1, results=[done(copy)]), clock())
+    _, save = one_result(engine, clock)
     assert beat(engine, clock, 2) == []  # behind a pending ack: acked after it, in order
-    [save] = of(Save, effects)
     assert [a["seq"] for a in sent(engine.committed(save.ticket, None, clock()), 1)] == [1, 2]
 
 
