@@ -374,6 +374,10 @@ class Ready:
                     counts[(queue, spec)] = counts.get((queue, spec), 0) + n
         return counts
 
+    def empty(self) -> bool:
+        """No job waits in any bucket (dead entries count: ``head`` drops them)."""
+        return not any(bucket.full or bucket.keys for bucket in self.all_buckets())
+
     def all_buckets(self) -> Iterable[Bucket]:
         for by_spec in self.buckets.values():
             yield from by_spec.values()

