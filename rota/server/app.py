@@ -19,6 +19,7 @@ from starlette.routing import Mount, WebSocketRoute
 
 from rota.server import api_base, dashboard, ojs_base, routes
 from rota.server.coordinator import Coordinator
+from rota.server.gcsteward import Steward
 from rota.server.edge import GuardedHttp, LeanWebSocket
 from rota.server.gate import Gate
 from rota.server.ojs_api import ojs_app
@@ -209,4 +210,17 @@ async def serve(settings: ServerSettings, *, log_level: str = "info",
     log.info("serving on %s://%s:%d (workers connect to /work; the dashboard is at /ui%s)",
              scheme, settings.host, settings.port,
              ", read-only" if settings.ui_read_only else "")
-    await server.serve(sockets=[sock or listen_socket(settings.host, settings.port)])
+    steward = Steward(loop, lambda: len(server.server_state.connections))
+    steward.start()
+    looks = asyncio.create_task(_looking(steward), name="rota-gc-steward")
+    try:
+        await server.serve(sockets=[sock or listen_socket(settings.host, settings.port)])
+    finally:
+        looks.cancel()
+        steward.stop()
+
+
+async def _looking(steward: Steward, every: float = 10.0) -> None:
+    while True:
+        await asyncio.sleep(every)  # (a periodic check, not a synchronisation)
+        steward.look()
