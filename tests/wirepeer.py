@@ -19,11 +19,13 @@ import os
 import select
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from helpers import heartbeat, registration
+import pytest
+from conftest import Live
+from helpers import heartbeat, registration, wait_until
 
 from rota.base.specs import JobSpec
 
@@ -267,9 +269,11 @@ class Peer:
                 assert got in (PING, PONG), (got, payload)
                 self.controls.append((got, payload))
 
-    async def closed(self, timeout: float = 5.0, *, answer: bool = True) -> Closed:
+    async def closed(self, timeout: float = 5.0, *, answer: bool = True,
+                     end: bool = True) -> Closed:
         """Read to the server's close frame (answered with the same code when ``answer``)
-        and then to the end of the connection; what came before is kept in order."""
+        and then, when ``end``, to the end of the connection; what came before is kept in
+        order."""
         deadline = time.monotonic() + timeout
         before, self.held = self.held, []
         code: int | None = None
@@ -290,7 +294,8 @@ class Peer:
                 await self.send(frame(CLOSE, payload[:2]))
             except ConnectionError:
                 pass
-        await self.ended(max(0.01, deadline - time.monotonic()))
+        if end:
+            await self.ended(max(0.01, deadline - time.monotonic()))
         return Closed(code, reason, before)
 
     async def ended(self, timeout: float = 5.0) -> None:
@@ -308,7 +313,64 @@ class Peer:
         self.writer.transport.abort()
 
 
+# -- the fixtures of the tests that use it, and what they ask the server ------------------
 def tracebacks(records: list[logging.LogRecord]) -> list[str]:
     """The log records that carry a traceback, or tell of one."""
     return [f"{r.levelname} {r.getMessage()[:300]}" for r in records
             if r.exc_info or "Traceback" in r.getMessage()]
+
+
+@pytest.fixture
+def log(caplog: pytest.LogCaptureFixture) -> Iterator[list[logging.LogRecord]]:
+    """The log of the whole test, the server's stop included: it must hold no traceback."""
+    caplog.set_level(logging.INFO)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger().addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert not tracebacks(records), tracebacks(records)
+
+
+@pytest.fixture
+async def wire(log: list[logging.LogRecord], live: Live) -> Live:
+    """The server (``live``, stopped before ``log`` is checked)."""
+    return live
+
+
+Opener = Callable[..., Awaitable[Peer]]
+
+
+@pytest.fixture
+async def fake(wire: Live) -> AsyncIterator[Opener]:
+    """``await fake(worker_id, **options)``: a fake peer on ``wire``, dropped at the end."""
+    opened: list[Peer] = []
+
+    async def open_peer(worker_id: str, **options: Any) -> Peer:
+        opened.append(await Peer.open(wire.port, worker_id, **options))
+        return opened[-1]
+
+    yield open_peer
+    for each in opened:
+        each.abort()
+
+
+async def listed(live: Live) -> dict[str, dict[str, Any]]:
+    """GET /workers, by worker id."""
+    answer = await live.http.get("/workers")
+    assert answer.status_code == 200, answer.text
+    return {w["id"]: w for w in answer.json()["workers"]}
+
+
+async def gone(live: Live, worker_id: str, timeout: float = 3.0) -> None:
+    async def absent() -> bool:
+        return worker_id not in await listed(live)
+
+    await wait_until(absent, timeout=timeout, what=f"{worker_id} to leave GET /workers")
+
+
+def said(records: list[logging.LogRecord], fragment: str) -> bool:
+    return any(fragment in r.getMessage() for r in records)

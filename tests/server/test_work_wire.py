@@ -12,73 +12,17 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any
 
 import pytest
 from conftest import Live, write_spec
-from helpers import heartbeat, registration, wait_until
-from wirepeer import (BINARY, CLOSE, CONTINUATION, PING, PONG, TEXT, Peer, close_payload,
-                      frame, text, tracebacks)
+from helpers import heartbeat, registration
+from wirepeer import (BINARY, CLOSE, CONTINUATION, PING, PONG, TEXT, Opener, Peer, close_payload,
+                      frame, gone, listed, said, text)
+from wirepeer import fake, log, wire  # noqa: F401 (fixtures)
 
 from rota.server.app import MAX_FRAME
-
-
-@pytest.fixture
-def log(caplog: pytest.LogCaptureFixture) -> Iterator[list[logging.LogRecord]]:
-    """The log of the whole test, the server's stop included: it must hold no traceback."""
-    caplog.set_level(logging.INFO)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger().addHandler(handler)
-    try:
-        yield records
-    finally:
-        logging.getLogger().removeHandler(handler)
-    assert not tracebacks(records), tracebacks(records)
-
-
-@pytest.fixture
-async def wire(log: list[logging.LogRecord], live: Live) -> Live:
-    """The server (``live``, stopped before ``log`` is checked)."""
-    return live
-
-
-Opener = Callable[..., Awaitable[Peer]]
-
-
-@pytest.fixture
-async def fake(wire: Live) -> AsyncIterator[Opener]:
-    """``await fake(worker_id, **options)``: a fake peer on ``wire``, dropped at the end."""
-    opened: list[Peer] = []
-
-    async def open_peer(worker_id: str, **options: Any) -> Peer:
-        opened.append(await Peer.open(wire.port, worker_id, **options))
-        return opened[-1]
-
-    yield open_peer
-    for each in opened:
-        each.abort()
-
-
-async def listed(live: Live) -> dict[str, dict[str, Any]]:
-    """GET /workers, by worker id."""
-    answer = await live.http.get("/workers")
-    assert answer.status_code == 200, answer.text
-    return {w["id"]: w for w in answer.json()["workers"]}
-
-
-async def gone(live: Live, worker_id: str, timeout: float = 3.0) -> None:
-    async def absent() -> bool:
-        return worker_id not in await listed(live)
-
-    await wait_until(absent, timeout=timeout, what=f"{worker_id} to leave GET /workers")
-
-
-def said(records: list[logging.LogRecord], fragment: str) -> bool:
-    return any(fragment in r.getMessage() for r in records)
 
 
 async def test_a_registration_written_in_pieces_is_welcomed_and_acked(wire: Live, fake: Opener):
