@@ -21,7 +21,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from conftest import Live
@@ -89,6 +89,7 @@ class Peer:
                  worker_id: str) -> None:
         self.reader = reader
         self.writer = writer
+        self.transport = cast(asyncio.Transport, writer.transport)
         self.worker_id = worker_id
         self.seq = 0
         self.held: list[dict[str, Any]] = []  # JSON messages read while waiting for another
@@ -138,7 +139,7 @@ class Peer:
         closed socket would reset the connection, and asyncio would then fail this
         side's reads before they got the close frame that came first."""
         sock = self.writer.get_extra_info("socket")
-        self.writer.transport.pause_reading()  # what comes back stays in the kernel, seen
+        self.transport.pause_reading()  # what comes back stays in the kernel, seen
         try:
             sent = 0
             while sent < len(data) and not select.select([sock], [], [], 0)[0]:
@@ -146,7 +147,7 @@ class Peer:
                 sent += piece
             return min(sent, len(data))
         finally:
-            self.writer.transport.resume_reading()
+            self.transport.resume_reading()
 
     def beat_frame(self, **sections: Any) -> bytes:
         """The next heartbeat (``seq`` counted here) as one text frame."""
@@ -310,7 +311,7 @@ class Peer:
             pass
 
     def abort(self) -> None:
-        self.writer.transport.abort()
+        self.transport.abort()
 
 
 # -- the fixtures of the tests that use it, and what they ask the server ------------------
@@ -326,7 +327,7 @@ def log(caplog: pytest.LogCaptureFixture) -> Iterator[list[logging.LogRecord]]:
     caplog.set_level(logging.INFO)
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.DEBUG)
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler.emit = records.append  # type: ignore[method-assign, assignment]
     logging.getLogger().addHandler(handler)
     try:
         yield records

@@ -25,7 +25,8 @@ from wirepeer import fake, log, wire  # noqa: F401 (fixtures)
 from rota.server.app import MAX_FRAME
 
 
-async def test_a_registration_written_in_pieces_is_welcomed_and_acked(wire: Live, fake: Opener):
+async def test_a_registration_written_in_pieces_is_welcomed_and_acked(
+        wire: Live, fake: Opener) -> None:
     peer = await fake("pieces", piecewise=True)  # the request byte by byte
     data = peer.registration_frame(hostname="in-pieces")
     assert data[1] & 0x7F == 126  # a 16-bit length: the header is 4 bytes, then the mask
@@ -42,7 +43,8 @@ async def test_a_registration_written_in_pieces_is_welcomed_and_acked(wire: Live
     assert (await peer.next_json())["seq"] == 1
 
 
-async def test_frames_run_together_in_one_write_are_each_acked_in_order(wire: Live, fake: Opener):
+async def test_frames_run_together_in_one_write_are_each_acked_in_order(
+        wire: Live, fake: Opener) -> None:
     peer = await fake("coalesced")
     await peer.register()
     one, two = peer.beat_frame(), peer.beat_frame()
@@ -58,7 +60,8 @@ async def test_frames_run_together_in_one_write_are_each_acked_in_order(wire: Li
     assert [(a["type"], a["seq"]) for a in acks] == [("ack", n) for n in range(1, 10)]
 
 
-async def test_a_message_in_fragments_with_pings_between_them_is_one_heartbeat(wire: Live, fake: Opener):
+async def test_a_message_in_fragments_with_pings_between_them_is_one_heartbeat(
+        wire: Live, fake: Opener) -> None:
     peer = await fake("fragments")
     hostname = "hôte-☃"  # the snowman's three bytes are split between two fragments
     body = json.dumps(heartbeat(0, "fragments", capacity=0,
@@ -84,11 +87,17 @@ async def test_a_message_in_fragments_with_pings_between_them_is_one_heartbeat(w
     ack = await peer.next_json()
     assert ack["type"] == "ack" and ack["seq"] == 1 and ack["state"] == "quiet", ack
     assert (await listed(wire))["fragments"]["state"] == "quiet"
-    assert (await peer.beat())["seq"] == 2  # and the connection goes on
+    tiny = json.dumps(heartbeat(2, "fragments")).encode()  # a fragment per byte, one write
+    await peer.send(b"".join(frame(CONTINUATION if n else TEXT, tiny[n:n + 1],
+                                   fin=n == len(tiny) - 1) for n in range(len(tiny))))
+    assert (await peer.next_json())["seq"] == 2
+    peer.seq = 3
+    assert (await peer.beat())["seq"] == 3  # and the connection goes on
     assert peer.controls == [] and peer.held == []  # nothing else came
 
 
-async def test_a_ping_before_registration_and_after_gets_its_payload_back(wire: Live, fake: Opener):
+async def test_a_ping_before_registration_and_after_gets_its_payload_back(
+        wire: Live, fake: Opener) -> None:
     peer = await fake("pinger")
     await peer.send(frame(PING, b"before registration"))
     assert await peer.control(PONG) == b"before registration"
@@ -104,7 +113,7 @@ async def test_a_ping_before_registration_and_after_gets_its_payload_back(wire: 
 
 
 async def test_a_close_from_the_worker_is_answered_and_its_job_goes_back_at_once(
-        wire: Live, fake: Opener, log: list[logging.LogRecord], tmp_path: Path):
+        wire: Live, fake: Opener, log: list[logging.LogRecord], tmp_path: Path) -> None:
     echo = write_spec(tmp_path / "specs", "echo")
     await wire.push(echo)
     peer = await fake("leaver")
@@ -127,8 +136,8 @@ def stale_seq(peer: Peer) -> bytes:
 
 
 HEARTBEAT = json.dumps(heartbeat(7, "bad")).encode()
-# (case, the bytes after a good registration, the error code the server sends first or
-# None where §7 names none, the close code)
+# (case, the bytes the peer sends, the error code the server sends first or None where
+# §7 names none, the close code)
 BREAKS: list[tuple[str, Callable[[Peer], bytes], str | None, int]] = [
     ("seq not increasing", stale_seq, "seq_not_increasing", 1008),
     ("a binary frame", lambda _: frame(BINARY, HEARTBEAT), "binary_not_supported", 1003),
@@ -149,15 +158,23 @@ BREAKS: list[tuple[str, Callable[[Peer], bytes], str | None, int]] = [
 ]
 
 
-@pytest.mark.parametrize(("case", "make", "code", "close_code"), BREAKS,
-                         ids=[b[0] for b in BREAKS])
+# Some of them as a new connection's first frame, where they need no registration.
+FIRST = [b for b in BREAKS if b[0] in ("a binary frame", "text that is not UTF-8",
+                                       "an unmasked frame", "a fragmented ping",
+                                       "a reserved bit set (no extension agreed)")]
+
+
+@pytest.mark.parametrize(("case", "make", "code", "close_code", "registered"),
+                         [(*b, True) for b in BREAKS] + [(*b, False) for b in FIRST],
+                         ids=[b[0] for b in BREAKS] + [f"first: {b[0]}" for b in FIRST])
 async def test_a_frame_that_breaks_the_protocol_closes_that_connection_only(
-        wire: Live, fake: Opener, log: list[logging.LogRecord], case: str, make: Callable[[Peer], bytes],
-        code: str | None, close_code: int):
+        wire: Live, fake: Opener, case: str, make: Callable[[Peer], bytes], code: str | None,
+        close_code: int, registered: bool) -> None:
     good = await fake("good")
     await good.register()
     bad = await fake("bad")
-    await bad.register()
+    if registered:
+        await bad.register()
     await bad.send(make(bad))
     closed = await bad.closed()
     assert closed.code == close_code, closed
@@ -168,17 +185,28 @@ async def test_a_frame_that_breaks_the_protocol_closes_that_connection_only(
     await gone(wire, "bad")
     for _ in range(3):  # the other worker is untouched
         assert (await good.beat())["type"] == "ack"
-    assert "good" in await listed(wire)
+    assert list(await listed(wire)) == ["good"]
 
 
-async def test_a_frame_over_the_size_limit_is_refused_with_1009(wire: Live, fake: Opener):
+def over_the_limit(size: int, fragments: bool) -> bytes:
+    """A message of ``size`` bytes: one frame whose header says so at once, or two
+    fragments each under the limit, only their sum over it. (Its payload is left as it
+    is, unmasked: the server must refuse the message, whatever it holds.)"""
+    if not fragments:
+        return frame(TEXT, b"", length=size) + b"a" * size
+    half = size // 2
+    return (frame(TEXT, b"a" * half, fin=False)
+            + frame(CONTINUATION, b"", length=size - half) + b"a" * (size - half))
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["one frame", "two fragments"])
+async def test_a_message_over_the_size_limit_is_refused_with_1009(wire: Live, fake: Opener,
+                                                                  fragments: bool) -> None:
     good = await fake("good")
     await good.register()
     bad = await fake("big")
     await bad.register()
-    size = MAX_FRAME + 1
-    await bad.send(frame(TEXT, b"", length=size))  # the header says it; the payload follows
-    sent = await bad.send_until_answered(b"a" * size)
+    sent = await bad.send_until_answered(over_the_limit(MAX_FRAME + 1, fragments))
     closed = await bad.closed(answer=False)
     assert closed.code == 1009, (closed, sent)
     await gone(wire, "big")

@@ -41,7 +41,7 @@ async def run_jobs(peer: Peer, capacity: int, done: list[str]) -> None:
     "outbox_high_water": 64 << 10, "outbox_limit": 128 << 10, "outbox_close_after": 1.0,
     "reconnect_grace": 1.0, "heartbeat_timeout": 10.0}], indirect=True)
 async def test_a_peer_that_stops_reading_gets_no_more_jobs_is_dropped_and_loses_none(
-        wire: Live, fake: Opener, log: list[logging.LogRecord], tmp_path: Path):
+        wire: Live, fake: Opener, log: list[logging.LogRecord], tmp_path: Path) -> None:
     """One big job passes the outbox limit, held against a worker for a second; its
     jobs are kept for a second. The heartbeat timeout is long: only the backlog can end
     the connection."""
@@ -49,7 +49,7 @@ async def test_a_peer_that_stops_reading_gets_no_more_jobs_is_dropped_and_loses_
     await wire.push(big)
     silent = await fake("silent", rcvbuf=4096)  # a small window: the backlog stays on the server
     await silent.register([big], concurrency=1000, capacity=1000)
-    silent.writer.transport.pause_reading()  # from here on, nothing is read
+    silent.transport.pause_reading()  # from here on, nothing is read
     jobs: list[str] = []
     while True:  # big jobs until one waits though the silent worker has room for 1000
         jobs.append((await wire.enqueue("big", BIG))["id"])
@@ -85,7 +85,7 @@ async def test_a_peer_that_stops_reading_gets_no_more_jobs_is_dropped_and_loses_
         assert job["attempt"] == 2 and job["errors"][0]["type"] == "worker_death", job
     # When it reads again, the connection ends: the backlog, the error and the close
     # frame come through, or the server had dropped it already.
-    silent.writer.transport.resume_reading()
+    silent.transport.resume_reading()
     closed = await silent.closed(timeout=10)
     error = closed.error()
     assert (closed.code, error and error["code"]) in ((1008, "slow_consumer"), (None, None)), (
@@ -96,7 +96,7 @@ async def test_a_peer_that_stops_reading_gets_no_more_jobs_is_dropped_and_loses_
                                    "registration_timeout": 0.5}], indirect=True)
 @pytest.mark.parametrize("registered", [True, False], ids=["registered", "unregistered"])
 async def test_a_peer_silent_halfway_through_a_frame_is_dropped_after_its_timeout(
-        wire: Live, fake: Opener, log: list[logging.LogRecord], registered: bool):
+        wire: Live, fake: Opener, log: list[logging.LogRecord], registered: bool) -> None:
     bystander = await fake("bystander")
     await bystander.register()
     started = time.monotonic()  # before the server starts counting
