@@ -155,6 +155,9 @@ BREAKS: list[tuple[str, Callable[[Peer], bytes], str | None, int]] = [
     ("a fragmented ping", lambda _: frame(PING, b"x", fin=False), None, 1002),
     ("a ping over 125 bytes", lambda _: frame(PING, b"x" * 126), None, 1002),
     ("a close frame of one byte", lambda _: frame(CLOSE, b"\x03"), None, 1002),
+    ("a close code no peer may send (1005)", lambda _: frame(CLOSE, close_payload(1005)),
+     None, 1002),
+    ("a close reason that is not UTF-8", lambda _: frame(CLOSE, b"\x03\xe8\xff"), None, 1007),
 ]
 
 

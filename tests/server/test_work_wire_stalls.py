@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import Live, write_spec
 from helpers import completed
-from wirepeer import Opener, Peer, gone, listed, said
+from wirepeer import PING, Opener, Peer, frame, gone, listed, said
 from wirepeer import fake, log, wire  # noqa: F401 (fixtures)
 
 BIG = {"blob": "x" * 200_000}  # a job of 200 KB, under --max-args-bytes (256 KiB)
@@ -123,3 +123,42 @@ async def test_a_peer_silent_halfway_through_a_frame_is_dropped_after_its_timeou
     workers: dict[str, Any] = await listed(wire)
     assert list(workers) == ["bystander"]
     assert (await bystander.beat())["type"] == "ack"
+
+
+async def flood(peer: Peer, data: bytes, total: int) -> int:
+    """Write ``data`` again and again, ``total`` bytes at most, for as long as the server
+    takes it; return how much it took."""
+    sent = 0
+    try:
+        while sent < total:
+            peer.writer.write(data)
+            await peer.writer.drain()
+            sent += len(data)
+    except ConnectionError:
+        pass
+    return sent
+
+
+@pytest.mark.xfail(strict=True, reason="pongs are written past the outbox and the rate limits:"
+                   " a peer that pings and never reads makes the server buffer every pong, and"
+                   " is let go only at its heartbeat timeout")
+@pytest.mark.parametrize("live", [{
+    "outbox_high_water": 64 << 10, "outbox_limit": 128 << 10, "outbox_close_after": 0.3,
+    "throttle_close_after": 0.3, "heartbeat_timeout": 10.0}], indirect=True)
+async def test_a_peer_that_pings_and_never_reads_is_let_go(
+        wire: Live, fake: Opener, log: list[logging.LogRecord]) -> None:
+    """Pings are frames, their pongs what the server sends: §1's limits hold for them. Past
+    --outbox-limit unread for --outbox-close-after the peer is a slow consumer; over the
+    rate limits for --throttle-close-after it is rate-limited. Either way it is let go
+    long before its heartbeat timeout."""
+    pinger = await fake("pinger", rcvbuf=4096)
+    await pinger.register()
+    pinger.transport.pause_reading()  # from here on, nothing is read
+    pings = asyncio.create_task(flood(pinger, frame(PING, b"p" * 125) * 8000, 16 << 20))
+    try:
+        await gone(wire, "pinger", timeout=2)
+    finally:
+        pinger.abort()
+        await asyncio.gather(pings, return_exceptions=True)
+    assert (said(log, "disconnect worker=pinger reason=slow_consumer")
+            or said(log, "disconnect worker=pinger reason=rate_limited"))
