@@ -3,8 +3,8 @@ a frame in pieces, frames run together in one write, a message in fragments with
 between them, pings, the close handshake, and each way a frame can break the protocol.
 
 Only what a worker or an operator can see is asserted: the frames that come back, close
-codes, GET /workers, job states and the server's log. A peer that stops reading, or one
-that goes silent halfway through a frame, is in test_work_wire_stalls.py. Real parts: a
+codes, GET /workers, job states and the server's log (never a traceback). Peers that
+stall (stop reading, go silent mid-frame) are in test_work_wire_stalls.py. Real parts: a
 uvicorn server in this process on loopback, raw TCP sockets.
 """
 

@@ -1,6 +1,7 @@
 """The /work edge against fake peers that stall (tests/wirepeer.py): one that stops
-reading what it is sent, and one that goes silent halfway through a frame. The server
-must let go of each, keep serving the others meanwhile, and lose no job.
+reading what it is sent, one that goes silent halfway through a frame, and one that
+pings and never reads its pongs. The server must let go of each, keep serving the
+others meanwhile, and lose no job.
 
 As in test_work_wire.py, only what a worker or an operator sees is asserted: frames,
 close codes, GET /workers, job states, the server's log. Real parts: a uvicorn server in
