@@ -1,0 +1,165 @@
+"""The /work edge against fake peers that stall (tests/wirepeer.py): one that stops
+reading what it is sent, one that goes silent halfway through a frame, and one that
+pings and never reads its pongs. The server must let go of each, keep serving the
+others meanwhile, and lose no job.
+
+As in test_work_wire.py, only what a worker or an operator sees is asserted: frames,
+close codes, GET /workers, job states, the server's log. Real parts: a uvicorn server in
+this process on loopback, raw TCP sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Live, write_spec
+from helpers import completed
+from wirepeer import PING, Opener, Peer, frame, gone, listed, said
+from wirepeer import fake, log, wire  # noqa: F401 (fixtures)
+
+BIG = {"blob": "x" * 200_000}  # a job of 200 KB, under --max-args-bytes (256 KiB)
+NOT_READING = "not reading what they are sent"  # why a job waits (GET /jobs/{id})
+
+
+async def run_jobs(peer: Peer, capacity: int, done: list[str]) -> None:
+    """A worker that reads: complete every job it is assigned, asking for ``capacity``
+    more each time, until cancelled; the acks are read and let go."""
+    while True:
+        message = await peer.next_json(timeout=30)
+        if message["type"] == "assign":
+            for job in message["jobs"]:
+                await peer.send(peer.beat_frame(results=[completed(job, "ok")],
+                                                capacity=capacity))
+                done.append(job["id"])
+
+
+@pytest.mark.parametrize("live", [{
+    "outbox_high_water": 64 << 10, "outbox_limit": 128 << 10, "outbox_close_after": 1.0,
+    "reconnect_grace": 1.0, "heartbeat_timeout": 10.0}], indirect=True)
+async def test_a_peer_that_stops_reading_gets_no_more_jobs_is_dropped_and_loses_none(
+        wire: Live, fake: Opener, log: list[logging.LogRecord], tmp_path: Path) -> None:
+    """One big job passes the outbox limit, held against a worker for a second; its
+    jobs are kept for a second. The heartbeat timeout is long: only the backlog can end
+    the connection."""
+    big = write_spec(tmp_path / "specs", "big")
+    await wire.push(big)
+    silent = await fake("silent", rcvbuf=4096)  # a small window: the backlog stays on the server
+    await silent.register([big], concurrency=1000, capacity=1000)
+    silent.transport.pause_reading()  # from here on, nothing is read
+    jobs: list[str] = []
+    while True:  # big jobs until one waits though the silent worker has room for 1000
+        jobs.append((await wire.enqueue("big", BIG))["id"])
+        shown = await wire.job(jobs[-1])
+        if shown["state"] == "available" and NOT_READING in (shown["waiting_reason"] or ""):
+            break
+        assert len(jobs) < 200, "the server kept sending to a worker that does not read"
+    later = [(await wire.enqueue("big", BIG))["id"] for _ in range(3)]
+    for job_id in later:  # it has room; they wait all the same
+        shown = await wire.job(job_id)
+        assert shown["state"] == "available" and NOT_READING in shown["waiting_reason"], shown
+    reader = await fake("reader")
+    await reader.register([big], concurrency=4, capacity=4)
+    done: list[str] = []
+    running = asyncio.create_task(run_jobs(reader, 4, done))
+    try:
+        for job_id in later:  # the server serves the worker that reads...
+            await wire.wait_state(job_id, "completed")
+        assert "silent" in await listed(wire)  # ...while the silent one is still connected
+        await gone(wire, "silent", timeout=10)  # over the limit for long enough: let go
+        assert said(log, "disconnect worker=silent reason=slow_consumer")
+        for job_id in jobs:  # every job ran in the end, none lost
+            assert (await wire.wait_state(job_id, "completed", timeout=10))["result"] == "ok"
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    assert sorted(done) == sorted([*jobs, *later])  # each assigned to the reader once
+    for job_id in later:  # those it did not get waited for the worker that reads
+        assert (await wire.job(job_id))["attempt"] == 1
+    taken_back = [job for job in [await wire.job(j) for j in jobs] if job["errors"]]
+    assert taken_back  # at least the first one went to the silent worker, and came back
+    for job in taken_back:
+        assert job["attempt"] == 2 and job["errors"][0]["type"] == "worker_death", job
+    # When it reads again, the connection ends: the backlog, the error and the close
+    # frame come through, or the server had dropped it already.
+    silent.transport.resume_reading()
+    closed = await silent.closed(timeout=10)
+    error = closed.error()
+    assert (closed.code, error and error["code"]) in ((1008, "slow_consumer"), (None, None)), (
+        closed.code, closed.reason, error)
+
+
+@pytest.mark.parametrize("live", [{"heartbeat_interval": 0.1, "heartbeat_timeout": 0.5,
+                                   "registration_timeout": 0.5}], indirect=True)
+@pytest.mark.parametrize("registered", [True, False], ids=["registered", "unregistered"])
+async def test_a_peer_silent_halfway_through_a_frame_is_dropped_after_its_timeout(
+        wire: Live, fake: Opener, log: list[logging.LogRecord], registered: bool) -> None:
+    bystander = await fake("bystander")
+    await bystander.register()
+    started = time.monotonic()  # before the server starts counting
+    half = await fake("half")
+    if registered:
+        await half.register()
+    data = half.beat_frame()
+    await half.send(data[:len(data) // 2])  # header, mask and half the payload; then nothing
+    # Its close frame cannot be answered (it would be read as the rest of the payload), and
+    # the server waits a while for the answer before it ends the TCP connection: not here.
+    closing = asyncio.create_task(half.closed(timeout=5, answer=False, end=False))
+    while not closing.done():  # the other worker beats on, and is answered
+        assert (await bystander.beat())["type"] == "ack"
+        await asyncio.sleep(0.1)  # noqa: sleep-ok (the bystander's heartbeat cadence)
+    closed = await closing
+    waited = time.monotonic() - started
+    code = "heartbeat_timeout" if registered else "registration_timeout"
+    error = closed.error()
+    assert closed.code == 1008 and error is not None and error["code"] == code, closed
+    assert waited >= 0.5, waited  # not before its time
+    if registered:
+        await gone(wire, "half")
+        assert said(log, "disconnect worker=half reason=heartbeat_timeout")
+    workers: dict[str, Any] = await listed(wire)
+    assert list(workers) == ["bystander"]
+    assert (await bystander.beat())["type"] == "ack"
+
+
+async def flood(peer: Peer, data: bytes, total: int) -> int:
+    """Write ``data`` again and again, ``total`` bytes at most, for as long as the server
+    takes it; return how much it took."""
+    sent = 0
+    try:
+        while sent < total:
+            peer.writer.write(data)
+            await peer.writer.drain()
+            sent += len(data)
+    except ConnectionError:
+        pass
+    return sent
+
+
+@pytest.mark.xfail(strict=True, reason="pongs are written past the outbox and the rate limits:"
+                   " a peer that pings and never reads makes the server buffer every pong, and"
+                   " is let go only at its heartbeat timeout")
+@pytest.mark.parametrize("live", [{
+    "outbox_high_water": 64 << 10, "outbox_limit": 128 << 10, "outbox_close_after": 0.3,
+    "throttle_close_after": 0.3, "heartbeat_timeout": 10.0}], indirect=True)
+async def test_a_peer_that_pings_and_never_reads_is_let_go(
+        wire: Live, fake: Opener, log: list[logging.LogRecord]) -> None:
+    """Pings are frames, their pongs what the server sends: §1's limits hold for them. Past
+    --outbox-limit unread for --outbox-close-after the peer is a slow consumer; over the
+    rate limits for --throttle-close-after it is rate-limited. Either way it is let go
+    long before its heartbeat timeout."""
+    pinger = await fake("pinger", rcvbuf=4096)
+    await pinger.register()
+    pinger.transport.pause_reading()  # from here on, nothing is read
+    pings = asyncio.create_task(flood(pinger, frame(PING, b"p" * 125) * 8000, 16 << 20))
+    try:
+        await gone(wire, "pinger", timeout=2)
+    finally:
+        pinger.abort()
+        await asyncio.gather(pings, return_exceptions=True)
+    assert (said(log, "disconnect worker=pinger reason=slow_consumer")
+            or said(log, "disconnect worker=pinger reason=rate_limited"))
