@@ -33,6 +33,7 @@ MAX_HEADER_BYTES = 64 * 1024
 # Answered even when --max-connections are open: a load balancer's probe must not be told
 # the server is down because clients hold every slot.
 ALWAYS_ANSWERED = frozenset({b"/healthz"})
+PING_COST = 131  # bytes a ping is counted as: the most a control frame may take
 
 
 class Corked:
@@ -265,6 +266,8 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         # parsed (rota/server/sessions.py Session.on_text); None: every message goes to
         # the app's receive, as uvicorn does it.
         self.on_text: Callable[[str], dict[str, object] | None] | None = None
+        # The session's count of a control frame against its rate limits (Session.on_control).
+        self.on_control: Callable[[int], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -311,6 +314,17 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         if not self.read_paused:  # the app reads one message at a time
             self.read_paused = True
             self.transport.pause_reading()
+
+    def handle_ping(self) -> None:
+        """A ping is a frame like any other for the rate limits, and its pong is sent
+        only to a peer that reads: one that pings and never reads would otherwise make
+        the server buffer every pong (135 MB in 6 s, measured), past the outbox limit."""
+        if self.on_control is not None:
+            self.on_control(PING_COST)
+        if not self.writable.is_set() or self.close_sent:
+            self.conn.data_to_send()  # the pong websockets queued is dropped
+            return
+        super().handle_ping()
 
     # -- the wire, as the session sees it -------------------------------------------
     def buffered(self) -> int:

@@ -54,6 +54,7 @@ class Wire(Protocol):
     def write_text(self, text: str) -> bool: ...  # written now (False: use the ASGI send)
 
     on_text: Callable[[str], dict[str, object] | None] | None  # see Session.on_text
+    on_control: Callable[[int], None] | None  # see Session.on_control
 
 
 async def _finish_send(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
@@ -157,7 +158,7 @@ class Session:
         await self.ws.accept()
         self._open = True
         if self._wire is not None:
-            self._wire.on_text = self.on_text
+            self._wire.on_text, self._wire.on_control = self.on_text, self.on_control
         self._receiver = asyncio.create_task(self._receive_loop(), name="rota-session-recv")
         reason = "connection_lost"
         try:
@@ -176,7 +177,7 @@ class Session:
             self._failure = self._internal(exc)
         finally:
             if self._wire is not None:
-                self._wire.on_text = None
+                self._wire.on_text = self._wire.on_control = None
             if self._failure is not None:
                 reason = self._failure.code
                 self.send(p.encode(p.Error(code=self._failure.code, message=self._failure.message)))
@@ -299,6 +300,16 @@ class Session:
             return None
         self._idle = False
         return message
+
+    def on_control(self, size: int) -> None:
+        """A ping, counted against the rate limits as a frame of ``size`` bytes. It is
+        not paused for (it asks only a pong, sent to a reader alone: rota/server/edge.py);
+        a peer over the limits for ``throttle_close_after`` is closed as ever."""
+        if self._failure is None:
+            try:
+                self._spend(size)
+            except p.FrameError as exc:
+                self.abort(exc.code, exc.message, exc.close_code)
 
     def _spend(self, size: int) -> float:
         """Hold a sender to the rate limits by not reading it for a while: the seconds to

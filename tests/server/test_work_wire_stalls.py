@@ -140,9 +140,6 @@ async def flood(peer: Peer, data: bytes, total: int) -> int:
     return sent
 
 
-@pytest.mark.xfail(strict=True, reason="pongs are written past the outbox and the rate limits:"
-                   " a peer that pings and never reads makes the server buffer every pong, and"
-                   " is let go only at its heartbeat timeout")
 @pytest.mark.parametrize("live", [{
     "outbox_high_water": 64 << 10, "outbox_limit": 128 << 10, "outbox_close_after": 0.3,
     "throttle_close_after": 0.3, "heartbeat_timeout": 10.0}], indirect=True)
