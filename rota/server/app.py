@@ -88,6 +88,12 @@ async def no_route(request: Request, exc: Exception) -> Response:
     return await api_base.http_error(request, exc)
 
 
+# Connections the kernel may hold before the server accepts them: a reconnect storm of
+# 10,000 workers overflowed 2,048 (their SYNs dropped, retried a second or more later).
+# The kernel caps it at net.core.somaxconn (4,096 here).
+BACKLOG = 16384
+
+
 def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvicorn.Config:
     http = type("RotaHttp", (GuardedHttp,), {"header_timeout": settings.header_timeout})
     return uvicorn.Config(
@@ -107,6 +113,7 @@ def uvicorn_config(settings: ServerSettings, *, log_level: str = "info") -> uvic
         ws_per_message_deflate=False,
         ws_ping_interval=None,  # the heartbeat, not ping/pong, proves a worker alive
         lifespan="on",
+        backlog=BACKLOG,
         limit_concurrency=settings.max_connections,  # above it, new connections get 503
         timeout_keep_alive=5,  # idle HTTP keep-alive connections are closed after this
         ssl_certfile=settings.ssl_certfile,
@@ -130,7 +137,7 @@ def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
         # port that is bound but not listening yet, listen first, and leave this one
         # failing later with EADDRINUSE (seen when the kernel handed port 0's pick to two
         # programs at once). uvicorn's own listen() only sets the backlog again.
-        sock.listen(2048)
+        sock.listen(BACKLOG)
     except BaseException:
         sock.close()
         raise

@@ -23,6 +23,7 @@ from websockets.exceptions import InvalidState
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from rota.server.api_base import DROP
+from rota.server.pacing import PACER
 from rota.server.sessions import WIRE
 
 log = logging.getLogger("rota.server")
@@ -131,6 +132,18 @@ class GuardedHttp(HttpToolsProtocol):
         cycle = getattr(self, "cycle", None)
         if cycle is not None and getattr(cycle, "transport", None) is self.transport:
             cycle.transport = Corked(self.transport, self.loop)
+
+    def handle_websocket_upgrade(self) -> None:
+        """The handshake waits for its turn (rota/server/pacing.py): a reconnect storm
+        must not hold the loop. Nothing is read from the socket meanwhile."""
+        self.transport.pause_reading()
+        PACER.admit(self.loop, self._upgrade)
+
+    def _upgrade(self) -> None:
+        if self.transport.is_closing():
+            return  # the client gave up while it waited
+        self.transport.resume_reading()
+        super().handle_websocket_upgrade()
 
     def send_400_response(self, msg: str) -> None:
         # A request the HTTP parser refuses (a control character in a header, a bad
