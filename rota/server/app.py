@@ -217,7 +217,8 @@ async def serve(settings: ServerSettings, *, log_level: str = "info",
     log.info("serving on %s://%s:%d (workers connect to /work; the dashboard is at /ui%s)",
              scheme, settings.host, settings.port,
              ", read-only" if settings.ui_read_only else "")
-    steward = Steward(loop, lambda: len(server.server_state.connections))
+    steward = Steward(loop, lambda: len(server.server_state.connections),
+                      lambda: LeanWebSocket.closed)
     steward.start()
     looks = asyncio.create_task(_looking(steward), name="rota-gc-steward")
     try:

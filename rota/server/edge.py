@@ -269,6 +269,7 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
     read, at no cost to a send that does not wait."""
 
     outbox_high_water = 1 << 20  # set from the server's settings (rota/server/app.py)
+    closed = 0  # /work connections ended in this process, in all
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -294,6 +295,7 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        LeanWebSocket.closed += 1  # (the gc steward's measure of churn)
         scope = getattr(self, "scope", None)
         if scope is not None:  # no cycle left for the garbage collector to find
             scope["extensions"].pop(WIRE, None)  # type: ignore[union-attr]
@@ -334,9 +336,9 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         the server buffer every pong (135 MB in 6 s, measured), past the outbox limit."""
         if self.on_control is not None:
             self.on_control(PING_COST)
-        if not self.writable.is_set() or self.close_sent:
-            self.conn.data_to_send()  # the pong websockets queued is dropped
-            return
+        if (not self.writable.is_set() or self.close_sent) and self.conn.close_rcvd is None:
+            self.conn.data_to_send()  # the pong websockets queued is dropped (and only
+            return  # it: a close that came in the same read would have its echo there)
         super().handle_ping()
 
     # -- the wire, as the session sees it -------------------------------------------

@@ -11,9 +11,10 @@ The steward freezes (``gc.freeze``) what survives a slow full pass: those object
 live, since the pass just found them reachable, and later passes skip them, so the next
 pass walks only what came since. Frozen objects that become cyclic garbage later (a
 connection that closes and whose parts refer to each other) are not reclaimed while
-frozen; so when the connections fall to half of what they were at the last freeze, the
-steward thaws everything, and the next full pass collects that garbage (one slow pass,
-after which it freezes again). The policy is ``decide``, pure; the shell is ``Steward``.
+frozen; so once as many connections as half of those open at the last freeze have
+closed since (workers gone, or replaced one for one in a rolling deploy), the steward
+thaws everything, and the next full pass collects that garbage (one slow pass, after
+which it freezes again). The policy is ``decide``, pure; the shell is ``Steward``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ log = logging.getLogger("rota.server")
 SLOW = 0.02  # seconds: a full pass slower than this freezes its survivors
 
 
-def decide(full_pass: float | None, connections: int, frozen_at: int | None) -> str | None:
+def decide(full_pass: float | None, frozen_at: int | None, closed_since: int) -> str | None:
     """What to do after a collection (``full_pass``: a full pass's seconds, else None) or
-    at a periodic look (None): "freeze", "thaw" or nothing. ``frozen_at``: connections at
-    the last freeze (None: nothing is frozen)."""
-    if frozen_at is not None and connections * 2 < frozen_at:
-        return "thaw"  # most of what was frozen may be garbage now: let a pass see it
+    at a periodic look (None): "freeze", "thaw" or nothing. ``frozen_at``: connections
+    open at the last freeze (None: nothing is frozen); ``closed_since``: connections
+    closed since then."""
+    if frozen_at is not None and closed_since * 2 >= max(frozen_at, 2):
+        return "thaw"  # much of what was frozen may be garbage now: let a pass see it
     if full_pass is not None and full_pass > SLOW:
         return "freeze"
     return None
@@ -43,10 +45,13 @@ def decide(full_pass: float | None, connections: int, frozen_at: int | None) -> 
 class Steward:
     """Watches the collector's passes (``gc.callbacks``) and acts on the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, connections: Callable[[], int]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, connections: Callable[[], int],
+                 closed: Callable[[], int]) -> None:
         self.loop = loop
-        self.connections = connections
+        self.connections = connections  # open now
+        self.closed = closed  # closed in all, ever
         self.frozen_at: int | None = None
+        self.closed_at = 0  # ``closed()`` at the last freeze
         self.freezes = 0
         self._began = 0.0
         self._due = False  # an action is scheduled on the loop
@@ -60,7 +65,7 @@ class Steward:
 
     def look(self) -> None:
         """A periodic look (the timer loop's storage watch calls it): thaw if due."""
-        self._act(decide(None, self.connections(), self.frozen_at), None)
+        self._act(self._decide(None), None)
 
     def _observe(self, phase: str, info: dict[str, Any]) -> None:
         # Called by the collector, on whichever thread allocated: only note and hand over.
@@ -74,11 +79,16 @@ class Steward:
 
     def _after_pass(self, took: float) -> None:
         self._due = False
-        self._act(decide(took, self.connections(), self.frozen_at), took)
+        self._act(self._decide(took), took)
+
+    def _decide(self, took: float | None) -> str | None:
+        return decide(took, self.frozen_at, self.closed() - self.closed_at)
 
     def _act(self, action: str | None, took: float | None) -> None:
         if action == "freeze":
             gc.freeze()
+            if self.frozen_at is None:
+                self.closed_at = self.closed()
             self.frozen_at = max(self.frozen_at or 0, self.connections())
             self.freezes += 1
             log.info("gc: a full pass took %.0f ms; its %d survivors are frozen, so later"
@@ -87,6 +97,6 @@ class Steward:
         elif action == "thaw":
             count = gc.get_freeze_count()
             gc.unfreeze()
-            log.info("gc: connections fell to %d from %d at the last freeze: %d objects thawed"
-                     " for the next full pass", self.connections(), self.frozen_at, count)
+            log.info("gc: %d connections closed since %d were frozen: %d objects thawed for"
+                     " the next full pass", self.closed() - self.closed_at, self.frozen_at, count)
             self.frozen_at = None

@@ -283,10 +283,8 @@ class Session:
         if self._over:
             self._watch()
         try:
-            pause = self._spend(len(text))
-            if pause > 0.0:
-                message[PAUSE] = pause
-            else:
+            pause = message[PAUSE] = self._spend(len(text))  # (spent once, here)
+            if pause <= 0.0:
                 hb = p.decode_heartbeat(text)
                 if not hb.goodbye:
                     self._handle(hb)

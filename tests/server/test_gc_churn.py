@@ -1,4 +1,4 @@
-"""Review of issue 27's garbage-collector steward (rota/server/gcsteward.py) on a real
+"""The garbage-collector steward (rota/server/gcsteward.py) on a real
 server: what a closed /work connection leaves for the collector, once frozen.
 
 A closed connection's server-side transport (and its socket) is cyclic garbage: only a
@@ -27,13 +27,11 @@ def lean_protocols(live: Live) -> list[LeanWebSocket]:
     return [c for c in live.server.server_state.connections if isinstance(c, LeanWebSocket)]
 
 
-@pytest.mark.xfail(strict=True, reason="review of issue 27: a /work connection that closes"
-                   " leaves cyclic garbage; once frozen, it is never collected while the"
-                   " number of connections stays the same (churn), so the steward leaks")
 async def test_connections_frozen_then_replaced_one_for_one_are_collected(
         wire: Live, fake: Opener) -> None:
     n = 20
-    steward = Steward(asyncio.get_running_loop(), lambda: len(wire.server.server_state.connections))
+    steward = Steward(asyncio.get_running_loop(), lambda: len(wire.server.server_state.connections),
+                      lambda: LeanWebSocket.closed)
     first = [await fake(f"churn-a{i}") for i in range(n)]
     for peer in first:
         await peer.register()

@@ -1,4 +1,4 @@
-"""Review of issue 27's /work edge (rota/server/edge.py LeanWebSocket, rota/server/sessions.py
+"""The /work edge (rota/server/edge.py LeanWebSocket, rota/server/sessions.py
 Session.on_text): cases the fast path handles differently from the receive loop. Fake
 peers on raw TCP against a real server in this process (tests/wirepeer.py)."""
 
@@ -13,10 +13,6 @@ from wirepeer import CLOSE, PING, Opener, close_payload, frame, said
 from wirepeer import fake, log, wire  # noqa: F401 (fixtures)
 
 
-@pytest.mark.xfail(strict=True, reason="review of issue 27: Session.on_text spends a goodbye's"
-                   " tokens, then hands it to the receive loop without its PAUSE, and the"
-                   " loop spends them again: a goodbye costs two frames, and a worker at"
-                   " the edge of its burst is throttled on its way out")
 @pytest.mark.parametrize("live", [{"rate_limit": 0.5, "rate_burst": 5}], indirect=True)
 async def test_a_goodbye_within_the_burst_is_counted_once(
         wire: Live, fake: Opener, log: list[logging.LogRecord]) -> None:
@@ -36,10 +32,6 @@ BIG = {"blob": "x" * 200_000}  # one job's assign passes the outbox's high-water
 NOT_READING = "not reading what they are sent"
 
 
-@pytest.mark.xfail(strict=True, reason="review of issue 27: LeanWebSocket.handle_ping drops"
-                   " everything websockets queued (conn.data_to_send()) while the outbox is"
-                   " over its high-water mark, not only the pong: a close frame that came in"
-                   " the same read loses its echo, and the worker sees no close frame")
 @pytest.mark.parametrize("live", [{
     "outbox_high_water": 64 << 10, "outbox_limit": 8 << 20, "heartbeat_timeout": 10.0}],
     indirect=True)
