@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Live, write_spec
-from wirepeer import CLOSE, PING, Opener, close_payload, frame, said
+from wirepeer import CLOSE, PING, Opener, Peer, close_payload, frame, said
 from wirepeer import fake, log, wire  # noqa: F401 (fixtures)
 
 
@@ -54,3 +54,28 @@ async def test_a_close_after_a_ping_from_a_backed_up_peer_is_answered(
     slow.transport.resume_reading()
     closed = await slow.closed(timeout=20, answer=False)
     assert closed.code == 1000, f"no close frame came back (code {closed.code})"
+
+
+@pytest.mark.xfail(strict=True, reason="review of issue 27: Session.on_control catches only"
+                   " FrameError: any other exception from counting a ping escapes into"
+                   " uvicorn's data_received, where asyncio logs 'Fatal error' with a"
+                   " traceback and aborts the socket, with no error frame and no close"
+                   " frame (on_text turns the same failure into internal_error, 1011)")
+async def test_a_failure_counting_a_ping_ends_the_connection_as_internal_error(
+        live: Live, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.INFO)
+    peer = await Peer.open(live.port, "pinger")
+    try:
+        await peer.register()
+
+        def broken(worker_id: str) -> object:  # a bug anywhere under the count
+            raise RuntimeError("a bug under the rate limits")
+
+        monkeypatch.setattr(live.coordinator, "buckets_for", broken)
+        await peer.send(frame(PING, b"alive?"))  # its first count after registering
+        closed = await peer.closed(timeout=5)
+        errors = [m for m in closed.before if m.get("type") == "error"]
+        assert closed.code == 1011 and errors and errors[0]["code"] == "internal_error", closed
+        assert not [r for r in caplog.records if "data_received" in r.getMessage()]
+    finally:
+        peer.abort()
