@@ -23,7 +23,7 @@ from websockets.exceptions import InvalidState
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from rota.server.api_base import DROP
-from rota.server.pacing import PACER
+from rota.server.pacing import pacer_for
 from rota.server.sessions import WIRE
 
 log = logging.getLogger("rota.server")
@@ -137,7 +137,7 @@ class GuardedHttp(HttpToolsProtocol):
         """The handshake waits for its turn (rota/server/pacing.py): a reconnect storm
         must not hold the loop. Nothing is read from the socket meanwhile."""
         self.transport.pause_reading()
-        PACER.admit(self.loop, self._upgrade)
+        pacer_for(self.loop).admit(self.loop, self._upgrade)
 
     def _upgrade(self) -> None:
         if self.transport.is_closing():

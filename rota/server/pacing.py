@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import weakref
 from collections.abc import Callable
 
 PER_TURN = 32  # handshakes started in one turn of the loop (~30 ms of work at most)
@@ -52,4 +53,13 @@ class Pacer:
             self._arm(loop)  # the next turn starts afresh (and takes what still waits)
 
 
-PACER = Pacer()  # one per process: one event loop serves every connection
+_PACERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pacer] = weakref.WeakKeyDictionary()
+
+
+def pacer_for(loop: asyncio.AbstractEventLoop) -> Pacer:
+    """The loop's pacer: one per event loop (a process may run several, as the test
+    suite's servers do), so that a handshake always starts on its own loop."""
+    pacer = _PACERS.get(loop)
+    if pacer is None:
+        pacer = _PACERS[loop] = Pacer()
+    return pacer

@@ -280,9 +280,9 @@ class Session:
         if not self._idle or self.worker_id is None:
             self._idle = False
             return message
-        if self._over:
-            self._watch()
         try:
+            if self._over:
+                self._watch()
             pause = message[PAUSE] = self._spend(len(text))  # (spent once, here)
             if pause <= 0.0:
                 hb = p.decode_heartbeat(text)
@@ -308,6 +308,9 @@ class Session:
                 self._spend(size)
             except p.FrameError as exc:
                 self.abort(exc.code, exc.message, exc.close_code)
+            except Exception as exc:  # a bug: as in run(), never into the protocol's callback
+                failure = self._internal(exc)
+                self.abort(failure.code, failure.message, failure.close_code)
 
     def _spend(self, size: int) -> float:
         """Hold a sender to the rate limits by not reading it for a while: the seconds to

@@ -56,11 +56,6 @@ async def test_a_close_after_a_ping_from_a_backed_up_peer_is_answered(
     assert closed.code == 1000, f"no close frame came back (code {closed.code})"
 
 
-@pytest.mark.xfail(strict=True, reason="review of issue 27: Session.on_control catches only"
-                   " FrameError: any other exception from counting a ping escapes into"
-                   " uvicorn's data_received, where asyncio logs 'Fatal error' with a"
-                   " traceback and aborts the socket, with no error frame and no close"
-                   " frame (on_text turns the same failure into internal_error, 1011)")
 async def test_a_failure_counting_a_ping_ends_the_connection_as_internal_error(
         live: Live, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.INFO)

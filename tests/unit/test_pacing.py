@@ -34,3 +34,13 @@ async def test_a_quiet_loop_starts_every_handshake_at_once():
         pacer.admit(loop, lambda n=n: started.append(n))
         await asyncio.sleep(0)
     assert started == [0, 1, 2] and pacer.deferred == 0
+
+
+def test_each_event_loop_has_its_own_pacer():
+    from rota.server.pacing import pacer_for
+    one, two = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        assert pacer_for(one) is pacer_for(one) and pacer_for(one) is not pacer_for(two)
+    finally:
+        one.close()
+        two.close()
