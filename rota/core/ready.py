@@ -374,16 +374,19 @@ class Ready:
                     counts[(queue, spec)] = counts.get((queue, spec), 0) + n
         return counts
 
-    def empty(self) -> bool:
-        """No job waits in any bucket (dead entries count: ``head`` drops them)."""
-        return not any(bucket.full or bucket.keys for bucket in self.all_buckets())
+    def empty(self, paused: Collection[str] = ()) -> bool:
+        """No job waits in any bucket outside the ``paused`` queues (dead entries count:
+        ``head`` drops them)."""
+        return not any(bucket.full or bucket.keys for bucket in self.all_buckets(paused))
 
-    def all_buckets(self) -> Iterable[Bucket]:
-        for by_spec in self.buckets.values():
-            yield from by_spec.values()
-        for lanes_of in self.lanes.values():
-            for lanes in lanes_of.values():
-                yield from lanes.subs.values()
+    def all_buckets(self, skip: Collection[str] = ()) -> Iterable[Bucket]:
+        for queue, by_spec in self.buckets.items():
+            if queue not in skip:
+                yield from by_spec.values()
+        for queue, lanes_of in self.lanes.items():
+            if queue not in skip:
+                for lanes in lanes_of.values():
+                    yield from lanes.subs.values()
 
     def held_seqs(self) -> set[int]:
         """The row ids of the compact jobs held: waiting, or popped for a claim being read."""

@@ -378,7 +378,7 @@ class Scheduler(Flow):
     # -- planning --------------------------------------------------------------------
     def plan(self, now: float) -> dict[str, list[JobRecord | Claim]]:
         """Reserve in memory as many ready jobs as running workers can take now."""
-        if self.ready.empty():  # an idle fleet's beats wake rounds: 10,000 workers took 41 ms
+        if self.ready.empty(self.paused):  # an idle fleet's beats wake rounds: 10,000 took 41 ms
             return {}
         start = next(self._rotation)
         # Filtered before anything else: an enqueue runs a round too, and a fleet of

@@ -24,6 +24,9 @@ def test_a_round_with_nothing_waiting_reads_no_worker(engine: Engine, clock: Fak
     with monkeypatch.context() as patch:
         patch.setattr(WorkerSlot, "free", looked_at)
         assert engine.dispatch(clock()) == []
-    enqueue(engine, clock)  # one job: the round finds a worker for it as ever
+        engine.pause_queue("default", True, clock())
+        enqueue(engine, clock)  # a job in a paused queue waits, and no worker is looked at
+        assert engine.dispatch(clock()) == []
+    engine.pause_queue("default", False, clock())  # resumed: a round finds it a worker
     [reserve] = of(Reserve, engine.dispatch(clock()))
     assert len(reserve.jobs) + len(reserve.claims) == 1
