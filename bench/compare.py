@@ -369,7 +369,9 @@ def storm(quick: bool) -> dict[str, Any]:
     reconnecting at once with the SDK's backoff. Until all are registered again, and
     what went wrong on either side. No reference: a redis client has no such storm."""
     rota = fleet.storm(1000 if quick else 10000)
-    print(f"  rota, storm of {rota['workers']}: all back {rota['kill_to_all_registered_s']} s"
+    print(f"  rota, storm of {rota['workers']} ({rota['registered_before_kill']} registered"
+          f" before the kill, {rota['registered_after']} after):"
+          f" all back {rota['kill_to_all_registered_s']} s"
           f" after the kill ({rota['healthz_to_all_registered_s']} s after /healthz),"
           f" client failures {rota['client_failures_in_storm']},"
           f" server log {rota['server_log_after_restart']['warning_or_error_lines']} WARNING/"
