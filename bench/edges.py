@@ -16,9 +16,10 @@ window, divided by the beats the fleet really sent in it, is its cost per beat:
   ASGI app, a receive/send loop per connection: today's stack shape, without Rota.
 - ``sansio``: websockets' sans-I/O ``ServerProtocol`` driven from an ``asyncio.Protocol``
   in ``data_received``: no task per connection or frame.
-- ``picows``: picows (Cython) with its ``WSListener`` callbacks.
+- ``picows``: picows (Cython) with its ``WSListener`` callbacks; ``picows-small`` the same
+  with a first read buffer of 1 KiB per connection instead of 16 KiB (memory).
 
-The servers run in the order uvicorn, sansio, picows, and the whole order again per
+The servers run in that order, and the whole order again per
 ``--rounds``, so that a drift in the machine's load shows as a difference between rounds.
 Figures go to bench/results/edges.json.
 """
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fleet  # noqa: E402  (bench/ is not a package)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "edges.json"
-IMPLS = ("uvicorn", "sansio", "picows")
+IMPLS = ("uvicorn", "sansio", "picows", "picows-small")
 WELCOME = b'{"type":"welcome"}'
 ACK = b'{"type":"ack"}'
 BACKLOG = 4096
@@ -114,7 +115,7 @@ def serve_sansio(port: int) -> None:
     uvloop.run(main())
 
 
-def serve_picows(port: int) -> None:
+def serve_picows(port: int, read_buffer: int = 16384) -> None:
     import uvloop
     from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_create_server
 
@@ -132,13 +133,19 @@ def serve_picows(port: int) -> None:
 
     async def main() -> None:
         server = await ws_create_server(lambda request: Listener(), "127.0.0.1", port,
-                                        backlog=BACKLOG)
+                                        backlog=BACKLOG, read_buffer_init_size=read_buffer)
         await server.serve_forever()
 
     uvloop.run(main())
 
 
-SERVERS = {"uvicorn": serve_uvicorn, "sansio": serve_sansio, "picows": serve_picows}
+def serve_picows_small(port: int) -> None:
+    """picows with a 1 KiB first read buffer per connection (its default is 16 KiB)."""
+    serve_picows(port, read_buffer=1024)
+
+
+SERVERS = {"uvicorn": serve_uvicorn, "sansio": serve_sansio, "picows": serve_picows,
+           "picows-small": serve_picows_small}
 
 
 # -- the driver ----------------------------------------------------------------------------
@@ -202,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             figures = measure(impl, opts.workers, opts.seconds, opts.procs)
             figures["round"] = round_ + 1
             runs.append(figures)
-            print(f"{impl:8} round {round_ + 1}: {figures['server_cpu_us_per_beat']} µs per beat,"
-                  f" {figures['server_cpu_percent']} % of a core, {figures['server_rss_mib']} MiB,"
+            print(f"{impl:12} round {round_ + 1}: {figures['server_cpu_us_per_beat']} µs per beat,"
+                  f" {figures['server_cpu_percent']} % of a core (user"
+                  f" {figures['server_cpu_user_percent']}, system"
+                  f" {figures['server_cpu_system_percent']}), {figures['server_rss_mib']} MiB,"
                   f" {figures['beats_per_s']} beats/s sent, {figures['acks_in_per_s']} acks/s,"
                   f" client CPU {figures['client_cpu_percent']} %, failures"
                   f" {figures['client_failures']}, load {figures['load_average']}", flush=True)

@@ -512,6 +512,9 @@ def measure_idle(url: str, workers: int, seconds: float, *, lean: bool = False,
             cpu1 = server.cpu_times()
             used = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
             figures["server_cpu_percent"] = round(100 * used / elapsed, 1)
+            figures["server_cpu_user_percent"] = round(100 * (cpu1.user - cpu0.user) / elapsed, 1)
+            figures["server_cpu_system_percent"] = round(
+                100 * (cpu1.system - cpu0.system) / elapsed, 1)
             figures["server_rss_mib"] = round(server.memory_info().rss / 2**20, 1)
         figures.update(window(before, after, elapsed))
         if server is not None and figures["beats_per_s"]:
