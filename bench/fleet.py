@@ -83,7 +83,7 @@ class Stats:
 
     def __init__(self) -> None:
         self.c: Counter[str] = Counter()
-        self.close_codes: Counter[int] = Counter()
+        self.close_codes: Counter[str] = Counter()  # "code reason"
         self.registered = 0  # clients with a welcome on their present connection
         self.connected = 0  # clients with a 101 on their present connection
 
@@ -254,7 +254,8 @@ class Client(asyncio.Protocol):
         elif opcode == 0x8:
             stats["closes_in"] += 1
             code = struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else 1005
-            self.fleet.stats.close_codes[code] += 1
+            reason = payload[2:40].decode(errors="replace")
+            self.fleet.stats.close_codes[f"{code} {reason}".strip()] += 1
             self.transport.write(client_frame(payload[:2], 0x8))  # type: ignore[union-attr]
             self.transport.close()  # type: ignore[union-attr]
 
@@ -442,7 +443,7 @@ class Fleet:
 
 def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
     counters: Counter[str] = Counter()
-    codes: Counter[int] = Counter()
+    codes: Counter[str] = Counter()
     for snap in snaps:
         counters.update(snap["counters"])
         codes.update(snap["close_codes"])
