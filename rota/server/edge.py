@@ -86,6 +86,7 @@ class GuardedHttp(HttpToolsProtocol):
     connection's start, to finish its headers."""
 
     header_timeout = 10.0
+    _early: bytearray | None = None  # while a handshake waits for its turn: what came since
     _deadline: asyncio.TimerHandle | None = None
     _header_bytes = 0
     _headers_too_large = False
@@ -137,15 +138,27 @@ class GuardedHttp(HttpToolsProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         """The handshake waits for its turn (rota/server/pacing.py): a reconnect storm
-        must not hold the loop. Nothing is read from the socket meanwhile."""
-        self.transport.pause_reading()
+        must not hold the loop. The socket is still read meanwhile, so that a client that
+        gives up waiting is seen to go, and its turn costs nothing; what it sends before
+        the 101 (a compliant client sends nothing) is kept for the WebSocket protocol."""
+        self._early = bytearray()
         pacer_for(self.loop).admit(self.loop, self._upgrade)
 
+    def data_received(self, data: bytes) -> None:
+        if self._early is None:
+            super().data_received(data)
+            return
+        self._early += data
+        if len(self._early) > MAX_HEADER_BYTES:  # not a client waiting for its 101
+            self.transport.close()
+
     def _upgrade(self) -> None:
+        early, self._early = self._early, None
         if self.transport.is_closing():
             return  # the client gave up while it waited
-        self.transport.resume_reading()
         super().handle_websocket_upgrade()
+        if early:
+            self.transport.get_protocol().data_received(bytes(early))
 
     def send_400_response(self, msg: str) -> None:
         # A request the HTTP parser refuses (a control character in a header, a bad
