@@ -157,6 +157,9 @@ async def test_the_example_pull_worker_and_an_sdk_worker_share_a_queue_and_a_dep
     # runs none of them.
     await start(Puller(live, tmp_path, "puller-v2", v2))
     await all_completed(live, 1020, "the gated jobs run by the pull worker on v2")
+    # (The example prints a job's line once its ACK is answered: after the server counts it.)
+    await wait_until(lambda: len(pullers[2].completed()) >= len(gated),
+                     what="the pull worker on v2 to print its last completions")
     assert sorted(pullers[2].completed()) == sorted(gated) and not set(gated) & set(sdk_ran)
 
     # The SDK worker restarted on the new spec file runs them too.
