@@ -1,13 +1,16 @@
 """uvicorn's protocols as Rota runs them: what they do per connection and per answer.
 
-uvicorn's HTTP and WebSocket protocol classes are Rota's edge to the network. Three
-adjustments, each measured: a request gets a deadline for its headers, and a request the
-parser refuses a JSON 400 like every other error (GuardedHttp, which also answers
-/healthz above --max-connections, and lets a stream drop its connection); an
-answer's headers leave with its body in one write (Corked); and an idle /work connection
-holds little beyond its socket (LeanWebSocket), since a server may keep 10,000 of them.
-A /work connection also tells its session how much of what it sent the worker has not
-read (LeanWebSocket's wire methods), so that one which stops reading stops getting jobs.
+uvicorn's HTTP and WebSocket protocol classes are Rota's edge to the network, adjusted
+where measurements said so. GuardedHttp: a request gets a deadline for its headers, a
+request the parser refuses a JSON 400 like every other error, /healthz is answered above
+--max-connections, a stream may drop its connection, and a WebSocket handshake waits for
+its turn (rota/server/pacing.py). Corked: an answer's headers leave with its body in one
+write. LeanWebSocket, a /work connection, of which a server may hold 10,000: little kept
+beyond its socket; a registered worker's text frames read by the edge itself and handed
+to its session in this callback (``on_text``), its frames written here (``write_text``),
+with no task and no ASGI message per frame; pings counted against the rate limits; and
+how much of what it was sent the worker has not read (the wire methods), so that one
+which stops reading stops getting jobs.
 """
 
 from __future__ import annotations
