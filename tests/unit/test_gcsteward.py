@@ -35,7 +35,7 @@ async def test_the_steward_freezes_after_a_slow_pass_and_thaws_when_connections_
         for _ in range(10):
             if steward.freezes:
                 break
-            await asyncio.sleep(0)  # the action runs on the loop, at its next turn
+            await asyncio.sleep(0)  # noqa: sleep-ok  (one turn: the action runs on the loop then)
         assert steward.freezes == 1 and steward.frozen_at == 1000
         assert gc.get_freeze_count() > before
         closed[0] += 499
