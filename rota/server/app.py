@@ -21,6 +21,7 @@ from rota.server import api_base, dashboard, ojs_base, routes
 from rota.server.coordinator import Coordinator
 from rota.server.gcsteward import Steward
 from rota.server.edge import GuardedHttp, LeanWebSocket
+from rota.server.express import Express
 from rota.server.gate import Gate
 from rota.server.ojs_api import ojs_app
 from rota.server import ojs_flows  # cron and workflows under /ojs/v1
@@ -73,7 +74,9 @@ def create_app(settings: ServerSettings) -> Starlette:
         exception_handlers={**api_base.exception_handlers,  # type: ignore[arg-type]
                             HTTPException: no_route},
         # The net outermost: whatever escapes the routes or the gate still gets an answer.
-        middleware=[Middleware(SafetyNet), Middleware(Gate, coordinator=coordinator)],
+        # Express, inside the gate: the producers' hot routes skip the router (express.py).
+        middleware=[Middleware(SafetyNet), Middleware(Gate, coordinator=coordinator),
+                    Middleware(Express, handlers=api_base.exception_handlers)],
         lifespan=lifespan,
     )
     app.state.coordinator = coordinator
