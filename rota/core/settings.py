@@ -9,6 +9,7 @@ A field that is no option says why (``internal``).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,6 +251,7 @@ class ServerSettings:
         return not self.ojs_registered_types_only
 
 
+@functools.lru_cache(maxsize=256)  # asked at every request while auth is off: 4% of an enqueue
 def loopback(host: str) -> bool:
     """Whether a host name or address is this machine's loopback: the only place a server
     without tokens listens, and the only names it answers to (rota/server/gate.py)."""
