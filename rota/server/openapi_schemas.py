@@ -273,6 +273,8 @@ class WorkerView(msgspec.Struct, kw_only=True):
     connected_at: str
     last_heartbeat_age: float
     heartbeats: int  # frames read from this connection
+    lean_acks: bool = False  # it registered lean_acks (docs/protocol.md §4.2)
+    acks_skipped: int = 0  # its idle heartbeats the server left unanswered (lean acks)
     # pull: an OJS worker that FETCHes over HTTP; endpoint: a push endpoint (GET /endpoints)
     kind: Literal["work", "pull", "endpoint"] = "work"
 

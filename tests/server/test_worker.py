@@ -208,3 +208,24 @@ async def test_a_registration_refused_as_invalid_stops_the_worker(live: Live, tm
         await asyncio.wait_for(worker.run(), 20)
     assert str(refused.value) == (f"{worker.server_url} refused this worker's registration:"
                                   f" registration.labels[0] {NAME_RULE}")
+
+
+async def test_get_workers_shows_the_idle_beats_lean_acks_left_unanswered(
+        live: Live, sdk_worker, tmp_path: Path):
+    # The SDK registers lean acks; beating every 0.1 s against a 2 s timeout, most idle
+    # beats fall within the 0.5 s window and get no ack (docs/protocol.md §4.2).
+    await live.push(write_spec(tmp_path, "echo"))
+    idle = Worker(specs_dir=tmp_path, heartbeat_interval=0.1)
+    idle.handler("echo")(lambda ctx: None)
+    worker = await sdk_worker(idle)
+
+    async def shown() -> dict[str, Any]:
+        return next(w for w in (await live.http.get("/workers")).json()["workers"]
+                    if w["id"] == worker.worker_id)
+
+    async def skipped() -> bool:
+        return (await shown())["acks_skipped"] >= 5
+
+    await wait_until(skipped, what="five idle beats left unanswered")
+    view = await shown()
+    assert view["lean_acks"] is True and view["acks_skipped"] < view["heartbeats"]
