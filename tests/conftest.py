@@ -211,7 +211,9 @@ async def start_server(tmp: Path, **overrides: Any) -> Live:
     if task.done():
         sock.close()
         task.result()
-    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", verify=LOOPBACK_TLS)
+    # (idle connections dropped before the server's 5 s keep-alive closes them under a request)
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", verify=LOOPBACK_TLS,
+                             limits=httpx.Limits(keepalive_expiry=2.0))
     return Live(settings, server, http, tmp)
 
 

@@ -99,7 +99,10 @@ class ServeProcess(Api):
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.port = free_port()
-        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
+        # Idle connections dropped before the server's 5 s keep-alive ends them: a request
+        # sent on one as the server closes it fails (ReadError), as it did under load here.
+        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=10,
+                                      limits=httpx.Limits(keepalive_expiry=2.0))
         self.proc: asyncio.subprocess.Process | None = None
         self.log = tmp / "server.log"
 
