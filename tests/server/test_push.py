@@ -5,8 +5,11 @@ jobs enqueued before it to the old URL and the rest to the new one."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -164,3 +167,123 @@ async def test_a_completed_delivery_keeps_its_record_in_the_jobs_log(live, rig):
     shown = (await live.get(f"/jobs/{job_id}")).json()
     lines = [line["message"] for line in shown["logs"]]
     assert any(m.startswith("delivered: HTTP 200 in ") and '"echo"' in m for m in lines), shown
+
+
+
+# -- a deploy while v1's jobs are on their way -------------------------------------------
+# Two specs move from one rig (v1) to another (v2) while v1's jobs are being delivered:
+# "paced" answers after 60 ms, and every 6th request on its path answers 409 (retried with
+# backoff, not counted by the breaker, so it never pauses the endpoint); "called" answers
+# 202 and calls back 2.5 s later. The push comes right after a v1 POST: so at the push some
+# v1 jobs are mid-delivery, some wait out a backoff, some wait for their callback and most
+# have not gone out yet. (A default run: 240 + 60 v1 jobs, about 300 v1 POSTs and
+# callbacks after the push, 45 of them retries.)
+PATHS = {("paced", 1): "/slow?ms=60", ("called", 1): "/accept?ms=2500",
+         ("paced", 2): "/slow?ms=60", ("called", 2): "/accept?ms=200"}
+
+
+def moving_spec(name: str, rig: Rig, version: int) -> dict[str, Any]:
+    return {"name": name, "version": str(version), "visibility_timeout": 60,
+            "retry": {"max_attempts": 20, "backoff_base": 0.3, "backoff_max": 0.6},
+            "execute": {"url": rig.url(PATHS[name, version]), "secret": "main", "timeout": 5,
+                        "max_in_flight": 8}}
+
+
+async def enqueue_many(http: httpx.AsyncClient, name: str, n: int, tag: str) -> list[str]:
+    reply = await http.post("/jobs/batch", json={"jobs": [
+        {"spec": name, "args": {"v": tag, "i": i}} for i in range(n)]})
+    assert reply.status_code == 200, reply.text
+    results = reply.json()["results"]
+    assert all(r["status"] == 201 for r in results), results
+    return [r["job"]["id"] for r in results]
+
+
+async def deploy_under_load(http: httpx.AsyncClient, tmp_path: Path, paced: int, called: int
+                            ) -> None:
+    rules = [arg for k in range(3, 3 * paced, 6) for arg in ("--nth", f"/slow:{k}:409")]
+    with running_rig(tmp_path / "v1.log", *rules) as one, \
+            running_rig(tmp_path / "v2.log", *rules) as two:
+        await push(http, moving_spec("paced", one, 1), moving_spec("called", one, 1))
+        old = {"paced": await enqueue_many(http, "paced", paced, "v1"),
+               "called": await enqueue_many(http, "called", called, "v1")}
+
+        def under_way() -> bool:  # 40 sent, the last one (answered after 60 ms) just now
+            slow = [line for line in one.lines() if line["path"] == "/slow"]
+            return len(slow) >= 40 and slow[-1]["t"] > time.time() - 0.03 and \
+                any(line["path"] == "/accept" for line in one.lines())
+        await wait_until(under_way, timeout=30, what="v1 under way", step=0.005)
+        pushed_at = time.time()
+        await push(http, moving_spec("paced", two, 2), moving_spec("called", two, 2))
+        new = {"paced": await enqueue_many(http, "paced", paced // 2, "v2"),
+               "called": await enqueue_many(http, "called", called // 2, "v2")}
+
+        async def all_final() -> bool:
+            reply = await http.get("/jobs", params={
+                "state": "available,active,retryable,scheduled", "limit": 1})
+            return reply.json()["jobs"] == []
+        await wait_until(all_final, timeout=120, what="every job final", step=0.2)
+        await wait_until(lambda: len([x for x in one.lines() + two.lines()
+                                      if x["path"] == "callback"]) >= called * 3 // 2,
+                         timeout=10, what="every callback logged")  # (after its answer)
+        endpoints = (await http.get("/endpoints")).json()["endpoints"]
+        urls = {e["id"]: e["url"] for e in endpoints}
+        assert sorted(urls.values()) == sorted(rig.url(PATHS[key]) for key in PATHS
+                                               for rig in [(one, two)[key[1] - 1]])
+        check_deploy(tmp_path / "rota.db", old, new, one.lines(), two.lines(), pushed_at,
+                     urls, (one, two))
+
+
+def check_deploy(db: Path, old: dict[str, list[str]], new: dict[str, list[str]],
+                 v1: list[dict[str, Any]], v2: list[dict[str, Any]], pushed_at: float,
+                 urls: dict[str, str], rigs: tuple[Rig, Rig]) -> None:
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        conn.row_factory = sqlite3.Row
+        rows = {r["id"]: dict(r) for r in conn.execute(
+            "SELECT id, state, attempt, worker_id, errors FROM jobs")}
+        logs = collections.Counter(r[0] for r in conn.execute(
+            "SELECT job_id FROM job_logs WHERE message LIKE 'delivered: HTTP 2%'"))
+    version_of = {j: (name, 1) for name, ids in old.items() for j in ids} | \
+        {j: (name, 2) for name, ids in new.items() for j in ids}
+    # None lost: every job is in the store, completed, by one delivery answered 2xx, on
+    # the endpoint of its own version (the store's worker_id: the endpoint's id).
+    assert {j: rows[j]["state"] for j in version_of} == dict.fromkeys(version_of, "completed")
+    assert logs == collections.Counter(list(version_of)), "a job completed by two deliveries"
+    for job_id, key in version_of.items():
+        assert urls[rows[job_id]["worker_id"]] == rigs[key[1] - 1].url(PATHS[key]), job_id
+    for version, log in ((1, v1), (2, v2)):
+        posts = [line for line in log if line["path"] != "callback"]
+        assert {version_of[line["job_id"]][1] for line in posts} == {version}  # its URL only
+        assert {(version_of[line["job_id"]][0], line["path"]) for line in posts} == \
+            {("paced", "/slow"), ("called", "/accept")}
+        by_job = collections.defaultdict(list)
+        for line in posts:
+            by_job[line["job_id"]].append(int(line["attempt"]))
+        assert set(by_job) == {j for j, key in version_of.items() if key[1] == version}
+        for job_id, attempts in by_job.items():  # one POST per attempt; all but the last
+            row = rows[job_id]  # were the rig's 409s, and the last completed it
+            assert sorted(attempts) == list(range(1, row["attempt"] + 1)), (job_id, attempts)
+            assert [e["type"] for e in json.loads(row["errors"])] == \
+                ["http_409"] * (row["attempt"] - 1)
+        callbacks = [line for line in log if line["path"] == "callback"]
+        assert len(callbacks) == len((old, new)[version - 1]["called"])
+        assert {line["status"] for line in callbacks} == {200}  # none refused as stale
+    all_ids = [line["delivery_id"] for line in v1 + v2 if line["path"] != "callback"]
+    assert len(all_ids) == len(set(all_ids))
+    # The push came while v1 was under way: its endpoint kept getting its own jobs after
+    # it, first deliveries and retries both, and their callbacks came back after it.
+    late = [line for line in v1 if line["t"] > pushed_at]
+    assert any(pushed_at - 0.06 < line["t"] <= pushed_at for line in v1
+               if line["path"] == "/slow")  # (one still unanswered when the push began)
+    assert any(line["path"] == "/slow" and line["attempt"] == "1" for line in late)
+    assert any(line["path"] == "/slow" and line["attempt"] != "1" for line in late)
+    assert any(line["path"] == "callback" for line in late)
+
+
+async def test_a_deploy_while_v1_jobs_are_delivered_keeps_each_on_its_own_url(live, tmp_path):
+    await deploy_under_load(live, tmp_path, paced=240, called=60)
+
+
+@pytest.mark.soak
+async def test_a_deploy_while_1000_v1_jobs_are_delivered_keeps_each_on_its_own_url(
+        live, tmp_path):
+    await deploy_under_load(live, tmp_path, paced=800, called=200)
