@@ -180,6 +180,7 @@ async def test_a_completed_delivery_keeps_its_record_in_the_jobs_log(live, rig):
 # callbacks after the push, 45 of them retries.)
 PATHS = {("paced", 1): "/slow?ms=60", ("called", 1): "/accept?ms=2500",
          ("paced", 2): "/slow?ms=60", ("called", 2): "/accept?ms=200"}
+NTH = [arg for k in range(3, 3000, 6) for arg in ("--nth", f"/slow:{k}:409")]  # every 6th
 
 
 def moving_spec(name: str, rig: Rig, version: int) -> dict[str, Any]:
@@ -198,50 +199,66 @@ async def enqueue_many(http: httpx.AsyncClient, name: str, n: int, tag: str) -> 
     return [r["job"]["id"] for r in results]
 
 
+async def v1_under_way(rig: Rig) -> float:
+    """Until 40 v1 POSTs of "paced" went out, the last one (answered after 60 ms) just
+    now, and one of "called": the moment to push v2, which is returned."""
+    def under_way() -> bool:
+        lines = rig.lines()
+        slow = [line for line in lines if line["path"] == "/slow"]
+        return len(slow) >= 40 and slow[-1]["t"] > time.time() - 0.03 and \
+            any(line["path"] == "/accept" for line in lines)
+    await wait_until(under_way, timeout=30, what="v1 under way", step=0.005)
+    return time.time()
+
+
+async def all_settled(http: httpx.AsyncClient, rigs: tuple[Rig, Rig], callbacks: int,
+                      timeout: float = 120) -> dict[str, str]:
+    """Until no job waits or runs and the rigs logged every callback (after its answer);
+    then every endpoint's URL by its id."""
+    async def all_final() -> bool:
+        reply = await http.get("/jobs", params={
+            "state": "available,active,retryable,scheduled", "limit": 1})
+        return reply.json()["jobs"] == []
+    await wait_until(all_final, timeout=timeout, what="every job final", step=0.2)
+    await wait_until(lambda: sum(x["path"] == "callback" for rig in rigs for x in rig.lines())
+                     >= callbacks, timeout=10, what="every callback logged")
+    endpoints = (await http.get("/endpoints")).json()["endpoints"]
+    return {e["id"]: e["url"] for e in endpoints}
+
+
 async def deploy_under_load(http: httpx.AsyncClient, tmp_path: Path, paced: int, called: int
                             ) -> None:
-    rules = [arg for k in range(3, 3 * paced, 6) for arg in ("--nth", f"/slow:{k}:409")]
-    with running_rig(tmp_path / "v1.log", *rules) as one, \
-            running_rig(tmp_path / "v2.log", *rules) as two:
+    with running_rig(tmp_path / "v1.log", *NTH) as one, \
+            running_rig(tmp_path / "v2.log", *NTH) as two:
         await push(http, moving_spec("paced", one, 1), moving_spec("called", one, 1))
         old = {"paced": await enqueue_many(http, "paced", paced, "v1"),
                "called": await enqueue_many(http, "called", called, "v1")}
-
-        def under_way() -> bool:  # 40 sent, the last one (answered after 60 ms) just now
-            slow = [line for line in one.lines() if line["path"] == "/slow"]
-            return len(slow) >= 40 and slow[-1]["t"] > time.time() - 0.03 and \
-                any(line["path"] == "/accept" for line in one.lines())
-        await wait_until(under_way, timeout=30, what="v1 under way", step=0.005)
-        pushed_at = time.time()
+        pushed_at = await v1_under_way(one)
         await push(http, moving_spec("paced", two, 2), moving_spec("called", two, 2))
         new = {"paced": await enqueue_many(http, "paced", paced // 2, "v2"),
                "called": await enqueue_many(http, "called", called // 2, "v2")}
-
-        async def all_final() -> bool:
-            reply = await http.get("/jobs", params={
-                "state": "available,active,retryable,scheduled", "limit": 1})
-            return reply.json()["jobs"] == []
-        await wait_until(all_final, timeout=120, what="every job final", step=0.2)
-        await wait_until(lambda: len([x for x in one.lines() + two.lines()
-                                      if x["path"] == "callback"]) >= called * 3 // 2,
-                         timeout=10, what="every callback logged")  # (after its answer)
-        endpoints = (await http.get("/endpoints")).json()["endpoints"]
-        urls = {e["id"]: e["url"] for e in endpoints}
-        assert sorted(urls.values()) == sorted(rig.url(PATHS[key]) for key in PATHS
-                                               for rig in [(one, two)[key[1] - 1]])
-        check_deploy(tmp_path / "rota.db", old, new, one.lines(), two.lines(), pushed_at,
-                     urls, (one, two))
+        urls = await all_settled(http, (one, two), called * 3 // 2)
+        check_deploy(*stored(tmp_path / "rota.db"), old, new, one.lines(), two.lines(),
+                     pushed_at, urls, (one, two))
 
 
-def check_deploy(db: Path, old: dict[str, list[str]], new: dict[str, list[str]],
-                 v1: list[dict[str, Any]], v2: list[dict[str, Any]], pushed_at: float,
-                 urls: dict[str, str], rigs: tuple[Rig, Rig]) -> None:
+def stored(db: Path) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
+    """The jobs as the SQLite file holds them, and per job its 2xx delivery log lines."""
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
         conn.row_factory = sqlite3.Row
-        rows = {r["id"]: dict(r) for r in conn.execute(
+        rows = {r["id"]: {**dict(r), "errors": json.loads(r["errors"])} for r in conn.execute(
             "SELECT id, state, attempt, worker_id, errors FROM jobs")}
         logs = collections.Counter(r[0] for r in conn.execute(
             "SELECT job_id FROM job_logs WHERE message LIKE 'delivered: HTTP 2%'"))
+    return rows, logs
+
+
+def check_deploy(rows: dict[str, dict[str, Any]], logs: collections.Counter[str],
+                 old: dict[str, list[str]], new: dict[str, list[str]],
+                 v1: list[dict[str, Any]], v2: list[dict[str, Any]], pushed_at: float,
+                 urls: dict[str, str], rigs: tuple[Rig, Rig]) -> None:
+    """Each job completed once, every POST of it (retries too) on its own version's URL."""
+    assert sorted(urls.values()) == sorted(rigs[key[1] - 1].url(PATHS[key]) for key in PATHS)
     version_of = {j: (name, 1) for name, ids in old.items() for j in ids} | \
         {j: (name, 2) for name, ids in new.items() for j in ids}
     # None lost: every job is in the store, completed, by one delivery answered 2xx, on
@@ -262,7 +279,7 @@ def check_deploy(db: Path, old: dict[str, list[str]], new: dict[str, list[str]],
         for job_id, attempts in by_job.items():  # one POST per attempt; all but the last
             row = rows[job_id]  # were the rig's 409s, and the last completed it
             assert sorted(attempts) == list(range(1, row["attempt"] + 1)), (job_id, attempts)
-            assert [e["type"] for e in json.loads(row["errors"])] == \
+            assert [e["type"] for e in row["errors"]] == \
                 ["http_409"] * (row["attempt"] - 1)
         callbacks = [line for line in log if line["path"] == "callback"]
         assert len(callbacks) == len((old, new)[version - 1]["called"])
