@@ -73,6 +73,18 @@ async def test_a_deploy_through_one_server_while_both_deliver_keeps_each_job_on_
     enqueued through both and delivered by both; v2 is pushed through b while they are
     mid-delivery, in backoff and awaiting callbacks, and v2's jobs are enqueued through
     both at once after it."""
+    await deploy_on_two(tmp_path, pg_url, monkeypatch, paced=80, called=20)
+
+
+@pytest.mark.soak
+async def test_a_deploy_through_one_server_while_both_deliver_1000_v1_jobs(
+        tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    await deploy_on_two(tmp_path, pg_url, monkeypatch, paced=400, called=100)
+
+
+async def deploy_on_two(tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch, *,
+                        paced: int, called: int) -> None:
+    """``paced`` and ``called`` v1 jobs through each server, half as many v2 jobs."""
     monkeypatch.setenv("ROTA_SECRET_MAIN", SECRET)
     with running_rig(tmp_path / "v1.log", *NTH) as one, \
             running_rig(tmp_path / "v2.log", *NTH) as two:
@@ -80,14 +92,15 @@ async def test_a_deploy_through_one_server_while_both_deliver_keeps_each_job_on_
             await push(a.http, moving_spec("paced", one, 1), moving_spec("called", one, 1))
             old = {name: [j for live in (a, b) for j in await enqueue_many(live.http, name, n,
                                                                          f"v1-{live.port}")]
-                   for name, n in (("paced", 80), ("called", 20))}
+                   for name, n in (("paced", paced), ("called", called))}
             pushed_at = await v1_under_way(one)
             await push(b.http, moving_spec("paced", two, 2), moving_spec("called", two, 2))
             new = {name: [j for live in (a, b) for j in await enqueue_many(live.http, name, n,
                                                                          f"v2-{live.port}")]
-                   for name, n in (("paced", 40), ("called", 10))}
-            urls = await all_settled(a.http, (one, two), 60)
-            urls |= await all_settled(b.http, (one, two), 60)
+                   for name, n in (("paced", paced // 2), ("called", called // 2))}
+            callbacks = 2 * called + called // 2 * 2
+            urls = await all_settled(a.http, (one, two), callbacks)
+            urls |= await all_settled(b.http, (one, two), callbacks)
             ids = [j for group in (*old.values(), *new.values()) for j in group]
             check_deploy(*await shown(a.http, ids), old, new, one.lines(), two.lines(),
                          pushed_at, urls, (one, two))
