@@ -169,7 +169,6 @@ async def test_a_completed_delivery_keeps_its_record_in_the_jobs_log(live, rig):
     assert any(m.startswith("delivered: HTTP 200 in ") and '"echo"' in m for m in lines), shown
 
 
-
 # -- a deploy while v1's jobs are on their way -------------------------------------------
 # Two specs move from one rig (v1) to another (v2) while v1's jobs are being delivered:
 # "paced" answers after 60 ms, and every 6th request on its path answers 409 (retried with
@@ -200,15 +199,14 @@ async def enqueue_many(http: httpx.AsyncClient, name: str, n: int, tag: str) -> 
 
 
 async def v1_under_way(rig: Rig) -> float:
-    """Until 40 v1 POSTs of "paced" went out, the last one (answered after 60 ms) just
-    now, and one of "called": the moment to push v2, which is returned."""
-    def under_way() -> bool:
-        lines = rig.lines()
+    """Until 40 v1 POSTs of "paced" went out, the last one (answered after 60 ms) less
+    than 30 ms ago, and one of "called": the moment to push v2, which is returned."""
+    def under_way() -> float | None:
+        now, lines = time.time(), rig.lines()
         slow = [line for line in lines if line["path"] == "/slow"]
-        return len(slow) >= 40 and slow[-1]["t"] > time.time() - 0.03 and \
-            any(line["path"] == "/accept" for line in lines)
-    await wait_until(under_way, timeout=30, what="v1 under way", step=0.005)
-    return time.time()
+        fresh = len(slow) >= 40 and slow[-1]["t"] > now - 0.03
+        return now if fresh and any(line["path"] == "/accept" for line in lines) else None
+    return float(await wait_until(under_way, timeout=30, what="v1 under way", step=0.005))
 
 
 async def all_settled(http: httpx.AsyncClient, rigs: tuple[Rig, Rig], callbacks: int,
@@ -233,13 +231,14 @@ async def deploy_under_load(http: httpx.AsyncClient, tmp_path: Path, paced: int,
         await push(http, moving_spec("paced", one, 1), moving_spec("called", one, 1))
         old = {"paced": await enqueue_many(http, "paced", paced, "v1"),
                "called": await enqueue_many(http, "called", called, "v1")}
-        pushed_at = await v1_under_way(one)
+        began = await v1_under_way(one)
         await push(http, moving_spec("paced", two, 2), moving_spec("called", two, 2))
+        pushed = (began, time.time())
         new = {"paced": await enqueue_many(http, "paced", paced // 2, "v2"),
                "called": await enqueue_many(http, "called", called // 2, "v2")}
         urls = await all_settled(http, (one, two), called * 3 // 2)
         check_deploy(*stored(tmp_path / "rota.db"), old, new, one.lines(), two.lines(),
-                     pushed_at, urls, (one, two))
+                     pushed, urls, (one, two))
 
 
 def stored(db: Path) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
@@ -255,9 +254,11 @@ def stored(db: Path) -> tuple[dict[str, dict[str, Any]], collections.Counter[str
 
 def check_deploy(rows: dict[str, dict[str, Any]], logs: collections.Counter[str],
                  old: dict[str, list[str]], new: dict[str, list[str]],
-                 v1: list[dict[str, Any]], v2: list[dict[str, Any]], pushed_at: float,
-                 urls: dict[str, str], rigs: tuple[Rig, Rig]) -> None:
-    """Each job completed once, every POST of it (retries too) on its own version's URL."""
+                 v1: list[dict[str, Any]], v2: list[dict[str, Any]],
+                 pushed: tuple[float, float], urls: dict[str, str], rigs: tuple[Rig, Rig]
+                 ) -> None:
+    """Each job completed once, every POST of it (retries too) on its own version's URL.
+    ``pushed``: when the push of v2 began and when it was answered."""
     assert sorted(urls.values()) == sorted(rigs[key[1] - 1].url(PATHS[key]) for key in PATHS)
     version_of = {j: (name, 1) for name, ids in old.items() for j in ids} | \
         {j: (name, 2) for name, ids in new.items() for j in ids}
@@ -281,16 +282,18 @@ def check_deploy(rows: dict[str, dict[str, Any]], logs: collections.Counter[str]
             assert sorted(attempts) == list(range(1, row["attempt"] + 1)), (job_id, attempts)
             assert [e["type"] for e in row["errors"]] == \
                 ["http_409"] * (row["attempt"] - 1)
-        callbacks = [line for line in log if line["path"] == "callback"]
-        assert len(callbacks) == len((old, new)[version - 1]["called"])
-        assert {line["status"] for line in callbacks} == {200}  # none refused as stale
+        callbacks = [line for line in log if line["path"] == "callback"]  # one per job,
+        called = [line["url"].split("/jobs/")[1].split("/")[0] for line in callbacks]
+        assert sorted(called) == sorted((old, new)[version - 1]["called"])
+        assert {line["status"] for line in callbacks} == {200}  # and none refused as stale
     all_ids = [line["delivery_id"] for line in v1 + v2 if line["path"] != "callback"]
     assert len(all_ids) == len(set(all_ids))
     # The push came while v1 was under way: its endpoint kept getting its own jobs after
     # it, first deliveries and retries both, and their callbacks came back after it.
-    late = [line for line in v1 if line["t"] > pushed_at]
-    assert any(pushed_at - 0.06 < line["t"] <= pushed_at for line in v1
+    began, done = pushed
+    assert any(began - 0.03 < line["t"] <= began for line in v1
                if line["path"] == "/slow")  # (one still unanswered when the push began)
+    late = [line for line in v1 if line["t"] > done]
     assert any(line["path"] == "/slow" and line["attempt"] == "1" for line in late)
     assert any(line["path"] == "/slow" and line["attempt"] != "1" for line in late)
     assert any(line["path"] == "callback" for line in late)

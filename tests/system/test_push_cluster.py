@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +94,9 @@ async def deploy_on_two(tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyP
             old = {name: [j for live in (a, b) for j in await enqueue_many(live.http, name, n,
                                                                          f"v1-{live.port}")]
                    for name, n in (("paced", paced), ("called", called))}
-            pushed_at = await v1_under_way(one)
+            began = await v1_under_way(one)
             await push(b.http, moving_spec("paced", two, 2), moving_spec("called", two, 2))
+            pushed = (began, time.time())
             new = {name: [j for live in (a, b) for j in await enqueue_many(live.http, name, n,
                                                                          f"v2-{live.port}")]
                    for name, n in (("paced", paced // 2), ("called", called // 2))}
@@ -103,7 +105,7 @@ async def deploy_on_two(tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyP
             urls |= await all_settled(b.http, (one, two), callbacks)
             ids = [j for group in (*old.values(), *new.values()) for j in group]
             check_deploy(*await shown(a.http, ids), old, new, one.lines(), two.lines(),
-                         pushed_at, urls, (one, two))
+                         pushed, urls, (one, two))
 
 
 async def ojs_batch(http: httpx.AsyncClient, name: str, n: int) -> list[str]:
