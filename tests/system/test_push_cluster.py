@@ -135,7 +135,7 @@ async def test_jobs_enqueued_just_after_another_servers_push_go_to_the_new_url(
                                    *await ojs_batch(live.http, "hook", 2)]:
                         rig_of[job_id] = rig
             await all_settled(lives[0].http, (odd, even), 0)
-            for rig in (odd, even):  # (before the fix: 30 to 40 of 160 went to the old one)
+            for rig in (odd, even):  # (before the fix: 38 to 40 of 160 went to the old one)
                 went = {line["job_id"] for line in rig.lines()}
                 mine = {j for j, r in rig_of.items() if r is rig}
                 assert went == mine, f"{len(went - mine)} sent to the old URL, {len(mine - went)}" \
