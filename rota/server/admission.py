@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from rota.base import protocol as p
@@ -43,6 +43,9 @@ class Admission:
         self._read_at = float("-inf")  # when the last read of the status quo for an enqueue began
         self._read_done = float("-inf")  # and when it was applied
         self._reading: asyncio.Future[None] | None = None  # that read, while it runs
+        # Several servers: until every notice committed before the call is handled here
+        # (rota/server/cluster.py sets it), so a push through another server is known.
+        self.barrier: Callable[[], Awaitable[None]] | None = None
 
     async def take_over(self, hb: p.Heartbeat, principal: Principal = OPEN) -> None:
         """Before a registration is handled: on a database several servers share, the
@@ -93,9 +96,14 @@ class Admission:
         # row (see Intake.enqueued). A producer's id waits for the commit to say whether
         # the job is new.
         # A unique job waits for the commit too: its key may be held (rota/store/uniques.py).
+        # A push-executed job on a database several servers share waits too: its version
+        # follows from its row (rota/core/pins.py), and a push through another server
+        # just before it may not be known here yet (``_pins_known``).
+        pinned = {job.id for job in jobs if self.barrier is not None
+                  and job.spec in self.engine.scheduler.pins.windows}
         early = [job for request, job in zip(requests, built, strict=True)
                  if request.id is None and not isinstance(job, DomainError)
-                 and job.unique is None]
+                 and job.unique is None and job.id not in pinned]
         # A producer's id new under its kept form may name a job this token enqueued
         # before ids were kept so (rota/core/auth.py): the store answers with that one.
         unscoped = [principal.unscoped_id(request.id) if request.id is not None else None
@@ -112,6 +120,8 @@ class Admission:
             self.apply(self.engine.not_stored(early, exc))
             raise
         self.crash_point("enqueue-after-commit")
+        if pinned:
+            await self._pins_known()
         outcomes: list[tuple[dict[str, Any], bool] | DomainError] = []
         admitted = {id(job) for job in early}
         taken_in: list[tuple[JobRecord, int | None]] = []  # new rows with producers' ids
@@ -165,6 +175,9 @@ class Admission:
                              else Conflict("id_conflict", f"job {row['id']} exists already")
                              if not new and met is None else job
                              for job, (row, new) in zip(jobs, refused.outcomes, strict=True)])
+        if self.barrier is not None and any(job.spec in self.engine.scheduler.pins.windows
+                                            for job in jobs):
+            await self._pins_known()
         now = self.clock()
         self.apply(self.engine.enqueued_all([(job, row["rowid"]) for job, (row, new)
                                              in zip(jobs, stored, strict=True) if new], now))
@@ -172,6 +185,14 @@ class Admission:
             if new and row.get("unique_replaced"):
                 self.apply(self.engine.replaced(row["unique_replaced"], row["id"], now))
         return list(stored)
+
+    async def _pins_known(self) -> None:
+        """After push-executed jobs' rows committed, before they are taken in: every
+        push committed before them is known here (the barrier waits for the other
+        servers' notices, and for the reads of the status quo and pins they started), so
+        each job goes to the endpoint of the version it was enqueued under."""
+        assert self.barrier is not None
+        await self.barrier()
 
     async def _slipped_queues(self, requests: list[EnqueueRequest],
                               built: list[JobRecord | DomainError]

@@ -60,6 +60,7 @@ class Cluster:
         self._syncs: dict[str, asyncio.Future[None]] = {}
         self._sync_count = 0
         coordinator.mailbox.barrier = self.barrier  # (a FETCH's: rota/server/pulling.py)
+        coordinator.admission.barrier = self.barrier  # (a push-executed job's enqueue)
 
     @classmethod
     def of(cls, coordinator: Coordinator, database_url: str, *, url: str = "") -> Cluster:

@@ -5,8 +5,11 @@ jobs enqueued before it to the old URL and the rest to the new one."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -164,3 +167,143 @@ async def test_a_completed_delivery_keeps_its_record_in_the_jobs_log(live, rig):
     shown = (await live.get(f"/jobs/{job_id}")).json()
     lines = [line["message"] for line in shown["logs"]]
     assert any(m.startswith("delivered: HTTP 200 in ") and '"echo"' in m for m in lines), shown
+
+
+# -- a deploy while v1's jobs are on their way -------------------------------------------
+# Two specs move from one rig (v1) to another (v2) while v1's jobs are being delivered:
+# "paced" answers after 60 ms, and every 6th request on its path answers 409 (retried with
+# backoff, not counted by the breaker, so it never pauses the endpoint); "called" answers
+# 202 and calls back 2.5 s later. The push comes right after a v1 POST: so at the push some
+# v1 jobs are mid-delivery, some wait out a backoff, some wait for their callback and most
+# have not gone out yet. (A default run: 240 + 60 v1 jobs, about 300 v1 POSTs and
+# callbacks after the push, 45 of them retries.)
+PATHS = {("paced", 1): "/slow?ms=60", ("called", 1): "/accept?ms=2500",
+         ("paced", 2): "/slow?ms=60", ("called", 2): "/accept?ms=200"}
+NTH = [arg for k in range(3, 3000, 6) for arg in ("--nth", f"/slow:{k}:409")]  # every 6th
+
+
+def moving_spec(name: str, rig: Rig, version: int) -> dict[str, Any]:
+    return {"name": name, "version": str(version), "visibility_timeout": 60,
+            "retry": {"max_attempts": 20, "backoff_base": 0.3, "backoff_max": 0.6},
+            "execute": {"url": rig.url(PATHS[name, version]), "secret": "main", "timeout": 5,
+                        "max_in_flight": 8}}
+
+
+async def enqueue_many(http: httpx.AsyncClient, name: str, n: int, tag: str) -> list[str]:
+    reply = await http.post("/jobs/batch", json={"jobs": [
+        {"spec": name, "args": {"v": tag, "i": i}} for i in range(n)]})
+    assert reply.status_code == 200, reply.text
+    results = reply.json()["results"]
+    assert all(r["status"] == 201 for r in results), results
+    return [r["job"]["id"] for r in results]
+
+
+async def v1_under_way(rig: Rig) -> float:
+    """Until 40 v1 POSTs of "paced" went out, the last one (answered after 60 ms) less
+    than 30 ms ago, and one of "called": the moment to push v2, which is returned."""
+    def under_way() -> float | None:
+        now, lines = time.time(), rig.lines()
+        slow = [line for line in lines if line["path"] == "/slow"]
+        fresh = len(slow) >= 40 and slow[-1]["t"] > now - 0.03
+        return now if fresh and any(line["path"] == "/accept" for line in lines) else None
+    return float(await wait_until(under_way, timeout=30, what="v1 under way", step=0.005))
+
+
+async def all_settled(http: httpx.AsyncClient, rigs: tuple[Rig, Rig], callbacks: int,
+                      timeout: float = 120) -> dict[str, str]:
+    """Until no job waits or runs and the rigs logged every callback (after its answer);
+    then every endpoint's URL by its id."""
+    async def all_final() -> bool:
+        reply = await http.get("/jobs", params={
+            "state": "available,active,retryable,scheduled", "limit": 1})
+        return reply.json()["jobs"] == []
+    await wait_until(all_final, timeout=timeout, what="every job final", step=0.2)
+    await wait_until(lambda: sum(x["path"] == "callback" for rig in rigs for x in rig.lines())
+                     >= callbacks, timeout=10, what="every callback logged")
+    endpoints = (await http.get("/endpoints")).json()["endpoints"]
+    return {e["id"]: e["url"] for e in endpoints}
+
+
+async def deploy_under_load(http: httpx.AsyncClient, tmp_path: Path, paced: int, called: int
+                            ) -> None:
+    with running_rig(tmp_path / "v1.log", *NTH) as one, \
+            running_rig(tmp_path / "v2.log", *NTH) as two:
+        await push(http, moving_spec("paced", one, 1), moving_spec("called", one, 1))
+        old = {"paced": await enqueue_many(http, "paced", paced, "v1"),
+               "called": await enqueue_many(http, "called", called, "v1")}
+        began = await v1_under_way(one)
+        await push(http, moving_spec("paced", two, 2), moving_spec("called", two, 2))
+        pushed = (began, time.time())
+        new = {"paced": await enqueue_many(http, "paced", paced // 2, "v2"),
+               "called": await enqueue_many(http, "called", called // 2, "v2")}
+        urls = await all_settled(http, (one, two), called * 3 // 2)
+        check_deploy(*stored(tmp_path / "rota.db"), old, new, one.lines(), two.lines(),
+                     pushed, urls, (one, two))
+
+
+def stored(db: Path) -> tuple[dict[str, dict[str, Any]], collections.Counter[str]]:
+    """The jobs as the SQLite file holds them, and per job its 2xx delivery log lines."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        conn.row_factory = sqlite3.Row
+        rows = {r["id"]: {**dict(r), "errors": json.loads(r["errors"])} for r in conn.execute(
+            "SELECT id, state, attempt, worker_id, errors FROM jobs")}
+        logs = collections.Counter(r[0] for r in conn.execute(
+            "SELECT job_id FROM job_logs WHERE message LIKE 'delivered: HTTP 2%'"))
+    return rows, logs
+
+
+def check_deploy(rows: dict[str, dict[str, Any]], logs: collections.Counter[str],
+                 old: dict[str, list[str]], new: dict[str, list[str]],
+                 v1: list[dict[str, Any]], v2: list[dict[str, Any]],
+                 pushed: tuple[float, float], urls: dict[str, str], rigs: tuple[Rig, Rig]
+                 ) -> None:
+    """Each job completed once, every POST of it (retries too) on its own version's URL.
+    ``pushed``: when the push of v2 began and when it was answered."""
+    assert sorted(urls.values()) == sorted(rigs[key[1] - 1].url(PATHS[key]) for key in PATHS)
+    version_of = {j: (name, 1) for name, ids in old.items() for j in ids} | \
+        {j: (name, 2) for name, ids in new.items() for j in ids}
+    # None lost: every job is in the store, completed, by one delivery answered 2xx, on
+    # the endpoint of its own version (the store's worker_id: the endpoint's id).
+    assert {j: rows[j]["state"] for j in version_of} == dict.fromkeys(version_of, "completed")
+    assert logs == collections.Counter(list(version_of)), "a job completed by two deliveries"
+    for job_id, key in version_of.items():
+        assert urls[rows[job_id]["worker_id"]] == rigs[key[1] - 1].url(PATHS[key]), job_id
+    for version, log in ((1, v1), (2, v2)):
+        posts = [line for line in log if line["path"] != "callback"]
+        assert {version_of[line["job_id"]][1] for line in posts} == {version}  # its URL only
+        assert {(version_of[line["job_id"]][0], line["path"]) for line in posts} == \
+            {("paced", "/slow"), ("called", "/accept")}
+        by_job = collections.defaultdict(list)
+        for line in posts:
+            by_job[line["job_id"]].append(int(line["attempt"]))
+        assert set(by_job) == {j for j, key in version_of.items() if key[1] == version}
+        for job_id, attempts in by_job.items():  # one POST per attempt; all but the last
+            row = rows[job_id]  # were the rig's 409s, and the last completed it
+            assert sorted(attempts) == list(range(1, row["attempt"] + 1)), (job_id, attempts)
+            assert [e["type"] for e in row["errors"]] == \
+                ["http_409"] * (row["attempt"] - 1)
+        callbacks = [line for line in log if line["path"] == "callback"]  # one per job,
+        called = [line["url"].split("/jobs/")[1].split("/")[0] for line in callbacks]
+        assert sorted(called) == sorted((old, new)[version - 1]["called"])
+        assert {line["status"] for line in callbacks} == {200}  # and none refused as stale
+    all_ids = [line["delivery_id"] for line in v1 + v2 if line["path"] != "callback"]
+    assert len(all_ids) == len(set(all_ids))
+    # The push came while v1 was under way: its endpoint kept getting its own jobs after
+    # it, first deliveries and retries both, and their callbacks came back after it.
+    began, done = pushed
+    assert any(began - 0.03 < line["t"] <= began for line in v1
+               if line["path"] == "/slow")  # (one still unanswered when the push began)
+    late = [line for line in v1 if line["t"] > done]
+    assert any(line["path"] == "/slow" and line["attempt"] == "1" for line in late)
+    assert any(line["path"] == "/slow" and line["attempt"] != "1" for line in late)
+    assert any(line["path"] == "callback" for line in late)
+
+
+async def test_a_deploy_while_v1_jobs_are_delivered_keeps_each_on_its_own_url(live, tmp_path):
+    await deploy_under_load(live, tmp_path, paced=240, called=60)
+
+
+@pytest.mark.soak
+async def test_a_deploy_while_1000_v1_jobs_are_delivered_keeps_each_on_its_own_url(
+        live, tmp_path):
+    await deploy_under_load(live, tmp_path, paced=800, called=200)
