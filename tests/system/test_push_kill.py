@@ -30,8 +30,8 @@ The kill comes once each retrying class's breaker has tried (and discarded) one 
 a quarter of ok and of later are done (ok and later start after those trials, so that
 neither is over first on a loaded machine). The test reads the store right after the
 kill and checks that every class had jobs final and jobs not final then, that ok and
-later had jobs in flight, that each class had deliveries after the restart, and that the
-classes that retry had retries cross it.
+later had jobs in flight, that the restarted server delivered jobs of each class, and
+that the classes that retry had retries cross it.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ RETRYING = ("fail", "reset", "busy", "hang")  # (each retry crosses the restart)
 WAVES = (*RETRYING[:3], "moved", "hang")  # first waves, one class after the other
 COMPLETION = re.compile(r"(?:delivered|callback) job=(\S+) .*?attempt=(\d+)\b.*?"
                         r"outcome=completed")
+SETTLED = re.compile(r"(?:delivered|callback) job=\S+ spec=(\w+)@")  # (its class)
 Row = tuple[str, str, int, Any, list[dict[str, Any]]]  # spec, state, attempt, result, errors
 
 
@@ -276,12 +277,16 @@ def check_cut(run: Run, rig_lines: list[dict[str, Any]]) -> dict[str, Counter[st
         crossed = [j for j, row in run.at_kill.items() if row[0] == name
                    and row[1] not in FINAL and row[4]]
         assert all(len(run.found[j][4]) > len(run.at_kill[j][4]) for j in crossed), name
-    # The first server committed each attempt before sending it: one beyond the store's
-    # at the kill is the restarted server's.
+    # The restarted server answered deliveries of every class, and the rig heard them:
+    # the first server committed each attempt before sending it, so one beyond the
+    # store's at the kill is the restarted server's. (A hang's request may be given up
+    # at its 1 s timeout before the rig reads it, on a loaded machine every one.)
+    settled = Counter(SETTLED.findall(run.logs[1]))
+    assert set(settled) == set(CLASSES), settled
     path = {CLASSES[name].path.partition("?")[0]: name for name in CLASSES}
-    after = Counter(path[line["path"]] for line in rig_lines
+    heard = Counter(path[line["path"]] for line in rig_lines
                     if int(line["attempt"]) > run.at_kill[line["job_id"]][2])
-    assert set(after) == set(CLASSES), after
+    assert set(heard) >= set(CLASSES) - {"hang"}, heard
     return at_kill
 
 
