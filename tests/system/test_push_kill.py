@@ -7,8 +7,8 @@ class dictates, none is lost, none is completed twice, and the receiver saw each
 id at most once and one delivery id per (job, attempt).
 
 Where the kill lands, class by class:
-- ``ok`` runs ``max_in_flight`` at a time, each answer after 500 ms, so it lasts about
-  15 s whatever the machine's speed: at the kill a share is done, some are in flight (cut:
+- ``ok`` runs ``max_in_flight`` at a time, each answer after 500 ms, so it lasts 15 s at
+  least, however fast the machine: at the kill a share is done, some are in flight (cut:
   ``released`` at the restart, not counted, and sent again) and the rest wait.
 - ``later``'s 202s call back after 0.3 to 9.3 s: some before the kill, some into the dead
   server (that attempt is released at the restart and sent again), some to the restarted
@@ -22,7 +22,8 @@ Where the kill lands, class by class:
   second attempt, the class's first discarded job. The kill then cuts the retries of all
   the others: the restarted server sends them all at once (its breaker closed) and
   discards them. ``moved`` (a redirect: no retry) sends half its jobs, then the breaker
-  holds the rest (one trial per pause) until the restart sends them all at once.
+  holds the rest (one trial per pause: rota/core/endpoints.py counts a trial still being
+  reserved, else rounds run meanwhile sent one each) until the restart sends them all.
   More attempts, or a smaller ``max_in_flight``, would leave retries to the breaker's
   pauses (5 s, 10 s, 20 s...) for minutes.
 
