@@ -14,6 +14,7 @@ Paths (a query string is allowed on each):
   /slow?ms=N 200 after N ms         /429 429, Retry-After: 1
   /accept?ms=N 202, then after N ms POSTs {"token", "status": "completed",
       "result": {"echo": args}} to the body's callback.url (logged as path "callback")
+  (/slow and /accept also take &jitter=M: up to M ms more, a random share of it each)
   /flaky?n=N 500 to a job's first N deliveries, then as /ok
   /notjson 200 text/plain           /huge 200, a 2 MiB JSON body
   /latin1 200, a body that is not UTF-8
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import select
 import socket
 import struct
@@ -112,7 +114,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/429":
             return self.answer(429, {"error": "slow down"}, {"Retry-After": "1"})
         if path == "/slow":
-            time.sleep(int(query.get("ms", 100)) / 1000)  # noqa: sleep-ok (the endpoint's work)
+            time.sleep(delay(query))  # noqa: sleep-ok (the endpoint's work)
             return self.answer(200, echo)
         if path == "/redirect":
             return self.answer(302, {}, {"Location": "http://other.invalid/x"})
@@ -126,7 +128,7 @@ class Handler(BaseHTTPRequestHandler):
             return self.answer(200, b'{"name": "caf\xe9"}')
         if path == "/accept":
             callback = sent.get("callback", {}) if isinstance(sent, dict) else {}
-            threading.Timer(int(query.get("ms", 100)) / 1000, self.call_back,
+            threading.Timer(delay(query), self.call_back,
                             (callback, echo)).start()
             return self.answer(202, {"accepted": True})
         if path == "/hang":
@@ -147,9 +149,10 @@ class Handler(BaseHTTPRequestHandler):
     def hang(self) -> None:
         """Answer nothing; return once the client closed its end (or the rig stops)."""
         self.close_connection = True
+        poller = select.poll()  # (select.select refuses a descriptor above 1023)
+        poller.register(self.connection, select.POLLIN)
         while True:
-            readable, _, _ = select.select([self.connection], [], [], 0.5)
-            if readable and not self.connection.recv(1, socket.MSG_PEEK):
+            if poller.poll(500) and not self.connection.recv(1, socket.MSG_PEEK):
                 return
 
     def reset(self) -> None:
@@ -174,6 +177,11 @@ class Handler(BaseHTTPRequestHandler):
             status = str(exc)
         self.server.record({"path": "callback", "url": callback.get("url"),
                             "status": status, "t": time.time()})
+
+
+def delay(query: dict[str, str]) -> float:
+    """Seconds: ``ms`` (100 by default) and a random share of ``jitter`` (0)."""
+    return (int(query.get("ms", 100)) + random.uniform(0, int(query.get("jitter", 0)))) / 1000
 
 
 def main() -> None:

@@ -174,8 +174,10 @@ class Endpoints:
         slot.prefetch = len(state.accepted)
         room = state.breaker.room(state.execute.max_in_flight)
         state.trials &= state.deliveries.keys()
-        if state.breaker.state == "half_open":  # one trial at a time
-            room = max(0, room - len(state.trials))
+        if state.breaker.state == "half_open":  # one trial at a time, counting one reserved
+            # whose commit is pending (not delivered yet): rounds run meanwhile
+            pending = len(slot.active - state.deliveries.keys() - state.accepted) + slot.claims
+            room = max(0, room - len(state.trials) - pending)
         slot.capacity = room
 
     # -- delivering ------------------------------------------------------------------------

@@ -1,16 +1,38 @@
 """Push execution through a kill -9: a real `rota serve` delivers jobs of seven endpoint
-classes (tests/endpoint_rig.py, a subprocess: succeeds, fails with 500, hangs past its
-timeout, resets, redirects to another host, answers 429 with Retry-After, answers 202 and
-calls back later), is killed with -9 midway and restarted on the same SQLite file and
-port. Every job ends as its class dictates, none is lost, none is completed twice, and
-the receiver saw each delivery id at most once and one delivery id per (job, attempt).
+classes (tests/endpoint_rig.py, a subprocess: succeeds after 500 ms, fails with 500, hangs
+past its timeout, resets, redirects to another host, answers 429 with Retry-After,
+answers 202 and calls back later), is killed with -9 while every class has jobs done and
+jobs not done, and is restarted on the same SQLite file and port. Every job ends as its
+class dictates, none is lost, none is completed twice, and the receiver saw each delivery
+id at most once and one delivery id per (job, attempt).
 
-The failing classes run one attempt each, all in flight at once: an endpoint that keeps
-failing is paused by its circuit breaker (5 faults in 30 s), after which its retries go
-one per pause (5 s, 10 s, 20 s...), so a class of hundreds of retrying jobs would take
-hours. Retries with Retry-After are tests/server/test_push.py's. An attempt cut by the
-kill ends as the restart finds it (``released``, not counted, or ``visibility_timeout`` for a
-202 whose callback never came) and, where attempts remain, runs again.
+Where the kill lands, class by class:
+- ``ok`` runs ``max_in_flight`` at a time, each answer after 500 ms, so it lasts 15 s at
+  least, however fast the machine: at the kill a share is done, some are in flight (cut:
+  ``released`` at the restart, not counted, and sent again) and the rest wait.
+- ``later``'s 202s call back after 0.3 to 9.3 s: some before the kill, some into the dead
+  server (that attempt is released at the restart and sent again), some to the restarted
+  one (which reclaims the job by the callback).
+- The failing classes lean on the circuit breaker (rota/core/breaker.py), one per spec
+  version (rota/core/endpoints.py: ``http:<spec>@<checksum>``) and in memory, so a restart
+  closes it: 5 faults in 30 s pause an endpoint for 5 s, then it tries one delivery, and
+  each failed trial doubles the pause. The four that retry (500, hang, reset, 429) have two
+  attempts and ``max_in_flight`` as large as the class: their first attempts all go at
+  once and fail, the breaker holds every retry, and its first trial (after 5 s) is a
+  second attempt, the class's first discarded job. The kill then cuts the retries of all
+  the others: the restarted server sends them all at once (its breaker closed) and
+  discards them. ``moved`` (a redirect: no retry) sends half its jobs, then the breaker
+  holds the rest (one trial per pause: rota/core/endpoints.py counts a trial still being
+  reserved, else rounds run meanwhile sent one each) until the restart sends them all.
+  More attempts, or a smaller ``max_in_flight``, would leave retries to the breaker's
+  pauses (5 s, 10 s, 20 s...) for minutes.
+
+The kill comes once each retrying class's breaker has tried (and discarded) one job, and
+a quarter of ok and of later are done (ok and later start after those trials, so that
+neither is over first on a loaded machine). The test reads the store right after the
+kill and checks that every class had jobs final and jobs not final then, that ok and
+later had jobs in flight, that the restarted server delivered jobs of each class, and
+that the classes that retry had retries cross it.
 """
 
 from __future__ import annotations
@@ -19,37 +41,59 @@ import asyncio
 import json
 import re
 import sqlite3
+import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
 from helpers import free_port, spawn_serve, wait_until
 from test_deliverer import SECRET, Rig, running_rig
 
-# class -> (rig path, [execute] and [retry] of its spec, final state, error types)
 CUT = {"released", "visibility_timeout"}  # an attempt the kill cut (released: not counted)
-# On a loaded machine (2 cores, shared) the rig may answer after the 5 s deadline: that
-# attempt fails and the next completes (a longer timeout would stretch each cut attempt's
-# recovery after the restart by as much).
+# On a loaded machine (2 cores, shared) the rig may answer after the deadline (a soak run
+# at a load of 13 saw the restarted server stall 11 s in its first burst): that attempt
+# fails and a next one completes. A longer timeout would stretch the recovery of each
+# attempt the kill cut by as much (its timeout after the restart); the failing classes,
+# whose jobs wait on their breakers at the kill, take 30 s: an attempt of theirs timed
+# out would be retried, a wave too many for the breaker.
 LATE = {"timeout"}
-CLASSES: dict[str, tuple[str, dict[str, Any], str, set[str]]] = {
-    "ok": ("/ok", {"max_attempts": 3}, "completed", LATE),
-    "later": ("/accept?ms=300", {"max_attempts": 3}, "completed", LATE),
-    "fail": ("/fail", {"max_attempts": 1}, "discarded", {"http_500"}),
-    "hang": ("/hang", {"max_attempts": 1, "timeout": 2}, "discarded", {"timeout"}),
-    "reset": ("/reset", {"max_attempts": 1}, "discarded", {"connect"}),
-    "moved": ("/redirect", {"max_attempts": 1}, "discarded", {"redirect"}),
-    "busy": ("/429", {"max_attempts": 1}, "discarded", {"http_429"}),
+FINAL = ("completed", "discarded")
+
+
+class Kind(NamedTuple):
+    path: str  # the rig's
+    options: dict[str, Any]  # spec()'s: max_attempts, and timeout and visibility_timeout
+    state: str  # every job's, at the end
+    types: set[str]  # the error types its attempts may end with (besides CUT)
+
+
+CLASSES: dict[str, Kind] = {
+    "ok": Kind("/slow?ms=500", {"max_attempts": 5, "timeout": 10}, "completed", LATE),
+    # (its visibility timeout outlasts the longest wait for a callback)
+    "later": Kind("/accept?ms=300&jitter=9000",
+                  {"max_attempts": 5, "timeout": 5, "visibility_timeout": 15},
+                  "completed", LATE),
+    "fail": Kind("/fail", {"max_attempts": 2}, "discarded", {"http_500"}),
+    "reset": Kind("/reset", {"max_attempts": 2}, "discarded", {"connect"}),
+    "busy": Kind("/429", {"max_attempts": 2}, "discarded", {"http_429"}),
+    "moved": Kind("/redirect", {"max_attempts": 2}, "discarded", {"redirect"}),
+    "hang": Kind("/hang", {"max_attempts": 2, "timeout": 1}, "discarded", {"timeout"}),
 }
-# Run before the others, one after the other (the rest, and hang's 2 s timeout, run
-# through the kill), each in one wave (in flight all at once: the breaker would pause
-# its retries, and a class's later jobs, for minutes).
-WAVES = ("fail", "reset", "moved", "busy")
+RETRYING = ("fail", "reset", "busy", "hang")  # (each retry crosses the restart)
+WAVES = (*RETRYING[:3], "moved", "hang")  # first waves, one class after the other
 COMPLETION = re.compile(r"(?:delivered|callback) job=(\S+) .*?attempt=(\d+)\b.*?"
                         r"outcome=completed")
+SETTLED = re.compile(r"(?:delivered|callback) job=\S+ spec=(\w+)@")  # (its class)
+Row = tuple[str, str, int, Any, list[dict[str, Any]]]  # spec, state, attempt, result, errors
+
+
+def in_flight(name: str, count: int) -> int:
+    """A class's ``max_in_flight``: ok about 15 s long; a retrying class all at once;
+    moved half at a time (the restart sends the rest at once)."""
+    return {"ok": max(2, count // 30), "later": 50, "moved": count // 2 + 1}.get(name, count)
 
 
 @pytest.fixture
@@ -58,26 +102,16 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
         yield rig
 
 
-def spec(name: str, url: str, max_attempts: int, timeout: float = 5,
-         in_flight: int = 50) -> dict[str, Any]:
-    return {"name": name, "version": "1", "queue": name, "visibility_timeout": 5,
+def spec(name: str, url: str, max_attempts: int, in_flight: int, timeout: float = 30,
+         visibility_timeout: float = 5) -> dict[str, Any]:
+    return {"name": name, "version": "1", "queue": name,
+            "visibility_timeout": visibility_timeout,
             "retry": {"max_attempts": max_attempts, "backoff_base": 0.1, "backoff_max": 0.2},
             "execute": {"url": url, "secret": "main", "timeout": timeout,
                         "max_in_flight": in_flight}}
 
 
-def finished(db: Path, names: Iterable[str]) -> int:
-    """Jobs of these specs completed or discarded."""
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        return sum(n for spec, n in conn.execute(
-            "SELECT spec, count(*) FROM jobs WHERE state IN ('completed', 'discarded')"
-            " GROUP BY spec") if spec in set(names))
-    finally:
-        conn.close()
-
-
-def rows(db: Path) -> dict[str, tuple[str, str, int, Any, list[dict[str, Any]]]]:
+def rows(db: Path) -> dict[str, Row]:
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         return {i: (s, st, a, json.loads(r) if r else None, json.loads(e or "[]"))
@@ -85,6 +119,23 @@ def rows(db: Path) -> dict[str, tuple[str, str, int, Any, list[dict[str, Any]]]]
                 conn.execute("SELECT id, spec, state, attempt, result, errors FROM jobs")}
     finally:
         conn.close()
+
+
+def tally(found: dict[str, Row]) -> dict[str, Counter[str]]:
+    """Per class: its jobs ``final``, ``open`` (not final), ``active`` (in flight, or
+    accepted by a 202) and ``tried`` (not final, an attempt failed: a retry waits)."""
+    counts: dict[str, Counter[str]] = defaultdict(Counter)
+    for name, state, _, _, errors in found.values():
+        counts[name]["final" if state in FINAL else "open"] += 1
+        counts[name]["active"] += state == "active"
+        counts[name]["tried"] += state not in FINAL and bool(errors)
+    return counts
+
+
+def answered(db: Path, name: str) -> int:
+    """Jobs of a class final, or waiting after a failed attempt."""
+    counts = tally(rows(db))[name]
+    return counts["final"] + counts["tried"]
 
 
 def completions_in(log: str) -> dict[str, list[int]]:
@@ -126,105 +177,173 @@ class Serve:
             await self.proc.wait()
         await self.http.aclose()
 
+    async def resume(self, name: str) -> None:
+        assert (await self.http.post(f"/queues/{name}/resume")).status_code == 200
 
-async def chaos(tmp: Path, rig: Rig, per_class: dict[str, int], timeout: float) -> None:
-    """Enqueue ``per_class`` jobs (each class in a queue of its own, paused), run each
-    failing class of WAVES in one wave, then the rest; kill -9 the server once half of
-    those are final, restart it, wait for every job, then check the store, the server's
-    logs and the rig's log."""
+
+class Run(NamedTuple):
+    enqueued: dict[str, str]  # job id -> its class
+    at_kill: dict[str, Row]  # the store right after the kill
+    found: dict[str, Row]  # the store at the end
+    logs: list[str]  # the two servers'
+    seconds: tuple[float, float]  # from the first resume to the kill, and on to the end
+
+
+async def enqueue(serve: Serve, rig: Rig, per_class: dict[str, int]) -> dict[str, str]:
+    """The specs, their queues paused, and the jobs."""
+    specs = [spec(name, rig.url(kind.path), in_flight=in_flight(name, per_class[name]),
+                  **kind.options) for name, kind in CLASSES.items()]
+    reply = await serve.http.put("/specs", json={"specs": specs})
+    assert reply.status_code == 200, reply.text
+    for name in per_class:
+        assert (await serve.http.post(f"/queues/{name}/pause")).status_code == 200
+    enqueued: dict[str, str] = {}
+    batch = [{"spec": name, "args": {"n": n}} for name, count in per_class.items()
+             for n in range(count)]
+    for start in range(0, len(batch), 1000):
+        part = batch[start:start + 1000]
+        reply = await serve.http.post("/jobs/batch", json={"jobs": part})
+        assert reply.status_code == 200, reply.text
+        for said, asked in zip(reply.json()["results"], part, strict=True):
+            assert said["status"] == 201, said
+            enqueued[said["job"]["id"]] = asked["spec"]
+    return enqueued
+
+
+async def run(tmp: Path, rig: Rig, per_class: dict[str, int], timeout: float) -> Run:
+    """Enqueue, send each failing class's first wave (one class after the other: ~2,000
+    requests at once would overflow the rig's backlog); once each retrying class's
+    breaker has tried one retry, send ok and later, and kill -9 once a quarter of each
+    is done; restart; wait for every job."""
     serve = Serve(tmp)
     try:
         await serve.start()
-        specs = [spec(name, rig.url(path), in_flight=50 if name in ("ok", "later")
-                      else max(1, per_class[name]), **options)
-                 for name, (path, options, _, _) in CLASSES.items()]
-        reply = await serve.http.put("/specs", json={"specs": specs})
-        assert reply.status_code == 200, reply.text
-        for name in per_class:
-            assert (await serve.http.post(f"/queues/{name}/pause")).status_code == 200
-        enqueued: dict[str, str] = {}
-        batch = [{"spec": name, "args": {"n": n}} for name, count in per_class.items()
-                 for n in range(count)]
-        for start in range(0, len(batch), 1000):
-            part = batch[start:start + 1000]
-            reply = await serve.http.post("/jobs/batch", json={"jobs": part})
-            assert reply.status_code == 200, reply.text
-            for said, asked in zip(reply.json()["results"], part, strict=True):
-                assert said["status"] == 201, said
-                enqueued[said["job"]["id"]] = asked["spec"]
-        total = len(batch)
-        for name in WAVES:  # one class at a time: each all in flight at once
-            assert (await serve.http.post(f"/queues/{name}/resume")).status_code == 200
-            await wait_until(lambda: finished(serve.db, [name]) >= per_class[name],
-                             timeout=timeout, what=f"the {name} jobs to finish", step=0.05)
-        rest = [name for name in per_class if name not in WAVES]
-        for name in rest:
-            assert (await serve.http.post(f"/queues/{name}/resume")).status_code == 200
-        half = sum(per_class[name] for name in rest) // 2
-        await wait_until(lambda: finished(serve.db, rest) >= half, timeout=timeout,
-                         what="half the rest to finish", step=0.05)
+        enqueued = await enqueue(serve, rig, per_class)
+        began = time.monotonic()
+        wave_done: dict[str, int] = {}  # jobs final after its first wave
+        for name in WAVES:
+            wave = per_class[name] if name in RETRYING else in_flight(name, per_class[name])
+            await serve.resume(name)
+            await wait_until(lambda name=name, wave=wave: answered(serve.db, name) >= wave,
+                             timeout=timeout, what=f"{name}'s first wave to be answered",
+                             step=0.05)
+            wave_done[name] = tally(rows(serve.db))[name]["final"]
+        await wait_until(lambda: all(tally(rows(serve.db))[name]["final"] > wave_done[name]
+                                     for name in RETRYING), timeout=timeout,
+                         what="the breakers' first trials", step=0.05)
+        await serve.resume("ok")
+        await serve.resume("later")
+        await wait_until(lambda: all(tally(rows(serve.db))[name]["final"] >= per_class[name] / 4
+                                     for name in ("ok", "later")), timeout=timeout,
+                         what="a quarter of ok and later to complete", step=0.05)
         await serve.kill()
+        killed = time.monotonic()
         at_kill = rows(serve.db)
         await serve.start()
-        await wait_until(lambda: finished(serve.db, per_class) >= total,
+        await wait_until(lambda: not any(c["open"] for c in tally(rows(serve.db)).values()),
                          timeout=timeout, what="every job to finish", step=0.2)
+        ended = time.monotonic()
     finally:
         await serve.close()  # a graceful stop flushes the log's last burst
-    logs = [path.read_text() for path in serve.logs]
+    return Run(enqueued, at_kill, rows(serve.db),
+               [path.read_text() for path in serve.logs], (killed - began, ended - killed))
 
-    # None lost, each ended as its class dictates.
-    found = rows(serve.db)
-    assert set(found) == set(enqueued)
+
+def check_ends(run: Run, per_class: dict[str, int]) -> None:
+    """None lost, each ended as its class dictates."""
+    assert set(run.found) == set(run.enqueued)
     by_class: Counter[tuple[str, str]] = Counter()
-    for job_id, (name, state, attempt, result, errors) in found.items():
-        _, options, want, types = CLASSES[name]
+    for job_id, (name, state, attempt, result, errors) in run.found.items():
+        kind = CLASSES[name]
         by_class[(name, state)] += 1
-        assert state == want, (job_id, name, state, errors)
-        assert all(e["type"] in types | CUT for e in errors), (job_id, name, errors)
-        if want == "completed":
-            assert isinstance(result, dict) and "echo" in result, (job_id, result)
+        assert state == kind.state, (job_id, name, state, errors)
+        assert all(e["type"] in kind.types | CUT for e in errors), (job_id, name, errors)
+        if kind.state == "completed":
+            assert isinstance(result, dict) and result.get("echo") is not None, (job_id, result)
         else:
-            assert errors and errors[-1]["type"] in types | CUT, (job_id, errors)
+            assert errors and errors[-1]["type"] in kind.types, (job_id, errors)
             released = sum(e["type"] == "released" for e in errors)  # (not counted)
-            assert attempt - released <= options["max_attempts"] or errors[-1]["type"] in CUT
-    assert by_class == Counter({(n, CLASSES[n][2]): c for n, c in per_class.items()})
+            assert attempt - released <= kind.options["max_attempts"], (job_id, errors)
+    assert by_class == Counter({(n, CLASSES[n].state): c for n, c in per_class.items()})
 
-    # No job completed twice. The first server's log may lack its last lines (INFO lines
-    # are written in bursts, rota/cli/logsetup.py), so the store at the kill says which
-    # jobs it completed: the second server completes none of those again, and each of the
-    # rest once; a completion the first server logged but the kill cut before its commit
-    # is followed by a later attempt's.
-    first, second = (completions_in(text) for text in logs)
+
+def check_cut(run: Run, rig_lines: list[dict[str, Any]]) -> dict[str, Counter[str]]:
+    """The kill cut every class: jobs done and not done at it, ok and later had jobs in
+    flight, the retrying classes had retries waiting (each one's last failure is the
+    restarted server's), and every class had deliveries after the restart."""
+    at_kill = tally(run.at_kill)
+    for name in CLASSES:
+        assert at_kill[name]["final"] and at_kill[name]["open"], (name, at_kill[name])
+    for name in ("ok", "later"):
+        assert at_kill[name]["active"], (name, at_kill[name])
+    for name in RETRYING:
+        assert at_kill[name]["tried"], (name, at_kill[name])
+        crossed = [j for j, row in run.at_kill.items() if row[0] == name
+                   and row[1] not in FINAL and row[4]]
+        assert all(len(run.found[j][4]) > len(run.at_kill[j][4]) for j in crossed), name
+    # The restarted server answered deliveries of every class, and the rig heard them:
+    # the first server committed each attempt before sending it, so one beyond the
+    # store's at the kill is the restarted server's. (A hang's request may be given up
+    # at its 1 s timeout before the rig reads it, on a loaded machine every one.)
+    settled = Counter(SETTLED.findall(run.logs[1]))
+    assert set(settled) == set(CLASSES), settled
+    path = {CLASSES[name].path.partition("?")[0]: name for name in CLASSES}
+    heard = Counter(path[line["path"]] for line in rig_lines
+                    if int(line["attempt"]) > run.at_kill[line["job_id"]][2])
+    assert set(heard) >= set(CLASSES) - {"hang"}, heard
+    return at_kill
+
+
+def check_once(run: Run) -> None:
+    """No job completed twice. The first server's log may lack its last lines (INFO lines
+    are written in bursts, rota/cli/logsetup.py), so the store at the kill says which jobs
+    it completed: the second server completes none of those again, and each of the rest
+    once (ok's and later's among them); a completion the first server logged but the
+    kill cut before its commit is followed by a later attempt's."""
+    first, second = (completions_in(text) for text in run.logs)
     assert not {j: a for j, a in first.items() if len(a) != len(set(a))}
-    done_at_kill = {j for j, row in at_kill.items() if row[1] == "completed"}
+    done_at_kill = {j for j, row in run.at_kill.items() if row[1] == "completed"}
     assert not done_at_kill & set(second), sorted(done_at_kill & set(second))[:3]
-    for job_id, (name, state, attempt, *_) in found.items():
+    for job_id, (name, state, attempt, *_) in run.found.items():
         if state == "completed" and job_id not in done_at_kill:
             assert second.get(job_id) == [attempt], (job_id, second.get(job_id), attempt)
+    assert {run.found[j][0] for j in second} == {"ok", "later"}
     cut = {j for j in first if j not in done_at_kill}
-    assert all(found[j][2] > max(first[j]) for j in cut), cut
+    assert all(run.found[j][2] > max(first[j]) for j in cut), cut
 
-    # The receiver: each delivery id once, one delivery per (job, attempt), ours only.
-    lines = [line for line in rig.lines() if line["path"] != "callback"]
+
+def check_receiver(run: Run, lines: list[dict[str, Any]]) -> int:
+    """Each delivery id once, one delivery per (job, attempt), ours only. A request cut
+    while it was being sent (by the kill, or a sender that gave up at its timeout) arrives
+    short, and its signature fails, as it should; every whole one is signed, and only an
+    attempt that ended cut or timed out was cut. Returns how many arrived short."""
     ids = Counter(line["delivery_id"] for line in lines)
     assert max(ids.values()) == 1, ids.most_common(3)
     per_attempt = Counter((line["job_id"], line["attempt"]) for line in lines)
     assert max(per_attempt.values()) == 1, per_attempt.most_common(3)
-    assert {line["job_id"] for line in lines} <= set(enqueued)
-    # A request cut while it was being sent (by the kill, or a sender that gave up at its
-    # timeout) arrives short, and its signature fails, as it should; every whole one is
-    # signed, and only an attempt that ended cut or timed out was cut.
+    assert {line["job_id"] for line in lines} <= set(run.enqueued)
     assert all(line["signed"] for line in lines if line["whole"])
-    ended = {(j, str(e["attempt"])) for j, row in found.items() for e in row[4]
+    ended = {(j, str(e["attempt"])) for j, row in run.found.items() for e in row[4]
              if e["type"] in CUT | {"timeout"}}
     short = {(line["job_id"], line["attempt"]) for line in lines if not line["whole"]}
     assert short <= ended, short - ended
-    final = ("completed", "discarded")
-    print(f"\n{total} jobs; final at the kill {sum(r[1] in final for r in at_kill.values())},"
-          f" completed {len(done_at_kill)}; deliveries {len(lines)} ({len(short)} cut short);"
-          f" completions logged"
-          f" and cut by the kill: {len(cut)}; attempts cut, by class:"
-          f" {dict(Counter(found[j][0] for j in found for e in found[j][4] if e['type'] in CUT))}")
+    return len(short)
+
+
+async def chaos(tmp: Path, rig: Rig, per_class: dict[str, int], timeout: float) -> None:
+    result = await run(tmp, rig, per_class, timeout)
+    lines = [line for line in rig.lines() if line["path"] != "callback"]
+    check_ends(result, per_class)
+    at_kill = check_cut(result, lines)
+    check_once(result)
+    short = check_receiver(result, lines)
+    cut = Counter(result.found[j][0] for j in result.found for e in result.found[j][4]
+                  if e["type"] in CUT)
+    print(f"\n{len(result.enqueued)} jobs; kill after {result.seconds[0]:.1f} s, all final"
+          f" {result.seconds[1]:.1f} s later; deliveries {len(lines)} ({short} cut short);"
+          f" at the kill (final/open/in flight/retry waiting): " + ", ".join(
+              f"{n} {c['final']}/{c['open']}/{c['active']}/{c['tried']}"
+              for n, c in at_kill.items()) + f"; attempts cut, by class: {dict(cut)}")
 
 
 async def test_push_jobs_survive_a_kill_9(tmp_path: Path, rig: Rig) -> None:

@@ -230,3 +230,17 @@ def test_pins_read_back_replay_the_pushes_in_their_order():
                         Window(200, checksum(v3), v3)]})
     for seq in (1, 60, 101, 150, 200, 300):
         assert read.pin("hook", seq) == live.pin("hook", seq), seq
+
+
+def test_a_half_open_endpoint_tries_one_delivery_while_its_reservation_commits(engine, clock):
+    """Rounds run while a reservation commits (a loaded store takes a while): the trial
+    reserved in the first is the only one (a soak run under load sent 60 at once)."""
+    push(engine, clock, hook(max_in_flight=10))
+    enqueue(engine, clock, 20)
+    for d in deliver(engine, clock)[:THRESHOLD]:
+        answer(engine, clock, d, "failed", status=500, fault=True)
+    tick_for(engine, clock, FIRST_PAUSE)
+    reserves = [r for _ in range(3) for r in of(Reserve, engine.dispatch(clock()))]
+    sent = [e for r in reserves for e in of(Deliver, commit(engine, r, clock))]
+    assert len(sent) == 1, len(sent)
+    assert deliver(engine, clock) == []
