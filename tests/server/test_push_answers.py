@@ -8,6 +8,7 @@ and the server's log has no traceback and no ERROR line."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import end, free_port, spawn_serve
-from test_deliverer import SECRET, Rig, running_rig
+from helpers import end, free_port, rota, spawn_serve
+from test_deliverer import SECRET, Rig, running_rig, socket_closed
 from test_push import enqueue, push, settled, spec
 
 
@@ -120,3 +121,16 @@ async def test_each_bad_answer_fails_precisely_and_hurts_nothing_else(served, ri
                                        and "status=200" in line for line in lines), lines
     posted = [line for line in rig.lines() if line["path"] != "callback"]
     assert all(line["signed"] and line["whole"] for line in posted)
+
+
+async def test_a_run_on_an_endpoint_that_is_down_says_why_it_has_not_finished(served):
+    """A new user's slip: the endpoint not started. `rota run` times out, and names the
+    refused connection (before, only "has not finished", the job "retryable", no error)."""
+    with socket_closed() as port:
+        await push(served.http, spec("nobody", f"http://127.0.0.1:{port}/greet",
+                                     retry={"max_attempts": 5, "backoff_base": 30}))
+        code, out, err = await rota("run", "nobody", "--args", "{}", "--wait", "3",
+                                    env={"ROTA_URL": str(served.http.base_url)})
+    assert code == 2 and json.loads(out)["state"] == "retryable", out + err
+    assert re.fullmatch(r"job \S+ has not finished after 3s; attempt 1 failed: connect: .*"
+                        r"Connection refused.* \(see 'rota jobs show \S+'\)\n", err), err
