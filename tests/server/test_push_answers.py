@@ -134,3 +134,41 @@ async def test_a_run_on_an_endpoint_that_is_down_says_why_it_has_not_finished(se
     assert code == 2 and json.loads(out)["state"] == "retryable", out + err
     assert re.fullmatch(r"job \S+ has not finished after 3s; attempt 1 failed: connect: .*"
                         r"Connection refused.* \(see 'rota jobs show \S+'\)\n", err), err
+
+
+# The classes test_push.py's test_each_class_of_answer_settles_its_job leaves to the
+# deliverer's own test: path -> the errors' types (a retry each, up to max_attempts 2).
+CLASSES = {
+    "/fail": ["http_500", "http_500"],
+    "/gone": ["http_404"],  # not retried: a misconfigured endpoint
+    "/redirect": ["redirect"],  # another host: named, not followed, not retried
+    "/hang": ["timeout", "timeout"],
+}
+
+
+async def test_the_other_classes_of_answer_live(served, rig):
+    http = served.http
+    await push(http, *(spec(name_of(path), rig.url(path)) for path in CLASSES
+                       if path != "/hang"),
+               spec("hang", rig.url("/hang"), execute={"url": rig.url("/hang"),
+                                                      "secret": "main", "timeout": 0.5}),
+               spec("redirectsame", rig.url("/redirect-same")))
+    ids = {path: await enqueue(http, name_of(path), {"n": 3}) for path in CLASSES}
+    same = await enqueue(http, "redirectsame", {"n": 3})
+    for path, types in CLASSES.items():
+        job = await settled(http, ids[path])
+        assert job["state"] == "discarded", (path, job)
+        assert [e["type"] for e in job["errors"]] == types, (path, job["errors"])
+    assert "http://other.invalid/x" in (await settled(http, ids["/redirect"]))["errors"][0][
+        "message"]
+    hung = (await settled(http, ids["/hang"]))["errors"][0]
+    assert hung["details"]["status"] is None and hung["retryable"] is True, hung
+    job = await settled(http, same)  # a redirect to the same host is followed
+    assert (job["state"], job["result"]) == ("completed", {"echo": {"n": 3}}), job
+    assert [line["path"] for line in rig.lines() if line.get("job_id") == same] == \
+        ["/redirect-same", "/ok"]
+    for path, types in CLASSES.items():  # one POST per attempt, each signed
+        posts = [line for line in rig.lines() if line.get("job_id") == ids[path]]
+        assert len(posts) == len(types) and all(p["signed"] for p in posts), (path, posts)
+    log = served.log.read_text()
+    assert "Traceback" not in log and not re.search(r"^\S+ \S+ (ERROR|CRITICAL) ", log, re.M)
