@@ -8,6 +8,9 @@ by ``<!-- not run: WHY -->`` is skipped, and WHY printed. The test picks a free 
 server gets it as ROTA_PORT, the clients as ROTA_URL, and URLs in commands are rewritten
 to it. ``rota tokens`` runs without ROTA_URL, so that it works on ./rota.db, as it does for
 someone on the default port.
+
+The Push execution section's block is run as a user pastes it: whole, in a fresh shell,
+its background lines waited for by nothing but its own curl line.
 """
 
 from __future__ import annotations
