@@ -17,7 +17,9 @@ Paths (a query string is allowed on each):
   (/slow and /accept also take &jitter=M: up to M ms more, a random share of it each)
   /flaky?n=N 500 to a job's first N deliveries, then as /ok
   /notjson 200 text/plain           /huge 200, a 2 MiB JSON body
-  /latin1 200, a body that is not UTF-8
+  /latin1 200, a body that is not UTF-8    /deep?n=N 200, JSON nested N deep (100,000)
+  /empty 200 with no body          /nocontent 204
+  /accept-silent 202, and never calls back
 --nth PATH:N:STATUS answers the Nth request on PATH (1 = the first) with STATUS instead.
 Standard library and rota.base only.
 """
@@ -126,6 +128,15 @@ class Handler(BaseHTTPRequestHandler):
             return self.answer(200, HUGE)
         if path == "/latin1":
             return self.answer(200, b'{"name": "caf\xe9"}')
+        if path == "/deep":
+            depth = int(query.get("n", 100_000))  # (200 KB: under the cap, deeper than a
+            return self.answer(200, b"[" * depth + b"]" * depth)  # parser goes)
+        if path == "/empty":
+            return self.answer(200, b"")
+        if path == "/nocontent":
+            return self.answer(204, b"")
+        if path == "/accept-silent":
+            return self.answer(202, {"accepted": True})
         if path == "/accept":
             callback = sent.get("callback", {}) if isinstance(sent, dict) else {}
             threading.Timer(delay(query), self.call_back,
@@ -142,7 +153,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         for name, value in {"Content-Type": "application/json", **(headers or {})}.items():
             self.send_header(name, value)
-        self.send_header("Content-Length", str(len(data)))
+        if status != 204:  # (a 204 has no body, so no length: RFC 9110 §8.6)
+            self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from rota.base.signing import DELIVERY, TOLERANCE, verify
 
-SECRET = os.environ["ROTA_SECRET_HOOKS"]
+SECRET = os.environ.get("ROTA_SECRET_HOOKS", "")
 seen: dict[str, float] = {}  # delivery ids of the last TOLERANCE seconds: no replays
 
 
@@ -48,6 +49,10 @@ class Endpoint(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
+    if not SECRET:
+        sys.exit("endpoint.py: ROTA_SECRET_HOOKS is not set: export the value the server"
+                 " signs with (the same ROTA_SECRET_HOOKS, or what `rota secrets set hooks`"
+                 " printed)")
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=8080)
     port = parser.parse_args().port

@@ -105,9 +105,23 @@ def run(url: str, spec: str, args_json: str, job_id: str | None, wait: float,
             break
     _print_job(reply)
     if not reply["done"]:
-        _out(f"job {job['id']} has not finished after {wait:g}s", err=True)
+        _out(f"job {job['id']} has not finished after {wait:g}s{_why(url, job['id'])}",
+             err=True)
         sys.exit(2)
     sys.exit(0 if reply["state"] == "completed" else 1)
+
+
+def _why(url: str, job_id: str) -> str:
+    """What holds an unfinished job up: its last failed attempt, or why it waits (a job
+    retried, for an endpoint refused, says its error here, not only in 'rota jobs show')."""
+    view = _api(url, "job", job_id)
+    if view.get("errors"):
+        last = view["errors"][-1]
+        return (f"; attempt {last.get('attempt')} failed: {last.get('type')}:"
+                f" {last.get('message')} (see 'rota jobs show {job_id}')")
+    if view.get("waiting_reason"):
+        return f"; it waits: {view['waiting_reason']}"
+    return ""
 
 
 @click.group()

@@ -150,6 +150,8 @@ def _success(d: Delivery, answer: Answer, max_body: int, seen: dict[str, Any]) -
         body = msgspec.json.decode(text)
     except msgspec.DecodeError as exc:
         return bad(f"the answer is not JSON ({exc})")
+    except RecursionError:  # (msgspec's depth limit: not a DecodeError)
+        return bad("the answer is nested too deeply")
     if isinstance(body, dict) and body.get("status") == "failed":  # OJS §2.3's NACK
         error = body.get("error")
         error = error if isinstance(error, dict) else {"message": str(error or "")}

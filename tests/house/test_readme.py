@@ -8,11 +8,15 @@ by ``<!-- not run: WHY -->`` is skipped, and WHY printed. The test picks a free 
 server gets it as ROTA_PORT, the clients as ROTA_URL, and URLs in commands are rewritten
 to it. ``rota tokens`` runs without ROTA_URL, so that it works on ./rota.db, as it does for
 someone on the default port.
+
+The Push execution section's block is run as a user pastes it: whole, in a fresh shell,
+its background lines waited for by nothing but its own curl line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -30,6 +34,7 @@ README = (ROOT / "README.md").read_text()
 # The walkthrough, and the Flow control, Workflows and Cron schedules sections after it,
 # which go on from its state.
 WALKTHROUGH = README[README.index("## Walkthrough"):README.index("## Enqueue from your web app")]
+PUSH = README[README.index("## Push execution"):README.index("## Open Job Spec")]
 BLOCK = re.compile(r"(?:<!-- not run: (?P<why>.+?) -->\n)?```(?P<lang>\w*)\n(?P<text>.*?)```",
                    re.S)
 README_URL = "http://127.0.0.1:8000"
@@ -57,8 +62,8 @@ class Block:
     not_run: str | None
 
 
-def blocks() -> list[Block]:
-    return [Block(m["lang"], m["text"], m["why"]) for m in BLOCK.finditer(WALKTHROUGH)]
+def blocks(section: str = WALKTHROUGH) -> list[Block]:
+    return [Block(m["lang"], m["text"], m["why"]) for m in BLOCK.finditer(section)]
 
 
 def shell_lines(block: Block) -> list[str]:
@@ -100,9 +105,8 @@ class Terminal:
         self.env = {k: v for k, v in pairs if k not in ("ROTA_PORT", "ROTA_URL", "_")}
         return out
 
-    async def start(self, command: str, http: httpx.AsyncClient) -> None:
-        """Run ``command`` in the background, and wait until the server answers (for
-        ``rota serve``) or one more worker is connected (for anything else)."""
+    async def spawn(self, command: str) -> tuple[asyncio.subprocess.Process, Path]:
+        """Run ``command`` in the background and go on at once, as a pasted line does."""
         line = command.split("#")[0].strip().removesuffix("&").strip()
         assigns = re.match(r"(?:\w+=\S*\s+)*", line)
         assert assigns is not None
@@ -113,8 +117,14 @@ class Terminal:
                 cwd=self.cwd, env=self.command_env(command), stdout=sink, stderr=sink)
         self.background.append((command, proc, log))
         self.transcript.append(f"$ {command}    (in the background: {log.name})")
-        is_server = line.startswith("rota serve")
+        return proc, log
+
+    async def start(self, command: str, http: httpx.AsyncClient) -> None:
+        """Run ``command`` in the background, and wait until the server answers (for
+        ``rota serve``) or one more worker is connected (for anything else)."""
+        is_server = command.split("#")[0].strip().startswith("rota serve")
         workers_before = 0 if is_server else (await http.get("/healthz")).json()["workers"]
+        proc, log = await self.spawn(command)
 
         async def ready() -> bool:
             if proc.returncode is not None:
@@ -191,3 +201,42 @@ async def test_every_walkthrough_command_runs_in_order(tmp_path):
         for text in wanted:
             assert text in out, f"{prefix!r} printed no {text!r}:\n{out}"
     assert (tmp_path / "cert.pem").exists() and (tmp_path / "key.pem").exists()
+
+
+@pytest.mark.timeout(90)
+async def test_the_push_execution_block_runs_as_pasted(tmp_path):
+    """README's Push execution block, pasted whole into a fresh shell in a copy of the
+    repository's examples/: the lines ending in ``&`` start in the background and nothing
+    waits for them but the block's own curl line. The endpoint's port (8080, in greet.toml's
+    URL and endpoint.py's --port default) is moved to a free one in both, as the README says
+    to move it; the server's is ROTA_PORT, and its URL in the commands rewritten, as in the
+    walkthrough."""
+    [block] = [b for b in blocks(PUSH) if b.lang == "sh"]
+    commands = shell_lines(block)
+    assert [c.split()[:2] for c in commands] == [
+        ["export", "ROTA_SECRET_HOOKS=$(python"], ["python", "examples/push/endpoint.py"],
+        ["rota", "serve"], ["curl", "-s"], ["rota", "specs"], ["rota", "run"]], commands
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    endpoint_port = str(free_port())
+    for name in ("greet.toml", "endpoint.py"):
+        copy = tmp_path / "examples" / "push" / name
+        assert "8080" in copy.read_text(), name
+        copy.write_text(copy.read_text().replace("8080", endpoint_port))
+    terminal = Terminal(tmp_path, free_port())
+    outputs: dict[str, str] = {}
+    try:
+        for command in commands:
+            if command.split("#")[0].rstrip().endswith("&"):
+                await terminal.spawn(command)
+            else:
+                outputs[command.split()[1]] = await terminal.run(command)
+    finally:
+        stopped = await terminal.stop_all()
+        print("\n".join(terminal.transcript))
+    assert '"status":"ok"' in outputs["-s"].replace(" ", ""), outputs["-s"]
+    assert "new       greet  sha256:" in outputs["specs"], outputs["specs"]
+    run = json.loads(outputs["run"])
+    assert run["state"] == "completed" and run["result"]["greeting"] == "Hello, Ada!", run
+    [(_, served, log)] = [s for s in stopped if s[0].startswith("rota serve")]
+    assert served == 0 and "Traceback" not in log and "ERROR" not in log, log
+    assert (tmp_path / "push.db").exists()

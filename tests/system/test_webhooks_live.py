@@ -1,12 +1,16 @@
 """Webhooks against a real `rota serve` and a receiver in the test: the server killed with
 -9 while deliveries wait for a receiver that is down sends them all after its restart;
-and (soak) a receiver down for 60 s gets every event afterwards while jobs flow through
-an SDK worker as fast as with no webhook failing."""
+and (soak) jobs flow through an SDK worker as fast with the receiver down as up (pairs of
+rounds, the receiver a process of its own), and one down for 60 s gets every event
+afterwards."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,16 +83,75 @@ async def run_jobs(served: Served, worker_done: set[str], n: int, tag: str) -> f
     batch = [{"spec": "work", "args": {"tag": tag, "n": i}} for i in range(n)]
     answer = await served.http.post("/jobs/batch", json={"jobs": batch})
     assert answer.status_code == 200, answer.text
-    await wait_until(lambda: sum(1 for j in worker_done if j.startswith(tag)) == n,
+    await wait_until(lambda: sum(1 for j in worker_done if j.startswith(f"{tag}-")) == n,
                      timeout=120.0, what=f"{n} jobs of {tag}")
     return n / (time.monotonic() - start)
 
 
+# A receiver in a process of its own (hookrig's, each request's body a line of a file), so
+# that answering the events takes no CPU from the worker in the test's process; down is
+# the process gone (its port refuses), up a new one on the same port.
+RECEIVE = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+from hookrig import Receiver
+class Lines(list):
+    def append(self, got):
+        out.write(got.body.decode() + "\\n")
+        out.flush()
+async def main():
+    receiver = await Receiver(got=Lines(), port=int(sys.argv[3])).start()
+    print(receiver.port, flush=True)
+    await asyncio.Event().wait()
+out = open(sys.argv[2], "a")
+asyncio.run(main())
+"""
+
+
+class ReceiverProcess:
+    def __init__(self, log: Path) -> None:
+        self.log, self.port = log, 0
+        self.proc: asyncio.subprocess.Process | None = None
+        log.touch()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", RECEIVE, str(Path(__file__).parents[1]), str(self.log),
+            str(self.port), stdout=asyncio.subprocess.PIPE)
+        assert self.proc.stdout is not None
+        self.port = int(await asyncio.wait_for(self.proc.stdout.readline(), 20))
+
+    async def down(self) -> None:
+        if self.proc is not None:
+            await reap(self.proc)
+            self.proc = None
+
+    def seen(self) -> set[tuple[str, str]]:
+        """(job, kind) of every event received: a redelivery counts once."""
+        found = (json.loads(line) for line in self.log.read_text().splitlines())
+        return {(event["data"]["job"], event["kind"]) for event in found}
+
+
+ROUNDS = 9  # pairs of rounds, the receiver up in the first and down in the second
+N = 2000  # jobs a round (2 events each: a pair's undelivered stay under MAX_PENDING, 10,000)
+
+
 @pytest.mark.soak
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 async def test_a_receiver_down_for_60s_gets_every_event_and_throughput_holds(tmp_path):
+    """Job throughput with the receiver down against it up, in pairs of rounds: each pair
+    starts with every event so far received, runs N jobs with the receiver up, then at once
+    N with it down, so that both rounds meet the same load of a shared machine (the down
+    round second: on the larger database, and with the up round's last deliveries still
+    to send, which can only count against it). The median of the pairs' ratios is the
+    measure; then the receiver stays down for 60 s, and gets every event afterwards."""
     port = free_port()
-    receiver = await Receiver().start()
+    receiver = ReceiverProcess(tmp_path / "received.jsonl")
+    await receiver.start()
     served = Served(httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10), port)
     # The schedule at a thousandth: tries at 0, 0.03, 0.15, 0.75, 4.35, 18.75 and 61.95 s.
     proc = await spawn_serve(served.http, serve_args(tmp_path, port, 0.001),
@@ -108,29 +171,43 @@ async def test_a_receiver_down_for_60s_gets_every_event_and_throughput_holds(tmp
         sub = (await served.http.post("/webhooks", json={
             "url": receiver.url, "kinds": ["enqueue", "result"]})).json()
         await run_jobs(served, done, 200, "warm")
-        n = 2000
-        healthy = await run_jobs(served, done, n, "up")
-        await receiver.down()
+        jobs = 200
+
+        async def caught_up() -> None:  # every event so far received: a pair starts clean
+            if receiver.proc is None:
+                await receiver.start()
+            await wait_until(lambda: len(receiver.seen()) >= 2 * jobs, timeout=60.0,
+                             what="the receiver to catch up", step=0.2)
+
+        pairs: list[tuple[float, float]] = []
+        for r in range(ROUNDS):
+            await caught_up()
+            healthy = await run_jobs(served, done, N, f"up{r}")
+            await receiver.down()  # at once: the two rounds of a pair meet the same load
+            dead = await run_jobs(served, done, N, f"down{r}")
+            jobs += 2 * N
+            pairs.append((healthy, dead))
+        await caught_up()
+        await receiver.down()  # and now down for 60 s
         went_down = time.monotonic()
-        dead = await run_jobs(served, done, n, "down")
+        await run_jobs(served, done, N, "outage")
+        jobs += N
         await asyncio.sleep(max(0.0, 60.0 - (time.monotonic() - went_down)))  # noqa: sleep-ok (the receiver stays down 60 s)
         await receiver.start()
-        want = (200 + 2 * n) * 2  # the enqueue and the result of every job
-
-        def seen() -> set[tuple[str, str]]:
-            return {(r.json["data"]["job"], r.json["kind"]) for r in receiver.got}
-        await wait_until(lambda: len(seen()) >= want, timeout=120.0,
-                         what="every event after the receiver is back")
-        assert len(seen()) == want
+        await wait_until(lambda: len(receiver.seen()) >= 2 * jobs, timeout=120.0,
+                         what="every event after the receiver is back", step=0.2)
+        assert len(receiver.seen()) == 2 * jobs  # the enqueue and the result of every job
         log = (await served.http.get(f"/webhooks/{sub['id']}/deliveries",
                                      params={"state": "dead"})).json()["deliveries"]
         assert log == []
-        # Throughput with the receiver down is that of a healthy one, within the noise of
-        # a shared machine: quiet runs gave 0.76 to 1.15 of it, runs beside another suite
-        # down to 0.59 (the down phase runs second, on a larger database). Half is what a
-        # receiver that held the engine back would miss by far.
-        print(f"jobs/s: receiver up {healthy:.0f}, receiver down {dead:.0f}")
-        assert dead >= 0.5 * healthy, (dead, healthy)
+        ratios = sorted(dead / healthy for healthy, dead in pairs)
+        print("jobs/s (receiver up, down):", ", ".join(f"({h:.0f}, {d:.0f})" for h, d in pairs),
+              "ratios:", ", ".join(f"{x:.2f}" for x in ratios))
+        # The median ratio of throughput with the receiver down to up: 0.94 to 1.11 in
+        # five runs on a shared 2-core machine, single pairs 0.56 to 1.84 beside other
+        # suites (docs/webhooks.md §Isolation). A receiver that held the engine back would
+        # pull most pairs, so the median, down.
+        assert statistics.median(ratios) >= 0.8, ratios
     finally:
         worker.stop()
         await asyncio.wait_for(running, 20)
@@ -138,7 +215,7 @@ async def test_a_receiver_down_for_60s_gets_every_event_and_throughput_holds(tmp
         await asyncio.wait_for(proc.wait(), 20)
         await reap(proc)
         await served.http.aclose()
-        await receiver.close()
+        await receiver.down()
 
 
 async def test_two_servers_on_postgresql_send_each_delivery_once(tmp_path: Path, pg_url: str):
