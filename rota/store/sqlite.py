@@ -104,7 +104,6 @@ def rowcounts(conn: Any, sql: str, rows: list[tuple[Any, ...]]) -> list[int]:
 # survives a crash of Rota but the last commits may be lost if the machine or its power
 # fails. Either way a commit is atomic and the file stays consistent (WAL).
 SYNCHRONOUS = {"full": "FULL", "process": "NORMAL"}
-BUSY_MS = 5000  # how long a statement waits for another process's lock on the file
 
 
 def connect(path: Path, *, readonly: bool = False, durability: str = "full"
@@ -113,7 +112,7 @@ def connect(path: Path, *, readonly: bool = False, durability: str = "full"
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.row_factory = sqlite3.Row
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
+        conn.execute("PRAGMA busy_timeout = 5000")
         conn.execute("PRAGMA foreign_keys = ON")
         if not readonly:  # (a file that is not a database fails here)
             conn.execute("PRAGMA journal_mode = WAL")

@@ -34,7 +34,7 @@ from rota.store.pushes import PushReading
 from rota.store.secrets import Secrets
 from rota.store import settle
 from rota.store.readers import Readers
-from rota.store.writer import INLINE_MAX, Checkpointer, Writer
+from rota.store.writer import Checkpointer, Writer
 from rota.base.errors import StorageError
 from rota.core.effects import Guard, Reserved
 from rota.core.model import WAITING_STATES, Change, ClockReading, JobRecord, StatusNote
@@ -97,8 +97,6 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
             self.checkpointer = None
             return
         self.writer = Writer(self.path, self.durability, self.health, self.max_db_size)
-        # A commit then waits for no disk: light ones may run on the loop (writer.py).
-        self.writer.inline = self.durability == "process"
         self.readers = Readers(self.path, self.db_pool, health=self.health)
         self.checkpointer = Checkpointer(self.path, health=self.health)
 
@@ -202,7 +200,7 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
                 sql.crash("enqueue-before-commit")
             return outcomes
 
-        return self.writer.submit(op, light=len(jobs) <= INLINE_MAX)
+        return self.writer.submit(op)
 
     def reserve(self, jobs: list[JobRecord], now: float, claims: Sequence[Claim] = (),
                 lease: float = 1800.0, min_lease: float = 0.0,
@@ -254,8 +252,7 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
             # the first claim gets the job.
             return Reserved([read.pop(seq, None) for seq in order], lost, refused, full)
 
-        light = not self.hold_reserve and len(rows) + len(claims) <= INLINE_MAX
-        return self.writer.submit(op, light=light)
+        return self.writer.submit(op)
 
     async def _stored_already(self, jobs: list[JobRecord], unscoped: Sequence[str | None],
                               full: StorageError) -> list[tuple[dict[str, Any], bool]]:
@@ -312,9 +309,7 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
             return {job_id: found.get(job_id) for job_id, _ in refused}
 
         now = time.time()
-        # (a save that ends a workflow's or schedule's job may release many: not light)
-        light = not ended and len(rows) <= INLINE_MAX
-        return self._releasing(self.writer.submit(op, light=light), released)
+        return self._releasing(self.writer.submit(op), released)
 
     def _settle(self, conn: sqlite3.Connection, ended: list[settle.Ended], now: float
                 ) -> list[JobRecord]:

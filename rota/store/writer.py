@@ -6,13 +6,6 @@ in one ``BEGIN IMMEDIATE`` transaction (a savepoint per function, so one failing
 function does not undo the others) and resolves the futures only after COMMIT. A
 storage failure degrades the store (rota/store/health.py); while degraded and idle, the
 writer probes whether writes work again. rota/store/pg.py's Writer is this one on PostgreSQL.
-
-A light write (one job's row, reservation or result) found the writer idle may instead be
-committed on the loop's own thread at the end of the turn (``inline``: SQLite with
-``--durability process`` only, where a commit writes to the page cache and waits for no
-disk): a lone producer's request then costs no hand-off to the thread and back. A commit
-there that takes long (a disk the kernel throttles) sends every write to the thread again
-for a while, so a slow disk stalls the loop once, briefly, not at every commit.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rota.store.sqlite import BUSY_MS, connect, storage_error, used_bytes
+from rota.store.sqlite import connect, storage_error, used_bytes
 from rota.store.health import Health
 from rota.base.errors import StorageError
 
@@ -41,9 +34,6 @@ MAX_BATCH = 512
 TRANSACTION_ATTEMPTS = 5
 CHECKPOINT_EVERY = 0.5  # seconds between background WAL checkpoints
 PROBE_EVERY = 1.0  # seconds between the writer's probe writes while degraded and idle
-INLINE_MAX = 8  # writes in one commit on the loop's thread; a turn with more hands them over
-INLINE_SLOW = 0.025  # seconds: a commit on the loop that took longer (a GIL wait is 5 ms)...
-INLINE_REST = 5.0  # ...sends every write to the thread for this long
 
 
 class Writer:
@@ -63,72 +53,16 @@ class Writer:
         # Callbacks run the moment their write's transaction settles (see ``on_settle``).
         # Only the loop's thread touches this.
         self._hooks: dict[asyncio.Future[Any], Callable[[asyncio.Future[Any]], None]] = {}
-        self.inline = False  # light writes may commit on the loop (Store: SQLite, "process")
-        self._owner = threading.Lock()  # held by whichever thread uses the connection
-        self._sent = 0  # writes handed to the thread (only the loop counts these)
-        self._done = 0  # and those it has committed (only the thread counts these)
-        self._here: list[tuple[Op, asyncio.Future[Any]]] | None = None  # for this turn's end
-        self._rest_until = 0.0  # (monotonic) no commit on the loop before then
-        self._stopped = False
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread.start()
 
-    def submit(self, op: Op, *, light: bool = False) -> asyncio.Future[Any]:
-        """Queue ``op`` for the next commit; its future resolves after that COMMIT.
-        ``light``: a write of a few rows, which may be committed on the loop (``inline``).
-        Writes commit in the order submitted, wherever they commit."""
+    def submit(self, op: Op) -> asyncio.Future[Any]:
         assert self._loop is not None, "Writer.start() first"
         future: asyncio.Future[Any] = self._loop.create_future()
-        if self._here is not None:
-            if light and len(self._here) < INLINE_MAX:
-                self._here.append((op, future))
-                return future
-            self._hand_over()  # what waits for this turn's end goes first, to the thread
-        elif light and self._may_commit_here():
-            self._here = [(op, future)]
-            self._loop.call_soon(self._commit_here)
-            return future
-        self._sent += 1
         self._queue.put((op, future))
         return future
-
-    def _may_commit_here(self) -> bool:
-        # Only when the thread has committed all it was given: a write must never
-        # overtake one submitted before it.
-        return (self.inline and not self._stopped and self._sent == self._done
-                and self.health.degraded is None and time.monotonic() >= self._rest_until)
-
-    def _hand_over(self) -> None:
-        here, self._here = self._here or [], None
-        for item in here:
-            self._sent += 1
-            self._queue.put(item)
-
-    def _commit_here(self) -> None:
-        """At the end of the turn that submitted them: this turn's light writes, in one
-        transaction on the loop's thread, unless the thread has the connection (then to it)."""
-        if self._here is None:
-            return  # handed to the thread meanwhile
-        if not self._owner.acquire(blocking=False):
-            self._hand_over()
-            return
-        started = time.monotonic()
-        try:
-            if not self._begin_here():
-                self._hand_over()
-                return
-            here, self._here = self._here, None
-            outcomes = self._transaction(here, begun=True)
-        finally:
-            self._owner.release()
-        took = time.monotonic() - started
-        if took > INLINE_SLOW:
-            self._rest_until = time.monotonic() + INLINE_REST
-            log.info("store: a commit on the event loop took %.1f ms (a slow disk?); every"
-                     " write goes to the writer thread for %gs", took * 1e3, INLINE_REST)
-        self._settle(outcomes)
 
     def on_settle(self, future: asyncio.Future[Any],
                   callback: Callable[[asyncio.Future[Any]], None]) -> None:
@@ -140,9 +74,6 @@ class Writer:
         self._hooks[future] = callback
 
     def stop(self) -> None:
-        self._stopped = True
-        if self._here is not None:
-            self._hand_over()
         self._queue.put(None)
         self._thread.join(timeout=10)
 
@@ -190,8 +121,7 @@ class Writer:
     def _run(self) -> None:
         try:
             try:
-                with self._owner:
-                    self._connection()
+                self._connection()
             except Exception as exc:  # the storage's fault: degraded, opened again later
                 if (failure := self._classify(exc)) is None:
                     raise
@@ -203,24 +133,18 @@ class Writer:
                     # Idle. If a failure (here, or a reader's or the checkpointer's) left
                     # the store degraded, only a write tells whether writes work again.
                     if self.health.degraded is not None:
-                        with self._owner:
-                            self._probe()
+                        self._probe()
                     continue
                 if first is None:
                     return
                 batch = [first]
                 stopping = self._drain_into(batch)
-                with self._owner:
-                    outcomes = self._transaction(batch)
-                    self._done += len(batch)
-                assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._settle, outcomes)
+                self._commit(batch)
                 if stopping:
                     return
         finally:
-            with self._owner:
-                if self._conn is not None:
-                    self._conn.close()
+            if self._conn is not None:
+                self._conn.close()
 
     def _drain_into(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> bool:
         while len(batch) < MAX_BATCH:
@@ -233,38 +157,15 @@ class Writer:
             batch.append(item)
         return False
 
-    def _begin_here(self) -> bool:
-        """BEGIN IMMEDIATE on the loop, if it need not wait: another process holding the
-        file's write lock (a CLI writing to it) would hold the loop for up to BUSY_MS, so
-        then, or on any other failure, the thread takes the writes (and reports failures)."""
-        conn = self._conn
-        if conn is None:
-            return False
-        try:
-            _rollback(conn)
-            conn.execute("PRAGMA busy_timeout = 0")
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-            finally:
-                conn.execute(f"PRAGMA busy_timeout = {BUSY_MS}")
-        except Exception:  # noqa: BLE001 (the thread meets it again, and reports it)
-            _rollback(conn)
-            return False
-        return True
-
-    def _transaction(self, batch: list[tuple[Op, asyncio.Future[Any]]], begun: bool = False
-                     ) -> list[tuple[asyncio.Future[Any], Any, BaseException | None]]:
-        """Run ``batch`` in one transaction (each op in a savepoint); each op's outcome.
-        ``begun``: the caller's BEGIN IMMEDIATE is open (the first attempt's)."""
+    def _commit(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> None:
         outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         conn = None
         for attempt in range(TRANSACTION_ATTEMPTS):
             outcomes = []
             try:
                 conn = self._connection()
-                if not (begun and attempt == 0):
-                    _rollback(conn)  # a ROLLBACK that failed last time leaves one open
-                    conn.execute("BEGIN IMMEDIATE")
+                _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
+                conn.execute("BEGIN IMMEDIATE")
                 for op, future in batch:
                     outcomes.append((future, *_run_in_savepoint(conn, op, self._classify,
                                                                  self._alone)))
@@ -289,7 +190,8 @@ class Writer:
                 if self.max_bytes is not None:
                     self.used_bytes = self.measure(conn)
             break
-        return outcomes
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._settle, outcomes)
 
     def _alone(self, exc: BaseException) -> bool:
         """Whether a storage error fails only the op that met it (rota/store/pg.py: a lock
