@@ -37,8 +37,10 @@ class Rig:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def lines(self, delivery_id: str | None = None) -> list[dict[str, Any]]:
-        """The rig's log (its line is written before it answers), or one delivery's."""
-        found = [json.loads(line) for line in self.log.read_text().splitlines()]
+        """The rig's log (its line is written before it answers), or one delivery's. A
+        line still being written (read while a request is in flight) is left for later."""
+        text = self.log.read_text()
+        found = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
         return [f for f in found if delivery_id is None or f.get("delivery_id") == delivery_id]
 
 

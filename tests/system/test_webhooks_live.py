@@ -131,8 +131,10 @@ class ReceiverProcess:
             self.proc = None
 
     def seen(self) -> set[tuple[str, str]]:
-        """(job, kind) of every event received: a redelivery counts once."""
-        found = (json.loads(line) for line in self.log.read_text().splitlines())
+        """(job, kind) of every event received: a redelivery counts once. (A line still
+        being written, read while the receiver writes it, is left for the next look.)"""
+        text = self.log.read_text()
+        found = (json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines())
         return {(event["data"]["job"], event["kind"]) for event in found}
 
 
