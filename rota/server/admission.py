@@ -99,7 +99,8 @@ class Admission:
         # A push-executed job on a database several servers share waits too: its version
         # follows from its row (rota/core/pins.py), and a push through another server
         # just before it may not be known here yet (``_pins_known``).
-        pinned = {job.id for job in jobs if self._pinned(job)}
+        pinned = {job.id for job in jobs if self.barrier is not None
+                  and job.spec in self.engine.scheduler.pins.windows}
         early = [job for request, job in zip(requests, built, strict=True)
                  if request.id is None and not isinstance(job, DomainError)
                  and job.unique is None and job.id not in pinned]
@@ -174,7 +175,8 @@ class Admission:
                              else Conflict("id_conflict", f"job {row['id']} exists already")
                              if not new and met is None else job
                              for job, (row, new) in zip(jobs, refused.outcomes, strict=True)])
-        if any(self._pinned(job) for job in jobs):
+        if self.barrier is not None and any(job.spec in self.engine.scheduler.pins.windows
+                                            for job in jobs):
             await self._pins_known()
         now = self.clock()
         self.apply(self.engine.enqueued_all([(job, row["rowid"]) for job, (row, new)
@@ -183,11 +185,6 @@ class Admission:
             if new and row.get("unique_replaced"):
                 self.apply(self.engine.replaced(row["unique_replaced"], row["id"], now))
         return list(stored)
-
-    def _pinned(self, job: JobRecord) -> bool:
-        """Whether ``job`` must wait for ``_pins_known``: a push-executed spec's, on a
-        database several servers share."""
-        return self.barrier is not None and job.spec in self.engine.scheduler.pins.windows
 
     async def _pins_known(self) -> None:
         """After push-executed jobs' rows committed, before they are taken in: every
