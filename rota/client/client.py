@@ -1,20 +1,17 @@
 """A small synchronous HTTP client for the Rota API, the CLI's and producers', and the job
 handles and errors both producer clients share (``rota.client.producer`` has the asyncio one).
 
-It speaks HTTP/1.1 over one kept-alive connection with the standard library's
-http.client. A general-purpose client (httpx) cost 0.3 ms more per call here on an idle
-loopback, as much as the server's commit: for a producer that enqueues one job at a
-time, the client was a third of the round trip (docs/performance.md).
+It speaks HTTP/1.1 over one kept-alive connection (rota/client/transport.py). A
+general-purpose client (httpx) cost 0.3 ms more per call here on an idle loopback, as
+much as the server's commit: for a producer that enqueues one job at a time, the client
+was a third of the round trip (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import http.client
 import os
-import socket
-import ssl
 import time
-import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +26,7 @@ from rota.client.flows import Workflows
 from rota.client.schedules import ScheduleCalls
 from rota.client.webhooks import WebhookCalls
 from rota.client.secrets import SecretCalls
+from rota.client.transport import IDEMPOTENT, Transport
 
 # The server's default max_result_wait: it refuses a longer ?wait= (400 invalid_wait), so
 # a longer result() timeout is waited out in polls of at most this. A server started with
@@ -189,95 +187,6 @@ class Failover:
         return error.code == "unreachable" or (error.code == "no_answer" and method in IDEMPOTENT)
 
 
-# A kept-alive connection idle longer than this is not reused: the server closes idle
-# ones after 5 s, and a request sent as it does so would be lost in the race.
-IDLE_REUSE = 2.0
-IDEMPOTENT = frozenset({"GET", "PUT", "DELETE", "HEAD"})
-
-
-class _Transport:
-    """One HTTP/1.1 connection to the server, opened on demand and kept alive."""
-
-    def __init__(self, url: str, *, timeout: float, headers: dict[str, str]) -> None:
-        self.url = url
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ApiError(None, "bad_url", f"not an http(s) URL: {url!r} (give the server's"
-                           " base URL, such as http://127.0.0.1:8000)")
-        self.https = parts.scheme == "https"
-        self.host = parts.hostname
-        self.port = parts.port or (443 if self.https else 80)
-        self.prefix = parts.path.rstrip("/")
-        self.timeout = timeout
-        self.headers = {"Accept": "application/json", **headers}
-        self.token = "Authorization" in headers
-        self._conn: http.client.HTTPConnection | None = None
-        self._used_at = 0.0
-        self.connected = False  # the last request got as far as a connection
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def request(self, method: str, path: str, *, body: bytes | None = None,
-                params: dict[str, Any] | None = None, timeout: float | None = None
-                ) -> tuple[int, bytes]:
-        target = self.prefix + path
-        if params:
-            target += "?" + urllib.parse.urlencode(params)
-        headers = dict(self.headers)
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        if self._conn is not None and time.monotonic() - self._used_at > IDLE_REUSE:
-            self.close()
-        reused = self._conn is not None
-        try:
-            return self._send(method, target, body, headers, timeout)
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-            self.close()
-            # A kept-alive connection the server had just closed: nothing was read, and a
-            # request that means the same thing twice may go again on a new connection.
-            if not (reused and method in IDEMPOTENT):
-                raise
-            return self._send(method, target, body, headers, timeout)
-
-    def _send(self, method: str, target: str, body: bytes | None, headers: dict[str, str],
-              timeout: float | None) -> tuple[int, bytes]:
-        self.connected = False
-        conn = self._connection()
-        self.connected = True  # from here on, the server may act on what it is sent
-        conn.timeout = timeout or self.timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(conn.timeout)
-        try:
-            conn.request(method, target, body=body, headers=headers)
-            response = conn.getresponse()
-            data = response.read()
-        except BaseException:
-            self.close()
-            raise
-        if response.will_close:
-            self.close()
-        self._used_at = time.monotonic()
-        return response.status, data
-
-    def _connection(self) -> http.client.HTTPConnection:
-        if self._conn is None:
-            if self.https:
-                self._conn = http.client.HTTPSConnection(
-                    self.host, self.port, timeout=self.timeout,
-                    context=ssl.create_default_context())
-            else:
-                self._conn = http.client.HTTPConnection(self.host, self.port,
-                                                        timeout=self.timeout)
-            self._conn.connect()
-            assert self._conn.sock is not None
-            # Small requests and answers: never wait for a delayed ACK (Nagle).
-            self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return self._conn
-
-
 class Client(Workflows, ScheduleCalls, SecretCalls, WebhookCalls):
     """A synchronous client for the Rota API, for producers (a web app's request handlers,
     scripts) and the CLI. It keeps one HTTP/1.1 connection alive; it is not thread-safe,
@@ -301,7 +210,7 @@ class Client(Workflows, ScheduleCalls, SecretCalls, WebhookCalls):
         token = given_token(token)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # One connection per server, every URL checked now (bad_url before any request).
-        self._transports = [_Transport(u, timeout=timeout, headers=headers)
+        self._transports = [Transport(u, timeout=timeout, headers=headers)
                             for u in self.servers.urls]
 
     @property
