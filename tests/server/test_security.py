@@ -662,6 +662,15 @@ async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path, c
 
         said = await asyncio.to_thread(untrusting)  # Rota's own client says what to do
         assert said.code == "untrusted_certificate" and "SSL_CERT_FILE" in said.message
+
+        def trusting() -> tuple[dict[str, Any], str]:
+            with Client(https) as client:  # told where the CA is, as the message says
+                return client.job(job["id"]), client.enqueue("echo", {"n": 1}).spec
+
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SSL_CERT_FILE", str(ca_file))
+            shown, enqueued = await asyncio.to_thread(trusting)
+        assert shown["result"] == "over tls" and enqueued == "echo", shown
         plain = f"http://127.0.0.1:{live.settings.port}"  # (it hangs up on a plain request)
         for command in (["jobs", "show", "x"], ["enqueue", "echo"], ["tail"]):
             code, _, err = await rota(*command, "--url", plain)
