@@ -16,6 +16,7 @@ cut short; ``OSError`` (``TimeoutError`` among them) from the socket.
 from __future__ import annotations
 
 import http.client
+import select
 import socket
 import ssl
 import time
@@ -67,12 +68,29 @@ class Connection:
             raise http.client.HTTPException(f"a bad Content-Length: {length[:40]!r}")
         return status, self._exactly(int(length)), will_close
 
+    def dropped(self) -> bool:
+        """Whether a kept-alive connection, between requests, has something to read: the
+        server closed it (a restart, an idle timeout) or sent what nobody asked for.
+        Either way a request must not go on it (as urllib3 judges a pooled connection)."""
+        try:
+            if hasattr(select, "poll"):
+                poller = select.poll()  # (select() refuses a descriptor over 1023)
+                poller.register(self.sock, select.POLLIN)
+                return bool(poller.poll(0))
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
     def _head(self) -> tuple[int, str, dict[str, str]]:
         buf = self.buffer
         first = True
         while (end := buf.find(b"\r\n\r\n")) < 0:
             if len(buf) > MAX_HEAD:
                 raise http.client.HTTPException("an answer's headers over 64 KiB")
+            # Not HTTP (a service that speaks first, and may then wait): said at once,
+            # not after the whole timeout.
+            if len(buf) >= 5 and not buf.startswith(b"HTTP/"):
+                raise http.client.BadStatusLine(buf.split(b"\r\n", 1)[0][:100].decode("latin-1"))
             try:
                 buf += self._more()
             except EOFError:
@@ -192,7 +210,8 @@ class Transport:
         elif method in ("POST", "PUT", "PATCH"):
             head += "Content-Length: 0\r\n"
         message = (head + "\r\n").encode("latin-1") + (body or b"")
-        if self._conn is not None and time.monotonic() - self._used_at > IDLE_REUSE:
+        if self._conn is not None and (time.monotonic() - self._used_at > IDLE_REUSE
+                                       or self._conn.dropped()):
             self.close()
         reused = self._conn is not None
         try:

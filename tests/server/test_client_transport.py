@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -158,3 +159,50 @@ def test_a_server_that_never_answers_times_out(peer):
         assert "timed out" in raised.value.message
     finally:
         release.set()
+
+
+def test_a_service_that_speaks_first_and_waits_is_not_http_at_once(peer):
+    """An SSH server (say) on the port: its first line is not HTTP, which is said as soon
+    as it comes, not after the client's whole timeout."""
+    release = threading.Event()
+
+    def speak_and_wait(conn: socket.socket, _request: bytes) -> None:
+        conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+        release.wait(10)
+
+    url = peer([speak_and_wait])
+    started = time.monotonic()
+    try:
+        with Client(url, timeout=20) as client, pytest.raises(ApiError) as raised:
+            client.job("a")
+    finally:
+        release.set()
+    assert time.monotonic() - started < 5
+    assert raised.value.code == "no_answer" and "SSH-2.0" in raised.value.message
+
+
+def test_an_enqueue_after_the_server_closed_the_kept_alive_connection_goes_on_a_new_one(peer):
+    """A server restarted (or timing out an idle connection) between two calls: the
+    connection it closed is seen closed before the request goes, so an enqueue is sent
+    on a new one, not lost on the old one as "may have been carried out"."""
+    closed = threading.Event()
+
+    def answer_and_close(conn: socket.socket, _request: bytes) -> bool:
+        conn.sendall(b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n%s" % (len(JOB), JOB))
+        conn.shutdown(socket.SHUT_RDWR)
+        closed.set()
+        return True
+
+    url = peer([answer_and_close, say(b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n%s"
+                                      % (len(JOB), JOB))])
+    with Client(url) as client:
+        assert client.enqueue("noop", {}).id == "a"
+        assert closed.wait(5)
+        kept = client._transports[0]._conn
+        assert kept is not None
+        deadline = time.monotonic() + 5
+        while not kept.dropped():  # (until the server's FIN has crossed loopback)
+            assert time.monotonic() < deadline, "the closed connection never read as closed"
+            time.sleep(0.001)
+        assert client.enqueue("noop", {}).id == "a"
+    assert sum(r.startswith(b"POST") for r in peer.seen) == 2  # type: ignore[attr-defined]
