@@ -239,9 +239,10 @@ class Client(Workflows, ScheduleCalls, SecretCalls, WebhookCalls):
         if status >= 300:
             raise refusal(status, answer, content, token=self._transports[0].token,
                           url=self.url)
-        if answer is None:
+        if not isinstance(answer, dict):  # (every answer of the API is a JSON object)
             raise (not_the_api(self.url, status, content)
-                   or ApiError(status, "http_error", f"not a JSON answer: {content[:200]!r}"))
+                   or ApiError(status, "http_error", "not an answer of Rota's API (a JSON"
+                               f" object): {content[:200]!r}"))
         return answer
 
     def _request(self, method: str, path: str, body: bytes | None,

@@ -252,9 +252,10 @@ class AsyncClient(AsyncWorkflows, AsyncScheduleCalls):
         status, url = response.status_code, self.url
         if status >= 300:
             raise refusal(status, body, response.content, token=self._token, url=url)
-        if body is None:
+        if not isinstance(body, dict):  # (every answer of the API is a JSON object)
             raise (not_the_api(url, status, response.content) or ApiError(
-                status, "http_error", f"not a JSON answer: {response.content[:200]!r}"))
+                status, "http_error", "not an answer of Rota's API (a JSON object):"
+                f" {response.content[:200]!r}"))
         return body
 
 

@@ -206,3 +206,13 @@ def test_an_enqueue_after_the_server_closed_the_kept_alive_connection_goes_on_a_
             time.sleep(0.001)
         assert client.enqueue("noop", {}).id == "a"
     assert sum(r.startswith(b"POST") for r in peer.seen) == 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("body", [b"[]", b"42", b'"text"', b"null"])
+def test_json_that_is_not_an_object_is_not_an_answer_of_the_api(peer, body):
+    """Another service on the port answering JSON, but not Rota's (every answer of the
+    API is an object): an error that says so, never a caller's KeyError or TypeError."""
+    url = peer([say(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))])
+    with Client(url) as client, pytest.raises(ApiError) as raised:
+        client.list_jobs()
+    assert raised.value.code == "http_error" and "a JSON object" in raised.value.message
