@@ -7,7 +7,7 @@ Run from the repository root (the reference needs ``pip install -e '.[bench]'`` 
     .venv/bin/python bench/compare.py latency    # 500 single enqueues at 100/s: enqueue -> handler start
     .venv/bin/python bench/compare.py producers  # one producer one job at a time; AsyncClient, 100 callers
     .venv/bin/python bench/compare.py growth     # e2e with 10k/100k/1M jobs kept; latency while 100k drain
-    .venv/bin/python bench/compare.py idle       # 1,000 / 5,000 / 10,000 idle workers beating every 1 s, plain and lean
+    .venv/bin/python bench/compare.py idle       # 1,000 / 5,000 / 10,000 idle workers beating every 1 s, plain, lean and sparse
     .venv/bin/python bench/compare.py storm      # 10,000 workers reconnecting at once after a kill -9
     .venv/bin/python bench/compare.py backlog    # 1,000,000 waiting jobs: memory, and a restart
     .venv/bin/python bench/compare.py soak       # memory over minutes at a sustained rate
@@ -334,14 +334,15 @@ def idle(quick: bool) -> dict[str, Any]:
     """Idle workers that only beat, once a second each, from bench/fleet.py's clients (raw
     sockets over two processes, cheap enough to really send N beats a second): the
     server's CPU and memory, the beats really sent, and the WARNING/ERROR lines (stall
-    warnings among them) its log gained over the window. Each size runs twice: plain
-    (an ack for every beat) and ``--lean`` (registered with ``"lean_acks": true``)."""
+    warnings among them) its log gained over the window. Each size runs three times:
+    plain (an ack for every beat), ``--lean`` (registered with ``"lean_acks": true``) and
+    ``--sparse`` (with ``"idle_ack_interval": 10`` too, as the Python SDK registers)."""
     fleet.raise_nofile()  # inherited by the server
     sizes = [200, 1000] if quick else [1000, 5000, 10000]
     seconds = 3.0 if quick else IDLE_SECONDS
-    rota: dict[str, Any] = {"plain": {}, "lean": {}}
+    rota: dict[str, Any] = {"plain": {}, "lean": {}, "sparse": {}}
     for size in sizes:
-        for mode in ("plain", "lean"):
+        for mode in rota:
             with rota_server(extra=["--max-connections", str(size + 500),
                                     "--max-worker-connections-per-token", str(size + 500)]
                              ) as (setup, children):
@@ -349,7 +350,8 @@ def idle(quick: bool) -> dict[str, Any]:
                 server = next(c for c in children.items if c.name == "server")
                 url = setup.base_url.replace("http", "ws", 1) + "/work"
                 figures = fleet.measure_idle(url, size, seconds, lean=mode == "lean",
-                                             server_pid=proc.pid, log_path=server.log_path)
+                                             sparse=mode == "sparse", server_pid=proc.pid,
+                                             log_path=server.log_path)
             rota[mode][str(size)] = figures
             print(f"  rota, {size} idle workers, {mode}: {figures['server_cpu_percent']} % of"
                   f" a core, {figures['server_rss_mib']} MiB, {figures['beats_per_s']} beats/s,"

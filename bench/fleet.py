@@ -16,7 +16,8 @@ each client at its own phase of the second, never waiting for an ack. A client f
 be masked; its mask key is four zero bytes, which leaves the payload as it is (RFC 6455
 allows any key). What comes back is counted, not decoded: a frame holding ``"ack"`` is an
 ack, ``"welcome"`` a welcome, anything else "other"; pings are answered. ``--lean``
-registers with ``"lean_acks": true`` (a server that does not know the field ignores it).
+registers with ``"lean_acks": true`` (a server that does not know the field ignores it);
+``--sparse`` adds ``"idle_ack_interval": 10``, as the Python SDK does (docs/protocol.md §4.2).
 
 A lost connection is reconnected with the SDK's policy (rota/worker/link.py): 0.1 s
 doubling per failed attempt, capped at 2.5 s (half the default heartbeat timeout),
@@ -57,6 +58,7 @@ from urllib.parse import urlsplit
 TICKS = 100  # a process sends its beats in this many slices of each second
 HANDSHAKE_TIMEOUT = 10.0  # seconds from the connect to the 101
 REGISTER_TIMEOUT = 10.0  # seconds from the 101 to the welcome
+SDK_IDLE_ACK_INTERVAL = 10.0  # what the Python SDK asks for (rota/worker/link.py)
 BACKOFF_FIRST, BACKOFF_CAP = 0.1, 2.5  # the SDK's (rota/worker/link.py, timeout 5 s)
 
 
@@ -280,6 +282,7 @@ class ProcessFleet:
             lines.append(f"Authorization: Bearer {opts['token']}")
         self.request = ("\r\n".join(lines) + "\r\n\r\n").encode()
         self.lean = bool(opts.get("lean"))
+        self.sparse = bool(opts.get("sparse"))
         self.prefix = opts.get("prefix", "idle-")
         self.conn = conn
         self.stats = Stats()
@@ -298,8 +301,10 @@ class ProcessFleet:
                              "sdk": "bench", "queues": ["idle"], "concurrency": 1,
                              "specs": []},
             "capacity": 0}
-        if self.lean:
+        if self.lean or self.sparse:
             body["registration"]["lean_acks"] = True
+        if self.sparse:
+            body["registration"]["idle_ack_interval"] = SDK_IDLE_ACK_INTERVAL
         return client_frame(json.dumps(body, separators=(",", ":")).encode())
 
     async def run(self) -> None:
@@ -381,9 +386,10 @@ class Fleet:
 
     def __init__(self, url: str, workers: int, *, procs: int = 2, lean: bool = False,
                  token: str | None = None, connect_rate: float = 2000.0,
-                 prefix: str = "idle-") -> None:
+                 prefix: str = "idle-", sparse: bool = False) -> None:
         self.workers = workers
-        opts = {"url": url, "lean": lean, "token": token, "connect_rate": connect_rate,
+        opts = {"url": url, "lean": lean, "sparse": sparse, "token": token,
+                "connect_rate": connect_rate,
                 "procs": procs, "prefix": prefix}
         ctx = mp.get_context("spawn")
         self.pipes = []
@@ -482,8 +488,8 @@ def failures(counters: dict[str, int]) -> dict[str, int]:
 def measure_idle(url: str, workers: int, seconds: float, *, lean: bool = False,
                  procs: int = 2, token: str | None = None, server_pid: int | None = None,
                  settle: float = 3.0, connect_timeout: float = 120.0,
-                 log_path: Path | None = None, connect_rate: float = 2000.0
-                 ) -> dict[str, Any]:
+                 log_path: Path | None = None, connect_rate: float = 2000.0,
+                 sparse: bool = False) -> dict[str, Any]:
     """N clients registered and beating: the rates over ``seconds`` after ``settle``, the
     server's CPU (% of one core) and RSS when its pid is given, and the WARNING/ERROR
     lines its log (``log_path``) gained over the window and over the whole run."""
@@ -491,7 +497,7 @@ def measure_idle(url: str, workers: int, seconds: float, *, lean: bool = False,
 
     server = psutil.Process(server_pid) if server_pid else None
     with Fleet(url, workers, procs=procs, lean=lean, token=token,
-               connect_rate=connect_rate) as fleet:
+               connect_rate=connect_rate, sparse=sparse) as fleet:
         try:
             connect_s: float | None = round(fleet.wait_registered(connect_timeout), 2)
         except TimeoutError:  # measured all the same, with those that got in
@@ -505,7 +511,7 @@ def measure_idle(url: str, workers: int, seconds: float, *, lean: bool = False,
         after = fleet.snapshot()
         elapsed = time.monotonic() - started
         log_to = log_path.stat().st_size if log_path else 0
-        figures: dict[str, Any] = {"workers": workers, "lean": lean,
+        figures: dict[str, Any] = {"workers": workers, "lean": lean, "sparse": sparse,
                                    "connect_all_s": connect_s,
                                    "registered_at_start": before["registered"],
                                    "seconds": round(elapsed, 1)}
@@ -619,14 +625,15 @@ def storm_server(workers: int) -> Iterator[Any]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def storm(workers: int, *, procs: int = 2, lean: bool = False, settle: float = 5.0,
-          deadline: float = 90.0, connect_timeout: float = 90.0) -> dict[str, Any]:
+def storm(workers: int, *, procs: int = 2, lean: bool = False, sparse: bool = False,
+          settle: float = 5.0, deadline: float = 90.0, connect_timeout: float = 90.0
+          ) -> dict[str, Any]:
     """N registered and beating; SIGKILL the server, start it again, all reconnect."""
     import psutil
 
     with storm_server(workers) as rig:
         first = rig.start("server")
-        with Fleet(rig.url, workers, procs=procs, lean=lean) as fleet:
+        with Fleet(rig.url, workers, procs=procs, lean=lean, sparse=sparse) as fleet:
             try:
                 connect_s: float | None = round(fleet.wait_registered(connect_timeout), 2)
             except TimeoutError:  # the storm all the same, with those that got in
@@ -667,7 +674,7 @@ def storm(workers: int, *, procs: int = 2, lean: bool = False, settle: float = 5
     diff = {k: final["counters"].get(k, 0) - before["counters"].get(k, 0)
             for k in final["counters"]}
     return {
-        "workers": workers, "lean": lean, "procs": procs,
+        "workers": workers, "lean": lean, "sparse": sparse, "procs": procs,
         "first_connect_all_s": connect_s,
         "registered_before_kill": before["registered"],
         "all_back": all_back,
@@ -700,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--lean", action="store_true", help='register with "lean_acks": true')
+    parser.add_argument("--sparse", action="store_true",
+                        help='and "idle_ack_interval": 10, as the Python SDK registers')
     parser.add_argument("--token", default=os.environ.get("ROTA_TOKEN"))
     parser.add_argument("--server-pid", type=int, help="measure this process's CPU and RSS")
     parser.add_argument("--connect-rate", type=float, default=2000.0,
@@ -709,9 +718,10 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     raise_nofile()
     if opts.storm:
-        figures = storm(opts.workers, procs=opts.procs, lean=opts.lean)
+        figures = storm(opts.workers, procs=opts.procs, lean=opts.lean, sparse=opts.sparse)
     else:
         figures = measure_idle(opts.url, opts.workers, opts.seconds, lean=opts.lean,
+                               sparse=opts.sparse,
                                procs=opts.procs, token=opts.token, server_pid=opts.server_pid,
                                connect_rate=opts.connect_rate)
     print(json.dumps(figures))

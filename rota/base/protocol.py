@@ -111,6 +111,10 @@ class Registration(msgspec.Struct, kw_only=True):
     # is answered only when no ack went out for ``heartbeat_timeout / 4`` (§4.2). False,
     # the default: every heartbeat gets its ack, as an older worker expects.
     lean_acks: bool = False
+    # With lean acks: how long the worker, while idle, may go without an ack (§4.2,
+    # "Sparse acks"). The server keeps it within [heartbeat_timeout / 4, 60] and says what
+    # it applies in ``welcome``. Absent, as from an older worker: heartbeat_timeout / 4.
+    idle_ack_interval: Annotated[float, msgspec.Meta(gt=0, le=3600)] | None = None
 
 
 class Progress(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -193,6 +197,9 @@ class Welcome(_Tagged, tag="welcome"):
     heartbeat_timeout: float
     visibility_timeout: float
     specs: SpecVerdict
+    # The idle ack interval applied, when the registration asked for one (§4.2): sent
+    # only then, so an older worker never sees the field.
+    idle_ack_interval: float | None = None
 
 
 class ResultRejection(msgspec.Struct, kw_only=True):

@@ -33,6 +33,9 @@ log = logging.getLogger("rota.server")
 # at once.
 MAY_RECONNECT = frozenset({"connection_lost", "superseded", "internal_error", "rate_limited",
                            "slow_consumer"})
+# The longest a worker may ask to go without an ack while idle (sparse acks, §4.2): the
+# server's own sign of life; a worker that wants to know sooner asks for less.
+MAX_IDLE_ACK_INTERVAL = 60.0
 # Ends of a connection that count toward a job's poison tally (max_worker_deaths) when
 # its jobs go back at once: the worker process closed without a goodbye or went silent.
 # A goodbye, a protocol error or a revoked token says nothing about the job. (Jobs kept
@@ -76,6 +79,7 @@ class Heartbeats:
                           prefetch=reg.prefetch, token=principal.token_id)
         self.scheduler.add_worker(slot)
         connection = ConnectedWorker(conn, slot, reg, now.wall, now.mono, principal)
+        connection.ack_window = self._ack_window(reg)
         self.registry.add(connection)
         self.registry.log_registration(connection, verdict, now.mono)
         effects.append(WorkerSeen(hb.worker_id, reg, now.wall))
@@ -85,8 +89,22 @@ class Heartbeats:
             worker_id=slot.id, server_time=p.rfc3339(now.wall),
             heartbeat_interval=self.settings.heartbeat_interval,
             heartbeat_timeout=self.settings.heartbeat_timeout,
-            visibility_timeout=self.settings.visibility_timeout, specs=verdict))))
+            visibility_timeout=self.settings.visibility_timeout, specs=verdict,
+            idle_ack_interval=(connection.ack_window if reg.lean_acks
+                               and reg.idle_ack_interval is not None else None),
+        ))))
         return effects
+
+    def _ack_window(self, reg: p.Registration) -> float:
+        """How long a worker that holds no job goes without an ack (docs/protocol.md
+        §4.2): none without lean acks; a quarter of the heartbeat timeout by default; what
+        it asked for within [that, MAX_IDLE_ACK_INTERVAL] when it said (sparse acks)."""
+        if not reg.lean_acks:
+            return 0.0
+        least = self.settings.heartbeat_timeout / 4
+        if reg.idle_ack_interval is None:
+            return least
+        return min(max(reg.idle_ack_interval, least), max(least, MAX_IDLE_ACK_INTERVAL))
 
     def disconnect(self, conn: int, worker_id: str, reason: str, now: Instant) -> list[Effect]:
         """Connection ``conn`` of the worker ended: forget it (not a newer connection of
@@ -217,11 +235,16 @@ class Heartbeats:
                rejected: list[p.ResultRejection], now: Instant) -> bool:
         """Whether a heartbeat goes unanswered (docs/protocol.md §4.2): its worker asked
         for lean acks, it carried no result, no directive waits for the worker, no ack is
-        ahead of it, and an ack went out within ``heartbeat_timeout / 4``, so the worker
-        still hears from the server often enough to know it is there."""
-        return (connection.registration.lean_acks and not hb.results and not rejected
-                and not hb.goodbye and connection.directive is None and not connection.acks
-                and now.mono - connection.last_ack < self.settings.heartbeat_timeout / 4)
+        ahead of it, and an ack went out within its window (``_ack_window``), so the
+        worker still hears from the server as often as it asked to. A worker that holds
+        a job, in its own view or the server's, gets a quarter of the timeout at most: it
+        must learn of a dead connection before the server gives its jobs to another."""
+        window = connection.ack_window
+        if window > self.settings.heartbeat_timeout / 4 and (
+                connection.reported or connection.worker.active or connection.worker.claims):
+            window = self.settings.heartbeat_timeout / 4
+        return (now.mono - connection.last_ack < window and not hb.results and not rejected
+                and not hb.goodbye and connection.directive is None and not connection.acks)
 
     def _flush_acks(self, connection: ConnectedWorker) -> list[Effect]:
         sends: list[Effect] = []

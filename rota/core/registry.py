@@ -56,6 +56,8 @@ class ConnectedWorker:
     frames: int = 0  # heartbeats read from this connection
     last_ack: float = float("-inf")  # monotonic: when the last ack was made (lean acks)
     quiet_acks: int = 0  # idle heartbeats left unanswered (lean acks)
+    # Lean acks: an idle beat within this many seconds of the last ack gets none (§4.2).
+    ack_window: float = 0.0
     logged: bool = True  # its registration was logged (and so its disconnect will be)
     over_since: float | None = None  # monotonic: since when its outbox is over the limit
     # Lists, not deques: an empty deque takes 760 bytes, and 10,000 idle connections

@@ -46,7 +46,7 @@ from rota.worker.connection import ConnectionThread
 from rota.worker.context import JobContext, StatusBuffer, check_level
 from rota.worker.execution import Handler, ResultTooLarge, Runner
 from rota.base.ids import uuid7
-from rota.worker.link import RESULT_BYTES_PER_BEAT, Link, Servers, work_urls
+from rota.worker.link import IDLE_ACK_INTERVAL, RESULT_BYTES_PER_BEAT, Link, Servers, work_urls
 from rota.worker.manual import Listener
 from rota.base.specs import UNVERSIONED, JobSpec, SpecError, checksum, load_dir
 from rota.base.wording import names
@@ -255,7 +255,8 @@ class Worker:
             hostname=socket.gethostname(), os=f"{platform.system()} {platform.release()}",
             pid=os.getpid(), sdk=SDK, queues=self.queues, concurrency=self.concurrency,
             specs=self.declared_specs(), labels=self.labels, started_at=self._started_at,
-            prefetch=self.prefetch, reports_starts=True, lean_acks=True)
+            prefetch=self.prefetch, reports_starts=True, lean_acks=True,  # (§4.2)
+            idle_ack_interval=IDLE_ACK_INTERVAL)
 
     def metrics(self) -> tuple[float, int]:
         # cpu_percent(None) measures since the previous call: no blocking sample here.

@@ -155,7 +155,8 @@ def registration_frame(worker_id: str, hostile_checksum: str) -> dict[str, Any]:
                 "hostname": "h", "os": "linux", "pid": 4242, "sdk": "raw/1",
                 "queues": ["default"], "concurrency": 1,
                 "specs": [{"name": "hostile", "checksum": hostile_checksum}],
-                "labels": ["corpus"], "started_at": "2026-11-25T00:00:00.000Z", "prefetch": 0}}
+                "labels": ["corpus"], "started_at": "2026-11-25T00:00:00.000Z", "prefetch": 0,
+                "lean_acks": True, "idle_ack_interval": 10.0}}
 
 
 def status_frame(worker_id: str) -> dict[str, Any]:

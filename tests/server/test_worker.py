@@ -229,3 +229,32 @@ async def test_get_workers_shows_the_idle_beats_lean_acks_left_unanswered(
     await wait_until(skipped, what="five idle beats left unanswered")
     view = await shown()
     assert view["lean_acks"] is True and view["acks_skipped"] < view["heartbeats"]
+
+
+async def test_an_idle_sdk_worker_gets_one_ack_per_idle_ack_interval(live: Live, sdk_worker,
+                                                                    tmp_path: Path):
+    # Sparse acks (docs/protocol.md §4.2): the SDK asks for 10 s while it holds no job, so
+    # after its registration's ack 30 beats 0.1 s apart get none, and the worker, which
+    # judges the server by that interval, neither pings nor reconnects meanwhile; a job
+    # still runs at once and is acked at once.
+    await live.push(write_spec(tmp_path, "echo"))
+    idle = Worker(specs_dir=tmp_path, heartbeat_interval=0.1)
+    idle.handler("echo")(lambda ctx: ctx.args)
+    worker = await sdk_worker(idle)
+    assert worker.link.welcome is not None and worker.link.welcome.idle_ack_interval == 10.0
+
+    async def shown() -> dict[str, Any]:
+        return next(w for w in (await live.http.get("/workers")).json()["workers"]
+                    if w["id"] == worker.worker_id)
+
+    async def beaten() -> bool:
+        return (await shown())["heartbeats"] >= 30
+
+    first = (await shown())["connected_at"]
+    await wait_until(beaten, what="30 heartbeats")
+    view = await shown()
+    assert view["acks_skipped"] == view["heartbeats"] - 1  # all but the registration's
+    assert view["connected_at"] == first  # the same connection throughout
+    job = await live.enqueue("echo", {"message": "hi"})
+    done = await live.wait_state(job["id"], "completed", timeout=10)
+    assert done["result"] == {"message": "hi"}

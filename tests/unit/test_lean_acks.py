@@ -104,3 +104,77 @@ def test_a_worker_without_the_flag_gets_every_ack(engine, clock):
         clock.advance(0.2)
         [ack] = beat(engine, clock, seq)
         assert ack["seq"] == seq
+
+
+# -- sparse acks: a worker that holds no job asks to hear from the server less often ------
+def sparse(engine: Engine, clock: FakeClock, interval: float, worker: str = "w1",
+           conn: int = 1) -> dict[str, Any]:
+    first = hb(worker, 0, register=True, capacity=4)
+    assert first.registration is not None
+    first.registration.lean_acks = True
+    first.registration.idle_ack_interval = interval
+    welcome, first_ack = sent(engine.register(conn, first, OPEN, clock())
+                              + engine.heartbeat(conn, worker, first, clock()), conn)
+    assert first_ack["type"] == "ack"
+    return welcome
+
+
+def idle_for(engine: Engine, clock: FakeClock, seconds: int, first_seq: int = 1,
+             **extra: object) -> list[int]:
+    """Beat once a second for ``seconds``: the seqs acked."""
+    acked = []
+    for seq in range(first_seq, first_seq + seconds):
+        clock.advance(1.0)
+        acked += [f["seq"] for f in beat(engine, clock, seq, capacity=4, **extra)]
+    return acked
+
+
+def test_an_idle_worker_that_asks_for_sparse_acks_hears_once_per_interval(engine, clock):
+    welcome = sparse(engine, clock, 10.0)
+    assert welcome["idle_ack_interval"] == 10.0  # what the server applies, said back
+    assert idle_for(engine, clock, 40) == [10, 20, 30, 40]  # 4 writes, not 20 or 40
+
+
+def test_the_idle_ack_interval_is_kept_between_a_quarter_of_the_timeout_and_a_minute(
+        engine, clock):
+    assert sparse(engine, clock, 0.01, "w1", 1)["idle_ack_interval"] == 5.0 / 4
+    assert sparse(engine, clock, 3600.0, "w2", 2)["idle_ack_interval"] == 60.0
+
+
+def test_without_lean_acks_the_interval_is_ignored_and_every_beat_is_acked(engine, clock):
+    first = hb("w1", 0, register=True, capacity=4)
+    assert first.registration is not None
+    first.registration.idle_ack_interval = 10.0  # lean_acks left false
+    welcome, _ = sent(engine.register(1, first, OPEN, clock())
+                      + engine.heartbeat(1, "w1", first, clock()), 1)
+    assert "idle_ack_interval" not in welcome
+    assert idle_for(engine, clock, 5) == [1, 2, 3, 4, 5]
+
+
+def test_an_older_worker_sees_no_new_field_in_its_welcome(engine, clock):
+    assert [f["type"] for f in lean(engine, clock)] == ["welcome", "ack"]
+    assert "idle_ack_interval" not in lean(engine, clock, "w2", 2)[0]
+
+
+def test_a_worker_that_holds_a_job_is_acked_a_quarter_of_the_timeout_apart(engine, clock):
+    sparse(engine, clock, 10.0)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    # Held by the server's word (assigned, not yet reported): the short window at once.
+    assert idle_for(engine, clock, 4) == [2, 4]
+    # Reported running: the same; the worker must learn of a dead connection before the
+    # server gives its job to another.
+    assert idle_for(engine, clock, 4, 5, active=[copy["id"]]) == [6, 8]
+    [save] = of(Save, engine.heartbeat(1, "w1", hb("w1", 9, results=[done(copy)]), clock()))
+    assert [a["seq"] for a in sent(engine.committed(save.ticket, None, clock()), 1)] == [9]
+    # Done, and it says it holds nothing: sparse again, counted from that ack.
+    assert idle_for(engine, clock, 20, 10) == [19, 29]
+
+
+def test_a_directive_reaches_a_sparse_worker_at_its_next_beat(engine, clock):
+    sparse(engine, clock, 10.0)
+    assert idle_for(engine, clock, 3) == []
+    engine.registry.direct(["w1"], "quiet")
+    clock.advance(1.0)
+    [ack] = beat(engine, clock, 4)
+    assert ack["state"] == "quiet"

@@ -254,3 +254,35 @@ def test_the_ids_of_a_deep_line_leave_less_room_for_results():
     assert len(roomy.results) > len(tight.results) > 0
     tight.status.prefetched_job_ids = ids  # type: ignore[union-attr]
     assert len(p.encode(tight)) < 1 << 20  # what the server takes
+
+
+SPARSE = p.Welcome(worker_id="w", server_time="2026-01-01T00:00:00Z", heartbeat_interval=1.0,
+                   heartbeat_timeout=8.0, visibility_timeout=60.0,
+                   specs=p.SpecVerdict(accepted=[], rejected=[]), idle_ack_interval=10.0)
+
+
+def test_an_idle_worker_with_sparse_acks_waits_the_interval_and_a_beat_before_a_ping():
+    """Sparse acks (docs/protocol.md §4.2): the welcome's idle ack interval is how long an
+    idle worker's beats may go unanswered; past it and a beat, a ping asks."""
+    link, _ = connected()
+    link.on_welcome(SPARSE)
+    link.heard(1.0)
+    link.on_ack(ack(beat(link, 1.0)))
+    for now in range(2, 13):
+        beat(link, float(now))
+        assert link.ping_patience(float(now)) is None, now  # 2.0 unanswered: within 11 s
+    assert link.ping_patience(13.1) == 2.0  # the ping's patience stays a quarter of 8
+
+
+def test_a_beat_that_held_a_job_is_judged_by_the_short_window_even_with_sparse_acks():
+    link, _ = connected()
+    link.on_welcome(SPARSE)
+    link.heard(1.0)
+    link.on_ack(ack(beat(link, 1.0)))
+    beat(link, 2.0)
+    beat(link, 3.0)  # idle: within the idle interval
+    link.heartbeat(4.0, state="running", active=["job-1"], capacity=3)
+    assert link.ping_patience(7.0) is None  # within max(8 / 4, 2 intervals) + 1 of 4.0
+    assert link.ping_patience(7.1) == 2.0  # it holds a job: the server should have said
+    link.heard(7.1)  # an assign, say: the server is there
+    assert link.ping_patience(10.0) is None
