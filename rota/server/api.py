@@ -322,8 +322,10 @@ def worker_views(coordinator: Coordinator) -> list[dict[str, Any]]:
             "connected_at": rfc3339(conn.connected_at),
             "last_heartbeat_age": round(now - conn.last_seen, 3),
             "heartbeats": conn.frames,
-            # lean acks (docs/protocol.md §4.2): idle heartbeats it was sent no ack for
+            # lean acks (docs/protocol.md §4.2): idle heartbeats it was sent no ack for,
+            # and how long one that holds no job may go without one (null: every beat)
             "lean_acks": reg.lean_acks, "acks_skipped": conn.quiet_acks,
+            "idle_ack_interval": conn.ack_window or None,
         })
     return sorted(workers, key=lambda w: w["id"])
 

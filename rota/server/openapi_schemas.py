@@ -275,6 +275,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     heartbeats: int  # frames read from this connection
     lean_acks: bool = False  # it registered lean_acks (docs/protocol.md §4.2)
     acks_skipped: int = 0  # its idle heartbeats the server left unanswered (lean acks)
+    idle_ack_interval: float | None = None  # seconds an idle one may go unacked (§4.2)
     # pull: an OJS worker that FETCHes over HTTP; endpoint: a push endpoint (GET /endpoints)
     kind: Literal["work", "pull", "endpoint"] = "work"
 

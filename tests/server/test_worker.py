@@ -254,6 +254,7 @@ async def test_an_idle_sdk_worker_gets_one_ack_per_idle_ack_interval(live: Live,
     await wait_until(beaten, what="30 heartbeats")
     view = await shown()
     assert view["acks_skipped"] == view["heartbeats"] - 1  # all but the registration's
+    assert view["idle_ack_interval"] == 10.0
     assert view["connected_at"] == first  # the same connection throughout
     job = await live.enqueue("echo", {"message": "hi"})
     done = await live.wait_state(job["id"], "completed", timeout=10)
