@@ -108,6 +108,9 @@ class FrameError(RotaError):
     def __init__(self, code: str, message: str, close_code: int) -> None:
         super().__init__(code, message)
         self.close_code = close_code
+        # The worker_id the refused frame gave, if it gave a string: for the log line
+        # of a registration refused before the connection has a worker.
+        self.worker_id: str | None = None
 
 
 class RegistrationRefused(RotaError):

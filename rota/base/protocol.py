@@ -280,10 +280,12 @@ def decode_heartbeat(frame: str | bytes) -> Heartbeat:
         raise FrameError(exc.code, exc.message, CLOSE_INVALID_PAYLOAD) from None
     except msgspec.ValidationError as exc:
         text = str(exc)
-        kind = _peek_type(frame)  # only on this error path: parse once more
-        if text == "Object missing required field `type`" or kind not in (None, "heartbeat"):
+        probe = _peek(frame)  # only on this error path: parse once more
+        if text == "Object missing required field `type`" or probe.type not in (None, "heartbeat"):
             raise _unknown_type(text) from exc
-        raise FrameError("invalid_message", text, CLOSE_INVALID_PAYLOAD) from exc
+        error = FrameError("invalid_message", text, CLOSE_INVALID_PAYLOAD)
+        error.worker_id = probe.worker_id if isinstance(probe.worker_id, str) else None
+        raise error from exc
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         bad = explain(frame, exc)  # type: ignore[arg-type]  # bytes, once screened
         raise FrameError(bad.code, bad.message, CLOSE_INVALID_PAYLOAD) from None
@@ -292,15 +294,19 @@ def decode_heartbeat(frame: str | bytes) -> Heartbeat:
     return message
 
 
-class _TypeProbe(msgspec.Struct):
-    type: str
+class _Probe(msgspec.Struct):
+    type: Any = None
+    worker_id: Any = None
 
 
-def _peek_type(frame: str | bytes) -> str | None:
+def _peek(frame: str | bytes) -> _Probe:
     try:
-        return msgspec.json.decode(frame, type=_TypeProbe).type
+        probe = msgspec.json.decode(frame, type=_Probe)
     except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
+        return _Probe()
+    if not isinstance(probe.type, str):
+        probe.type = None
+    return probe
 
 
 def _unknown_type(detail: str) -> FrameError:

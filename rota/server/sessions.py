@@ -208,7 +208,9 @@ class Session:
         if self._failure is not None:
             # The token too: a refused registration has no worker id yet, and the token
             # is what an operator revokes.
-            log.warning("protocol error worker=%s token=%s code=%s message=%s", self.worker_id,
+            # (before registration: the worker_id the refused frame gave, if any)
+            who = self.worker_id or printable(self._failure.worker_id or "None", 128)
+            log.warning("protocol error worker=%s token=%s code=%s message=%s", who,
                         self.principal.token_id, self._failure.code,
                         printable(self._failure.message))
             await self._close(self._failure.close_code, self._failure.code)

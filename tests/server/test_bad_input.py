@@ -43,6 +43,8 @@ FIRST_FRAME_CASES: list[tuple[str, Any, str, int]] = [
     ("queues not a list", heartbeat(0, "bad", registration=registration(queues="default")),
      "invalid_message", 1007),
     ("a JSON array", [1, 2, 3], "invalid_message", 1007),
+    ("an idle ack interval of zero", heartbeat(0, "bad", registration={
+        **REGISTRATION, "lean_acks": True, "idle_ack_interval": 0}), "invalid_message", 1007),
     ("no type at all", {"seq": 0, "worker_id": "bad", "registration": REGISTRATION},
      "unknown_type", 1003),
     ("a spec declared twice", heartbeat(0, "bad", registration=registration([
@@ -63,6 +65,17 @@ async def test_bad_first_frame_gets_error_and_close(live: Live, connect, busy_go
     assert error["code"] == code and error["message"]
     assert await closed_with(bad) == close_code
     await assert_others_unharmed(live, good, held, jobs)
+
+
+async def test_a_refused_registration_is_logged_with_the_worker_id_it_gave(
+        live: Live, connect, caplog: pytest.LogCaptureFixture):
+    bad = await connect("bad")
+    await bad.send(heartbeat(0, "w-typo", registration={**REGISTRATION, "lean_acks": True,
+                                                        "idle_ack_interval": "10"}))
+    error = await bad.expect("error")
+    assert error["code"] == "invalid_message" and "idle_ack_interval" in error["message"]
+    assert await closed_with(bad) == 1007
+    assert "protocol error worker=w-typo token=None code=invalid_message" in caplog.text
 
 
 async def assert_others_unharmed(live: Live, good: RawWorker, held: dict[str, Any],

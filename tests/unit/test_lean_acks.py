@@ -178,3 +178,16 @@ def test_a_directive_reaches_a_sparse_worker_at_its_next_beat(engine, clock):
     clock.advance(1.0)
     [ack] = beat(engine, clock, 4)
     assert ack["state"] == "quiet"
+
+
+def test_a_registration_naming_a_run_it_lost_hears_welcome_cancel_then_ack(engine, clock):
+    # docs/protocol.md §2 step 2: the one frame that may come between welcome and the
+    # first ack, with sparse acks as without.
+    first = hb("w1", 0, register=True, capacity=4, active=["gone-1"])
+    assert first.registration is not None
+    first.registration.lean_acks = True
+    first.registration.idle_ack_interval = 10.0
+    frames = sent(engine.register(1, first, OPEN, clock())
+                  + engine.heartbeat(1, "w1", first, clock()), 1)
+    assert [f["type"] for f in frames] == ["welcome", "cancel", "ack"]
+    assert frames[1] == {"type": "cancel", "job_ids": ["gone-1"], "reason": "reservation_lost"}
