@@ -81,14 +81,17 @@ def document(table: Sequence[Op], *, stored: Collection[str], tokenless: Collect
         if body is not None:
             operation["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": refs[body]}}}
-        extra = {401: ErrorBody, 403: ErrorBody, 500: ErrorBody}  # 500: the safety net
+        # Any request may be refused by the HTTP parser before a route sees it: 400 for one
+        # that is not valid HTTP/1.1 (a bad Content-Length), 431 for headers over the limit.
+        http = {400: ErrorBody, 431: ErrorBody}
+        extra = {**http, 401: ErrorBody, 403: ErrorBody, 500: ErrorBody}  # 500: the safety net
         if body is not None:  # not JSON Rota takes (400), or a body that stopped coming (408)
             extra |= {400: ErrorBody, 408: ErrorBody}
         if path in stored:  # what reads or writes the database answers 503 when it fails
             extra[503] = ErrorBody
         if path in tokenless:
             operation["security"] = []  # no token needed
-            extra = {500: ErrorBody}
+            extra = {**http, 500: ErrorBody}
         for status, answer in sorted({**answers, **extra}.items()):
             if answer is None:  # not JSON
                 media, description = TEXT_ANSWERS[path]
@@ -128,11 +131,13 @@ def _ref(kind: Any) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{kind.__name__}"}
 
 
-_DESCRIPTIONS = {200: "done", 201: "created", 202: "accepted, not finished", 400: "bad input",
+_DESCRIPTIONS = {200: "done", 201: "created", 202: "accepted, not finished",
+                 400: "bad input, or a request that is not valid HTTP/1.1",
                  401: "no valid token", 403: "not allowed for this token",
                  404: "not found", 409: "conflict with what exists (a job's state, a taken name, a"
                  " unique job's key: error.details names the job holding it)",
                  408: "the body did not arrive in time (body_timeout)",
                  413: "over a size limit", 422: "invalid request",
+                 431: "the request line and headers are over the size limit",
                  500: "a bug in Rota (internal): the error's id names the traceback in the log",
                  503: "storage unavailable (full, read-only or failing); see Retry-After"}
