@@ -84,7 +84,10 @@ async def run_flow(tmp: Path, db: str, servers: int, workers: int, total: int, k
         f"[args.n]\ntype = \"integer\"\n[limits]\nrate = \"{RATE}/s\"\n"))
     ports = [free_port() for _ in range(servers)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    clients = [httpx.AsyncClient(base_url=u, timeout=30) for u in urls]
+    # A connection idle for the server's keep-alive (5 s, as a restart can leave one) may
+    # be closed as the next request goes out: the client lets go of it sooner.
+    clients = [httpx.AsyncClient(base_url=u, timeout=30,
+                                 limits=httpx.Limits(keepalive_expiry=2.0)) for u in urls]
     procs: list[asyncio.subprocess.Process] = []
 
     async def serve(i: int, log: str) -> asyncio.subprocess.Process:
