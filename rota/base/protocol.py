@@ -294,6 +294,30 @@ def decode_heartbeat(frame: str | bytes) -> Heartbeat:
     return message
 
 
+_BEAT_HEAD = '{"type":"heartbeat","seq":'
+_SEQ_AT = len(_BEAT_HEAD)
+
+
+def split_seq(frame: str) -> tuple[int, str] | None:
+    """(seq, the rest) of a heartbeat frame laid out as ``encode`` writes one (its type,
+    then its seq as plain digits), or None. Two frames with the same rest differ only in
+    their seq: the session answers a repeat without decoding it (``Heartbeats.repeat``).
+    A rest that names a seq again (JSON's last duplicate would win) is not split."""
+    if not frame.startswith(_BEAT_HEAD):
+        return None
+    end = frame.find(",", _SEQ_AT, _SEQ_AT + 19)  # 18 digits at most: well within int64
+    if end < 0:
+        return None
+    digits = frame[_SEQ_AT:end]
+    try:
+        seq = int(digits)
+    except ValueError:
+        return None
+    rest = frame[end:]
+    # Plain JSON digits only: int() also takes "-1", "+1", " 1", "0_1", "01", "١".
+    return (seq, rest) if seq >= 0 and str(seq) == digits and '"seq"' not in rest else None
+
+
 class _Probe(msgspec.Struct):
     type: Any = None
     worker_id: Any = None

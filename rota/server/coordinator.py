@@ -352,6 +352,14 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         effects += self.engine.heartbeat(conn, hb.worker_id, hb, now)
         self.apply(effects, source=conn)
 
+    def repeat(self, conn: int, worker_id: str, seq: int) -> bool:
+        """A heartbeat the same as the connection's last but for its seq: False if it
+        must be decoded and received after all (``Heartbeats.repeat``)."""
+        effects = self.engine.repeat(conn, worker_id, seq, self.clock())
+        if effects:
+            self.apply(effects, source=conn)
+        return effects is not None
+
     async def settled(self, conn: int) -> None:
         """Until the results this connection sent are committed and answered."""
         future = self._inflight.get(conn)
@@ -365,17 +373,6 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
 
     def outbox(self, conn: int, worker_id: str, full: bool, over: bool) -> None:  # a mark crossed
         self.apply(self.engine.outbox(conn, worker_id, full, over, self.clock()))
-
-    def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
-        worker_ids = [w for w in worker_ids if w not in self.engine.endpoints]  # (docs/push.md)
-        directed = self.engine.registry.direct(worker_ids, state)
-        wall = self.clock().wall
-        for worker_id in directed:
-            self.engine.observe.event(wall, "worker_state", worker=worker_id, state=state)
-        return directed
-
-    def select_workers(self, *, label: str | None = None, every: bool = False) -> list[str]:
-        return self.engine.registry.select(label=label, every=every)
 
     # -- loops -------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:

@@ -113,6 +113,9 @@ class Session:
         # only then may a frame be handled in the protocol's callback (``on_text``)
         # without overtaking one the loop holds.
         self._idle = False
+        # The last heartbeat handled in full, but for its seq (``p.split_seq``): a frame
+        # the same but for a higher seq is a repeat (``Heartbeats.repeat``).
+        self._rest: str | None = None
 
     # -- Outbox (what the coordinator calls) ------------------------------------------
     def send(self, frame: str) -> None:
@@ -252,7 +255,7 @@ class Session:
                 # reserved through that one: this server takes them over first, so that
                 # the registration reclaims them as after a restart (rota/server/cluster.py).
                 await self.coordinator.take_over(hb, self.principal)
-            self._handle(hb)
+            self._handle(hb, text)
 
     async def _next_message(self) -> dict[str, object]:
         if self.worker_id is not None:
@@ -287,9 +290,11 @@ class Session:
                 self._watch()
             pause = message[PAUSE] = self._spend(len(text))  # (spent once, here)
             if pause <= 0.0:
+                if self._rest is not None and self._repeated(text):
+                    return None
                 hb = p.decode_heartbeat(text)
                 if not hb.goodbye:
-                    self._handle(hb)
+                    self._handle(hb, text)
                     return None
         except p.FrameError as exc:
             self.abort(exc.code, exc.message, exc.close_code)
@@ -340,7 +345,19 @@ class Session:
                                f" {settings.throttle_close_after:g}s", p.CLOSE_POLICY)
         return pause
 
-    def _handle(self, hb: p.Heartbeat) -> None:
+    def _repeated(self, text: str) -> bool:
+        """Whether ``text`` was answered as a repeat of the last full heartbeat."""
+        split = p.split_seq(text)
+        if split is None or split[1] != self._rest or split[0] <= self.last_seq:
+            return False  # (a seq not above the last is refused on the full path)
+        assert self.worker_id is not None
+        if not self.coordinator.repeat(self.conn, self.worker_id, split[0]):
+            return False
+        self.last_seq = split[0]
+        return True
+
+    def _handle(self, hb: p.Heartbeat, text: str) -> None:
+        self._rest = None
         if hb.seq <= self.last_seq:
             raise p.FrameError("seq_not_increasing",
                                f"seq {hb.seq} after {self.last_seq}", p.CLOSE_POLICY)
@@ -361,6 +378,9 @@ class Session:
             self.coordinator.receive(self.conn, hb, self.principal)
         if hb.goodbye:
             raise _Goodbye
+        split = p.split_seq(text)
+        if split is not None and split[0] == hb.seq:
+            self._rest = split[1]
 
     async def _send_loop(self) -> None:
         """Send the backlog in order, then end once the socket's buffer is under its

@@ -7,12 +7,14 @@ applies it there).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rota.base.errors import Conflict
 from rota.core.endpoints import is_endpoint
+from rota.core.engine import Engine
+from rota.core.model import Instant
 from rota.core.registry import ConnectedWorker
 from rota.store.store import Store
 from rota.core.verdicts import directive_refusal, directive_target
@@ -37,10 +39,20 @@ class ShellDirectives:
         @property
         def connections(self) -> dict[str, ConnectedWorker]: ...
 
-        def direct(self, worker_ids: Iterable[str], state: str) -> list[str]: ...
+        engine: Engine
+        clock: Callable[[], Instant]
 
-        def select_workers(self, *, label: str | None = None,
-                           every: bool = False) -> list[str]: ...
+    def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
+        """Tell these workers (never an endpoint: docs/push.md) to be in ``state``."""
+        worker_ids = [w for w in worker_ids if w not in self.engine.endpoints]
+        directed = self.engine.registry.direct(worker_ids, state)
+        wall = self.clock().wall
+        for worker_id in directed:
+            self.engine.observe.event(wall, "worker_state", worker=worker_id, state=state)
+        return directed
+
+    def select_workers(self, *, label: str | None = None, every: bool = False) -> list[str]:
+        return self.engine.registry.select(label=label, every=every)
 
     async def direct_workers(self, state: str, *, worker_id: str | None = None,
                              label: str | None = None, every: bool = False) -> Directed:
