@@ -56,6 +56,11 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def engine(clock: FakeClock) -> Engine:
+    return make_engine(clock)
+
+
+def make_engine(clock: FakeClock) -> Engine:
+    """The engine the fixture gives (a test that feeds two side by side makes another)."""
     settings = ServerSettings(heartbeat_interval=1.0, heartbeat_timeout=5.0,
                               reconnect_grace=5.0, visibility_timeout=30.0)
     engine = Engine(settings, rand=lambda: 0.0)

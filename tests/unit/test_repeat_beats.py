@@ -15,21 +15,9 @@ from rota.core.effects import Effect, Save, Wake
 from rota.core.engine import Engine
 from rota.core.heartbeats import plain
 
-from rota.core.settings import ServerSettings
-from rota.base.specs import checksum
 
-from test_engine import POISONOUS, SPEC, FakeClock, assign, done, enqueue, hb, of, sent
+from test_engine import FakeClock, assign, done, enqueue, hb, make_engine, of, sent
 from test_engine import clock, engine  # noqa: F401  (fixtures)
-
-
-def fresh(clock: FakeClock) -> Engine:
-    """An engine as the ``engine`` fixture makes one: two, fed side by side."""
-    settings = ServerSettings(heartbeat_interval=1.0, heartbeat_timeout=5.0,
-                              reconnect_grace=5.0, visibility_timeout=30.0)
-    engine = Engine(settings, rand=lambda: 0.0)
-    specs = {s.name: s for s in (SPEC, POISONOUS)}
-    engine.load(specs, {n: checksum(s) for n, s in specs.items()}, [], clock())
-    return engine
 
 
 def register(engine: Engine, clock: FakeClock, *, capacity: int = 4, sparse: bool = True
@@ -93,7 +81,7 @@ def test_only_a_beat_with_no_news_is_plain():
 def test_a_repeat_does_what_the_full_beat_would(clock, sparse: bool, capacity: int):
     """Two engines, one fed every beat in full, one fed repeats: the same effects, the
     same acks (or none), the same connection, beat by beat, for a minute."""
-    full, fast = fresh(clock), fresh(clock)
+    full, fast = make_engine(clock), make_engine(clock)
     for each in (full, fast):
         register(each, clock, capacity=capacity, sparse=sparse)
     clock.advance(0.5)
