@@ -18,6 +18,8 @@ allows any key). What comes back is counted, not decoded: a frame holding ``"ack
 ack, ``"welcome"`` a welcome, anything else "other"; pings are answered. ``--lean``
 registers with ``"lean_acks": true`` (a server that does not know the field ignores it);
 ``--sparse`` adds ``"idle_ack_interval": 10``, as the Python SDK does (docs/protocol.md §4.2).
+``--free N``: each client says it has N free slots (``capacity``), as an SDK worker
+waiting for work does; every beat from a worker with a free slot wakes a scheduling round.
 
 A lost connection is reconnected with the SDK's policy (rota/worker/link.py): 0.1 s
 doubling per failed attempt, capped at 2.5 s (half the default heartbeat timeout),
@@ -108,8 +110,8 @@ class Client(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.cause: str | None = None  # why this side ended the connection, when it did
         self._prefix = b'{"type":"heartbeat","seq":'
-        self._suffix = (b',"worker_id":"' + self.worker_id.encode()
-                        + b'","capacity":0,"status":{"state":"running"}}')
+        self._suffix = (b',"worker_id":"' + self.worker_id.encode() + b'","capacity":'
+                        + str(fleet.free).encode() + b',"status":{"state":"running"}}')
 
     # -- connecting ----------------------------------------------------------------------
     def connect(self) -> None:
@@ -283,6 +285,7 @@ class ProcessFleet:
         self.request = ("\r\n".join(lines) + "\r\n\r\n").encode()
         self.lean = bool(opts.get("lean"))
         self.sparse = bool(opts.get("sparse"))
+        self.free = int(opts.get("free", 0))  # the slots each client says it has free
         self.prefix = opts.get("prefix", "idle-")
         self.conn = conn
         self.stats = Stats()
@@ -300,7 +303,7 @@ class ProcessFleet:
             "registration": {"hostname": "bench", "os": "linux", "pid": os.getpid(),
                              "sdk": "bench", "queues": ["idle"], "concurrency": 1,
                              "specs": []},
-            "capacity": 0}
+            "capacity": self.free}
         if self.lean or self.sparse:
             body["registration"]["lean_acks"] = True
         if self.sparse:
@@ -386,9 +389,9 @@ class Fleet:
 
     def __init__(self, url: str, workers: int, *, procs: int = 2, lean: bool = False,
                  token: str | None = None, connect_rate: float = 2000.0,
-                 prefix: str = "idle-", sparse: bool = False) -> None:
+                 prefix: str = "idle-", sparse: bool = False, free: int = 0) -> None:
         self.workers = workers
-        opts = {"url": url, "lean": lean, "sparse": sparse, "token": token,
+        opts = {"url": url, "lean": lean, "sparse": sparse, "free": free, "token": token,
                 "connect_rate": connect_rate,
                 "procs": procs, "prefix": prefix}
         ctx = mp.get_context("spawn")
@@ -489,7 +492,7 @@ def measure_idle(url: str, workers: int, seconds: float, *, lean: bool = False,
                  procs: int = 2, token: str | None = None, server_pid: int | None = None,
                  settle: float = 3.0, connect_timeout: float = 120.0,
                  log_path: Path | None = None, connect_rate: float = 2000.0,
-                 sparse: bool = False) -> dict[str, Any]:
+                 sparse: bool = False, free: int = 0) -> dict[str, Any]:
     """N clients registered and beating: the rates over ``seconds`` after ``settle``, the
     server's CPU (% of one core) and RSS when its pid is given, and the WARNING/ERROR
     lines its log (``log_path``) gained over the window and over the whole run."""
@@ -497,7 +500,7 @@ def measure_idle(url: str, workers: int, seconds: float, *, lean: bool = False,
 
     server = psutil.Process(server_pid) if server_pid else None
     with Fleet(url, workers, procs=procs, lean=lean, token=token,
-               connect_rate=connect_rate, sparse=sparse) as fleet:
+               connect_rate=connect_rate, sparse=sparse, free=free) as fleet:
         try:
             connect_s: float | None = round(fleet.wait_registered(connect_timeout), 2)
         except TimeoutError:  # measured all the same, with those that got in
@@ -512,6 +515,7 @@ def measure_idle(url: str, workers: int, seconds: float, *, lean: bool = False,
         elapsed = time.monotonic() - started
         log_to = log_path.stat().st_size if log_path else 0
         figures: dict[str, Any] = {"workers": workers, "lean": lean, "sparse": sparse,
+                                   "free": free,
                                    "connect_all_s": connect_s,
                                    "registered_at_start": before["registered"],
                                    "seconds": round(elapsed, 1)}
@@ -709,6 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lean", action="store_true", help='register with "lean_acks": true')
     parser.add_argument("--sparse", action="store_true",
                         help='and "idle_ack_interval": 10, as the Python SDK registers')
+    parser.add_argument("--free", type=int, default=0,
+                        help="free slots each client says it has (an SDK worker waiting"
+                             " for work says its concurrency; 0: none, the default)")
     parser.add_argument("--token", default=os.environ.get("ROTA_TOKEN"))
     parser.add_argument("--server-pid", type=int, help="measure this process's CPU and RSS")
     parser.add_argument("--connect-rate", type=float, default=2000.0,
@@ -721,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = storm(opts.workers, procs=opts.procs, lean=opts.lean, sparse=opts.sparse)
     else:
         figures = measure_idle(opts.url, opts.workers, opts.seconds, lean=opts.lean,
-                               sparse=opts.sparse,
+                               sparse=opts.sparse, free=opts.free,
                                procs=opts.procs, token=opts.token, server_pid=opts.server_pid,
                                connect_rate=opts.connect_rate)
     print(json.dumps(figures))

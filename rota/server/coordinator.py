@@ -352,10 +352,10 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         effects += self.engine.heartbeat(conn, hb.worker_id, hb, now)
         self.apply(effects, source=conn)
 
-    def repeat(self, conn: int, worker_id: str, seq: int) -> bool:
-        """A heartbeat the same as the connection's last but for its seq: False if it
-        must be decoded and received after all (``Heartbeats.repeat``)."""
-        effects = self.engine.repeat(conn, worker_id, seq, self.clock())
+    def repeat(self, conn: int, worker_id: str, seq: int, now: Instant) -> bool:
+        """A heartbeat the same as the connection's last but for its seq, read at
+        ``now``: False if it must be decoded and received after all (``Heartbeats.repeat``)."""
+        effects = self.engine.repeat(conn, worker_id, seq, now)
         if effects:
             self.apply(effects, source=conn)
         return effects is not None

@@ -346,11 +346,10 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         self._deliver(text)
 
     def _deliver(self, text: str) -> None:
-        message: dict[str, object] | None = {"type": "websocket.receive", "text": text}
-        if self.on_text is not None and not self.queue._items:
-            message = self.on_text(text)  # handled here and now, unless it says otherwise
-            if message is None:
-                return
+        message = ({"type": "websocket.receive", "text": text} if self.on_text is None
+                   or self.queue._items else self.on_text(text))  # (handled here, or not)
+        if message is None:
+            return
         self.queue.put_nowait(message)
         if not self.read_paused:  # the app reads one message at a time
             self.read_paused = True

@@ -25,6 +25,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rota.base import protocol as p
 from rota.core.auth import Principal
+from rota.core.model import Instant
 from rota.server.coordinator import Coordinator
 from rota.server.gate import error_body, principal_of
 from rota.base.logs import printable
@@ -281,16 +282,16 @@ class Session:
         busy with an earlier frame, so that order holds."""
         if self._failure is not None:
             return None  # the connection is ending: what follows the bad frame is dropped
-        message: dict[str, object] = {"type": "websocket.receive", "text": text}
         if not self._idle or self.worker_id is None:
             self._idle = False
-            return message
+            return {"type": "websocket.receive", "text": text}
         try:
             if self._over:
                 self._watch()
-            pause = message[PAUSE] = self._spend(len(text))  # (spent once, here)
+            now = self.coordinator.clock()  # (read once: an idle fleet's beats add up)
+            pause = self._spend(len(text), now.mono)
             if pause <= 0.0:
-                if self._rest is not None and self._repeated(text):
+                if self._rest is not None and self._repeated(text, now):
                     return None
                 hb = p.decode_heartbeat(text)
                 if not hb.goodbye:
@@ -304,7 +305,7 @@ class Session:
             self.abort(failure.code, failure.message, failure.close_code)
             return None
         self._idle = False
-        return message
+        return {"type": "websocket.receive", "text": text, PAUSE: pause}  # (spent here)
 
     def on_control(self, size: int) -> None:
         """A ping, counted against the rate limits as a frame of ``size`` bytes. It is
@@ -319,11 +320,12 @@ class Session:
                 failure = self._internal(exc)
                 self.abort(failure.code, failure.message, failure.close_code)
 
-    def _spend(self, size: int) -> float:
+    def _spend(self, size: int, now: float | None = None) -> float:
         """Hold a sender to the rate limits by not reading it for a while: the seconds to
         pause (spent now). Only one that stays over them for ``throttle_close_after`` is
         closed, and its jobs then get the reconnect grace that a lost connection gets."""
-        now = self.coordinator.clock().mono
+        if now is None:
+            now = self.coordinator.clock().mono
         if self.worker_id is not None and not self._shared:
             # The worker's own buckets, kept across its connections: reconnecting does not
             # start a throttled worker afresh.
@@ -345,13 +347,13 @@ class Session:
                                f" {settings.throttle_close_after:g}s", p.CLOSE_POLICY)
         return pause
 
-    def _repeated(self, text: str) -> bool:
+    def _repeated(self, text: str, now: Instant) -> bool:
         """Whether ``text`` was answered as a repeat of the last full heartbeat."""
         split = p.split_seq(text)
         if split is None or split[1] != self._rest or split[0] <= self.last_seq:
             return False  # (a seq not above the last is refused on the full path)
         assert self.worker_id is not None
-        if not self.coordinator.repeat(self.conn, self.worker_id, split[0]):
+        if not self.coordinator.repeat(self.conn, self.worker_id, split[0], now):
             return False
         self.last_seq = split[0]
         return True

@@ -29,8 +29,8 @@ def counted(live: Live) -> list[int]:
     answered: list[int] = []
     original = coordinator.repeat
 
-    def repeat(conn: int, worker_id: str, seq: int) -> bool:
-        taken = original(conn, worker_id, seq)
+    def repeat(conn: int, worker_id: str, seq: int, now: Any) -> bool:
+        taken = original(conn, worker_id, seq, now)
         if taken:
             answered.append(seq)
         return taken
