@@ -302,7 +302,8 @@ def split_seq(frame: str) -> tuple[int, str] | None:
     """(seq, the rest) of a heartbeat frame laid out as ``encode`` writes one (its type,
     then its seq as plain digits), or None. Two frames with the same rest differ only in
     their seq: the session answers a repeat without decoding it (``Heartbeats.repeat``).
-    A rest that names a seq again (JSON's last duplicate would win) is not split."""
+    A rest that names a seq again (JSON's last duplicate would win), or holds any escape
+    (which could spell one), is not split."""
     if not frame.startswith(_BEAT_HEAD):
         return None
     end = frame.find(",", _SEQ_AT, _SEQ_AT + 19)  # 18 digits at most: well within int64
@@ -315,7 +316,9 @@ def split_seq(frame: str) -> tuple[int, str] | None:
         return None
     rest = frame[end:]
     # Plain JSON digits only: int() also takes "-1", "+1", " 1", "0_1", "01", "١".
-    return (seq, rest) if seq >= 0 and str(seq) == digits and '"seq"' not in rest else None
+    if seq < 0 or str(seq) != digits or '"seq"' in rest or "\\" in rest:
+        return None  # (an escape could spell "seq" again: "s\\u0065q")
+    return seq, rest
 
 
 class _Probe(msgspec.Struct):

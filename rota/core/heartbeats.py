@@ -189,6 +189,7 @@ class Heartbeats:
         connection.last_seen = now.mono
         connection.frames += 1
         connection.plain = plain(hb)
+        connection.beat_capacity = hb.capacity
         worker = connection.worker
         effects: list[Effect] = []
         # Jobs it held before a restart or a lost connection, still running or finished:
@@ -238,7 +239,8 @@ class Heartbeats:
         again, or None if it must take that path. Only a plain beat (``plain``) may
         repeat, and only while nothing waits that a full one would settle (a directive,
         an ack behind a commit, jobs kept for reclaim): then a beat changes no state but
-        the connection's clock, and an idle fleet's beats cost a third less (§4.2)."""
+        the connection's clock and the worker's capacity (set again, as the full path
+        sets it: an assign since may have lowered it), and costs far less (§3.6)."""
         connection = self.registry.get(worker_id, conn)
         if (connection is None or not connection.plain or not connection.checked
                 or connection.directive is not None or connection.acks
@@ -247,6 +249,8 @@ class Heartbeats:
         connection.last_seen = now.mono
         connection.frames += 1
         worker = connection.worker
+        if connection.beat_capacity is not None:  # as the full path: an assign lowered it
+            worker.capacity = connection.beat_capacity
         effects: list[Effect] = [Wake()] if worker.free() > 0 else []
         if self._quiet(connection, None, [], now):
             connection.quiet_acks += 1

@@ -55,6 +55,7 @@ class ConnectedWorker:
     checked: bool = False  # its first status was checked for runs it no longer holds
     frames: int = 0  # heartbeats read from this connection
     plain: bool = False  # its last full heartbeat was plain (rota/core/heartbeats.py)
+    beat_capacity: int | None = None  # the capacity its last full heartbeat gave
     last_ack: float = float("-inf")  # monotonic: when the last ack was made (lean acks)
     quiet_acks: int = 0  # idle heartbeats left unanswered (lean acks)
     # Lean acks: an idle beat within this many seconds of the last ack gets none (§4.2).

@@ -25,6 +25,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rota.base import protocol as p
 from rota.core.auth import Principal
+from rota.core.heartbeats import plain
 from rota.core.model import Instant
 from rota.server.coordinator import Coordinator
 from rota.server.gate import error_body, principal_of
@@ -380,9 +381,10 @@ class Session:
             self.coordinator.receive(self.conn, hb, self.principal)
         if hb.goodbye:
             raise _Goodbye
-        split = p.split_seq(text)
-        if split is not None and split[0] == hb.seq:
-            self._rest = split[1]
+        if plain(hb):  # (only such a beat may repeat: no other frame is kept)
+            split = p.split_seq(text)
+            if split is not None and split[0] == hb.seq:
+                self._rest = split[1]
 
     async def _send_loop(self) -> None:
         """Send the backlog in order, then end once the socket's buffer is under its

@@ -157,7 +157,9 @@ async def test_subscribers_that_do_not_read_hold_little_and_nothing_once_gone(
     # Now: its part being sent (at most 16 KiB) and its transport's buffer (64 KiB), as
     # the RSS shows them, with the allocator's slack: about 200 KiB; before, 450 KiB.
     assert each < 256 << 10, f"{each / 1024:.0f} KiB a subscriber"
-    assert (after - before) / MiB < 10, f"{(after - before) / MiB:.1f} MiB"
+    # What 40 would keep, as before: 18 MB. The bound leaves room for the noise of two
+    # bursts' growth taken off (10.3 MiB once in a CI run, with nothing kept).
+    assert (after - before) / MiB < 14, f"{(after - before) / MiB:.1f} MiB"
 
 
 async def test_the_dashboard_and_queues_name_at_most_max_series_queues_and_sum_the_rest(

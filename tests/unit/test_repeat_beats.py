@@ -52,6 +52,7 @@ def test_a_frame_as_encode_writes_it_splits_into_seq_and_rest():
     '{"type":"heartbeat","seq":1}',
     '{"type":"heartbeat","seq":,"worker_id":"w1"}',
     '{"type":"heartbeat","seq":1,"worker_id":"w1","seq":9}',  # JSON's last would win
+    '{"type":"heartbeat","seq":1,"worker_id":"w1","s\\u0065q":9}',  # and spelt so too
     ' {"type":"heartbeat","seq":1,"worker_id":"w1"}',
 ])
 def test_anything_else_is_not_split(frame: str):
@@ -153,3 +154,23 @@ def test_jobs_kept_for_reclaim_take_the_full_path(engine, clock):
     engine.heartbeat(2, "w2", hb("w2", 1, capacity=4), clock())
     assert engine.scheduler.has_orphans
     assert engine.repeat(2, "w2", 2, clock()) is None  # a full beat may name them
+
+
+def test_a_repeat_sets_the_capacity_again_as_the_full_beat_would(clock):
+    """An assign lowers the worker's capacity until a heartbeat sets it again; a repeat
+    of a beat that gave one sets it again too (found by a helper's review: the fast
+    path once kept the lowered value, and a second job waited)."""
+    full, fast = make_engine(clock), make_engine(clock)
+    for each in (full, fast):
+        register(each, clock, capacity=0)
+        each.heartbeat(1, "w1", hb("w1", 1, capacity=1), clock())
+        enqueue(each, clock)
+        assert len(assign(each, clock)) == 1  # the one free slot taken: capacity 0
+    clock.advance(0.5)
+    expected = full.heartbeat(1, "w1", hb("w1", 2, capacity=1), clock())
+    got = fast.repeat(1, "w1", 2, clock())
+    assert got is not None and kinds(got) == kinds(expected)
+    assert full.scheduler.workers["w1"].capacity == fast.scheduler.workers["w1"].capacity == 1
+    for each in (full, fast):
+        enqueue(each, clock)
+        assert len(assign(each, clock)) == 1  # the second job goes out on both
