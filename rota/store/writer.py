@@ -166,10 +166,16 @@ class Writer:
                 conn = self._connection()
                 _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
                 conn.execute("BEGIN IMMEDIATE")
-                for op, future in batch:
-                    outcomes.append((future, *_run_in_savepoint(conn, op, self._classify,
-                                                                 self._alone)))
-                conn.execute("COMMIT")
+                if len(batch) == 1:  # (most commits on a quiet server: one enqueue)
+                    op, future = batch[0]
+                    outcomes.append((future, *_run_alone(conn, op, self._classify,
+                                                         self._alone)))
+                else:
+                    for op, future in batch:
+                        outcomes.append((future, *_run_in_savepoint(conn, op, self._classify,
+                                                                     self._alone)))
+                if conn.in_transaction:  # (not when the only op failed and rolled back)
+                    conn.execute("COMMIT")
             except BaseException as exc:  # the whole transaction is gone
                 if conn is not None:
                     _rollback(conn)
@@ -304,6 +310,28 @@ def _run_in_savepoint(conn: sqlite3.Connection, op: Op,
         return None, exc
     conn.execute("RELEASE op")
     return value, None
+
+
+def _run_alone(conn: sqlite3.Connection, op: Op,
+               classify: Callable[[BaseException], StorageError | None],
+               alone: Callable[[BaseException], bool] = lambda exc: False
+               ) -> tuple[Any, BaseException | None]:
+    """``_run_in_savepoint`` for a transaction's only op: with nothing else in it, a
+    failure rolls the whole transaction back, and the savepoint's two statements (two
+    round trips on PostgreSQL) are saved on every commit of one write."""
+    try:
+        return op(conn), None
+    except Exception as exc:
+        failure = classify(exc)
+        if failure is not None and alone(exc) and conn.in_transaction:
+            _rollback(conn)
+            log.warning("a write failed alone (its transaction held no other): %s",
+                        failure.message)
+            return None, failure
+        if failure is not None or not conn.in_transaction:
+            raise  # as in _run_in_savepoint: the storage failed, not this op
+        _rollback(conn)
+        return None, exc
 
 
 def _rollback(conn: sqlite3.Connection) -> None:

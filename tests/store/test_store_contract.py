@@ -396,3 +396,32 @@ async def test_a_pending_job_is_not_loaded_and_its_release_reads_it_back_whole(
     _, snapshot = await open_store()
     [kept] = snapshot.jobs  # (waiting whole: it has a time to live)
     assert (kept.id, kept.state, kept.expires_at) == ("step-2", JobState.AVAILABLE, 1060.0)
+
+
+async def test_a_write_that_fails_leaves_nothing_alone_or_beside_others(open_store: Opener):
+    """The writer runs a commit's only write without a savepoint (rota/store/writer.py,
+    ``_run_alone``) and each of several in one: either way a write that raises after
+    changing rows leaves none of its changes, its caller hears its error, and the
+    writes beside it, and the next commit, are stored."""
+    store, _ = await open_store()
+
+    def insert(name: str, fail: bool = False) -> Callable[[Any], str]:
+        def op(conn: Any) -> str:
+            conn.execute("INSERT INTO tokens (id, name, scope, queues, hash, created_at)"
+                         " VALUES (?, ?, 'admin', '[]', ?, 0)", (name, name, "h-" + name))
+            if fail:
+                raise ValueError(f"{name} refused after its insert")
+            return name
+        return op
+
+    with pytest.raises(ValueError, match="lone refused"):
+        await store.writer.submit(insert("lone", fail=True))  # a commit of its own
+    assert await store.writer.submit(insert("next")) == "next"
+    # Three submitted in one turn of the loop: one commit, the middle one failing.
+    futures = [store.writer.submit(insert("a")), store.writer.submit(insert("b", fail=True)),
+               store.writer.submit(insert("c"))]
+    outcomes = await asyncio.gather(*futures, return_exceptions=True)
+    assert outcomes[0] == "a" and outcomes[2] == "c" and isinstance(outcomes[1], ValueError)
+    names = await store.writer.submit(
+        lambda conn: sorted(r[0] for r in conn.execute("SELECT id FROM tokens")))
+    assert names == ["a", "c", "next"]
