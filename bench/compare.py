@@ -40,7 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -55,6 +55,7 @@ import workflow_cost  # noqa: E402
 
 from rota.client.client import Client  # noqa: E402
 
+T = TypeVar("T")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The idle scenario's window per size and mode (issue 27 asks for 5 minutes: 300)
 IDLE_SECONDS = float(os.environ.get("ROTA_BENCH_IDLE_SECONDS", "20"))
@@ -248,6 +249,21 @@ def growth(quick: bool) -> dict[str, Any]:
         for kept, per_s in rota["e2e_per_s_by_jobs_kept"].items()}}
 
 
+def paced(count: int, call: Callable[[], T]) -> list[tuple[float, float, T]]:
+    """``call`` made ``count`` times, 100 a second, each after a busy wait (sleep()
+    overshoots by ~0.1 ms): the wall clock at each one's start, its seconds, its value."""
+    made: list[tuple[float, float, T]] = []
+    due = time.monotonic()
+    for _ in range(count):
+        due += 0.01
+        while time.monotonic() < due:
+            pass
+        start, began = time.time(), time.perf_counter()
+        value = call()
+        made.append((start, time.perf_counter() - began, value))
+    return made
+
+
 def latency(quick: bool) -> dict[str, Any]:
     """Single POST /jobs at 100 a second; from just before the call to the handler's start.
     One worker at concurrency 10, so a job never waits for a slot."""
@@ -257,14 +273,8 @@ def latency(quick: bool) -> dict[str, Any]:
         sent: dict[str, float] = {}
         calls: list[float] = []
         with Client(setup.base_url) as client:
-            due = time.monotonic()
-            for _ in range(count):
-                due += 0.01
-                while time.monotonic() < due:  # a busy wait: sleep() overshoots by ~0.1 ms
-                    pass
-                start = time.time()
-                job = client.enqueue(tp.SPEC_NAME, {})["job"]
-                calls.append(time.time() - start)
+            for start, took, job in paced(count, lambda: client.enqueue(tp.SPEC_NAME, {})["job"]):
+                calls.append(took)
                 sent[job["id"]] = start
         tp.wait_for_completion(setup.db, count, 60.0, children, setup.base_url)
         with contextlib.closing(sqlite3.connect(setup.db)) as db:
