@@ -22,7 +22,10 @@ every size (for CI: it prints figures and asserts none). Absolute figures drift 
 runs and machines; the ratio to the reference is what carries over.
 
 Rota runs as it does for a user: ``rota serve`` with its defaults (INFO logging,
-``synchronous=FULL``, an enqueue acknowledged after its commit) and ``rota worker``.
+``synchronous=FULL``, an enqueue acknowledged after its commit) and ``rota worker``;
+``--durability process`` starts it with ``rota serve --durability process`` instead (a
+commit that survives Rota's crash, not the machine's), in every scenario but e2e and
+e2e_keyed, and adds ``-process`` to the file names.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ import workflow_cost  # noqa: E402
 from rota.client.client import Client  # noqa: E402
 
 T = TypeVar("T")
+# ``--durability`` of the servers ``rota_server`` starts (every scenario but e2e and
+# e2e_keyed, which bench/throughput.py runs): "full", a user's default, unless asked.
+DURABILITY = ["full"]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The idle scenario's window per size and mode (issue 27 asks for 5 minutes: 300)
 IDLE_SECONDS = float(os.environ.get("ROTA_BENCH_IDLE_SECONDS", "20"))
@@ -109,7 +115,8 @@ def rota_server(*, concurrency: int = 10, worker_source: str = tp.WORKER_SOURCE,
             specs_dir=str(setup.specs_dir), concurrency=concurrency, spec=tp.SPEC_NAME))
         port = setup.base_url.rsplit(":", 1)[1]
         children.start("server", [sys.executable, "-m", "rota", "serve", "--port", port,
-                                  "--db", str(setup.db), *(extra or [])], workdir)
+                                  "--db", str(setup.db), "--durability", DURABILITY[0],
+                                  *(extra or [])], workdir)
         tp.wait_until("GET /healthz", lambda: tp._healthy(setup.base_url), children,
                       tp.STARTUP_TIMEOUT)
         tp.push_specs(setup)
@@ -493,7 +500,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the JSON goes (default bench/results)")
     parser.add_argument("--label", default="",
                         help="added to the file names (e.g. 'before', for another checkout)")
+    parser.add_argument("--durability", choices=["full", "process"], default="full",
+                        help="rota serve's --durability, in every scenario but e2e and"
+                             " e2e_keyed (default full, as a user runs it)")
     opts = parser.parse_args(argv)
+    DURABILITY[0] = opts.durability
     names = list(SCENARIOS) if opts.scenario == "all" else [opts.scenario]
     opts.results.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -504,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                     "machine": tp.machine_info(), **figures}
         print(json.dumps({k: figures[k] for k in ("rota", "reference", "ratio")}, indent=1)
               [:4000])
-        suffix = ("-quick" if opts.quick else "") + (f"-{opts.label}" if opts.label else "")
+        document["durability"] = opts.durability
+        suffix = (("-quick" if opts.quick else "") + (f"-{opts.label}" if opts.label else "")
+                  + ("-process" if opts.durability == "process" else ""))
         path = opts.results / f"compare-{name}{suffix}.json"
         path.write_bytes(msgspec.json.format(msgspec.json.encode(document), indent=2) + b"\n")
         print(f"wrote {path}")
