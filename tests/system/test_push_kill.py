@@ -10,9 +10,9 @@ Where the kill lands, class by class:
 - ``ok`` runs ``max_in_flight`` at a time, each answer after 500 ms, so it lasts 15 s at
   least, however fast the machine: at the kill a share is done, some are in flight (cut:
   ``released`` at the restart, not counted, and sent again) and the rest wait.
-- ``later``'s 202s call back after 0.3 to 9.3 s: some before the kill, some into the dead
-  server (that attempt is released at the restart and sent again), some to the restarted
-  one (which reclaims the job by the callback).
+- ``later``'s 202s call back after 0.3 to 9.3 s: some before the kill, any that fall in
+  its downtime into the dead server (that attempt is released at the restart and sent
+  again), the rest to the restarted one (which reclaims the job by the callback).
 - The failing classes lean on the circuit breaker (rota/core/breaker.py), one per spec
   version (rota/core/endpoints.py: ``http:<spec>@<checksum>``) and in memory, so a restart
   closes it: 5 faults in 30 s pause an endpoint for 5 s, then it tries one delivery, and
@@ -31,8 +31,9 @@ The kill comes once each retrying class's breaker has tried (and discarded) one 
 a quarter of ok and of later are done (ok and later start after those trials, so that
 neither is over first on a loaded machine). The test reads the store right after the
 kill and checks that every class had jobs final and jobs not final then, that ok and
-later had jobs in flight, that the restarted server delivered jobs of each class, and
-that the classes that retry had retries cross it.
+later had jobs in flight, that the restarted server settled jobs of each class and
+delivered jobs of each class but hang and later (see ``check_cut``), and that the
+classes that retry had retries cross it.
 """
 
 from __future__ import annotations
@@ -284,13 +285,17 @@ def check_cut(run: Run, rig_lines: list[dict[str, Any]]) -> dict[str, Counter[st
     # The restarted server answered deliveries of every class, and the rig heard them:
     # the first server committed each attempt before sending it, so one beyond the
     # store's at the kill is the restarted server's. (A hang's request may be given up
-    # at its 1 s timeout before the rig reads it, on a loaded machine every one.)
+    # at its 1 s timeout before the rig reads it, on a loaded machine every one. Later's
+    # jobs may all have been sent before the kill, a quarter of them done and the rest
+    # waiting for their callbacks: then, if no callback fell into the dead server, the
+    # restarted one settles each by its callback, which ``settled`` counts, and sends
+    # none again. Seen once in a full suite run on 2 cores.)
     settled = Counter(SETTLED.findall(run.logs[1]))
     assert set(settled) == set(CLASSES), settled
     path = {CLASSES[name].path.partition("?")[0]: name for name in CLASSES}
     heard = Counter(path[line["path"]] for line in rig_lines
                     if int(line["attempt"]) > run.at_kill[line["job_id"]][2])
-    assert set(heard) >= set(CLASSES) - {"hang"}, heard
+    assert set(heard) >= set(CLASSES) - {"hang", "later"}, heard
     return at_kill
 
 
