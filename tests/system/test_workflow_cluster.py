@@ -51,8 +51,22 @@ async def test_three_servers_advance_each_workflow_once(tmp_path: Path, pg_url: 
                          for w in ("fan", "line")]
                 return all(s["state"] == "completed" for s in shown)
 
-            await wait_until(done, timeout=30, what="both workflows completed",
-                             step=COSTLY_POLL)
+            async def explain() -> str:
+                """What each server says of the workflows' unfinished jobs, and of its
+                workers (seen once: a chain's released step never assigned in 30 s)."""
+                said = []
+                for i, live in enumerate(lives):
+                    for w in ("fan", "line"):
+                        view = (await live.http.get(f"/workflows/{w}")).json()
+                        said.append(f"s{i} {w}: {_unfinished(view.get('root', {}))}")
+                    said.append(f"s{i} workers: {(await live.http.get('/workers')).text}")
+                return "\n".join(said)
+
+            try:
+                await wait_until(done, timeout=30, what="both workflows completed",
+                                 step=COSTLY_POLL)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{await explain()}") from None
         fan = (await lives[1].http.get("/workflows/fan")).json()
         assert (fan["completed_count"], fan["failed_count"]) == (302, 0)
         assert sum(1 for w, _ in runs if w == "fan") == 302
@@ -66,6 +80,16 @@ async def test_three_servers_advance_each_workflow_once(tmp_path: Path, pg_url: 
         last = (await lives[0].http.get(f"/jobs/{line['root']['children'][2]['job_id']}")
                 ).json()
         assert last["result"]["given"] == ["0", "1"]
+
+
+def _unfinished(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """The nodes of a workflow's tree not completed, each as the view shows it, bar its
+    children."""
+    found = [{k: v for k, v in node.items() if k != "children"}] if node.get(
+        "state") not in (None, "completed") and "job_id" in node else []
+    for child in node.get("children", []):
+        found += _unfinished(child)
+    return found
 
 
 async def test_a_workflow_through_another_server_right_after_a_push_finds_its_specs(
