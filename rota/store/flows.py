@@ -9,6 +9,7 @@ UPDATE``), so two servers ending two of its jobs at once advance it one after th
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import sqlite3
 from collections.abc import Sequence
@@ -135,12 +136,14 @@ def create(conn: sqlite3.Connection, row: dict[str, Any], nodes: list[wf.NodeRow
           n.spec, n.remaining, n.failed, _text(n.result), _text(n.error),
           _text(n.parent_results)) for n in nodes])
     # The jobs its start releases go in waiting at once (one write each, not an insert
-    # and then a release): the same rows the release would make.
+    # and then a release): the same rows the release would make. The decision is left as
+    # it came: the writer runs a transaction again from the start after a deadlock with
+    # another server's, and the second run must release what the first did (it once
+    # found the list emptied, stored the step waiting and told no server of it).
     first = {job_id: inputs for job_id, inputs in decision.release}
     for job in jobs:
         if (inputs := first.get(job.id)) is not None:
             job.state, job.parent_results = JobState.AVAILABLE, msgspec.Raw(inputs)
-    decision.release = []
     stored = insert_jobs(conn, jobs, [insert_row(job) for job in jobs], [None] * len(jobs), now)
     for (job_row, new), path, job in zip(stored, paths, jobs, strict=True):
         if not new:  # (a job id is new by construction: only a unique key can meet one)
@@ -149,7 +152,8 @@ def create(conn: sqlite3.Connection, row: dict[str, Any], nodes: list[wf.NodeRow
                                  f" ({job_row['state']}); a workflow's step cannot be"
                                  " skipped", {"job_id": holder, "state": job_row["state"]})
         job.seq = job_row["rowid"]
-    return row, True, apply(conn, decision, now) + [job for job in jobs if job.id in first]
+    rest = dataclasses.replace(decision, release=[])  # (those went in waiting above)
+    return row, True, apply(conn, rest, now) + [job for job in jobs if job.id in first]
 
 
 # -- endings ---------------------------------------------------------------------------------

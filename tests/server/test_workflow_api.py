@@ -282,3 +282,35 @@ async def test_a_unique_replace_leaves_a_released_step_to_its_workflow(live: Liv
     # Two steps of one group claiming one key: the workflow is refused whole.
     both = await live.http.post("/workflows", json={"type": "group", "jobs": [job("uq")] * 2})
     assert (both.status_code, both.json()["error"]["code"]) == (409, "unique_conflict"), both.text
+
+
+async def test_a_create_whose_transaction_runs_again_still_releases_its_first_steps(
+        live: Live, sdk_worker: Starter, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The writer runs a transaction again from the start when PostgreSQL ends it for a
+    deadlock with another server's (rota/store/writer.py): every write in it must do the
+    same the second time. Here every write runs twice on the real database, its first
+    run rolled back as a deadlock's would be. A workflow's create once emptied the list
+    of steps its start releases on the first run: the second stored the first step
+    waiting and handed it to no server, and the chain never ran (seen on three servers
+    on PostgreSQL)."""
+    await serve(live, sdk_worker, tmp_path)
+    writer = live.coordinator.store.writer
+    submit = writer.submit
+
+    def twice(op: Callable[[Any], Any]) -> Any:
+        def again(conn: Any) -> Any:
+            conn.execute("SAVEPOINT first_run")
+            op(conn)
+            conn.execute("ROLLBACK TO first_run")
+            conn.execute("RELEASE first_run")
+            return op(conn)
+        return submit(again)
+
+    monkeypatch.setattr(writer, "submit", twice)
+    await create(live, {"type": "chain", "id": "twice", "steps": [job("step", n=1),
+                                                                 job("step", n=2)]})
+    await create(live, {"type": "group", "id": "twice-group", "jobs": [job("step", n=3),
+                                                                      job("step", n=4)]})
+    for workflow_id in ("twice", "twice-group"):
+        done = await until(live, workflow_id, "completed")
+        assert (done["completed_count"], done["failed_count"]) == (2, 0)
