@@ -166,14 +166,12 @@ class Writer:
                 conn = self._connection()
                 _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
                 conn.execute("BEGIN IMMEDIATE")
-                if len(batch) == 1:  # (most commits on a quiet server: one enqueue)
-                    op, future = batch[0]
-                    outcomes.append((future, *_run_alone(conn, op, self._classify,
-                                                         self._alone)))
-                else:
-                    for op, future in batch:
-                        outcomes.append((future, *_run_in_savepoint(conn, op, self._classify,
-                                                                     self._alone)))
+                # A lone op needs no savepoint (most commits on a quiet server: one
+                # enqueue): its failure may take the whole transaction back.
+                alone = len(batch) == 1
+                for op, future in batch:
+                    outcomes.append((future, *_run_op(conn, op, self._classify, self._alone,
+                                                      savepoint=not alone)))
                 if conn.in_transaction:  # (not when the only op failed and rolled back)
                     conn.execute("COMMIT")
             except BaseException as exc:  # the whole transaction is gone
@@ -285,18 +283,22 @@ class Checkpointer:
             self._health.failed(failure)
 
 
-def _run_in_savepoint(conn: sqlite3.Connection, op: Op,
-                      classify: Callable[[BaseException], StorageError | None],
-                      alone: Callable[[BaseException], bool] = lambda exc: False
-                      ) -> tuple[Any, BaseException | None]:
-    conn.execute("SAVEPOINT op")
+def _run_op(conn: sqlite3.Connection, op: Op,
+            classify: Callable[[BaseException], StorageError | None],
+            alone: Callable[[BaseException], bool] = lambda exc: False, *,
+            savepoint: bool = True) -> tuple[Any, BaseException | None]:
+    """Run one op of a transaction: its value, or the error that failed it alone, its
+    writes undone. ``savepoint``: each op of a group commit runs in one, so that its
+    failure leaves the others; a transaction's only op goes without (two statements
+    fewer, two round trips on PostgreSQL), its failure rolling the transaction back."""
+    if savepoint:
+        conn.execute("SAVEPOINT op")
     try:
         value = op(conn)
     except Exception as exc:
         failure = classify(exc)
         if failure is not None and alone(exc) and conn.in_transaction:
-            conn.execute("ROLLBACK TO op")
-            conn.execute("RELEASE op")
+            _undo(conn, savepoint)
             log.warning("a write failed alone, the rest of its transaction goes on: %s",
                         failure.message)
             return None, failure
@@ -305,33 +307,20 @@ def _run_in_savepoint(conn: sqlite3.Connection, op: Op,
             # transaction back already (it does on a full disk or an I/O error), and
             # the ops after it would hit the same wall. They all fail alike.
             raise
-        conn.execute("ROLLBACK TO op")
-        conn.execute("RELEASE op")
+        _undo(conn, savepoint)
         return None, exc
-    conn.execute("RELEASE op")
+    if savepoint:
+        conn.execute("RELEASE op")
     return value, None
 
 
-def _run_alone(conn: sqlite3.Connection, op: Op,
-               classify: Callable[[BaseException], StorageError | None],
-               alone: Callable[[BaseException], bool] = lambda exc: False
-               ) -> tuple[Any, BaseException | None]:
-    """``_run_in_savepoint`` for a transaction's only op: with nothing else in it, a
-    failure rolls the whole transaction back, and the savepoint's two statements (two
-    round trips on PostgreSQL) are saved on every commit of one write."""
-    try:
-        return op(conn), None
-    except Exception as exc:
-        failure = classify(exc)
-        if failure is not None and alone(exc) and conn.in_transaction:
-            _rollback(conn)
-            log.warning("a write failed alone (its transaction held no other): %s",
-                        failure.message)
-            return None, failure
-        if failure is not None or not conn.in_transaction:
-            raise  # as in _run_in_savepoint: the storage failed, not this op
+def _undo(conn: sqlite3.Connection, savepoint: bool) -> None:
+    """Take back a failed op's writes: to its savepoint, or the whole transaction."""
+    if savepoint:
+        conn.execute("ROLLBACK TO op")
+        conn.execute("RELEASE op")
+    else:
         _rollback(conn)
-        return None, exc
 
 
 def _rollback(conn: sqlite3.Connection) -> None:

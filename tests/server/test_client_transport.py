@@ -203,7 +203,7 @@ def test_an_enqueue_after_the_server_closed_the_kept_alive_connection_goes_on_a_
         deadline = time.monotonic() + 5
         while not kept.dropped():  # (until the server's FIN has crossed loopback)
             assert time.monotonic() < deadline, "the closed connection never read as closed"
-            time.sleep(0.001)
+            time.sleep(0.001)  # noqa: sleep-ok (the poll step of a deadline loop)
         assert client.enqueue("noop", {}).id == "a"
     assert sum(r.startswith(b"POST") for r in peer.seen) == 2  # type: ignore[attr-defined]
 

@@ -399,8 +399,8 @@ async def test_a_pending_job_is_not_loaded_and_its_release_reads_it_back_whole(
 
 
 async def test_a_write_that_fails_leaves_nothing_alone_or_beside_others(open_store: Opener):
-    """The writer runs a commit's only write without a savepoint (rota/store/writer.py,
-    ``_run_alone``) and each of several in one: either way a write that raises after
+    """The writer runs a commit's only write without a savepoint and each of several in
+    one (rota/store/writer.py, ``_run_op``): either way a write that raises after
     changing rows leaves none of its changes, its caller hears its error, and the
     writes beside it, and the next commit, are stored."""
     store, _ = await open_store()
