@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from rota.server.api_base import (JSON, coordinator_of, decode_as, decode_body, error, need, read_body,
                            status_of, token_revoked, too_many_waits)
-from rota.core.auth import Scope, kept_hint
+from rota.core.auth import Principal, Scope, kept_hint
 from rota.core.endpoints import is_endpoint
 from rota.server.coordinator import Coordinator
 from rota.base.errors import DomainError, Invalid, NoSuchJob, RequestError
@@ -66,20 +66,35 @@ class TokenRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # -- jobs -------------------------------------------------------------------------
 async def enqueue(request: Request) -> Response:
     principal = need(request, "producer")
-    payload = await decode_body(request, EnqueueRequest)
+    content, status = await enqueued(coordinator_of(request), principal, await read_body(request))
+    return JSON(content, status_code=status)
+
+
+async def enqueued(coordinator: Coordinator, principal: Principal, body: bytes
+                   ) -> tuple[Any, int]:
+    """``POST /jobs``'s answer (content, status) to a caller its scope lets in: the route
+    above, or the protocol's direct one (rota/server/direct.py)."""
+    payload = decode_as(body, EnqueueRequest)
     if (refusal := not_ojs(payload)) is not None:
         raise refusal
-    [outcome] = await coordinator_of(request).enqueue([payload], principal)
+    [outcome] = await coordinator.enqueue([payload], principal)
     if isinstance(outcome, DomainError):
         raise outcome
     row, created = outcome
-    return JSON({"job": job_view(row), "created": created}, status_code=201 if created else 200)
+    return {"job": job_view(row), "created": created}, 201 if created else 200
 
 
 async def enqueue_batch(request: Request) -> Response:
-    """Many jobs, one transaction; each gets its own status, and a bad one spoils no other."""
     principal = need(request, "producer")
-    batch: BatchRequest = await decode_body(request, BatchRequest)
+    content, status = await enqueued_batch(coordinator_of(request), principal,
+                                           await read_body(request))
+    return JSON(content, status_code=status)
+
+
+async def enqueued_batch(coordinator: Coordinator, principal: Principal, body: bytes
+                         ) -> tuple[Any, int]:
+    """Many jobs, one transaction; each gets its own status, and a bad one spoils no other."""
+    batch: BatchRequest = decode_as(body, BatchRequest)
     parsed: list[EnqueueRequest | DomainError | RequestError] = []
     for raw in batch.jobs:
         try:  # already screened and decoded once, as part of the batch: it is JSON
@@ -88,7 +103,7 @@ async def enqueue_batch(request: Request) -> Response:
         except msgspec.ValidationError as exc:
             parsed.append(Invalid("invalid_request", plainly(str(exc), EnqueueRequest)))
     valid = [item for item in parsed if isinstance(item, EnqueueRequest)]
-    outcomes = iter(await coordinator_of(request).enqueue(valid, principal) if valid else [])
+    outcomes = iter(await coordinator.enqueue(valid, principal) if valid else [])
     results = []
     for index, item in enumerate(parsed):
         outcome = next(outcomes) if isinstance(item, EnqueueRequest) else item
@@ -101,7 +116,7 @@ async def enqueue_batch(request: Request) -> Response:
             row, created = outcome
             results.append({"index": index, "status": 201 if created else 200,
                             "created": created, "job": job_view(row)})
-    return JSON({"results": results})
+    return {"results": results}, 200
 
 
 def not_ojs(payload: EnqueueRequest) -> RequestError | None:

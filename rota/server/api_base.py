@@ -76,9 +76,14 @@ def need(request: Request, *scopes: Scope) -> Principal:
     """The caller, if its token's scope allows this route; else 403."""
     principal = principal_of(request.scope)
     if not principal.may(*scopes):
-        raise RequestError(403, "forbidden", f"a {principal.scope} token may not"
-                           f" {request.method} {request.url.path}: {takes(scopes)}")
+        raise forbidden(principal, request.method, request.url.path, scopes)
     return principal
+
+
+def forbidden(principal: Principal, method: str, path: str, scopes: tuple[Scope, ...]
+              ) -> RequestError:
+    return RequestError(403, "forbidden", f"a {principal.scope} token may not {method} {path}:"
+                        f" {takes(scopes)}")
 
 
 def takes(scopes: tuple[Scope, ...]) -> str:
@@ -93,7 +98,7 @@ async def read_body(request: Request) -> bytes:
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
+        raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
     # A body sent a byte a minute would hold its connection for ever: it has a deadline.
@@ -103,7 +108,7 @@ async def read_body(request: Request) -> bytes:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise _too_large(limit)
+                    raise too_large(limit)
                 chunks.append(chunk)
     except TimeoutError:
         raise RequestError(408, "body_timeout", f"the request body did not arrive within"
@@ -111,7 +116,7 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _too_large(limit: int) -> RequestError:
+def too_large(limit: int) -> RequestError:
     # (made when needed: one made for every request was 1 % of an enqueue's loop time)
     return RequestError(413, "body_too_large",
                         f"the request body is over {limit} bytes (max_body_bytes)")
@@ -161,19 +166,33 @@ def too_many_waits(coordinator: Coordinator) -> Response:
 CLOSE_AFTER = frozenset({"body_timeout"})
 
 
-async def request_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestError | DomainError)
+def refusal_answer(exc: Exception) -> Response | None:
+    """The answer to a refusal a route raised (RequestError, DomainError, StorageError), or
+    None for anything else (a bug, for the safety net)."""
+    if isinstance(exc, StorageError):
+        # Logged once by the store's health when it became degraded, not once per request.
+        response = error(503, exc.code, exc.message)
+        response.headers["Retry-After"] = str(exc.retry_after)
+        return response
+    if not isinstance(exc, RequestError | DomainError):
+        return None
     response = error(status_of(exc), exc.code, exc.message, getattr(exc, "details", None))
     if exc.code in CLOSE_AFTER:
         response.headers["connection"] = "close"
     return response
 
 
+async def request_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError | DomainError)
+    response = refusal_answer(exc)
+    assert response is not None
+    return response
+
+
 async def storage_unavailable(request: Request, exc: Exception) -> Response:
-    # Logged once by the store's health when it became degraded, not once per request.
     assert isinstance(exc, StorageError)
-    response = error(503, exc.code, exc.message)
-    response.headers["Retry-After"] = str(exc.retry_after)
+    response = refusal_answer(exc)
+    assert response is not None
     return response
 
 

@@ -20,9 +20,10 @@ from starlette.routing import Mount, WebSocketRoute
 from rota.server import api_base, dashboard, ojs_base, routes
 from rota.server.coordinator import Coordinator
 from rota.server.gcsteward import Steward
-from rota.server.edge import GuardedHttp, LeanWebSocket
+from rota.server.edge import LeanWebSocket
+from rota.server.httpedge import GuardedHttp
 from rota.server.express import Express
-from rota.server.gate import Gate
+from rota.server.gate import Door, Gate
 from rota.server.ojs_api import ojs_app
 from rota.server import ojs_flows  # cron and workflows under /ojs/v1
 from rota.server.safety import SafetyNet
@@ -37,6 +38,7 @@ MAX_FRAME = 1 << 20
 
 def create_app(settings: ServerSettings) -> Starlette:
     coordinator = Coordinator(settings)
+    door = Door(coordinator)  # the gate's decisions, for the middleware and the direct routes
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -75,11 +77,12 @@ def create_app(settings: ServerSettings) -> Starlette:
                             HTTPException: no_route},
         # The net outermost: whatever escapes the routes or the gate still gets an answer.
         # Express, inside the gate: the producers' hot routes skip the router (express.py).
-        middleware=[Middleware(SafetyNet), Middleware(Gate, coordinator=coordinator),
+        middleware=[Middleware(SafetyNet), Middleware(Gate, door=door),
                     Middleware(Express, handlers=api_base.exception_handlers)],
         lifespan=lifespan,
     )
     app.state.coordinator = coordinator
+    app.state.door = door
     return app
 
 

@@ -1,11 +1,7 @@
-"""uvicorn's protocols as Rota runs them: what they do per connection and per answer.
+"""uvicorn's WebSocket protocol as Rota runs it (its HTTP protocol, the one before the
+upgrade, is rota/server/httpedge.py's).
 
-uvicorn's HTTP and WebSocket protocol classes are Rota's edge to the network, adjusted
-where measurements said so. GuardedHttp: a request gets a deadline for its headers, a
-request the parser refuses a JSON 400 like every other error, /healthz is answered above
---max-connections, a stream may drop its connection, and a WebSocket handshake waits for
-its turn (rota/server/pacing.py). Corked: an answer's headers leave with its body in one
-write. LeanWebSocket, a /work connection, of which a server may hold 10,000: little kept
+LeanWebSocket, a /work connection, of which a server may hold 10,000: little kept
 beyond its socket; a registered worker's text frames read by the edge itself and handed
 to its session in this callback (``on_text``), its frames written here (``write_text``),
 with no task and no ASGI message per frame; pings counted against the rate limits; and
@@ -17,187 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from websockets.exceptions import InvalidState
 from websockets.frames import apply_mask
 from websockets.protocol import State
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from rota.server.api_base import DROP
-from rota.server.pacing import pacer_for
+from rota.server.httpedge import peer
 from rota.server.sessions import WIRE
 
 log = logging.getLogger("rota.server")
 
-# A request's line and headers together: tokens and names are short, and a browser's
-# cookies stay well under it (nginx's default buffers hold 32 KiB, Node's 16 KiB).
-MAX_HEADER_BYTES = 64 * 1024
-# Answered even when --max-connections are open: a load balancer's probe must not be told
-# the server is down because clients hold every slot.
-ALWAYS_ANSWERED = frozenset({b"/healthz"})
 PING_COST = 131  # bytes a ping is counted as: the most a control frame may take
-
-
-class Corked:
-    """A response's transport that sends its headers with the first part of its body.
-
-    uvicorn writes a response's status line and headers, then its body, as two writes:
-    two system calls and two TCP segments, and a client that reads the headers first is
-    woken twice. Here the headers wait for the body when it follows in the same turn of
-    the loop, as it does for every response Rota makes; a response whose body comes
-    later (a stream) gets its headers at the end of the turn all the same."""
-
-    __slots__ = ("_transport", "_loop", "_held")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        if self._held is None:
-            self._held = data
-            self._loop.call_soon(self.flush)
-            return
-        held, self._held = self._held, None
-        self._transport.write(held + data)
-
-    def flush(self) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def __getattr__(self, name: str) -> object:  # anything else uvicorn may ask of it
-        return getattr(self._transport, name)
-
-
-class GuardedHttp(HttpToolsProtocol):
-    """uvicorn waits as long as a client likes for a request's headers (and cuts only idle
-    keep-alive connections): a slow sender could hold connections open for ever. This
-    gives every request ``header_timeout`` seconds from its first byte, or from the
-    connection's start, to finish its headers."""
-
-    header_timeout = 10.0
-    _early: bytearray | None = None  # while a handshake waits for its turn: what came since
-    _deadline: asyncio.TimerHandle | None = None
-    _header_bytes = 0
-    _headers_too_large = False
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm()
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._header_bytes = 0
-        self._arm()
-
-    # uvicorn's parser keeps a request's URL and headers however long they grow: 20 MB of
-    # headers cost 17 MiB on one connection. Past MAX_HEADER_BYTES the request is refused.
-    def on_url(self, url: bytes) -> None:
-        self._count(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
-        super().on_header(name, value)
-
-    def _count(self, size: int) -> None:
-        self._header_bytes += size
-        if self._header_bytes > MAX_HEADER_BYTES:
-            self._headers_too_large = True
-            # An exception in a callback stops the parser; uvicorn then answers with
-            # send_400_response, which says 431 instead.
-            raise ValueError("request headers too large")
-
-    def on_headers_complete(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-        # (weak: no cycle from the protocol through its scope back to it)
-        self.scope[DROP] = weakref.WeakMethod(self.drop)  # type: ignore[literal-required]
-        limit = self.limit_concurrency
-        if (limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
-                and self.url.split(b"?", 1)[0] in ALWAYS_ANSWERED):
-            self.limit_concurrency = None  # this one request only
-        try:
-            super().on_headers_complete()
-        finally:
-            self.limit_concurrency = limit
-        cycle = getattr(self, "cycle", None)
-        if cycle is not None and getattr(cycle, "transport", None) is self.transport:
-            cycle.transport = Corked(self.transport, self.loop)
-
-    def handle_websocket_upgrade(self) -> None:
-        """The handshake waits for its turn (rota/server/pacing.py): a reconnect storm
-        must not hold the loop. The socket is still read meanwhile, so that a client that
-        gives up waiting is seen to go, and its turn costs nothing; what it sends before
-        the 101 (a compliant client sends nothing) is kept for the WebSocket protocol."""
-        self._early = bytearray()
-        pacer_for(self.loop).admit(self.loop, self._upgrade)
-
-    def data_received(self, data: bytes) -> None:
-        if self._early is None:
-            super().data_received(data)
-            return
-        self._early += data
-        if len(self._early) > MAX_HEADER_BYTES:  # not a client waiting for its 101
-            self.transport.close()
-
-    def _upgrade(self) -> None:
-        early, self._early = self._early, None
-        if self.transport.is_closing():
-            return  # the client gave up while it waited
-        super().handle_websocket_upgrade()
-        if early:
-            self.transport.get_protocol().data_received(bytes(early))
-
-    def send_400_response(self, msg: str) -> None:
-        # A request the HTTP parser refuses (a control character in a header, a bad
-        # Content-Length) is answered before Rota sees it; in JSON, as every other error.
-        if self._headers_too_large:
-            status = b"431 Request Header Fields Too Large"
-            body = (b'{"error":{"code":"headers_too_large","message":"the request line and'
-                    b' headers are over %d bytes"}}' % MAX_HEADER_BYTES)
-        else:
-            status = b"400 Bad Request"
-            body = (b'{"error":{"code":"bad_http_request","message":"the request is not valid'
-                    b' HTTP/1.1 (' + msg.encode("ascii", "replace").replace(b'"', b"'")
-                    + b')"}}')
-        self.transport.write(b"".join([
-            b"HTTP/1.1 ", status, b"\r\ncontent-type: application/json\r\n",
-            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body]))
-        self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        super().connection_lost(exc)
-
-    def drop(self) -> None:
-        """End the connection now, discarding what is buffered: for a client that does
-        not read, to which even the end of a response would wait behind the rest."""
-        self.transport.abort()
-
-    def _arm(self) -> None:
-        if self._deadline is None:
-            self._deadline = self.loop.call_later(self.header_timeout, self._too_slow)
-
-    def _too_slow(self) -> None:
-        log.warning("closing a connection from %s: no request headers within %gs",
-                    _peer(self.client), self.header_timeout)
-        self.transport.close()
 
 
 class LeanQueue:
@@ -339,7 +168,7 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
             text = data.decode()
         except UnicodeDecodeError as exc:
             log.warning("closing a /work connection from %s: a text frame that is not"
-                        " UTF-8 (byte %d); close 1007", _peer(self.client), exc.start)
+                        " UTF-8 (byte %d); close 1007", peer(self.client), exc.start)
             self.conn.send_close(1007)
             self.handle_parser_exception()
             return
@@ -493,7 +322,3 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
             self.request.headers.clear()
             self.request = None  # type: ignore[assignment]
             self.response = None  # type: ignore[assignment]
-
-
-def _peer(client: tuple[str, int] | None) -> str:
-    return "%s:%d" % client if client else "-"

@@ -51,11 +51,12 @@ UI_JOBS = "/ui/jobs/"  # a job's page and actions: the id is the rest of the pat
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-class Gate:
-    """Pure ASGI middleware: authenticate, check the WebSocket Origin, refuse early."""
+class Door:
+    """Who a request is and whether it may come in, decided once for both ways in: the
+    ASGI middleware below (``Gate``) and the HTTP protocol's direct routes
+    (rota/server/direct.py), which share its refusal log's rate."""
 
-    def __init__(self, app: ASGIApp, coordinator: Coordinator) -> None:
-        self.app = app
+    def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
         # Refusals are logged at a bounded rate: a client retrying without a token, or
         # anyone at all, could otherwise write lines as fast as it connects.
@@ -72,19 +73,9 @@ class Gate:
             self._unlogged = 0
         log.log(level, fmt, *args)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS \
-                or is_callback(scope["path"]):  # (its body's per-attempt token proves it)
-            await self.app(scope, receive, send)
-            return
-        if await self._refused_at_door(scope, send):
-            return
-        await self.app(scope, receive, send)
-
-    async def _refused_at_door(self, scope: Scope, send: Send) -> bool:
-        """Whether the request was refused (and answered). Apart from ``__call__``, whose
-        frame lives as long as a /work connection: the decoded headers die with this one
-        (10,000 idle workers held 6 to 12 MiB of them when they were its locals)."""
+    async def check(self, scope: Scope) -> tuple[tuple[int, str, str] | None, dict[str, str]]:
+        """The refusal (status, code, message), or None with the caller's principal set in
+        the scope; and the headers as text, which the caller lets go of with its frame."""
         raw = scope["headers"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
         # The session cookie stands for a token on HTTP only: /work is for workers.
@@ -96,14 +87,7 @@ class Gate:
                 scope["rota.cookie"] = True
         if self.coordinator.tokens.unknown(headers.get("authorization")):
             await self.coordinator.reread_tokens()  # created a moment ago?
-        refusal = self._refusal(scope, headers, repeated=len(headers) != len(raw))
-        if refusal is not None:
-            if refusal[0] == 401 and _ui_page(scope, headers):
-                await to_login(scope, send)  # a person, not a script: show the form
-                return True
-            await deny(scope, send, *refusal)
-            return True
-        return False
+        return self._refusal(scope, headers, repeated=len(headers) != len(raw)), headers
 
     def _refusal(self, scope: Scope, headers: dict[str, str], *, repeated: bool = False
                  ) -> tuple[int, str, str] | None:
@@ -179,6 +163,36 @@ class Gate:
         if principal is not None:
             scope["rota.principal"] = principal
         return None
+
+
+class Gate:
+    """Pure ASGI middleware: authenticate, check the WebSocket Origin, refuse early."""
+
+    def __init__(self, app: ASGIApp, door: Door) -> None:
+        self.app = app
+        self.door = door
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS \
+                or is_callback(scope["path"]):  # (its body's per-attempt token proves it)
+            await self.app(scope, receive, send)
+            return
+        if await self._refused_at_door(scope, send):
+            return
+        await self.app(scope, receive, send)
+
+    async def _refused_at_door(self, scope: Scope, send: Send) -> bool:
+        """Whether the request was refused (and answered). Apart from ``__call__``, whose
+        frame lives as long as a /work connection: the decoded headers die with this one
+        (10,000 idle workers held 6 to 12 MiB of them when they were its locals)."""
+        refusal, headers = await self.door.check(scope)
+        if refusal is not None:
+            if refusal[0] == 401 and _ui_page(scope, headers):
+                await to_login(scope, send)  # a person, not a script: show the form
+                return True
+            await deny(scope, send, *refusal)
+            return True
+        return False
 
 
 def unauthorized(authorization: str | None) -> str:

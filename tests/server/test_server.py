@@ -290,7 +290,7 @@ async def test_queues_endpoint_explains_waiting_work(live: Live, connect, tmp_pa
 
 
 async def test_held_headers_keep_answers_whole_and_in_order(live: Live):
-    """Headers wait for their body (rota.server.edge.Corked; that it saves a write per answer
+    """Headers wait for their body (rota.server.httpedge.Corked; that it saves a write per answer
     was measured with strace, not here): answers stay whole, and pipelined requests get
     theirs in order."""
     reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
@@ -311,7 +311,7 @@ async def test_held_headers_keep_answers_whole_and_in_order(live: Live):
 
 
 async def test_corked_transport_holds_headers_only_until_the_turn_ends():
-    from rota.server.edge import Corked
+    from rota.server.httpedge import Corked
 
     class Transport:
         def __init__(self) -> None:

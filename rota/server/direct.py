@@ -1,0 +1,210 @@
+"""The producers' ``POST /jobs`` and ``POST /jobs/batch``, served by the HTTP protocol
+itself (issue 27): no ASGI scope, no middleware, no Starlette request or response.
+
+One enqueue through the ASGI stack went through uvicorn's request cycle, the safety net,
+the gate and Express (rota/server/express.py) before its route ran, then built a
+Starlette response and sent it as two ASGI messages: about a third of the loop's time per
+call (docs/performance.md). Here the protocol (rota/server/httpedge.py) hands the parsed
+request to a ``Direct``, which runs one coroutine: the gate's own decision (``Door``),
+the route's scope check, the body within ``max_body_bytes`` and ``body_timeout``, the
+same route function the ASGI route calls (``api.enqueued``), and the answer written in
+one piece. Refusals get the same statuses and bodies as through the router (they are
+made by the same functions), and a bug gets the safety net's JSON 500 with an incident
+id, logged once.
+
+A ``Direct`` stands where uvicorn keeps its request cycle, so that the protocol's own
+bookkeeping applies unchanged: pipelined requests wait their turn, a graceful shutdown
+lets the answer finish, a lost connection is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from rota.base.errors import RequestError
+from rota.base.logs import printable
+from rota.core.auth import Principal
+from rota.server import api
+from rota.server.api_base import forbidden, refusal_answer, too_large
+from rota.server.coordinator import Coordinator
+from rota.server.gate import Door, error_body
+from rota.server.safety import incident_id, internal_body
+
+log = logging.getLogger("rota.server")
+
+Route = Callable[[Coordinator, Principal, bytes], Awaitable[tuple[Any, int]]]
+# The raw path (before any "?") of each direct route, with its path as text.
+ROUTES: dict[bytes, tuple[str, Route]] = {b"/jobs": ("/jobs", api.enqueued),
+                                          b"/jobs/batch": ("/jobs/batch", api.enqueued_batch)}
+SCOPES = ("producer",)
+JSON_TYPE = [(b"content-type", b"application/json")]
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+class Direct:
+    """One request to a direct route, from its parsed headers to its answer."""
+
+    __slots__ = ("protocol", "path", "route", "headers", "keep_alive", "more_body",
+                 "answered", "response_complete", "disconnected", "overflow", "chunks", "size",
+                 "waiter")
+
+    def __init__(self, protocol: HttpToolsProtocol, path: str, route: Route,
+                 headers: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
+        self.protocol = protocol
+        self.path = path
+        self.route = route
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.more_body = True
+        self.answered = False  # its answer is written (and complete once it has left)
+        self.response_complete = False
+        self.disconnected = False
+        self.overflow = False
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.waiter: asyncio.Future[None] | None = None
+
+    # -- what the protocol tells it (its parser's callbacks, a lost connection) -----------
+
+    def feed(self, body: bytes, limit: int) -> None:
+        if self.answered or self.overflow:
+            return  # answered already (refused early): the rest is read and dropped
+        self.size += len(body)
+        if self.size > limit:
+            self.overflow = True
+            self.chunks = []
+            self._wake()
+            return
+        self.chunks.append(body)
+
+    def complete(self) -> None:
+        self.more_body = False
+        self._wake()
+
+    @property
+    def message_event(self) -> Direct:
+        return self  # uvicorn sets its cycle's message_event when the connection is lost
+
+    def set(self) -> None:
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    # -- the request ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        protocol = self.protocol
+        task = protocol.loop.create_task(self.run())
+        protocol.tasks.add(task)  # counted against --max-connections, awaited at shutdown
+        task.add_done_callback(protocol.tasks.discard)
+
+    async def run(self) -> None:
+        try:
+            answer = await self.answer()
+        except Exception as exc:  # noqa: BLE001 (a refusal, or the safety net's case)
+            answer = self.refusal(exc)
+        if answer is None:
+            log.debug("POST %s: the client went away before its body arrived", self.path)
+            return  # nothing was done, and nobody is left to answer
+        await self.respond(*answer)
+
+    async def answer(self) -> Answer | None:
+        protocol = self.protocol
+        state = protocol.config.app.state  # (the Starlette app's: rota/server/app.py)
+        door: Door = state.door
+        coordinator: Coordinator = state.coordinator
+        scope: dict[str, Any] = {"type": "http", "method": "POST", "path": self.path,
+                                 "raw_path": self.path.encode(), "headers": self.headers,
+                                 "client": protocol.client}
+        refusal, _ = await door.check(scope)
+        if refusal is not None:
+            status, code, message = refusal
+            headers = list(JSON_TYPE)
+            if status == 401:
+                headers.append((b"www-authenticate", b'Bearer realm="rota"'))
+            return status, headers, error_body(code, message)
+        principal: Principal = scope["rota.principal"]
+        if not principal.may(*SCOPES):
+            raise forbidden(principal, "POST", self.path, SCOPES)
+        settings = coordinator.settings
+        limit = settings.max_body_bytes
+        if self.overflow or self._declared() > limit:
+            raise too_large(limit)
+        if self.more_body:
+            if not await self._rest(settings.body_timeout):
+                return None
+            if self.overflow:
+                raise too_large(limit)
+        body = b"".join(self.chunks)
+        self.chunks = []
+        content, status = await self.route(coordinator, principal, body)
+        return status, JSON_TYPE, msgspec.json.encode(content)
+
+    def _declared(self) -> int:
+        for name, value in self.headers:
+            if name == b"content-length":
+                return int(value) if value.isdigit() else 0
+        return 0
+
+    async def _rest(self, timeout: float) -> bool:
+        """Wait for the rest of the body (False: the client went away first). A body sent
+        a byte a minute would hold its connection for ever: it has a deadline, as in
+        ``api_base.read_body``."""
+        self.waiter = self.protocol.loop.create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                while self.more_body and not self.overflow and not self.disconnected:
+                    await self.waiter
+                    self.waiter = self.protocol.loop.create_future()
+        except TimeoutError:
+            raise RequestError(408, "body_timeout", f"the request body did not arrive within"
+                               f" {timeout:g}s (body_timeout)") from None
+        finally:
+            self.waiter = None
+        return not self.disconnected
+
+    def refusal(self, exc: Exception) -> Answer:
+        response = refusal_answer(exc)
+        if response is not None:
+            return response.status_code, response.raw_headers, bytes(response.body)
+        incident = incident_id()  # a bug: what rota/server/safety.py does for the others
+        log.error("internal error id=%s on POST %s: %s", incident, printable(self.path),
+                  type(exc).__name__, exc_info=exc)
+        return 500, list(JSON_TYPE), internal_body(incident)
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+                      ) -> None:
+        """The answer in one write; then the connection goes on to its next request, or
+        closes (the client's ``Connection: close``, HTTP/1.0, a refusal that says so)."""
+        if self.answered:
+            return
+        self.answered = True
+        protocol = self.protocol
+        keep_alive = self.keep_alive and (b"connection", b"close") not in headers
+        transport = protocol.transport
+        if not transport.is_closing() and not self.disconnected:
+            parts = [STATUS_LINE[status]]
+            for name, value in (*protocol.server_state.default_headers, *headers):
+                if name not in (b"content-length", b"connection"):
+                    parts += [name, b": ", value, b"\r\n"]
+            parts.append(b"content-length: %d\r\n" % len(body))
+            if not keep_alive:
+                parts.append(b"connection: close\r\n")
+            parts += [b"\r\n", body]
+            transport.write(b"".join(parts))
+            if protocol.flow.write_paused:
+                # A client that does not read: its next request waits (and the socket is
+                # not read) until this answer has left, as uvicorn's own cycle does.
+                await protocol.flow.drain()
+        self.response_complete = True
+        if not keep_alive:
+            transport.close()
+        protocol.on_response_complete()

@@ -1,0 +1,237 @@
+"""uvicorn's HTTP protocol as Rota runs it: what it does per connection and per answer.
+
+GuardedHttp: a request gets a deadline for its headers, a request the parser refuses a
+JSON 400 like every other error, /healthz is answered above --max-connections, a stream
+may drop its connection, a WebSocket handshake waits for its turn (rota/server/pacing.py),
+and the producers' ``POST /jobs`` and ``POST /jobs/batch`` are served by the protocol
+itself (rota/server/direct.py). Corked: an answer's headers leave with its body in one
+write. The WebSocket protocol a /work connection continues on is rota/server/edge.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from rota.server.api_base import DROP
+from rota.server.direct import ROUTES, Direct
+from rota.server.pacing import pacer_for
+
+log = logging.getLogger("rota.server")
+
+# A request's line and headers together: tokens and names are short, and a browser's
+# cookies stay well under it (nginx's default buffers hold 32 KiB, Node's 16 KiB).
+MAX_HEADER_BYTES = 64 * 1024
+# Answered even when --max-connections are open: a load balancer's probe must not be told
+# the server is down because clients hold every slot.
+ALWAYS_ANSWERED = frozenset({b"/healthz"})
+
+
+class Corked:
+    """A response's transport that sends its headers with the first part of its body.
+
+    uvicorn writes a response's status line and headers, then its body, as two writes:
+    two system calls and two TCP segments, and a client that reads the headers first is
+    woken twice. Here the headers wait for the body when it follows in the same turn of
+    the loop, as it does for every response Rota makes; a response whose body comes
+    later (a stream) gets its headers at the end of the turn all the same."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._held is None:
+            self._held = data
+            self._loop.call_soon(self.flush)
+            return
+        held, self._held = self._held, None
+        self._transport.write(held + data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> object:  # anything else uvicorn may ask of it
+        return getattr(self._transport, name)
+
+
+class GuardedHttp(HttpToolsProtocol):
+    """uvicorn waits as long as a client likes for a request's headers (and cuts only idle
+    keep-alive connections): a slow sender could hold connections open for ever. This
+    gives every request ``header_timeout`` seconds from its first byte, or from the
+    connection's start, to finish its headers."""
+
+    header_timeout = 10.0
+    _early: bytearray | None = None  # while a handshake waits for its turn: what came since
+    _deadline: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+    _headers_too_large = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        self._arm()
+
+    # uvicorn's parser keeps a request's URL and headers however long they grow: 20 MB of
+    # headers cost 17 MiB on one connection. Past MAX_HEADER_BYTES the request is refused.
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        super().on_header(name, value)
+
+    def _count(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._headers_too_large = True
+            # An exception in a callback stops the parser; uvicorn then answers with
+            # send_400_response, which says 431 instead.
+            raise ValueError("request headers too large")
+
+    def on_headers_complete(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if self._direct():
+            return
+        # (weak: no cycle from the protocol through its scope back to it)
+        self.scope[DROP] = weakref.WeakMethod(self.drop)  # type: ignore[literal-required]
+        limit = self.limit_concurrency
+        if (limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
+                and self.url.split(b"?", 1)[0] in ALWAYS_ANSWERED):
+            self.limit_concurrency = None  # this one request only
+        try:
+            super().on_headers_complete()
+        finally:
+            self.limit_concurrency = limit
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and getattr(cycle, "transport", None) is self.transport:
+            cycle.transport = Corked(self.transport, self.loop)
+
+    def _direct(self) -> bool:
+        """Whether this request is one the protocol serves itself (rota/server/direct.py);
+        if so, it is on its way, or waits behind the requests pipelined before it."""
+        if self.expect_100_continue or self.parser.get_method() != b"POST":
+            return False  # (100-continue: uvicorn's cycle answers it as the body is read)
+        found = ROUTES.get(self.url.split(b"?", 1)[0])
+        if found is None or self.parser.should_upgrade():
+            return False
+        limit = self.limit_concurrency
+        if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
+            return False  # uvicorn's 503, as for every other route
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        request = Direct(self, *found, self.headers, keep_alive)
+        existing, self.cycle = self.cycle, request  # type: ignore[assignment]
+        if existing is None or existing.response_complete:
+            request.start()
+        else:
+            self.flow.pause_reading()
+            self.pipeline.appendleft((request, self.app))  # type: ignore[arg-type]
+        return True
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        # (uvicorn's way to start a request that waited in the pipeline)
+        if isinstance(cycle, Direct):
+            cycle.start()
+        else:
+            super()._start_asgi_task(cycle, app)
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, Direct):
+            cycle.feed(body, self.config.app.state.coordinator.settings.max_body_bytes)
+        else:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, Direct):
+            cycle.complete()
+        else:
+            super().on_message_complete()
+
+    def handle_websocket_upgrade(self) -> None:
+        """The handshake waits for its turn (rota/server/pacing.py): a reconnect storm
+        must not hold the loop. The socket is still read meanwhile, so that a client that
+        gives up waiting is seen to go, and its turn costs nothing; what it sends before
+        the 101 (a compliant client sends nothing) is kept for the WebSocket protocol."""
+        self._early = bytearray()
+        pacer_for(self.loop).admit(self.loop, self._upgrade)
+
+    def data_received(self, data: bytes) -> None:
+        if self._early is None:
+            super().data_received(data)
+            return
+        self._early += data
+        if len(self._early) > MAX_HEADER_BYTES:  # not a client waiting for its 101
+            self.transport.close()
+
+    def _upgrade(self) -> None:
+        early, self._early = self._early, None
+        if self.transport.is_closing():
+            return  # the client gave up while it waited
+        super().handle_websocket_upgrade()
+        if early:
+            self.transport.get_protocol().data_received(bytes(early))
+
+    def send_400_response(self, msg: str) -> None:
+        # A request the HTTP parser refuses (a control character in a header, a bad
+        # Content-Length) is answered before Rota sees it; in JSON, as every other error.
+        if self._headers_too_large:
+            status = b"431 Request Header Fields Too Large"
+            body = (b'{"error":{"code":"headers_too_large","message":"the request line and'
+                    b' headers are over %d bytes"}}' % MAX_HEADER_BYTES)
+        else:
+            status = b"400 Bad Request"
+            body = (b'{"error":{"code":"bad_http_request","message":"the request is not valid'
+                    b' HTTP/1.1 (' + msg.encode("ascii", "replace").replace(b'"', b"'")
+                    + b')"}}')
+        self.transport.write(b"".join([
+            b"HTTP/1.1 ", status, b"\r\ncontent-type: application/json\r\n",
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body]))
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def drop(self) -> None:
+        """End the connection now, discarding what is buffered: for a client that does
+        not read, to which even the end of a response would wait behind the rest."""
+        self.transport.abort()
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.header_timeout, self._too_slow)
+
+    def _too_slow(self) -> None:
+        log.warning("closing a connection from %s: no request headers within %gs",
+                    peer(self.client), self.header_timeout)
+        self.transport.close()
+
+
+def peer(client: tuple[str, int] | None) -> str:
+    return "%s:%d" % client if client else "-"
