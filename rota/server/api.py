@@ -13,8 +13,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rota.server.api_base import (JSON, coordinator_of, decode_as, decode_body, error, need, read_body,
-                           status_of, token_revoked, too_many_waits)
+from rota.server.api_base import (JSON, coordinator_of, decode_as, decode_body, error, forbidden,
+                                  need, read_body, status_of, token_revoked, too_many_waits)
 from rota.core.auth import Principal, Scope, kept_hint
 from rota.core.endpoints import is_endpoint
 from rota.server.coordinator import Coordinator
@@ -130,11 +130,14 @@ def not_ojs(payload: EnqueueRequest) -> RequestError | None:
 
 
 async def find_job(request: Request, job_id: str) -> dict[str, Any] | None:
+    return await find_job_for(coordinator_of(request), need(request, "producer"), job_id)
+
+
+async def find_job_for(coordinator: Coordinator, principal: Principal, job_id: str
+                       ) -> dict[str, Any] | None:
     """The job the caller names ``job_id``: a producer's own, found under the id
     it is kept under (rota/core/auth.py); to a producer, any other job does not exist, exactly
     as a missing one."""
-    principal = need(request, "producer")
-    coordinator = coordinator_of(request)
     row = await coordinator.get_job(principal.stored_id(job_id))
     if row is None and (unscoped := principal.unscoped_id(job_id)) is not None:
         # A job enqueued before producers' ids were their own is kept under the id given.
@@ -145,10 +148,14 @@ async def find_job(request: Request, job_id: str) -> dict[str, Any] | None:
 
 
 async def _no_job(request: Request, job_id: str, hint: str = "") -> Response:
+    return await no_job(coordinator_of(request), principal_of(request.scope), job_id, hint)
+
+
+async def no_job(coordinator: Coordinator, principal: Principal, job_id: str, hint: str = ""
+                 ) -> Response:
     """The 404 for an id that names no job. To an admin, who names jobs by the ids they
     are kept under, it names a producer's job given that id (kept as <token id>:<id>)."""
-    found = (await coordinator_of(request).kept_as(job_id)
-             if principal_of(request.scope).scope == "admin" else [])
+    found = await coordinator.kept_as(job_id) if principal.scope == "admin" else []
     return error(404, "not_found", f"no job {job_id}{hint}{kept_hint(found)}")
 
 
@@ -203,8 +210,15 @@ async def retry_job(request: Request) -> Response:
 
 
 async def job_result(request: Request) -> Response:
-    coordinator = coordinator_of(request)
-    text = request.query_params.get("wait", "0")
+    return await result_of(coordinator_of(request), principal_of(request.scope),
+                           request.path_params["job_id"], request.query_params.get("wait", "0"),
+                           request.url.path)
+
+
+async def result_of(coordinator: Coordinator, principal: Principal, job_id: str, text: str,
+                    path: str) -> Response:
+    """``GET /jobs/{id}/result?wait=``'s answer (``path``, for a refusal's words): the
+    route above, or the protocol's direct one (rota/server/direct.py)."""
     # A number as JSON writes one (and str(float)): float() would also take "1_0", "nan",
     # "inf" and " 1 ".
     if not SECONDS.fullmatch(text):
@@ -213,12 +227,13 @@ async def job_result(request: Request) -> Response:
     if not 0 <= wait <= coordinator.settings.max_result_wait:
         return error(400, "invalid_wait",
                      f"wait must be between 0 and {coordinator.settings.max_result_wait} seconds")
-    job_id = request.path_params["job_id"]
-    found = await find_job(request, job_id)
+    if not principal.may("producer"):
+        raise forbidden(principal, "GET", path, ("producer",))
+    found = await find_job_for(coordinator, principal, job_id)
     if found is None:
-        return await _no_job(request, job_id)
+        return await no_job(coordinator, principal, job_id)
     if wait > 0:
-        hold = coordinator.hold(principal_of(request.scope))
+        hold = coordinator.hold(principal)
         if hold is None:
             return too_many_waits(coordinator)
         try:

@@ -1,5 +1,6 @@
-"""The producers' ``POST /jobs`` and ``POST /jobs/batch``, served by the HTTP protocol
-itself (issue 27): no ASGI scope, no middleware, no Starlette request or response.
+"""The producers' ``POST /jobs``, ``POST /jobs/batch`` and ``GET /jobs/{id}/result``,
+served by the HTTP protocol itself (issue 27): no ASGI scope, no middleware, no Starlette
+request (a result's answer is still a Starlette response, made by the route's function).
 
 One enqueue through the ASGI stack went through uvicorn's request cycle, the safety net,
 the gate and Express (rota/server/express.py) before its route ran, then built a
@@ -7,8 +8,8 @@ Starlette response and sent it as two ASGI messages: about a third of the loop's
 call (docs/performance.md). Here the protocol (rota/server/httpedge.py) hands the parsed
 request to a ``Direct``, which runs one coroutine: the gate's own decision (``Door``),
 the route's scope check, the body within ``max_body_bytes`` and ``body_timeout``, the
-same route function the ASGI route calls (``api.enqueued``), and the answer written in
-one piece. Refusals get the same statuses and bodies as through the router (they are
+same function the ASGI route calls (``api.enqueued``, ``api.result_of``), and the answer
+written in one piece. Refusals get the same statuses and bodies as through the router (they are
 made by the same functions), and a bug gets the safety net's JSON 500 with an incident
 id, logged once.
 
@@ -22,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import parse_qsl
 
 import msgspec
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -38,27 +40,72 @@ from rota.server.safety import incident_id, internal_body
 
 log = logging.getLogger("rota.server")
 
-Route = Callable[[Coordinator, Principal, bytes], Awaitable[tuple[Any, int]]]
-# The raw path (before any "?") of each direct route, with its path as text.
-ROUTES: dict[bytes, tuple[str, Route]] = {b"/jobs": ("/jobs", api.enqueued),
-                                          b"/jobs/batch": ("/jobs/batch", api.enqueued_batch)}
 SCOPES = ("producer",)
 JSON_TYPE = [(b"content-type", b"application/json")]
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+RESULT = (b"/jobs/", b"/result")  # GET /jobs/{job_id}/result
+
+
+class Route(NamedTuple):
+    serve: Callable[[Coordinator, Principal, Direct], Awaitable[Answer]]
+    posted: bool  # a POST: its caller's scope is checked here, then its body read
+
+
+async def _enqueue(coordinator: Coordinator, principal: Principal, request: Direct) -> Answer:
+    content, status = await api.enqueued(coordinator, principal, request.body)
+    return status, JSON_TYPE, msgspec.json.encode(content)
+
+
+async def _enqueue_batch(coordinator: Coordinator, principal: Principal, request: Direct
+                         ) -> Answer:
+    content, status = await api.enqueued_batch(coordinator, principal, request.body)
+    return status, JSON_TYPE, msgspec.json.encode(content)
+
+
+async def _result(coordinator: Coordinator, principal: Principal, request: Direct) -> Answer:
+    wait = "0"
+    if request.query:  # as Starlette reads a query: blanks kept, the last of a name wins
+        wait = dict(parse_qsl(request.query.decode("latin-1"), keep_blank_values=True)
+                    ).get("wait", "0")
+    response = await api.result_of(coordinator, principal, request.target, wait, request.path)
+    return response.status_code, response.raw_headers, bytes(response.body)
+
+
+POSTS = {b"/jobs": Route(_enqueue, True), b"/jobs/batch": Route(_enqueue_batch, True)}
+RESULTS = Route(_result, False)
+
+
+def match(method: bytes, url: bytes) -> tuple[Route, str, str, bytes] | None:
+    """The direct route for a request (with its path, the job id in it, and its query),
+    or None for one the ASGI app serves: any other, and any path with a "%" in it (the
+    app decodes it, and the gate judges what it decodes to)."""
+    raw, _, query = url.partition(b"?")
+    if method == b"POST":
+        route = POSTS.get(raw)
+        return None if route is None else (route, raw.decode(), "", query)
+    if (method != b"GET" or not raw.startswith(RESULT[0]) or not raw.endswith(RESULT[1])
+            or b"%" in raw or not raw.isascii()):
+        return None
+    job_id = raw[len(RESULT[0]):-len(RESULT[1])]
+    if not job_id or b"/" in job_id:  # Starlette's {job_id}: one non-empty segment
+        return None
+    return RESULTS, raw.decode(), job_id.decode(), query
 
 
 class Direct:
     """One request to a direct route, from its parsed headers to its answer."""
 
-    __slots__ = ("protocol", "path", "route", "headers", "keep_alive", "more_body",
-                 "answered", "response_complete", "disconnected", "overflow", "chunks", "size",
-                 "waiter")
+    __slots__ = ("protocol", "route", "path", "target", "query", "headers", "keep_alive",
+                 "more_body", "answered", "response_complete", "disconnected", "overflow",
+                 "chunks", "size", "body", "waiter")
 
-    def __init__(self, protocol: HttpToolsProtocol, path: str, route: Route,
-                 headers: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
+    def __init__(self, protocol: HttpToolsProtocol, route: Route, path: str, target: str,
+                 query: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
         self.protocol = protocol
-        self.path = path
         self.route = route
+        self.path = path
+        self.target = target  # the job id in the path, for a result
+        self.query = query
         self.headers = headers
         self.keep_alive = keep_alive
         self.more_body = True
@@ -68,6 +115,7 @@ class Direct:
         self.overflow = False
         self.chunks: list[bytes] = []
         self.size = 0
+        self.body = b""
         self.waiter: asyncio.Future[None] | None = None
 
     # -- what the protocol tells it (its parser's callbacks, a lost connection) -----------
@@ -112,7 +160,8 @@ class Direct:
         except Exception as exc:  # noqa: BLE001 (a refusal, or the safety net's case)
             answer = self.refusal(exc)
         if answer is None:
-            log.debug("POST %s: the client went away before its body arrived", self.path)
+            log.debug("POST %s: the client went away before its body arrived",
+                      printable(self.path))
             return  # nothing was done, and nobody is left to answer
         await self.respond(*answer)
 
@@ -121,7 +170,8 @@ class Direct:
         state = protocol.config.app.state  # (the Starlette app's: rota/server/app.py)
         door: Door = state.door
         coordinator: Coordinator = state.coordinator
-        scope: dict[str, Any] = {"type": "http", "method": "POST", "path": self.path,
+        method = "POST" if self.route.posted else "GET"
+        scope: dict[str, Any] = {"type": "http", "method": method, "path": self.path,
                                  "raw_path": self.path.encode(), "headers": self.headers,
                                  "client": protocol.client}
         refusal, _ = await door.check(scope)
@@ -132,8 +182,10 @@ class Direct:
                 headers.append((b"www-authenticate", b'Bearer realm="rota"'))
             return status, headers, error_body(code, message)
         principal: Principal = scope["rota.principal"]
+        if not self.route.posted:
+            return await self.route.serve(coordinator, principal, self)
         if not principal.may(*SCOPES):
-            raise forbidden(principal, "POST", self.path, SCOPES)
+            raise forbidden(principal, method, self.path, SCOPES)
         settings = coordinator.settings
         limit = settings.max_body_bytes
         if self.overflow or self._declared() > limit:
@@ -143,10 +195,8 @@ class Direct:
                 return None
             if self.overflow:
                 raise too_large(limit)
-        body = b"".join(self.chunks)
-        self.chunks = []
-        content, status = await self.route(coordinator, principal, body)
-        return status, JSON_TYPE, msgspec.json.encode(content)
+        self.body, self.chunks = b"".join(self.chunks), []
+        return await self.route.serve(coordinator, principal, self)
 
     def _declared(self) -> int:
         for name, value in self.headers:
@@ -176,7 +226,8 @@ class Direct:
         if response is not None:
             return response.status_code, response.raw_headers, bytes(response.body)
         incident = incident_id()  # a bug: what rota/server/safety.py does for the others
-        log.error("internal error id=%s on POST %s: %s", incident, printable(self.path),
+        log.error("internal error id=%s on %s %s: %s", incident,
+                  "POST" if self.route.posted else "GET", printable(self.path),
                   type(exc).__name__, exc_info=exc)
         return 500, list(JSON_TYPE), internal_body(incident)
 

@@ -1,7 +1,7 @@
-"""The hot routes without Starlette's router: ``GET /jobs/{id}/result`` and the workers'
-``/work`` (issue 27), and the producers' ``POST /jobs`` and ``POST /jobs/batch`` when the
-HTTP protocol leaves them to the app (it serves them itself, rota/server/direct.py,
-except for a request that asks for ``100 Continue``).
+"""The hot routes without Starlette's router: the workers' ``/work`` (issue 27), and the
+producers' ``POST /jobs``, ``POST /jobs/batch`` and ``GET /jobs/{id}/result`` when the
+HTTP protocol leaves them to the app (it serves them itself, rota/server/direct.py, but
+for a request that asks for ``100 Continue`` or a path with a "%" in it).
 
 A request to one of them has passed the safety net and the gate (its caller proven, its
 scope set) like any other; here it goes straight to its route function, and an error it

@@ -3,8 +3,8 @@
 GuardedHttp: a request gets a deadline for its headers, a request the parser refuses a
 JSON 400 like every other error, /healthz is answered above --max-connections, a stream
 may drop its connection, a WebSocket handshake waits for its turn (rota/server/pacing.py),
-and the producers' ``POST /jobs`` and ``POST /jobs/batch`` are served by the protocol
-itself (rota/server/direct.py). Corked: an answer's headers leave with its body in one
+and the producers' hot routes are served by the protocol itself (rota/server/direct.py).
+Corked: an answer's headers leave with its body in one
 write. The WebSocket protocol a /work connection continues on is rota/server/edge.py's.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rota.server.api_base import DROP
-from rota.server.direct import ROUTES, Direct
+from rota.server.direct import Direct, match
 from rota.server.pacing import pacer_for
 
 log = logging.getLogger("rota.server")
@@ -133,9 +133,9 @@ class GuardedHttp(HttpToolsProtocol):
     def _direct(self) -> bool:
         """Whether this request is one the protocol serves itself (rota/server/direct.py);
         if so, it is on its way, or waits behind the requests pipelined before it."""
-        if self.expect_100_continue or self.parser.get_method() != b"POST":
-            return False  # (100-continue: uvicorn's cycle answers it as the body is read)
-        found = ROUTES.get(self.url.split(b"?", 1)[0])
+        if self.expect_100_continue:
+            return False  # (uvicorn's cycle answers it as the body is read)
+        found = match(self.parser.get_method(), self.url)
         if found is None or self.parser.should_upgrade():
             return False
         limit = self.limit_concurrency

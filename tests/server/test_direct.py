@@ -20,7 +20,9 @@ import pytest
 from conftest import Live, write_spec
 from helpers import make_tokens, wait_until
 
+from rota import JobContext, Worker
 from rota.server import api
+from rota.server.direct import POSTS, RESULTS, match
 
 Answer = tuple[int, dict[str, str], bytes]
 
@@ -74,13 +76,31 @@ async def echo(live: Live, tmp_path: Path) -> Live:
     return live
 
 
-async def test_the_producer_posts_never_reach_the_asgi_app(echo: Live,
-                                                           monkeypatch: pytest.MonkeyPatch):
+def test_which_requests_the_protocol_serves_itself():
+    assert match(b"POST", b"/jobs") == (POSTS[b"/jobs"], "/jobs", "", b"")
+    assert match(b"POST", b"/jobs/batch?x=1") == (POSTS[b"/jobs/batch"], "/jobs/batch", "", b"x=1")
+    assert match(b"GET", b"/jobs/j-1/result?wait=2") == (RESULTS, "/jobs/j-1/result", "j-1",
+                                                         b"wait=2")
+    # The rest go on to the app: other methods and paths, an empty or slashed id, and any
+    # "%" (the app decodes the path, and the gate judges what it decodes to).
+    for method, url in [(b"GET", b"/jobs//result"), (b"GET", b"/jobs/a/b/result"),
+                        (b"GET", b"/jobs/result"), (b"PUT", b"/jobs"), (b"GET", b"/jobs"),
+                        (b"POST", b"/jobs/"), (b"POST", b"/jobs/retry"),
+                        (b"HEAD", b"/jobs/a/result"), (b"POST", b"/jobs/a/result"),
+                        (b"GET", b"/jobs/batch"), (b"GET", b"/jobs/a%2Fb/result"),
+                        (b"GET", b"/jobs/a%41/result"), (b"GET", "/jobs/é/result".encode()),
+                        (b"POST", b"http://x/jobs")]:
+        assert match(method, url) is None, (method, url)
+
+
+async def test_the_hot_routes_never_reach_the_asgi_app(echo: Live,
+                                                       monkeypatch: pytest.MonkeyPatch):
     async def unreachable(*args: Any) -> Any:
-        raise AssertionError("POST /jobs went through the ASGI app")
+        raise AssertionError("a hot route went through the ASGI app")
 
     monkeypatch.setattr(api, "enqueue", unreachable)
     monkeypatch.setattr(api, "enqueue_batch", unreachable)
+    monkeypatch.setattr(api, "job_result", unreachable)
     made = await echo.http.post("/jobs", json={"spec": "echo", "id": "d-1"})
     assert (made.status_code, made.json()["job"]["id"]) == (201, "d-1")
     assert made.headers["content-type"] == "application/json"
@@ -89,8 +109,38 @@ async def test_the_producer_posts_never_reach_the_asgi_app(echo: Live,
     assert [r["status"] for r in batch.json()["results"]] == [201]
     # With a query string too (Starlette's router ignores it for these routes).
     assert (await echo.http.post("/jobs?x=1", json={"spec": "echo"})).status_code == 201
+    result = await echo.http.get("/jobs/d-1/result", params={"wait": "0"})
+    assert (result.status_code, result.json()["state"]) == (202, "available")
+    # Starlette's reading of a query: the last "wait" counts.
+    late = await echo.http.get("/jobs/d-1/result?wait=x&wait=0")
+    assert late.status_code == 202
+    bad = await echo.http.get("/jobs/d-1/result?wait=0&wait=nan")
+    assert (bad.status_code, bad.json()["error"]["code"]) == (400, "invalid_wait")
+    missing = await echo.http.get("/jobs/nope/result")
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "not_found")
     # Everything else on these paths still reaches the router.
     assert (await echo.http.put("/jobs", json={})).status_code == 405
+
+
+async def test_a_result_waited_for_through_the_protocol_arrives_when_the_job_ends(
+        echo: Live, tmp_path: Path):
+    worker = Worker(url=echo.ws, specs_dir=tmp_path, heartbeat_interval=0.1)
+
+    @worker.handler("echo")
+    async def run(ctx: JobContext) -> Any:
+        return {"ran": ctx.args}
+
+    made = (await echo.http.post("/jobs", json={"spec": "echo", "id": "waited"})).json()
+    waiting = asyncio.create_task(echo.http.get("/jobs/waited/result", params={"wait": "5"}))
+    task = asyncio.create_task(worker.run())
+    try:
+        answer = await asyncio.wait_for(waiting, 10)
+    finally:
+        worker.stop()
+        await task
+    assert answer.status_code == 200
+    assert answer.json() == {"id": made["job"]["id"], "state": "completed", "done": True,
+                             "result": {"ran": {}}, "error": None}
 
 
 async def test_pipelined_requests_are_answered_in_order_beside_asgi_ones(echo: Live):
