@@ -431,7 +431,21 @@ async def test_every_header_rota_reads(watched: Watch):
                                       b"Authorization: " + value + b"\r\n\r\n")
         assert (status, json.loads(body)["error"]["code"]) == expected, f"/work {name}"
         watched.pairs += 1
+        # The routes the HTTP protocol serves itself (rota/server/direct.py): the same.
+        for line in (b"POST /jobs HTTP/1.1", b"POST /jobs/batch HTTP/1.1",
+                     b"GET /jobs/x/result?wait=0 HTTP/1.1"):
+            status, body = await raw_http(port, line + b"\r\nHost: x\r\nContent-Length: 2\r\n"
+                                          b"Authorization: " + value + b"\r\n\r\n{}")
+            assert (status, json.loads(body)["error"]["code"]) == expected, (line, name)
+            watched.pairs += 1
     token = bearer(live.admin)["Authorization"].encode()  # type: ignore[attr-defined]
+    for name, value in corpus.ORIGINS:
+        expected = (400, "bad_http_request") if b"\x1b" in value else (403, "origin_not_allowed")
+        status, body = await raw_http(port, b"POST /jobs HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                                      + token + b"\r\nOrigin: " + value
+                                      + b"\r\nContent-Length: 2\r\n\r\n{}")
+        assert (status, json.loads(body)["error"]["code"]) == expected, f"POST Origin {name}"
+        watched.pairs += 1
     for name, value in corpus.ORIGINS:
         expected = (400, "bad_http_request") if b"\x1b" in value else (403, "origin_not_allowed")
         status, body = await raw_http(port, b"GET /work HTTP/1.1\r\nHost: x\r\n"
