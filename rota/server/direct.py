@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 from urllib.parse import parse_qsl
 
 import msgspec
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from rota.base.errors import RequestError
@@ -79,7 +81,7 @@ def match(method: bytes, url: bytes) -> tuple[Route, str, str, bytes] | None:
     """The direct route for a request (with its path, the job id in it, and its query),
     or None for one the ASGI app serves: any other, and any path with a "%" in it (the
     app decodes it, and the gate judges what it decodes to)."""
-    raw, _, query = url.partition(b"?")
+    raw, _, query = url.partition(b"#")[0].partition(b"?")  # (a fragment is no part of either)
     if method == b"POST":
         route = POSTS.get(raw)
         return None if route is None else (route, raw.decode(), "", query)
@@ -97,7 +99,7 @@ class Direct:
 
     __slots__ = ("protocol", "route", "path", "target", "query", "headers", "keep_alive",
                  "more_body", "answered", "response_complete", "disconnected", "overflow",
-                 "chunks", "size", "body", "waiter")
+                 "admitted", "chunks", "size", "body", "waiter")
 
     def __init__(self, protocol: HttpToolsProtocol, route: Route, path: str, target: str,
                  query: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
@@ -113,6 +115,7 @@ class Direct:
         self.response_complete = False
         self.disconnected = False
         self.overflow = False
+        self.admitted = False  # the gate and the scope check have let it in
         self.chunks: list[bytes] = []
         self.size = 0
         self.body = b""
@@ -130,6 +133,10 @@ class Direct:
             self._wake()
             return
         self.chunks.append(body)
+        if not self.admitted and self.size > HIGH_WATER_LIMIT:
+            # Not read further until the caller is let in (uvicorn's cycle does the same
+            # until its app reads): a caller about to be refused holds 64 KiB, not a body.
+            self.protocol.flow.pause_reading()
 
     def complete(self) -> None:
         self.more_body = False
@@ -173,7 +180,7 @@ class Direct:
         method = "POST" if self.route.posted else "GET"
         scope: dict[str, Any] = {"type": "http", "method": method, "path": self.path,
                                  "raw_path": self.path.encode(), "headers": self.headers,
-                                 "client": protocol.client}
+                                 "client": _client(protocol, self.headers)}
         refusal, _ = await door.check(scope)
         if refusal is not None:
             status, code, message = refusal
@@ -186,6 +193,7 @@ class Direct:
             return await self.route.serve(coordinator, principal, self)
         if not principal.may(*SCOPES):
             raise forbidden(principal, method, self.path, SCOPES)
+        self.admitted = True
         settings = coordinator.settings
         limit = settings.max_body_bytes
         if self.overflow or self._declared() > limit:
@@ -209,6 +217,7 @@ class Direct:
         a byte a minute would hold its connection for ever: it has a deadline, as in
         ``api_base.read_body``."""
         self.waiter = self.protocol.loop.create_future()
+        self.protocol.flow.resume_reading()
         try:
             async with asyncio.timeout(timeout):
                 while self.more_body and not self.overflow and not self.disconnected:
@@ -238,8 +247,10 @@ class Direct:
         if self.answered:
             return
         self.answered = True
+        self.chunks, self.body = [], b""  # (the connection may idle a while, kept alive)
         protocol = self.protocol
-        keep_alive = self.keep_alive and (b"connection", b"close") not in headers
+        closing = (b"connection", b"close") in headers
+        keep_alive = self.keep_alive and not closing
         transport = protocol.transport
         if not transport.is_closing() and not self.disconnected:
             parts = [STATUS_LINE[status]]
@@ -255,7 +266,25 @@ class Direct:
                 # A client that does not read: its next request waits (and the socket is
                 # not read) until this answer has left, as uvicorn's own cycle does.
                 await protocol.flow.drain()
+                keep_alive = self.keep_alive and not closing  # (a shutdown began meanwhile?)
         self.response_complete = True
         if not keep_alive:
             transport.close()
         protocol.on_response_complete()
+
+
+def _client(protocol: HttpToolsProtocol, headers: list[tuple[bytes, bytes]]
+            ) -> tuple[str, int] | None:
+    """The caller's address as the ASGI app sees it (for the gate's log lines): behind a
+    proxy uvicorn trusts (``--forwarded-allow-ips``), the one its X-Forwarded-For names."""
+    client = protocol.client
+    proxy = protocol.config.loaded_app
+    if client is None or not isinstance(proxy, ProxyHeadersMiddleware) \
+            or client[0] not in proxy.trusted_hosts:
+        return client
+    forwarded = [value for name, value in headers if name == b"x-forwarded-for"]
+    if not forwarded:
+        return client
+    host, port = proxy.trusted_hosts.get_trusted_client_address(
+        b", ".join(forwarded).decode("latin-1"))
+    return (host, port) if host else client

@@ -89,6 +89,7 @@ class GuardedHttp(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._unset_keepalive_if_required()  # a request begun in the same read: not idle
         self._header_bytes = 0
         self._arm()
 
@@ -171,6 +172,13 @@ class GuardedHttp(HttpToolsProtocol):
             cycle.complete()
         else:
             super().on_message_complete()
+        if (cycle is not None and cycle.response_complete and not self.pipeline
+                and self.timeout_keep_alive_task is None and not self.transport.is_closing()):
+            # Answered before its body ended (a refusal, a 413): the keep-alive timer armed
+            # then was cancelled by the rest's arrival, and an idle connection would stay
+            # open for ever. It is idle from here.
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def handle_websocket_upgrade(self) -> None:
         """The handshake waits for its turn (rota/server/pacing.py): a reconnect storm

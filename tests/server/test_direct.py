@@ -91,6 +91,10 @@ def test_which_requests_the_protocol_serves_itself():
                         (b"GET", b"/jobs/a%41/result"), (b"GET", "/jobs/é/result".encode()),
                         (b"POST", b"http://x/jobs")]:
         assert match(method, url) is None, (method, url)
+    # A fragment is part of neither the path nor the query (as uvicorn parses a URL).
+    assert match(b"GET", b"/jobs/a/result?wait=0#frag") == (RESULTS, "/jobs/a/result", "a",
+                                                           b"wait=0")
+    assert match(b"POST", b"/jobs#x") == (POSTS[b"/jobs"], "/jobs", "", b"")
 
 
 async def test_the_hot_routes_never_reach_the_asgi_app(echo: Live,
@@ -165,6 +169,7 @@ async def test_a_body_in_pieces_and_in_chunks_is_read_whole(echo: Live):
         await peer.send(request[start:start + 7])
     status, _, body = await peer.answer()
     assert (status, json.loads(body)["job"]["id"]) == (201, "piece")
+    assert _server_side(echo, peer).cycle.body == b""  # not kept while the connection idles
     payload = job("chunked")
     await peer.send(post("/jobs", b"", b"Transfer-Encoding: chunked", length=False))
     for part in (payload[:10], payload[10:]):
@@ -194,6 +199,34 @@ async def test_a_body_over_the_limit_is_refused_before_it_is_read_and_the_connec
     assert (status, json.loads(body)["error"]["code"]) == (413, "body_too_large")
     peer.close()
     assert [j["id"] for j in (await echo.http.get("/jobs")).json()["jobs"]] == ["after-413"]
+
+
+def _server_side(live: Live, peer: Peer) -> Any:
+    """The server's protocol object of ``peer``'s connection."""
+    port = peer.writer.get_extra_info("sockname")[1]
+    return next((c for c in live.server.server_state.connections if c.client[1] == port), None)
+
+
+@pytest.mark.parametrize("path", ["/jobs", "/specs"])  # the protocol's route, the app's
+async def test_a_refused_requests_body_is_dropped_and_the_connection_then_times_out(
+        echo: Live, path: str):
+    """A body refused before it arrived (here 401) is read and dropped, not kept, and
+    once it has arrived the connection is idle: its keep-alive timer runs again, which the
+    body's arrival had cancelled."""
+    await make_tokens(echo, ("admin", None))
+    peer = await Peer.open(echo)
+    size = 500_000
+    await peer.send(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    b"rota_0123456789ab_" + b"x" * 43 + b"\r\nContent-Length: %d\r\n\r\n" % size
+                    + b"y" * (size - 1))
+    status, _, body = await peer.answer()
+    assert (status, json.loads(body)["error"]["code"]) == (401, "unauthorized")
+    await peer.send(b"y")  # the last byte: the request is over
+    protocol = await wait_until(lambda: _server_side(echo, peer), what="the connection")
+    await wait_until(lambda: protocol.timeout_keep_alive_task is not None,
+                     what="the keep-alive timer")
+    assert not getattr(protocol.cycle, "chunks", [])  # nothing of the body kept
+    peer.close()
 
 
 async def test_a_caller_without_a_token_is_refused_before_its_body(echo: Live):
@@ -279,3 +312,33 @@ async def test_a_client_that_stops_reading_is_not_read_either(echo: Live):
 def _flow_paused(live: Live) -> bool:
     return any(getattr(c, "flow", None) is not None and c.flow.write_paused
                for c in live.server.server_state.connections)
+
+
+async def test_a_shutdown_while_an_answer_drains_closes_the_connection_after_it(echo: Live):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", echo.settings.port))
+    peer = Peer(*await asyncio.open_connection(sock=sock))
+    await peer.send(post("/jobs/batch", json.dumps({"jobs": [{"spec": "echo"}] * 10_000})
+                         .encode()))  # an answer of ~6 MB, which the client does not read
+    protocol = await wait_until(lambda: _server_side(echo, peer), what="the connection")
+    await wait_until(lambda: protocol.flow.write_paused, what="the server's writes paused")
+    echo.server.request_exit()
+    status, _, _ = await peer.answer()  # read at last: the answer is whole...
+    assert status == 200
+    # ...and the connection ends with it, as the server stops: not 5 s later, when its
+    # keep-alive would have run out.
+    assert await asyncio.wait_for(peer.reader.read(), 2.5) == b""
+    await asyncio.wait_for(echo.server.test_task, 10)  # type: ignore[attr-defined]
+    peer.close()
+
+
+async def test_a_refusal_behind_a_trusted_proxy_logs_the_forwarded_client(
+        echo: Live, caplog: pytest.LogCaptureFixture):
+    await make_tokens(echo, ("admin", None))
+    caplog.set_level(logging.INFO, logger="rota")
+    peer = await Peer.open(echo)  # from 127.0.0.1, which uvicorn trusts by default
+    await peer.send(post("/jobs", b"{}", b"X-Forwarded-For: 203.0.113.9"))
+    assert (await peer.answer())[0] == 401
+    assert any("client=203.0.113.9" in r.getMessage() for r in caplog.records)
+    peer.close()
