@@ -6,7 +6,9 @@ rotation."""
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any
 
 import pytest
 from conftest import Live, start_server, stop_server, write_spec
@@ -14,6 +16,7 @@ from helpers import wait_until
 from hookrig import Receiver
 
 from rota.base.signing import verify
+from rota.server import hooks
 
 pytestmark = pytest.mark.both_backends
 # The receiver is on loopback: rota serve --allow-private-endpoints.
@@ -266,3 +269,29 @@ async def test_a_429_is_retried_after_its_retry_after_and_a_404_is_dead(live: Li
         await wait_until(logged, what="one dead, one delivered on its second attempt")
     finally:
         await receiver.close()
+
+
+async def test_with_no_subscription_the_pump_passes_events_over_and_warns_of_no_gap(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """With nobody subscribed, the pump does not read the events at all: a burst larger
+    than the ring is no gap to warn of (it was, under load, with no webhook anywhere)."""
+    monkeypatch.setattr(hooks, "IDLE", 0.02)  # the pump's turns, when nothing wakes it
+    live = await start_server(tmp_path, events_buffer=20)
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        webhooks, turns = live.coordinator.webhooks, [0]
+        pulse = webhooks._pulse
+
+        def counted() -> Any:
+            turns[0] += 1
+            return pulse()
+
+        webhooks._pulse = counted
+        caplog.set_level(logging.INFO, logger="rota")
+        answer = await live.http.post("/jobs/batch", json={"jobs": [{"spec": "mail"}] * 200})
+        assert answer.status_code == 200
+        seen = turns[0]
+        await wait_until(lambda: turns[0] >= seen + 3, what="three turns of the pump")
+        assert not [r.getMessage() for r in caplog.records if "webhooks" in r.getMessage()]
+    finally:
+        await stop_server(live)
