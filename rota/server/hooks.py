@@ -133,10 +133,14 @@ class Webhooks:
                 # No subscription takes anything: the events are passed over unread.
                 # (Read, they cost the loop 5 % of a busy server's time, and under load
                 # the pump fell behind the ring and warned of a gap nobody was owed.)
-                last, last_wall = observer.next_id - 1, time.time()
-                if time.monotonic() - marked > MARK_EVERY:
-                    await self._add([], last_wall)
-                    marked = time.monotonic()
+                if observer.next_id - 1 > last:
+                    # The mark stays in the events' own time, as when they are read: the
+                    # clock's would be ahead of an event whose commit is still on its way,
+                    # and a restart would recover from past it.
+                    last, last_wall = observer.next_id - 1, observer.ring[-1][0]
+                    if time.monotonic() - marked > MARK_EVERY:
+                        await self._add([], last_wall)
+                        marked = time.monotonic()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(self._pulse()), IDLE)
                 continue

@@ -17,6 +17,7 @@ from hookrig import Receiver
 
 from rota.base.signing import verify
 from rota.server import hooks
+from rota.store import hooks as sql
 
 pytestmark = pytest.mark.both_backends
 # The receiver is on loopback: rota serve --allow-private-endpoints.
@@ -279,14 +280,8 @@ async def test_with_no_subscription_the_pump_passes_events_over_and_warns_of_no_
     live = await start_server(tmp_path, events_buffer=20)
     try:
         await live.push(write_spec(tmp_path / "specs", "mail"))
-        webhooks, turns = live.coordinator.webhooks, [0]
-        pulse = webhooks._pulse
-
-        def counted() -> Any:
-            turns[0] += 1
-            return pulse()
-
-        webhooks._pulse = counted
+        webhooks = live.coordinator.webhooks
+        turns = counting_turns(webhooks)
         caplog.set_level(logging.INFO, logger="rota")
         answer = await live.http.post("/jobs/batch", json={"jobs": [{"spec": "mail"}] * 200})
         assert answer.status_code == 200
@@ -295,3 +290,46 @@ async def test_with_no_subscription_the_pump_passes_events_over_and_warns_of_no_
         assert not [r.getMessage() for r in caplog.records if "webhooks" in r.getMessage()]
     finally:
         await stop_server(live)
+
+
+async def test_with_no_subscription_the_pumps_mark_stays_in_the_events_own_time(
+        tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """The mark a restart recovers from is the time of the last event passed over, not
+    the clock's: the clock would be ahead of an event whose commit is still on its way,
+    and a subscription made meanwhile would never get it. Without events, it stays."""
+    monkeypatch.setattr(hooks, "IDLE", 0.02)
+    monkeypatch.setattr(hooks, "MARK_EVERY", 0.0)  # a mark at every turn that has events
+    live = await start_server(tmp_path)
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        webhooks = live.coordinator.webhooks
+        turns = counting_turns(webhooks)
+
+        async def mark() -> float | None:
+            return await webhooks.store.readers.run(
+                lambda conn: sql.read_mark(conn, webhooks._mark_key))
+
+        await live.enqueue("mail")
+        last = webhooks.observer.ring[-1][0]
+        await wait_until(lambda: _is(mark(), last), what="the mark at the last event")
+        seen = turns[0]
+        await wait_until(lambda: turns[0] >= seen + 3, what="three turns of the pump")
+        assert await mark() == last
+    finally:
+        await stop_server(live)
+
+
+async def _is(value: Any, expected: Any) -> bool:
+    return await value == expected
+
+
+def counting_turns(webhooks: Any) -> list[int]:
+    """A counter of the pump's turns (each waits on its pulse once), in a list."""
+    turns, pulse = [0], webhooks._pulse
+
+    def counted() -> Any:
+        turns[0] += 1
+        return pulse()
+
+    webhooks._pulse = counted
+    return turns
