@@ -37,7 +37,7 @@ from rota.core.auth import Principal
 from rota.server import api
 from rota.server.api_base import forbidden, refusal_answer, too_large
 from rota.server.coordinator import Coordinator
-from rota.server.gate import Door, error_body
+from rota.server.gate import Door, denial
 from rota.server.safety import incident_id, internal_body
 
 log = logging.getLogger("rota.server")
@@ -183,11 +183,7 @@ class Direct:
                                  "client": _client(protocol, self.headers)}
         refusal, _ = await door.check(scope)
         if refusal is not None:
-            status, code, message = refusal
-            headers = list(JSON_TYPE)
-            if status == 401:
-                headers.append((b"www-authenticate", b'Bearer realm="rota"'))
-            return status, headers, error_body(code, message)
+            return refusal[0], *denial(self.path, *refusal)
         principal: Principal = scope["rota.principal"]
         if not self.route.posted:
             return await self.route.serve(coordinator, principal, self)

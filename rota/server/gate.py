@@ -257,16 +257,24 @@ def principal_of(scope: Scope) -> Principal:
 
 async def deny(scope: Scope, send: Send, status: int, code: str, message: str) -> None:
     """Answer with a JSON error; on a WebSocket handshake, as its HTTP response."""
-    body = error_body(code, message)
-    kind = [(b"content-type", b"application/json")]
-    if scope["path"].startswith("/ojs/"):  # the OJS binding's clients read its shape
-        body, kind = ojs_denial(status, code, message)
-    headers: list[tuple[bytes, bytes]] = [*kind, (b"content-length", str(len(body)).encode())]
-    if status == 401:
-        headers.append((b"www-authenticate", b'Bearer realm="rota"'))
+    headers, body = denial(scope["path"], status, code, message)
+    headers.append((b"content-length", str(len(body)).encode()))
     prefix = "websocket.http.response" if scope["type"] == "websocket" else "http.response"
     await send({"type": f"{prefix}.start", "status": status, "headers": headers})
     await send({"type": f"{prefix}.body", "body": body})
+
+
+def denial(path: str, status: int, code: str, message: str
+           ) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """A refusal at the door: its headers (but its length) and body, in Rota's shape or,
+    under /ojs/, OJS's; for the ASGI gate and the protocol's direct routes alike."""
+    body = error_body(code, message)
+    headers = [(b"content-type", b"application/json")]
+    if path.startswith("/ojs/"):  # the OJS binding's clients read its shape
+        body, headers = ojs_denial(status, code, message)
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="rota"'))
+    return headers, body
 
 
 def ojs_denial(status: int, code: str, message: str
