@@ -162,6 +162,8 @@ def e2e(quick: bool) -> dict[str, Any]:
     rota = {"jobs": jobs, "enqueue_per_s": figures.enqueue_rate_per_s,
             "end_to_end_per_s": figures.end_to_end_throughput_per_s,
             "drain_per_s": figures.drain_throughput_per_s,
+            "drain_while_enqueueing_per_s": figures.drain_while_enqueueing_per_s,
+            "drain_after_enqueueing_per_s": figures.drain_after_enqueueing_per_s,
             "all_completed": figures.all_completed, "cpu_seconds": figures.cpu_seconds}
     ref = reference()
     huey = ref.huey_e2e(jobs=jobs, concurrency=10) if ref else None

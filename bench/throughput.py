@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import datetime as dt
 import importlib.metadata
@@ -573,6 +574,11 @@ class Figures(msgspec.Struct, kw_only=True):
     end_to_end_throughput_per_s: float | None
     drain_seconds: float | None
     drain_throughput_per_s: float | None
+    # The drain in two phases: while the producers were still enqueueing (first enqueue to
+    # last ack), and after (last ack to last finish). A server that gives its time to the
+    # enqueues drains slowly in the first (docs/performance.md, issue 27's eighth stop).
+    drain_while_enqueueing_per_s: float | None = None
+    drain_after_enqueueing_per_s: float | None = None
     completion_seen_by_poll_seconds: float | None
     pickup_latency: Distribution
     enqueue_to_finished_latency: Distribution
@@ -596,6 +602,7 @@ def compute_figures(opts: Options, stats: EnqueueStats, rows: list[JobRow],
     drain = last_finish - first_reserved if last_finish and first_reserved else None
     gaps = [b - a for a, b in itertools.pairwise(finished)]
     acked = len(stats.acked)
+    early = bisect.bisect_right(finished, stats.last_acked)  # finished before the last ack
     return Figures(
         jobs_requested=opts.jobs,
         jobs_acknowledged=acked,
@@ -613,6 +620,9 @@ def compute_figures(opts: Options, stats: EnqueueStats, rows: list[JobRow],
         end_to_end_throughput_per_s=rate(len(finished), e2e),
         drain_seconds=round(drain, 4) if drain else None,
         drain_throughput_per_s=rate(len(finished), drain),
+        drain_while_enqueueing_per_s=rate(early, enqueue_seconds),
+        drain_after_enqueueing_per_s=(rate(len(finished) - early, last_finish - stats.last_acked)
+                                      if last_finish else None),
         completion_seen_by_poll_seconds=round(done_at - stats.first_sent, 4) if done_at else None,
         pickup_latency=distribution([r.reserved_at - r.enqueued_at for r in rows
                                      if r.reserved_at is not None]),
@@ -701,6 +711,8 @@ def print_summary(opts: Options, f: Figures, problems: dict[str, list[str]]) -> 
           f" (first enqueue -> last finish {f.end_to_end_seconds}s)")
     print(f"  drain throughput             {f.drain_throughput_per_s} jobs/s"
           f" (first reservation -> last finish {f.drain_seconds}s)")
+    print(f"  drain while / after enqueue  {f.drain_while_enqueueing_per_s} /"
+          f" {f.drain_after_enqueueing_per_s} jobs/s")
     if f.workers_started_after_enqueue_s is not None:
         print(f"  workers started at           +{f.workers_started_after_enqueue_s}s")
     print(_dist_line("enqueue request (client)", f.enqueue_request_latency))
