@@ -96,8 +96,7 @@ async def read_body(request: Request) -> bytes:
     """The body, refused with 413 as soon as it passes the limit: never buffered whole."""
     settings = coordinator_of(request).settings
     limit = settings.max_body_bytes
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared_over(request.headers.get("content-length", ""), limit):
         raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
@@ -114,6 +113,12 @@ async def read_body(request: Request) -> bytes:
         raise RequestError(408, "body_timeout", f"the request body did not arrive within"
                            f" {timeout:g}s (body_timeout)") from None
     return b"".join(chunks)
+
+
+def declared_over(content_length: str | bytes, limit: int) -> bool:
+    """Whether a request's Content-Length header says its body is over ``limit`` (one
+    that is not a plain number says nothing: the body is counted as it comes)."""
+    return content_length.isdigit() and int(content_length) > limit
 
 
 def too_large(limit: int) -> RequestError:

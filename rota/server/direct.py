@@ -35,7 +35,7 @@ from rota.base.errors import RequestError
 from rota.base.logs import printable
 from rota.core.auth import Principal
 from rota.server import api
-from rota.server.api_base import forbidden, refusal_answer, too_large
+from rota.server.api_base import declared_over, forbidden, refusal_answer, too_large
 from rota.server.coordinator import Coordinator
 from rota.server.gate import Door, denial
 from rota.server.safety import incident_id, internal_body
@@ -98,11 +98,12 @@ class Direct:
     """One request to a direct route, from its parsed headers to its answer."""
 
     __slots__ = ("protocol", "route", "path", "target", "query", "headers", "keep_alive",
-                 "more_body", "answered", "response_complete", "disconnected", "overflow",
-                 "admitted", "chunks", "size", "body", "waiter")
+                 "limit", "more_body", "answered", "response_complete", "disconnected",
+                 "overflow", "admitted", "chunks", "size", "body", "waiter")
 
     def __init__(self, protocol: HttpToolsProtocol, route: Route, path: str, target: str,
-                 query: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
+                 query: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool,
+                 limit: int) -> None:
         self.protocol = protocol
         self.route = route
         self.path = path
@@ -110,6 +111,7 @@ class Direct:
         self.query = query
         self.headers = headers
         self.keep_alive = keep_alive
+        self.limit = limit  # max_body_bytes
         self.more_body = True
         self.answered = False  # its answer is written (and complete once it has left)
         self.response_complete = False
@@ -123,11 +125,11 @@ class Direct:
 
     # -- what the protocol tells it (its parser's callbacks, a lost connection) -----------
 
-    def feed(self, body: bytes, limit: int) -> None:
+    def feed(self, body: bytes) -> None:
         if self.answered or self.overflow:
             return  # answered already (refused early): the rest is read and dropped
         self.size += len(body)
-        if self.size > limit:
+        if self.size > self.limit:
             self.overflow = True
             self.chunks = []
             self._wake()
@@ -190,23 +192,23 @@ class Direct:
         if not principal.may(*SCOPES):
             raise forbidden(principal, method, self.path, SCOPES)
         self.admitted = True
-        settings = coordinator.settings
-        limit = settings.max_body_bytes
-        if self.overflow or self._declared() > limit:
+        limit = self.limit
+        if self.overflow or declared_over(self._header(b"content-length"), limit):
             raise too_large(limit)
         if self.more_body:
-            if not await self._rest(settings.body_timeout):
+            if not await self._rest(coordinator.settings.body_timeout):
                 return None
             if self.overflow:
                 raise too_large(limit)
         self.body, self.chunks = b"".join(self.chunks), []
         return await self.route.serve(coordinator, principal, self)
 
-    def _declared(self) -> int:
+    def _header(self, wanted: bytes) -> bytes:
+        """A header's value (the first, as read: names come lower-cased), or b""."""
         for name, value in self.headers:
-            if name == b"content-length":
-                return int(value) if value.isdigit() else 0
-        return 0
+            if name == wanted:
+                return value
+        return b""
 
     async def _rest(self, timeout: float) -> bool:
         """Wait for the rest of the body (False: the client went away first). A body sent

@@ -143,7 +143,8 @@ class GuardedHttp(HttpToolsProtocol):
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             return False  # uvicorn's 503, as for every other route
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-        request = Direct(self, *found, self.headers, keep_alive)
+        request = Direct(self, *found, self.headers, keep_alive,
+                         self.config.app.state.coordinator.settings.max_body_bytes)
         existing, self.cycle = self.cycle, request  # type: ignore[assignment]
         if existing is None or existing.response_complete:
             request.start()
@@ -162,7 +163,7 @@ class GuardedHttp(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
         if isinstance(cycle, Direct):
-            cycle.feed(body, self.config.app.state.coordinator.settings.max_body_bytes)
+            cycle.feed(body)
         else:
             super().on_body(body)
 
