@@ -1,13 +1,19 @@
 """Where the server may send a request of its own (an endpoint delivery, a webhook): the
 URL's shape, and the addresses refused unless the operator allows private endpoints, so
-that a spec or a subscription cannot reach the server's own network. Pure."""
+that a spec or a subscription cannot reach the server's own network; and what such a
+request came to (``Answer``). Pure."""
 
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import dataclass, field
+from typing import Literal
 from urllib.parse import urlsplit
 
 MAX_URL = 2048
+MAX_BODY = 1 << 20  # bytes of an answer read at most (the rest is never read)
+MAX_REDIRECTS = 3  # same-host redirects followed; another host's never
+ErrorKind = Literal["timeout", "connect", "address_refused", "invalid_url"]
 
 
 def url_problem(url: object) -> str | None:
@@ -70,3 +76,22 @@ def literal_refused(url: str) -> str | None:
     except ValueError:
         return None
     return address_refused(host)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """What one POST of the server's own came to (rota/server/outbound.py). Either an HTTP answer (``status`` set, ``error``
+    None) or none (``status`` None, ``error`` the kind, ``message`` what happened).
+    ``headers`` by lower-case name; ``body`` at most ``max_body`` bytes, ``truncated`` if
+    the answer had more; ``url`` is the one finally asked (after same-host redirects);
+    ``ms`` the whole call's duration, redirects included."""
+
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    truncated: bool = False
+    ms: float = 0.0
+    error: ErrorKind | None = None
+    message: str = ""
+    url: str = ""
+    redirects: int = 0

@@ -12,11 +12,12 @@ from urllib.parse import quote
 
 import msgspec
 
+from rota.base.egress import MAX_BODY, MAX_REDIRECTS, Answer
 from rota.base.protocol import ErrorInfo
 from rota.base.push import MAX_SHOWN_BODY, Delivered, Delivery
 from rota.base.signing import DELIVERY, sign
 from rota.core.settings import ServerSettings
-from rota.server.egress_http import MAX_BODY, MAX_REDIRECTS, Answer, Egress
+from rota.server.outbound import Egress
 
 MAX_RETRY_AFTER = 3600.0  # seconds: an endpoint's Retry-After is honoured up to this
 # Headers the deliverer sets itself; a spec's [execute].headers cannot replace them.

@@ -1,6 +1,7 @@
 """The server's own outgoing POSTs (endpoint deliveries, webhooks): one keep-alive pool,
 TLS verified, no proxy from the environment, each connection only to an address checked
-against rota/base/egress.py, same-host redirects only, the answer's body capped."""
+against rota/base/egress.py, same-host redirects only, the answer's body capped. Made
+through rota/server/outbound.py, at the first POST: this module imports httpx."""
 
 from __future__ import annotations
 
@@ -12,14 +13,13 @@ import ssl
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import httpcore
 import httpx
 
-from rota.base.egress import address_refused
+from rota.base.egress import MAX_BODY, MAX_REDIRECTS, Answer, ErrorKind, address_refused
 
 try:
     import sniffio  # noqa: F401
@@ -28,29 +28,6 @@ except ImportError:
     # longer brings it); a failed import is not remembered, so each searched sys.path
     # again (27 µs, several a request). None here makes it fail at once.
     sys.modules["sniffio"] = None  # type: ignore[assignment]
-
-MAX_BODY = 1 << 20  # bytes of an answer read at most (the rest is never read)
-MAX_REDIRECTS = 3  # same-host redirects followed; another host's never
-ErrorKind = Literal["timeout", "connect", "address_refused", "invalid_url"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Answer:
-    """What one ``Egress.post`` came to. Either an HTTP answer (``status`` set, ``error``
-    None) or none (``status`` None, ``error`` the kind, ``message`` what happened).
-    ``headers`` by lower-case name; ``body`` at most ``max_body`` bytes, ``truncated`` if
-    the answer had more; ``url`` is the one finally asked (after same-host redirects);
-    ``ms`` the whole call's duration, redirects included."""
-
-    status: int | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytes = b""
-    truncated: bool = False
-    ms: float = 0.0
-    error: ErrorKind | None = None
-    message: str = ""
-    url: str = ""
-    redirects: int = 0
 
 
 class _AddressRefused(Exception):
@@ -113,7 +90,7 @@ class _CheckedBackend(httpcore.AsyncNetworkBackend):
         await self._inner.sleep(seconds)
 
 
-class Egress:
+class HttpPool:
     """A pool of outgoing connections and its ``post``. One per user (the deliverer,
     the webhooks), for the server's life; ``aclose`` at shutdown. ``allow_private``
     (rota serve --allow-private-endpoints) lifts the address check."""

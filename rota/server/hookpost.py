@@ -1,4 +1,4 @@
-"""One webhook POST, through the server's egress (rota/server/egress_http.py: the
+"""One webhook POST, through the server's egress (rota/server/outbound.py: the
 receiver's addresses checked, same-host redirects only, the answer capped), and its
 answer classified (rota/core/webhooks.py ``answered``)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from rota.core.webhooks import Outcome, answered, retry_after
-from rota.server.egress_http import Egress
+from rota.server.outbound import Egress
 
 SHOWN = 2048  # bytes of the answer read and kept in the delivery log
 

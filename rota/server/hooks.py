@@ -24,7 +24,7 @@ from rota.base.signing import DELIVERY, sign
 from rota.core import webhooks as wh
 from rota.core.observe import Observer
 from rota.core.settings import ServerSettings
-from rota.server.egress_http import Egress
+from rota.server.outbound import Egress
 from rota.server.hookpost import post
 from rota.store import hooks as sql
 from rota.store.store import Store
@@ -65,7 +65,8 @@ class Webhooks:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._listening = False
         self._mark_key = ""
-        self._pool: Egress | None = None
+        # Its own pool (not the endpoint deliveries'): receivers never wait on endpoints.
+        self._egress = Egress(allow_private=settings.allow_private_endpoints)
         # When each subscription's waiting deliveries were last counted (and its log
         # pruned), and those found with MAX_PENDING waiting.
         self._checked: dict[str, float] = {}
@@ -89,16 +90,7 @@ class Webhooks:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if self._pool is not None:
-                await self._pool.aclose()
-
-    @property
-    def _egress(self) -> Egress:
-        """Its own pool (not the endpoint deliveries'): receivers never wait on endpoints.
-        Made at the first POST (its TLS context costs a start some milliseconds)."""
-        if self._pool is None:
-            self._pool = Egress(allow_private=self.settings.allow_private_endpoints)
-        return self._pool
+            await self._egress.aclose()
 
     def _track(self, sub: wh.Subscription) -> None:
         """Follow a subscription (new, or changed): its own delivery task."""

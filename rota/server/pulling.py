@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,6 +29,9 @@ from rota.core.pulls import MAX_FETCH, Settled, is_pull, nack_error, pull_id
 from rota.server.api_base import coordinator_of, need
 from rota.server.coordinator import Coordinator
 from rota.server.ojs_base import OjsJSON, ojs_body, ojs_error
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("rota.server")
 ANSWER_WAIT = 5.0  # seconds a FETCH waits for its round's assign (then 503)
@@ -313,6 +315,8 @@ async def _forward(request: Request, coordinator: Coordinator, server: str | Non
     headers = {name: value for name in ("authorization", "content-type", "ojs-version")
                if (value := request.headers.get(name)) is not None}
     headers[FORWARDED] = coordinator.server_id  # never passed on again (no loop)
+    import httpx  # (here: only servers sharing a database forward; see rota/server/outbound.py)
+
     try:
         async with httpx.AsyncClient(timeout=ACK_WAIT + 5.0) as client:
             reply = await client.request(request.method, f"{scheme}://{url}{request.url.path}",

@@ -21,9 +21,10 @@ import pytest
 import trustme
 from helpers import wait_until
 
+from rota.base.egress import Answer
 from rota.base.push import Delivery
 from rota.server.deliverer import Deliverer
-from rota.server.egress_http import Answer, Egress
+from rota.server.outbound import Egress
 
 RIG = Path(__file__).resolve().parents[1] / "endpoint_rig.py"
 SECRET = "rig-secret"

@@ -1,7 +1,6 @@
-"""The egress module's import leaves sniffio's absence remembered in the server's process:
-httpcore imports it at each request's start and end, and a failed import is not cached,
-so each searched sys.path again (tests/conftest.py does the same for the test process,
-which is why this looks in a fresh interpreter)."""
+"""What the egress modules' imports leave in a fresh interpreter (tests/conftest.py and
+the other tests import everything, which is why these look in a new process): httpx
+only once the server sends something, and sniffio's absence remembered then."""
 
 from __future__ import annotations
 
@@ -9,8 +8,21 @@ import subprocess
 import sys
 
 
-def test_a_server_process_remembers_that_sniffio_is_missing() -> None:
-    said = subprocess.run([sys.executable, "-c", "import sys, rota.server.egress_http;"
-                           " print('sniffio' in sys.modules)"],
+def imported_after(statement: str, *names: str) -> list[bool]:
+    """Whether each module is imported once ``statement`` ran in a new interpreter."""
+    said = subprocess.run([sys.executable, "-c", f"import sys; {statement};"
+                           f" print(*(name in sys.modules for name in {names!r}))"],
                           capture_output=True, text=True, check=True, timeout=60)
-    assert said.stdout.strip() == "True"
+    return [word == "True" for word in said.stdout.split()]
+
+
+def test_a_server_process_remembers_that_sniffio_is_missing() -> None:
+    # httpcore imports it at each request's start and end, and a failed import is not
+    # cached: each searched sys.path again.
+    assert imported_after("import rota.server.egress_http", "sniffio") == [True]
+
+
+def test_a_server_that_sends_nothing_never_imports_httpx() -> None:
+    # (45 ms and more of every server's start: rota/server/outbound.py)
+    assert imported_after("import rota.server.app, rota.cli.serve, rota.server.outbound",
+                          "httpx", "rota.server.egress_http") == [False, False]

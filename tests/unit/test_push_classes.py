@@ -8,10 +8,10 @@ import email.utils
 
 import pytest
 
+from rota.base.egress import Answer
 from rota.base.push import Delivery
 from rota.core.settings import ServerSettings
 from rota.server.deliverer import MAX_RETRY_AFTER, callback_base, classify, retry_after
-from rota.server.egress_http import Answer
 
 NOW = 1_800_000_000.0
 D = Delivery(job_id="j1", attempt=2, spec="resize", checksum="c" * 16, queue="default",
