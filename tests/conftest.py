@@ -207,7 +207,8 @@ async def start_server(tmp: Path, **overrides: Any) -> Live:
     server = EmbeddedServer(uvicorn_config(settings, log_level="info"))
     task = asyncio.create_task(server.serve(sockets=[sock]), name="test-server")
     server.test_task = task  # type: ignore[attr-defined]
-    await wait_until(lambda: server.started or task.done(), what="server start")
+    # (a deadline, not a wait: 15 s, as for a `rota serve` process, for a loaded machine)
+    await wait_until(lambda: server.started or task.done(), timeout=15, what="server start")
     if task.done():
         sock.close()
         task.result()
