@@ -117,10 +117,12 @@ class Webhooks:
         await self._recover(None, started, "after the restart")
         marked = read = time.monotonic()
         last_wall = time.time()  # the wall time of the last event pumped
+        read_wall = started  # when the subscriptions were last read (about)
         while True:
             if time.monotonic() - read > REREAD:
-                await self._reread()
-                read = time.monotonic()
+                now = time.time()
+                await self._reread(read_wall, last_wall)
+                read, read_wall = time.monotonic(), now
             if not self.subs:
                 # No subscription takes anything: the events are passed over unread.
                 # (Read, they cost the loop 5 % of a busy server's time, and under load
@@ -154,9 +156,10 @@ class Webhooks:
                 await self._recover(last_wall - wh.MARGIN, events[0][1][0], "after a gap")
             last_wall = events[-1][1][0]
 
-    async def _reread(self) -> None:
+    async def _reread(self, last_read: float, pumped: float) -> None:
         """Follow the subscriptions as stored: those another server sharing the
-        database made, changed or deleted."""
+        database made, changed or deleted since ``last_read`` (wall time). The events
+        up to ``pumped`` went through the pump; the ring still holds those after."""
         try:
             rows = await self.store.readers.run(sql.subscriptions)
         except Exception as exc:
@@ -165,16 +168,26 @@ class Webhooks:
         stored = {row["id"]: _subscription(row) for row in rows}
         for sub_id in [s for s in self.subs if s not in stored]:
             self._forget(sub_id)
+        # Made or enabled through another server since the last read: this server's job
+        # events since then went by unmatched for them, and are found in the jobs' rows.
+        owed = [sub for sub_id, sub in stored.items() if sub.enabled and not getattr(
+            self.subs.get(sub_id), "enabled", False)]
         for sub_id, sub in stored.items():
             if self.subs.get(sub_id) != sub:
                 self._track(sub)
+        if owed:
+            await self._recover(last_read - wh.MARGIN, pumped,
+                                "for a subscription made through another server", owed)
 
-    def _rows(self, events: list[Any]) -> list[tuple[str, str, str, str, bytes]]:
-        """A pending delivery per event and subscription that takes it."""
+    def _rows(self, events: list[Any], only: list[wh.Subscription] | None = None
+              ) -> list[tuple[str, str, str, str, bytes]]:
+        """A pending delivery per event and subscription (of ``only``, if given) that
+        takes it."""
         rows: list[tuple[str, str, str, str, bytes]] = []
+        among = list(self.subs.values()) if only is None else only
         # A subscription found full at its last check takes none until the next.
-        subs = [s for s in self.subs.values() if s.enabled and s.id not in self._full]
-        for sub in [s for s in self.subs.values() if s.id in self._full]:
+        subs = [s for s in among if s.enabled and s.id not in self._full]
+        for sub in [s for s in among if s.id in self._full]:
             lost = sum(1 for event in events if sub.takes(event))
             if lost:
                 self._dropped[sub.id] = self._dropped.get(sub.id, 0) + lost
@@ -187,14 +200,17 @@ class Webhooks:
                          for sub_id in takers]
         return rows
 
-    async def _recover(self, since: float | None, until: float, why: str) -> None:
+    async def _recover(self, since: float | None, until: float, why: str,
+                       only: list[wh.Subscription] | None = None) -> None:
         """Job events the pump did not see, from the jobs' rows from ``since`` (None:
         the pump's stored mark, less MARGIN, or the oldest subscription) to ``until``
-        (after it the ring has them): those of the moments before the last stop (a
-        kill -9 between an event and the pump's write), or of a gap in the ring. Each is
-        left out if its delivery exists (the same id); another server's of the same
-        moments may be written by both (at least once: the same ids)."""
-        subs = [s for s in self.subs.values() if s.enabled
+        (after it the ring has them), for every subscription or ``only`` these: those of
+        the moments before the last stop (a kill -9 between an event and the pump's
+        write), of a gap in the ring, or before a subscription made through another
+        server was known here. Each is left out if its delivery exists (the same id);
+        another server's of the same moments may be written by both (at least once: the
+        same ids)."""
+        subs = [s for s in (list(self.subs.values()) if only is None else only) if s.enabled
                 and any(k in (wh.ALL, *wh.FACTS) for k in s.kinds)]
         if not subs:
             return
@@ -205,7 +221,7 @@ class Webhooks:
         start = since
         jobs = await self.store.readers.run(
             lambda conn: sql.recent_jobs(conn, start, RECOVER_LIMIT))
-        rows = self._rows([e for e in wh.facts(jobs, since) if e[0] <= until])
+        rows = self._rows([e for e in wh.facts(jobs, since) if e[0] <= until], only)
         if rows:
             await self._add(rows, None, recovered=True)
             log.info("webhooks: %d delivery(ies) of job events since %s looked for again %s",

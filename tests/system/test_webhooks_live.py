@@ -22,6 +22,7 @@ from helpers import free_port, reap, spawn_serve, wait_until
 from hookrig import Receiver
 
 from rota import JobContext, Worker
+from rota.server import hooks
 
 
 @dataclass
@@ -238,6 +239,34 @@ async def test_two_servers_on_postgresql_send_each_delivery_once(tmp_path: Path,
                          timeout=15.0, what="every event, from both servers")
         deliveries = [r.headers["x-rota-delivery-id"] for r in receiver.got]
         assert len(deliveries) == len(set(deliveries)) == 40
+    finally:
+        for live in (a, b):
+            if live is not None:
+                await stop_server(live)
+        await receiver.close()
+
+
+async def test_a_subscription_made_through_another_server_gets_this_ones_events_before_it_knew(
+        tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch):
+    """A server learns of a subscription made through another at its next read of them
+    (every REREAD seconds). Its job events of the moments before went by its pump
+    unmatched: they are found in the jobs' rows then, each delivered once."""
+    monkeypatch.setattr(hooks, "REREAD", 3.0)  # (10 s in a server: the test waits less)
+    options = {"database_url": pg_url, "allow_private_endpoints": True,
+               "webhook_backoff_scale": 0.01}
+    receiver = await Receiver().start()
+    a = await start_server(tmp_path / "a", server_id="a", **options)
+    b = None
+    try:
+        b = await start_server(tmp_path / "b", server_id="b", **options)
+        await a.push(write_spec(tmp_path / "specs", "mail"))
+        made = await a.http.post("/webhooks", json={"url": receiver.url, "kinds": ["enqueue"]})
+        assert made.status_code == 201, made.text
+        ids = {(await b.enqueue("mail", {"n": n}))["id"] for n in range(10)}
+        await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == ids,
+                         timeout=15.0, what="b's events, once b knows the subscription")
+        events = [r.json["id"] for r in receiver.got]
+        assert len(events) == len(set(events)) == 10
     finally:
         for live in (a, b):
             if live is not None:
