@@ -7,17 +7,19 @@ afterwards."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Api, start_server, stop_server, write_spec
+from conftest import Api, Live, start_server, stop_server, write_spec
 from helpers import free_port, reap, spawn_serve, wait_until
 from hookrig import Receiver
 
@@ -221,29 +223,53 @@ async def test_a_receiver_down_for_60s_gets_every_event_and_throughput_holds(tmp
         await receiver.down()
 
 
+class Pair:
+    """Two in-process servers, a and b, on one PostgreSQL, and a receiver."""
+
+    def __init__(self, tmp: Path, pg_url: str) -> None:
+        self.tmp = tmp
+        self.options = {"database_url": pg_url, "allow_private_endpoints": True,
+                        "webhook_backoff_scale": 0.01}
+        self.servers: list[Live] = []
+
+    async def start(self, name: str) -> Live:
+        live = await start_server(self.tmp / name, server_id=name, **self.options)
+        self.servers.append(live)
+        return live
+
+    async def subscribe(self, through: Live, receiver: Receiver) -> None:
+        """Spec "mail" pushed, and the receiver subscribed to enqueues, through one."""
+        await through.push(write_spec(self.tmp / "specs", "mail"))
+        made = await through.http.post("/webhooks", json={"url": receiver.url,
+                                                          "kinds": ["enqueue"]})
+        assert made.status_code == 201, made.text
+
+
+@contextlib.asynccontextmanager
+async def pair_on(tmp: Path, pg_url: str) -> AsyncIterator[tuple[Pair, Receiver]]:
+    receiver = await Receiver().start()
+    pair = Pair(tmp, pg_url)
+    try:
+        yield pair, receiver
+    finally:
+        for live in pair.servers:
+            await stop_server(live)
+        await receiver.close()
+
+
 async def test_two_servers_on_postgresql_send_each_delivery_once(tmp_path: Path, pg_url: str):
     """Both servers pump their own events into the shared outbox and both deliver: a
     claim keeps any delivery from being sent by both."""
-    options = {"database_url": pg_url, "allow_private_endpoints": True,
-               "webhook_backoff_scale": 0.01}
-    receiver = await Receiver().start()
-    a = await start_server(tmp_path / "a", server_id="a", **options)
-    b = None
-    try:
-        await a.push(write_spec(tmp_path / "specs", "mail"))
-        await a.http.post("/webhooks", json={"url": receiver.url, "kinds": ["enqueue"]})
-        b = await start_server(tmp_path / "b", server_id="b", **options)  # (reads it at start)
+    async with pair_on(tmp_path, pg_url) as (pair, receiver):
+        a = await pair.start("a")
+        await pair.subscribe(a, receiver)
+        b = await pair.start("b")  # (reads it at start)
         ids = {(await (a if n % 2 else b).enqueue("mail", {"n": n}))["id"]
                for n in range(40)}
         await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == ids,
                          timeout=15.0, what="every event, from both servers")
         deliveries = [r.headers["x-rota-delivery-id"] for r in receiver.got]
         assert len(deliveries) == len(set(deliveries)) == 40
-    finally:
-        for live in (a, b):
-            if live is not None:
-                await stop_server(live)
-        await receiver.close()
 
 
 async def test_a_subscription_made_through_another_server_gets_this_ones_events_before_it_knew(
@@ -252,23 +278,11 @@ async def test_a_subscription_made_through_another_server_gets_this_ones_events_
     (every REREAD seconds). Its job events of the moments before went by its pump
     unmatched: they are found in the jobs' rows then, each delivered once."""
     monkeypatch.setattr(hooks, "REREAD", 3.0)  # (10 s in a server: the test waits less)
-    options = {"database_url": pg_url, "allow_private_endpoints": True,
-               "webhook_backoff_scale": 0.01}
-    receiver = await Receiver().start()
-    a = await start_server(tmp_path / "a", server_id="a", **options)
-    b = None
-    try:
-        b = await start_server(tmp_path / "b", server_id="b", **options)
-        await a.push(write_spec(tmp_path / "specs", "mail"))
-        made = await a.http.post("/webhooks", json={"url": receiver.url, "kinds": ["enqueue"]})
-        assert made.status_code == 201, made.text
+    async with pair_on(tmp_path, pg_url) as (pair, receiver):
+        a, b = await pair.start("a"), await pair.start("b")
+        await pair.subscribe(a, receiver)
         ids = {(await b.enqueue("mail", {"n": n}))["id"] for n in range(10)}
         await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == ids,
                          timeout=15.0, what="b's events, once b knows the subscription")
         events = [r.json["id"] for r in receiver.got]
         assert len(events) == len(set(events)) == 10
-    finally:
-        for live in (a, b):
-            if live is not None:
-                await stop_server(live)
-        await receiver.close()
