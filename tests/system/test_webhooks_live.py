@@ -2,7 +2,8 @@
 -9 while deliveries wait for a receiver that is down sends them all after its restart;
 and (soak) jobs flow through an SDK worker as fast with the receiver down as up (pairs of
 rounds, the receiver a process of its own), and one down for 60 s gets every event
-afterwards."""
+afterwards. On one PostgreSQL, two servers send each delivery once, and a subscription
+made through one gets the other's job events of before the other knew of it."""
 
 from __future__ import annotations
 
