@@ -14,7 +14,7 @@ import importlib.metadata
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from rota.base.errors import RequestError
@@ -121,8 +121,9 @@ class Webhooks:
         while True:
             if time.monotonic() - read > REREAD:
                 now = time.time()
-                await self._reread(read_wall, last_wall)
-                read, read_wall = time.monotonic(), now
+                if await self._reread(read_wall, last_wall, last):
+                    read_wall = now  # (after a failure, the next read looks from before)
+                read = time.monotonic()
             if not self.subs:
                 # No subscription takes anything: the events are passed over unread.
                 # (Read, they cost the loop 5 % of a busy server's time, and under load
@@ -156,28 +157,44 @@ class Webhooks:
                 await self._recover(last_wall - wh.MARGIN, events[0][1][0], "after a gap")
             last_wall = events[-1][1][0]
 
-    async def _reread(self, last_read: float, pumped: float) -> None:
+    async def _reread(self, last_read: float, pumped: float, last: int) -> bool:
         """Follow the subscriptions as stored: those another server sharing the
-        database made, changed or deleted since ``last_read`` (wall time). The events
-        up to ``pumped`` went through the pump; the ring still holds those after."""
+        database made, changed or deleted since ``last_read`` (wall time); whether they
+        were read. The events up to ``pumped`` (wall time) and ``last`` (the ring's id)
+        went through the pump; the ring still holds those after."""
         try:
             rows = await self.store.readers.run(sql.subscriptions)
         except Exception as exc:
             log.warning("webhooks: reading the subscriptions failed (%s)", exc)
-            return
+            return False
         stored = {row["id"]: _subscription(row) for row in rows}
         for sub_id in [s for s in self.subs if s not in stored]:
             self._forget(sub_id)
-        # Made or enabled through another server since the last read: this server's job
-        # events since then went by unmatched for them, and are found in the jobs' rows.
-        owed = [sub for sub_id, sub in stored.items() if sub.enabled and not getattr(
-            self.subs.get(sub_id), "enabled", False)]
+        # Made through another server since the last read: the job events pumped here
+        # since went by unmatched for them, and are found in the jobs' rows (those still
+        # in the ring, the pump brings them). Not followed until that is done: a read
+        # that fails leaves them new to the next.
+        owed = [sub for sub_id, sub in stored.items()
+                if sub.enabled and sub_id not in self.subs]
+        if owed:
+            _, unpumped = self.observer.after(last, len(self.observer.ring))
+            try:
+                await self._recover(last_read - wh.MARGIN, pumped, "for a subscription"
+                                    " made through another server", owed,
+                                    skip={wh.event_id(event) for _, event in unpumped})
+            except Exception as exc:
+                log.warning("webhooks: looking for the job events owed to subscription=%s"
+                            " failed (%s); again at the next read",
+                            ",".join(sub.id for sub in owed), exc)
+                stored = {k: v for k, v in stored.items() if v not in owed}
+                for sub_id, sub in stored.items():
+                    if self.subs.get(sub_id) != sub:
+                        self._track(sub)
+                return False
         for sub_id, sub in stored.items():
             if self.subs.get(sub_id) != sub:
                 self._track(sub)
-        if owed:
-            await self._recover(last_read - wh.MARGIN, pumped,
-                                "for a subscription made through another server", owed)
+        return True
 
     def _rows(self, events: list[Any], only: list[wh.Subscription] | None = None
               ) -> list[tuple[str, str, str, str, bytes]]:
@@ -201,7 +218,8 @@ class Webhooks:
         return rows
 
     async def _recover(self, since: float | None, until: float, why: str,
-                       only: list[wh.Subscription] | None = None) -> None:
+                       only: list[wh.Subscription] | None = None,
+                       skip: Collection[str] = ()) -> None:
         """Job events the pump did not see, from the jobs' rows from ``since`` (None:
         the pump's stored mark, less MARGIN, or the oldest subscription) to ``until``
         (after it the ring has them), for every subscription or ``only`` these: those of
@@ -209,7 +227,7 @@ class Webhooks:
         write), of a gap in the ring, or before a subscription made through another
         server was known here. Each is left out if its delivery exists (the same id);
         another server's of the same moments may be written by both (at least once: the
-        same ids)."""
+        same ids). ``skip``: the ids of events the pump has yet to bring."""
         subs = [s for s in (list(self.subs.values()) if only is None else only) if s.enabled
                 and any(k in (wh.ALL, *wh.FACTS) for k in s.kinds)]
         if not subs:
@@ -221,7 +239,8 @@ class Webhooks:
         start = since
         jobs = await self.store.readers.run(
             lambda conn: sql.recent_jobs(conn, start, RECOVER_LIMIT))
-        rows = self._rows([e for e in wh.facts(jobs, since) if e[0] <= until], only)
+        rows = self._rows([e for e in wh.facts(jobs, since)
+                           if e[0] <= until and (not skip or wh.event_id(e) not in skip)], only)
         if rows:
             await self._add(rows, None, recovered=True)
             log.info("webhooks: %d delivery(ies) of job events since %s looked for again %s",

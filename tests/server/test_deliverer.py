@@ -243,3 +243,24 @@ async def test_tls_is_verified_against_the_url_s_name_though_the_address_is_chec
     assert mismatch.error == "connect" and "localhost" in mismatch.message  # checked by name
     untrusted = await answer("localhost", trusted=False)
     assert untrusted.error == "connect" and "CERTIFICATE_VERIFY_FAILED" in untrusted.message
+
+
+async def test_a_pool_that_cannot_be_made_makes_each_post_a_connect_error(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The pool is made at the first POST (rota/server/outbound.py): a TLS setup that
+    fails then must not raise into a delivery or a webhook's task. Each POST says why,
+    and the log says it once."""
+    import rota.server.egress_http as egress_http
+
+    def broken(self: object, **options: object) -> None:
+        raise ssl.SSLError("no CA file")
+
+    monkeypatch.setattr(egress_http.HttpPool, "__init__", broken)
+    egress = Egress(allow_private=True)
+    for _ in range(2):
+        answer = await egress.post("http://127.0.0.1:9/x", b"{}", {}, timeout=1.0)
+        assert (answer.status, answer.error) == (None, "connect"), answer
+        assert "no CA file" in answer.message
+    said = [r for r in caplog.records if "cannot send requests" in r.getMessage()]
+    assert len(said) == 1
+    await egress.aclose()

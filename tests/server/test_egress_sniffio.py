@@ -24,5 +24,6 @@ def test_a_server_process_remembers_that_sniffio_is_missing() -> None:
 
 def test_a_server_that_sends_nothing_never_imports_httpx() -> None:
     # (45 ms and more of every server's start: rota/server/outbound.py)
-    assert imported_after("import rota.server.app, rota.cli.serve, rota.server.outbound",
+    assert imported_after("import rota.server.app, rota.cli.serve, rota.server.outbound,"
+                          " rota.server.deliverer, rota.server.hooks, rota.server.pulling",
                           "httpx", "rota.server.egress_http") == [False, False]

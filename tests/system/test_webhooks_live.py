@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -238,12 +239,14 @@ class Pair:
         self.servers.append(live)
         return live
 
-    async def subscribe(self, through: Live, receiver: Receiver) -> None:
-        """Spec "mail" pushed, and the receiver subscribed to enqueues, through one."""
+    async def subscribe(self, through: Live, receiver: Receiver) -> str:
+        """Spec "mail" pushed, and the receiver subscribed to enqueues, through one: the
+        subscription's id."""
         await through.push(write_spec(self.tmp / "specs", "mail"))
         made = await through.http.post("/webhooks", json={"url": receiver.url,
                                                           "kinds": ["enqueue"]})
         assert made.status_code == 201, made.text
+        return str(made.json()["id"])
 
 
 @contextlib.asynccontextmanager
@@ -273,17 +276,38 @@ async def test_two_servers_on_postgresql_send_each_delivery_once(tmp_path: Path,
         assert len(deliveries) == len(set(deliveries)) == 40
 
 
+@pytest.mark.parametrize("read_fails", [False, True], ids=["read", "read-fails-once"])
 async def test_a_subscription_made_through_another_server_gets_this_ones_events_before_it_knew(
-        tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch):
+        tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch, read_fails: bool,
+        caplog: pytest.LogCaptureFixture):
     """A server learns of a subscription made through another at its next read of them
     (every REREAD seconds). Its job events of the moments before went by its pump
-    unmatched: they are found in the jobs' rows then, each delivered once."""
-    monkeypatch.setattr(hooks, "REREAD", 3.0)  # (10 s in a server: the test waits less)
+    unmatched: they are found in the jobs' rows then, each delivered once. If that read
+    of the rows fails, the subscription stays new to the next read, which tries again."""
+    # No server reads the subscriptions again until b has had its events (REREAD is
+    # read at each turn of the pump); then b reads them at its next turn, which comes
+    # within a second (IDLE).
+    monkeypatch.setattr(hooks, "REREAD", 3600.0)
+    if read_fails:
+        recent_jobs = hooks.sql.recent_jobs
+        calls = []
+
+        def failing_once(*args: Any) -> Any:
+            calls.append(args)
+            if len(calls) == 1:
+                raise OSError("the database is gone for a moment")
+            return recent_jobs(*args)
+
+        monkeypatch.setattr(hooks.sql, "recent_jobs", failing_once)
     async with pair_on(tmp_path, pg_url) as (pair, receiver):
         a, b = await pair.start("a"), await pair.start("b")
-        await pair.subscribe(a, receiver)
+        sub_id = await pair.subscribe(a, receiver)
         ids = {(await b.enqueue("mail", {"n": n}))["id"] for n in range(10)}
+        assert sub_id not in b.coordinator.webhooks.subs  # (b's pump passed them over)
+        monkeypatch.setattr(hooks, "REREAD", 0.5)
         await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == ids,
-                         timeout=15.0, what="b's events, once b knows the subscription")
+                         timeout=20.0, what="b's events, once b knows the subscription")
         events = [r.json["id"] for r in receiver.got]
         assert len(events) == len(set(events)) == 10
+        failed = [r for r in caplog.records if "owed to subscription" in r.getMessage()]
+        assert len(failed) == read_fails, failed
