@@ -106,6 +106,16 @@ async def _wait_in(waiters: list[asyncio.Future[None]]) -> None:
             waiters.remove(waiter)
 
 
+def last_pong(data: bytes) -> bytes | None:
+    """The last of the pong frames in ``data`` (as websockets frames them for a server:
+    unmasked, a payload under 126 bytes), or None if there is none, or anything else."""
+    at, last = 0, None
+    while at + 2 <= len(data) and data[at] == 0x8A and data[at + 1] < 126:
+        end = at + 2 + data[at + 1]
+        last, at = data[at:end], end
+    return last if at == len(data) else None
+
+
 class LeanWebSocket(WebSocketsSansIOProtocol):
     """websockets' sans-I/O protocol under uvicorn, lighter per idle connection: lean
     queue and event, and the handshake's request and response (their headers, ~3 KiB)
@@ -133,6 +143,7 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         # holds, and how many bytes of a frame it still waits for; ``_lost``: not known.
         self._carry: bytes | None = None
         self._left = 0
+        self._pong: bytes | None = None  # the latest ping's pong, owed until writable
         self._lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -269,13 +280,30 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
     def handle_ping(self) -> None:
         """A ping is a frame like any other for the rate limits, and its pong is sent
         only to a peer that reads: one that pings and never reads would otherwise make
-        the server buffer every pong (135 MB in 6 s, measured), past the outbox limit."""
+        the server buffer every pong (135 MB in 6 s, measured), past the outbox limit.
+        While the outbox is over its mark, the latest ping's pong is kept and sent once
+        it drains (RFC 6455 lets an endpoint answer only the latest): a peer that was
+        behind for a moment is not then taken for dead by its own keepalive."""
         if self.on_control is not None:
             self.on_control(PING_COST)
         if (not self.writable.is_set() or self.close_sent) and self.conn.close_rcvd is None:
-            self.conn.data_to_send()  # the pong websockets queued is dropped (and only
-            return  # it: a close that came in the same read would have its echo there)
+            # The pongs websockets queued for this read's pings (and only those: a close
+            # that came in the same read would have its echo there) are not written now;
+            # the last is kept unless the connection is closing.
+            pong = last_pong(b"".join(self.conn.data_to_send()))
+            if self.close_sent:
+                self._pong = None
+            elif pong is not None:
+                self._pong = pong
+            return
         super().handle_ping()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._pong is not None:
+            pong, self._pong = self._pong, None
+            if not self.close_sent and not self.transport.is_closing():
+                self.transport.write(pong)
 
     # -- the wire, as the session sees it -------------------------------------------
     def buffered(self) -> int:

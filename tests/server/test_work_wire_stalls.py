@@ -1,7 +1,8 @@
 """The /work edge against fake peers that stall (tests/wirepeer.py): one that stops
 reading what it is sent, one that goes silent halfway through a frame, and one that
 pings and never reads its pongs. The server must let go of each, keep serving the
-others meanwhile, and lose no job.
+others meanwhile, and lose no job; and one that was only behind for a while gets the
+pong of its latest ping once it reads again.
 
 As in test_work_wire.py, only what a worker or an operator sees is asserted: frames,
 close codes, GET /workers, job states, the server's log. Real parts: a uvicorn server in
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import Live, write_spec
 from helpers import completed
-from wirepeer import PING, Opener, Peer, frame, gone, listed, said
+from wirepeer import PING, PONG, Opener, Peer, frame, gone, listed, said
 from wirepeer import fake, log, wire  # noqa: F401 (fixtures)
 
 BIG = {"blob": "x" * 200_000}  # a job of 200 KB, under --max-args-bytes (256 KiB)
@@ -96,6 +97,37 @@ async def test_a_peer_that_stops_reading_gets_no_more_jobs_is_dropped_and_loses_
         closed.code, closed.reason, error)
 
 
+@pytest.mark.parametrize("live", [{"outbox_high_water": 64 << 10,
+                                   "heartbeat_timeout": 10.0}], indirect=True)
+async def test_a_peer_behind_for_a_while_gets_its_latest_pings_pong_when_it_reads_again(
+        wire: Live, fake: Opener, tmp_path: Path) -> None:
+    """No pong is written while the outbox is over its mark, but the latest ping's is
+    kept and follows the backlog: a client whose keepalive pinged meanwhile (websockets'
+    default: every 20 s, closing with 1011 if no pong in 20 s) is not cut off."""
+    big = write_spec(tmp_path / "specs", "big")
+    await wire.push(big)
+    behind = await fake("behind", rcvbuf=4096)
+    await behind.register([big], concurrency=1000, capacity=1000)
+    behind.transport.pause_reading()
+    jobs: list[str] = []
+    while True:  # big jobs until the server holds back: its outbox is over the mark
+        jobs.append((await wire.enqueue("big", BIG))["id"])
+        shown = await wire.job(jobs[-1])
+        if shown["state"] == "available" and NOT_READING in (shown["waiting_reason"] or ""):
+            break
+        assert len(jobs) < 200, "the server kept sending to a worker that does not read"
+    await behind.send(frame(PING, b"first"), frame(PING, b"latest"))
+    # A heartbeat behind the pings, its result seen through the API: they were read.
+    await behind.send(behind.beat_frame(results=[completed({"id": jobs[0], "attempt": 1},
+                                                           "ok")], capacity=1000))
+    await wire.wait_state(jobs[0], "completed")
+    behind.transport.resume_reading()
+    assert await behind.control(PONG, timeout=10) == b"latest"
+    while not all(shown["state"] == "active" for shown in [await wire.job(j) for j in jobs[1:]]):
+        await behind.next_json(timeout=10)  # (the backlog read, and the rest assigned)
+    assert all(kind != PONG for kind, _ in behind.controls)  # the first ping's: never
+
+
 @pytest.mark.parametrize("live", [{"heartbeat_interval": 0.1, "heartbeat_timeout": 0.5,
                                    "registration_timeout": 0.5}], indirect=True)
 @pytest.mark.parametrize("registered", [True, False], ids=["registered", "unregistered"])
@@ -166,3 +198,13 @@ async def test_a_peer_that_pings_and_never_reads_is_let_go(
         await asyncio.gather(pings, return_exceptions=True)
     assert (said(log, "disconnect worker=pinger reason=slow_consumer")
             or said(log, "disconnect worker=pinger reason=rate_limited"))
+
+
+def test_the_pong_kept_is_the_last_one_websockets_framed() -> None:
+    from rota.server.edge import last_pong
+
+    assert last_pong(b"\x8a\x05first\x8a\x06latest") == b"\x8a\x06latest"
+    assert last_pong(b"\x8a\x00") == b"\x8a\x00"
+    assert last_pong(b"") is None
+    assert last_pong(b"\x88\x02\x03\xe8") is None  # a close's echo is not a pong
+    assert last_pong(b"\x8a\x05first\x8a") is None  # nor a frame cut short
