@@ -80,11 +80,12 @@ def literal_refused(url: str) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class Answer:
-    """What one POST of the server's own came to (rota/server/outbound.py). Either an HTTP answer (``status`` set, ``error``
-    None) or none (``status`` None, ``error`` the kind, ``message`` what happened).
-    ``headers`` by lower-case name; ``body`` at most ``max_body`` bytes, ``truncated`` if
-    the answer had more; ``url`` is the one finally asked (after same-host redirects);
-    ``ms`` the whole call's duration, redirects included."""
+    """What one POST of the server's own came to (rota/server/outbound.py). Either an
+    HTTP answer (``status`` set, ``error`` None) or none (``status`` None, ``error`` the
+    kind, ``message`` what happened). ``headers`` by lower-case name; ``body`` at most
+    ``max_body`` bytes, ``truncated`` if the answer had more; ``url`` is the one finally
+    asked (after same-host redirects); ``ms`` the whole call's duration, redirects
+    included."""
 
     status: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
