@@ -302,7 +302,9 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         super().resume_writing()
         if self._pong is not None:
             pong, self._pong = self._pong, None
-            if not self.close_sent and not self.transport.is_closing():
+            # (not after a close either way: no frame may follow a close frame)
+            if (self.conn.state is State.OPEN and not self.close_sent
+                    and not self.transport.is_closing()):
                 self.transport.write(pong)
 
     # -- the wire, as the session sees it -------------------------------------------
