@@ -103,13 +103,19 @@ def screen(data: bytes | str) -> bytes:
 def explain(data: bytes, exc: Exception) -> BadJson:
     """Why ``data`` failed to decode, in words a client can act on. ``exc`` is what the
     decoder raised (msgspec.DecodeError, UnicodeDecodeError or RecursionError)."""
-    if isinstance(exc, UnicodeDecodeError):
-        try:  # the decoder's offsets are within one string: find the byte in the whole
+    if isinstance(exc, UnicodeDecodeError) or not data.isascii():
+        # The byte is found in the whole: msgspec up to 0.22 raised UnicodeDecodeError
+        # with offsets within one string, and 0.23 raises its DecodeError ("Invalid UTF-8
+        # encoded string") without any.
+        wrong = exc if isinstance(exc, UnicodeDecodeError) else None
+        try:
             data.decode("utf-8")
         except UnicodeDecodeError as whole:
-            exc = whole
-        return BadJson("invalid_utf8", f"the JSON is not valid UTF-8: byte"
-                       f" 0x{data[exc.start]:02x} at offset {exc.start} ({exc.reason})")
+            wrong = whole
+        if wrong is not None:
+            return BadJson("invalid_utf8", f"the JSON is not valid UTF-8: byte"
+                           f" 0x{data[wrong.start]:02x} at offset {wrong.start}"
+                           f" ({wrong.reason})")
     if isinstance(exc, RecursionError):
         return BadJson("too_deep", "JSON nested too deep to decode")
     if not data.strip():

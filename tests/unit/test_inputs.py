@@ -95,3 +95,13 @@ def test_why_a_document_failed_is_said_precisely(data: bytes, code: str, says: s
 
 def test_an_escaped_backslash_before_u_is_no_surrogate():
     assert msgspec.json.decode(b'"a\\\\ud800"') == "a\\ud800"  # decodes: nothing to explain
+
+
+@pytest.mark.parametrize("error", [
+    msgspec.DecodeError("Invalid UTF-8 encoded string"),  # msgspec 0.23
+    UnicodeDecodeError("utf-8", b"\xc0\xaf", 0, 1, "invalid start byte"),  # up to 0.22
+], ids=["DecodeError", "UnicodeDecodeError"])
+def test_a_document_not_utf8_is_said_so_whichever_error_the_decoder_raised(
+        error: Exception) -> None:
+    bad = explain(b'{"a": "\xc0\xaf"}', error)
+    assert bad.code == "invalid_utf8" and "byte 0xc0 at offset 7" in bad.message, bad
