@@ -176,6 +176,7 @@ class Webhooks:
         # that fails leaves them new to the next.
         owed = [sub for sub_id, sub in stored.items()
                 if sub.enabled and sub_id not in self.subs]
+        recovered = True
         if owed:
             _, unpumped = self.observer.after(last, len(self.observer.ring))
             try:
@@ -187,14 +188,11 @@ class Webhooks:
                             " failed (%s); again at the next read",
                             ",".join(sub.id for sub in owed), exc)
                 stored = {k: v for k, v in stored.items() if v not in owed}
-                for sub_id, sub in stored.items():
-                    if self.subs.get(sub_id) != sub:
-                        self._track(sub)
-                return False
+                recovered = False
         for sub_id, sub in stored.items():
             if self.subs.get(sub_id) != sub:
                 self._track(sub)
-        return True
+        return recovered
 
     def _rows(self, events: list[Any], only: list[wh.Subscription] | None = None
               ) -> list[tuple[str, str, str, str, bytes]]:
