@@ -80,12 +80,17 @@ def free_port() -> int:
 
 
 async def spawn_serve(http: httpx.AsyncClient, args: list[str], log: Path,
-                      env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+                      env: dict[str, str] | None = None, prelude: str = ""
+                      ) -> asyncio.subprocess.Process:
     """Start ``rota serve ARGS`` (output to ``log``) and wait until ``http`` gets its
-    /healthz; a server that exits first fails the test with its log."""
+    /healthz; a server that exits first fails the test with its log. ``prelude``: Python
+    the process runs first (a test's setting of a module's constant, as monkeypatch
+    would in the test's own process)."""
+    launch = ["-c", f"{prelude}\nfrom rota.cli.app import main\nmain()"] if prelude else [
+        "-m", "rota"]
     with log.open("wb") as sink:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rota", "serve", *args, env={**clean_env(), **(env or {})},
+            sys.executable, *launch, "serve", *args, env={**clean_env(), **(env or {})},
             stdout=sink, stderr=sink)
 
     async def healthy() -> bool:

@@ -64,7 +64,10 @@ class Webhooks:
         self._wakes: dict[str, asyncio.Event] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._listening = False
-        self._mark_key = ""
+        self._mark_key = self._read_key = ""
+        # When the subscriptions were last read (wall time, about): one made through
+        # another server after it is not yet followed here. Kept beside the pump's mark.
+        self._read_wall = 0.0
         # Its own pool (not the endpoint deliveries'): receivers never wait on endpoints.
         self._egress = Egress(allow_private=settings.allow_private_endpoints)
         # When each subscription's waiting deliveries were last counted (and its log
@@ -83,7 +86,9 @@ class Webhooks:
         try:
             for row in await self.store.readers.run(sql.subscriptions):
                 self._track(_subscription(row))
+            self._read_wall = started
             self._mark_key = f"webhooks_pumped:{self.store.server_id or ''}"
+            self._read_key = f"webhooks_read:{self.store.server_id or ''}"
             await self._pumping(last, started)
         finally:
             tasks = list(self._tasks.values())
@@ -114,15 +119,14 @@ class Webhooks:
     # -- the pump: recorded events -> the outbox --------------------------------------------
     async def _pumping(self, last: int, started: float) -> None:
         observer = self.observer
-        await self._recover(None, started, "after the restart")
+        await self._after_restart(started)
         marked = read = time.monotonic()
         last_wall = time.time()  # the wall time of the last event pumped
-        read_wall = started  # when the subscriptions were last read (about)
         while True:
             if time.monotonic() - read > REREAD:
                 now = time.time()
-                if await self._reread(read_wall, last_wall, last):
-                    read_wall = now  # (after a failure, the next read looks from before)
+                if await self._reread(self._read_wall, last_wall, last):
+                    self._read_wall = now  # (after a failure, the next read looks from before)
                 read = time.monotonic()
             if not self.subs:
                 # No subscription takes anything: the events are passed over unread.
@@ -156,6 +160,25 @@ class Webhooks:
             if missed:
                 await self._recover(last_wall - wh.MARGIN, events[0][1][0], "after a gap")
             last_wall = events[-1][1][0]
+
+    async def _after_restart(self, started: float) -> None:
+        """The job events of before ``started`` that the pump had not written at the last
+        stop (a kill -9 between an event and the pump's write): those since its mark,
+        less MARGIN. And for a subscription made through another server after this one
+        last read them, those since it was made: the pump passed them over unmatched,
+        and its mark went past them."""
+        mark, read = await self.store.readers.run(lambda conn: (
+            sql.read_mark(conn, self._mark_key), sql.read_mark(conn, self._read_key)))
+        await self._recover(None if mark is None else mark - wh.MARGIN, started,
+                            "after the restart")
+        if mark is None:
+            return
+        # (no read kept: a mark written before it was; the pump read them every REREAD)
+        known = (mark - REREAD if read is None else read) - wh.MARGIN
+        if late := [s for s in self.subs.values() if s.created_at > known]:
+            await self._recover(min(s.created_at for s in late) - wh.MARGIN, started,
+                                "for a subscription made through another server before"
+                                " the restart", late)
 
     async def _reread(self, last_read: float, pumped: float, last: int) -> bool:
         """Follow the subscriptions as stored: those another server sharing the
@@ -219,7 +242,7 @@ class Webhooks:
                        only: list[wh.Subscription] | None = None,
                        skip: Collection[str] = ()) -> None:
         """Job events the pump did not see, from the jobs' rows from ``since`` (None:
-        the pump's stored mark, less MARGIN, or the oldest subscription) to ``until``
+        the oldest subscription) to ``until``
         (after it the ring has them), for every subscription or ``only`` these: those of
         the moments before the last stop (a kill -9 between an event and the pump's
         write), of a gap in the ring, or before a subscription made through another
@@ -230,11 +253,7 @@ class Webhooks:
                 and any(k in (wh.ALL, *wh.FACTS) for k in s.kinds)]
         if not subs:
             return
-        if since is None:
-            mark = await self.store.readers.run(
-                lambda conn: sql.read_mark(conn, self._mark_key))
-            since = (mark - wh.MARGIN) if mark is not None else min(s.created_at for s in subs)
-        start = since
+        start = since = min(s.created_at for s in subs) if since is None else since
         jobs = await self.store.readers.run(
             lambda conn: sql.recent_jobs(conn, start, RECOVER_LIMIT))
         rows = self._rows([e for e in wh.facts(jobs, since)
@@ -249,13 +268,14 @@ class Webhooks:
         """Write the pending deliveries (and the pump's mark: events up to ``wall`` are
         in), again until the store takes them."""
         delay = 0.1
-        mark = None if wall is None else (self._mark_key, wall)
+        marks = () if wall is None else ((self._mark_key, wall),
+                                         (self._read_key, self._read_wall))
         now = time.monotonic()
         checked = [s for s in self.subs if now - self._checked.get(s, 0.0) >= CHECK_EVERY]
         while True:
             try:
                 dropped, waiting = await self.store.writer.submit(
-                    lambda conn: sql.add_deliveries(conn, rows, time.time(), mark,
+                    lambda conn: sql.add_deliveries(conn, rows, time.time(), marks,
                                                     recovered=recovered, checked=checked))
                 break
             except Exception as exc:  # a storage failure: the rows wait in memory

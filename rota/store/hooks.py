@@ -86,18 +86,18 @@ def delete_subscription(conn: sqlite3.Connection, sub_id: str) -> dict[str, Any]
 
 # -- the outbox ----------------------------------------------------------------------------
 def add_deliveries(conn: sqlite3.Connection, rows: list[tuple[str, str, str, str, bytes]],
-                   now: float, mark: tuple[str, float] | None = None, *,
+                   now: float, marks: Collection[tuple[str, float]] = (), *,
                    recovered: bool = False, checked: Collection[str] = ()
                    ) -> tuple[dict[str, int], dict[str, int]]:
-    """Pending deliveries (id, subscription, event id, kind, body), due now. ``mark``:
-    (key, wall) kept in meta, the pump's progress, in the same transaction.
+    """Pending deliveries (id, subscription, event id, kind, body), due now. ``marks``:
+    (key, wall) pairs kept in meta, the pump's progress, in the same transaction.
     ``recovered``: events found in the jobs' rows, left out where a delivery of the same
     event id exists. The subscriptions in ``checked`` (each about once a second: both
     walk an index) get none past MAX_PENDING waiting, and their logs are pruned to the
     KEEP latest finished. Returns what was dropped, and how many wait, per checked
     subscription."""
-    if mark is not None:
-        keep_mark(conn, *mark)
+    for key, wall in marks:
+        keep_mark(conn, key, wall)
     by_sub: dict[str, list[tuple[str, str, str, str, bytes]]] = {sub: [] for sub in checked}
     for row in rows:
         by_sub.setdefault(row[1], []).append(row)

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from conftest import Api, Live, start_server, stop_server, write_spec
 from helpers import free_port, reap, spawn_serve, wait_until
 from hookrig import Receiver
 
 from rota import JobContext, Worker
+from rota.core import webhooks as wh
 from rota.server import hooks
 
 
@@ -311,3 +313,53 @@ async def test_a_subscription_made_through_another_server_gets_this_ones_events_
         assert len(events) == len(set(events)) == 10
         failed = [r for r in caplog.records if "owed to subscription" in r.getMessage()]
         assert len(failed) == read_fails, failed
+
+
+async def test_events_passed_over_before_a_kill_9_reach_a_subscription_made_elsewhere(
+        tmp_path: Path, pg_url: str):
+    """b knew no subscription when it passed its job events over and wrote its mark past
+    them; one had been made through a. b is killed with -9 before it read the
+    subscriptions again. Restarted, b knows it, and its events of before the kill are
+    found in the jobs' rows and delivered, each once."""
+    port = free_port()
+    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    args = ["--db", pg_url, "--port", str(port), "--server-id", "b",
+            "--allow-private-endpoints", "--webhook-backoff-scale", "0.01"]
+    # b does not read the subscriptions again before the kill, and marks at every event.
+    quick = "import rota.server.hooks as h; h.REREAD = 3600.0; h.MARK_EVERY = 0.0"
+    proc = await spawn_serve(http, args, tmp_path / "b.log", prelude=quick)
+    async with pair_on(tmp_path, pg_url) as (pair, receiver):
+        try:
+            a = await pair.start("a")
+            await pair.subscribe(a, receiver)
+
+            async def enqueue(n: int) -> tuple[str, float]:
+                made = await http.post("/jobs", json={"spec": "mail", "args": {"n": n}})
+                assert made.status_code == 201, made.text
+                return made.json()["job"]["id"], time.time()
+            early = [await enqueue(n) for n in range(10)]
+            # One more, later than the restart's margin: b's mark passes the first ten by
+            # more than the margin a restart looks back from it.
+            await wait_until(lambda: time.time() > early[-1][1] + wh.MARGIN + 0.5,
+                             timeout=10.0, what="the margin to pass")
+            late = await enqueue(10)
+
+            def mark() -> float | None:
+                with psycopg.connect(pg_url) as conn:
+                    row = conn.execute("SELECT value FROM meta WHERE key ="
+                                       " 'webhooks_pumped:b'").fetchone()
+                return None if row is None else float(row[0])
+            await wait_until(lambda: (mark() or 0.0) >= late[1] - 1.0, timeout=10.0,
+                             what="b's mark past its events")
+            assert not receiver.got  # (nobody has delivered them)
+            proc.kill()
+            await proc.wait()
+            proc = await spawn_serve(http, args, tmp_path / "b2.log")
+            ids = {job_id for job_id, _ in [*early, late]}
+            await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == ids,
+                             timeout=20.0, what="b's events of before the kill")
+            events = [r.json["id"] for r in receiver.got]
+            assert len(events) == len(set(events)) == 11
+        finally:
+            await reap(proc)
+            await http.aclose()
