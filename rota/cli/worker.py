@@ -8,6 +8,7 @@ import importlib
 import importlib.resources
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ def _checked_labels(_ctx: click.Context, _param: click.Parameter,
     return value
 
 
+LOOPS = ("auto", "asyncio", "uvloop")
+
+
 @click.command()
 @click.argument("target")
 @_WORKER_URLS
@@ -77,9 +81,14 @@ def _checked_labels(_ctx: click.Context, _param: click.Parameter,
               type=click.IntRange(0, MAX_PREFETCH), default=None,
               help="The most jobs to hold beyond the worker's concurrency, waiting to"
               " start (default: the Worker's own, 32 x its concurrency unless set; 0: none).")
-def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, concurrency: int | None,
-           queues: str | None, labels: tuple[str, ...], specs_dir: Path | None,
-           prefetch: int | None) -> None:
+@click.option("--loop", "loop_name", envvar="ROTA_WORKER_LOOP", show_envvar=True,
+              type=click.Choice(LOOPS), default="auto", show_default=True,
+              help="The handlers' event loop. auto: uvloop where it is installed (a job"
+              " starts about 40 us sooner), else asyncio's own; asyncio: for handlers that"
+              " need the standard loop.")
+def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str,
+           concurrency: int | None, queues: str | None, labels: tuple[str, ...],
+           specs_dir: Path | None, prefetch: int | None, loop_name: str) -> None:
     """Run the rota.Worker found at TARGET (MODULE:ATTR) against the server at --url
     (or the servers: the worker moves to the next when its connection fails or is lost).
 
@@ -91,6 +100,7 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
     back); SIGCONT resumes.
     """
     logsetup.configure(log_level, log_format)
+    loop_factory = _loop_factory(loop_name)
     instance = _import_worker(target)
     try:
         instance.url = _split_urls(urls)
@@ -110,7 +120,8 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
         _fail(missing_specs_dir(instance.specs_dir, "point it elsewhere with --specs-dir or"
                                 " ROTA_SPECS_DIR"))
     try:
-        asyncio.run(_run_worker(instance))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(_run_worker(instance))
     except (SpecError, RegistrationRefused) as exc:
         _fail(str(exc))
     except PermissionError as exc:  # the handshake was refused: no token, or the wrong one
@@ -120,6 +131,20 @@ def worker(target: str, urls: tuple[str, ...], log_level: str, log_format: str, 
                             " create --scope worker')"))
     if instance.exit_code:
         sys.exit(instance.exit_code)
+
+
+def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """What makes the handlers' loop for ``--loop`` (None: asyncio's own)."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:  # Windows, or a Rota installed without it
+        if name == "uvloop":
+            _fail("--loop uvloop: uvloop is not installed here (pip install uvloop), or"
+                  " run the handlers on asyncio's own loop: --loop asyncio")
+        return None
+    return uvloop.new_event_loop
 
 
 def _import_worker(target: str) -> Any:

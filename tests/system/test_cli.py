@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Live, write_spec
-from helpers import RawWorker, rota, wait_until
+from helpers import RawWorker, reap, rota, wait_until
 
 from click.testing import CliRunner
 
@@ -214,6 +214,55 @@ async def test_rota_worker_takes_its_settings_from_the_environment(live: Live, t
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+LOOP_WORKER = """
+import asyncio
+from rota import Worker
+
+worker = Worker(specs_dir="specs", concurrency=1)
+
+@worker.handler("echo")
+async def echo(ctx):
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+"""
+
+
+def no_uvloop(tmp_path: Path) -> dict[str, str]:
+    """An environment in which ``import uvloop`` fails (Windows, or Rota without it)."""
+    (tmp_path / "shadow").mkdir(exist_ok=True)
+    (tmp_path / "shadow" / "uvloop.py").write_text("raise ImportError('no uvloop here')\n")
+    return {"PYTHONPATH": str(tmp_path / "shadow")}
+
+
+@pytest.mark.parametrize(("flags", "shadowed", "loop"), [
+    ([], False, "uvloop"), (["--loop", "asyncio"], False, "asyncio"), ([], True, "asyncio")],
+    ids=["auto", "asyncio", "auto-without-uvloop"])
+async def test_rota_worker_runs_the_handlers_on_the_loop_it_is_given(
+        live: Live, tmp_path: Path, flags: list[str], shadowed: bool, loop: str):
+    await live.push(write_spec(tmp_path / "specs", "echo"))
+    (tmp_path / "loop_worker.py").write_text(LOOP_WORKER)
+    env = {**os.environ, **(no_uvloop(tmp_path) if shadowed else {})}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rota", "worker", "loop_worker:worker", "--url", live.base,
+        *flags, cwd=tmp_path, env=env, stderr=asyncio.subprocess.PIPE)
+    try:
+        job = await live.enqueue("echo", {})
+        assert (await live.wait_state(job["id"], "completed", timeout=15))["result"] == loop
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        await reap(proc)
+
+
+async def test_rota_worker_refuses_a_loop_it_cannot_run_in_one_line(tmp_path: Path):
+    (tmp_path / "loop_worker.py").write_text(LOOP_WORKER)
+    code, _, err = await rota("worker", "loop_worker:worker", "--loop", "uvloop",
+                              cwd=tmp_path, env=no_uvloop(tmp_path))
+    assert code == 1 and "uvloop is not installed" in err and "--loop asyncio" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    code, _, err = await rota("worker", "loop_worker:worker", "--loop", "trio", cwd=tmp_path)
+    assert code == 2 and "'trio' is not one of 'auto', 'asyncio', 'uvloop'" in err
 
 
 async def test_rota_worker_rejects_a_bad_target(tmp_path: Path):
