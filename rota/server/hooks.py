@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, TypeVar
 
 from rota.base.errors import RequestError
 from rota.base.ids import uuid7
@@ -64,7 +65,7 @@ class Webhooks:
         self._wakes: dict[str, asyncio.Event] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._listening = False
-        self._mark_key = self._read_key = ""
+        self._mark_key = self._read_key = self._known_key = ""
         # When the subscriptions were last read (wall time, about): one made through
         # another server after it is not yet followed here. Kept beside the pump's mark.
         self._read_wall = 0.0
@@ -83,12 +84,18 @@ class Webhooks:
         # From this moment the ring has every event (read before any await: a request
         # may record one meanwhile); what came before is looked for in the rows.
         last, started = self.observer.next_id - 1, time.time()
+        # Servers sharing PostgreSQL each keep their own; on SQLite there is one server,
+        # whatever its address (a restart on another port owes the same events).
+        server = (self.store.server_id or "") if self.store.shared else ""
+        self._mark_key, self._read_key = f"webhooks_pumped:{server}", f"webhooks_read:{server}"
+        self._known_key = f"webhooks_known:{server}"
         try:
-            for row in await self.store.readers.run(sql.subscriptions):
+            for row in await _until_done("reading the subscriptions", lambda: (
+                    self.store.readers.run(sql.subscriptions))):
                 self._track(_subscription(row))
             self._read_wall = started
-            self._mark_key = f"webhooks_pumped:{self.store.server_id or ''}"
-            self._read_key = f"webhooks_read:{self.store.server_id or ''}"
+            await _until_done("looking for the job events of before the start",
+                              lambda: self._after_restart(started))
             await self._pumping(last, started)
         finally:
             tasks = list(self._tasks.values())
@@ -119,9 +126,10 @@ class Webhooks:
     # -- the pump: recorded events -> the outbox --------------------------------------------
     async def _pumping(self, last: int, started: float) -> None:
         observer = self.observer
-        await self._after_restart(started)
         marked = read = time.monotonic()
-        last_wall = time.time()  # the wall time of the last event pumped
+        # The wall time of the last event pumped: the ring has every event from ``started``
+        # on, so a gap in it is looked for in the rows from there.
+        last_wall = started
         while True:
             if time.monotonic() - read > REREAD:
                 now = time.time()
@@ -164,19 +172,32 @@ class Webhooks:
     async def _after_restart(self, started: float) -> None:
         """The job events of before ``started`` that the pump had not written at the last
         stop (a kill -9 between an event and the pump's write): those since its mark,
-        less MARGIN. And for a subscription made through another server after this one
-        last read them, those since it was made: the pump passed them over unmatched,
-        and its mark went past them."""
-        mark, read = await self.store.readers.run(lambda conn: (
-            sql.read_mark(conn, self._mark_key), sql.read_mark(conn, self._read_key)))
-        await self._recover(None if mark is None else mark - wh.MARGIN, started,
-                            "after the restart")
+        less MARGIN. And for a subscription it did not follow then (made through another
+        server after its last read of them), those since that read: the pump passed them
+        over unmatched, and its mark went past them. With no mark of its own (its first
+        start, or a server that took another's place under a new name), from the oldest
+        subscription on: a mark is written at once, so only a first start looks so far."""
+        # (an earlier version kept a SQLite server's mark under its address)
+        earlier = f"webhooks_pumped:{self.store.server_id or ''}"
+        mark, read, known, before = await self.store.readers.run(lambda conn: [
+            sql.read_meta(conn, key) for key in (self._mark_key, self._read_key,
+                                                 self._known_key, earlier)])
+        mark = mark or before
         if mark is None:
+            if self.subs:
+                await self._recover(min(s.created_at for s in self.subs.values()), started,
+                                    "after the start")
+            await self._add([], started)
             return
-        # (no read kept: a mark written before it was; the pump read them every REREAD)
-        known = (mark - REREAD if read is None else read) - wh.MARGIN
-        if late := [s for s in self.subs.values() if s.created_at > known]:
-            await self._recover(min(s.created_at for s in late) - wh.MARGIN, started,
+        await self._recover(float(mark) - wh.MARGIN, started, "after the restart")
+        # (a mark an earlier version kept has neither: its pump read them at most REREAD
+        # before it, and followed those made before that)
+        since = float(mark) - REREAD if read is None else float(read)
+        followed = None if known is None else set(json.loads(known))
+        late = [s for s in self.subs.values() if (s.created_at > since - wh.MARGIN
+                                                   if followed is None else s.id not in followed)]
+        if late:
+            await self._recover(min(since, *(s.created_at for s in late)) - wh.MARGIN, started,
                                 "for a subscription made through another server before"
                                 " the restart", late)
 
@@ -238,11 +259,10 @@ class Webhooks:
                          for sub_id in takers]
         return rows
 
-    async def _recover(self, since: float | None, until: float, why: str,
+    async def _recover(self, since: float, until: float, why: str,
                        only: list[wh.Subscription] | None = None,
                        skip: Collection[str] = ()) -> None:
-        """Job events the pump did not see, from the jobs' rows from ``since`` (None:
-        the oldest subscription) to ``until``
+        """Job events the pump did not see, from the jobs' rows from ``since`` to ``until``
         (after it the ring has them), for every subscription or ``only`` these: those of
         the moments before the last stop (a kill -9 between an event and the pump's
         write), of a gap in the ring, or before a subscription made through another
@@ -253,9 +273,8 @@ class Webhooks:
                 and any(k in (wh.ALL, *wh.FACTS) for k in s.kinds)]
         if not subs:
             return
-        start = since = min(s.created_at for s in subs) if since is None else since
         jobs = await self.store.readers.run(
-            lambda conn: sql.recent_jobs(conn, start, RECOVER_LIMIT))
+            lambda conn: sql.recent_jobs(conn, since, RECOVER_LIMIT))
         rows = self._rows([e for e in wh.facts(jobs, since)
                            if e[0] <= until and (not skip or wh.event_id(e) not in skip)], only)
         if rows:
@@ -268,8 +287,10 @@ class Webhooks:
         """Write the pending deliveries (and the pump's mark: events up to ``wall`` are
         in), again until the store takes them."""
         delay = 0.1
-        marks = () if wall is None else ((self._mark_key, wall),
-                                         (self._read_key, self._read_wall))
+        # With the mark: when the subscriptions were last read, and which were followed.
+        marks = () if wall is None else (
+            (self._mark_key, repr(wall)), (self._read_key, repr(self._read_wall)),
+            (self._known_key, json.dumps(sorted(self.subs))))
         now = time.monotonic()
         checked = [s for s in self.subs if now - self._checked.get(s, 0.0) >= CHECK_EVERY]
         while True:
@@ -456,3 +477,19 @@ class Webhooks:
         return {"ok": not outcome.error, "delivery_id": delivery_id, "event_id": event_id,
                 "status": outcome.status, "ms": outcome.ms, "error": outcome.error or None,
                 "response": outcome.response}
+
+
+T = TypeVar("T")
+
+
+async def _until_done(what: str, step: Callable[[], Awaitable[T]]) -> T:
+    """``step()`` again, with a growing pause, until it succeeds: a storage failure at the
+    start must not end the server's webhooks (the writer's own retries are alike)."""
+    delay = 0.1
+    while True:
+        try:
+            return await step()
+        except Exception as exc:
+            log.warning("webhooks: %s failed (%s): trying again", what, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

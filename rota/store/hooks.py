@@ -86,18 +86,18 @@ def delete_subscription(conn: sqlite3.Connection, sub_id: str) -> dict[str, Any]
 
 # -- the outbox ----------------------------------------------------------------------------
 def add_deliveries(conn: sqlite3.Connection, rows: list[tuple[str, str, str, str, bytes]],
-                   now: float, marks: Collection[tuple[str, float]] = (), *,
+                   now: float, marks: Collection[tuple[str, str]] = (), *,
                    recovered: bool = False, checked: Collection[str] = ()
                    ) -> tuple[dict[str, int], dict[str, int]]:
     """Pending deliveries (id, subscription, event id, kind, body), due now. ``marks``:
-    (key, wall) pairs kept in meta, the pump's progress, in the same transaction.
+    (key, value) pairs kept in meta, the pump's progress, in the same transaction.
     ``recovered``: events found in the jobs' rows, left out where a delivery of the same
     event id exists. The subscriptions in ``checked`` (each about once a second: both
     walk an index) get none past MAX_PENDING waiting, and their logs are pruned to the
     KEEP latest finished. Returns what was dropped, and how many wait, per checked
     subscription."""
-    for key, wall in marks:
-        keep_mark(conn, key, wall)
+    for key, value in marks:
+        keep_mark(conn, key, value)
     by_sub: dict[str, list[tuple[str, str, str, str, bytes]]] = {sub: [] for sub in checked}
     for row in rows:
         by_sub.setdefault(row[1], []).append(row)
@@ -134,13 +134,18 @@ def _unseen(conn: sqlite3.Connection, sub_id: str, batch: list[tuple[str, str, s
     return [r for r in batch if r[2] not in seen]
 
 
-def keep_mark(conn: sqlite3.Connection, key: str, wall: float) -> None:
-    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, repr(wall)))
+def keep_mark(conn: sqlite3.Connection, key: str, value: str) -> None:
+    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
 
 def read_mark(conn: sqlite3.Connection, key: str) -> float | None:
+    value = read_meta(conn, key)
+    return None if value is None else float(value)
+
+
+def read_meta(conn: sqlite3.Connection, key: str) -> str | None:
     row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-    return None if row is None else float(row[0])
+    return None if row is None else str(row[0])
 
 
 def recent_jobs(conn: sqlite3.Connection, since: float, limit: int) -> list[dict[str, Any]]:

@@ -7,6 +7,8 @@ rotation."""
 from __future__ import annotations
 
 import logging
+import sqlite3
+import threading
 import time
 from typing import Any
 
@@ -16,6 +18,7 @@ from helpers import wait_until
 from hookrig import Receiver
 
 from rota.base.signing import verify
+from rota.core import webhooks as wh
 from rota.server import hooks
 from rota.store import hooks as sql
 
@@ -174,24 +177,34 @@ async def test_pending_deliveries_survive_a_restart(tmp_path):
         await receiver.close()
 
 
+async def pump_stopped(tmp_path, receiver: Receiver, kinds: list[str], *,
+                       cancel: bool = False) -> tuple[str, list[str]]:
+    """A server's first job event pumped, then its pump stopped, as if killed before it
+    wrote the rest: three more enqueued (the first of them cancelled, if ``cancel``), and
+    the server stopped. The first job's id, and the three's."""
+    live = await start_server(tmp_path, **FAST)
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        await subscribe(live, receiver, kinds=kinds)
+        first = (await live.enqueue("mail", {"n": 0}))["id"]
+        await wait_until(lambda: len(receiver.got) == 1, what="the first, pumped")
+        for task in live.coordinator._tasks:
+            if task.get_name() == "rota-webhooks":
+                task.cancel()
+        ids = [(await live.enqueue("mail", {"n": n}))["id"] for n in range(1, 4)]
+        if cancel:
+            await live.http.delete(f"/jobs/{ids[0]}")
+    finally:
+        await stop_server(live)
+    assert [r.json["data"]["job"] for r in receiver.got] == [first]
+    return first, ids
+
+
 async def test_events_the_pump_had_not_written_are_found_again_after_a_restart(tmp_path):
     """A kill -9 between an event and the pump's write loses it from memory: the next run
     finds the job events in the jobs' rows, and sends each once (the same event id)."""
     receiver = await Receiver().start()
-    live = await start_server(tmp_path, **FAST)
-    try:
-        await live.push(write_spec(tmp_path / "specs", "mail"))
-        await subscribe(live, receiver, kinds=["enqueue", "cancel"])
-        first = (await live.enqueue("mail", {"n": 0}))["id"]
-        await wait_until(lambda: len(receiver.got) == 1, what="the first, pumped")
-        for task in live.coordinator._tasks:  # as if killed before it wrote the rest
-            if task.get_name() == "rota-webhooks":
-                task.cancel()
-        ids = [(await live.enqueue("mail", {"n": n}))["id"] for n in range(1, 4)]
-        await live.http.delete(f"/jobs/{ids[0]}")
-    finally:
-        await stop_server(live)
-    assert [r.json["data"]["job"] for r in receiver.got] == [first]
+    first, ids = await pump_stopped(tmp_path, receiver, ["enqueue", "cancel"], cancel=True)
     live = await start_server(tmp_path, **FAST)
     try:
         want = {(first, "enqueue"), *((i, "enqueue") for i in ids), (ids[0], "cancel")}
@@ -200,6 +213,43 @@ async def test_events_the_pump_had_not_written_are_found_again_after_a_restart(t
                          timeout=15.0, what="the missed events, from the rows")
         assert len(receiver.got) == len(want)  # the first is not sent again
     finally:
+        await stop_server(live)
+        await receiver.close()
+
+
+async def test_a_start_whose_look_in_the_rows_fails_then_lags_loses_no_event(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """At the restart, the look in the jobs' rows for what the pump had not written fails
+    once (tried again, the webhooks go on), then lags while 20 jobs are enqueued on a
+    ring of 5 events: the gap the ring left is looked for from the start. Each event is
+    sent once."""
+    receiver = await Receiver().start()
+    first, unpumped = await pump_stopped(tmp_path, receiver, ["enqueue"])
+    release, looks = threading.Event(), []
+    real = sql.recent_jobs
+
+    def flaky(conn: Any, since: float, limit: int) -> Any:
+        looks.append(since)
+        if len(looks) == 1:
+            raise sqlite3.OperationalError("disk I/O error")
+        release.wait(20)  # (a reader's thread)
+        return real(conn, since, limit)
+    monkeypatch.setattr(sql, "recent_jobs", flaky)
+    live = await start_server(tmp_path, events_buffer=5, **FAST)
+    try:
+        await wait_until(lambda: len(looks) == 2, what="the look in the rows, again")
+        later = [(await live.enqueue("mail", {"n": n}))["id"] for n in range(4, 24)]
+        # Past the margin a gap is looked for from, counted from the moment it is found.
+        went = time.time()
+        await wait_until(lambda: time.time() > went + wh.MARGIN + 0.5, what="the margin")
+        release.set()
+        want = {first, *unpumped, *later}
+        await wait_until(lambda: {r.json["data"]["job"] for r in receiver.got} == want,
+                         timeout=20.0, what="every event, from the rows and the ring")
+        assert len(receiver.got) == len(want)
+        assert any("trying again" in r.getMessage() for r in caplog.records)
+    finally:
+        release.set()
         await stop_server(live)
         await receiver.close()
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -315,12 +316,15 @@ async def test_a_subscription_made_through_another_server_gets_this_ones_events_
         assert len(failed) == read_fails, failed
 
 
+@pytest.mark.parametrize("behind", [0.0, 3.0], ids=["same-clock", "a-3s-behind"])
 async def test_events_passed_over_before_a_kill_9_reach_a_subscription_made_elsewhere(
-        tmp_path: Path, pg_url: str):
+        tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch, behind: float):
     """b knew no subscription when it passed its job events over and wrote its mark past
     them; one had been made through a. b is killed with -9 before it read the
     subscriptions again. Restarted, b knows it, and its events of before the kill are
-    found in the jobs' rows and delivered, each once."""
+    found in the jobs' rows and delivered, each once: also when a's clock is behind b's
+    by more than the margin (the subscription's time then says it was made before b's
+    last read, but b did not follow it then)."""
     port = free_port()
     http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
     args = ["--db", pg_url, "--port", str(port), "--server-id", "b",
@@ -331,6 +335,9 @@ async def test_events_passed_over_before_a_kill_9_reach_a_subscription_made_else
     async with pair_on(tmp_path, pg_url) as (pair, receiver):
         try:
             a = await pair.start("a")
+            if behind:  # (a's clock: the subscription's created_at)
+                monkeypatch.setattr(hooks, "time", SimpleNamespace(
+                    time=lambda: time.time() - behind, monotonic=time.monotonic))
             await pair.subscribe(a, receiver)
 
             async def enqueue(n: int) -> tuple[str, float]:
