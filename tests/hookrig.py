@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,12 +31,18 @@ class Receiver:
     port: int = 0
     _server: asyncio.Server | None = None
     _open: set[asyncio.StreamWriter] = field(default_factory=set)
+    # While down, the port is held by a socket bound but not listening: connections are
+    # refused, and no other process (another suite's client) is given the port meanwhile.
+    _hold: socket.socket | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/hook"
 
     async def start(self) -> Receiver:
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -48,10 +55,16 @@ class Receiver:
             writer.close()
         await self._server.wait_closed()
         self._server = None
+        self._hold = socket.socket()
+        self._hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._hold.bind(("127.0.0.1", self.port))
 
     async def close(self) -> None:
         if self._server is not None:
             await self.down()
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None
 
     def event_ids(self) -> list[str]:
         return [r.json["id"] for r in self.got]
