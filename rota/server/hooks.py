@@ -286,24 +286,16 @@ class Webhooks:
                    *, recovered: bool = False) -> None:
         """Write the pending deliveries (and the pump's mark: events up to ``wall`` are
         in), again until the store takes them."""
-        delay = 0.1
         # With the mark: when the subscriptions were last read, and which were followed.
         marks = () if wall is None else (
             (self._mark_key, repr(wall)), (self._read_key, repr(self._read_wall)),
             (self._known_key, json.dumps(sorted(self.subs))))
         now = time.monotonic()
         checked = [s for s in self.subs if now - self._checked.get(s, 0.0) >= CHECK_EVERY]
-        while True:
-            try:
-                dropped, waiting = await self.store.writer.submit(
-                    lambda conn: sql.add_deliveries(conn, rows, time.time(), marks,
-                                                    recovered=recovered, checked=checked))
-                break
-            except Exception as exc:  # a storage failure: the rows wait in memory
-                log.warning("webhook deliveries=%d not stored yet (%s): trying again",
-                            len(rows), exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        # (a storage failure: the rows wait in memory)
+        dropped, waiting = await _until_done(f"storing deliveries={len(rows)}", lambda: (
+            self.store.writer.submit(lambda conn: sql.add_deliveries(
+                conn, rows, time.time(), marks, recovered=recovered, checked=checked))))
         for sub_id in checked:
             self._checked[sub_id] = now
         self._full = {s for s in self._full if s not in waiting} | {
@@ -483,8 +475,8 @@ T = TypeVar("T")
 
 
 async def _until_done(what: str, step: Callable[[], Awaitable[T]]) -> T:
-    """``step()`` again, with a growing pause, until it succeeds: a storage failure at the
-    start must not end the server's webhooks (the writer's own retries are alike)."""
+    """``step()`` again, with a growing pause, until it succeeds: a storage failure must
+    neither end the server's webhooks nor lose what waits to be written."""
     delay = 0.1
     while True:
         try:
