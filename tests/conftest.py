@@ -247,9 +247,11 @@ def pg_cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def pg_url(pg_cluster: Cluster) -> str:
+def pg_url(pg_cluster: Cluster) -> Iterator[str]:
     """The URL of a fresh, empty database of its own for this test."""
-    return pg_cluster.create_database()
+    url = pg_cluster.create_database()
+    yield url
+    pg_cluster.give_back(url)
 
 
 @pytest.fixture
@@ -279,6 +281,8 @@ def _servers_backend(backend: str, request: pytest.FixtureRequest) -> Iterator[N
         yield
     finally:
         _server_database = None
+        for url in databases.values():
+            cluster.give_back(url)
 
 
 @pytest.fixture

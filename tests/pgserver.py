@@ -7,6 +7,13 @@ machine, so fsync and synchronous commit are off. Each test gets a fresh databas
 (``create_database``). Run as root, the cluster belongs to the ``postgres`` user
 (PostgreSQL refuses to run as root).
 
+A test's database is given back when it ends (``give_back``) and, emptied, handed to a
+later test of the same process: ``CREATE DATABASE`` copies the template's catalogs and
+cost about 0.22 s of PostgreSQL's CPU a test here, about 30 s a suite, where emptying
+the tables costs 5 ms. A database is only taken back if nothing is connected to it any
+more and its objects are exactly those of a new one (empty, or Rota's schema); anything
+else a test left (a table of its own, a server still running) keeps it out of use.
+
 Missing binaries are a failure that says what to install, never a skip: the backend
 must be tested wherever the suite runs.
 """
@@ -21,7 +28,9 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -60,6 +69,11 @@ class Cluster:
         self.port = 0
         self._names = itertools.count(1)
         self._migrated = False  # the template of create_database(migrated=True) exists
+        # Databases given back and emptied, by kind (migrated or not), and what each kind
+        # holds when new: its objects' fingerprint, and the rows its tables start with.
+        self._spare: dict[bool, list[str]] = {False: [], True: []}
+        self._shape: dict[bool, str] = {}
+        self._seed: dict[str, list[tuple[Any, ...]]] = {}
         # PostgreSQL will not run as root: as root, the directory is given to postgres
         # and every command runs as that user.
         self._as: list[str] = []
@@ -111,11 +125,55 @@ class Cluster:
         """A fresh database, empty or (``migrated``) with Rota's schema already in it; its
         URL. A migrated one is a copy of a template migrated once per cluster: copying
         costs a test less than migrating (about 0.2 s against 0.4 s here)."""
+        if self._spare[migrated]:
+            return self.url(self._spare[migrated].pop())
         name = f"t{os.getpid()}_{next(self._names)}"
         template = self._template() if migrated else "template1"
         with psycopg.connect(self.url(), autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        if migrated not in self._shape:
+            with psycopg.connect(self.url(name), autocommit=True) as conn:
+                self._shape[migrated] = _fingerprint(conn)
         return self.url(name)
+
+    def give_back(self, url: str) -> None:
+        """Take a test's database back for a later test, emptied, if it can be: nothing
+        connected to it, and no object in it but those of a new database of its kind."""
+        name = url.rsplit("/", 1)[1]
+        try:
+            if not self._unused(name):
+                return
+            with psycopg.connect(url, autocommit=True) as conn:
+                shape = _fingerprint(conn)
+                for migrated in (True, False):
+                    if self._shape.get(migrated) == shape:
+                        self._empty(conn, migrated)
+                        self._spare[migrated].append(name)
+                        return
+        except psycopg.Error:
+            return  # (the cluster is down, say): the database is simply not used again
+
+    def _unused(self, name: str) -> bool:
+        """Whether no session is connected to ``name``; a server stopped at the end of a
+        test closes its connections, and their backends end a moment later."""
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            for _ in range(50):
+                if conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
+                                " AND backend_type = 'client backend'", (name,)).fetchone() == (0,):
+                    return True
+                time.sleep(0.01)  # noqa: sleep-ok (a poll step, 0.5 s at most)
+        return False
+
+    def _empty(self, conn: psycopg.Connection[Any], migrated: bool) -> None:
+        """Every table's rows deleted and a new one's put back (the migrations' names,
+        the schema's own meta rows), in one transaction."""
+        with conn.transaction():
+            for table in _tables(conn):
+                conn.execute(f'DELETE FROM "{table}"')
+            for table, rows in (self._seed if migrated else {}).items():
+                if rows:
+                    marks = ", ".join(["%s"] * len(rows[0]))
+                    conn.cursor().executemany(f'INSERT INTO "{table}" VALUES ({marks})', rows)
 
     def _template(self) -> str:
         if not self._migrated:
@@ -124,6 +182,9 @@ class Cluster:
             with psycopg.connect(self.url(), autocommit=True) as conn:
                 conn.execute('CREATE DATABASE "rota_template"')
             pg.migrate(self.url("rota_template"))
+            with psycopg.connect(self.url("rota_template")) as conn:
+                self._seed = {table: conn.execute(f'SELECT * FROM "{table}"').fetchall()
+                              for table in _tables(conn)}
             self._migrated = True
         return "rota_template"
 
@@ -133,3 +194,28 @@ class Cluster:
         except RuntimeError:
             pass  # it was down already
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _tables(conn: psycopg.Connection[Any]) -> list[str]:
+    return [row[0] for row in conn.execute(
+        "SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY tablename")]
+
+
+def _fingerprint(conn: psycopg.Connection[Any]) -> str:
+    """The objects of a database outside PostgreSQL's own schemas: its schemas, tables,
+    indexes, columns, functions and types, as one text to compare."""
+    parts = [conn.execute(sql).fetchall() for sql in (
+        "SELECT nspname FROM pg_namespace WHERE nspname NOT LIKE 'pg\\_%'"
+        " AND nspname <> 'information_schema' ORDER BY 1",
+        "SELECT n.nspname, c.relname, c.relkind FROM pg_class c JOIN pg_namespace n"
+        " ON n.oid = c.relnamespace WHERE n.nspname NOT LIKE 'pg\\_%'"
+        " AND n.nspname <> 'information_schema' ORDER BY 1, 2",
+        "SELECT indexdef FROM pg_indexes WHERE schemaname = 'public' ORDER BY 1",
+        "SELECT table_name, column_name, data_type, column_default, is_nullable"
+        " FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1, 2",
+        "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+        " WHERE n.nspname = 'public' ORDER BY 1",
+        "SELECT t.typname FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace"
+        " WHERE n.nspname = 'public' ORDER BY 1",
+    )]
+    return repr(parts)
