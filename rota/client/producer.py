@@ -31,6 +31,7 @@ from rota.client.failures import not_the_api, refusal, transport_error
 from rota.client.flowing import AsyncWorkflows
 from rota.client.schedules import AsyncScheduleCalls
 from rota.base.ids import path_segment
+from rota.base.tls import default_trust
 from rota.base.unique import unique_option
 
 # A batch is cut before its body reaches this (the server refuses bodies over 1 MiB by
@@ -95,7 +96,8 @@ class AsyncClient(AsyncWorkflows, AsyncScheduleCalls):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._token = bool(token)
         self._https = [httpx.AsyncClient(base_url=base, timeout=timeout, headers=headers,
-                                         limits=httpx.Limits(max_connections=max_in_flight + 4))
+                                         limits=httpx.Limits(max_connections=max_in_flight + 4),
+                                         verify=default_trust())
                        for base in self.servers.urls]  # a pool per server
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._in_flight: set[asyncio.Task[None]] = set()

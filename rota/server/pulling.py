@@ -22,6 +22,7 @@ from starlette.routing import Route
 from rota.base import protocol as p
 from rota.base.errors import StorageError
 from rota.base.ojs import OJS_MEDIA
+from rota.base.tls import default_trust
 from rota.base.wording import plainly
 from rota.core.auth import Principal
 from rota.core.ojs_map import OjsRefusal, job_view, ojs_json, ojs_time
@@ -318,7 +319,7 @@ async def _forward(request: Request, coordinator: Coordinator, server: str | Non
     import httpx  # (here: only servers sharing a database forward; see rota/server/outbound.py)
 
     try:
-        async with httpx.AsyncClient(timeout=ACK_WAIT + 5.0) as client:
+        async with httpx.AsyncClient(timeout=ACK_WAIT + 5.0, verify=default_trust()) as client:
             reply = await client.request(request.method, f"{scheme}://{url}{request.url.path}",
                                          content=body, headers=headers)
     except httpx.HTTPError as exc:
