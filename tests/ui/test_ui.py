@@ -12,13 +12,14 @@ import contextlib
 import re
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import corpus
 import pytest
-from playwright.sync_api import Browser, BrowserContext, Page, expect
+from playwright.sync_api import Browser, BrowserContext, Page, Route, expect
 from uirig import Rig, chromium
 
 from rota.core.limits import LimitRule, Rate
@@ -451,6 +452,28 @@ def test_the_pause_button_stops_the_refresh_until_it_is_pressed_again(page: Page
     rig.enqueue("echo")
     page.get_by_role("button", name="Resume updates").click()
     expect(available).to_have_text("2")
+
+
+def test_a_refresh_already_asked_for_when_pause_is_pressed_changes_nothing(page: Page,
+                                                                            rig: Rig):
+    """The answer to a refresh sent before the pause arrives after it (held here until
+    then): the page stays as it was when the button was pressed."""
+    rig.spec("echo")
+    enter(page, rig)
+    available = page.locator('.figure[data-state="available"]')
+    held: list[Route] = []
+    page.route(rig.base + "/ui", lambda route: held.append(route)
+               if route.request.headers.get("x-rota-live") else route.continue_())
+    deadline = time.monotonic() + 10
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(20)  # noqa: sleep-ok (a poll step: Playwright calls the route)
+    assert held, "no refresh was asked for"
+    page.get_by_role("button", name="Pause updates").click()
+    expect(page.locator("#poll-state")).to_have_text("paused")
+    rig.enqueue("echo")
+    held[0].continue_()  # the server answers now, with the job waiting
+    page.wait_for_timeout(4 * REFRESH_MS)  # noqa: sleep-ok (proving nothing happens)
+    assert available.inner_text() == "0" and len(held) == 1
 
 
 @pytest.mark.soak  # every hostile id through every page: long

@@ -72,7 +72,9 @@
         if (response.status >= 500) { stale("server answered " + response.status); return; }
         if (!response.ok) { fresh(); show("error " + response.status); return; }
         return response.text().then(function (html) {
-          if (pressed) return;  // pressed while this was fetched: the next refresh shows it
+          // Pressed while this was fetched: the next refresh shows it. Paused meanwhile:
+          // the page stays as it was when the button was pressed.
+          if (pressed || paused) return;
           if (html !== live.dataset.last) {
             var open = [];
             live.querySelectorAll("details[open][data-key]").forEach(function (d) {
