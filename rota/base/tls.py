@@ -6,6 +6,7 @@ the certificates Rota's httpx clients trust, loaded once a process."""
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import ssl
 import urllib.parse
@@ -58,12 +59,32 @@ def plain_url(url: str) -> str:
     return url[:url.index("s://")] + url[url.index("s://") + 1:]
 
 
-@functools.cache
+# The certificates a client trusts, made once a process for each SSL_CERT_FILE and
+# SSL_CERT_DIR (read when a context is made, so a change to them still counts): a new
+# context loads its certificates again, about 15 ms of CPU here, on the caller's thread
+# or event loop, at every client made or connection opened. A context is safe to share.
 def default_trust() -> ssl.SSLContext:
-    """The certificates an httpx client trusts by default (certifi's, or those that
-    SSL_CERT_FILE or SSL_CERT_DIR name, read at the first call), loaded once a process.
-    A client made without a context loads the bundle again: about 16 ms of CPU here, on
-    the event loop of whoever makes it. httpx and httpcore share a context safely."""
+    """What an httpx client trusts by default: certifi's certificates, or those that
+    SSL_CERT_FILE or SSL_CERT_DIR name (Rota's AsyncClient, a server's forwards)."""
+    return _httpx_trust(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+def system_trust() -> ssl.SSLContext:
+    """What the standard library trusts by default: the system's certificates, or those
+    that SSL_CERT_FILE or SSL_CERT_DIR name (Rota's sync Client and its event stream),
+    for HTTP/1.1, all they speak."""
+    return _system_trust(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+@functools.cache
+def _httpx_trust(cafile: str | None, capath: str | None) -> ssl.SSLContext:
     import httpx  # (here: the SDK worker and the server's start need no httpx)
 
-    return httpx.create_ssl_context(verify=True, trust_env=True)
+    return httpx.create_ssl_context(verify=True, trust_env=True)  # (it reads them itself)
+
+
+@functools.cache
+def _system_trust(cafile: str | None, capath: str | None) -> ssl.SSLContext:
+    context = ssl.create_default_context()  # (OpenSSL reads them itself)
+    context.set_alpn_protocols(["http/1.1"])
+    return context

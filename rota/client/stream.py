@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import http.client
 import socket
-import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ import msgspec
 
 from rota.client.client import ApiError
 from rota.client.failures import dashboard_url, refusal, transport_error
+from rota.base.tls import system_trust
 
 SILENCE = 45.0  # seconds without a byte (three keep-alives missed): the connection is dead
 BACKOFF = (0.2, 0.5, 1.0, 2.0, 5.0)  # seconds before each reconnection in a row
@@ -112,7 +112,7 @@ class EventStream:
         if parts.scheme == "https":
             self._conn = http.client.HTTPSConnection(
                 parts.hostname or "", parts.port or 443, timeout=self.silence,
-                context=ssl.create_default_context())
+                context=system_trust())
         else:
             self._conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80,
                                                     timeout=self.silence)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import http.client
 import select
 import socket
-import ssl
 import time
 import urllib.parse
 from typing import Any
 
 from rota.base.errors import ApiError
+from rota.base.tls import system_trust
 
 # A kept-alive connection idle longer than this is not reused: the server closes idle
 # ones after 5 s, and a request sent as it does so would be lost in the race.
@@ -247,9 +247,7 @@ class Transport:
                 # Small requests and answers: never wait for a delayed ACK (Nagle).
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self.https:
-                    context = ssl.create_default_context()
-                    context.set_alpn_protocols(["http/1.1"])
-                    sock = context.wrap_socket(sock, server_hostname=self.host)
+                    sock = system_trust().wrap_socket(sock, server_hostname=self.host)
             except BaseException:
                 sock.close()
                 raise

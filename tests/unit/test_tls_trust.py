@@ -1,28 +1,82 @@
-"""The certificates Rota's httpx clients trust are loaded once a process
-(rota/base/tls.py default_trust): an httpx client made without a context loads the CA
-bundle again, about 16 ms of CPU a client here."""
+"""The certificates Rota's clients trust are loaded once a process for each
+SSL_CERT_FILE (rota/base/tls.py): a new context loads them again, about 15 ms of CPU,
+at every httpx client made (AsyncClient) or https connection opened (the sync Client).
+Each check runs in a new interpreter, whose contexts are not made yet."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 COUNT_LOADS = """
 import ssl
 loads = 0
-load = ssl.SSLContext.load_verify_locations
-def counted(self, *args, **kwargs):
-    global loads
-    loads += 1
-    return load(self, *args, **kwargs)
-ssl.SSLContext.load_verify_locations = counted
+def counted(method):
+    def count(self, *args, **kwargs):
+        global loads
+        loads += 1
+        return method(self, *args, **kwargs)
+    return count
+ssl.SSLContext.load_verify_locations = counted(ssl.SSLContext.load_verify_locations)
+ssl.SSLContext.load_default_certs = counted(ssl.SSLContext.load_default_certs)
+"""
+
+ASYNC_CLIENTS = COUNT_LOADS + """
 from rota.client.producer import AsyncClient
 clients = [AsyncClient(["http://127.0.0.1:1", "https://127.0.0.1:2"]) for _ in range(5)]
 print(loads)
 """
 
+# Three requests over https to a server that closes each connection after its answer:
+# three connections, and the CA of SSL_CERT_FILE trusted by each.
+SYNC_CONNECTIONS = COUNT_LOADS + """
+import http.server, os, sys, threading
+from rota.client.transport import Transport
+
+class Answer(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+tls.load_cert_chain(sys.argv[1], sys.argv[2])
+server.socket = tls.wrap_socket(server.socket, server_side=True)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+before = loads
+transport = Transport(f"https://127.0.0.1:{server.server_address[1]}", timeout=5, headers={})
+statuses = [transport.request("GET", "/")[0] for _ in range(3)]
+print(loads - before, statuses)
+"""
+
+
+def run(script: str, *args: str, env: dict[str, str] | None = None) -> list[str]:
+    said = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert said.returncode == 0, said.stderr
+    return said.stdout.strip().split(maxsplit=1)
+
 
 def test_async_clients_load_the_certificates_once_between_them() -> None:
-    said = subprocess.run([sys.executable, "-c", COUNT_LOADS], capture_output=True,
-                          text=True, check=True, timeout=60)
-    assert said.stdout.split() == ["1"], said.stdout + said.stderr
+    assert run(ASYNC_CLIENTS) == ["1"]
+
+
+def test_the_sync_clients_connections_load_the_certificates_once(tmp_path: Path) -> None:
+    import os
+
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    chain, key, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(chain))
+    cert.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_file))
+    assert run(SYNC_CONNECTIONS, str(chain), str(key),
+               env={**os.environ, "SSL_CERT_FILE": str(ca_file)}) == ["1", "[200, 200, 200]"]
