@@ -373,3 +373,17 @@ async def set_limits(http: httpx.AsyncClient, rules: dict[tuple[str, str], Any],
         response = await http.put(f"/limits/{kind}/{name}", json=msgspec.to_builtins(rule),
                                   headers=headers)
         assert response.status_code == 200, response.text
+
+
+def tls_files(tmp: Path) -> tuple[Path, Path, Path]:
+    """A new CA (trustme) and a certificate it issued for 127.0.0.1, as files in ``tmp``:
+    (the certificate and its chain, its private key, the CA's certificate)."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    chain, key, ca_file = tmp / "cert.pem", tmp / "key.pem", tmp / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(chain))
+    cert.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(ca_file))
+    return chain, key, ca_file

@@ -17,13 +17,12 @@ from typing import Any
 import corpus
 import httpx
 import pytest
-import trustme
 import websockets
 from click.testing import CliRunner
 from conftest import Live, start_server, stop_server, write_spec
 from helpers import (RawWorker, bearer, closed_with, completed, heartbeat, make_token, raw_http,
                      registration, rota, wait_until)
-from helpers import make_tokens
+from helpers import make_tokens, tls_files
 
 from rota import JobContext, Worker
 from rota.client.client import ApiError, Client
@@ -632,12 +631,7 @@ async def test_a_slow_body_is_cut_off_with_408(guarded: Live):
 
 # -- TLS -------------------------------------------------------------------------------------
 async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path, caplog):
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    cert_file, key_file, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
-    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_file))
-    cert.private_key_pem.write_to_path(str(key_file))
-    ca.cert_pem.write_to_path(str(ca_file))
+    cert_file, key_file, ca_file = tls_files(tmp_path)
     live = await start_server(tmp_path, ssl_certfile=str(cert_file), ssl_keyfile=str(key_file))
     https = f"https://127.0.0.1:{live.settings.port}"
     live.http = httpx.AsyncClient(base_url=https, verify=ssl.create_default_context(

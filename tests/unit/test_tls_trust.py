@@ -5,9 +5,12 @@ Each check runs in a new interpreter, whose contexts are not made yet."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from helpers import tls_files
 
 COUNT_LOADS = """
 import ssl
@@ -68,15 +71,6 @@ def test_async_clients_load_the_certificates_once_between_them() -> None:
 
 
 def test_the_sync_clients_connections_load_the_certificates_once(tmp_path: Path) -> None:
-    import os
-
-    import trustme
-
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    chain, key, ca_file = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
-    cert.private_key_and_cert_chain_pem.write_to_path(str(chain))
-    cert.private_key_pem.write_to_path(str(key))
-    ca.cert_pem.write_to_path(str(ca_file))
+    chain, key, ca_file = tls_files(tmp_path)
     assert run(SYNC_CONNECTIONS, str(chain), str(key),
                env={**os.environ, "SSL_CERT_FILE": str(ca_file)}) == ["1", "[200, 200, 200]"]
