@@ -14,7 +14,7 @@ from starlette.routing import BaseRoute, Route
 from rota.base.errors import DomainError, NotFound
 from rota.core.workflows import STATES
 from rota.server.api_base import coordinator_of, need
-from rota.server.pages import action, env, render
+from rota.server.pages import FILTERS, action, render
 
 PAGE = 50  # workflows a page of the list shows
 
@@ -25,7 +25,7 @@ def shown_state(state: str) -> str:
     return {"running": "active", "failed": "discarded"}.get(state, state)
 
 
-env.filters["flowstate"] = shown_state
+FILTERS["flowstate"] = shown_state
 
 
 async def workflows_page(request: Request) -> Response:

@@ -13,14 +13,17 @@ origin, and not at all with ``--ui-read-only``.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, unquote
 
-import jinja2
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
+
+if TYPE_CHECKING:
+    import jinja2
 
 from rota.core import display
 from rota.server.api import queue_views
@@ -47,20 +50,32 @@ HEADERS = {
 STATES = ("scheduled", "available", "active", "retryable", "completed", "discarded",
           "cancelled", "pending")
 
-env = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(HERE / "templates"),
-    autoescape=True,
-    undefined=jinja2.StrictUndefined,  # a misspelt name fails the test, not the page
-    auto_reload=False,
-    trim_blocks=True,
-    lstrip_blocks=True,
-    finalize=display.visible,  # no direction control in worker or job text is obeyed
-)
 # ``segment``: an id or a name as one segment of a link or a form's action (a job id
 # with a "/" stored by an earlier version must not reach another route, or another job).
-env.filters.update(size=display.size, duration=display.duration, pretty=display.pretty,
-                   short=display.short, count=display.count, segment=path_segment)
-env.globals.update(held_parts=display.held_parts)  # the queues page's held jobs, in words
+# Other page modules add theirs here (flowpages.py) before the first page is made.
+FILTERS: dict[str, Callable[..., Any]] = {
+    "size": display.size, "duration": display.duration, "pretty": display.pretty,
+    "short": display.short, "count": display.count, "segment": path_segment}
+
+
+@functools.cache
+def env() -> jinja2.Environment:
+    """The templates' environment, made at the first page: importing jinja2 costs a
+    server's start 14 ms, and a server that only serves workers and the API needs none."""
+    import jinja2
+
+    made = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,  # a misspelt name fails the test, not the page
+        auto_reload=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        finalize=display.visible,  # no direction control in worker or job text is obeyed
+    )
+    made.filters.update(FILTERS)
+    made.globals.update(held_parts=display.held_parts)  # the queues page's held jobs, in words
+    return made
 
 
 def render(request: Request, name: str, status: int = 200, **context: Any) -> Response:
@@ -75,7 +90,7 @@ def render(request: Request, name: str, status: int = 200, **context: Any) -> Re
         "since": lambda moment: display.since(moment, now),  # one that was
         "flash": unquote(request.cookies.get(FLASH, "")),
     }
-    template = env.get_template(f"{name}.html")
+    template = env().get_template(f"{name}.html")
     if request.headers.get(LIVE):
         body = "".join(template.blocks["live"](template.new_context(context)))
     else:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rota.base.errors import RotaError, StorageError
+from rota.store.schema import MIGRATIONS
 
 # -- a full or failing disk ------------------------------------------------------------
 # SQLite's primary result codes that blame the storage rather than the statement: what
@@ -123,6 +124,18 @@ def connect(path: Path, *, readonly: bool = False, durability: str = "full"
         conn.close()
         raise
     return conn
+
+
+def up_to_date(conn: sqlite3.Connection) -> bool:
+    """Whether the file has this Rota's migrations (rota/store/schema.py), all and only
+    them: then rota/store/migrations.py has nothing to do. A new file, one with a
+    migration pending, or one a newer Rota migrated is not."""
+    try:
+        names = [row[0] for row in conn.execute(
+            "SELECT name FROM _sqlite_migrations WHERE migration_set = 'rota'")]
+    except sqlite3.Error:  # (no such table: a new file)
+        return False
+    return len(names) == len(MIGRATIONS) and set(names) == set(MIGRATIONS)
 
 
 def _version() -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from rota.store import fleet, migrations, sqlite
+from rota.store import fleet, sqlite
 from rota.store.urls import is_url
 from rota.base.errors import Conflict
 from rota.base.protocol import rfc3339
@@ -68,6 +68,14 @@ def open_database(target: Path | str) -> Any:
         assert isinstance(target, str)
         pg.migrate(target)
         return pg_connection.connect(target)
+    conn = sqlite.connect(Path(target))
+    if sqlite.up_to_date(conn):
+        return conn
+    conn.close()
+    # sqlite_utils, which runs the migrations, costs a start 28 ms to import: only a file
+    # that needs them, or that a newer Rota migrated (refused there), imports it.
+    from rota.store import migrations
+
     migrations.migrate(Path(target))
     return sqlite.connect(Path(target))
 
