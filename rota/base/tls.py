@@ -1,15 +1,16 @@
 """Whether a server speaks TLS: asked after a plain (http://, ws://) request was hung up
 on, so that the error can say "is it https?" rather than that no answer came; and the
 mirror, whether a TLS handshake failed because the server answered in plain text. Also
-the certificates Rota's httpx clients trust, loaded once a process."""
+the certificates Rota's clients trust, loaded once for each thread."""
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import ssl
+import threading
 import urllib.parse
+from collections.abc import Callable
 
 
 def speaks_tls(url: str, timeout: float = 1.0) -> bool:
@@ -59,32 +60,53 @@ def plain_url(url: str) -> str:
     return url[:url.index("s://")] + url[url.index("s://") + 1:]
 
 
-# The certificates a client trusts, made once a process for each SSL_CERT_FILE and
-# SSL_CERT_DIR (read when a context is made, so a change to them still counts): a new
-# context loads its certificates again, about 15 ms of CPU here, on the caller's thread
-# or event loop, at every client made or connection opened. A context is safe to share.
+# The certificates a client trusts, made once for each thread and each SSL_CERT_FILE and
+# SSL_CERT_DIR, and made again when the file or directory changes: a new context loads
+# its certificates, about 15 ms of CPU here, on the caller's thread or event loop, at
+# every client made or connection opened. Per thread: httpcore sets a context's ALPN at
+# each connection, and another thread's connection may be reading it then.
+_made = threading.local()
+
+
 def default_trust() -> ssl.SSLContext:
     """What an httpx client trusts by default: certifi's certificates, or those that
     SSL_CERT_FILE or SSL_CERT_DIR name (Rota's AsyncClient, a server's forwards)."""
-    return _httpx_trust(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    return _trust("httpx", _httpx_trust)
 
 
 def system_trust() -> ssl.SSLContext:
     """What the standard library trusts by default: the system's certificates, or those
     that SSL_CERT_FILE or SSL_CERT_DIR name (Rota's sync Client and its event stream),
     for HTTP/1.1, all they speak."""
-    return _system_trust(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    return _trust("system", _system_trust)
 
 
-@functools.cache
-def _httpx_trust(cafile: str | None, capath: str | None) -> ssl.SSLContext:
+def _trust(kind: str, make: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+    cafile, capath = os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")
+    key = (cafile, capath, _stamp(cafile), _stamp(capath))
+    kept = getattr(_made, kind, None)
+    if kept is None or kept[0] != key:
+        kept = (key, make())
+        setattr(_made, kind, kept)
+    return kept[1]
+
+
+def _stamp(path: str | None) -> tuple[int, int] | None:
+    """When a file or directory last changed, and its size (a CA bundle replaced)."""
+    try:
+        found = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (found.st_mtime_ns, found.st_size) if found else None
+
+
+def _httpx_trust() -> ssl.SSLContext:
     import httpx  # (here: the SDK worker and the server's start need no httpx)
 
     return httpx.create_ssl_context(verify=True, trust_env=True)  # (it reads them itself)
 
 
-@functools.cache
-def _system_trust(cafile: str | None, capath: str | None) -> ssl.SSLContext:
+def _system_trust() -> ssl.SSLContext:
     context = ssl.create_default_context()  # (OpenSSL reads them itself)
     context.set_alpn_protocols(["http/1.1"])
     return context

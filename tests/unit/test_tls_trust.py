@@ -74,3 +74,25 @@ def test_the_sync_clients_connections_load_the_certificates_once(tmp_path: Path)
     chain, key, ca_file = tls_files(tmp_path)
     assert run(SYNC_CONNECTIONS, str(chain), str(key),
                env={**os.environ, "SSL_CERT_FILE": str(ca_file)}) == ["1", "[200, 200, 200]"]
+
+
+def test_a_context_is_made_again_for_a_replaced_file_and_for_another_thread(
+        tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from rota.base.tls import default_trust, system_trust
+
+    *_, ca_file = tls_files(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+    kept = [system_trust(), default_trust()]
+    assert all(a is b for a, b in zip([system_trust(), default_trust()], kept))
+    (tmp_path / "rotated").mkdir()
+    *_, rotated = tls_files(tmp_path / "rotated")
+    ca_file.write_bytes(rotated.read_bytes() + ca_file.read_bytes())  # a bundle rotated
+    again = [system_trust(), default_trust()]
+    assert all(a is not b for a, b in zip(again, kept))
+    elsewhere: list[object] = []
+    thread = threading.Thread(target=lambda: elsewhere.extend([system_trust(), default_trust()]))
+    thread.start()
+    thread.join()
+    assert all(a is not b for a, b in zip(elsewhere, again))
