@@ -47,6 +47,7 @@ class TokenWatch:
         self._holds: set[Hold] = set()
         self._rows: list[dict[str, Any]] = []
         self._reread: asyncio.Future[None] | None = None  # see reread
+        self._reading = asyncio.Lock()  # see refresh
         self._reread_at = -REREAD_EVERY
 
     async def loop(self) -> None:
@@ -87,10 +88,16 @@ class TokenWatch:
             log.warning("reading tokens failed: %s", future.exception())
 
     async def refresh(self) -> None:
-        """Read the table; if it changed, take it and end what revoked tokens hold."""
-        rows = await self.store.live_tokens()
-        if rows == self._rows:
-            return
+        """Read the table; if it changed, take it and end what revoked tokens hold. One
+        read at a time (the loop's, a request's for an unknown token, a test's): reads
+        run on a pool of threads, and one that began before a token was created must not
+        be taken after one that began after."""
+        async with self._reading:
+            rows = await self.store.live_tokens()
+            if rows != self._rows:
+                self._take(rows)
+
+    def _take(self, rows: list[dict[str, Any]]) -> None:
         was_required = self.tokens.required
         self._rows, self.tokens = rows, Tokens(rows)
         log.info("tokens live=%d auth=%s", len(rows), "on" if self.tokens.required else "off")

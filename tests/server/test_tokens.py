@@ -4,13 +4,18 @@ API with --url from anywhere."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from conftest import Live
 from helpers import rota
-from helpers import bearer, make_token
+from helpers import bearer, make_token, wait_until
+
+from rota.core.auth import new_token
+from rota.store.tokens import create_token
 
 
 @pytest.mark.parametrize("command", [["create", "--scope", "admin"], ["list"],
@@ -98,3 +103,33 @@ async def test_a_token_name_that_could_not_be_revoked_by_name_is_refused(live: L
     code, out, err = await rota("tokens", "create", "--scope", "admin", "--name", "web prod",
                                 "--create", "--db", str(db))
     assert code == 0 and out.startswith("rota_"), err
+
+
+async def test_a_read_of_the_tokens_begun_before_one_was_made_is_not_taken_after(
+        live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's look at the tokens (every interval) and another (a request's unknown
+    token) run on reader threads: one begun before a token was created and answered last
+    must not put back the table without it."""
+    watch = live.coordinator.tokenwatch
+    read = watch.store.live_tokens
+    first, calls = asyncio.Event(), [0]
+
+    async def held() -> list[dict[str, Any]]:
+        calls[0] += 1
+        rows = await read()
+        if calls[0] == 1:
+            await first.wait()  # the early read, answered last
+        return rows
+
+    monkeypatch.setattr(watch.store, "live_tokens", held)
+    early = asyncio.create_task(watch.refresh())
+    await wait_until(lambda: calls[0] == 1, what="the early read")
+    token_id, _, hashed = new_token()
+    create_token(live.settings.db, name="late", scope="admin", queues=None,
+                 token_id=token_id, hashed=hashed)
+    late = asyncio.create_task(watch.refresh())
+    # (proving the late read is not taken first: it waits for the early one)
+    await asyncio.wait({late}, timeout=0.3)  # noqa: sleep-ok (proving nothing happens)
+    first.set()
+    await asyncio.gather(early, late)
+    assert watch.tokens.valid_id(token_id)
