@@ -454,10 +454,13 @@ def test_the_pause_button_stops_the_refresh_until_it_is_pressed_again(page: Page
     expect(available).to_have_text("2")
 
 
+@pytest.mark.parametrize("answer", ["the page", "no answer"])
 def test_a_refresh_already_asked_for_when_pause_is_pressed_changes_nothing(page: Page,
-                                                                            rig: Rig):
+                                                                            rig: Rig,
+                                                                            answer: str):
     """The answer to a refresh sent before the pause arrives after it (held here until
-    then): the page stays as it was when the button was pressed."""
+    then): the page stays as it was when the button was pressed, and an answer that
+    fails raises no banner."""
     rig.spec("echo")
     enter(page, rig)
     available = page.locator('.figure[data-state="available"]')
@@ -471,9 +474,15 @@ def test_a_refresh_already_asked_for_when_pause_is_pressed_changes_nothing(page:
     page.get_by_role("button", name="Pause updates").click()
     expect(page.locator("#poll-state")).to_have_text("paused")
     rig.enqueue("echo")
-    held[0].continue_()  # the server answers now, with the job waiting
+    if answer == "the page":
+        with page.expect_response(lambda r: bool(r.request.headers.get("x-rota-live"))):
+            held[0].continue_()  # the server answers now, with the job waiting
+    else:
+        with page.expect_event("requestfailed"):
+            held[0].abort()  # as if the server had gone
     page.wait_for_timeout(4 * REFRESH_MS)  # noqa: sleep-ok (proving nothing happens)
     assert available.inner_text() == "0" and len(held) == 1
+    expect(page.locator("#stale")).to_be_hidden()
 
 
 @pytest.mark.soak  # every hostile id through every page: long

@@ -65,6 +65,9 @@
     fetch(location.href, {headers: {"X-Rota-Live": "1"}, credentials: "same-origin",
                           cache: "no-store", signal: abort.signal})
       .then(function (response) {
+        // Paused while this was fetched: the page stays as it was when the button was
+        // pressed, whatever the answer (the next refresh after Resume shows it).
+        if (paused) return;
         // Sent to the login form (the session ended): show it.
         if (response.redirected || response.status === 401) { location.reload(); return; }
         // 5xx: the server (or a proxy before it) cannot answer now. A 4xx page (a bad
@@ -72,8 +75,7 @@
         if (response.status >= 500) { stale("server answered " + response.status); return; }
         if (!response.ok) { fresh(); show("error " + response.status); return; }
         return response.text().then(function (html) {
-          // Pressed while this was fetched: the next refresh shows it. Paused meanwhile:
-          // the page stays as it was when the button was pressed.
+          // Pressed, or paused, while this was read: the next refresh shows it.
           if (pressed || paused) return;
           if (html !== live.dataset.last) {
             var open = [];
@@ -98,7 +100,7 @@
           show("live · " + new Date().toLocaleTimeString());
         });
       })
-      .catch(function () { stale("server unreachable"); })
+      .catch(function () { if (!paused) stale("server unreachable"); })
       .finally(function () { clearTimeout(timer); busy = false; });
   }
 
