@@ -93,11 +93,13 @@ def _trust(kind: str, make: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
 
 def _stamp(path: str | None) -> tuple[int, int] | None:
     """When a file or directory last changed, and its size (a CA bundle replaced)."""
+    if not path:
+        return None
     try:
-        found = os.stat(path) if path else None
+        found = os.stat(path)
     except OSError:
         return None
-    return (found.st_mtime_ns, found.st_size) if found else None
+    return found.st_mtime_ns, found.st_size
 
 
 def _httpx_trust() -> ssl.SSLContext:
