@@ -122,6 +122,31 @@ class Writer(writer.Writer):
     def _classify(self, exc: BaseException) -> StorageError | None:
         return storage_error(exc)
 
+    def _begin(self, conn: Any) -> int:
+        # The transaction's id comes back with BEGIN, in the same round trip (simple
+        # query protocol, hence never prepared): a COMMIT whose answer is lost with the
+        # connection can then be asked about (``_fates``). PostgreSQL's fast shutdown
+        # does end sessions between a commit and its answer.
+        cursor = conn.raw.execute("BEGIN; SELECT txid_current()", prepare=False)
+        cursor.nextset()
+        return int(cursor.fetchone()[0])
+
+    def _in_doubt(self, conn: Any, exc: BaseException) -> bool:
+        # Lost with the session: the COMMIT may have been carried out. An answer from
+        # the server (a serialization failure at COMMIT) is certain: it did not commit.
+        if conn is not None and not conn.usable:
+            return True
+        state = getattr(exc, "sqlstate", None)
+        return state is None or state.startswith(("08", "57P"))
+
+    def _fates(self, conn: Any, xids: list[Any]) -> dict[Any, bool | None]:
+        rows = conn.raw.execute("SELECT x, txid_status(x) FROM unnest(%s::bigint[]) AS x",
+                                (xids,)).fetchall()
+        # "in progress": the old session is still ending it; NULL: too old to be known
+        # (wrapped around), which a lost answer minutes old never is.
+        return {x: {"committed": True, "aborted": False}.get(status) if status else False
+                for x, status in rows}
+
     def measure(self, conn: Any) -> int:
         return used_bytes(conn)
 
@@ -155,8 +180,6 @@ class Readers(readers.Readers):
 
     def _classify(self, exc: BaseException) -> StorageError | None:
         return storage_error(exc)
-
-
 
 
 def migrate(url: str) -> None:

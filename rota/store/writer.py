@@ -18,6 +18,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,18 @@ MAX_BATCH = 512
 TRANSACTION_ATTEMPTS = 5
 CHECKPOINT_EVERY = 0.5  # seconds between background WAL checkpoints
 PROBE_EVERY = 1.0  # seconds between the writer's probe writes while degraded and idle
+Outcome = tuple[asyncio.Future[Any], Any, BaseException | None]
+
+
+@dataclass(slots=True)
+class Doubt:
+    """A transaction whose COMMIT was sent and whose answer was lost with the connection
+    (rota/store/pg.py): it may have taken effect. Its futures wait until the database
+    says which (``Writer._resolve``)."""
+
+    xid: Any  # what names the transaction to the database
+    outcomes: list[Outcome]  # what each op returned, to settle with if it committed
+    error: BaseException  # what each future gets if it did not
 
 
 class Writer:
@@ -53,6 +66,7 @@ class Writer:
         # Callbacks run the moment their write's transaction settles (see ``on_settle``).
         # Only the loop's thread touches this.
         self._hooks: dict[asyncio.Future[Any], Callable[[asyncio.Future[Any]], None]] = {}
+        self._doubts: list[Doubt] = []  # the writer thread's own
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -107,6 +121,21 @@ class Writer:
         """The bytes the database takes, by this backend's measure (pg.Writer: its own)."""
         return used_bytes(conn)
 
+    def _begin(self, conn: Any) -> Any:
+        """Open a transaction; what names it, to ask later whether a COMMIT whose answer
+        was lost took effect (None here: SQLite's commit is a call in this process, its
+        outcome never lost)."""
+        conn.execute("BEGIN IMMEDIATE")
+        return None
+
+    def _in_doubt(self, conn: Any, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by COMMIT, leaves its outcome unknown."""
+        return False
+
+    def _fates(self, conn: Any, xids: list[Any]) -> dict[Any, bool | None]:
+        """Per transaction named: True committed, False not, None not known yet."""
+        raise NotImplementedError
+
     def _connection(self) -> Any:
         """The writer's connection, opened again if the last one broke (a database
         server that went away); what fails to open raises."""
@@ -132,7 +161,7 @@ class Writer:
                 except queue.Empty:
                     # Idle. If a failure (here, or a reader's or the checkpointer's) left
                     # the store degraded, only a write tells whether writes work again.
-                    if self.health.degraded is not None:
+                    if self.health.degraded is not None or self._doubts:
                         self._probe()
                     continue
                 if first is None:
@@ -143,6 +172,7 @@ class Writer:
                 if stopping:
                     return
         finally:
+            self._abandon()
             if self._conn is not None:
                 self._conn.close()
 
@@ -158,14 +188,17 @@ class Writer:
         return False
 
     def _commit(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> None:
-        outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        outcomes: list[Outcome] = []
         conn = None
         for attempt in range(TRANSACTION_ATTEMPTS):
             outcomes = []
+            xid, committing = None, False
             try:
                 conn = self._connection()
+                if self._doubts:  # settled before anything that commits after them
+                    self._resolve(conn)
                 _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
-                conn.execute("BEGIN IMMEDIATE")
+                xid = self._begin(conn)
                 # A lone op needs no savepoint (most commits on a quiet server: one
                 # enqueue): its failure may take the whole transaction back.
                 alone = len(batch) == 1
@@ -173,6 +206,7 @@ class Writer:
                     outcomes.append((future, *_run_op(conn, op, self._classify, self._alone,
                                                       savepoint=not alone)))
                 if conn.in_transaction:  # (not when the only op failed and rolled back)
+                    committing = True
                     conn.execute("COMMIT")
             except BaseException as exc:  # the whole transaction is gone
                 if conn is not None:
@@ -188,6 +222,14 @@ class Writer:
                 error: BaseException = exc
                 if (failure := self._classify(exc)) is not None:
                     error = self.health.failed(failure)
+                if committing and xid is not None and self._in_doubt(conn, exc):
+                    # The database may have committed it: its callers hear which once
+                    # the database answers again, never a failure that was a success.
+                    self._doubts.append(Doubt(xid, outcomes, error))
+                    log.warning("a commit's answer was lost with the connection (%d"
+                                " write(s), transaction %s): they wait until the database"
+                                " says whether it took effect", len(batch), xid)
+                    return
                 outcomes = [(future, None, error) for _, future in batch]
             else:
                 self.health.succeeded()
@@ -196,6 +238,38 @@ class Writer:
             break
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._settle, outcomes)
+
+    def _resolve(self, conn: Any) -> None:
+        """Settle the transactions in doubt, as the database says they ended: with what
+        their ops returned, or with their error. One still running on the old session
+        (it may end any moment) waits for the next ask."""
+        fates = self._fates(conn, [doubt.xid for doubt in self._doubts])
+        settled: list[Outcome] = []
+        waiting = []
+        for doubt in self._doubts:
+            fate = fates.get(doubt.xid)
+            if fate is None:
+                waiting.append(doubt)
+                continue
+            log.warning("the commit in doubt (transaction %s, %d write(s)) %s", doubt.xid,
+                        len(doubt.outcomes), "took effect" if fate else "did not take effect")
+            settled += doubt.outcomes if fate else [(future, None, doubt.error)
+                                                    for future, _, _ in doubt.outcomes]
+        self._doubts = waiting
+        if settled:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._settle, settled)
+
+    def _abandon(self) -> None:
+        """At stop: the doubts nobody could settle fail (what their callers would have
+        heard before doubts were asked about)."""
+        if self._doubts and self._loop is not None:
+            log.warning("stopping with %d commit(s) in doubt: reported as failed",
+                        len(self._doubts))
+            self._loop.call_soon_threadsafe(self._settle, [
+                (future, None, doubt.error) for doubt in self._doubts
+                for future, _, _ in doubt.outcomes])
+        self._doubts = []
 
     def _alone(self, exc: BaseException) -> bool:
         """Whether a storage error fails only the op that met it (rota/store/pg.py: a lock
@@ -208,8 +282,7 @@ class Writer:
         writer has no other to collide with)."""
         return False
 
-    def _settle(self, outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]]
-                ) -> None:
+    def _settle(self, outcomes: list[Outcome]) -> None:
         for future, value, error in outcomes:
             if not future.done():  # else the caller gave up waiting; the write stands
                 if error is not None:
@@ -227,6 +300,8 @@ class Writer:
         conn = None
         try:
             conn = self._connection()
+            if self._doubts:
+                self._resolve(conn)
             _rollback(conn)
             conn.execute("BEGIN IMMEDIATE")
             conn.execute("INSERT OR REPLACE INTO storage_probe (id, at) VALUES (1, ?)",

@@ -75,7 +75,18 @@ async def all_finished(admin: psycopg.AsyncConnection[Any], accepted: list[str])
     async def done() -> bool:
         return await scalar(admin, f"SELECT count(*) FROM jobs WHERE NOT {FINISHED}") == 0
 
-    await wait_until(done, timeout=60, what="every job to finish")
+    try:
+        await wait_until(done, timeout=60, what="every job to finish")
+    except AssertionError:
+        # Say which jobs are left, and where: the timeout alone names no cause.
+        rows = await (await admin.execute(
+            "SELECT state, worker_id, server_id, attempt, count(*), min(id::text), max(id::text)"
+            f" FROM jobs WHERE NOT {FINISHED} GROUP BY state, worker_id, server_id, attempt"
+        )).fetchall()
+        servers = await (await admin.execute(
+            "SELECT id, lease_expires_at - EXTRACT(EPOCH FROM clock_timestamp())"
+            " FROM servers")).fetchall()
+        raise AssertionError(f"jobs left unfinished: {rows}; servers: {servers}") from None
     finished = await scalar(admin, f"SELECT count(*) FROM jobs WHERE {FINISHED}")
     assert finished >= len(set(accepted))
 

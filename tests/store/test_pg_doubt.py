@@ -1,0 +1,128 @@
+"""A COMMIT whose answer is lost with the connection (rota/store/writer.py ``Doubt``): the
+database may have carried it out. PostgreSQL's fast shutdown does end sessions between a
+commit and its answer; here a synchronous-replication wait that never ends holds the
+writer's COMMIT after its commit record, and the session is ended there, which is
+PostgreSQL's own "committed locally" case, every time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import wait_until
+from pgserver import Cluster
+
+from rota.base.errors import StorageError
+from rota.store import health as db_health, pg
+
+
+@contextlib.asynccontextmanager
+async def commits_wait_forever(cluster: Cluster) -> AsyncIterator[None]:
+    """Every commit with synchronous_commit on (Rota's writer at --durability full) writes
+    its record, then waits for a standby that does not exist. The cluster is this test
+    worker's: its setting is put back however the test ends."""
+    def setting(value: str | None) -> None:
+        with psycopg.connect(cluster.url(), autocommit=True) as admin:
+            admin.execute("ALTER SYSTEM RESET synchronous_standby_names" if value is None
+                          else f"ALTER SYSTEM SET synchronous_standby_names = '{value}'")
+            admin.execute("SELECT pg_reload_conf()")
+
+    def reads(value: str) -> bool:
+        with psycopg.connect(cluster.url(), autocommit=True) as admin:
+            return admin.execute("SHOW synchronous_standby_names").fetchone() == (value,)
+
+    await asyncio.to_thread(setting, "rota_test_no_such_standby")
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(setting, None)
+    # A reload is a signal: the next test's sessions must find it done.
+    await wait_until(lambda: asyncio.to_thread(reads, ""), what="the setting put back")
+
+
+async def in_commit(admin: psycopg.AsyncConnection[Any], event: str) -> int | None:
+    """The pid of this database's session that waits on ``event``, if one does."""
+    row = await (await admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE wait_event = %s"
+        " AND datname = current_database()", (event,))).fetchone()
+    return None if row is None else int(row[0])
+
+
+async def test_a_commit_carried_out_whose_answer_was_lost_is_reported_a_success(
+        pg_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """The writer's COMMIT was carried out, and its session ended before the answer: the
+    caller hears success, with what its op returned, once the database says so; not the
+    storage failure the lost answer looked like. The write after it commits as usual."""
+    caplog.set_level(logging.INFO, logger="rota.server")
+    url = pg_cluster.create_database(migrated=True)
+    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
+    writer.start(asyncio.get_running_loop())
+    try:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
+            async with commits_wait_forever(pg_cluster):
+                writes: list[asyncio.Future[Any]] = []
+
+                async def waiting() -> int | None:
+                    # The setting reaches the commits a moment after the reload: a write
+                    # that committed without waiting is followed by another.
+                    if not writes or writes[-1].done():
+                        key = f"doubt{len(writes)}"
+                        writes.append(writer.submit(lambda c: c.execute(
+                            "INSERT INTO meta VALUES (?, '1')", (key,)) and key))
+                    return await in_commit(admin, "SyncRep")
+
+                pid = await wait_until(waiting, timeout=10, what="a COMMIT to wait")
+                await admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                write = writes[-1]
+                await wait_until(lambda: "a commit's answer was lost" in caplog.text,
+                                 what="the writer to find its commit in doubt")
+                assert not write.done()  # neither a failure nor a success yet
+            key = f"doubt{len(writes) - 1}"
+            assert await asyncio.wait_for(write, 10) == key  # what its op returned
+            row = await (await admin.execute(
+                "SELECT value FROM meta WHERE key = %s", (key,))).fetchone()
+            assert row == ("1",)
+            await writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('after', '2')"))
+        assert "took effect" in caplog.text and "did not take effect" not in caplog.text
+    finally:
+        await asyncio.to_thread(writer.stop)
+        pg_cluster.give_back(url)
+
+
+async def test_a_commit_in_doubt_that_did_not_take_effect_fails_its_callers(
+        pg_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """The writer's session ends inside its COMMIT before the commit record (a deferred
+    trigger sleeps there): the COMMIT's outcome is as unknown to the writer as above,
+    and the database says it did not take effect. Its caller gets the storage error, and
+    nothing of it is in the database."""
+    caplog.set_level(logging.INFO, logger="rota.server")
+    url = pg_cluster.create_database(migrated=True)
+    with psycopg.connect(url, autocommit=True) as setup:
+        setup.execute("CREATE TABLE slow (i int)")
+        setup.execute("CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS"
+                      " $$ BEGIN PERFORM pg_sleep(30); RETURN NULL; END $$")
+        setup.execute("CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON slow"
+                      " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION"
+                      " slow_commit()")
+    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
+    writer.start(asyncio.get_running_loop())
+    try:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
+            write = writer.submit(lambda c: c.execute("INSERT INTO slow VALUES (1)"))
+            pid = await wait_until(lambda: in_commit(admin, "PgSleep"), timeout=10,
+                                   what="the COMMIT to run its trigger")
+            await admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            with pytest.raises(StorageError) as failed:
+                await asyncio.wait_for(write, 10)  # the writer asks at its next probe
+            assert failed.value.code == "storage_unavailable"
+            assert await (await admin.execute("SELECT count(*) FROM slow")).fetchone() == (0,)
+        assert "a commit's answer was lost" in caplog.text
+        assert "did not take effect" in caplog.text
+    finally:
+        await asyncio.to_thread(writer.stop)
+        pg_cluster.give_back(url)
