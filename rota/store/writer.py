@@ -5,7 +5,9 @@ thread and returns an asyncio future; the writer runs everything that has queued
 in one ``BEGIN IMMEDIATE`` transaction (a savepoint per function, so one failing
 function does not undo the others) and resolves the futures only after COMMIT. A
 storage failure degrades the store (rota/store/health.py); while degraded and idle, the
-writer probes whether writes work again. rota/store/pg.py's Writer is this one on PostgreSQL.
+writer probes whether writes work again. rota/store/pg.py's Writer is this one on PostgreSQL,
+where a COMMIT's answer can be lost with its connection: that transaction is in doubt,
+and its futures wait until the database says how it ended (``Doubt``).
 """
 
 from __future__ import annotations
