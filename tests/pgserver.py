@@ -114,6 +114,24 @@ class Cluster:
         """Stop the server at once (fast: clients are disconnected, as by a crash of it)."""
         self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
 
+    def hold_commits(self, held: bool) -> None:
+        """With ``held``, every commit made with synchronous_commit on (Rota's writer at
+        --durability full) writes its record, then waits for a standby that does not
+        exist; without, none waits, and those waiting go on. Returns once a new session
+        reads the setting (a reload is a signal). A test that holds them puts it back
+        however it ends: the cluster is its worker's."""
+        value = "rota_test_no_such_standby" if held else ""
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = %s"
+                         % ("'rota_test_no_such_standby'" if held else "''"))
+            conn.execute("SELECT pg_reload_conf()")
+        for _ in range(500):
+            with psycopg.connect(self.url(), autocommit=True) as conn:
+                if conn.execute("SHOW synchronous_standby_names").fetchone() == (value,):
+                    return
+            time.sleep(0.01)  # noqa: sleep-ok (a poll step, 5 s at most)
+        raise RuntimeError("PostgreSQL did not take synchronous_standby_names")
+
     def log(self) -> str:
         try:
             return (self.root / "log").read_text()[-2000:]

@@ -23,26 +23,13 @@ from rota.store import health as db_health, pg
 
 @contextlib.asynccontextmanager
 async def commits_wait_forever(cluster: Cluster) -> AsyncIterator[None]:
-    """Every commit with synchronous_commit on (Rota's writer at --durability full) writes
-    its record, then waits for a standby that does not exist. The cluster is this test
-    worker's: its setting is put back however the test ends."""
-    def setting(value: str | None) -> None:
-        with psycopg.connect(cluster.url(), autocommit=True) as admin:
-            admin.execute("ALTER SYSTEM RESET synchronous_standby_names" if value is None
-                          else f"ALTER SYSTEM SET synchronous_standby_names = '{value}'")
-            admin.execute("SELECT pg_reload_conf()")
-
-    def reads(value: str) -> bool:
-        with psycopg.connect(cluster.url(), autocommit=True) as admin:
-            return admin.execute("SHOW synchronous_standby_names").fetchone() == (value,)
-
-    await asyncio.to_thread(setting, "rota_test_no_such_standby")
+    """Every commit with synchronous_commit on waits after its record (``hold_commits``),
+    until the block ends."""
+    await asyncio.to_thread(cluster.hold_commits, True)
     try:
         yield
     finally:
-        await asyncio.to_thread(setting, None)
-    # A reload is a signal: the next test's sessions must find it done.
-    await wait_until(lambda: asyncio.to_thread(reads, ""), what="the setting put back")
+        await asyncio.to_thread(cluster.hold_commits, False)
 
 
 async def in_commit(admin: psycopg.AsyncConnection[Any], event: str) -> int | None:
@@ -126,3 +113,4 @@ async def test_a_commit_in_doubt_that_did_not_take_effect_fails_its_callers(
     finally:
         await asyncio.to_thread(writer.stop)
         pg_cluster.give_back(url)
+
