@@ -182,6 +182,8 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
 
     def begin_shutdown(self) -> None:
         self.engine.begin_shutdown()
+        # A request held by a commit in doubt (PostgreSQL away) would hold the stop.
+        self.store.writer.begin_stop()
         # uvicorn waits for every request in flight before the lifespan ends: a long poll
         # (?wait= up to max_result_wait) would hold a deploy's restart for minutes. Each
         # gets its answer now, the job as it stands (202 if not finished).

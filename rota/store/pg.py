@@ -122,14 +122,15 @@ class Writer(writer.Writer):
     def _classify(self, exc: BaseException) -> StorageError | None:
         return storage_error(exc)
 
-    def _begin(self, conn: Any) -> int:
+    def _begin(self, conn: Any) -> tuple[int, int]:
         # The transaction's id comes back with BEGIN, in the same round trip (simple
         # query protocol, hence never prepared): a COMMIT whose answer is lost with the
         # connection can then be asked about (``_fates``). PostgreSQL's fast shutdown
-        # does end sessions between a commit and its answer.
+        # does end sessions between a commit and its answer. With it, the session's pid:
+        # a session cut from this side may still be carrying the COMMIT out.
         cursor = conn.raw.execute("BEGIN; SELECT txid_current()", prepare=False)
         cursor.nextset()
-        return int(cursor.fetchone()[0])
+        return int(cursor.fetchone()[0]), conn.raw.info.backend_pid
 
     def _in_doubt(self, conn: Any, exc: BaseException) -> bool:
         # Lost with the session: the COMMIT may have been carried out. An answer from
@@ -139,13 +140,31 @@ class Writer(writer.Writer):
         state = getattr(exc, "sqlstate", None)
         return state is None or state.startswith(("08", "57P"))
 
-    def _fates(self, conn: Any, xids: list[Any]) -> dict[Any, bool | None]:
-        rows = conn.raw.execute("SELECT x, txid_status(x) FROM unnest(%s::bigint[]) AS x",
-                                (xids,)).fetchall()
-        # "in progress": the old session is still ending it; NULL: too old to be known
-        # (wrapped around), which a lost answer minutes old never is.
-        return {x: {"committed": True, "aborted": False}.get(status) if status else False
-                for x, status in rows}
+    def _fates(self, conn: Any, names: list[Any]) -> dict[Any, bool | None]:
+        fates = self._statuses(conn, names)
+        running = [name for name in names if fates[name] is None]
+        if running:
+            # Its old session (cut from this side: a network's fault) still carries it
+            # out. Ended, its outcome is final at once: committed if its record was
+            # written, else not. (The same role may end its own sessions.)
+            conn.raw.execute("SELECT pg_terminate_backend(p) FROM unnest(%s::int[]) AS p",
+                             ([pid for _, pid in running],))
+            deadline = time.monotonic() + DOUBT_WAIT
+            while running and time.monotonic() < deadline:
+                time.sleep(0.01)  # noqa: sleep-ok (a poll step of DOUBT_WAIT)
+                fates.update(self._statuses(conn, running))
+                running = [name for name in running if fates[name] is None]
+        return fates
+
+    @staticmethod
+    def _statuses(conn: Any, names: list[Any]) -> dict[Any, bool | None]:
+        xids = [xid for xid, _ in names]
+        rows = dict(conn.raw.execute(
+            "SELECT x, txid_status(x) FROM unnest(%s::bigint[]) AS x", (xids,)).fetchall())
+        # "in progress": not ended yet; NULL: too old to be known (wrapped around),
+        # which an answer lost minutes ago never is.
+        return {(xid, pid): {"committed": True, "aborted": False}.get(rows[xid])
+                if rows[xid] else False for xid, pid in names}
 
     def measure(self, conn: Any) -> int:
         return used_bytes(conn)
@@ -162,6 +181,9 @@ class Writer(writer.Writer):
         # for it again. Every op is a function of its inputs and the rows, so it can.
         return getattr(exc, "sqlstate", None) in AGAIN or \
             getattr(exc.__cause__, "sqlstate", None) in AGAIN
+
+
+DOUBT_WAIT = 2.0  # seconds a commit in doubt's ended session is given to settle it
 
 
 AGAIN = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure

@@ -46,7 +46,7 @@ class Doubt:
     (rota/store/pg.py): it may have taken effect. Its futures wait until the database
     says which (``Writer._resolve``)."""
 
-    xid: Any  # what names the transaction to the database
+    xid: Any  # what names the transaction to the database (``Writer._begin``)
     outcomes: list[Outcome]  # what each op returned, to settle with if it committed
     error: BaseException  # what each future gets if it did not
 
@@ -69,6 +69,7 @@ class Writer:
         # Only the loop's thread touches this.
         self._hooks: dict[asyncio.Future[Any], Callable[[asyncio.Future[Any]], None]] = {}
         self._doubts: list[Doubt] = []  # the writer thread's own
+        self._stopping = threading.Event()  # (``begin_stop``)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -88,6 +89,14 @@ class Writer:
         reservation's commit would then wait while the HTTP answer of the enqueue that
         shared the commit is built and sent (about 0.25 ms on the idle path)."""
         self._hooks[future] = callback
+
+    def begin_stop(self) -> None:
+        """The server begins to stop: commits in doubt are not waited for past the next
+        try (a request held by one would hold the stop, which waits for requests).
+        A no-op write wakes the writer to make that try."""
+        self._stopping.set()
+        if self._loop is not None and self._thread.is_alive():
+            self.submit(lambda conn: None)
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -135,7 +144,8 @@ class Writer:
         return False
 
     def _fates(self, conn: Any, xids: list[Any]) -> dict[Any, bool | None]:
-        """Per transaction named: True committed, False not, None not known yet."""
+        """Per transaction named: True committed, False not, None not known yet (its old
+        session still carries it out)."""
         raise NotImplementedError
 
     def _connection(self) -> Any:
@@ -165,12 +175,16 @@ class Writer:
                     # the store degraded, only a write tells whether writes work again.
                     if self.health.degraded is not None or self._doubts:
                         self._probe()
+                    if self._doubts and self._stopping.is_set():
+                        self._abandon()
                     continue
                 if first is None:
                     return
                 batch = [first]
                 stopping = self._drain_into(batch)
                 self._commit(batch)
+                if self._doubts and self._stopping.is_set():
+                    self._abandon()
                 if stopping:
                     return
         finally:
@@ -197,9 +211,9 @@ class Writer:
             xid, committing = None, False
             try:
                 conn = self._connection()
+                _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
                 if self._doubts:  # settled before anything that commits after them
                     self._resolve(conn)
-                _rollback(conn)  # a ROLLBACK that failed last time leaves a transaction open
                 xid = self._begin(conn)
                 # A lone op needs no savepoint (most commits on a quiet server: one
                 # enqueue): its failure may take the whole transaction back.
@@ -243,9 +257,19 @@ class Writer:
 
     def _resolve(self, conn: Any) -> None:
         """Settle the transactions in doubt, as the database says they ended: with what
-        their ops returned, or with their error. One still running on the old session
-        (it may end any moment) waits for the next ask."""
-        fates = self._fates(conn, [doubt.xid for doubt in self._doubts])
+        their ops returned, or with their error. While one is still carried out by its
+        old session, nothing else may commit before it: this raises storage_busy, and the
+        batch that asked fails (the next asks again)."""
+        try:
+            fates = self._fates(conn, [doubt.xid for doubt in self._doubts])
+        except Exception as exc:
+            if self._classify(exc) is not None:
+                raise  # the database went away again: they wait for the next connection
+            # It cannot say (a transaction id it never had: another cluster, a standby
+            # promoted without that transaction): failed, as it was reported before.
+            log.warning("the database cannot say how %d commit(s) in doubt ended (%s):"
+                        " reported as failed", len(self._doubts), exc)
+            fates = {doubt.xid: False for doubt in self._doubts}
         settled: list[Outcome] = []
         waiting = []
         for doubt in self._doubts:
@@ -261,6 +285,9 @@ class Writer:
         if settled:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._settle, settled)
+        if waiting:
+            raise StorageError("storage_busy", f"{len(waiting)} commit(s) in doubt still"
+                               " carried out by their old session: writes wait for them", 1)
 
     def _abandon(self) -> None:
         """At stop: the doubts nobody could settle fail (what their callers would have
@@ -302,9 +329,9 @@ class Writer:
         conn = None
         try:
             conn = self._connection()
+            _rollback(conn)
             if self._doubts:
                 self._resolve(conn)
-            _rollback(conn)
             conn.execute("BEGIN IMMEDIATE")
             conn.execute("INSERT OR REPLACE INTO storage_probe (id, at) VALUES (1, ?)",
                          (time.time(),))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +20,7 @@ from helpers import wait_until
 from pgserver import Cluster
 
 from rota.base.errors import StorageError
-from rota.store import health as db_health, pg
+from rota.store import health as db_health, pg, writer as writer_mod
 
 
 @contextlib.asynccontextmanager
@@ -88,7 +90,20 @@ async def test_a_commit_in_doubt_that_did_not_take_effect_fails_its_callers(
     and the database says it did not take effect. Its caller gets the storage error, and
     nothing of it is in the database."""
     caplog.set_level(logging.INFO, logger="rota.server")
-    url = pg_cluster.create_database(migrated=True)
+    async with writer_in_a_slow_commit(pg_cluster) as (_, write, admin):
+        await admin.execute("SELECT pg_terminate_backend(%s)",
+                            (await in_commit(admin, "PgSleep"),))
+        with pytest.raises(StorageError) as failed:
+            await asyncio.wait_for(write, 10)  # the writer asks at its next probe
+        assert failed.value.code == "storage_unavailable"
+        assert await (await admin.execute("SELECT count(*) FROM slow")).fetchone() == (0,)
+    assert "a commit's answer was lost" in caplog.text
+    assert "did not take effect" in caplog.text
+
+
+def slow_commits(url: str) -> None:
+    """A table whose rows' transactions sleep 30 s in their COMMIT (a deferred trigger),
+    before its record: ended there, a transaction did not commit."""
     with psycopg.connect(url, autocommit=True) as setup:
         setup.execute("CREATE TABLE slow (i int)")
         setup.execute("CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS"
@@ -96,21 +111,97 @@ async def test_a_commit_in_doubt_that_did_not_take_effect_fails_its_callers(
         setup.execute("CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON slow"
                       " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION"
                       " slow_commit()")
+
+
+@contextlib.asynccontextmanager
+async def writer_in_a_slow_commit(cluster: Cluster) -> AsyncIterator[
+        tuple[pg.Writer, asyncio.Future[Any], psycopg.AsyncConnection[Any]]]:
+    """A writer whose one write sleeps in its COMMIT now (``slow_commits``): the
+    writer, the write's future, and an admin connection to its database."""
+    url = cluster.create_database(migrated=True)
+    slow_commits(url)
     writer = pg.Writer(url, health=db_health.Health(hold=0.0))
     writer.start(asyncio.get_running_loop())
     try:
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
             write = writer.submit(lambda c: c.execute("INSERT INTO slow VALUES (1)"))
-            pid = await wait_until(lambda: in_commit(admin, "PgSleep"), timeout=10,
-                                   what="the COMMIT to run its trigger")
-            await admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            with pytest.raises(StorageError) as failed:
-                await asyncio.wait_for(write, 10)  # the writer asks at its next probe
-            assert failed.value.code == "storage_unavailable"
-            assert await (await admin.execute("SELECT count(*) FROM slow")).fetchone() == (0,)
-        assert "a commit's answer was lost" in caplog.text
-        assert "did not take effect" in caplog.text
+            await wait_until(lambda: in_commit(admin, "PgSleep"), timeout=10,
+                             what="the COMMIT to run its trigger")
+            yield writer, write, admin
+    finally:
+        await asyncio.to_thread(writer.stop)
+        cluster.give_back(url)
+
+
+async def test_a_commit_its_old_session_still_carries_out_is_ended_before_anything_commits(
+        pg_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """The writer's side of the connection is cut (a network's fault) while PostgreSQL
+    still carries out the COMMIT: its transaction is in progress when the writer asks.
+    The writer ends that session (its outcome is then final) before the next write
+    begins, so nothing commits ahead of it; here it had not committed."""
+    caplog.set_level(logging.INFO, logger="rota.server")
+    async with writer_in_a_slow_commit(pg_cluster) as (writer, write, admin):
+        with socket.socket(fileno=os.dup(writer._conn.raw.pgconn.socket)) as cut:
+            cut.shutdown(socket.SHUT_RDWR)  # the session itself goes on
+        after = writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('a', '1')"))
+        with pytest.raises(StorageError):
+            await asyncio.wait_for(write, 10)
+        await asyncio.wait_for(after, 10)
+        assert await (await admin.execute("SELECT count(*) FROM slow")).fetchone() == (0,)
+    assert "did not take effect" in caplog.text
+
+
+async def test_a_transaction_the_database_cannot_name_fails_its_callers_not_the_writer(
+        pg_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """A doubt whose transaction id the database never had (a standby promoted without
+    it, another cluster behind the URL): txid_status refuses it. Its callers get the
+    error they would have got, and the writes after it commit."""
+    url = pg_cluster.create_database(migrated=True)
+    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
+    loop = asyncio.get_running_loop()
+    writer.start(loop)
+    try:
+        with psycopg.connect(url, autocommit=True) as other:
+            future_xid = other.execute("SELECT txid_current() + 1000000").fetchone()[0]
+        doubtful: asyncio.Future[Any] = loop.create_future()
+        lost = StorageError("storage_unavailable", "the answer was lost", 1)
+        # Put where _commit leaves one (a list append: the idle writer only reads it).
+        writer._doubts.append(writer_mod.Doubt((future_xid, 0), [(doubtful, "v", None)], lost))
+        assert await asyncio.wait_for(
+            writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('b', '2')") and "ok"),
+            10) == "ok"
+        with pytest.raises(StorageError) as failed:
+            await asyncio.wait_for(doubtful, 1)
+        assert failed.value is lost
+        assert "cannot say how 1 commit(s) in doubt ended" in caplog.text
     finally:
         await asyncio.to_thread(writer.stop)
         pg_cluster.give_back(url)
 
+
+async def test_a_stop_while_the_database_is_away_fails_a_commit_in_doubt_at_once(
+        pg_cluster: Cluster) -> None:
+    """PostgreSQL's fast shutdown ends the writer's session inside its COMMIT (held after
+    its record) and stays down. The server begins to stop: its caller is not held until
+    the database returns (uvicorn waits for requests before the store stops) but fails,
+    as before doubts were asked about."""
+    url = pg_cluster.create_database(migrated=True)
+    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
+    writer.start(asyncio.get_running_loop())
+    try:
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
+            await asyncio.to_thread(pg_cluster.hold_commits, True)
+            write = writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('c', '3')"))
+            await wait_until(lambda: in_commit(admin, "SyncRep"), timeout=10,
+                             what="the COMMIT to wait")
+        await asyncio.to_thread(pg_cluster.stop)
+        try:
+            assert not write.done()  # in doubt: the database is away
+            writer.begin_stop()
+            with pytest.raises(StorageError):
+                await asyncio.wait_for(write, 5)
+        finally:
+            await asyncio.to_thread(pg_cluster.start)
+            await asyncio.to_thread(pg_cluster.hold_commits, False)
+    finally:
+        await asyncio.to_thread(writer.stop)
