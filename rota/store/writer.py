@@ -250,7 +250,11 @@ class Writer:
             else:
                 self.health.succeeded()
                 if self.max_bytes is not None:
-                    self.used_bytes = self.measure(conn)
+                    try:
+                        self.used_bytes = self.measure(conn)
+                    except Exception as exc:  # (a connection lost after its COMMIT): the
+                        # commit stands; the quota is measured again at the next one
+                        log.debug("measuring the database failed: %s", exc)
             break
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._settle, outcomes)

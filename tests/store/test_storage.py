@@ -422,3 +422,32 @@ async def test_serve_refuses_a_database_written_by_a_newer_rota(tmp_path: Path):
     with contextlib.closing(sqlite3.connect(path)) as conn:  # and it changed nothing
         names = [r[0] for r in conn.execute("SELECT name FROM _sqlite_migrations")]
     assert names[-1] == "m999_from_the_future"
+
+
+async def test_a_quota_measure_that_fails_after_a_commit_keeps_the_commit_and_the_writer(
+        tmp_path: Path) -> None:
+    """--max-db-size measures the database after each commit; that measure failing (on
+    PostgreSQL, a connection lost just after its COMMIT) fails neither the committed
+    write nor the writer thread: the next write goes through and is measured."""
+    from rota.store.writer import Writer
+
+    class Flaky(Writer):
+        failures = 1
+
+        def measure(self, conn: Any) -> int:
+            if self.failures:
+                self.failures -= 1
+                raise sqlite3.OperationalError("the connection went away")
+            return super().measure(conn)
+
+    path = tmp_path / "rota.db"
+    db_migrations.migrate(path)
+    writer = Flaky(path, max_bytes=1 << 30)
+    writer.start(asyncio.get_running_loop())
+    try:
+        put = "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)"
+        assert await writer.submit(lambda c: c.execute(put, ("a", "1")) and "ok") == "ok"
+        assert await writer.submit(lambda c: c.execute(put, ("b", "2")) and "ok") == "ok"
+        assert writer.used_bytes > 0 and writer.failures == 0
+    finally:
+        await asyncio.to_thread(writer.stop)
