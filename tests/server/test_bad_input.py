@@ -310,8 +310,10 @@ async def test_a_client_gone_mid_body_leaves_no_traceback(live: Live, tmp_path: 
         await writer.wait_closed()
     await live.enqueue("echo", id="after")  # still serving; also orders us after the three
     assert (await live.http.get("/healthz")).json()["live_jobs"] == 1
+    # (A "server stalled" warning is the loop's own, about a loaded machine.)
     noisy = [r for r in caplog.records if r.levelno >= logging.WARNING
-             and "AUTH IS OFF" not in r.getMessage()]
+             and "AUTH IS OFF" not in r.getMessage()
+             and not r.getMessage().startswith("server stalled")]
     assert noisy == [], [r.getMessage() for r in noisy]
 
 
