@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql as pgsql
@@ -102,6 +102,16 @@ def used_bytes(conn: TranslatingConnection) -> int:
 
 
 # -- the store's threads ----------------------------------------------------------------
+class Txn(NamedTuple):
+    """A writer's transaction, as a commit in doubt names it (``Writer._begin``)."""
+
+    xid: int
+    pid: int  # its session's backend
+
+    def __str__(self) -> str:  # (in the writer's log lines)
+        return f"{self.xid} of session pid {self.pid}"
+
+
 class Writer(writer.Writer):
     """rota/store/writer.py's writer (group commit, a savepoint per op) on a PostgreSQL connection,
     opened again after the server went away. ``bound``: see ``connect`` (rota/store/store.py
@@ -122,7 +132,7 @@ class Writer(writer.Writer):
     def _classify(self, exc: BaseException) -> StorageError | None:
         return storage_error(exc)
 
-    def _begin(self, conn: Any) -> tuple[int, int]:
+    def _begin(self, conn: Any) -> Txn:
         # The transaction's id comes back with BEGIN, in the same round trip (simple
         # query protocol, hence never prepared): a COMMIT whose answer is lost with the
         # connection can then be asked about (``_fates``). PostgreSQL's fast shutdown
@@ -130,7 +140,7 @@ class Writer(writer.Writer):
         # a session cut from this side may still be carrying the COMMIT out.
         cursor = conn.raw.execute("BEGIN; SELECT txid_current()", prepare=False)
         cursor.nextset()
-        return int(cursor.fetchone()[0]), conn.raw.info.backend_pid
+        return Txn(int(cursor.fetchone()[0]), conn.raw.info.backend_pid)
 
     def _in_doubt(self, conn: Any, exc: BaseException) -> bool:
         # Lost with the session: the COMMIT may have been carried out. An answer from
