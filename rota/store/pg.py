@@ -95,6 +95,22 @@ def storage_error(exc: BaseException) -> StorageError | None:
     return error
 
 
+def history(conn: TranslatingConnection) -> tuple[int, str] | None:
+    """Which server's history this connection writes: its system identifier and WAL
+    timeline. A restart keeps both; a standby promoted (a failover) starts a new
+    timeline, where a transaction id may name another transaction. None where it cannot
+    be read (a role not allowed to): then no failover is told apart."""
+    try:
+        row = conn.raw.execute("SELECT system_identifier, substr(pg_walfile_name("
+                               "pg_current_wal_lsn()), 1, 8) FROM pg_control_system()"
+                               ).fetchone()
+    except psycopg.Error as exc:
+        if storage_error(exc) is not None:
+            raise
+        return None
+    return None if row is None else (int(row[0]), str(row[1]))
+
+
 def used_bytes(conn: TranslatingConnection) -> int:
     """What the database takes on the server's disk (a --max-db-size quota is kept by
     refusing new jobs, as on SQLite; PostgreSQL has no hard limit of its own)."""
@@ -107,6 +123,7 @@ class Txn(NamedTuple):
 
     xid: int
     pid: int  # its session's backend
+    history: tuple[int, str] | None  # the server's (``history``), which its id belongs to
 
     def __str__(self) -> str:  # (in the writer's log lines)
         return f"{self.xid} of session pid {self.pid}"
@@ -120,8 +137,11 @@ class Writer(writer.Writer):
 
     bound: float | None = None
 
+    _history: tuple[int, str] | None = None  # the writer connection's server's
+
     def _open(self) -> TranslatingConnection:
         conn = connect(self._path, durability=self._durability, bound=self.bound)
+        self._history = history(conn)
         if self.max_bytes is not None:
             self.used_bytes = used_bytes(conn)
         return conn
@@ -140,7 +160,7 @@ class Writer(writer.Writer):
         # a session cut from this side may still be carrying the COMMIT out.
         cursor = conn.raw.execute("BEGIN; SELECT txid_current()", prepare=False)
         cursor.nextset()
-        return Txn(int(cursor.fetchone()[0]), conn.raw.info.backend_pid)
+        return Txn(int(cursor.fetchone()[0]), conn.raw.info.backend_pid, self._history)
 
     def _in_doubt(self, conn: Any, exc: BaseException) -> bool:
         # Lost with the session: the COMMIT may have been carried out. An answer from
@@ -151,14 +171,23 @@ class Writer(writer.Writer):
         return state is None or state.startswith(("08", "57P"))
 
     def _fates(self, conn: Any, names: list[Any]) -> dict[Any, bool | None]:
-        fates = self._statuses(conn, names)
+        # A transaction id from another history (a standby promoted since: a failover)
+        # may name another transaction here, or none: failed, as reported before.
+        elsewhere = {name: False for name in names if None not in (name.history,
+                                                                    self._history)
+                     and name.history != self._history}
+        if elsewhere:
+            log.warning("%d commit(s) in doubt were made before a failover (the database"
+                        " server's history changed): reported as failed", len(elsewhere))
+        names = [name for name in names if name not in elsewhere]
+        fates = self._statuses(conn, names) | elsewhere
         running = [name for name in names if fates[name] is None]
         if running:
             # Its old session (cut from this side: a network's fault) still carries it
             # out. Ended, its outcome is final at once: committed if its record was
             # written, else not. (The same role may end its own sessions.)
             conn.raw.execute("SELECT pg_terminate_backend(p) FROM unnest(%s::int[]) AS p",
-                             ([pid for _, pid in running],))
+                             ([name.pid for name in running],))
             deadline = time.monotonic() + DOUBT_WAIT
             while running and time.monotonic() < deadline:
                 time.sleep(0.01)  # noqa: sleep-ok (a poll step of DOUBT_WAIT)
@@ -168,13 +197,15 @@ class Writer(writer.Writer):
 
     @staticmethod
     def _statuses(conn: Any, names: list[Any]) -> dict[Any, bool | None]:
-        xids = [xid for xid, _ in names]
+        if not names:
+            return {}
         rows = dict(conn.raw.execute(
-            "SELECT x, txid_status(x) FROM unnest(%s::bigint[]) AS x", (xids,)).fetchall())
+            "SELECT x, txid_status(x) FROM unnest(%s::bigint[]) AS x",
+            ([name.xid for name in names],)).fetchall())
         # "in progress": not ended yet; NULL: too old to be known (wrapped around),
         # which an answer lost minutes ago never is.
-        return {(xid, pid): {"committed": True, "aborted": False}.get(rows[xid])
-                if rows[xid] else False for xid, pid in names}
+        return {name: {"committed": True, "aborted": False}.get(rows[name.xid])
+                if rows[name.xid] else False for name in names}
 
     def measure(self, conn: Any) -> int:
         return used_bytes(conn)

@@ -20,7 +20,7 @@ from helpers import wait_until
 from pgserver import Cluster
 
 from rota.base.errors import StorageError
-from rota.store import health as db_health, pg, writer as writer_mod
+from rota.store import health as db_health, pg, pg_connection, writer as writer_mod
 
 
 @contextlib.asynccontextmanager
@@ -151,32 +151,44 @@ async def test_a_commit_its_old_session_still_carries_out_is_ended_before_anythi
     assert "did not take effect" in caplog.text
 
 
+@contextlib.asynccontextmanager
+async def started_writer(cluster: Cluster) -> AsyncIterator[tuple[str, pg.Writer]]:
+    """A writer on a new migrated database of ``cluster``: its URL and the writer."""
+    url = cluster.create_database(migrated=True)
+    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
+    writer.start(asyncio.get_running_loop())
+    try:
+        yield url, writer
+    finally:
+        await asyncio.to_thread(writer.stop)
+        cluster.give_back(url)
+
+
+async def fails_and_the_next_write_commits(writer: pg.Writer, txn: pg.Txn) -> None:
+    """A doubt naming ``txn``, put where ``_commit`` leaves one (a list append: the idle
+    writer only reads it): the next write commits, and the doubt's caller gets the error
+    it carried."""
+    doubtful: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    lost = StorageError("storage_unavailable", "the answer was lost", 1)
+    writer._doubts.append(writer_mod.Doubt(txn, [(doubtful, "v", None)], lost))
+    assert await asyncio.wait_for(
+        writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('next', '2')") and "ok"),
+        10) == "ok"
+    with pytest.raises(StorageError) as failed:
+        await asyncio.wait_for(doubtful, 1)
+    assert failed.value is lost
+
+
 async def test_a_transaction_the_database_cannot_name_fails_its_callers_not_the_writer(
         pg_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
     """A doubt whose transaction id the database never had (a standby promoted without
     it, another cluster behind the URL): txid_status refuses it. Its callers get the
     error they would have got, and the writes after it commit."""
-    url = pg_cluster.create_database(migrated=True)
-    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
-    loop = asyncio.get_running_loop()
-    writer.start(loop)
-    try:
+    async with started_writer(pg_cluster) as (url, writer):
         with psycopg.connect(url, autocommit=True) as other:
             future_xid = other.execute("SELECT txid_current() + 1000000").fetchone()[0]
-        doubtful: asyncio.Future[Any] = loop.create_future()
-        lost = StorageError("storage_unavailable", "the answer was lost", 1)
-        # Put where _commit leaves one (a list append: the idle writer only reads it).
-        writer._doubts.append(writer_mod.Doubt((future_xid, 0), [(doubtful, "v", None)], lost))
-        assert await asyncio.wait_for(
-            writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('b', '2')") and "ok"),
-            10) == "ok"
-        with pytest.raises(StorageError) as failed:
-            await asyncio.wait_for(doubtful, 1)
-        assert failed.value is lost
+        await fails_and_the_next_write_commits(writer, pg.Txn(future_xid, 0, None))
         assert "cannot say how 1 commit(s) in doubt ended" in caplog.text
-    finally:
-        await asyncio.to_thread(writer.stop)
-        pg_cluster.give_back(url)
 
 
 async def test_a_stop_while_the_database_is_away_fails_a_commit_in_doubt_at_once(
@@ -205,3 +217,21 @@ async def test_a_stop_while_the_database_is_away_fails_a_commit_in_doubt_at_once
             await asyncio.to_thread(pg_cluster.hold_commits, False)
     finally:
         await asyncio.to_thread(writer.stop)
+
+
+async def test_a_commit_in_doubt_from_before_a_failover_is_reported_failed(
+        pg_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """A doubt made on another history of the server (a standby promoted since starts a
+    new timeline, where its transaction id may name another transaction): it is not
+    asked about, and fails, though the id here names a committed transaction."""
+    async with started_writer(pg_cluster) as (url, writer):
+        with psycopg.connect(url, autocommit=True) as other:
+            other.execute("BEGIN")
+            other.execute("INSERT INTO meta VALUES ('here', '1')")
+            xid = other.execute("SELECT txid_current()").fetchone()[0]
+            other.execute("COMMIT")
+            here = pg.history(pg_connection.TranslatingConnection(other))
+        assert here is not None and here[1] == "00000001"  # a new cluster's first timeline
+        # As if made on another timeline: the id here names a committed transaction.
+        await fails_and_the_next_write_commits(writer, pg.Txn(xid, 0, (here[0], "00000002")))
+        assert "made before a failover" in caplog.text
