@@ -50,6 +50,10 @@ class Doubt:
     outcomes: list[Outcome]  # what each op returned, to settle with if it committed
     error: BaseException  # what each future gets if it did not
 
+    def failed(self) -> list[Outcome]:
+        """Its futures, each with its error."""
+        return [(future, None, self.error) for future, _, _ in self.outcomes]
+
 
 class Writer:
     """The only thread that writes; it commits whatever has queued up together."""
@@ -93,9 +97,10 @@ class Writer:
     def begin_stop(self) -> None:
         """The server begins to stop: commits in doubt are not waited for past the next
         try (a request held by one would hold the stop, which waits for requests).
-        A no-op write wakes the writer to make that try."""
+        A no-op write wakes the writer to make that try; with none in doubt, none is
+        needed (one that comes later fails at once: the flag is set)."""
         self._stopping.set()
-        if self._loop is not None and self._thread.is_alive():
+        if self._doubts and self._loop is not None and self._thread.is_alive():
             self.submit(lambda conn: None)
 
     def stop(self) -> None:
@@ -283,8 +288,7 @@ class Writer:
                 continue
             log.warning("the commit in doubt (transaction %s, %d write(s)) %s", doubt.xid,
                         len(doubt.outcomes), "took effect" if fate else "did not take effect")
-            settled += doubt.outcomes if fate else [(future, None, doubt.error)
-                                                    for future, _, _ in doubt.outcomes]
+            settled += doubt.outcomes if fate else doubt.failed()
         self._doubts = waiting
         if settled:
             assert self._loop is not None
@@ -299,9 +303,8 @@ class Writer:
         if self._doubts and self._loop is not None:
             log.warning("stopping with %d commit(s) in doubt: reported as failed",
                         len(self._doubts))
-            self._loop.call_soon_threadsafe(self._settle, [
-                (future, None, doubt.error) for doubt in self._doubts
-                for future, _, _ in doubt.outcomes])
+            self._loop.call_soon_threadsafe(
+                self._settle, [outcome for doubt in self._doubts for outcome in doubt.failed()])
         self._doubts = []
 
     def _alone(self, exc: BaseException) -> bool:

@@ -42,16 +42,26 @@ async def in_commit(admin: psycopg.AsyncConnection[Any], event: str) -> int | No
     return None if row is None else int(row[0])
 
 
+@contextlib.asynccontextmanager
+async def started_writer(cluster: Cluster) -> AsyncIterator[tuple[str, pg.Writer]]:
+    """A writer on a new migrated database of ``cluster``: its URL and the writer."""
+    url = cluster.create_database(migrated=True)
+    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
+    writer.start(asyncio.get_running_loop())
+    try:
+        yield url, writer
+    finally:
+        await asyncio.to_thread(writer.stop)
+        cluster.give_back(url)
+
+
 async def test_a_commit_carried_out_whose_answer_was_lost_is_reported_a_success(
         pg_cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
     """The writer's COMMIT was carried out, and its session ended before the answer: the
     caller hears success, with what its op returned, once the database says so; not the
     storage failure the lost answer looked like. The write after it commits as usual."""
     caplog.set_level(logging.INFO, logger="rota.server")
-    url = pg_cluster.create_database(migrated=True)
-    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
-    writer.start(asyncio.get_running_loop())
-    try:
+    async with started_writer(pg_cluster) as (url, writer):
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
             async with commits_wait_forever(pg_cluster):
                 writes: list[asyncio.Future[Any]] = []
@@ -80,9 +90,6 @@ async def test_a_commit_carried_out_whose_answer_was_lost_is_reported_a_success(
             assert row == ("1",)
             await writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('after', '2')"))
         assert "took effect" in caplog.text and "did not take effect" not in caplog.text
-    finally:
-        await asyncio.to_thread(writer.stop)
-        pg_cluster.give_back(url)
 
 
 async def test_a_commit_in_doubt_that_did_not_take_effect_fails_its_callers(
@@ -153,19 +160,6 @@ async def test_a_commit_its_old_session_still_carries_out_is_ended_before_anythi
     assert "did not take effect" in caplog.text
 
 
-@contextlib.asynccontextmanager
-async def started_writer(cluster: Cluster) -> AsyncIterator[tuple[str, pg.Writer]]:
-    """A writer on a new migrated database of ``cluster``: its URL and the writer."""
-    url = cluster.create_database(migrated=True)
-    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
-    writer.start(asyncio.get_running_loop())
-    try:
-        yield url, writer
-    finally:
-        await asyncio.to_thread(writer.stop)
-        cluster.give_back(url)
-
-
 async def fails_and_the_next_write_commits(writer: pg.Writer, txn: pg.Txn) -> None:
     """A doubt naming ``txn``, put where ``_commit`` leaves one (a list append: the idle
     writer only reads it): the next write commits, and the doubt's caller gets the error
@@ -199,10 +193,7 @@ async def test_a_stop_while_the_database_is_away_fails_a_commit_in_doubt_at_once
     its record) and stays down. The server begins to stop: its caller is not held until
     the database returns (uvicorn waits for requests before the store stops) but fails,
     as before doubts were asked about."""
-    url = pg_cluster.create_database(migrated=True)
-    writer = pg.Writer(url, health=db_health.Health(hold=0.0))
-    writer.start(asyncio.get_running_loop())
-    try:
+    async with started_writer(pg_cluster) as (url, writer):
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as admin:
             await asyncio.to_thread(pg_cluster.hold_commits, True)
             write = writer.submit(lambda c: c.execute("INSERT INTO meta VALUES ('c', '3')"))
@@ -217,8 +208,6 @@ async def test_a_stop_while_the_database_is_away_fails_a_commit_in_doubt_at_once
         finally:
             await asyncio.to_thread(pg_cluster.start)
             await asyncio.to_thread(pg_cluster.hold_commits, False)
-    finally:
-        await asyncio.to_thread(writer.stop)
 
 
 async def test_a_commit_in_doubt_from_before_a_failover_is_reported_failed(
