@@ -263,6 +263,16 @@ class BackgroundHandler(logging.Handler):
         if isinstance(self.formatter, JsonFormatter):
             self.formatter.format_lines(lines, record, message)  # (it changes no record)
             return
+        formatter = self.formatter
+        if (type(formatter) is Formatter and formatter._fmt == FORMAT
+                and not record.exc_info and not record.stack_info):
+            # Rota's own format: what ``format`` makes of each row, with the prefix made
+            # once a record (a sixth of the per-line cost; three lines a job at INFO).
+            prefix = (f"{formatter.formatTime(record)} {record.levelname:<7}"
+                      f" {record.name} ")
+            fmt = message.fmt
+            lines.extend([prefix + (fmt % row if row else fmt) for row in message.rows])
+            return
         # One line each, as if each had been logged alone, from a copy: the record is
         # shared with every other handler (pytest's, an embedder's), which may be
         # formatting it on another thread at this moment.

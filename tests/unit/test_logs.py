@@ -103,6 +103,34 @@ def test_a_batch_is_written_one_line_per_row_with_its_prefix():
     assert all(" INFO    rota.test-lines " in line for line in lines)
 
 
+@pytest.mark.parametrize("fmt, rows", [
+    ("result job=%s spec=%s@%s took_ms=%.2f", [("a", "s", "c1", 1.234), ("b", "t", "c2", 0.5)]),
+    ("100%% done job=%s", [("a",)]),
+    ("as is %%", [()]),  # no arguments: the format is written as it stands
+])
+def test_a_batch_in_rotas_format_is_what_each_line_alone_would_be(
+        fmt: str, rows: list[tuple[object, ...]]):
+    # Rota's own text format makes the prefix once a record: the lines must be exactly
+    # those the standard formatter gives each row logged on its own.
+    formatter = Formatter(FORMAT)
+    batch = _record(LeanRecord, "", ())
+    batch.msg = Lines(fmt, rows)
+    alone = []
+    for row in rows:
+        line = _record(LeanRecord, fmt, row)
+        line.created, line.msecs = batch.created, batch.msecs
+        alone.append(formatter.format(line))
+    stream = io.StringIO()
+    handler = BackgroundHandler(stream)
+    handler.setFormatter(formatter)
+    try:
+        handler.handle(batch)
+        handler.flush()
+    finally:
+        handler.close()
+    assert stream.getvalue().splitlines() == alone
+
+
 def test_elsewhere_a_batch_reads_as_one_message_of_several_lines():
     assert str(Lines("job=%s", [("a",), ("b",)])) == "job=a\njob=b"
 
