@@ -235,7 +235,8 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
                         outbox.send(frame)
                 case Save(changes, ticket, point):
                     self._finishing(changes)
-                    future = self.store.save(changes)
+                    # (a frame's or a timer's: no request waits on it; see Writer.submit)
+                    future = self.store.save(changes, linger=True)
                     if source is not None and ticket is not None:
                         self._inflight[source] = future
                     if ticket is None:  # the engine still hears what the rows refused

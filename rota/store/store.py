@@ -275,9 +275,12 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
 
         return self._releasing(self.writer.submit(op), released)
 
-    def save(self, changes: list[Change]) -> asyncio.Future[dict[str, JobRecord | None]]:
+    def save(self, changes: list[Change], linger: bool = False
+             ) -> asyncio.Future[dict[str, JobRecord | None]]:
         """Commit job transitions. Values are taken now: the job may change again before
-        the writer runs, and FIFO order then keeps the later write last.
+        the writer runs, and FIFO order then keeps the later write last. ``linger``: no
+        request waits on them (a worker's results), so they may wait briefly for other
+        writes to commit with (``Writer.submit``).
 
         Each is fenced by its row (``writes.SAVE``): the outcome names the changes
         the row refused (another attempt, server or direct write moved it on), each with
@@ -309,7 +312,7 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
             return {job_id: found.get(job_id) for job_id, _ in refused}
 
         now = time.time()
-        return self._releasing(self.writer.submit(op), released)
+        return self._releasing(self.writer.submit(op, linger), released)
 
     def _settle(self, conn: sqlite3.Connection, ended: list[settle.Ended], now: float
                 ) -> list[JobRecord]:

@@ -32,12 +32,19 @@ log = logging.getLogger("rota.server")
 Op = Callable[[sqlite3.Connection], Any]
 
 MAX_BATCH = 512
+# How long a batch of background writes only (a worker's results: nobody's request waits
+# on them) waits for company before it commits. A write a request waits on ends the wait
+# at once and joins it, so one commit (one fsync with --durability full) carries both:
+# one producer with a worker running its jobs commits about once a job, not twice
+# (docs/performance.md, issue 27, twelfth stop).
+LINGER = 0.0005
 # Times a writer's transaction runs before its failure is the callers': more than one
 # only where another process's transactions can collide with it (rota/store/pg.py).
 TRANSACTION_ATTEMPTS = 5
 CHECKPOINT_EVERY = 0.5  # seconds between background WAL checkpoints
 PROBE_EVERY = 1.0  # seconds between the writer's probe writes while degraded and idle
 Outcome = tuple[asyncio.Future[Any], Any, BaseException | None]
+Queued = tuple[Op, asyncio.Future[Any], bool]  # an op, its future, and whether it may linger
 
 
 @dataclass(slots=True)
@@ -65,7 +72,7 @@ class Writer:
         self.health = health or Health()
         self.max_bytes = max_bytes  # --max-db-size: SQLite refuses to grow the file past it
         self.used_bytes = 0  # after the last commit, when there is a quota to compare with
-        self._queue: queue.SimpleQueue[tuple[Op, asyncio.Future[Any]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Queued | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="rota-writer", daemon=True)
         self._conn: Any = None  # the writer thread's own
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -79,10 +86,13 @@ class Writer:
         self._loop = loop
         self._thread.start()
 
-    def submit(self, op: Op) -> asyncio.Future[Any]:
+    def submit(self, op: Op, linger: bool = False) -> asyncio.Future[Any]:
+        """Queue ``op`` for the next transaction. ``linger``: a background write, which
+        may wait up to LINGER for others to commit with (alone, it waits; a write that
+        does not linger ends the wait)."""
         assert self._loop is not None, "Writer.start() first"
         future: asyncio.Future[Any] = self._loop.create_future()
-        self._queue.put((op, future))
+        self._queue.put((op, future, linger))
         return future
 
     def on_settle(self, future: asyncio.Future[Any],
@@ -185,8 +195,10 @@ class Writer:
                     continue
                 if first is None:
                     return
-                batch = [first]
-                stopping = self._drain_into(batch)
+                batch = [first[:2]]
+                stopping, lingers = self._drain_into(batch, first[2])
+                if lingers and not stopping:
+                    stopping = self._linger(batch)
                 self._commit(batch)
                 if self._doubts and self._stopping.is_set():
                     self._abandon()
@@ -197,16 +209,36 @@ class Writer:
             if self._conn is not None:
                 self._conn.close()
 
-    def _drain_into(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> bool:
+    def _drain_into(self, batch: list[tuple[Op, asyncio.Future[Any]]], lingers: bool
+                    ) -> tuple[bool, bool]:
+        """Add what has queued up to ``batch``: whether the writer is to stop, and whether
+        every op of the batch may linger (``lingers``: those in it so far may)."""
         while len(batch) < MAX_BATCH:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
+                return False, lingers
+            if item is None:
+                return True, lingers
+            batch.append(item[:2])
+            lingers = lingers and item[2]
+        return False, False
+
+    def _linger(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> bool:
+        """Wait up to LINGER for more writes to join a batch of background ones; the
+        first that may not wait ends it. Returns whether the writer is to stop."""
+        deadline = time.monotonic() + LINGER
+        while len(batch) < MAX_BATCH and (left := deadline - time.monotonic()) > 0:
+            try:
+                item = self._queue.get(timeout=left)
+            except queue.Empty:
                 return False
             if item is None:
                 return True
-            batch.append(item)
-        return False
+            batch.append(item[:2])
+            if not item[2]:
+                break
+        return self._drain_into(batch, False)[0]
 
     def _commit(self, batch: list[tuple[Op, asyncio.Future[Any]]]) -> None:
         outcomes: list[Outcome] = []

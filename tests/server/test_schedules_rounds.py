@@ -45,8 +45,8 @@ async def test_rounds_parse_once_refuse_first_and_fire_together(live: Live, tmp_
     writer = live.coordinator.store.writer
     real_submit = writer.submit
 
-    def submit(op: Any) -> asyncio.Future[Any]:
-        future = real_submit(op)
+    def submit(op: Any, linger: bool = False) -> asyncio.Future[Any]:
+        future = real_submit(op, linger)
         pending.append(future)
         submitted.append(sum(not f.done() for f in pending))
         return future

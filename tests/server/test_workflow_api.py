@@ -297,14 +297,14 @@ async def test_a_create_whose_transaction_runs_again_still_releases_its_first_st
     writer = live.coordinator.store.writer
     submit = writer.submit
 
-    def twice(op: Callable[[Any], Any]) -> Any:
+    def twice(op: Callable[[Any], Any], linger: bool = False) -> Any:
         def again(conn: Any) -> Any:
             conn.execute("SAVEPOINT first_run")
             op(conn)
             conn.execute("ROLLBACK TO first_run")
             conn.execute("RELEASE first_run")
             return op(conn)
-        return submit(again)
+        return submit(again, linger)
 
     monkeypatch.setattr(writer, "submit", twice)
     await create(live, {"type": "chain", "id": "twice", "steps": [job("step", n=1),
