@@ -224,10 +224,12 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
             os._exit(86)
 
     # -- applying effects ----------------------------------------------------------
-    def apply(self, effects: Iterable[Effect], source: int | None = None) -> None:
+    def apply(self, effects: Iterable[Effect], source: int | None = None,
+              linger: bool = True) -> None:
         """Carry out effects in order, without waiting on any of them. ``source``: the
         connection whose frame they answer; its ticketed writes are what ``settled``
-        waits for."""
+        waits for. ``linger``: their job transitions may wait briefly for other writes
+        to commit with (``Writer.submit``); not for a request that waits on them."""
         for effect in effects:
             match effect:
                 case Send(conn, frame):
@@ -235,8 +237,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
                         outbox.send(frame)
                 case Save(changes, ticket, point):
                     self._finishing(changes)
-                    # (a frame's or a timer's: no request waits on it; see Writer.submit)
-                    future = self.store.save(changes, linger=True)
+                    future = self.store.save(changes, linger)
                     if source is not None and ticket is not None:
                         self._inflight[source] = future
                     if ticket is None:  # the engine still hears what the rows refused
