@@ -81,7 +81,7 @@ async def _called(request: Request, token: str, result: p.Result | None) -> Resp
         coordinator.apply(called.effects)
         return JSON({"job_id": job_id, "state": "active"})
     future = coordinator.mailbox.expect_ack(called.conn, called.seq)
-    coordinator.apply(called.effects, source=called.conn, linger=False)  # (it waits)
+    coordinator.apply(called.effects, source=called.conn)
     try:
         frame: p.Ack = await asyncio.wait_for(asyncio.shield(future), COMMIT_WAIT)
     except TimeoutError:

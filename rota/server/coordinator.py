@@ -225,11 +225,10 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
 
     # -- applying effects ----------------------------------------------------------
     def apply(self, effects: Iterable[Effect], source: int | None = None,
-              linger: bool = True) -> None:
+              linger: bool = False) -> None:
         """Carry out effects in order, without waiting on any of them. ``source``: the
         connection whose frame they answer; its ticketed writes are what ``settled``
-        waits for. ``linger``: their job transitions may wait briefly for other writes
-        to commit with (``Writer.submit``); not for a request that waits on them."""
+        waits for. ``linger``: their job transitions may wait for company (Writer.submit)."""
         for effect in effects:
             match effect:
                 case Send(conn, frame):
@@ -354,7 +353,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
             effects = self.engine.register(conn, hb, principal, now)
             self._no_connections.clear()
         effects += self.engine.heartbeat(conn, hb.worker_id, hb, now)
-        self.apply(effects, source=conn)
+        self.apply(effects, source=conn, linger=True)  # (results: a worker's ack may wait)
 
     def repeat(self, conn: int, worker_id: str, seq: int, now: Instant) -> bool:
         """A heartbeat the same as the connection's last but for its seq, read at
@@ -389,7 +388,7 @@ class Coordinator(OjsOperating, ShellDirectives):  # (OjsOperating is a ShellRea
         every = self.engine.tick_every
         while True:
             now = self.clock()
-            self.apply(self.engine.tick(now))
+            self.apply(self.engine.tick(now), linger=True)
             self.watching.storage(now)
             deadline = self.engine.next_deadline()
             wait = every if deadline is None else min(every, max(0.0, deadline - now.mono))

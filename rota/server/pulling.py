@@ -171,11 +171,11 @@ async def _settle(request: Request, outcome: p.Outcome) -> Response:
         return await _refused(coordinator, job_id, settled)
     conn = settled.conn
     if settled.seq is None:  # a requeue: answered once its write commits
-        coordinator.apply(settled.effects, source=conn, linger=False)  # (a request waits)
+        coordinator.apply(settled.effects, source=conn)
         await coordinator.settled(conn)
     else:
         future = coordinator.mailbox.expect_ack(conn, settled.seq)
-        coordinator.apply(settled.effects, source=conn, linger=False)
+        coordinator.apply(settled.effects, source=conn)
         frame: p.Ack = await _waited(coordinator, conn, future, ACK_WAIT, "the result's commit")
         if job_id not in frame.accepted:
             reason = "; ".join(r.reason for r in frame.rejected) or "the result was refused"

@@ -14,7 +14,6 @@ from typing import Any
 
 from rota.base import protocol as p
 from rota.base.push import Delivered, Delivery
-from rota.core.effects import Effect
 from rota.core.engine import Engine
 from rota.core.model import Instant
 from rota.core.settings import ServerSettings
@@ -27,7 +26,7 @@ class Pusher:
     """Runs the engine's deliveries and hands their answers back."""
 
     def __init__(self, settings: ServerSettings, store: Store, engine: Engine,
-                 apply: Callable[[list[Effect]], None], clock: Callable[[], Instant],
+                 apply: Callable[..., None], clock: Callable[[], Instant],
                  secrets: Callable[[str], list[bytes] | None]) -> None:
         self.settings, self.store, self.engine = settings, store, engine
         self.apply, self.clock, self.secrets = apply, clock, secrets
@@ -65,7 +64,7 @@ class Pusher:
             delivered = Delivered(job_id=delivery.job_id, attempt=delivery.attempt,
                                   delivery_id=delivery.delivery_id, kind="failed",
                                   error=p.ErrorInfo(type="internal", message=str(exc)))
-        self.apply(self.engine.endpoint_result(delivered, self.clock()))
+        self.apply(self.engine.endpoint_result(delivered, self.clock()), linger=True)
 
     async def stop(self) -> None:
         """At a stop: deliveries in flight are dropped (their jobs' leases bring them back

@@ -32,11 +32,11 @@ log = logging.getLogger("rota.server")
 Op = Callable[[sqlite3.Connection], Any]
 
 MAX_BATCH = 512
-# How long a batch of background writes only (a worker's results: nobody's request waits
-# on them) waits for company before it commits. A write a request waits on ends the wait
-# at once and joins it, so one commit (one fsync with --durability full) carries both:
-# one producer with a worker running its jobs commits about once a job, not twice
-# (docs/performance.md, issue 27, twelfth stop).
+# How long a batch of background writes only (a worker's results, a lease's end) waits
+# for company before it commits, with --durability full: any other write ends the wait
+# at once and joins it, so one commit and one sync carry both. One producer with a worker
+# running its jobs then commits about once a job, not twice (docs/performance.md, issue
+# 27, twelfth stop). Without a sync to share (--durability process), none waits.
 LINGER = 0.0005
 # Times a writer's transaction runs before its failure is the callers': more than one
 # only where another process's transactions can collide with it (rota/store/pg.py).
@@ -197,7 +197,7 @@ class Writer:
                     return
                 batch = [first[:2]]
                 stopping, lingers = self._drain_into(batch, first[2])
-                if lingers and not stopping:
+                if lingers and not stopping and self._durability == "full":
                     stopping = self._linger(batch)
                 self._commit(batch)
                 if self._doubts and self._stopping.is_set():

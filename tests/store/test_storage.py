@@ -356,7 +356,7 @@ async def test_a_result_past_the_quota_is_rejected_as_storage_full_and_sent_agai
 # -- an operator's action the disk refuses --------------------------------------------------
 def refuse_writes(monkeypatch: pytest.MonkeyPatch, live: Any) -> None:
     """Every plain write fails as on a full disk (the quota would spare a cancel)."""
-    def refused(self: Any, changes: Any) -> asyncio.Future[Any]:
+    def refused(self: Any, changes: Any, linger: bool = False) -> asyncio.Future[Any]:
         future = asyncio.get_running_loop().create_future()
         future.set_exception(StorageError("storage_full", "the disk is full", 1))
         return future

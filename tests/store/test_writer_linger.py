@@ -1,7 +1,7 @@
-"""The writer's linger (rota/store/writer.py): a batch of background writes only (a worker's
-results) waits up to LINGER for other writes to commit with; a write a request waits on
-ends that wait at once, and both commit in one transaction. The wait is made long here
-(monkeypatched), so that each test sees which side ended it."""
+"""The writer's linger (rota/store/writer.py): with --durability full, a batch of background
+writes only (a worker's results) waits up to LINGER for other writes to commit with; any
+other write ends that wait at once, and both commit in one transaction. The wait is made
+long here (monkeypatched), so that each test sees which side ended it."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ class Watched:
         await wait_until(self.writer._queue.empty, timeout=5, what="the writer to take it")
 
 
-@pytest.fixture
-async def watched(tmp_path: Path) -> AsyncIterator[Watched]:
-    writer = Writer(tmp_path / "linger.db")
+@pytest.fixture(params=["full"])
+async def watched(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Watched]:
+    writer = Writer(tmp_path / "linger.db", durability=request.param)
     writer.start(asyncio.get_running_loop())
     found = Watched(writer)
 
@@ -73,13 +73,13 @@ async def test_a_write_a_request_waits_on_ends_the_linger_and_both_commit_once(
 
 async def test_background_writes_alone_commit_together_once_the_linger_is_over(
         watched: Watched, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(writer_module, "LINGER", 0.3)
+    monkeypatch.setattr(writer_module, "LINGER", 1.0)
     started = time.monotonic()
     first = watched.writer.submit(insert(1), linger=True)
     await watched.taken()
     second = watched.writer.submit(insert(2), linger=True)  # joins; the wait goes on
     assert await asyncio.wait_for(asyncio.gather(first, second), 10) == [1, 1]
-    assert time.monotonic() - started >= 0.3
+    assert time.monotonic() - started >= 1.0
     assert watched.commits == 1
 
 
@@ -101,3 +101,14 @@ async def test_a_stop_commits_what_lingers_at_once(
     assert time.monotonic() - started < 10
     assert await asyncio.wait_for(background, 10) == 1
     assert watched.commits == 1
+
+
+@pytest.mark.parametrize("watched", ["process"], indirect=True)
+async def test_without_a_sync_to_share_nothing_lingers(
+        watched: Watched, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --durability process: a commit costs no fsync, so a job's completion is not delayed.
+    monkeypatch.setattr(writer_module, "LINGER", 30.0)
+    for value in range(3):
+        write = watched.writer.submit(insert(value), linger=True)
+        assert await asyncio.wait_for(write, 10) == 1
+    assert watched.commits == 3
