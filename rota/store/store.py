@@ -278,9 +278,9 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
     def save(self, changes: list[Change], linger: bool = False
              ) -> asyncio.Future[dict[str, JobRecord | None]]:
         """Commit job transitions. Values are taken now: the job may change again before
-        the writer runs, and FIFO order then keeps the later write last. ``linger``: no
-        request waits on them (a worker's results), so they may wait briefly for other
-        writes to commit with (``Writer.submit``).
+        the writer runs, and FIFO order then keeps the later write last. ``linger``: a
+        background write (a worker's results, a lease's end), which may wait briefly for
+        other writes to commit with (``Writer.submit``).
 
         Each is fenced by its row (``writes.SAVE``): the outcome names the changes
         the row refused (another attempt, server or direct write moved it on), each with
