@@ -143,27 +143,44 @@ async def test_a_server_stopped_inside_a_transaction_costs_the_others_a_bounded_
                 stream.start("a", a_http)
                 stream.start("b", b.http)
 
-                async def a_inside() -> int | None:
-                    return await scalar(admin, "SELECT pid FROM pg_stat_activity WHERE"
-                                        " application_name = 'rota-a' AND backend_xid IS"
-                                        " NOT NULL AND state = 'idle in transaction'")
+                async def a_inside() -> tuple[int, str] | None:
+                    """A's session idle inside a transaction that wrote: its pid and xid."""
+                    cursor = await admin.execute(
+                        "SELECT pid, backend_xid::text FROM pg_stat_activity WHERE"
+                        " application_name = 'rota-a' AND backend_xid IS NOT NULL AND"
+                        " state = 'idle in transaction'")
+                    row = await cursor.fetchone()
+                    return None if row is None else (row[0], row[1])
 
-                for _ in range(20):  # until A is stopped while inside its transaction
-                    pid = await wait_until(a_inside, timeout=30, what="A inside a claim")
-                    proc.send_signal(signal.SIGSTOP)
-                    if await a_inside() == pid:
-                        break
-                    proc.send_signal(signal.SIGCONT)
-                else:
-                    raise AssertionError("A was never stopped inside its transaction")
-                stopped_at = time.monotonic()
+                async def fate(pid: int, xid: str) -> str | None:
+                    """What became of the session: ended by PostgreSQL ("ended"), out of
+                    that transaction ("left"), or None while it holds it."""
+                    cursor = await admin.execute("SELECT state, backend_xid::text FROM"
+                                                 " pg_stat_activity WHERE pid = %s", (pid,))
+                    row = await cursor.fetchone()
+                    if row is None:
+                        return "ended"
+                    return None if tuple(row) == ("idle in transaction", xid) else "left"
+
                 try:
-                    async def a_ended() -> bool:
-                        return await scalar(admin, "SELECT count(*) FROM pg_stat_activity"
-                                            f" WHERE pid = {pid}") == 0
-
-                    await wait_until(a_ended, timeout=LEASE,
-                                     what="PostgreSQL to end A's stalled session")
+                    # Until A is stopped inside its transaction and PostgreSQL ends that
+                    # session (within its bound, a quarter lease). A COMMIT that A sent just
+                    # before it stopped may reach the session after the look that found it
+                    # inside (a loaded machine): the session then leaves the transaction,
+                    # nothing ends it, and A is let go and caught again.
+                    for _ in range(20):
+                        pid, xid = await wait_until(a_inside, timeout=30,
+                                                    what="A inside a claim")
+                        proc.send_signal(signal.SIGSTOP)
+                        stopped_at = time.monotonic()
+                        found = await wait_until(lambda pid=pid, xid=xid: fate(pid, xid),
+                                                 timeout=LEASE, what="PostgreSQL to end A's"
+                                                 " stalled session, or it to leave")
+                        if found == "ended":
+                            break
+                        proc.send_signal(signal.SIGCONT)
+                    else:
+                        raise AssertionError("A was never stopped inside its transaction")
                     b_left = []
                     while time.monotonic() < stopped_at + 2.7 * LEASE:
                         b_left.append(await scalar(
