@@ -59,6 +59,15 @@ class Formatter(logging.Formatter):
             self._prefix = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(second))
         return f"{self._prefix},{int(record.msecs):03d}"
 
+    def head(self, record: logging.LogRecord) -> str | None:
+        """What ``format`` writes before the message, if this is Rota's own format and
+        the record carries no traceback (None: each line is formatted whole). A batch's
+        rows share it (``BackgroundHandler``): a sixth of the cost of a line each."""
+        if type(self) is not Formatter or self._fmt != FORMAT or record.exc_info \
+                or record.stack_info:
+            return None
+        return f"{self.formatTime(record)} {record.levelname:<7} {record.name} "
+
 
 # One %-conversion of a format string, with the ``key=`` (or the ``@`` of spec@checksum)
 # just before it; and a literal ``key=value`` (``outcome=completed``, ``by=server``).
@@ -263,15 +272,10 @@ class BackgroundHandler(logging.Handler):
         if isinstance(self.formatter, JsonFormatter):
             self.formatter.format_lines(lines, record, message)  # (it changes no record)
             return
-        formatter = self.formatter
-        if (type(formatter) is Formatter and formatter._fmt == FORMAT
-                and not record.exc_info and not record.stack_info):
-            # Rota's own format: what ``format`` makes of each row, with the prefix made
-            # once a record (a sixth of the per-line cost; three lines a job at INFO).
-            prefix = (f"{formatter.formatTime(record)} {record.levelname:<7}"
-                      f" {record.name} ")
-            fmt = message.fmt
-            lines.extend([prefix + (fmt % row if row else fmt) for row in message.rows])
+        if isinstance(self.formatter, Formatter) and \
+                (head := self.formatter.head(record)) is not None:
+            fmt = message.fmt  # (as getMessage: a row with no arguments is fmt as it is)
+            lines.extend([head + (fmt % row if row else fmt) for row in message.rows])
             return
         # One line each, as if each had been logged alone, from a copy: the record is
         # shared with every other handler (pytest's, an embedder's), which may be
