@@ -29,6 +29,15 @@ SCOPES: tuple[Scope, ...] = ("worker", "producer", "admin", "metrics")
 _TOKEN = re.compile(r"^rota_([0-9a-f]{12})_([A-Za-z0-9_-]{20,100})$")
 
 
+def bearer(authorization: str | None) -> str | None:
+    """The token an ``Authorization`` header carries, or None if it carries none. The
+    scheme's case does not matter (RFC 9110, section 11.1: ``bearer`` is ``Bearer``)."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who is calling: the token's id and name, its scope and queue limit."""
@@ -130,18 +139,18 @@ class Tokens:
     def unknown(self, authorization: str | None) -> bool:
         """Whether the header names a well-formed token this list does not hold yet (one
         created a moment ago, in the file or by another server)."""
-        if not self.required or authorization is None or not authorization.startswith("Bearer "):
+        if not self.required or (token := bearer(authorization)) is None:
             return False
-        match = _TOKEN.match(authorization[len("Bearer "):].strip())
+        match = _TOKEN.match(token)
         return match is not None and match[1] not in self._by_id
 
     def authenticate(self, authorization: str | None) -> Principal | None:
         """The caller behind an ``Authorization`` header, or None if it proves nobody."""
         if not self.required:
             return OPEN
-        if authorization is None or not authorization.startswith("Bearer "):
+        if (token := bearer(authorization)) is None:
             return None
-        match = _TOKEN.match(authorization[len("Bearer "):].strip())
+        match = _TOKEN.match(token)
         if match is None:
             return None
         entry = self._by_id.get(match[1])

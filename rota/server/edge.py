@@ -16,12 +16,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from websockets.exceptions import InvalidState
+from websockets.exceptions import (
+    HeaderLineTooLong, InvalidState, RequestLineTooLong, TooManyHeaders)
+from websockets.http11 import MAX_LINE_LENGTH, MAX_NUM_HEADERS
 from websockets.frames import apply_mask
 from websockets.protocol import State
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from rota.server.httpedge import peer
+from rota.server.httpedge import peer, refuse
 from rota.server.sessions import WIRE
 
 log = logging.getLogger("rota.server")
@@ -106,6 +108,17 @@ async def _wait_in(waiters: list[asyncio.Future[None]]) -> None:
             waiters.remove(waiter)
 
 
+# websockets' refusals of a handshake, by status: Rota's error codes (docs/protocol.md, 1)
+REFUSALS = {400: "bad_handshake", 403: "forbidden", 405: "method_not_allowed",
+            426: "upgrade_required"}
+
+
+def _reason(answer: Any) -> str:
+    """websockets' reason for a refusal, without its preamble."""
+    text = bytes(answer.body or b"").decode("utf-8", "replace").strip().rstrip(".")
+    return text.removeprefix("Failed to open a WebSocket connection: ")[:200]
+
+
 def last_pong(data: bytes) -> bytes | None:
     """The last of the pong frames in ``data`` (as websockets frames them for a server:
     unmasked, a payload under 126 bytes), or None if there is none, or anything else."""
@@ -151,10 +164,46 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
         self.transport.set_write_buffer_limits(high=self.outbox_high_water)  # low: a quarter
 
     def handle_connect(self, event: Any) -> None:
+        # websockets' own refusals (no key, another version, not a GET) in JSON, as every
+        # other error. (uvicorn's handle_connect asks it again: 9 us a handshake.)
+        answer = self.conn.accept(event)
+        if answer.status_code != 101:
+            version = event.headers.get("Sec-WebSocket-Version")
+            if version is not None and version.strip() != "13":  # RFC 6455, section 4.4
+                self._refuse(426, "unsupported_version", "this server speaks WebSocket"
+                             f" version 13, not {version[:20]!r}",
+                             (("Sec-WebSocket-Version", "13"), ("Upgrade", "websocket")))
+            else:
+                status = answer.status_code
+                self._refuse(status, REFUSALS.get(status, "bad_handshake"), _reason(answer),
+                             tuple((name, value) for name, value in answer.headers.raw_items()
+                                   if name.lower() in ("allow", "upgrade")))
+            return
         super().handle_connect(event)
         scope = getattr(self, "scope", None)  # none if the handshake was refused
         if scope is not None:
             scope["extensions"][WIRE] = self  # type: ignore[index]
+
+    def _unreadable(self, exc: Exception) -> None:
+        """A handshake websockets could not read, though the HTTP parser did (its limits
+        are lower: a line of 8 KiB, 128 headers, and no body). uvicorn would write nothing
+        and keep the connection, before any token was asked for."""
+        if isinstance(exc, RequestLineTooLong):
+            self._refuse(414, "url_too_long", f"a WebSocket handshake's request line is at"
+                         f" most {MAX_LINE_LENGTH} bytes")
+        elif isinstance(exc, HeaderLineTooLong | TooManyHeaders):
+            self._refuse(431, "headers_too_large", f"a WebSocket handshake has at most"
+                         f" {MAX_NUM_HEADERS} headers of at most {MAX_LINE_LENGTH} bytes each")
+        else:
+            cause = exc.__cause__ or exc
+            self._refuse(400, "bad_handshake",
+                         f"not a WebSocket handshake this server can read: {str(cause)[:200]}")
+
+    def _refuse(self, status: int, code: str, message: str,
+                headers: tuple[tuple[str, str], ...] = ()) -> None:
+        self.handshake_complete = self.close_sent = True  # (uvicorn's marks of an answer)
+        refuse(self.transport, status, code, message, headers, app=self.config.app,
+               client=self.client)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -208,6 +257,8 @@ class LeanWebSocket(WebSocketsSansIOProtocol):
             if getattr(self, "scope", None) is not None:
                 self._lost = True  # frames before the 101: their boundaries are not followed
             super().data_received(data)
+            if not self.handshake_complete and self.conn.handshake_exc is not None:
+                self._unreadable(self.conn.handshake_exc)
             return
         if (self.on_text is not None and not self.close_sent and not self._lost
                 and self._carry is None and not self._left and conn.state is State.OPEN

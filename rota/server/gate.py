@@ -21,7 +21,7 @@ import msgspec
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rota.core.auth import Principal
+from rota.core.auth import Principal, bearer
 from rota.server.coordinator import Coordinator
 from rota.base.ids import uuid7
 from rota.base.logs import printable
@@ -63,7 +63,7 @@ class Door:
         self._lines = TokenBucket(REFUSALS_LOGGED, 10)
         self._unlogged = 0
 
-    def _refused(self, fmt: str, *args: Any, level: int = logging.WARNING) -> None:
+    def refused(self, fmt: str, *args: Any, level: int = logging.WARNING) -> None:
         if not self._lines.take(time.monotonic()):
             self._unlogged += 1
             return
@@ -102,18 +102,18 @@ class Door:
         host = headers.get("host", "")
         if origin is not None and origin not in settings.allowed_origins and not (
                 scope["type"] == "http" and origin in (f"http://{host}", f"https://{host}")):
-            self._refused("refused %s origin=%r client=%s", scope["type"], origin, _client(scope))
+            self.refused("refused %s origin=%r client=%s", scope["type"], origin, _client(scope))
             where = "on /work" if scope["type"] == "websocket" else "(--allowed-origin)"
             return 403, "origin_not_allowed", f"Origin {origin} is not allowed {where}"
         if headers.get("sec-fetch-site") == "cross-site" and origin not in settings.allowed_origins:
-            self._refused("refused a cross-site %s request client=%s", scope["type"],
+            self.refused("refused a cross-site %s request client=%s", scope["type"],
                           _client(scope))
             return 403, "origin_not_allowed", "cross-site requests are not allowed"
         if not self.coordinator.tokens.required and not _host_allowed(host, settings.host):
             # With no tokens, the only guard is that the server listens on loopback: a page
             # whose name is made to resolve to 127.0.0.1 (DNS rebinding) would get past
             # it, and its requests name that page's host.
-            self._refused("refused %s host=%r client=%s: auth is off and the name is not"
+            self.refused("refused %s host=%r client=%s: auth is off and the name is not"
                         " loopback", scope["type"], printable(host), _client(scope))
             return 403, "host_not_allowed", (f"Host {host!r} is not this server's name; with"
                                              " no tokens only loopback names are served")
@@ -130,13 +130,13 @@ class Door:
                     # A browser without a session is sent to the login form: every first
                     # visit does that, no warning. A cookie that stopped working (its
                     # token revoked) is worth an INFO line.
-                    self._refused("sent %s %s to the login form client=%s%s", scope["method"],
+                    self.refused("sent %s %s to the login form client=%s%s", scope["method"],
                                   printable(path), _client(scope),
                                   ": its session cookie is not a valid admin token"
                                   if by_cookie else "",
                                   level=logging.INFO if by_cookie else logging.DEBUG)
                 else:
-                    self._refused("refused %s %s client=%s: no valid %s", scope["type"],
+                    self.refused("refused %s %s client=%s: no valid %s", scope["type"],
                                   printable(path), _client(scope),
                                   "session cookie" if by_cookie else "token")
                 return 401, "unauthorized", unauthorized(headers.get("authorization"))
@@ -154,7 +154,7 @@ class Door:
                                                     "no id or name is empty")
         if unsafe and (ui or scope.get("rota.cookie")):
             if not same_origin(headers):
-                self._refused("refused %s %s client=%s: not from this origin", scope["method"],
+                self.refused("refused %s %s client=%s: not from this origin", scope["method"],
                               printable(path), _client(scope))
                 return 403, "cross_site", ("a browser's state-changing request must come from"
                                            " this server's own pages")
@@ -198,8 +198,7 @@ class Gate:
 def unauthorized(authorization: str | None) -> str:
     """Why a request is refused 401: no token, or the one given is none of this server's
     (a caller told to send a token when it sent one looks for the wrong mistake)."""
-    if authorization is None or not authorization.startswith("Bearer ") \
-            or not authorization[len("Bearer "):].strip():
+    if bearer(authorization) is None:
         return "send a token: 'Authorization: Bearer rota_...'"
     return ("the token given is not valid here: revoked, mistyped, or made by a server on"
             " another database")

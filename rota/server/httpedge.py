@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from http import HTTPStatus
 from typing import Any
+
+import msgspec
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -186,6 +189,11 @@ class GuardedHttp(HttpToolsProtocol):
         must not hold the loop. The socket is still read meanwhile, so that a client that
         gives up waiting is seen to go, and its turn costs nothing; what it sends before
         the 101 (a compliant client sends nothing) is kept for the WebSocket protocol."""
+        if self.parser.get_http_version() != "1.1":  # (uvicorn would pass it on as 1.1)
+            refuse(self.transport, 400, "bad_handshake",
+                   "a WebSocket handshake is an HTTP/1.1 request (RFC 6455, section 4.1)",
+                   app=self.config.app, client=self.client)
+            return
         self._early = bytearray()
         pacer_for(self.loop).admit(self.loop, self._upgrade)
 
@@ -209,18 +217,11 @@ class GuardedHttp(HttpToolsProtocol):
         # A request the HTTP parser refuses (a control character in a header, a bad
         # Content-Length) is answered before Rota sees it; in JSON, as every other error.
         if self._headers_too_large:
-            status = b"431 Request Header Fields Too Large"
-            body = (b'{"error":{"code":"headers_too_large","message":"the request line and'
-                    b' headers are over %d bytes"}}' % MAX_HEADER_BYTES)
+            refuse(self.transport, 431, "headers_too_large", "the request line and headers"
+                   f" are over {MAX_HEADER_BYTES} bytes")
         else:
-            status = b"400 Bad Request"
-            body = (b'{"error":{"code":"bad_http_request","message":"the request is not valid'
-                    b' HTTP/1.1 (' + msg.encode("ascii", "replace").replace(b'"', b"'")
-                    + b')"}}')
-        self.transport.write(b"".join([
-            b"HTTP/1.1 ", status, b"\r\ncontent-type: application/json\r\n",
-            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body]))
-        self.transport.close()
+            refuse(self.transport, 400, "bad_http_request",
+                   f"the request is not valid HTTP/1.1 ({msg})")
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
@@ -240,6 +241,25 @@ class GuardedHttp(HttpToolsProtocol):
         log.warning("closing a connection from %s: no request headers within %gs",
                     peer(self.client), self.header_timeout)
         self.transport.close()
+
+
+def refuse(transport: asyncio.Transport, status: int, code: str, message: str,
+           headers: tuple[tuple[str, str], ...] = (), *, app: Any = None,
+           client: tuple[str, int] | None = None) -> None:
+    """Answer what the edge refuses before any route sees it, in Rota's JSON error shape,
+    and close the connection. With ``app``, a refused WebSocket handshake: logged at the
+    rate of the gate's refusals (rota/server/gate.py), as anyone may send one."""
+    door = getattr(getattr(app, "state", None), "door", None)
+    if door is not None:
+        door.refused("refused a WebSocket handshake client=%s: %d %s (%s)", peer(client),
+                     status, code, message)
+    body = msgspec.json.encode({"error": {"code": code, "message": message}})
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers)
+    transport.write(
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json"
+        f"\r\ncontent-length: {len(body)}\r\nconnection: close\r\n{head}\r\n"
+        .encode("latin-1", "replace") + body)
+    transport.close()
 
 
 def peer(client: tuple[str, int] | None) -> str:

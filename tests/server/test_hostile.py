@@ -420,7 +420,7 @@ async def test_every_header_rota_reads(watched: Watch):
                                       b"Authorization: " + value + b"\r\n\r\n")
         assert (status, json.loads(body)["error"]["code"]) == expected, name
         if status == 401:  # a token sent is said to be refused, not missing
-            given = value.startswith(b"Bearer ") and bool(value[7:].strip())
+            given = value[:7].lower() == b"bearer " and bool(value[7:].strip())
             assert json.loads(body)["error"]["message"].startswith(
                 "the token given is not valid here" if given else "send a token"), name
         watched.pairs += 1

@@ -93,6 +93,23 @@ async def test_http_needs_a_valid_token(guarded: Live):
         assert "server_to_worker" in schema.json()["$defs"]
 
 
+async def test_the_schemes_case_does_not_matter(guarded: Live):
+    # RFC 9110, section 11.1: "bearer" and "BEARER" are "Bearer", on every way in.
+    secret = await make_token(guarded, "admin")
+    for scheme in ("bearer", "BEARER", "BeArEr"):
+        headers = {"Authorization": f"{scheme} {secret}"}
+        async with httpx.AsyncClient(base_url=guarded.base, headers=headers) as client:
+            assert (await client.get("/specs")).status_code == 200, scheme  # (Starlette)
+            made = await client.post("/jobs", json={"spec": "echo", "args": {}})  # (direct)
+            assert made.status_code == 201, (scheme, made.text)
+        worker = await RawWorker.open(guarded.ws, f"case-{scheme}", additional_headers=headers)
+        try:
+            assert (await worker.register([]))["type"] == "welcome", scheme  # (the handshake)
+        finally:
+            await worker.ws.close()
+    await bystander_still_works(guarded)
+
+
 async def test_a_producer_enqueues_and_sees_only_its_own_jobs(guarded: Live):
     mine, other = await make_tokens(guarded, ("producer", None), ("producer", None))
     async with httpx.AsyncClient(base_url=guarded.base, headers=bearer(mine)) as producer:
