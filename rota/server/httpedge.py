@@ -56,12 +56,20 @@ class Corked:
             self._loop.call_soon(self.flush)
             return
         held, self._held = self._held, None
-        self._transport.write(held + data)
+        self._send(held + data)
 
     def flush(self) -> None:
         if self._held is not None:
             held, self._held = self._held, None
-            self._transport.write(held)
+            self._send(held)
+
+    def _send(self, data: bytes) -> None:
+        # A pipelining client may leave before the request in hand is answered, and
+        # uvicorn tells only the cycle it holds: uvloop refuses a write to a closed
+        # transport with a RuntimeError (asyncio's loop ignores it), which reached the log
+        # as an internal error with its traceback.
+        if not self._transport.is_closing():
+            self._transport.write(data)
 
     def close(self) -> None:
         self.flush()
@@ -85,12 +93,15 @@ class GuardedHttp(HttpToolsProtocol):
     _deadline: asyncio.TimerHandle | None = None
     _header_bytes = 0
     _headers_too_large = False
+    _in_body = False  # the request's headers are complete: what comes is its body
+    _body_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
     def on_message_begin(self) -> None:
+        self._in_body = False
         super().on_message_begin()
         self._unset_keepalive_if_required()  # a request begun in the same read: not idle
         self._header_bytes = 0
@@ -104,6 +115,11 @@ class GuardedHttp(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value))
+        if self._in_body:
+            # A chunked body's trailer: uvicorn would add it to the request's headers,
+            # where an Authorization or an Origin in it counted or not as the TCP reads
+            # fell (RFC 9110, section 6.5: a trailer is not a header to act on).
+            return
         super().on_header(name, value)
 
     def _count(self, size: int) -> None:
@@ -115,6 +131,7 @@ class GuardedHttp(HttpToolsProtocol):
             raise ValueError("request headers too large")
 
     def on_headers_complete(self) -> None:
+        self._in_body = True
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -171,6 +188,10 @@ class GuardedHttp(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
         cycle = self.cycle
         if isinstance(cycle, Direct):
             cycle.complete()
@@ -183,6 +204,23 @@ class GuardedHttp(HttpToolsProtocol):
             # open for ever. It is idle from here.
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._in_body and self._body_deadline is None and not self.transport.is_closing():
+            # Answered before its body ended (a refusal at the door, a 413): the rest of
+            # the body must still come within --body-timeout. Each byte of it put off the
+            # keep-alive timer, so a refused client could trickle a long body for ever.
+            settings = self.config.app.state.coordinator.settings
+            self._body_deadline = self.loop.call_later(settings.body_timeout,
+                                                       self._body_too_slow)
+
+    def _body_too_slow(self) -> None:
+        self._body_deadline = None
+        if self._in_body:
+            log.info("closing a connection from %s: the rest of an answered request's body"
+                     " did not arrive in time", peer(self.client))
+            self.transport.close()
 
     def handle_websocket_upgrade(self) -> None:
         """The handshake waits for its turn (rota/server/pacing.py): a reconnect storm
@@ -226,6 +264,8 @@ class GuardedHttp(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
         super().connection_lost(exc)
 
     def drop(self) -> None:
