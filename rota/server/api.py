@@ -219,6 +219,8 @@ async def result_of(coordinator: Coordinator, principal: Principal, job_id: str,
                     path: str) -> Response:
     """``GET /jobs/{id}/result?wait=``'s answer (``path``, for a refusal's words): the
     route above, or the protocol's direct one (rota/server/direct.py)."""
+    if not principal.may("producer"):  # (who may ask comes before how it asks)
+        raise forbidden(principal, "GET", path, ("producer",))
     # A number as JSON writes one (and str(float)): float() would also take "1_0", "nan",
     # "inf" and " 1 ".
     if not SECONDS.fullmatch(text):
@@ -227,8 +229,6 @@ async def result_of(coordinator: Coordinator, principal: Principal, job_id: str,
     if not 0 <= wait <= coordinator.settings.max_result_wait:
         return error(400, "invalid_wait",
                      f"wait must be between 0 and {coordinator.settings.max_result_wait} seconds")
-    if not principal.may("producer"):
-        raise forbidden(principal, "GET", path, ("producer",))
     found = await find_job_for(coordinator, principal, job_id)
     if found is None:
         return await no_job(coordinator, principal, job_id)

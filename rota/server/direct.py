@@ -99,7 +99,7 @@ class Direct:
 
     __slots__ = ("protocol", "route", "path", "target", "query", "headers", "keep_alive",
                  "limit", "more_body", "answered", "response_complete", "disconnected",
-                 "overflow", "admitted", "chunks", "size", "body", "waiter")
+                 "overflow", "admitted", "chunks", "size", "body", "waiter", "task")
 
     def __init__(self, protocol: HttpToolsProtocol, route: Route, path: str, target: str,
                  query: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool,
@@ -122,6 +122,7 @@ class Direct:
         self.size = 0
         self.body = b""
         self.waiter: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[None] | None = None
 
     # -- what the protocol tells it (its parser's callbacks, a lost connection) -----------
 
@@ -150,6 +151,12 @@ class Direct:
 
     def set(self) -> None:
         self._wake()
+        if (self.disconnected and not self.route.posted and not self.answered
+                and self.task is not None):
+            # A result's wait whose client left: nobody is left to answer, and the wait
+            # held one of its token's --max-waits-per-token until it ran out. (Not an
+            # enqueue's: its write goes on, and is answered to nobody.)
+            self.task.cancel()
 
     def _wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -159,7 +166,7 @@ class Direct:
 
     def start(self) -> None:
         protocol = self.protocol
-        task = protocol.loop.create_task(self.run())
+        task = self.task = protocol.loop.create_task(self.run())
         protocol.tasks.add(task)  # counted against --max-connections, awaited at shutdown
         task.add_done_callback(protocol.tasks.discard)
 

@@ -141,6 +141,34 @@ async def test_one_token_cannot_take_every_connection_with_result_waits(
     await asyncio.gather(*polls, return_exceptions=True)
 
 
+async def test_a_wait_whose_client_left_gives_its_share_back_at_once(waits: Live):
+    """Four waits of a token whose clients leave: each gave its place back only when its
+    300 s ran out, and the token's next wait was refused 429 meanwhile."""
+    (producer,) = await make_tokens(waits, ("producer", None))
+    job = await enqueue(waits, producer)
+    request = (f"GET /jobs/{job}/result?wait=300 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               f"Authorization: Bearer {producer}\r\n\r\n").encode()
+    gone = []
+    for _ in range(4):
+        reader, writer = await asyncio.open_connection("127.0.0.1", waits.port)
+        writer.write(request)
+        gone.append(writer)
+    await wait_until(lambda: len(waits.coordinator.watching.waiters.get(job, [])) == 4,
+                     what="the four waits")
+    for writer in gone:
+        writer.close()
+    await wait_until(lambda: not waits.coordinator.watching.waiters.get(job),
+                     what="the waits of the clients gone to end")
+    async with httpx.AsyncClient(base_url=waits.base, timeout=30) as fresh:
+        mine = await fresh.get(f"/jobs/{job}/result?wait=0.1", headers=bearer(producer))
+    assert mine.status_code == 202, mine.text
+    # (who may ask is judged before how: a worker's token with a bad wait is forbidden)
+    (worker,) = await make_tokens(waits, ("worker", None))
+    async with httpx.AsyncClient(base_url=waits.base, timeout=30) as client:
+        refused = await client.get(f"/jobs/{job}/result?wait=soon", headers=bearer(worker))
+    assert refused.status_code == 403, refused.text
+
+
 async def test_healthz_is_answered_when_every_connection_is_taken(waits: Live):
     idle = [socket.create_connection(("127.0.0.1", waits.port)) for _ in range(12)]
     try:
