@@ -92,8 +92,11 @@ class Door:
     def _refusal(self, scope: Scope, headers: dict[str, str], *, repeated: bool = False
                  ) -> tuple[int, str, str] | None:
         settings = self.coordinator.settings
-        if repeated and sum(1 for k, _ in scope["headers"] if k == b"authorization") > 1:
-            return 400, "duplicate_header", "send one Authorization header"
+        if repeated:  # (a header this gate reads: which of two to believe?)
+            for name, shown in ((b"authorization", "Authorization"), (b"host", "Host"),
+                                (b"origin", "Origin")):
+                if sum(1 for k, _ in scope["headers"] if k == name) > 1:
+                    return 400, "duplicate_header", f"send one {shown} header"
         # Browsers send Origin (and Sec-Fetch-Site); workers and clients do not. A page
         # must not borrow a browser's network position to take jobs or give orders: a
         # plain-text POST needs no preflight, so without this any site could enqueue

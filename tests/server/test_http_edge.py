@@ -125,3 +125,19 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                   if line.lower().startswith(b"content-length:"))
     return int(head.split(b" ")[1]), await asyncio.wait_for(reader.readexactly(length), 5)
+
+
+async def test_two_hosts_or_two_origins_are_refused_not_chosen_between(
+        live: Live, log: list[logging.LogRecord]) -> None:
+    """The gate checks Host (auth off: loopback names only) and Origin; with two, one
+    was checked and the other could be the one a proxy or an app behind believed."""
+    port = live.settings.port
+    for extra in (b"Host: evil.example\r\nHost: 127.0.0.1\r\n",
+                  b"Host: 127.0.0.1\r\nHost: 127.0.0.1\r\n",
+                  b"Host: 127.0.0.1\r\nOrigin: http://127.0.0.1\r\nOrigin: http://127.0.0.1\r\n"):
+        for line in (b"GET /specs HTTP/1.1\r\n", b"POST /jobs HTTP/1.1\r\n"):
+            status, body = await raw_http(port, line + extra + b"Content-Length: 2\r\n\r\n{}")
+            assert (status, json.loads(body)["error"]["code"]) == (400, "duplicate_header"), (
+                line, extra)
+    status, _ = await raw_http(port, b"GET /specs HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert status == 200
