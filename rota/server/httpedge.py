@@ -95,6 +95,7 @@ class GuardedHttp(HttpToolsProtocol):
     _headers_too_large = False
     _in_body = False  # the request's headers are complete: what comes is its body
     _body_deadline: asyncio.TimerHandle | None = None
+    _refused_upgrade = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -135,6 +136,8 @@ class GuardedHttp(HttpToolsProtocol):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+        if self.parser.should_upgrade() and self._unreadable_body():
+            return
         if self._direct():
             return
         # (weak: no cycle from the protocol through its scope back to it)
@@ -150,6 +153,26 @@ class GuardedHttp(HttpToolsProtocol):
         cycle = getattr(self, "cycle", None)
         if cycle is not None and getattr(cycle, "transport", None) is self.transport:
             cycle.transport = Corked(self.transport, self.loop)
+
+    def _unreadable_body(self) -> bool:
+        """Whether this is an Upgrade to something other than a WebSocket (h2c: what
+        ``curl --http2`` sends to an http:// URL) with a body, which is then refused. The
+        HTTP parser hands everything after an Upgrade's headers to the new protocol, so
+        its body would never be read: the route got none ("the body is empty")."""
+        headers = dict(self.headers)
+        if headers.get(b"upgrade", b"").lower() == b"websocket" or not (
+                headers.get(b"content-length", b"0").strip() not in (b"", b"0")
+                or b"transfer-encoding" in headers):
+            return False
+        self._refused_upgrade = True
+        refuse(self.transport, 400, "upgrade_not_supported", "this server speaks HTTP/1.1"
+               " only: send the request without its Upgrade header (curl: --http1.1)")
+        return True
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # An Upgrade to anything but a WebSocket is ignored, as RFC 9110 lets a server do,
+        # or refused above: uvicorn's WARNING for each was a line anyone could repeat.
+        pass
 
     def _direct(self) -> bool:
         """Whether this request is one the protocol serves itself (rota/server/direct.py);
@@ -181,6 +204,8 @@ class GuardedHttp(HttpToolsProtocol):
             super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
+        if self._refused_upgrade:
+            return  # (answered, and no cycle was made for it)
         cycle = self.cycle
         if isinstance(cycle, Direct):
             cycle.feed(body)
@@ -189,6 +214,8 @@ class GuardedHttp(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_body = False
+        if self._refused_upgrade:
+            return
         if self._body_deadline is not None:
             self._body_deadline.cancel()
             self._body_deadline = None
@@ -237,7 +264,8 @@ class GuardedHttp(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._early is None:
-            super().data_received(data)
+            if not self.transport.is_closing():  # (refused and closing: the rest is moot)
+                super().data_received(data)
             return
         self._early += data
         if len(self._early) > MAX_HEADER_BYTES:  # not a client waiting for its 101

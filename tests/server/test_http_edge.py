@@ -141,3 +141,31 @@ async def test_two_hosts_or_two_origins_are_refused_not_chosen_between(
                 line, extra)
     status, _ = await raw_http(port, b"GET /specs HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert status == 200
+
+
+async def test_an_upgrade_to_http2_is_ignored_or_refused_never_half_read(
+        live: Live, log: list[logging.LogRecord]) -> None:
+    """``curl --http2`` to an http:// URL asks for an Upgrade to h2c. Without a body the
+    request is served as HTTP/1.1 (RFC 9110 lets a server ignore an Upgrade); with one,
+    which the HTTP parser would hand to the new protocol unread, it is refused, saying
+    what to do, rather than answered "the body is empty". A WebSocket Upgrade with a
+    body, on any route, is a handshake refused (it was never answered)."""
+    port = live.settings.port
+    h2c = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABk\r\n"
+    status, body = await raw_http(port, b"GET /specs HTTP/1.1\r\nHost: 127.0.0.1\r\n" + h2c
+                                  + b"\r\n")
+    assert status == 200, body
+    job = json.dumps({"spec": "echo"}).encode()
+    for path in (b"/jobs", b"/specs"):
+        status, body = await raw_http(port, b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1"
+                                      b"\r\n" + h2c + b"Content-Length: %d\r\n\r\n" % len(job)
+                                      + job)
+        assert (status, json.loads(body)["error"]["code"]) == (400, "upgrade_not_supported")
+        assert "--http1.1" in json.loads(body)["error"]["message"]
+    status, body = await raw_http(port, b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                  b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
+                                  b"Sec-WebSocket-Version: 13\r\n"
+                                  b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                                  b"Content-Length: %d\r\n\r\n" % len(job) + job)
+    assert (status, json.loads(body)["error"]["code"]) == (400, "bad_handshake"), body
+    assert not [r for r in log if r.levelno >= logging.WARNING and r.name.startswith("uvicorn")]
