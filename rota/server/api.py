@@ -6,6 +6,8 @@ rota/server/api_base.py; the route table that serves them is rota/server/routes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 from typing import Annotated, Any, Literal
 
@@ -210,9 +212,27 @@ async def retry_job(request: Request) -> Response:
 
 
 async def job_result(request: Request) -> Response:
-    return await result_of(coordinator_of(request), principal_of(request.scope),
-                           request.path_params["job_id"], request.query_params.get("wait", "0"),
-                           request.url.path)
+    # (The route the protocol does not serve itself: an id percent-encoded, an Expect.)
+    answer = asyncio.ensure_future(result_of(
+        coordinator_of(request), principal_of(request.scope), request.path_params["job_id"],
+        request.query_params.get("wait", "0"), request.url.path))
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not answer.done():  # its client left: the wait gives its token's place back now
+        answer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await answer
+        return Response(status_code=499)  # (read by nobody)
+    return answer.result()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the request's client has closed its connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def result_of(coordinator: Coordinator, principal: Principal, job_id: str, text: str,

@@ -78,6 +78,7 @@ class Door:
         the scope; and the headers as text, which the caller lets go of with its frame."""
         raw = scope["headers"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        repeated = len(headers) != len(raw)  # (before the cookie may add one)
         # The session cookie stands for a token on HTTP only: /work is for workers.
         if (scope["type"] == "http" and "authorization" not in headers
                 and COOKIE in headers.get("cookie", "")):
@@ -87,7 +88,7 @@ class Door:
                 scope["rota.cookie"] = True
         if self.coordinator.tokens.unknown(headers.get("authorization")):
             await self.coordinator.reread_tokens()  # created a moment ago?
-        return self._refusal(scope, headers, repeated=len(headers) != len(raw)), headers
+        return self._refusal(scope, headers, repeated=repeated), headers
 
     def _refusal(self, scope: Scope, headers: dict[str, str], *, repeated: bool = False
                  ) -> tuple[int, str, str] | None:

@@ -20,6 +20,7 @@ import msgspec
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from rota.base.logs import printable
 from rota.server.api_base import DROP
 from rota.server.direct import Direct, match
 from rota.server.pacing import pacer_for
@@ -96,6 +97,7 @@ class GuardedHttp(HttpToolsProtocol):
     _in_body = False  # the request's headers are complete: what comes is its body
     _body_deadline: asyncio.TimerHandle | None = None
     _refused_upgrade = False
+    _refusal: tuple[int, str, str] | None = None  # owed once the answers before it are out
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -165,8 +167,14 @@ class GuardedHttp(HttpToolsProtocol):
                 or b"transfer-encoding" in headers):
             return False
         self._refused_upgrade = True
-        refuse(self.transport, 400, "upgrade_not_supported", "this server speaks HTTP/1.1"
-               " only: send the request without its Upgrade header (curl: --http1.1)")
+        refusal = (400, "upgrade_not_supported", "this server speaks HTTP/1.1 only: send the"
+                   " request without its Upgrade header (curl: --http1.1)")
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            refuse(self.transport, *refusal)
+        else:  # answered after the requests pipelined before it, in order
+            self._refusal = refusal
+            self.flow.pause_reading()  # (nothing after it can be read as a request)
         return True
 
     def _unsupported_upgrade_warning(self) -> None:
@@ -234,19 +242,26 @@ class GuardedHttp(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._in_body and self._body_deadline is None and not self.transport.is_closing():
-            # Answered before its body ended (a refusal at the door, a 413): the rest of
-            # the body must still come within --body-timeout. Each byte of it put off the
-            # keep-alive timer, so a refused client could trickle a long body for ever.
+        cycle = self.cycle
+        if (self._in_body and cycle is not None and cycle.response_complete
+                and self._body_deadline is None and not self.transport.is_closing()):
+            # The request just answered is the one whose body is still coming (answered
+            # before it ended: a refusal at the door, a 413): the rest must still come
+            # within --body-timeout. Each byte of it put off the keep-alive timer, so a
+            # refused client could trickle a long body for ever. (A request pipelined
+            # behind, not yet answered, has its route's own deadline.)
             settings = self.config.app.state.coordinator.settings
             self._body_deadline = self.loop.call_later(settings.body_timeout,
                                                        self._body_too_slow)
+        if self._refusal is not None and not self.pipeline:
+            refusal, self._refusal = self._refusal, None
+            refuse(self.transport, *refusal)  # (its turn: the answers before it are out)
 
     def _body_too_slow(self) -> None:
         self._body_deadline = None
         if self._in_body:
-            log.info("closing a connection from %s: the rest of an answered request's body"
-                     " did not arrive in time", peer(self.client))
+            log.debug("closing a connection from %s: the rest of an answered request's body"
+                      " did not arrive in time", peer(self.client))
             self.transport.close()
 
     def handle_websocket_upgrade(self) -> None:
@@ -320,7 +335,7 @@ def refuse(transport: asyncio.Transport, status: int, code: str, message: str,
     door = getattr(getattr(app, "state", None), "door", None)
     if door is not None:
         door.refused("refused a WebSocket handshake client=%s: %d %s (%s)", peer(client),
-                     status, code, message)
+                     status, code, printable(message))
     body = msgspec.json.encode({"error": {"code": code, "message": message}})
     head = "".join(f"{name}: {value}\r\n" for name, value in headers)
     transport.write(

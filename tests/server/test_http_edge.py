@@ -108,6 +108,17 @@ async def test_a_refused_requests_body_still_has_its_deadline(
                 pass
         assert ended, f"{head!r}: still open after 5 s"
         writer.close()
+    # A request pipelined behind one answered at once, its body short: its own route's
+    # 408 answers it (the deadline of an answered request's body is not its own).
+    admin = (await make_tokens(live, ("admin", None)))[0].encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", live.settings.port)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nPOST /jobs HTTP/1.1\r\n"
+                 b"Host: 127.0.0.1\r\nAuthorization: Bearer " + admin + b"\r\n"
+                 b"Content-Length: 20\r\n\r\n{\"spe")
+    assert (await read_answer(reader))[0] == 200
+    status, body = await read_answer(reader)
+    assert (status, json.loads(body)["error"]["code"]) == (408, "body_timeout"), body
+    writer.close()
     reader, writer = await asyncio.open_connection("127.0.0.1", live.settings.port)
     refused = (b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer nothing\r\n"
                b"Content-Length: 2\r\n\r\n")
@@ -141,6 +152,12 @@ async def test_two_hosts_or_two_origins_are_refused_not_chosen_between(
                 line, extra)
     status, _ = await raw_http(port, b"GET /specs HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert status == 200
+    # The dashboard's cookie stands for an Authorization header: not for a second Host.
+    (secret,) = await make_tokens(live, ("admin", None))
+    status, body = await raw_http(port, b"GET /specs HTTP/1.1\r\nHost: evil.example\r\n"
+                                  b"Host: 127.0.0.1\r\nCookie: rota_session="
+                                  + secret.encode() + b"\r\n\r\n")
+    assert (status, json.loads(body)["error"]["code"]) == (400, "duplicate_header"), body
 
 
 async def test_an_upgrade_to_http2_is_ignored_or_refused_never_half_read(
@@ -162,6 +179,16 @@ async def test_an_upgrade_to_http2_is_ignored_or_refused_never_half_read(
                                       + job)
         assert (status, json.loads(body)["error"]["code"]) == (400, "upgrade_not_supported")
         assert "--http1.1" in json.loads(body)["error"]["message"]
+    # Behind a request still being served: answered after it, in order.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /jobs/nothing/result?wait=0.3 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                 b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n" + h2c
+                 + b"Content-Length: %d\r\n\r\n" % len(job) + job)
+    first, second = await read_answer(reader), await read_answer(reader)
+    assert (first[0], second[0]) == (404, 400), (first, second)
+    assert json.loads(second[1])["error"]["code"] == "upgrade_not_supported"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
     status, body = await raw_http(port, b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                   b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
                                   b"Sec-WebSocket-Version: 13\r\n"

@@ -90,3 +90,13 @@ async def test_many_unreadable_handshakes_hold_no_connection_and_harm_no_worker(
     assert (await live.http.get("/healthz")).status_code == 200
     # (the refusals' lines keep the gate's rate: a burst of ten, then one a second)
     assert len([r for r in log if "refused a WebSocket handshake" in r.getMessage()]) <= 11
+
+
+async def test_a_refusals_line_shows_what_the_client_sent_escaped(
+        live: Live, log: list[logging.LogRecord]) -> None:
+    request = handshake(key=b"Sec-WebSocket-Key: \x85\x9b31mred\r\n")
+    status, _, body, ended = await answer_and_end(live.settings.port, request)
+    assert status == 400 and ended, body
+    lines = [r.getMessage() for r in log if "refused a WebSocket handshake" in r.getMessage()]
+    assert len(lines) == 1 and "\\x85" in lines[0], lines
+    assert not any(c in lines[0] for c in "\x85\x9b\n"), lines
