@@ -146,8 +146,9 @@ class Heartbeats:
         has not read): ``full``, above the high-water mark, and ``over``, above the limit.
 
         A full outbox gets no new jobs, since each would only wait in the server's memory;
-        when it drains, a round runs for the jobs that waited meanwhile. One over the
-        limit is closed by ``tick`` if it stays there ``outbox_close_after`` seconds."""
+        when it drains, a round runs for the jobs that waited meanwhile. One that stays
+        full ``outbox_close_after`` seconds is closed by ``tick``: its worker stopped
+        reading, however little it left unread, and the jobs it was sent wait on it."""
         connection = self.registry.get(worker_id, conn)
         if connection is None:
             return []
@@ -155,16 +156,20 @@ class Heartbeats:
         effects: list[Effect] = []
         if full != worker.blocked:
             worker.blocked = full
-            log.info("outbox %s worker=%s", "full: no new jobs until it reads" if full
-                     else "drained", worker_id)
+            if full:
+                log.info("outbox full worker=%s: no new jobs until it reads (closed if it"
+                         " stays full for %gs)", worker_id, self.settings.outbox_close_after)
+            else:
+                log.info("outbox drained worker=%s", worker_id)
             if not full and worker.free() > 0:
                 effects.append(Wake())
-        if not over:
-            connection.over_since = None
-        elif connection.over_since is None:
-            connection.over_since = now.mono
-            log.warning("outbox over %d bytes worker=%s: closed if it stays over for %gs",
-                        self.settings.outbox_limit, worker_id, self.settings.outbox_close_after)
+        if not full:
+            connection.full_since = None
+        elif connection.full_since is None:
+            connection.full_since = now.mono
+        if over and not connection.over:
+            log.warning("outbox over %d bytes worker=%s", self.settings.outbox_limit, worker_id)
+        connection.over = over
         return effects
 
     def revoked(self, valid: Callable[[Principal], bool]) -> list[Effect]:

@@ -61,7 +61,10 @@ class ConnectedWorker:
     # Lean acks: an idle beat within this many seconds of the last ack gets none (§4.2).
     ack_window: float = 0.0
     logged: bool = True  # its registration was logged (and so its disconnect will be)
-    over_since: float | None = None  # monotonic: since when its outbox is over the limit
+    # Monotonic: since when its outbox is full (over the high-water mark, not drained
+    # below a quarter of it), and whether it is over the limit too.
+    full_since: float | None = None
+    over: bool = False
     # Lists, not deques: an empty deque takes 760 bytes, and 10,000 idle connections
     # each held two (both stay short: 20 alerts at most, acks one or two).
     alerts: list[dict[str, Any]] = field(default_factory=list)  # the latest, for GET /workers
@@ -191,9 +194,9 @@ class Registry:
         return [c for c in self.connections.values() if c.conn > 0 and now - c.last_seen > timeout]
 
     def backed_up(self, now: float, limit: float) -> list[ConnectedWorker]:
-        """Connections whose outbox has been over its limit for longer than ``limit``."""
+        """Connections whose outbox has been full for longer than ``limit``."""
         return [c for c in self.connections.values()
-                if c.over_since is not None and now - c.over_since > limit]
+                if c.full_since is not None and now - c.full_since > limit]
 
     def shift(self, delta: float, now: float) -> None:
         """The server was not listening for ``delta`` seconds: that silence is its own,
@@ -201,8 +204,8 @@ class Registry:
         could it see an outbox drain meanwhile: that time is not held against it either."""
         for connection in self.connections.values():
             connection.last_seen = min(now, connection.last_seen + delta)
-            if connection.over_since is not None:
-                connection.over_since = min(now, connection.over_since + delta)
+            if connection.full_since is not None:
+                connection.full_since = min(now, connection.full_since + delta)
 
     def direct(self, worker_ids: Iterable[str], state: str) -> list[str]:
         """Ask workers to go quiet or terminate, or quiet ones to run again (``resume``);

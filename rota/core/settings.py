@@ -152,17 +152,19 @@ class ServerSettings:
         " jobs then get the reconnect grace).")
     # What the server holds for one /work connection that its worker has not read yet (the
     # socket's write buffer and Rota's backlog behind it). Above the high-water mark it
-    # gets no new jobs until that drains below a quarter of the mark; over the limit for
-    # outbox_close_after without a break, it is closed (slow_consumer).
+    # gets no new jobs until that drains below a quarter of the mark; above it for
+    # outbox_close_after without that, it is closed (slow_consumer); over the limit, a
+    # WARNING says so.
     outbox_high_water: int = option(
         1 << 20, help="Bytes sent to one /work connection and not yet read by its worker"
         " above which it gets no new jobs, until they drain below a quarter of it.")
     outbox_limit: int = option(
-        8 << 20, help="Bytes sent to one /work connection and not read, above which it is"
-        " closed if it stays there --outbox-close-after seconds.")
+        8 << 20, help="Bytes sent to one /work connection and not read, above which a"
+        " WARNING says so (it is closed as any full outbox, after --outbox-close-after).")
     outbox_close_after: float = option(
-        30.0, help="Seconds a /work connection may stay over --outbox-limit before it is"
-        " closed (slow_consumer; its jobs then get the reconnect grace).")
+        30.0, help="Seconds a /work connection may stay over --outbox-high-water, not"
+        " drained below a quarter of it, before it is closed (slow_consumer; its jobs then"
+        " get the reconnect grace).")
     registration_timeout: float = option(  # a /work socket must register within this
         5.0, help="Seconds a new /work socket has to register.")
     header_timeout: float = option(  # a client must send a request's headers within this

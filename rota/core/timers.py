@@ -115,11 +115,10 @@ class Timers:
                                    connection, now)
         after = self.settings.outbox_close_after
         for connection in self.registry.backed_up(now.mono, after):
-            log.warning("slow consumer worker=%s: outbox over %d bytes for %.1fs",
-                        connection.worker.id, self.settings.outbox_limit,
-                        now.mono - (connection.over_since or now.mono))
-            effects += self._abort("slow_consumer", f"over {self.settings.outbox_limit} bytes"
-                                   f" sent and not read for {after:g}s", connection, now)
+            log.warning("slow consumer worker=%s: outbox full for %.1fs", connection.worker.id,
+                        now.mono - (connection.full_since or now.mono))
+            effects += self._abort("slow_consumer", f"over {self.settings.outbox_high_water}"
+                                   f" bytes sent and not read for {after:g}s", connection, now)
         return effects
 
     def _abort(self, code: str, message: str, connection: ConnectedWorker, now: Instant

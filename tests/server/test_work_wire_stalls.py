@@ -40,7 +40,7 @@ async def run_jobs(peer: Peer, capacity: int, done: list[str]) -> None:
 
 
 @pytest.mark.parametrize("live", [{
-    "outbox_high_water": 64 << 10, "outbox_limit": 128 << 10, "outbox_close_after": 1.0,
+    "outbox_high_water": 64 << 10, "outbox_limit": 128 << 10, "outbox_close_after": 3.0,
     "reconnect_grace": 1.0, "heartbeat_timeout": 10.0}], indirect=True)
 async def test_a_peer_that_stops_reading_gets_no_more_jobs_is_dropped_and_loses_none(
         wire: Live, fake: Opener, log: list[logging.LogRecord], tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ async def test_a_peer_that_stops_reading_gets_no_more_jobs_is_dropped_and_loses_
         for job_id in later:  # the server serves the worker that reads...
             await wire.wait_state(job_id, "completed")
         assert "silent" in await listed(wire)  # ...while the silent one is still connected
-        await gone(wire, "silent", timeout=10)  # over the limit for long enough: let go
+        await gone(wire, "silent", timeout=10)  # full for long enough: let go
         assert said(log, "disconnect worker=silent reason=slow_consumer")
         for job_id in jobs:  # every job ran in the end, none lost
             assert (await wire.wait_state(job_id, "completed", timeout=10))["result"] == "ok"
@@ -95,6 +95,57 @@ async def test_a_peer_that_stops_reading_gets_no_more_jobs_is_dropped_and_loses_
     assert (closed.code, error and error["code"]) in (
         (1008, "slow_consumer"), (1008, None), (None, None)), (
         closed.code, closed.reason, error)
+
+
+@pytest.mark.parametrize("live", [{
+    "outbox_high_water": 16 << 10, "outbox_limit": 1 << 30, "outbox_close_after": 1.0,
+    "reconnect_grace": 1.0, "heartbeat_timeout": 10.0}], indirect=True)
+async def test_a_peer_that_stops_reading_with_little_unread_is_dropped_all_the_same(
+        wire: Live, fake: Opener, log: list[logging.LogRecord], tmp_path: Path) -> None:
+    """What it leaves unread stays far under --outbox-limit (here 1 GiB), and it keeps
+    beating. Before, it was kept for as long as it beat, and the jobs it was sent waited
+    on it until their leases ran out (30 minutes by default); now it is dropped once its
+    outbox has stayed full for --outbox-close-after, and they run elsewhere."""
+    small = write_spec(tmp_path / "specs", "small")
+    await wire.push(small)
+    silent = await fake("silent", rcvbuf=4096)
+    await silent.register([small], concurrency=1000, capacity=1000)
+    silent.transport.pause_reading()  # from here on, nothing is read
+    beating = asyncio.create_task(beat_forever(silent))
+    try:
+        jobs: list[str] = []
+        while True:  # jobs until one waits though the silent worker has room for 1000
+            answer = await wire.http.post("/jobs/batch", json={"jobs": [
+                {"spec": "small", "args": {"text": "y" * 8_000}}] * 50})
+            jobs += [result["job"]["id"] for result in answer.json()["results"]]
+            shown = await wire.job(jobs[-1])
+            if shown["state"] == "available" and NOT_READING in (shown["waiting_reason"] or ""):
+                break
+            assert len(jobs) < 1000, "the server kept sending to a worker that does not read"
+        await gone(wire, "silent", timeout=10)
+        assert said(log, "disconnect worker=silent reason=slow_consumer")
+        reader = await fake("reader")
+        await reader.register([small], concurrency=50, capacity=50)
+        done: list[str] = []
+        running = asyncio.create_task(run_jobs(reader, 50, done))
+        try:
+            for job_id in jobs:
+                assert (await wire.wait_state(job_id, "completed", timeout=15))["result"] == "ok"
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+    finally:
+        beating.cancel()
+        await asyncio.gather(beating, return_exceptions=True)
+    sent = [job for job in [await wire.job(j) for j in jobs] if job["errors"]]
+    assert sent and all(job["errors"][0]["type"] == "worker_death" for job in sent)
+
+
+async def beat_forever(peer: Peer) -> None:
+    """A worker whose sender goes on while its reader is stuck: a beat every 0.2 s."""
+    while True:
+        await peer.send(peer.beat_frame())
+        await asyncio.sleep(0.2)  # noqa: sleep-ok (a worker's pace, not a wait)
 
 
 @pytest.mark.parametrize("live", [{"outbox_high_water": 64 << 10,

@@ -418,7 +418,7 @@ def test_an_outbox_over_its_limit_too_long_is_closed_and_its_jobs_wait_the_grace
     [copy] = assign(engine, clock)
     engine.outbox(1, "w1", True, True, clock())
     effects = run_for(engine, clock, 20.0, worker="w1", active=[copy["id"]])
-    engine.outbox(1, "w1", True, False, clock())  # under the limit for a moment: starts over
+    engine.outbox(1, "w1", False, False, clock())  # drained for a moment: starts over
     engine.outbox(1, "w1", True, True, clock())
     effects += run_for(engine, clock, 29.5, worker="w1", active=[copy["id"]])
     assert not of(Abort, effects)
@@ -432,6 +432,32 @@ def test_an_outbox_over_its_limit_too_long_is_closed_and_its_jobs_wait_the_grace
     [save] = of(Save, effects)
     assert b"did not reconnect in time" in (save.changes[0].error or b"")
     assert job_of(engine, copy["id"]).state == JobState.AVAILABLE
+
+
+def test_an_outbox_full_too_long_is_closed_however_little_it_holds(engine, clock):
+    """A worker that stopped reading with less than the limit unread: the server sends
+    it nothing more, and the jobs it was sent wait on it. It was kept as long as it
+    beat (its jobs until their leases ran out); now it is closed as one over the limit."""
+    connect(engine, clock)
+    enqueue(engine, clock)
+    [copy] = assign(engine, clock)
+    engine.outbox(1, "w1", True, False, clock())  # full, under the limit
+    effects = run_for(engine, clock, 29.5, worker="w1", active=[copy["id"]])
+    assert not of(Abort, effects)
+    effects = run_for(engine, clock, 1.0, worker="w1")
+    [abort] = of(Abort, effects)
+    assert (abort.conn, abort.code) == (1, "slow_consumer")
+    assert engine.scheduler.jobs[copy["id"]].orphaned  # kept for the grace
+
+
+def test_an_outbox_that_drains_now_and_then_is_kept(engine, clock):
+    connect(engine, clock)
+    effects = []
+    for _ in range(4):  # full 20 s, drained, full again: a worker that reads, slowly
+        engine.outbox(1, "w1", True, False, clock())
+        effects += run_for(engine, clock, 20.0, worker="w1")
+        engine.outbox(1, "w1", False, False, clock())
+    assert not of(Abort, effects) and "w1" in engine.connections
 
 
 def test_a_server_stall_is_not_held_against_a_full_outbox(engine, clock):
