@@ -69,6 +69,7 @@ class Webhooks:
         # When the subscriptions were last read (wall time, about): one made through
         # another server after it is not yet followed here. Kept beside the pump's mark.
         self._read_wall = 0.0
+        self.started = asyncio.Event()  # set once the subscriptions were read at the start
         # Its own pool (not the endpoint deliveries'): receivers never wait on endpoints.
         self._egress = Egress(allow_private=settings.allow_private_endpoints)
         # When each subscription's waiting deliveries were last counted (and its log
@@ -94,6 +95,7 @@ class Webhooks:
                     self.store.readers.run(sql.subscriptions))):
                 self._track(_subscription(row))
             self._read_wall = started
+            self.started.set()
             await _until_done("looking for the job events of before the start",
                               lambda: self._after_restart(started))
             await self._pumping(last, started)

@@ -304,6 +304,9 @@ async def test_a_subscription_made_through_another_server_gets_this_ones_events_
         monkeypatch.setattr(hooks.sql, "recent_jobs", failing_once)
     async with pair_on(tmp_path, pg_url) as (pair, receiver):
         a, b = await pair.start("a"), await pair.start("b")
+        # (b's first read of the subscriptions, begun as it starts, must be over: under
+        # load it once came after the subscription was made, and b knew it at once)
+        await asyncio.wait_for(b.coordinator.webhooks.started.wait(), 20)
         sub_id = await pair.subscribe(a, receiver)
         ids = {(await b.enqueue("mail", {"n": n}))["id"] for n in range(10)}
         assert sub_id not in b.coordinator.webhooks.subs  # (b's pump passed them over)
