@@ -109,8 +109,7 @@ async def _wait_in(waiters: list[asyncio.Future[None]]) -> None:
 
 
 # websockets' refusals of a handshake, by status: Rota's error codes (docs/protocol.md, 1)
-REFUSALS = {400: "bad_handshake", 403: "forbidden", 405: "method_not_allowed",
-            426: "upgrade_required"}
+REFUSALS = {400: "bad_handshake", 405: "method_not_allowed", 426: "upgrade_required"}
 
 
 def _reason(answer: Any) -> str:

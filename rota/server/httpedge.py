@@ -13,16 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from http import HTTPStatus
 from typing import Any
 
-import msgspec
-
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from rota.base.logs import printable
 from rota.server.api_base import DROP
 from rota.server.direct import Direct, match
+from rota.server.gate import error_body
 from rota.server.pacing import pacer_for
 
 log = logging.getLogger("rota.server")
@@ -336,12 +334,11 @@ def refuse(transport: asyncio.Transport, status: int, code: str, message: str,
     if door is not None:
         door.refused("refused a WebSocket handshake client=%s: %d %s (%s)", peer(client),
                      status, code, printable(message))
-    body = msgspec.json.encode({"error": {"code": code, "message": message}})
+    body = error_body(code, message)
     head = "".join(f"{name}: {value}\r\n" for name, value in headers)
-    transport.write(
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json"
-        f"\r\ncontent-length: {len(body)}\r\nconnection: close\r\n{head}\r\n"
-        .encode("latin-1", "replace") + body)
+    transport.write(STATUS_LINE[status] + (
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        f"connection: close\r\n{head}\r\n").encode("latin-1", "replace") + body)
     transport.close()
 
 
