@@ -151,8 +151,10 @@ class Reservations:
                       " attempt=%d%s", [(job.id, job.spec, short(job.checksum), job.queue,
                                          worker_id, job.attempt, job.budget())
                                         for job in live])
+            # Its start is the round's moment, as its row and its rate's window have it,
+            # not the commit's return: a slow commit must not narrow two rounds' gap.
             for job in live:
-                job.reserved_at = now.wall
+                job.reserved_at = at.wall
             self._assigned(connection, live)
             effects += self._leased(connection, live, now)  # (rota/core/pulls.py)
             self.observe.assigned(live, worker_id, now.wall)

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 from test_engine import ROWS, FakeClock, assign, clock, commit, connect, done, engine, hb, of  # noqa: F401
-from test_engine import SEQ, SPEC, read
+from test_engine import SEQ, SPEC, job_of, read
 
 from rota.base.specs import checksum
 from rota.core.auth import OPEN
@@ -289,3 +289,26 @@ def test_limit_timers_of_one_moment_for_a_scope_and_a_key_fire_together():
     assert scheduler.flow_deadline() == 5.0
     scheduler.unpark_due(6.0)
     assert scheduler.flow_deadline() is None
+
+
+def test_a_jobs_recorded_start_is_the_moment_its_rate_counted(engine, clock):
+    """A rate counts a start when its round is planned; the job's reserved_at (its row's,
+    shown as its start) is that moment too, not when the commit came back: a slow first
+    commit and a quick second one must not put two rounds' starts under a period apart."""
+    engine.set_limits({SPEC_LIMIT: LimitRule(rate=Rate(2, 1.0))}, clock())
+    put(engine, clock, None, 4)
+    connect(engine, clock, capacity=8)
+    planned = clock()
+    [reserve] = of(Reserve, engine.dispatch(planned))
+    assert reserve.wall == planned.wall
+    clock.advance(0.05)  # the first commit is slow
+    first = [job for frame in commit_sent(engine, reserve, clock) for job in frame]
+    finish(engine, clock, first)
+    clock.advance(0.95)
+    assert of(Wake, engine.tick(clock()))
+    again = clock()
+    [reserve] = of(Reserve, engine.dispatch(again))
+    second = [job for frame in commit_sent(engine, reserve, clock) for job in frame]
+    starts = [job_of(engine, job["id"]).reserved_at for job in first + second]
+    assert starts == [planned.wall] * 2 + [again.wall] * 2
+    assert starts[2] - starts[0] >= 1.0
