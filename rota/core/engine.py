@@ -244,6 +244,12 @@ class Engine(Intake, Reservations, Heartbeats, Timers, Lines, Pulls, Endpoints):
                      len(jobs))
         return [Save([Change(job) for job in jobs])] if jobs else []
 
+    def rate_starts(self, now: Instant) -> dict[tuple[str, str | None], list[float]]:
+        """The rates' recent starts on the wall clock as it reads now, by limit name and
+        key: what the store should hold after a step, for a restart's windows."""
+        return {name: [now.wall_of(at) for at in times] for name, times
+                in self.scheduler.limiter.recent_starts(now.mono).items()}
+
     def refused(self, changes: list[Change], refused: dict[str, JobRecord | None], now: Instant
                 ) -> list[Effect]:
         """A ``Save`` without a ticket (a cancel, a retry, jobs come due) committed, and

@@ -258,8 +258,8 @@ class Flow:
             for job in self.jobs.values():
                 if job.state == "active" and job.id not in limiter.held:
                     limiter.hold(job.id, job.queue, job.spec, job.concurrency_key)
-        if starts:
-            limiter.load_starts({name: [now.deadline(at) for at in times]
+        if starts:  # (a start stored later than now, by a clock since stepped back: now)
+            limiter.load_starts({name: [now.deadline(min(at, now.wall)) for at in times]
                                  for name, times in starts.items()})
         for counter in list(self._parked):
             self._unpark(counter)

@@ -317,6 +317,16 @@ class Limiter:
             window = self.windows[counter] = Window(rate, window.starts if window else ())
         return window
 
+    def recent_starts(self, now: float) -> dict[tuple[str, str | None], list[float]]:
+        """Each rate window's starts within its period (monotonic), by limit name and
+        key, as the store keeps them: all a restart's windows need."""
+        found: dict[tuple[str, str | None], list[float]] = {}
+        for (kind, scope, key), window in self.windows.items():
+            recent = [at for at in window.starts if at > now - window.rate.period]
+            if recent:
+                found[(f"{kind}:{scope}", key)] = recent
+        return found
+
     def _prune(self) -> None:
         """Forget windows with no start left in their period (their keys went quiet): a
         scan made when their number doubled, so its cost per window stays constant."""

@@ -55,6 +55,12 @@ def clock_reading() -> ClockReading:
     return ClockReading(time.time(), time.clock_gettime(time.CLOCK_BOOTTIME), _boot_id())
 
 
+def _said(future: asyncio.Future[None]) -> None:
+    """A background write's failure, said (the store's health says it too)."""
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        log.warning("the rates' starts were not restamped: %s", exc)
+
+
 class Upkeep:
     def __init__(self, settings: ServerSettings, store: Store, engine: Engine,
                  clock: Callable[[], Instant], apply: Callable[[Iterable[Effect]], None],
@@ -108,10 +114,18 @@ class Upkeep:
         if self.store.shared:  # servers sharing a database keep their clocks in step
             return
         if now:
-            self.apply(self.engine.restamp(reading))
+            self._restamp(reading)
         else:
-            asyncio.get_running_loop().call_soon(
-                lambda: self.apply(self.engine.restamp(self.clock())))
+            asyncio.get_running_loop().call_soon(lambda: self._restamp(self.clock()))
+
+    def _restamp(self, reading: Instant) -> None:
+        """The stored moments that a restart judges by, written again on the stepped
+        clock: the waiting jobs' deadlines and the rates' recent starts."""
+        self.apply(self.engine.restamp(reading))
+        starts = self.engine.rate_starts(reading)
+        log.info("restamped rate_starts=%d: the rates' recorded starts follow the stepped"
+                 " wall clock", sum(map(len, starts.values())))
+        self.store.restamp_starts(starts).add_done_callback(_said)
 
     async def at_stop(self, *, reading: bool) -> None:
         """What the next start reads: the counts since the last write, and (``reading``)

@@ -89,6 +89,16 @@ def record_starts(conn: sqlite3.Connection, started: Sequence[Guard], now: float
                      [(name, key, now - period) for (name, key), period in longest.items()])
 
 
+def replace_starts(conn: sqlite3.Connection,
+                   starts: Mapping[tuple[str, str | None], Sequence[float]]) -> None:
+    """The recorded starts made again from the server's own windows (one server per
+    file), after its wall clock stepped: a restart reads them on the clock as it is."""
+    conn.execute("DELETE FROM limit_starts")
+    conn.executemany("INSERT INTO limit_starts (name, key, at) VALUES (?, ?, ?)",
+                     [(name, key or "", at) for (name, key), times in starts.items()
+                      for at in times])
+
+
 def prune_starts(conn: sqlite3.Connection, now: float) -> None:
     """Forget starts older than any window (those of limits no longer set, too)."""
     conn.execute("DELETE FROM limit_starts WHERE at <= ?", (now - MAX_PERIOD,))

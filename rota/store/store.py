@@ -138,6 +138,11 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
         value = msgspec.json.encode(tuple(reading)).decode()
         return self.writer.submit(lambda conn: sql.keep_reading(conn, value))
 
+    def restamp_starts(self, starts: dict[tuple[str, str | None], list[float]]
+                       ) -> asyncio.Future[None]:
+        """The rate starts as the engine's windows hold them (``limits.replace_starts``)."""
+        return self.writer.submit(lambda conn: limits.replace_starts(conn, starts))
+
     def keep_throughput(self, rows: list[tuple[Any, ...]], oldest: int) -> asyncio.Future[None]:
         """Add the per-minute counts to this server's, drop minutes before ``oldest``."""
         return self.writer.submit(

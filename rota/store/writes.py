@@ -330,6 +330,7 @@ def undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
         conn.execute("BEGIN IMMEDIATE")
         if step:
             conn.execute(_SHIFT, (step,) * 5)
+            conn.execute("UPDATE limit_starts SET at = at + ?", (step,))  # (rate windows)
         keep_reading(conn, msgspec.json.encode(tuple(reading)).decode())
         conn.execute("COMMIT")
     except sqlite3.Error as exc:  # a full or read-only disk: start as before, unshifted

@@ -15,7 +15,7 @@ import pytest
 
 from rota.core.effects import Guard
 from rota.core.limits import Rate
-from rota.core.model import JobRecord, JobState, shared_limits
+from rota.core.model import ClockReading, JobRecord, JobState, shared_limits
 from rota.core.ready import Claim, WorkerSlot
 from rota.store.store import Store
 
@@ -136,3 +136,44 @@ async def test_sqlite_records_the_starts_and_refuses_nothing(tmp_path: Path):
         await asyncio.to_thread(store.close)
     snapshot = await asyncio.to_thread(Store(tmp_path / "rota.db").load)
     assert snapshot.limit_starts == {("queue:default", None): [t0, t0, t0]}
+
+
+async def test_a_step_between_runs_moves_the_starts_with_it(tmp_path: Path):
+    """The wall clock stepped 2 h back between two runs on one file: the starts the last
+    run recorded are moved with the jobs' deadlines (writes.undo_step), so a restart's
+    windows hold them as long ago as they were, not 2 h ahead."""
+    store = Store(tmp_path / "rota.db")
+    boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    t0 = time.time()
+    await asyncio.to_thread(store.load, ClockReading(t0, boot, "b1"))
+    store.start(asyncio.get_running_loop())
+    try:
+        jobs = await stored(store, [new_job(f"s{n}", "k") for n in range(2)])
+        rate = (Guard("queue:default", None, None, Rate(5, 60.0)),)
+        await store.reserve([as_reserved(j, "w") for j in jobs], t0,
+                            guards={j.id: rate for j in jobs})
+        await store.note_clock(ClockReading(t0, boot, "b1"))
+    finally:
+        await asyncio.to_thread(store.close)
+    # 10 s later by the boot clock; the wall clock reads 2 h less than that
+    snapshot = await asyncio.to_thread(Store(tmp_path / "rota.db").load,
+                                       ClockReading(t0 + 10 - 7200, boot + 10, "b1"))
+    assert snapshot.clock_step == -7200
+    assert snapshot.limit_starts == {("queue:default", None): [t0 - 7200] * 2}
+
+
+async def test_starts_restamped_while_running_replace_those_recorded(tmp_path: Path):
+    """After a step seen while the server runs, its windows' starts (on the new clock)
+    are the store's: those recorded before, on the old clock, are gone."""
+    store = await opened(tmp_path, "a", None)
+    try:
+        jobs = await stored(store, [new_job(f"s{n}", "k") for n in range(2)])
+        rate = (Guard("spec:echo", "k", None, Rate(5, 60.0)),)
+        t0 = time.time()
+        await store.reserve([as_reserved(j, "w") for j in jobs], t0,
+                            guards={j.id: rate for j in jobs})
+        await store.restamp_starts({("spec:echo", "k"): [t0 - 7200, t0 - 7199]})
+    finally:
+        await asyncio.to_thread(store.close)
+    snapshot = await asyncio.to_thread(Store(tmp_path / "rota.db").load)
+    assert snapshot.limit_starts == {("spec:echo", "k"): [t0 - 7200, t0 - 7199]}

@@ -555,6 +555,48 @@ async def test_a_wall_clock_step_while_running_then_a_restart_moves_no_deadline(
     assert later["state"] == "scheduled" and 3000 < ahead <= 3600, (later, ahead)
 
 
+@pytest.mark.soak  # restarts under faketime
+async def test_a_rates_starts_follow_a_step_while_running_across_a_restart(
+        serve: ServeProcess, tmp_path: Path):
+    """A rate of 2 starts in 20 s is used up; the wall clock steps 2 h ahead while the
+    server runs, and it restarts soon after. The restart's window still holds those two
+    starts (the server wrote them again on the new clock), so a third job waits out the
+    window rather than starting at once as if they were 2 h old."""
+    env = faketime_env(tmp_path, "+0")
+    env["FAKETIME_NO_CACHE"] = "1"  # read the file at every call: a step takes effect at once
+    # (a short retention has the server look at the clocks every 0.25 s: see above)
+    await serve.start("--retain-completed", "1s", env=env)
+    paced = write_spec(tmp_path / "specs", "paced", extra='[limits]\nrate = "2/20s"\n')
+    await serve.push(paced)
+    ws = await websockets.connect(serve.ws)
+    try:
+        worker = RawWorker(ws, "w1")
+        await worker.register([paced], concurrency=4)
+        for n in range(2):
+            await serve.enqueue("paced", id=f"before-{n}")
+        for copy in await worker.jobs(2):
+            assert (await worker.complete(copy))["accepted"] == [copy["id"]]
+    finally:
+        await ws.close()
+    (tmp_path / "faketime.new").write_text("+2h\n")
+    os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
+    await wait_until(lambda: "restamped rate_starts=2" in serve.log.read_text(),
+                     timeout=15.0, what="the server to restamp the rate's starts")
+    serve.signal(signal.SIGTERM)
+    assert serve.proc is not None and await asyncio.wait_for(serve.proc.wait(), 15) == 0
+    await serve.start(env=env)
+    ws = await websockets.connect(serve.ws)
+    try:
+        worker = RawWorker(ws, "w1")
+        await worker.register([paced], concurrency=4)
+        await serve.enqueue("paced", id="after")
+        await worker.assert_no_assign(within=1.0)
+        reason = (await serve.job("after"))["waiting_reason"]
+        assert reason.startswith("rate limit 2/20s for spec paced"), reason
+    finally:
+        await ws.close()
+
+
 @pytest.mark.soak  # a step back under faketime
 async def test_after_a_step_back_retention_is_on_time_and_nothing_shows_ahead(
         serve: ServeProcess, tmp_path: Path):

@@ -312,3 +312,35 @@ def test_a_jobs_recorded_start_is_the_moment_its_rate_counted(engine, clock):
     starts = [job_of(engine, job["id"]).reserved_at for job in first + second]
     assert starts == [planned.wall] * 2 + [again.wall] * 2
     assert starts[2] - starts[0] >= 1.0
+
+
+def test_after_a_step_the_rates_starts_are_given_on_the_new_clock(engine, clock):
+    """The wall clock steps while the server runs: the starts its rate windows hold are
+    what the store should keep, on the clock as it reads now (a restart judges by them);
+    starts out of their period are not kept."""
+    engine.set_limits({SPEC_LIMIT: LimitRule(rate=Rate(2, 10.0),
+                                             key_rate=Rate(5, 1.0))}, clock())
+    put(engine, clock, "acme", 2)
+    connect(engine, clock, capacity=8)
+    planned = clock()
+    assert len(assign(engine, clock)) == 2
+    clock.advance(3.0)  # the key's 1 s window is over; the spec's 10 s one is not
+    now = clock.step(-7200)
+    assert engine.rate_starts(now) == {("spec:echo", None): [planned.wall - 7200] * 2}
+
+
+def test_a_start_stored_later_than_now_counts_as_now(clock):
+    """A start stored by a clock since stepped back (one not undone at the restart) holds
+    its rate for one period from now, not until the old clock's moment comes again."""
+    engine = Engine(ServerSettings(heartbeat_timeout=5.0), rand=lambda: 0.0)
+    engine.load({"echo": SPEC}, {"echo": checksum(SPEC)}, [], clock(),
+                waiting={("default", "echo"): [1, 2]})
+    engine.set_limits({SPEC_LIMIT: LimitRule(rate=Rate(1, 10.0))}, clock(),
+                      starts={("spec:echo", None): [clock.wall + 7200.0]})
+    connect(engine, clock, capacity=8)
+    assert not of(Reserve, engine.dispatch(clock()))  # the window is full: one start, now
+    wait = engine.scheduler.job_wait(_waiting(None), clock())
+    assert wait is not None and wait.reason.endswith("next start in 10.0 s"), wait.reason
+    clock.advance(10.0)
+    engine.tick(clock())
+    assert of(Reserve, engine.dispatch(clock()))
