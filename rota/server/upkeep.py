@@ -58,7 +58,7 @@ def clock_reading() -> ClockReading:
 def _said(future: asyncio.Future[None]) -> None:
     """A background write's failure, said (the store's health says it too)."""
     if not future.cancelled() and (exc := future.exception()) is not None:
-        log.warning("the rates' starts were not restamped: %s", exc)
+        log.warning("the rates' starts and the unique keys were not restamped: %s", exc)
 
 
 class Upkeep:
@@ -114,18 +114,19 @@ class Upkeep:
         if self.store.shared:  # servers sharing a database keep their clocks in step
             return
         if now:
-            self._restamp(reading)
+            self._restamp(reading, step)
         else:
-            asyncio.get_running_loop().call_soon(lambda: self._restamp(self.clock()))
+            asyncio.get_running_loop().call_soon(lambda: self._restamp(self.clock(), step))
 
-    def _restamp(self, reading: Instant) -> None:
-        """The stored moments that a restart judges by, written again on the stepped
-        clock: the waiting jobs' deadlines and the rates' recent starts."""
+    def _restamp(self, reading: Instant, step: float) -> None:
+        """The stored moments judged by the wall clock, written again on the stepped
+        one: the waiting jobs' deadlines, the rates' recent starts, the unique keys'
+        periods (moved by the step: a key made since it, before it was seen, moves too)."""
         self.apply(self.engine.restamp(reading))
         starts = self.engine.rate_starts(reading)
-        log.info("restamped rate_starts=%d: the rates' recorded starts follow the stepped"
-                 " wall clock", sum(map(len, starts.values())))
-        self.store.restamp_starts(starts).add_done_callback(_said)
+        log.info("restamped rate_starts=%d: the rates' recorded starts and the unique keys'"
+                 " periods follow the stepped wall clock", sum(map(len, starts.values())))
+        self.store.restamp(starts, step).add_done_callback(_said)
 
     async def at_stop(self, *, reading: bool) -> None:
         """What the next start reads: the counts since the last write, and (``reading``)

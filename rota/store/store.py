@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from rota.store import fleet, limits, sqlite
+from rota.store import fleet, limits, sqlite, uniques
 from rota.store.urls import redact
 from rota.store import writes as sql  # the writes' SQL and their functions of a connection
 from rota.store.health import Health
@@ -138,10 +138,11 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
         value = msgspec.json.encode(tuple(reading)).decode()
         return self.writer.submit(lambda conn: sql.keep_reading(conn, value))
 
-    def restamp_starts(self, starts: dict[tuple[str, str | None], list[float]]
-                       ) -> asyncio.Future[None]:
-        """The rate starts as the engine's windows hold them (``limits.replace_starts``)."""
-        return self.writer.submit(lambda conn: limits.replace_starts(conn, starts))
+    def restamp(self, starts: dict[tuple[str, str | None], list[float]], step: float
+                ) -> asyncio.Future[None]:
+        """After a step seen while running: the rates' starts, the unique keys' periods."""
+        return self.writer.submit(lambda conn: (limits.replace_starts(conn, starts),
+                                                uniques.shift(conn, step))[-1])
 
     def keep_throughput(self, rows: list[tuple[Any, ...]], oldest: int) -> asyncio.Future[None]:
         """Add the per-minute counts to this server's, drop minutes before ``oldest``."""

@@ -22,6 +22,7 @@ from rota.core.observe import COUNTS
 from rota.core.model import WAITING_STATES, Change, ClockReading, JobRecord, StatusNote, wall_step
 from rota.core.retention import Cutoff
 from rota.base.specs import JobSpec
+from rota.store import uniques
 from rota.store.uniques import Keys, Met
 
 log = logging.getLogger("rota.server")
@@ -331,6 +332,7 @@ def undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
         if step:
             conn.execute(_SHIFT, (step,) * 5)
             conn.execute("UPDATE limit_starts SET at = at + ?", (step,))  # (rate windows)
+            uniques.shift(conn, step)
         keep_reading(conn, msgspec.json.encode(tuple(reading)).decode())
         conn.execute("COMMIT")
     except sqlite3.Error as exc:  # a full or read-only disk: start as before, unshifted

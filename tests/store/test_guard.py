@@ -172,7 +172,7 @@ async def test_starts_restamped_while_running_replace_those_recorded(tmp_path: P
         t0 = time.time()
         await store.reserve([as_reserved(j, "w") for j in jobs], t0,
                             guards={j.id: rate for j in jobs})
-        await store.restamp_starts({("spec:echo", "k"): [t0 - 7200, t0 - 7199]})
+        await store.restamp({("spec:echo", "k"): [t0 - 7200, t0 - 7199]}, -7200.0)
     finally:
         await asyncio.to_thread(store.close)
     snapshot = await asyncio.to_thread(Store(tmp_path / "rota.db").load)

@@ -597,6 +597,42 @@ async def test_a_rates_starts_follow_a_step_while_running_across_a_restart(
         await ws.close()
 
 
+@pytest.mark.soak  # restarts under faketime
+async def test_a_unique_keys_period_follows_steps_while_running_and_between_runs(
+        serve: ServeProcess, tmp_path: Path):
+    """A job holds its unique key for an hour from its enqueue. The wall clock steps 2 h
+    ahead while the server runs, then 2 h more while it is stopped: after each, the key
+    still holds (as much of the hour is left as real time left it), where the stepped
+    clock alone would have freed it and let a duplicate in."""
+    env = faketime_env(tmp_path, "+0")
+    env["FAKETIME_NO_CACHE"] = "1"  # read the file at every call: a step takes effect at once
+    await serve.start("--retain-completed", "1s", env=env)
+    await serve.push(write_spec(tmp_path / "specs", "echo"))
+    unique = {"key": "nightly", "period": 3600}
+
+    async def enqueue() -> dict[str, Any]:
+        reply = await serve.http.post("/jobs", json={"spec": "echo", "queue": "nobody",
+                                                     "unique": unique})
+        assert reply.status_code in (200, 201), reply.text
+        return reply.json()
+
+    first = await enqueue()
+    assert first["created"] is True
+    (tmp_path / "faketime.new").write_text("+2h\n")
+    os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
+    await wait_until(lambda: "restamped rate_starts=" in serve.log.read_text(),
+                     timeout=15.0, what="the server to restamp after the step")
+    again = await enqueue()
+    assert (again["created"], again["job"]["id"]) == (False, first["job"]["id"]), again
+    serve.signal(signal.SIGTERM)
+    assert serve.proc is not None and await asyncio.wait_for(serve.proc.wait(), 15) == 0
+    (tmp_path / "faketime.rc").write_text("+4h\n")
+    await serve.start(env=env)
+    assert "wall clock stepped +72" in serve.log.read_text()
+    again = await enqueue()
+    assert (again["created"], again["job"]["id"]) == (False, first["job"]["id"]), again
+
+
 @pytest.mark.soak  # a step back under faketime
 async def test_after_a_step_back_retention_is_on_time_and_nothing_shows_ahead(
         serve: ServeProcess, tmp_path: Path):
