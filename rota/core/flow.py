@@ -236,6 +236,12 @@ class Flow:
     def flow_deadline(self) -> float | None:
         return self._flow_timers[0][0] if self._flow_timers else None
 
+    def made(self, ident: str | int, now: float) -> None:
+        """A job's reservation committed: its rates' starts are made now, and buckets
+        parked while those starts were pending come back (``Window``)."""
+        for counter in self.limiter.made(ident, now):
+            self._unpark(counter)
+
     def _released(self, ident: str | int, *, undo: bool = False) -> None:
         """A job (or a claim) left ``active``: what it held is freer, its parked buckets
         come back. ``undo``: its reservation never happened (its start does not count)."""

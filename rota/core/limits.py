@@ -12,6 +12,7 @@ window, docs/flow-control.md), from which the next allowed start is read.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import re
@@ -136,27 +137,47 @@ def check_scope(kind: str, name: str) -> Scope:
 
 
 class Window:
-    """A rate's recent starts (monotonic times, oldest first, at most ``limit`` kept): the
-    next start is allowed when fewer than ``limit`` fall in the last ``period`` and, with
-    a burst, when the burst allows it: a burst of ``burst`` starts may go back to back,
-    then they are spaced ``period / limit`` apart (a GCRA, whose one number ``tat`` is
-    replayed from the starts, so stored starts are all a restart needs)."""
+    """A rate's recent starts (monotonic times): the next start is allowed when fewer
+    than ``limit`` fall in the last ``period`` and, with a burst, when the burst allows
+    it: a burst of ``burst`` starts may go back to back, then they are spaced ``period /
+    limit`` apart (a GCRA, whose one number ``tat`` is replayed from the starts, so
+    stored starts are all a restart needs).
 
-    __slots__ = ("rate", "starts", "tat")
+    A start is made when its reservation is committed and its job sent, not when its
+    round planned it: until then it is ``pending``, and counts as happening now, however
+    long its commit takes (a lock wait, a slow disk). So a round planned while an earlier
+    one's commit is slow cannot start with it, and the starts a worker sees keep the
+    rate. A start pending longer than ``PENDING_AT_MOST`` counts from when it was planned
+    (its commit is stuck, or its outcome was lost to a change of rules)."""
 
-    def __init__(self, rate: Rate, starts: Any = ()) -> None:
+    __slots__ = ("rate", "starts", "pending", "tat")
+
+    def __init__(self, rate: Rate, starts: Any = (), pending: Any = ()) -> None:
         self.rate = rate
-        self.starts: collections.deque[float] = collections.deque(maxlen=rate.limit)
+        self.starts: list[float] = sorted(starts)[-rate.limit:]  # made, oldest first
+        self.pending: list[float] = list(pending)  # planned at, their commits awaited
         self.tat = float("-inf")  # the burst's theoretical arrival time
-        for at in sorted(starts)[-rate.limit:]:
-            self.start(at)
+        self._replay()
+
+    def _replay(self) -> None:
+        spacing = self.rate.spacing
+        self.tat = float("-inf")
+        if spacing:
+            for when in sorted([*self.starts, *self.pending]):
+                self.tat = max(self.tat, when) + spacing
 
     def next_start(self, now: float) -> float:
-        """The earliest moment (>= now) a start is allowed."""
+        """The earliest moment (>= now) a start is allowed. While pending starts fill the
+        window: a period from now, the soonest it could open were they made now (their
+        commit's outcome brings the window back at once: ``Limiter.made``)."""
         rate, starts = self.rate, self.starts
         at = now
-        if len(starts) >= rate.limit:
-            at = max(at, starts[0] + rate.period)
+        pending = sum(1 for when in self.pending if when > now - PENDING_AT_MOST)
+        room = rate.limit - pending  # made starts the window may hold beside them
+        if room <= 0:
+            return now + rate.period
+        if len(starts) >= room:
+            at = max(at, starts[-room] + rate.period)
         spacing = rate.spacing
         if spacing:
             at = max(at, self.tat - ((rate.burst or rate.limit) - 1) * spacing)
@@ -165,33 +186,56 @@ class Window:
     def allows(self, now: float) -> bool:
         return self.next_start(now) <= now
 
-    def start(self, now: float) -> None:
-        self.starts.append(now)
+    def begin(self, now: float) -> None:
+        """A start planned now: pending until its commit's outcome (``made``, ``unstart``)."""
+        self.pending.append(now)
         spacing = self.rate.spacing
         if spacing:
             self.tat = max(self.tat, now) + spacing
 
+    def start(self, at: float) -> None:
+        """A start made at ``at``."""
+        bisect.insort(self.starts, at)
+        if len(self.starts) > self.rate.limit:
+            del self.starts[0]
+        spacing = self.rate.spacing
+        if spacing:
+            self.tat = max(self.tat, at) + spacing
+
+    def made(self, planned: float, now: float) -> None:
+        """The start planned at ``planned`` was made now (its reservation committed)."""
+        try:
+            self.pending.remove(planned)
+        except ValueError:
+            return  # taken back already, or its window was made again meanwhile
+        bisect.insort(self.starts, now)
+        if len(self.starts) > self.rate.limit:
+            del self.starts[0]
+        if self.rate.spacing:
+            self._replay()
+
     def unstart(self, at: float) -> None:
         """A start taken at ``at`` did not happen (its reservation was refused, failed or
         lost): it no longer counts, and the burst's spacing is replayed without it."""
-        try:
-            self.starts.remove(at)
-        except ValueError:
+        for made in (self.pending, self.starts):
+            if at in made:
+                made.remove(at)
+                break
+        else:
             return  # already out of the window
         if self.rate.spacing:
-            self.tat = float("-inf")
-            for when in self.starts:
-                self.tat = max(self.tat, when) + self.rate.spacing
+            self._replay()
 
     def in_window(self, now: float) -> int:
-        """Starts within the last ``period``."""
+        """Starts within the last ``period``, those pending with them."""
         edge = now - self.rate.period
-        return sum(1 for at in self.starts if at > edge)
+        return sum(1 for at in self.starts if at > edge) + len(self.pending)
 
 
 Counter = tuple[str, str, str | None]  # (scope kind, scope name, concurrency key or None)
 Check = tuple[Counter, int | None, Rate | None]  # a counter, its concurrency and its rate
 NEVER = float("inf")  # blocked until a release, not a time
+PENDING_AT_MOST = 60.0  # seconds a planned start waits for its commit before it counts as made
 WINDOWS_PRUNE_AT = 4096  # windows kept before those of idle keys are dropped
 CHECKS_KEPT = 65536  # (queue, spec, key) whose checks are remembered, at most
 
@@ -314,7 +358,8 @@ class Limiter:
         if window is None or window.rate != rate:
             if len(self.windows) >= self._prune_at:
                 self._prune()
-            window = self.windows[counter] = Window(rate, window.starts if window else ())
+            window = self.windows[counter] = (Window(rate, window.starts, window.pending)
+                                              if window else Window(rate))
         return window
 
     def recent_starts(self, now: float) -> dict[tuple[str, str | None], list[float]]:
@@ -333,6 +378,8 @@ class Limiter:
         last = {counter: window.starts[-1] for counter, window in self.windows.items()
                 if window.starts}
         for counter, window in list(self.windows.items()):
+            if window.pending:
+                continue  # (its commit's outcome finds it)
             if counter not in last or last[counter] + window.rate.period < self._now_hint:
                 del self.windows[counter]
         self._prune_at = max(WINDOWS_PRUNE_AT, 2 * len(self.windows))
@@ -349,8 +396,23 @@ class Limiter:
         for counter, _, rate in checks:
             use[counter] = use.get(counter, 0) + 1
             if rate is not None:
-                self.window(counter, rate).start(now)
+                self.window(counter, rate).begin(now)
         self.held[ident] = (queue, spec, key, tuple([check[0] for check in checks]), now)
+
+    def made(self, ident: str | int, now: float) -> tuple[Counter, ...]:
+        """The job's reservation committed: its planned starts are made now. The rate
+        counters it counts against, whose windows have room again."""
+        held = self.held.get(ident)
+        if held is None or held[4] is None:
+            return ()
+        rated = []
+        for counter in held[3]:
+            window = self.windows.get(counter)
+            if window is not None:
+                window.made(held[4], now)
+                rated.append(counter)
+        self.held[ident] = (*held[:4], now)
+        return tuple(rated)
 
     def hold(self, ident: str | int, queue: str, spec: str, key: str | None) -> None:
         """A job reserved already (loaded active at a restart, or when limits are set)
@@ -374,11 +436,15 @@ class Limiter:
         if held is None:
             return ()
         counters, at = held[3], held[4]
-        if undo and at is not None:
+        if at is not None:
             for counter in counters:
                 window = self.windows.get(counter)
-                if window is not None:
+                if window is None:
+                    continue
+                if undo:
                     window.unstart(at)
+                else:  # (ended with its start still pending: made when it was planned)
+                    window.made(at, at)
         for counter in counters:
             left = self.use[counter] - 1
             if left:
@@ -412,4 +478,5 @@ class Limiter:
             # A multiset union: the starts of one round share their moment.
             known = collections.Counter(round(at, 3) for at in (old.starts if old else ()))
             given = collections.Counter(round(at, 3) for at in times)
-            self.windows[counter] = Window(rate, (known | given).elements())
+            self.windows[counter] = Window(rate, (known | given).elements(),
+                                           old.pending if old else ())

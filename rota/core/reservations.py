@@ -136,6 +136,10 @@ class Reservations:
                 effects += self._lost_claim(job, now)  # have, had the job been in memory
             else:
                 effects.append(Wake())  # cancelled meanwhile: its slot is free again
+        if self.scheduler.limiter.held:  # the rates' starts are made now (limits.Window)
+            for ident in [*(j.id for j in jobs if j.id not in outcome.refused
+                            and j.id not in outcome.lost), *(j.id for j in got.values())]:
+                self.scheduler.made(ident, now.mono)
         for worker_id, batch in plan.items():
             connection = self.registry.get(worker_id)
             # A job taken back meanwhile (the worker left) is no longer this worker's.
@@ -151,10 +155,9 @@ class Reservations:
                       " attempt=%d%s", [(job.id, job.spec, short(job.checksum), job.queue,
                                          worker_id, job.attempt, job.budget())
                                         for job in live])
-            # Its start is the round's moment, as its row and its rate's window have it,
-            # not the commit's return: a slow commit must not narrow two rounds' gap.
+            # Its start is now, its assign's moment, as its rate's window has it.
             for job in live:
-                job.reserved_at = at.wall
+                job.reserved_at = now.wall
             self._assigned(connection, live)
             effects += self._leased(connection, live, now)  # (rota/core/pulls.py)
             self.observe.assigned(live, worker_id, now.wall)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -205,16 +206,19 @@ class Room:
 
 def guard(conn: sqlite3.Connection, guards: Mapping[Item, tuple[Guard, ...]],
           order: Sequence[Item], now: float
-          ) -> tuple[frozenset[Item], frozenset[tuple[str, str | None]]]:
+          ) -> tuple[frozenset[Item], frozenset[tuple[str, str | None]], float]:
     """PostgreSQL, in a reservation's transaction: lock each limit and key the
     reservation counts against, and refuse the items, in ``order`` (the engine's: best
     first), that would take one past its limit as the database holds it. Returns them,
-    and the limits (name, key) found full."""
+    the limits (name, key) found full, and the moment the starts were judged at: once
+    the locks are held (a wait for another server's commit may take seconds, and the
+    starts are made when this commit lands, not when the round was planned)."""
     if not guards:
-        return frozenset(), frozenset()
+        return frozenset(), frozenset(), now
     distinct = {(g.name, g.key): g for gs in guards.values() for g in gs}
     for name, key in sorted(distinct, key=lambda s: (s[0], s[1] or "")):
         conn.execute("SELECT pg_advisory_xact_lock(?)", (lock_id(name, key),))
+    now = max(now, time.time())
     # The keys' active jobs, counted per limit in one query (the keys a round holds).
     keyed: dict[str, list[str]] = {}
     for (name, key), g in distinct.items():
@@ -236,7 +240,7 @@ def guard(conn: sqlite3.Connection, guards: Mapping[Item, tuple[Guard, ...]],
         else:
             refused.add(item)
             full.update((room.guard.name, room.guard.key) for room in short)
-    return frozenset(refused), frozenset(full)
+    return frozenset(refused), frozenset(full), now
 
 
 def started(guards: Mapping[Item, tuple[Guard, ...]], made: Collection[Item]) -> list[Guard]:

@@ -228,8 +228,8 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
         items: list[str | int] = [j.id for j in jobs] + order  # (the engine's order: whole first)
 
         def op(conn: sqlite3.Connection) -> Reserved:
-            refused, full = (limits.guard(conn, guards, items, now) if self.shared
-                             else (frozenset(), frozenset()))
+            refused, full, at = (limits.guard(conn, guards, items, now) if self.shared
+                                 else (frozenset(), frozenset(), now))
             cursor = conn.executemany(sql.RESERVE, rows if not refused else
                                       [r for r in rows if r[7] not in refused])
             lost: frozenset[str] = frozenset()
@@ -250,9 +250,9 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
                         read[row[0]] = live_job(row)
             if self.hold_reserve:
                 time.sleep(self.hold_reserve)  # (test switch: the writer's thread)
-            if guards:
+            if guards:  # (made as this commit lands: a start's moment is its assign's)
                 limits.record_starts(conn, limits.started(guards, [
-                    *(j.id for j in kept if j.id not in lost), *read]), now)
+                    *(j.id for j in kept if j.id not in lost), *read]), max(at, time.time()))
             # A key known twice (its job came back while a stale key of it was still
             # waiting) is claimed twice in one round: the row is reserved once, so only
             # the first claim gets the job.

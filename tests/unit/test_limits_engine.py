@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 from test_engine import ROWS, FakeClock, assign, clock, commit, connect, done, engine, hb, of  # noqa: F401
-from test_engine import SEQ, SPEC, job_of, read
+from test_engine import SEQ, SPEC, job_of, read, sent
 
 from rota.base.specs import checksum
 from rota.core.auth import OPEN
@@ -18,7 +18,7 @@ from rota.core.effects import Arm, Guard, Reserve, Reserved, Wake
 from rota.core.engine import Engine
 from rota.core.flow import Held, missing_labels
 from rota.core.jobs import EnqueueRequest
-from rota.core.limits import LimitRule, LimitUse, Rate
+from rota.core.limits import PENDING_AT_MOST, LimitRule, LimitUse, Rate
 from rota.core.model import JobRecord, Limits
 from rota.core.settings import ServerSettings
 
@@ -291,27 +291,70 @@ def test_limit_timers_of_one_moment_for_a_scope_and_a_key_fire_together():
     assert scheduler.flow_deadline() is None
 
 
-def test_a_jobs_recorded_start_is_the_moment_its_rate_counted(engine, clock):
-    """A rate counts a start when its round is planned; the job's reserved_at (its row's,
-    shown as its start) is that moment too, not when the commit came back: a slow first
-    commit and a quick second one must not put two rounds' starts under a period apart."""
+def test_a_start_is_made_when_its_commit_lands_and_the_next_waits_a_period_from_it(
+        engine, clock):
+    """A rate counts a start when its reservation commits and its job is sent, not when
+    its round planned it: a slow commit (a lock wait, a slow disk) must not leave the
+    next round free to start a period after the plan, beside the late assigns. The
+    job's reserved_at is that moment too."""
     engine.set_limits({SPEC_LIMIT: LimitRule(rate=Rate(2, 1.0))}, clock())
     put(engine, clock, None, 4)
     connect(engine, clock, capacity=8)
-    planned = clock()
-    [reserve] = of(Reserve, engine.dispatch(planned))
-    assert reserve.wall == planned.wall
-    clock.advance(0.05)  # the first commit is slow
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    clock.advance(0.5)  # the first commit is slow
+    committed = clock()
     first = [job for frame in commit_sent(engine, reserve, clock) for job in frame]
     finish(engine, clock, first)
-    clock.advance(0.95)
+    clock.advance(0.6)  # a period after the plan, not after the commit
+    engine.tick(clock())
+    assert not of(Reserve, engine.dispatch(clock()))
+    clock.advance(0.4)
     assert of(Wake, engine.tick(clock()))
     again = clock()
     [reserve] = of(Reserve, engine.dispatch(again))
     second = [job for frame in commit_sent(engine, reserve, clock) for job in frame]
     starts = [job_of(engine, job["id"]).reserved_at for job in first + second]
-    assert starts == [planned.wall] * 2 + [again.wall] * 2
-    assert starts[2] - starts[0] >= 1.0
+    assert starts == [committed.wall] * 2 + [again.wall] * 2
+
+
+def test_a_round_planned_while_a_commit_is_pending_does_not_start_beside_it(engine, clock):
+    """The window is full of starts whose commit has not come back: however long it takes,
+    no round starts more until it does (then a period from it); a commit that fails takes
+    its starts back out at once."""
+    engine.set_limits({SPEC_LIMIT: LimitRule(rate=Rate(2, 1.0))}, clock())
+    put(engine, clock, None, 6)
+    connect(engine, clock, capacity=8)
+    [slow] = of(Reserve, engine.dispatch(clock()))
+    clock.advance(1.5)  # past the period, its commit still pending
+    engine.tick(clock())
+    assert not of(Reserve, engine.dispatch(clock()))
+    wait = engine.scheduler.job_wait(_waiting(None), clock())
+    assert wait is not None and wait.kind == "rate_limit"
+    effects = commit(engine, slow, clock)  # lands now: made now, the window full from now
+    assert len(sent(effects)[0]["jobs"]) == 2
+    clock.advance(0.9)
+    engine.tick(clock())
+    assert not of(Reserve, engine.dispatch(clock()))
+    clock.advance(0.2)
+    engine.tick(clock())
+    [failing] = of(Reserve, engine.dispatch(clock()))
+    engine.committed(failing.ticket, OSError("disk I/O error"), clock(), [])
+    clock.advance(1.0)  # (the round after a failed commit waits out its pause)
+    engine.tick(clock())
+    [reserve] = of(Reserve, engine.dispatch(clock()))
+    assert len(reserve.claims) == 2  # the failed round's starts were taken back
+
+
+def test_a_start_pending_past_its_bound_counts_from_its_plan(engine, clock):
+    """A start whose commit never comes back (its outcome lost to a change of rules, or a
+    writer stuck for a minute) stops holding the window as if it were happening now."""
+    engine.set_limits({SPEC_LIMIT: LimitRule(rate=Rate(1, 1.0))}, clock())
+    put(engine, clock, None, 2)
+    connect(engine, clock, capacity=8)
+    assert of(Reserve, engine.dispatch(clock()))
+    clock.advance(PENDING_AT_MOST + 0.1)
+    engine.tick(clock())
+    assert of(Reserve, engine.dispatch(clock()))
 
 
 def test_after_a_step_the_rates_starts_are_given_on_the_new_clock(engine, clock):
