@@ -154,8 +154,10 @@ class Window:
 
     def __init__(self, rate: Rate, starts: Any = (), pending: Any = ()) -> None:
         self.rate = rate
-        self.starts: list[float] = sorted(starts)[-rate.limit:]  # made, oldest first
-        self.pending: list[float] = list(pending)  # planned at, their commits awaited
+        # made, oldest first; planned at (in order), their commits awaited
+        self.starts: collections.deque[float] = collections.deque(sorted(starts)[-rate.limit:],
+                                                                  maxlen=rate.limit)
+        self.pending: list[float] = sorted(pending)
         self.tat = float("-inf")  # the burst's theoretical arrival time
         self._replay()
 
@@ -172,7 +174,7 @@ class Window:
         commit's outcome brings the window back at once: ``Limiter.made``)."""
         rate, starts = self.rate, self.starts
         at = now
-        pending = sum(1 for when in self.pending if when > now - PENDING_AT_MOST)
+        pending = len(self.pending) - bisect.bisect_right(self.pending, now - PENDING_AT_MOST)
         room = rate.limit - pending  # made starts the window may hold beside them
         if room <= 0:
             return now + rate.period
@@ -188,16 +190,14 @@ class Window:
 
     def begin(self, now: float) -> None:
         """A start planned now: pending until its commit's outcome (``made``, ``unstart``)."""
-        self.pending.append(now)
+        bisect.insort(self.pending, now)  # (an append: rounds are planned in time order)
         spacing = self.rate.spacing
         if spacing:
             self.tat = max(self.tat, now) + spacing
 
     def start(self, at: float) -> None:
         """A start made at ``at``."""
-        bisect.insort(self.starts, at)
-        if len(self.starts) > self.rate.limit:
-            del self.starts[0]
+        self._add(at)
         spacing = self.rate.spacing
         if spacing:
             self.tat = max(self.tat, at) + spacing
@@ -208,11 +208,21 @@ class Window:
             self.pending.remove(planned)
         except ValueError:
             return  # taken back already, or its window was made again meanwhile
-        bisect.insort(self.starts, now)
-        if len(self.starts) > self.rate.limit:
-            del self.starts[0]
+        self._add(now)
         if self.rate.spacing:
             self._replay()
+
+    def _add(self, at: float) -> None:
+        """Keep the starts in time order, the last ``limit`` of them."""
+        starts = self.starts
+        if not starts or at >= starts[-1]:
+            starts.append(at)  # (nearly always: commits land in order)
+            return
+        if len(starts) == starts.maxlen:
+            if at <= starts[0]:
+                return  # older than any the window keeps
+            starts.popleft()
+        starts.insert(bisect.bisect_right(starts, at), at)
 
     def unstart(self, at: float) -> None:
         """A start taken at ``at`` did not happen (its reservation was refused, failed or

@@ -65,6 +65,35 @@ def test_window_slides_and_bursts_then_spaces() -> None:
     assert Window(Rate(10, 10.0, burst=2), starts).next_start(3.0) == 4.0  # replayed
 
 
+def test_a_pending_start_counts_as_now_until_it_is_made() -> None:
+    window = Window(Rate(2, 10.0))
+    window.start(0.0)
+    window.begin(1.0)  # planned; its commit has not landed
+    assert window.next_start(5.0) == 10.0  # two in the window: the made one leaves at 10
+    assert window.next_start(12.0) == 12.0  # 0.0 left; the pending one counts as at 12
+    window.begin(12.0)
+    assert window.next_start(12.0) == 22.0  # two pending fill it: a period from now at least
+    window.unstart(12.0)
+    window.made(1.0, 12.5)  # landed late: made then
+    assert list(window.starts) == [0.0, 12.5] and not window.pending
+    assert window.next_start(13.0) == 13.0  # 0.0 left the window; 12.5 is one of two
+    window.begin(13.0)
+    window.unstart(13.0)  # its commit failed: taken back
+    assert window.next_start(13.0) == 13.0 and window.in_window(13.0) == 1
+
+
+def test_made_starts_stay_in_order_and_only_the_last_limit_are_kept() -> None:
+    window = Window(Rate(3, 10.0), starts=[1.0, 2.0, 3.0])
+    window.begin(0.5)
+    window.made(0.5, 0.5)  # (a job ended with its start pending: made when planned)
+    assert list(window.starts) == [1.0, 2.0, 3.0]  # older than all three kept
+    window.begin(2.5)
+    window.made(2.5, 2.5)
+    assert list(window.starts) == [2.0, 2.5, 3.0]
+    window.start(4.0)
+    assert list(window.starts) == [2.5, 3.0, 4.0]
+
+
 def test_a_round_costs_what_it_assigns_not_what_waits() -> None:
     """1,000,000 waiting over 10,000 keys, 3 per key: a round that assigns N looks at
     O(N) buckets, however many wait (parked keys are out of the rotation)."""
