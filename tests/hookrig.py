@@ -16,6 +16,7 @@ from typing import Any
 class Received:
     headers: dict[str, str]
     body: bytes
+    status: int = 200  # what it was answered
 
     @property
     def json(self) -> Any:
@@ -81,7 +82,7 @@ class Receiver:
                         name, value = line.split(":", 1)
                         headers[name.strip().lower()] = value.strip()
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                self.got.append(Received(headers, body))
+                self.got.append(Received(headers, body, self.status))
                 if self.delay:
                     await asyncio.sleep(self.delay)  # noqa: sleep-ok (a slow receiver, on purpose)
                 extra = f"Retry-After: {self.retry_after}\r\n" if self.retry_after else ""

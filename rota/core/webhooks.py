@@ -51,9 +51,11 @@ class Subscription:
     enabled: bool
     created_at: float = 0.0
 
-    def takes(self, event: Event) -> bool:
+    def takes(self, event: Event, live: bool = False) -> bool:
+        """``live``: recorded after the server followed this subscription, so after its
+        creation whatever the event's wall time says (a clock stepped back since)."""
         return (self.enabled and (ALL in self.kinds or event[1] in self.kinds)
-                and self.filter.matches(event) and event[0] >= self.created_at)
+                and self.filter.matches(event) and (live or event[0] >= self.created_at))
 
     def secrets(self, now: float) -> list[str]:
         """What signs now: the secret, and the one before it for ROTATION_WINDOW."""

@@ -77,6 +77,10 @@ class Webhooks:
         self._checked: dict[str, float] = {}
         self._full: set[str] = set()
         self._dropped: dict[str, int] = {}  # events those did not take, to log
+        # The ring's id from which each subscription is followed: its events from there on
+        # are its own by their order, not by their wall time (which a step may put before
+        # its creation); those before, and those found in the rows, by their time.
+        self._live_from: dict[str, int] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -109,6 +113,7 @@ class Webhooks:
     def _track(self, sub: wh.Subscription) -> None:
         """Follow a subscription (new, or changed): its own delivery task."""
         self.subs[sub.id] = sub
+        self._live_from.setdefault(sub.id, self.observer.next_id)
         if not self._listening:  # the observer wakes the pump from now on
             self._listening = True
             self._subscribe()
@@ -120,6 +125,7 @@ class Webhooks:
 
     def _forget(self, sub_id: str) -> None:
         self.subs.pop(sub_id, None)
+        self._live_from.pop(sub_id, None)
         self._wakes.pop(sub_id, None)
         task = self._tasks.pop(sub_id, None)
         if task is not None:
@@ -163,7 +169,7 @@ class Webhooks:
                     await asyncio.wait_for(asyncio.shield(self._pulse()), IDLE)
                 continue
             last = events[-1][0]
-            rows = self._rows([event for _, event in events])
+            rows = self._rows([event for _, event in events], ids=[i for i, _ in events])
             if rows or missed or time.monotonic() - marked > MARK_EVERY:
                 await self._add(rows, events[-1][1][0])
                 marked = time.monotonic()
@@ -240,10 +246,10 @@ class Webhooks:
                 self._track(sub)
         return recovered
 
-    def _rows(self, events: list[Any], only: list[wh.Subscription] | None = None
-              ) -> list[tuple[str, str, str, str, bytes]]:
+    def _rows(self, events: list[Any], only: list[wh.Subscription] | None = None,
+              ids: list[int] | None = None) -> list[tuple[str, str, str, str, bytes]]:
         """A pending delivery per event and subscription (of ``only``, if given) that
-        takes it."""
+        takes it. ``ids``: the events' ids in the ring (the pump's; none from the rows)."""
         rows: list[tuple[str, str, str, str, bytes]] = []
         among = list(self.subs.values()) if only is None else only
         # A subscription found full at its last check takes none until the next.
@@ -252,8 +258,10 @@ class Webhooks:
             lost = sum(1 for event in events if sub.takes(event))
             if lost:
                 self._dropped[sub.id] = self._dropped.get(sub.id, 0) + lost
-        for event in events:
-            takers = [s.id for s in subs if s.takes(event)]
+        live = self._live_from
+        for n, event in enumerate(events):
+            takers = [s.id for s in subs if s.takes(
+                event, ids is not None and ids[n] >= live.get(s.id, ids[n] + 1))]
             if takers:
                 event_id = wh.event_id(event)
                 body = wh.body(event_id, event)

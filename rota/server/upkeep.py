@@ -58,7 +58,7 @@ def clock_reading() -> ClockReading:
 def _said(future: asyncio.Future[None]) -> None:
     """A background write's failure, said (the store's health says it too)."""
     if not future.cancelled() and (exc := future.exception()) is not None:
-        log.warning("the rates' starts and the unique keys were not restamped: %s", exc)
+        log.warning("the stored moments were not restamped after the step: %s", exc)
 
 
 class Upkeep:
@@ -120,13 +120,17 @@ class Upkeep:
 
     def _restamp(self, reading: Instant, step: float) -> None:
         """The stored moments judged by the wall clock, written again on the stepped
-        one: the waiting jobs' deadlines, the rates' recent starts, the unique keys'
-        periods (moved by the step: a key made since it, before it was seen, moves too)."""
+        one: the waiting jobs' deadlines, the rates' recent starts; the rest moved by the
+        step (``writes.follow_step``: one made since it, before it was seen, moves too)."""
         self.apply(self.engine.restamp(reading))
         starts = self.engine.rate_starts(reading)
-        log.info("restamped rate_starts=%d: the rates' recorded starts and the unique keys'"
-                 " periods follow the stepped wall clock", sum(map(len, starts.values())))
-        self.store.restamp(starts, step).add_done_callback(_said)
+        log.info("restamped rate_starts=%d: the rates' starts, the unique keys' periods,"
+                 " the webhooks' next tries%s follow the stepped wall clock",
+                 sum(map(len, starts.values())), " and the schedules' last ticks"
+                 if step < 0 else "")
+        written = self.store.restamp(starts, step)
+        written.add_done_callback(_said)
+        written.add_done_callback(lambda _: self.clockwork.wake())
 
     async def at_stop(self, *, reading: bool) -> None:
         """What the next start reads: the counts since the last write, and (``reading``)

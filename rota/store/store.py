@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from rota.store import fleet, limits, sqlite, uniques
+from rota.store import fleet, limits, sqlite
 from rota.store.urls import redact
 from rota.store import writes as sql  # the writes' SQL and their functions of a connection
 from rota.store.health import Health
@@ -142,7 +142,7 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
                 ) -> asyncio.Future[None]:
         """After a step seen while running: the rates' starts, the unique keys' periods."""
         return self.writer.submit(lambda conn: (limits.replace_starts(conn, starts),
-                                                uniques.shift(conn, step))[-1])
+                                                sql.follow_step(conn, step, False))[-1])
 
     def keep_throughput(self, rows: list[tuple[Any, ...]], oldest: int) -> asyncio.Future[None]:
         """Add the per-minute counts to this server's, drop minutes before ``oldest``."""

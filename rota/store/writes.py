@@ -331,8 +331,7 @@ def undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
         conn.execute("BEGIN IMMEDIATE")
         if step:
             conn.execute(_SHIFT, (step,) * 5)
-            conn.execute("UPDATE limit_starts SET at = at + ?", (step,))  # (rate windows)
-            uniques.shift(conn, step)
+            follow_step(conn, step)
         keep_reading(conn, msgspec.json.encode(tuple(reading)).decode())
         conn.execute("COMMIT")
     except sqlite3.Error as exc:  # a full or read-only disk: start as before, unshifted
@@ -341,6 +340,23 @@ def undo_step(conn: sqlite3.Connection, reading: ClockReading) -> float:
         log.warning("the clock reading could not be checked at start: %s", exc)
         return 0.0
     return step
+
+
+def follow_step(conn: sqlite3.Connection, step: float, starts: bool = True) -> None:
+    """The stored moments besides the jobs' that a wall-clock step must not move in real
+    time: the rates' starts (``starts``: at a restart; while running they are written
+    from the windows instead), the unique keys' periods, the webhook deliveries' next
+    tries; and, after a step back, the schedules' last ticks, so that they go on ticking
+    rather than wait for the old clock's moment (ahead, a step is as downtime: their
+    misfire rules)."""
+    if starts:
+        conn.execute("UPDATE limit_starts SET at = at + ?", (step,))
+    uniques.shift(conn, step)
+    conn.execute("UPDATE webhook_deliveries SET next_at = next_at + ? WHERE state = 'pending'"
+                 " AND next_at IS NOT NULL", (step,))
+    if step < 0:
+        conn.execute("UPDATE schedules SET counted_from = counted_from + ?,"
+                     " last_tick = last_tick + ?", (step, step))
 
 
 def keep_reading(conn: sqlite3.Connection, value: str) -> None:

@@ -35,6 +35,7 @@ import websockets
 from conftest import Api, Live, RawWorker, start_server, stop_server, wait_until, write_spec
 from helpers import COSTLY_POLL, clean_env, spawn_serve
 from helpers import free_port
+from hookrig import Receiver
 
 TERMINAL = {"completed", "discarded", "cancelled"}
 # A spec whose jobs are quarantined after two worker deaths in a row.
@@ -631,6 +632,85 @@ async def test_a_unique_keys_period_follows_steps_while_running_and_between_runs
     assert "wall clock stepped +72" in serve.log.read_text()
     again = await enqueue()
     assert (again["created"], again["job"]["id"]) == (False, first["job"]["id"]), again
+
+
+@pytest.mark.soak  # a step back under faketime
+async def test_events_after_a_step_back_reach_a_webhook_made_before_it(serve: ServeProcess,
+                                                                       tmp_path: Path):
+    """A subscription made, then the wall clock steps 2 h back: the job events the server
+    records from then on are before the subscription's creation by their wall time, and
+    are its own all the same (they came after the server followed it), at once, before
+    the step is even seen. A delivery whose receiver failed before the step is tried again
+    after its backoff, not 2 h later."""
+    env = faketime_env(tmp_path, "+0")
+    env["FAKETIME_NO_CACHE"] = "1"  # read the file at every call: a step takes effect at once
+    receiver = await Receiver().start()
+    try:  # (retries 3 s, 12 s... apart; the step seen within 0.25 s)
+        await serve.start("--allow-private-endpoints", "--webhook-backoff-scale", "0.1",
+                          "--retain-completed", "1s", env=env)
+        await serve.push(write_spec(tmp_path / "specs", "echo"))
+        made = await serve.http.post("/webhooks", json={"url": receiver.url,
+                                                        "kinds": ["enqueue"]})
+        assert made.status_code == 201, made.text
+
+        def sent(status: int | None = None) -> set[str]:
+            return {got.json["data"]["job"] for got in receiver.got
+                    if status is None or got.status == status}
+
+        await serve.enqueue("echo", id="before", queue="nobody")
+        await wait_until(lambda: "before" in sent(), what="the first event delivered")
+        receiver.status = 500
+        await serve.enqueue("echo", id="failed", queue="nobody")
+        await wait_until(lambda: "failed" in sent(), what="the second event tried")
+        (tmp_path / "faketime.new").write_text("-2h\n")
+        os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
+        receiver.status = 200  # (a delivery that succeeds would bring the retry on at once)
+        await wait_until(lambda: "failed" in sent(200), timeout=15.0,
+                         what="the retry after its backoff")
+        await serve.enqueue("echo", id="after", queue="nobody")
+        await wait_until(lambda: "after" in sent(200), timeout=10.0,
+                         what="the event after the step delivered")
+    finally:
+        await receiver.close()
+
+
+@pytest.mark.soak  # restarts under faketime
+async def test_schedules_go_on_ticking_after_a_step_back_while_running_and_between_runs(
+        serve: ServeProcess, tmp_path: Path):
+    """An every-second schedule; the wall clock steps 2 h back while the server runs, then
+    2 h more while it is stopped: it goes on ticking each time, rather than waiting 2 h
+    for its last tick's moment to come round again."""
+    env = faketime_env(tmp_path, "+0")
+    env["FAKETIME_NO_CACHE"] = "1"  # read the file at every call: a step takes effect at once
+    await serve.start("--retain-completed", "1s", env=env)  # (the step seen within 0.25 s)
+    await serve.push(write_spec(tmp_path / "specs", "beat", queue="nobody"))
+    made = await serve.http.put("/schedules/beat", json={"spec": "beat", "cron": "@every 1s",
+                                                         "overlap": "allow"})
+    assert made.status_code in (200, 201), made.text
+
+    async def ticks() -> int:
+        listed = await serve.http.get("/jobs", params={"spec": "beat", "limit": 500})
+        return len(listed.json()["jobs"])
+
+    async def ticking(what: str) -> None:
+        count = await ticks()
+
+        async def more() -> bool:
+            return await ticks() >= count + 2
+        await wait_until(more, timeout=10.0, what=what, step=COSTLY_POLL)
+
+    await ticking("ticks before any step")
+    (tmp_path / "faketime.new").write_text("-2h\n")
+    os.replace(tmp_path / "faketime.new", tmp_path / "faketime.rc")
+    await wait_until(lambda: "the schedules' last ticks follow" in serve.log.read_text(),
+                     timeout=15.0, what="the server to restamp after the step")
+    await ticking("ticks after a step back while running")
+    serve.signal(signal.SIGTERM)
+    assert serve.proc is not None and await asyncio.wait_for(serve.proc.wait(), 15) == 0
+    (tmp_path / "faketime.rc").write_text("-4h\n")
+    await serve.start(env=env)
+    assert "wall clock stepped -72" in serve.log.read_text()
+    await ticking("ticks after a step back between runs")
 
 
 @pytest.mark.soak  # a step back under faketime

@@ -61,6 +61,19 @@ def test_a_subscription_takes_its_kinds_and_filter():
                                False).takes(event)
 
 
+def test_an_event_the_pump_brings_after_a_subscription_is_followed_is_its_own_whenever():
+    """Recorded after the server followed the subscription (``live``), an event is taken
+    though its wall time is before the subscription's creation (the clock stepped back
+    since); found in the rows (not live), it is judged by its time."""
+    event = (1000.0, "enqueue", "j1", "mail", None, "default", None, 0, "available", None,
+             None)
+    sub = wh.Subscription("wh_1", "https://x/h", ("*",), Filter(), "s", None, None, True,
+                          created_at=1000.0 + 7200)
+    assert sub.takes(event, live=True)
+    assert not sub.takes(event)
+    assert not sub.takes((*event[:1], "other", *event[2:]), live=False)
+
+
 def test_a_failing_receiver_is_left_alone_longer_each_time():
     assert [wh.pause(n, 0.0) for n in (1, 2, 3, 8, 20)] == [30.0, 120.0, 600.0, 86400.0,
                                                           86400.0]
