@@ -55,6 +55,15 @@ def plain_answer(url: str, exc: BaseException | None) -> bool:
     return False
 
 
+def distrust(exc: BaseException) -> str | None:
+    """A refused certificate, and what to do about it, as the clients and the worker say
+    it; None if that is not what failed."""
+    if not isinstance(exc, ssl.SSLCertVerificationError):
+        return None
+    return (f"a certificate this client does not trust ({exc.verify_message}): for a"
+            " private CA or a self-signed certificate, set SSL_CERT_FILE to its PEM file")
+
+
 def plain_url(url: str) -> str:
     """The http:// (ws://) URL of an https:// (wss://) one."""
     return url[:url.index("s://")] + url[url.index("s://") + 1:]

@@ -4,12 +4,11 @@ flags in, rota/cli/base.py)."""
 
 from __future__ import annotations
 
-import ssl
 from typing import Any
 
 from rota.base.errors import ApiError
 from rota.base.ids import dashboard_base
-from rota.base.tls import plain_answer, plain_url, speaks_tls
+from rota.base.tls import distrust, plain_answer, plain_url, speaks_tls
 
 READS = frozenset({"GET", "HEAD"})
 
@@ -24,10 +23,8 @@ def transport_error(url: str, exc: BaseException, *, connected: bool, method: st
     without a word may be a TLS server's (``probe``: ask it for a TLS handshake); an
     https:// URL whose handshake got plain text back is a plain server's."""
     detail = str(exc) or type(exc).__name__
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return ApiError(None, "untrusted_certificate", f"Rota at {url} has a certificate this"
-                        f" client does not trust ({exc.verify_message}): for a private CA or a"
-                        " self-signed certificate, set SSL_CERT_FILE to its PEM file")
+    if (untrusted := distrust(exc)) is not None:
+        return ApiError(None, "untrusted_certificate", f"Rota at {url} has {untrusted}")
     if plain_answer(url, exc):
         return ApiError(None, "http_expected", f"Rota at {url} does not speak TLS: is it"
                         f" http://? (use {plain_url(url)})")

@@ -10,6 +10,7 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
+from uvicorn.server import STARTUP_FAILURE
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -168,6 +169,31 @@ class EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, but a TLS handshake gets ``--header-timeout`` (uvicorn leaves the
+        loop's 60 s): a connection that never finishes one holds its slot no longer than
+        one that never sends its headers. (Rota always hands over its sockets.)"""
+        config = self.config
+        timeout = getattr(config.http_protocol_class, "header_timeout", None)
+        if config.ssl is None or sockets is None or timeout is None:
+            await super().startup(sockets)
+            return
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            raise SystemExit(STARTUP_FAILURE)
+
+        def protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state,
+                app_state=self.lifespan.state, _loop=_loop)
+
+        loop = asyncio.get_running_loop()
+        self.servers = [await loop.create_server(protocol, sock=sock, ssl=config.ssl,
+                                                 backlog=config.backlog,
+                                                 ssl_handshake_timeout=timeout)
+                        for sock in sockets]
+        self.started = True
 
     async def main_loop(self) -> None:
         # uvicorn's loop polls should_exit every 0.1 s; wake at once when asked instead.

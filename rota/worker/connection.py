@@ -11,10 +11,8 @@ The connection also watches the handlers' loop: a probe posted to it that does n
 within ``BLOCKED_AFTER`` seconds means a handler is blocking it. The handler and its job
 are read off that thread's stack while the block lasts; when the loop is free again, one
 WARNING says for how long and by which handlers and jobs, and each of them gets an alert.
-
 Given several server URLs, every failed or lost connection moves to the next one
-(``Servers``), and one line says where the worker goes and why it left.
-"""
+(``Servers``), and one line says where the worker goes and why it left (what to do, too)."""
 
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.frames import CloseCode
 
 from rota.base import protocol as p
-from rota.base.tls import plain_answer, plain_url, speaks_tls
+from rota.base.tls import distrust, plain_answer, plain_url, speaks_tls
 from rota.worker.context import STATUS_BYTES_PER_BEAT, StatusBuffer
 from rota.worker.execution import Handler, Runner
 from rota.worker.link import (FRAME_BUDGET, Link, Servers, drain, ids_size, refusal,
@@ -237,7 +235,9 @@ class ConnectionThread:
                 why = self._farewell or str(exc) or type(exc).__name__
                 if isinstance(exc, websockets.ConnectionClosed) and exc.rcvd is not None:
                     why = self._farewell or _closed_by_server(exc.rcvd.code, exc.rcvd.reason)
-                if isinstance(exc, websockets.InvalidMessage) and await asyncio.to_thread(
+                if (untrusted := distrust(exc)) is not None:  # as the clients say it
+                    why = f"it has {untrusted}"
+                elif isinstance(exc, websockets.InvalidMessage) and await asyncio.to_thread(
                         speaks_tls, url):  # hung up on: a TLS server's plain port
                     why += "; is it wss://? It answers only TLS: give its https:// URL"
                 elif plain_answer(url, exc):  # its handshake got plain text back

@@ -11,6 +11,7 @@ import logging
 import socket
 import sqlite3
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -666,6 +667,15 @@ async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path, c
         await asyncio.wait_for(task, 10)
         with pytest.raises(ssl.SSLError):  # a client that does not trust the CA is refused
             await websockets.connect(f"wss://127.0.0.1:{live.settings.port}/work")
+        doubting = Worker(url=f"wss://127.0.0.1:{live.settings.port}/work",  # (no ssl=)
+                          specs_dir=tmp_path / "specs", heartbeat_interval=0.1)
+        doubting.handler("echo")(lambda ctx: None)
+        task = asyncio.create_task(doubting.run())
+        await wait_until(lambda: "it has a certificate this client does not trust" in caplog.text
+                         and "set SSL_CERT_FILE to its PEM file" in caplog.text,
+                         what="the worker's hint about the certificate")
+        doubting.stop()
+        await asyncio.wait_for(task, 10)
         with pytest.raises((socket.error, httpx.HTTPError)):
             async with httpx.AsyncClient() as plain:
                 await plain.get(f"{https}/healthz")
@@ -698,6 +708,31 @@ async def test_serving_over_tls_with_a_self_signed_certificate(tmp_path: Path, c
                          what="the worker's hint")
         lost.stop()
         await asyncio.wait_for(task, 10)
+    finally:
+        await stop_server(live)
+
+
+async def test_a_tls_handshake_never_finished_is_closed_at_the_header_timeout(tmp_path: Path):
+    """A connection to the TLS port that sends nothing, or half a ClientHello, is closed
+    after --header-timeout, as a plain one that sends no headers is (the loop's own TLS
+    handshake timeout, 60 s, held it that long before)."""
+    cert_file, key_file, ca_file = tls_files(tmp_path)
+    live = await start_server(tmp_path, ssl_certfile=str(cert_file), ssl_keyfile=str(key_file),
+                              header_timeout=0.5)
+    try:
+        hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(20)  # (cut short)
+        for sent in (b"", hello):
+            reader, writer = await asyncio.open_connection("127.0.0.1", live.settings.port)
+            writer.write(sent)
+            began = time.monotonic()
+            with contextlib.suppress(ConnectionError):
+                assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+            assert time.monotonic() - began < 3.0
+            writer.close()
+        https = httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(ca_file)))
+        async with https:  # and the server serves on
+            assert (await https.get(f"https://127.0.0.1:{live.settings.port}/healthz")
+                    ).status_code == 200
     finally:
         await stop_server(live)
 
