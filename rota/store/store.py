@@ -140,7 +140,7 @@ class Store(Reading, Flowing, OjsReading, PushReading, Secrets):
 
     def restamp(self, starts: dict[tuple[str, str | None], list[float]], step: float
                 ) -> asyncio.Future[None]:
-        """After a step seen while running: the rates' starts, the unique keys' periods."""
+        """After a step seen while running: the rates' starts; the rest by the step."""
         return self.writer.submit(lambda conn: (limits.replace_starts(conn, starts),
                                                 sql.follow_step(conn, step, False))[-1])
 

@@ -24,16 +24,17 @@ LOCK = ("INSERT INTO unique_keys (key, job_id, covers, until) VALUES (?, '', 'ac
         " ON CONFLICT(key) DO UPDATE SET covers = unique_keys.covers RETURNING job_id, covers, until")
 TAKE = "UPDATE unique_keys SET job_id = ?, covers = ?, until = ? WHERE key = ?"
 
-
-def shift(conn: sqlite3.Connection, step: float) -> None:
-    """The wall clock stepped (one server per file): each key's period ends as far away
-    as before it, so a step ahead frees no key early and a step back holds none longer."""
-    conn.execute("UPDATE unique_keys SET until = until + ? WHERE until IS NOT NULL", (step,))
 # A waiting holder replaced: cancelled in the same transaction, fenced on its state.
 REPLACE = ("UPDATE jobs SET state = 'cancelled', finished_at = ?,"
            " errors = json_insert(errors, '$[#]', json(?))"
            " WHERE id = ? AND state IN ('scheduled', 'available', 'retryable')")
 FREE = "DELETE FROM unique_keys WHERE key = ? AND job_id = ''"
+
+
+def shift(conn: sqlite3.Connection, step: float) -> None:
+    """The wall clock stepped (one server per file): each key's period ends as far away
+    as before it, so a step ahead frees no key early and a step back holds none longer."""
+    conn.execute("UPDATE unique_keys SET until = until + ? WHERE until IS NOT NULL", (step,))
 
 
 class Met(NamedTuple):
