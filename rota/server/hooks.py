@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import json
 import logging
 import secrets
@@ -21,12 +20,11 @@ from typing import Any, TypeVar
 from rota.base.errors import RequestError
 from rota.base.ids import uuid7
 from rota.base.protocol import rfc3339
-from rota.base.signing import DELIVERY, sign
 from rota.core import webhooks as wh
 from rota.core.observe import Observer
 from rota.core.settings import ServerSettings
 from rota.server.outbound import Egress
-from rota.server.hookpost import post
+from rota.server.hookpost import headers, post
 from rota.store import hooks as sql
 from rota.store.store import Store
 
@@ -34,11 +32,6 @@ log = logging.getLogger("rota.webhooks")
 BATCH = 16  # deliveries a subscription sends at once
 CHUNK = 2048  # events the pump takes from the ring per turn
 IDLE = 1.0  # seconds the pump waits for events before it looks again
-EVENT = "X-Rota-Event"
-SUBSCRIPTION = "X-Rota-Subscription-Id"
-VERSION = importlib.metadata.version("rota")
-
-
 MARK_EVERY = 5.0  # seconds between writes of the pump's mark when no delivery is written
 RECOVER_LIMIT = 100_000  # job rows a restart reads back, of each kind
 REREAD = 10.0  # seconds between reads of the subscriptions (another server's changes)
@@ -78,9 +71,11 @@ class Webhooks:
         self._full: set[str] = set()
         self._dropped: dict[str, int] = {}  # events those did not take, to log
         # The ring's id from which each subscription is followed: its events from there on
-        # are its own by their order, not by their wall time (which a step may put before
-        # its creation); those before, and those found in the rows, by their time.
+        # are its own by their order, not their wall time (a step may put it before its
+        # creation); those before, and those found in the rows, by their time. ``_steps``:
+        # wall-clock steps seen (each ends the receivers' pauses, reckoned across it).
         self._live_from: dict[str, int] = {}
+        self._steps = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -363,24 +358,27 @@ class Webhooks:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed(sub_id, sub), pause)
 
+    def stepped(self) -> None:
+        """The wall clock stepped and the deliveries' next tries were moved with it
+        (rota/server/upkeep.py): each subscription's loop looks at them again, its
+        sleep and its receiver's pause having been reckoned on the clock before."""
+        self._steps += 1
+        for wake in self._wakes.values():
+            wake.set()
+
     async def _changed(self, sub_id: str, sub: wh.Subscription) -> None:
-        """Until the subscription is changed or deleted (a pause ends early then)."""
-        wake = self._wakes.get(sub_id)
-        while wake is not None and self.subs.get(sub_id) is sub:
+        """Until the subscription is changed or deleted, or the clock steps (a pause
+        ends early then)."""
+        wake, steps = self._wakes.get(sub_id), self._steps
+        while wake is not None and self.subs.get(sub_id) is sub and self._steps == steps:
             wake.clear()
             await wake.wait()
-
-    def _headers(self, sub: wh.Subscription, delivery_id: str, kind: str, body: bytes,
-                 now: float) -> dict[str, str]:
-        return {**sign(list(sub.secrets(now)), int(now), body), DELIVERY: delivery_id,
-                EVENT: kind, SUBSCRIPTION: sub.id, "Content-Type": "application/json",
-                "User-Agent": f"rota/{VERSION}"}
 
     async def _attempt(self, sub: wh.Subscription, d: dict[str, Any]) -> tuple[Any, ...]:
         now = time.time()
         body = d["body"].encode()
         outcome = await post(self._egress, sub.url, body,
-                             self._headers(sub, d["id"], d["kind"], body, now),
+                             headers(sub, d["id"], d["kind"], body, now),
                              self.settings.webhook_timeout)
         attempts = d["attempts"] + 1
         state, next_at = wh.next_step(outcome, attempts, time.time(),
@@ -466,7 +464,7 @@ class Webhooks:
         delivery_id, event_id = "dlv_" + uuid7(), "evt_" + uuid7()
         body = wh.test_body(event_id, sub_id, rfc3339(now))
         outcome = await post(self._egress, sub.url, body,
-                             self._headers(sub, delivery_id, wh.TEST, body, now),
+                             headers(sub, delivery_id, wh.TEST, body, now),
                              self.settings.webhook_timeout)
         state = "dead" if outcome.error else "delivered"
         await self.store.writer.submit(lambda conn: sql.add_finished(conn, (

@@ -130,7 +130,7 @@ class Upkeep:
                  if step < 0 else "")
         written = self.store.restamp(starts, step)
         written.add_done_callback(_said)
-        written.add_done_callback(lambda _: self.clockwork.wake())
+        written.add_done_callback(lambda _: (self.clockwork.wake(), self.webhooks.stepped()))
 
     async def at_stop(self, *, reading: bool) -> None:
         """What the next start reads: the counts since the last write, and (``reading``)

@@ -322,6 +322,30 @@ async def test_a_429_is_retried_after_its_retry_after_and_a_404_is_dead(live: Li
         await receiver.close()
 
 
+@pytest.mark.parametrize("live", [{**FAST, "webhook_backoff_scale": 1.0}], indirect=True)
+async def test_a_step_of_the_clock_ends_a_receivers_pause_and_a_wait_reckoned_before_it(
+        live: Live, tmp_path):
+    """A receiver failed: its subscription's loop pauses 30 s, reckoned on the clock as it
+    was. The wall clock steps and the deliveries' next tries are moved (here: made due
+    now, as a step back of that much would): told of the step, the loop looks again at
+    once rather than at the end of a pause or a sleep reckoned across the step."""
+    receiver = await Receiver(status=500).start()
+    try:
+        await live.push(write_spec(tmp_path / "specs", "mail"))
+        sub = await subscribe(live, receiver, kinds=["enqueue"])
+        await live.enqueue("mail", {})
+        await wait_until(lambda: len(receiver.got) == 1, what="the first attempt")
+        receiver.status = 200
+        await live.coordinator.store.writer.submit(lambda conn: conn.execute(
+            "UPDATE webhook_deliveries SET next_at = ? WHERE subscription_id = ?",
+            (time.time(), sub["id"])))
+        live.coordinator.webhooks.stepped()
+        await wait_until(lambda: len(receiver.got) == 2, timeout=5.0,
+                         what="the retry, at once (its pause was 30 s)")
+    finally:
+        await receiver.close()
+
+
 async def test_with_no_subscription_the_pump_passes_events_over_and_warns_of_no_gap(
         tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
     """With nobody subscribed, the pump does not read the events at all: a burst larger
