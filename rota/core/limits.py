@@ -204,10 +204,11 @@ class Window:
 
     def made(self, planned: float, now: float) -> None:
         """The start planned at ``planned`` was made now (its reservation committed)."""
-        try:
-            self.pending.remove(planned)
-        except ValueError:
-            return  # taken back already, or its window was made again meanwhile
+        pending = self.pending
+        i = bisect.bisect_left(pending, planned)
+        if i == len(pending) or pending[i] != planned:
+            return  # made or taken back already, or its window was made again meanwhile
+        del pending[i]
         self._add(now)
         if self.rate.spacing:
             self._replay()

@@ -17,7 +17,7 @@ SUBSCRIPTION = "X-Rota-Subscription-Id"
 VERSION = importlib.metadata.version("rota")
 
 
-def headers(sub: Subscription, delivery_id: str, kind: str, body: bytes,
+def signed_headers(sub: Subscription, delivery_id: str, kind: str, body: bytes,
             now: float) -> dict[str, str]:
     """A delivery's headers, signed with the subscription's secrets of the moment."""
     return {**sign(list(sub.secrets(now)), int(now), body), DELIVERY: delivery_id,

@@ -24,7 +24,7 @@ from rota.core import webhooks as wh
 from rota.core.observe import Observer
 from rota.core.settings import ServerSettings
 from rota.server.outbound import Egress
-from rota.server.hookpost import headers, post
+from rota.server.hookpost import post, signed_headers
 from rota.store import hooks as sql
 from rota.store.store import Store
 
@@ -378,7 +378,7 @@ class Webhooks:
         now = time.time()
         body = d["body"].encode()
         outcome = await post(self._egress, sub.url, body,
-                             headers(sub, d["id"], d["kind"], body, now),
+                             signed_headers(sub, d["id"], d["kind"], body, now),
                              self.settings.webhook_timeout)
         attempts = d["attempts"] + 1
         state, next_at = wh.next_step(outcome, attempts, time.time(),
@@ -464,7 +464,7 @@ class Webhooks:
         delivery_id, event_id = "dlv_" + uuid7(), "evt_" + uuid7()
         body = wh.test_body(event_id, sub_id, rfc3339(now))
         outcome = await post(self._egress, sub.url, body,
-                             headers(sub, delivery_id, wh.TEST, body, now),
+                             signed_headers(sub, delivery_id, wh.TEST, body, now),
                              self.settings.webhook_timeout)
         state = "dead" if outcome.error else "delivered"
         await self.store.writer.submit(lambda conn: sql.add_finished(conn, (
